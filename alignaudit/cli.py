@@ -1,0 +1,182 @@
+"""The ``alignaudit`` command line: thin typer commands over the library, rendered with rich.
+
+Exit codes: 0 success, 1 alignment failure (gate), 2 usage or input error, 3 engine failure.
+Errors print one line; ``--debug`` (anywhere on the command line) shows the traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from alignaudit import errors
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    help="Numerical alignment auditor for RL: training-engine vs rollout-engine logprobs, down to the ULP.",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
+DEFAULT_MODEL = "qwen3-tiny"
+
+# Shared options, defined once.
+ModelOpt = Annotated[str, typer.Option(
+    "--model", "-m",
+    help="Checkpoint directory, hub id in the local HF cache, or preset name (Qwen3-0.6B ... Qwen3-32B) "
+         "with --random-weights. Default: the embedded tiny Qwen3 fixture.")]
+RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", help="Synthesize a preset's checkpoint with random weights (once, cached).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random weights, random prompts and sampling.")]
+PromptsOpt = Annotated[Optional[Path], typer.Option("--prompts", help="Prompt file: JSONL with \"text\" or \"token_ids\", or plain text lines.")]
+RandomPromptsOpt = Annotated[Optional[int], typer.Option("--random-prompts", help="Use N random token-id prompts instead.")]
+PromptLenOpt = Annotated[int, typer.Option("--prompt-len", help="Length of each random prompt, in tokens.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32, for both engines.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, or auto (cuda when available).")]
+OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Output directory (default: alignaudit-runs/<command>-<time>).")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out directory.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Stream the engine workers' logs.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
+
+
+def resolve_model_arg(model: str, random_weights: bool, seed: int):
+    from alignaudit.models import resolve_model
+
+    if model == DEFAULT_MODEL and not Path(model).exists():
+        model = str(FIXTURES_DIR / DEFAULT_MODEL)
+    return resolve_model(model, random_weights=random_weights, seed=seed)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise errors.InputError(f"unknown device {device!r}; choose cpu, cuda or auto")
+    return device
+
+
+def check_dtype(dtype: str) -> str:
+    from alignaudit.engines.base import DTYPES
+
+    if dtype not in DTYPES:
+        raise errors.InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def default_out(command: str) -> Path:
+    return Path("alignaudit-runs") / f"{command}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+@app.callback()
+def _root() -> None:
+    """Numerical alignment auditor for RL: training-engine vs rollout-engine logprobs, down to the ULP."""
+
+
+@app.command()
+def compare(
+    model: ModelOpt = DEFAULT_MODEL,
+    train: Annotated[str, typer.Option("--train", help="Training engine: megatron, hf or vllm.")] = "megatron",
+    infer: Annotated[str, typer.Option("--infer", help="Inference (rollout) engine: vllm, hf or megatron.")] = "vllm",
+    dtype: DtypeOpt = "bf16",
+    train_dtype: Annotated[Optional[str], typer.Option("--train-dtype", help="Override --dtype for the training engine.")] = None,
+    infer_dtype: Annotated[Optional[str], typer.Option("--infer-dtype", help="Override --dtype for the inference engine.")] = None,
+    device: DeviceOpt = "auto",
+    train_opt: Annotated[Optional[list[str]], typer.Option("--train-opt", help="KEY=VALUE setting for the training engine (repeatable).")] = None,
+    infer_opt: Annotated[Optional[list[str]], typer.Option("--infer-opt", help="KEY=VALUE setting for the inference engine (repeatable).")] = None,
+    prompts: PromptsOpt = None,
+    random_prompts: RandomPromptsOpt = None,
+    prompt_len: PromptLenOpt = 64,
+    random_weights: RandomWeightsOpt = False,
+    seed: SeedOpt = 0,
+    clip_eps: Annotated[float, typer.Option("--clip-eps", help="PPO clip epsilon for the clip-fraction metric.")] = 0.2,
+    out: OutOpt = None,
+    force: ForceOpt = False,
+    verbose: VerboseOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run the same token ids through a training and an inference engine and compare per-token logprobs.
+
+    Teacher-forced: every prompt token after the first gets a logprob from each engine (fp32). Reports
+    bitwise mismatches, ULP distances and the RL impact (importance ratio, clip fraction,
+    token_mult_prob_error, probability differences, KL). Writes tokens.parquet and summary.json to --out.
+
+    Examples:
+      alignaudit compare                                     # tiny fixture, megatron vs vllm, bf16
+      alignaudit compare --dtype fp32 --train megatron --infer hf
+      alignaudit compare --model Qwen3-0.6B --random-weights --random-prompts 2 --prompt-len 64
+      alignaudit compare --train vllm --infer vllm --infer-opt enforce_eager=true   # self-consistency
+    """
+    from alignaudit.engines import check_installed
+    from alignaudit.engines.base import EngineSettings, parse_options
+    from alignaudit.pipeline import EngineRun, compare as run_compare, prepare_output, TOKENS
+    from alignaudit.prompts import load_prompts
+    from alignaudit.report import render_comparison
+
+    check_installed(train), check_installed(infer)
+    dev = resolve_device(device)
+    runs = [
+        EngineRun(name, EngineSettings(check_dtype(own or dtype), dev, seed, parse_options(opts)))
+        for name, own, opts in ((train, train_dtype, train_opt), (infer, infer_dtype, infer_opt))
+    ]
+    spec = resolve_model_arg(model, random_weights, seed)
+    batch = load_prompts(spec, prompts, random_prompts, prompt_len, seed)
+    out_dir = prepare_output(out or default_out("compare"), force)
+    with console.status("") as status:
+        summary = run_compare(spec, batch, runs[0], runs[1], out_dir, clip_eps=clip_eps, stream_log=verbose,
+                              on_stage=lambda msg: status.update(msg))
+    import pandas as pd
+
+    render_comparison(console, summary, pd.read_parquet(out_dir / TOKENS))
+    console.print(f"results: {out_dir}/summary.json, {out_dir}/tokens.parquet")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the typer app, turn library errors into one line and an exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    try:
+        result = app(args=args, standalone_mode=False, prog_name="alignaudit")
+        return result if isinstance(result, int) else errors.EXIT_OK
+    except errors.AlignAuditError as e:
+        if debug:
+            traceback.print_exc()
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return e.exit_code
+    except typer.Exit as e:
+        return e.exit_code
+    except (typer.Abort, KeyboardInterrupt):
+        err_console.print("interrupted")
+        return 130
+    except Exception as e:
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # click/typer usage errors
+            if type(e).__name__ == "NoArgsIsHelpError":
+                console.print(e.ctx.get_help(), highlight=False)
+                return errors.EXIT_OK
+            err_console.print(f"[bold red]error:[/] {escape(e.format_message())}", highlight=False, soft_wrap=True)
+            return errors.EXIT_USAGE
+        return _unexpected(e, debug)
+
+
+def _unexpected(e: Exception, debug: bool) -> int:
+    """An unexpected bug: one line unless --debug."""
+    if debug:
+        traceback.print_exc()
+    err_console.print(f"[bold red]error:[/] unexpected {type(e).__name__}: {escape(str(e))} (run with --debug for the traceback)",
+                      highlight=False, soft_wrap=True)
+    return errors.EXIT_ENGINE
+
+
+def entrypoint() -> None:
+    sys.exit(main())

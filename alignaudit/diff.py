@@ -1,0 +1,152 @@
+"""Per-token logprob comparison of two captures and its summary. Pure: tables in, records out.
+
+Sides are called ``train`` and ``infer`` because the RL quantities are defined that way: the importance
+ratio is exp(lp_train - lp_infer), the rollout (inference) policy being the one tokens were sampled from.
+For ``alignaudit diff A B``, A plays train and B plays infer.
+
+RL impact metrics, for d = lp_train - lp_infer per token (computed in float64):
+    importance ratio         r = exp(d), min and max
+    clip fraction            fraction of tokens with r outside [1 - eps, 1 + eps] (PPO, Schulman et al. 2017)
+    token_mult_prob_error    mean(exp(|d|)) (NeMo-RL, nemo_rl/algorithms/loss_functions.py)
+    prob diff                |exp(lp_train) - exp(lp_infer)| max and mean (verl's rollout_probs_diff)
+    KL (k3)                  mean(r - 1 - d), an unbiased, non-negative estimate of KL(infer || train)
+                             from rollout samples (J. Schulman, "Approximating KL Divergence", 2020)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+from alignaudit import numerics
+from alignaudit.errors import InputError
+
+ULP_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 3, "2-3"), (4, 15, "4-15"), (16, 255, "16-255"), (256, None, ">=256"))
+
+
+def align_tokens(train: pd.DataFrame, infer: pd.DataFrame) -> pd.DataFrame:
+    """Join two logprob tables on (seq, pos); rows with a logprob only (pos 0 has none).
+
+    Raises:
+        InputError: the tables do not hold the same sequences of token ids.
+    """
+    keys = ["seq", "pos"]
+    a = train.sort_values(keys).reset_index(drop=True)
+    b = infer.sort_values(keys).reset_index(drop=True)
+    if len(a) != len(b) or not (a[keys + ["token_id"]].to_numpy() == b[keys + ["token_id"]].to_numpy()).all():
+        raise InputError("the two captures were made on different token ids; capture both from the same prompts")
+    scored = a["logprob"].notna().to_numpy() | b["logprob"].notna().to_numpy()
+    return pd.DataFrame({
+        "seq": a["seq"].to_numpy()[scored],
+        "pos": a["pos"].to_numpy()[scored],
+        "token_id": a["token_id"].to_numpy()[scored],
+        "lp_train": a["logprob"].to_numpy(dtype=np.float32, na_value=np.nan)[scored],
+        "lp_infer": b["logprob"].to_numpy(dtype=np.float32, na_value=np.nan)[scored],
+    })
+
+
+def compare_tokens(tokens: pd.DataFrame) -> pd.DataFrame:
+    """Add per-token comparison columns to the output of ``align_tokens``.
+
+    Columns added: ``diff`` (float64, lp_train - lp_infer), ``bitwise_equal`` (bool, fp32 bit patterns),
+    ``ulp`` (int64, fp32 ULP distance, -1 for NaN/Inf mismatches), ``pair_class`` (int8, numerics.PairClass).
+    """
+    a = torch.from_numpy(tokens["lp_train"].to_numpy(dtype=np.float32).copy())
+    b = torch.from_numpy(tokens["lp_infer"].to_numpy(dtype=np.float32).copy())
+    out = tokens.copy()
+    out["diff"] = a.double().numpy() - b.double().numpy()
+    out["bitwise_equal"] = numerics.bitwise_equal(a, b).numpy()
+    out["ulp"] = numerics.ulp_distance(a, b).numpy()
+    out["pair_class"] = numerics.classify(a, b).numpy()
+    return out
+
+
+def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2) -> dict:
+    """Summary record of a ``compare_tokens`` table: counts, ULP distribution, RL impact, per-sequence view."""
+    n = len(tokens)
+    if n == 0:
+        raise InputError("no tokens to compare (every sequence needs at least 2 tokens)")
+    mismatch = ~tokens["bitwise_equal"].to_numpy()
+    cls = tokens["pair_class"].to_numpy()
+    finite = cls <= numerics.PairClass.FINITE_DIFF
+    ulp = tokens["ulp"].to_numpy()[finite]
+    d = tokens["diff"].to_numpy()[finite]
+    lp_t = tokens["lp_train"].to_numpy(dtype=np.float64)[finite]
+    lp_i = tokens["lp_infer"].to_numpy(dtype=np.float64)[finite]
+    ratio = np.exp(d)
+    prob_diff = np.abs(np.exp(lp_t) - np.exp(lp_i))
+    return {
+        "tokens_compared": n,
+        "sequences": int(tokens["seq"].nunique()),
+        "mismatches": int(mismatch.sum()),
+        "mismatch_fraction": float(mismatch.mean()),
+        "nan_mismatches": int((cls == numerics.PairClass.NAN_MISMATCH).sum()),
+        "inf_mismatches": int((cls == numerics.PairClass.INF_MISMATCH).sum()),
+        "max_abs_diff": _max(np.abs(d)),
+        "mean_abs_diff": _mean(np.abs(d)),
+        "ulp_max": int(ulp.max()) if len(ulp) else None,
+        "ulp_median": float(np.median(ulp)) if len(ulp) else None,
+        "ulp_p99": float(np.percentile(ulp, 99)) if len(ulp) else None,
+        "ulp_histogram": ulp_histogram(ulp),
+        "rl": {
+            "clip_eps": clip_eps,
+            "ratio_min": _min(ratio),
+            "ratio_max": _max(ratio),
+            "clip_fraction": _mean((ratio < 1 - clip_eps) | (ratio > 1 + clip_eps)),
+            "token_mult_prob_error": _mean(np.exp(np.abs(d))),
+            "prob_diff_max": _max(prob_diff),
+            "prob_diff_mean": _mean(prob_diff),
+            "kl_k3_mean": _mean(ratio - 1.0 - d),
+        },
+        "per_sequence": per_sequence(tokens),
+    }
+
+
+def ulp_histogram(ulp: np.ndarray) -> dict[str, int]:
+    """Counts of ULP distances in the ULP_BUCKETS ranges (inclusive)."""
+    hist = {}
+    for lo, hi, label in ULP_BUCKETS:
+        inside = (ulp >= lo) & (ulp <= hi) if hi is not None else ulp >= lo
+        hist[label] = int(inside.sum())
+    return hist
+
+
+def per_sequence(tokens: pd.DataFrame) -> list[dict]:
+    """Per sequence: tokens, mismatches, first mismatching position (None if all equal), max ULP, max |d|."""
+    rows = []
+    for seq, group in tokens.groupby("seq", sort=True):
+        bad = group[~group["bitwise_equal"]]
+        finite = group[group["ulp"] >= 0]
+        rows.append({
+            "seq": int(seq),
+            "tokens": len(group),
+            "mismatches": len(bad),
+            "first_mismatch_pos": int(bad["pos"].min()) if len(bad) else None,
+            "ulp_max": int(finite["ulp"].max()) if len(finite) else None,
+            "max_abs_diff": _max(np.abs(finite["diff"].to_numpy())),
+        })
+    return rows
+
+
+def _finite(x: np.ndarray) -> np.ndarray:
+    return x[np.isfinite(x)]
+
+
+def _max(x: np.ndarray) -> float | None:
+    x = _finite(x)
+    return float(x.max()) if len(x) else None
+
+
+def _min(x: np.ndarray) -> float | None:
+    x = _finite(x)
+    return float(x.min()) if len(x) else None
+
+
+def _mean(x: np.ndarray) -> float | None:
+    x = _finite(x.astype(np.float64))
+    return float(x.mean()) if len(x) else None
+
+
+def is_bitwise_identical(summary: dict) -> bool:
+    return summary["mismatches"] == 0 and summary["tokens_compared"] > 0

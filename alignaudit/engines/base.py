@@ -1,0 +1,113 @@
+"""The protocol every engine adapter implements, and the settings they share.
+
+An adapter wraps one inference or training stack (transformers, Megatron-Core, vLLM) behind two calls:
+build the model from a ModelSpec, and return teacher-forced per-token logprobs for a TokenBatch. Heavy
+imports stay inside each adapter module, so the rest of alignaudit imports on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from alignaudit.errors import InputError
+from alignaudit.models import ModelSpec
+from alignaudit.prompts import TokenBatch
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class EngineSettings:
+    """What the user chose for one engine.
+
+    Attributes:
+        dtype: "bf16", "fp16" or "fp32": the dtype of weights and activations.
+        device: "cpu" or "cuda".
+        seed: seeds every RNG the engine uses (sampling in rollout mode).
+        options: ``--train-opt`` / ``--infer-opt`` KEY=VALUE pairs, values parsed as JSON where they parse.
+    """
+
+    dtype: str = "bf16"
+    device: str = "cpu"
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``["a=1", "b=true", "c=eager"]`` -> ``{"a": 1, "b": True, "c": "eager"}`` (JSON where it parses).
+
+    Raises:
+        InputError: an item without ``=``.
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InputError(f"option {pair!r} is not KEY=VALUE (e.g. --infer-opt enforce_eager=true)")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def reject_unknown(engine: str, options: dict[str, Any], known: set[str], hint: str) -> None:
+    """Raise InputError for option keys the engine does not understand, with where to look them up."""
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InputError(f"{engine} does not understand option(s) {', '.join(unknown)}; {hint}")
+
+
+class Engine(ABC):
+    """One engine, loaded with one checkpoint, in the worker process."""
+
+    name: ClassVar[str]
+
+    def __init__(self, spec: ModelSpec, settings: EngineSettings):
+        self.spec = spec
+        self.settings = settings
+
+    @abstractmethod
+    def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
+        """Teacher-forced logprobs: for each sequence s, a float32 tensor of shape [len(s) - 1] whose
+        element t-1 is log p(s[t] | s[:t]), computed the way this engine computes it in production."""
+
+    @abstractmethod
+    def settings_record(self) -> dict:
+        """Every setting that reached the engine (resolved defaults included), JSON-serializable."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release engine resources."""
+
+
+def micro_batches(batch: TokenBatch, size: int) -> list[list[int]]:
+    """Indices of consecutive sequences, ``size`` at a time."""
+    if size < 1:
+        raise InputError(f"micro_batch_size must be >= 1, got {size}")
+    n = len(batch.sequences)
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def right_padded(sequences: list[tuple[int, ...]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack sequences into ``ids`` [batch, max_len] (int64, right-padded with ``pad_id``) and
+    ``valid`` [batch, max_len] (bool, False on padding). Right padding keeps causal attention of real
+    tokens unchanged: no real token can see a pad token."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)
+    valid = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        valid[row, : len(seq)] = True
+    return ids, valid

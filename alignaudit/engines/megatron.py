@@ -1,0 +1,151 @@
+"""Megatron-Core engine: GPTModel with the local layer spec, as a Megatron trainer builds it.
+
+Model: RMSNorm (torch.nn.RMSNorm through WrappedTorchNorm), SwiGLU, GQA, QK-norm, RoPE, no biases,
+dropout off; weights converted from the HF checkpoint (megatron_weights.py). In bf16/fp16 the model is
+wrapped in megatron.core's Float16Module, as megatron-lm's training loop wraps it.
+
+Logprobs: ``-loss`` where loss is GPTModel's own per-token training loss with ``labels`` given, i.e.
+``tensor_parallel.vocab_parallel_cross_entropy`` on the output logits (upcast to fp32 inside):
+``log(sum(exp(l - max))) - (l[target] - max)`` (megatron/core/tensor_parallel/cross_entropy.py). RL
+trainers on Megatron (verl, NeMo-RL) take logprobs from the same function.
+
+Runs at world size 1 (tensor and pipeline parallel size 1): gloo on CPU, NCCL on CUDA.
+
+Options: ``micro_batch_size`` (sequences per forward, right-padded; default 1) and any TransformerConfig
+field (e.g. ``attention_softmax_in_fp32=false``, ``apply_rope_fusion=true``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+
+import torch
+
+from alignaudit.engines.base import Engine, EngineSettings, micro_batches, reject_unknown, right_padded
+from alignaudit.engines.megatron_weights import megatron_state_dict
+from alignaudit.errors import InputError
+from alignaudit.models import ModelSpec
+from alignaudit.prompts import TokenBatch
+
+
+def init_single_process(device: str) -> None:
+    """World size 1 process group, Megatron parallel state, and RNG tracker (idempotent)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker, model_parallel_cuda_manual_seed
+
+    if not torch.distributed.is_initialized():
+        rendezvous = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
+        torch.distributed.init_process_group(
+            "nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    if device == "cuda":
+        model_parallel_cuda_manual_seed(0)
+    else:
+        initialize_rng_tracker(inference_rng_tracker=True)  # the CUDA RNG tracker needs a GPU
+        # Rotary inv_freq and the attention score buffer are allocated on torch.cuda.current_device();
+        # on a CPU-only worker point them at the CPU (this process runs nothing else).
+        torch.cuda.current_device = lambda: "cpu"
+
+
+def transformer_config(spec: ModelSpec, settings: EngineSettings, overrides: dict):
+    """The TransformerConfig for ``spec``; ``overrides`` are TransformerConfig fields from the user."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = settings.torch_dtype
+    fields = {
+        "num_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "ffn_hidden_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_heads,
+        "num_query_groups": spec.num_query_groups,
+        "kv_channels": spec.head_dim,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": spec.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "qk_layernorm": spec.qk_norm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "use_cpu_initialization": settings.device == "cpu",
+        "perform_initialization": False,  # every weight is loaded from the checkpoint
+    }
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+class MegatronEngine(Engine):
+    name = "megatron"
+
+    def __init__(self, spec: ModelSpec, settings: EngineSettings):
+        super().__init__(spec, settings)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.transformer.module import Float16Module
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        options = dict(settings.options)
+        self.micro_batch_size = int(options.pop("micro_batch_size", 1))
+        known = {f.name for f in dataclasses.fields(TransformerConfig)}
+        reject_unknown("megatron", options, known,
+                       "megatron accepts micro_batch_size and TransformerConfig fields (megatron/core/transformer/transformer_config.py)")
+
+        init_single_process(settings.device)
+        self.config = transformer_config(spec, settings, options)
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        model = GPTModel(
+            self.config,
+            layer_spec,
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_base=spec.rope_theta,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            pre_process=True,
+            post_process=True,
+        )
+        state = megatron_state_dict(spec, settings.torch_dtype)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise InputError(f"weight conversion mismatch: missing {missing}, unexpected {unexpected}")
+        if self.config.bf16 or self.config.fp16:
+            model = Float16Module(self.config, model)
+        self.model = model.to(settings.device).eval()
+        self.gpt = model.module if isinstance(model, Float16Module) else model
+
+    @torch.no_grad()
+    def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
+        results: list[torch.Tensor] = []
+        device = self.settings.device
+        for rows in micro_batches(batch, self.micro_batch_size):
+            seqs = [batch.sequences[r] for r in rows]
+            ids, _ = right_padded(seqs)
+            inputs, labels = ids[:, :-1].to(device), ids[:, 1:].to(device)
+            n = inputs.shape[1]
+            positions = torch.arange(n, device=device).expand_as(inputs)
+            causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)[None, None]
+            loss = self.model(inputs, positions, causal, labels=labels)  # [batch, n] fp32
+            results.extend((-loss[j, : len(s) - 1]).float().cpu() for j, s in enumerate(seqs))
+        return results
+
+    def settings_record(self) -> dict:
+        config = {}
+        for f in dataclasses.fields(self.config):
+            value = getattr(self.config, f.name)
+            config[f.name] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "layer_spec": "get_gpt_layer_local_spec",
+            "float16_module": self.gpt is not self.model,
+            "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)",
+            "transformer_config": config,
+        }

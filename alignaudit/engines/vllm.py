@@ -1,0 +1,101 @@
+"""vLLM engine: the offline ``LLM`` API with token-id prompts, as an RL rollout worker uses it.
+
+Logprobs: vLLM's ``prompt_logprobs`` (0 alternatives, so each entry holds the prompt token itself), under
+the engine's logprobs mode (default ``raw_logprobs``: log_softmax of the raw logits in fp32,
+vllm/v1/sample/sampler.py). vLLM returns them as Python floats converted exactly from fp32.
+
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that hooks and strict kernels
+can reach the model; alignaudit already gives vLLM a process of its own.
+
+Options: any vllm EngineArgs field (``enforce_eager``, ``enable_prefix_caching``, ``max_num_seqs``,
+``max_num_batched_tokens``, ``logprobs_mode``, ...) goes to ``LLM(...)``; any SamplingParams field goes to
+the sampling parameters. The KV cache is bounded to what the prompts need unless ``kv_cache_memory_bytes``
+or ``gpu_memory_utilization`` is given (the CPU backend otherwise reserves most of the machine's memory).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from alignaudit.engines.base import Engine, EngineSettings, reject_unknown
+from alignaudit.models import ModelSpec
+from alignaudit.prompts import TokenBatch
+
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_VLLM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, spec: ModelSpec, settings: EngineSettings):
+        super().__init__(spec, settings)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import dataclasses
+
+        from vllm import EngineArgs, SamplingParams
+
+        engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
+        sampling_fields = set(SamplingParams.__struct_fields__)
+        reject_unknown("vllm", settings.options, engine_fields | sampling_fields,
+                       "vllm accepts EngineArgs and SamplingParams fields (see `vllm serve --help`)")
+        self.engine_options = {k: v for k, v in settings.options.items() if k in engine_fields}
+        self.sampling_options = {k: v for k, v in settings.options.items() if k not in engine_fields}
+        self.llm = None
+        self.llm_kwargs: dict = {}
+
+    def _start(self, max_len: int, total_tokens: int) -> None:
+        """Build the LLM once, sized for the longest sequence and the whole batch."""
+        if self.llm is not None:
+            return
+        from vllm import LLM
+
+        spec = self.spec
+        max_model_len = min(spec.max_position_embeddings, max(1024, 1 << (max_len - 1).bit_length()))
+        kwargs = {
+            "model": spec.path,
+            "dtype": _VLLM_DTYPE[self.settings.dtype],
+            "seed": self.settings.seed,
+            "max_model_len": max_model_len,
+            "skip_tokenizer_init": not spec.has_tokenizer,
+        }
+        if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(self.engine_options):
+            per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[self.settings.dtype]
+            kwargs["kv_cache_memory_bytes"] = max(16 << 20, 2 * per_token * max(total_tokens, max_model_len))
+        kwargs.update(self.engine_options)
+        self.llm_kwargs = kwargs
+        self.llm = LLM(**kwargs)
+
+    @torch.no_grad()
+    def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._start(max(len(s) for s in batch.sequences) + 1, batch.num_tokens + len(batch.sequences))
+        params = SamplingParams(**{"max_tokens": 1, "temperature": 0.0, "detokenize": False,
+                                   **self.sampling_options, "prompt_logprobs": 0})
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params,
+                                    use_tqdm=False)
+        results = []
+        for out, seq in zip(outputs, batch.sequences):
+            entries = out.prompt_logprobs[1:]  # position 0 has no logprob
+            results.append(torch.tensor([e[t].logprob for e, t in zip(entries, seq[1:])], dtype=torch.float32))
+        return results
+
+    def settings_record(self) -> dict:
+        record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options)}
+        if self.llm is not None:
+            config = self.llm.llm_engine.vllm_config
+            record["resolved"] = {
+                "enforce_eager": config.model_config.enforce_eager,
+                "compilation_mode": str(getattr(config.compilation_config, "mode", None)),
+                "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+                "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+                "max_num_seqs": config.scheduler_config.max_num_seqs,
+                "logprobs_mode": str(config.model_config.logprobs_mode),
+                "attention_backend": os.environ.get("VLLM_ATTENTION_BACKEND"),
+                "device": str(config.device_config.device),
+            }
+        return record

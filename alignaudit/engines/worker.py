@@ -1,0 +1,80 @@
+"""Worker process entry: run one engine on one request and write a capture directory.
+
+    python -m alignaudit.engines.worker REQUEST.json
+
+Every engine runs in a worker of its own (vLLM's in-process engine patches torch; Megatron keeps global
+parallel state). A library error is reported on stderr as one line starting with ``ERROR_MARKER`` followed
+by JSON, so the parent can re-raise it with the same type and exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+ERROR_MARKER = "ALIGNAUDIT-WORKER-ERROR "
+
+
+def run_request(request: dict) -> None:
+    from alignaudit.capture import logprob_table, write_capture
+    from alignaudit.engines import load_engine_class
+    from alignaudit.engines.base import EngineSettings
+    from alignaudit.environment import hardware, numerics_flags, package_versions
+    from alignaudit.models import ModelSpec
+    from alignaudit.prompts import TokenBatch
+
+    spec = ModelSpec(**request["spec"])
+    settings = EngineSettings(**request["settings"])
+    batch = TokenBatch.from_dict(request["batch"])
+    started = time.perf_counter()
+    engine = load_engine_class(request["engine"])(spec, settings)
+    loaded = time.perf_counter()
+    logprobs = engine.prompt_logprobs(batch)
+    finished = time.perf_counter()
+    manifest = {
+        "engine": request["engine"],
+        "role": request.get("role"),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {**spec.to_dict(), "checkpoint_sha256": request.get("checkpoint_sha256")},
+        "settings": settings.to_dict(),
+        "engine_settings": engine.settings_record(),
+        "mode": "prompt",
+        "prompts": {
+            "source": batch.source,
+            "num_sequences": len(batch.sequences),
+            "num_tokens": batch.num_tokens,
+            "digest": batch.digest(),
+            "texts": list(batch.texts),
+        },
+        "versions": package_versions(),
+        "hardware": hardware(settings.device),
+        "numerics": numerics_flags(),
+        "timing_s": {"load": round(loaded - started, 3), "forward": round(finished - loaded, 3)},
+    }
+    write_capture(Path(request["out"]), manifest, logprob_table(batch, logprobs))
+    engine.close()
+
+
+def main() -> None:
+    from alignaudit.errors import EXIT_ENGINE, AlignAuditError
+
+    request = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        run_request(request)
+    except AlignAuditError as e:
+        traceback.print_exc()
+        record = {"type": type(e).__name__, "message": str(e)}
+        print(ERROR_MARKER + json.dumps(record), file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(EXIT_ENGINE)
+
+
+if __name__ == "__main__":
+    main()

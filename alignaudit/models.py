@@ -1,0 +1,196 @@
+"""Model resolution: ``--model`` -> a local Hugging Face checkpoint directory and its ModelSpec.
+
+``--model`` accepts, in this order:
+1. a local directory holding ``config.json`` and ``*.safetensors`` (Hugging Face layout);
+2. a preset name of a real architecture (``Qwen3-8B`` or ``Qwen/Qwen3-8B``): with ``--random-weights`` a
+   checkpoint of that exact shape is synthesized once (seeded) under the alignaudit cache and reused;
+   without it, the hub id is looked up in the local Hugging Face cache;
+3. any other hub id (``org/name``) found in the local Hugging Face cache (never downloaded here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from alignaudit.errors import InputError
+from alignaudit.presets import PRESETS, find_preset
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape and numerics-relevant hyperparameters of one decoder-only checkpoint.
+
+    Read from the checkpoint's ``config.json`` through ``transformers.AutoConfig``. ``path`` is the local
+    directory every engine loads. ``dtype`` is the storage dtype the checkpoint declares.
+    """
+
+    name: str
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    dtype: str
+    has_tokenizer: bool
+
+    @property
+    def num_query_groups(self) -> int:
+        """Number of KV heads; each serves ``num_heads // num_kv_heads`` query heads (GQA)."""
+        return self.num_kv_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def cache_root() -> Path:
+    """Where synthesized checkpoints live: ``$ALIGNAUDIT_CACHE`` or ``~/.cache/alignaudit``."""
+    return Path(os.environ.get("ALIGNAUDIT_CACHE", Path.home() / ".cache" / "alignaudit"))
+
+
+def load_spec(path: Path, name: str | None = None) -> ModelSpec:
+    """Read ``path/config.json`` into a ModelSpec.
+
+    Raises:
+        InputError: no config.json or no weights, or an architecture other than SUPPORTED_ARCHITECTURES.
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InputError(f"model directory {path} has no config.json; point --model at a Hugging Face checkpoint directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"cannot read {config_file}: {e}") from e
+    architectures = raw.get("architectures") or [raw.get("model_type", "?")]
+    arch = architectures[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise InputError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if not any(path.glob("*.safetensors")):
+        raise InputError(f"model directory {path} has no *.safetensors weights")
+
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types for a malformed config
+        raise InputError(f"cannot parse {config_file}: {e}") from e
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope_theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise InputError(f"rope_type {rope_type!r} in {config_file} is not supported; supported: default")
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    return ModelSpec(
+        name=name or path.name,
+        path=str(path.resolve()),
+        architecture=arch,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(cfg.tie_word_embeddings),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        dtype=str(dtype),
+        has_tokenizer=(path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file(),
+    )
+
+
+def resolve_model(model: str, random_weights: bool = False, seed: int = 0) -> ModelSpec:
+    """Turn the ``--model`` argument into a ModelSpec of a local checkpoint directory.
+
+    Raises:
+        InputError: with the reason and the fix (not a directory, not cached, unknown preset, ...).
+    """
+    local = Path(model).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise InputError(f"--model {model} is a file; pass the checkpoint directory that holds config.json")
+        if random_weights:
+            raise InputError("--random-weights applies to preset names, not to a local directory")
+        return load_spec(local)
+
+    preset = find_preset(model)
+    if preset is not None and random_weights:
+        from alignaudit.synth import synthesize_checkpoint
+
+        target = cache_root() / "random" / f"{preset.name}-seed{seed}"
+        synthesize_checkpoint(preset.config, target, seed=seed)
+        return load_spec(target, name=f"{preset.name} (random weights, seed {seed})")
+    if random_weights:
+        raise InputError(f"--random-weights needs a preset name; presets: {', '.join(PRESETS)}")
+
+    hub_id = preset.hub_id if preset is not None else model
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise InputError(f"--model {model}: no such directory")
+    if "/" not in hub_id:
+        raise InputError(
+            f"--model {model} is not a directory, a preset or a hub id; presets (with --random-weights): "
+            f"{', '.join(PRESETS)}"
+        )
+    return load_spec(_from_hf_cache(hub_id), name=hub_id)
+
+
+def _from_hf_cache(hub_id: str) -> Path:
+    """Local snapshot of ``hub_id`` from the Hugging Face cache; never downloads."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(hub_id, local_files_only=True))
+    except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, HFValidationError, ...
+        raise InputError(
+            f"{hub_id} is not in the local Hugging Face cache; download it with "
+            f"`huggingface-cli download {hub_id}` or use a preset with --random-weights"
+        ) from e
+
+
+def checkpoint_sha256(spec: ModelSpec) -> str:
+    """sha256 over config.json and every safetensors file of the checkpoint, in name order.
+
+    Cached per (path, size, mtime) under the alignaudit cache, since hashing a 16 GB checkpoint takes
+    tens of seconds.
+    """
+    import hashlib
+
+    files = [Path(spec.path) / "config.json", *sorted(Path(spec.path).glob("*.safetensors"))]
+    key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    cache_file = cache_root() / "checkpoint-sha256.json"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as stream:
+            while chunk := stream.read(16 << 20):
+                h.update(chunk)
+    digest = h.hexdigest()
+    cache[key] = digest
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(json.dumps(cache))
+    except OSError:
+        pass  # a read-only cache only costs the next run a rehash
+    return digest

@@ -1,0 +1,109 @@
+"""Orchestration: capture with one engine, diff two captures, compare = capture + capture + diff.
+
+Output of ``compare`` (and of ``diff``), in ``out``:
+    run.json          the resolved configuration (written first)
+    train/, infer/    the two capture directories (compare only)
+    tokens.parquet    per-token comparison (diff.compare_tokens columns)
+    summary.json      diff.summarize record, plus what was compared
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from alignaudit.capture import Capture
+from alignaudit.diff import align_tokens, compare_tokens, summarize
+from alignaudit.engines.base import EngineSettings
+from alignaudit.errors import InputError
+from alignaudit.models import ModelSpec, checkpoint_sha256
+from alignaudit.prompts import TokenBatch
+from alignaudit.runner import run_capture
+
+TOKENS = "tokens.parquet"
+SUMMARY = "summary.json"
+RUN = "run.json"
+
+
+@dataclass
+class EngineRun:
+    """One side of a comparison: an engine name and its settings."""
+
+    engine: str
+    settings: EngineSettings
+
+    def label(self) -> str:
+        return f"{self.engine} ({self.settings.dtype}, {self.settings.device})"
+
+
+def prepare_output(out: Path, force: bool) -> Path:
+    """Create ``out``; refuse a non-empty directory unless ``force`` (nothing already written is lost)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise InputError(f"--out {out} is not empty; choose another directory or pass --force to overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_json(path: Path, record: dict) -> None:
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
+            stream_log: bool = False) -> Capture:
+    """Run one engine on ``batch`` in a worker process; the capture lands in ``out``."""
+    return run_capture(run.engine, spec, batch, run.settings, out, role=role,
+                       checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log)
+
+
+def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2) -> dict:
+    """Compare two captures of the same checkpoint and token ids; write tokens.parquet and summary.json.
+
+    Raises:
+        InputError: the captures are of different checkpoints or token ids.
+    """
+    sha_t = train.manifest["model"].get("checkpoint_sha256")
+    sha_i = infer.manifest["model"].get("checkpoint_sha256")
+    if sha_t != sha_i:
+        raise InputError(
+            f"the captures are of different checkpoints ({train.path}: {str(sha_t)[:12]}, "
+            f"{infer.path}: {str(sha_i)[:12]}); capture both from one --model"
+        )
+    if train.manifest["prompts"]["digest"] != infer.manifest["prompts"]["digest"]:
+        raise InputError("the two captures were made on different token ids; capture both from the same prompts")
+    tokens = compare_tokens(align_tokens(train.logprobs, infer.logprobs))
+    summary = summarize(tokens, clip_eps=clip_eps)
+    summary["model"] = train.manifest["model"]["name"]
+    summary["sides"] = {role: _side(c) for role, c in (("train", train), ("infer", infer))}
+    out.mkdir(parents=True, exist_ok=True)
+    tokens.to_parquet(out / TOKENS, index=False)
+    write_json(out / SUMMARY, summary)
+    return summary
+
+
+def compare(spec: ModelSpec, batch: TokenBatch, train: EngineRun, infer: EngineRun, out: Path,
+            clip_eps: float = 0.2, stream_log: bool = False, on_stage=None) -> dict:
+    """Capture ``train`` and ``infer`` on the same token ids, then diff them into ``out``."""
+    write_json(out / RUN, {
+        "command": "compare",
+        "model": spec.to_dict(),
+        "prompts": {"source": batch.source, "sequences": len(batch.sequences), "tokens": batch.num_tokens},
+        "train": {"engine": train.engine, **train.settings.to_dict()},
+        "infer": {"engine": infer.engine, **infer.settings.to_dict()},
+        "clip_eps": clip_eps,
+    })
+    captures = {}
+    for role, run in (("train", train), ("infer", infer)):
+        if on_stage:
+            on_stage(f"running {run.label()} as the {role} engine")
+        captures[role] = capture(spec, batch, run, out / role, role=role, stream_log=stream_log)
+    return diff_captures(captures["train"], captures["infer"], out, clip_eps=clip_eps)
+
+
+def _side(c: Capture) -> dict:
+    s = c.manifest["settings"]
+    return {"engine": c.engine, "dtype": s["dtype"], "device": s["device"], "capture": str(c.path),
+            "options": s.get("options", {})}

@@ -1,0 +1,77 @@
+"""Rendering: rich tables on the terminal, from the same records that go to JSON and parquet."""
+
+from __future__ import annotations
+
+import pandas as pd
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from alignaudit.numerics import hex_bits
+
+
+def _num(x, fmt: str = ".3e") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _side_label(side: dict) -> str:
+    opts = " ".join(f"{k}={v}" for k, v in side.get("options", {}).items())
+    return escape(f"{side['engine']} ({side['dtype']}, {side['device']}{', ' + opts if opts else ''})")
+
+
+def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | None = None, worst: int = 8) -> None:
+    """Print the summary table, the per-sequence table and the worst tokens of a logprob comparison."""
+    sides = summary.get("sides", {})
+    train, infer = sides.get("train"), sides.get("infer")
+    title = f"{escape(summary.get('model', ''))}: {_side_label(train)} vs {_side_label(infer)}" if train and infer else ""
+    n, bad = summary["tokens_compared"], summary["mismatches"]
+    rl = summary["rl"]
+    table = Table(title=f"Logprob alignment  {title}", show_header=False, title_justify="left")
+    table.add_column("metric", style="bold")
+    table.add_column("value")
+    table.add_row("tokens compared", f"{n} in {summary['sequences']} sequences")
+    table.add_row("mismatching tokens (bitwise)", f"{bad} ({summary['mismatch_fraction']:.1%})")
+    if summary["nan_mismatches"] or summary["inf_mismatches"]:
+        table.add_row("NaN / Inf mismatches", f"{summary['nan_mismatches']} / {summary['inf_mismatches']}")
+    table.add_row("max |Δ logprob|", _num(summary["max_abs_diff"]))
+    table.add_row("mean |Δ logprob|", _num(summary["mean_abs_diff"]))
+    table.add_row("ULP (fp32) max / median / p99",
+                  f"{summary['ulp_max']} / {_num(summary['ulp_median'], 'g')} / {_num(summary['ulp_p99'], 'g')}")
+    table.add_row("ULP histogram", "  ".join(f"{k}: {v}" for k, v in summary["ulp_histogram"].items()))
+    table.add_row("importance ratio min / max", f"{_num(rl['ratio_min'], '.6f')} / {_num(rl['ratio_max'], '.6f')}")
+    table.add_row(f"outside PPO clip [{1 - rl['clip_eps']:g}, {1 + rl['clip_eps']:g}]", _num(rl["clip_fraction"], ".2%"))
+    table.add_row("token_mult_prob_error", _num(rl["token_mult_prob_error"], ".9f"))
+    table.add_row("|p_train - p_infer| max / mean", f"{_num(rl['prob_diff_max'])} / {_num(rl['prob_diff_mean'])}")
+    table.add_row("KL k3 (infer || train)", _num(rl["kl_k3_mean"]))
+    console.print(table)
+
+    seq_table = Table(title="Per sequence", title_justify="left")
+    for col in ("seq", "tokens", "mismatches", "first mismatch pos", "max ULP", "max |Δ|"):
+        seq_table.add_column(col, justify="right")
+    for row in summary["per_sequence"]:
+        seq_table.add_row(str(row["seq"]), str(row["tokens"]), str(row["mismatches"]),
+                          "-" if row["first_mismatch_pos"] is None else str(row["first_mismatch_pos"]),
+                          str(row["ulp_max"]), _num(row["max_abs_diff"]))
+    console.print(seq_table)
+
+    if tokens is not None and bad:
+        render_worst_tokens(console, tokens, worst)
+    verdict = "[bold green]BITWISE IDENTICAL[/]" if bad == 0 else f"[bold red]{bad} of {n} tokens differ[/]"
+    console.print(verdict)
+
+
+def render_worst_tokens(console: Console, tokens: pd.DataFrame, count: int) -> None:
+    """The ``count`` differing tokens with the largest |Δ logprob|, values in decimal and fp32 hex."""
+    import torch
+
+    differing = tokens[~tokens["bitwise_equal"]]
+    worst = differing.assign(absdiff=differing["diff"].abs()).nlargest(count, "absdiff")
+    table = Table(title=f"Largest differences (top {len(worst)})", title_justify="left")
+    for col in ("seq", "pos", "token", "lp_train", "lp_infer", "ULP"):
+        table.add_column(col, justify="right")
+    for _, r in worst.iterrows():
+        t = torch.tensor([r["lp_train"], r["lp_infer"]], dtype=torch.float32)
+        table.add_row(str(r["seq"]), str(r["pos"]), str(r["token_id"]),
+                      f"{r['lp_train']:.9g} {hex_bits(t[0])}", f"{r['lp_infer']:.9g} {hex_bits(t[1])}",
+                      str(r["ulp"]))
+    console.print(table)

@@ -1,0 +1,81 @@
+"""Parent side of the engine workers: launch one worker process per capture and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+from alignaudit import errors
+from alignaudit.capture import Capture, read_capture
+from alignaudit.engines import check_installed
+from alignaudit.engines.base import EngineSettings
+from alignaudit.engines.worker import ERROR_MARKER
+from alignaudit.models import ModelSpec
+from alignaudit.prompts import TokenBatch
+
+REQUEST = "request.json"
+WORKER_LOG = "worker.log"
+
+
+def run_capture(
+    engine: str,
+    spec: ModelSpec,
+    batch: TokenBatch,
+    settings: EngineSettings,
+    out: Path,
+    *,
+    role: str | None = None,
+    checkpoint_sha256: str | None = None,
+    stream_log: bool = False,
+) -> Capture:
+    """Run ``engine`` in a fresh worker process and return the capture it wrote to ``out``.
+
+    The request and the worker's combined stdout/stderr (``worker.log``) stay in ``out`` for reproduction.
+
+    Raises:
+        EngineError: the engine is not installed, or the worker crashed (message: its last log lines).
+        InputError: the worker refused the input (same message as it would give in-process).
+    """
+    check_installed(engine)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    request = {
+        "engine": engine,
+        "role": role,
+        "spec": spec.to_dict(),
+        "settings": settings.to_dict(),
+        "batch": batch.to_dict(),
+        "checkpoint_sha256": checkpoint_sha256,
+        "out": str(out.resolve()),
+    }
+    (out / REQUEST).write_text(json.dumps(request, indent=2) + "\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    tail: deque[str] = deque(maxlen=20)
+    with open(out / WORKER_LOG, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "alignaudit.engines.worker", str(out / REQUEST)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        for line in proc.stdout:
+            log.write(line)
+            tail.append(line.rstrip("\n"))
+            if stream_log:
+                sys.stderr.write(line)
+        code = proc.wait()
+    if code != 0:
+        raise _worker_error(engine, code, list(tail), out / WORKER_LOG)
+    return read_capture(out)
+
+
+def _worker_error(engine: str, code: int, tail: list[str], log: Path) -> errors.AlignAuditError:
+    for line in reversed(tail):
+        if line.startswith(ERROR_MARKER):
+            record = json.loads(line[len(ERROR_MARKER):])
+            kind = getattr(errors, record["type"], errors.EngineError)
+            return kind(record["message"])
+    last = "\n  ".join(line for line in tail[-8:] if line.strip())
+    return errors.EngineError(f"{engine} worker crashed (exit code {code}); full log: {log}; last lines:\n  {last}")

@@ -1,0 +1,87 @@
+"""Shared fixtures: the tiny Qwen3 checkpoint and real engine captures, built once per test session.
+
+Engine captures are expensive on 2 CPU cores (a worker process per engine, 10-40 s each), so each
+(engine, dtype, options) capture is made once and shared by every test that needs it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignaudit.engines.base import EngineSettings
+from alignaudit.models import load_spec
+from alignaudit.pipeline import EngineRun, capture
+from alignaudit.prompts import load_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "fixtures" / "qwen3-tiny"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="run tests on real-shape models (minutes each)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="real-shape model: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Synthesized checkpoints and digests go to a per-session cache, never the user's."""
+    os.environ.setdefault("ALIGNAUDIT_CACHE", str(tmp_path_factory.mktemp("alignaudit-cache")))
+
+
+@pytest.fixture(scope="session")
+def tiny_spec():
+    return load_spec(FIXTURE)
+
+
+@pytest.fixture(scope="session")
+def tiny_batch(tiny_spec):
+    return load_prompts(tiny_spec)
+
+
+class CaptureCache:
+    """Real engine captures of the fixture on the built-in prompts, keyed by (engine, dtype, options)."""
+
+    def __init__(self, root: Path, spec, batch):
+        self.root, self.spec, self.batch = root, spec, batch
+        self.done = {}
+
+    def get(self, engine: str, dtype: str, **options):
+        key = (engine, dtype, tuple(sorted(options.items())))
+        if key not in self.done:
+            name = "-".join([engine, dtype, *(f"{k}={v}" for k, v in sorted(options.items()))])
+            run = EngineRun(engine, EngineSettings(dtype=dtype, device="cpu", options=options))
+            self.done[key] = capture(self.spec, self.batch, run, self.root / name)
+        return self.done[key]
+
+
+@pytest.fixture(scope="session")
+def captures(tmp_path_factory, tiny_spec, tiny_batch):
+    return CaptureCache(tmp_path_factory.mktemp("captures"), tiny_spec, tiny_batch)
+
+
+def assert_bitwise_equal(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Assert identical bit patterns; on failure report count, max ULP, max |diff| and first indices."""
+    from alignaudit import numerics
+
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    same = numerics.bitwise_equal(a, b)
+    if bool(same.all()):
+        return
+    ulp = numerics.ulp_distance(a, b)
+    where = (~same).nonzero()[:5].tolist()
+    raise AssertionError(
+        f"{name}: {int((~same).sum())} of {same.numel()} elements differ; max ULP {int(ulp.max())}, "
+        f"max |diff| {float((a.double() - b.double()).abs().max()):.3e}; first at {where}"
+    )

@@ -1,0 +1,115 @@
+"""The real command on the real fixture: outputs parsed back, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from alignaudit import cli
+from alignaudit.errors import EXIT_ENGINE, EXIT_OK, EXIT_USAGE
+
+from conftest import FIXTURE
+
+
+def run_cli(*args, cwd=None):
+    env = {**os.environ, "COLUMNS": "120"}
+    return subprocess.run([sys.executable, "-m", "alignaudit", *args], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def test_compare_megatron_vs_vllm_default(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli("compare", "--out", str(out))
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert "Logprob alignment" in proc.stdout and "176 of 176 tokens differ" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sides"]["train"]["engine"] == "megatron" and summary["sides"]["infer"]["engine"] == "vllm"
+    assert summary["tokens_compared"] == 176 and summary["mismatches"] == 176
+    tokens = pd.read_parquet(out / "tokens.parquet")
+    assert len(tokens) == 176 and not tokens["bitwise_equal"].any()
+    assert (tokens["ulp"] > 0).all() and set(tokens["pos"]) == set(range(1, 98))
+    run = json.loads((out / "run.json").read_text())
+    assert run["train"]["dtype"] == "bf16" and run["model"]["name"] == "qwen3-tiny"
+    for role in ("train", "infer"):
+        assert (out / role / "manifest.json").is_file() and (out / role / "worker.log").is_file()
+    again = run_cli("compare", "--out", str(out))  # nothing already written is lost
+    assert again.returncode == EXIT_USAGE and "--force" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_self_consistency_same_engine_both_sides(tmp_path):
+    """One engine, the same settings spelled two ways: a deterministic engine must agree with itself."""
+    out = tmp_path / "self"
+    code = cli.main(["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "micro_batch_size=1",
+                     "--dtype", "fp32", "--out", str(out)])
+    assert code == EXIT_OK
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mismatches"] == 0 and summary["tokens_compared"] == 176
+    assert summary["sides"]["infer"]["options"] == {"micro_batch_size": 1}
+    manifest = json.loads((out / "infer" / "manifest.json").read_text())
+    assert manifest["engine_settings"]["micro_batch_size"] == 1
+
+
+def one_line_error(capsys, argv, code):
+    assert cli.main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/no/such/model"], "no such directory"),
+    (["--train", "deepspeed"], "unknown engine 'deepspeed'; choose one of hf, megatron, vllm"),
+    (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    (["--device", "tpu"], "unknown device"),
+    (["--train-opt", "noequals"], "is not KEY=VALUE"),
+    (["--random-prompts", "0"], "N >= 1"),
+    (["--not-an-option"], "No such option"),
+])
+def test_usage_errors_are_one_line(capsys, tmp_path, argv, message):
+    err = one_line_error(capsys, ["compare", "--out", str(tmp_path / "o"), *argv], EXIT_USAGE)
+    assert message in err
+
+
+def test_bad_model_and_prompt_files(capsys, tmp_path):
+    arch = tmp_path / "mamba"
+    arch.mkdir()
+    (arch / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
+    assert "supported: Qwen3ForCausalLM" in one_line_error(capsys, ["compare", "--model", str(arch)], EXIT_USAGE)
+    for content, message in [("", "is empty"), ('{"token_ids": [1, 600]}', "outside the vocabulary [0, 512)"),
+                             (json.dumps({"token_ids": [1] * 2000}), "longer than the model's max length")]:
+        f = tmp_path / "p.jsonl"
+        f.write_text(content)
+        assert message in one_line_error(capsys, ["compare", "--prompts", str(f)], EXIT_USAGE)
+
+
+def test_engine_not_installed(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("megatron") else real(name, *a))
+    err = one_line_error(capsys, ["compare", "--model", str(FIXTURE)], EXIT_ENGINE)
+    assert "megatron.core, which is not installed; pip install 'alignaudit[megatron]'" in err
+
+
+def test_worker_crash_shows_its_last_lines(capsys, tmp_path):
+    argv = ["compare", "--train", "hf", "--infer", "hf", "--train-opt", "attn_implementation=bogus",
+            "--out", str(tmp_path / "crash")]
+    assert cli.main(argv) == EXIT_ENGINE
+    err = capsys.readouterr().err
+    assert "hf worker crashed (exit code 3)" in err and "bogus" in err and "Traceback" not in err.splitlines()[0]
+    assert (tmp_path / "crash" / "run.json").is_file()  # what was written before the crash stays
+
+
+def test_unknown_engine_option_is_an_input_error(capsys, tmp_path):
+    err = one_line_error(capsys, ["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "flash=1",
+                                  "--out", str(tmp_path / "x")], EXIT_USAGE)
+    assert "hf does not understand option(s) flash" in err
+
+
+def test_help_lists_commands_and_examples():
+    proc = run_cli("compare", "--help")
+    assert proc.returncode == 0 and "--train-opt" in proc.stdout and "self-consistency" in proc.stdout
