@@ -67,11 +67,10 @@ def render_worst_tokens(console: Console, tokens: pd.DataFrame, count: int) -> N
     differing = tokens[~tokens["bitwise_equal"]]
     worst = differing.assign(absdiff=differing["diff"].abs()).nlargest(count, "absdiff")
     table = Table(title=f"Largest differences (top {len(worst)})", title_justify="left")
-    for col in ("seq", "pos", "token", "lp_train", "lp_infer", "ULP"):
-        table.add_column(col, justify="right")
+    for col in ("seq", "pos", "token", "lp_train", "bits", "lp_infer", "bits", "ULP"):
+        table.add_column(col, justify="right", no_wrap=True)
     for _, r in worst.iterrows():
         t = torch.tensor([r["lp_train"], r["lp_infer"]], dtype=torch.float32)
-        table.add_row(str(r["seq"]), str(r["pos"]), str(r["token_id"]),
-                      f"{r['lp_train']:.9g} {hex_bits(t[0])}", f"{r['lp_infer']:.9g} {hex_bits(t[1])}",
-                      str(r["ulp"]))
+        table.add_row(str(r["seq"]), str(r["pos"]), str(r["token_id"]), f"{r['lp_train']:.9g}", hex_bits(t[0]),
+                      f"{r['lp_infer']:.9g}", hex_bits(t[1]), str(r["ulp"]))
     console.print(table)
