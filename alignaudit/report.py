@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -66,7 +67,7 @@ def render_worst_tokens(console: Console, tokens: pd.DataFrame, count: int) -> N
 
     differing = tokens[~tokens["bitwise_equal"]]
     worst = differing.assign(absdiff=differing["diff"].abs()).nlargest(count, "absdiff")
-    table = Table(title=f"Largest differences (top {len(worst)})", title_justify="left")
+    table = Table(title=f"Largest differences (top {len(worst)})", title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("seq", "pos", "token", "lp_train", "bits", "lp_infer", "bits", "ULP"):
         table.add_column(col, justify="right", no_wrap=True)
     for _, r in worst.iterrows():
