@@ -67,7 +67,8 @@ def render_worst_tokens(console: Console, tokens: pd.DataFrame, count: int) -> N
 
     differing = tokens[~tokens["bitwise_equal"]]
     worst = differing.assign(absdiff=differing["diff"].abs()).nlargest(count, "absdiff")
-    table = Table(title=f"Largest differences (top {len(worst)})", title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(title=f"Largest differences (top {len(worst)})", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True)
     for col in ("seq", "pos", "token", "lp_train", "bits", "lp_infer", "bits", "ULP"):
         table.add_column(col, justify="right", no_wrap=True)
     for _, r in worst.iterrows():
