@@ -72,6 +72,13 @@ class Capture:
     def engine(self) -> str:
         return self.manifest.get("engine", "?")
 
+    def logprob_sequences(self) -> dict[int, torch.Tensor]:
+        """``{seq: float32 tensor [len - 1]}``: the logprobs as a canonical op (position 0 has none)."""
+        table = self.logprobs.sort_values(["seq", "pos"])
+        table = table[table["pos"] > 0]
+        return {int(seq): torch.tensor(g["logprob"].to_numpy(dtype="float32", na_value=float("nan")))
+                for seq, g in table.groupby("seq")}
+
     def token_batch(self) -> TokenBatch:
         """The token ids this capture was made on, rebuilt from the table."""
         groups = self.logprobs.sort_values(["seq", "pos"]).groupby("seq")["token_id"]

@@ -13,17 +13,24 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
+
 from alignaudit.capture import Capture
 from alignaudit.diff import align_tokens, compare_tokens, summarize
 from alignaudit.engines.base import EngineSettings
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec, checkpoint_sha256
+from alignaudit.opdiff import DIFFERS, compare_op, first_divergence
+from alignaudit.ops import LOGPROBS, Selection, all_op_ids
+from alignaudit.opstore import OpStore
 from alignaudit.prompts import TokenBatch
 from alignaudit.runner import run_capture
 
 TOKENS = "tokens.parquet"
 SUMMARY = "summary.json"
 RUN = "run.json"
+BISECT = "bisect.json"
+MODES = ("natural", "forced", "both")
 
 
 @dataclass
@@ -53,10 +60,17 @@ def write_json(path: Path, record: dict) -> None:
 
 
 def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
-            stream_log: bool = False) -> Capture:
-    """Run one engine on ``batch`` in a worker process; the capture lands in ``out``."""
+            stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None) -> Capture:
+    """Run one engine on ``batch`` in a worker process; the capture lands in ``out``.
+
+    ``ops`` captures the selected canonical ops too; ``reference`` (a capture with ops of the same model
+    and token ids) runs in forced mode: each op's inputs are the reference engine's values.
+    """
+    request = None
+    if ops is not None:
+        request = {"selection": ops.to_dict(), "reference": str(Path(reference).resolve()) if reference else None}
     return run_capture(run.engine, spec, batch, run.settings, out, role=role,
-                       checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log)
+                       checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log, ops=request)
 
 
 def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2) -> dict:
@@ -107,3 +121,67 @@ def _side(c: Capture) -> dict:
     s = c.manifest["settings"]
     return {"engine": c.engine, "dtype": s["dtype"], "device": s["device"], "capture": str(c.path),
             "options": s.get("options", {})}
+
+
+def diff_ops(train: Capture, infer: Capture) -> list[dict]:
+    """Compare every op either capture holds, in topological order, logprobs last."""
+    store_a, store_b = OpStore(train.path), OpStore(infer.path)
+    records = []
+    for op in all_op_ids(train.manifest["model"]["num_layers"]):
+        if op == LOGPROBS:
+            records.append(compare_op(op, train.logprob_sequences(), infer.logprob_sequences()))
+        elif store_a.has(op) or store_b.has(op):
+            records.append(compare_op(op, store_a.sequences(op), store_b.sequences(op)))
+    return records
+
+
+def write_ops(records: list[dict], path: Path) -> None:
+    table = pd.DataFrame([{**r, "worst": json.dumps(r.get("worst")) if r.get("worst") else None} for r in records])
+    table.to_parquet(path, index=False)
+
+
+def bisect(spec: ModelSpec, batch: TokenBatch, train: EngineRun, infer: EngineRun, out: Path,
+           selection: Selection, mode: str = "both", stream_log: bool = False, on_stage=None) -> dict:
+    """Capture canonical ops of both engines and compare them op by op.
+
+    natural: both engines run freely; differences accumulate, and the first differing op is where they
+        start to diverge. forced: the infer engine runs with every captured op's inputs replaced by the
+        train engine's values, so each op's difference is its own (local); this lists every op that
+        computes differently. both: the two, sharing the train capture.
+    Writes train/, infer/ and/or infer-forced/, ops-natural.parquet / ops-forced.parquet, bisect.json.
+    """
+    if mode not in MODES:
+        raise InputError(f"unknown bisect mode {mode!r}; choose one of {', '.join(MODES)}")
+    write_json(out / RUN, {
+        "command": "bisect", "mode": mode, "model": spec.to_dict(), "selection": selection.to_dict(),
+        "prompts": {"source": batch.source, "sequences": len(batch.sequences), "tokens": batch.num_tokens},
+        "train": {"engine": train.engine, **train.settings.to_dict()},
+        "infer": {"engine": infer.engine, **infer.settings.to_dict()},
+    })
+
+    def stage(msg: str) -> None:
+        if on_stage:
+            on_stage(msg)
+
+    stage(f"capturing ops of {train.label()} (train)")
+    reference = capture(spec, batch, train, out / "train", role="train", stream_log=stream_log, ops=selection)
+    result: dict = {"model": spec.name, "sides": {"train": _side(reference)}}
+    runs = [("natural", out / "infer", None)] if mode in ("natural", "both") else []
+    runs += [("forced", out / "infer-forced", reference.path)] if mode in ("forced", "both") else []
+    for name, directory, ref in runs:
+        stage(f"capturing ops of {infer.label()} (infer, {name})")
+        other = capture(spec, batch, infer, directory, role="infer", stream_log=stream_log, ops=selection,
+                        reference=ref)
+        records = diff_ops(reference, other)
+        write_ops(records, out / f"ops-{name}.parquet")
+        first = first_divergence(records)
+        result["sides"]["infer"] = _side(other)
+        result[name] = {
+            "ops_compared": len(records),
+            "differing_ops": [r["op"] for r in records if r["status"] == DIFFERS],
+            "first_divergence": first,
+            "substituted_ops": other.manifest["ops"].get("substituted_ops"),
+            "records": records,
+        }
+    write_json(out / BISECT, result)
+    return result

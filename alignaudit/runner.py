@@ -31,10 +31,12 @@ def run_capture(
     role: str | None = None,
     checkpoint_sha256: str | None = None,
     stream_log: bool = False,
+    ops: dict | None = None,
 ) -> Capture:
     """Run ``engine`` in a fresh worker process and return the capture it wrote to ``out``.
 
     The request and the worker's combined stdout/stderr (``worker.log``) stay in ``out`` for reproduction.
+    ``ops`` turns on per-op capture: ``{"selection": Selection.to_dict(), "reference": capture dir or None}``.
 
     Raises:
         EngineError: the engine is not installed, or the worker crashed (message: its last log lines).
@@ -50,6 +52,7 @@ def run_capture(
         "settings": settings.to_dict(),
         "batch": batch.to_dict(),
         "checkpoint_sha256": checkpoint_sha256,
+        "ops": ops,
         "out": str(out.resolve()),
     }
     (out / REQUEST).write_text(json.dumps(request, indent=2) + "\n")

@@ -78,6 +78,24 @@ class Engine(ABC):
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         self.spec = spec
         self.settings = settings
+        self.tap = None
+        self.hooks = None
+
+    def attach(self, tap) -> None:
+        """Capture canonical ops through ``tap`` (alignaudit.taps.Tap) during the next forward passes."""
+        self.tap = tap
+        self.hooks = self.install_taps(tap)
+
+    @abstractmethod
+    def install_taps(self, tap):
+        """Register the engine's hook points on ``tap``; return the alignaudit.taps.Hooks to undo them."""
+
+    def set_spans(self, rows: list[int], lengths: list[int]) -> None:
+        """For batch-major engines: micro-batch row j holds all ``lengths[j]`` tokens of sequence ``rows[j]``."""
+        if self.tap is not None:
+            from alignaudit.taps import RowSpan
+
+            self.tap.spans = [RowSpan(seq=r, pos_start=0, length=n, batch_row=j) for j, (r, n) in enumerate(zip(rows, lengths))]
 
     @abstractmethod
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
@@ -88,8 +106,11 @@ class Engine(ABC):
     def settings_record(self) -> dict:
         """Every setting that reached the engine (resolved defaults included), JSON-serializable."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release engine resources."""
+    def close(self) -> None:
+        """Remove hooks and release engine resources."""
+        if self.hooks is not None:
+            self.hooks.close()
+            self.hooks = None
 
 
 def micro_batches(batch: TokenBatch, size: int) -> list[list[int]]:

@@ -41,10 +41,16 @@ class HFEngine(Engine):
             seqs = [batch.sequences[r] for r in rows]
             ids, valid = right_padded(seqs)
             ids, valid = ids.to(self.settings.device), valid.to(self.settings.device)
+            self.set_spans(rows, [len(s) for s in seqs])
             logits = self.model(input_ids=ids, attention_mask=valid.long()).logits
             lp = torch.log_softmax(logits.float(), dim=-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
             results.extend(lp[j, : len(s) - 1].cpu() for j, s in enumerate(seqs))
         return results
+
+    def install_taps(self, tap):
+        from alignaudit.engines import hf_taps
+
+        return hf_taps.install(self.model, tap)
 
     def settings_record(self) -> dict:
         return {

@@ -129,13 +129,21 @@ class MegatronEngine(Engine):
         for rows in micro_batches(batch, self.micro_batch_size):
             seqs = [batch.sequences[r] for r in rows]
             ids, _ = right_padded(seqs)
-            inputs, labels = ids[:, :-1].to(device), ids[:, 1:].to(device)
+            # The whole sequence goes in, as RL trainers feed it; the label of the last position wraps
+            # around and its loss is dropped.
+            inputs, labels = ids.to(device), torch.roll(ids, -1, dims=1).to(device)
             n = inputs.shape[1]
             positions = torch.arange(n, device=device).expand_as(inputs)
             causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)[None, None]
+            self.set_spans(rows, [len(s) for s in seqs])
             loss = self.model(inputs, positions, causal, labels=labels)  # [batch, n] fp32
             results.extend((-loss[j, : len(s) - 1]).float().cpu() for j, s in enumerate(seqs))
         return results
+
+    def install_taps(self, tap):
+        from alignaudit.engines import megatron_taps
+
+        return megatron_taps.install(self.gpt, tap)
 
     def settings_record(self) -> dict:
         config = {}

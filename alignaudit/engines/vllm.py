@@ -20,6 +20,7 @@ import os
 import torch
 
 from alignaudit.engines.base import Engine, EngineSettings, reject_unknown
+from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
 from alignaudit.prompts import TokenBatch
 
@@ -64,6 +65,12 @@ class VllmEngine(Engine):
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(self.engine_options):
             per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[self.settings.dtype]
             kwargs["kv_cache_memory_bytes"] = max(16 << 20, 2 * per_token * max(total_tokens, max_model_len))
+        if self.tap is not None:
+            # Hooks need eager mode (torch.compile would trace them away) and every prompt row computed
+            # (a prefix-cache hit skips rows).
+            if self.engine_options.get("enforce_eager") is False:
+                raise InputError("op capture needs vLLM's eager mode; drop enforce_eager=false")
+            kwargs.update(enforce_eager=True, enable_prefix_caching=False)
         kwargs.update(self.engine_options)
         self.llm_kwargs = kwargs
         self.llm = LLM(**kwargs)
@@ -74,6 +81,11 @@ class VllmEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         self._start(max(len(s) for s in batch.sequences) + 1, batch.num_tokens + len(batch.sequences))
+        if self.tap is not None and self.hooks is None:
+            from alignaudit.engines import vllm_taps
+
+            model = self.llm.apply_model(lambda m: m)[0]
+            self.hooks = vllm_taps.install(model, self.tap, batch.sequences)
         params = SamplingParams(**{"max_tokens": 1, "temperature": 0.0, "detokenize": False,
                                    **self.sampling_options, "prompt_logprobs": 0})
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params,
@@ -83,6 +95,9 @@ class VllmEngine(Engine):
             entries = out.prompt_logprobs[1:]  # position 0 has no logprob
             results.append(torch.tensor([e[t].logprob for e, t in zip(entries, seq[1:])], dtype=torch.float32))
         return results
+
+    def install_taps(self, tap):
+        return None  # installed once the LLM exists and the prompts are known (prompt_logprobs)
 
     def settings_record(self) -> dict:
         record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options)}

@@ -30,9 +30,11 @@ def run_request(request: dict) -> None:
     spec = ModelSpec(**request["spec"])
     settings = EngineSettings(**request["settings"])
     batch = TokenBatch.from_dict(request["batch"])
+    out = Path(request["out"])
     started = time.perf_counter()
     engine = load_engine_class(request["engine"])(spec, settings)
     loaded = time.perf_counter()
+    tap = _attach_tap(engine, spec, request.get("ops"), out)
     logprobs = engine.prompt_logprobs(batch)
     finished = time.perf_counter()
     manifest = {
@@ -55,8 +57,30 @@ def run_request(request: dict) -> None:
         "numerics": numerics_flags(),
         "timing_s": {"load": round(loaded - started, 3), "forward": round(finished - loaded, 3)},
     }
-    write_capture(Path(request["out"]), manifest, logprob_table(batch, logprobs))
+    if tap is not None:
+        manifest["ops"] = {
+            **tap.recorder.finish(),
+            "selection": request["ops"].get("selection"),
+            "mode": "forced" if tap.reference is not None else "natural",
+            "reference": request["ops"].get("reference"),
+            "substituted_ops": len(tap.substituted),
+        }
     engine.close()
+    write_capture(out, manifest, logprob_table(batch, logprobs))
+
+
+def _attach_tap(engine, spec, ops_request: dict | None, out: Path):
+    """Natural capture of the selected ops, or forced mode when a reference capture is given."""
+    if ops_request is None:
+        return None
+    from alignaudit.ops import Selection
+    from alignaudit.opstore import OpRecorder, OpStore
+    from alignaudit.taps import Tap
+
+    reference = OpStore(Path(ops_request["reference"])) if ops_request.get("reference") else None
+    tap = Tap(spec, Selection.from_dict(ops_request.get("selection")), OpRecorder(out), reference)
+    engine.attach(tap)
+    return tap
 
 
 def main() -> None:

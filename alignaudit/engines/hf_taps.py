@@ -1,0 +1,64 @@
+"""Where the canonical ops live in a transformers Qwen3ForCausalLM (transformers/models/qwen3/modeling_qwen3.py).
+
+Tensors are [batch, tokens, ...]. RoPE is a module-level function (``apply_rotary_pos_emb``), patched for
+the duration of the capture; its outputs are [batch, heads, tokens, head_dim]. The residual adds are
+inline code: attn_residual is read as post_attention_layernorm's input, mlp_residual as the decoder
+layer's output.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from alignaudit.taps import BATCH_FIRST, CURRENT_LAYER, Axes, HookPoint, Hooks, Same, Tap
+
+HEADS_FIRST = Axes(0, 2)  # [batch, heads, tokens, head_dim]
+
+
+def install(model, tap: Tap) -> Hooks:
+    """Register every canonical op of ``model`` (a Qwen3ForCausalLM) on ``tap``; close the result to undo."""
+    hooks = Hooks()
+    core = model.model
+    points = [HookPoint(core.embed_tokens, Same("embed"), None, BATCH_FIRST)]
+    for i, layer in enumerate(core.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        hooks.raw(layer, lambda module, args, i=i: setattr(tap, "layer", i), pre=True)
+        points += [
+            HookPoint(layer.input_layernorm, Same("input_norm"), i, BATCH_FIRST),
+            HookPoint(attn.q_proj, Same("q_proj"), i, BATCH_FIRST),
+            HookPoint(attn.k_proj, Same("k_proj"), i, BATCH_FIRST),
+            HookPoint(attn.v_proj, Same("v_proj"), i, BATCH_FIRST),
+            HookPoint(attn.q_norm, Same("q_norm"), i, BATCH_FIRST),
+            HookPoint(attn.k_norm, Same("k_norm"), i, BATCH_FIRST),
+            HookPoint(attn.o_proj, Same("attn"), i, BATCH_FIRST, when="pre"),
+            HookPoint(attn.o_proj, Same("o_proj"), i, BATCH_FIRST),
+            HookPoint(layer.post_attention_layernorm, Same("attn_residual"), i, BATCH_FIRST, when="pre"),
+            HookPoint(layer.post_attention_layernorm, Same("post_attn_norm"), i, BATCH_FIRST),
+            HookPoint(mlp.gate_proj, Same("gate_proj"), i, BATCH_FIRST),
+            HookPoint(mlp.up_proj, Same("up_proj"), i, BATCH_FIRST),
+            HookPoint(mlp.down_proj, Same("act"), i, BATCH_FIRST, when="pre"),
+            HookPoint(mlp.down_proj, Same("down_proj"), i, BATCH_FIRST),
+            HookPoint(layer, Same("mlp_residual"), i, BATCH_FIRST),
+        ]
+    points += [
+        HookPoint(core.norm, Same("final_norm"), None, BATCH_FIRST),
+        HookPoint(model.lm_head, Same("logits"), None, BATCH_FIRST),
+    ]
+    for p in points:
+        hooks.add(tap, p)
+
+    modeling = sys.modules[type(model).__module__]
+    original = modeling.apply_rotary_pos_emb
+
+    def rope(q, k, *args, **kwargs):
+        q, k = original(q, k, *args, **kwargs)
+        q = _or(tap(q, Same("q_rope"), CURRENT_LAYER, HEADS_FIRST), q)
+        k = _or(tap(k, Same("k_rope"), CURRENT_LAYER, HEADS_FIRST), k)
+        return q, k
+
+    hooks.patch(modeling, "apply_rotary_pos_emb", rope)
+    return hooks
+
+
+def _or(new, old):
+    return old if new is None else new

@@ -1,0 +1,43 @@
+"""Where the canonical ops live in a Megatron-Core GPTModel built with the local layer spec.
+
+Tensors are [tokens, batch, ...]; linears return (output, bias). ``linear_qkv`` groups q/k/v per query
+group (layouts.py); ``linear_fc1`` is [gate | up]. RoPE is a function applied inside SelfAttention.forward,
+so q_rope/k_rope are read as core_attention's inputs; the residual adds are bias-dropout-add functions,
+so attn_residual is read as pre_mlp_layernorm's input and mlp_residual as the layer's output.
+(megatron/core/transformer/attention.py, transformer_layer.py, mlp.py in megatron-core 0.16.)
+"""
+
+from __future__ import annotations
+
+from alignaudit.taps import SEQ_FIRST, Blocks, GroupedQKV, HookPoint, Hooks, Same, Tap
+
+
+def install(gpt, tap: Tap) -> Hooks:
+    """Register every canonical op of ``gpt`` (an unwrapped GPTModel) on ``tap``; close the result to undo."""
+    hooks = Hooks()
+    points = [HookPoint(gpt.embedding, Same("embed"), None, SEQ_FIRST)]
+    for i, layer in enumerate(gpt.decoder.layers):
+        attn, mlp = layer.self_attention, layer.mlp
+        points += [
+            HookPoint(layer.input_layernorm, Same("input_norm"), i, SEQ_FIRST),
+            HookPoint(attn.linear_qkv, GroupedQKV(), i, SEQ_FIRST, index=0),
+            HookPoint(attn.q_layernorm, Same("q_norm"), i, SEQ_FIRST),
+            HookPoint(attn.k_layernorm, Same("k_norm"), i, SEQ_FIRST),
+            HookPoint(attn.core_attention, Same("q_rope"), i, SEQ_FIRST, when="pre", index=0),
+            HookPoint(attn.core_attention, Same("k_rope"), i, SEQ_FIRST, when="pre", index=1),
+            HookPoint(attn.core_attention, Same("attn"), i, SEQ_FIRST),
+            HookPoint(attn.linear_proj, Same("o_proj"), i, SEQ_FIRST, index=0),
+            HookPoint(layer.pre_mlp_layernorm, Same("attn_residual"), i, SEQ_FIRST, when="pre"),
+            HookPoint(layer.pre_mlp_layernorm, Same("post_attn_norm"), i, SEQ_FIRST),
+            HookPoint(mlp.linear_fc1, Blocks(("gate_proj", "up_proj")), i, SEQ_FIRST, index=0),
+            HookPoint(mlp.linear_fc2, Same("act"), i, SEQ_FIRST, when="pre"),
+            HookPoint(mlp.linear_fc2, Same("down_proj"), i, SEQ_FIRST, index=0),
+            HookPoint(layer, Same("mlp_residual"), i, SEQ_FIRST, index=0),
+        ]
+    points += [
+        HookPoint(gpt.decoder.final_layernorm, Same("final_norm"), None, SEQ_FIRST),
+        HookPoint(gpt.output_layer, Same("logits"), None, SEQ_FIRST, index=0),
+    ]
+    for p in points:
+        hooks.add(tap, p)
+    return hooks

@@ -1,0 +1,131 @@
+"""The canonical ops that bisect walks, in topological order, and the ``--layers`` / ``--ops`` selection.
+
+Every engine's hook points are mapped onto these names (engines/*_taps.py). Each captured tensor is stored
+per sequence in a canonical layout, whatever the engine's own layout:
+    hidden   [tokens, hidden_size]
+    q_heads  [tokens, num_heads, head_dim]
+    kv_heads [tokens, num_kv_heads, head_dim]
+    ffn      [tokens, intermediate_size]
+    vocab    [tokens, vocab_size]
+Op ids are ``embed``, ``layers.{i}.{name}`` for per-layer ops, ``final_norm``, ``logits``; ``logprobs``
+(fp32, [tokens - 1]) comes from the capture's logprob table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from alignaudit.errors import InputError
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    layout: str
+    inputs: tuple[str, ...]  # canonical ops (same layer unless prefixed) whose outputs this op consumes
+    what: str
+
+
+LAYER_OPS: tuple[OpDef, ...] = (
+    OpDef("input_norm", "hidden", ("residual_in",), "RMSNorm before attention"),
+    OpDef("q_proj", "q_heads", ("input_norm",), "query projection"),
+    OpDef("k_proj", "kv_heads", ("input_norm",), "key projection"),
+    OpDef("v_proj", "kv_heads", ("input_norm",), "value projection"),
+    OpDef("q_norm", "q_heads", ("q_proj",), "per-head RMSNorm of queries (QK-norm)"),
+    OpDef("k_norm", "kv_heads", ("k_proj",), "per-head RMSNorm of keys (QK-norm)"),
+    OpDef("q_rope", "q_heads", ("q_norm",), "rotary embedding of queries"),
+    OpDef("k_rope", "kv_heads", ("k_norm",), "rotary embedding of keys"),
+    OpDef("attn", "q_heads", ("q_rope", "k_rope", "v_proj"), "core attention (softmax(qk^T)v), before o_proj"),
+    OpDef("o_proj", "hidden", ("attn",), "attention output projection"),
+    OpDef("attn_residual", "hidden", ("residual_in", "o_proj"), "residual add after attention"),
+    OpDef("post_attn_norm", "hidden", ("attn_residual",), "RMSNorm before the MLP"),
+    OpDef("gate_proj", "ffn", ("post_attn_norm",), "gate projection"),
+    OpDef("up_proj", "ffn", ("post_attn_norm",), "up projection"),
+    OpDef("act", "ffn", ("gate_proj", "up_proj"), "silu(gate) * up"),
+    OpDef("down_proj", "hidden", ("act",), "down projection"),
+    OpDef("mlp_residual", "hidden", ("attn_residual", "down_proj"), "residual add after the MLP (layer output)"),
+)
+PRE_OPS: tuple[OpDef, ...] = (OpDef("embed", "hidden", (), "token embedding"),)
+POST_OPS: tuple[OpDef, ...] = (
+    OpDef("final_norm", "hidden", ("mlp_residual",), "final RMSNorm"),
+    OpDef("logits", "vocab", ("final_norm",), "lm_head"),
+)
+LOGPROBS = "logprobs"
+OP_NAMES: tuple[str, ...] = tuple(o.name for o in (*PRE_OPS, *LAYER_OPS, *POST_OPS)) + (LOGPROBS,)
+OP_DEFS: dict[str, OpDef] = {o.name: o for o in (*PRE_OPS, *LAYER_OPS, *POST_OPS)}
+
+
+def op_id(name: str, layer: int | None = None) -> str:
+    return name if layer is None else f"layers.{layer}.{name}"
+
+
+def split_op_id(op: str) -> tuple[str, int | None]:
+    """``"layers.3.q_proj"`` -> ``("q_proj", 3)``; ``"embed"`` -> ``("embed", None)``."""
+    if op.startswith("layers."):
+        _, layer, name = op.split(".", 2)
+        return name, int(layer)
+    return op, None
+
+
+def all_op_ids(num_layers: int) -> list[str]:
+    """Every canonical op id of a model, in topological order (logprobs last)."""
+    ids = [o.name for o in PRE_OPS]
+    for i in range(num_layers):
+        ids += [op_id(o.name, i) for o in LAYER_OPS]
+    return ids + [o.name for o in POST_OPS] + [LOGPROBS]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which ops to capture: ``layers`` (None = all) and ``names`` (None = all canonical names)."""
+
+    layers: frozenset[int] | None = None
+    names: frozenset[str] | None = None
+
+    def wants(self, op: str) -> bool:
+        name, layer = split_op_id(op)
+        if self.names is not None and name not in self.names:
+            return False
+        return layer is None or self.layers is None or layer in self.layers
+
+    def op_ids(self, num_layers: int) -> list[str]:
+        return [op for op in all_op_ids(num_layers) if self.wants(op)]
+
+    def to_dict(self) -> dict:
+        return {"layers": sorted(self.layers) if self.layers is not None else None,
+                "names": sorted(self.names) if self.names is not None else None}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> Selection:
+        d = d or {}
+        layers, names = d.get("layers"), d.get("names")
+        return cls(frozenset(layers) if layers is not None else None, frozenset(names) if names is not None else None)
+
+
+def parse_selection(layers: str | None, ops: str | None, num_layers: int) -> Selection:
+    """Parse ``--layers 0-3,7`` and ``--ops attn,o_proj``.
+
+    Raises:
+        InputError: malformed ranges, layers outside [0, num_layers), unknown op names.
+    """
+    chosen_layers = None
+    if layers:
+        chosen = set()
+        for part in layers.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            try:
+                start, end = int(lo), int(hi) if sep else int(lo)
+            except ValueError:
+                raise InputError(f"--layers {layers!r}: expected a list of layers and ranges such as 0-3,7") from None
+            if not 0 <= start <= end < num_layers:
+                raise InputError(f"--layers {layers!r}: the model has layers 0-{num_layers - 1}")
+            chosen.update(range(start, end + 1))
+        chosen_layers = frozenset(chosen)
+    chosen_names = None
+    if ops:
+        names = {n.strip() for n in ops.split(",") if n.strip()}
+        unknown = sorted(names - set(OP_NAMES))
+        if unknown:
+            raise InputError(f"--ops: unknown op(s) {', '.join(unknown)}; canonical ops: {', '.join(OP_NAMES)}")
+        chosen_names = frozenset(names)
+    return Selection(chosen_layers, chosen_names)

@@ -1,0 +1,152 @@
+"""Per-op tensors of a capture: streamed to disk while the engine runs, read back per op.
+
+Layout, inside a capture directory:
+    ops/chunk-00000.safetensors ...   canonical tensors, key "{op}|{seq}|{pos_start}", rows = tokens
+    ops/index.parquet                 op, layer, name, seq, pos_start, pos_end, dtype, shape, file, key
+    ops/fingerprints.parquet          op, seq, tokens, sha256 of the sequence's bytes in position order
+
+Tensors go to host memory as the hook fires and to disk every ``flush_bytes`` (256 MiB by default), so a
+capture never holds more than that much beyond what the engine itself holds. Two captures whose
+fingerprints of an (op, seq) agree hold bitwise identical tensors there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from alignaudit.errors import InputError
+from alignaudit.ops import split_op_id
+
+OPS_DIR = "ops"
+INDEX = "index.parquet"
+FINGERPRINTS = "fingerprints.parquet"
+
+
+class OpRecorder:
+    """Receives canonical chunks (``op``, ``seq``, ``pos_start``, rows tensor) and streams them to disk."""
+
+    def __init__(self, capture_dir: Path, flush_bytes: int = 256 << 20):
+        self.directory = Path(capture_dir) / OPS_DIR
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.flush_bytes = flush_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_rows: list[dict] = []
+        self.pending_bytes = 0
+        self.rows: list[dict] = []
+        self.hashes: dict[tuple[str, int], list] = {}  # (op, seq) -> [sha256, next expected pos]
+        self.chunks = 0
+        self.total_bytes = 0
+
+    def record(self, op: str, seq: int, pos_start: int, tensor: torch.Tensor) -> None:
+        """Store rows ``pos_start .. pos_start + len(tensor)`` of ``op`` for sequence ``seq`` (a copy)."""
+        t = tensor.detach().to("cpu", copy=True).contiguous()
+        state = self.hashes.setdefault((op, seq), [hashlib.sha256(), 0])
+        if pos_start != state[1]:
+            raise RuntimeError(f"{op} seq {seq}: chunk at position {pos_start}, expected {state[1]} (hook mapping bug)")
+        state[0].update(t.view(torch.uint8).numpy())
+        state[1] = pos_start + t.shape[0]
+        key = f"{op}|{seq}|{pos_start}"
+        name, layer = split_op_id(op)
+        self.pending[key] = t
+        self.pending_rows.append({
+            "op": op, "layer": -1 if layer is None else layer, "name": name, "seq": seq,
+            "pos_start": pos_start, "pos_end": pos_start + t.shape[0], "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape), "key": key,
+        })
+        self.pending_bytes += t.nbytes
+        if self.pending_bytes >= self.flush_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        file = f"chunk-{self.chunks:05d}.safetensors"
+        save_file(self.pending, str(self.directory / file))
+        for row in self.pending_rows:
+            row["file"] = file
+        self.rows += self.pending_rows
+        self.chunks += 1
+        self.total_bytes += self.pending_bytes
+        self.pending, self.pending_rows, self.pending_bytes = {}, [], 0
+
+    def finish(self) -> dict:
+        """Write the index and fingerprints; return a summary for the manifest."""
+        self.flush()
+        pd.DataFrame(self.rows, columns=["op", "layer", "name", "seq", "pos_start", "pos_end", "dtype", "shape",
+                                         "key", "file"]).to_parquet(self.directory / INDEX, index=False)
+        prints = [{"op": op, "seq": seq, "tokens": state[1], "sha256": state[0].hexdigest()}
+                  for (op, seq), state in self.hashes.items()]
+        pd.DataFrame(prints, columns=["op", "seq", "tokens", "sha256"]).to_parquet(self.directory / FINGERPRINTS, index=False)
+        return {"ops": len({r["op"] for r in self.rows}), "bytes": self.total_bytes, "files": self.chunks}
+
+
+class OpStore:
+    """Read side: per-op, per-sequence canonical tensors of one capture.
+
+    Raises:
+        InputError: the capture has no ops (made without op capture) or a chunk file is unreadable.
+    """
+
+    def __init__(self, capture_dir: Path, cache_ops: int = 32):
+        self.directory = Path(capture_dir) / OPS_DIR
+        if not (self.directory / INDEX).is_file():
+            raise InputError(f"{capture_dir} has no per-op tensors; make it with `alignaudit capture` (ops are on by default)")
+        self.index = pd.read_parquet(self.directory / INDEX)
+        self.fingerprints = pd.read_parquet(self.directory / FINGERPRINTS).set_index(["op", "seq"])["sha256"].to_dict()
+        self._handles: dict[str, object] = {}
+        self._cache: OrderedDict[str, dict[int, torch.Tensor]] = OrderedDict()
+        self._cache_ops = cache_ops
+
+    def op_ids(self) -> list[str]:
+        return list(dict.fromkeys(self.index["op"]))
+
+    def has(self, op: str) -> bool:
+        return op in self._op_groups()
+
+    def fingerprint(self, op: str, seq: int) -> str | None:
+        return self.fingerprints.get((op, seq))
+
+    def sequences(self, op: str) -> dict[int, torch.Tensor]:
+        """``{seq: tensor [tokens, ...]}`` for one op (rows concatenated in position order)."""
+        if op in self._cache:
+            self._cache.move_to_end(op)
+            return self._cache[op]
+        rows = self._op_groups().get(op)
+        if rows is None:
+            return {}
+        result = {}
+        for seq, chunk in rows.sort_values(["seq", "pos_start"]).groupby("seq"):
+            result[int(seq)] = torch.cat([self._load(r.file, r.key) for r in chunk.itertuples()], dim=0)
+        self._cache[op] = result
+        if len(self._cache) > self._cache_ops:
+            self._cache.popitem(last=False)
+        return result
+
+    def rows(self, op: str, seq: int, pos_start: int, length: int) -> torch.Tensor | None:
+        """Rows ``pos_start .. pos_start + length`` of one sequence, or None if not captured."""
+        t = self.sequences(op).get(seq)
+        if t is None or t.shape[0] < pos_start + length:
+            return None
+        return t[pos_start: pos_start + length]
+
+    def _op_groups(self) -> dict[str, pd.DataFrame]:
+        if not hasattr(self, "_groups"):
+            self._groups = dict(tuple(self.index.groupby("op", sort=False)))
+        return self._groups
+
+    def _load(self, file: str, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        try:
+            if file not in self._handles:
+                self._handles[file] = safe_open(str(self.directory / file), framework="pt")
+            return self._handles[file].get_tensor(key)
+        except Exception as e:  # safetensors raises several types for truncated files
+            raise InputError(f"{self.directory / file} is missing or corrupt ({e}); capture again") from e
