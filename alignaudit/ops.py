@@ -77,12 +77,15 @@ def all_op_ids(num_layers: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Selection:
-    """Which ops to capture: ``layers`` (None = all) and ``names`` (None = all canonical names)."""
+    """Which ops to capture: ``layers`` x ``names`` (None = all), plus explicit op ids in ``extra``."""
 
     layers: frozenset[int] | None = None
     names: frozenset[str] | None = None
+    extra: frozenset[str] = frozenset()
 
     def wants(self, op: str) -> bool:
+        if op in self.extra:
+            return True
         name, layer = split_op_id(op)
         if self.names is not None and name not in self.names:
             return False
@@ -91,15 +94,40 @@ class Selection:
     def op_ids(self, num_layers: int) -> list[str]:
         return [op for op in all_op_ids(num_layers) if self.wants(op)]
 
+    def with_inputs(self, num_layers: int) -> Selection:
+        """This selection plus the ops that feed each selected op (what forced mode must substitute)."""
+        extra = set(self.extra)
+        for op in self.op_ids(num_layers):
+            extra.update(op_inputs(op, num_layers))
+        return Selection(self.layers, self.names, frozenset(extra))
+
     def to_dict(self) -> dict:
         return {"layers": sorted(self.layers) if self.layers is not None else None,
-                "names": sorted(self.names) if self.names is not None else None}
+                "names": sorted(self.names) if self.names is not None else None,
+                "extra": sorted(self.extra)}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> Selection:
         d = d or {}
         layers, names = d.get("layers"), d.get("names")
-        return cls(frozenset(layers) if layers is not None else None, frozenset(names) if names is not None else None)
+        return cls(frozenset(layers) if layers is not None else None, frozenset(names) if names is not None else None,
+                   frozenset(d.get("extra", ())))
+
+
+def op_inputs(op: str, num_layers: int) -> list[str]:
+    """Op ids whose outputs ``op`` consumes (``residual_in`` is the previous layer's output or embed)."""
+    if op == LOGPROBS:
+        return ["logits"]
+    name, layer = split_op_id(op)
+    inputs = []
+    for source in OP_DEFS[name].inputs:
+        if source == "residual_in":
+            inputs.append("embed" if layer == 0 else op_id("mlp_residual", layer - 1))
+        elif name == "final_norm":
+            inputs.append(op_id(source, num_layers - 1))
+        else:
+            inputs.append(op_id(source, layer))
+    return inputs
 
 
 def parse_selection(layers: str | None, ops: str | None, num_layers: int) -> Selection:

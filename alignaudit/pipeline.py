@@ -123,14 +123,15 @@ def _side(c: Capture) -> dict:
             "options": s.get("options", {})}
 
 
-def diff_ops(train: Capture, infer: Capture) -> list[dict]:
-    """Compare every op either capture holds, in topological order, logprobs last."""
+def diff_ops(train: Capture, infer: Capture, selection: Selection | None = None) -> list[dict]:
+    """Compare the ops of ``selection`` (default: every op either capture holds) in topological order,
+    logprobs last."""
     store_a, store_b = OpStore(train.path), OpStore(infer.path)
     records = []
     for op in all_op_ids(train.manifest["model"]["num_layers"]):
         if op == LOGPROBS:
             records.append(compare_op(op, train.logprob_sequences(), infer.logprob_sequences()))
-        elif store_a.has(op) or store_b.has(op):
+        elif selection.wants(op) if selection is not None else (store_a.has(op) or store_b.has(op)):
             records.append(compare_op(op, store_a.sequences(op), store_b.sequences(op)))
     return records
 
@@ -164,7 +165,9 @@ def bisect(spec: ModelSpec, batch: TokenBatch, train: EngineRun, infer: EngineRu
             on_stage(msg)
 
     stage(f"capturing ops of {train.label()} (train)")
-    reference = capture(spec, batch, train, out / "train", role="train", stream_log=stream_log, ops=selection)
+    # Forced mode feeds each selected op the train engine's inputs, so those are captured too.
+    train_ops = selection.with_inputs(spec.num_layers) if mode != "natural" else selection
+    reference = capture(spec, batch, train, out / "train", role="train", stream_log=stream_log, ops=train_ops)
     result: dict = {"model": spec.name, "sides": {"train": _side(reference)}}
     runs = [("natural", out / "infer", None)] if mode in ("natural", "both") else []
     runs += [("forced", out / "infer-forced", reference.path)] if mode in ("forced", "both") else []
@@ -172,7 +175,7 @@ def bisect(spec: ModelSpec, batch: TokenBatch, train: EngineRun, infer: EngineRu
         stage(f"capturing ops of {infer.label()} (infer, {name})")
         other = capture(spec, batch, infer, directory, role="infer", stream_log=stream_log, ops=selection,
                         reference=ref)
-        records = diff_ops(reference, other)
+        records = diff_ops(reference, other, selection)
         write_ops(records, out / f"ops-{name}.parquet")
         first = first_divergence(records)
         result["sides"]["infer"] = _side(other)

@@ -6,8 +6,9 @@ split into canonical ops (``View``). The ``Tap`` does the rest:
 
 - natural mode: record each selected op's rows for every sequence of the current forward pass;
 - forced mode (a reference capture given): after recording the engine's own value, overwrite it with
-  the reference engine's value for the same op, so every downstream op computes on the reference's
-  inputs and each op's recorded difference is its local difference.
+  the reference engine's value for the same op (every op the reference holds, selected or not), so every
+  downstream op computes on the reference's inputs and each op's recorded difference is its local
+  difference.
 
 The engine adapter keeps ``tap.spans`` current: one ``RowSpan`` per sequence (chunk) in the forward pass.
 """
@@ -166,22 +167,22 @@ class Tap:
         if layer == CURRENT_LAYER:
             layer = self.layer
         ids = [op_id(n, layer) for n in view.names]
-        wanted = [self.selection.wants(i) for i in ids]
-        if not any(wanted):
+        record = [self.recorder is not None and self.selection.wants(i) for i in ids]
+        substitute = [self.reference is not None and self.reference.has(i) for i in ids]
+        if not any(record) and not any(substitute):
             return None
         replaced = None
         for span in self.spans if spans is None else spans:
             rows = take_rows(x, span, axes)
             parts = view.split(rows, self.spec)
-            if self.recorder is not None:
-                for op, want, part in zip(ids, wanted, parts):
-                    if want:
-                        self.recorder.record(op, span.seq, span.pos_start, part)
-            if self.reference is None:
+            for op, want, part in zip(ids, record, parts):
+                if want:
+                    self.recorder.record(op, span.seq, span.pos_start, part)
+            if not any(substitute):
                 continue
             new_parts = list(parts)
-            for k, (op, want) in enumerate(zip(ids, wanted)):
-                ref = self.reference.rows(op, span.seq, span.pos_start, span.length) if want else None
+            for k, op in enumerate(ids):
+                ref = self.reference.rows(op, span.seq, span.pos_start, span.length) if substitute[k] else None
                 if ref is not None:
                     new_parts[k] = ref.to(dtype=parts[k].dtype, device=parts[k].device)
                     self.substituted.add(op)

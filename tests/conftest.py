@@ -6,6 +6,7 @@ Engine captures are expensive on 2 CPU cores (a worker process per engine, 10-40
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 
 from alignaudit.engines.base import EngineSettings
 from alignaudit.models import load_spec
+from alignaudit.ops import Selection
 from alignaudit.pipeline import EngineRun, capture
 from alignaudit.prompts import load_prompts
 
@@ -57,12 +59,15 @@ class CaptureCache:
         self.root, self.spec, self.batch = root, spec, batch
         self.done = {}
 
-    def get(self, engine: str, dtype: str, **options):
-        key = (engine, dtype, tuple(sorted(options.items())))
+    def get(self, engine: str, dtype: str, ops: bool = False, reference=None, **options):
+        """A capture; ``ops`` adds every canonical op; ``reference`` (a capture) runs forced mode."""
+        key = (engine, dtype, ops, reference.path.name if reference else None, json.dumps(options, sort_keys=True))
         if key not in self.done:
-            name = "-".join([engine, dtype, *(f"{k}={v}" for k, v in sorted(options.items()))])
+            name = "-".join(str(k) for k in key if k not in (None, False)).replace("/", "_")
             run = EngineRun(engine, EngineSettings(dtype=dtype, device="cpu", options=options))
-            self.done[key] = capture(self.spec, self.batch, run, self.root / name)
+            self.done[key] = capture(self.spec, self.batch, run, self.root / name,
+                                     ops=Selection() if ops or reference else None,
+                                     reference=reference.path if reference else None)
         return self.done[key]
 
 

@@ -113,3 +113,42 @@ def test_unknown_engine_option_is_an_input_error(capsys, tmp_path):
 def test_help_lists_commands_and_examples():
     proc = run_cli("compare", "--help")
     assert proc.returncode == 0 and "--train-opt" in proc.stdout and "self-consistency" in proc.stdout
+
+
+def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
+    """Two captures made separately (as in two containers), compared afterwards."""
+    import shutil
+
+    a, b = tmp_path / "megatron", tmp_path / "hf"
+    sel = ["--layers", "0", "--ops", "input_norm,attn"]
+    assert cli.main(["capture", "--engine", "megatron", *sel, "--out", str(a)]) == EXIT_OK
+    assert cli.main(["capture", "--engine", "hf", *sel, "--out", str(b)]) == EXIT_OK
+    manifest = json.loads((a / "manifest.json").read_text())
+    assert manifest["ops"]["ops"] == 2 and manifest["ops"]["selection"]["names"] == ["attn", "input_norm"]
+    capsys.readouterr()
+    assert cli.main(["diff", str(a), str(b), "--out", str(tmp_path / "d")]) == EXIT_OK
+    assert "layers.0.input_norm" in capsys.readouterr().out
+    ops = pd.read_parquet(tmp_path / "d" / "ops.parquet").set_index("op")
+    assert list(ops.index) == ["layers.0.input_norm", "layers.0.attn", "logprobs"]
+    assert ops.loc["layers.0.input_norm", "status"] == "differs" and ops.loc["logprobs", "status"] == "differs"
+
+    other_prompts = tmp_path / "other-prompts"
+    assert cli.main(["capture", "--engine", "hf", "--no-ops", "--random-prompts", "2", "--prompt-len", "8",
+                     "--out", str(other_prompts)]) == EXIT_OK
+    err = one_line_error(capsys, ["diff", str(a), str(other_prompts), "--out", str(tmp_path / "d2")], EXIT_USAGE)
+    assert "different token ids" in err
+
+    other_model = tmp_path / "model-copy"
+    shutil.copytree(FIXTURE, other_model)
+    (other_model / "config.json").write_text((FIXTURE / "config.json").read_text().replace('"use_cache": true', '"use_cache": false'))
+    other_ckpt = tmp_path / "other-ckpt"
+    assert cli.main(["capture", "--engine", "hf", "--no-ops", "--model", str(other_model), "--out", str(other_ckpt)]) == EXIT_OK
+    err = one_line_error(capsys, ["diff", str(b), str(other_ckpt), "--out", str(tmp_path / "d3")], EXIT_USAGE)
+    assert "different checkpoints" in err
+
+    (b / "manifest.json").unlink()
+    err = one_line_error(capsys, ["diff", str(a), str(b), "--out", str(tmp_path / "d4")], EXIT_USAGE)
+    assert "incomplete" in err
+    err = one_line_error(capsys, ["capture", "--engine", "hf", "--reference", str(other_prompts), "--out",
+                                  str(tmp_path / "f")], EXIT_USAGE)
+    assert "has no per-op tensors" in err

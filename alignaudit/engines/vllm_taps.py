@@ -16,7 +16,13 @@ from alignaudit.taps import CURRENT_LAYER, FLAT, Blocks, HookPoint, Hooks, RowSp
 
 
 class StepRows:
-    """Maps the flattened rows of each vLLM step to (sequence, position), by token ids and positions."""
+    """Maps the flattened rows of each vLLM step to (sequence, position), by token ids and positions.
+
+    A step holds, in scheduler order, a run of consecutive positions per request (all of a prompt, or a
+    chunk of it under chunked prefill). At each run start, the request whose next expected position is the
+    row's position and whose ids match the most upcoming rows wins, so prompts sharing a prefix are told
+    apart by where they stop matching.
+    """
 
     def __init__(self, sequences: tuple[tuple[int, ...], ...]):
         self.sequences = sequences
@@ -25,23 +31,26 @@ class StepRows:
     def spans(self, input_ids, positions) -> list[RowSpan]:
         ids, pos = input_ids.tolist(), positions.tolist()
         spans: list[RowSpan] = []
-        current = None
-        for row, (p, t) in enumerate(zip(pos, ids)):
-            if current is not None and self._continues(current.seq, p, t):
-                current = RowSpan(current.seq, current.pos_start, current.length + 1, None, current.row_start)
-            else:
-                seq = next((s for s in range(len(self.sequences)) if self._continues(s, p, t)), None)
-                if seq is None:
-                    raise RuntimeError(f"vLLM row {row} (position {p}, token {t}) matches no prompt")
-                if current is not None:
-                    spans.append(current)
-                current = RowSpan(seq, p, 1, None, row)
-            self.next_pos[current.seq] = p + 1
-        return spans + ([current] if current is not None else [])
+        row = 0
+        while row < len(ids):
+            lengths = [self._match_length(s, ids, pos, row) for s in range(len(self.sequences))]
+            best = max(range(len(lengths)), key=lengths.__getitem__, default=None)
+            if best is None or lengths[best] == 0:
+                raise RuntimeError(f"vLLM row {row} (position {pos[row]}, token {ids[row]}) matches no prompt")
+            spans.append(RowSpan(best, pos[row], lengths[best], None, row))
+            self.next_pos[best] = pos[row] + lengths[best]
+            row += lengths[best]
+        return spans
 
-    def _continues(self, seq: int, p: int, t: int) -> bool:
-        ids = self.sequences[seq]
-        return self.next_pos[seq] == p and p < len(ids) and ids[p] == t
+    def _match_length(self, seq: int, ids: list[int], pos: list[int], row: int) -> int:
+        prompt, start = self.sequences[seq], pos[row]
+        if self.next_pos[seq] != start:
+            return 0
+        k = 0
+        while (row + k < len(ids) and pos[row + k] == start + k and start + k < len(prompt)
+               and prompt[start + k] == ids[row + k]):
+            k += 1
+        return k
 
 
 def install(model, tap: Tap, sequences: tuple[tuple[int, ...], ...]) -> Hooks:

@@ -1,0 +1,100 @@
+"""Pure pieces of op capture: layouts, selections, the vLLM row mapping, the on-disk op store."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alignaudit.engines.vllm_taps import StepRows, _slice_spans
+from alignaudit.errors import InputError
+from alignaudit.layouts import fuse_qkv_grouped, split_qkv_grouped
+from alignaudit.ops import Selection, all_op_ids, op_inputs, parse_selection
+from alignaudit.opstore import OpRecorder, OpStore
+from alignaudit.taps import BATCH_FIRST, FLAT, SEQ_FIRST, RowSpan, put_rows, take_rows
+
+
+def test_megatron_qkv_grouping_matches_its_definition():
+    nh, ng, hd = 8, 2, 4
+    q = torch.arange(nh * hd).float()
+    k = 1000 + torch.arange(ng * hd).float()
+    v = 2000 + torch.arange(ng * hd).float()
+    fused = fuse_qkv_grouped(q, k, v, ng, dim=0)
+    per_group = fused.view(ng, (nh // ng + 2) * hd)  # Megatron: [q heads of group | k | v] per group
+    for g in range(ng):
+        assert torch.equal(per_group[g, : nh // ng * hd], q.view(ng, -1)[g])
+        assert torch.equal(per_group[g, nh // ng * hd: nh // ng * hd + hd], k.view(ng, hd)[g])
+        assert torch.equal(per_group[g, -hd:], v.view(ng, hd)[g])
+    rows = torch.stack([fused, fused + 1])
+    q2, k2, v2 = split_qkv_grouped(rows, nh, ng, hd)
+    assert torch.equal(q2[0], q) and torch.equal(k2[1], k + 1) and torch.equal(v2[0], v)
+
+
+def test_selection_parsing_and_inputs():
+    sel = parse_selection("0-1,3", "attn,o_proj", num_layers=4)
+    assert sel.op_ids(4) == ["layers.0.attn", "layers.0.o_proj", "layers.1.attn", "layers.1.o_proj",
+                             "layers.3.attn", "layers.3.o_proj"]
+    assert op_inputs("layers.3.attn", 4) == ["layers.3.q_rope", "layers.3.k_rope", "layers.3.v_proj"]
+    assert op_inputs("layers.0.input_norm", 4) == ["embed"]
+    assert op_inputs("layers.2.attn_residual", 4) == ["layers.1.mlp_residual", "layers.2.o_proj"]
+    assert op_inputs("final_norm", 4) == ["layers.3.mlp_residual"]
+    wide = sel.with_inputs(4)
+    assert wide.wants("layers.3.q_rope") and wide.wants("layers.3.attn") and not wide.wants("layers.2.attn")
+    assert Selection.from_dict(wide.to_dict()) == wide
+    assert len(all_op_ids(2)) == 1 + 2 * 17 + 2 + 1
+    for bad, message in (("0-9", "layers 0-3"), ("a", "ranges"), ("2-1", "layers 0-3")):
+        with pytest.raises(InputError, match=message):
+            parse_selection(bad, None, 4)
+    with pytest.raises(InputError, match="unknown op"):
+        parse_selection(None, "softmax", 4)
+
+
+def test_rows_in_each_engine_layout():
+    x = torch.arange(2 * 5 * 3).view(2, 5, 3)  # [batch, tokens, features]
+    span = RowSpan(seq=7, pos_start=0, length=4, batch_row=1)
+    assert torch.equal(take_rows(x, span, BATCH_FIRST), x[1, :4])
+    assert torch.equal(take_rows(x.transpose(0, 1), span, SEQ_FIRST), x[1, :4])
+    flat = x.reshape(10, 3)
+    assert torch.equal(take_rows(flat, RowSpan(7, 2, 3, None, 6), FLAT), flat[6:9])
+    y = x.clone()
+    put_rows(y, span, BATCH_FIRST, torch.zeros(4, 3, dtype=x.dtype))
+    assert int(y[1, :4].abs().sum()) == 0 and torch.equal(y[0], x[0]) and torch.equal(y[1, 4], x[1, 4])
+
+
+def test_vllm_step_rows_follow_requests_across_chunks():
+    seqs = ((5, 6, 7, 8), (5, 6, 9), (1, 2))
+    rows = StepRows(seqs)
+    # step 1: request 1 whole, then the first two tokens of request 0 (chunked prefill); both start 5, 6
+    spans = rows.spans(torch.tensor([5, 6, 9, 5, 6]), torch.tensor([0, 1, 2, 0, 1]))
+    assert [(s.seq, s.pos_start, s.length, s.row_start) for s in spans] == [(1, 0, 3, 0), (0, 0, 2, 3)]
+    # step 2: the rest of request 0 and all of request 2
+    spans = rows.spans(torch.tensor([7, 8, 1, 2]), torch.tensor([2, 3, 0, 1]))
+    assert [(s.seq, s.pos_start, s.length, s.row_start) for s in spans] == [(0, 2, 2, 0), (2, 0, 2, 2)]
+    with pytest.raises(RuntimeError, match="matches no prompt"):
+        rows.spans(torch.tensor([4]), torch.tensor([0]))
+
+
+def test_logit_rows_are_found_by_storage_offset():
+    base = torch.randn(10, 4)
+    step = [RowSpan(0, 0, 6, None, 0), RowSpan(1, 0, 4, None, 6)]
+    spans = _slice_spans(step, base, base[6:9])
+    assert [(s.seq, s.pos_start, s.length, s.row_start) for s in spans] == [(1, 0, 3, 0)]
+    assert _slice_spans(step, base, base[[0, 6]]) == []  # a gathered copy (the sampling call)
+
+
+def test_op_store_streams_chunks_and_reads_back(tmp_path):
+    rec = OpRecorder(tmp_path, flush_bytes=30)  # every chunk goes to disk at once
+    a = torch.randn(5, 8, dtype=torch.bfloat16)
+    rec.record("layers.0.attn", 0, 0, a[:3])
+    rec.record("layers.0.attn", 0, 3, a[3:])
+    rec.record("layers.0.attn", 1, 0, a[:2])
+    with pytest.raises(RuntimeError, match="expected 2"):
+        rec.record("layers.0.attn", 1, 5, a[:1])
+    summary = rec.finish()
+    assert summary["files"] == 3 and summary["ops"] == 1
+    store = OpStore(tmp_path)
+    got = store.sequences("layers.0.attn")
+    assert torch.equal(got[0].view(torch.int16), a.view(torch.int16)) and got[1].shape == (2, 8)
+    assert store.fingerprint("layers.0.attn", 0) != store.fingerprint("layers.0.attn", 1)
+    assert torch.equal(store.rows("layers.0.attn", 0, 1, 2), a[1:3])
+    with pytest.raises(InputError, match="no per-op tensors"):
+        OpStore(tmp_path / "nothing")
