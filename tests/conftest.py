@@ -25,6 +25,8 @@ FIXTURE = ROOT / "fixtures" / "qwen3-tiny"
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run tests on real-shape models (minutes each)")
+    parser.addoption("--kernel-device", default="cpu", choices=("cpu", "cuda", "interpret"),
+                     help="strict-kernel backend for tests/test_kernels.py (interpret: set TRITON_INTERPRET=1)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,21 @@
+"""alignaudit_kernels: strict kernels whose results do not depend on batch size, position in the batch,
+prefill vs decode, or the engine that calls them.
+
+Imported as ``alignaudit_kernels`` (the folder is kernels/; a top-level package named ``kernels`` would be
+picked up by transformers as the Hugging Face kernels library). Each op has a CPU implementation and a
+Triton implementation with the same contract, chosen by the tensors' device (``TRITON_INTERPRET=1`` runs
+the Triton kernels on CPU tensors). docs/kernels.md tabulates each kernel's reduction order, precision,
+rounding points and primitives.
+"""
+
+from alignaudit_kernels.attention import paged_attention, varlen_attention
+from alignaudit_kernels.logprobs import log_softmax, token_logprobs
+from alignaudit_kernels.matmul import linear
+from alignaudit_kernels.rmsnorm import rms_norm
+from alignaudit_kernels.rope import apply_rope, rope_tables
+from alignaudit_kernels.silu import silu_and_mul, silu_mul
+
+__all__ = [
+    "apply_rope", "linear", "log_softmax", "paged_attention", "rms_norm", "rope_tables", "silu_and_mul",
+    "silu_mul", "token_logprobs", "varlen_attention",
+]

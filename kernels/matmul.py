@@ -1,0 +1,136 @@
+"""Strict linear layer: y = x @ W^T (+ b), one fixed reduction order over K for every row.
+
+Contract (both backends):
+    inputs        x [..., K] and W [N, K] in bf16, fp16 or fp32 (one dtype); optional bias [N]
+    precision     products and accumulation in fp32; bias added in fp32
+    rounding      once, fp32 -> x.dtype, at the end
+    reduction     over K only, no split-K; the order for an output element depends on K alone, never
+                  on the number of rows, the row's position, or the other rows
+    CPU order     K in blocks of 32 (zero-padded), each block a pairwise tree, blocks added left to right
+                  (kernels/primitives.fixed_sum); products x*w rounded to fp32 (exact for bf16/fp16)
+    GPU order     Triton: one program per (BLOCK_M x BLOCK_N) output tile, K in steps of BLOCK_K in
+                  increasing order, tl.dot accumulating in fp32 (tensor cores; fp32 inputs use IEEE fp32
+                  products, not TF32); fixed tile sizes per dtype, no autotuning
+Backward: plain torch matmuls in fp32 (correct, not strict).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignaudit_kernels.primitives import BLOCK, block_sums, triton
+
+CPU_CHUNK_ELEMENTS = 1 << 24  # rows are independent: process as many as fit in this many fp32 products
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch, in the inputs' dtype (pass float64 for an accuracy reference)."""
+    y = x @ weight.T
+    return y + bias if bias is not None else y
+
+
+def _cpu(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x2.shape
+    n = weight.shape[0]
+    pad = (-k) % BLOCK
+    xf = torch.nn.functional.pad(x2.float(), (0, pad)).unflatten(-1, (-1, BLOCK))  # [M, KB, 32]
+    wf = torch.nn.functional.pad(weight.float(), (0, pad)).unflatten(-1, (-1, BLOCK))  # [N, KB, 32]
+    out = torch.empty(m, n, dtype=torch.float32)
+    rows = max(1, CPU_CHUNK_ELEMENTS // max(1, n * BLOCK))
+    for start in range(0, m, rows):
+        xs = xf[start: start + rows]
+        acc = block_sums(xs[:, None, 0, :] * wf[None, :, 0, :])
+        for b in range(1, xf.shape[1]):
+            acc = acc + block_sums(xs[:, None, b, :] * wf[None, :, b, :])
+        out[start: start + rows] = acc
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x2.dtype)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    # Fixed per dtype: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing.
+    TILES = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3), torch.float32: (64, 64, 32, 4, 2)}
+
+
+def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x2.shape
+    n = weight.shape[0]
+    x2, weight = x2.contiguous(), weight.contiguous()
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    bm, bn, bk, warps, stages = TILES[x2.dtype]
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _matmul_kernel[grid](x2, weight, bias if bias is not None else x2, y, m, n, k, x2.stride(0), weight.stride(0),
+                         y.stride(0), HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return y
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dtype != weight.dtype:
+        raise TypeError(f"strict linear needs one dtype: x is {x.dtype}, weight is {weight.dtype}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"strict linear: x has K={x.shape[-1]}, weight has K={weight.shape[1]}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+    use_triton = x.is_cuda or _interpreting()
+    y = (_triton if use_triton else _cpu)(x2, weight, bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _interpreting() -> bool:
+    import os
+
+    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.float().reshape(-1, weight.shape[0])
+        gx = (g @ weight.float()).to(x.dtype).reshape(x.shape)
+        gw = (g.T @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+        gb = g.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Strict ``x @ weight.T + bias``: x [..., K], weight [N, K], bias [N] or None -> [..., N] in x.dtype.
+
+    Raises:
+        TypeError: x and weight of different dtypes. ValueError: K mismatch.
+    """
+    return _Linear.apply(x, weight, bias)

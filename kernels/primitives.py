@@ -1,0 +1,195 @@
+"""The math primitives every strict kernel uses: exp, log, rsqrt, and a fixed-order sum.
+
+One algorithm each, written twice with the same steps: in torch (the CPU backend) and as Triton device
+functions (the GPU backend). Only IEEE-754 operations that are correctly rounded everywhere are used
+(+, -, *, /, sqrt, floor, comparisons, exact bit manipulation), each rounding separately: no library
+exp/log (glibc, Sleef and CUDA's differ in the last bit, and torch's CPU loops use Sleef for full vectors
+but the scalar libm for the tail, so ``torch.exp`` can depend on an element's position in the tensor),
+and no fused multiply-add (Triton kernels are compiled with ``enable_fp_fusion=False``).
+
+exp (fp32): Cody-Waite range reduction x = n*ln2 + r with n = floor(x*log2(e) + 0.5), ln2 split into
+    LN2_HI (exact in 16 bits, so n*LN2_HI is exact) and LN2_LO; e^r by the degree-7 Taylor polynomial in
+    Horner form (truncation < 6e-9 relative on |r| <= ln2/2); scaled by 2^n as two exact power-of-two
+    factors so that subnormal results round once. Measured error: <= 2 ULP (tests/kernels).
+log (fp32): x = m * 2^e with m in [sqrt(1/2), sqrt(2)) by bit manipulation (subnormals pre-scaled by
+    2^25); log(m) with s = f/(2+f), f = m-1, and the fdlibm e_logf.c polynomial in s^2; e*ln2 added as
+    hi and lo parts. Measured error: <= 2 ULP.
+rsqrt: 1 / sqrt(x): two correctly rounded operations (sqrt_rn corrects torch's CPU sqrt, which is not
+    correctly rounded in fp32), so the CPU and GPU results are bit-identical.
+fixed_sum (CPU): pad the reduced axis with +0.0 to a multiple of BLOCK (32), sum each block by a pairwise
+    tree (element i with i+16, then i+8, ...), then add the block sums left to right. The order depends
+    only on the axis length, never on the other dimensions, the thread count or memory layout.
+Sources: W. J. Cody and W. Waite, "Software Manual for the Elementary Functions" (1980); fdlibm
+(e_expf.c, e_logf.c, Sun Microsystems 1993) for the reduction constants and the log polynomial.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+
+LOG2E = 1.44269504088896341
+LN2_HI = 0.693145751953125  # 0x3f317200: 16 significant bits, so n * LN2_HI is exact for |n| < 256
+LN2_LO = 1.428606765330187e-06  # 0x35bfbe8e: ln2 - LN2_HI
+EXP_HI = 88.72283935546875  # above: +inf
+EXP_LO = -103.97207708  # below: 0
+EXP_POLY = (1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0)  # Horner, highest degree first
+SQRT_HALF_BITS = 0x3F3504F3  # sqrt(1/2) in fp32
+LG1, LG2, LG3, LG4 = 0.66666662693, 0.40000972152, 0.28498786688, 0.24279078841  # fdlibm e_logf.c
+
+
+def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def _pow2(n: torch.Tensor) -> torch.Tensor:
+    """2**n for integral float n in [-126, 127], exactly, from the exponent bits."""
+    return ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """e**x elementwise, fp32 in and out (module docstring: algorithm and error)."""
+    x = x.float()
+    n = torch.floor(x * LOG2E + 0.5)
+    r = (x - n * LN2_HI) - n * LN2_LO
+    p = torch.full_like(r, EXP_POLY[0])
+    for c in EXP_POLY[1:]:
+        p = p * r + c
+    n = n.clamp(-252.0, 254.0)
+    half = torch.floor(n * 0.5)
+    y = (p * _pow2(half)) * _pow2(n - half)
+    y = torch.where(x > EXP_HI, _f32(float("inf"), x), y)
+    y = torch.where(x < EXP_LO, _f32(0.0, x), y)
+    return torch.where(torch.isnan(x), x, y)
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """Natural log elementwise, fp32 in and out; log(0) = -inf, log(x<0) = NaN, log(inf) = inf."""
+    x = x.float()
+    tiny = x < 1.1754943508222875e-38  # subnormal (or zero/negative): pre-scale by 2**25
+    xs = torch.where(tiny, x * 33554432.0, x)
+    bits = xs.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 - torch.where(tiny, 25, 0).to(torch.int32)
+    mant = (bits & 0x007FFFFF) | 0x3F800000  # m in [1, 2)
+    big = mant > (SQRT_HALF_BITS + 0x00800000)  # m > sqrt(2): use m/2, e+1
+    m = torch.where(big, mant - 0x00800000, mant).view(torch.float32)
+    e = (e + big.to(torch.int32)).float()
+    f = m - 1.0
+    s = f / (f + 2.0)
+    z = s * s
+    w = z * z
+    r = z * (LG1 + w * (LG3)) + w * (LG2 + w * LG4)
+    hfsq = 0.5 * f * f
+    y = e * LN2_HI - ((hfsq - (s * (hfsq + r) + e * LN2_LO)) - f)
+    y = torch.where(x == 0, _f32(float("-inf"), x), y)
+    y = torch.where(x < 0, _f32(float("nan"), x), y)
+    y = torch.where(torch.isinf(x) & (x > 0), x, y)
+    return torch.where(torch.isnan(x), x, y)
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root.
+
+    torch.sqrt on the CPU is not correctly rounded for fp32 (its vectorized path is off by one ULP for
+    some inputs). Starting from it, the result is moved to the neighbour whose rounding interval holds
+    the true root; the midpoint tests are exact in float64 (a midpoint has 25 significant bits, its
+    square 50), and a square root never falls exactly on a midpoint.
+    """
+    x = x.float()
+    s = torch.sqrt(x)
+    xd, sd = x.double(), s.double()
+    up = torch.nextafter(s, torch.full_like(s, float("inf")))
+    down = torch.nextafter(s, torch.zeros_like(s))
+    mid_up = (sd + up.double()) * 0.5
+    mid_down = (sd + down.double()) * 0.5
+    s = torch.where(mid_up * mid_up < xd, up, s)
+    return torch.where(mid_down * mid_down > xd, down, s)
+
+
+def rsqrt(x: torch.Tensor) -> torch.Tensor:
+    """1 / sqrt(x), fp32: correctly rounded sqrt, then correctly rounded division."""
+    return 1.0 / sqrt_rn(x)
+
+
+def fixed_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over ``dim`` in the fixed order of the module docstring (fp32 in, fp32 out)."""
+    x = x.float().movedim(dim, -1)
+    n = x.shape[-1]
+    pad = (-n) % BLOCK
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    blocks = block_sums(x.unflatten(-1, (-1, BLOCK)))
+    total = blocks[..., 0]
+    for b in range(1, blocks.shape[-1]):
+        total = total + blocks[..., b]
+    return total
+
+
+def block_sums(x: torch.Tensor) -> torch.Tensor:
+    """[..., BLOCK] -> [...]: the pairwise tree of one block (i + i+16, then i + i+8, ...)."""
+    width = x.shape[-1]
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install without Triton: the CPU backend still works
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def pow2_t(n):
+        return ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def exp_t(x):
+        """Triton twin of ``exp`` (same steps; compile with enable_fp_fusion=False)."""
+        n = tl.floor(x * 1.44269504088896341 + 0.5)
+        r = (x - n * 0.693145751953125) - n * 1.428606765330187e-06
+        p = r * (1.0 / 5040) + (1.0 / 720)
+        p = p * r + (1.0 / 120)
+        p = p * r + (1.0 / 24)
+        p = p * r + (1.0 / 6)
+        p = p * r + 0.5
+        p = p * r + 1.0
+        p = p * r + 1.0
+        n = tl.minimum(tl.maximum(n, -252.0), 254.0)
+        half = tl.floor(n * 0.5)
+        y = (p * pow2_t(half)) * pow2_t(n - half)
+        y = tl.where(x > 88.72283935546875, float("inf"), y)
+        y = tl.where(x < -103.97207708, 0.0, y)
+        return tl.where(x != x, x, y)
+
+    @triton.jit
+    def log_t(x):
+        """Triton twin of ``log``."""
+        tiny = x < 1.1754943508222875e-38
+        xs = tl.where(tiny, x * 33554432.0, x)
+        bits = xs.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 - tl.where(tiny, 25, 0)
+        mant = (bits & 0x007FFFFF) | 0x3F800000
+        big = mant > (0x3F3504F3 + 0x00800000)
+        m = tl.where(big, mant - 0x00800000, mant).to(tl.float32, bitcast=True)
+        ef = (e + big.to(tl.int32)).to(tl.float32)
+        f = m - 1.0
+        s = tl.div_rn(f, f + 2.0)
+        z = s * s
+        w = z * z
+        r = z * (0.66666662693 + w * 0.28498786688) + w * (0.40000972152 + w * 0.24279078841)
+        hfsq = 0.5 * f * f
+        y = ef * 0.693145751953125 - ((hfsq - (s * (hfsq + r) + ef * 1.428606765330187e-06)) - f)
+        y = tl.where(x == 0, float("-inf"), y)
+        y = tl.where(x < 0, float("nan"), y)
+        y = tl.where(x == float("inf"), x, y)
+        return tl.where(x != x, x, y)
+
+    @triton.jit
+    def rsqrt_t(x):
+        """Triton twin of ``rsqrt``: IEEE sqrt and division (tl.sqrt and tl.rsqrt are approximate)."""
+        return tl.div_rn(1.0, tl.sqrt_rn(x))

@@ -1,0 +1,137 @@
+"""Strict RMSNorm, optionally fused with the residual add before it.
+
+    s = x (+ residual)                   rounding point 1: s rounded to x.dtype (the residual stream is
+                                         kept in the storage dtype, as vLLM, Megatron and HF keep it)
+    y = s * rsqrt(mean(s^2) + eps) * w   rounding point 2: once, fp32 -> x.dtype, at the end
+
+Contract (both backends):
+    precision     s, s^2, the sum, mean, rsqrt and both products in fp32 (w upcast to fp32)
+    reduction     sum of s^2 over the hidden axis. CPU: kernels/primitives.fixed_sum (blocks of 32,
+                  pairwise tree in a block, blocks left to right). GPU: one program per row, the whole
+                  row in registers, tl.sum's fixed tree for that row length. Neither depends on the
+                  number of rows
+    primitives    rsqrt = 1/sqrt (correctly rounded sqrt and division); mean = sum / H (one division)
+    order         ((s * inv) * w): the normalized value is not rounded before the weight multiply
+                  (unlike HF's Qwen3RMSNorm, which rounds it to the storage dtype first)
+Backward: plain torch in fp32 (correct, not strict).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignaudit_kernels.primitives import fixed_sum, rsqrt, triton
+
+
+def reference(x, weight, eps, residual=None):
+    """Plain torch in the inputs' dtype (float64 inputs for an accuracy reference)."""
+    s = x + residual if residual is not None else x
+    y = s * torch.rsqrt((s * s).mean(-1, keepdim=True) + eps) * weight
+    return (y, s) if residual is not None else y
+
+
+def _cpu(x2, weight, eps, residual2):
+    s = x2 if residual2 is None else (x2.float() + residual2.float()).to(x2.dtype)
+    sf = s.float()
+    mean = fixed_sum(sf * sf) / sf.shape[-1]
+    inv = rsqrt(mean + eps)
+    y = ((sf * inv[:, None]) * weight.float()).to(x2.dtype)
+    return y, s
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from alignaudit_kernels.primitives import rsqrt_t
+
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, stride_x, stride_r, stride_y, stride_s,
+                        HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        mask = cols < H
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * stride_s + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        mean = tl.div_rn(tl.sum(xf * xf, axis=0), H.to(tl.float32))
+        inv = rsqrt_t(mean + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + cols, ((xf * inv) * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _triton(x2, weight, eps, residual2):
+    m, h = x2.shape
+    y = torch.empty_like(x2)
+    s = torch.empty_like(x2) if residual2 is not None else x2
+    block = triton.next_power_of_2(h)
+    _rmsnorm_kernel[(m,)](x2, residual2 if residual2 is not None else x2, weight, y, s, h, eps,
+                          x2.stride(0), residual2.stride(0) if residual2 is not None else 0, y.stride(0), s.stride(0),
+                          HAS_RESIDUAL=residual2 is not None, BLOCK_H=block,
+                          num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
+    return y, s
+
+
+def _forward(x, weight, eps, residual):
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h).contiguous()
+    r2 = residual.reshape(-1, h).contiguous() if residual is not None else None
+    if r2 is not None and r2.dtype != x2.dtype:
+        raise TypeError(f"strict rms_norm: residual is {r2.dtype}, x is {x2.dtype}")
+    from alignaudit_kernels.matmul import _interpreting
+
+    y, s = (_triton if x.is_cuda or _interpreting() else _cpu)(x2, weight, float(eps), r2)
+    return y.reshape(x.shape), s.reshape(x.shape)
+
+
+def _backward(s, weight, eps, gy):
+    """Gradient of y = rmsnorm(s) * w with respect to s and w, in fp32 (through the reference)."""
+    with torch.enable_grad():
+        sf = s.detach().float().requires_grad_()
+        wf = weight.detach().float().requires_grad_()
+        gs, gw = torch.autograd.grad(reference(sf, wf, eps), (sf, wf), gy.float())
+    return gs, gw
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _forward(x, weight, eps, None)[0]
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        gx, gw = _backward(x, weight, ctx.eps, gy)
+        return gx.to(x.dtype), gw.to(weight.dtype), None
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, residual):
+        y, s = _forward(x, weight, eps, residual)
+        ctx.save_for_backward(s, weight)
+        ctx.eps = eps
+        return y, s
+
+    @staticmethod
+    def backward(ctx, gy, gs_out):
+        s, weight = ctx.saved_tensors
+        gs, gw = _backward(s, weight, ctx.eps, gy)
+        if gs_out is not None:
+            gs = gs + gs_out.float()
+        return gs.to(s.dtype), gw.to(weight.dtype), None, gs.to(s.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Strict RMSNorm over the last axis. x [..., H] (bf16/fp16/fp32), weight [H].
+
+    Returns y (x.dtype) when ``residual`` is None, else ``(y, s)`` with s = round(x + residual), the new
+    residual stream. Raises TypeError when residual and x dtypes differ.
+    """
+    if residual is None:
+        return _RMSNorm.apply(x, weight, eps)
+    return _AddRMSNorm.apply(x, weight, eps, residual)

@@ -1,0 +1,117 @@
+"""Strict rotary position embedding (Qwen/Llama "rotate half" layout) and its cos/sin tables.
+
+Tables, computed once per (rows, rotary_dim, theta), the same way for every engine and device:
+    inv_freq[i] = 1 / theta ** (2i / rotary_dim), angle = position * inv_freq[i], cos and sin of it, all in
+    float64 on the CPU, then rounded once to fp32 ([max_positions, rotary_dim / 2] each). Every call
+    indexes the same table, so a position's factors never depend on which positions are in the batch.
+Apply, per token and head, with x1 = x[..., :D/2] and x2 = x[..., D/2:] (fp32, each product and sum
+rounded, no FMA):
+    out1 = x1 * cos - x2 * sin        out2 = x2 * cos + x1 * sin
+    rounding point: once, fp32 -> x.dtype, at the end
+No reduction. Backward: the inverse rotation in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from alignaudit_kernels.primitives import triton
+
+
+TABLE_ROWS = 1024  # tables grow in whole multiples of this many positions
+
+
+@functools.lru_cache(maxsize=16)
+def _tables_cpu(rows: int, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+@functools.lru_cache(maxsize=16)
+def rope_tables(max_positions: int, rotary_dim: int, theta: float, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each fp32 [>= max_positions, rotary_dim // 2], on ``device`` (copied from the CPU tables).
+
+    The row count is rounded up to a multiple of TABLE_ROWS, so the tensors torch's vectorized cos/sin run
+    over have no tail: torch's CPU loops use a scalar libm call for a tail that does not fill a vector,
+    which could give a position another last bit in a table of another length.
+    """
+    rows = -(-max_positions // TABLE_ROWS) * TABLE_ROWS
+    cos, sin = _tables_cpu(rows, rotary_dim, float(theta))
+    return cos.to(device), sin.to(device)
+
+
+def reference(x, positions, cos, sin):
+    """Plain torch in the dtype of x (float64 for an accuracy reference)."""
+    half = x.shape[-1] // 2
+    c, s = cos[positions][:, None, :].to(x.dtype), sin[positions][:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _cpu(x, positions, cos, sin):
+    half = x.shape[-1] // 2
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, H, stride_xt, stride_xh, stride_yt, stride_yh,
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (heads[:, None] < H) & (d[None, :] < HALF)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        c = tl.load(cos_ptr + pos * HALF + d, mask=d < HALF, other=0.0)[None, :]
+        s = tl.load(sin_ptr + pos * HALF + d, mask=d < HALF, other=0.0)[None, :]
+        base = x_ptr + t * stride_xt + heads[:, None] * stride_xh + d[None, :]
+        x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+        out = y_ptr + t * stride_yt + heads[:, None] * stride_yh + d[None, :]
+        tl.store(out, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _triton(x, positions, cos, sin):
+    t, h, d = x.shape
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    block_h = min(16, triton.next_power_of_2(h))
+    _rope_kernel[(t, triton.cdiv(h, block_h))](x, positions.contiguous(), cos.contiguous(), sin.contiguous(), y, h,
+                                               x.stride(0), x.stride(1), y.stride(0), y.stride(1), HALF=d // 2,
+                                               BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d // 2),
+                                               enable_fp_fusion=False)
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions, cos, sin):
+        from alignaudit_kernels.matmul import _interpreting
+
+        ctx.save_for_backward(positions, cos, sin)
+        return (_triton if x.is_cuda or _interpreting() else _cpu)(x, positions, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        positions, cos, sin = ctx.saved_tensors
+        return reference(g.float(), positions, cos.float(), -sin.float()).to(g.dtype), None, None, None
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] by the angles of ``positions`` [tokens] (int) from rope_tables.
+
+    The whole head_dim rotates (rotary_dim == head_dim, as in Qwen3 and Llama).
+    Raises ValueError on shape mismatches.
+    """
+    if x.dim() != 3 or positions.shape != (x.shape[0],) or cos.shape[1] * 2 != x.shape[-1]:
+        raise ValueError(f"apply_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}, tables {tuple(cos.shape)}")
+    return _Rope.apply(x, positions, cos, sin)

@@ -1,0 +1,81 @@
+"""Strict SiLU-and-mul (the SwiGLU activation): out = silu(gate) * up.
+
+Per element, in fp32 (each operation rounded, no FMA):
+    silu = gate / (1 + exp(-gate))      exp: kernels/primitives (same algorithm on CPU and GPU)
+    out  = silu * up                    rounding point: once, fp32 -> dtype, at the end
+No reduction. Backward: plain torch in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignaudit_kernels.primitives import exp, triton
+
+
+def reference(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+def _cpu(gate, up):
+    g = gate.float()
+    return ((g / (1.0 + exp(-g))) * up.float()).to(gate.dtype)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from alignaudit_kernels.primitives import exp_t
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, stride_g, stride_u, stride_y, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        silu = tl.div_rn(g, 1.0 + exp_t(-g))
+        tl.store(y_ptr + row * stride_y + cols, (silu * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _triton(gate, up):
+    rows, cols = gate.shape
+    y = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, y, cols, gate.stride(0), up.stride(0), y.stride(0),
+                                                       BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return y
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        from alignaudit_kernels.matmul import _interpreting
+
+        ctx.save_for_backward(gate, up)
+        shape = gate.shape
+        g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+        if g2.stride(-1) != 1 or u2.stride(-1) != 1:
+            g2, u2 = g2.contiguous(), u2.contiguous()
+        return (_triton if gate.is_cuda or _interpreting() else _cpu)(g2, u2).reshape(shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up = ctx.saved_tensors
+        with torch.enable_grad():
+            gf, uf = gate.detach().float().requires_grad_(), up.detach().float().requires_grad_()
+            dg, du = torch.autograd.grad(reference(gf, uf), (gf, uf), g.float())
+        return dg.to(gate.dtype), du.to(up.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Strict silu(gate) * up; gate and up of one shape [..., I] and dtype."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"silu_mul: gate {gate.dtype}{tuple(gate.shape)} vs up {up.dtype}{tuple(up.shape)}")
+    return _SiluMul.apply(gate, up)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Strict SwiGLU on a fused [..., 2I] tensor laid out [gate | up] (vLLM, Megatron): -> [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu_mul(gate, up)

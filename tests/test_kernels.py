@@ -1,0 +1,461 @@
+"""Strict kernels: bitwise invariance, accuracy against fp64, backward, and negative controls.
+
+Runs on one backend per session, chosen by --kernel-device:
+    cpu        the CPU implementations (default; CI)
+    interpret  the Triton kernels under TRITON_INTERPRET=1 on CPU tensors, fp32 only (bf16 is broken in
+               the interpreter); tests/test_kernels_interpret.py runs this in a subprocess
+    cuda       the Triton kernels on a GPU (bench/gpu_tests.sh)
+
+Invariance: the same row at the first, a middle and the last position of batches of 1, 2, 33, 255, 257
+and 300 rows gives the same bits; attention gives the same bits for a query whether computed in a
+ragged prefill batch or decoded alone over a paged KV cache with shuffled pages. Each property has a
+negative control: a stock path (torch, or the formula another engine uses) that differs on the same inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import alignaudit_kernels as K
+from alignaudit_kernels import attention, logprobs, matmul, primitives, rmsnorm, rope, silu
+from conftest import assert_bitwise_equal
+
+BATCHES = (1, 2, 33, 255, 257, 300)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+EXAMPLES = settings(max_examples=1 if INTERPRET else 4, deadline=None, phases=[Phase.explicit, Phase.generate],
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+needs_hardware_dot = pytest.mark.skipif(
+    INTERPRET, reason="the interpreter's tl.dot is numpy BLAS, whose result for a row depends on its place in the "
+                      "tile; tensor-core dot invariance is tested on the GPU")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    return "cuda" if request.config.getoption("--kernel-device") == "cuda" else "cpu"
+
+
+def dtypes_for(request):
+    if request.config.getoption("--kernel-device") == "interpret":
+        return [torch.float32]
+    return [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture(params=["bf16", "fp16", "fp32"])
+def dtype(request):
+    d = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[request.param]
+    if d not in dtypes_for(request):
+        pytest.skip("the Triton interpreter only handles fp32")
+    return d
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, dtype, device, seed, scale=1.0):
+    return (torch.randn(*shape, generator=gen(seed)) * scale).to(dtype).to(device)
+
+
+def rows_everywhere(fn, row, make_others, device):
+    """Evaluate fn on batches holding ``row`` at the first, a middle and the last position; return the
+    outputs for the row, and the output for the row alone."""
+    alone = fn(row[None])[0]
+    outs = []
+    for b in BATCHES:
+        others = make_others(b)
+        for pos in sorted({0, b // 2, b - 1}):
+            batch = others.clone()
+            batch[pos] = row
+            outs.append(((b, pos), fn(batch)[pos]))
+    return alone, outs
+
+
+def ulp_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of ``dtype`` at |x| (float64), at least the smallest normal's spacing."""
+    finfo = torch.finfo(dtype)
+    mag = x.abs().double().clamp_min(finfo.smallest_normal)
+    return torch.exp2(torch.floor(torch.log2(mag)) - (finfo.nmant if hasattr(finfo, "nmant") else _mant(dtype)))
+
+
+def _mant(dtype):
+    return {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}[dtype]
+
+
+def assert_within(name, got, ref64, bound):
+    err = (got.double().cpu() - ref64.cpu()).abs()
+    worst = float((err - bound.cpu()).max())
+    assert worst <= 0, f"{name}: error exceeds bound by {worst:.3e} (max error {float(err.max()):.3e})"
+
+
+# ---------------------------------------------------------------- primitives
+
+
+def test_exp_log_within_2_ulp_of_fp64():
+    x = torch.cat([torch.linspace(-103, 88.7, 200001), torch.randn(10000) * 10, torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    ref = torch.exp(x.double())
+    finite = ref < 3e38
+    err_ulp = (primitives.exp(x).double() - ref).abs() / ulp_of(ref.float(), torch.float32)
+    assert float(err_ulp[finite & (ref > 1.2e-38)].max()) <= 2.0
+    y = torch.cat([torch.rand(200000) * 100, torch.exp(torch.linspace(-87, 88, 100000)),
+                   torch.tensor([1e-45, 3e-40, 1.0, 2.0, 0.5])])
+    ref = torch.log(y.double())
+    err_ulp = (primitives.log(y).double() - ref).abs() / ulp_of(ref.float(), torch.float32).clamp_min(2**-149)
+    assert float(err_ulp.max()) <= 2.0
+    special = primitives.log(torch.tensor([0.0, -1.0, float("inf"), float("nan")]))
+    assert special[0] == float("-inf") and math.isnan(special[1]) and special[2] == float("inf") and math.isnan(special[3])
+    assert primitives.exp(torch.tensor([0.0]))[0] == 1.0 and primitives.exp(torch.tensor([-float("inf")]))[0] == 0.0
+
+
+@EXAMPLES
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 97), offset=st.integers(0, 40))
+def test_primitives_do_not_depend_on_position_in_tensor(seed, n, offset):
+    """torch.exp on CPU takes Sleef for full vectors and libm for the tail; ours is the same everywhere."""
+    x = torch.randn(n + offset + 5, generator=gen(seed)) * 20
+    whole = primitives.exp(x)
+    part = primitives.exp(x[offset: offset + n])
+    assert_bitwise_equal("exp", whole[offset: offset + n], part)
+    assert_bitwise_equal("log", primitives.log(x.abs())[offset: offset + n], primitives.log(x[offset: offset + n].abs()))
+
+
+def test_triton_primitives_match_the_cpu_bit_for_bit(request):
+    """Same steps, no FMA, IEEE division and sqrt: the Triton twins reproduce the CPU primitives exactly."""
+    if request.config.getoption("--kernel-device") == "cpu":
+        pytest.skip("compares the Triton twins (interpret or cuda) with the CPU primitives")
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def apply(x_ptr, e_ptr, l_ptr, r_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n, other=1.0)
+        tl.store(e_ptr + i, primitives.exp_t(x), mask=i < n)
+        tl.store(l_ptr + i, primitives.log_t(tl.abs(x)), mask=i < n)
+        tl.store(r_ptr + i, primitives.rsqrt_t(tl.abs(x)), mask=i < n)
+
+    x = torch.cat([torch.randn(50000, generator=gen(3)) * 30, torch.tensor([0.0, 1e-40, -1e-40, 88.7, -103.0])])
+    dev = "cuda" if request.config.getoption("--kernel-device") == "cuda" else "cpu"
+    xd = x.to(dev)
+    outs = [torch.empty_like(xd) for _ in range(3)]
+    apply[(triton.cdiv(x.numel(), 1024),)](xd, *outs, x.numel(), BLOCK=1024, enable_fp_fusion=False)
+    assert_bitwise_equal("exp", outs[0].cpu(), primitives.exp(x))
+    assert_bitwise_equal("log", outs[1].cpu(), primitives.log(x.abs()))
+    assert_bitwise_equal("rsqrt", outs[2].cpu(), primitives.rsqrt(x.abs()))
+
+
+def test_sqrt_is_correctly_rounded():
+    x = torch.cat([torch.rand(300000, generator=gen(4)) * 1e6, torch.tensor([0.0, 1e-45, 3e-39, 1.0, 4.0, 2.0])])
+    exact = torch.sqrt(x.double())  # float64 sqrt of a float: its rounding to fp32 is the correctly rounded root
+    assert_bitwise_equal("sqrt_rn", primitives.sqrt_rn(x), exact.float())
+    assert not torch.equal(torch.sqrt(x), exact.float())  # negative control: torch's fp32 sqrt on this CPU
+
+
+def test_fixed_sum_order_is_its_definition():
+    x = torch.randn(3, 70, generator=gen(1))
+    padded = torch.nn.functional.pad(x, (0, 26)).view(3, 3, 32)
+    expected = primitives.block_sums(padded[:, 0]) + primitives.block_sums(padded[:, 1])
+    expected = expected + primitives.block_sums(padded[:, 2])
+    assert_bitwise_equal("fixed_sum", primitives.fixed_sum(x), expected)
+
+
+# ---------------------------------------------------------------- linear
+
+
+@needs_hardware_dot
+@EXAMPLES
+@given(seed=st.integers(0, 10**6))
+def test_linear_is_batch_invariant(device, dtype, seed):
+    k, n = 80, 96
+    w = randn(n, k, dtype=dtype, device=device, seed=seed)
+    row = randn(k, dtype=dtype, device=device, seed=seed + 1)
+    alone, outs = rows_everywhere(lambda x: K.linear(x, w), row,
+                                  lambda b: randn(b, k, dtype=dtype, device=device, seed=seed + b), device)
+    for where, out in outs:
+        assert_bitwise_equal(f"linear row at {where}", out, alone)
+
+
+def test_linear_accuracy_and_bias(device, dtype):
+    k, n = 300, 64
+    x, w = randn(37, k, dtype=dtype, device=device, seed=1), randn(n, k, dtype=dtype, device=device, seed=2, scale=0.1)
+    b = randn(n, dtype=dtype, device=device, seed=3)
+    got = K.linear(x, w, b)
+    ref = matmul.reference(x.double(), w.double(), b.double())
+    bound = ulp_of(ref, dtype) + k * 2**-23 * (x.double().abs() @ w.double().abs().T + b.double().abs())
+    assert got.dtype == dtype and got.shape == (37, n)
+    assert_within("linear", got, ref, bound)
+
+
+def test_linear_negative_control_stock_matmul_varies_with_batch(device):
+    """torch's fp32 GEMM takes another path for one row than for many: the problem linear() removes."""
+    w = randn(512, 384, dtype=torch.float32, device=device, seed=5)
+    x = randn(300, 384, dtype=torch.float32, device=device, seed=6)
+    stock = torch.nn.functional.linear
+    assert not torch.equal(stock(x[:1], w), stock(x, w)[:1])
+    assert torch.equal(K.linear(x[:1], w), K.linear(x, w)[:1])
+
+
+def test_cpu_kernels_do_not_depend_on_thread_count(device):
+    if device != "cpu":
+        pytest.skip("thread count is a CPU property")
+    x, w = randn(33, 200, dtype=torch.bfloat16, device="cpu", seed=7), randn(50, 200, dtype=torch.bfloat16, device="cpu", seed=8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = (K.linear(x, w), K.rms_norm(x, w[0], 1e-6), K.log_softmax(x))
+        torch.set_num_threads(max(2, threads))
+        many = (K.linear(x, w), K.rms_norm(x, w[0], 1e-6), K.log_softmax(x))
+    finally:
+        torch.set_num_threads(threads)
+    for name, a, b in zip(("linear", "rms_norm", "log_softmax"), one, many):
+        assert_bitwise_equal(name, a, b)
+
+
+# ---------------------------------------------------------------- rmsnorm
+
+
+@EXAMPLES
+@given(seed=st.integers(0, 10**6))
+def test_rmsnorm_is_batch_invariant_with_and_without_residual(device, dtype, seed):
+    h = 160
+    w = randn(h, dtype=dtype, device=device, seed=seed, scale=0.5) + 1
+    row = randn(2, h, dtype=dtype, device=device, seed=seed + 1)
+
+    def fused(batch):
+        y, s = K.rms_norm(batch[:, 0], w, 1e-6, residual=batch[:, 1])
+        return torch.stack([y, s], 1)
+
+    for fn in (lambda b: K.rms_norm(b[:, 0], w, 1e-6), fused):
+        alone, outs = rows_everywhere(fn, row, lambda b: randn(b, 2, h, dtype=dtype, device=device, seed=seed + b), device)
+        for where, out in outs:
+            assert_bitwise_equal(f"rms_norm row at {where}", out, alone)
+
+
+def test_rmsnorm_rounding_points_and_accuracy(device, dtype):
+    h = 256
+    x, r = randn(64, h, dtype=dtype, device=device, seed=1), randn(64, h, dtype=dtype, device=device, seed=2)
+    w = randn(h, dtype=dtype, device=device, seed=3, scale=0.2) + 1
+    y, s = K.rms_norm(x, w, 1e-6, residual=r)
+    assert_bitwise_equal("residual stream", s, (x.float() + r.float()).to(dtype))  # rounding point 1
+    ref = rmsnorm.reference(s.double(), w.double(), 1e-6)
+    assert_within("rms_norm", y, ref, 1.01 * ulp_of(ref, dtype) + 8 * 2**-23 * ref.abs())
+
+
+def test_rmsnorm_negative_control_engines_round_differently():
+    """HF's Qwen3RMSNorm (rounds before the weight) and torch.nn.RMSNorm (Megatron) disagree."""
+    x = randn(64, 256, dtype=torch.bfloat16, device="cpu", seed=4)
+    w = randn(256, dtype=torch.bfloat16, device="cpu", seed=5, scale=0.2) + 1
+    xf = x.float()
+    hf = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    torch_norm = torch.nn.functional.rms_norm(x, (256,), w, 1e-6)
+    assert not torch.equal(hf, torch_norm)
+
+
+# ---------------------------------------------------------------- rope
+
+
+def test_rope_tables_do_not_depend_on_length():
+    short, _ = rope.rope_tables(100, 64, 1e6)
+    long, _ = rope.rope_tables(5000, 64, 1e6)
+    assert_bitwise_equal("cos table", short[:1024], long[:1024])
+    ref = torch.cos(torch.arange(5000, dtype=torch.float64)[:, None] / 1e6 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    assert float((long[:5000].double() - ref).abs().max()) <= 2**-24
+
+
+@EXAMPLES
+@given(seed=st.integers(0, 10**6))
+def test_rope_is_batch_and_position_set_invariant(device, dtype, seed):
+    cos, sin = rope.rope_tables(4096, 64, 1e6, device)
+    x = randn(300, 4, 64, dtype=dtype, device=device, seed=seed)
+    positions = torch.randint(0, 4096, (300,), generator=gen(seed)).to(device)
+    full = K.apply_rope(x, positions, cos, sin)
+    for i in (0, 150, 299):
+        assert_bitwise_equal(f"rope token {i}", K.apply_rope(x[i:i + 1], positions[i:i + 1], cos, sin)[0], full[i])
+    ref = rope.reference(x.double(), positions, cos.double(), sin.double())
+    assert_within("rope", full, ref, 1.01 * ulp_of(ref, dtype) + 4 * 2**-23 * x.double().abs().amax(-1, keepdim=True).cpu())
+
+
+def test_rope_negative_control_bf16_tables():
+    """HF casts cos/sin to bf16 before the multiply; rounding once in fp32 gives other bits."""
+    cos, sin = rope.rope_tables(512, 32, 1e6)
+    x = randn(512, 2, 32, dtype=torch.bfloat16, device="cpu", seed=9)
+    pos = torch.arange(512)
+    hf_style = rope.reference(x, pos, cos.bfloat16(), sin.bfloat16())
+    assert not torch.equal(hf_style, K.apply_rope(x, pos, cos, sin))
+
+
+# ---------------------------------------------------------------- silu
+
+
+def test_silu_mul_invariance_and_accuracy(device, dtype):
+    g, u = randn(300, 200, dtype=dtype, device=device, seed=1, scale=3), randn(300, 200, dtype=dtype, device=device, seed=2)
+    full = K.silu_mul(g, u)
+    for i in (0, 150, 299):
+        assert_bitwise_equal(f"silu_mul row {i}", K.silu_mul(g[i:i + 1], u[i:i + 1])[0], full[i])
+    assert_bitwise_equal("silu_and_mul", K.silu_and_mul(torch.cat([g, u], -1)), full)
+    ref = silu.reference(g.double(), u.double())
+    assert_within("silu_mul", full, ref, 1.01 * ulp_of(ref, dtype) + 8 * 2**-23 * ref.abs())
+
+
+def test_silu_negative_control_rounded_activation():
+    """HF rounds silu(gate) to bf16 before multiplying by up; vLLM's fused op does not."""
+    g, u = randn(64, 256, dtype=torch.bfloat16, device="cpu", seed=3, scale=3), randn(64, 256, dtype=torch.bfloat16, device="cpu", seed=4)
+    assert not torch.equal(torch.nn.functional.silu(g) * u, K.silu_mul(g, u))
+
+
+# ---------------------------------------------------------------- log_softmax
+
+
+@EXAMPLES
+@given(seed=st.integers(0, 10**6))
+def test_log_softmax_batch_invariant_and_gather_consistent(device, dtype, seed):
+    v = 5000
+    logits = randn(257, v, dtype=dtype, device=device, seed=seed, scale=4)
+    targets = torch.randint(0, v, (257,), generator=gen(seed)).to(device)
+    full = K.log_softmax(logits)
+    assert full.dtype == torch.float32
+    picked = K.token_logprobs(logits, targets)
+    assert_bitwise_equal("token_logprobs vs log_softmax", picked, full.gather(1, targets[:, None])[:, 0])
+    for i in (0, 128, 256):
+        assert_bitwise_equal(f"row {i}", K.token_logprobs(logits[i:i + 1], targets[i:i + 1])[0], picked[i])
+    ref = logprobs.reference(logits.double())
+    assert_within("log_softmax", full, ref, 4 * 2**-23 * (ref.abs() + 8))
+
+
+def test_logprob_negative_control_megatron_formula():
+    """Megatron's cross-entropy (log(sum) - (l - max)) and torch.log_softmax differ in the last bit."""
+    logits = randn(300, 5000, dtype=torch.float32, device="cpu", seed=11, scale=4)
+    t = torch.randint(0, 5000, (300,), generator=gen(12))
+    m = logits.max(-1).values
+    megatron = -(torch.log(torch.exp(logits - m[:, None]).sum(-1)) - (logits.gather(1, t[:, None])[:, 0] - m))
+    assert not torch.equal(megatron, torch.log_softmax(logits, -1).gather(1, t[:, None])[:, 0])
+
+
+# ---------------------------------------------------------------- attention
+
+
+def ragged(lengths, h, kvh, d, dtype, device, seed):
+    total = sum(lengths)
+    q = randn(total, h, d, dtype=dtype, device=device, seed=seed)
+    k = randn(total, kvh, d, dtype=dtype, device=device, seed=seed + 1)
+    v = randn(total, kvh, d, dtype=dtype, device=device, seed=seed + 2)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return q, k, v, cu
+
+
+def paged(k, v, block_size, seed, device):
+    """Scatter one sequence's K/V into a paged cache with shuffled pages; return cache and block table."""
+    n = k.shape[0]
+    pages = (n + block_size - 1) // block_size
+    order = torch.randperm(pages + 3, generator=gen(seed))[:pages]
+    cache_k = torch.zeros(pages + 3, block_size, *k.shape[1:], dtype=k.dtype, device=device)
+    cache_v = torch.zeros_like(cache_k)
+    for i, page in enumerate(order.tolist()):
+        cache_k[page, : min(block_size, n - i * block_size)] = k[i * block_size: (i + 1) * block_size]
+        cache_v[page, : min(block_size, n - i * block_size)] = v[i * block_size: (i + 1) * block_size]
+    return cache_k, cache_v, order[None].to(device)
+
+
+@needs_hardware_dot
+def test_attention_prefill_equals_decode_over_shuffled_pages(device, dtype):
+    h, kvh, d = 8, 2, 32
+    lengths = [70, 5, 130]
+    q, k, v, cu = ragged(lengths, h, kvh, d, dtype, device, seed=1)
+    scale = d ** -0.5
+    prefill = K.varlen_attention(q, k, v, cu, scale)
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        alone = K.varlen_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), scale)
+        assert_bitwise_equal(f"seq {s} alone vs in batch", alone, prefill[a:b])
+        cache_k, cache_v, table = paged(k[a:b], v[a:b], block_size=16, seed=s, device=device)
+        for p in sorted({0, 1, 63, 64, 65, b - a - 1} & set(range(b - a))):
+            one = K.paged_attention(q[a + p: a + p + 1], cache_k, cache_v, table, torch.tensor([p], device=device),
+                                    torch.tensor([0]), scale)
+            assert_bitwise_equal(f"seq {s} decode at {p}", one[0], prefill[a + p])
+        ref = attention.reference(q[a:b].double(), k[a:b].double(), v[a:b].double(), scale)
+        assert_within(f"attention seq {s}", prefill[a:b], ref, 1.01 * ulp_of(ref, dtype) + 2**-9 * v.double().abs().max())
+
+
+@needs_hardware_dot
+def test_paged_prefill_of_a_batch_equals_decode(device):
+    """vLLM's case: several sequences' prompt rows in one paged call, then one decode row each."""
+    h, kvh, d, dtype = 4, 4, 64, torch.float32
+    lengths = [40, 90]
+    q, k, v, cu = ragged(lengths, h, kvh, d, dtype, device, seed=3)
+    caches = [paged(k[a:b], v[a:b], 32, seed=i, device=device) for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+    # one cache holding both sequences: concatenate pages and offset the second table
+    ck = torch.cat([c[0] for c in caches]); cv = torch.cat([c[1] for c in caches])
+    table = torch.zeros(2, 8, dtype=torch.long, device=device)
+    table[0, : caches[0][2].shape[1]] = caches[0][2][0]
+    table[1, : caches[1][2].shape[1]] = caches[1][2][0] + caches[0][0].shape[0]
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+    seq_of_row = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    batch = K.paged_attention(q, ck, cv, table, positions, seq_of_row, d ** -0.5)
+    assert_bitwise_equal("paged prefill vs varlen", batch, K.varlen_attention(q, k, v, cu, d ** -0.5))
+    last = K.paged_attention(q[cu[1:] - 1], ck, cv, table, positions[cu[1:] - 1], torch.arange(2), d ** -0.5)
+    assert_bitwise_equal("decode of both sequences", last, batch[cu[1:] - 1])
+
+
+def test_attention_accuracy_paged_and_varlen(device):
+    """Small enough for the interpreter: the Triton attention's indexing against the fp64 reference."""
+    h, kvh, d = 4, 2, 32
+    q, k, v, cu = ragged([70, 9], h, kvh, d, torch.float32, device, seed=8)
+    out = K.varlen_attention(q, k, v, cu, 0.2)
+    for a, b in ((0, 70), (70, 79)):
+        ref = attention.reference(q[a:b].double(), k[a:b].double(), v[a:b].double(), 0.2)
+        assert_within("attention", out[a:b], ref, 1e-5 + 1e-5 * ref.abs())
+    cache_k, cache_v, table = paged(k[:70], v[:70], block_size=16, seed=1, device=device)
+    last = K.paged_attention(q[69:70], cache_k, cache_v, table, torch.tensor([69], device=device), torch.tensor([0]), 0.2)
+    ref = attention.reference(q[:70].double(), k[:70].double(), v[:70].double(), 0.2)[-1:]
+    assert_within("paged decode", last, ref, 1e-5 + 1e-5 * ref.abs())
+
+
+def test_attention_negative_control_sdpa_prefill_vs_decode(device):
+    q = randn(1, 4, 100, 32, dtype=torch.float32, device=device, seed=5)
+    k = randn(1, 4, 100, 32, dtype=torch.float32, device=device, seed=6)
+    v = randn(1, 4, 100, 32, dtype=torch.float32, device=device, seed=7)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert not torch.equal(sdpa(q, k, v, is_causal=True)[:, :, -1:], sdpa(q[:, :, -1:], k, v))
+
+
+# ---------------------------------------------------------------- backward
+
+
+def test_backward_matches_fp64_autograd(device):
+    torch.manual_seed(0)
+    dt = torch.float32
+
+    def check(name, fn, ref_fn, *inputs, tol=2e-4):
+        ours = [t.detach().to(device).requires_grad_() for t in inputs]
+        theirs = [t.detach().double().requires_grad_() for t in inputs]
+        out = fn(*ours)
+        g = torch.randn(out.shape, generator=gen(99)).to(device)
+        out.backward(g.to(out.dtype))
+        ref_fn(*theirs).backward(g.double().cpu())
+        for a, b in zip(ours, theirs):
+            err = float((a.grad.double().cpu() - b.grad).abs().max() / (b.grad.abs().max() + 1e-12))
+            assert err < tol, f"{name}: relative gradient error {err:.2e}"
+
+    x, w, b = torch.randn(7, 40, dtype=dt), torch.randn(24, 40, dtype=dt), torch.randn(24, dtype=dt)
+    check("linear", K.linear, matmul.reference, x, w, b)
+    check("rms_norm", lambda x, w: K.rms_norm(x, w, 1e-6), lambda x, w: rmsnorm.reference(x, w, 1e-6), x, w[0])
+    check("add_rms_norm", lambda x, r, w: torch.cat(K.rms_norm(x, w, 1e-6, residual=r), -1),
+          lambda x, r, w: torch.cat(rmsnorm.reference(x, w, 1e-6, residual=r), -1), x, x.flip(0), w[0])
+    cos, sin = rope.rope_tables(64, 8, 1e4, device)
+    pos = torch.arange(7).to(device)
+    check("rope", lambda x: K.apply_rope(x, pos, cos, sin), lambda x: rope.reference(x, pos.cpu(), cos.cpu().double(), sin.cpu().double()),
+          x.view(7, 5, 8))
+    check("silu_mul", K.silu_mul, silu.reference, x, x.flip(1))
+    check("log_softmax", K.log_softmax, logprobs.reference, x)
+    t = torch.randint(0, 40, (7,))
+    check("token_logprobs", lambda x: K.token_logprobs(x, t.to(device)), lambda x: logprobs.reference(x).gather(1, t[:, None])[:, 0], x)
+    q, k, v = torch.randn(9, 4, 8, dtype=dt), torch.randn(9, 2, 8, dtype=dt), torch.randn(9, 2, 8, dtype=dt)
+    cu = torch.tensor([0, 4, 9])
+
+    def ref_attn(q, k, v):
+        return torch.cat([attention.reference(q[a:b], k[a:b], v[a:b], 0.3) for a, b in ((0, 4), (4, 9))])
+
+    check("varlen_attention", lambda q, k, v: K.varlen_attention(q, k, v, cu, 0.3), ref_attn, q, k, v)
