@@ -185,7 +185,7 @@ def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale):
         tile_seq, tile_row, tile_n, float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if block_table.dim() == 2 else 0,
-        BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), TILE=TILE_ROWS,
+        BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=TILE_ROWS,
         BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2, enable_fp_fusion=False)
     return out
 

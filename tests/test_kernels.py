@@ -275,7 +275,7 @@ def test_rope_is_batch_and_position_set_invariant(device, dtype, seed):
     full = K.apply_rope(x, positions, cos, sin)
     for i in (0, 150, 299):
         assert_bitwise_equal(f"rope token {i}", K.apply_rope(x[i:i + 1], positions[i:i + 1], cos, sin)[0], full[i])
-    ref = rope.reference(x.double(), positions, cos.double(), sin.double())
+    ref = rope.reference(x.double(), positions, cos.double(), sin.double()).cpu()
     assert_within("rope", full, ref, 1.01 * ulp_of(ref, dtype) + 4 * 2**-23 * x.double().abs().amax(-1, keepdim=True).cpu())
 
 
@@ -414,11 +414,14 @@ def test_attention_accuracy_paged_and_varlen(device):
 
 
 def test_attention_negative_control_sdpa_prefill_vs_decode(device):
-    q = randn(1, 4, 100, 32, dtype=torch.float32, device=device, seed=5)
-    k = randn(1, 4, 100, 32, dtype=torch.float32, device=device, seed=6)
-    v = randn(1, 4, 100, 32, dtype=torch.float32, device=device, seed=7)
+    """torch SDPA gives the last token of a causal prefill other bits than decoding it alone (fp32 on this
+    CPU; on an H200 the flash and memory-efficient kernels differ for bf16 at a few thousand keys)."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    assert not torch.equal(sdpa(q, k, v, is_causal=True)[:, :, -1:], sdpa(q[:, :, -1:], k, v))
+    differs = []
+    for dtype, n in ((torch.float32, 100), (torch.bfloat16, 100), (torch.bfloat16, 3000)):
+        q, k, v = (randn(1, 4, n, 64, dtype=dtype, device=device, seed=5 + i) for i in range(3))
+        differs.append(not torch.equal(sdpa(q, k, v, is_causal=True)[:, :, -1:], sdpa(q[:, :, -1:], k, v)))
+    assert any(differs), differs
 
 
 # ---------------------------------------------------------------- backward
