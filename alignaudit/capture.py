@@ -4,7 +4,8 @@ Layout (format version 1):
     DIR/manifest.json      engine, model (spec + checkpoint digest), dtype, settings as they reached the
                            engine, package versions, hardware, numerics flags, prompts digest, status
     DIR/logprobs.parquet   one row per token: seq (int32), pos (int32), token_id (int32),
-                           logprob (float32; null at pos 0, which has no logprob)
+                           logprob (float32; null at pos 0, which has no logprob), generated (bool:
+                           sampled by this engine in rollout mode, its logprob recorded while decoding)
 
 The manifest is written last, atomically, with ``"status": "complete"``: a directory without it is an
 interrupted or damaged capture, and every reader refuses it.
@@ -29,8 +30,9 @@ MANIFEST = "manifest.json"
 LOGPROBS = "logprobs.parquet"
 
 
-def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor]) -> pd.DataFrame:
-    """Per-token rows from the batch and each sequence's fp32 logprobs (shape [len - 1])."""
+def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor], prompt_lengths: list[int] | None = None) -> pd.DataFrame:
+    """Per-token rows from the batch and each sequence's fp32 logprobs (shape [len - 1]); positions at
+    or past ``prompt_lengths[i]`` are marked generated."""
     import numpy as np
 
     frames = []
@@ -43,6 +45,7 @@ def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor]) -> pd.DataFra
             "pos": np.arange(len(ids), dtype=np.int32),
             "token_id": np.asarray(ids, dtype=np.int32),
             "logprob": pd.array(values, dtype="Float32"),
+            "generated": np.arange(len(ids)) >= (prompt_lengths[seq_index] if prompt_lengths else len(ids)),
         }))
     table = pd.concat(frames, ignore_index=True)
     table.loc[table["pos"] == 0, "logprob"] = pd.NA

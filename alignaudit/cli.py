@@ -90,20 +90,25 @@ TrainDtypeOpt = Annotated[Optional[str], typer.Option("--train-dtype", help="Ove
 InferDtypeOpt = Annotated[Optional[str], typer.Option("--infer-dtype", help="Override --dtype for the inference engine.")]
 TrainSettingOpt = Annotated[Optional[list[str]], typer.Option("--train-opt", help="KEY=VALUE setting for the training engine (repeatable).")]
 InferSettingOpt = Annotated[Optional[list[str]], typer.Option("--infer-opt", help="KEY=VALUE setting for the inference engine (repeatable).")]
+StrictOpt = Annotated[Optional[str], typer.Option(
+    "--strict", help="Strict kernels in both engines: --strict alone for every op, or a subset for ablation, "
+                     "e.g. --strict rmsnorm,rope (ops: linear, rmsnorm, rope, silu, attention, logprobs).")]
 LayersOpt = Annotated[Optional[str], typer.Option("--layers", help="Layers to capture, e.g. 0-3,7 (default: all).")]
 OpsOpt = Annotated[Optional[str], typer.Option("--ops", help="Canonical ops to capture, e.g. attn,o_proj (default: all).")]
 
 
-def engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt):
+def engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt, strict=None):
     """The two EngineRuns of a comparison, validated before anything starts."""
     from alignaudit.engines import check_installed
     from alignaudit.engines.base import EngineSettings, parse_options
     from alignaudit.pipeline import EngineRun
+    from alignaudit.strict import format_strict, parse_strict
 
     check_installed(train), check_installed(infer)
     dev = resolve_device(device)
+    ops = format_strict(parse_strict(strict))
     return [
-        EngineRun(name, EngineSettings(check_dtype(own or dtype), dev, seed, parse_options(opts)))
+        EngineRun(name, EngineSettings(check_dtype(own or dtype), dev, seed, parse_options(opts), strict=ops))
         for name, own, opts in ((train, train_dtype, train_opt), (infer, infer_dtype, infer_opt))
     ]
 
@@ -119,6 +124,11 @@ def compare(
     device: DeviceOpt = "auto",
     train_opt: TrainSettingOpt = None,
     infer_opt: InferSettingOpt = None,
+    strict: StrictOpt = None,
+    mode: Annotated[str, typer.Option("--mode", help="prompt (teacher-forced prompts) or rollout (the inference "
+                                                       "engine samples, the training engine rescores).")] = "prompt",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Rollout mode: tokens sampled per prompt.")] = 32,
+    temperature: Annotated[float, typer.Option("--temperature", help="Rollout mode: sampling temperature.")] = 1.0,
     prompts: PromptsOpt = None,
     random_prompts: RandomPromptsOpt = None,
     prompt_len: PromptLenOpt = 64,
@@ -132,27 +142,36 @@ def compare(
 ) -> None:
     """Run the same token ids through a training and an inference engine and compare per-token logprobs.
 
-    Teacher-forced: every prompt token after the first gets a logprob from each engine (fp32). Reports
-    bitwise mismatches, ULP distances and the RL impact (importance ratio, clip fraction,
-    token_mult_prob_error, probability differences, KL). Writes tokens.parquet and summary.json to --out.
+    Prompt mode (default): every prompt token after the first gets a teacher-forced logprob from each engine
+    (fp32). Rollout mode, the RL path: the inference engine samples --max-new-tokens per prompt (seeded,
+    EOS ignored) and records each sampled token's logprob while decoding; the training engine rescores
+    prompt + completion in one pass. Reports bitwise mismatches, ULP distances and the RL impact
+    (importance ratio, clip fraction, token_mult_prob_error, probability differences, KL).
+    Writes tokens.parquet and summary.json to --out.
 
     Examples:
       alignaudit compare                                     # tiny fixture, megatron vs vllm, bf16
       alignaudit compare --dtype fp32 --train megatron --infer hf
       alignaudit compare --model Qwen3-0.6B --random-weights --random-prompts 2 --prompt-len 64
       alignaudit compare --train vllm --infer vllm --infer-opt enforce_eager=true   # self-consistency
+      alignaudit compare --strict --mode rollout --max-new-tokens 32                 # strict kernels, RL path
     """
     from alignaudit.pipeline import TOKENS, compare as run_compare, prepare_output
     from alignaudit.prompts import load_prompts
     from alignaudit.report import render_comparison
 
-    runs = engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt)
+    if mode not in ("prompt", "rollout"):
+        raise errors.InputError(f"unknown --mode {mode!r}; choose prompt or rollout")
+    if mode == "rollout" and (max_new_tokens < 1 or temperature <= 0):
+        raise errors.InputError("rollout mode needs --max-new-tokens >= 1 and --temperature > 0")
+    runs = engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt, strict)
     spec = resolve_model_arg(model, random_weights, seed)
     batch = load_prompts(spec, prompts, random_prompts, prompt_len, seed)
     out_dir = prepare_output(out or default_out("compare"), force)
     with console.status("") as status:
+        rollout = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed} if mode == "rollout" else None
         summary = run_compare(spec, batch, runs[0], runs[1], out_dir, clip_eps=clip_eps, stream_log=verbose,
-                              on_stage=status.update)
+                              on_stage=status.update, rollout=rollout)
     import pandas as pd
 
     render_comparison(console, summary, pd.read_parquet(out_dir / TOKENS))
@@ -173,6 +192,7 @@ def bisect(
     device: DeviceOpt = "auto",
     train_opt: TrainSettingOpt = None,
     infer_opt: InferSettingOpt = None,
+    strict: StrictOpt = None,
     prompts: PromptsOpt = None,
     random_prompts: RandomPromptsOpt = None,
     prompt_len: PromptLenOpt = 64,
@@ -208,7 +228,7 @@ def bisect(
     from alignaudit.prompts import load_prompts
     from alignaudit.report import render_bisect
 
-    runs = engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt)
+    runs = engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt, strict)
     spec = resolve_model_arg(model, random_weights, seed)
     selection = parse_selection(layers, ops, spec.num_layers)
     batch = load_prompts(spec, prompts, random_prompts, prompt_len, seed)
@@ -231,6 +251,7 @@ def capture(
     ops: OpsOpt = None,
     no_ops: Annotated[bool, typer.Option("--no-ops", help="Logprobs only, no per-op tensors.")] = False,
     reference: Annotated[Optional[Path], typer.Option("--reference", help="Forced mode: feed every op this capture's inputs.")] = None,
+    strict: StrictOpt = None,
     prompts: PromptsOpt = None,
     random_prompts: RandomPromptsOpt = None,
     prompt_len: PromptLenOpt = 64,
@@ -257,7 +278,7 @@ def capture(
     from alignaudit.pipeline import EngineRun, capture as run_capture, prepare_output
     from alignaudit.prompts import load_prompts
 
-    run = engine_runs(engine, engine, dtype, None, None, device, seed, opt, None)[0]
+    run = engine_runs(engine, engine, dtype, None, None, device, seed, opt, None, strict)[0]
     spec = resolve_model_arg(model, random_weights, seed)
     selection = None if no_ops else parse_selection(layers, ops, spec.num_layers)
     if reference is not None:
@@ -312,7 +333,7 @@ def diff(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the typer app, turn library errors into one line and an exit code."""
-    args = sys.argv[1:] if argv is None else argv
+    args = _optional_values(sys.argv[1:] if argv is None else list(argv), {"--strict": "all"})
     debug = "--debug" in args
     try:
         result = app(args=args, standalone_mode=False, prog_name="alignaudit")
@@ -335,6 +356,16 @@ def main(argv: list[str] | None = None) -> int:
             err_console.print(f"[bold red]error:[/] {escape(e.format_message())}", highlight=False, soft_wrap=True)
             return errors.EXIT_USAGE
         return _unexpected(e, debug)
+
+
+def _optional_values(args: list[str], defaults: dict[str, str]) -> list[str]:
+    """Let ``--strict`` stand alone: insert its default value when no value follows it."""
+    out = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg in defaults and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append(defaults[arg])
+    return out
 
 
 def _unexpected(e: Exception, debug: bool) -> int:

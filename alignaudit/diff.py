@@ -37,10 +37,15 @@ def align_tokens(train: pd.DataFrame, infer: pd.DataFrame) -> pd.DataFrame:
     if len(a) != len(b) or not (a[keys + ["token_id"]].to_numpy() == b[keys + ["token_id"]].to_numpy()).all():
         raise InputError("the two captures were made on different token ids; capture both from the same prompts")
     scored = a["logprob"].notna().to_numpy() | b["logprob"].notna().to_numpy()
+    generated = np.zeros(len(a), dtype=bool)
+    for side in (a, b):
+        if "generated" in side:
+            generated |= side["generated"].to_numpy(dtype=bool)
     return pd.DataFrame({
         "seq": a["seq"].to_numpy()[scored],
         "pos": a["pos"].to_numpy()[scored],
         "token_id": a["token_id"].to_numpy()[scored],
+        "generated": generated[scored],
         "lp_train": a["logprob"].to_numpy(dtype=np.float32, na_value=np.nan)[scored],
         "lp_infer": b["logprob"].to_numpy(dtype=np.float32, na_value=np.nan)[scored],
     })
@@ -63,7 +68,16 @@ def compare_tokens(tokens: pd.DataFrame) -> pd.DataFrame:
 
 
 def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2) -> dict:
-    """Summary record of a ``compare_tokens`` table: counts, ULP distribution, RL impact, per-sequence view."""
+    """Summary record of a ``compare_tokens`` table: counts, ULP distribution, RL impact, per-sequence view;
+    with rollout tokens, the same record for the generated tokens alone under ``generated``."""
+    summary = _summarize(tokens, clip_eps)
+    summary["per_sequence"] = per_sequence(tokens)
+    if "generated" in tokens and tokens["generated"].any():
+        summary["generated"] = _summarize(tokens[tokens["generated"]], clip_eps)
+    return summary
+
+
+def _summarize(tokens: pd.DataFrame, clip_eps: float) -> dict:
     n = len(tokens)
     if n == 0:
         raise InputError("no tokens to compare (every sequence needs at least 2 tokens)")
@@ -99,7 +113,6 @@ def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2) -> dict:
             "prob_diff_mean": _mean(prob_diff),
             "kl_k3_mean": _mean(ratio - 1.0 - d),
         },
-        "per_sequence": per_sequence(tokens),
     }
 
 

@@ -60,7 +60,8 @@ def write_json(path: Path, record: dict) -> None:
 
 
 def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
-            stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None) -> Capture:
+            stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None,
+            rollout: dict | None = None) -> Capture:
     """Run one engine on ``batch`` in a worker process; the capture lands in ``out``.
 
     ``ops`` captures the selected canonical ops too; ``reference`` (a capture with ops of the same model
@@ -70,7 +71,7 @@ def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role:
     if ops is not None:
         request = {"selection": ops.to_dict(), "reference": str(Path(reference).resolve()) if reference else None}
     return run_capture(run.engine, spec, batch, run.settings, out, role=role,
-                       checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log, ops=request)
+                       checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log, ops=request, rollout=rollout)
 
 
 def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2) -> dict:
@@ -99,22 +100,40 @@ def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0
 
 
 def compare(spec: ModelSpec, batch: TokenBatch, train: EngineRun, infer: EngineRun, out: Path,
-            clip_eps: float = 0.2, stream_log: bool = False, on_stage=None) -> dict:
-    """Capture ``train`` and ``infer`` on the same token ids, then diff them into ``out``."""
+            clip_eps: float = 0.2, stream_log: bool = False, on_stage=None, rollout: dict | None = None) -> dict:
+    """Capture ``train`` and ``infer`` on the same token ids, then diff them into ``out``.
+
+    Prompt mode (``rollout`` None): both engines score the prompts teacher-forced. Rollout mode: the
+    inference engine samples completions (``rollout``: max_new_tokens, temperature, seed) and records
+    their logprobs while decoding; the training engine then scores prompt + completion in one pass.
+    """
     write_json(out / RUN, {
         "command": "compare",
+        "mode": "rollout" if rollout else "prompt",
+        "rollout": rollout,
         "model": spec.to_dict(),
         "prompts": {"source": batch.source, "sequences": len(batch.sequences), "tokens": batch.num_tokens},
         "train": {"engine": train.engine, **train.settings.to_dict()},
         "infer": {"engine": infer.engine, **infer.settings.to_dict()},
         "clip_eps": clip_eps,
     })
-    captures = {}
-    for role, run in (("train", train), ("infer", infer)):
+
+    def stage(run: EngineRun, role: str) -> None:
         if on_stage:
             on_stage(f"running {run.label()} as the {role} engine")
-        captures[role] = capture(spec, batch, run, out / role, role=role, stream_log=stream_log)
-    return diff_captures(captures["train"], captures["infer"], out, clip_eps=clip_eps)
+
+    if rollout:
+        stage(infer, "inference (sampling)")
+        infer_capture = capture(spec, batch, infer, out / "infer", role="infer", stream_log=stream_log, rollout=rollout)
+        batch = infer_capture.token_batch()
+        stage(train, "training")
+        train_capture = capture(spec, batch, train, out / "train", role="train", stream_log=stream_log)
+    else:
+        stage(train, "training")
+        train_capture = capture(spec, batch, train, out / "train", role="train", stream_log=stream_log)
+        stage(infer, "inference")
+        infer_capture = capture(spec, batch, infer, out / "infer", role="infer", stream_log=stream_log)
+    return diff_captures(train_capture, infer_capture, out, clip_eps=clip_eps)
 
 
 def _side(c: Capture) -> dict:

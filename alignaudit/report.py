@@ -44,6 +44,11 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
     table.add_row("token_mult_prob_error", _num(rl["token_mult_prob_error"], ".9f"))
     table.add_row("|p_train - p_infer| max / mean", f"{_num(rl['prob_diff_max'])} / {_num(rl['prob_diff_mean'])}")
     table.add_row("KL k3 (infer || train)", _num(rl["kl_k3_mean"]))
+    if "generated" in summary:
+        g = summary["generated"]
+        table.add_row("generated tokens (rollout)",
+                      f"{g['mismatches']} of {g['tokens_compared']} differ; max ULP {g['ulp_max']}; "
+                      f"ratio {_num(g['rl']['ratio_min'], '.6f')}..{_num(g['rl']['ratio_max'], '.6f')}")
     console.print(table)
 
     seq_table = Table(title="Per sequence", title_justify="left")

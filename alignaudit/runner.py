@@ -32,11 +32,13 @@ def run_capture(
     checkpoint_sha256: str | None = None,
     stream_log: bool = False,
     ops: dict | None = None,
+    rollout: dict | None = None,
 ) -> Capture:
     """Run ``engine`` in a fresh worker process and return the capture it wrote to ``out``.
 
     The request and the worker's combined stdout/stderr (``worker.log``) stay in ``out`` for reproduction.
     ``ops`` turns on per-op capture: ``{"selection": Selection.to_dict(), "reference": capture dir or None}``.
+    ``rollout`` samples completions instead: ``{"max_new_tokens": int, "temperature": float, "seed": int}``.
 
     Raises:
         EngineError: the engine is not installed, or the worker crashed (message: its last log lines).
@@ -53,6 +55,7 @@ def run_capture(
         "batch": batch.to_dict(),
         "checkpoint_sha256": checkpoint_sha256,
         "ops": ops,
+        "rollout": rollout,
         "out": str(out.resolve()),
     }
     (out / REQUEST).write_text(json.dumps(request, indent=2) + "\n")

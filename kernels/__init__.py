@@ -8,7 +8,7 @@ the Triton kernels on CPU tensors). docs/kernels.md tabulates each kernel's redu
 rounding points and primitives.
 """
 
-from alignaudit_kernels.attention import paged_attention, varlen_attention
+from alignaudit_kernels.attention import causal_attention, paged_attention, varlen_attention
 from alignaudit_kernels.logprobs import log_softmax, token_logprobs
 from alignaudit_kernels.matmul import linear
 from alignaudit_kernels.rmsnorm import rms_norm
@@ -16,6 +16,6 @@ from alignaudit_kernels.rope import apply_rope, rope_tables
 from alignaudit_kernels.silu import silu_and_mul, silu_mul
 
 __all__ = [
-    "apply_rope", "linear", "log_softmax", "paged_attention", "rms_norm", "rope_tables", "silu_and_mul",
+    "apply_rope", "causal_attention", "linear", "log_softmax", "paged_attention", "rms_norm", "rope_tables", "silu_and_mul",
     "silu_mul", "token_logprobs", "varlen_attention",
 ]

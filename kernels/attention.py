@@ -221,6 +221,23 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale)
     return out
 
 
+def causal_attention(q, k, v, q_positions, scale):
+    """Strict attention for one sequence with contiguous K/V (e.g. a training engine's KV cache).
+
+    q [Tq, H, D] at absolute positions ``q_positions`` [Tq] (int); k/v [Tk, KVH, D] hold positions
+    0..Tk-1. Returns [Tq, H, D] in q.dtype, equal bit for bit to the same rows of a prefill.
+    Forward only (decode does not need gradients).
+    """
+    if not _use_triton(q):
+        return _cpu_attend(q, k, v, q_positions.cpu(), scale)
+    pages = (k.shape[0] + BLOCK_N - 1) // BLOCK_N
+    pad = pages * BLOCK_N - k.shape[0]
+    kc = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(pages, BLOCK_N, *k.shape[1:])
+    vc = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(pages, BLOCK_N, *v.shape[1:])
+    table = torch.arange(pages, device=q.device, dtype=torch.int32)[None]
+    return _triton_paged(q, kc, vc, table, q_positions, torch.zeros(q.shape[0], dtype=torch.long), scale)
+
+
 def _contiguous_forward(q, k, v, cu_seqlens, scale):
     """Ragged batch of whole sequences (prefill from position 0), K/V contiguous [T, KVH, D]."""
     bounds = cu_seqlens.tolist()

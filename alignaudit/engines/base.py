@@ -30,12 +30,20 @@ class EngineSettings:
         device: "cpu" or "cuda".
         seed: seeds every RNG the engine uses (sampling in rollout mode).
         options: ``--train-opt`` / ``--infer-opt`` KEY=VALUE pairs, values parsed as JSON where they parse.
+        strict: strict ops to swap in ("" none, "all", or a comma list of alignaudit.strict.STRICT_OPS).
     """
 
     dtype: str = "bf16"
     device: str = "cpu"
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    strict: str = ""
+
+    @property
+    def strict_ops(self) -> frozenset[str]:
+        from alignaudit.strict import parse_strict
+
+        return parse_strict(self.strict)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -101,6 +109,15 @@ class Engine(ABC):
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
         """Teacher-forced logprobs: for each sequence s, a float32 tensor of shape [len(s) - 1] whose
         element t-1 is log p(s[t] | s[:t]), computed the way this engine computes it in production."""
+
+    def rollout(self, batch: TokenBatch, max_new_tokens: int, temperature: float,
+                seed: int) -> tuple[TokenBatch, list[torch.Tensor]]:
+        """Sample ``max_new_tokens`` after each prompt (EOS ignored; request i seeded with seed + i).
+
+        Returns the full sequences (prompt + completion) and, per sequence, fp32 logprobs [len - 1]: the
+        prompt positions teacher-forced, the generated positions as recorded while sampling (decode).
+        """
+        raise InputError(f"{self.name} cannot sample rollouts; use --infer vllm or --infer hf with --mode rollout")
 
     @abstractmethod
     def settings_record(self) -> dict:

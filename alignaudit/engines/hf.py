@@ -33,6 +33,11 @@ class HFEngine(Engine):
             spec.path, dtype=settings.torch_dtype, attn_implementation=self.attn_implementation
         ).to(settings.device)
         self.model.eval()
+        self.strict_modules: list[str] = []
+        if settings.strict_ops:
+            from alignaudit.strict.hf import make_strict
+
+            self.strict_modules = make_strict(self.model, settings.strict_ops)
 
     @torch.no_grad()
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
@@ -43,9 +48,35 @@ class HFEngine(Engine):
             ids, valid = ids.to(self.settings.device), valid.to(self.settings.device)
             self.set_spans(rows, [len(s) for s in seqs])
             logits = self.model(input_ids=ids, attention_mask=valid.long()).logits
-            lp = torch.log_softmax(logits.float(), dim=-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+            lp = self.token_logprobs(logits[:, :-1], ids[:, 1:])
             results.extend(lp[j, : len(s) - 1].cpu() for j, s in enumerate(seqs))
         return results
+
+    @torch.no_grad()
+    def rollout(self, batch, max_new_tokens, temperature, seed):
+        """One sequence at a time through ``model.generate`` (KV cache, sampling seeded per request)."""
+        sequences, logprobs = [], []
+        for i, prompt in enumerate(batch.sequences):
+            torch.manual_seed(seed + i)
+            ids = torch.tensor([prompt], device=self.settings.device)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
+                                      top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                      eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            generated = out.sequences[0, len(prompt):]
+            step_logits = torch.cat(out.logits)  # raw logits of each decode step, [new, V]
+            sampled = self.token_logprobs(step_logits, generated).cpu()
+            prompt_lp = self.prompt_logprobs(type(batch)((prompt,)))[0]
+            sequences.append(tuple(prompt) + tuple(generated.tolist()))
+            logprobs.append(torch.cat([prompt_lp, sampled.float()]))
+        return type(batch)(tuple(sequences), batch.texts, batch.source), logprobs
+
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """fp32 log p(target) from logits [..., V]: TRL's formula, or the strict kernel."""
+        if "logprobs" in self.settings.strict_ops:
+            import alignaudit_kernels as K
+
+            return K.token_logprobs(logits, targets)
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
 
     def install_taps(self, tap):
         from alignaudit.engines import hf_taps
@@ -57,5 +88,8 @@ class HFEngine(Engine):
             "attn_implementation": self.attn_implementation,
             "micro_batch_size": self.micro_batch_size,
             "dtype": str(self.model.dtype),
-            "logprob_formula": "log_softmax(logits.float(), -1).gather(next_token)",
+            "logprob_formula": "alignaudit_kernels.token_logprobs" if "logprobs" in self.settings.strict_ops
+            else "log_softmax(logits.float(), -1).gather(next_token)",
+            "strict": self.settings.strict,
+            "strict_modules": len(self.strict_modules),
         }

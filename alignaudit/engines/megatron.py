@@ -18,6 +18,7 @@ field (e.g. ``attention_softmax_in_fp32=false``, ``apply_rope_fusion=true``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 
 import torch
@@ -100,8 +101,15 @@ class MegatronEngine(Engine):
 
         init_single_process(settings.device)
         self.config = transformer_config(spec, settings, options)
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-        model = GPTModel(
+        ops = settings.strict_ops
+        if ops:
+            from alignaudit.strict.megatron import StrictGPTModel, strict_block_spec
+
+            layer_spec = strict_block_spec(spec.num_layers, ops, spec.rope_theta, spec.qk_norm)
+            model_cls = functools.partial(StrictGPTModel, strict_ops=ops)
+        else:
+            layer_spec, model_cls = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm"), GPTModel
+        model = model_cls(
             self.config,
             layer_spec,
             vocab_size=spec.vocab_size,
@@ -152,7 +160,8 @@ class MegatronEngine(Engine):
             config[f.name] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
         return {
             "micro_batch_size": self.micro_batch_size,
-            "layer_spec": "get_gpt_layer_local_spec",
+            "layer_spec": "alignaudit.strict.megatron.strict_block_spec" if self.settings.strict_ops else "get_gpt_layer_local_spec",
+            "strict": self.settings.strict,
             "float16_module": self.gpt is not self.model,
             "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)",
             "transformer_config": config,

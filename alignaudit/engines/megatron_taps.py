@@ -23,8 +23,7 @@ def install(gpt, tap: Tap) -> Hooks:
             HookPoint(attn.linear_qkv, GroupedQKV(), i, SEQ_FIRST, index=0),
             HookPoint(attn.q_layernorm, Same("q_norm"), i, SEQ_FIRST),
             HookPoint(attn.k_layernorm, Same("k_norm"), i, SEQ_FIRST),
-            HookPoint(attn.core_attention, Same("q_rope"), i, SEQ_FIRST, when="pre", index=0),
-            HookPoint(attn.core_attention, Same("k_rope"), i, SEQ_FIRST, when="pre", index=1),
+            *_rope_points(attn.core_attention, i),
             HookPoint(attn.core_attention, Same("attn"), i, SEQ_FIRST),
             HookPoint(attn.linear_proj, Same("o_proj"), i, SEQ_FIRST, index=0),
             HookPoint(layer.pre_mlp_layernorm, Same("attn_residual"), i, SEQ_FIRST, when="pre"),
@@ -41,3 +40,12 @@ def install(gpt, tap: Tap) -> Hooks:
     for p in points:
         hooks.add(tap, p)
     return hooks
+
+
+def _rope_points(core_attention, layer: int) -> list[HookPoint]:
+    """q_rope/k_rope: core_attention's inputs, or the strict core attention's own rope modules."""
+    if getattr(core_attention, "q_rope", None) is not None:  # alignaudit.strict.megatron.StrictCoreAttention
+        return [HookPoint(core_attention.q_rope, Same("q_rope"), layer, SEQ_FIRST),
+                HookPoint(core_attention.k_rope, Same("k_rope"), layer, SEQ_FIRST)]
+    return [HookPoint(core_attention, Same("q_rope"), layer, SEQ_FIRST, when="pre", index=0),
+            HookPoint(core_attention, Same("k_rope"), layer, SEQ_FIRST, when="pre", index=1)]

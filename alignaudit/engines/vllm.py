@@ -34,6 +34,9 @@ class VllmEngine(Engine):
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from alignaudit.strict import ENV, format_strict
+
+        os.environ[ENV] = format_strict(settings.strict_ops)  # read by the plugin in every vLLM process
         import dataclasses
 
         from vllm import EngineArgs, SamplingParams
@@ -73,7 +76,34 @@ class VllmEngine(Engine):
             kwargs.update(enforce_eager=True, enable_prefix_caching=False)
         kwargs.update(self.engine_options)
         self.llm_kwargs = kwargs
+        if self.settings.strict_ops:
+            from alignaudit.strict import vllm_plugin
+
+            vllm_plugin.register()  # also loaded through the entry point; registering twice is a no-op
         self.llm = LLM(**kwargs)
+
+    @torch.no_grad()
+    def rollout(self, batch, max_new_tokens, temperature, seed):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._start(max(len(s) for s in batch.sequences) + max_new_tokens,
+                    batch.num_tokens + len(batch.sequences) * max_new_tokens)
+        params = [SamplingParams(**{**self.sampling_options, "max_tokens": max_new_tokens, "min_tokens": max_new_tokens,
+                                    "ignore_eos": True, "temperature": temperature, "seed": seed + i, "logprobs": 0,
+                                    "prompt_logprobs": 0, "detokenize": False})
+                  for i in range(len(batch.sequences))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params,
+                                    use_tqdm=False)
+        sequences, logprobs = [], []
+        for out, prompt in zip(outputs, batch.sequences):
+            done = out.outputs[0]
+            generated = list(done.token_ids)
+            prompt_lp = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+            sampled_lp = [e[t].logprob for e, t in zip(done.logprobs, generated)]
+            sequences.append(tuple(prompt) + tuple(generated))
+            logprobs.append(torch.tensor(prompt_lp + sampled_lp, dtype=torch.float32))
+        return TokenBatch(tuple(sequences), batch.texts, batch.source), logprobs
 
     @torch.no_grad()
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
@@ -100,7 +130,7 @@ class VllmEngine(Engine):
         return None  # installed once the LLM exists and the prompts are known (prompt_logprobs)
 
     def settings_record(self) -> dict:
-        record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options)}
+        record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict}
         if self.llm is not None:
             config = self.llm.llm_engine.vllm_config
             record["resolved"] = {

@@ -35,7 +35,13 @@ def run_request(request: dict) -> None:
     engine = load_engine_class(request["engine"])(spec, settings)
     loaded = time.perf_counter()
     tap = _attach_tap(engine, spec, request.get("ops"), out)
-    logprobs = engine.prompt_logprobs(batch)
+    rollout = request.get("rollout")
+    prompt_lengths = None
+    if rollout:
+        prompt_lengths = [len(s) for s in batch.sequences]
+        batch, logprobs = engine.rollout(batch, rollout["max_new_tokens"], rollout["temperature"], rollout["seed"])
+    else:
+        logprobs = engine.prompt_logprobs(batch)
     finished = time.perf_counter()
     manifest = {
         "engine": request["engine"],
@@ -44,7 +50,8 @@ def run_request(request: dict) -> None:
         "model": {**spec.to_dict(), "checkpoint_sha256": request.get("checkpoint_sha256")},
         "settings": settings.to_dict(),
         "engine_settings": engine.settings_record(),
-        "mode": "prompt",
+        "mode": "rollout" if rollout else "prompt",
+        "rollout": {**rollout, "prompt_lengths": prompt_lengths} if rollout else None,
         "prompts": {
             "source": batch.source,
             "num_sequences": len(batch.sequences),
@@ -66,7 +73,7 @@ def run_request(request: dict) -> None:
             "substituted_ops": len(tap.substituted),
         }
     engine.close()
-    write_capture(out, manifest, logprob_table(batch, logprobs))
+    write_capture(out, manifest, logprob_table(batch, logprobs, prompt_lengths))
 
 
 def _attach_tap(engine, spec, ops_request: dict | None, out: Path):

@@ -1,0 +1,39 @@
+"""The strict path: wiring the strict kernels (alignaudit_kernels) into each engine.
+
+    hf.py            module swap for transformers Qwen3 (FSDP-style trainers)
+    megatron.py      a strict layer spec (ModuleSpec) and a GPTModel with a strict logprob head
+    vllm_plugin.py   a vLLM general plugin (entry point ``vllm.general_plugins``), enabled by the
+                     ALIGNAUDIT_STRICT environment variable
+    custom_ops.py    the kernels as torch.library custom ops, opaque to torch.compile
+
+Ops can be made strict one at a time (``--strict rmsnorm,rope``) for ablation; ``all`` is every op.
+"""
+
+from __future__ import annotations
+
+from alignaudit.errors import InputError
+
+STRICT_OPS = ("linear", "rmsnorm", "rope", "silu", "attention", "logprobs")
+ENV = "ALIGNAUDIT_STRICT"
+
+
+def parse_strict(value: str | None) -> frozenset[str]:
+    """``"all"`` -> every op; ``"rmsnorm,rope"`` -> those; None or "" or "none" -> none.
+
+    Raises:
+        InputError: an unknown op name.
+    """
+    if value is None or value.strip() in ("", "none"):
+        return frozenset()
+    names = {v.strip() for v in value.split(",") if v.strip()}
+    if "all" in names:
+        return frozenset(STRICT_OPS)
+    unknown = sorted(names - set(STRICT_OPS))
+    if unknown:
+        raise InputError(f"--strict: unknown op(s) {', '.join(unknown)}; choose all or any of {', '.join(STRICT_OPS)}")
+    return frozenset(names)
+
+
+def format_strict(ops: frozenset[str]) -> str:
+    """The inverse of parse_strict, in a stable order ("" for none)."""
+    return "all" if set(ops) == set(STRICT_OPS) else ",".join(o for o in STRICT_OPS if o in ops)

@@ -1,0 +1,76 @@
+"""The strict kernels as torch.library custom ops (namespace ``alignaudit``), for inference engines.
+
+torch.compile treats a custom op as opaque: it neither fuses its arithmetic with neighbouring ops nor
+contracts its multiplies and adds into FMAs, so a compiled engine (vLLM's default) computes exactly what
+the kernel's contract says. Forward only; each op has a fake implementation for tracing.
+Importing this module registers the ops (once per process).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import alignaudit_kernels as K
+
+
+@torch.library.custom_op("alignaudit::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return K.linear(x, weight, bias)
+
+
+@linear.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("alignaudit::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return K.rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("alignaudit::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, s = K.rms_norm(x, weight, eps, residual=residual)
+    return y, s
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("alignaudit::rope", mutates_args=())
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, max_positions: int) -> torch.Tensor:
+    """x [tokens, heads, head_dim], positions [tokens]."""
+    cos, sin = K.rope_tables(max_positions, x.shape[-1], theta, str(x.device))
+    return K.apply_rope(x, positions, cos, sin)
+
+
+@rope.register_fake
+def _(x, positions, theta, max_positions):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("alignaudit::silu_and_mul", mutates_args=())
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return K.silu_and_mul(x)
+
+
+@silu_and_mul.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op("alignaudit::log_softmax", mutates_args=())
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return K.log_softmax(logits)
+
+
+@log_softmax.register_fake
+def _(logits):
+    return logits.new_empty(logits.shape, dtype=torch.float32)

@@ -1,0 +1,118 @@
+"""Strict path for transformers Qwen3 models, by module swap (for FSDP-style trainers).
+
+``make_strict(model, ops)`` changes the classes of the model's modules in place to subclasses whose
+forward calls the strict kernels; parameters, names and state dicts are unchanged:
+    linear     every nn.Linear (projections and lm_head) -> alignaudit_kernels.linear
+    rmsnorm    every Qwen3RMSNorm -> alignaudit_kernels.rms_norm (the residual adds stay HF's
+               ``residual + x`` in the storage dtype, which is the kernels' rounding point 1)
+    silu       Qwen3MLP -> silu_mul(gate_proj(x), up_proj(x))
+    rope       Qwen3Attention applies alignaudit_kernels rope (tables of its own, from position_ids)
+    attention  Qwen3Attention computes alignaudit_kernels attention (KV cache supported, one
+               sequence per batch row, right padding only)
+Logprobs are not a module in HF: the engine calls alignaudit_kernels.token_logprobs when "logprobs"
+is strict.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import alignaudit_kernels as K
+from alignaudit.strict.common import RopeOp
+
+
+class StrictLinear(torch.nn.Linear):
+    def forward(self, x):
+        return K.linear(x, self.weight, self.bias)
+
+
+class StrictRMSNorm(torch.nn.Module):
+    """Stands in for Qwen3RMSNorm (attributes ``weight``, ``variance_epsilon``)."""
+
+    def forward(self, x):
+        return K.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+class StrictMLP(torch.nn.Module):
+    """Stands in for Qwen3MLP (attributes gate_proj, up_proj, down_proj)."""
+
+    def forward(self, x):
+        return self.down_proj(K.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class StrictAttention(torch.nn.Module):
+    """Stands in for Qwen3Attention; ``strict_rope`` / ``strict_attention`` say which parts are strict."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                position_ids=None, **kwargs):
+        b, t, _ = hidden_states.shape
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(hidden_states).view(b, t, -1, d))
+        k = self.k_norm(self.k_proj(hidden_states).view(b, t, -1, d))
+        v = self.v_proj(hidden_states).view(b, t, -1, d)
+        if position_ids is None:
+            position_ids = torch.arange(t, device=hidden_states.device)[None].expand(b, t)
+        if self.strict_rope:
+            q, k = self.q_rope(q, position_ids), self.k_rope(k, position_ids)
+        else:
+            cos, sin = position_embeddings
+            q, k = sys.modules[self._hf_module].apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if past_key_values is not None:
+            kc, vc = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+            k, v = kc.transpose(1, 2), vc.transpose(1, 2)
+        if self.strict_attention:
+            out = torch.stack([K.causal_attention(q[i], k[i], v[i], position_ids[i], self.scaling) for i in range(b)])
+        else:
+            interface = self._stock_attention
+            out, _ = interface(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
+                               dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(b, t, -1)), None
+
+
+_SWAPPED: dict[tuple[type, type], type] = {}
+
+
+def _swap(module: torch.nn.Module, cls: type) -> None:
+    """Give ``module`` a class deriving from ``cls`` (whose forward wins) and its own class."""
+    key = (cls, type(module))
+    if key not in _SWAPPED:
+        _SWAPPED[key] = type(f"Strict{type(module).__name__}", key, {})
+    module.__class__ = _SWAPPED[key]
+
+
+def make_strict(model, ops: frozenset[str]) -> list[str]:
+    """Swap the strict ops into a Qwen3ForCausalLM in place; return what was swapped (for the manifest).
+
+    Raises:
+        ValueError: the model is not a Qwen3ForCausalLM.
+    """
+    if type(model).__name__ != "Qwen3ForCausalLM":
+        raise ValueError(f"strict module swap supports Qwen3ForCausalLM, not {type(model).__name__}")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = model.config
+    rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
+    swapped = []
+    for name, m in list(model.named_modules()):
+        kind = type(m).__name__
+        if "linear" in ops and isinstance(m, torch.nn.Linear):
+            _swap(m, StrictLinear)
+        elif "rmsnorm" in ops and kind == "Qwen3RMSNorm":
+            _swap(m, StrictRMSNorm)
+        elif "silu" in ops and kind == "Qwen3MLP":
+            _swap(m, StrictMLP)
+        elif ({"rope", "attention"} & ops) and kind == "Qwen3Attention":
+            m._hf_module = type(m).__module__
+            m._stock_attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+                config._attn_implementation, sys.modules[type(m).__module__].eager_attention_forward)
+            m.strict_rope, m.strict_attention = "rope" in ops, "attention" in ops
+            m.q_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings)
+            m.k_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings)
+            _swap(m, StrictAttention)
+        else:
+            continue
+        swapped.append(name)
+    return swapped

@@ -1,0 +1,166 @@
+"""Strict path for Megatron-Core: a layer spec (ModuleSpec) and a GPTModel with a strict logprob head.
+
+Build a model the way a Megatron trainer does, with the strict spec in place of the local one:
+
+    spec = strict_block_spec(config, ops=STRICT_OPS)       # TransformerBlockSubmodules
+    model = StrictGPTModel(config, spec, vocab_size=..., max_sequence_length=..., rotary_base=theta,
+                           strict_ops=STRICT_OPS, position_embedding_type="rope", ...)
+
+Per op:
+    linear     ColumnParallelLinear / RowParallelLinear subclasses (and GPTModel.output_layer) whose
+               forward is alignaudit_kernels.linear; tensor parallel size 1 only (a row-parallel
+               all-reduce would add partial sums in another order)
+    rmsnorm    StrictRMSNorm for input, pre-MLP, q/k and final norms; the residual adds stay Megatron's
+               bias-dropout-add, which rounds ``residual + x`` once in the storage dtype (the kernels'
+               rounding point 1); dropout must be 0
+    silu       StrictMLP: linear_fc1 -> silu_and_mul -> linear_fc2
+    rope       StrictCoreAttention rotates q and k itself (GPTModel is built without rope); positions
+               0..seq-1 per sequence (no packed sequences)
+    attention  StrictCoreAttention: alignaudit_kernels.varlen_attention over each batch row
+    logprobs   StrictGPTModel.compute_language_model_loss returns -token_logprobs (the loss whose
+               negation RL trainers read as logprobs)
+Forward and backward work (the kernels are autograd Functions).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+import alignaudit_kernels as K
+from alignaudit.strict.common import RopeOp
+
+
+def _tp1(module) -> None:
+    if getattr(module, "tp_size", 1) != 1:
+        raise ValueError("the strict Megatron linear layers support tensor parallel size 1 only")
+
+
+class StrictColumnParallelLinear(ColumnParallelLinear):
+    def forward(self, input_, weight=None, runtime_gather_output=None, **kwargs):
+        _tp1(self)
+        w = self.weight if weight is None else weight
+        bias = None if self.skip_bias_add else self.bias
+        return K.linear(input_, w, bias), (self.bias if self.skip_bias_add else None)
+
+
+class StrictRowParallelLinear(RowParallelLinear):
+    def forward(self, input_, **kwargs):
+        _tp1(self)
+        bias = None if self.skip_bias_add else self.bias
+        return K.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+
+
+class StrictRMSNorm(torch.nn.Module):
+    """RMSNorm with Megatron's norm constructor signature (config, hidden_size, eps)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x):
+        return K.rms_norm(x, self.weight, self.eps)
+
+
+class StrictMLP(MLP):
+    """SwiGLU MLP whose activation is alignaudit_kernels.silu_and_mul (fc1 output is [gate | up])."""
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        intermediate, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            intermediate = intermediate + bias
+        return self.linear_fc2(K.silu_and_mul(intermediate))
+
+
+class StrictCoreAttention(MegatronModule):
+    """Core attention that applies strict rope (``strict_rope``) and/or computes strict attention
+    (``strict_attention``; otherwise Megatron's DotProductAttention). Inputs are [seq, batch, heads, dim];
+    q_rope and k_rope are modules so op capture can see them."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, *, rotary_base: float,
+                 strict_rope: bool, strict_attention: bool):
+        super().__init__(config=config)
+        self.strict_rope, self.strict_attention = strict_rope, strict_attention
+        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.q_rope = RopeOp(config.kv_channels, rotary_base, 4096) if strict_rope else None
+        self.k_rope = RopeOp(config.kv_channels, rotary_base, 4096) if strict_rope else None
+        self.stock = None if strict_attention else DotProductAttention(
+            config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale, cp_comm_type,
+            pg_collection)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise ValueError("strict core attention does not support packed sequences")
+        sq, b = query.shape[:2]
+        if self.strict_rope:
+            positions = torch.arange(sq, device=query.device)[:, None].expand(sq, b)
+            query, key = self.q_rope(query, positions), self.k_rope(key, positions)
+        if not self.strict_attention:
+            return self.stock(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                              attention_bias=attention_bias)
+        q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value))
+        cu = torch.arange(0, (b + 1) * sq, sq)
+        out = K.varlen_attention(q, k, v, cu, self.scale)  # [b * sq, heads, dim]
+        return out.view(b, sq, -1).transpose(0, 1).contiguous()
+
+
+def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True) -> ModuleSpec:
+    """The local GPT layer spec with the strict ops swapped in."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    layer = spec.submodules
+    attn = layer.self_attention.submodules
+    if "rmsnorm" in ops:
+        layer.input_layernorm = layer.pre_mlp_layernorm = StrictRMSNorm
+        if qk_layernorm:
+            attn.q_layernorm = attn.k_layernorm = StrictRMSNorm
+    if "linear" in ops:
+        attn.linear_qkv = StrictColumnParallelLinear
+        attn.linear_proj = StrictRowParallelLinear
+        layer.mlp.submodules.linear_fc1 = StrictColumnParallelLinear
+        layer.mlp.submodules.linear_fc2 = StrictRowParallelLinear
+    if "silu" in ops:
+        layer.mlp.module = StrictMLP
+    if {"rope", "attention"} & ops:
+        attn.core_attention = ModuleSpec(module=StrictCoreAttention, params={
+            "rotary_base": rotary_base, "strict_rope": "rope" in ops, "strict_attention": "attention" in ops})
+    return spec
+
+
+def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float,
+                      qk_layernorm: bool = True) -> TransformerBlockSubmodules:
+    """A TransformerBlockSubmodules of strict layers; the final norm is strict too with "rmsnorm"."""
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
+
+    layer = strict_layer_spec(ops, rotary_base, qk_layernorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=StrictRMSNorm if "rmsnorm" in ops else LNImpl)
+
+
+class StrictGPTModel(GPTModel):
+    """GPTModel whose output layer and logprob head are strict (per ``strict_ops``); with strict rope, the
+    model's own rotary embedding is turned off (StrictCoreAttention rotates instead)."""
+
+    def __init__(self, config, transformer_layer_spec, *args, strict_ops: frozenset[str] = frozenset(), **kwargs):
+        if "rope" in strict_ops:
+            kwargs["position_embedding_type"] = "none"
+        super().__init__(config, transformer_layer_spec, *args, **kwargs)
+        self.strict_ops = strict_ops
+        if "linear" in strict_ops and getattr(self, "output_layer", None) is not None:
+            self.output_layer.__class__ = StrictColumnParallelLinear
+
+    def compute_language_model_loss(self, labels, logits):
+        if "logprobs" not in self.strict_ops:
+            return super().compute_language_model_loss(labels, logits)
+        # logits [s, b, v], labels [b, s] -> per-token loss [b, s], as Megatron returns it
+        return -K.token_logprobs(logits.transpose(0, 1), labels)

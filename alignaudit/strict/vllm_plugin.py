@@ -1,0 +1,140 @@
+"""vLLM general plugin: the strict path inside vLLM, for alignaudit and for a user's own RL stack.
+
+Registered under the ``vllm.general_plugins`` entry point (pyproject.toml), so vLLM calls ``register()``
+in every process it starts. It does nothing unless ALIGNAUDIT_STRICT names ops ("all", or a list such
+as "rmsnorm,rope"); then it replaces, for every model vLLM loads (all patches live here):
+    linear     UnquantizedLinearMethod.apply and UnquantizedEmbeddingMethod.apply (the lm_head) with
+               alignaudit::linear; on the CPU the weights stay in place (no oneDNN repacking)
+    rmsnorm    RMSNorm.forward with alignaudit::rms_norm / alignaudit::add_rms_norm (fused residual add,
+               rounded once to the storage dtype, then normalized)
+    rope       RotaryEmbedding.forward with alignaudit::rope (neox style, rotary_dim == head_size)
+    silu       SiluAndMul.forward with alignaudit::silu_and_mul
+    logprobs   Sampler.compute_logprobs with alignaudit::log_softmax (prompt and sample logprobs)
+    attention  the CPU_ATTN backend with alignaudit.strict.vllm_attention (CPU only for now)
+The ops are torch.library custom ops, opaque to torch.compile, so compiled and eager vLLM agree.
+vLLM's compile cache is bypassed (VLLM_DISABLE_COMPILE_CACHE=1 unless set): its key does not see these
+patches, so a graph compiled without them could otherwise be loaded.
+
+Use in your own vLLM server: ``pip install alignaudit`` beside vLLM, then
+``ALIGNAUDIT_STRICT=all vllm serve ...`` (docs/strict.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from alignaudit.strict import ENV, parse_strict
+
+log = logging.getLogger(__name__)
+_applied: set[str] = set()
+_originals: dict[tuple[type, str], object] = {}
+
+
+def register() -> None:
+    """vLLM's entry point: apply the ops named in ALIGNAUDIT_STRICT (idempotent, additive)."""
+    ops = parse_strict(os.environ.get(ENV))
+    todo = ops - _applied
+    if not todo:
+        return
+    import alignaudit.strict.custom_ops  # noqa: F401  (registers torch.ops.alignaudit.*)
+
+    # vLLM's torch.compile cache is keyed by the model code and config, not by these patches: a graph
+    # compiled earlier without them would be loaded and run instead. Bypass the cache unless told otherwise.
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+
+    for op in sorted(todo):
+        PATCHES[op]()
+        _applied.add(op)
+    log.info("alignaudit strict ops active in vLLM: %s", ", ".join(sorted(_applied)))
+
+
+_MISSING = object()
+
+
+def unregister() -> None:
+    """Restore every patched attribute (for tests and notebooks)."""
+    for (owner, name), original in _originals.items():
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+    _originals.clear()
+    _applied.clear()
+
+
+def _patch(owner: type, name: str, value) -> None:
+    """Set ``owner.name`` (a class attribute), remembering what the class itself defined there."""
+    _originals.setdefault((owner, name), owner.__dict__.get(name, _MISSING))
+    setattr(owner, name, value)
+
+
+def _linear() -> None:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    def apply(self, layer, x, bias=None):
+        return torch.ops.alignaudit.linear(x, layer.weight, bias)
+
+    _patch(UnquantizedLinearMethod, "apply", apply)
+    _patch(UnquantizedEmbeddingMethod, "apply", apply)
+    if current_platform.is_cpu():  # the CPU path repacks weights for oneDNN and empties layer.weight
+        _patch(UnquantizedLinearMethod, "process_weights_after_loading", lambda self, layer: None)
+
+
+def _rmsnorm() -> None:
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    def forward(self, x, residual=None):
+        if getattr(self, "variance_size_override", None) is not None:
+            raise NotImplementedError("strict RMSNorm does not support variance_size_override")
+        if residual is None:
+            return torch.ops.alignaudit.rms_norm(x, self.weight, self.variance_epsilon)
+        return torch.ops.alignaudit.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+
+    _patch(RMSNorm, "forward", forward)
+
+
+def _rope() -> None:
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    def forward(self, positions, query, key=None, *args, **kwargs):
+        if not self.is_neox_style or self.rotary_dim != self.head_size or type(self) is not RotaryEmbedding:
+            raise NotImplementedError(f"strict rope supports plain neox-style RotaryEmbedding, not {type(self).__name__}")
+        theta, limit, d = float(self.base), self.max_position_embeddings, self.head_size
+        flat = positions.reshape(-1)
+        q = torch.ops.alignaudit.rope(query.view(flat.shape[0], -1, d), flat, theta, limit).view(query.shape)
+        if key is None:
+            return q, None
+        return q, torch.ops.alignaudit.rope(key.view(flat.shape[0], -1, d), flat, theta, limit).view(key.shape)
+
+    _patch(RotaryEmbedding, "forward", forward)
+
+
+def _silu() -> None:
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    _patch(SiluAndMul, "forward", lambda self, x: torch.ops.alignaudit.silu_and_mul(x))
+
+
+def _logprobs() -> None:
+    from vllm.v1.sample.sampler import Sampler
+
+    _patch(Sampler, "compute_logprobs", staticmethod(lambda logits: torch.ops.alignaudit.log_softmax(logits)))
+
+
+def _attention() -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if not current_platform.is_cpu():
+        raise NotImplementedError("strict attention inside vLLM is implemented for the CPU backend only; "
+                                  "drop 'attention' from ALIGNAUDIT_STRICT on GPUs")
+    register_backend(AttentionBackendEnum.CPU_ATTN, "alignaudit.strict.vllm_attention.StrictCPUAttentionBackend")
+
+
+PATCHES = {"linear": _linear, "rmsnorm": _rmsnorm, "rope": _rope, "silu": _silu, "logprobs": _logprobs,
+           "attention": _attention}
