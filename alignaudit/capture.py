@@ -7,8 +7,9 @@ Layout (format version 1):
                            logprob (float32; null at pos 0, which has no logprob), generated (bool:
                            sampled by this engine in rollout mode, its logprob recorded while decoding)
 
-The manifest is written last, atomically, with ``"status": "complete"``: a directory without it is an
-interrupted or damaged capture, and every reader refuses it.
+The manifest is written last, atomically, with ``"status": "complete"`` and the sha256 of
+logprobs.parquet: a directory without it is an interrupted capture, one whose table does not match it is
+damaged, and every reader refuses both.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def write_capture(directory: Path, manifest: dict, logprobs: pd.DataFrame) -> No
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     logprobs.to_parquet(directory / LOGPROBS, index=False)
-    record = {"format": FORMAT, "version": VERSION, **manifest, "status": "complete"}
+    record = {"format": FORMAT, "version": VERSION, **manifest, "files": {LOGPROBS: _sha256(directory / LOGPROBS)},
+              "status": "complete"}
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     os.replace(tmp, directory / MANIFEST)
@@ -96,9 +98,13 @@ def read_capture(directory: Path) -> Capture:
     """
     directory = Path(directory)
     manifest_path = directory / MANIFEST
+    if directory.is_file():
+        raise InputError(f"{directory} is a file, not a capture directory")
     if not directory.is_dir():
         raise InputError(f"{directory} is not a capture directory (it does not exist)")
     if not manifest_path.is_file():
+        if (directory / "run.json").is_file():
+            raise InputError(f"{directory} is a compare/bisect run; its captures are {directory}/train and {directory}/infer")
         raise InputError(f"{directory} has no {MANIFEST}: the capture is incomplete or was interrupted; run it again")
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -108,12 +114,26 @@ def read_capture(directory: Path) -> Capture:
         raise InputError(f"{manifest_path} is not a complete {FORMAT} manifest; run the capture again")
     if manifest.get("version") != VERSION:
         raise InputError(f"{directory} has capture format version {manifest.get('version')}; this alignaudit reads {VERSION}")
+    expected = manifest.get("files", {}).get(LOGPROBS)
+    if expected is not None and (not (directory / LOGPROBS).is_file() or _sha256(directory / LOGPROBS) != expected):
+        raise InputError(f"{directory / LOGPROBS} is missing or does not match the manifest's sha256; the capture "
+                         "is damaged, run it again")
     try:
         table = pd.read_parquet(directory / LOGPROBS)
     except Exception as e:  # pyarrow raises several types for missing/truncated files
         raise InputError(f"{directory / LOGPROBS} is missing or corrupt ({type(e).__name__}); run the capture again") from e
     _check_table(directory, manifest, table)
     return Capture(directory, manifest, table)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _check_table(directory: Path, manifest: dict, table: pd.DataFrame) -> None:

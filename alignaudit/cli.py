@@ -1,14 +1,15 @@
 """The ``alignaudit`` command line: thin typer commands over the library, rendered with rich.
 
-Exit codes: 0 success, 1 alignment failure (gate), 2 usage or input error, 3 engine failure.
-Errors print one line; ``--debug`` (anywhere on the command line) shows the traceback.
+Exit codes (docs/cli.md): 0 success, 1 alignment failure (gate), 2 usage or input error, 3 engine
+failure. Errors print one line; ``--debug`` (anywhere on the command line) shows the traceback.
 """
 
 from __future__ import annotations
 
+import json
+import signal
 import sys
 import traceback
-from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -17,100 +18,27 @@ from rich.console import Console
 from rich.markup import escape
 
 from alignaudit import errors
+from alignaudit.cliargs import (
+    DEFAULT_MODEL, ClipEpsOpt, DebugOpt, DeviceOpt, DtypeOpt, ForceOpt, InferDtypeOpt, InferOpt, InferSettingOpt,
+    LayersOpt, ModelOpt, OpsOpt, OutOpt, PromptLenOpt, PromptsOpt, RandomPromptsOpt, RandomWeightsOpt, SeedOpt,
+    StrictOpt, TrainDtypeOpt, TrainOpt, TrainSettingOpt, VerboseOpt, check_clip_eps, default_out, engine_runs,
+    load_batch, resolve_model_arg,
+)
 
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode="markdown",
     help="Numerical alignment auditor for RL: training-engine vs rollout-engine logprobs, down to the ULP.",
 )
 console = Console()
 err_console = Console(stderr=True)
 
-FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
-DEFAULT_MODEL = "qwen3-tiny"
-
-# Shared options, defined once.
-ModelOpt = Annotated[str, typer.Option(
-    "--model", "-m",
-    help="Checkpoint directory, hub id in the local HF cache, or preset name (Qwen3-0.6B ... Qwen3-32B) "
-         "with --random-weights. Default: the embedded tiny Qwen3 fixture.")]
-RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", help="Synthesize a preset's checkpoint with random weights (once, cached).")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random weights, random prompts and sampling.")]
-PromptsOpt = Annotated[Optional[Path], typer.Option("--prompts", help="Prompt file: JSONL with \"text\" or \"token_ids\", or plain text lines.")]
-RandomPromptsOpt = Annotated[Optional[int], typer.Option("--random-prompts", help="Use N random token-id prompts instead.")]
-PromptLenOpt = Annotated[int, typer.Option("--prompt-len", help="Length of each random prompt, in tokens.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32, for both engines.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, or auto (cuda when available).")]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Output directory (default: alignaudit-runs/<command>-<time>).")]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Write into a non-empty --out directory.")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Stream the engine workers' logs.")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
-
-
-def resolve_model_arg(model: str, random_weights: bool, seed: int):
-    from alignaudit.models import resolve_model
-
-    if model == DEFAULT_MODEL and not Path(model).exists():
-        model = str(FIXTURES_DIR / DEFAULT_MODEL)
-    return resolve_model(model, random_weights=random_weights, seed=seed)
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise errors.InputError(f"unknown device {device!r}; choose cpu, cuda or auto")
-    return device
-
-
-def check_dtype(dtype: str) -> str:
-    from alignaudit.engines.base import DTYPES
-
-    if dtype not in DTYPES:
-        raise errors.InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    return dtype
-
-
-def default_out(command: str) -> Path:
-    return Path("alignaudit-runs") / f"{command}-{datetime.now():%Y%m%d-%H%M%S}"
-
 
 @app.callback()
 def _root() -> None:
     """Numerical alignment auditor for RL: training-engine vs rollout-engine logprobs, down to the ULP."""
-
-
-TrainOpt = Annotated[str, typer.Option("--train", help="Training engine: megatron, hf or vllm.")]
-InferOpt = Annotated[str, typer.Option("--infer", help="Inference (rollout) engine: vllm, hf or megatron.")]
-TrainDtypeOpt = Annotated[Optional[str], typer.Option("--train-dtype", help="Override --dtype for the training engine.")]
-InferDtypeOpt = Annotated[Optional[str], typer.Option("--infer-dtype", help="Override --dtype for the inference engine.")]
-TrainSettingOpt = Annotated[Optional[list[str]], typer.Option("--train-opt", help="KEY=VALUE setting for the training engine (repeatable).")]
-InferSettingOpt = Annotated[Optional[list[str]], typer.Option("--infer-opt", help="KEY=VALUE setting for the inference engine (repeatable).")]
-StrictOpt = Annotated[Optional[str], typer.Option(
-    "--strict", help="Strict kernels in both engines: --strict alone for every op, or a subset for ablation, "
-                     "e.g. --strict rmsnorm,rope (ops: linear, rmsnorm, rope, silu, attention, logprobs).")]
-LayersOpt = Annotated[Optional[str], typer.Option("--layers", help="Layers to capture, e.g. 0-3,7 (default: all).")]
-OpsOpt = Annotated[Optional[str], typer.Option("--ops", help="Canonical ops to capture, e.g. attn,o_proj (default: all).")]
-
-
-def engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt, strict=None):
-    """The two EngineRuns of a comparison, validated before anything starts."""
-    from alignaudit.engines import check_installed
-    from alignaudit.engines.base import EngineSettings, parse_options
-    from alignaudit.pipeline import EngineRun
-    from alignaudit.strict import format_strict, parse_strict
-
-    check_installed(train), check_installed(infer)
-    dev = resolve_device(device)
-    ops = format_strict(parse_strict(strict))
-    return [
-        EngineRun(name, EngineSettings(check_dtype(own or dtype), dev, seed, parse_options(opts), strict=ops))
-        for name, own, opts in ((train, train_dtype, train_opt), (infer, infer_dtype, infer_opt))
-    ]
 
 
 @app.command()
@@ -125,16 +53,16 @@ def compare(
     train_opt: TrainSettingOpt = None,
     infer_opt: InferSettingOpt = None,
     strict: StrictOpt = None,
-    mode: Annotated[str, typer.Option("--mode", help="prompt (teacher-forced prompts) or rollout (the inference "
-                                                       "engine samples, the training engine rescores).")] = "prompt",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Rollout mode: tokens sampled per prompt.")] = 32,
-    temperature: Annotated[float, typer.Option("--temperature", help="Rollout mode: sampling temperature.")] = 1.0,
+    mode: Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
+                                      "(the inference engine samples, the training engine rescores).")] = "prompt",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", metavar="N", help="Rollout mode: tokens sampled per prompt.")] = 32,
+    temperature: Annotated[float, typer.Option("--temperature", metavar="T", help="Rollout mode: sampling temperature.")] = 1.0,
     prompts: PromptsOpt = None,
     random_prompts: RandomPromptsOpt = None,
-    prompt_len: PromptLenOpt = 64,
+    prompt_len: PromptLenOpt = None,
     random_weights: RandomWeightsOpt = False,
     seed: SeedOpt = 0,
-    clip_eps: Annotated[float, typer.Option("--clip-eps", help="PPO clip epsilon for the clip-fraction metric.")] = 0.2,
+    clip_eps: ClipEpsOpt = 0.2,
     out: OutOpt = None,
     force: ForceOpt = False,
     verbose: VerboseOpt = False,
@@ -142,23 +70,44 @@ def compare(
 ) -> None:
     """Run the same token ids through a training and an inference engine and compare per-token logprobs.
 
-    Prompt mode (default): every prompt token after the first gets a teacher-forced logprob from each engine
-    (fp32). Rollout mode, the RL path: the inference engine samples --max-new-tokens per prompt (seeded,
-    EOS ignored) and records each sampled token's logprob while decoding; the training engine rescores
-    prompt + completion in one pass. Reports bitwise mismatches, ULP distances and the RL impact
-    (importance ratio, clip fraction, token_mult_prob_error, probability differences, KL).
-    Writes tokens.parquet and summary.json to --out.
+    Prompt mode (default): every prompt token after the first gets a teacher-forced logprob from each
+    engine (fp32). Rollout mode, the RL path: the inference engine samples --max-new-tokens per prompt
+    (seeded, EOS ignored) and records each sampled token's logprob while decoding; the training engine
+    rescores prompt + completion in one pass. Reports bitwise mismatches, ULP distances and the RL impact
+    (importance ratio, clip fraction, token_mult_prob_error, probability differences, KL). Writes
+    tokens.parquet and summary.json to --out. The exit code is 0 whatever the result; `alignaudit gate`
+    turns results into a CI verdict.
 
     Examples:
-      alignaudit compare                                     # tiny fixture, megatron vs vllm, bf16
-      alignaudit compare --dtype fp32 --train megatron --infer hf
-      alignaudit compare --model Qwen3-0.6B --random-weights --random-prompts 2 --prompt-len 64
-      alignaudit compare --train vllm --infer vllm --infer-opt enforce_eager=true   # self-consistency
-      alignaudit compare --strict --mode rollout --max-new-tokens 32                 # strict kernels, RL path
+
+    ```
+    alignaudit compare                  # fixture, megatron vs vllm, bf16
+    alignaudit compare --dtype fp32 --train megatron --infer hf
+    alignaudit compare --strict --mode rollout --max-new-tokens 32
+    alignaudit compare --model Qwen3-0.6B --random-weights \\
+        --random-prompts 2 --prompt-len 64
+    alignaudit compare --train vllm --infer vllm \\
+        --infer-opt enforce_eager=true  # self-consistency
+    ```
     """
-    from alignaudit.pipeline import TOKENS, compare as run_compare, prepare_output
-    from alignaudit.prompts import load_prompts
+    from alignaudit.pipeline import TOKENS
     from alignaudit.report import render_comparison
+
+    check_clip_eps(clip_eps)
+    out_dir, summary = _run_compare(model, train, infer, dtype, train_dtype, infer_dtype, device, train_opt, infer_opt,
+                                    strict, mode, max_new_tokens, temperature, prompts, random_prompts, prompt_len,
+                                    random_weights, seed, clip_eps, out or default_out("compare"), force, verbose)
+    import pandas as pd
+
+    render_comparison(console, summary, pd.read_parquet(out_dir / TOKENS))
+    console.print(f"results: {out_dir}/summary.json, {out_dir}/tokens.parquet")
+
+
+def _run_compare(model, train, infer, dtype, train_dtype, infer_dtype, device, train_opt, infer_opt, strict, mode,
+                 max_new_tokens, temperature, prompts, random_prompts, prompt_len, random_weights, seed, clip_eps,
+                 out, force, verbose):
+    """Validate everything, then run compare into ``out``; returns (out, summary)."""
+    from alignaudit.pipeline import compare as run_compare, prepare_output
 
     if mode not in ("prompt", "rollout"):
         raise errors.InputError(f"unknown --mode {mode!r}; choose prompt or rollout")
@@ -166,16 +115,13 @@ def compare(
         raise errors.InputError("rollout mode needs --max-new-tokens >= 1 and --temperature > 0")
     runs = engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt, strict)
     spec = resolve_model_arg(model, random_weights, seed)
-    batch = load_prompts(spec, prompts, random_prompts, prompt_len, seed)
-    out_dir = prepare_output(out or default_out("compare"), force)
+    rollout = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed} if mode == "rollout" else None
+    batch = load_batch(spec, prompts, random_prompts, prompt_len, seed, (train, infer), max_new_tokens if rollout else 0)
+    out_dir = prepare_output(out, force)
     with console.status("") as status:
-        rollout = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed} if mode == "rollout" else None
         summary = run_compare(spec, batch, runs[0], runs[1], out_dir, clip_eps=clip_eps, stream_log=verbose,
                               on_stage=status.update, rollout=rollout)
-    import pandas as pd
-
-    render_comparison(console, summary, pd.read_parquet(out_dir / TOKENS))
-    console.print(f"results: {out_dir}/summary.json, {out_dir}/tokens.parquet")
+    return out_dir, summary
 
 
 @app.command()
@@ -183,7 +129,7 @@ def bisect(
     model: ModelOpt = DEFAULT_MODEL,
     train: TrainOpt = "megatron",
     infer: InferOpt = "vllm",
-    mode: Annotated[str, typer.Option("--mode", help="natural, forced, or both.")] = "both",
+    mode: Annotated[str, typer.Option("--mode", metavar="MODE", help="natural, forced, or both.")] = "both",
     layers: LayersOpt = None,
     ops: OpsOpt = None,
     dtype: DtypeOpt = "bf16",
@@ -195,7 +141,7 @@ def bisect(
     strict: StrictOpt = None,
     prompts: PromptsOpt = None,
     random_prompts: RandomPromptsOpt = None,
-    prompt_len: PromptLenOpt = 64,
+    prompt_len: PromptLenOpt = None,
     random_weights: RandomWeightsOpt = False,
     seed: SeedOpt = 0,
     out: OutOpt = None,
@@ -207,31 +153,38 @@ def bisect(
 
     Both engines run the same token ids with every canonical op captured (embed; per layer input_norm,
     q/k/v_proj, q/k_norm, q/k_rope, attn, o_proj, attn_residual, post_attn_norm, gate/up_proj, act,
-    down_proj, mlp_residual; final_norm, logits, logprobs), converted to one layout, and compared bit by bit.
+    down_proj, mlp_residual; final_norm, logits, logprobs), converted to one layout, and compared bit
+    by bit.
 
-    [bold]natural[/] mode: both engines run freely. Differences accumulate downstream; the table marks the
+    **natural** mode: both engines run freely. Differences accumulate downstream; the table marks the
     first op whose outputs differ, with its worst element in decimal and hex.
 
-    [bold]forced[/] mode: the inference engine runs again with every op's inputs replaced by the training
-    engine's captured values (converted to its layout). Each op's difference is then its own, so the table
-    lists every op that computes differently, not only the first: what you need to fix all causes at once.
+    **forced** mode: the inference engine runs again with every op's inputs replaced by the training
+    engine's captured values (converted to its layout). Each op's difference is then its own, so the
+    table lists every op that computes differently, not only the first: what you need to fix all causes
+    at once.
 
-    vLLM is captured in eager mode with prefix caching off (hooks cannot see inside torch.compile graphs),
-    so its numbers here can differ from a compiled `compare` run.
+    vLLM is captured in eager mode with prefix caching off (hooks cannot see inside torch.compile
+    graphs), so its numbers here can differ from a compiled `compare` run.
 
     Examples:
-      alignaudit bisect --train megatron --infer hf --dtype bf16
-      alignaudit bisect --train hf --infer vllm --mode forced --layers 0-1 --ops q_rope,k_rope,attn
+
+    ```
+    alignaudit bisect --train megatron --infer hf --dtype bf16
+    alignaudit bisect --train hf --infer vllm --mode forced \\
+        --layers 0-1 --ops q_rope,k_rope,attn
+    ```
     """
     from alignaudit.ops import parse_selection
-    from alignaudit.pipeline import bisect as run_bisect, prepare_output
-    from alignaudit.prompts import load_prompts
+    from alignaudit.pipeline import MODES, bisect as run_bisect, prepare_output
     from alignaudit.report import render_bisect
 
+    if mode not in MODES:
+        raise errors.InputError(f"unknown bisect mode {mode!r}; choose one of {', '.join(MODES)}")
     runs = engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt, strict)
     spec = resolve_model_arg(model, random_weights, seed)
     selection = parse_selection(layers, ops, spec.num_layers)
-    batch = load_prompts(spec, prompts, random_prompts, prompt_len, seed)
+    batch = load_batch(spec, prompts, random_prompts, prompt_len, seed, (train, infer))
     out_dir = prepare_output(out or default_out("bisect"), force)
     with console.status("") as status:
         result = run_bisect(spec, batch, runs[0], runs[1], out_dir, selection, mode=mode, stream_log=verbose,
@@ -242,19 +195,20 @@ def bisect(
 
 @app.command()
 def capture(
-    engine: Annotated[str, typer.Option("--engine", "-e", help="megatron, vllm or hf.")] = "megatron",
+    engine: Annotated[str, typer.Option("--engine", "-e", metavar="ENGINE", help="megatron, vllm or hf.")] = "megatron",
     model: ModelOpt = DEFAULT_MODEL,
-    dtype: DtypeOpt = "bf16",
+    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32.")] = "bf16",
     device: DeviceOpt = "auto",
-    opt: Annotated[Optional[list[str]], typer.Option("--opt", help="KEY=VALUE engine setting (repeatable).")] = None,
+    opt: Annotated[Optional[list[str]], typer.Option("--opt", metavar="KEY=VALUE", help="Engine setting (repeatable).")] = None,
     layers: LayersOpt = None,
     ops: OpsOpt = None,
-    no_ops: Annotated[bool, typer.Option("--no-ops", help="Logprobs only, no per-op tensors.")] = False,
-    reference: Annotated[Optional[Path], typer.Option("--reference", help="Forced mode: feed every op this capture's inputs.")] = None,
+    no_ops: Annotated[bool, typer.Option("--no-ops", metavar="", help="Logprobs only, no per-op tensors.")] = False,
+    reference: Annotated[Optional[Path], typer.Option("--reference", metavar="DIR",
+                                                      help="Forced mode: feed every op this capture's values.")] = None,
     strict: StrictOpt = None,
     prompts: PromptsOpt = None,
     random_prompts: RandomPromptsOpt = None,
-    prompt_len: PromptLenOpt = 64,
+    prompt_len: PromptLenOpt = None,
     random_weights: RandomWeightsOpt = False,
     seed: SeedOpt = 0,
     out: OutOpt = None,
@@ -268,73 +222,166 @@ def capture(
     container), then compare them anywhere with `alignaudit diff`.
 
     Examples:
-      alignaudit capture --engine vllm --out runs/vllm
-      alignaudit capture --engine megatron --layers 0-1 --ops attn,o_proj --out runs/megatron
-      alignaudit diff runs/megatron runs/vllm
+
+    ```
+    alignaudit capture --engine vllm --out runs/vllm
+    alignaudit capture --engine megatron --layers 0-1 --ops attn,o_proj \\
+        --out runs/megatron
+    alignaudit diff runs/megatron runs/vllm
+    ```
     """
     from alignaudit.capture import read_capture
-    from alignaudit.engines.base import EngineSettings, parse_options
     from alignaudit.ops import parse_selection
-    from alignaudit.pipeline import EngineRun, capture as run_capture, prepare_output
-    from alignaudit.prompts import load_prompts
+    from alignaudit.pipeline import capture as run_capture, prepare_output
 
     run = engine_runs(engine, engine, dtype, None, None, device, seed, opt, None, strict)[0]
     spec = resolve_model_arg(model, random_weights, seed)
     selection = None if no_ops else parse_selection(layers, ops, spec.num_layers)
+    batch = load_batch(spec, prompts, random_prompts, prompt_len, seed, (engine,))
+    out_dir = out or default_out(f"capture-{engine}")
     if reference is not None:
         if selection is None:
             raise errors.InputError("--reference needs op capture; drop --no-ops")
+        if Path(reference).resolve() == Path(out_dir).resolve():
+            raise errors.InputError("--reference and --out are the same directory; write the forced capture elsewhere")
         ref = read_capture(reference)
         if "ops" not in ref.manifest:
             raise errors.InputError(f"--reference {reference} has no per-op tensors; capture it without --no-ops")
-    batch = load_prompts(spec, prompts, random_prompts, prompt_len, seed)
-    if reference is not None and ref.manifest["prompts"]["digest"] != batch.digest():
-        raise errors.InputError(f"--reference {reference} was made on other token ids; use the same prompts")
-    out_dir = prepare_output(out or default_out(f"capture-{engine}"), force)
+        if ref.manifest["prompts"]["digest"] != batch.digest():
+            raise errors.InputError(f"--reference {reference} was made on other token ids; use the same prompts")
+    out_dir = prepare_output(out_dir, force)
     with console.status(f"running {run.label()}"):
         result = run_capture(spec, batch, run, out_dir, stream_log=verbose, ops=selection, reference=reference)
     ops_info = result.manifest.get("ops")
-    console.print(f"capture of {escape(run.label())}: {batch.num_tokens} tokens in {len(batch.sequences)} sequences"
-                  + (f", {ops_info['ops']} ops ({ops_info['bytes'] / 2**20:.1f} MiB)" if ops_info else "")
+    scored = batch.num_tokens - len(batch.sequences)
+    console.print(f"capture of {escape(run.label())}: {len(batch.sequences)} sequences, {batch.num_tokens} token ids "
+                  f"({scored} scored)" + (f", {ops_info['ops']} ops ({ops_info['bytes'] / 2**20:.1f} MiB)" if ops_info else "")
                   + f" -> {out_dir}", highlight=False)
 
 
 @app.command()
 def diff(
-    train_dir: Annotated[Path, typer.Argument(help="Capture directory playing the training engine.")],
-    infer_dir: Annotated[Path, typer.Argument(help="Capture directory playing the inference engine.")],
+    train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE", help="Capture directory playing the training engine.")],
+    infer_dir: Annotated[Path, typer.Argument(metavar="INFER_CAPTURE", help="Capture directory playing the inference engine.")],
     out: OutOpt = None,
     force: ForceOpt = False,
-    clip_eps: Annotated[float, typer.Option("--clip-eps", help="PPO clip epsilon for the clip-fraction metric.")] = 0.2,
+    clip_eps: ClipEpsOpt = 0.2,
     debug: DebugOpt = False,
 ) -> None:
     """Compare two captures made anywhere: logprobs, and every op when both captured ops.
 
-    Refuses captures of different checkpoints or token ids.
+    Refuses captures of different checkpoints or token ids, and damaged captures.
     """
     import pandas as pd
 
     from alignaudit.capture import read_capture
     from alignaudit.opdiff import first_divergence
     from alignaudit.pipeline import TOKENS, diff_captures, diff_ops, prepare_output, write_ops
-    from alignaudit.report import render_comparison, render_ops
+    from alignaudit.report import render_comparison, render_op_verdict, render_ops
 
+    check_clip_eps(clip_eps)
     a, b = read_capture(train_dir), read_capture(infer_dir)
+    with_ops = "ops" in a.manifest and "ops" in b.manifest
+    records = diff_ops(a, b) if with_ops else None  # reads and verifies every op before anything is written
     out_dir = prepare_output(out or default_out("diff"), force)
     summary = diff_captures(a, b, out_dir, clip_eps=clip_eps)
     render_comparison(console, summary, pd.read_parquet(out_dir / TOKENS))
-    if "ops" in a.manifest and "ops" in b.manifest:
-        records = diff_ops(a, b)
+    if records is not None:
         write_ops(records, out_dir / "ops.parquet")
         mode = b.manifest["ops"].get("mode", "natural")
         render_ops(console, records, mode, first_divergence(records))
+        render_op_verdict(console, mode, records)
     console.print(f"results: {out_dir}")
+
+
+@app.command()
+def gate(
+    run_dir: Annotated[Optional[Path], typer.Argument(metavar="[RUN_DIR]", help="A finished compare run (omit to run one now).")] = None,
+    max_mismatch: Annotated[Optional[str], typer.Option("--max-mismatch", metavar="N|FRAC",
+                            help="Allow N mismatching tokens, or a fraction (0.5% or 0.005).")] = None,
+    max_ulp: Annotated[Optional[int], typer.Option("--max-ulp", metavar="N", help="Allow tokens up to N ULP apart.")] = None,
+    max_abs: Annotated[Optional[float], typer.Option("--max-abs", metavar="X", help="Allow |lp_train - lp_infer| up to X.")] = None,
+    baseline: Annotated[Optional[Path], typer.Option("--baseline", metavar="FILE",
+                        help="Fail only on regression against this verdict.json (or summary.json).")] = None,
+    junit: Annotated[Optional[Path], typer.Option("--junit", metavar="FILE", help="JUnit XML (default: RUN/junit.xml).")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="JSON verdict (default: RUN/verdict.json).")] = None,
+    md_out: Annotated[Optional[Path], typer.Option("--markdown", metavar="FILE",
+                      help="Markdown summary, appended when the file exists ($GITHUB_STEP_SUMMARY); default RUN/summary.md.")] = None,
+    model: ModelOpt = DEFAULT_MODEL,
+    train: TrainOpt = "megatron",
+    infer: InferOpt = "vllm",
+    dtype: DtypeOpt = "bf16",
+    device: DeviceOpt = "auto",
+    train_opt: TrainSettingOpt = None,
+    infer_opt: InferSettingOpt = None,
+    strict: StrictOpt = None,
+    mode: Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt or rollout (when running a comparison).")] = "prompt",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", metavar="N", help="Rollout mode: tokens per prompt.")] = 32,
+    prompts: PromptsOpt = None,
+    random_prompts: RandomPromptsOpt = None,
+    prompt_len: PromptLenOpt = None,
+    random_weights: RandomWeightsOpt = False,
+    seed: SeedOpt = 0,
+    out: OutOpt = None,
+    force: ForceOpt = False,
+    verbose: VerboseOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """CI gate on bitwise equality of per-token logprobs.
+
+    Judges a finished comparison (RUN_DIR, as written by `alignaudit compare`), or runs one with the
+    compare options and judges it. The captures are re-read and re-validated, never trusted from
+    summary.json. Default rule: every compared token bitwise equal. Relaxations combine: --max-mismatch,
+    --max-ulp, --max-abs, --baseline.
+
+    Exit codes: **0** pass, **1** alignment failure, **2** usage or input error (including zero tokens
+    compared, missing sequences, mismatched token ids, truncated or corrupt files), **3** engine failure
+    (including NaN logprobs). Writes verdict.json, junit.xml (one test case per sequence) and summary.md.
+
+    Examples:
+
+    ```
+    alignaudit gate --strict --train megatron --infer vllm --out runs/ci
+    alignaudit gate runs/nightly --max-ulp 2 --junit reports/align.xml
+    alignaudit gate runs/today --baseline runs/yesterday/verdict.json
+    ```
+    """
+    from alignaudit import gate as gating
+    from alignaudit.capture import read_capture
+    from alignaudit.diff import align_tokens, compare_tokens
+
+    count, fraction = gating.parse_max_mismatch(max_mismatch)
+    if max_ulp is not None and max_ulp < 0 or max_abs is not None and max_abs < 0:
+        raise errors.InputError("--max-ulp and --max-abs must not be negative")
+    rule = gating.Rule(count, fraction, max_ulp, max_abs, gating.read_baseline(baseline) if baseline else None)
+    if run_dir is None:
+        run_dir, _ = _run_compare(model, train, infer, dtype, None, None, device, train_opt, infer_opt, strict, mode,
+                                  max_new_tokens, 1.0, prompts, random_prompts, prompt_len, random_weights, seed, 0.2,
+                                  out or default_out("gate"), force, verbose)
+    elif not (Path(run_dir) / "run.json").is_file():
+        raise errors.InputError(f"{run_dir} is not a compare run directory (no run.json); give the --out of `alignaudit compare`")
+    train_cap, infer_cap = read_capture(Path(run_dir) / "train"), read_capture(Path(run_dir) / "infer")
+    if train_cap.manifest["prompts"]["digest"] != infer_cap.manifest["prompts"]["digest"]:
+        raise errors.InputError("the two captures were made on different token ids; run the comparison again")
+    verdict = gating.evaluate(compare_tokens(align_tokens(train_cap.logprobs, infer_cap.logprobs)), rule, str(run_dir))
+    (json_out or Path(run_dir) / "verdict.json").write_text(json.dumps(verdict.to_dict(), indent=2) + "\n")
+    (junit or Path(run_dir) / "junit.xml").write_text(gating.junit_xml(verdict))
+    md_path = md_out or Path(run_dir) / "summary.md"
+    with open(md_path, "a" if md_out is not None and md_path.exists() else "w") as f:
+        f.write(gating.markdown(verdict))
+    style = "bold green" if verdict.passed else "bold red"
+    console.print(f"[{style}]gate {'PASS' if verdict.passed else 'FAIL'}[/] ({escape(verdict.rule)}): "
+                  f"{verdict.mismatches} of {verdict.tokens_compared} tokens differ, max ULP {verdict.ulp_max}", highlight=False)
+    for reason in verdict.reasons:
+        console.print(f"  {escape(reason)}", highlight=False)
+    raise typer.Exit(verdict.exit_code)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the typer app, turn library errors into one line and an exit code."""
     args = _optional_values(sys.argv[1:] if argv is None else list(argv), {"--strict": "all"})
     debug = "--debug" in args
+    previous = signal.signal(signal.SIGTERM, _terminate)  # unwind (and stop engine workers) on SIGTERM
     try:
         result = app(args=args, standalone_mode=False, prog_name="alignaudit")
         return result if isinstance(result, int) else errors.EXIT_OK
@@ -356,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
             err_console.print(f"[bold red]error:[/] {escape(e.format_message())}", highlight=False, soft_wrap=True)
             return errors.EXIT_USAGE
         return _unexpected(e, debug)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _optional_values(args: list[str], defaults: dict[str, str]) -> list[str]:

@@ -75,6 +75,8 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
         raw = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise InputError(f"cannot read {config_file}: {e}") from e
+    if not isinstance(raw, dict):
+        raise InputError(f"{config_file} is not a JSON object; it must be a Hugging Face config")
     architectures = raw.get("architectures") or [raw.get("model_type", "?")]
     arch = architectures[0]
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -94,6 +96,7 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
     if rope_type != "default":
         raise InputError(f"rope_type {rope_type!r} in {config_file} is not supported; supported: default")
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    check_weights(path, raw)
     return ModelSpec(
         name=name or path.name,
         path=str(path.resolve()),
@@ -113,6 +116,31 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
         dtype=str(dtype),
         has_tokenizer=(path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file(),
     )
+
+
+def check_weights(path: Path, config: dict) -> None:
+    """Read the safetensors headers (not the data) and check every tensor the config implies is there, with
+    the implied shape. Raises InputError naming the first unreadable file, missing tensor or wrong shape."""
+    from safetensors import safe_open
+
+    from alignaudit.synth import qwen3_weight_shapes
+
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                shapes.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
+        except Exception as e:  # safetensors raises its own error type for truncated or foreign files
+            raise InputError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from e
+    try:
+        expected = list(qwen3_weight_shapes(config))
+    except (KeyError, TypeError) as e:
+        raise InputError(f"{path / 'config.json'} lacks a field Qwen3 needs: {e}") from e
+    for name, shape, _ in expected:
+        if name not in shapes:
+            raise InputError(f"checkpoint {path} has no tensor {name}, which its config.json implies")
+        if shapes[name] != list(shape):
+            raise InputError(f"checkpoint tensor {name} has shape {shapes[name]}, but config.json implies {list(shape)}")
 
 
 def resolve_model(model: str, random_weights: bool = False, seed: int = 0) -> ModelSpec:
@@ -159,7 +187,7 @@ def _from_hf_cache(hub_id: str) -> Path:
     except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, HFValidationError, ...
         raise InputError(
             f"{hub_id} is not in the local Hugging Face cache; download it with "
-            f"`huggingface-cli download {hub_id}` or use a preset with --random-weights"
+            f"`hf download {hub_id}` or use a preset with --random-weights"
         ) from e
 
 

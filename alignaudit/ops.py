@@ -145,6 +145,8 @@ def parse_selection(layers: str | None, ops: str | None, num_layers: int) -> Sel
                 start, end = int(lo), int(hi) if sep else int(lo)
             except ValueError:
                 raise InputError(f"--layers {layers!r}: expected a list of layers and ranges such as 0-3,7") from None
+            if start > end:
+                raise InputError(f"--layers {layers!r}: range {part.strip()} runs backwards; write {end}-{start}")
             if not 0 <= start <= end < num_layers:
                 raise InputError(f"--layers {layers!r}: the model has layers 0-{num_layers - 1}")
             chosen.update(range(start, end + 1))

@@ -7,7 +7,8 @@ Layout, inside a capture directory:
 
 Tensors go to host memory as the hook fires and to disk every ``flush_bytes`` (256 MiB by default), so a
 capture never holds more than that much beyond what the engine itself holds. Two captures whose
-fingerprints of an (op, seq) agree hold bitwise identical tensors there.
+fingerprints of an (op, seq) agree hold bitwise identical tensors there; every read checks the
+fingerprint, so a damaged chunk is an error, never a difference.
 """
 
 from __future__ import annotations
@@ -98,8 +99,11 @@ class OpStore:
         self.directory = Path(capture_dir) / OPS_DIR
         if not (self.directory / INDEX).is_file():
             raise InputError(f"{capture_dir} has no per-op tensors; make it with `alignaudit capture` (ops are on by default)")
-        self.index = pd.read_parquet(self.directory / INDEX)
-        self.fingerprints = pd.read_parquet(self.directory / FINGERPRINTS).set_index(["op", "seq"])["sha256"].to_dict()
+        try:
+            self.index = pd.read_parquet(self.directory / INDEX)
+            self.fingerprints = pd.read_parquet(self.directory / FINGERPRINTS).set_index(["op", "seq"])["sha256"].to_dict()
+        except Exception as e:  # pyarrow raises several types for missing/truncated files
+            raise InputError(f"{self.directory} has a missing or corrupt index ({type(e).__name__}); capture again") from e
         self._handles: dict[str, object] = {}
         self._cache: OrderedDict[str, dict[int, torch.Tensor]] = OrderedDict()
         self._cache_ops = cache_ops
@@ -123,7 +127,11 @@ class OpStore:
             return {}
         result = {}
         for seq, chunk in rows.sort_values(["seq", "pos_start"]).groupby("seq"):
-            result[int(seq)] = torch.cat([self._load(r.file, r.key) for r in chunk.itertuples()], dim=0)
+            t = torch.cat([self._load(r.file, r.key) for r in chunk.itertuples()], dim=0)
+            if hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest() != self.fingerprint(op, int(seq)):
+                raise InputError(f"{self.directory}: {op} of sequence {seq} does not match its sha256 fingerprint; "
+                                 "the capture is corrupt, capture again")
+            result[int(seq)] = t
         self._cache[op] = result
         if len(self._cache) > self._cache_ops:
             self._cache.popitem(last=False)

@@ -44,14 +44,36 @@ class EngineRun:
         return f"{self.engine} ({self.settings.dtype}, {self.settings.device})"
 
 
+OUTPUTS = ("run.json", "summary.json", "tokens.parquet", "bisect.json", "ops.parquet", "ops-natural.parquet",
+           "ops-forced.parquet", "train", "infer", "infer-forced", "manifest.json", "logprobs.parquet", "ops",
+           "request.json", "worker.log", "verdict.json", "junit.xml", "summary.md")
+
+
 def prepare_output(out: Path, force: bool) -> Path:
-    """Create ``out``; refuse a non-empty directory unless ``force`` (nothing already written is lost)."""
+    """Create ``out``. A non-empty directory is refused unless ``force``; then alignaudit's own outputs in
+    it (OUTPUTS) are removed first, so no stale result survives beside the new one. Other files stay.
+
+    Raises:
+        InputError: ``out`` is a file, cannot be created, or is non-empty without ``force``.
+    """
+    import shutil
+
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; give a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise InputError(f"--out {out} is not empty; choose another directory or pass --force to overwrite")
-    out.mkdir(parents=True, exist_ok=True)
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise InputError(f"--out {out} is not empty; choose another directory or pass --force to overwrite")
+        for name in OUTPUTS:
+            target = out / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"cannot create --out {out}: {e.strerror}") from e
     return out
 
 

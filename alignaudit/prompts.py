@@ -64,13 +64,15 @@ def load_prompts(
     random_prompts: int | None = None,
     prompt_len: int = 64,
     seed: int = 0,
+    reserve: int = 0,
 ) -> TokenBatch:
     """Build the TokenBatch for ``spec`` from exactly one source (built-in when none is given).
 
     Raises:
         InputError: both a file and random prompts given; unreadable or empty file; a malformed line;
             text prompts for a checkpoint without a tokenizer; a token id >= vocab size; a sequence
-            shorter than 2 tokens or longer than the model's max_position_embeddings.
+            shorter than 2 tokens or longer than the model's max_position_embeddings minus ``reserve``
+            (positions the engines need after the prompt: rollout tokens, or vLLM's one sampled token).
     """
     if prompts_file is not None and random_prompts is not None:
         raise InputError("give either --prompts or --random-prompts, not both")
@@ -85,20 +87,21 @@ def load_prompts(
                 "or a --prompts file with token_ids"
             )
         batch = _tokenize(spec, list(BUILTIN_PROMPTS), source="builtin")
-    validate_batch(spec, batch)
+    validate_batch(spec, batch, reserve)
     return batch
 
 
-def validate_batch(spec: ModelSpec, batch: TokenBatch) -> None:
+def validate_batch(spec: ModelSpec, batch: TokenBatch, reserve: int = 0) -> None:
     """Check ids and lengths against the model. Raises InputError naming the sequence and the fix."""
     if not batch.sequences:
         raise InputError(f"no prompts in {batch.source}")
     for i, seq in enumerate(batch.sequences):
         if len(seq) < 2:
             raise InputError(f"prompt {i} has {len(seq)} token(s); a logprob needs at least 2 tokens")
-        if len(seq) > spec.max_position_embeddings:
+        if len(seq) + reserve > spec.max_position_embeddings:
+            extra = f" plus {reserve} generated" if reserve else ""
             raise InputError(
-                f"prompt {i} has {len(seq)} tokens, longer than the model's max length "
+                f"prompt {i} has {len(seq)} tokens{extra}, longer than the model's max length "
                 f"{spec.max_position_embeddings}; shorten it"
             )
         bad = [t for t in seq if not 0 <= t < spec.vocab_size]
@@ -139,6 +142,8 @@ def _file_batch(spec: ModelSpec, path: Path) -> TokenBatch:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        if isinstance(record, dict) and "token_ids" in record and "text" in record:
+            raise InputError(f'{path}:{n}: give "text" or "token_ids", not both')
         if isinstance(record, dict) and isinstance(record.get("token_ids"), list):
             ids = record["token_ids"]
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

@@ -87,57 +87,68 @@ def _ulp(x) -> str:
     return "-" if x is None else str(x)
 
 
+def _equal_fraction(r: dict) -> str:
+    text = f"{r['equal_fraction']:.1%}"
+    if r["status"] == "differs" and text == "100.0%":
+        return ">99.9%"  # never print 100% beside an op that differs
+    return text
+
+
 def render_ops(console: Console, records: list[dict], mode: str, first: dict | None) -> None:
-    """The per-op table of a bisect in topological order: ✓ bitwise equal, ✗ differs, ◀ first divergence."""
+    """The per-op table of a bisect in topological order: ✓ bitwise equal, ✗ differs, ◀ first divergence.
+
+    A note shared by every compared op (e.g. a dtype difference) is printed once under the table.
+    """
     what = "each op on the train engine's inputs" if mode == "forced" else "both engines run freely"
     table = Table(title=f"Ops, {mode} mode ({what})", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True)
-    columns = ["op", "", "equal", "max ULP", "median ULP", "max |diff|", "rel_diff"]
-    with_notes = any(r.get("note") for r in records)
-    for col in columns + (["note"] if with_notes else []):
+    notes = [r.get("note") or "" for r in records if "elements" in r]
+    common = notes[0] if notes and all(n == notes[0] for n in notes) else ""
+    with_notes = any((r.get("note") or "") not in ("", common) for r in records)
+    for col in ["op", "", "equal", "max ULP", "median ULP", "max |diff|", "rel_diff"] + (["note"] if with_notes else []):
         table.add_column(col, justify="left" if col in ("op", "", "note") else "right", no_wrap=col != "note")
     for r in records:
         differs = r["status"] == "differs"
         is_first = mode == "natural" and first is not None and r["op"] == first["op"]
         mark = "◀" if is_first else ("✗" if differs else ("✓" if r["status"] == "equal" else "?"))
-        note = [escape(r.get("note") or "")] if with_notes else []
+        note = [escape("" if (r.get("note") or "") == common else r.get("note") or "")] if with_notes else []
         if "elements" not in r:
             table.add_row(escape(r["op"]), mark, *["-"] * 5, *note, style="dim")
             continue
         style = "bold red" if is_first else ("red" if differs else None)
-        table.add_row(escape(r["op"]), mark, f"{r['equal_fraction']:.1%}", _ulp(r["ulp_max"]), _num(r["ulp_median"], "g"),
+        table.add_row(escape(r["op"]), mark, _equal_fraction(r), _ulp(r["ulp_max"]), _num(r["ulp_median"], "g"),
                       _num(r["abs_max"], ".2e"), _num(r["rel_diff"], ".1e"), *note, style=style)
     console.print(table)
+    if common:
+        console.print(f"note (every op): {escape(common)}", highlight=False)
+
+
+def render_op_verdict(console: Console, mode: str, records: list[dict]) -> None:
+    """One line: the first diverging op with its worst element (natural), or every op that differs (forced)."""
+    from alignaudit.opdiff import DIFFERS, first_divergence
+
+    if mode == "natural":
+        first = first_divergence(records)
+        if first is None:
+            console.print("[bold green]every op is bitwise equal[/]")
+            return
+        w = first["worst"]
+        console.print(
+            f"[bold]first diverging op: [red]{escape(first['op'])}[/red][/bold] "
+            f"({_equal_fraction(first)} of {first['elements']} elements bitwise equal); worst element "
+            f"seq {w['seq']}, pos {w['pos']}, index {w['index']}: train {w['train']:.9g} ({w['train_hex']}) "
+            f"vs infer {w['infer']:.9g} ({w['infer_hex']}), {w['ulp']} ULP", highlight=False)
+        return
+    differing = [r["op"] for r in records if r["status"] == DIFFERS]
+    names = list(dict.fromkeys(op.split(".")[-1] for op in differing))
+    console.print(f"[bold]ops that compute differently on identical inputs:[/] {', '.join(names) if names else 'none'} "
+                  f"({len(differing)} of {len(records)} ops)", highlight=False)
 
 
 def render_bisect(console: Console, result: dict) -> None:
-    """Both modes' tables and the verdict lines of a bisect."""
+    """Both modes' tables and verdict lines of a bisect."""
     for mode in ("natural", "forced"):
-        if mode not in result:
-            continue
-        part = result[mode]
-        render_ops(console, part["records"], mode, part["first_divergence"])
-        first = part["first_divergence"]
-        if mode == "natural":
-            if first is None:
-                console.print("[bold green]every op is bitwise equal[/]")
-            else:
-                w = first["worst"]
-                console.print(
-                    f"[bold]first diverging op: [red]{escape(first['op'])}[/red][/bold] "
-                    f"({first['equal_fraction']:.1%} of {first['elements']} elements bitwise equal); worst element "
-                    f"seq {w['seq']}, pos {w['pos']}, index {w['index']}: train {w['train']:.9g} ({w['train_hex']}) "
-                    f"vs infer {w['infer']:.9g} ({w['infer_hex']}), {w['ulp']} ULP", highlight=False)
-        else:
-            differing = part["differing_ops"]
-            names = sorted({d.split(".")[-1] for d in differing}, key=differing_order(differing))
-            console.print(f"[bold]ops that compute differently on identical inputs:[/] "
-                          f"{', '.join(names) if names else 'none'} ({len(differing)} of {part['ops_compared']} ops)",
-                          highlight=False)
-
-
-def differing_order(differing: list[str]):
-    first_seen = {}
-    for i, op in enumerate(differing):
-        first_seen.setdefault(op.split(".")[-1], i)
-    return first_seen.__getitem__
+        if mode in result:
+            part = result[mode]
+            render_ops(console, part["records"], mode, part["first_divergence"])
+            render_op_verdict(console, mode, part["records"])

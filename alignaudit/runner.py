@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from collections import deque
 from pathlib import Path
 
 from alignaudit import errors
-from alignaudit.capture import Capture, read_capture
+from alignaudit.capture import LOGPROBS, MANIFEST, Capture, read_capture
 from alignaudit.engines import check_installed
 from alignaudit.engines.base import EngineSettings
 from alignaudit.engines.worker import ERROR_MARKER
 from alignaudit.models import ModelSpec
+from alignaudit.opstore import OPS_DIR
 from alignaudit.prompts import TokenBatch
 
 REQUEST = "request.json"
@@ -47,6 +50,9 @@ def run_capture(
     check_installed(engine)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in (MANIFEST, LOGPROBS):  # a failed run must never leave an earlier capture looking valid
+        (out / stale).unlink(missing_ok=True)
+    shutil.rmtree(out / OPS_DIR, ignore_errors=True)
     request = {
         "engine": engine,
         "role": role,
@@ -64,17 +70,33 @@ def run_capture(
     with open(out / WORKER_LOG, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "alignaudit.engines.worker", str(out / REQUEST)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_die_with_parent,
         )
-        for line in proc.stdout:
-            log.write(line)
-            tail.append(line.rstrip("\n"))
-            if stream_log:
-                sys.stderr.write(line)
-        code = proc.wait()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                tail.append(line.rstrip("\n"))
+                if stream_log:
+                    sys.stderr.write(line)
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: do not leave an engine holding memory
+                proc.kill()
+                proc.wait()
     if code != 0:
         raise _worker_error(engine, code, list(tail), out / WORKER_LOG)
     return read_capture(out)
+
+
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGKILL when the parent dies, however it dies (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 def _worker_error(engine: str, code: int, tail: list[str], log: Path) -> errors.AlignAuditError:

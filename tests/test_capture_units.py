@@ -41,7 +41,7 @@ def test_selection_parsing_and_inputs():
     assert wide.wants("layers.3.q_rope") and wide.wants("layers.3.attn") and not wide.wants("layers.2.attn")
     assert Selection.from_dict(wide.to_dict()) == wide
     assert len(all_op_ids(2)) == 1 + 2 * 17 + 2 + 1
-    for bad, message in (("0-9", "layers 0-3"), ("a", "ranges"), ("2-1", "layers 0-3")):
+    for bad, message in (("0-9", "layers 0-3"), ("a", "ranges"), ("2-1", "runs backwards; write 1-2")):
         with pytest.raises(InputError, match=message):
             parse_selection(bad, None, 4)
     with pytest.raises(InputError, match="unknown op"):

@@ -95,15 +95,6 @@ def test_engine_not_installed(capsys, monkeypatch):
     assert "megatron.core, which is not installed; pip install 'alignaudit[megatron]'" in err
 
 
-def test_worker_crash_shows_its_last_lines(capsys, tmp_path):
-    argv = ["compare", "--train", "hf", "--infer", "hf", "--train-opt", "attn_implementation=bogus",
-            "--out", str(tmp_path / "crash")]
-    assert cli.main(argv) == EXIT_ENGINE
-    err = capsys.readouterr().err
-    assert "hf worker crashed (exit code 3)" in err and "bogus" in err and "Traceback" not in err.splitlines()[0]
-    assert (tmp_path / "crash" / "run.json").is_file()  # what was written before the crash stays
-
-
 def test_unknown_engine_option_is_an_input_error(capsys, tmp_path):
     err = one_line_error(capsys, ["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "flash=1",
                                   "--out", str(tmp_path / "x")], EXIT_USAGE)

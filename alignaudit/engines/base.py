@@ -71,6 +71,19 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
+def int_option(options: dict[str, Any], key: str, default: int, minimum: int = 1) -> int:
+    """An integer engine option; InputError names the key and the expectation."""
+    value = options.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(f"option {key}={value!r}: expected an integer >= {minimum}")
+    return value
+
+
+def first_lines(e: BaseException, n: int = 2) -> str:
+    """The first ``n`` non-empty lines of an exception message, joined: enough to name the problem."""
+    return ": ".join(line.strip() for line in str(e).splitlines() if line.strip())[:400] if n else str(e)
+
+
 def reject_unknown(engine: str, options: dict[str, Any], known: set[str], hint: str) -> None:
     """Raise InputError for option keys the engine does not understand, with where to look them up."""
     unknown = sorted(set(options) - known)

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit.engines.base import Engine, EngineSettings, micro_batches, reject_unknown, right_padded
+from alignaudit.engines.base import (
+    Engine, EngineSettings, first_lines, int_option, micro_batches, reject_unknown, right_padded,
+)
+from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
 from alignaudit.prompts import TokenBatch
 
@@ -27,11 +30,15 @@ class HFEngine(Engine):
         options = dict(settings.options)
         reject_unknown("hf", options, {"attn_implementation", "micro_batch_size"},
                        "hf accepts attn_implementation and micro_batch_size")
-        self.attn_implementation = options.get("attn_implementation", "eager")
-        self.micro_batch_size = int(options.get("micro_batch_size", 1))
-        self.model = AutoModelForCausalLM.from_pretrained(
-            spec.path, dtype=settings.torch_dtype, attn_implementation=self.attn_implementation
-        ).to(settings.device)
+        self.attn_implementation = str(options.get("attn_implementation", "eager"))
+        self.micro_batch_size = int_option(options, "micro_batch_size", 1)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                spec.path, dtype=settings.torch_dtype, attn_implementation=self.attn_implementation
+            ).to(settings.device)
+        except (ImportError, ValueError) as e:
+            raise InputError(f"transformers cannot load {spec.name} with attn_implementation="
+                             f"{self.attn_implementation}: {first_lines(e)}") from e
         self.model.eval()
         self.strict_modules: list[str] = []
         if settings.strict_ops:

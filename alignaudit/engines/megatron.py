@@ -23,11 +23,19 @@ import tempfile
 
 import torch
 
-from alignaudit.engines.base import Engine, EngineSettings, micro_batches, reject_unknown, right_padded
+from alignaudit.engines.base import (
+    Engine, EngineSettings, first_lines, int_option, micro_batches, reject_unknown, right_padded,
+)
 from alignaudit.engines.megatron_weights import megatron_state_dict
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
 from alignaudit.prompts import TokenBatch
+
+
+# TransformerConfig fields alignaudit derives from the checkpoint or --dtype (transformer_config below).
+CHECKPOINT_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
+                     "add_bias_linear", "qk_layernorm", "bf16", "fp16", "params_dtype", "pipeline_dtype"}
 
 
 def init_single_process(device: str) -> None:
@@ -94,13 +102,21 @@ class MegatronEngine(Engine):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         options = dict(settings.options)
-        self.micro_batch_size = int(options.pop("micro_batch_size", 1))
+        self.micro_batch_size = int_option(options, "micro_batch_size", 1)
+        options.pop("micro_batch_size", None)
         known = {f.name for f in dataclasses.fields(TransformerConfig)}
         reject_unknown("megatron", options, known,
                        "megatron accepts micro_batch_size and TransformerConfig fields (megatron/core/transformer/transformer_config.py)")
+        fixed = sorted(set(options) & CHECKPOINT_FIELDS)
+        if fixed:
+            raise InputError(f"megatron option(s) {', '.join(fixed)} come from the checkpoint's config.json or --dtype; "
+                             "they cannot be overridden")
 
         init_single_process(settings.device)
-        self.config = transformer_config(spec, settings, options)
+        try:
+            self.config = transformer_config(spec, settings, options)
+        except (AssertionError, ValueError, TypeError) as e:
+            raise InputError(f"megatron rejected the TransformerConfig options: {first_lines(e) or type(e).__name__}") from e
         ops = settings.strict_ops
         if ops:
             from alignaudit.strict.megatron import StrictGPTModel, strict_block_spec

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from alignaudit.engines.base import Engine, EngineSettings, reject_unknown
+from alignaudit.engines.base import Engine, EngineSettings, first_lines, reject_unknown
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
 from alignaudit.prompts import TokenBatch
@@ -80,7 +80,10 @@ class VllmEngine(Engine):
             from alignaudit.strict import vllm_plugin
 
             vllm_plugin.register()  # also loaded through the entry point; registering twice is a no-op
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+            raise InputError(f"vLLM rejected the engine settings: {first_lines(e)}") from e
 
     @torch.no_grad()
     def rollout(self, batch, max_new_tokens, temperature, seed):
