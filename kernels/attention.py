@@ -104,7 +104,8 @@ if triton is not None:
                                 scale, stride_qt, stride_qh, stride_ot, stride_oh,
                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                                 BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                                BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                                CONTIG: tl.constexpr):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
@@ -127,8 +128,12 @@ if triton is not None:
         n = tl.arange(0, BLOCK_N)
         for j0 in range(0, last + 1, BLOCK_N):
             key = j0 + n
-            page = tl.load(bt_ptr + seq * stride_bt + key // BLOCK_SIZE, mask=key <= last, other=0).to(tl.int64)
-            slot = (key % BLOCK_SIZE).to(tl.int64)
+            if CONTIG:  # pages hold whole key blocks: one page lookup, contiguous rows
+                page = tl.load(bt_ptr + seq * stride_bt + j0 // BLOCK_SIZE).to(tl.int64)
+                slot = (j0 % BLOCK_SIZE + n).to(tl.int64)
+            else:
+                page = tl.load(bt_ptr + seq * stride_bt + key // BLOCK_SIZE, mask=key <= last, other=0).to(tl.int64)
+                slot = (key % BLOCK_SIZE).to(tl.int64)
             kmask = (key <= last)[:, None] & dmask[None, :]
             kb = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                          mask=kmask, other=0.0)
@@ -156,37 +161,46 @@ if triton is not None:
                  out.to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & dmask[None, :])
 
 
-def _tiles(q_seq: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split query rows into tiles of consecutive rows of one sequence, TILE_ROWS // group tokens each."""
-    per_tile = TILE_ROWS // group
-    seqs, rows, counts = [], [], []
-    q_seq = q_seq.tolist()
-    start = 0
-    while start < len(q_seq):
-        end = start
-        while end < len(q_seq) and end - start < per_tile and q_seq[end] == q_seq[start]:
-            end += 1
-        seqs.append(q_seq[start]), rows.append(start), counts.append(end - start)
-        start = end
-    return torch.tensor(seqs, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32)
+def _tiles(q_seq: torch.Tensor, group: int, tile: int = TILE_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split query rows into tiles of consecutive rows of one sequence, ``tile // group`` tokens each.
+
+    Returns (sequence, first row, row count) per tile, int32. Rows of one sequence must be consecutive.
+    """
+    per_tile = tile // group
+    seqs, counts = torch.unique_consecutive(q_seq.long(), return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    n_tiles = (counts + per_tile - 1) // per_tile
+    tile_seq = seqs.repeat_interleave(n_tiles)
+    first_tile = torch.cumsum(n_tiles, 0) - n_tiles
+    index_in_run = torch.arange(int(n_tiles.sum())) - first_tile.repeat_interleave(n_tiles)
+    tile_row = starts.repeat_interleave(n_tiles) + index_in_run * per_tile
+    tile_n = torch.minimum(torch.full_like(tile_row, per_tile), counts.repeat_interleave(n_tiles) - index_in_run * per_tile)
+    return tile_seq.int(), tile_row.int(), tile_n.int()
 
 
-def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale):
+# Launch configuration (rows per tile, warps, stages). The rows of a tile only decide which queries a
+# program handles; the key-block size BLOCK_N is the algorithm and never changes.
+TILE_CONFIG = (TILE_ROWS, 4, 2)
+
+
+def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None):
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     group = h // kvh
-    if TILE_ROWS % group:
-        raise ValueError(f"strict attention needs {TILE_ROWS} divisible by the GQA group size {group}")
+    tile, warps, stages = config or TILE_CONFIG
+    if tile % group:
+        raise ValueError(f"strict attention needs {tile} divisible by the GQA group size {group}")
     q = q.contiguous()
     out = torch.empty_like(q)
-    tile_seq, tile_row, tile_n = (x.to(q.device) for x in _tiles(q_seq.cpu(), group))
+    tile_seq, tile_row, tile_n = (x.to(q.device) for x in _tiles(q_seq.cpu(), group, tile))
     _paged_attention_kernel[(tile_seq.shape[0], kvh)](
         q, k_cache, v_cache, out, q_positions.to(torch.int32).contiguous(), block_table.to(torch.int32).contiguous(),
         tile_seq, tile_row, tile_n, float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if block_table.dim() == 2 else 0,
-        BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=TILE_ROWS,
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2, enable_fp_fusion=False)
+        BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tile,
+        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, CONTIG=k_cache.shape[1] % BLOCK_N == 0,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out
 
 

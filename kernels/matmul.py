@@ -8,9 +8,9 @@ Contract (both backends):
                   on the number of rows, the row's position, or the other rows
     CPU order     K in blocks of 32 (zero-padded), each block a pairwise tree, blocks added left to right
                   (kernels/primitives.fixed_sum); products x*w rounded to fp32 (exact for bf16/fp16)
-    GPU order     Triton: one program per (BLOCK_M x BLOCK_N) output tile, K in steps of BLOCK_K in
-                  increasing order, tl.dot accumulating in fp32 (tensor cores; fp32 inputs use IEEE fp32
-                  products, not TF32); fixed tile sizes per dtype, no autotuning
+    GPU order     Triton: one program per (BLOCK_M x BLOCK_N) output tile, K in steps of BLOCK_K (64 for
+                  bf16/fp16, 32 for fp32) in increasing order, tl.dot accumulating in fp32 (tensor cores;
+                  fp32 inputs use IEEE fp32 products, not TF32); tiles fixed per dtype (TILES), no autotuning
 Backward: plain torch matmuls in fp32 (correct, not strict).
 """
 
@@ -53,10 +53,18 @@ if triton is not None:
 
     @triton.jit
     def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        # Tile order: groups of GROUP_M row-tiles sweep the columns together (L2 reuse of W); the order in
+        # which tiles run never changes what a tile computes.
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rk = tl.arange(0, BLOCK_K)
@@ -74,20 +82,39 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
-    # Fixed per dtype: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing.
-    TILES = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3), torch.float32: (64, 64, 32, 4, 2)}
+
+# Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing. BLOCK_K is the K-order
+# contract and is the same in every tile of a dtype; the tile's M and N only decide which outputs a
+# program computes. "fixed" uses one tile for every batch size; "by_m" (ALIGNAUDIT_MATMUL_TILES=by_m)
+# takes a narrow tile for M <= 64 (more programs streaming W) and a wide one above, which is strict only
+# where the GPU's tensor-core dot gives an element the same bits in both tiles (bench/sweep_gpu.py checks).
+TILES = {
+    torch.bfloat16: {"small": (64, 64, 64, 4, 4), "large": (128, 256, 64, 8, 3)},
+    torch.float16: {"small": (64, 64, 64, 4, 4), "large": (128, 256, 64, 8, 3)},
+    torch.float32: {"small": (64, 64, 32, 4, 3), "large": (64, 64, 32, 4, 3)},
+}
+SMALL_M = 64
 
 
-def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def tile_for(m: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    import os
+
+    tiles = TILES[dtype]
+    if os.environ.get("ALIGNAUDIT_MATMUL_TILES", "fixed") == "by_m":
+        return tiles["small"] if m <= SMALL_M else tiles["large"]
+    return tiles["large"]
+
+
+def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile=None) -> torch.Tensor:
     m, k = x2.shape
     n = weight.shape[0]
     x2, weight = x2.contiguous(), weight.contiguous()
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    bm, bn, bk, warps, stages = TILES[x2.dtype]
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    bm, bn, bk, warps, stages = tile or tile_for(m, x2.dtype)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](x2, weight, bias if bias is not None else x2, y, m, n, k, x2.stride(0), weight.stride(0),
                          y.stride(0), HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return y
 
 

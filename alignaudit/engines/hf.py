@@ -34,7 +34,8 @@ class HFEngine(Engine):
         self.micro_batch_size = int_option(options, "micro_batch_size", 1)
         try:
             self.model = AutoModelForCausalLM.from_pretrained(
-                spec.path, dtype=settings.torch_dtype, attn_implementation=self.attn_implementation
+                spec.path, dtype=settings.torch_dtype, attn_implementation=self.attn_implementation,
+                device_map=settings.device if settings.device == "cuda" else None,
             ).to(settings.device)
         except (ImportError, ValueError) as e:
             raise InputError(f"transformers cannot load {spec.name} with attn_implementation="

@@ -39,7 +39,8 @@ from alignaudit.strict.common import RopeOp
 
 
 def _tp1(module) -> None:
-    if getattr(module, "tp_size", 1) != 1:
+    group = getattr(module, "tp_group", None)
+    if group is not None and group.size() != 1:
         raise ValueError("the strict Megatron linear layers support tensor parallel size 1 only")
 
 
@@ -99,7 +100,7 @@ class StrictCoreAttention(MegatronModule):
             pg_collection)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+                packed_seq_params=None, **kwargs):
         if packed_seq_params is not None:
             raise ValueError("strict core attention does not support packed sequences")
         sq, b = query.shape[:2]

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
+#   bench/gpu_run.sh tests sweep bench q8 q8-bisect
+# tests: the strict-kernel tests on the GPU; sweep: launch-configuration sweep; bench: kernels vs
+# defaults; q8: Qwen3-8B-shape compare (random weights) megatron vs hf, default and --strict;
+# q8-bisect: bisect of layer 0. Needs megatron-core carried as a wheel in .whl/ for q8 (device README).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/aa-out}; mkdir -p "$out"
+shim=$(mktemp -d)
+ln -s "$PWD/kernels" "$shim/alignaudit_kernels"
+ln -s "$PWD/fixtures" "$shim/alignaudit_fixtures"
+export PYTHONPATH="$shim:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 ALIGNAUDIT_CACHE=/tmp/aa-cache
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+python3 -c "import torch, triton, transformers; print('gpu', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>/dev/null || echo "megatron-core: not available"
+status=0
+q8() {  # $1 name, rest: extra compare options
+  local name=$1; shift
+  timeout 280 python3 -m alignaudit compare --model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512 \
+    --train megatron --infer hf --device cuda --out /tmp/runs/$name --force "$@" 2>&1 | tail -32
+  cp /tmp/runs/$name/summary.json "$out/$name-summary.json" 2>/dev/null
+  for side in train infer; do tail -5 /tmp/runs/$name/$side/worker.log 2>/dev/null; done
+}
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py --kernel-device cuda -rs 2>&1 \
+             | tee "$out/gpu-kernel-tests.log" | tail -15 || status=1 ;;
+    sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | tail -25 ;;
+    bench) timeout 300 python3 bench/kernels_gpu.py --json "$out/bench.json" 2>&1 | tail -45 ;;
+    q8) q8 q8-default; q8 q8-strict --strict ;;
+    q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
+                 --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --out /tmp/runs/q8-bisect --force \
+                 2>&1 | tail -60
+               cp /tmp/runs/q8-bisect/bisect.json "$out/q8-bisect.json" 2>/dev/null ;;
+  esac
+done
+exit $status
