@@ -105,7 +105,7 @@ if triton is not None:
                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                                 BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                 BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                                CONTIG: tl.constexpr):
+                                CONTIG: tl.constexpr, DIRECT: tl.constexpr):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
@@ -126,9 +126,13 @@ if triton is not None:
         l = tl.zeros((TILE,), tl.float32)
         acc = tl.zeros((TILE, BLOCK_D), tl.float32)
         n = tl.arange(0, BLOCK_N)
+        first_page = tl.load(bt_ptr + seq * stride_bt).to(tl.int64)
         for j0 in range(0, last + 1, BLOCK_N):
             key = j0 + n
-            if CONTIG:  # pages hold whole key blocks: one page lookup, contiguous rows
+            if DIRECT:  # the sequence's pages are consecutive from its first page: affine addresses
+                page = first_page + (key // BLOCK_SIZE).to(tl.int64)
+                slot = (key % BLOCK_SIZE).to(tl.int64)
+            elif CONTIG:  # pages hold whole key blocks: one page lookup, contiguous rows
                 page = tl.load(bt_ptr + seq * stride_bt + j0 // BLOCK_SIZE).to(tl.int64)
                 slot = (j0 % BLOCK_SIZE + n).to(tl.int64)
             else:
@@ -183,7 +187,8 @@ def _tiles(q_seq: torch.Tensor, group: int, tile: int = TILE_ROWS) -> tuple[torc
 TILE_CONFIG = (TILE_ROWS, 4, 2)
 
 
-def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None):
+def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None, direct=False):
+    """``direct``: every sequence's pages are consecutive in the cache, starting at block_table[s, 0]."""
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     group = h // kvh
@@ -199,7 +204,7 @@ def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, c
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if block_table.dim() == 2 else 0,
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tile,
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, CONTIG=k_cache.shape[1] % BLOCK_N == 0,
+        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, CONTIG=k_cache.shape[1] % BLOCK_N == 0, DIRECT=direct,
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out
 
@@ -249,7 +254,7 @@ def causal_attention(q, k, v, q_positions, scale):
     kc = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(pages, BLOCK_N, *k.shape[1:])
     vc = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(pages, BLOCK_N, *v.shape[1:])
     table = torch.arange(pages, device=q.device, dtype=torch.int32)[None]
-    return _triton_paged(q, kc, vc, table, q_positions, torch.zeros(q.shape[0], dtype=torch.long), scale)
+    return _triton_paged(q, kc, vc, table, q_positions, torch.zeros(q.shape[0], dtype=torch.long), scale, direct=True)
 
 
 def _contiguous_forward(q, k, v, cu_seqlens, scale):
@@ -275,7 +280,7 @@ def _contiguous_forward(q, k, v, cu_seqlens, scale):
         first += p
     positions = torch.cat([torch.arange(n) for n in lengths]).to(q.device)
     seq_of_row = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-    return _triton_paged(q, k_cache, v_cache, table.to(q.device), positions, seq_of_row, scale)
+    return _triton_paged(q, k_cache, v_cache, table.to(q.device), positions, seq_of_row, scale, direct=True)
 
 
 class _VarlenAttention(torch.autograd.Function):

@@ -84,25 +84,27 @@ if triton is not None:
 
 
 # Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing. BLOCK_K is the K-order
-# contract and is the same in every tile of a dtype; the tile's M and N only decide which outputs a
-# program computes. "fixed" uses one tile for every batch size; "by_m" (ALIGNAUDIT_MATMUL_TILES=by_m)
-# takes a narrow tile for M <= 64 (more programs streaming W) and a wide one above, which is strict only
-# where the GPU's tensor-core dot gives an element the same bits in both tiles (bench/sweep_gpu.py checks).
+# contract and is the same in every tile of a dtype; a tile's M and N only decide which outputs a program
+# computes. The tile is chosen by batch size (narrow tiles, more programs streaming W, up to SMALL_M rows):
+# on an H200 every tile in bench/sweep_gpu.py gave every element the same bits (2026-11-29, seven bf16
+# tiles from 64x64 to 256x128, and a row alone in the 64x64 tile equal to the same row in a 256x128
+# tile), which tests/test_kernels.py re-checks across the switch. ALIGNAUDIT_MATMUL_TILES=fixed forces
+# the large tile for every batch size on hardware where that has not been verified.
 TILES = {
-    torch.bfloat16: {"small": (64, 64, 64, 4, 4), "large": (128, 256, 64, 8, 3)},
-    torch.float16: {"small": (64, 64, 64, 4, 4), "large": (128, 256, 64, 8, 3)},
+    torch.bfloat16: {"small": (64, 64, 64, 4, 4), "large": (256, 128, 64, 8, 3)},
+    torch.float16: {"small": (64, 64, 64, 4, 4), "large": (256, 128, 64, 8, 3)},
     torch.float32: {"small": (64, 64, 32, 4, 3), "large": (64, 64, 32, 4, 3)},
 }
-SMALL_M = 64
+SMALL_M = 256
 
 
 def tile_for(m: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     import os
 
     tiles = TILES[dtype]
-    if os.environ.get("ALIGNAUDIT_MATMUL_TILES", "fixed") == "by_m":
-        return tiles["small"] if m <= SMALL_M else tiles["large"]
-    return tiles["large"]
+    if os.environ.get("ALIGNAUDIT_MATMUL_TILES", "by_m") == "fixed":
+        return tiles["large"]
+    return tiles["small"] if m <= SMALL_M else tiles["large"]
 
 
 def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile=None) -> torch.Tensor:
