@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
-#   bench/gpu_run.sh tests sweep bench q8 q8-bisect
+#   bench/gpu_run.sh tests sweep bench bench-quick q8 q8-strict q8-bisect
 # tests: the strict-kernel tests on the GPU; sweep: launch-configuration sweep; bench: kernels vs
 # defaults; q8: Qwen3-8B-shape compare (random weights) megatron vs hf, default and --strict;
 # q8-bisect: bisect of layer 0. Needs megatron-core carried as a wheel in .whl/ for q8 (device README).
@@ -23,7 +23,7 @@ q8() {  # $1 name, rest: extra compare options
   timeout 280 python3 -m alignaudit compare --model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512 \
     --train megatron --infer hf --device cuda --out /tmp/runs/$name --force "$@" 2>&1 | tail -32
   cp /tmp/runs/$name/summary.json "$out/$name-summary.json" 2>/dev/null
-  for side in train infer; do tail -5 /tmp/runs/$name/$side/worker.log 2>/dev/null; done
+  for side in train infer; do grep -A3 '"timing_s"' /tmp/runs/$name/$side/manifest.json 2>/dev/null || tail -5 /tmp/runs/$name/$side/worker.log; done
 }
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -33,6 +33,8 @@ for stage in "$@"; do
     sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | tail -25 ;;
     bench) timeout 300 python3 bench/kernels_gpu.py --json "$out/bench.json" 2>&1 | tail -45 ;;
     q8) q8 q8-default; q8 q8-strict --strict ;;
+    q8-strict) q8 q8-strict --strict ;;
+    bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | tail -40 ;;
     q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --out /tmp/runs/q8-bisect --force \
                  2>&1 | tail -60

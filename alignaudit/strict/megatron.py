@@ -29,7 +29,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -128,10 +128,11 @@ def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: boo
     if "linear" in ops:
         attn.linear_qkv = StrictColumnParallelLinear
         attn.linear_proj = StrictRowParallelLinear
-        layer.mlp.submodules.linear_fc1 = StrictColumnParallelLinear
-        layer.mlp.submodules.linear_fc2 = StrictRowParallelLinear
-    if "silu" in ops:
-        layer.mlp.module = StrictMLP
+    if {"linear", "silu"} & ops:  # built here: megatron-core's own MLP spec is a ModuleSpec in 0.16, a partial in 0.19
+        linear = "linear" in ops
+        layer.mlp = ModuleSpec(module=StrictMLP if "silu" in ops else MLP, submodules=MLPSubmodules(
+            linear_fc1=StrictColumnParallelLinear if linear else ColumnParallelLinear,
+            linear_fc2=StrictRowParallelLinear if linear else RowParallelLinear))
     if {"rope", "attention"} & ops:
         attn.core_attention = ModuleSpec(module=StrictCoreAttention, params={
             "rotary_base": rotary_base, "strict_rope": "rope" in ops, "strict_attention": "attention" in ops})
