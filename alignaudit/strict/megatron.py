@@ -24,6 +24,8 @@ Forward and backward work (the kernels are autograd Functions).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
@@ -128,15 +130,23 @@ def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: boo
     if "linear" in ops:
         attn.linear_qkv = StrictColumnParallelLinear
         attn.linear_proj = StrictRowParallelLinear
-    if {"linear", "silu"} & ops:  # built here: megatron-core's own MLP spec is a ModuleSpec in 0.16, a partial in 0.19
+    if {"linear", "silu"} & ops:
         linear = "linear" in ops
-        layer.mlp = ModuleSpec(module=StrictMLP if "silu" in ops else MLP, submodules=MLPSubmodules(
+        layer.mlp = _mlp_spec(StrictMLP if "silu" in ops else MLP, MLPSubmodules(
             linear_fc1=StrictColumnParallelLinear if linear else ColumnParallelLinear,
             linear_fc2=StrictRowParallelLinear if linear else RowParallelLinear))
     if {"rope", "attention"} & ops:
         attn.core_attention = ModuleSpec(module=StrictCoreAttention, params={
             "rotary_base": rotary_base, "strict_rope": "rope" in ops, "strict_attention": "attention" in ops})
     return spec
+
+
+def _mlp_spec(mlp_cls, submodules):
+    """An MLP spec in the form this megatron-core builds: a partial of ``as_mlp_submodule`` (0.19+), or
+    a ModuleSpec (0.16)."""
+    if hasattr(mlp_cls, "as_mlp_submodule"):
+        return functools.partial(mlp_cls.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=mlp_cls, submodules=submodules)
 
 
 def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float,
