@@ -1,4 +1,4 @@
-"""Orchestration: capture with one engine, diff two captures, compare = capture + capture + diff.
+"""Orchestration: capture with one engine, diff two captures, compare = capture + capture + diff, bisect.
 
 Output of ``compare`` (and of ``diff``), in ``out``:
     run.json          the resolved configuration (written first)

@@ -68,6 +68,11 @@ class VllmEngine(Engine):
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(self.engine_options):
             per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[self.settings.dtype]
             kwargs["kv_cache_memory_bytes"] = max(16 << 20, 2 * per_token * max(total_tokens, max_model_len))
+        if self.settings.strict_ops and self.settings.device == "cpu" and "max_num_batched_tokens" not in self.engine_options:
+            # Compiled vLLM warms up with a forward of max_num_batched_tokens tokens; the strict CPU kernels
+            # spell every reduction out and take minutes for that on a real-shape model. Strict results do
+            # not depend on how tokens are batched, so a batch budget of what the prompts need changes no bit.
+            kwargs["max_num_batched_tokens"] = max(256, -(-total_tokens // 64) * 64)
         if self.tap is not None:
             # Hooks need eager mode (torch.compile would trace them away) and every prompt row computed
             # (a prefix-cache hit skips rows).
