@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
-#   bench/gpu_run.sh tests sweep bench bench-quick q8 q8-strict q8-bisect
+#   bench/gpu_run.sh tests sweep bench bench-quick forward q8 q8-strict q8-bisect q8-bisect-strict
 # tests: the strict-kernel tests on the GPU; sweep: launch-configuration sweep; bench: kernels vs
 # defaults; q8: Qwen3-8B-shape compare (random weights) megatron vs hf, default and --strict;
 # q8-bisect: bisect of layer 0. Needs megatron-core carried as a wheel in .whl/ for q8 (device README).
@@ -35,6 +35,10 @@ for stage in "$@"; do
     q8) q8 q8-default; q8 q8-strict --strict ;;
     q8-strict) q8 q8-strict --strict ;;
     bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | tail -40 ;;
+    forward) timeout 240 python3 bench/forward_gpu.py 2>&1 | tail -4 ;;
+    q8-bisect-strict) timeout 300 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
+                 --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --mode natural --strict \
+                 --out /tmp/runs/q8-bisect-strict --force 2>&1 | grep -E "✗|◀|every op|first diverging|error" | head -20 ;;
     q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --out /tmp/runs/q8-bisect --force \
                  2>&1 | tail -60
