@@ -53,7 +53,8 @@ class StrictAttention(torch.nn.Module):
         k = self.k_norm(self.k_proj(hidden_states).view(b, t, -1, d))
         v = self.v_proj(hidden_states).view(b, t, -1, d)
         if position_ids is None:
-            position_ids = torch.arange(t, device=hidden_states.device)[None].expand(b, t)
+            position_ids = torch.arange(t, device=hidden_states.device)[None]
+        position_ids = position_ids.expand(b, t)  # HF passes [1, t] for a batch without padding
         if self.strict_rope:
             q, k = self.q_rope(q, position_ids), self.k_rope(k, position_ids)
         else:
