@@ -79,9 +79,9 @@ def int_option(options: dict[str, Any], key: str, default: int, minimum: int = 1
     return value
 
 
-def first_lines(e: BaseException, n: int = 2) -> str:
-    """The first ``n`` non-empty lines of an exception message, joined: enough to name the problem."""
-    return ": ".join(line.strip() for line in str(e).splitlines() if line.strip())[:400] if n else str(e)
+def first_lines(e: BaseException, limit: int = 400) -> str:
+    """An exception message's non-empty lines joined by ": ", cut at ``limit`` characters (one line)."""
+    return ": ".join(line.strip() for line in str(e).splitlines() if line.strip())[:limit]
 
 
 def reject_unknown(engine: str, options: dict[str, Any], known: set[str], hint: str) -> None:

@@ -16,6 +16,7 @@ or ``gpu_memory_utilization`` is given (the CPU backend otherwise reserves most 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -49,6 +50,7 @@ class VllmEngine(Engine):
         self.sampling_options = {k: v for k, v in settings.options.items() if k not in engine_fields}
         self.llm = None
         self.llm_kwargs: dict = {}
+        self.startup_s = None  # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
 
     def _start(self, max_len: int, total_tokens: int) -> None:
         """Build the LLM once, sized for the longest sequence and the whole batch."""
@@ -85,10 +87,12 @@ class VllmEngine(Engine):
             from alignaudit.strict import vllm_plugin
 
             vllm_plugin.register()  # also loaded through the entry point; registering twice is a no-op
+        started = time.perf_counter()
         try:
             self.llm = LLM(**kwargs)
         except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             raise InputError(f"vLLM rejected the engine settings: {first_lines(e)}") from e
+        self.startup_s = round(time.perf_counter() - started, 3)
 
     @torch.no_grad()
     def rollout(self, batch, max_new_tokens, temperature, seed):
@@ -150,5 +154,6 @@ class VllmEngine(Engine):
                 "logprobs_mode": str(config.model_config.logprobs_mode),
                 "attention_backend": os.environ.get("VLLM_ATTENTION_BACKEND"),
                 "device": str(config.device_config.device),
+                "startup_s": self.startup_s,
             }
         return record
