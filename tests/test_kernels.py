@@ -4,7 +4,7 @@ Runs on one backend per session, chosen by --kernel-device:
     cpu        the CPU implementations (default; CI)
     interpret  the Triton kernels under TRITON_INTERPRET=1 on CPU tensors, fp32 only (bf16 is broken in
                the interpreter); tests/test_kernels_interpret.py runs this in a subprocess
-    cuda       the Triton kernels on a GPU (bench/gpu_tests.sh)
+    cuda       the Triton kernels on a GPU (bench/gpu_run.sh tests)
 
 Invariance: the same row at the first, a middle and the last position of batches of 1, 2, 33, 255, 257
 and 300 rows gives the same bits; attention gives the same bits for a query whether computed in a
