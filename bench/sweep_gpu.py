@@ -24,8 +24,14 @@ from alignaudit_kernels import attention, matmul  # noqa: E402
 
 DT = torch.bfloat16
 MATMUL_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-                (64, 64, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
-ATTN_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 4, 3)]
+                (64, 64, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 64, 64, 4, 4),
+                (128, 128, 64, 8, 4), (16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (32, 32, 64, 4, 4), (16, 32, 64, 2, 4),
+                (16, 16, 64, 2, 4), (16, 32, 128, 4, 3)]
+SMALL = 4  # index of the 64x64 tile, the one a single row is checked in
+# (query rows per tile, warps, stages), key block: a key block other than attention.BLOCK_N is another
+# algorithm (other bits), measured to choose the algorithm, never mixed with it.
+ATTN_CONFIGS = [((64, 4, 2), 64), ((64, 4, 3), 64), ((128, 8, 2), 64), ((128, 8, 3), 64), ((128, 4, 3), 64),
+                ((64, 4, 2), 128), ((128, 8, 2), 128), ((128, 8, 3), 128)]
 
 
 def ms(fn):
@@ -37,7 +43,7 @@ def sweep_matmul(rows):
     w = torch.randn(6144, 4096, dtype=DT, device="cuda") * 0.02
     outs = [matmul._triton(x, w, None, tile=t) for t in MATMUL_TILES]
     same = [torch.equal(outs[0], o) for o in outs]
-    one = matmul._triton(x[:1], w, None, tile=MATMUL_TILES[4])
+    one = matmul._triton(x[:1], w, None, tile=MATMUL_TILES[SMALL])
     same_row = torch.equal(one[0], outs[0][0])
     print(f"matmul: bits equal across tiles {same}; row alone in the small tile == in the big tile: {same_row}", flush=True)
     for k, n in ((4096, 6144), (4096, 24576), (12288, 4096)):
@@ -59,20 +65,26 @@ def sweep_attention(rows):
     q = torch.randn(n, h, d, dtype=DT, device="cuda")
     k = torch.randn(n, kvh, d, dtype=DT, device="cuda")
     v = torch.randn(n, kvh, d, dtype=DT, device="cuda")
-    pages = n // 64
-    kc, vc = k.view(pages, 64, kvh, d), v.view(pages, 64, kvh, d)
-    table = torch.arange(pages, device="cuda", dtype=torch.int32)[None]
-    pos = torch.arange(n, device="cuda")
-    seq = torch.zeros(n, dtype=torch.long)
-    outs = [attention._triton_paged(q, kc, vc, table, pos, seq, d ** -0.5, config=c) for c in ATTN_CONFIGS]
-    same = [torch.equal(outs[0], o) for o in outs]
-    print(f"attention: bits equal across configs {same}", flush=True)
-    qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    base = ms(lambda: sdpa(qt, kt, vt, is_causal=True, enable_gqa=True))
-    for c in ATTN_CONFIGS:
-        strict = ms(lambda: attention._triton_paged(q, kc, vc, table, pos, seq, d ** -0.5, config=c))
-        rows.append({"op": "attention prefill 4096", "config": list(c), "default_ms": base, "strict_ms": strict,
-                     "ratio": base / strict})
+    cu = torch.tensor([0, n])
+    outs = {c: attention._launch_varlen(q, k, v, cu, d ** -0.5, config=c[0], block_n=c[1]) for c in ATTN_CONFIGS}
+    first = {}
+    same = []
+    for (config, block_n), out in outs.items():
+        same.append(torch.equal(first.setdefault(block_n, out), out))
+    print(f"attention: bits equal across configs of one key block {same}", flush=True)
+    for n_tok in (1024, 4096):
+        qs, ks, vs = q[:n_tok], k[:n_tok], v[:n_tok]
+        qt, kt, vt = qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]
+        base = ms(lambda: sdpa(qt, kt, vt, is_causal=True, enable_gqa=True))
+        cu = torch.tensor([0, n_tok])
+        for c in ATTN_CONFIGS:
+            strict = ms(lambda: attention._launch_varlen(qs, ks, vs, cu, d ** -0.5, config=c[0], block_n=c[1]))
+            rows.append({"op": f"attention prefill {n_tok}", "M": f"key block {c[1]}", "config": list(c[0]),
+                         "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+        # What the strict exp costs: the same kernel with the hardware's approximate exp (not strict).
+        lib = ms(lambda: attention._launch_varlen(qs, ks, vs, cu, d ** -0.5, library_exp=True))
+        rows.append({"op": f"attention prefill {n_tok}", "M": "tl.exp (diagnostic)", "config": list(attention.TILE_CONFIG),
+                     "default_ms": base, "strict_ms": lib, "ratio": base / lib})
     return {"configs_bitwise_equal": all(same)}
 
 

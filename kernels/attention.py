@@ -100,17 +100,60 @@ if triton is not None:
     from alignaudit_kernels.primitives import exp_t
 
     @triton.jit
-    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, bt_ptr, tile_seq_ptr, tile_row_ptr, tile_n_ptr,
-                                scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                                BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                                CONTIG: tl.constexpr, DIRECT: tl.constexpr):
-        tile = tl.program_id(0)
+    def _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KV: tl.constexpr, MASKED: tl.constexpr):
+        """Keys j0 .. j0 + BLOCK_N - 1 of one sequence and KV head: K and V [BLOCK_N, BLOCK_D]."""
+        key = j0 + tl.arange(0, BLOCK_N)
+        if KV == 2:  # the sequence's pages are consecutive from its first page: affine addresses
+            page = first_page + (key // BLOCK_SIZE).to(tl.int64)
+            slot = (key % BLOCK_SIZE).to(tl.int64)
+        elif KV == 1:  # pages hold whole key blocks: one page lookup, contiguous rows
+            page = tl.load(bt_ptr + seq * stride_bt + j0 // BLOCK_SIZE).to(tl.int64)
+            slot = (j0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        else:
+            page = tl.load(bt_ptr + seq * stride_bt + key // BLOCK_SIZE, mask=key <= last, other=0).to(tl.int64)
+            slot = (key % BLOCK_SIZE).to(tl.int64)
+        k_off = page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+        v_off = page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :]
+        if MASKED:
+            kmask = (key <= last)[:, None] & dmask[None, :]
+            return tl.load(k_ptr + k_off, mask=kmask, other=0.0), tl.load(v_ptr + v_off, mask=kmask, other=0.0)
+        return tl.load(k_ptr + k_off, mask=dmask[None, :], other=0.0), tl.load(v_ptr + v_off, mask=dmask[None, :], other=0.0)
+
+    @triton.jit
+    def _exp(x, LIBRARY_EXP: tl.constexpr):
+        if LIBRARY_EXP:  # benchmarks only: what the strict exp costs against the hardware's approximate one
+            return tl.exp(x)
+        return exp_t(x)
+
+    @triton.jit
+    def _scores(q, kb, scale, IEEE: tl.constexpr):
+        if IEEE:
+            s = tl.dot(q, tl.trans(kb), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kb))
+        return s * scale
+
+    @triton.jit
+    def _weighted_values(p, vb, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(p, vb, input_precision="ieee")
+        return tl.dot(p.to(vb.dtype), vb)
+
+    @triton.jit
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, bt_ptr, tiles_ptr, n_tiles, scale,
+                          stride_qt, stride_qh, stride_ot, stride_oh,
+                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                          KV: tl.constexpr, ROW_POS: tl.constexpr, LIBRARY_EXP: tl.constexpr):
+        # The last tile first: in a causal prefill it visits the most key blocks (load balance only).
+        tile = n_tiles - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
-        seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
-        row0 = tl.load(tile_row_ptr + tile).to(tl.int64)
-        nrows = tl.load(tile_n_ptr + tile)
+        seq = tl.load(tiles_ptr + tile).to(tl.int64)
+        row0 = tl.load(tiles_ptr + n_tiles + tile).to(tl.int64)
+        nrows = tl.load(tiles_ptr + 2 * n_tiles + tile)
         r = tl.arange(0, TILE)
         tok = r // GROUP
         head = kvh * GROUP + r % GROUP
@@ -120,75 +163,70 @@ if triton is not None:
         dmask = d < HEAD_DIM
         q = tl.load(q_ptr + qrow[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=valid_row[:, None] & dmask[None, :], other=0.0)
-        pos = tl.load(pos_ptr + qrow, mask=valid_row, other=-1)
+        if ROW_POS:  # rows of a whole-sequence prefill: position = first position of the tile + token index
+            pos = tl.where(valid_row, tl.load(tiles_ptr + 3 * n_tiles + tile) + tok, -1)
+        else:
+            pos = tl.load(pos_ptr + qrow, mask=valid_row, other=-1)
         last = tl.max(pos, axis=0)
+        first = tl.min(tl.where(valid_row, pos, last), axis=0)
         m = tl.full((TILE,), float("-inf"), tl.float32)
         l = tl.zeros((TILE,), tl.float32)
         acc = tl.zeros((TILE, BLOCK_D), tl.float32)
-        n = tl.arange(0, BLOCK_N)
         first_page = tl.load(bt_ptr + seq * stride_bt).to(tl.int64)
-        for j0 in range(0, last + 1, BLOCK_N):
-            key = j0 + n
-            if DIRECT:  # the sequence's pages are consecutive from its first page: affine addresses
-                page = first_page + (key // BLOCK_SIZE).to(tl.int64)
-                slot = (key % BLOCK_SIZE).to(tl.int64)
-            elif CONTIG:  # pages hold whole key blocks: one page lookup, contiguous rows
-                page = tl.load(bt_ptr + seq * stride_bt + j0 // BLOCK_SIZE).to(tl.int64)
-                slot = (j0 % BLOCK_SIZE + n).to(tl.int64)
-            else:
-                page = tl.load(bt_ptr + seq * stride_bt + key // BLOCK_SIZE, mask=key <= last, other=0).to(tl.int64)
-                slot = (key % BLOCK_SIZE).to(tl.int64)
-            kmask = (key <= last)[:, None] & dmask[None, :]
-            kb = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                         mask=kmask, other=0.0)
-            vb = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                         mask=kmask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(kb), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(kb))
-            s = s * scale
-            s = tl.where(key[None, :] <= pos[:, None], s, float("-inf"))
+        # Blocks every row of the tile sees whole: the same steps as below with every mask true, so a row
+        # gets the same bits whichever loop visits a block.
+        for j0 in range(0, (first + 1) // BLOCK_N * BLOCK_N, BLOCK_N):
+            kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
+                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, False)
+            s = _scores(q, kb, scale, IEEE)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = _exp(m - m_new, LIBRARY_EXP)
+            p = _exp(s - m_new[:, None], LIBRARY_EXP)
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _weighted_values(p, vb, IEEE)
+            m = m_new
+        for j0 in range((first + 1) // BLOCK_N * BLOCK_N, last + 1, BLOCK_N):
+            kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
+                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, True)
+            key = j0 + tl.arange(0, BLOCK_N)
+            s = tl.where(key[None, :] <= pos[:, None], _scores(q, kb, scale, IEEE), float("-inf"))
             active = j0 <= pos
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = exp_t(m - m_new)
-            p = exp_t(s - m_new[:, None])
-            if IEEE:
-                pv = tl.dot(p, vb, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(vb.dtype), vb)
+            alpha = _exp(m - m_new, LIBRARY_EXP)
+            p = _exp(s - m_new[:, None], LIBRARY_EXP)
             l = tl.where(active, l * alpha + tl.sum(p, axis=1), l)
-            acc = tl.where(active[:, None], acc * alpha[:, None] + pv, acc)
+            acc = tl.where(active[:, None], acc * alpha[:, None] + _weighted_values(p, vb, IEEE), acc)
             m = tl.where(active, m_new, m)
         out = acc / l[:, None]
         tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & dmask[None, :])
 
 
-def _tiles(q_seq: torch.Tensor, group: int, tile: int = TILE_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split query rows into tiles of consecutive rows of one sequence, ``tile // group`` tokens each.
+def _tiles(seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, per_tile: int) -> torch.Tensor:
+    """Split runs of consecutive query rows (one run per sequence) into tiles of ``per_tile`` tokens.
 
-    Returns (sequence, first row, row count) per tile, int32. Rows of one sequence must be consecutive.
+    seqs/starts/counts [runs] (CPU int): sequence index, first row and row count of each run.
+    Returns int32 [4, tiles] (CPU): sequence, first row, row count, and index of the first row within its run.
     """
-    per_tile = tile // group
-    seqs, counts = torch.unique_consecutive(q_seq.long(), return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
     n_tiles = (counts + per_tile - 1) // per_tile
-    tile_seq = seqs.repeat_interleave(n_tiles)
     first_tile = torch.cumsum(n_tiles, 0) - n_tiles
-    index_in_run = torch.arange(int(n_tiles.sum())) - first_tile.repeat_interleave(n_tiles)
-    tile_row = starts.repeat_interleave(n_tiles) + index_in_run * per_tile
-    tile_n = torch.minimum(torch.full_like(tile_row, per_tile), counts.repeat_interleave(n_tiles) - index_in_run * per_tile)
-    return tile_seq.int(), tile_row.int(), tile_n.int()
+    offset = (torch.arange(int(n_tiles.sum())) - first_tile.repeat_interleave(n_tiles)) * per_tile
+    rows = torch.minimum(torch.full_like(offset, per_tile), counts.repeat_interleave(n_tiles) - offset)
+    return torch.stack([seqs.repeat_interleave(n_tiles), starts.repeat_interleave(n_tiles) + offset, rows,
+                        offset]).int()
 
 
-# Launch configuration (rows per tile, warps, stages). The rows of a tile only decide which queries a
-# program handles; the key-block size BLOCK_N is the algorithm and never changes.
+# Launch configuration (query rows per tile, warps, stages). The rows of a tile only decide which queries
+# a program handles; the key-block size BLOCK_N is the algorithm and never changes.
 TILE_CONFIG = (TILE_ROWS, 4, 2)
+KV_GATHER, KV_PAGE_ALIGNED, KV_DIRECT = 0, 1, 2
 
 
-def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None, direct=False):
-    """``direct``: every sequence's pages are consecutive in the cache, starting at block_table[s, 0]."""
+def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_mode, row_pos=False, config=None,
+            block_n=BLOCK_N, library_exp=False):
+    """Run the Triton kernel. tiles: from ``_tiles`` (CPU); q_positions: [T] on q's device, or None with
+    ``row_pos`` (rows are whole sequences from position 0). ``block_n`` other than BLOCK_N and
+    ``library_exp``: benchmarks only (they change the algorithm)."""
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     group = h // kvh
@@ -197,16 +235,30 @@ def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, c
         raise ValueError(f"strict attention needs {tile} divisible by the GQA group size {group}")
     q = q.contiguous()
     out = torch.empty_like(q)
-    tile_seq, tile_row, tile_n = (x.to(q.device) for x in _tiles(q_seq.cpu(), group, tile))
-    _paged_attention_kernel[(tile_seq.shape[0], kvh)](
-        q, k_cache, v_cache, out, q_positions.to(torch.int32).contiguous(), block_table.to(torch.int32).contiguous(),
-        tile_seq, tile_row, tile_n, float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+    tiles = tiles.to(q.device, non_blocking=True).contiguous()
+    positions = tiles if q_positions is None else q_positions.to(torch.int32).contiguous()
+    _attention_kernel[(tiles.shape[1], kvh)](
+        q, k_cache, v_cache, out, positions, block_table, tiles, tiles.shape[1], float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0) if block_table.dim() == 2 else 0,
-        BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tile,
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, CONTIG=k_cache.shape[1] % BLOCK_N == 0, DIRECT=direct,
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tile, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        KV=kv_mode, ROW_POS=row_pos, LIBRARY_EXP=library_exp, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out
+
+
+def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None):
+    group = q.shape[1] // k_cache.shape[2]
+    seqs, counts = torch.unique_consecutive(q_seq.cpu().long(), return_counts=True)
+    tiles = _tiles(seqs, torch.cumsum(counts, 0) - counts, counts, (config or TILE_CONFIG)[0] // group)
+    table = block_table.to(device=q.device, dtype=torch.int32).contiguous()
+    kv_mode = KV_PAGE_ALIGNED if k_cache.shape[1] % BLOCK_N == 0 else KV_GATHER
+    return _launch(q, k_cache, v_cache, table, tiles, q_positions.to(q.device), scale, kv_mode=kv_mode, config=config)
+
+
+def _as_pages(x):
+    """[T, KVH, D] -> a paged view [T, 1, KVH, D] (one token per page) without copying."""
+    return x.contiguous().unsqueeze(1)
 
 
 def _use_triton(x):
@@ -241,20 +293,25 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale)
 
 
 def causal_attention(q, k, v, q_positions, scale):
-    """Strict attention for one sequence with contiguous K/V (e.g. a training engine's KV cache).
+    """Strict attention for a batch of sequences with contiguous K/V (e.g. a training engine's KV cache).
 
-    q [Tq, H, D] at absolute positions ``q_positions`` [Tq] (int); k/v [Tk, KVH, D] hold positions
-    0..Tk-1. Returns [Tq, H, D] in q.dtype, equal bit for bit to the same rows of a prefill.
-    Forward only (decode does not need gradients).
+    q [B, Tq, H, D] (or [Tq, H, D] for one sequence) at absolute positions ``q_positions`` [B, Tq] (int;
+    [Tq] for one sequence); k/v [B, Tk, KVH, D] hold positions 0..Tk-1 of each sequence. Returns q's shape
+    in q.dtype, each row equal bit for bit to the same row of a prefill or a decode. Forward only (decode
+    does not need gradients).
     """
+    if q.dim() == 3:
+        return causal_attention(q[None], k[None], v[None], q_positions.reshape(1, -1), scale)[0]
+    b, tq, h, d = q.shape
     if not _use_triton(q):
-        return _cpu_attend(q, k, v, q_positions.cpu(), scale)
-    pages = (k.shape[0] + BLOCK_N - 1) // BLOCK_N
-    pad = pages * BLOCK_N - k.shape[0]
-    kc = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(pages, BLOCK_N, *k.shape[1:])
-    vc = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(pages, BLOCK_N, *v.shape[1:])
-    table = torch.arange(pages, device=q.device, dtype=torch.int32)[None]
-    return _triton_paged(q, kc, vc, table, q_positions, torch.zeros(q.shape[0], dtype=torch.long), scale, direct=True)
+        return torch.stack([_cpu_attend(q[i], k[i], v[i], q_positions[i].cpu(), scale) for i in range(b)])
+    tk, kvh = k.shape[1], k.shape[2]
+    runs = torch.arange(b)
+    tiles = _tiles(runs, runs * tq, torch.full((b,), tq), TILE_CONFIG[0] // (h // kvh))
+    table = (torch.arange(b, device=q.device, dtype=torch.int32) * tk)[:, None]
+    out = _launch(q.reshape(b * tq, h, d), _as_pages(k.reshape(b * tk, kvh, d)), _as_pages(v.reshape(b * tk, kvh, d)),
+                  table, tiles, q_positions.reshape(-1).to(q.device), scale, kv_mode=KV_DIRECT)
+    return out.view(b, tq, h, d)
 
 
 def _contiguous_forward(q, k, v, cu_seqlens, scale):
@@ -265,22 +322,20 @@ def _contiguous_forward(q, k, v, cu_seqlens, scale):
         for a, b in zip(bounds[:-1], bounds[1:]):
             out[a:b] = _cpu_attend(q[a:b], k[a:b], v[a:b], torch.arange(b - a), scale)
         return out
-    # The GPU kernel reads K/V through a block table: lay each sequence out in pages of BLOCK_N tokens.
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    pages = [(n + BLOCK_N - 1) // BLOCK_N for n in lengths]
-    kvh, d = k.shape[1], k.shape[2]
-    k_cache = k.new_zeros(sum(pages), BLOCK_N, kvh, d)
-    v_cache = v.new_zeros(sum(pages), BLOCK_N, kvh, d)
-    table = torch.zeros(len(lengths), max(pages), dtype=torch.int32)
-    first = 0
-    for i, (a, n, p) in enumerate(zip(bounds[:-1], lengths, pages)):
-        k_cache[first: first + p].flatten(0, 1)[:n] = k[a: a + n]
-        v_cache[first: first + p].flatten(0, 1)[:n] = v[a: a + n]
-        table[i, :p] = torch.arange(first, first + p)
-        first += p
-    positions = torch.cat([torch.arange(n) for n in lengths]).to(q.device)
-    seq_of_row = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-    return _triton_paged(q, k_cache, v_cache, table.to(q.device), positions, seq_of_row, scale, direct=True)
+    return _launch_varlen(q, k, v, cu_seqlens, scale)
+
+
+def _launch_varlen(q, k, v, cu_seqlens, scale, config=None, block_n=BLOCK_N, library_exp=False):
+    """GPU prefill of whole sequences. Each sequence's keys are consecutive rows of k/v: one-token pages,
+    the first page at the sequence's start, so nothing is copied."""
+    bounds = cu_seqlens.tolist()
+    starts = torch.tensor(bounds[:-1])
+    group = q.shape[1] // k.shape[1]
+    tiles = _tiles(torch.arange(len(bounds) - 1), starts, torch.tensor(bounds[1:]) - starts,
+                   (config or TILE_CONFIG)[0] // group)
+    table = starts.to(device=q.device, dtype=torch.int32)[:, None]
+    return _launch(q, _as_pages(k), _as_pages(v), table, tiles, None, scale, kv_mode=KV_DIRECT, row_pos=True,
+                   config=config, block_n=block_n, library_exp=library_exp)
 
 
 class _VarlenAttention(torch.autograd.Function):

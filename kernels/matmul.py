@@ -8,13 +8,18 @@ Contract (both backends):
                   on the number of rows, the row's position, or the other rows
     CPU order     K in blocks of 32 (zero-padded), each block a pairwise tree, blocks added left to right
                   (kernels/primitives.fixed_sum); products x*w rounded to fp32 (exact for bf16/fp16)
-    GPU order     Triton: one program per (BLOCK_M x BLOCK_N) output tile, K in steps of BLOCK_K (64 for
-                  bf16/fp16, 32 for fp32) in increasing order, tl.dot accumulating in fp32 (tensor cores;
-                  fp32 inputs use IEEE fp32 products, not TF32); tiles fixed per dtype (TILES), no autotuning
+    GPU order     Triton: one program per (BLOCK_M x BLOCK_N) output tile, K in increasing order, tl.dot
+                  accumulating into one fp32 accumulator (tensor cores; fp32 inputs use IEEE fp32
+                  products, not TF32); tiles fixed per dtype and batch-size class (TILES), no autotuning.
+                  The tensor cores add K in steps of their instruction (16 for bf16/fp16) into the
+                  accumulator, so BLOCK_K only groups steps: on an H200, BLOCK_K 64 and 128 give the same
+                  bits (bench/sweep_gpu.py), and tests/test_kernels.py re-checks rows across every switch
 Backward: plain torch matmuls in fp32 (correct, not strict).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -83,28 +88,33 @@ if triton is not None:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-# Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing. BLOCK_K is the K-order
-# contract and is the same in every tile of a dtype; a tile's M and N only decide which outputs a program
-# computes. The tile is chosen by batch size (narrow tiles, more programs streaming W, up to SMALL_M rows):
-# on an H200 every tile in bench/sweep_gpu.py gave every element the same bits (2026-11-29, seven bf16
-# tiles from 64x64 to 256x128, and a row alone in the 64x64 tile equal to the same row in a 256x128
-# tile), which tests/test_kernels.py re-checks across the switch. ALIGNAUDIT_MATMUL_TILES=fixed forces
+# Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing at run time; chosen by
+# batch size: up to TINY_M rows (decode) a 16-row tile with narrow columns, so that enough programs stream
+# W; up to SMALL_M rows 64x64 (128x128 for wide layers, N >= WIDE_N: gate/up, lm_head); above, 256x128. A tile only decides which outputs a program computes: on an
+# H200 every tile in bench/sweep_gpu.py (fifteen bf16 tiles from 16x16 to 256x128, BLOCK_K 64 and 128,
+# 2026-11-29) gave every element the same bits, and a row alone in a small tile equals the same row in a
+# large one; tests/test_kernels.py re-checks across the switches. ALIGNAUDIT_MATMUL_TILES=fixed forces
 # the large tile for every batch size on hardware where that has not been verified.
 TILES = {
-    torch.bfloat16: {"small": (64, 64, 64, 4, 4), "large": (256, 128, 64, 8, 3)},
-    torch.float16: {"small": (64, 64, 64, 4, 4), "large": (256, 128, 64, 8, 3)},
-    torch.float32: {"small": (64, 64, 32, 4, 3), "large": (64, 64, 32, 4, 3)},
+    torch.bfloat16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
+                     "large": (256, 128, 64, 8, 3)},
+    torch.float16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
+                    "large": (256, 128, 64, 8, 3)},
+    torch.float32: dict.fromkeys(("tiny", "small", "small_wide", "large"), (64, 64, 32, 4, 3)),
 }
+TINY_M = 16
 SMALL_M = 256
+WIDE_N = 16384
 
 
-def tile_for(m: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    import os
-
+def tile_for(m: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """The launch tile for an [m, K] x [K, n] product (see TILES)."""
     tiles = TILES[dtype]
-    if os.environ.get("ALIGNAUDIT_MATMUL_TILES", "by_m") == "fixed":
+    if os.environ.get("ALIGNAUDIT_MATMUL_TILES", "by_m") == "fixed" or m > SMALL_M:
         return tiles["large"]
-    return tiles["small"] if m <= SMALL_M else tiles["large"]
+    if m <= TINY_M:
+        return tiles["tiny"]
+    return tiles["small_wide"] if n >= WIDE_N else tiles["small"]
 
 
 def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile=None) -> torch.Tensor:
@@ -112,7 +122,7 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     n = weight.shape[0]
     x2, weight = x2.contiguous(), weight.contiguous()
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    bm, bn, bk, warps, stages = tile or tile_for(m, x2.dtype)
+    bm, bn, bk, warps, stages = tile or tile_for(m, n, x2.dtype)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](x2, weight, bias if bias is not None else x2, y, m, n, k, x2.stride(0), weight.stride(0),
                          y.stride(0), HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
@@ -134,8 +144,6 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 def _interpreting() -> bool:
-    import os
-
     return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -179,6 +179,17 @@ def test_linear_is_batch_invariant(device, dtype, seed):
         assert_bitwise_equal(f"linear row at {where}", out, alone)
 
 
+@needs_hardware_dot
+def test_every_launch_tile_gives_the_same_bits(device, dtype):
+    """tile_for picks a tile by batch size and layer width; each must compute every element the same way."""
+    if device == "cpu":
+        pytest.skip("launch tiles are a Triton property")
+    x, w = randn(300, 200, dtype=dtype, device=device, seed=4), randn(160, 200, dtype=dtype, device=device, seed=5)
+    outs = {name: matmul._triton(x, w, None, tile=tile) for name, tile in matmul.TILES[dtype].items()}
+    for name, out in outs.items():
+        assert_bitwise_equal(f"tile {name} vs large", out, outs["large"])
+
+
 def test_linear_accuracy_and_bias(device, dtype):
     k, n = 300, 64
     x, w = randn(37, k, dtype=dtype, device=device, seed=1), randn(n, k, dtype=dtype, device=device, seed=2, scale=0.1)
@@ -397,6 +408,20 @@ def test_paged_prefill_of_a_batch_equals_decode(device):
     assert_bitwise_equal("paged prefill vs varlen", batch, K.varlen_attention(q, k, v, cu, d ** -0.5))
     last = K.paged_attention(q[cu[1:] - 1], ck, cv, table, positions[cu[1:] - 1], torch.arange(2), d ** -0.5)
     assert_bitwise_equal("decode of both sequences", last, batch[cu[1:] - 1])
+
+
+@needs_hardware_dot
+def test_batched_causal_attention_equals_prefill_and_decode(device):
+    """The training/HF layout: a batch of equal-length sequences with their K/V, then one decode row."""
+    h, kvh, d, dtype, b, t = 8, 2, 64, torch.bfloat16, 3, 90
+    q, k, v, cu = ragged([t] * b, h, kvh, d, dtype, device, seed=11)
+    prefill = K.varlen_attention(q, k, v, cu, 0.125)
+    positions = torch.arange(t, device=device)[None].expand(b, t)
+    batched = K.causal_attention(q.view(b, t, h, d), k.view(b, t, kvh, d), v.view(b, t, kvh, d), positions, 0.125)
+    assert_bitwise_equal("batched causal vs varlen prefill", batched.flatten(0, 1), prefill)
+    p = 70  # decode of position 70 with the keys 0..70 of sequence 1 (a cache that holds more keys than that)
+    one = K.causal_attention(q[t + p: t + p + 1], k[t: 2 * t], v[t: 2 * t], torch.tensor([p], device=device), 0.125)
+    assert_bitwise_equal("decode row vs prefill row", one[0], prefill[t + p])
 
 
 def test_attention_accuracy_paged_and_varlen(device):

@@ -65,7 +65,7 @@ class StrictAttention(torch.nn.Module):
             kc, vc = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
             k, v = kc.transpose(1, 2), vc.transpose(1, 2)
         if self.strict_attention:
-            out = torch.stack([K.causal_attention(q[i], k[i], v[i], position_ids[i], self.scaling) for i in range(b)])
+            out = K.causal_attention(q, k, v, position_ids, self.scaling)
         else:
             interface = self._stock_attention
             out, _ = interface(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
