@@ -102,16 +102,20 @@ def engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, tra
     """The two EngineRuns of a comparison, validated before anything starts."""
     from alignaudit.engines import check_installed
     from alignaudit.engines.base import EngineSettings, parse_options
+    from alignaudit.runner import check_options
     from alignaudit.pipeline import EngineRun
     from alignaudit.strict import format_strict, parse_strict
 
     check_installed(train), check_installed(infer)
     dev = resolve_device(device)
     ops = format_strict(parse_strict(strict))
-    return [
+    runs = [
         EngineRun(name, EngineSettings(check_dtype(own or dtype), dev, seed, parse_options(opts), strict=ops))
         for name, own, opts in ((train, train_dtype, train_opt), (infer, infer_dtype, infer_opt))
     ]
+    for run in runs:
+        check_options(run.engine, run.settings.options)
+    return runs
 
 
 def load_batch(spec, prompts, random_prompts, prompt_len, seed, engines, new_tokens: int = 0):

@@ -88,6 +88,22 @@ def run_capture(
     return read_capture(out)
 
 
+def check_options(engine: str, options: dict) -> None:
+    """Validate ``--train-opt``/``--infer-opt`` keys in a short worker that imports only the engine's
+    config classes (seconds), so a typo on the second engine is reported before the first one runs.
+
+    Raises:
+        InputError: an option the engine does not understand or cannot take (the engine's own message).
+        EngineError: the check itself crashed.
+    """
+    if not options:
+        return
+    proc = subprocess.run([sys.executable, "-m", "alignaudit.engines.worker", "--check-options", engine,
+                           json.dumps(options)], capture_output=True, text=True, preexec_fn=_die_with_parent)
+    if proc.returncode != 0:
+        raise _worker_error(engine, proc.returncode, (proc.stdout + proc.stderr).splitlines()[-20:], None)
+
+
 def _die_with_parent() -> None:
     """Linux: the worker gets SIGKILL when the parent dies, however it dies (prctl PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux"):
@@ -99,11 +115,12 @@ def _die_with_parent() -> None:
             pass
 
 
-def _worker_error(engine: str, code: int, tail: list[str], log: Path) -> errors.AlignAuditError:
+def _worker_error(engine: str, code: int, tail: list[str], log: Path | None) -> errors.AlignAuditError:
     for line in reversed(tail):
         if line.startswith(ERROR_MARKER):
             record = json.loads(line[len(ERROR_MARKER):])
             kind = getattr(errors, record["type"], errors.EngineError)
             return kind(record["message"])
     last = "\n  ".join(line for line in tail[-8:] if line.strip())
-    return errors.EngineError(f"{engine} worker crashed (exit code {code}); full log: {log}; last lines:\n  {last}")
+    where = f"; full log: {log}" if log else ""
+    return errors.EngineError(f"{engine} worker crashed (exit code {code}){where}; last lines:\n  {last}")

@@ -101,6 +101,14 @@ def test_unknown_engine_option_is_an_input_error(capsys, tmp_path):
     assert "hf does not understand option(s) flash" in err
 
 
+def test_option_typo_on_the_second_engine_stops_before_the_first_runs(capsys, tmp_path):
+    out = tmp_path / "typo"
+    err = one_line_error(capsys, ["compare", "--model", str(FIXTURE), "--train", "hf", "--infer", "vllm",
+                                  "--infer-opt", "max_num_seqz=4", "--out", str(out)], EXIT_USAGE)
+    assert "vllm does not understand option(s) max_num_seqz" in err
+    assert not (out / "train").exists()
+
+
 def test_help_lists_commands_and_examples():
     proc = run_cli("compare", "--help")
     assert proc.returncode == 0 and "--train-opt" in proc.stdout and "self-consistency" in proc.stdout

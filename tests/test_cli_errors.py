@@ -70,8 +70,14 @@ def test_bad_engine_settings_are_input_errors(capsys, tmp_path):
 def test_failed_recapture_leaves_no_valid_looking_capture(capsys, tmp_path):
     cap = tmp_path / "cap"
     assert cli.main(["capture", "--engine", "hf", "--no-ops", "--out", str(cap)]) == EXIT_OK
+    manifest = (cap / "manifest.json").read_bytes()
+    # refused before anything starts: the earlier capture is left as it was
     assert one_line_error(capsys, ["capture", "--engine", "hf", "--opt", "micro_batch_size=0", "--out", str(cap), "--force"],
                           EXIT_USAGE)
+    assert (cap / "manifest.json").read_bytes() == manifest
+    # failed inside the engine: the earlier capture must not look like this run's
+    assert one_line_error(capsys, ["capture", "--engine", "hf", "--opt", "attn_implementation=flash_attention_2",
+                                   "--out", str(cap), "--force"], EXIT_USAGE)
     assert not (cap / "manifest.json").exists()
     err = one_line_error(capsys, ["diff", str(cap), str(cap), "--out", str(tmp_path / "d")], EXIT_USAGE)
     assert "incomplete" in err

@@ -97,10 +97,18 @@ class Engine(ABC):
     name: ClassVar[str]
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
+        self.check_options(settings.options)
         self.spec = spec
         self.settings = settings
         self.tap = None
         self.hooks = None
+
+    @classmethod
+    @abstractmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Raise InputError for an option the engine does not understand or cannot take. Imports the
+        engine's own config classes, nothing heavier, so the parent can check both sides before either
+        engine starts (alignaudit.runner.check_options)."""
 
     def attach(self, tap) -> None:
         """Capture canonical ops through ``tap`` (alignaudit.taps.Tap) during the next forward passes."""

@@ -23,13 +23,17 @@ from alignaudit.prompts import TokenBatch
 class HFEngine(Engine):
     name = "hf"
 
+    @classmethod
+    def check_options(cls, options):
+        reject_unknown("hf", options, {"attn_implementation", "micro_batch_size"},
+                       "hf accepts attn_implementation and micro_batch_size")
+        int_option(options, "micro_batch_size", 1)
+
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
         from transformers import AutoModelForCausalLM
 
         options = dict(settings.options)
-        reject_unknown("hf", options, {"attn_implementation", "micro_batch_size"},
-                       "hf accepts attn_implementation and micro_batch_size")
         self.attn_implementation = str(options.get("attn_implementation", "eager"))
         self.micro_batch_size = int_option(options, "micro_batch_size", 1)
         try:

@@ -94,6 +94,20 @@ def transformer_config(spec: ModelSpec, settings: EngineSettings, overrides: dic
 class MegatronEngine(Engine):
     name = "megatron"
 
+    @classmethod
+    def check_options(cls, options):
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        int_option(options, "micro_batch_size", 1)
+        config_options = set(options) - {"micro_batch_size"}
+        known = {f.name for f in dataclasses.fields(TransformerConfig)}
+        reject_unknown("megatron", dict.fromkeys(config_options), known,
+                       "megatron accepts micro_batch_size and TransformerConfig fields (megatron/core/transformer/transformer_config.py)")
+        fixed = sorted(config_options & CHECKPOINT_FIELDS)
+        if fixed:
+            raise InputError(f"megatron option(s) {', '.join(fixed)} come from the checkpoint's config.json or --dtype; "
+                             "they cannot be overridden")
+
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -104,13 +118,6 @@ class MegatronEngine(Engine):
         options = dict(settings.options)
         self.micro_batch_size = int_option(options, "micro_batch_size", 1)
         options.pop("micro_batch_size", None)
-        known = {f.name for f in dataclasses.fields(TransformerConfig)}
-        reject_unknown("megatron", options, known,
-                       "megatron accepts micro_batch_size and TransformerConfig fields (megatron/core/transformer/transformer_config.py)")
-        fixed = sorted(set(options) & CHECKPOINT_FIELDS)
-        if fixed:
-            raise InputError(f"megatron option(s) {', '.join(fixed)} come from the checkpoint's config.json or --dtype; "
-                             "they cannot be overridden")
 
         init_single_process(settings.device)
         try:

@@ -32,20 +32,28 @@ _VLLM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 class VllmEngine(Engine):
     name = "vllm"
 
+    @staticmethod
+    def _engine_fields() -> set[str]:
+        import dataclasses
+
+        from vllm import EngineArgs
+
+        return {f.name for f in dataclasses.fields(EngineArgs)}
+
+    @classmethod
+    def check_options(cls, options):
+        from vllm import SamplingParams
+
+        reject_unknown("vllm", options, cls._engine_fields() | set(SamplingParams.__struct_fields__),
+                       "vllm accepts EngineArgs and SamplingParams fields (see `vllm serve --help`)")
+
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from alignaudit.strict import ENV, format_strict
 
         os.environ[ENV] = format_strict(settings.strict_ops)  # read by the plugin in every vLLM process
-        import dataclasses
-
-        from vllm import EngineArgs, SamplingParams
-
-        engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
-        sampling_fields = set(SamplingParams.__struct_fields__)
-        reject_unknown("vllm", settings.options, engine_fields | sampling_fields,
-                       "vllm accepts EngineArgs and SamplingParams fields (see `vllm serve --help`)")
+        engine_fields = self._engine_fields()
         self.engine_options = {k: v for k, v in settings.options.items() if k in engine_fields}
         self.sampling_options = {k: v for k, v in settings.options.items() if k not in engine_fields}
         self.llm = None
