@@ -58,6 +58,33 @@ def sweep_matmul(rows):
     return {"tiles_bitwise_equal": all(same), "small_vs_large_row_equal": same_row}
 
 
+TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4),
+             (128, 128, 64, 4, 4)]
+
+
+def sweep_matmul_tma(rows):
+    """The TMA-descriptor kernel (plain and persistent) at large M, against cuBLAS and for equal bits."""
+    same = []
+    for k, n, m in ((4096, 6144, 4096), (4096, 24576, 4096), (12288, 4096, 4096), (4096, 24576, 256),
+                    (4096, 4096, 16384)):
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+        x = torch.randn(m, k, dtype=DT, device="cuda")
+        expected = matmul._triton(x, w, None, tile=matmul.TILES[DT]["large"])  # the pointer kernel
+        base = ms(lambda: torch.nn.functional.linear(x, w))
+        for t in TMA_TILES:
+            for persistent in (False, True):
+                try:
+                    same.append(torch.equal(matmul._triton_tma(x, w, t, persistent), expected))
+                    strict = ms(lambda: matmul._triton_tma(x, w, t, persistent))
+                except Exception as e:  # a tile that does not compile or fit: record it and go on
+                    print(f"tma {t} persistent={persistent}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                rows.append({"op": f"matmul-tma {k}x{n}", "M": m, "config": [*t, "persistent" if persistent else "grid"],
+                             "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+    print(f"tma: bits equal to the pointer kernel {all(same)} ({len(same)} checks)", flush=True)
+    return {"tma_bitwise_equal_to_pointer_kernel": all(same)}
+
+
 def sweep_attention(rows):
     h, kvh, d = 32, 8, 128
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -91,10 +118,14 @@ def sweep_attention(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--sections", default="matmul,tma,attention", help="comma list of matmul, tma, attention")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
-    checks = {**sweep_matmul(rows), **sweep_attention(rows)}
+    sections = {"matmul": sweep_matmul, "tma": sweep_matmul_tma, "attention": sweep_attention}
+    checks = {}
+    for name in args.sections.split(","):
+        checks.update(sections[name](rows))
     best = {}
     for r in rows:
         key = (r["op"], r.get("M"))

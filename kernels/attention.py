@@ -17,8 +17,11 @@ Query head h reads KV head h // (num_heads / num_kv_heads) (GQA).
 Reductions: the dot products over head_dim and the sums over the keys of a block. CPU: products in fp32,
 kernels/primitives.fixed_sum (blocks of 32, pairwise tree, blocks left to right). GPU (Triton): tl.dot
 on tensor cores (fp32 inputs use IEEE products, not TF32), row sums by tl.sum; one kernel for prefill and
-decode, reading K/V through a block table, with a fixed tile of 64 query rows (tokens x heads of a KV
-group), so a row's arithmetic does not depend on how many tokens share its tile.
+decode, reading K/V through a block table, with a tile of 64 query rows (tokens x heads of a KV group), so
+a row's arithmetic does not depend on how many tokens share its tile. The key blocks that every row of a
+tile sees whole are visited without masks, the others with them: the same steps with every mask true,
+so a row gets the same bits whichever loop visits a block (tests/test_kernels.py checks prefill against
+decode on the GPU). Contiguous K/V (training engines) are read in place as one-token pages.
 
 Layouts: q [tokens, heads, head_dim]; K/V either contiguous per sequence [tokens, kv_heads, head_dim]
 (training engines) or a paged cache [num_blocks, block_size, kv_heads, head_dim] with a block table

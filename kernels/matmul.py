@@ -8,7 +8,7 @@ Contract (both backends):
                   on the number of rows, the row's position, or the other rows
     CPU order     K in blocks of 32 (zero-padded), each block a pairwise tree, blocks added left to right
                   (kernels/primitives.fixed_sum); products x*w rounded to fp32 (exact for bf16/fp16)
-    GPU order     Triton: one program per (BLOCK_M x BLOCK_N) output tile, K in increasing order, tl.dot
+    GPU order     Triton: each (BLOCK_M x BLOCK_N) output tile by one program, K in increasing order, tl.dot
                   accumulating into one fp32 accumulator (tensor cores; fp32 inputs use IEEE fp32
                   products, not TF32); tiles fixed per dtype and batch-size class (TILES), no autotuning.
                   The tensor cores add K in steps of their instruction (16 for bf16/fp16) into the
@@ -19,6 +19,7 @@ Backward: plain torch matmuls in fp32 (correct, not strict).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -57,19 +58,21 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        # Tile order: groups of GROUP_M row-tiles sweep the columns together (L2 reuse of W); the order in
+        # which tiles run never changes what a tile computes.
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        group = tile // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        return first_m + (tile % (GROUP_M * tiles_n)) % size_m, (tile % (GROUP_M * tiles_n)) // size_m
+
+    @triton.jit
     def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        # Tile order: groups of GROUP_M row-tiles sweep the columns together (L2 reuse of W); the order in
-        # which tiles run never changes what a tile computes.
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        group = pid // (GROUP_M * tiles_n)
-        first_m = group * GROUP_M
-        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
-        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rk = tl.arange(0, BLOCK_K)
@@ -87,19 +90,37 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
+    @triton.jit
+    def _matmul_tma_kernel(x_desc, w_desc, y_desc, M, N, K, programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """The same arithmetic as _matmul_kernel (bf16/fp16, no bias), with tiles moved by the TMA unit
+        (out-of-range rows and K zero-filled, as the masked loads do) and ``programs`` persistent programs
+        walking the tiles in the same grouped order."""
+        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), tiles, programs, flatten=True):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = x_desc.load([pid_m * BLOCK_M, k0])
+                b = w_desc.load([pid_n * BLOCK_N, k0])
+                acc = tl.dot(a, b.T, acc)
+            y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_desc.dtype))
+
 
 # Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing at run time; chosen by
 # batch size: up to TINY_M rows (decode) a 16-row tile with narrow columns, so that enough programs stream
-# W; up to SMALL_M rows 64x64 (128x128 for wide layers, N >= WIDE_N: gate/up, lm_head); above, 256x128. A tile only decides which outputs a program computes: on an
+# W; up to SMALL_M rows 64x64 (128x128 for wide layers, N >= WIDE_N: gate/up, lm_head); above, 256x128,
+# or on Hopper and newer (bf16/fp16 without bias) 128x256 tiles moved by the TMA unit in persistent
+# programs (_matmul_tma_kernel; ALIGNAUDIT_MATMUL_TMA=0 turns it off). A tile only decides which outputs a program computes: on an
 # H200 every tile in bench/sweep_gpu.py (fifteen bf16 tiles from 16x16 to 256x128, BLOCK_K 64 and 128,
 # 2026-11-29) gave every element the same bits, and a row alone in a small tile equals the same row in a
 # large one; tests/test_kernels.py re-checks across the switches. ALIGNAUDIT_MATMUL_TILES=fixed forces
 # the large tile for every batch size on hardware where that has not been verified.
 TILES = {
     torch.bfloat16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
-                     "large": (256, 128, 64, 8, 3)},
+                     "large": (256, 128, 64, 8, 3), "large_tma": (128, 256, 64, 8, 3)},
     torch.float16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
-                    "large": (256, 128, 64, 8, 3)},
+                    "large": (256, 128, 64, 8, 3), "large_tma": (128, 256, 64, 8, 3)},
     torch.float32: dict.fromkeys(("tiny", "small", "small_wide", "large"), (64, 64, 32, 4, 3)),
 }
 TINY_M = 16
@@ -121,12 +142,50 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     m, k = x2.shape
     n = weight.shape[0]
     x2, weight = x2.contiguous(), weight.contiguous()
+    if tile is None and m > SMALL_M and _tma_available(x2, weight, bias):
+        return _triton_tma(x2, weight, TILES[x2.dtype]["large_tma"])
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = tile or tile_for(m, n, x2.dtype)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](x2, weight, bias if bias is not None else x2, y, m, n, k, x2.stride(0), weight.stride(0),
                          y.stride(0), HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return y
+
+
+def _tma_available(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The TMA path needs a Hopper-or-newer GPU, bf16/fp16 without bias, and 16-byte aligned rows."""
+    return (bias is None and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
+            and os.environ.get("ALIGNAUDIT_MATMUL_TMA", "1") != "0" and _compute_capability(x2.device)[0] >= 9
+            and x2.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0
+            and x2.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True) -> torch.Tensor:
+    """The large-batch path on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    x2, weight = x2.contiguous(), weight.contiguous()
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    bm, bn, bk, warps, stages = tile
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = min(tiles, _sm_count(x2.device)) if persistent else tiles
+    _matmul_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(y, [bm, bn]), m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=8, num_warps=warps, num_stages=stages)
     return y
 
 

@@ -186,6 +186,10 @@ def test_every_launch_tile_gives_the_same_bits(device, dtype):
         pytest.skip("launch tiles are a Triton property")
     x, w = randn(300, 200, dtype=dtype, device=device, seed=4), randn(160, 200, dtype=dtype, device=device, seed=5)
     outs = {name: matmul._triton(x, w, None, tile=tile) for name, tile in matmul.TILES[dtype].items()}
+    if matmul._tma_available(x, w, None):  # Hopper and newer: the TMA kernel, grid and persistent
+        for persistent in (False, True):
+            outs[f"tma persistent={persistent}"] = matmul._triton_tma(x, w, matmul.TILES[dtype]["large_tma"], persistent)
+        assert_bitwise_equal("linear() at 300 rows (TMA path) vs large tile", K.linear(x, w), outs["large"])
     for name, out in outs.items():
         assert_bitwise_equal(f"tile {name} vs large", out, outs["large"])
 
