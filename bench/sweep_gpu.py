@@ -1,11 +1,13 @@
 """Launch-configuration sweep for the strict matmul and attention on one GPU.
 
-    python3 bench/sweep_gpu.py [--json OUT.json]
+    python3 bench/sweep_gpu.py [--sections matmul,tma,attention] [--json OUT.json]
 
 For each configuration: its time at Qwen3-8B shapes (median of triton.testing.do_bench, random bf16), next
 to the default (cuBLAS, SDPA flash), and whether every configuration returns the same bits as the first
 for the same inputs. A configuration may be picked by batch size only if it does: that is what keeps a
-token's result independent of the batch it is in.
+token's result independent of the batch it is in. Sections: matmul (pointer-kernel tiles), tma (the TMA
+kernel, grid and persistent, against the pointer kernel's bits), attention (tiles, key blocks, and the
+same kernel with the hardware exp as a diagnostic of what the strict exp costs).
 """
 
 from __future__ import annotations
