@@ -7,7 +7,10 @@ imports stay inside each adapter module, so the rest of alignaudit imports on an
 
 from __future__ import annotations
 
+import difflib
 import json
+import types
+import typing
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -88,7 +91,54 @@ def reject_unknown(engine: str, options: dict[str, Any], known: set[str], hint: 
     """Raise InputError for option keys the engine does not understand, with where to look them up."""
     unknown = sorted(set(options) - known)
     if unknown:
-        raise InputError(f"{engine} does not understand option(s) {', '.join(unknown)}; {hint}")
+        guesses = [g for key in unknown for g in difflib.get_close_matches(key, known, n=1)]
+        guess = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+        raise InputError(f"{engine} does not understand option(s) {', '.join(unknown)}{guess}; {hint}")
+
+
+def reject_wrong_types(engine: str, options: dict[str, Any], annotations: dict[str, Any]) -> None:
+    """Raise InputError for an option whose value does not fit the engine's declared field type.
+
+    ``annotations``: field name -> type annotation (e.g. ``dataclasses.fields(EngineArgs)``). Only the
+    annotations ``value_fits`` understands are checked; the engine judges the rest when it loads.
+    """
+    for key, value in options.items():
+        annotation = annotations.get(key)
+        if annotation is not None and value_fits(value, annotation) is False:
+            raise InputError(f"option {key}={value!r}: {engine} expects {_describe(annotation)} "
+                             f"(values are parsed as JSON: true, 4, 0.5, \"text\")")
+
+
+def value_fits(value: Any, annotation: Any) -> bool | None:
+    """Whether ``value`` fits ``annotation``; None when the annotation is not one of bool, int, float, str,
+    None, Literal[...] or unions of them (then nothing is claimed). bool is not an int here."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        fits = [value_fits(value, a) for a in typing.get_args(annotation)]
+        return True if True in fits else None if None in fits else False
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    return None
+
+
+def _describe(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(annotation))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}.get(
+        annotation, str(annotation))
 
 
 class Engine(ABC):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from alignaudit.engines.base import (
-    Engine, EngineSettings, first_lines, int_option, micro_batches, reject_unknown, right_padded,
+    Engine, EngineSettings, first_lines, int_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
 )
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
@@ -27,6 +27,7 @@ class HFEngine(Engine):
     def check_options(cls, options):
         reject_unknown("hf", options, {"attn_implementation", "micro_batch_size"},
                        "hf accepts attn_implementation and micro_batch_size")
+        reject_wrong_types("hf", options, {"attn_implementation": str})
         int_option(options, "micro_batch_size", 1)
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings):

@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 from alignaudit.engines.base import (
-    Engine, EngineSettings, first_lines, int_option, micro_batches, reject_unknown, right_padded,
+    Engine, EngineSettings, first_lines, int_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
 )
 from alignaudit.engines.megatron_weights import megatron_state_dict
 from alignaudit.errors import InputError
@@ -99,11 +99,12 @@ class MegatronEngine(Engine):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         int_option(options, "micro_batch_size", 1)
-        config_options = set(options) - {"micro_batch_size"}
-        known = {f.name for f in dataclasses.fields(TransformerConfig)}
-        reject_unknown("megatron", dict.fromkeys(config_options), known,
+        config_options = {k: v for k, v in options.items() if k != "micro_batch_size"}
+        fields = {f.name: f.type for f in dataclasses.fields(TransformerConfig)}
+        reject_unknown("megatron", config_options, set(fields),
                        "megatron accepts micro_batch_size and TransformerConfig fields (megatron/core/transformer/transformer_config.py)")
-        fixed = sorted(config_options & CHECKPOINT_FIELDS)
+        reject_wrong_types("megatron", config_options, fields)
+        fixed = sorted(set(config_options) & CHECKPOINT_FIELDS)
         if fixed:
             raise InputError(f"megatron option(s) {', '.join(fixed)} come from the checkpoint's config.json or --dtype; "
                              "they cannot be overridden")

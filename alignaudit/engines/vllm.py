@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from alignaudit.engines.base import Engine, EngineSettings, first_lines, reject_unknown
+from alignaudit.engines.base import Engine, EngineSettings, first_lines, reject_unknown, reject_wrong_types
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
 from alignaudit.prompts import TokenBatch
@@ -33,19 +33,23 @@ class VllmEngine(Engine):
     name = "vllm"
 
     @staticmethod
-    def _engine_fields() -> set[str]:
+    def _engine_fields() -> dict[str, object]:
         import dataclasses
 
         from vllm import EngineArgs
 
-        return {f.name for f in dataclasses.fields(EngineArgs)}
+        return {f.name: f.type for f in dataclasses.fields(EngineArgs)}
 
     @classmethod
     def check_options(cls, options):
+        import typing
+
         from vllm import SamplingParams
 
-        reject_unknown("vllm", options, cls._engine_fields() | set(SamplingParams.__struct_fields__),
+        fields = {**typing.get_type_hints(SamplingParams), **cls._engine_fields()}
+        reject_unknown("vllm", options, set(fields),
                        "vllm accepts EngineArgs and SamplingParams fields (see `vllm serve --help`)")
+        reject_wrong_types("vllm", options, fields)
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
