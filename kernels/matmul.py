@@ -111,11 +111,12 @@ if triton is not None:
 # batch size: up to TINY_M rows (decode) a 16-row tile with narrow columns, so that enough programs stream
 # W; up to SMALL_M rows 64x64 (128x128 for wide layers, N >= WIDE_N: gate/up, lm_head); above, 256x128,
 # or on Hopper and newer (bf16/fp16 without bias) 128x256 tiles moved by the TMA unit in persistent
-# programs (_matmul_tma_kernel; ALIGNAUDIT_MATMUL_TMA=0 turns it off). A tile only decides which outputs a program computes: on an
-# H200 every tile in bench/sweep_gpu.py (fifteen bf16 tiles from 16x16 to 256x128, BLOCK_K 64 and 128,
-# 2026-11-29) gave every element the same bits, and a row alone in a small tile equals the same row in a
-# large one; tests/test_kernels.py re-checks across the switches. ALIGNAUDIT_MATMUL_TILES=fixed forces
-# the large tile for every batch size on hardware where that has not been verified.
+# programs (_matmul_tma_kernel; ALIGNAUDIT_MATMUL_TMA=0 turns it off). A tile only decides which outputs
+# a program computes: on an H200 every tile in bench/sweep_gpu.py (fifteen bf16 tiles from 16x16 to
+# 256x128, BLOCK_K 64 and 128, and the TMA kernel, 2026-11-29) gave every element the same bits, and a
+# row alone in a small tile equals the same row in a large one; tests/test_kernels.py re-checks across the
+# switches. ALIGNAUDIT_MATMUL_TILES=fixed forces the large pointer-kernel tile for every batch size (one
+# code path) on hardware where that has not been verified.
 TILES = {
     torch.bfloat16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
                      "large": (256, 128, 64, 8, 3), "large_tma": (128, 256, 64, 8, 3)},
@@ -156,7 +157,8 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
 def _tma_available(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """The TMA path needs a Hopper-or-newer GPU, bf16/fp16 without bias, and 16-byte aligned rows."""
     return (bias is None and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
-            and os.environ.get("ALIGNAUDIT_MATMUL_TMA", "1") != "0" and _compute_capability(x2.device)[0] >= 9
+            and os.environ.get("ALIGNAUDIT_MATMUL_TMA", "1") != "0"
+            and os.environ.get("ALIGNAUDIT_MATMUL_TILES", "by_m") != "fixed" and _compute_capability(x2.device)[0] >= 9
             and x2.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0
             and x2.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
