@@ -46,7 +46,11 @@ class VllmEngine(Engine):
 
         from vllm import SamplingParams
 
-        fields = {**typing.get_type_hints(SamplingParams), **cls._engine_fields()}
+        try:
+            hints = typing.get_type_hints(SamplingParams)
+        except (NameError, TypeError):  # an annotation this vLLM cannot resolve: check names only
+            hints = {}
+        fields = {**{name: hints.get(name) for name in SamplingParams.__struct_fields__}, **cls._engine_fields()}
         reject_unknown("vllm", options, set(fields),
                        "vllm accepts EngineArgs and SamplingParams fields (see `vllm serve --help`)")
         reject_wrong_types("vllm", options, fields)
