@@ -102,8 +102,8 @@ def engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, tra
     """The two EngineRuns of a comparison, validated before anything starts."""
     from alignaudit.engines import check_installed
     from alignaudit.engines.base import EngineSettings, parse_options
-    from alignaudit.runner import check_options
     from alignaudit.pipeline import EngineRun
+    from alignaudit.runner import check_options
     from alignaudit.strict import format_strict, parse_strict
 
     check_installed(train), check_installed(infer)
@@ -113,8 +113,7 @@ def engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, tra
         EngineRun(name, EngineSettings(check_dtype(own or dtype), dev, seed, parse_options(opts), strict=ops))
         for name, own, opts in ((train, train_dtype, train_opt), (infer, infer_dtype, infer_opt))
     ]
-    for run in runs:
-        check_options(run.engine, run.settings.options)
+    check_options([(run.engine, run.settings.options) for run in runs])
     return runs
 
 

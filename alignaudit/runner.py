@@ -88,20 +88,23 @@ def run_capture(
     return read_capture(out)
 
 
-def check_options(engine: str, options: dict) -> None:
-    """Validate ``--train-opt``/``--infer-opt`` keys in a short worker that imports only the engine's
-    config classes (seconds), so a typo on the second engine is reported before the first one runs.
+def check_options(engine_options: list[tuple[str, dict]]) -> None:
+    """Validate ``--train-opt``/``--infer-opt`` of every (engine, options) pair in one short worker that
+    imports only the engines' config classes (seconds), so a typo on the second engine is reported before
+    the first one runs. Pairs without options cost nothing; none at all starts no worker.
 
     Raises:
-        InputError: an option the engine does not understand or cannot take (the engine's own message).
+        InputError: an option an engine does not understand or cannot take (the engine's own message).
         EngineError: the check itself crashed.
     """
-    if not options:
+    pairs = [[engine, options] for engine, options in engine_options if options]
+    if not pairs:
         return
-    proc = subprocess.run([sys.executable, "-m", "alignaudit.engines.worker", "--check-options", engine,
-                           json.dumps(options)], capture_output=True, text=True, preexec_fn=_die_with_parent)
+    proc = subprocess.run([sys.executable, "-m", "alignaudit.engines.worker", "--check-options", json.dumps(pairs)],
+                          capture_output=True, text=True, preexec_fn=_die_with_parent)
     if proc.returncode != 0:
-        raise _worker_error(engine, proc.returncode, (proc.stdout + proc.stderr).splitlines()[-20:], None)
+        engines = " and ".join(dict.fromkeys(engine for engine, _ in pairs))
+        raise _worker_error(engines, proc.returncode, (proc.stdout + proc.stderr).splitlines()[-20:], None)
 
 
 def _die_with_parent() -> None:

@@ -1,7 +1,7 @@
 """Worker process entry: run one engine on one request and write a capture directory.
 
     python -m alignaudit.engines.worker REQUEST.json
-    python -m alignaudit.engines.worker --check-options ENGINE OPTIONS_JSON   (validate options only)
+    python -m alignaudit.engines.worker --check-options '[[ENGINE, OPTIONS], ...]'   (validate options only)
 
 Every engine runs in a worker of its own (vLLM's in-process engine patches torch; Megatron keeps global
 parallel state). A library error is reported on stderr as one line starting with ``ERROR_MARKER`` followed
@@ -98,7 +98,8 @@ def main() -> None:
         if sys.argv[1] == "--check-options":
             from alignaudit.engines import load_engine_class
 
-            load_engine_class(sys.argv[2]).check_options(json.loads(sys.argv[3]))
+            for engine, options in json.loads(sys.argv[2]):
+                load_engine_class(engine).check_options(options)
         else:
             run_request(json.loads(Path(sys.argv[1]).read_text()))
     except AlignAuditError as e:
