@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import exp, fixed_sum, triton
+from alignaudit_kernels.primitives import exp, fixed_sum, triton, use_triton
 
 BLOCK_N = 64
 TILE_ROWS = 64
@@ -264,12 +264,6 @@ def _as_pages(x):
     return x.contiguous().unsqueeze(1)
 
 
-def _use_triton(x):
-    from alignaudit_kernels.matmul import _interpreting
-
-    return x.is_cuda or _interpreting()
-
-
 def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale):
     """Strict attention over a paged KV cache (inference engines; prefill and decode alike).
 
@@ -281,7 +275,7 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale)
         q_seq: [T] sequence index of each row (rows of one sequence consecutive). scale: float.
     Returns: [T, H, D] in q.dtype.
     """
-    if _use_triton(q):
+    if use_triton(q):
         return _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale)
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
@@ -306,7 +300,7 @@ def causal_attention(q, k, v, q_positions, scale):
     if q.dim() == 3:
         return causal_attention(q[None], k[None], v[None], q_positions.reshape(1, -1), scale)[0]
     b, tq, h, d = q.shape
-    if not _use_triton(q):
+    if not use_triton(q):
         return torch.stack([_cpu_attend(q[i], k[i], v[i], q_positions[i].cpu(), scale) for i in range(b)])
     tk, kvh = k.shape[1], k.shape[2]
     runs = torch.arange(b)
@@ -320,7 +314,7 @@ def causal_attention(q, k, v, q_positions, scale):
 def _contiguous_forward(q, k, v, cu_seqlens, scale):
     """Ragged batch of whole sequences (prefill from position 0), K/V contiguous [T, KVH, D]."""
     bounds = cu_seqlens.tolist()
-    if not _use_triton(q):
+    if not use_triton(q):
         out = torch.empty_like(q)
         for a, b in zip(bounds[:-1], bounds[1:]):
             out[a:b] = _cpu_attend(q[a:b], k[a:b], v[a:b], torch.arange(b - a), scale)

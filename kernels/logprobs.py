@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import exp, fixed_sum, log, triton
+from alignaudit_kernels.primitives import exp, fixed_sum, log, triton, use_triton
 
 BLOCK_V = 4096
 
@@ -74,14 +74,8 @@ def _lse_triton(l):
     return m, lse
 
 
-def _use_triton(l):
-    from alignaudit_kernels.matmul import _interpreting
-
-    return l.is_cuda or _interpreting()
-
-
 def _log_softmax(l2):
-    if _use_triton(l2):
+    if use_triton(l2):
         m, lse = _lse_triton(l2)
         y = torch.empty(l2.shape, dtype=torch.float32, device=l2.device)
         _log_softmax_kernel[(l2.shape[0], triton.cdiv(l2.shape[1], BLOCK_V))](
@@ -93,7 +87,7 @@ def _log_softmax(l2):
 
 def _token_logprobs(l2, targets):
     """(logprobs [T], m + log(s) [T], the log-sum-exp of the logits, for the backward pass)."""
-    if _use_triton(l2):
+    if use_triton(l2):
         m, log_s = _lse_triton(l2)
         picked = l2.gather(1, targets[:, None])[:, 0].float()
         return (picked - m) - log_s, m + log_s

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from alignaudit_kernels.primitives import BLOCK, block_sums, triton
+from alignaudit_kernels.primitives import BLOCK, block_sums, triton, use_triton
 
 CPU_CHUNK_ELEMENTS = 1 << 24  # rows are independent: process as many as fit in this many fp32 products
 
@@ -199,13 +199,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
-    use_triton = x.is_cuda or _interpreting()
-    y = (_triton if use_triton else _cpu)(x2, weight, bias)
+    y = (_triton if use_triton(x) else _cpu)(x2, weight, bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _interpreting() -> bool:
-    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class _Linear(torch.autograd.Function):

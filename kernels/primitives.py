@@ -25,6 +25,8 @@ Sources: W. J. Cody and W. Waite, "Software Manual for the Elementary Functions"
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 BLOCK = 32
@@ -140,6 +142,12 @@ try:
     import triton.language as tl
 except ImportError:  # a CPU-only install without Triton: the CPU backend still works
     triton = None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """The Triton backend for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1 (the tests'
+    interpreter runs); the CPU backend otherwise."""
+    return x.is_cuda or (triton is not None and os.environ.get("TRITON_INTERPRET") == "1")
 
 if triton is not None:
 

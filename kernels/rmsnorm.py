@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import fixed_sum, rsqrt, triton
+from alignaudit_kernels.primitives import fixed_sum, rsqrt, triton, use_triton
 
 
 def reference(x, weight, eps, residual=None):
@@ -80,9 +80,7 @@ def _forward(x, weight, eps, residual):
     r2 = residual.reshape(-1, h).contiguous() if residual is not None else None
     if r2 is not None and r2.dtype != x2.dtype:
         raise TypeError(f"strict rms_norm: residual is {r2.dtype}, x is {x2.dtype}")
-    from alignaudit_kernels.matmul import _interpreting
-
-    y, s = (_triton if x.is_cuda or _interpreting() else _cpu)(x2, weight, float(eps), r2)
+    y, s = (_triton if use_triton(x) else _cpu)(x2, weight, float(eps), r2)
     return y.reshape(x.shape), s.reshape(x.shape)
 
 

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from alignaudit_kernels.primitives import triton
+from alignaudit_kernels.primitives import triton, use_triton
 
 
 TABLE_ROWS = 1024  # tables grow in whole multiples of this many positions
@@ -95,10 +95,8 @@ def _triton(x, positions, cos, sin):
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, positions, cos, sin):
-        from alignaudit_kernels.matmul import _interpreting
-
         ctx.save_for_backward(positions, cos, sin)
-        return (_triton if x.is_cuda or _interpreting() else _cpu)(x, positions, cos, sin)
+        return (_triton if use_triton(x) else _cpu)(x, positions, cos, sin)
 
     @staticmethod
     def backward(ctx, g):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import exp, triton
+from alignaudit_kernels.primitives import exp, triton, use_triton
 
 
 def reference(gate, up):
@@ -50,14 +50,12 @@ def _triton(gate, up):
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        from alignaudit_kernels.matmul import _interpreting
-
         ctx.save_for_backward(gate, up)
         shape = gate.shape
         g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
         if g2.stride(-1) != 1 or u2.stride(-1) != 1:
             g2, u2 = g2.contiguous(), u2.contiguous()
-        return (_triton if gate.is_cuda or _interpreting() else _cpu)(g2, u2).reshape(shape)
+        return (_triton if use_triton(gate) else _cpu)(g2, u2).reshape(shape)
 
     @staticmethod
     def backward(ctx, g):
