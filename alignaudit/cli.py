@@ -1,12 +1,12 @@
 """The ``alignaudit`` command line: thin typer commands over the library, rendered with rich.
 
 Exit codes (docs/cli.md): 0 success, 1 alignment failure (gate), 2 usage or input error, 3 engine
-failure. Errors print one line; ``--debug`` (anywhere on the command line) shows the traceback.
+failure, 130 interrupted. Errors print one line; ``--debug`` (anywhere on the command line) shows the
+traceback.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import traceback
@@ -17,12 +17,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from alignaudit import errors
+from alignaudit import __version__, errors, outdir
 from alignaudit.cliargs import (
-    DEFAULT_MODEL, ClipEpsOpt, DebugOpt, DeviceOpt, DtypeOpt, ForceOpt, InferDtypeOpt, InferOpt, InferSettingOpt,
-    LayersOpt, ModelOpt, OpsOpt, OutOpt, PromptLenOpt, PromptsOpt, RandomPromptsOpt, RandomWeightsOpt, SeedOpt,
-    StrictOpt, TrainDtypeOpt, TrainOpt, TrainSettingOpt, VerboseOpt, check_clip_eps, default_out, engine_runs,
-    load_batch, resolve_model_arg,
+    ClipEpsOpt, DeviceOpt, LayersOpt, ModelArgs, OpsOpt, OutputArgs, PairArgs, PromptArgs, SamplingArgs, StrictOpt,
+    build_request, field_names, given_options, grouped, load_batch, out_dir, resolve_model_arg,
 )
 
 app = typer.Typer(
@@ -36,47 +34,36 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"alignaudit {__version__}", highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
     """Numerical alignment auditor for RL: training-engine vs rollout-engine logprobs, down to the ULP."""
 
 
+def _results(*paths) -> None:
+    """The result paths, never wrapped (they are copied and pasted)."""
+    console.print("results: " + ", ".join(str(p) for p in paths), highlight=False, soft_wrap=True)
+
+
 @app.command()
-def compare(
-    model: ModelOpt = DEFAULT_MODEL,
-    train: TrainOpt = "megatron",
-    infer: InferOpt = "vllm",
-    dtype: DtypeOpt = "bf16",
-    train_dtype: TrainDtypeOpt = None,
-    infer_dtype: InferDtypeOpt = None,
-    device: DeviceOpt = "auto",
-    train_opt: TrainSettingOpt = None,
-    infer_opt: InferSettingOpt = None,
-    strict: StrictOpt = None,
-    mode: Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
-                                      "(the inference engine samples, the training engine rescores).")] = "prompt",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", metavar="N", help="Rollout mode: tokens sampled per prompt.")] = 32,
-    temperature: Annotated[float, typer.Option("--temperature", metavar="T", help="Rollout mode: sampling temperature.")] = 1.0,
-    prompts: PromptsOpt = None,
-    random_prompts: RandomPromptsOpt = None,
-    prompt_len: PromptLenOpt = None,
-    random_weights: RandomWeightsOpt = False,
-    seed: SeedOpt = 0,
-    clip_eps: ClipEpsOpt = 0.2,
-    out: OutOpt = None,
-    force: ForceOpt = False,
-    verbose: VerboseOpt = False,
-    debug: DebugOpt = False,
-) -> None:
+@grouped
+def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs, output: OutputArgs,
+            clip_eps: ClipEpsOpt = 0.2) -> None:
     """Run the same token ids through a training and an inference engine and compare per-token logprobs.
 
     Prompt mode (default): every prompt token after the first gets a teacher-forced logprob from each
     engine (fp32). Rollout mode, the RL path: the inference engine samples --max-new-tokens per prompt
-    (seeded, EOS ignored) and records each sampled token's logprob while decoding; the training engine
-    rescores prompt + completion in one pass. Reports bitwise mismatches, ULP distances and the RL impact
-    (importance ratio, clip fraction, token_mult_prob_error, probability differences, KL). Writes
-    tokens.parquet and summary.json to --out. The exit code is 0 whatever the result; `alignaudit gate`
-    turns results into a CI verdict.
+    (seeded; EOS neither stops nor is masked) and records each sampled token's logprob while decoding;
+    the training engine rescores prompt + completion in one pass. Reports bitwise mismatches, ULP
+    distances and the RL impact (importance ratio, clip fraction, token_mult_prob_error, probability
+    differences, KL, mean signed difference). Writes tokens.parquet, sequences.parquet and summary.json to
+    --out. The exit code is 0 whatever the result; `alignaudit gate` turns results into a CI verdict.
 
     Examples:
 
@@ -90,65 +77,38 @@ def compare(
         --infer-opt enforce_eager=true  # self-consistency
     ```
     """
-    from alignaudit.pipeline import TOKENS
-    from alignaudit.report import render_comparison
+    from alignaudit.pipeline import COMPARE_OUTPUTS, SEQUENCES, TOKENS
 
-    check_clip_eps(clip_eps)
-    out_dir, summary = _run_compare(model, train, infer, dtype, train_dtype, infer_dtype, device, train_opt, infer_opt,
-                                    strict, mode, max_new_tokens, temperature, prompts, random_prompts, prompt_len,
-                                    random_weights, seed, clip_eps, out or default_out("compare"), force, verbose)
+    out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS)
+    _render_summary(out, summary)
+    _results(out / "summary.json", out / TOKENS, out / SEQUENCES)
+
+
+def _run_compare(pair, model, prompts, sampling, output, clip_eps, names) -> tuple[Path, dict]:
+    """Validate everything, then run compare into the output directory; returns (out, summary)."""
+    from alignaudit.pipeline import compare as run_compare
+
+    request = build_request(model, prompts, pair, sampling, clip_eps)
+    out = out_dir(output, "compare", names)
+    with console.status("") as status:
+        summary = run_compare(request, out, stream_log=output.verbose, on_stage=status.update)
+    return out, summary
+
+
+def _render_summary(out: Path, summary: dict) -> None:
     import pandas as pd
 
-    render_comparison(console, summary, pd.read_parquet(out_dir / TOKENS))
-    console.print(f"results: {out_dir}/summary.json, {out_dir}/tokens.parquet")
+    from alignaudit.pipeline import SEQUENCES, TOKENS
+    from alignaudit.report import render_comparison
 
-
-def _run_compare(model, train, infer, dtype, train_dtype, infer_dtype, device, train_opt, infer_opt, strict, mode,
-                 max_new_tokens, temperature, prompts, random_prompts, prompt_len, random_weights, seed, clip_eps,
-                 out, force, verbose):
-    """Validate everything, then run compare into ``out``; returns (out, summary)."""
-    from alignaudit.pipeline import compare as run_compare, prepare_output
-
-    if mode not in ("prompt", "rollout"):
-        raise errors.InputError(f"unknown --mode {mode!r}; choose prompt or rollout")
-    if mode == "rollout" and (max_new_tokens < 1 or temperature <= 0):
-        raise errors.InputError("rollout mode needs --max-new-tokens >= 1 and --temperature > 0")
-    runs = engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt, strict)
-    spec = resolve_model_arg(model, random_weights, seed)
-    rollout = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed} if mode == "rollout" else None
-    batch = load_batch(spec, prompts, random_prompts, prompt_len, seed, (train, infer), max_new_tokens if rollout else 0)
-    out_dir = prepare_output(out, force)
-    with console.status("") as status:
-        summary = run_compare(spec, batch, runs[0], runs[1], out_dir, clip_eps=clip_eps, stream_log=verbose,
-                              on_stage=status.update, rollout=rollout)
-    return out_dir, summary
+    render_comparison(console, summary, pd.read_parquet(out / TOKENS), pd.read_parquet(out / SEQUENCES))
 
 
 @app.command()
-def bisect(
-    model: ModelOpt = DEFAULT_MODEL,
-    train: TrainOpt = "megatron",
-    infer: InferOpt = "vllm",
-    mode: Annotated[str, typer.Option("--mode", metavar="MODE", help="natural, forced, or both.")] = "both",
-    layers: LayersOpt = None,
-    ops: OpsOpt = None,
-    dtype: DtypeOpt = "bf16",
-    train_dtype: TrainDtypeOpt = None,
-    infer_dtype: InferDtypeOpt = None,
-    device: DeviceOpt = "auto",
-    train_opt: TrainSettingOpt = None,
-    infer_opt: InferSettingOpt = None,
-    strict: StrictOpt = None,
-    prompts: PromptsOpt = None,
-    random_prompts: RandomPromptsOpt = None,
-    prompt_len: PromptLenOpt = None,
-    random_weights: RandomWeightsOpt = False,
-    seed: SeedOpt = 0,
-    out: OutOpt = None,
-    force: ForceOpt = False,
-    verbose: VerboseOpt = False,
-    debug: DebugOpt = False,
-) -> None:
+@grouped
+def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
+           mode: Annotated[str, typer.Option("--mode", metavar="MODE", help="natural, forced, or both.")] = "both",
+           layers: LayersOpt = None, ops: OpsOpt = None) -> None:
     """Find the ops where two engines compute differently, layer by layer, down to the ULP.
 
     Both engines run the same token ids with every canonical op captured (embed; per layer input_norm,
@@ -162,7 +122,8 @@ def bisect(
     **forced** mode: the inference engine runs again with every op's inputs replaced by the training
     engine's captured values (converted to its layout). Each op's difference is then its own, so the
     table lists every op that computes differently, not only the first: what you need to fix all causes
-    at once.
+    at once. An op whose inputs an engine cannot replace (e.g. vLLM's fused add+norm when the previous
+    layer is not selected) is marked "inputs not forced" and kept out of the verdict.
 
     vLLM is captured in eager mode with prefix caching off (hooks cannot see inside torch.compile
     graphs), so its numbers here can differ from a compiled `compare` run.
@@ -176,46 +137,33 @@ def bisect(
     ```
     """
     from alignaudit.ops import parse_selection
-    from alignaudit.pipeline import MODES, bisect as run_bisect, prepare_output
+    from alignaudit.pipeline import BISECT, BISECT_OUTPUTS, MODES, bisect as run_bisect
     from alignaudit.report import render_bisect
 
     if mode not in MODES:
         raise errors.InputError(f"unknown bisect mode {mode!r}; choose one of {', '.join(MODES)}")
-    runs = engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt, strict)
-    spec = resolve_model_arg(model, random_weights, seed)
-    selection = parse_selection(layers, ops, spec.num_layers)
-    batch = load_batch(spec, prompts, random_prompts, prompt_len, seed, (train, infer))
-    out_dir = prepare_output(out or default_out("bisect"), force)
+    request = build_request(model, prompts, run)
+    selection = parse_selection(layers, ops, request.spec.num_layers)
+    out = out_dir(output, "bisect", BISECT_OUTPUTS)
     with console.status("") as status:
-        result = run_bisect(spec, batch, runs[0], runs[1], out_dir, selection, mode=mode, stream_log=verbose,
-                            on_stage=status.update)
+        result = run_bisect(request, out, selection, mode=mode, stream_log=output.verbose, on_stage=status.update)
     render_bisect(console, result)
-    console.print(f"results: {out_dir}/bisect.json, {out_dir}/ops-*.parquet")
+    _results(out / BISECT, *(out / f"ops-{m}.parquet" for m in ("natural", "forced") if m in result))
 
 
 @app.command()
-def capture(
-    engine: Annotated[str, typer.Option("--engine", "-e", metavar="ENGINE", help="megatron, vllm or hf.")] = "megatron",
-    model: ModelOpt = DEFAULT_MODEL,
-    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32.")] = "bf16",
-    device: DeviceOpt = "auto",
-    opt: Annotated[Optional[list[str]], typer.Option("--opt", metavar="KEY=VALUE", help="Engine setting (repeatable).")] = None,
-    layers: LayersOpt = None,
-    ops: OpsOpt = None,
-    no_ops: Annotated[bool, typer.Option("--no-ops", metavar="", help="Logprobs only, no per-op tensors.")] = False,
-    reference: Annotated[Optional[Path], typer.Option("--reference", metavar="DIR",
-                                                      help="Forced mode: feed every op this capture's values.")] = None,
-    strict: StrictOpt = None,
-    prompts: PromptsOpt = None,
-    random_prompts: RandomPromptsOpt = None,
-    prompt_len: PromptLenOpt = None,
-    random_weights: RandomWeightsOpt = False,
-    seed: SeedOpt = 0,
-    out: OutOpt = None,
-    force: ForceOpt = False,
-    verbose: VerboseOpt = False,
-    debug: DebugOpt = False,
-) -> None:
+@grouped
+def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
+            engine: Annotated[str, typer.Option("--engine", "-e", metavar="ENGINE", help="megatron, vllm or hf.")] = "megatron",
+            dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32.")] = "bf16",
+            device: DeviceOpt = "auto",
+            opt: Annotated[Optional[list[str]], typer.Option("--opt", metavar="KEY=VALUE", help="Engine setting (repeatable).")] = None,
+            layers: LayersOpt = None,
+            ops: OpsOpt = None,
+            no_ops: Annotated[bool, typer.Option("--no-ops", metavar="", help="Logprobs only, no per-op tensors.")] = False,
+            reference: Annotated[Optional[Path], typer.Option("--reference", metavar="DIR",
+                                                              help="Forced mode: feed every op this capture's values.")] = None,
+            strict: StrictOpt = None) -> None:
     """Run one engine and write its capture: manifest, logprobs and (by default) every canonical op.
 
     Make one capture where each engine lives (e.g. in the vLLM container, then in the Megatron
@@ -231,112 +179,102 @@ def capture(
     ```
     """
     from alignaudit.capture import read_capture
+    from alignaudit.cliargs import engine_runs
     from alignaudit.ops import parse_selection
-    from alignaudit.pipeline import capture as run_capture, prepare_output
+    from alignaudit.pipeline import CAPTURE_OUTPUTS, capture as run_capture
 
-    run = engine_runs(engine, engine, dtype, None, None, device, seed, opt, None, strict)[0]
-    spec = resolve_model_arg(model, random_weights, seed)
+    pair = PairArgs(train=engine, infer=engine, dtype=dtype, device=device, train_opt=opt, strict=strict)
+    spec = resolve_model_arg(model)
+    run = engine_runs(pair, model.seed, spec)[0]
     selection = None if no_ops else parse_selection(layers, ops, spec.num_layers)
-    batch = load_batch(spec, prompts, random_prompts, prompt_len, seed, (engine,))
-    out_dir = out or default_out(f"capture-{engine}")
+    batch = load_batch(spec, prompts, model.seed, (engine,))
+    inputs = ()
     if reference is not None:
+        inputs = (Path(reference),)
+        if output.out is not None:
+            outdir.check_overlap(output.out, inputs)
         if selection is None:
             raise errors.InputError("--reference needs op capture; drop --no-ops")
-        if Path(reference).resolve() == Path(out_dir).resolve():
-            raise errors.InputError("--reference and --out are the same directory; write the forced capture elsewhere")
         ref = read_capture(reference)
         if "ops" not in ref.manifest:
             raise errors.InputError(f"--reference {reference} has no per-op tensors; capture it without --no-ops")
         if ref.manifest["prompts"]["digest"] != batch.digest():
             raise errors.InputError(f"--reference {reference} was made on other token ids; use the same prompts")
-    out_dir = prepare_output(out_dir, force)
-    with console.status(f"running {run.label()}"):
-        result = run_capture(spec, batch, run, out_dir, stream_log=verbose, ops=selection, reference=reference)
+    out = out_dir(output, f"capture-{engine}", CAPTURE_OUTPUTS, inputs)
+    with console.status(f"running {run.label()}") as status:
+        result = run_capture(spec, batch, run, out, stream_log=output.verbose, ops=selection, reference=reference,
+                             on_progress=lambda done, total: status.update(f"running {run.label()}: {done}/{total} sequences"))
     ops_info = result.manifest.get("ops")
     scored = batch.num_tokens - len(batch.sequences)
     console.print(f"capture of {escape(run.label())}: {len(batch.sequences)} sequences, {batch.num_tokens} token ids "
                   f"({scored} scored)" + (f", {ops_info['ops']} ops ({ops_info['bytes'] / 2**20:.1f} MiB)" if ops_info else "")
-                  + f" -> {out_dir}", highlight=False)
+                  + f" -> {out}", highlight=False, soft_wrap=True)
 
 
 @app.command()
-def diff(
-    train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE", help="Capture directory playing the training engine.")],
-    infer_dir: Annotated[Path, typer.Argument(metavar="INFER_CAPTURE", help="Capture directory playing the inference engine.")],
-    out: OutOpt = None,
-    force: ForceOpt = False,
-    clip_eps: ClipEpsOpt = 0.2,
-    debug: DebugOpt = False,
-) -> None:
+@grouped
+def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE", help="Capture directory playing the training engine.")],
+         infer_dir: Annotated[Path, typer.Argument(metavar="INFER_CAPTURE", help="Capture directory playing the inference engine.")],
+         out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="DIR",
+                                                    help="Output directory (default: alignaudit-runs/diff-TIME).")] = None,
+         force: Annotated[bool, typer.Option("--force", metavar="", help="Reuse a non-empty --out (only alignaudit's own "
+                                             "earlier outputs there are replaced).")] = False,
+         clip_eps: ClipEpsOpt = 0.2) -> None:
     """Compare two captures made anywhere: logprobs, and every op when both captured ops.
 
-    Refuses captures of different checkpoints or token ids, and damaged captures.
+    Refuses captures of different checkpoints or token ids, and damaged captures (the same checks
+    `alignaudit gate` makes).
     """
-    import pandas as pd
-
-    from alignaudit.capture import read_capture
+    from alignaudit.cliargs import check_clip_eps
     from alignaudit.opdiff import first_divergence
-    from alignaudit.pipeline import TOKENS, diff_captures, diff_ops, prepare_output, write_ops
-    from alignaudit.report import render_comparison, render_op_verdict, render_ops
+    from alignaudit.pipeline import DIFF_OUTPUTS, SUMMARY, diff_captures, diff_ops, write_ops
+    from alignaudit.report import render_op_verdict, render_ops
+    from alignaudit.verify import load_pair
 
     check_clip_eps(clip_eps)
-    a, b = read_capture(train_dir), read_capture(infer_dir)
+    a, b = load_pair(train_dir, infer_dir)
     with_ops = "ops" in a.manifest and "ops" in b.manifest
     records = diff_ops(a, b) if with_ops else None  # reads and verifies every op before anything is written
-    out_dir = prepare_output(out or default_out("diff"), force)
-    summary = diff_captures(a, b, out_dir, clip_eps=clip_eps)
-    render_comparison(console, summary, pd.read_parquet(out_dir / TOKENS))
+    target = OutputArgs(out=out, force=force)
+    out_path = out_dir(target, "diff", DIFF_OUTPUTS, (Path(train_dir), Path(infer_dir)))
+    summary = diff_captures(a, b, out_path, clip_eps=clip_eps)
+    _render_summary(out_path, summary)
     if records is not None:
-        write_ops(records, out_dir / "ops.parquet")
+        write_ops(records, out_path / "ops.parquet")
         mode = b.manifest["ops"].get("mode", "natural")
-        render_ops(console, records, mode, first_divergence(records))
+        render_ops(console, records, mode, first_divergence([r for r in records if r.get("forced", True)]))
         render_op_verdict(console, mode, records)
-    console.print(f"results: {out_dir}")
+    _results(out_path / SUMMARY, *([out_path / "ops.parquet"] if records is not None else []))
 
 
 @app.command()
-def gate(
-    run_dir: Annotated[Optional[Path], typer.Argument(metavar="[RUN_DIR]", help="A finished compare run (omit to run one now).")] = None,
-    max_mismatch: Annotated[Optional[str], typer.Option("--max-mismatch", metavar="N|FRAC",
-                            help="Allow N mismatching tokens, or a fraction (0.5% or 0.005).")] = None,
-    max_ulp: Annotated[Optional[int], typer.Option("--max-ulp", metavar="N", help="Allow tokens up to N ULP apart.")] = None,
-    max_abs: Annotated[Optional[float], typer.Option("--max-abs", metavar="X", help="Allow |lp_train - lp_infer| up to X.")] = None,
-    baseline: Annotated[Optional[Path], typer.Option("--baseline", metavar="FILE",
-                        help="Fail only on regression against this verdict.json (or summary.json).")] = None,
-    junit: Annotated[Optional[Path], typer.Option("--junit", metavar="FILE", help="JUnit XML (default: RUN/junit.xml).")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="JSON verdict (default: RUN/verdict.json).")] = None,
-    md_out: Annotated[Optional[Path], typer.Option("--markdown", metavar="FILE",
-                      help="Markdown summary, appended when the file exists ($GITHUB_STEP_SUMMARY); default RUN/summary.md.")] = None,
-    model: ModelOpt = DEFAULT_MODEL,
-    train: TrainOpt = "megatron",
-    infer: InferOpt = "vllm",
-    dtype: DtypeOpt = "bf16",
-    device: DeviceOpt = "auto",
-    train_opt: TrainSettingOpt = None,
-    infer_opt: InferSettingOpt = None,
-    strict: StrictOpt = None,
-    mode: Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt or rollout (when running a comparison).")] = "prompt",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", metavar="N", help="Rollout mode: tokens per prompt.")] = 32,
-    prompts: PromptsOpt = None,
-    random_prompts: RandomPromptsOpt = None,
-    prompt_len: PromptLenOpt = None,
-    random_weights: RandomWeightsOpt = False,
-    seed: SeedOpt = 0,
-    out: OutOpt = None,
-    force: ForceOpt = False,
-    verbose: VerboseOpt = False,
-    debug: DebugOpt = False,
-) -> None:
+@grouped
+def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs, output: OutputArgs,
+         run_dir: Annotated[Optional[Path], typer.Argument(metavar="[RUN_DIR]", help="A finished compare run (omit to run one now).")] = None,
+         max_mismatch: Annotated[Optional[str], typer.Option("--max-mismatch", metavar="N|FRAC",
+                                 help="Allow N mismatching tokens, or a fraction (0.5% or 0.005).")] = None,
+         max_ulp: Annotated[Optional[int], typer.Option("--max-ulp", metavar="N", help="Allow tokens up to N ULP apart.")] = None,
+         max_abs: Annotated[Optional[float], typer.Option("--max-abs", metavar="X", help="Allow |lp_train - lp_infer| up to X.")] = None,
+         baseline: Annotated[Optional[Path], typer.Option("--baseline", metavar="FILE",
+                             help="Fail only on regression against this verdict.json (or summary.json).")] = None,
+         junit: Annotated[Optional[Path], typer.Option("--junit", metavar="FILE", help="JUnit XML (default: RUN/junit.xml).")] = None,
+         json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="JSON verdict (default: RUN/verdict.json).")] = None,
+         md_out: Annotated[Optional[Path], typer.Option("--markdown", metavar="FILE",
+                           help="Markdown summary, appended when the file exists ($GITHUB_STEP_SUMMARY); default RUN/summary.md.")] = None,
+         clip_eps: ClipEpsOpt = 0.2) -> None:
     """CI gate on bitwise equality of per-token logprobs.
 
     Judges a finished comparison (RUN_DIR, as written by `alignaudit compare`), or runs one with the
-    compare options and judges it. The captures are re-read and re-validated, never trusted from
-    summary.json. Default rule: every compared token bitwise equal. Relaxations combine: --max-mismatch,
-    --max-ulp, --max-abs, --baseline.
+    compare options and judges it. The run is validated first, with the checks `alignaudit diff` makes
+    (complete, undamaged captures of one checkpoint and one set of token ids) plus the run's own record
+    (each capture is the one the run wrote, with the engine, role and settings it names); summary.json
+    is never trusted. Default rule: every compared token bitwise equal. Relaxations combine:
+    --max-mismatch, --max-ulp, --max-abs, --baseline.
 
     Exit codes: **0** pass, **1** alignment failure, **2** usage or input error (including zero tokens
-    compared, missing sequences, mismatched token ids, truncated or corrupt files), **3** engine failure
-    (including NaN logprobs). Writes verdict.json, junit.xml (one test case per sequence) and summary.md.
+    compared, a run that did not finish, altered or damaged captures, compare options given with
+    RUN_DIR), **3** engine failure (including NaN logprobs). Writes verdict.json, junit.xml (one test
+    case per sequence) and summary.md.
 
     Examples:
 
@@ -347,43 +285,62 @@ def gate(
     ```
     """
     from alignaudit import gate as gating
-    from alignaudit.capture import read_capture
-    from alignaudit.diff import align_tokens, compare_tokens
+    from alignaudit.pipeline import COMPARE_OUTPUTS, GATE_OUTPUTS
 
+    if run_dir is not None:
+        given = given_options(ctx, field_names(PairArgs, ModelArgs, PromptArgs, SamplingArgs, OutputArgs) + ["clip_eps"])
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise errors.InputError(f"gate RUN_DIR judges a finished run; {flags} apply only when gate runs the "
+                                    "comparison itself (without RUN_DIR): drop them")
     count, fraction = gating.parse_max_mismatch(max_mismatch)
     if max_ulp is not None and max_ulp < 0 or max_abs is not None and max_abs < 0:
         raise errors.InputError("--max-ulp and --max-abs must not be negative")
     rule = gating.Rule(count, fraction, max_ulp, max_abs, gating.read_baseline(baseline) if baseline else None)
     if run_dir is None:
-        run_dir, _ = _run_compare(model, train, infer, dtype, None, None, device, train_opt, infer_opt, strict, mode,
-                                  max_new_tokens, 1.0, prompts, random_prompts, prompt_len, random_weights, seed, 0.2,
-                                  out or default_out("gate"), force, verbose)
-    elif not (Path(run_dir) / "run.json").is_file():
-        raise errors.InputError(f"{run_dir} is not a compare run directory (no run.json); give the --out of `alignaudit compare`")
-    train_cap, infer_cap = read_capture(Path(run_dir) / "train"), read_capture(Path(run_dir) / "infer")
-    if train_cap.manifest["prompts"]["digest"] != infer_cap.manifest["prompts"]["digest"]:
-        raise errors.InputError("the two captures were made on different token ids; run the comparison again")
-    verdict = gating.evaluate(compare_tokens(align_tokens(train_cap.logprobs, infer_cap.logprobs)), rule, str(run_dir))
-    (json_out or Path(run_dir) / "verdict.json").write_text(json.dumps(verdict.to_dict(), indent=2) + "\n")
-    (junit or Path(run_dir) / "junit.xml").write_text(gating.junit_xml(verdict))
-    md_path = md_out or Path(run_dir) / "summary.md"
-    with open(md_path, "a" if md_out is not None and md_path.exists() else "w") as f:
-        f.write(gating.markdown(verdict))
+        run_dir, _ = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS + GATE_OUTPUTS)
+    _claim_verdict_files(Path(run_dir), targets := (json_out or run_dir / "verdict.json", junit or run_dir / "junit.xml",
+                                                    md_out or run_dir / "summary.md"))
+    verdict = gating.judge_run(Path(run_dir), rule)
+    gating.write_outputs(verdict, *targets, append_md=md_out is not None)
     style = "bold green" if verdict.passed else "bold red"
-    console.print(f"[{style}]gate {'PASS' if verdict.passed else 'FAIL'}[/] ({escape(verdict.rule)}): "
+    console.print(f"[{style}]gate {verdict.label.upper()}[/] ({escape(verdict.rule)}): "
                   f"{verdict.mismatches} of {verdict.tokens_compared} tokens differ, max ULP {verdict.ulp_max}", highlight=False)
     for reason in verdict.reasons:
         console.print(f"  {escape(reason)}", highlight=False)
+    if verdict.error:
+        raise errors.EngineError(verdict.error)
     raise typer.Exit(verdict.exit_code)
+
+
+def _claim_verdict_files(run_dir: Path, targets: tuple[Path, ...]) -> None:
+    """Lock the run directory and claim the verdict files gate writes into it (none when all go elsewhere,
+    so a read-only run can be judged)."""
+    from alignaudit.verify import read_run_record
+
+    read_run_record(run_dir)  # a missing or unfinished run is reported as such, not as unwritable
+    inside = tuple(Path(t).name for t in targets if Path(t).resolve().parent == run_dir.resolve())
+    if inside:
+        try:
+            outdir.lock(run_dir)
+            outdir.claim(run_dir, inside)
+        except errors.InputError as e:
+            raise errors.InputError(f"{e}, or pass --json, --junit and --markdown to write the verdict elsewhere") from e
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the typer app, turn library errors into one line and an exit code."""
     args = _optional_values(sys.argv[1:] if argv is None else list(argv), {"--strict": "all"})
     debug = "--debug" in args
-    previous = signal.signal(signal.SIGTERM, _terminate)  # unwind (and stop engine workers) on SIGTERM
+    outdir.command_name = next((a for a in args if not a.startswith("-")), "?")
+    # Ctrl-C and SIGTERM unwind (stopping engine workers); typer turns the KeyboardInterrupt into a silent
+    # exit code 130, so the handler leaves a flag to say why.
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
+    _signalled.clear()
     try:
         result = app(args=args, standalone_mode=False, prog_name="alignaudit")
+        if _signalled:
+            return _interrupted()
         return result if isinstance(result, int) else errors.EXIT_OK
     except errors.AlignAuditError as e:
         if debug:
@@ -391,10 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return e.exit_code
     except typer.Exit as e:
-        return e.exit_code
+        return _interrupted() if _signalled else e.exit_code
     except (typer.Abort, KeyboardInterrupt):
-        err_console.print("interrupted")
-        return 130
+        return _interrupted()
     except Exception as e:
         if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # click/typer usage errors
             if type(e).__name__ == "NoArgsIsHelpError":
@@ -404,10 +360,24 @@ def main(argv: list[str] | None = None) -> int:
             return errors.EXIT_USAGE
         return _unexpected(e, debug)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        outdir.release_all()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+EXIT_INTERRUPTED = 130
+
+
+def _interrupted() -> int:
+    err_console.print("interrupted; the files written so far are kept", highlight=False, soft_wrap=True)
+    return EXIT_INTERRUPTED
+
+
+_signalled: list[int] = []
 
 
 def _terminate(signum, frame):
+    _signalled.append(signum)
     raise KeyboardInterrupt
 
 

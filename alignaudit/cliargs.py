@@ -1,12 +1,24 @@
-"""Shared CLI options (typer ``Annotated`` aliases, defined once) and the checks behind them.
+"""Shared CLI options, defined once as option groups, and the checks that turn them into a Request.
 
-Everything here validates input before any engine starts, so a bad option costs a second, not an
-engine run, and fails with one line (errors.InputError).
+An option group is a dataclass whose fields are typer ``Annotated`` options. A command declares a
+parameter of a group's type and ``@grouped`` expands it into the group's options on the command line, then
+hands the command one instance:
+
+    @app.command()
+    @grouped
+    def compare(run: RunArgs, sampling: SamplingArgs, output: OutputArgs, clip_eps: ClipEpsOpt = 0.2): ...
+
+Everything here validates input before any engine starts, so a bad option costs a second, not an engine
+run, and fails with one line (errors.InputError).
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+import dataclasses
+import functools
+import inspect
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -29,9 +41,12 @@ RandomPromptsOpt = Annotated[Optional[int], typer.Option("--random-prompts", met
 PromptLenOpt = Annotated[Optional[int], typer.Option("--prompt-len", metavar="L", help="Tokens per random prompt (default 64).")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32, for both engines.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, or auto (cuda when available).")]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", metavar="DIR",
-                                                help="Output directory (default: alignaudit-runs/<command>-<time>).")]
-ForceOpt = Annotated[bool, typer.Option("--force", metavar="", help="Reuse a non-empty --out directory (its alignaudit outputs are replaced).")]
+# A string, not a Path: typer turns "" into Path("."), and an empty --out must be refused, not read as ".".
+OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", metavar="DIR",
+                                                help="Output directory (default: alignaudit-runs/COMMAND-TIME).")]
+ForceOpt = Annotated[bool, typer.Option("--force", metavar="",
+                                        help="Reuse a non-empty --out directory: alignaudit's own earlier outputs there are "
+                                             "replaced, nothing else is touched.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Stream the engine workers' logs.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", metavar="", help="Show tracebacks on errors.")]
 TrainOpt = Annotated[str, typer.Option("--train", metavar="ENGINE", help="Training engine: megatron, hf or vllm.")]
@@ -49,6 +64,108 @@ StrictOpt = Annotated[Optional[str], typer.Option(
 LayersOpt = Annotated[Optional[str], typer.Option("--layers", metavar="RANGES", help="Layers to capture, e.g. 0-3,7 (default: all).")]
 OpsOpt = Annotated[Optional[str], typer.Option("--ops", metavar="OPS", help="Canonical ops to capture, e.g. attn,o_proj (default: all).")]
 ClipEpsOpt = Annotated[float, typer.Option("--clip-eps", metavar="EPS", help="PPO clip epsilon for the clip-fraction metric.")]
+ModeOpt = Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
+                                      "(the inference engine samples, the training engine rescores).")]
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", metavar="N", help="Rollout: tokens sampled per prompt.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", metavar="T", help="Rollout: sampling temperature (> 0); "
+                                               "the trainer divides its logits by it too.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", metavar="K", help="Rollout: sample from the K most likely tokens "
+                                      "(0 = off); the trainer replays the same truncation.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", metavar="P", help="Rollout: nucleus sampling (1.0 = off); the trainer "
+                                        "replays the same truncation.")]
+
+
+@dataclass
+class ModelArgs:
+    """Which checkpoint, and the seed of everything random."""
+
+    model: ModelOpt = DEFAULT_MODEL
+    random_weights: RandomWeightsOpt = False
+    seed: SeedOpt = 0
+
+
+@dataclass
+class PromptArgs:
+    """Where the token ids come from."""
+
+    prompts: PromptsOpt = None
+    random_prompts: RandomPromptsOpt = None
+    prompt_len: PromptLenOpt = None
+
+
+@dataclass
+class PairArgs:
+    """The two engines and their settings."""
+
+    train: TrainOpt = "megatron"
+    infer: InferOpt = "vllm"
+    dtype: DtypeOpt = "bf16"
+    train_dtype: TrainDtypeOpt = None
+    infer_dtype: InferDtypeOpt = None
+    device: DeviceOpt = "auto"
+    train_opt: TrainSettingOpt = None
+    infer_opt: InferSettingOpt = None
+    strict: StrictOpt = None
+
+
+@dataclass
+class SamplingArgs:
+    """Prompt or rollout mode, and how the rollout samples."""
+
+    mode: ModeOpt = "prompt"
+    max_new_tokens: MaxNewTokensOpt = 32
+    temperature: TemperatureOpt = 1.0
+    top_k: TopKOpt = 0
+    top_p: TopPOpt = 1.0
+
+
+@dataclass
+class OutputArgs:
+    """Where results go."""
+
+    out: OutOpt = None
+    force: ForceOpt = False
+    verbose: VerboseOpt = False
+
+
+GROUPS = (ModelArgs, PromptArgs, PairArgs, SamplingArgs, OutputArgs)
+
+
+def grouped(fn):
+    """Expand parameters annotated with an option group into the group's options (typer reads
+    ``__signature__``), add ``--debug`` (read by cli.main), and call ``fn`` with one instance per group."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    groups, expanded = {}, []
+    for name, param in inspect.signature(fn).parameters.items():  # in signature order, groups expanded in place
+        cls = hints.get(name)
+        if cls in GROUPS:
+            groups[name] = cls
+            field_hints = typing.get_type_hints(cls, include_extras=True)
+            expanded += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                           annotation=field_hints[f.name]) for f in dataclasses.fields(cls)]
+        else:
+            expanded.append(param.replace(annotation=hints.get(name, param.annotation), kind=inspect.Parameter.KEYWORD_ONLY))
+    expanded.append(inspect.Parameter("debug", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=DebugOpt))
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs):
+        kwargs.pop("debug", None)
+        for name, cls in groups.items():
+            kwargs[name] = cls(**{f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls)})
+        return fn(**kwargs)
+
+    wrapper.__signature__ = inspect.Signature(expanded)
+    return wrapper
+
+
+def field_names(*groups: type) -> list[str]:
+    return [f.name for cls in groups for f in dataclasses.fields(cls)]
+
+
+def given_options(ctx: typer.Context, names: list[str]) -> list[str]:
+    """Of ``names``, the parameters the user gave on the command line (not left at their defaults)."""
+    default = type(ctx.get_parameter_source(names[0])).DEFAULT if names else None
+    return [n for n in names if ctx.get_parameter_source(n) not in (None, default)]
 
 
 def fixtures_dir() -> Path:
@@ -58,14 +175,15 @@ def fixtures_dir() -> Path:
     return Path(alignaudit_fixtures.__file__).resolve().parent
 
 
-def resolve_model_arg(model: str, random_weights: bool, seed: int):
+def resolve_model_arg(args: ModelArgs):
     from alignaudit.models import resolve_model
 
+    model = args.model
     if model == DEFAULT_MODEL and not Path(model).exists():
-        if random_weights:
+        if args.random_weights:
             raise errors.InputError("--random-weights needs --model PRESET, e.g. --model Qwen3-0.6B --random-weights")
         model = str(fixtures_dir() / DEFAULT_MODEL)
-    return resolve_model(model, random_weights=random_weights, seed=seed)
+    return resolve_model(model, random_weights=args.random_weights, seed=args.seed)
 
 
 def resolve_device(device: str) -> str:
@@ -94,37 +212,75 @@ def check_clip_eps(eps: float) -> float:
     return eps
 
 
-def default_out(command: str) -> Path:
-    return Path("alignaudit-runs") / f"{command}-{datetime.now():%Y%m%d-%H%M%S}"
+def sampling(args: SamplingArgs, seed: int):
+    """The rollout Sampling of ``args``, or None in prompt mode. Raises InputError for a bad mode or value."""
+    from alignaudit.request import Sampling
+
+    if args.mode not in ("prompt", "rollout"):
+        raise errors.InputError(f"unknown --mode {args.mode!r}; choose prompt or rollout")
+    if args.mode == "prompt":
+        return None
+    if args.max_new_tokens < 1 or not args.temperature > 0:
+        raise errors.InputError("rollout mode needs --max-new-tokens >= 1 and --temperature > 0")
+    if args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise errors.InputError("--top-k must be >= 0 (0 = off) and --top-p in (0, 1] (1 = off)")
+    return Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed)
 
 
-def engine_runs(train, infer, dtype, train_dtype, infer_dtype, device, seed, train_opt, infer_opt, strict=None):
-    """The two EngineRuns of a comparison, validated before anything starts."""
+def engine_runs(pair: PairArgs, seed: int, spec=None, rollout=None):
+    """The two EngineRuns of a comparison, validated before anything starts: engines installed, dtypes,
+    device, strict ops, and every option checked against the engines' own config classes and against what
+    alignaudit can honour for ``spec`` and ``rollout`` (alignaudit.capabilities)."""
     from alignaudit.engines import check_installed
     from alignaudit.engines.base import EngineSettings, parse_options
-    from alignaudit.pipeline import EngineRun
+    from alignaudit.request import EngineRun
     from alignaudit.runner import check_options
     from alignaudit.strict import format_strict, parse_strict
 
-    check_installed(train), check_installed(infer)
-    dev = resolve_device(device)
-    ops = format_strict(parse_strict(strict))
+    check_installed(pair.train), check_installed(pair.infer)
+    dev = resolve_device(pair.device)
+    ops = format_strict(parse_strict(pair.strict))
     runs = [
-        EngineRun(name, EngineSettings(check_dtype(own or dtype), dev, seed, parse_options(opts), strict=ops))
-        for name, own, opts in ((train, train_dtype, train_opt), (infer, infer_dtype, infer_opt))
+        EngineRun(name, EngineSettings(check_dtype(own or pair.dtype), dev, seed, parse_options(opts), strict=ops))
+        for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt), (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]
     check_options([(run.engine, run.settings.options) for run in runs])
     return runs
 
 
-def load_batch(spec, prompts, random_prompts, prompt_len, seed, engines, new_tokens: int = 0):
+def load_batch(spec, args: PromptArgs, seed: int, engines, new_tokens: int = 0):
     """The TokenBatch, leaving room for ``new_tokens`` (rollout) and, with vLLM, one sampled token.
 
     Raises InputError for --prompt-len without --random-prompts.
     """
     from alignaudit.prompts import load_prompts
 
-    if prompt_len is not None and random_prompts is None:
+    if args.prompt_len is not None and args.random_prompts is None:
         raise errors.InputError("--prompt-len applies to --random-prompts N; give both or neither")
     reserve = max(new_tokens, 1 if "vllm" in engines else 0)
-    return load_prompts(spec, prompts, random_prompts, prompt_len or 64, seed, reserve=reserve)
+    return load_prompts(spec, args.prompts, args.random_prompts, args.prompt_len or 64, seed, reserve=reserve)
+
+
+def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, sampling_args: SamplingArgs | None = None,
+                  clip_eps: float = 0.2):
+    """Validate every option and build the Request (no engine starts here).
+
+    Raises:
+        InputError: any bad input, with the fix. EngineError: an engine is not installed.
+    """
+    from alignaudit.request import Request
+
+    check_clip_eps(clip_eps)
+    rollout = sampling(sampling_args, model.seed) if sampling_args is not None else None
+    spec = resolve_model_arg(model)
+    train, infer = engine_runs(pair, model.seed, spec, rollout)
+    batch = load_batch(spec, prompts, model.seed, (pair.train, pair.infer), rollout.max_new_tokens if rollout else 0)
+    return Request(spec, batch, train, infer, rollout, clip_eps)
+
+
+def out_dir(output: OutputArgs, command: str, names: tuple[str, ...], inputs: tuple[Path, ...] = ()) -> Path:
+    """Prepare the output directory (alignaudit.outdir.prepare): ``--out`` or a fresh default name."""
+    from alignaudit import outdir
+
+    target = output.out if output.out is not None else outdir.default_out(command)
+    return outdir.prepare(target, output.force, names, inputs)

@@ -11,6 +11,8 @@ RL impact metrics, for d = lp_train - lp_infer per token (computed in float64):
     prob diff                |exp(lp_train) - exp(lp_infer)| max and mean (verl's rollout_probs_diff)
     KL (k3)                  mean(r - 1 - d), an unbiased, non-negative estimate of KL(infer || train)
                              from rollout samples (J. Schulman, "Approximating KL Divergence", 2020)
+    mean signed diff         mean(d): a bias indicator (the other metrics are symmetric in sign)
+NaN and Inf logprobs are counted per side (``nan_tokens``, ``inf_tokens``), never averaged in.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ ULP_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 3, "2-3"), (4, 15, "4-15"), (16, 25
 
 
 def align_tokens(train: pd.DataFrame, infer: pd.DataFrame) -> pd.DataFrame:
-    """Join two logprob tables on (seq, pos); rows with a logprob only (pos 0 has none).
+    """Join two logprob tables (capture format 2) on (seq, pos); scored rows only (pos 0 has no logprob).
+    NaN and Inf logprobs are kept: they are the engines' values.
 
     Raises:
         InputError: the tables do not hold the same sequences of token ids.
@@ -36,7 +39,9 @@ def align_tokens(train: pd.DataFrame, infer: pd.DataFrame) -> pd.DataFrame:
     b = infer.sort_values(keys).reset_index(drop=True)
     if len(a) != len(b) or not (a[keys + ["token_id"]].to_numpy() == b[keys + ["token_id"]].to_numpy()).all():
         raise InputError("the two captures were made on different token ids; capture both from the same prompts")
-    scored = a["logprob"].notna().to_numpy() | b["logprob"].notna().to_numpy()
+    scored = a["scored"].to_numpy(dtype=bool)
+    if not (scored == b["scored"].to_numpy(dtype=bool)).all():
+        raise InputError("the two captures disagree on which positions have a logprob; capture both again")
     generated = np.zeros(len(a), dtype=bool)
     for side in (a, b):
         if "generated" in side:
@@ -46,8 +51,8 @@ def align_tokens(train: pd.DataFrame, infer: pd.DataFrame) -> pd.DataFrame:
         "pos": a["pos"].to_numpy()[scored],
         "token_id": a["token_id"].to_numpy()[scored],
         "generated": generated[scored],
-        "lp_train": a["logprob"].to_numpy(dtype=np.float32, na_value=np.nan)[scored],
-        "lp_infer": b["logprob"].to_numpy(dtype=np.float32, na_value=np.nan)[scored],
+        "lp_train": a["logprob"].to_numpy(dtype=np.float32)[scored],
+        "lp_infer": b["logprob"].to_numpy(dtype=np.float32)[scored],
     })
 
 
@@ -67,11 +72,16 @@ def compare_tokens(tokens: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2) -> dict:
-    """Summary record of a ``compare_tokens`` table: counts, ULP distribution, RL impact, per-sequence view;
-    with rollout tokens, the same record for the generated tokens alone under ``generated``."""
+WORST_SEQUENCES = 20
+
+
+def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2, sequences: pd.DataFrame | None = None) -> dict:
+    """Summary record of a ``compare_tokens`` table: counts, ULP distribution, RL impact, and the
+    ``WORST_SEQUENCES`` worst sequences (``sequences``, the ``per_sequence`` table, has them all); with
+    rollout tokens, the same record for the generated tokens alone under ``generated``."""
     summary = _summarize(tokens, clip_eps)
-    summary["per_sequence"] = per_sequence(tokens)
+    sequences = per_sequence(tokens) if sequences is None else sequences
+    summary["worst_sequences"] = _records(worst_sequences(sequences, WORST_SEQUENCES))
     if "generated" in tokens and tokens["generated"].any():
         summary["generated"] = _summarize(tokens[tokens["generated"]], clip_eps)
     return summary
@@ -97,8 +107,11 @@ def _summarize(tokens: pd.DataFrame, clip_eps: float) -> dict:
         "mismatch_fraction": float(mismatch.mean()),
         "nan_mismatches": int((cls == numerics.PairClass.NAN_MISMATCH).sum()),
         "inf_mismatches": int((cls == numerics.PairClass.INF_MISMATCH).sum()),
+        "nan_tokens": _special_counts(tokens, np.isnan),
+        "inf_tokens": _special_counts(tokens, np.isinf),
         "max_abs_diff": _max(np.abs(d)),
         "mean_abs_diff": _mean(np.abs(d)),
+        "mean_diff": _mean(d),
         "ulp_max": int(ulp.max()) if len(ulp) else None,
         "ulp_median": float(np.median(ulp)) if len(ulp) else None,
         "ulp_p99": float(np.percentile(ulp, 99)) if len(ulp) else None,
@@ -125,21 +138,50 @@ def ulp_histogram(ulp: np.ndarray) -> dict[str, int]:
     return hist
 
 
-def per_sequence(tokens: pd.DataFrame) -> list[dict]:
-    """Per sequence: tokens, mismatches, first mismatching position (None if all equal), max ULP, max |d|."""
-    rows = []
-    for seq, group in tokens.groupby("seq", sort=True):
-        bad = group[~group["bitwise_equal"]]
-        finite = group[group["ulp"] >= 0]
-        rows.append({
-            "seq": int(seq),
-            "tokens": len(group),
-            "mismatches": len(bad),
-            "first_mismatch_pos": int(bad["pos"].min()) if len(bad) else None,
-            "ulp_max": int(finite["ulp"].max()) if len(finite) else None,
-            "max_abs_diff": _max(np.abs(finite["diff"].to_numpy())),
-        })
-    return rows
+def _special_counts(tokens: pd.DataFrame, test) -> dict[str, int]:
+    """Tokens whose logprob is NaN (or Inf) on the train side, the infer side, and both."""
+    t, i = test(tokens["lp_train"].to_numpy()), test(tokens["lp_infer"].to_numpy())
+    return {"train": int(t.sum()), "infer": int(i.sum()), "both": int((t & i).sum())}
+
+
+def per_sequence(tokens: pd.DataFrame) -> pd.DataFrame:
+    """One row per sequence: seq, tokens, mismatches, first_mismatch_pos (-1 if all equal), nan_tokens (NaN
+    on either side), ulp_max (-1 if no finite pair differs or matches), max_abs_diff (NaN if none finite).
+    Vectorized: 10,000 sequences take milliseconds."""
+    seq = tokens["seq"].to_numpy()
+    bad = ~tokens["bitwise_equal"].to_numpy(dtype=bool)
+    ulp = tokens["ulp"].to_numpy()
+    frame = pd.DataFrame({
+        "seq": seq,
+        "mismatch": bad,
+        "bad_pos": np.where(bad, tokens["pos"].to_numpy(), np.iinfo(np.int32).max),
+        "nan": np.isnan(tokens["lp_train"].to_numpy()) | np.isnan(tokens["lp_infer"].to_numpy()),
+        "ulp": np.where(ulp >= 0, ulp, -1),
+        "absdiff": np.where(ulp >= 0, np.abs(tokens["diff"].to_numpy()), np.nan),
+    })
+    g = frame.groupby("seq", sort=True)
+    out = pd.DataFrame({
+        "tokens": g.size(),
+        "mismatches": g["mismatch"].sum().astype(np.int64),
+        "first_mismatch_pos": g["bad_pos"].min(),
+        "nan_tokens": g["nan"].sum().astype(np.int64),
+        "ulp_max": g["ulp"].max().astype(np.int64),
+        "max_abs_diff": g["absdiff"].max(),
+    }).reset_index()
+    out.loc[out["mismatches"] == 0, "first_mismatch_pos"] = -1
+    return out
+
+
+def _records(table: pd.DataFrame) -> list[dict]:
+    """Rows as JSON-ready dicts (numpy scalars to Python, NaN to None)."""
+    return [{k: (None if isinstance(v, float) and np.isnan(v) else v.item() if hasattr(v, "item") else v)
+             for k, v in row.items()} for row in table.to_dict("records")]
+
+
+def worst_sequences(table: pd.DataFrame, count: int) -> pd.DataFrame:
+    """The ``count`` worst rows of a ``per_sequence`` table: NaN first, then most mismatches, largest ULP."""
+    order = table.sort_values(["nan_tokens", "mismatches", "ulp_max", "seq"], ascending=[False, False, False, True])
+    return order.head(count).reset_index(drop=True)
 
 
 def _finite(x: np.ndarray) -> np.ndarray:

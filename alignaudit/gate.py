@@ -6,8 +6,9 @@ explicit and combine (every given criterion must hold):
     max_ulp        no token further apart than N ULP
     max_abs        no token with |lp_train - lp_infer| above X
     baseline       no regression against a stored verdict: mismatches, max ULP and max |d| may not grow
-The gate never passes on nothing: zero compared tokens is an input error, and NaN logprobs are an
-engine failure (errors.EngineError), whatever the rule.
+The gate never passes on nothing: zero compared tokens is an input error, and a NaN logprob on either
+side is an engine failure (verdict "error", exit code 3), whatever the rule. What it judges is checked
+first (alignaudit.verify.load_run: the same validation ``diff`` uses, plus the run's own record).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from alignaudit.errors import EngineError, InputError
+from alignaudit.errors import EXIT_ENGINE, InputError
 from alignaudit.numerics import hex_bits
 
 
@@ -97,30 +98,53 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
     sequences: list[dict] = field(default_factory=list)
     run: str = ""
+    error: str | None = None  # an engine failure the gate cannot judge (NaN logprobs)
+    nan_tokens: dict = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.passed else 1
+        return EXIT_ENGINE if self.error else 0 if self.passed else 1
+
+    @property
+    def label(self) -> str:
+        return "error" if self.error else "pass" if self.passed else "fail"
 
     def to_dict(self) -> dict:
-        return {"verdict": "pass" if self.passed else "fail", **asdict(self)}
+        return {"verdict": self.label, **asdict(self)}
+
+
+def judge_run(run_dir: Path, rule: Rule) -> Verdict:
+    """Validate a finished run end to end (alignaudit.verify.load_run), then judge its tokens.
+
+    Raises:
+        InputError: the run directory fails validation, or holds no tokens.
+    """
+    from alignaudit.diff import align_tokens, compare_tokens
+    from alignaudit.verify import load_run
+
+    run = load_run(run_dir)
+    return evaluate(compare_tokens(align_tokens(run.train.logprobs, run.infer.logprobs)), rule, str(run_dir))
 
 
 def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
     """Judge a ``diff.compare_tokens`` table.
 
+    A NaN logprob on either side makes the verdict an engine error (``error`` set, exit code 3).
+
     Raises:
-        InputError: no tokens compared. EngineError: a NaN logprob on either side.
+        InputError: no tokens compared.
     """
     n = len(tokens)
     if n == 0:
         raise InputError("the comparison holds no tokens; the gate never passes on nothing")
+    errors, nan_tokens = [], {}
     for side in ("lp_train", "lp_infer"):
         nan = np.isnan(tokens[side].to_numpy(dtype=np.float64))
+        nan_tokens[side[3:]] = int(nan.sum())
         if nan.any():
             row = tokens[nan].iloc[0]
-            raise EngineError(f"{side[3:]} engine produced NaN logprobs ({int(nan.sum())} tokens, first at seq "
-                              f"{row['seq']} pos {row['pos']}); the gate cannot judge NaN")
+            errors.append(f"{side[3:]} engine produced NaN logprobs ({int(nan.sum())} of {n} tokens, first at seq "
+                          f"{row['seq']} pos {row['pos']})")
     equal = tokens["bitwise_equal"].to_numpy(dtype=bool)
     mismatches = int((~equal).sum())
     finite = tokens["ulp"].to_numpy() >= 0
@@ -146,14 +170,17 @@ def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
         for key, now in (("mismatches", mismatches), ("ulp_max", ulp_max or 0), ("max_abs_diff", max_abs or 0.0)):
             if now > (b.get(key) or 0):
                 reasons.append(f"{key} regressed: {now} > baseline {b.get(key)}")
-    return Verdict(not reasons, rule.describe(), n, mismatches, ulp_max, max_abs, reasons, _sequences(tokens), run)
+    error = "; ".join(errors) + "; the gate cannot judge NaN" if errors else None
+    return Verdict(not reasons and not error, rule.describe(), n, mismatches, ulp_max, max_abs, reasons,
+                   _sequences(tokens), run, error, nan_tokens)
 
 
 def _sequences(tokens: pd.DataFrame) -> list[dict]:
     rows = []
     for seq, g in tokens.groupby("seq", sort=True):
         bad = g[~g["bitwise_equal"]]
-        row = {"seq": int(seq), "tokens": len(g), "mismatches": len(bad)}
+        nan = int((np.isnan(g["lp_train"].to_numpy()) | np.isnan(g["lp_infer"].to_numpy())).sum())
+        row = {"seq": int(seq), "tokens": len(g), "mismatches": len(bad), "nan_tokens": nan}
         if len(bad):
             first = bad.sort_values("pos").iloc[0]
             lp = torch.tensor([first["lp_train"], first["lp_infer"]], dtype=torch.float32)
@@ -173,34 +200,61 @@ def _first_message(row: dict) -> str:
 
 
 def junit_xml(verdict: Verdict, name: str = "alignaudit.gate") -> str:
-    """JUnit XML: one test case per sequence; a sequence with mismatches fails when the verdict fails
-    (under a relaxed rule that passes, its mismatches are reported as system-out, not failures)."""
-    failures = 0 if verdict.passed else sum(1 for r in verdict.sequences if r["mismatches"])
-    suite = ET.Element("testsuite", name=name, tests=str(len(verdict.sequences)), failures=str(failures), errors="0")
+    """JUnit XML: one test case per sequence. A sequence with NaN logprobs is an <error>; one with
+    mismatches a <failure> when the verdict fails (under a relaxed rule that passes, its mismatches are
+    reported as system-out)."""
+    suite = ET.Element("testsuite", name=name)
+    failures = errors = 0
     for row in verdict.sequences:
         case = ET.SubElement(suite, "testcase", classname=name, name=f"sequence {row['seq']}")
-        if row["mismatches"]:
+        if row.get("nan_tokens"):
+            errors += 1
+            ET.SubElement(case, "error", message=f"{row['nan_tokens']} NaN logprobs", type="NaNLogprob").text = verdict.error
+        elif row["mismatches"]:
             message = _first_message(row)
             if verdict.passed:
                 ET.SubElement(case, "system-out").text = message
             else:
+                failures += 1
                 ET.SubElement(case, "failure", message=message, type="LogprobMismatch").text = (
                     f"rule: {verdict.rule}\n" + "\n".join(verdict.reasons))
-    if not verdict.passed and failures == 0:  # failed on a rule that is not per sequence (e.g. baseline)
+    tests = len(verdict.sequences)
+    if not verdict.passed and failures + errors == 0:  # failed on a rule that is not per sequence (e.g. baseline)
         case = ET.SubElement(suite, "testcase", classname=name, name="rule")
         ET.SubElement(case, "failure", message="; ".join(verdict.reasons), type="RuleViolation")
-        suite.set("tests", str(len(verdict.sequences) + 1))
-        suite.set("failures", "1")
+        tests, failures = tests + 1, 1
+    suite.set("tests", str(tests))
+    suite.set("failures", str(failures))
+    suite.set("errors", str(errors))
     return ET.tostring(suite, encoding="unicode", xml_declaration=True)
+
+
+def write_outputs(verdict: Verdict, json_path: Path, junit_path: Path, md_path: Path, append_md: bool) -> None:
+    """verdict.json, junit.xml and the Markdown summary (appended to an existing ``md_path`` with
+    ``append_md``, as GitHub's $GITHUB_STEP_SUMMARY expects).
+
+    Raises:
+        InputError: a path cannot be written.
+    """
+    try:
+        Path(json_path).write_text(json.dumps(verdict.to_dict(), indent=2) + "\n")
+        Path(junit_path).write_text(junit_xml(verdict))
+        with open(md_path, "a" if append_md and Path(md_path).exists() else "w") as f:
+            f.write(markdown(verdict))
+    except OSError as e:
+        raise InputError(f"cannot write the verdict to {e.filename}: {e.strerror}; pass --json, --junit and "
+                         "--markdown to write it elsewhere") from e
 
 
 def markdown(verdict: Verdict, title: str = "alignaudit gate") -> str:
     """A Markdown summary for a CI job page (GitHub's $GITHUB_STEP_SUMMARY, GitLab's artifacts)."""
-    icon = "PASS" if verdict.passed else "FAIL"
+    icon = verdict.label.upper()
     lines = [f"### {title}: {icon}", "", f"Rule: {verdict.rule}.", "",
              "| tokens compared | mismatching | max ULP | max \\|d logprob\\| |", "|---|---|---|---|",
              f"| {verdict.tokens_compared} | {verdict.mismatches} | {verdict.ulp_max} | "
              f"{'-' if verdict.max_abs_diff is None else format(verdict.max_abs_diff, '.3e')} |", ""]
+    if verdict.error:
+        lines += [f"- engine error: {verdict.error}", ""]
     if verdict.reasons:
         lines += [f"- {r}" for r in verdict.reasons] + [""]
     failing = [r for r in verdict.sequences if r["mismatches"]]

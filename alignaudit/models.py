@@ -15,6 +15,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from alignaudit.capabilities import check_checkpoint_config
 from alignaudit.errors import InputError
 from alignaudit.presets import PRESETS, find_preset
 
@@ -46,6 +47,8 @@ class ModelSpec:
     qk_norm: bool
     dtype: str
     has_tokenizer: bool
+    attention_bias: bool = False  # q/k/v projections carry biases
+    tensors: int = 0  # tensors in the checkpoint, each loaded by every engine (models.check_weights)
 
     @property
     def num_query_groups(self) -> int:
@@ -96,7 +99,12 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
     if rope_type != "default":
         raise InputError(f"rope_type {rope_type!r} in {config_file} is not supported; supported: default")
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-    check_weights(path, raw)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads <= heads and heads % kv_heads == 0):
+        raise InputError(f"{config_file}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                         f"{kv_heads}; grouped-query attention needs whole query groups")
+    check_checkpoint_config(raw, str(config_file))
+    tensors = check_weights(path, raw)
     return ModelSpec(
         name=name or path.name,
         path=str(path.resolve()),
@@ -113,14 +121,21 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(cfg.tie_word_embeddings),
         qk_norm=arch == "Qwen3ForCausalLM",
+        attention_bias=bool(raw.get("attention_bias", False)),
+        tensors=tensors,
         dtype=str(dtype),
         has_tokenizer=(path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file(),
     )
 
 
-def check_weights(path: Path, config: dict) -> None:
-    """Read the safetensors headers (not the data) and check every tensor the config implies is there, with
-    the implied shape. Raises InputError naming the first unreadable file, missing tensor or wrong shape."""
+def check_weights(path: Path, config: dict) -> int:
+    """Read the safetensors headers (not the data) and check that the checkpoint holds exactly the tensors the
+    config implies (alignaudit.synth.qwen3_weight_shapes), with the implied shapes: every engine adapter loads
+    that schema, so a tensor outside it would be silently ignored. Returns the number of tensors.
+
+    Raises:
+        InputError: naming the first unreadable file, missing or unused tensor, or wrong shape.
+    """
     from safetensors import safe_open
 
     from alignaudit.synth import qwen3_weight_shapes
@@ -141,6 +156,12 @@ def check_weights(path: Path, config: dict) -> None:
             raise InputError(f"checkpoint {path} has no tensor {name}, which its config.json implies")
         if shapes[name] != list(shape):
             raise InputError(f"checkpoint tensor {name} has shape {shapes[name]}, but config.json implies {list(shape)}")
+    unused = sorted(set(shapes) - {name for name, _, _ in expected})
+    if unused:
+        raise InputError(f"checkpoint {path} holds {len(unused)} tensor(s) its config.json does not account for "
+                         f"({unused[0]}{', ...' if len(unused) > 1 else ''}); an engine would ignore them, so the run "
+                         "would not measure this checkpoint")
+    return len(shapes)
 
 
 def resolve_model(model: str, random_weights: bool = False, seed: int = 0) -> ModelSpec:

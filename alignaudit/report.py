@@ -17,11 +17,17 @@ def _num(x, fmt: str = ".3e") -> str:
 
 def _side_label(side: dict) -> str:
     opts = " ".join(f"{k}={v}" for k, v in side.get("options", {}).items())
-    return escape(f"{side['engine']} ({side['dtype']}, {side['device']}{', ' + opts if opts else ''})")
+    strict = f", strict {side['strict']}" if side.get("strict") else ""
+    return escape(f"{side['engine']} ({side['dtype']}, {side['device']}{strict}{', ' + opts if opts else ''})")
 
 
-def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | None = None, worst: int = 8) -> None:
-    """Print the summary table, the per-sequence table and the worst tokens of a logprob comparison."""
+SEQUENCE_ROWS = 20
+
+
+def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | None = None,
+                      sequences: pd.DataFrame | None = None, worst: int = 8) -> None:
+    """Print the summary table, the worst sequences (at most SEQUENCE_ROWS; every sequence is in
+    sequences.parquet) and the worst tokens of a logprob comparison."""
     sides = summary.get("sides", {})
     train, infer = sides.get("train"), sides.get("infer")
     title = f"{escape(summary.get('model', ''))}: {_side_label(train)} vs {_side_label(infer)}" if train and infer else ""
@@ -32,10 +38,15 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
     table.add_column("value")
     table.add_row("tokens compared", f"{n} in {summary['sequences']} sequences")
     table.add_row("mismatching tokens (bitwise)", f"{bad} ({summary['mismatch_fraction']:.1%})")
+    for kind in ("nan", "inf"):
+        counts = summary.get(f"{kind}_tokens") or {}
+        if counts.get("train") or counts.get("infer"):
+            table.add_row(f"{kind.upper()} logprobs train / infer / both",
+                          f"[bold red]{counts['train']} / {counts['infer']} / {counts['both']}[/]")
     if summary["nan_mismatches"] or summary["inf_mismatches"]:
         table.add_row("NaN / Inf mismatches", f"{summary['nan_mismatches']} / {summary['inf_mismatches']}")
     table.add_row("max |Δ logprob|", _num(summary["max_abs_diff"]))
-    table.add_row("mean |Δ logprob|", _num(summary["mean_abs_diff"]))
+    table.add_row("mean |Δ logprob| / mean Δ (signed)", f"{_num(summary['mean_abs_diff'])} / {_num(summary.get('mean_diff'), '+.3e')}")
     table.add_row("ULP (fp32) max / median / p99",
                   f"{summary['ulp_max']} / {_num(summary['ulp_median'], 'g')} / {_num(summary['ulp_p99'], 'g')}")
     table.add_row("ULP histogram", "  ".join(f"{k}: {v}" for k, v in summary["ulp_histogram"].items()))
@@ -51,18 +62,31 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
                       f"ratio {_num(g['rl']['ratio_min'], '.6f')}..{_num(g['rl']['ratio_max'], '.6f')}")
     console.print(table)
 
-    seq_table = Table(title="Per sequence", title_justify="left")
-    for col in ("seq", "tokens", "mismatches", "first mismatch pos", "max ULP", "max |Δ|"):
-        seq_table.add_column(col, justify="right")
-    for row in summary["per_sequence"]:
-        seq_table.add_row(str(row["seq"]), str(row["tokens"]), str(row["mismatches"]),
-                          "-" if row["first_mismatch_pos"] is None else str(row["first_mismatch_pos"]),
-                          str(row["ulp_max"]), _num(row["max_abs_diff"]))
-    console.print(seq_table)
+    rows = sequences if sequences is not None else pd.DataFrame(summary.get("worst_sequences", []))
+    if len(rows):
+        from alignaudit.diff import worst_sequences
+
+        shown = worst_sequences(rows, SEQUENCE_ROWS)
+        more = len(rows) - len(shown)
+        title = "Per sequence" if not more else f"Worst {len(shown)} of {len(rows)} sequences (all in sequences.parquet)"
+        seq_table = Table(title=title, title_justify="left")
+        for col in ("seq", "tokens", "mismatches", "first mismatch pos", "max ULP", "max |Δ|"):
+            seq_table.add_column(col, justify="right")
+        for row in shown.itertuples():
+            seq_table.add_row(str(row.seq), str(row.tokens), str(row.mismatches),
+                              "-" if row.first_mismatch_pos < 0 else str(row.first_mismatch_pos),
+                              "-" if row.ulp_max < 0 else str(row.ulp_max),
+                              "-" if row.max_abs_diff != row.max_abs_diff else _num(row.max_abs_diff))
+        console.print(seq_table)
 
     if tokens is not None and bad:
         render_worst_tokens(console, tokens, worst)
-    verdict = "[bold green]BITWISE IDENTICAL[/]" if bad == 0 else f"[bold red]{bad} of {n} tokens differ[/]"
+    nan = summary.get("nan_tokens") or {}
+    if nan.get("train") or nan.get("infer"):
+        verdict = (f"[bold red]NaN logprobs: {nan['train']} tokens on the train side, {nan['infer']} on the infer side; "
+                   f"{bad} of {n} tokens differ[/]")
+    else:
+        verdict = "[bold green]BITWISE IDENTICAL[/]" if bad == 0 else f"[bold red]{bad} of {n} tokens differ[/]"
     console.print(verdict)
 
 
@@ -111,11 +135,13 @@ def render_ops(console: Console, records: list[dict], mode: str, first: dict | N
         differs = r["status"] == "differs"
         is_first = mode == "natural" and first is not None and r["op"] == first["op"]
         mark = "◀" if is_first else ("✗" if differs else ("✓" if r["status"] == "equal" else "?"))
+        if not r.get("forced", True):
+            mark, differs = "~", False  # inputs not forced: shown, not judged
         note = [escape("" if (r.get("note") or "") == common else r.get("note") or "")] if with_notes else []
         if "elements" not in r:
             table.add_row(escape(r["op"]), mark, *["-"] * 5, *note, style="dim")
             continue
-        style = "bold red" if is_first else ("red" if differs else None)
+        style = "bold red" if is_first else ("red" if differs else "dim" if mark == "~" else None)
         table.add_row(escape(r["op"]), mark, _equal_fraction(r), _ulp(r["ulp_max"]), _num(r["ulp_median"], "g"),
                       _num(r["abs_max"], ".2e"), _num(r["rel_diff"], ".1e"), *note, style=style)
     console.print(table)
@@ -139,10 +165,14 @@ def render_op_verdict(console: Console, mode: str, records: list[dict]) -> None:
             f"seq {w['seq']}, pos {w['pos']}, index {w['index']}: train {w['train']:.9g} ({w['train_hex']}) "
             f"vs infer {w['infer']:.9g} ({w['infer_hex']}), {w['ulp']} ULP", highlight=False)
         return
-    differing = [r["op"] for r in records if r["status"] == DIFFERS]
+    judged = [r for r in records if r.get("forced", True)]
+    differing = [r["op"] for r in judged if r["status"] == DIFFERS]
     names = list(dict.fromkeys(op.split(".")[-1] for op in differing))
-    console.print(f"[bold]ops that compute differently on identical inputs:[/] {', '.join(names) if names else 'none'} "
-                  f"({len(differing)} of {len(records)} ops)", highlight=False)
+    console.print(f"[bold]ops that compute differently on identical inputs:[/] {len(differing)} of {len(judged)} ops"
+                  + (f", {len(names)} kinds: {', '.join(names)}" if names else ": none"), highlight=False)
+    unforced = [r["op"] for r in records if not r.get("forced", True)]
+    if unforced:
+        console.print(f"not judged (inputs not forced): {', '.join(unforced)}", highlight=False)
 
 
 def render_bisect(console: Console, result: dict) -> None:

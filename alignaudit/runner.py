@@ -15,7 +15,7 @@ from alignaudit import errors
 from alignaudit.capture import LOGPROBS, MANIFEST, Capture, read_capture
 from alignaudit.engines import check_installed
 from alignaudit.engines.base import EngineSettings
-from alignaudit.engines.worker import ERROR_MARKER
+from alignaudit.engines.worker import ERROR_MARKER, PROGRESS_MARKER
 from alignaudit.models import ModelSpec
 from alignaudit.opstore import OPS_DIR
 from alignaudit.prompts import TokenBatch
@@ -36,12 +36,14 @@ def run_capture(
     stream_log: bool = False,
     ops: dict | None = None,
     rollout: dict | None = None,
+    on_progress=None,
 ) -> Capture:
     """Run ``engine`` in a fresh worker process and return the capture it wrote to ``out``.
 
     The request and the worker's combined stdout/stderr (``worker.log``) stay in ``out`` for reproduction.
     ``ops`` turns on per-op capture: ``{"selection": Selection.to_dict(), "reference": capture dir or None}``.
-    ``rollout`` samples completions instead: ``{"max_new_tokens": int, "temperature": float, "seed": int}``.
+    ``rollout`` samples completions instead (alignaudit.request.Sampling.to_dict()). ``on_progress(done,
+    total)`` receives the worker's progress lines (sequences done), which are kept out of the log.
 
     Raises:
         EngineError: the engine is not installed, or the worker crashed (message: its last log lines).
@@ -74,6 +76,11 @@ def run_capture(
         )
         try:
             for line in proc.stdout:
+                if line.startswith(PROGRESS_MARKER):
+                    if on_progress is not None:
+                        done, total = line[len(PROGRESS_MARKER):].split()
+                        on_progress(int(done), int(total))
+                    continue
                 log.write(line)
                 tail.append(line.rstrip("\n"))
                 if stream_log:

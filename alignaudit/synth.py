@@ -6,6 +6,7 @@ standard deviation of about 3 (a peaked but not degenerate next-token distributi
     embeddings, lm_head      N(0, (3/sqrt(hidden))^2)
     linear weights           N(0, 1/fan_in)
     RMSNorm weights          1 + N(0, 0.1^2)   (not all ones, so a mis-mapped norm weight shows)
+    biases                   N(0, 0.1^2)
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ _DONE = ".alignaudit-complete"
 
 
 def qwen3_weight_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """Yield (HF parameter name, shape, init kind) for a Qwen3ForCausalLM config, in load order."""
+    """Yield (HF parameter name, shape, init kind) for a Qwen3ForCausalLM config, in load order: every
+    tensor the config implies, q/k/v biases included when ``attention_bias`` is true."""
     h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
     yield "model.embed_tokens.weight", (v, h), "embed"
@@ -33,6 +35,10 @@ def qwen3_weight_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...], st
         yield p + "self_attn.q_proj.weight", (nh * hd, h), "linear"
         yield p + "self_attn.k_proj.weight", (nkv * hd, h), "linear"
         yield p + "self_attn.v_proj.weight", (nkv * hd, h), "linear"
+        if config.get("attention_bias"):
+            yield p + "self_attn.q_proj.bias", (nh * hd,), "bias"
+            yield p + "self_attn.k_proj.bias", (nkv * hd,), "bias"
+            yield p + "self_attn.v_proj.bias", (nkv * hd,), "bias"
         yield p + "self_attn.q_norm.weight", (hd,), "norm"
         yield p + "self_attn.k_norm.weight", (hd,), "norm"
         yield p + "self_attn.o_proj.weight", (h, nh * hd), "linear"
@@ -52,6 +58,8 @@ def random_tensor(name: str, shape: tuple[int, ...], kind: str, seed: int, dtype
     x = torch.randn(shape, generator=gen, dtype=torch.float32)
     if kind == "norm":
         x = 1.0 + 0.1 * x
+    elif kind == "bias":
+        x *= 0.1
     elif kind == "embed":
         x *= 3.0 / math.sqrt(shape[1])
     else:

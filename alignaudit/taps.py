@@ -22,7 +22,7 @@ import torch
 
 from alignaudit.layouts import fuse_qkv_grouped, split_qkv_grouped
 from alignaudit.models import ModelSpec
-from alignaudit.ops import OP_DEFS, Selection, op_id
+from alignaudit.ops import OP_DEFS, Selection, op_id, op_inputs
 from alignaudit.opstore import OpRecorder, OpStore
 
 
@@ -160,6 +160,18 @@ class Tap:
     spans: list[RowSpan] = field(default_factory=list)
     layer: int | None = None
     substituted: set[str] = field(default_factory=set)
+    # op id -> the canonical ops whose values the engine really computes it from (fused ops differ from
+    # the canonical graph, e.g. vLLM's add+RMSNorm); None: alignaudit.ops.op_inputs.
+    real_inputs: Callable[[str], list[str]] | None = None
+
+    def unforced_ops(self) -> list[str]:
+        """Forced mode: recorded ops whose real inputs are not all in the reference, so they ran on the
+        engine's own values and their difference is not their own."""
+        if self.reference is None or self.recorder is None:
+            return []
+        inputs = self.real_inputs or (lambda op: op_inputs(op, self.spec.num_layers))
+        recorded = dict.fromkeys(r["op"] for r in self.recorder.rows + self.recorder.pending_rows)
+        return [op for op in recorded if not all(self.reference.has(i) for i in inputs(op))]
 
     def __call__(self, x: torch.Tensor, view: View, layer: int | str | None, axes: Axes,
                  spans: list[RowSpan] | None = None) -> torch.Tensor | None:

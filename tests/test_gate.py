@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from alignaudit import cli, gate
 from alignaudit.capture import LOGPROBS, MANIFEST, _sha256
 from alignaudit.diff import align_tokens, compare_tokens
-from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, EngineError
+from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
 
 from test_cli import one_line_error
 
@@ -90,8 +90,6 @@ def test_markdown_is_appended_for_ci_job_summaries(runs, tmp_path):
 
 def rewrite_table(capture_dir, edit, fix_manifest=True):
     """Apply ``edit`` to a capture's logprob table; keep the manifest consistent (sha, counts, digest)."""
-    from alignaudit.capture import read_capture  # noqa: F401  (format documented there)
-
     table = pd.read_parquet(capture_dir / LOGPROBS)
     table = edit(table)
     table.to_parquet(capture_dir / LOGPROBS, index=False)
@@ -121,20 +119,27 @@ def _empty(t):
     return t.iloc[0:0]
 
 
-@pytest.mark.parametrize("damage, code, message", [
-    (lambda d: rewrite_table(d, _drop_sequence), EXIT_USAGE, "the capture is damaged"),
-    (lambda d: rewrite_table(d, _change_token), EXIT_USAGE, "token ids do not match"),
-    (lambda d: rewrite_table(d, _nan_logprob), EXIT_ENGINE, "produced NaN logprobs"),
-    (lambda d: rewrite_table(d, _empty), EXIT_USAGE, "damaged"),
-    (lambda d: (d / LOGPROBS).write_bytes((d / LOGPROBS).read_bytes()[:200]), EXIT_USAGE, "does not match the manifest's sha256"),
-    (lambda d: rewrite_table(d, lambda t: t.assign(logprob=t["logprob"] + 1), fix_manifest=False), EXIT_USAGE,
+def _drop_files_entry(d):
+    manifest = json.loads((d / MANIFEST).read_text())
+    del manifest["files"]
+    (d / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: rewrite_table(d, _drop_sequence), "the capture is damaged"),
+    (lambda d: rewrite_table(d, _change_token), "token ids do not match"),
+    (lambda d: rewrite_table(d, _nan_logprob), "is not the capture this run wrote"),
+    (lambda d: rewrite_table(d, _empty), "damaged"),
+    (lambda d: (d / LOGPROBS).write_bytes((d / LOGPROBS).read_bytes()[:200]), "does not match the manifest's sha256"),
+    (lambda d: rewrite_table(d, lambda t: t.assign(logprob=t["logprob"] + 1), fix_manifest=False),
      "does not match the manifest's sha256"),
-    (lambda d: (d / MANIFEST).unlink(), EXIT_USAGE, "incomplete"),
+    (lambda d: (d / MANIFEST).unlink(), "incomplete"),
+    (_drop_files_entry, "records no sha256 of logprobs.parquet"),
 ])
-def test_damaged_captures_never_pass(runs, tmp_path, capsys, damage, code, message):
+def test_damaged_captures_never_pass(runs, tmp_path, capsys, damage, message):
     run = copy_run(runs, "strict", tmp_path)
     damage(run / "infer")
-    assert message in one_line_error(capsys, ["gate", str(run)], code)
+    assert message in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
     assert not (run / "verdict.json").exists()
 
 
@@ -145,19 +150,81 @@ def test_zero_tokens_is_an_input_error():
         gate.evaluate(empty, gate.Rule())
 
 
-def test_mismatched_token_ids_between_captures(runs, tmp_path, capsys):
-    run = copy_run(runs, "strict", tmp_path)
-    other = copy_run(runs, "stock", tmp_path / "x")
+def _swap_in(run, source):
     shutil.rmtree(run / "infer")
-    shutil.copytree(other / "infer", run / "infer")
-    rewrite_table(run / "infer", _change_token)
-    manifest = json.loads((run / "infer" / MANIFEST).read_text())
-    from alignaudit.capture import Capture
+    shutil.copytree(source, run / "infer")
 
-    table = pd.read_parquet(run / "infer" / LOGPROBS)
-    manifest["prompts"]["digest"] = Capture(run / "infer", manifest, table).token_batch().digest()
+
+def test_foreign_captures_never_pass(runs, tmp_path, capsys):
+    """A capture that is not the one the run wrote: of the other run, the train side copied over the
+    infer side, the other run's infer with its manifest digest patched into run.json."""
+    run = copy_run(runs, "strict", tmp_path)
+    _swap_in(run, runs / "stock" / "infer")
+    assert "is not the capture this run wrote" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+    record = json.loads((run / "run.json").read_text())
+    record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
+    (run / "run.json").write_text(json.dumps(record))
+    assert "strict '' differs from run.json's 'all'" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+    _swap_in(run, run / "train")
+    record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
+    (run / "run.json").write_text(json.dumps(record))
+    assert "made as the train side" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+
+
+def _manifest_sha(capture_dir):
+    import hashlib
+
+    return hashlib.sha256((capture_dir / MANIFEST).read_bytes()).hexdigest()
+
+
+def test_a_capture_of_another_checkpoint_is_refused_by_gate_and_diff(runs, tmp_path, capsys):
+    run = copy_run(runs, "strict", tmp_path)
+    manifest = json.loads((run / "infer" / MANIFEST).read_text())
+    manifest["model"]["checkpoint_sha256"] = "0" * 64
     (run / "infer" / MANIFEST).write_text(json.dumps(manifest))
-    assert "different token ids" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+    record = json.loads((run / "run.json").read_text())
+    record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
+    (run / "run.json").write_text(json.dumps(record))
+    assert "different checkpoints" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+    err = one_line_error(capsys, ["diff", str(run / "train"), str(run / "infer"), "--out", str(tmp_path / "d")], EXIT_USAGE)
+    assert "different checkpoints" in err
+
+
+def test_options_that_do_not_apply_to_a_run_dir_are_refused(runs, tmp_path, capsys):
+    run = copy_run(runs, "strict", tmp_path)
+    err = one_line_error(capsys, ["gate", str(run), "--strict", "--model", "/nonexistent", "--train", "bogus",
+                                  "--out", "x"], EXIT_USAGE)
+    assert "--train, --strict, --model, --out apply only when gate runs the comparison itself" in err
+    assert not (run / "verdict.json").exists()
+
+
+def test_an_unfinished_run_is_refused(runs, tmp_path, capsys):
+    run = copy_run(runs, "strict", tmp_path)
+    record = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**record, "status": "running"}))
+    assert "the run did not finish" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+
+
+def test_gate_on_a_read_only_run_writes_elsewhere_or_says_how(runs, tmp_path, capsys, monkeypatch):
+    """A run directory gate cannot write to: refused with the fix; judged when the verdict goes elsewhere."""
+    import os
+
+    from alignaudit import outdir
+
+    run = copy_run(runs, "strict", tmp_path)
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).startswith(str(run)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(outdir.os, "open", read_only)
+    err = one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+    assert "cannot write to" in err and "pass --json, --junit and --markdown" in err
+    elsewhere = [f"--{k}={tmp_path / ('v.' + k)}" for k in ("json", "junit", "markdown")]
+    assert cli.main(["gate", str(run), *elsewhere]) == EXIT_OK
+    assert json.loads((tmp_path / "v.json").read_text())["verdict"] == "pass"
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +239,7 @@ def identical_tables(runs):
 def test_a_single_flipped_bit_always_fails(identical_tables, data):
     train, infer = identical_tables
     assert gate.evaluate(compare_tokens(align_tokens(train, infer)), gate.Rule()).passed
-    scored = infer.index[infer["logprob"].notna()]
+    scored = infer.index[infer["scored"]]
     row = data.draw(st.sampled_from(list(scored)))
     bit = data.draw(st.integers(0, 31))
     flipped = infer.copy()
@@ -180,8 +247,121 @@ def test_a_single_flipped_bit_always_fails(identical_tables, data):
     value.view(np.uint32)[0] ^= np.uint32(1 << bit)
     flipped["logprob"] = flipped["logprob"].astype("float32")
     flipped.at[row, "logprob"] = value[0]
-    try:
-        verdict = gate.evaluate(compare_tokens(align_tokens(train, flipped)), gate.Rule())
-    except EngineError:
-        return  # the flip made a NaN: an error, never a pass
+    verdict = gate.evaluate(compare_tokens(align_tokens(train, flipped)), gate.Rule())
     assert not verdict.passed and verdict.mismatches == 1
+    if np.isnan(value[0]):
+        assert verdict.error and verdict.exit_code == EXIT_ENGINE
+
+
+def _repair_capture(capture_dir):
+    """Make a damaged capture self-consistent again: table sha, counts and token digest in its manifest."""
+    from alignaudit.capture import Capture
+
+    table = pd.read_parquet(capture_dir / LOGPROBS)
+    manifest = json.loads((capture_dir / MANIFEST).read_text())
+    manifest["files"][LOGPROBS] = _sha256(capture_dir / LOGPROBS)
+    manifest["prompts"].update(num_sequences=int(table["seq"].nunique()), num_tokens=len(table),
+                               digest=Capture(capture_dir, manifest, table).token_batch().digest())
+    (capture_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _repair_run(run):
+    record = json.loads((run / "run.json").read_text())
+    for role in ("train", "infer"):
+        record["captures"][role]["manifest_sha256"] = _manifest_sha(run / role)
+    (run / "run.json").write_text(json.dumps(record))
+
+
+def _damage(run, side, kind, row, value):
+    d = run / side
+    table = pd.read_parquet(d / LOGPROBS)
+    if kind == "drop":
+        table = table.drop(index=row % len(table))
+    elif kind == "duplicate":
+        table = pd.concat([table, table.iloc[[row % len(table)]]]).sort_values(["seq", "pos"], kind="stable")
+    elif kind == "reorder":
+        table = table.iloc[np.roll(np.arange(len(table)), 1 + row % (len(table) - 1))]
+    elif kind == "alter":
+        scored = table.index[table["scored"]]
+        i = scored[row % len(scored)]
+        bits = np.array([table.loc[i, "logprob"]], dtype=np.float32)
+        bits.view(np.uint32)[0] ^= np.uint32(1 << value)
+        table.loc[i, "logprob"] = bits[0]
+    elif kind == "swap":
+        shutil.move(run / "train", run / "tmp")
+        shutil.move(run / "infer", run / "train")
+        shutil.move(run / "tmp", run / "infer")
+        return
+    elif kind == "edit_manifest":
+        manifest = json.loads((d / MANIFEST).read_text())
+        key = ["engine", "role", "dtype", "strict", "options"][row % 5]
+        if key in ("engine", "role"):
+            manifest[key] = {"engine": "vllm", "role": "train" if side == "infer" else "infer"}[key]
+        else:
+            manifest["settings"][key] = {"dtype": "fp32", "strict": "", "options": {"micro_batch_size": 2}}[key]
+        (d / MANIFEST).write_text(json.dumps(manifest))
+        return
+    table.reset_index(drop=True).to_parquet(d / LOGPROBS, index=False)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(side=st.sampled_from(["train", "infer"]),
+       kind=st.sampled_from(["drop", "duplicate", "reorder", "alter", "swap", "edit_manifest"]),
+       row=st.integers(0, 10_000), value=st.sampled_from([0, 7, 22, 23, 30, 31]),
+       repair_capture=st.booleans(), repair_run=st.booleans())
+def test_damaged_run_directories_never_pass(runs, tmp_path_factory, capsys, side, kind, row, value, repair_capture,
+                                            repair_run):
+    """Whatever is done to a passing run directory, and however its checksums are patched up afterwards
+    (short of rewriting run.json's record of the settings), gate does not exit 0."""
+    run = tmp_path_factory.mktemp("damaged") / "run"
+    shutil.copytree(runs / "strict", run)
+    _damage(run, side, kind, row, value)
+    if repair_capture and kind not in ("swap", "edit_manifest"):
+        _repair_capture(run / side)
+    if repair_run:
+        _repair_run(run)
+    out = run.parent
+    code = cli.main(["gate", str(run), "--json", str(out / "v.json"), "--junit", str(out / "j.xml"),
+                     "--markdown", str(out / "s.md")])
+    capsys.readouterr()
+    assert code != EXIT_OK, (side, kind, row, value, repair_capture, repair_run)
+
+
+def test_nan_logprobs_are_counted_and_fail_the_gate_as_an_engine_error(tmp_path, capsys):
+    """Embedding row 100 set to NaN: the first prompt (which holds token 100) has NaN logprobs on both sides.
+    They are kept as values (not dropped like position 0, which has no logprob), counted, and the gate
+    exits 3 with the reason; the second prompt is still judged."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from conftest import FIXTURE
+
+    model = tmp_path / "nan-model"
+    shutil.copytree(FIXTURE, model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.embed_tokens.weight"][100] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"token_ids":[1,2,3,4,5,6,100,7,8,9,10,11]}\n{"token_ids":[20,21,22,23,24,25]}\n')
+    out = tmp_path / "run"
+    err = one_line_error(capsys, ["gate", "--train", "hf", "--infer", "hf", "--model", str(model), "--prompts",
+                                  str(prompts), "--out", str(out)], EXIT_ENGINE)
+    assert "train engine produced NaN logprobs" in err and "the gate cannot judge NaN" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens_compared"] == 16 and summary["sequences"] == 2
+    assert summary["nan_tokens"] == {"train": summary["nan_tokens"]["both"], "infer": summary["nan_tokens"]["both"],
+                                     "both": summary["nan_tokens"]["both"]}
+    nan = summary["nan_tokens"]["both"]
+    assert 6 <= nan <= 11  # positions 6.. see token 100; eager attention spreads NaN to all rows of the sequence
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["verdict"] == "error" and verdict["nan_tokens"] == {"train": nan, "infer": nan}
+    suite = ET.fromstring((out / "junit.xml").read_text())
+    assert suite.get("errors") == "1" and suite.find("testcase/error").get("type") == "NaNLogprob"
+    table = pd.read_parquet(out / "train" / LOGPROBS)
+    first = table[table["seq"] == 0]
+    assert not first["scored"].iloc[0] and first["scored"].iloc[1:].all()
+    assert np.isnan(first["logprob"].iloc[1:]).sum() == nan
+    assert not np.isnan(table[table["seq"] == 1]["logprob"].iloc[1:]).any()
+    tokens = pd.read_parquet(out / "tokens.parquet")
+    assert len(tokens[tokens["seq"] == 0]) == 11

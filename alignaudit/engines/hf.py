@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from alignaudit.engines.base import (
-    Engine, EngineSettings, first_lines, int_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
+    Engine, EngineSettings, first_lines, micro_batch_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
 )
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
@@ -28,7 +28,7 @@ class HFEngine(Engine):
         reject_unknown("hf", options, {"attn_implementation", "micro_batch_size"},
                        "hf accepts attn_implementation and micro_batch_size")
         reject_wrong_types("hf", options, {"attn_implementation": str})
-        int_option(options, "micro_batch_size", 1)
+        micro_batch_option(options)
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
@@ -36,15 +36,19 @@ class HFEngine(Engine):
 
         options = dict(settings.options)
         self.attn_implementation = str(options.get("attn_implementation", "eager"))
-        self.micro_batch_size = int_option(options, "micro_batch_size", 1)
+        self.micro_batch_size = micro_batch_option(options)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(
+            model, info = AutoModelForCausalLM.from_pretrained(
                 spec.path, dtype=settings.torch_dtype, attn_implementation=self.attn_implementation,
-                device_map=settings.device if settings.device == "cuda" else None,
-            ).to(settings.device)
+                device_map=settings.device if settings.device == "cuda" else None, output_loading_info=True,
+            )
+            self.model = model.to(settings.device)
         except (ImportError, ValueError) as e:
             raise InputError(f"transformers cannot load {spec.name} with attn_implementation="
                              f"{self.attn_implementation}: {first_lines(e)}") from e
+        self.loading = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if any(self.loading.values()):
+            raise InputError(f"transformers did not load {spec.name} completely: {self.loading}")
         self.model.eval()
         self.strict_modules: list[str] = []
         if settings.strict_ops:
@@ -54,33 +58,42 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
-        results: list[torch.Tensor] = []
-        for rows in micro_batches(batch, self.micro_batch_size):
+        results: list[torch.Tensor | None] = [None] * len(batch.sequences)
+        done = 0
+        groups = micro_batches(batch, self.micro_batch_size)
+        self.micro_batches_run = len(groups)
+        for rows in groups:
             seqs = [batch.sequences[r] for r in rows]
             ids, valid = right_padded(seqs)
             ids, valid = ids.to(self.settings.device), valid.to(self.settings.device)
             self.set_spans(rows, [len(s) for s in seqs])
             logits = self.model(input_ids=ids, attention_mask=valid.long()).logits
             lp = self.token_logprobs(logits[:, :-1], ids[:, 1:])
-            results.extend(lp[j, : len(s) - 1].cpu() for j, s in enumerate(seqs))
+            for j, (r, s) in enumerate(zip(rows, seqs)):
+                results[r] = lp[j, : len(s) - 1].cpu()
+            done += len(rows)
+            self.progress(done, len(batch.sequences))
         return results
 
     @torch.no_grad()
-    def rollout(self, batch, max_new_tokens, temperature, seed):
-        """One sequence at a time through ``model.generate`` (KV cache, sampling seeded per request)."""
+    def rollout(self, batch, sampling):
+        """One sequence at a time through ``model.generate`` (KV cache, sampling seeded per request). EOS is
+        not a stop token (``eos_token_id`` is emptied), so no logits processor masks it."""
         sequences, logprobs = [], []
         for i, prompt in enumerate(batch.sequences):
-            torch.manual_seed(seed + i)
+            torch.manual_seed(sampling.seed + i)
             ids = torch.tensor([prompt], device=self.settings.device)
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
-                                      top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                      eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                      temperature=sampling.temperature, top_k=sampling.top_k or None,
+                                      top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens, eos_token_id=[],
+                                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
             generated = out.sequences[0, len(prompt):]
             step_logits = torch.cat(out.logits)  # raw logits of each decode step, [new, V]
             sampled = self.token_logprobs(step_logits, generated).cpu()
             prompt_lp = self.prompt_logprobs(type(batch)((prompt,)))[0]
             sequences.append(tuple(prompt) + tuple(generated.tolist()))
             logprobs.append(torch.cat([prompt_lp, sampled.float()]))
+            self.progress(i + 1, len(batch.sequences))
         return type(batch)(tuple(sequences), batch.texts, batch.source), logprobs
 
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -100,9 +113,12 @@ class HFEngine(Engine):
         return {
             "attn_implementation": self.attn_implementation,
             "micro_batch_size": self.micro_batch_size,
+            "micro_batches": getattr(self, "micro_batches_run", None),
             "dtype": str(self.model.dtype),
             "logprob_formula": "alignaudit_kernels.token_logprobs" if "logprobs" in self.settings.strict_ops
             else "log_softmax(logits.float(), -1).gather(next_token)",
             "strict": self.settings.strict,
             "strict_modules": len(self.strict_modules),
+            "module_mode": "train" if self.model.training else "eval",
+            "weights": {"checkpoint_tensors": self.spec.tensors, **self.loading},
         }

@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 from alignaudit.engines.base import (
-    Engine, EngineSettings, first_lines, int_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
+    Engine, EngineSettings, first_lines, micro_batch_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
 )
 from alignaudit.engines.megatron_weights import megatron_state_dict
 from alignaudit.errors import InputError
@@ -35,7 +35,7 @@ from alignaudit.prompts import TokenBatch
 # TransformerConfig fields alignaudit derives from the checkpoint or --dtype (transformer_config below).
 CHECKPOINT_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
-                     "add_bias_linear", "qk_layernorm", "bf16", "fp16", "params_dtype", "pipeline_dtype"}
+                     "add_bias_linear", "add_qkv_bias", "qk_layernorm", "bf16", "fp16", "params_dtype", "pipeline_dtype"}
 
 
 def init_single_process(device: str) -> None:
@@ -77,6 +77,7 @@ def transformer_config(spec: ModelSpec, settings: EngineSettings, overrides: dic
         "gated_linear_unit": True,
         "activation_func": F.silu,
         "add_bias_linear": False,
+        "add_qkv_bias": spec.attention_bias,
         "qk_layernorm": spec.qk_norm,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
@@ -91,6 +92,19 @@ def transformer_config(spec: ModelSpec, settings: EngineSettings, overrides: dic
     return TransformerConfig(**fields)
 
 
+def stable_repr(value) -> str:
+    """A repr without memory addresses, so two manifests of the same run are equal: functions by their
+    qualified name, partials by their function and arguments, anything else by repr with addresses cut."""
+    import re
+
+    if isinstance(value, functools.partial):
+        args = [stable_repr(a) for a in value.args] + [f"{k}={stable_repr(v)}" for k, v in value.keywords.items()]
+        return f"functools.partial({', '.join([stable_repr(value.func), *args])})"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
 class MegatronEngine(Engine):
     name = "megatron"
 
@@ -98,7 +112,7 @@ class MegatronEngine(Engine):
     def check_options(cls, options):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        int_option(options, "micro_batch_size", 1)
+        micro_batch_option(options)
         config_options = {k: v for k, v in options.items() if k != "micro_batch_size"}
         fields = {f.name: f.type for f in dataclasses.fields(TransformerConfig)}
         reject_unknown("megatron", config_options, set(fields),
@@ -117,7 +131,7 @@ class MegatronEngine(Engine):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         options = dict(settings.options)
-        self.micro_batch_size = int_option(options, "micro_batch_size", 1)
+        self.micro_batch_size = micro_batch_option(options)
         options.pop("micro_batch_size", None)
 
         init_single_process(settings.device)
@@ -145,6 +159,7 @@ class MegatronEngine(Engine):
             post_process=True,
         )
         state = megatron_state_dict(spec, settings.torch_dtype)
+        self.loaded_tensors = len(state)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -156,9 +171,12 @@ class MegatronEngine(Engine):
 
     @torch.no_grad()
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
-        results: list[torch.Tensor] = []
+        results: list[torch.Tensor | None] = [None] * len(batch.sequences)
+        done = 0
         device = self.settings.device
-        for rows in micro_batches(batch, self.micro_batch_size):
+        groups = micro_batches(batch, self.micro_batch_size)
+        self.micro_batches_run = len(groups)
+        for rows in groups:
             seqs = [batch.sequences[r] for r in rows]
             ids, _ = right_padded(seqs)
             # The whole sequence goes in, as RL trainers feed it; the label of the last position wraps
@@ -169,7 +187,10 @@ class MegatronEngine(Engine):
             causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)[None, None]
             self.set_spans(rows, [len(s) for s in seqs])
             loss = self.model(inputs, positions, causal, labels=labels)  # [batch, n] fp32
-            results.extend((-loss[j, : len(s) - 1]).float().cpu() for j, s in enumerate(seqs))
+            for j, (r, s) in enumerate(zip(rows, seqs)):
+                results[r] = (-loss[j, : len(s) - 1]).float().cpu()
+            done += len(rows)
+            self.progress(done, len(batch.sequences))
         return results
 
     def install_taps(self, tap):
@@ -181,12 +202,15 @@ class MegatronEngine(Engine):
         config = {}
         for f in dataclasses.fields(self.config):
             value = getattr(self.config, f.name)
-            config[f.name] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+            config[f.name] = value if isinstance(value, (bool, int, float, str, type(None))) else stable_repr(value)
         return {
             "micro_batch_size": self.micro_batch_size,
+            "micro_batches": getattr(self, "micro_batches_run", None),
             "layer_spec": "alignaudit.strict.megatron.strict_block_spec" if self.settings.strict_ops else "get_gpt_layer_local_spec",
             "strict": self.settings.strict,
             "float16_module": self.gpt is not self.model,
+            "module_mode": "train" if self.model.training else "eval",
+            "weights": {"checkpoint_tensors": self.spec.tensors, "megatron_parameters_loaded": self.loaded_tensors},
             "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)",
             "transformer_config": config,
         }

@@ -25,6 +25,8 @@ QWEN3_WEIGHT_MAP: dict[str, tuple[str, ...]] = {
     "decoder.layers.{i}.input_layernorm.weight": (_L + "input_layernorm.weight",),
     "decoder.layers.{i}.self_attention.linear_qkv.weight": (
         _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
+    "decoder.layers.{i}.self_attention.linear_qkv.bias": (  # attention_bias only (Qwen2-style QKV bias)
+        _L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
     "decoder.layers.{i}.self_attention.q_layernorm.weight": (_L + "self_attn.q_norm.weight",),
     "decoder.layers.{i}.self_attention.k_layernorm.weight": (_L + "self_attn.k_norm.weight",),
     "decoder.layers.{i}.self_attention.linear_proj.weight": (_L + "self_attn.o_proj.weight",),
@@ -37,16 +39,24 @@ QWEN3_WEIGHT_MAP: dict[str, tuple[str, ...]] = {
 
 FUSE: dict[str, Callable[..., torch.Tensor]] = {
     "linear_qkv.weight": lambda spec, q, k, v: fuse_qkv_grouped(q, k, v, spec.num_query_groups, dim=0),
+    "linear_qkv.bias": lambda spec, q, k, v: fuse_qkv_grouped(q, k, v, spec.num_query_groups, dim=0),
     "linear_fc1.weight": lambda spec, gate, up: torch.cat([gate, up], dim=0),  # SwiGLU: act(first) * second
 }
 
 
 def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read the HF safetensors of ``spec`` and return Megatron parameter tensors in ``dtype``."""
+    """Read the HF safetensors of ``spec`` and return Megatron parameter tensors in ``dtype``.
+
+    Raises:
+        InputError: a tensor is missing, or a checkpoint tensor is not consumed by the map (it would be
+            silently ignored).
+    """
     tensors = _SafetensorsReader(Path(spec.path))
     out: dict[str, torch.Tensor] = {}
     for template, sources in QWEN3_WEIGHT_MAP.items():
         if template == "output_layer.weight" and spec.tie_word_embeddings:
+            continue
+        if template.endswith("linear_qkv.bias") and not spec.attention_bias:
             continue
         layers = range(spec.num_layers) if "{i}" in template else [None]
         for i in layers:
@@ -54,6 +64,10 @@ def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.
             parts = [tensors.get(s.format(i=i)) for s in sources]
             fuse = FUSE.get(".".join(name.split(".")[-2:]))
             out[name] = (fuse(spec, *parts) if fuse else parts[0]).to(dtype)
+    unused = sorted(set(tensors.where) - tensors.read)
+    if unused:
+        raise InputError(f"the Megatron conversion does not use checkpoint tensor(s) {', '.join(unused[:3])}; "
+                         "they would be ignored")
     return out
 
 
@@ -71,9 +85,12 @@ class _SafetensorsReader:
             files = [p.name for p in sorted(directory.glob("*.safetensors"))]
         self.handles = [safe_open(str(directory / f), framework="pt") for f in files]
         self.where = {k: h for h in self.handles for k in h.keys()}
+        self.read: set[str] = set()
 
     def get(self, name: str) -> torch.Tensor:
         try:
-            return self.where[name].get_tensor(name)
+            tensor = self.where[name].get_tensor(name)
+            self.read.add(name)
+            return tensor
         except KeyError:
             raise InputError(f"checkpoint has no tensor {name}; is it a Qwen3 checkpoint?") from None

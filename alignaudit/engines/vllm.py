@@ -110,19 +110,43 @@ class VllmEngine(Engine):
             raise InputError(f"vLLM rejected the engine settings: {first_lines(e)}") from e
         self.startup_s = round(time.perf_counter() - started, 3)
 
-    @torch.no_grad()
-    def rollout(self, batch, max_new_tokens, temperature, seed):
-        from vllm import SamplingParams
+    def _progress_bar(self):
+        """A ``use_tqdm`` callable for ``LLM.generate`` that reports finished requests as progress lines."""
+        import tqdm
+
+        engine = self
+
+        class Progress(tqdm.tqdm):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **{**kwargs, "file": open(os.devnull, "w")})
+
+            def update(self, n=1):
+                result = super().update(n)
+                engine.progress(self.n, self.total)
+                return result
+
+        return Progress
+
+    def _generate(self, batch: TokenBatch, params):
         from vllm.inputs import TokensPrompt
 
-        self._start(max(len(s) for s in batch.sequences) + max_new_tokens,
-                    batch.num_tokens + len(batch.sequences) * max_new_tokens)
-        params = [SamplingParams(**{**self.sampling_options, "max_tokens": max_new_tokens, "min_tokens": max_new_tokens,
-                                    "ignore_eos": True, "temperature": temperature, "seed": seed + i, "logprobs": 0,
+        return self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params,
+                                 use_tqdm=self._progress_bar())
+
+    @torch.no_grad()
+    def rollout(self, batch, sampling):
+        """vLLM samples ``sampling.max_new_tokens`` per prompt with EOS ignored (``ignore_eos``: EOS neither
+        stops nor is masked; ``min_tokens`` would mask it) and records each sampled token's logprob."""
+        from vllm import SamplingParams
+
+        self._start(max(len(s) for s in batch.sequences) + sampling.max_new_tokens,
+                    batch.num_tokens + len(batch.sequences) * sampling.max_new_tokens)
+        params = [SamplingParams(**{**self.sampling_options, "max_tokens": sampling.max_new_tokens,
+                                    "ignore_eos": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
+                                    "top_p": sampling.top_p, "seed": sampling.seed + i, "logprobs": 0,
                                     "prompt_logprobs": 0, "detokenize": False})
                   for i in range(len(batch.sequences))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params,
-                                    use_tqdm=False)
+        outputs = self._generate(batch, params)
         sequences, logprobs = [], []
         for out, prompt in zip(outputs, batch.sequences):
             done = out.outputs[0]
@@ -136,7 +160,6 @@ class VllmEngine(Engine):
     @torch.no_grad()
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         self._start(max(len(s) for s in batch.sequences) + 1, batch.num_tokens + len(batch.sequences))
         if self.tap is not None and self.hooks is None:
@@ -146,8 +169,7 @@ class VllmEngine(Engine):
             self.hooks = vllm_taps.install(model, self.tap, batch.sequences)
         params = SamplingParams(**{"max_tokens": 1, "temperature": 0.0, "detokenize": False,
                                    **self.sampling_options, "prompt_logprobs": 0})
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params,
-                                    use_tqdm=False)
+        outputs = self._generate(batch, params)
         results = []
         for out, seq in zip(outputs, batch.sequences):
             entries = out.prompt_logprobs[1:]  # position 0 has no logprob

@@ -12,7 +12,24 @@ of the prompt-logprob path, whose inputs are row slices of the model output.
 
 from __future__ import annotations
 
+from alignaudit.ops import op_id, op_inputs, split_op_id
 from alignaudit.taps import CURRENT_LAYER, FLAT, Blocks, HookPoint, Hooks, RowSpan, Same, Tap
+
+
+def real_inputs(op: str, num_layers: int) -> list[str]:
+    """The ops vLLM really computes ``op`` from. Its fused add+RMSNorm takes the sublayer output and the
+    previous residual and normalizes their sum internally, so a norm that follows a residual add reads
+    (o_proj or down_proj, previous residual), not the canonical residual op, and forcing the residual op
+    (an output of the same fused call) does not reach it."""
+    name, layer = split_op_id(op)
+    last = num_layers - 1
+    if name == "post_attn_norm":
+        return op_inputs(op_id("attn_residual", layer), num_layers)
+    if name == "input_norm" and layer > 0:
+        return op_inputs(op_id("mlp_residual", layer - 1), num_layers)
+    if name == "final_norm":
+        return op_inputs(op_id("mlp_residual", last), num_layers)
+    return op_inputs(op, num_layers)
 
 
 class StepRows:
@@ -56,6 +73,7 @@ class StepRows:
 def install(model, tap: Tap, sequences: tuple[tuple[int, ...], ...]) -> Hooks:
     """Register every canonical op of ``model`` (vLLM's Qwen3ForCausalLM) on ``tap``."""
     hooks = Hooks()
+    tap.real_inputs = lambda op: real_inputs(op, tap.spec.num_layers)
     core = model.model
     rows = StepRows(sequences)
     state = {}

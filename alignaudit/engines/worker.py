@@ -18,6 +18,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ERROR_MARKER = "ALIGNAUDIT-WORKER-ERROR "
+PROGRESS_MARKER = "ALIGNAUDIT-PROGRESS "
+
+
+def report_progress(done: int, total: int) -> None:
+    """One progress line on stdout (sequences done of total); the parent shows it and keeps it out of the log."""
+    print(f"{PROGRESS_MARKER}{done} {total}", flush=True)
 
 
 def run_request(request: dict) -> None:
@@ -27,6 +33,7 @@ def run_request(request: dict) -> None:
     from alignaudit.environment import hardware, numerics_flags, package_versions
     from alignaudit.models import ModelSpec
     from alignaudit.prompts import TokenBatch
+    from alignaudit.request import Sampling
 
     spec = ModelSpec(**request["spec"])
     settings = EngineSettings(**request["settings"])
@@ -34,13 +41,14 @@ def run_request(request: dict) -> None:
     out = Path(request["out"])
     started = time.perf_counter()
     engine = load_engine_class(request["engine"])(spec, settings)
+    engine.progress = report_progress
     loaded = time.perf_counter()
     tap = _attach_tap(engine, spec, request.get("ops"), out)
     rollout = request.get("rollout")
     prompt_lengths = None
     if rollout:
         prompt_lengths = [len(s) for s in batch.sequences]
-        batch, logprobs = engine.rollout(batch, rollout["max_new_tokens"], rollout["temperature"], rollout["seed"])
+        batch, logprobs = engine.rollout(batch, Sampling(**rollout))
     else:
         logprobs = engine.prompt_logprobs(batch)
     finished = time.perf_counter()
@@ -66,8 +74,10 @@ def run_request(request: dict) -> None:
         "timing_s": {"load": round(loaded - started, 3), "forward": round(finished - loaded, 3)},
     }
     if tap is not None:
+        unforced = tap.unforced_ops()
         manifest["ops"] = {
             **tap.recorder.finish(),
+            "unforced_ops": unforced,
             "selection": request["ops"].get("selection"),
             "mode": "forced" if tap.reference is not None else "natural",
             "reference": request["ops"].get("reference"),

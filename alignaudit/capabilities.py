@@ -1,0 +1,168 @@
+"""What each engine implements, consulted before any engine starts: a setting takes effect or is refused.
+
+Three tables, each entry with the reason a user reads when it applies:
+    CHECKPOINT_FEATURES  config.json fields that change the math, and which engines implement which values
+    MEGATRON_OPTIONS     the TransformerConfig fields alignaudit knows to take effect in a forward pass
+                         (an allowlist: TransformerConfig has ~240 fields, most of them for training,
+                         parallelism or kernels this path never runs); MEGATRON_REFUSED says why common
+                         others are refused
+    VLLM_REFUSED         vLLM EngineArgs/SamplingParams settings that have no effect on what alignaudit
+                         measures, that alignaudit sets itself (use its flag), or that make the values
+                         something other than logprobs
+``check_request`` applies them to a Request's two engines; it raises InputError with one line naming the
+setting, the reason and the fix. docs/cli.md lists the same tables for users.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from alignaudit.errors import InputError
+
+# --- checkpoint features ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A config.json field and the values every engine adapter implements for it."""
+
+    field: str
+    supported: Callable[[Any], bool]
+    describe: str
+
+
+CHECKPOINT_FEATURES: tuple[Feature, ...] = (
+    Feature("hidden_act", lambda v: v in (None, "silu"), "SiLU-gated MLPs (hidden_act silu)"),
+    Feature("use_sliding_window", lambda v: not v, "full attention (use_sliding_window false)"),
+    Feature("rope_scaling", lambda v: not v or (isinstance(v, dict) and v.get("rope_type", v.get("type")) == "default"),
+            "plain RoPE (no rope_scaling)"),
+    Feature("mlp_bias", lambda v: not v, "MLPs without bias (mlp_bias false)"),
+)
+
+
+def check_checkpoint_config(config: dict, source: str) -> None:
+    """Refuse a config.json whose math some engine adapter does not implement.
+
+    Raises:
+        InputError: naming the field, its value and what is supported.
+    """
+    for feature in CHECKPOINT_FEATURES:
+        value = config.get(feature.field)
+        if not feature.supported(value):
+            raise InputError(f"{source}: {feature.field}={value!r} is not implemented by every engine adapter; "
+                             f"alignaudit supports {feature.describe}")
+
+
+# --- Megatron-Core ---------------------------------------------------------------------------------
+
+MEGATRON_OPTIONS: dict[str, str] = {
+    "micro_batch_size": "sequences per forward pass, right-padded (alignaudit's, not TransformerConfig's)",
+    "attention_softmax_in_fp32": "the unfused attention softmax runs in fp32",
+    "apply_query_key_layer_scaling": "scales QK^T by 1/layer_number before the softmax and back inside it",
+    "fp32_residual_connection": "the residual stream is kept in fp32",
+    "bias_dropout_fusion": "the residual add runs through Megatron's jit-fused bias-dropout-add",
+    "deterministic_mode": "Megatron's deterministic kernel choices",
+    "cross_entropy_loss_fusion": "the logprob (loss) through Megatron's fused cross-entropy (native impl)",
+    "masked_softmax_fusion": "the fused scale-mask-softmax CUDA kernel (CUDA only)",
+    "apply_rope_fusion": "the fused RoPE kernel (CUDA with Transformer Engine or apex only)",
+    "hidden_dropout": "0 only: the forward pass runs in eval mode",
+    "attention_dropout": "0 only: the forward pass runs in eval mode",
+}
+CUDA_ONLY = {"masked_softmax_fusion", "apply_rope_fusion"}
+EVAL_ZERO = {"hidden_dropout", "attention_dropout"}
+MEGATRON_REFUSED: dict[str, str] = {
+    "tensor_model_parallel_size": "alignaudit runs Megatron at world size 1 (tensor parallelism is not implemented yet)",
+    "pipeline_model_parallel_size": "alignaudit runs Megatron at world size 1",
+    "context_parallel_size": "alignaudit runs Megatron at world size 1",
+    "expert_model_parallel_size": "alignaudit runs Megatron at world size 1",
+    "sequence_parallel": "needs tensor parallelism, which alignaudit does not run yet",
+    "gradient_accumulation_fusion": "training only (fuses weight-gradient accumulation); no effect on a forward pass",
+    "persist_layer_norm": "applies to apex/Transformer Engine LayerNorm; the local spec uses torch RMSNorm",
+    "memory_efficient_layer_norm": "applies to apex/Transformer Engine LayerNorm; the local spec uses torch RMSNorm",
+    "recompute_granularity": "activation recomputation is for the backward pass; no effect on a forward pass",
+    "softmax_scale": "comes from the checkpoint (1/sqrt(head_dim)); overriding it changes the model",
+    "layernorm_zero_centered_gamma": "changes how the checkpoint's norm weights are read",
+}
+
+# --- vLLM ------------------------------------------------------------------------------------------
+
+VLLM_SET_BY_ALIGNAUDIT: dict[str, str] = {
+    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+    "max_tokens": "--max-new-tokens", "min_tokens": "--max-new-tokens (EOS is ignored, never masked)",
+    "ignore_eos": "--max-new-tokens (EOS is always ignored)", "logprobs": "alignaudit (the sampled token's logprob)",
+    "prompt_logprobs": "alignaudit (one per prompt token)", "n": "--prompts (one completion per prompt)",
+    "detokenize": "alignaudit (token ids only)", "dtype": "--dtype / --infer-dtype", "model": "--model",
+}
+VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
+    "enable_prefix_caching": lambda v, mode: (
+        "has no effect here: vLLM never reads the prefix cache for a request that asks for prompt logprobs "
+        "(skip_reading_prefix_cache), and every alignaudit request does") if v else None,
+    "skip_reading_prefix_cache": lambda v, mode: (
+        "reading the prefix cache with prompt logprobs crashes vLLM 0.32 (KeyError in the scheduler)") if v is False else None,
+    "logprobs_mode": lambda v, mode: (
+        f"{v} are logits, not logprobs; the other engine computes logprobs" if v in ("raw_logits", "processed_logits")
+        else "processed_logprobs apply to sampled tokens only (prompt logprobs are always raw in vLLM): use "
+             "--mode rollout" if v == "processed_logprobs" and mode == "prompt" else None),
+    "tensor_parallel_size": lambda v, mode: "alignaudit runs vLLM at tensor parallel size 1 (tensor parallelism "
+                                            "is not implemented yet)" if v not in (None, 1) else None,
+    "pipeline_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
+    "data_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
+}
+
+
+def check_request(request) -> None:
+    """Refuse settings of either engine that would not take effect as recorded (see the module docstring).
+
+    Args:
+        request: alignaudit.request.Request (its engines' options, strict ops, devices, mode).
+    Raises:
+        InputError: the first refused setting: engine, name, reason, fix.
+    """
+    for role, run in (("train", request.train), ("infer", request.infer)):
+        flag = f"--{role}-opt"
+        if run.engine == "megatron":
+            _check_megatron(run.settings, flag)
+        elif run.engine == "vllm":
+            _check_vllm(run.settings, request.mode, role, flag)
+    processed = [r for r in (request.train, request.infer)
+                 if r.engine == "vllm" and r.settings.options.get("logprobs_mode") == "processed_logprobs"]
+    if processed and request.rollout is None:
+        raise InputError("logprobs_mode=processed_logprobs needs --mode rollout")
+    for run in processed:
+        if "logprobs" in run.settings.strict_ops:
+            raise InputError("--strict logprobs covers vLLM's raw_logprobs (Sampler.compute_logprobs); with "
+                             "logprobs_mode=processed_logprobs vLLM computes them inside its top-k/top-p sampler, "
+                             "which the strict path does not replace: drop one of the two")
+
+
+def _check_megatron(settings, flag: str) -> None:
+    for key, value in settings.options.items():
+        if key in MEGATRON_REFUSED:
+            raise InputError(f"megatron {key}: {MEGATRON_REFUSED[key]}; drop {flag} {key}")
+        if key not in MEGATRON_OPTIONS:
+            raise InputError(f"megatron {key}: alignaudit does not know it to take effect in a forward pass, so it "
+                             f"would be recorded without being measured; supported: {', '.join(MEGATRON_OPTIONS)}")
+        if key in EVAL_ZERO and value:
+            raise InputError(f"megatron {key}={value}: no effect, the forward pass runs in eval mode (dropout off); "
+                             f"drop {flag} {key}")
+        if key in CUDA_ONLY and value and settings.device != "cuda":
+            raise InputError(f"megatron {key}=true needs a CUDA kernel (Megatron falls back silently on CPU); drop it "
+                             "or use --device cuda")
+
+
+def _check_vllm(settings, mode: str, role: str, flag: str) -> None:
+    from alignaudit.engines.vllm import VllmEngine
+
+    engine_fields = VllmEngine.engine_field_names()
+    for key, value in settings.options.items():
+        if key in VLLM_SET_BY_ALIGNAUDIT:
+            raise InputError(f"vllm {key} is set by alignaudit; use {VLLM_SET_BY_ALIGNAUDIT[key]} instead of {flag} {key}")
+        reason = VLLM_REFUSED.get(key, lambda v, m: None)(value, mode)
+        if reason:
+            raise InputError(f"vllm {key}={value}: {reason}; drop {flag} {key}")
+        if key not in engine_fields and (mode == "prompt" or role == "train"):
+            raise InputError(f"vllm {key} is a sampling setting and has no effect on prompt logprobs; drop {flag} {key}")
+    if "attention" in settings.strict_ops and settings.device == "cuda":
+        raise InputError("strict attention inside vLLM is implemented for the CPU backend only; on CUDA use "
+                         "--strict linear,rmsnorm,rope,silu,logprobs")

@@ -1,0 +1,91 @@
+"""What a run is asked to do, as one object: the model, the token ids, both engines, sampling.
+
+Every command (compare, gate, bisect, rl, ablate) builds one ``Request`` from its options, validated before
+any engine starts (alignaudit.cliargs.build_request), and the pipeline functions take it whole, so no
+command re-lists or hard-codes another's settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from alignaudit.engines.base import EngineSettings
+from alignaudit.models import ModelSpec
+from alignaudit.prompts import TokenBatch
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One side of a comparison: an engine name and its settings."""
+
+    engine: str
+    settings: EngineSettings
+
+    def label(self) -> str:
+        """``megatron (bf16, cpu, strict all)``: the engine as tables and progress lines name it."""
+        strict = f", strict {self.settings.strict}" if self.settings.strict else ""
+        return f"{self.engine} ({self.settings.dtype}, {self.settings.device}{strict})"
+
+    def record(self) -> dict:
+        return {"engine": self.engine, **self.settings.to_dict()}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the rollout engine samples and how the trainer replays it (RL trainers divide logits by the
+    rollout temperature before the log-softmax; some apply the same top-k/top-p truncation).
+
+    Attributes:
+        max_new_tokens: tokens sampled per prompt (EOS never stops a sequence and is never masked).
+        temperature: > 0. top_k: 0 = off. top_p: 1.0 = off.
+        seed: request i is seeded with seed + i.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A comparison to run.
+
+    Attributes:
+        spec: the checkpoint. batch: the prompts' token ids (identical for both engines).
+        train, infer: the two engines; ``infer`` samples in rollout mode.
+        rollout: None for prompt mode (teacher-forced prompts), else the sampling settings.
+        clip_eps: PPO clip epsilon for the clip-fraction metric.
+    """
+
+    spec: ModelSpec
+    batch: TokenBatch
+    train: EngineRun
+    infer: EngineRun
+    rollout: Sampling | None = None
+    clip_eps: float = 0.2
+
+    @property
+    def mode(self) -> str:
+        return "rollout" if self.rollout else "prompt"
+
+    def with_batch(self, batch: TokenBatch) -> Request:
+        return replace(self, batch=batch)
+
+    def record(self, command: str) -> dict:
+        """The resolved configuration, as run.json records it first."""
+        b = self.batch
+        return {
+            "command": command,
+            "mode": self.mode,
+            "rollout": self.rollout.to_dict() if self.rollout else None,
+            "model": self.spec.to_dict(),
+            "prompts": {"source": b.source, "sequences": len(b.sequences), "tokens": b.num_tokens, "digest": b.digest()},
+            "train": self.train.record(),
+            "infer": self.infer.record(),
+            "clip_eps": self.clip_eps,
+        }
