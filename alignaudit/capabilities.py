@@ -9,7 +9,7 @@ Three tables, each entry with the reason a user reads when it applies:
     VLLM_REFUSED         vLLM EngineArgs/SamplingParams settings that have no effect on what alignaudit
                          measures, that alignaudit sets itself (use its flag), or that make the values
                          something other than logprobs
-``check_request`` applies them to a Request's two engines; it raises InputError with one line naming the
+``check_runs`` applies them to a comparison's two engines; it raises InputError with one line naming the
 setting, the reason and the fix. docs/cli.md lists the same tables for users.
 """
 
@@ -41,6 +41,29 @@ CHECKPOINT_FEATURES: tuple[Feature, ...] = (
 )
 
 
+# Features some engine adapters implement and others implement differently: (spec attribute, engines that
+# implement the checkpoint's meaning, why the others do not).
+ENGINE_FEATURES: tuple[tuple[str, frozenset[str], str], ...] = (
+    ("attention_bias", frozenset({"megatron", "vllm"}),
+     "transformers' Qwen3 adds a bias to o_proj as well when attention_bias is true (modeling_qwen3.py), vLLM's "
+     "and Megatron's Qwen3 put biases on q/k/v only: the engines would run different models"),
+)
+
+
+def check_engine_features(spec, engines: tuple[str, ...]) -> None:
+    """Refuse a checkpoint feature that one of ``engines`` implements with other math.
+
+    Raises:
+        InputError: naming the feature, the engine and the reason.
+    """
+    for attribute, implemented, why in ENGINE_FEATURES:
+        if getattr(spec, attribute, False):
+            for engine in engines:
+                if engine not in implemented:
+                    raise InputError(f"{spec.name}: {attribute} is not supported with {engine}: {why}; compare "
+                                     f"{' and '.join(sorted(implemented))}")
+
+
 def check_checkpoint_config(config: dict, source: str) -> None:
     """Refuse a config.json whose math some engine adapter does not implement.
 
@@ -56,15 +79,22 @@ def check_checkpoint_config(config: dict, source: str) -> None:
 
 # --- Megatron-Core ---------------------------------------------------------------------------------
 
+# TransformerConfig fields alignaudit derives from the checkpoint or --dtype (engines/megatron.py).
+MEGATRON_CHECKPOINT_FIELDS = frozenset({
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias",
+    "qk_layernorm", "bf16", "fp16", "params_dtype", "pipeline_dtype"})
 MEGATRON_OPTIONS: dict[str, str] = {
-    "micro_batch_size": "sequences per forward pass, right-padded (alignaudit's, not TransformerConfig's)",
-    "attention_softmax_in_fp32": "the unfused attention softmax runs in fp32",
-    "apply_query_key_layer_scaling": "scales QK^T by 1/layer_number before the softmax and back inside it",
-    "fp32_residual_connection": "the residual stream is kept in fp32",
-    "bias_dropout_fusion": "the residual add runs through Megatron's jit-fused bias-dropout-add",
-    "deterministic_mode": "Megatron's deterministic kernel choices",
-    "cross_entropy_loss_fusion": "the logprob (loss) through Megatron's fused cross-entropy (native impl)",
-    "masked_softmax_fusion": "the fused scale-mask-softmax CUDA kernel (CUDA only)",
+    # Each reaches the model; "same bits" = measured on the fixture on CPU (bf16) against the default.
+    "micro_batch_size": "sequences per forward pass, right-padded (alignaudit's option, not TransformerConfig's)",
+    "attention_softmax_in_fp32": "the unfused attention softmax's input dtype (same bits on CPU: torch's bf16 "
+                                 "softmax accumulates in fp32 and rounds once)",
+    "apply_query_key_layer_scaling": "QK^T scaled by 1/layer_number before the softmax and back inside it (same bits)",
+    "bias_dropout_fusion": "the residual add through Megatron's jit-fused bias-dropout-add (same bits)",
+    "deterministic_mode": "Megatron's deterministic kernel choices (same bits on CPU)",
+    "cross_entropy_loss_fusion": "the logprob through Megatron's fused cross-entropy, native impl (18 of 176 tokens "
+                                 "change)",
+    "masked_softmax_fusion": "the fused scale-mask-softmax kernel (CUDA only)",
     "apply_rope_fusion": "the fused RoPE kernel (CUDA with Transformer Engine or apex only)",
     "hidden_dropout": "0 only: the forward pass runs in eval mode",
     "attention_dropout": "0 only: the forward pass runs in eval mode",
@@ -82,6 +112,7 @@ MEGATRON_REFUSED: dict[str, str] = {
     "memory_efficient_layer_norm": "applies to apex/Transformer Engine LayerNorm; the local spec uses torch RMSNorm",
     "recompute_granularity": "activation recomputation is for the backward pass; no effect on a forward pass",
     "softmax_scale": "comes from the checkpoint (1/sqrt(head_dim)); overriding it changes the model",
+    "fp32_residual_connection": "crashes the local spec (the fp32 residual meets bf16 linear weights in layer 0)",
     "layernorm_zero_centered_gamma": "changes how the checkpoint's norm weights are read",
 }
 
@@ -102,8 +133,8 @@ VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
         "reading the prefix cache with prompt logprobs crashes vLLM 0.32 (KeyError in the scheduler)") if v is False else None,
     "logprobs_mode": lambda v, mode: (
         f"{v} are logits, not logprobs; the other engine computes logprobs" if v in ("raw_logits", "processed_logits")
-        else "processed_logprobs apply to sampled tokens only (prompt logprobs are always raw in vLLM): use "
-             "--mode rollout" if v == "processed_logprobs" and mode == "prompt" else None),
+        else "processed_logprobs apply to sampled tokens only (vLLM's prompt logprobs are always raw), so they "
+             "need --mode rollout" if v == "processed_logprobs" and mode == "prompt" else None),
     "tensor_parallel_size": lambda v, mode: "alignaudit runs vLLM at tensor parallel size 1 (tensor parallelism "
                                             "is not implemented yet)" if v not in (None, 1) else None,
     "pipeline_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
@@ -111,40 +142,50 @@ VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
 }
 
 
-def check_request(request) -> None:
+def check_runs(train, infer, mode: str) -> None:
     """Refuse settings of either engine that would not take effect as recorded (see the module docstring).
 
     Args:
-        request: alignaudit.request.Request (its engines' options, strict ops, devices, mode).
+        train, infer: alignaudit.request.EngineRun (options, strict ops, device). mode: "prompt" or "rollout".
     Raises:
         InputError: the first refused setting: engine, name, reason, fix.
     """
-    for role, run in (("train", request.train), ("infer", request.infer)):
+    for role, run in (("train", train), ("infer", infer)):
         flag = f"--{role}-opt"
         if run.engine == "megatron":
             _check_megatron(run.settings, flag)
         elif run.engine == "vllm":
-            _check_vllm(run.settings, request.mode, role, flag)
-    processed = [r for r in (request.train, request.infer)
-                 if r.engine == "vllm" and r.settings.options.get("logprobs_mode") == "processed_logprobs"]
-    if processed and request.rollout is None:
-        raise InputError("logprobs_mode=processed_logprobs needs --mode rollout")
-    for run in processed:
-        if "logprobs" in run.settings.strict_ops:
-            raise InputError("--strict logprobs covers vLLM's raw_logprobs (Sampler.compute_logprobs); with "
-                             "logprobs_mode=processed_logprobs vLLM computes them inside its top-k/top-p sampler, "
-                             "which the strict path does not replace: drop one of the two")
+            _check_vllm(run.settings, mode, role, flag)
+    if processed_logprobs(infer) and "logprobs" in infer.settings.strict_ops:
+        raise InputError("--strict logprobs covers vLLM's raw_logprobs (Sampler.compute_logprobs); with "
+                         "logprobs_mode=processed_logprobs vLLM computes them inside its top-k/top-p sampler, which "
+                         "the strict path does not replace: drop logprobs from --strict or the option")
+
+
+def processed_logprobs(run) -> bool:
+    """Whether ``run`` (the rollout engine) records processed logprobs (after temperature, top-k, top-p),
+    which the training side must then replay."""
+    return run.engine == "vllm" and run.settings.options.get("logprobs_mode") == "processed_logprobs"
+
+
+def _json(value) -> str:
+    import json
+
+    return json.dumps(value)
 
 
 def _check_megatron(settings, flag: str) -> None:
     for key, value in settings.options.items():
+        if key in MEGATRON_CHECKPOINT_FIELDS:
+            raise InputError(f"megatron option(s) {key} come from the checkpoint's config.json or --dtype; they cannot "
+                             "be overridden")
         if key in MEGATRON_REFUSED:
             raise InputError(f"megatron {key}: {MEGATRON_REFUSED[key]}; drop {flag} {key}")
         if key not in MEGATRON_OPTIONS:
             raise InputError(f"megatron {key}: alignaudit does not know it to take effect in a forward pass, so it "
                              f"would be recorded without being measured; supported: {', '.join(MEGATRON_OPTIONS)}")
         if key in EVAL_ZERO and value:
-            raise InputError(f"megatron {key}={value}: no effect, the forward pass runs in eval mode (dropout off); "
+            raise InputError(f"megatron {key}={_json(value)}: no effect, the forward pass runs in eval mode (dropout off); "
                              f"drop {flag} {key}")
         if key in CUDA_ONLY and value and settings.device != "cuda":
             raise InputError(f"megatron {key}=true needs a CUDA kernel (Megatron falls back silently on CPU); drop it "
@@ -152,17 +193,28 @@ def _check_megatron(settings, flag: str) -> None:
 
 
 def _check_vllm(settings, mode: str, role: str, flag: str) -> None:
-    from alignaudit.engines.vllm import VllmEngine
-
-    engine_fields = VllmEngine.engine_field_names()
     for key, value in settings.options.items():
         if key in VLLM_SET_BY_ALIGNAUDIT:
             raise InputError(f"vllm {key} is set by alignaudit; use {VLLM_SET_BY_ALIGNAUDIT[key]} instead of {flag} {key}")
         reason = VLLM_REFUSED.get(key, lambda v, m: None)(value, mode)
+        if key == "logprobs_mode" and value == "processed_logprobs" and role == "train":
+            reason = "the training side scores teacher-forced tokens, whose logprobs vLLM always computes raw"
         if reason:
-            raise InputError(f"vllm {key}={value}: {reason}; drop {flag} {key}")
-        if key not in engine_fields and (mode == "prompt" or role == "train"):
-            raise InputError(f"vllm {key} is a sampling setting and has no effect on prompt logprobs; drop {flag} {key}")
+            raise InputError(f"vllm {key}={_json(value)}: {reason}; drop {flag} {key}")
     if "attention" in settings.strict_ops and settings.device == "cuda":
         raise InputError("strict attention inside vLLM is implemented for the CPU backend only; on CUDA use "
                          "--strict linear,rmsnorm,rope,silu,logprobs")
+
+
+def check_vllm_sampling(options: dict, engine_fields: set[str], mode: str, role: str) -> None:
+    """SamplingParams settings only act on sampled tokens: refused in prompt mode and on the training side.
+    Runs in the option-check worker, which imports vLLM's EngineArgs to tell the two kinds apart.
+
+    Raises:
+        InputError: naming the setting.
+    """
+    flag = f"--{role}-opt"
+    for key in options:
+        if key not in engine_fields and (mode == "prompt" or role == "train"):
+            raise InputError(f"vllm {key} is a sampling setting and has no effect on teacher-forced (prompt) logprobs; "
+                             f"drop {flag} {key}")

@@ -67,12 +67,12 @@ ClipEpsOpt = Annotated[float, typer.Option("--clip-eps", metavar="EPS", help="PP
 ModeOpt = Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
                                       "(the inference engine samples, the training engine rescores).")]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", metavar="N", help="Rollout: tokens sampled per prompt.")]
-TemperatureOpt = Annotated[float, typer.Option("--temperature", metavar="T", help="Rollout: sampling temperature (> 0); "
-                                               "the trainer divides its logits by it too.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", metavar="T", help="Rollout: sampling temperature (> 0). "
+                                               "With --infer-opt logprobs_mode=processed_logprobs the trainer replays it.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", metavar="K", help="Rollout: sample from the K most likely tokens "
-                                      "(0 = off); the trainer replays the same truncation.")]
-TopPOpt = Annotated[float, typer.Option("--top-p", metavar="P", help="Rollout: nucleus sampling (1.0 = off); the trainer "
-                                        "replays the same truncation.")]
+                                      "(0 = off); replayed by the trainer with processed logprobs.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", metavar="P", help="Rollout: nucleus sampling (1.0 = off); replayed "
+                                        "by the trainer with processed logprobs.")]
 
 
 @dataclass
@@ -227,10 +227,11 @@ def sampling(args: SamplingArgs, seed: int):
     return Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed)
 
 
-def engine_runs(pair: PairArgs, seed: int, spec=None, rollout=None):
+def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     """The two EngineRuns of a comparison, validated before anything starts: engines installed, dtypes,
-    device, strict ops, and every option checked against the engines' own config classes and against what
-    alignaudit can honour for ``spec`` and ``rollout`` (alignaudit.capabilities)."""
+    device, strict ops, every setting against what the engine implements (alignaudit.capabilities), and
+    the engines' own configuration classes in a short worker (alignaudit.runner.check_options)."""
+    from alignaudit.capabilities import check_engine_features, check_runs
     from alignaudit.engines import check_installed
     from alignaudit.engines.base import EngineSettings, parse_options
     from alignaudit.request import EngineRun
@@ -244,7 +245,9 @@ def engine_runs(pair: PairArgs, seed: int, spec=None, rollout=None):
         EngineRun(name, EngineSettings(check_dtype(own or pair.dtype), dev, seed, parse_options(opts), strict=ops))
         for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt), (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]
-    check_options([(run.engine, run.settings.options) for run in runs])
+    check_engine_features(spec, (pair.train, pair.infer))
+    check_runs(runs[0], runs[1], mode)
+    check_options(runs, spec, mode)
     return runs
 
 
@@ -273,7 +276,7 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
     check_clip_eps(clip_eps)
     rollout = sampling(sampling_args, model.seed) if sampling_args is not None else None
     spec = resolve_model_arg(model)
-    train, infer = engine_runs(pair, model.seed, spec, rollout)
+    train, infer = engine_runs(pair, model.seed, spec, "rollout" if rollout else "prompt")
     batch = load_batch(spec, prompts, model.seed, (pair.train, pair.infer), rollout.max_new_tokens if rollout else 0)
     return Request(spec, batch, train, infer, rollout, clip_eps)
 

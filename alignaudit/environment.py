@@ -30,6 +30,8 @@ def hardware(device: str) -> dict[str, str | int]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpu": _cpu_model(),
+        "cpu_isa": torch.backends.cpu.get_cpu_capability(),  # the kernels torch dispatches to: bits can depend on it
+        "cpu_flags": _cpu_flags(),
         "torch_threads": torch.get_num_threads(),
     }
     if device == "cuda" and torch.cuda.is_available():
@@ -51,6 +53,22 @@ def numerics_flags() -> dict:
     }
     flags["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(NUMERICS_ENV_PREFIXES)}
     return flags
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def _cpu_flags() -> list[str]:
+    """The vector-ISA flags of /proc/cpuinfo that change which CPU kernels run (AVX2, AVX-512, BF16, AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in ISA_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
 
 
 def _cpu_model() -> str:

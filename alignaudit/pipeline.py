@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from alignaudit.capabilities import processed_logprobs
 from alignaudit.capture import Capture
 from alignaudit.diff import align_tokens, compare_tokens, per_sequence, summarize
 from alignaudit.models import ModelSpec, checkpoint_sha256
@@ -48,19 +49,20 @@ def write_json(path: Path, record: dict) -> None:
 
 def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
             stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None,
-            rollout: dict | None = None, on_progress=None) -> Capture:
+            rollout: dict | None = None, replay: dict | None = None, on_progress=None) -> Capture:
     """Run one engine on ``batch`` in a worker process; the capture lands in ``out``.
 
     ``ops`` captures the selected canonical ops too; ``reference`` (a capture with ops of the same model
     and token ids) runs in forced mode: each op's inputs are the reference engine's values. ``rollout``
-    (Sampling.to_dict()) samples completions. ``on_progress(done, total)`` receives sequence counts.
+    (Sampling.to_dict()) samples completions; ``replay`` makes a trainer score the generated tokens under
+    the sampling transform. ``on_progress(done, total)`` receives sequence counts.
     """
     request = None
     if ops is not None:
         request = {"selection": ops.to_dict(), "reference": str(Path(reference).resolve()) if reference else None}
     return run_capture(run.engine, spec, batch, run.settings, out, role=role,
                        checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log, ops=request, rollout=rollout,
-                       on_progress=on_progress)
+                       replay=replay, on_progress=on_progress)
 
 
 def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2) -> dict:
@@ -83,7 +85,9 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
 
     Prompt mode: both engines score the prompts teacher-forced. Rollout mode: the inference engine samples
     completions and records their logprobs while decoding; the training engine then scores prompt +
-    completion in one pass, replaying the sampling (temperature, top-k, top-p) as RL trainers do.
+    completion in one pass; when the rollout engine records processed logprobs (vLLM
+    ``logprobs_mode=processed_logprobs``), the trainer scores the generated tokens under the same sampling
+    transform (temperature, top-k, top-p), as RL trainers do.
     ``on_stage(text)`` receives progress lines.
     """
     record = {**request.record("compare"), "status": "running"}
@@ -101,8 +105,12 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
                                 rollout=rollout, on_progress=stage(request.infer, "inference (sampling)"))
         batch = infer_capture.token_batch()
+        replay = None
+        if processed_logprobs(request.infer):  # the rollout recorded processed logprobs: the trainer replays
+            replay = {k: rollout[k] for k in ("temperature", "top_k", "top_p")}
+            replay["prompt_lengths"] = infer_capture.manifest["rollout"]["prompt_lengths"]
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
-                                on_progress=stage(request.train, "training"))
+                                replay=replay, on_progress=stage(request.train, "training"))
     else:
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
                                 on_progress=stage(request.train, "training"))

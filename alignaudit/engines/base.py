@@ -153,6 +153,9 @@ class Engine(ABC):
         self.tap = None
         self.hooks = None
         self.progress = lambda done, total: None  # the worker points this at its progress lines
+        # Trainer side of a processed-logprobs rollout: {"temperature", "top_k", "top_p", "prompt_lengths"};
+        # generated tokens are then scored under the sampling transform (alignaudit.sampling).
+        self.replay: dict | None = None
 
     @classmethod
     @abstractmethod
@@ -160,6 +163,12 @@ class Engine(ABC):
         """Raise InputError for an option the engine does not understand or cannot take. Imports the
         engine's own config classes, nothing heavier, so the parent can check both sides before either
         engine starts (alignaudit.runner.check_options)."""
+
+    @classmethod
+    def check_config(cls, spec: ModelSpec, settings: EngineSettings, role: str, mode: str) -> None:
+        """Build the engine's own configuration for ``spec`` and ``settings`` (``role`` train or infer,
+        ``mode`` prompt or rollout) without loading anything, so a combination the engine rejects is an
+        input error before any engine runs (default: nothing)."""
 
     def attach(self, tap) -> None:
         """Capture canonical ops through ``tap`` (alignaudit.taps.Tap) during the next forward passes."""
@@ -180,7 +189,19 @@ class Engine(ABC):
     @abstractmethod
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
         """Teacher-forced logprobs: for each sequence s, a float32 tensor of shape [len(s) - 1] whose
-        element t-1 is log p(s[t] | s[:t]), computed the way this engine computes it in production."""
+        element t-1 is log p(s[t] | s[:t]), computed the way this engine computes it in production. With
+        ``replay`` set, the generated tokens' logprobs are those of the sampling transform's distribution."""
+
+    def replay_rows(self, row: int, length: int):
+        """(slice of next-token logits rows to replay, sampling transform kwargs) for batch row ``row`` of
+        a sequence of ``length`` tokens, or None when nothing is replayed."""
+        if self.replay is None:
+            return None
+        from alignaudit.sampling import generated_rows
+
+        rows = generated_rows(self.replay["prompt_lengths"][row], length)
+        kwargs = {k: self.replay[k] for k in ("temperature", "top_k", "top_p")}
+        return (rows, kwargs) if rows.stop > rows.start else None
 
     def rollout(self, batch: TokenBatch, sampling) -> tuple[TokenBatch, list[torch.Tensor]]:
         """Sample ``sampling.max_new_tokens`` after each prompt (alignaudit.request.Sampling: temperature,
@@ -226,7 +247,8 @@ def micro_batches(batch: TokenBatch, size: int | str) -> list[list[int]]:
     up to ``AUTO_BATCH_ROWS`` rows and ``AUTO_BATCH_TOKENS`` tokens per pass, so nothing is padded and
     every sequence's attention runs over its own length. Padding changes fp32 bits here (the built-in
     prompts: 5 of 176 hf tokens, 4 megatron tokens); equal-length batches gave the same bits as one
-    sequence at a time, fp32 and bf16, hf and megatron (tests/test_engines.py; AVX2 CPU, 2026-11-29).
+    sequence at a time, fp32 and bf16, hf and megatron (tests/test_engines.py; AMD EPYC with AVX-512 BF16,
+    2026-11-29).
     """
     n = len(batch.sequences)
     if size != "auto":

@@ -71,6 +71,13 @@ class HFEngine(Engine):
             lp = self.token_logprobs(logits[:, :-1], ids[:, 1:])
             for j, (r, s) in enumerate(zip(rows, seqs)):
                 results[r] = lp[j, : len(s) - 1].cpu()
+                replay = self.replay_rows(r, len(s))
+                if replay is not None:
+                    from alignaudit.sampling import process_logits
+
+                    span, kwargs = replay
+                    processed = process_logits(logits[j, :-1][span], **kwargs)
+                    results[r][span] = self.token_logprobs(processed, ids[j, 1:][span]).cpu()
             done += len(rows)
             self.progress(done, len(batch.sequences))
         return results
@@ -117,6 +124,7 @@ class HFEngine(Engine):
             "dtype": str(self.model.dtype),
             "logprob_formula": "alignaudit_kernels.token_logprobs" if "logprobs" in self.settings.strict_ops
             else "log_softmax(logits.float(), -1).gather(next_token)",
+            "replay": self.replay,
             "strict": self.settings.strict,
             "strict_modules": len(self.strict_modules),
             "module_mode": "train" if self.model.training else "eval",

@@ -23,6 +23,7 @@ import tempfile
 
 import torch
 
+from alignaudit.capabilities import MEGATRON_CHECKPOINT_FIELDS
 from alignaudit.engines.base import (
     Engine, EngineSettings, first_lines, micro_batch_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
 )
@@ -30,12 +31,6 @@ from alignaudit.engines.megatron_weights import megatron_state_dict
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
 from alignaudit.prompts import TokenBatch
-
-
-# TransformerConfig fields alignaudit derives from the checkpoint or --dtype (transformer_config below).
-CHECKPOINT_FIELDS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                     "kv_channels", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
-                     "add_bias_linear", "add_qkv_bias", "qk_layernorm", "bf16", "fp16", "params_dtype", "pipeline_dtype"}
 
 
 def init_single_process(device: str) -> None:
@@ -118,10 +113,29 @@ class MegatronEngine(Engine):
         reject_unknown("megatron", config_options, set(fields),
                        "megatron accepts micro_batch_size and TransformerConfig fields (megatron/core/transformer/transformer_config.py)")
         reject_wrong_types("megatron", config_options, fields)
-        fixed = sorted(set(config_options) & CHECKPOINT_FIELDS)
+        fixed = sorted(set(config_options) & MEGATRON_CHECKPOINT_FIELDS)
         if fixed:
             raise InputError(f"megatron option(s) {', '.join(fixed)} come from the checkpoint's config.json or --dtype; "
                              "they cannot be overridden")
+
+    @classmethod
+    def check_config(cls, spec, settings, role, mode):
+        """Build the TransformerConfig and refuse any option it silently resolves to another value (e.g.
+        apply_query_key_layer_scaling forces attention_softmax_in_fp32 back to true)."""
+        config = cls._config(spec, settings)
+        for key, value in settings.options.items():
+            if key != "micro_batch_size" and getattr(config, key) != value:
+                raise InputError(f"megatron {key}={value!r}: TransformerConfig resolves it to {getattr(config, key)!r} "
+                                 "(another setting overrides it), so the run would not measure what it records; drop it")
+
+    @staticmethod
+    def _config(spec: ModelSpec, settings: EngineSettings):
+        """The TransformerConfig of this run. Raises InputError with Megatron's own reason."""
+        options = {k: v for k, v in settings.options.items() if k != "micro_batch_size"}
+        try:
+            return transformer_config(spec, settings, options)
+        except (AssertionError, ValueError, TypeError) as e:
+            raise InputError(f"megatron rejected the TransformerConfig options: {first_lines(e) or type(e).__name__}") from e
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
@@ -130,15 +144,9 @@ class MegatronEngine(Engine):
         from megatron.core.transformer.module import Float16Module
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        options = dict(settings.options)
-        self.micro_batch_size = micro_batch_option(options)
-        options.pop("micro_batch_size", None)
-
+        self.micro_batch_size = micro_batch_option(settings.options)
         init_single_process(settings.device)
-        try:
-            self.config = transformer_config(spec, settings, options)
-        except (AssertionError, ValueError, TypeError) as e:
-            raise InputError(f"megatron rejected the TransformerConfig options: {first_lines(e) or type(e).__name__}") from e
+        self.config = self._config(spec, settings)
         ops = settings.strict_ops
         if ops:
             from alignaudit.strict.megatron import StrictGPTModel, strict_block_spec
@@ -186,12 +194,34 @@ class MegatronEngine(Engine):
             positions = torch.arange(n, device=device).expand_as(inputs)
             causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)[None, None]
             self.set_spans(rows, [len(s) for s in seqs])
-            loss = self.model(inputs, positions, causal, labels=labels)  # [batch, n] fp32
+            if self.replay is None:
+                loss = self.model(inputs, positions, causal, labels=labels)  # [batch, n] fp32
+            else:
+                loss = self._replayed_loss(inputs, positions, causal, labels, rows, [len(s) for s in seqs])
             for j, (r, s) in enumerate(zip(rows, seqs)):
                 results[r] = (-loss[j, : len(s) - 1]).float().cpu()
             done += len(rows)
             self.progress(done, len(batch.sequences))
         return results
+
+    def _replayed_loss(self, inputs, positions, mask, labels, rows, lengths):
+        """Per-token loss [batch, n] as with ``labels``, then the generated tokens' loss recomputed under the
+        sampling transform: logits from the unwrapped model (its own dtype, as the loss sees them inside),
+        the same ``compute_language_model_loss`` for both (verl's Megatron actor scales logits by the
+        temperature before its vocab-parallel log-probs in the same way)."""
+        from alignaudit.sampling import process_logits
+
+        logits = self.gpt(inputs, positions, mask)  # [batch, n, V]
+        # vocab_parallel_cross_entropy works in place on fp32 logits: give it a copy, keep ours.
+        loss = self.gpt.compute_language_model_loss(labels, logits.transpose(0, 1).clone())
+        for j, (r, length) in enumerate(zip(rows, lengths)):
+            replay = self.replay_rows(r, length)
+            if replay is None:
+                continue
+            span, kwargs = replay
+            processed = process_logits(logits[j, span], **kwargs)  # [m, V] fp32
+            loss[j, span] = self.gpt.compute_language_model_loss(labels[j, span][None], processed[:, None])[0]
+        return loss
 
     def install_taps(self, tap):
         from alignaudit.engines import megatron_taps
@@ -212,5 +242,6 @@ class MegatronEngine(Engine):
             "module_mode": "train" if self.model.training else "eval",
             "weights": {"checkpoint_tensors": self.spec.tensors, "megatron_parameters_loaded": self.loaded_tensors},
             "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)",
+            "replay": self.replay,
             "transformer_config": config,
         }

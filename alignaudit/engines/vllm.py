@@ -55,6 +55,12 @@ class VllmEngine(Engine):
                        "vllm accepts EngineArgs and SamplingParams fields (see `vllm serve --help`)")
         reject_wrong_types("vllm", options, fields)
 
+    @classmethod
+    def check_config(cls, spec, settings, role, mode):
+        from alignaudit.capabilities import check_vllm_sampling
+
+        check_vllm_sampling(settings.options, set(cls._engine_fields()), mode, role)
+
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -1,7 +1,7 @@
 """Worker process entry: run one engine on one request and write a capture directory.
 
     python -m alignaudit.engines.worker REQUEST.json
-    python -m alignaudit.engines.worker --check-options '[[ENGINE, OPTIONS], ...]'   (validate options only)
+    python -m alignaudit.engines.worker --check-options '[{"engine", "settings", "spec", "role", "mode"}, ...]'   (validate only)
 
 Every engine runs in a worker of its own (vLLM's in-process engine patches torch; Megatron keeps global
 parallel state). A library error is reported on stderr as one line starting with ``ERROR_MARKER`` followed
@@ -45,7 +45,8 @@ def run_request(request: dict) -> None:
     loaded = time.perf_counter()
     tap = _attach_tap(engine, spec, request.get("ops"), out)
     rollout = request.get("rollout")
-    prompt_lengths = None
+    engine.replay = request.get("replay")
+    prompt_lengths = engine.replay["prompt_lengths"] if engine.replay else None
     if rollout:
         prompt_lengths = [len(s) for s in batch.sequences]
         batch, logprobs = engine.rollout(batch, Sampling(**rollout))
@@ -61,6 +62,7 @@ def run_request(request: dict) -> None:
         "engine_settings": engine.settings_record(),
         "mode": "rollout" if rollout else "prompt",
         "rollout": {**rollout, "prompt_lengths": prompt_lengths} if rollout else None,
+        "replay": engine.replay,
         "prompts": {
             "source": batch.source,
             "num_sequences": len(batch.sequences),
@@ -108,8 +110,14 @@ def main() -> None:
         if sys.argv[1] == "--check-options":
             from alignaudit.engines import load_engine_class
 
-            for engine, options in json.loads(sys.argv[2]):
-                load_engine_class(engine).check_options(options)
+            from alignaudit.engines.base import EngineSettings
+            from alignaudit.models import ModelSpec
+
+            for check in json.loads(sys.argv[2]):
+                cls = load_engine_class(check["engine"])
+                settings = EngineSettings(**check["settings"])
+                cls.check_options(settings.options)
+                cls.check_config(ModelSpec(**check["spec"]), settings, check["role"], check["mode"])
         else:
             run_request(json.loads(Path(sys.argv[1]).read_text()))
     except AlignAuditError as e:
