@@ -139,6 +139,8 @@ VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
                                             "is not implemented yet)" if v not in (None, 1) else None,
     "pipeline_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
     "data_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
+    "hf_overrides": lambda v, mode: "set the lm_head dtype with --lm-head-dtype, for both engines" if isinstance(v, dict)
+    and "head_dtype" in v else None,
 }
 
 

@@ -61,6 +61,9 @@ StrictOpt = Annotated[Optional[str], typer.Option(
     "--strict", metavar="[OPS]",
     help="Strict kernels in both engines: --strict alone for every op, or a subset for ablation, e.g. "
          "--strict rmsnorm,rope (ops: linear, rmsnorm, rope, silu, attention, logprobs).")]
+LmHeadOpt = Annotated[str, typer.Option("--lm-head-dtype", metavar="DTYPE", help="model (the lm_head in --dtype) or "
+                                        "fp32 (hidden states and lm_head cast to fp32, as RL trainers and vLLM's "
+                                        "head_dtype do), for both engines.")]
 LayersOpt = Annotated[Optional[str], typer.Option("--layers", metavar="RANGES", help="Layers to capture, e.g. 0-3,7 (default: all).")]
 OpsOpt = Annotated[Optional[str], typer.Option("--ops", metavar="OPS", help="Canonical ops to capture, e.g. attn,o_proj (default: all).")]
 ClipEpsOpt = Annotated[float, typer.Option("--clip-eps", metavar="EPS", help="PPO clip epsilon for the clip-fraction metric.")]
@@ -106,6 +109,7 @@ class PairArgs:
     train_opt: TrainSettingOpt = None
     infer_opt: InferSettingOpt = None
     strict: StrictOpt = None
+    lm_head_dtype: LmHeadOpt = "model"
 
 
 @dataclass
@@ -241,8 +245,11 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     check_installed(pair.train), check_installed(pair.infer)
     dev = resolve_device(pair.device)
     ops = format_strict(parse_strict(pair.strict))
+    if pair.lm_head_dtype not in ("model", "fp32"):
+        raise errors.InputError(f"--lm-head-dtype {pair.lm_head_dtype!r}: choose model or fp32")
     runs = [
-        EngineRun(name, EngineSettings(check_dtype(own or pair.dtype), dev, seed, parse_options(opts), strict=ops))
+        EngineRun(name, EngineSettings(check_dtype(own or pair.dtype), dev, seed, parse_options(opts), strict=ops,
+                                       lm_head_dtype=pair.lm_head_dtype))
         for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt), (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]
     check_engine_features(spec, (pair.train, pair.infer))

@@ -130,7 +130,7 @@ def finish_run(out: Path, record: dict, captures: dict[str, Capture]) -> None:
 def _side(c: Capture) -> dict:
     s = c.manifest["settings"]
     return {"engine": c.engine, "dtype": s["dtype"], "device": s["device"], "strict": s.get("strict", ""),
-            "capture": str(c.path), "options": s.get("options", {})}
+            "lm_head_dtype": s.get("lm_head_dtype", "model"), "capture": str(c.path), "options": s.get("options", {})}
 
 
 def diff_ops(train: Capture, infer: Capture, selection: Selection | None = None) -> list[dict]:

@@ -18,7 +18,8 @@ def _num(x, fmt: str = ".3e") -> str:
 def _side_label(side: dict) -> str:
     opts = " ".join(f"{k}={v}" for k, v in side.get("options", {}).items())
     strict = f", strict {side['strict']}" if side.get("strict") else ""
-    return escape(f"{side['engine']} ({side['dtype']}, {side['device']}{strict}{', ' + opts if opts else ''})")
+    head = ", fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else ""
+    return escape(f"{side['engine']} ({side['dtype']}, {side['device']}{strict}{head}{', ' + opts if opts else ''})")
 
 
 SEQUENCE_ROWS = 20

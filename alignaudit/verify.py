@@ -22,7 +22,7 @@ from alignaudit.errors import InputError
 
 RUN = "run.json"
 ROLES = ("train", "infer")
-SETTINGS_CHECKED = ("dtype", "device", "strict", "options", "seed")
+SETTINGS_CHECKED = ("dtype", "device", "strict", "options", "seed", "lm_head_dtype")
 
 
 def load_pair(train_dir: Path, infer_dir: Path) -> tuple[Capture, Capture]:

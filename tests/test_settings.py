@@ -196,3 +196,24 @@ def test_docs_list_every_setting_rule():
              *(f.field for f in caps.CHECKPOINT_FEATURES), *(name for name, _, _ in caps.ENGINE_FEATURES)]
     missing = [n for n in names if f"`{n}" not in text]
     assert not missing, f"docs/cli.md does not mention {missing}"
+
+
+def test_fp32_lm_head_takes_effect_in_every_engine_and_strict_agrees(captures, tmp_path):
+    """--lm-head-dtype fp32 changes the logprobs of each engine against its bf16 head (so it takes effect;
+    vLLM through its own head_dtype switch), and the strict path stays bit for bit equal with it."""
+    from alignaudit.engines.base import EngineSettings
+    from alignaudit.pipeline import EngineRun, capture, diff_captures
+
+    for engine in ("megatron", "vllm", "hf"):
+        fp32 = capture(captures.spec, captures.batch, EngineRun(engine, EngineSettings(lm_head_dtype="fp32")),
+                       tmp_path / engine)
+        assert fp32.manifest["settings"]["lm_head_dtype"] == "fp32"
+        s = diff_captures(captures.get(engine, "bf16"), fp32, tmp_path / f"d-{engine}")
+        assert s["mismatches"] > 100, engine
+    vllm = json.loads((tmp_path / "vllm" / "manifest.json").read_text())["engine_settings"]
+    assert vllm["resolved"]["head_dtype"] == "torch.float32" and vllm["llm"]["hf_overrides"] == {"head_dtype": "float32"}
+    out = tmp_path / "strict"
+    assert cli.main(["compare", "--strict", "--lm-head-dtype", "fp32", "--out", str(out)]) == EXIT_OK
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mismatches"] == 0 and summary["tokens_compared"] == 176
+    assert summary["sides"]["train"]["lm_head_dtype"] == "fp32"

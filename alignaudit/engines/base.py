@@ -34,6 +34,8 @@ class EngineSettings:
         seed: seeds every RNG the engine uses (sampling in rollout mode).
         options: ``--train-opt`` / ``--infer-opt`` KEY=VALUE pairs, values parsed as JSON where they parse.
         strict: strict ops to swap in ("" none, "all", or a comma list of alignaudit.strict.STRICT_OPS).
+        lm_head_dtype: "model" (the lm_head runs in ``dtype``) or "fp32" (hidden states and lm_head weight
+            cast to fp32 before the projection, as vLLM's ``head_dtype: float32`` and RL trainers do).
     """
 
     dtype: str = "bf16"
@@ -41,6 +43,7 @@ class EngineSettings:
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     strict: str = ""
+    lm_head_dtype: str = "model"
 
     @property
     def strict_ops(self) -> frozenset[str]:
@@ -54,6 +57,18 @@ class EngineSettings:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def fp32_head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, strict: bool) -> torch.Tensor:
+    """The lm_head in fp32: both operands cast to fp32, then one projection (torch's, or the strict kernel).
+    The cast-then-project form of vLLM's LogitsProcessor._apply_head (vllm/model_executor/layers/
+    logits_processor.py) for a head_dtype above the model dtype."""
+    args = (x.float(), weight.float(), None if bias is None else bias.float())
+    if strict:
+        import alignaudit_kernels as K
+
+        return K.linear(*args)
+    return torch.nn.functional.linear(*args)
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from alignaudit.engines.base import (
-    Engine, EngineSettings, first_lines, micro_batch_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
+    Engine, EngineSettings, first_lines, fp32_head, micro_batch_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
 )
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
@@ -55,6 +55,9 @@ class HFEngine(Engine):
             from alignaudit.strict.hf import make_strict
 
             self.strict_modules = make_strict(self.model, settings.strict_ops)
+        if settings.lm_head_dtype == "fp32":
+            head, strict = self.model.lm_head, "linear" in settings.strict_ops
+            head.forward = lambda x: fp32_head(x, head.weight, head.bias, strict)
 
     @torch.no_grad()
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
@@ -127,6 +130,7 @@ class HFEngine(Engine):
             "replay": self.replay,
             "strict": self.settings.strict,
             "strict_modules": len(self.strict_modules),
+            "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32" else str(self.model.lm_head.weight.dtype),
             "module_mode": "train" if self.model.training else "eval",
             "weights": {"checkpoint_tensors": self.spec.tensors, **self.loading},
         }

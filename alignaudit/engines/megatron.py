@@ -25,7 +25,7 @@ import torch
 
 from alignaudit.capabilities import MEGATRON_CHECKPOINT_FIELDS
 from alignaudit.engines.base import (
-    Engine, EngineSettings, first_lines, micro_batch_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
+    Engine, EngineSettings, first_lines, fp32_head, micro_batch_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
 )
 from alignaudit.engines.megatron_weights import megatron_state_dict
 from alignaudit.errors import InputError
@@ -172,6 +172,8 @@ class MegatronEngine(Engine):
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise InputError(f"weight conversion mismatch: missing {missing}, unexpected {unexpected}")
+        if settings.lm_head_dtype == "fp32":
+            self._fp32_output_layer(model, "linear" in ops)
         if self.config.bf16 or self.config.fp16:
             model = Float16Module(self.config, model)
         self.model = model.to(settings.device).eval()
@@ -203,6 +205,16 @@ class MegatronEngine(Engine):
             done += len(rows)
             self.progress(done, len(batch.sequences))
         return results
+
+    @staticmethod
+    def _fp32_output_layer(gpt, strict: bool) -> None:
+        """The output layer (or, with tied embeddings, the embedding weight it is handed) in fp32."""
+        head = gpt.output_layer
+
+        def forward(input_, weight=None, runtime_gather_output=None, **kwargs):
+            return fp32_head(input_, head.weight if weight is None else weight, None, strict), None
+
+        head.forward = forward
 
     def _replayed_loss(self, inputs, positions, mask, labels, rows, lengths):
         """Per-token loss [batch, n] as with ``labels``, then the generated tokens' loss recomputed under the
@@ -239,6 +251,7 @@ class MegatronEngine(Engine):
             "layer_spec": "alignaudit.strict.megatron.strict_block_spec" if self.settings.strict_ops else "get_gpt_layer_local_spec",
             "strict": self.settings.strict,
             "float16_module": self.gpt is not self.model,
+            "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32" else str(self.config.params_dtype),
             "module_mode": "train" if self.model.training else "eval",
             "weights": {"checkpoint_tensors": self.spec.tensors, "megatron_parameters_loaded": self.loaded_tensors},
             "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)",

@@ -104,6 +104,8 @@ class VllmEngine(Engine):
                 raise InputError("op capture needs vLLM's eager mode; drop enforce_eager=false")
             kwargs.update(enforce_eager=True, enable_prefix_caching=False)
         kwargs.update(self.engine_options)
+        if self.settings.lm_head_dtype == "fp32":  # vLLM's own switch (ModelConfig.head_dtype)
+            kwargs["hf_overrides"] = {**(kwargs.get("hf_overrides") or {}), "head_dtype": "float32"}
         self.llm_kwargs = kwargs
         if self.settings.strict_ops:
             from alignaudit.strict import vllm_plugin
@@ -196,6 +198,7 @@ class VllmEngine(Engine):
                 "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
                 "max_num_seqs": config.scheduler_config.max_num_seqs,
                 "logprobs_mode": str(config.model_config.logprobs_mode),
+                "head_dtype": str(config.model_config.head_dtype),
                 "attention_backend": os.environ.get("VLLM_ATTENTION_BACKEND"),
                 "device": str(config.device_config.device),
                 "startup_s": self.startup_s,

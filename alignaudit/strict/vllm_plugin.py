@@ -3,8 +3,8 @@
 Registered under the ``vllm.general_plugins`` entry point (pyproject.toml), so vLLM calls ``register()``
 in every process it starts. It does nothing unless ALIGNAUDIT_STRICT names ops ("all", or a list such
 as "rmsnorm,rope"); then it replaces, for every model vLLM loads (all patches live here):
-    linear     UnquantizedLinearMethod.apply and UnquantizedEmbeddingMethod.apply (the lm_head) with
-               alignaudit::linear; on the CPU the weights stay in place (no oneDNN repacking)
+    linear     UnquantizedLinearMethod.apply and LogitsProcessor._apply_head (the lm_head, in head_dtype)
+               with alignaudit::linear; on the CPU the weights stay in place (no oneDNN repacking)
     rmsnorm    RMSNorm.forward with alignaudit::rms_norm / alignaudit::add_rms_norm (fused residual add,
                rounded once to the storage dtype, then normalized)
     rope       RotaryEmbedding.forward with alignaudit::rope (neox style, rotary_dim == head_size)
@@ -81,6 +81,16 @@ def _linear() -> None:
 
     _patch(UnquantizedLinearMethod, "apply", apply)
     _patch(UnquantizedEmbeddingMethod, "apply", apply)
+
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    def apply_head(self, lm_head, hidden_states, embedding_bias):
+        # head_dtype (e.g. float32) above the model dtype: vLLM casts both operands, then projects
+        dtype = self.head_dtype or hidden_states.dtype
+        bias = None if embedding_bias is None else embedding_bias.to(dtype)
+        return torch.ops.alignaudit.linear(hidden_states.to(dtype), lm_head.weight.to(dtype), bias)
+
+    _patch(LogitsProcessor, "_apply_head", apply_head)
     if current_platform.is_cpu():  # the CPU path repacks weights for oneDNN and empties layer.weight
         _patch(UnquantizedLinearMethod, "process_weights_after_loading", lambda self, layer: None)
 
