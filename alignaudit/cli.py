@@ -19,8 +19,9 @@ from rich.markup import escape
 
 from alignaudit import __version__, errors, outdir
 from alignaudit.cliargs import (
-    ClipEpsOpt, DeviceOpt, LayersOpt, ModelArgs, OpsOpt, OutputArgs, PairArgs, PromptArgs, SamplingArgs, StrictOpt,
-    build_request, field_names, given_options, grouped, load_batch, out_dir, resolve_model_arg,
+    ClipEpsOpt, DeviceOpt, LayersOpt, MaxNewTokensOpt, ModelArgs, OpsOpt, OutputArgs, PairArgs, PromptArgs, SamplingArgs,
+    StrictOpt, TemperatureOpt, TopKOpt, TopPOpt, build_request, field_names, given_options, grouped, load_batch, out_dir,
+    resolve_model_arg,
 )
 
 app = typer.Typer(
@@ -250,7 +251,7 @@ def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE", help
 @app.command()
 @grouped
 def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs, output: OutputArgs,
-         run_dir: Annotated[Optional[Path], typer.Argument(metavar="[RUN_DIR]", help="A finished compare run (omit to run one now).")] = None,
+         run_dir: Annotated[Optional[Path], typer.Argument(metavar="[RUN_DIR]", help="A finished compare or rl run (omit to run a comparison now).")] = None,
          max_mismatch: Annotated[Optional[str], typer.Option("--max-mismatch", metavar="N|FRAC",
                                  help="Allow N mismatching tokens, or a fraction (0.5% or 0.005).")] = None,
          max_ulp: Annotated[Optional[int], typer.Option("--max-ulp", metavar="N", help="Allow tokens up to N ULP apart.")] = None,
@@ -313,12 +314,83 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
     raise typer.Exit(verdict.exit_code)
 
 
+@app.command()
+@grouped
+def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
+       steps: Annotated[int, typer.Option("--steps", metavar="N", help="GRPO steps.")] = 10,
+       lr: Annotated[float, typer.Option("--lr", metavar="LR", help="Adam learning rate (0: weights never change, "
+                                         "the weight-sync control).")] = 1e-4,
+       group_size: Annotated[int, typer.Option("--group-size", metavar="G", help="Completions per prompt (GRPO group).")] = 4,
+       max_new_tokens: MaxNewTokensOpt = 16,
+       temperature: TemperatureOpt = 1.0,
+       top_k: TopKOpt = 0,
+       top_p: TopPOpt = 1.0,
+       clip_eps: ClipEpsOpt = 0.2,
+       no_token_rows: Annotated[bool, typer.Option("--no-token-rows", metavar="", help="Skip tokens/step-*.parquet "
+                                                   "(one row per generated token per step) on long runs.")] = False) -> None:
+    """N GRPO steps with the train/rollout alignment checked at every step.
+
+    Each step the inference engine samples --group-size completions per prompt (seeded; the same seeds
+    every step) and records their logprobs while decoding; the trainer rescores them (old_logprobs);
+    every generated token is compared bit for bit; a verifiable toy reward (the fraction of even token
+    ids) gives GRPO advantages; the trainer takes one clipped-loss step (Adam on fp32 main weights, grad
+    clipping at 1.0) with the ratio exp(lp_train - lp_rollout); its new weights go into the running
+    inference engine through model.load_weights, and every tensor's sha256 is compared on both sides.
+    Both engines stay up for the whole run. Writes steps.parquet (after every step), tokens/, steps.png
+    and run.json; `alignaudit gate RUN` passes only if every step had 0 mismatching tokens and every sync
+    was bit-equal. docs/rl.md explains each metric.
+
+    Examples:
+
+    ```
+    alignaudit rl --steps 200 --strict                 # fixture, megatron trains, vllm rolls out
+    alignaudit rl --steps 5 --lr 0                     # control: weights fixed, sync still runs
+    alignaudit rl --train hf --infer hf --steps 20 --strict
+    ```
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from alignaudit.rl.loop import PLOT, RL_OUTPUTS, STEPS, RLSettings, run_rl
+
+    settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows)
+    settings.check()
+    if run.train not in ("megatron", "hf") or run.infer not in ("vllm", "hf"):
+        raise errors.InputError(f"rl trains with megatron or hf and rolls out with vllm or hf; got --train {run.train} "
+                                f"--infer {run.infer}")
+    request = build_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p),
+                            clip_eps)
+    out = out_dir(output, "rl", RL_OUTPUTS)
+    columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(), TextColumn("{task.fields[last]}"))
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("rl", total=steps, last="starting engines")
+
+        def on_step(row: dict) -> None:
+            progress.update(task, advance=1, last=_step_line(row))
+
+        table = run_rl(request, settings, out, on_step=on_step,
+                       on_stage=lambda text: progress.update(task, last=escape(text)))
+    bad = int((table["mismatches"] > 0).sum())
+    unsynced = int((~table["sync_bit_equal"]).sum())
+    style = "bold green" if bad == 0 and unsynced == 0 else "bold red"
+    console.print(f"[{style}]{bad} of {len(table)} steps with mismatching tokens; {unsynced} weight syncs not "
+                  f"bit-equal[/]; reward {table['reward_mean'].iloc[0]:.3f} -> {table['reward_mean'].iloc[-1]:.3f}",
+                  highlight=False)
+    _results(out / STEPS, out / PLOT, out / "run.json")
+
+
+def _step_line(row: dict) -> str:
+    sync = "sync ok" if row["sync_bit_equal"] else f"[red]sync: {row['sync_tensors_differing']} tensors differ[/]"
+    mism = f"{row['mismatches']}/{row['tokens']} tokens differ"
+    return (f"{'[green]' if row['mismatches'] == 0 else '[red]'}{mism}[/], max ULP {row['ulp_max']}, {sync}, "
+            f"reward {row['reward_mean']:.3f}, {row['seconds']:.1f}s")
+
+
 def _claim_verdict_files(run_dir: Path, targets: tuple[Path, ...]) -> None:
     """Lock the run directory and claim the verdict files gate writes into it (none when all go elsewhere,
     so a read-only run can be judged)."""
     from alignaudit.verify import read_run_record
 
-    read_run_record(run_dir)  # a missing or unfinished run is reported as such, not as unwritable
+    read_run_record(run_dir, commands=("compare", "rl"))  # a missing or unfinished run: said so, not "unwritable"
     inside = tuple(Path(t).name for t in targets if Path(t).resolve().parent == run_dir.resolve())
     if inside:
         try:

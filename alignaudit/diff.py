@@ -79,15 +79,17 @@ def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2, sequences: pd.DataFra
     """Summary record of a ``compare_tokens`` table: counts, ULP distribution, RL impact, and the
     ``WORST_SEQUENCES`` worst sequences (``sequences``, the ``per_sequence`` table, has them all); with
     rollout tokens, the same record for the generated tokens alone under ``generated``."""
-    summary = _summarize(tokens, clip_eps)
+    summary = summarize_tokens(tokens, clip_eps)
     sequences = per_sequence(tokens) if sequences is None else sequences
     summary["worst_sequences"] = _records(worst_sequences(sequences, WORST_SEQUENCES))
     if "generated" in tokens and tokens["generated"].any():
-        summary["generated"] = _summarize(tokens[tokens["generated"]], clip_eps)
+        summary["generated"] = summarize_tokens(tokens[tokens["generated"]], clip_eps)
     return summary
 
 
-def _summarize(tokens: pd.DataFrame, clip_eps: float) -> dict:
+def summarize_tokens(tokens: pd.DataFrame, clip_eps: float) -> dict:
+    """Counts, ULP distribution, NaN/Inf counts and RL impact of a ``compare_tokens`` table (no per-sequence
+    view). Raises InputError for an empty table."""
     n = len(tokens)
     if n == 0:
         raise InputError("no tokens to compare (every sequence needs at least 2 tokens)")

@@ -100,6 +100,9 @@ class Verdict:
     run: str = ""
     error: str | None = None  # an engine failure the gate cannot judge (NaN logprobs)
     nan_tokens: dict = field(default_factory=dict)
+    # JUnit test cases: {"name", "status": "pass" | "note" | "fail" | "error", "message"}
+    cases: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)  # rl runs: one row per step
 
     @property
     def exit_code(self) -> int:
@@ -114,14 +117,16 @@ class Verdict:
 
 
 def judge_run(run_dir: Path, rule: Rule) -> Verdict:
-    """Validate a finished run end to end (alignaudit.verify.load_run), then judge its tokens.
+    """Validate a finished compare or rl run end to end (alignaudit.verify), then judge it.
 
     Raises:
         InputError: the run directory fails validation, or holds no tokens.
     """
     from alignaudit.diff import align_tokens, compare_tokens
-    from alignaudit.verify import load_run
+    from alignaudit.verify import load_rl_run, load_run, read_run_record
 
+    if read_run_record(run_dir, commands=("compare", "rl"))["command"] == "rl":
+        return judge_steps(load_rl_run(run_dir), rule, str(run_dir))
     run = load_run(run_dir)
     return evaluate(compare_tokens(align_tokens(run.train.logprobs, run.infer.logprobs)), rule, str(run_dir))
 
@@ -145,16 +150,64 @@ def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
             row = tokens[nan].iloc[0]
             errors.append(f"{side[3:]} engine produced NaN logprobs ({int(nan.sum())} of {n} tokens, first at seq "
                           f"{row['seq']} pos {row['pos']})")
-    equal = tokens["bitwise_equal"].to_numpy(dtype=bool)
-    mismatches = int((~equal).sum())
+    mismatches = int((~tokens["bitwise_equal"].to_numpy(dtype=bool)).sum())
     finite = tokens["ulp"].to_numpy() >= 0
     ulp_max = int(tokens["ulp"].to_numpy()[finite].max()) if finite.any() else None
     abs_d = np.abs(tokens["diff"].to_numpy(dtype=np.float64))
     max_abs = float(abs_d[np.isfinite(abs_d)].max()) if np.isfinite(abs_d).any() else None
-    reasons = []
     nonfinite = int((~finite).sum())
-    if nonfinite:
-        reasons.append(f"{nonfinite} tokens differ by an infinity (no ULP distance)")
+    reasons = [f"{nonfinite} tokens differ by an infinity (no ULP distance)"] if nonfinite else []
+    reasons += _rule_reasons(rule, n, mismatches, ulp_max, max_abs)
+    error = "; ".join(errors) + "; the gate cannot judge NaN" if errors else None
+    passed = not reasons and not error
+    sequences = _sequences(tokens)
+    cases = [_case(f"sequence {r['seq']}", r["nan_tokens"], r["mismatches"] and _first_message(r), passed, error)
+             for r in sequences]
+    return Verdict(passed, rule.describe(), n, mismatches, ulp_max, max_abs, reasons, sequences, run, error,
+                   nan_tokens, cases)
+
+
+def judge_steps(steps: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
+    """Judge an rl run's steps.parquet: the rule over all steps' generated tokens, and every weight sync
+    bit-equal whatever the rule; a step with NaN logprobs is an engine error."""
+    n, mismatches = int(steps["tokens"].sum()), int(steps["mismatches"].sum())
+    ulps, diffs = steps["ulp_max"].dropna(), steps["max_abs_diff"].dropna()
+    ulp_max = int(ulps.max()) if len(ulps) else None
+    max_abs = float(diffs.max()) if len(diffs) else None
+    reasons = _rule_reasons(rule, n, mismatches, ulp_max, max_abs)
+    bad = steps[steps["mismatches"] > 0]
+    if len(bad) and rule.is_default:
+        reasons[0] = f"{len(bad)} of {len(steps)} steps have mismatching tokens ({mismatches} of {n} tokens)"
+    unsynced = steps[~steps["sync_bit_equal"]]
+    if len(unsynced):
+        reasons.append(f"the weight sync was not bit-equal at {len(unsynced)} of {len(steps)} steps (first: step "
+                       f"{int(unsynced['step'].iloc[0])})")
+    nan = steps[steps["nan_tokens"] > 0]
+    error = (f"NaN logprobs at {len(nan)} steps (first: step {int(nan['step'].iloc[0])}); the gate cannot judge NaN"
+             if len(nan) else None)
+    passed = not reasons and not error
+    cases = []
+    for row in steps.to_dict("records"):
+        message = (f"{row['mismatches']} of {row['tokens']} tokens differ, max ULP {row['ulp_max']}"
+                   if row["mismatches"] else None)
+        if not row["sync_bit_equal"]:
+            message = f"weight sync not bit-equal ({row['sync_tensors_differing']} tensors differ, "\
+                      f"{row.get('sync_stale_packed', 0)} packed GEMMs stale)" + (f"; {message}" if message else "")
+        case = _case(f"step {row['step']}", row["nan_tokens"], message, passed, error)
+        if not row["sync_bit_equal"] and case["status"] == "note":
+            case["status"] = "fail"
+        cases.append(case)
+    step_rows = steps[["step", "tokens", "mismatches", "ulp_max", "sync_bit_equal", "nan_tokens"]].to_dict("records")
+    return Verdict(passed, rule.describe() + "; every weight sync bit-equal", n, mismatches, ulp_max, max_abs,
+                   reasons, [], run, error, {}, cases, [{k: _plain(v) for k, v in r.items()} for r in step_rows])
+
+
+def _plain(value):
+    return value.item() if hasattr(value, "item") else value
+
+
+def _rule_reasons(rule: Rule, n: int, mismatches: int, ulp_max: int | None, max_abs: float | None) -> list[str]:
+    reasons = []
     if rule.is_default and mismatches:
         reasons.append(f"{mismatches} of {n} tokens are not bitwise equal")
     if rule.max_mismatch is not None and mismatches > rule.max_mismatch:
@@ -170,9 +223,17 @@ def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
         for key, now in (("mismatches", mismatches), ("ulp_max", ulp_max or 0), ("max_abs_diff", max_abs or 0.0)):
             if now > (b.get(key) or 0):
                 reasons.append(f"{key} regressed: {now} > baseline {b.get(key)}")
-    error = "; ".join(errors) + "; the gate cannot judge NaN" if errors else None
-    return Verdict(not reasons and not error, rule.describe(), n, mismatches, ulp_max, max_abs, reasons,
-                   _sequences(tokens), run, error, nan_tokens)
+    return reasons
+
+
+def _case(name: str, nan_tokens: int, message: str | None, passed: bool, error: str | None) -> dict:
+    """A JUnit case: error with NaN; failure with a message when the verdict failed; a note when a relaxed
+    rule passed despite it; pass otherwise."""
+    if nan_tokens:
+        return {"name": name, "status": "error", "message": f"{nan_tokens} NaN logprobs", "detail": error}
+    if message:
+        return {"name": name, "status": "note" if passed else "fail", "message": message}
+    return {"name": name, "status": "pass", "message": None}
 
 
 def _sequences(tokens: pd.DataFrame) -> list[dict]:
@@ -200,26 +261,24 @@ def _first_message(row: dict) -> str:
 
 
 def junit_xml(verdict: Verdict, name: str = "alignaudit.gate") -> str:
-    """JUnit XML: one test case per sequence. A sequence with NaN logprobs is an <error>; one with
-    mismatches a <failure> when the verdict fails (under a relaxed rule that passes, its mismatches are
-    reported as system-out)."""
+    """JUnit XML: one test case per sequence (compare) or per step (rl). NaN is an <error>; a mismatch (or
+    an rl step's weight sync that is not bit-equal) a <failure> when the verdict fails; under a relaxed rule
+    that passes, mismatches are reported as system-out."""
     suite = ET.Element("testsuite", name=name)
     failures = errors = 0
-    for row in verdict.sequences:
-        case = ET.SubElement(suite, "testcase", classname=name, name=f"sequence {row['seq']}")
-        if row.get("nan_tokens"):
+    for c in verdict.cases:
+        case = ET.SubElement(suite, "testcase", classname=name, name=c["name"])
+        if c["status"] == "error":
             errors += 1
-            ET.SubElement(case, "error", message=f"{row['nan_tokens']} NaN logprobs", type="NaNLogprob").text = verdict.error
-        elif row["mismatches"]:
-            message = _first_message(row)
-            if verdict.passed:
-                ET.SubElement(case, "system-out").text = message
-            else:
-                failures += 1
-                ET.SubElement(case, "failure", message=message, type="LogprobMismatch").text = (
-                    f"rule: {verdict.rule}\n" + "\n".join(verdict.reasons))
-    tests = len(verdict.sequences)
-    if not verdict.passed and failures + errors == 0:  # failed on a rule that is not per sequence (e.g. baseline)
+            ET.SubElement(case, "error", message=c["message"], type="NaNLogprob").text = c.get("detail")
+        elif c["status"] == "fail":
+            failures += 1
+            ET.SubElement(case, "failure", message=c["message"], type="LogprobMismatch").text = (
+                f"rule: {verdict.rule}\n" + "\n".join(verdict.reasons))
+        elif c["status"] == "note":
+            ET.SubElement(case, "system-out").text = c["message"]
+    tests = len(verdict.cases)
+    if not verdict.passed and failures + errors == 0:  # failed on a rule that is not per case (e.g. baseline)
         case = ET.SubElement(suite, "testcase", classname=name, name="rule")
         ET.SubElement(case, "failure", message="; ".join(verdict.reasons), type="RuleViolation")
         tests, failures = tests + 1, 1
@@ -257,11 +316,11 @@ def markdown(verdict: Verdict, title: str = "alignaudit gate") -> str:
         lines += [f"- engine error: {verdict.error}", ""]
     if verdict.reasons:
         lines += [f"- {r}" for r in verdict.reasons] + [""]
-    failing = [r for r in verdict.sequences if r["mismatches"]]
+    failing = [c for c in verdict.cases if c["status"] != "pass"]
     if failing:
-        lines += ["| sequence | first mismatch |", "|---|---|"]
-        lines += [f"| {r['seq']} | {_first_message(r)} |" for r in failing[:20]]
+        lines += ["| case | result |", "|---|---|"]
+        lines += [f"| {c['name']} | {c['status']}: {c['message']} |" for c in failing[:20]]
         if len(failing) > 20:
-            lines.append(f"| ... | {len(failing) - 20} more sequences |")
+            lines.append(f"| ... | {len(failing) - 20} more |")
         lines.append("")
     return "\n".join(lines) + "\n"

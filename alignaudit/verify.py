@@ -105,6 +105,34 @@ def load_run(run_dir: Path) -> Run:
     return Run(run_dir, record, train, infer)
 
 
+STEP_COLUMNS = ("step", "tokens", "mismatches", "nan_tokens", "ulp_max", "max_abs_diff", "sync_bit_equal")
+
+
+def load_rl_run(run_dir: Path):
+    """steps.parquet of a finished rl run, checked against run.json: the sha256 recorded when the run
+    finished, every step 1..N present once and in order, the columns the verdict reads.
+
+    Raises:
+        InputError: naming the first check that fails.
+    """
+    import pandas as pd
+
+    run_dir = Path(run_dir)
+    record = read_run_record(run_dir, commands=("rl",))
+    path = run_dir / "steps.parquet"
+    if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != record.get("steps_sha256"):
+        raise InputError(f"{path} is missing or is not the table this run wrote (sha256 differs from {RUN}); "
+                         "run it again")
+    steps = pd.read_parquet(path)
+    missing = [c for c in STEP_COLUMNS if c not in steps]
+    if missing:
+        raise InputError(f"{path} lacks columns {missing}; the run was made by another alignaudit")
+    expected = list(range(1, int((record.get("rl") or {}).get("steps", 0)) + 1))
+    if steps["step"].tolist() != expected or not expected:
+        raise InputError(f"{path} does not hold steps 1..{len(expected)} in order; the run directory was altered")
+    return steps
+
+
 def _check_capture(run_dir: Path, record: dict, role: str, capture: Capture) -> None:
     where = f"{run_dir}/{role}"
     expected = record["captures"][role]

@@ -207,6 +207,26 @@ class Engine(ABC):
         element t-1 is log p(s[t] | s[:t]), computed the way this engine computes it in production. With
         ``replay`` set, the generated tokens' logprobs are those of the sampling transform's distribution."""
 
+    def batched_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
+        """``micro_batch_logprobs`` over the micro-batches of ``batch`` (``micro_batch_size`` option), in the
+        grad mode of the caller; reports progress. For batch-major engines (hf, megatron)."""
+        results: list[torch.Tensor | None] = [None] * len(batch.sequences)
+        groups = micro_batches(batch, self.micro_batch_size)
+        self.micro_batches_run = len(groups)
+        done = 0
+        for rows in groups:
+            seqs = [batch.sequences[r] for r in rows]
+            for r, lp in zip(rows, self.micro_batch_logprobs(rows, seqs)):
+                results[r] = lp if lp.requires_grad else lp.cpu()
+            done += len(rows)
+            self.progress(done, len(batch.sequences))
+        return results
+
+    def micro_batch_logprobs(self, rows: list[int], seqs: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """One forward pass over ``seqs`` (batch rows ``rows`` of the whole batch): each sequence's fp32
+        logprobs [len - 1], on the engine's device, with gradient when grad mode is on."""
+        raise NotImplementedError(f"{self.name} is not a batch-major engine")
+
     def replay_rows(self, row: int, length: int):
         """(slice of next-token logits rows to replay, sampling transform kwargs) for batch row ``row`` of
         a sequence of ``length`` tokens, or None when nothing is replayed."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from alignaudit.engines.base import (
-    Engine, EngineSettings, first_lines, fp32_head, micro_batch_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
+    Engine, EngineSettings, first_lines, fp32_head, micro_batch_option, reject_unknown, reject_wrong_types, right_padded,
 )
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
@@ -61,28 +61,25 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
-        results: list[torch.Tensor | None] = [None] * len(batch.sequences)
-        done = 0
-        groups = micro_batches(batch, self.micro_batch_size)
-        self.micro_batches_run = len(groups)
-        for rows in groups:
-            seqs = [batch.sequences[r] for r in rows]
-            ids, valid = right_padded(seqs)
-            ids, valid = ids.to(self.settings.device), valid.to(self.settings.device)
-            self.set_spans(rows, [len(s) for s in seqs])
-            logits = self.model(input_ids=ids, attention_mask=valid.long()).logits
-            lp = self.token_logprobs(logits[:, :-1], ids[:, 1:])
-            for j, (r, s) in enumerate(zip(rows, seqs)):
-                results[r] = lp[j, : len(s) - 1].cpu()
-                replay = self.replay_rows(r, len(s))
-                if replay is not None:
-                    from alignaudit.sampling import process_logits
+        return self.batched_logprobs(batch)
 
-                    span, kwargs = replay
-                    processed = process_logits(logits[j, :-1][span], **kwargs)
-                    results[r][span] = self.token_logprobs(processed, ids[j, 1:][span]).cpu()
-            done += len(rows)
-            self.progress(done, len(batch.sequences))
+    def micro_batch_logprobs(self, rows: list[int], seqs: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        ids, valid = right_padded(seqs)
+        ids, valid = ids.to(self.settings.device), valid.to(self.settings.device)
+        self.set_spans(rows, [len(s) for s in seqs])
+        logits = self.model(input_ids=ids, attention_mask=valid.long()).logits
+        lp = self.token_logprobs(logits[:, :-1], ids[:, 1:])
+        results = []
+        for j, (r, s) in enumerate(zip(rows, seqs)):
+            seq_lp = lp[j, : len(s) - 1]
+            replay = self.replay_rows(r, len(s))
+            if replay is not None:
+                from alignaudit.sampling import process_logits
+
+                span, kwargs = replay
+                processed = process_logits(logits[j, :-1][span], **kwargs)
+                seq_lp = torch.cat([seq_lp[: span.start], self.token_logprobs(processed, ids[j, 1:][span])])
+            results.append(seq_lp)
         return results
 
     @torch.no_grad()
@@ -105,6 +102,26 @@ class HFEngine(Engine):
             logprobs.append(torch.cat([prompt_lp, sampled.float()]))
             self.progress(i + 1, len(batch.sequences))
         return type(batch)(tuple(sequences), batch.texts, batch.source), logprobs
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The model's tensors in HF names (the tied lm_head left out, as checkpoints store it)."""
+        return {k: v for k, v in self.model.state_dict().items()
+                if not (self.spec.tie_word_embeddings and k == "lm_head.weight")}
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy new weights (HF names) into the model in place.
+
+        Raises:
+            InputError: a tensor the model lacks, or a model tensor missing from ``tensors``.
+        """
+        held = self.model.state_dict()
+        unknown = sorted(set(tensors) - set(held))
+        missing = sorted(set(self.hf_weights()) - set(tensors))
+        if unknown or missing:
+            raise InputError(f"weight sync into hf: unknown tensors {unknown[:3]}, missing {missing[:3]}")
+        for name, tensor in tensors.items():
+            held[name].copy_(tensor)
 
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """fp32 log p(target) from logits [..., V]: TRL's formula, or the strict kernel."""

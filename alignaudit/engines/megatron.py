@@ -25,7 +25,7 @@ import torch
 
 from alignaudit.capabilities import MEGATRON_CHECKPOINT_FIELDS
 from alignaudit.engines.base import (
-    Engine, EngineSettings, first_lines, fp32_head, micro_batch_option, micro_batches, reject_unknown, reject_wrong_types, right_padded,
+    Engine, EngineSettings, first_lines, fp32_head, micro_batch_option, reject_unknown, reject_wrong_types, right_padded,
 )
 from alignaudit.engines.megatron_weights import megatron_state_dict
 from alignaudit.errors import InputError
@@ -181,30 +181,23 @@ class MegatronEngine(Engine):
 
     @torch.no_grad()
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
-        results: list[torch.Tensor | None] = [None] * len(batch.sequences)
-        done = 0
+        return self.batched_logprobs(batch)
+
+    def micro_batch_logprobs(self, rows: list[int], seqs: list[tuple[int, ...]]) -> list[torch.Tensor]:
         device = self.settings.device
-        groups = micro_batches(batch, self.micro_batch_size)
-        self.micro_batches_run = len(groups)
-        for rows in groups:
-            seqs = [batch.sequences[r] for r in rows]
-            ids, _ = right_padded(seqs)
-            # The whole sequence goes in, as RL trainers feed it; the label of the last position wraps
-            # around and its loss is dropped.
-            inputs, labels = ids.to(device), torch.roll(ids, -1, dims=1).to(device)
-            n = inputs.shape[1]
-            positions = torch.arange(n, device=device).expand_as(inputs)
-            causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)[None, None]
-            self.set_spans(rows, [len(s) for s in seqs])
-            if self.replay is None:
-                loss = self.model(inputs, positions, causal, labels=labels)  # [batch, n] fp32
-            else:
-                loss = self._replayed_loss(inputs, positions, causal, labels, rows, [len(s) for s in seqs])
-            for j, (r, s) in enumerate(zip(rows, seqs)):
-                results[r] = (-loss[j, : len(s) - 1]).float().cpu()
-            done += len(rows)
-            self.progress(done, len(batch.sequences))
-        return results
+        ids, _ = right_padded(seqs)
+        # The whole sequence goes in, as RL trainers feed it; the label of the last position wraps around
+        # and its loss is dropped.
+        inputs, labels = ids.to(device), torch.roll(ids, -1, dims=1).to(device)
+        n = inputs.shape[1]
+        positions = torch.arange(n, device=device).expand_as(inputs)
+        causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)[None, None]
+        self.set_spans(rows, [len(s) for s in seqs])
+        if self.replay is None:
+            loss = self.model(inputs, positions, causal, labels=labels)  # [batch, n] fp32
+        else:
+            loss = self._replayed_loss(inputs, positions, causal, labels, rows, [len(s) for s in seqs])
+        return [-loss[j, : len(s) - 1].float() for j, s in enumerate(seqs)]
 
     @staticmethod
     def _fp32_output_layer(gpt, strict: bool) -> None:
@@ -232,8 +225,16 @@ class MegatronEngine(Engine):
                 continue
             span, kwargs = replay
             processed = process_logits(logits[j, span], **kwargs)  # [m, V] fp32
-            loss[j, span] = self.gpt.compute_language_model_loss(labels[j, span][None], processed[:, None])[0]
+            replayed = self.gpt.compute_language_model_loss(labels[j, span][None], processed[:, None])[0]
+            loss = torch.cat([loss[:j], torch.cat([loss[j, : span.start], replayed, loss[j, span.stop:]])[None],
+                              loss[j + 1:]])
         return loss
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The model's weights in HF names (weight_sync.megatron_to_hf)."""
+        from alignaudit.engines.weight_sync import megatron_to_hf
+
+        return megatron_to_hf(self.gpt, self.spec)
 
     def install_taps(self, tap):
         from alignaudit.engines import megatron_taps

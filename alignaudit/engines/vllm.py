@@ -74,6 +74,28 @@ class VllmEngine(Engine):
         self.llm_kwargs: dict = {}
         self.startup_s = None  # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
 
+    def start(self, max_len: int, total_tokens: int) -> None:
+        """Build the LLM once, sized for the longest sequence and the whole batch (later calls: no-op)."""
+        self._start(max_len, total_tokens)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """New weights (HF names) into the running engine, as RL frameworks push them (weight_sync.py)."""
+        from alignaudit.engines.weight_sync import load_into_vllm
+
+        load_into_vllm(self.llm, tensors)
+
+    def stale_packed_layers(self) -> list[str]:
+        """Layers whose packed CPU GEMM does not compute with their current weight (weight_sync.py)."""
+        from alignaudit.engines.weight_sync import stale_packed_layers
+
+        return stale_packed_layers(self.llm.apply_model(lambda m: m)[0])
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the running engine computes with, in HF names."""
+        from alignaudit.engines.weight_sync import vllm_to_hf
+
+        return vllm_to_hf(self.llm.apply_model(lambda m: m)[0], self.spec)
+
     def _start(self, max_len: int, total_tokens: int) -> None:
         """Build the LLM once, sized for the longest sequence and the whole batch."""
         if self.llm is not None:

@@ -1,0 +1,210 @@
+"""The RL experiment: N GRPO steps, the train/rollout alignment checked at every step.
+
+Each step (both engines stay up in one long-lived worker each, alignaudit.rl.session):
+    1. rollout   the inference engine samples ``group_size`` completions per prompt (request i seeded with
+                 seed + i, the same at every step, so that with unchanged weights every step repeats) and
+                 records each sampled token's logprob while decoding;
+    2. rescore   the trainer computes the same tokens' logprobs (old_logprobs), eval mode, no gradient;
+    3. compare   every generated token, trainer vs rollout: bitwise, ULP, RL metrics (diff.py);
+    4. reward    even_token_reward per completion, GRPO group advantages (grpo.py);
+    5. update    the trainer's forward with gradient, the clipped loss with ratio exp(lp_train - lp_rollout),
+                 gradient clipping, one optimizer step;
+    6. sync      the trainer's weights in HF names into the running inference engine (model.load_weights),
+                 then the sha256 of every tensor on both sides, and (vLLM on CPU) a probe of every packed
+                 GEMM against one packed afresh from the loaded weight: bit-equal only if all agree.
+Records (in ``out``): run.json (every setting, written first; completed at the end with the sha256 of
+steps.parquet), steps.parquet (one row per step, rewritten after every step, so it is readable after a
+crash or Ctrl-C), tokens/step-NNNNN.parquet (every generated token of the step; ``token_rows=False`` skips
+them), steps.png (the per-step series), worker logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from alignaudit.diff import compare_tokens, summarize_tokens
+from alignaudit.errors import InputError
+from alignaudit.request import Request
+from alignaudit.rl.grpo import even_token_reward, group_advantages
+from alignaudit.rl.session import Session
+
+STEPS = "steps.parquet"
+PLOT = "steps.png"
+TOKENS_DIR = "tokens"
+RL_OUTPUTS = ("run.json", STEPS, PLOT, TOKENS_DIR, "sync", "train.log", "infer.log", "train.request.json",
+              "infer.request.json")
+
+
+@dataclass(frozen=True)
+class RLSettings:
+    """The loop's own settings (the engines' are in the Request).
+
+    Attributes:
+        steps: GRPO steps (>= 1). lr: Adam learning rate (>= 0; 0 = the sync control). group_size:
+        completions per prompt (>= 2). clip_grad: max global grad norm. token_rows: write per-token rows.
+    """
+
+    steps: int = 10
+    lr: float = 1e-4
+    group_size: int = 4
+    clip_grad: float = 1.0
+    token_rows: bool = True
+
+    def check(self) -> None:
+        """Raises InputError for a setting the loop cannot run with."""
+        if self.steps < 1:
+            raise InputError(f"--steps {self.steps}: run at least one step")
+        if self.group_size < 2:
+            raise InputError(f"--group-size {self.group_size}: GRPO normalizes rewards within a group; use 2 or more")
+        if not self.lr >= 0:
+            raise InputError(f"--lr {self.lr}: the learning rate must be >= 0 (0 keeps the weights: the sync control)")
+
+
+def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=None) -> pd.DataFrame:
+    """Run the loop into ``out`` (see the module docstring); returns the steps table.
+
+    Raises:
+        InputError: a setting the engines refuse. EngineError: an engine worker died (completed steps stay
+            on disk).
+    """
+    record = {**request.record("rl"), "rl": asdict(rl), "status": "running"}
+    (out / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    (out / "sync").mkdir(exist_ok=True)
+    if rl.token_rows:
+        (out / TOKENS_DIR).mkdir(exist_ok=True)
+    stage = on_stage or (lambda text: None)
+    sessions = []
+    try:
+        stage(f"starting {request.train.label()} (trainer) and {request.infer.label()} (rollout)")
+        trainer = _session(sessions, request, "trainer", out / "train.log", lr=rl.lr, clip_grad=rl.clip_grad)
+        rollout = _session(sessions, request, "rollout", out / "infer.log")
+        prompts = [list(p) for p in request.batch.sequences for _ in range(rl.group_size)]
+        new = request.rollout.max_new_tokens
+        rollout.call("start", max_len=max(len(p) for p in prompts) + new,
+                     total_tokens=sum(len(p) for p in prompts) + len(prompts) * new)
+        record["engines"] = {"train": trainer.call("settings")["settings"], "infer": rollout.call("settings")["settings"]}
+        record["initial_sync"] = _sync(trainer, rollout, out)
+        (out / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+        rows = []
+        for step in range(1, rl.steps + 1):
+            rows.append(_step(step, request, rl, trainer, rollout, prompts, out))
+            steps = pd.DataFrame(rows)
+            steps.to_parquet(out / STEPS, index=False)
+            if on_step:
+                on_step(rows[-1])
+    finally:
+        for session in sessions:
+            session.close()
+    from alignaudit.rl.records import plot_steps
+
+    plot_steps(steps, out / PLOT, title=f"{request.spec.name}: {request.train.label()} vs {request.infer.label()}")
+    record.update(status="complete", steps_sha256=hashlib.sha256((out / STEPS).read_bytes()).hexdigest())
+    (out / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return steps
+
+
+def _session(sessions: list, request: Request, role: str, log: Path, **extra) -> Session:
+    run = request.train if role == "trainer" else request.infer
+    session = Session({"role": role, "engine": run.engine, "spec": request.spec.to_dict(),
+                       "settings": run.settings.to_dict(), **extra}, log)
+    sessions.append(session)
+    return session
+
+
+def _sync(trainer: Session, rollout: Session, out: Path) -> dict:
+    """Trainer weights (HF names) into the running rollout engine; compare every tensor's sha256."""
+    path = out / "sync" / "weights.safetensors"
+    sent = trainer.call("export", path=str(path))["checksums"]
+    loaded = rollout.call("load_weights", path=str(path))
+    held = loaded["checksums"]
+    differing = sorted(name for name in set(sent) | set(held) if sent.get(name) != held.get(name))
+    digest = hashlib.sha256(json.dumps(sent, sort_keys=True).encode()).hexdigest()
+    return {"bit_equal": not differing and not loaded["stale"], "tensors": len(sent), "differing": differing,
+            "stale_packed": loaded["stale"], "weights_sha256": digest}
+
+
+def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout: Session, prompts: list,
+          out: Path) -> dict:
+    from alignaudit.capabilities import processed_logprobs
+
+    t0 = time.perf_counter()
+    sampling = request.rollout.to_dict()
+    rolled = rollout.call("rollout", prompts=prompts, sampling=sampling)
+    t1 = time.perf_counter()
+    sequences = rolled["sequences"]
+    prompt_lengths = [len(p) for p in prompts]
+    replay = None
+    if processed_logprobs(request.infer):
+        replay = {**{k: sampling[k] for k in ("temperature", "top_k", "top_p")}, "prompt_lengths": prompt_lengths}
+    scored = trainer.call("score", sequences=sequences, replay=replay)["logprobs"]
+    t2 = time.perf_counter()
+    tokens = _generated_tokens(step, sequences, prompt_lengths, scored, rolled["logprobs"])
+    summary = summarize_tokens(tokens, request.clip_eps)
+    rewards = [even_token_reward(s[p:]) for s, p in zip(sequences, prompt_lengths)]
+    advantages = group_advantages(rewards, rl.group_size)
+    rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths)]
+    update = trainer.call("train_step", sequences=sequences, prompt_lengths=prompt_lengths, advantages=advantages,
+                          rollout_logprobs=rollout_gen, clip_eps=request.clip_eps, replay=replay)
+    t3 = time.perf_counter()
+    sync = _sync(trainer, rollout, out)
+    t4 = time.perf_counter()
+    forward = np.array([x for seq in update["forward_logprobs"] for x in seq], dtype=np.float32)
+    if rl.token_rows:
+        tokens.to_parquet(out / TOKENS_DIR / f"step-{step:05d}.parquet", index=False)
+    rl_stats = summary["rl"]
+    return {
+        "step": step,
+        "tokens": summary["tokens_compared"],
+        "mismatches": summary["mismatches"],
+        "mismatch_fraction": summary["mismatch_fraction"],
+        "nan_tokens": summary["nan_tokens"]["train"] + summary["nan_tokens"]["infer"],
+        "ulp_max": summary["ulp_max"],
+        "max_abs_diff": summary["max_abs_diff"],
+        "mean_diff": summary["mean_diff"],
+        "ratio_min": rl_stats["ratio_min"],
+        "ratio_max": rl_stats["ratio_max"],
+        "clip_fraction": rl_stats["clip_fraction"],
+        "token_mult_prob_error": rl_stats["token_mult_prob_error"],
+        "kl_k3": rl_stats["kl_k3_mean"],
+        "reward_mean": float(np.mean(rewards)),
+        "loss": update["loss"],
+        "grad_norm": update["grad_norm"],
+        "train_clip_fraction": update["clip_fraction"],
+        "train_forward_equal": bool(np.array_equal(forward.view(np.int32),
+                                                   tokens["lp_train"].to_numpy(dtype=np.float32).view(np.int32))),
+        "sync_bit_equal": sync["bit_equal"],
+        "sync_tensors_differing": len(sync["differing"]),
+        "sync_stale_packed": len(sync["stale_packed"]),
+        "weights_sha256": sync["weights_sha256"],
+        "seconds": round(t4 - t0, 3),
+        "rollout_s": round(t1 - t0, 3),
+        "rescore_s": round(t2 - t1, 3),
+        "update_s": round(t3 - t2, 3),
+        "sync_s": round(t4 - t3, 3),
+    }
+
+
+def _generated_tokens(step: int, sequences: list, prompt_lengths: list, train: list, infer: list) -> pd.DataFrame:
+    """One row per generated token: the compare_tokens columns, with ``step``."""
+    rows = {"seq": [], "pos": [], "token_id": [], "lp_train": [], "lp_infer": []}
+    for i, (seq, p, lt, li) in enumerate(zip(sequences, prompt_lengths, train, infer)):
+        for pos in range(p, len(seq)):
+            rows["seq"].append(i)
+            rows["pos"].append(pos)
+            rows["token_id"].append(seq[pos])
+            rows["lp_train"].append(lt[pos - 1])
+            rows["lp_infer"].append(li[pos - 1])
+    frame = pd.DataFrame({
+        "seq": np.asarray(rows["seq"], dtype=np.int32), "pos": np.asarray(rows["pos"], dtype=np.int32),
+        "token_id": np.asarray(rows["token_id"], dtype=np.int32), "generated": True,
+        "lp_train": np.asarray(rows["lp_train"], dtype=np.float32),
+        "lp_infer": np.asarray(rows["lp_infer"], dtype=np.float32),
+    })
+    return compare_tokens(frame).assign(step=step)

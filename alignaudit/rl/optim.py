@@ -1,0 +1,70 @@
+"""The trainer's optimizer: Adam on fp32 main parameters for bf16/fp16 model parameters, as megatron-lm trains.
+
+On CUDA a Megatron trainer uses ``megatron.core.optimizer.get_megatron_optimizer`` itself
+(Float16OptimizerWithFloat16Params, over a DistributedDataParallel model with fp32 gradient buffers).
+That optimizer allocates its bookkeeping tensors with ``device='cuda'`` and checks parameters by their CUDA
+type names (megatron/core/optimizer/optimizer.py), so it cannot run on a CPU. ``MixedPrecisionAdam`` is the
+same algorithm for the CPU and for the HF trainer, step for step:
+    1. main grads = the model params' fp32 gradients (Megatron DDP's ``main_grad`` buffers where present,
+       else ``param.grad`` upcast);
+    2. global L2 norm of all main grads; if above ``clip_grad``, every main grad is scaled by
+       clip_grad / (norm + 1e-6) (megatron/core/optimizer/clip_grads.py);
+    3. torch.optim.Adam on the fp32 main params (bias-corrected, betas (0.9, 0.999), eps 1e-8);
+    4. each model param = its main param rounded to the model dtype.
+With lr 0 step 3 changes nothing and step 4 writes back the same bits: the weights stay exactly as they were.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MixedPrecisionAdam:
+    """Adam over fp32 copies of ``params`` (see the module docstring).
+
+    Args:
+        params: the model's trainable parameters (bf16, fp16 or fp32).
+        lr: learning rate (>= 0). clip_grad: max global grad norm (<= 0: no clipping).
+    """
+
+    name = "alignaudit.rl.optim.MixedPrecisionAdam"
+
+    def __init__(self, params, lr: float, clip_grad: float = 1.0, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        self.params = [p for p in params if p.requires_grad]
+        self.main = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.clip_grad = clip_grad
+        self.adam = torch.optim.Adam(self.main, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """One update; returns the global grad norm before clipping (fp32, as a Python float)."""
+        for main, p in zip(self.main, self.params):
+            grad = getattr(p, "main_grad", None)
+            grad = p.grad if grad is None else grad
+            main.grad = torch.zeros_like(main) if grad is None else grad.float().clone()
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in self.main]))
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            scale = self.clip_grad / (norm + 1e-6)
+            for m in self.main:
+                m.grad.mul_(scale)
+        self.adam.step()
+        for main, p in zip(self.main, self.params):
+            p.data.copy_(main.data)
+        return float(norm)
+
+
+def megatron_cuda_optimizer(ddp_model, config, lr: float, clip_grad: float):
+    """megatron.core's own mixed-precision Adam for a DDP-wrapped Megatron model (CUDA only)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    opt_config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=0.0, adam_beta1=0.9,
+                                 adam_beta2=0.999, adam_eps=1e-8, bf16=config.bf16, fp16=config.fp16,
+                                 params_dtype=config.params_dtype, clip_grad=clip_grad)
+    return get_megatron_optimizer(opt_config, [ddp_model])

@@ -1,0 +1,48 @@
+"""The RL run's picture: the per-step series of steps.parquet in one PNG (matplotlib, no display)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+
+def plot_steps(steps: pd.DataFrame, path: Path, title: str = "") -> None:
+    """Four panels over the steps: mismatching-token fraction; max |d logprob| (log scale); K3 KL and the
+    clip fraction of the ratio; reward and loss. A step with no mismatch plots as 0 (and is absent from
+    the log-scale panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    x = steps["step"]
+    ax = axes[0, 0]
+    ax.plot(x, steps["mismatch_fraction"], marker=".")
+    ax.set_ylabel("mismatching tokens (fraction)")
+    ax.set_ylim(bottom=0)
+    ax = axes[0, 1]
+    positive = steps[steps["max_abs_diff"] > 0]
+    ax.plot(positive["step"], positive["max_abs_diff"], marker=".", color="tab:red")
+    if len(positive):
+        ax.set_yscale("log")
+    ax.set_ylabel("max |lp_train - lp_rollout|")
+    ax = axes[1, 0]
+    ax.plot(x, steps["kl_k3"], marker=".", label="KL k3 (rollout || train)")
+    ax.plot(x, steps["clip_fraction"], marker=".", label="ratio outside clip")
+    ax.set_ylabel("per token")
+    ax.legend(loc="upper left", fontsize=8)
+    ax = axes[1, 1]
+    ax.plot(x, steps["reward_mean"], marker=".", color="tab:green", label="reward")
+    ax.set_ylabel("reward (mean)")
+    twin = ax.twinx()
+    twin.plot(x, steps["loss"], marker=".", color="tab:gray", label="loss")
+    twin.set_ylabel("loss")
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    synced = bool(steps["sync_bit_equal"].all())
+    fig.suptitle(f"{title}\nweight sync bit-equal at every step: {'yes' if synced else 'NO'}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

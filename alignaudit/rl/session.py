@@ -1,0 +1,206 @@
+"""Long-lived engine workers for the RL loop: one process per engine, commands in, replies out.
+
+    python -m alignaudit.rl.session REQUEST.json
+
+The parent writes one JSON command per line on the worker's stdin and reads one reply line, marked with
+``REPLY_MARKER``, from its stdout; anything else the worker prints goes to its log file (stderr goes there
+directly). Tokens and logprobs travel as JSON (an fp32 value survives the trip through a Python float
+exactly); weights travel as a safetensors file the parent names. A library error comes back as
+``{"error": {"type", "message"}}`` and is re-raised in the parent with its type; a worker that dies is an
+EngineError carrying the last lines of its log.
+
+Commands: ``start`` (size the engine), ``rollout``, ``score``, ``train_step``, ``export`` (trainer weights to
+a file, with checksums), ``load_weights`` (rollout engine, from a file, answering with the checksums of what
+the engine then holds), ``checksums``, ``settings``, ``close``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections import deque
+from pathlib import Path
+
+from alignaudit import errors
+
+REPLY_MARKER = "ALIGNAUDIT-REPLY "
+
+
+class Session:
+    """The parent's handle on one worker.
+
+    Args:
+        request: {"role": "trainer" | "rollout", "engine", "spec", "settings", and for a trainer "lr",
+            "clip_grad"}. log: the worker's log file.
+    Raises:
+        EngineError: the worker died (its last log lines in the message).
+    """
+
+    def __init__(self, request: dict, log: Path):
+        from alignaudit.runner import _die_with_parent
+
+        self.request, self.log = request, Path(log)
+        path = self.log.with_suffix(".request.json")
+        path.write_text(json.dumps(request, indent=2) + "\n")
+        self._log = open(self.log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "alignaudit.rl.session", str(path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
+
+    def call(self, command: str, **args) -> dict:
+        """Send a command; return its reply. Raises the worker's own error type, or EngineError."""
+        try:
+            self.proc.stdin.write(json.dumps({"command": command, **args}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._died() from None
+        for line in self.proc.stdout:
+            if line.startswith(REPLY_MARKER):
+                reply = json.loads(line[len(REPLY_MARKER):])
+                if "error" in reply:
+                    raise getattr(errors, reply["error"]["type"], errors.EngineError)(reply["error"]["message"])
+                return reply
+            self._log.write(line)
+            self._log.flush()
+        raise self._died()
+
+    def _died(self) -> errors.EngineError:
+        code = self.proc.wait()
+        self._log.flush()
+        tail: deque[str] = deque(maxlen=8)
+        with open(self.log, errors="replace") as f:
+            for line in f:
+                if line.strip():
+                    tail.append(line.rstrip())
+        last = "\n  ".join(tail)
+        return errors.EngineError(f"{self.request['engine']} {self.request['role']} worker died (exit code {code}); "
+                                  f"full log: {self.log}; last lines:\n  {last}")
+
+    def close(self) -> None:
+        """Ask the worker to exit; kill it if it does not."""
+        if self.proc.poll() is None:
+            try:
+                self.call("close")
+                self.proc.wait(timeout=30)
+            except (errors.AlignAuditError, OSError, subprocess.TimeoutExpired, ValueError):
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+# --- worker side -------------------------------------------------------------------------------------
+
+
+class Worker:
+    """The engine (and, for a trainer, its optimizer) a session drives."""
+
+    def __init__(self, request: dict):
+        from alignaudit.engines import load_engine_class
+        from alignaudit.engines.base import EngineSettings
+        from alignaudit.models import ModelSpec
+
+        self.role = request["role"]
+        self.spec = ModelSpec(**request["spec"])
+        settings = EngineSettings(**request["settings"])
+        if request["engine"] == "vllm":
+            from alignaudit.engines.weight_sync import keep_vllm_cpu_weights
+
+            keep_vllm_cpu_weights()
+        self.engine = load_engine_class(request["engine"])(self.spec, settings)
+        self.trainer = None
+        if self.role == "trainer":
+            from alignaudit.rl.trainer import Trainer
+
+            self.trainer = Trainer(self.engine, request["lr"], request["clip_grad"])
+
+    def handle(self, command: str, args: dict) -> dict:
+        from alignaudit.prompts import TokenBatch
+
+        if command == "start":
+            if self.engine.name == "vllm":
+                self.engine.start(args["max_len"], args["total_tokens"])
+            return {}
+        if command == "settings":
+            record = self.engine.settings_record()
+            if self.trainer is not None:
+                record["optimizer"] = self.trainer.optimizer_name
+            return {"settings": record}
+        if command == "rollout":
+            from alignaudit.request import Sampling
+
+            batch = TokenBatch(tuple(tuple(s) for s in args["prompts"]))
+            full, logprobs = self.engine.rollout(batch, Sampling(**args["sampling"]))
+            return {"sequences": [list(s) for s in full.sequences], "logprobs": [lp.tolist() for lp in logprobs]}
+        if command == "score":
+            batch = TokenBatch(tuple(tuple(s) for s in args["sequences"]))
+            return {"logprobs": [lp.tolist() for lp in self.trainer.score(batch, args.get("replay"))]}
+        if command == "train_step":
+            batch = TokenBatch(tuple(tuple(s) for s in args.pop("sequences")))
+            return self.trainer.train_step(batch, **args)
+        if command == "export":
+            from safetensors.torch import save_file
+
+            from alignaudit.engines.weight_sync import checksums
+
+            tensors = self.trainer.export()
+            save_file(tensors, args["path"])
+            return {"checksums": checksums(tensors)}
+        if command == "load_weights":
+            from safetensors.torch import load_file
+
+            self.engine.load_weights(load_file(args["path"]))
+            reply = self.handle("checksums", {})
+            reply["stale"] = self.engine.stale_packed_layers() if hasattr(self.engine, "stale_packed_layers") else []
+            return reply
+        if command == "checksums":
+            from alignaudit.engines.weight_sync import checksums
+
+            return {"checksums": checksums(self.engine.hf_weights())}
+        raise errors.InputError(f"unknown session command {command!r}")
+
+
+def main() -> None:
+    request = json.loads(Path(sys.argv[1]).read_text())
+    out = sys.stdout
+    sys.stdout = sys.stderr  # everything the engines print goes to the log; stdout carries replies only
+    try:
+        worker = Worker(request)
+    except errors.AlignAuditError as e:
+        traceback.print_exc()
+        _reply(out, {"error": {"type": type(e).__name__, "message": str(e)}})
+        _drain_until_close(out)
+        return
+    for line in sys.stdin:
+        message = json.loads(line)
+        command = message.pop("command")
+        if command == "close":
+            _reply(out, {})
+            break
+        try:
+            _reply(out, worker.handle(command, message))
+        except errors.AlignAuditError as e:
+            traceback.print_exc()
+            _reply(out, {"error": {"type": type(e).__name__, "message": str(e)}})
+
+
+def _drain_until_close(out) -> None:
+    """After a failed start, answer every command with the start error's reply until told to close."""
+    for line in sys.stdin:
+        if json.loads(line).get("command") == "close":
+            _reply(out, {})
+            return
+        _reply(out, {"error": {"type": "EngineError", "message": "the worker failed to start; see its log"}})
+
+
+def _reply(out, record: dict) -> None:
+    out.write(REPLY_MARKER + json.dumps(record) + "\n")
+    out.flush()
+
+
+if __name__ == "__main__":
+    main()
