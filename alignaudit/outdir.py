@@ -68,6 +68,8 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
     check_overlap(out, inputs)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; give a directory")
+    if not force and out.is_dir() and any(p.name not in (MARKER, LOCK) for p in out.iterdir()):
+        raise InputError(f"--out {out} is not empty; choose another directory or pass --force to overwrite")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -75,7 +77,7 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
     lock(out)
     existing = [p for p in out.iterdir() if p.name not in (MARKER, LOCK)]
     ours = set(read_marker(out))
-    if existing and not force:
+    if existing and not force:  # filled by another run between the first look and the lock
         raise InputError(f"--out {out} is not empty; choose another directory or pass --force to overwrite")
     foreign = sorted(p.name for p in existing if p.name in names and p.name not in ours)
     if foreign:

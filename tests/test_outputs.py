@@ -202,3 +202,11 @@ def test_a_failed_command_releases_its_lock(tmp_path, capsys):
     assert json.loads((d / "run.json").read_text())["status"] == "running"
     with pytest.raises(InputError, match="--out is empty"):
         outdir.prepare("", False, ())
+
+
+def test_a_refused_out_directory_is_left_untouched(tmp_path, capsys):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    assert "is not empty" in one_line_error(capsys, ["compare", "--out", str(d)], EXIT_USAGE)
+    assert [p.name for p in d.iterdir()] == ["notes.txt"]

@@ -44,8 +44,31 @@ FUSE: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read the HF safetensors of ``spec`` and return Megatron parameter tensors in ``dtype``.
+# How Megatron shards each parameter over tensor-parallel ranks (megatron/core/tensor_parallel/layers.py):
+# column-parallel layers split their output features (dim 0), row-parallel layers their input features
+# (dim 1), the vocab-parallel embedding and output layer the vocabulary (dim 0); norms are replicated.
+# The grouped QKV keeps whole query groups on a rank, so a plain split of dim 0 is right; SwiGLU's fc1
+# holds [gate shard | up shard] on each rank.
+TP_SPLIT: dict[str, int | str] = {
+    "linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": "glu", "linear_proj.weight": 1,
+    "linear_fc2.weight": 1, "word_embeddings.weight": 0, "output_layer.weight": 0,
+}
+
+
+def tp_shard(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of the full Megatron parameter ``name`` at tensor-parallel size ``size``."""
+    how = TP_SPLIT.get(".".join(name.split(".")[-2:]), TP_SPLIT.get(name))
+    if size == 1 or how is None:
+        return tensor
+    if how == "glu":
+        gate, up = tensor.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    return tensor.chunk(size, dim=how)[rank].contiguous()
+
+
+def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """Read the HF safetensors of ``spec`` and return Megatron parameter tensors in ``dtype``, sharded for
+    rank ``tp_rank`` of ``tp_size`` tensor-parallel ranks.
 
     Raises:
         InputError: a tensor is missing, or a checkpoint tensor is not consumed by the map (it would be
@@ -63,7 +86,7 @@ def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.
             name = template.format(i=i)
             parts = [tensors.get(s.format(i=i)) for s in sources]
             fuse = FUSE.get(".".join(name.split(".")[-2:]))
-            out[name] = (fuse(spec, *parts) if fuse else parts[0]).to(dtype)
+            out[name] = tp_shard(name, (fuse(spec, *parts) if fuse else parts[0]), tp_rank, tp_size).to(dtype)
     unused = sorted(set(tensors.where) - tensors.read)
     if unused:
         raise InputError(f"the Megatron conversion does not use checkpoint tensor(s) {', '.join(unused[:3])}; "
