@@ -64,6 +64,54 @@ def check_engine_features(spec, engines: tuple[str, ...]) -> None:
                                      f"{' and '.join(sorted(implemented))}")
 
 
+def tensor_parallel_size(run) -> int:
+    """The tensor-parallel size an EngineRun asks for (1 unless the engine's own option says otherwise)."""
+    key = {"megatron": "tensor_model_parallel_size", "vllm": "tensor_parallel_size"}.get(run.engine)
+    return run.settings.options.get(key, 1) if key else 1
+
+
+def refuse_parallel(runs, what: str, why: str) -> None:
+    """Refuse ``what`` for runs at tensor-parallel size > 1. Raises InputError naming the engine and why."""
+    for run in runs:
+        if tensor_parallel_size(run) != 1:
+            raise InputError(f"{what} with {run.engine} at tensor parallel size > 1 is not implemented: {why}")
+
+
+def check_parallel(spec, runs, device: str) -> None:
+    """Refuse a tensor-parallel size the model cannot be split by, or the machine cannot hold.
+
+    Raises:
+        InputError: naming the size, what it must divide, or what the machine has.
+    """
+    import os
+
+    for run in runs:
+        key = {"megatron": "tensor_model_parallel_size", "vllm": "tensor_parallel_size"}.get(run.engine)
+        tp = tensor_parallel_size(run)
+        if tp == 1:
+            continue
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise InputError(f"{run.engine} {key}={tp!r}: expected an integer >= 1")
+        sizes = [("attention heads", spec.num_heads), ("FFN width", spec.intermediate_size)]
+        if run.engine == "megatron":  # vLLM replicates KV heads and pads the vocabulary itself
+            sizes += [("query groups", spec.num_query_groups), ("vocabulary", spec.vocab_size)]
+        elif spec.num_kv_heads % tp and tp % spec.num_kv_heads:
+            raise InputError(f"vllm tensor_parallel_size={tp}: the {spec.num_kv_heads} KV heads of {spec.name} can be "
+                             "neither split nor replicated evenly over that many ranks")
+        for what, n in sizes:
+            if n % tp:
+                raise InputError(f"{run.engine} {key}={tp} does not divide the {n} {what} of {spec.name}; use a "
+                                 "size that divides it")
+        if device == "cuda":
+            import torch
+
+            have, unit = torch.cuda.device_count(), "GPUs"
+        else:
+            have, unit = len(os.sched_getaffinity(0)), "CPU cores"
+        if tp > have:
+            raise InputError(f"{run.engine} {key}={tp} needs {tp} {unit}, one per rank; this machine has {have}")
+
+
 def check_checkpoint_config(config: dict, source: str) -> None:
     """Refuse a config.json whose math some engine adapter does not implement.
 
@@ -87,6 +135,8 @@ MEGATRON_CHECKPOINT_FIELDS = frozenset({
 MEGATRON_OPTIONS: dict[str, str] = {
     # Each reaches the model; "same bits" = measured on the fixture on CPU (bf16) against the default.
     "micro_batch_size": "sequences per forward pass, right-padded (alignaudit's option, not TransformerConfig's)",
+    "tensor_model_parallel_size": "tensor-parallel ranks, one process each (gloo on CPU, NCCL on CUDA, one GPU a "
+                                  "rank); must divide the heads, query groups, FFN width and vocabulary",
     "attention_softmax_in_fp32": "the unfused attention softmax's input dtype (same bits on CPU: torch's bf16 "
                                  "softmax accumulates in fp32 and rounds once)",
     "apply_query_key_layer_scaling": "QK^T scaled by 1/layer_number before the softmax and back inside it (same bits)",
@@ -102,7 +152,6 @@ MEGATRON_OPTIONS: dict[str, str] = {
 CUDA_ONLY = {"masked_softmax_fusion", "apply_rope_fusion"}
 EVAL_ZERO = {"hidden_dropout", "attention_dropout"}
 MEGATRON_REFUSED: dict[str, str] = {
-    "tensor_model_parallel_size": "alignaudit runs Megatron at world size 1 (tensor parallelism is not implemented yet)",
     "pipeline_model_parallel_size": "alignaudit runs Megatron at world size 1",
     "context_parallel_size": "alignaudit runs Megatron at world size 1",
     "expert_model_parallel_size": "alignaudit runs Megatron at world size 1",
@@ -135,8 +184,6 @@ VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
         f"{v} are logits, not logprobs; the other engine computes logprobs" if v in ("raw_logits", "processed_logits")
         else "processed_logprobs apply to sampled tokens only (vLLM's prompt logprobs are always raw), so they "
              "need --mode rollout" if v == "processed_logprobs" and mode == "prompt" else None),
-    "tensor_parallel_size": lambda v, mode: "alignaudit runs vLLM at tensor parallel size 1 (tensor parallelism "
-                                            "is not implemented yet)" if v not in (None, 1) else None,
     "pipeline_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
     "data_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
     "hf_overrides": lambda v, mode: "set the lm_head dtype with --lm-head-dtype, for both engines" if isinstance(v, dict)

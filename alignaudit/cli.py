@@ -145,6 +145,7 @@ def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputA
         raise errors.InputError(f"unknown bisect mode {mode!r}; choose one of {', '.join(MODES)}")
     request = build_request(model, prompts, run)
     selection = parse_selection(layers, ops, request.spec.num_layers)
+    _refuse_parallel_capture([request.train, request.infer], forced=mode != "natural")
     out = out_dir(output, "bisect", BISECT_OUTPUTS)
     with console.status("") as status:
         result = run_bisect(request, out, selection, mode=mode, stream_log=output.verbose, on_stage=status.update)
@@ -188,6 +189,8 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     spec = resolve_model_arg(model)
     run = engine_runs(pair, model.seed, spec)[0]
     selection = None if no_ops else parse_selection(layers, ops, spec.num_layers)
+    if selection is not None:
+        _refuse_parallel_capture([run], forced=reference is not None)
     batch = load_batch(spec, prompts, model.seed, (engine,))
     inputs = ()
     if reference is not None:
@@ -359,6 +362,10 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                                 f"--infer {run.infer}")
     request = build_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p),
                             clip_eps)
+    from alignaudit.capabilities import refuse_parallel
+
+    refuse_parallel([request.train, request.infer], "alignaudit rl", "the trainer's ranks would have to train "
+                    "together and the rollout's ranks take weights through collective calls; run rl at size 1")
     out = out_dir(output, "rl", RL_OUTPUTS)
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(), TextColumn("{task.fields[last]}"))
     with Progress(*columns, console=console, transient=False) as progress:
@@ -383,6 +390,18 @@ def _step_line(row: dict) -> str:
     mism = f"{row['mismatches']}/{row['tokens']} tokens differ"
     return (f"{'[green]' if row['mismatches'] == 0 else '[red]'}{mism}[/], max ULP {row['ulp_max']}, {sync}, "
             f"reward {row['reward_mean']:.3f}, {row['seconds']:.1f}s")
+
+
+def _refuse_parallel_capture(runs, forced: bool) -> None:
+    """Op capture at tensor parallel size > 1: Megatron in natural mode only (its ranks gather sharded ops);
+    not vLLM, whose ranks run in worker processes its hooks cannot reach."""
+    from alignaudit.capabilities import refuse_parallel
+
+    refuse_parallel([r for r in runs if r.engine == "vllm"], "op capture", "vLLM's ranks run in worker processes "
+                    "that alignaudit's hooks cannot reach; capture vLLM at size 1 (under --strict, the same bits)")
+    if forced:
+        refuse_parallel(runs, "forced-mode op capture", "sharded ops would need the reference split per rank; "
+                        "use --mode natural")
 
 
 def _claim_verdict_files(run_dir: Path, targets: tuple[Path, ...]) -> None:

@@ -235,7 +235,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     """The two EngineRuns of a comparison, validated before anything starts: engines installed, dtypes,
     device, strict ops, every setting against what the engine implements (alignaudit.capabilities), and
     the engines' own configuration classes in a short worker (alignaudit.runner.check_options)."""
-    from alignaudit.capabilities import check_engine_features, check_runs
+    from alignaudit.capabilities import check_engine_features, check_parallel, check_runs
     from alignaudit.engines import check_installed
     from alignaudit.engines.base import EngineSettings, parse_options
     from alignaudit.request import EngineRun
@@ -253,6 +253,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
         for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt), (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]
     check_engine_features(spec, (pair.train, pair.infer))
+    check_parallel(spec, runs, dev)
     check_runs(runs[0], runs[1], mode)
     check_options(runs, spec, mode)
     return runs

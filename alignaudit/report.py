@@ -19,6 +19,8 @@ def _side_label(side: dict) -> str:
     opts = " ".join(f"{k}={v}" for k, v in side.get("options", {}).items())
     strict = f", strict {side['strict']}" if side.get("strict") else ""
     head = ", fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else ""
+    tp = side.get("options", {}).get("tensor_model_parallel_size") or side.get("options", {}).get("tensor_parallel_size")
+    head += f", TP={tp}" if tp and tp != 1 else ""
     return escape(f"{side['engine']} ({side['dtype']}, {side['device']}{strict}{head}{', ' + opts if opts else ''})")
 
 

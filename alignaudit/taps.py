@@ -163,6 +163,10 @@ class Tap:
     # op id -> the canonical ops whose values the engine really computes it from (fused ops differ from
     # the canonical graph, e.g. vLLM's add+RMSNorm); None: alignaudit.ops.op_inputs.
     real_inputs: Callable[[str], list[str]] | None = None
+    # Tensor parallelism: every rank taps (gathering a sharded tensor is collective), so ranks without a
+    # recorder act as if they recorded (``record_all``); ``gather(x, sharded)`` returns the unsharded tensor.
+    record_all: bool = False
+    gather: Callable[[torch.Tensor, str], torch.Tensor] | None = None
 
     def unforced_ops(self) -> list[str]:
         """Forced mode: recorded ops whose real inputs are not all in the reference, so they ran on the
@@ -174,14 +178,23 @@ class Tap:
         return [op for op in recorded if not all(self.reference.has(i) for i in inputs(op))]
 
     def __call__(self, x: torch.Tensor, view: View, layer: int | str | None, axes: Axes,
-                 spans: list[RowSpan] | None = None) -> torch.Tensor | None:
-        """Record the selected ops of ``view`` found in ``x``; return x's replacement in forced mode."""
+                 spans: list[RowSpan] | None = None, sharded: str | None = None) -> torch.Tensor | None:
+        """Record the selected ops of ``view`` found in ``x``; return x's replacement in forced mode.
+        ``sharded``: how ``x`` is split over tensor-parallel ranks (HookPoint.sharded), None if whole."""
         if layer == CURRENT_LAYER:
             layer = self.layer
         ids = [op_id(n, layer) for n in view.names]
-        record = [self.recorder is not None and self.selection.wants(i) for i in ids]
+        record = [(self.recorder is not None or self.record_all) and self.selection.wants(i) for i in ids]
         substitute = [self.reference is not None and self.reference.has(i) for i in ids]
         if not any(record) and not any(substitute):
+            return None
+        if sharded is not None and self.gather is not None:
+            if any(substitute):
+                from alignaudit.errors import InputError
+
+                raise InputError("forced mode at tensor parallel size > 1 is not implemented; bisect in natural mode")
+            x = self.gather(x, sharded)
+        if self.recorder is None:
             return None
         replaced = None
         for span in self.spans if spans is None else spans:
@@ -218,6 +231,7 @@ class HookPoint:
     axes: Axes
     when: str = "post"
     index: int | None = None
+    sharded: str | None = None  # tensor parallelism: "heads" or "features" (split along axis 2), "glu", None
 
 
 class Hooks:
@@ -266,7 +280,7 @@ def _post_hook(tap: Tap, p: HookPoint):
         if index is None and isinstance(output, (tuple, list)):
             index = 0  # modules that return (hidden, extras...) in some versions
         x = output if index is None else output[index]
-        new = tap(x, p.view, p.layer, p.axes)
+        new = tap(x, p.view, p.layer, p.axes, sharded=p.sharded)
         if new is None:
             return None
         if index is None:
@@ -277,7 +291,7 @@ def _post_hook(tap: Tap, p: HookPoint):
 
 def _pre_hook(tap: Tap, p: HookPoint):
     def hook(module, args):
-        new = tap(args[p.index or 0], p.view, p.layer, p.axes)
+        new = tap(args[p.index or 0], p.view, p.layer, p.axes, sharded=p.sharded)
         if new is None:
             return None
         i = p.index or 0

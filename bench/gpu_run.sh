@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
-#   bench/gpu_run.sh tests sweep bench bench-quick forward q8 q8-strict q8-bisect q8-bisect-strict
+#   bench/gpu_run.sh tests sweep bench bench-quick forward q8 q8-strict q8-bisect q8-bisect-strict \
+#                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17
 # tests: the strict-kernel tests on the GPU; sweep: launch-configuration sweep; bench: kernels vs
 # defaults; q8: Qwen3-8B-shape compare (random weights) megatron vs hf, default and --strict;
-# q8-bisect: bisect of layer 0. Needs megatron-core carried as a wheel in .whl/ for q8 (device README).
+# q8-bisect: bisect of layer 0; tp-bench: the strict row-parallel reduction vs NCCL's all-reduce (2 GPUs);
+# q8-tp2*: megatron at tensor-parallel size 2 (NCCL) vs hf / vs megatron at size 1; rl17: alignaudit rl on
+# the Qwen3-1.7B shape, megatron trains, hf rolls out, 20 steps --strict. Needs megatron-core carried as a
+# wheel in .whl/ for the megatron stages (device README).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/aa-out}; mkdir -p "$out"
@@ -11,6 +15,8 @@ shim=$(mktemp -d)
 ln -s "$PWD/kernels" "$shim/alignaudit_kernels"
 ln -s "$PWD/fixtures" "$shim/alignaudit_fixtures"
 export PYTHONPATH="$shim:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 ALIGNAUDIT_CACHE=/tmp/aa-cache
+# NVLink multicast stays off on shared multi-GPU hosts (device KINDS.md)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -20,7 +26,7 @@ python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>
 status=0
 q8() {  # $1 name, rest: extra compare options
   local name=$1; shift
-  timeout 280 python3 -m alignaudit compare --model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512 \
+  timeout 420 python3 -m alignaudit compare --model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512 \
     --train megatron --infer hf --device cuda --out /tmp/runs/$name --force "$@" 2>&1 | tail -32
   cp /tmp/runs/$name/summary.json "$out/$name-summary.json" 2>/dev/null
   for side in train infer; do grep -A3 '"timing_s"' /tmp/runs/$name/$side/manifest.json 2>/dev/null || tail -5 /tmp/runs/$name/$side/worker.log; done
@@ -39,6 +45,20 @@ for stage in "$@"; do
     q8-bisect-strict) timeout 300 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --mode natural --strict \
                  --out /tmp/runs/q8-bisect-strict --force 2>&1 | grep -E "✗|◀|every op|first diverging|error" | head -20 ;;
+    tp-bench) timeout 200 python3 bench/tp_reduction.py --world 2 --device cuda --hidden 4096 --tokens 16,256,1024,4096 \
+                --json "$out/tp-reduction.json" 2>&1 | tail -8 ;;
+    q8-tp2) q8 q8-tp2-strict --strict --train-opt tensor_model_parallel_size=2
+            q8 q8-tp2-default --train-opt tensor_model_parallel_size=2 ;;
+    q8-tp2-rollout) q8 q8-tp2-rollout-strict --strict --train-opt tensor_model_parallel_size=2 --mode rollout --max-new-tokens 64 ;;
+    q8-tp2-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
+                 --prompt-len 256 --train megatron --infer megatron --train-opt tensor_model_parallel_size=2 --device cuda \
+                 --layers 0 --mode natural --out /tmp/runs/q8-tp2-bisect --force 2>&1 | grep -E "◀|first diverging|error" | head -5
+               cp /tmp/runs/q8-tp2-bisect/bisect.json "$out/q8-tp2-bisect.json" 2>/dev/null ;;
+    rl17) timeout 500 python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --random-prompts 2 --prompt-len 128 \
+            --train megatron --infer hf --device cuda --strict --steps 20 --group-size 4 --max-new-tokens 32 \
+            --no-token-rows --out /tmp/runs/rl17 --force 2>&1 | tail -4
+          cp /tmp/runs/rl17/steps.parquet "$out/rl17-steps.parquet" 2>/dev/null; cp /tmp/runs/rl17/steps.png "$out/rl17-steps.png" 2>/dev/null
+          python3 -c "import pandas as pd; t=pd.read_parquet('/tmp/runs/rl17/steps.parquet'); print(t[['step','mismatches','ulp_max','sync_bit_equal','reward_mean','grad_norm','seconds']].to_string())" 2>&1 | tail -22 ;;
     q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --out /tmp/runs/q8-bisect --force \
                  2>&1 | tail -60

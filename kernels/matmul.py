@@ -4,8 +4,15 @@ Contract (both backends):
     inputs        x [..., K] and W [N, K] in bf16, fp16 or fp32 (one dtype); optional bias [N]
     precision     products and accumulation in fp32; bias added in fp32
     rounding      once, fp32 -> x.dtype, at the end
-    reduction     over K only, no split-K; the order for an output element depends on K alone, never
+    reduction     over K only; the order for an output element depends on K and ``k_segments`` alone, never
                   on the number of rows, the row's position, or the other rows
+    segments      ``k_segments`` S (1, 2, 4 or 8; K divisible by S): K is cut into S equal contiguous
+                  segments, each accumulated from zero in the order below, and the S fp32 partials are
+                  added by a pairwise tree ((p0 + p1) + (p2 + p3)). A row-parallel layer at tensor-parallel
+                  size t holds S/t consecutive segments on each rank: ``linear_partial`` gives its subtree,
+                  unrounded, and ``combine_partials`` adds the ranks' partials in rank order by the top of
+                  the same tree, then adds the bias and rounds once. So t = 1, 2, 4 (dividing S) give the
+                  same bits as each other and as ``linear(..., k_segments=S)`` on one rank.
     CPU order     K in blocks of 32 (zero-padded), each block a pairwise tree, blocks added left to right
                   (kernels/primitives.fixed_sum); products x*w rounded to fp32 (exact for bf16/fp16)
     GPU order     Triton: each (BLOCK_M x BLOCK_N) output tile by one program, K in increasing order, tl.dot
@@ -35,7 +42,23 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return y + bias if bias is not None else y
 
 
-def _cpu(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Pairwise tree over a power-of-two number of fp32 tensors: ((p0 + p1) + (p2 + p3)) ..."""
+    if len(parts) & (len(parts) - 1):
+        raise ValueError(f"a pairwise tree needs a power of two of partials, got {len(parts)}")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _cpu_partial(x2: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
+    """fp32 [M, N]: the tree over ``segments`` segment accumulations (no bias, no rounding)."""
+    seg = x2.shape[1] // segments
+    return tree_sum([_cpu_segment(x2[:, s * seg:(s + 1) * seg], weight[:, s * seg:(s + 1) * seg])
+                     for s in range(segments)])
+
+
+def _cpu_segment(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, k = x2.shape
     n = weight.shape[0]
     pad = (-k) % BLOCK
@@ -49,6 +72,11 @@ def _cpu(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
         for b in range(1, xf.shape[1]):
             acc = acc + block_sums(xs[:, None, b, :] * wf[None, :, b, :])
         out[start: start + rows] = acc
+    return out
+
+
+def _cpu(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int = 1) -> torch.Tensor:
+    out = _cpu_partial(x2, weight, segments)
     if bias is not None:
         out = out + bias.float()
     return out.to(x2.dtype)
@@ -69,41 +97,105 @@ if triton is not None:
         return first_m + (tile % (GROUP_M * tiles_n)) % size_m, (tile % (GROUP_M * tiles_n)) // size_m
 
     @triton.jit
-    def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    def _segment(x_ptr, w_ptr, rm, rn, k_lo, k_hi, M, N, stride_xm, stride_wn, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 accumulation of K in [k_lo, k_hi), increasing, from zero."""
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + rk
-            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
+            b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < k_hi), other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
+    def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr = 1):
+        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        seg = K // SEGMENTS
+        args = (x_ptr, w_ptr, rm, rn)
+        if SEGMENTS == 1:
+            acc = _segment(*args, 0, K, M, N, stride_xm, stride_wn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        elif SEGMENTS == 2:
+            acc = (_segment(*args, 0, seg, M, N, stride_xm, stride_wn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                   + _segment(*args, seg, K, M, N, stride_xm, stride_wn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K))
+        else:  # 4 or 8: pairs, then pairs of pairs (the tree of tree_sum)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            left = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for q in tl.static_range(SEGMENTS // 2):
+                pair = (_segment(*args, 2 * q * seg, (2 * q + 1) * seg, M, N, stride_xm, stride_wn, IEEE, BLOCK_M,
+                                 BLOCK_N, BLOCK_K)
+                        + _segment(*args, (2 * q + 1) * seg, (2 * q + 2) * seg, M, N, stride_xm, stride_wn, IEEE,
+                                   BLOCK_M, BLOCK_N, BLOCK_K))
+                if SEGMENTS == 4:
+                    if q == 0:
+                        acc = pair
+                    else:
+                        acc = acc + pair
+                else:  # 8: ((p01 + p23) + (p45 + p67))
+                    if q % 2 == 0:
+                        left = pair
+                    elif q == 1:
+                        acc = left + pair
+                    else:
+                        acc = acc + (left + pair)
         if HAS_BIAS:
             acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
+    def _tma_segment(x_desc, w_desc, pid_m, pid_n, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            a = x_desc.load([pid_m * BLOCK_M, k0])
+            b = w_desc.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(a, b.T, acc)
+        return acc
+
+    @triton.jit
     def _matmul_tma_kernel(x_desc, w_desc, y_desc, M, N, K, programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr = 1):
         """The same arithmetic as _matmul_kernel (bf16/fp16, no bias), with tiles moved by the TMA unit
         (out-of-range rows and K zero-filled, as the masked loads do) and ``programs`` persistent programs
-        walking the tiles in the same grouped order."""
+        walking the tiles in the same grouped order. With SEGMENTS > 1 each segment is a whole number of
+        BLOCK_K steps (the caller checks), so no load crosses a segment boundary."""
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        seg = K // SEGMENTS
         for tile in tl.range(tl.program_id(0), tiles, programs, flatten=True):
             pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = x_desc.load([pid_m * BLOCK_M, k0])
-                b = w_desc.load([pid_n * BLOCK_N, k0])
-                acc = tl.dot(a, b.T, acc)
+            if SEGMENTS == 1:
+                acc = _tma_segment(x_desc, w_desc, pid_m, pid_n, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                left = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for q in tl.static_range(SEGMENTS // 2):
+                    pair = (_tma_segment(x_desc, w_desc, pid_m, pid_n, 2 * q * seg, (2 * q + 1) * seg, BLOCK_M,
+                                         BLOCK_N, BLOCK_K)
+                            + _tma_segment(x_desc, w_desc, pid_m, pid_n, (2 * q + 1) * seg, (2 * q + 2) * seg,
+                                           BLOCK_M, BLOCK_N, BLOCK_K))
+                    if SEGMENTS == 2:
+                        acc = pair
+                    elif SEGMENTS == 4:
+                        if q == 0:
+                            acc = pair
+                        else:
+                            acc = acc + pair
+                    else:
+                        if q % 2 == 0:
+                            left = pair
+                        elif q == 1:
+                            acc = left + pair
+                        else:
+                            acc = acc + (left + pair)
             y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_desc.dtype))
 
 
@@ -139,18 +231,24 @@ def tile_for(m: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, in
     return tiles["small_wide"] if n >= WIDE_N else tiles["small"]
 
 
-def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile=None) -> torch.Tensor:
+def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile=None, segments: int = 1,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The pointer kernel (or, for large bf16/fp16 batches on Hopper, the TMA kernel); ``out_dtype`` float32
+    stores the unrounded accumulator (a partial)."""
     m, k = x2.shape
     n = weight.shape[0]
     x2, weight = x2.contiguous(), weight.contiguous()
-    if tile is None and m > SMALL_M and _tma_available(x2, weight, bias):
-        return _triton_tma(x2, weight, TILES[x2.dtype]["large_tma"])
-    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if tile is None and out_dtype is None and m > SMALL_M and _tma_available(x2, weight, bias):
+        large = TILES[x2.dtype]["large_tma"]
+        if (k // segments) % large[2] == 0:  # no TMA load may cross a segment boundary
+            return _triton_tma(x2, weight, large, segments=segments)
+    y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = tile or tile_for(m, n, x2.dtype)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](x2, weight, bias if bias is not None else x2, y, m, n, k, x2.stride(0), weight.stride(0),
                          y.stride(0), HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SEGMENTS=segments, num_warps=warps,
+                         num_stages=stages)
     return y
 
 
@@ -173,7 +271,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True) -> torch.Tensor:
+def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True, segments: int = 1) -> torch.Tensor:
     """The large-batch path on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -187,28 +285,43 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
     _matmul_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(y, [bm, bn]), m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=8, num_warps=warps, num_stages=stages)
+        GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
     return y
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+SEGMENT_COUNTS = (1, 2, 4, 8)
+# The K segments of every row-parallel layer (attention output and MLP down projections) in every engine's
+# strict path: tensor-parallel sizes 1, 2 and 4 then give identical bits (docs/kernels.md).
+ROW_PARALLEL_SEGMENTS = 4
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, segments: int) -> None:
     if x.dtype != weight.dtype:
         raise TypeError(f"strict linear needs one dtype: x is {x.dtype}, weight is {weight.dtype}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"strict linear: x has K={x.shape[-1]}, weight has K={weight.shape[1]}")
+    if segments not in SEGMENT_COUNTS or x.shape[-1] % segments:
+        raise ValueError(f"strict linear: k_segments={segments} must be one of {SEGMENT_COUNTS} and divide K={x.shape[-1]}")
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int = 1) -> torch.Tensor:
+    _check(x, weight, segments)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
-    y = (_triton if use_triton(x) else _cpu)(x2, weight, bias)
+    if use_triton(x):
+        y = _triton(x2, weight, bias, segments=segments)
+    else:
+        y = _cpu(x2, weight, bias, segments)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, segments):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _forward(x, weight, bias)
+        return _forward(x, weight, bias, segments)
 
     @staticmethod
     def backward(ctx, grad):
@@ -217,13 +330,40 @@ class _Linear(torch.autograd.Function):
         gx = (g @ weight.float()).to(x.dtype).reshape(x.shape)
         gw = (g.T @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
         gb = g.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return gx, gw, gb
+        return gx, gw, gb, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_segments: int = 1) -> torch.Tensor:
     """Strict ``x @ weight.T + bias``: x [..., K], weight [N, K], bias [N] or None -> [..., N] in x.dtype.
+    ``k_segments`` > 1 reduces K as a tree of that many segments (the row-parallel form; module docstring).
 
     Raises:
-        TypeError: x and weight of different dtypes. ValueError: K mismatch.
+        TypeError: x and weight of different dtypes. ValueError: K mismatch, or k_segments not in
+            SEGMENT_COUNTS or not dividing K.
     """
-    return _Linear.apply(x, weight, bias)
+    return _Linear.apply(x, weight, bias, k_segments)
+
+
+def linear_partial(x: torch.Tensor, weight: torch.Tensor, k_segments: int) -> torch.Tensor:
+    """One rank's share of a row-parallel strict linear: x [..., K/t], weight [N, K/t] holding ``k_segments``
+    (= S/t) consecutive segments -> fp32 [..., N], their tree, unrounded, without bias. Forward only.
+
+    Raises:
+        as ``linear``.
+    """
+    _check(x, weight, k_segments)
+    x2 = x.reshape(-1, x.shape[-1])
+    if use_triton(x):
+        y = _triton(x2, weight, None, segments=k_segments, out_dtype=torch.float32)
+    else:
+        y = _cpu_partial(x2, weight, k_segments)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def combine_partials(parts: list[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The ranks' fp32 partials, in rank order, by the top of the segment tree; + bias (fp32); rounded once
+    to ``dtype``. With ``linear_partial`` this equals ``linear(..., k_segments=S)`` bit for bit."""
+    out = tree_sum([p.float() for p in parts])
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(dtype)

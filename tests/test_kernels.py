@@ -214,6 +214,32 @@ def test_linear_negative_control_stock_matmul_varies_with_batch(device):
     assert torch.equal(K.linear(x[:1], w), K.linear(x, w)[:1])
 
 
+@pytest.mark.parametrize("rows", [3, 300])
+def test_row_parallel_partials_combine_to_the_single_rank_result(device, dtype, rows):
+    """Tensor-parallel row split of K at t = 1, 2, 4 ranks (k_segments = 4 / t each), partials combined in
+    rank order: the bits of linear(..., k_segments=4) on one rank; within fp32 rounding of fp64. At 300 rows
+    bf16/fp16 on Hopper the single-rank result comes from the TMA kernel, the partials from the pointer one."""
+    k, n, s = 1024, 96, matmul.ROW_PARALLEL_SEGMENTS
+    x, w = randn(rows, k, dtype=dtype, device=device, seed=11), randn(n, k, dtype=dtype, device=device, seed=12, scale=0.1)
+    b = randn(n, dtype=dtype, device=device, seed=13)
+    full = K.linear(x, w, b, k_segments=s)
+    for t in (1, 2, 4):
+        width = k // t
+        parts = [K.linear_partial(x[:, r * width:(r + 1) * width], w[:, r * width:(r + 1) * width], s // t)
+                 for r in range(t)]
+        assert_bitwise_equal(f"tp={t}", K.combine_partials(parts, b, dtype), full)
+    ref = matmul.reference(x.double(), w.double(), b.double())
+    assert_within("segmented linear", full, ref, ulp_of(ref, dtype) + k * 2**-23 * (x.double().abs() @ w.double().abs().T + b.double().abs()))
+
+
+def test_row_parallel_negative_control_rounded_partials_summed(device):
+    """What a stock row-parallel layer does (each rank rounds its output to bf16, then the ranks' outputs
+    are added): not the single-rank bits."""
+    x, w = randn(64, 1024, dtype=torch.bfloat16, device=device, seed=14), randn(96, 1024, dtype=torch.bfloat16, device=device, seed=15)
+    halves = [K.linear(x[:, r * 512:(r + 1) * 512], w[:, r * 512:(r + 1) * 512], k_segments=2) for r in range(2)]
+    assert not torch.equal(halves[0] + halves[1], K.linear(x, w, k_segments=4))
+
+
 def test_cpu_kernels_do_not_depend_on_thread_count(device):
     if device != "cpu":
         pytest.skip("thread count is a CPU property")

@@ -9,7 +9,10 @@ Logprobs: ``-loss`` where loss is GPTModel's own per-token training loss with ``
 ``log(sum(exp(l - max))) - (l[target] - max)`` (megatron/core/tensor_parallel/cross_entropy.py). RL
 trainers on Megatron (verl, NeMo-RL) take logprobs from the same function.
 
-Runs at world size 1 (tensor and pipeline parallel size 1): gloo on CPU, NCCL on CUDA.
+Runs at tensor-parallel size ``tensor_model_parallel_size`` (default 1; pipeline parallel size 1), one
+process per rank started by the worker (engines/worker.py): gloo on CPU, NCCL on CUDA. Weights are sharded
+per rank as Megatron shards them (megatron_weights.tp_shard); every rank computes the same logprobs, rank 0
+writes them.
 
 Options: ``micro_batch_size`` (sequences per forward, right-padded; default 1) and any TransformerConfig
 field (e.g. ``attention_softmax_in_fp32=false``, ``apply_rope_fusion=true``).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import tempfile
 
 import torch
@@ -33,18 +37,30 @@ from alignaudit.models import ModelSpec
 from alignaudit.prompts import TokenBatch
 
 
-def init_single_process(device: str) -> None:
-    """World size 1 process group, Megatron parallel state, and RNG tracker (idempotent)."""
+RANK_ENV, WORLD_ENV, RENDEZVOUS_ENV = "RANK", "WORLD_SIZE", "ALIGNAUDIT_RENDEZVOUS"
+
+
+def tensor_parallel_size(settings: EngineSettings) -> int:
+    """The run's tensor-parallel size (the ``tensor_model_parallel_size`` option; 1 without it)."""
+    return int(settings.options.get("tensor_model_parallel_size", 1))
+
+
+def init_parallel(device: str, tp: int) -> int:
+    """Process group, Megatron parallel state (tensor parallel ``tp``, pipeline 1) and RNG tracker for this
+    rank (idempotent); returns the rank. Rank and rendezvous come from RANK and ALIGNAUDIT_RENDEZVOUS (set
+    by the worker that starts the ranks), else rank 0 of 1. Gloo on CPU, NCCL on CUDA (one GPU per rank)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import initialize_rng_tracker, model_parallel_cuda_manual_seed
 
+    rank = int(os.environ.get(RANK_ENV, 0))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     if not torch.distributed.is_initialized():
-        rendezvous = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
-        torch.distributed.init_process_group(
-            "nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1
-        )
+        rendezvous = os.environ.get(RENDEZVOUS_ENV) or tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
+        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}",
+                                             rank=rank, world_size=tp)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(tp, 1)
     if device == "cuda":
         model_parallel_cuda_manual_seed(0)
     else:
@@ -52,6 +68,7 @@ def init_single_process(device: str) -> None:
         # Rotary inv_freq and the attention score buffer are allocated on torch.cuda.current_device();
         # on a CPU-only worker point them at the CPU (this process runs nothing else).
         torch.cuda.current_device = lambda: "cpu"
+    return rank
 
 
 def transformer_config(spec: ModelSpec, settings: EngineSettings, overrides: dict):
@@ -145,7 +162,8 @@ class MegatronEngine(Engine):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         self.micro_batch_size = micro_batch_option(settings.options)
-        init_single_process(settings.device)
+        self.tp_size = tensor_parallel_size(settings)
+        self.rank = init_parallel(settings.device, self.tp_size)
         self.config = self._config(spec, settings)
         ops = settings.strict_ops
         if ops:
@@ -166,7 +184,7 @@ class MegatronEngine(Engine):
             pre_process=True,
             post_process=True,
         )
-        state = megatron_state_dict(spec, settings.torch_dtype)
+        state = megatron_state_dict(spec, settings.torch_dtype, self.rank, self.tp_size)
         self.loaded_tensors = len(state)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]

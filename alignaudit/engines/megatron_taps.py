@@ -13,39 +13,65 @@ from alignaudit.taps import SEQ_FIRST, Blocks, GroupedQKV, HookPoint, Hooks, Sam
 
 
 def install(gpt, tap: Tap) -> Hooks:
-    """Register every canonical op of ``gpt`` (an unwrapped GPTModel) on ``tap``; close the result to undo."""
+    """Register every canonical op of ``gpt`` (an unwrapped GPTModel) on ``tap``; close the result to undo.
+
+    At tensor-parallel size > 1 the column-parallel outputs (the grouped QKV, per-head q/k norms, rope and
+    attention, [gate | up], the activation, the vocab-parallel logits) hold this rank's shard: their hook
+    points say how they are split, and ``tap.gather`` reassembles them from every rank in rank order. The
+    row-parallel outputs (o_proj, down_proj) are whole after Megatron's reduction, as are norms and adds.
+    """
+    from megatron.core import parallel_state
+
     hooks = Hooks()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        tap.gather = _gather
     points = [HookPoint(gpt.embedding, Same("embed"), None, SEQ_FIRST)]
     for i, layer in enumerate(gpt.decoder.layers):
         attn, mlp = layer.self_attention, layer.mlp
         points += [
             HookPoint(layer.input_layernorm, Same("input_norm"), i, SEQ_FIRST),
-            HookPoint(attn.linear_qkv, GroupedQKV(), i, SEQ_FIRST, index=0),
-            HookPoint(attn.q_layernorm, Same("q_norm"), i, SEQ_FIRST),
-            HookPoint(attn.k_layernorm, Same("k_norm"), i, SEQ_FIRST),
+            HookPoint(attn.linear_qkv, GroupedQKV(), i, SEQ_FIRST, index=0, sharded="features"),
+            HookPoint(attn.q_layernorm, Same("q_norm"), i, SEQ_FIRST, sharded="features"),
+            HookPoint(attn.k_layernorm, Same("k_norm"), i, SEQ_FIRST, sharded="features"),
             *_rope_points(attn.core_attention, i),
-            HookPoint(attn.core_attention, Same("attn"), i, SEQ_FIRST),
+            HookPoint(attn.core_attention, Same("attn"), i, SEQ_FIRST, sharded="features"),
             HookPoint(attn.linear_proj, Same("o_proj"), i, SEQ_FIRST, index=0),
             HookPoint(layer.pre_mlp_layernorm, Same("attn_residual"), i, SEQ_FIRST, when="pre"),
             HookPoint(layer.pre_mlp_layernorm, Same("post_attn_norm"), i, SEQ_FIRST),
-            HookPoint(mlp.linear_fc1, Blocks(("gate_proj", "up_proj")), i, SEQ_FIRST, index=0),
-            HookPoint(mlp.linear_fc2, Same("act"), i, SEQ_FIRST, when="pre"),
+            HookPoint(mlp.linear_fc1, Blocks(("gate_proj", "up_proj")), i, SEQ_FIRST, index=0, sharded="glu"),
+            HookPoint(mlp.linear_fc2, Same("act"), i, SEQ_FIRST, when="pre", sharded="features"),
             HookPoint(mlp.linear_fc2, Same("down_proj"), i, SEQ_FIRST, index=0),
             HookPoint(layer, Same("mlp_residual"), i, SEQ_FIRST, index=0),
         ]
     points += [
         HookPoint(gpt.decoder.final_layernorm, Same("final_norm"), None, SEQ_FIRST),
-        HookPoint(gpt.output_layer, Same("logits"), None, SEQ_FIRST, index=0),
+        HookPoint(gpt.output_layer, Same("logits"), None, SEQ_FIRST, index=0, sharded="features"),
     ]
     for p in points:
         hooks.add(tap, p)
     return hooks
 
 
+def _gather(x, sharded: str):
+    """This rank's shard [tokens, batch, shard, ...] -> the whole tensor: every rank's shard along axis 2
+    (query groups, heads or features; each rank holds a contiguous block), in rank order; for SwiGLU's fc1
+    ([gate shard | up shard] on each rank) the gate shards, then the up shards."""
+    import torch
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    if sharded == "glu":
+        halves = [p.chunk(2, dim=2) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=2)
+    return torch.cat(parts, dim=2)
+
+
 def _rope_points(core_attention, layer: int) -> list[HookPoint]:
     """q_rope/k_rope: core_attention's inputs, or the strict core attention's own rope modules."""
     if getattr(core_attention, "q_rope", None) is not None:  # alignaudit.strict.megatron.StrictCoreAttention
-        return [HookPoint(core_attention.q_rope, Same("q_rope"), layer, SEQ_FIRST),
-                HookPoint(core_attention.k_rope, Same("k_rope"), layer, SEQ_FIRST)]
-    return [HookPoint(core_attention, Same("q_rope"), layer, SEQ_FIRST, when="pre", index=0),
-            HookPoint(core_attention, Same("k_rope"), layer, SEQ_FIRST, when="pre", index=1)]
+        return [HookPoint(core_attention.q_rope, Same("q_rope"), layer, SEQ_FIRST, sharded="features"),
+                HookPoint(core_attention.k_rope, Same("k_rope"), layer, SEQ_FIRST, sharded="features")]
+    return [HookPoint(core_attention, Same("q_rope"), layer, SEQ_FIRST, when="pre", index=0, sharded="features"),
+            HookPoint(core_attention, Same("k_rope"), layer, SEQ_FIRST, when="pre", index=1, sharded="features")]

@@ -67,6 +67,14 @@ class VllmEngine(Engine):
         from alignaudit.strict import ENV, format_strict
 
         os.environ[ENV] = format_strict(settings.strict_ops)  # read by the plugin in every vLLM process
+        self.tp_size = int(settings.options.get("tensor_parallel_size", 1))
+        if settings.device == "cpu" and self.tp_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+            # vLLM's automatic binding wants one NUMA node per rank (vllm/utils/ompmultiprocessing.py); split
+            # this process's cores into one list per rank instead.
+            cores = sorted(os.sched_getaffinity(0))
+            per = len(cores) // self.tp_size
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(str(c) for c in cores[r * per:(r + 1) * per]) for r in range(self.tp_size))
         engine_fields = self._engine_fields()
         self.engine_options = {k: v for k, v in settings.options.items() if k in engine_fields}
         self.sampling_options = {k: v for k, v in settings.options.items() if k not in engine_fields}
@@ -222,6 +230,8 @@ class VllmEngine(Engine):
                 "logprobs_mode": str(config.model_config.logprobs_mode),
                 "head_dtype": str(config.model_config.head_dtype),
                 "attention_backend": os.environ.get("VLLM_ATTENTION_BACKEND"),
+                "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+                "cpu_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                 "device": str(config.device_config.device),
                 "startup_s": self.startup_s,
             }

@@ -5,7 +5,9 @@
 
 Every engine runs in a worker of its own (vLLM's in-process engine patches torch; Megatron keeps global
 parallel state). A library error is reported on stderr as one line starting with ``ERROR_MARKER`` followed
-by JSON, so the parent can re-raise it with the same type and exit code.
+by JSON, so the parent can re-raise it with the same type and exit code. Megatron at tensor-parallel size
+t > 1 runs as t rank processes started here (torch.multiprocessing, one rendezvous file); every rank runs
+the request, rank 0 alone reports progress and writes the capture.
 """
 
 from __future__ import annotations
@@ -27,6 +29,41 @@ def report_progress(done: int, total: int) -> None:
 
 
 def run_request(request: dict) -> None:
+    """Run the request on this process, or on its tensor-parallel ranks."""
+    tp = int(request["settings"].get("options", {}).get("tensor_model_parallel_size", 1))
+    if request["engine"] == "megatron" and tp > 1:
+        run_ranks(request, tp)
+    else:
+        run_rank(request, 0)
+
+
+def run_ranks(request: dict, tp: int) -> None:
+    """Start ``tp`` rank processes and wait for all; a rank's failure ends the worker with that rank's exit
+    code (the rank reported its error on the shared stderr)."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from alignaudit.engines.megatron import RENDEZVOUS_ENV
+
+    os.environ[RENDEZVOUS_ENV] = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
+    try:
+        mp.start_processes(_rank_main, args=(request, tp), nprocs=tp, join=True, start_method="spawn")
+    except mp.ProcessExitedException as e:
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 3)
+
+
+def _rank_main(rank: int, request: dict, tp: int) -> None:
+    import os
+
+    from alignaudit.engines.megatron import RANK_ENV, WORLD_ENV
+
+    os.environ[RANK_ENV], os.environ[WORLD_ENV] = str(rank), str(tp)
+    _guarded(lambda: run_rank(request, rank))
+
+
+def run_rank(request: dict, rank: int) -> None:
     from alignaudit.capture import logprob_table, write_capture
     from alignaudit.engines import load_engine_class
     from alignaudit.engines.base import EngineSettings
@@ -41,9 +78,10 @@ def run_request(request: dict) -> None:
     out = Path(request["out"])
     started = time.perf_counter()
     engine = load_engine_class(request["engine"])(spec, settings)
-    engine.progress = report_progress
+    if rank == 0:
+        engine.progress = report_progress
     loaded = time.perf_counter()
-    tap = _attach_tap(engine, spec, request.get("ops"), out)
+    tap = _attach_tap(engine, spec, request.get("ops"), out, rank)
     rollout = request.get("rollout")
     engine.replay = request.get("replay")
     prompt_lengths = engine.replay["prompt_lengths"] if engine.replay else None
@@ -75,6 +113,9 @@ def run_request(request: dict) -> None:
         "numerics": numerics_flags(),
         "timing_s": {"load": round(loaded - started, 3), "forward": round(finished - loaded, 3)},
     }
+    if rank != 0:
+        engine.close()
+        return
     if tap is not None:
         unforced = tap.unforced_ops()
         manifest["ops"] = {
@@ -89,8 +130,9 @@ def run_request(request: dict) -> None:
     write_capture(out, manifest, logprob_table(batch, logprobs, prompt_lengths))
 
 
-def _attach_tap(engine, spec, ops_request: dict | None, out: Path):
-    """Natural capture of the selected ops, or forced mode when a reference capture is given."""
+def _attach_tap(engine, spec, ops_request: dict | None, out: Path, rank: int = 0):
+    """Natural capture of the selected ops, or forced mode when a reference capture is given. Every
+    tensor-parallel rank taps (gathering a sharded op is collective); rank 0 alone records."""
     if ops_request is None:
         return None
     from alignaudit.ops import Selection
@@ -98,33 +140,47 @@ def _attach_tap(engine, spec, ops_request: dict | None, out: Path):
     from alignaudit.taps import Tap
 
     reference = OpStore(Path(ops_request["reference"])) if ops_request.get("reference") else None
-    tap = Tap(spec, Selection.from_dict(ops_request.get("selection")), OpRecorder(out), reference)
+    recorder = OpRecorder(out) if rank == 0 else None
+    tap = Tap(spec, Selection.from_dict(ops_request.get("selection")), recorder, reference, record_all=rank != 0)
     engine.attach(tap)
     return tap
 
 
 def main() -> None:
+    def work():
+        if sys.argv[1] == "--check-options":
+            check_options(json.loads(sys.argv[2]))
+        else:
+            run_request(json.loads(Path(sys.argv[1]).read_text()))
+
+    _guarded(work)
+
+
+def check_options(checks: list[dict]) -> None:
+    from alignaudit.engines import load_engine_class
+    from alignaudit.engines.base import EngineSettings
+    from alignaudit.models import ModelSpec
+
+    for check in checks:
+        cls = load_engine_class(check["engine"])
+        settings = EngineSettings(**check["settings"])
+        cls.check_options(settings.options)
+        cls.check_config(ModelSpec(**check["spec"]), settings, check["role"], check["mode"])
+
+
+def _guarded(work) -> None:
+    """Run ``work``; a library error becomes an ERROR_MARKER line and its exit code, anything else exit 3."""
     from alignaudit.errors import EXIT_ENGINE, AlignAuditError
 
     try:
-        if sys.argv[1] == "--check-options":
-            from alignaudit.engines import load_engine_class
-
-            from alignaudit.engines.base import EngineSettings
-            from alignaudit.models import ModelSpec
-
-            for check in json.loads(sys.argv[2]):
-                cls = load_engine_class(check["engine"])
-                settings = EngineSettings(**check["settings"])
-                cls.check_options(settings.options)
-                cls.check_config(ModelSpec(**check["spec"]), settings, check["role"], check["mode"])
-        else:
-            run_request(json.loads(Path(sys.argv[1]).read_text()))
+        work()
     except AlignAuditError as e:
         traceback.print_exc()
         record = {"type": type(e).__name__, "message": str(e)}
         print(ERROR_MARKER + json.dumps(record), file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except SystemExit:
+        raise
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()

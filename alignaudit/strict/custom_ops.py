@@ -14,13 +14,23 @@ import alignaudit_kernels as K
 
 
 @torch.library.custom_op("alignaudit::linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return K.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_segments: int = 1) -> torch.Tensor:
+    return K.linear(x, weight, bias, k_segments)
 
 
 @linear.register_fake
-def _(x, weight, bias=None):
+def _(x, weight, bias=None, k_segments=1):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("alignaudit::linear_partial", mutates_args=())
+def linear_partial(x: torch.Tensor, weight: torch.Tensor, k_segments: int) -> torch.Tensor:
+    return K.linear_partial(x, weight, k_segments)
+
+
+@linear_partial.register_fake
+def _(x, weight, k_segments):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("alignaudit::rms_norm", mutates_args=())

@@ -2,7 +2,8 @@
 
 ``make_strict(model, ops)`` changes the classes of the model's modules in place to subclasses whose
 forward calls the strict kernels; parameters, names and state dicts are unchanged:
-    linear     every nn.Linear (projections and lm_head) -> alignaudit_kernels.linear
+    linear     every nn.Linear (projections and lm_head) -> alignaudit_kernels.linear; o_proj and down_proj
+               (row-parallel under tensor parallelism) with K in ROW_PARALLEL_SEGMENTS segments
     rmsnorm    every Qwen3RMSNorm -> alignaudit_kernels.rms_norm (the residual adds stay HF's
                ``residual + x`` in the storage dtype, which is the kernels' rounding point 1)
     silu       Qwen3MLP -> silu_mul(gate_proj(x), up_proj(x))
@@ -26,6 +27,14 @@ from alignaudit.strict.common import RopeOp
 class StrictLinear(torch.nn.Linear):
     def forward(self, x):
         return K.linear(x, self.weight, self.bias)
+
+
+class StrictRowLinear(torch.nn.Linear):
+    """A projection that is row-parallel under tensor parallelism (o_proj, down_proj): K reduced in
+    alignaudit_kernels.ROW_PARALLEL_SEGMENTS segments, as every engine's strict path does."""
+
+    def forward(self, x):
+        return K.linear(x, self.weight, self.bias, K.ROW_PARALLEL_SEGMENTS)
 
 
 class StrictRMSNorm(torch.nn.Module):
@@ -100,7 +109,7 @@ def make_strict(model, ops: frozenset[str]) -> list[str]:
     for name, m in list(model.named_modules()):
         kind = type(m).__name__
         if "linear" in ops and isinstance(m, torch.nn.Linear):
-            _swap(m, StrictLinear)
+            _swap(m, StrictRowLinear if name.endswith((".o_proj", ".down_proj")) else StrictLinear)
         elif "rmsnorm" in ops and kind == "Qwen3RMSNorm":
             _swap(m, StrictRMSNorm)
         elif "silu" in ops and kind == "Qwen3MLP":

@@ -8,8 +8,9 @@ Build a model the way a Megatron trainer does, with the strict spec in place of 
 
 Per op:
     linear     ColumnParallelLinear / RowParallelLinear subclasses (and GPTModel.output_layer) whose
-               forward is alignaudit_kernels.linear; tensor parallel size 1 only (a row-parallel
-               all-reduce would add partial sums in another order)
+               forward is alignaudit_kernels.linear; row-parallel layers reduce K in ROW_PARALLEL_SEGMENTS
+               segments and, at tensor-parallel size > 1, combine the ranks' fp32 partials in rank order
+               (the bits of size 1), not an all-reduce of rounded outputs
     rmsnorm    StrictRMSNorm for input, pre-MLP, q/k and final norms; the residual adds stay Megatron's
                bias-dropout-add, which rounds ``residual + x`` once in the storage dtype (the kernels'
                rounding point 1); dropout must be 0
@@ -18,7 +19,8 @@ Per op:
                0..seq-1 per sequence (no packed sequences)
     attention  StrictCoreAttention: alignaudit_kernels.varlen_attention over each batch row
     logprobs   StrictGPTModel.compute_language_model_loss returns -token_logprobs (the loss whose
-               negation RL trainers read as logprobs)
+               negation RL trainers read as logprobs), over the vocabulary gathered from every
+               tensor-parallel rank
 Forward and backward work (the kernels are autograd Functions).
 """
 
@@ -40,25 +42,39 @@ import alignaudit_kernels as K
 from alignaudit.strict.common import RopeOp
 
 
-def _tp1(module) -> None:
+def _tp_group(module):
+    """The module's tensor-parallel group (megatron.core keeps it as ``tp_group``), or None at size 1."""
     group = getattr(module, "tp_group", None)
-    if group is not None and group.size() != 1:
-        raise ValueError("the strict Megatron linear layers support tensor parallel size 1 only")
+    return group if group is not None and group.size() > 1 else None
 
 
 class StrictColumnParallelLinear(ColumnParallelLinear):
+    """Output features split over ranks: each rank's shard is an independent strict linear (K whole)."""
+
     def forward(self, input_, weight=None, runtime_gather_output=None, **kwargs):
-        _tp1(self)
+        if getattr(self, "gather_output", False) and _tp_group(self) is not None:
+            raise ValueError("strict column-parallel linear does not gather its output")
         w = self.weight if weight is None else weight
         bias = None if self.skip_bias_add else self.bias
         return K.linear(input_, w, bias), (self.bias if self.skip_bias_add else None)
 
 
 class StrictRowParallelLinear(RowParallelLinear):
+    """K split over ranks: K reduced in ROW_PARALLEL_SEGMENTS segments; at tensor-parallel size t each rank
+    computes its S/t segments' fp32 partial, the partials are gathered and added in rank order by the top
+    of the segment tree, the bias is added and the sum rounded once (alignaudit_kernels.combine_partials):
+    the bits of tensor-parallel size 1."""
+
     def forward(self, input_, **kwargs):
-        _tp1(self)
         bias = None if self.skip_bias_add else self.bias
-        return K.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+        out_bias = self.bias if self.skip_bias_add else None
+        group = _tp_group(self)
+        if group is None:
+            return K.linear(input_, self.weight, bias, K.ROW_PARALLEL_SEGMENTS), out_bias
+        partial = K.linear_partial(input_, self.weight, K.ROW_PARALLEL_SEGMENTS // group.size())
+        parts = [torch.empty_like(partial) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, partial.contiguous(), group=group)
+        return K.combine_partials(parts, bias, input_.dtype), out_bias
 
 
 class StrictRMSNorm(torch.nn.Module):
@@ -174,5 +190,11 @@ class StrictGPTModel(GPTModel):
     def compute_language_model_loss(self, labels, logits):
         if "logprobs" not in self.strict_ops:
             return super().compute_language_model_loss(labels, logits)
-        # logits [s, b, v], labels [b, s] -> per-token loss [b, s], as Megatron returns it
+        # logits [s, b, v] (v: this rank's vocabulary shard), labels [b, s] -> per-token loss [b, s], as Megatron
+        # returns it. At tensor-parallel size > 1 the shards are gathered in rank order (exact), so the strict
+        # log_softmax reduces over the whole vocabulary in its one order: the bits of size 1.
+        if _tp_group(self.output_layer) is not None:
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            logits = gather_from_tensor_model_parallel_region(logits)
         return -K.token_logprobs(logits.transpose(0, 1), labels)

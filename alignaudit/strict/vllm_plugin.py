@@ -4,7 +4,10 @@ Registered under the ``vllm.general_plugins`` entry point (pyproject.toml), so v
 in every process it starts. It does nothing unless ALIGNAUDIT_STRICT names ops ("all", or a list such
 as "rmsnorm,rope"); then it replaces, for every model vLLM loads (all patches live here):
     linear     UnquantizedLinearMethod.apply and LogitsProcessor._apply_head (the lm_head, in head_dtype)
-               with alignaudit::linear; on the CPU the weights stay in place (no oneDNN repacking)
+               with alignaudit::linear; row-parallel layers with K in ROW_PARALLEL_SEGMENTS segments, and at
+               tensor-parallel size > 1 RowParallelLinear.forward combines the ranks' fp32 partials in
+               rank order instead of all-reducing rounded outputs; on the CPU the weights stay in place (no
+               oneDNN repacking)
     rmsnorm    RMSNorm.forward with alignaudit::rms_norm / alignaudit::add_rms_norm (fused residual add,
                rounded once to the storage dtype, then normalized)
     rope       RotaryEmbedding.forward with alignaudit::rope (neox style, rotary_dim == head_size)
@@ -72,15 +75,19 @@ def _patch(owner: type, name: str, value) -> None:
 
 
 def _linear() -> None:
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.platforms import current_platform
 
+    import alignaudit_kernels as K
+
     def apply(self, layer, x, bias=None):
-        return torch.ops.alignaudit.linear(x, layer.weight, bias)
+        segments = K.ROW_PARALLEL_SEGMENTS if isinstance(layer, RowParallelLinear) else 1
+        return torch.ops.alignaudit.linear(x, layer.weight, bias, segments)
 
     _patch(UnquantizedLinearMethod, "apply", apply)
     _patch(UnquantizedEmbeddingMethod, "apply", apply)
+    _patch(RowParallelLinear, "forward", _row_parallel_forward)
 
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
@@ -93,6 +100,27 @@ def _linear() -> None:
     _patch(LogitsProcessor, "_apply_head", apply_head)
     if current_platform.is_cpu():  # the CPU path repacks weights for oneDNN and empties layer.weight
         _patch(UnquantizedLinearMethod, "process_weights_after_loading", lambda self, layer: None)
+
+
+def _row_parallel_forward(self, input_):
+    """vLLM's RowParallelLinear at tensor-parallel size > 1, strict: each rank's fp32 partial over its
+    ROW_PARALLEL_SEGMENTS / tp segments, gathered, added by the top of the segment tree in rank order, bias
+    added, rounded once (alignaudit_kernels.combine_partials); not an all-reduce of rounded outputs."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    import alignaudit_kernels as K
+
+    if self.tp_size == 1 or not self.reduce_results:
+        output = self.quant_method.apply(self, input_, None if self.skip_bias_add else self.bias)
+    else:
+        if not self.input_is_parallel:
+            raise NotImplementedError("strict row-parallel linear expects parallel input (input_is_parallel)")
+        partial = torch.ops.alignaudit.linear_partial(input_, self.weight, K.ROW_PARALLEL_SEGMENTS // self.tp_size)
+        parts = tensor_model_parallel_all_gather(partial.unsqueeze(0), dim=0)  # [tp, ..., N], rank order
+        output = K.combine_partials(list(parts.unbind(0)), None if self.skip_bias_add else self.bias, input_.dtype)
+    if not self.return_bias:
+        return output
+    return output, (self.bias if self.skip_bias_add else None)
 
 
 def _rmsnorm() -> None:

@@ -1,0 +1,85 @@
+"""Tensor parallelism on the CPU: Megatron at TP=2 (two gloo ranks), vLLM at TP=2 (its CPU communicator).
+
+Chain of reasoning:
+1. A row-parallel layer adds its ranks' partial sums: the default stack rounds each rank's output, then
+   all-reduces, so TP=2 differs from TP=1 inside one engine, and bisect (sharded ops gathered from every
+   rank) names the first row-parallel projection, layers.0.o_proj, with every op before it bitwise equal.
+2. The strict linear defines K as a tree of ROW_PARALLEL_SEGMENTS segments whose top levels the ranks add
+   in rank order (tests/test_kernels.py proves the partials at TP 1, 2 and 4 combine to the single-rank
+   bits), and strict logprobs gather the vocabulary shards before the one log_softmax.
+3. So megatron and vllm under --strict agree bit for bit at any pairing of TP 1 and 2: TP=2 vs TP=2 (in
+   rollout mode, whose prompt positions are the prompt-mode logprobs and whose sampled tokens come from
+   vLLM's TP=2 decode), TP=1 vs TP=2, and TP=2 vs TP=1; without --strict they differ (negative control).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from alignaudit import cli
+from alignaudit.errors import EXIT_OK, EXIT_USAGE
+
+from test_cli import one_line_error
+
+MEGATRON_TP2 = ["--train-opt", "tensor_model_parallel_size=2"]
+VLLM_TP2 = ["--infer-opt", "tensor_parallel_size=2"]
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_default_tp2_differs_from_tp1_at_the_first_row_parallel_projection(tmp_path):
+    out = tmp_path / "bisect"
+    assert cli.main(["bisect", "--train", "megatron", "--infer", "megatron", *MEGATRON_TP2, "--mode", "natural",
+                     "--out", str(out)]) == EXIT_OK
+    result = json.loads((out / "bisect.json").read_text())["natural"]
+    assert result["first_divergence"]["op"] == "layers.0.o_proj"
+    records = {r["op"]: r for r in result["records"]}
+    for op in ("embed", "layers.0.q_proj", "layers.0.k_rope", "layers.0.attn"):
+        assert records[op]["status"] == "equal", op  # gathered shards equal the single-rank tensors
+    assert records["logprobs"]["status"] == "differs"
+    run = json.loads((out / "run.json").read_text())
+    assert run["train"]["options"] == {"tensor_model_parallel_size": 2}
+    manifest = json.loads((out / "train" / "manifest.json").read_text())
+    assert manifest["engine_settings"]["transformer_config"]["tensor_model_parallel_size"] == 2
+
+
+@pytest.mark.parametrize("train_tp, infer_tp, mode", [(2, 2, "rollout"), (1, 2, "prompt"), (2, 1, "prompt")])
+def test_strict_is_bitwise_equal_across_tensor_parallel_sizes(tmp_path, train_tp, infer_tp, mode):
+    out = tmp_path / "run"
+    argv = ["compare", "--strict", "--train", "megatron", "--infer", "vllm", "--mode", mode,
+            "--max-new-tokens", "8", "--out", str(out)]
+    argv += MEGATRON_TP2 if train_tp == 2 else []
+    argv += VLLM_TP2 if infer_tp == 2 else []
+    assert cli.main(argv) == EXIT_OK
+    s = summary(out)
+    assert s["mismatches"] == 0 and s["ulp_max"] == 0
+    assert s["tokens_compared"] == (176 + 4 * 8 if mode == "rollout" else 176)
+    if mode == "rollout":
+        assert s["generated"]["tokens_compared"] == 32 and s["generated"]["mismatches"] == 0
+    resolved = json.loads((out / "infer" / "manifest.json").read_text())["engine_settings"]["resolved"]
+    assert resolved["tensor_parallel_size"] == infer_tp
+
+
+def test_the_default_stack_at_tp2_differs(tmp_path):
+    """Negative control for the strict results above: without --strict, Megatron at TP=2 and HF differ."""
+    out = tmp_path / "stock"
+    assert cli.main(["compare", "--train", "megatron", "--infer", "hf", *MEGATRON_TP2, "--out", str(out)]) == EXIT_OK
+    assert summary(out)["mismatches"] == 176
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--train-opt", "tensor_model_parallel_size=3"], "does not divide the 4 attention heads"),
+    (["compare", "--train-opt", "tensor_model_parallel_size=4"], "does not divide the 2 query groups"),
+    (["compare", "--infer-opt", "tensor_parallel_size=4"], "needs 4 CPU cores, one per rank"),
+    (["bisect", *VLLM_TP2], "op capture with vllm at tensor parallel size > 1 is not implemented"),
+    (["bisect", *MEGATRON_TP2, "--mode", "forced"], "forced-mode op capture with megatron"),
+    (["rl", *MEGATRON_TP2], "alignaudit rl with megatron at tensor parallel size > 1 is not implemented"),
+])
+def test_tensor_parallel_sizes_the_run_cannot_take_are_refused(capsys, tmp_path, argv, message):
+    out = tmp_path / "o"
+    assert message in one_line_error(capsys, [*argv, "--out", str(out)], EXIT_USAGE)
+    assert not out.exists()
