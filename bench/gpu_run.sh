@@ -49,6 +49,8 @@ for stage in "$@"; do
                 --json "$out/tp-reduction.json" 2>&1 | tail -8 ;;
     q8-tp2) q8 q8-tp2-strict --strict --train-opt tensor_model_parallel_size=2
             q8 q8-tp2-default --train-opt tensor_model_parallel_size=2 ;;
+    q8-tp2-strict) q8 q8-tp2-strict --strict --train-opt tensor_model_parallel_size=2 ;;
+    q8-tp2-default) q8 q8-tp2-default --train-opt tensor_model_parallel_size=2 ;;
     q8-tp2-rollout) q8 q8-tp2-rollout-strict --strict --train-opt tensor_model_parallel_size=2 --mode rollout --max-new-tokens 64 ;;
     q8-tp2-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer megatron --train-opt tensor_model_parallel_size=2 --device cuda \
