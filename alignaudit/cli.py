@@ -364,8 +364,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                             clip_eps)
     from alignaudit.capabilities import refuse_parallel
 
-    refuse_parallel([request.train, request.infer], "alignaudit rl", "the trainer's ranks would have to train "
-                    "together and the rollout's ranks take weights through collective calls; run rl at size 1")
+    refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
+                    "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
     out = out_dir(output, "rl", RL_OUTPUTS)
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(), TextColumn("{task.fields[last]}"))
     with Progress(*columns, console=console, transient=False) as progress:

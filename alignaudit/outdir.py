@@ -28,9 +28,11 @@ from alignaudit.errors import InputError
 
 MARKER = ".alignaudit-outputs"
 LOCK = ".alignaudit.lock"
-# Files alignaudit writes inside the directories it creates (captures and their op stores).
+# Files alignaudit writes inside the directories it creates (captures and their op stores; rl's sync/ and
+# tokens/).
 INNER_FILES = ("manifest.json", "manifest.json.tmp", "logprobs.parquet", "request.json", "worker.log",
-               "chunk-*.safetensors", "index.parquet", "fingerprints.parquet")
+               "chunk-*.safetensors", "index.parquet", "fingerprints.parquet", "weights.safetensors",
+               "step-[0-9][0-9][0-9][0-9][0-9].parquet")
 command_name = "?"  # set by the CLI; shown to a second run that finds the directory locked
 
 _held: dict[Path, int] = {}

@@ -71,13 +71,29 @@ def test_the_default_stack_at_tp2_differs(tmp_path):
     assert summary(out)["mismatches"] == 176
 
 
+def test_rl_with_a_tensor_parallel_trainer(tmp_path):
+    """Megatron trains at TP=2 (two ranks following one command stream; q/k layernorm grads all-reduced
+    across ranks as megatron-lm's finalize_model_grads does), vLLM rolls out at TP=1: every step 0
+    mismatching tokens, every sync bit-equal, the replicated parameters identical on both ranks, and the
+    step-1 gradient norm the TP=1 trainer's up to the non-strict backward's rounding."""
+    out = tmp_path / "rl"
+    assert cli.main(["rl", "--strict", *MEGATRON_TP2, "--steps", "2", "--lr", "1e-3", "--no-token-rows",
+                     "--out", str(out)]) == EXIT_OK
+    import pandas as pd
+
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert (steps["mismatches"] == 0).all() and steps["sync_bit_equal"].all()
+    assert (steps["sync_replicas_diverged"] == 0).all() and steps["weights_sha256"].nunique() == 2
+    assert abs(steps["grad_norm"].iloc[0] - 7.4383) < 0.01  # TP=1, same seed: 7.438318 (tests/test_rl.py runs)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["compare", "--train-opt", "tensor_model_parallel_size=3"], "does not divide the 4 attention heads"),
     (["compare", "--train-opt", "tensor_model_parallel_size=4"], "does not divide the 2 query groups"),
     (["compare", "--infer-opt", "tensor_parallel_size=4"], "needs 4 CPU cores, one per rank"),
     (["bisect", *VLLM_TP2], "op capture with vllm at tensor parallel size > 1 is not implemented"),
     (["bisect", *MEGATRON_TP2, "--mode", "forced"], "forced-mode op capture with megatron"),
-    (["rl", *MEGATRON_TP2], "alignaudit rl with megatron at tensor parallel size > 1 is not implemented"),
+    (["rl", *VLLM_TP2], "alignaudit rl with vllm at tensor parallel size > 1 is not implemented"),
 ])
 def test_tensor_parallel_sizes_the_run_cannot_take_are_refused(capsys, tmp_path, argv, message):
     out = tmp_path / "o"

@@ -104,6 +104,25 @@ def transformer_config(spec: ModelSpec, settings: EngineSettings, overrides: dic
     return TransformerConfig(**fields)
 
 
+def _mark_sharded(gpt) -> None:
+    """Give each tensor-parallel shard Megatron's ``tensor_model_parallel`` attributes. Megatron sets them only
+    while it initializes weights (perform_initialization), which a model loaded from a checkpoint skips, and
+    its grad-norm and clipping code (clip_grads.py) count a parameter without them as a replica, once."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+    )
+
+    for module in gpt.modules():
+        dim = 0 if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) else (
+            1 if isinstance(module, RowParallelLinear) else None)
+        weight = getattr(module, "weight", None)
+        if dim is not None and weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
+        bias = getattr(module, "bias", None)
+        if isinstance(module, ColumnParallelLinear) and bias is not None and not getattr(bias, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(bias, True, 0, 1)
+
+
 def stable_repr(value) -> str:
     """A repr without memory addresses, so two manifests of the same run are equal: functions by their
     qualified name, partials by their function and arguments, anything else by repr with addresses cut."""
@@ -190,6 +209,8 @@ class MegatronEngine(Engine):
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise InputError(f"weight conversion mismatch: missing {missing}, unexpected {unexpected}")
+        if self.tp_size > 1:
+            _mark_sharded(model)
         if settings.lm_head_dtype == "fp32":
             self._fp32_output_layer(model, "linear" in ops)
         if self.config.bf16 or self.config.fp16:
@@ -248,11 +269,12 @@ class MegatronEngine(Engine):
                               loss[j + 1:]])
         return loss
 
-    def hf_weights(self) -> dict[str, torch.Tensor]:
-        """The model's weights in HF names (weight_sync.megatron_to_hf)."""
+    def hf_weights(self, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The model's weights in HF names (weight_sync.megatron_to_hf); collective at tensor-parallel size
+        > 1, where ``diverged`` collects replicated parameters whose copies differ between ranks."""
         from alignaudit.engines.weight_sync import megatron_to_hf
 
-        return megatron_to_hf(self.gpt, self.spec)
+        return megatron_to_hf(self.gpt, self.spec, diverged)
 
     def install_taps(self, tap):
         from alignaudit.engines import megatron_taps

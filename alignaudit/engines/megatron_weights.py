@@ -66,6 +66,18 @@ def tp_shard(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Ten
     return tensor.chunk(size, dim=how)[rank].contiguous()
 
 
+def tp_unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full Megatron parameter ``name`` from every tensor-parallel rank's shard, in rank order (the
+    inverse of ``tp_shard``)."""
+    how = TP_SPLIT.get(".".join(name.split(".")[-2:]), TP_SPLIT.get(name))
+    if len(shards) == 1 or how is None:
+        return shards[0]
+    if how == "glu":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=how)
+
+
 def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
     """Read the HF safetensors of ``spec`` and return Megatron parameter tensors in ``dtype``, sharded for
     rank ``tp_rank`` of ``tp_size`` tensor-parallel ranks.

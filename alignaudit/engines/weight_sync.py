@@ -5,7 +5,8 @@ RL frameworks (verl, slime, NeMo-RL) push a trainer's updated weights into a run
 what each engine holds in the same HF names so a sync can be checked bit for bit:
 
     megatron_to_hf    Megatron GPTModel parameters -> HF tensors (the inverse of megatron_weights: the
-                      grouped QKV split per query group, [gate | up] split in two)
+                      grouped QKV split per query group, [gate | up] split in two; at tensor-parallel size
+                      > 1 every rank's shards gathered first)
     vllm_to_hf        vLLM Qwen3 parameters -> HF tensors (qkv_proj split [q | k | v], gate_up_proj [gate | up])
     load_into_vllm    model.load_weights(...) on the running engine, then vLLM's own post-load step
     checksums         sha256 of each tensor's bytes, keyed by HF name
@@ -41,8 +42,9 @@ def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
             for name, t in sorted(tensors.items())}
 
 
-def megatron_to_hf(gpt, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """HF-named tensors of a Megatron GPTModel built from ``spec`` (weights in the model's param dtype).
+def megatron_to_hf(gpt, spec: ModelSpec, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """HF-named tensors of a Megatron GPTModel built from ``spec`` (weights in the model's param dtype);
+    ``diverged`` collects replicated parameters whose tensor-parallel copies differ.
 
     Raises:
         KeyError: a parameter the conversion map expects is missing.
@@ -50,6 +52,7 @@ def megatron_to_hf(gpt, spec: ModelSpec) -> dict[str, torch.Tensor]:
     from alignaudit.engines.megatron_weights import QWEN3_WEIGHT_MAP
 
     state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+    state = _unsharded(state, diverged if diverged is not None else [])
     out: dict[str, torch.Tensor] = {}
     for template, sources in QWEN3_WEIGHT_MAP.items():
         for i in range(spec.num_layers) if "{i}" in template else [None]:
@@ -66,6 +69,29 @@ def megatron_to_hf(gpt, spec: ModelSpec) -> dict[str, torch.Tensor]:
             for source, part in zip(sources, parts):
                 out[source.format(i=i)] = part.detach()
     return out
+
+
+def _unsharded(state: dict[str, torch.Tensor], diverged: list[str]) -> dict[str, torch.Tensor]:
+    """At tensor-parallel size > 1, every rank's shard of each parameter gathered (collective: every rank
+    calls this) and put back together (megatron_weights.tp_unshard); at size 1, ``state`` itself. A
+    replicated parameter (norm weights, say) whose copies differ between ranks is appended to ``diverged``:
+    a training-state bug no checksum of rank 0's weights would show (rank 0's copy is returned)."""
+    from megatron.core import parallel_state
+
+    from alignaudit.engines.megatron_weights import tp_unshard
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return state
+    group = parallel_state.get_tensor_model_parallel_group()
+    full = {}
+    for name, shard in state.items():
+        shards = [torch.empty_like(shard) for _ in range(group.size())]
+        torch.distributed.all_gather(shards, shard.contiguous(), group=group)
+        full[name] = tp_unshard(name, shards)
+        if full[name] is shards[0] and not all(torch.equal(s.view(torch.uint8), shards[0].view(torch.uint8))
+                                              for s in shards[1:]):
+            diverged.append(name)  # a replicated parameter the ranks no longer agree on
+    return full
 
 
 def vllm_to_hf(model, spec: ModelSpec) -> dict[str, torch.Tensor]:

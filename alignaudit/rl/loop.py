@@ -11,7 +11,8 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.rl.ses
                  gradient clipping, one optimizer step;
     6. sync      the trainer's weights in HF names into the running inference engine (model.load_weights),
                  then the sha256 of every tensor on both sides, and (vLLM on CPU) a probe of every packed
-                 GEMM against one packed afresh from the loaded weight: bit-equal only if all agree.
+                 GEMM against one packed afresh from the loaded weight, and (a tensor-parallel trainer)
+                 every replicated parameter equal on all ranks: bit-equal only if all agree.
 Records (in ``out``): run.json (every setting, written first; completed at the end with the sha256 of
 steps.parquet), steps.parquet (one row per step, rewritten after every step, so it is readable after a
 crash or Ctrl-C), tokens/step-NNNNN.parquet (every generated token of the step; ``token_rows=False`` skips
@@ -121,13 +122,16 @@ def _session(sessions: list, request: Request, role: str, log: Path, **extra) ->
 def _sync(trainer: Session, rollout: Session, out: Path) -> dict:
     """Trainer weights (HF names) into the running rollout engine; compare every tensor's sha256."""
     path = out / "sync" / "weights.safetensors"
-    sent = trainer.call("export", path=str(path))["checksums"]
+    exported = trainer.call("export", path=str(path))
+    sent = exported["checksums"]
     loaded = rollout.call("load_weights", path=str(path))
     held = loaded["checksums"]
     differing = sorted(name for name in set(sent) | set(held) if sent.get(name) != held.get(name))
     digest = hashlib.sha256(json.dumps(sent, sort_keys=True).encode()).hexdigest()
-    return {"bit_equal": not differing and not loaded["stale"], "tensors": len(sent), "differing": differing,
-            "stale_packed": loaded["stale"], "weights_sha256": digest}
+    diverged = exported.get("replicas_diverged", [])
+    return {"bit_equal": not differing and not loaded["stale"] and not diverged, "tensors": len(sent),
+            "differing": differing, "stale_packed": loaded["stale"], "replicas_diverged": diverged,
+            "weights_sha256": digest}
 
 
 def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout: Session, prompts: list,
@@ -182,6 +186,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "sync_bit_equal": sync["bit_equal"],
         "sync_tensors_differing": len(sync["differing"]),
         "sync_stale_packed": len(sync["stale_packed"]),
+        "sync_replicas_diverged": len(sync["replicas_diverged"]),
         "weights_sha256": sync["weights_sha256"],
         "seconds": round(t4 - t0, 3),
         "rollout_s": round(t1 - t0, 3),

@@ -12,6 +12,7 @@ same algorithm for the CPU and for the HF trainer, step for step:
     3. torch.optim.Adam on the fp32 main params (bias-corrected, betas (0.9, 0.999), eps 1e-8);
     4. each model param = its main param rounded to the model dtype.
 With lr 0 step 3 changes nothing and step 4 writes back the same bits: the weights stay exactly as they were.
+At tensor-parallel size > 1 each rank updates its own shards; the norm of step 2 covers every rank's.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ class MixedPrecisionAdam:
     name = "alignaudit.rl.optim.MixedPrecisionAdam"
 
     def __init__(self, params, lr: float, clip_grad: float = 1.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, tp_group=None):
         self.params = [p for p in params if p.requires_grad]
+        self.tp_group = tp_group  # tensor parallelism: the grad norm is over every rank's shards
         self.main = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.clip_grad = clip_grad
         self.adam = torch.optim.Adam(self.main, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
@@ -49,7 +51,7 @@ class MixedPrecisionAdam:
             grad = getattr(p, "main_grad", None)
             grad = p.grad if grad is None else grad
             main.grad = torch.zeros_like(main) if grad is None else grad.float().clone()
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in self.main]))
+        norm = self._global_norm()
         if self.clip_grad > 0 and norm > self.clip_grad:
             scale = self.clip_grad / (norm + 1e-6)
             for m in self.main:
@@ -58,6 +60,20 @@ class MixedPrecisionAdam:
         for main, p in zip(self.main, self.params):
             p.data.copy_(main.data)
         return float(norm)
+
+    def _global_norm(self) -> torch.Tensor:
+        """L2 norm of all main grads. At tensor-parallel size > 1 the squares of sharded parameters
+        (Megatron's ``tensor_model_parallel`` attribute) are summed over every rank, replicated ones counted
+        once (rank 0), as megatron/core/optimizer/clip_grads.py counts them."""
+        if self.tp_group is None:
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in self.main]))
+        rank = torch.distributed.get_rank(self.tp_group)
+        squares = torch.zeros((), dtype=torch.float32, device=self.main[0].device)
+        for main, p in zip(self.main, self.params):
+            if getattr(p, "tensor_model_parallel", False) or rank == 0:
+                squares = squares + main.grad.square().sum()
+        torch.distributed.all_reduce(squares, group=self.tp_group)
+        return squares.sqrt()
 
 
 def megatron_cuda_optimizer(ddp_model, config, lr: float, clip_grad: float):

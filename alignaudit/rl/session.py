@@ -12,6 +12,10 @@ EngineError carrying the last lines of its log.
 Commands: ``start`` (size the engine), ``rollout``, ``score``, ``train_step``, ``export`` (trainer weights to
 a file, with checksums), ``load_weights`` (rollout engine, from a file, answering with the checksums of what
 the engine then holds), ``checksums``, ``settings``, ``close``.
+
+A Megatron trainer at tensor-parallel size t > 1 is t processes: the worker is rank 0 and starts ranks
+1..t-1, which follow it: rank 0 broadcasts each command (torch.distributed.broadcast_object_list), every
+rank runs it (the forward passes, the optimizer step and the weight export are collective), rank 0 replies.
 """
 
 from __future__ import annotations
@@ -97,14 +101,15 @@ class Session:
 
 
 class Worker:
-    """The engine (and, for a trainer, its optimizer) a session drives."""
+    """The engine (and, for a trainer, its optimizer) a session drives; ``rank`` > 0 for the followers of a
+    tensor-parallel trainer, which never write files."""
 
-    def __init__(self, request: dict):
+    def __init__(self, request: dict, rank: int = 0):
         from alignaudit.engines import load_engine_class
         from alignaudit.engines.base import EngineSettings
         from alignaudit.models import ModelSpec
 
-        self.role = request["role"]
+        self.role, self.rank = request["role"], rank
         self.spec = ModelSpec(**request["spec"])
         settings = EngineSettings(**request["settings"])
         if request["engine"] == "vllm":
@@ -147,9 +152,10 @@ class Worker:
 
             from alignaudit.engines.weight_sync import checksums
 
-            tensors = self.trainer.export()
-            save_file(tensors, args["path"])
-            return {"checksums": checksums(tensors)}
+            tensors, diverged = self.trainer.export()  # collective at tensor-parallel size > 1
+            if self.rank == 0:
+                save_file(tensors, args["path"])
+            return {"checksums": checksums(tensors), "replicas_diverged": diverged}
         if command == "load_weights":
             from safetensors.torch import load_file
 
@@ -168,6 +174,9 @@ def main() -> None:
     request = json.loads(Path(sys.argv[1]).read_text())
     out = sys.stdout
     sys.stdout = sys.stderr  # everything the engines print goes to the log; stdout carries replies only
+    tp = int(request["settings"].get("options", {}).get("tensor_model_parallel_size", 1))
+    if request["engine"] == "megatron" and tp > 1:
+        _start_followers(request, tp)
     try:
         worker = Worker(request)
     except errors.AlignAuditError as e:
@@ -177,6 +186,8 @@ def main() -> None:
         return
     for line in sys.stdin:
         message = json.loads(line)
+        if tp > 1 and request["engine"] == "megatron":
+            _broadcast(message)
         command = message.pop("command")
         if command == "close":
             _reply(out, {})
@@ -186,6 +197,46 @@ def main() -> None:
         except errors.AlignAuditError as e:
             traceback.print_exc()
             _reply(out, {"error": {"type": type(e).__name__, "message": str(e)}})
+
+
+def _start_followers(request: dict, tp: int) -> None:
+    """Ranks 1..tp-1 of a tensor-parallel Megatron trainer, each following rank 0's commands."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from alignaudit.engines.megatron import RANK_ENV, RENDEZVOUS_ENV, WORLD_ENV
+
+    os.environ[RENDEZVOUS_ENV] = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
+    os.environ[RANK_ENV], os.environ[WORLD_ENV] = "0", str(tp)
+    mp.start_processes(_follow, args=(request, tp), nprocs=tp - 1, join=False, start_method="spawn")
+
+
+def _follow(index: int, request: dict, tp: int) -> None:
+    from alignaudit.engines.megatron import RANK_ENV
+    from alignaudit.runner import _die_with_parent
+
+    _die_with_parent()
+    os.environ[RANK_ENV] = str(index + 1)
+    worker = Worker(request, rank=index + 1)
+    while True:
+        message = _broadcast(None)
+        command = message.pop("command")
+        if command == "close":
+            return
+        try:
+            worker.handle(command, message)
+        except errors.AlignAuditError:
+            traceback.print_exc()  # rank 0 meets the same error and reports it
+
+
+def _broadcast(message: dict | None) -> dict:
+    """Rank 0's command to every rank (the others pass None and receive it)."""
+    import torch.distributed as dist
+
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _drain_until_close(out) -> None:

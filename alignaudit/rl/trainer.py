@@ -42,15 +42,18 @@ class Trainer:
                 self.optimizer = megatron_cuda_optimizer(self.ddp, engine.config, lr, clip_grad)
                 self.optimizer_name = "megatron.core.optimizer.get_megatron_optimizer (Float16OptimizerWithFloat16Params)"
             else:
-                self.optimizer = self._mixed_precision(params, lr, clip_grad)
+                from megatron.core import parallel_state
+
+                group = parallel_state.get_tensor_model_parallel_group() if engine.tp_size > 1 else None
+                self.optimizer = self._mixed_precision(params, lr, clip_grad, group)
         else:
             self.optimizer = self._mixed_precision(list(engine.model.parameters()), lr, clip_grad)
 
-    def _mixed_precision(self, params, lr, clip_grad):
+    def _mixed_precision(self, params, lr, clip_grad, tp_group=None):
         from alignaudit.rl.optim import MixedPrecisionAdam
 
         self.optimizer_name = MixedPrecisionAdam.name
-        return MixedPrecisionAdam(params, lr, clip_grad)
+        return MixedPrecisionAdam(params, lr, clip_grad, tp_group=tp_group)
 
     def score(self, batch: TokenBatch, replay: dict | None) -> list[torch.Tensor]:
         """fp32 logprobs [len - 1] per sequence, in eval mode without gradient."""
@@ -94,7 +97,11 @@ class Trainer:
             for r, lp in zip(rows, lps):
                 forward[r] = lp[prompt_lengths[r] - 1:].detach().cpu().tolist()
         if self.ddp is not None:
-            self.ddp.finish_grad_sync()
+            # megatron-lm's own step: data-parallel grad sync, and the tensor-parallel all-reduce of the
+            # q/k layernorm grads (each rank holds the grad of its own heads only)
+            from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+            finalize_model_grads([self.ddp])
         grad_norm = self._step()
         engine.model.eval()
         return {"loss": loss_sum, "grad_norm": grad_norm, "clip_fraction": taken, "forward_logprobs": forward}
@@ -105,6 +112,9 @@ class Trainer:
             return float(result[1])
         return float(result)
 
-    def export(self) -> dict[str, torch.Tensor]:
-        """The model's weights in HF names (bf16 or the model dtype), on the CPU."""
-        return {k: v.detach().cpu().contiguous() for k, v in self.engine.hf_weights().items()}
+    def export(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """The model's weights in HF names (bf16 or the model dtype), on the CPU, and the replicated
+        parameters whose tensor-parallel copies differ (a state bug; [] at size 1 and for HF)."""
+        diverged: list[str] = []
+        weights = self.engine.hf_weights(diverged) if self.engine.name == "megatron" else self.engine.hf_weights()
+        return {k: v.detach().cpu().contiguous() for k, v in weights.items()}, diverged

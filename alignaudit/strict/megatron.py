@@ -49,14 +49,45 @@ def _tp_group(module):
 
 
 class StrictColumnParallelLinear(ColumnParallelLinear):
-    """Output features split over ranks: each rank's shard is an independent strict linear (K whole)."""
+    """Output features split over ranks: each rank's shard is an independent strict linear (K whole). At
+    tensor-parallel size > 1 the input passes Megatron's copy-to-region (identity forward, all-reduce of the
+    input gradient backward), as ColumnParallelLinear does, so replicated parameters upstream get the same
+    gradient on every rank."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None, **kwargs):
-        if getattr(self, "gather_output", False) and _tp_group(self) is not None:
-            raise ValueError("strict column-parallel linear does not gather its output")
+        if _tp_group(self) is not None:
+            if getattr(self, "gather_output", False):
+                raise ValueError("strict column-parallel linear does not gather its output")
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+            input_ = copy_to_tensor_model_parallel_region(input_)
         w = self.weight if weight is None else weight
         bias = None if self.skip_bias_add else self.bias
         return K.linear(input_, w, bias), (self.bias if self.skip_bias_add else None)
+
+
+class _RowParallel(torch.autograd.Function):
+    """The strict row-parallel product over ranks: forward as ``StrictRowParallelLinear`` says; backward
+    the local products' gradients (the tree sum passes the output gradient to every rank's partial
+    unchanged), fp32 products rounded to the input and weight dtypes, as the strict linear's backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        partial = K.linear_partial(x, weight, K.ROW_PARALLEL_SEGMENTS // group.size())
+        parts = [torch.empty_like(partial) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, partial.contiguous(), group=group)
+        return K.combine_partials(parts, bias, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.float().reshape(-1, weight.shape[0])
+        gx = (g @ weight.float()).to(x.dtype).reshape(x.shape)
+        gw = (g.T @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+        gb = g.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return gx, gw, gb, None
 
 
 class StrictRowParallelLinear(RowParallelLinear):
@@ -71,10 +102,7 @@ class StrictRowParallelLinear(RowParallelLinear):
         group = _tp_group(self)
         if group is None:
             return K.linear(input_, self.weight, bias, K.ROW_PARALLEL_SEGMENTS), out_bias
-        partial = K.linear_partial(input_, self.weight, K.ROW_PARALLEL_SEGMENTS // group.size())
-        parts = [torch.empty_like(partial) for _ in range(group.size())]
-        torch.distributed.all_gather(parts, partial.contiguous(), group=group)
-        return K.combine_partials(parts, bias, input_.dtype), out_bias
+        return _RowParallel.apply(input_, self.weight, bias, group), out_bias
 
 
 class StrictRMSNorm(torch.nn.Module):
