@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
 #   bench/gpu_run.sh tests sweep bench bench-quick forward q8 q8-strict q8-bisect q8-bisect-strict \
-#                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17
+#                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag
 # tests: the strict-kernel tests on the GPU; sweep: launch-configuration sweep; bench: kernels vs
 # defaults; q8: Qwen3-8B-shape compare (random weights) megatron vs hf, default and --strict;
 # q8-bisect: bisect of layer 0; tp-bench: the strict row-parallel reduction vs NCCL's all-reduce (2 GPUs);
 # q8-tp2*: megatron at tensor-parallel size 2 (NCCL) vs hf / vs megatron at size 1; rl17: alignaudit rl on
-# the Qwen3-1.7B shape, megatron trains, hf rolls out, 20 steps --strict. Needs megatron-core carried as a
+# the Qwen3-1.7B shape, megatron trains, hf rolls out, 20 steps --strict; decode-diag: the first module
+# where HF's KV-cache decode parts from its own prefill (bench/decode_vs_prefill.py). Needs megatron-core carried as a
 # wheel in .whl/ for the megatron stages (device README).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,11 +57,16 @@ for stage in "$@"; do
                  --prompt-len 256 --train megatron --infer megatron --train-opt tensor_model_parallel_size=2 --device cuda \
                  --layers 0 --mode natural --out /tmp/runs/q8-tp2-bisect --force 2>&1 | grep -E "◀|first diverging|error" | head -5
                cp /tmp/runs/q8-tp2-bisect/bisect.json "$out/q8-tp2-bisect.json" 2>/dev/null ;;
-    rl17) timeout 500 python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --random-prompts 2 --prompt-len 128 \
+    rl17) timeout 560 python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --random-prompts 2 --prompt-len 64 \
             --train megatron --infer hf --device cuda --strict --steps 20 --group-size 4 --max-new-tokens 32 \
-            --no-token-rows --out /tmp/runs/rl17 --force 2>&1 | tail -4
-          cp /tmp/runs/rl17/steps.parquet "$out/rl17-steps.parquet" 2>/dev/null; cp /tmp/runs/rl17/steps.png "$out/rl17-steps.png" 2>/dev/null
-          python3 -c "import pandas as pd; t=pd.read_parquet('/tmp/runs/rl17/steps.parquet'); print(t[['step','mismatches','ulp_max','sync_bit_equal','reward_mean','grad_norm','seconds']].to_string())" 2>&1 | tail -22 ;;
+            --no-token-rows --out /dev/shm/rl17 --force 2>&1 | tail -4
+          cp /dev/shm/rl17/steps.parquet "$out/rl17-steps.parquet" 2>/dev/null; cp /dev/shm/rl17/steps.png "$out/rl17-steps.png" 2>/dev/null
+          python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/rl17/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','reward_mean','loss','grad_norm','seconds','rollout_s','rescore_s','update_s','sync_s']].to_string())" 2>&1 | tail -22 ;;
+    decode-diag) for run in "Qwen3-0.6B 128 32 2" "Qwen3-1.7B 128 32 2" "Qwen3-1.7B 512 32 2" "Qwen3-8B 512 16 1"; do
+                   set -- $run
+                   timeout 300 python3 bench/decode_vs_prefill.py --model $1 --random-weights --device cuda --strict all \
+                     --prompt-len $2 --new-tokens $3 --prompts $4 2>&1 | grep -v Warn | tail -8
+                 done ;;
     q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --out /tmp/runs/q8-bisect --force \
                  2>&1 | tail -60

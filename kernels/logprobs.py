@@ -9,7 +9,10 @@ corresponding entries of log_softmax bit for bit. Megatron's vocab-parallel cros
 log(s) - z[target]: the same expression, negated.
 
 Contract (both backends):
-    inputs        logits [T, V] in bf16, fp16 or fp32 (upcast to fp32 first)
+    inputs        logits [T, V] in bf16, fp16 or fp32, upcast to fp32 first: on the GPU into an fp32 buffer
+                  (UPCAST_ROWS rows at a time), so the kernel always loads fp32 rows from an aligned
+                  buffer and a bf16 rollout logit and its fp32 copy give one result (primitives.
+                  reduction_input says why the buffer matters)
     reduction     sum over V only. CPU: kernels/primitives.fixed_sum (blocks of 32, pairwise tree in a
                   block, blocks left to right). GPU: one program per row, V in steps of BLOCK_V (4096)
                   left to right, tl.sum's fixed tree inside a step. Independent of the number of rows
@@ -20,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import exp, fixed_sum, log, triton, use_triton
+from alignaudit_kernels.primitives import exp, fixed_sum, log, reduction_input, triton, use_triton
 
 BLOCK_V = 4096
+UPCAST_ELEMENTS = 1 << 26  # the fp32 copy of a bf16 batch is made this many logits at a time (256 MiB)
 
 
 def reference(logits):
@@ -70,7 +74,11 @@ def _lse_triton(l):
     t, v = l.shape
     lse = torch.empty(t, dtype=torch.float32, device=l.device)
     m = torch.empty(t, dtype=torch.float32, device=l.device)
-    _lse_kernel[(t,)](l, lse, m, v, l.stride(0), BLOCK=BLOCK_V, num_warps=8, enable_fp_fusion=False)
+    rows = max(1, UPCAST_ELEMENTS // v)
+    for a in range(0, t, rows):
+        chunk = reduction_input(l[a: a + rows], torch.float32)
+        _lse_kernel[(chunk.shape[0],)](chunk, lse[a:], m[a:], v, chunk.stride(0), BLOCK=BLOCK_V, num_warps=8,
+                                       enable_fp_fusion=False)
     return m, lse
 
 

@@ -149,6 +149,24 @@ def use_triton(x: torch.Tensor) -> bool:
     interpreter runs); the CPU backend otherwise."""
     return x.is_cuda or (triton is not None and os.environ.get("TRITON_INTERPRET") == "1")
 
+
+def reduction_input(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` as a contiguous tensor of ``dtype`` (default its own) starting on a 16-byte boundary: x itself
+    where it is one already, else a fresh copy.
+
+    Why: a Triton kernel that loads a row and reduces it with tl.sum adds the elements in an order set by
+    the register layout, and the compiler sets that layout from the width of the vector loads, which
+    depends on the element size and on the alignment Triton specializes the pointer on (data_ptr % 16).
+    On an H200 (Triton 3.6) the same fp32 values summed from a bf16 buffer and from an fp32 buffer gave
+    other bits. Kernels that reduce with tl.sum take their inputs through here, so one row length gives
+    one order whatever buffer the caller holds.
+    """
+    dtype = dtype or x.dtype
+    if x.dtype == dtype and x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    return out.copy_(x)
+
 if triton is not None:
 
     @triton.jit

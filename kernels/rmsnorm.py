@@ -8,8 +8,8 @@ Contract (both backends):
     precision     s, s^2, the sum, mean, rsqrt and both products in fp32 (w upcast to fp32)
     reduction     sum of s^2 over the hidden axis. CPU: kernels/primitives.fixed_sum (blocks of 32,
                   pairwise tree in a block, blocks left to right). GPU: one program per row, the whole
-                  row in registers, tl.sum's fixed tree for that row length. Neither depends on the
-                  number of rows
+                  row in registers, tl.sum's fixed tree for that row length and dtype, read from an
+                  aligned buffer (primitives.reduction_input). Neither depends on the number of rows
     primitives    rsqrt = 1/sqrt (correctly rounded sqrt and division); mean = sum / H (one division)
     order         ((s * inv) * w): the normalized value is not rounded before the weight multiply
                   (unlike HF's Qwen3RMSNorm, which rounds it to the storage dtype first)
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import fixed_sum, rsqrt, triton, use_triton
+from alignaudit_kernels.primitives import fixed_sum, reduction_input, rsqrt, triton, use_triton
 
 
 def reference(x, weight, eps, residual=None):
@@ -76,8 +76,8 @@ def _triton(x2, weight, eps, residual2):
 
 def _forward(x, weight, eps, residual):
     h = x.shape[-1]
-    x2 = x.reshape(-1, h).contiguous()
-    r2 = residual.reshape(-1, h).contiguous() if residual is not None else None
+    x2 = reduction_input(x.reshape(-1, h))
+    r2 = reduction_input(residual.reshape(-1, h)) if residual is not None else None
     if r2 is not None and r2.dtype != x2.dtype:
         raise TypeError(f"strict rms_norm: residual is {r2.dtype}, x is {x2.dtype}")
     y, s = (_triton if use_triton(x) else _cpu)(x2, weight, float(eps), r2)
