@@ -35,18 +35,24 @@ class Feature:
 CHECKPOINT_FEATURES: tuple[Feature, ...] = (
     Feature("hidden_act", lambda v: v in (None, "silu"), "SiLU-gated MLPs (hidden_act silu)"),
     Feature("use_sliding_window", lambda v: not v, "full attention (use_sliding_window false)"),
-    Feature("rope_scaling", lambda v: not v or (isinstance(v, dict) and v.get("rope_type", v.get("type")) == "default"),
-            "plain RoPE (no rope_scaling)"),
+    Feature("rope_scaling", lambda v: not v or (isinstance(v, dict) and v.get("rope_type", v.get("type")) in
+                                                 ("default", "llama3")),
+            "plain RoPE, or llama3 rope scaling on Llama (alignaudit.arch)"),
     Feature("mlp_bias", lambda v: not v, "MLPs without bias (mlp_bias false)"),
 )
 
 
-# Features some engine adapters implement and others implement differently: (spec attribute, engines that
-# implement the checkpoint's meaning, why the others do not).
-ENGINE_FEATURES: tuple[tuple[str, frozenset[str], str], ...] = (
-    ("attention_bias", frozenset({"megatron", "vllm"}),
+# Features some engine adapters implement and others implement differently: (name, whether a spec has it,
+# engines that implement the checkpoint's meaning, why the others do not).
+ENGINE_FEATURES: tuple[tuple[str, Callable[[Any], bool], frozenset[str], str], ...] = (
+    ("attention_bias", lambda spec: spec.architecture == "Qwen3ForCausalLM" and spec.attention_bias,
+     frozenset({"megatron", "vllm"}),
      "transformers' Qwen3 adds a bias to o_proj as well when attention_bias is true (modeling_qwen3.py), vLLM's "
      "and Megatron's Qwen3 put biases on q/k/v only: the engines would run different models"),
+    ("rope_scaling", lambda spec: bool(spec.rope_llama3) and tuple(spec.rope_llama3[1:]) != (1.0, 4.0, 8192),
+     frozenset({"hf", "vllm"}),
+     "Megatron's llama3 rope scaling fixes low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings "
+     "8192 (megatron/core/models/common/embeddings/rotary_pos_embedding.py); this checkpoint sets others"),
 )
 
 
@@ -56,8 +62,8 @@ def check_engine_features(spec, engines: tuple[str, ...]) -> None:
     Raises:
         InputError: naming the feature, the engine and the reason.
     """
-    for attribute, implemented, why in ENGINE_FEATURES:
-        if getattr(spec, attribute, False):
+    for attribute, present, implemented, why in ENGINE_FEATURES:
+        if present(spec):
             for engine in engines:
                 if engine not in implemented:
                     raise InputError(f"{spec.name}: {attribute} is not supported with {engine}: {why}; compare "

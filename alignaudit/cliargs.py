@@ -30,8 +30,9 @@ DEFAULT_MODEL = "qwen3-tiny"
 
 ModelOpt = Annotated[str, typer.Option(
     "--model", "-m", metavar="MODEL",
-    help="Checkpoint directory, hub id in the local HF cache, or preset name (Qwen3-0.6B ... Qwen3-32B) "
-         "with --random-weights. Default: the embedded tiny Qwen3 fixture.")]
+    help="Checkpoint directory, hub id in the local HF cache, or preset name with --random-weights "
+         "(Qwen3-0.6B ... Qwen3-32B, Qwen2.5-0.5B/1.5B/7B, Llama-3.2-1B/3B, Llama-3.1-8B). Default: the embedded "
+         "tiny Qwen3 fixture.")]
 RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", metavar="",
                                                 help="Synthesize a preset's checkpoint with random weights (once, cached).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random weights, random prompts and sampling.")]

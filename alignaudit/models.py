@@ -15,11 +15,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from alignaudit.arch import PRESETS, architecture, find_preset
 from alignaudit.capabilities import check_checkpoint_config
 from alignaudit.errors import InputError
-from alignaudit.presets import PRESETS, find_preset
-
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,13 @@ class ModelSpec:
     dtype: str
     has_tokenizer: bool
     attention_bias: bool = False  # q/k/v projections carry biases
+    rope_llama3: tuple[float, float, float, int] | None = None  # llama3 rope scaling: (factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings), alignaudit.arch.llama
     tensors: int = 0  # tensors in the checkpoint, each loaded by every engine (models.check_weights)
+
+    def __post_init__(self):
+        if self.rope_llama3 is not None:  # a list after a JSON round trip (worker requests, manifests)
+            object.__setattr__(self, "rope_llama3", tuple(self.rope_llama3))
 
     @property
     def num_query_groups(self) -> int:
@@ -68,7 +72,8 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
     """Read ``path/config.json`` into a ModelSpec.
 
     Raises:
-        InputError: no config.json or no weights, or an architecture other than SUPPORTED_ARCHITECTURES.
+        InputError: no config.json or no weights, an architecture outside alignaudit.arch, or a config field
+            that architecture's engines do not all implement.
     """
     path = Path(path)
     config_file = path / "config.json"
@@ -81,34 +86,47 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
     if not isinstance(raw, dict):
         raise InputError(f"{config_file} is not a JSON object; it must be a Hugging Face config")
     architectures = raw.get("architectures") or [raw.get("model_type", "?")]
-    arch = architectures[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise InputError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch = architecture(architectures[0])
+    for field, why in arch.refused:
+        if raw.get(field):
+            raise InputError(f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name}: {why}")
     if not any(path.glob("*.safetensors")):
         raise InputError(f"model directory {path} has no *.safetensors weights")
 
-    from transformers import AutoConfig
+    raw_rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = raw_rope.get("rope_type", raw_rope.get("type", "default")) if isinstance(raw_rope, dict) else raw_rope
+    if rope_type not in arch.rope_types:
+        raise InputError(f"rope_type {rope_type!r} in {config_file} is not supported for {arch.name}; supported: "
+                         f"{', '.join(arch.rope_types)}")
 
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its config warnings would break alignaudit's one-line errors
     try:
         cfg = AutoConfig.from_pretrained(str(path))
     except Exception as e:  # transformers raises many types for a malformed config
         raise InputError(f"cannot parse {config_file}: {e}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
     rope = getattr(cfg, "rope_parameters", None) or {}
     rope_theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-        raise InputError(f"rope_type {rope_type!r} in {config_file} is not supported; supported: default")
+    llama3 = None
+    if rope_type == "llama3":
+        llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                  int(rope["original_max_position_embeddings"]))
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if not (isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads <= heads and heads % kv_heads == 0):
         raise InputError(f"{config_file}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
                          f"{kv_heads}; grouped-query attention needs whole query groups")
     check_checkpoint_config(raw, str(config_file))
-    tensors = check_weights(path, raw)
+    tensors = check_weights(path, raw, arch)
     return ModelSpec(
         name=name or path.name,
         path=str(path.resolve()),
-        architecture=arch,
+        architecture=arch.name,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -120,25 +138,24 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
         rope_theta=float(rope_theta),
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(cfg.tie_word_embeddings),
-        qk_norm=arch == "Qwen3ForCausalLM",
-        attention_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=arch.qk_norm,
+        attention_bias=arch.qkv_bias(raw),
+        rope_llama3=llama3,
         tensors=tensors,
         dtype=str(dtype),
         has_tokenizer=(path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file(),
     )
 
 
-def check_weights(path: Path, config: dict) -> int:
+def check_weights(path: Path, config: dict, arch) -> int:
     """Read the safetensors headers (not the data) and check that the checkpoint holds exactly the tensors the
-    config implies (alignaudit.synth.qwen3_weight_shapes), with the implied shapes: every engine adapter loads
-    that schema, so a tensor outside it would be silently ignored. Returns the number of tensors.
+    config implies (``arch.weight_shapes``), with the implied shapes: every engine adapter loads that schema,
+    so a tensor outside it would be silently ignored. Returns the number of tensors.
 
     Raises:
         InputError: naming the first unreadable file, missing or unused tensor, or wrong shape.
     """
     from safetensors import safe_open
-
-    from alignaudit.synth import qwen3_weight_shapes
 
     shapes: dict[str, list[int]] = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -148,9 +165,9 @@ def check_weights(path: Path, config: dict) -> int:
         except Exception as e:  # safetensors raises its own error type for truncated or foreign files
             raise InputError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from e
     try:
-        expected = list(qwen3_weight_shapes(config))
+        expected = list(arch.weight_shapes(config))
     except (KeyError, TypeError) as e:
-        raise InputError(f"{path / 'config.json'} lacks a field Qwen3 needs: {e}") from e
+        raise InputError(f"{path / 'config.json'} lacks a field {arch.name} needs: {e}") from e
     for name, shape, _ in expected:
         if name not in shapes:
             raise InputError(f"checkpoint {path} has no tensor {name}, which its config.json implies")

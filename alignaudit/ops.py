@@ -67,11 +67,15 @@ def split_op_id(op: str) -> tuple[str, int | None]:
     return op, None
 
 
-def all_op_ids(num_layers: int) -> list[str]:
-    """Every canonical op id of a model, in topological order (logprobs last)."""
+QK_NORM_OPS = frozenset({"q_norm", "k_norm"})
+
+
+def all_op_ids(num_layers: int, qk_norm: bool = True) -> list[str]:
+    """Every canonical op id of a model, in topological order (logprobs last); q_norm/k_norm only for a
+    model with QK-norm (ModelSpec.qk_norm)."""
     ids = [o.name for o in PRE_OPS]
     for i in range(num_layers):
-        ids += [op_id(o.name, i) for o in LAYER_OPS]
+        ids += [op_id(o.name, i) for o in LAYER_OPS if qk_norm or o.name not in QK_NORM_OPS]
     return ids + [o.name for o in POST_OPS] + [LOGPROBS]
 
 
@@ -91,14 +95,14 @@ class Selection:
             return False
         return layer is None or self.layers is None or layer in self.layers
 
-    def op_ids(self, num_layers: int) -> list[str]:
-        return [op for op in all_op_ids(num_layers) if self.wants(op)]
+    def op_ids(self, num_layers: int, qk_norm: bool = True) -> list[str]:
+        return [op for op in all_op_ids(num_layers, qk_norm) if self.wants(op)]
 
-    def with_inputs(self, num_layers: int) -> Selection:
+    def with_inputs(self, num_layers: int, qk_norm: bool = True) -> Selection:
         """This selection plus the ops that feed each selected op (what forced mode must substitute)."""
         extra = set(self.extra)
-        for op in self.op_ids(num_layers):
-            extra.update(op_inputs(op, num_layers))
+        for op in self.op_ids(num_layers, qk_norm):
+            extra.update(op_inputs(op, num_layers, qk_norm))
         return Selection(self.layers, self.names, frozenset(extra))
 
     def to_dict(self) -> dict:
@@ -114,13 +118,16 @@ class Selection:
                    frozenset(d.get("extra", ())))
 
 
-def op_inputs(op: str, num_layers: int) -> list[str]:
-    """Op ids whose outputs ``op`` consumes (``residual_in`` is the previous layer's output or embed)."""
+def op_inputs(op: str, num_layers: int, qk_norm: bool = True) -> list[str]:
+    """Op ids whose outputs ``op`` consumes (``residual_in`` is the previous layer's output or embed; rope
+    reads the projection directly in a model without QK-norm)."""
     if op == LOGPROBS:
         return ["logits"]
     name, layer = split_op_id(op)
     inputs = []
     for source in OP_DEFS[name].inputs:
+        if source in QK_NORM_OPS and not qk_norm:
+            source = OP_DEFS[source].inputs[0]
         if source == "residual_in":
             inputs.append("embed" if layer == 0 else op_id("mlp_residual", layer - 1))
         elif name == "final_norm":

@@ -140,7 +140,8 @@ def diff_ops(train: Capture, infer: Capture, selection: Selection | None = None)
     store_a, store_b = OpStore(train.path), OpStore(infer.path)
     unforced = set((infer.manifest.get("ops") or {}).get("unforced_ops") or ())
     records = []
-    for op in all_op_ids(train.manifest["model"]["num_layers"]):
+    model = train.manifest["model"]
+    for op in all_op_ids(model["num_layers"], model.get("qk_norm", True)):
         if op == LOGPROBS:
             record = compare_op(op, train.logprob_sequences(), infer.logprob_sequences())
         elif selection.wants(op) if selection is not None else (store_a.has(op) or store_b.has(op)):
@@ -183,7 +184,7 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
 
     stage(f"capturing ops of {train.label()} (train)")
     # Forced mode feeds each selected op the train engine's inputs, so those are captured too.
-    train_ops = selection.with_inputs(spec.num_layers) if mode != "natural" else selection
+    train_ops = selection.with_inputs(spec.num_layers, spec.qk_norm) if mode != "natural" else selection
     reference = capture(spec, batch, train, out / "train", role="train", stream_log=stream_log, ops=train_ops)
     result: dict = {"model": spec.name, "sides": {"train": _side(reference)}}
     runs = [("natural", out / "infer", None)] if mode in ("natural", "both") else []

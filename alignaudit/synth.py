@@ -15,40 +15,11 @@ import hashlib
 import json
 import math
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 _DONE = ".alignaudit-complete"
-
-
-def qwen3_weight_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """Yield (HF parameter name, shape, init kind) for a Qwen3ForCausalLM config, in load order: every
-    tensor the config implies, q/k/v biases included when ``attention_bias`` is true."""
-    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
-    yield "model.embed_tokens.weight", (v, h), "embed"
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (h,), "norm"
-        yield p + "self_attn.q_proj.weight", (nh * hd, h), "linear"
-        yield p + "self_attn.k_proj.weight", (nkv * hd, h), "linear"
-        yield p + "self_attn.v_proj.weight", (nkv * hd, h), "linear"
-        if config.get("attention_bias"):
-            yield p + "self_attn.q_proj.bias", (nh * hd,), "bias"
-            yield p + "self_attn.k_proj.bias", (nkv * hd,), "bias"
-            yield p + "self_attn.v_proj.bias", (nkv * hd,), "bias"
-        yield p + "self_attn.q_norm.weight", (hd,), "norm"
-        yield p + "self_attn.k_norm.weight", (hd,), "norm"
-        yield p + "self_attn.o_proj.weight", (h, nh * hd), "linear"
-        yield p + "post_attention_layernorm.weight", (h,), "norm"
-        yield p + "mlp.gate_proj.weight", (inter, h), "linear"
-        yield p + "mlp.up_proj.weight", (inter, h), "linear"
-        yield p + "mlp.down_proj.weight", (h, inter), "linear"
-    yield "model.norm.weight", (h,), "norm"
-    if not config.get("tie_word_embeddings", False):
-        yield "lm_head.weight", (v, h), "embed"
 
 
 def random_tensor(name: str, shape: tuple[int, ...], kind: str, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -86,7 +57,9 @@ def synthesize_checkpoint(config: dict, target: Path, seed: int = 0, shard_bytes
 
     dtype = getattr(torch, config.get("torch_dtype", "bfloat16"))
     writer = _ShardWriter(tmp, shard_bytes)
-    for name, shape, kind in qwen3_weight_shapes(config):
+    from alignaudit.arch import architecture
+
+    for name, shape, kind in architecture(config["architectures"][0]).weight_shapes(config):
         writer.add(name, random_tensor(name, shape, kind, seed, dtype))
     writer.finish()
     (tmp / _DONE).write_text(stamp)

@@ -173,7 +173,7 @@ class Tap:
         engine's own values and their difference is not their own."""
         if self.reference is None or self.recorder is None:
             return []
-        inputs = self.real_inputs or (lambda op: op_inputs(op, self.spec.num_layers))
+        inputs = self.real_inputs or (lambda op: op_inputs(op, self.spec.num_layers, self.spec.qk_norm))
         recorded = dict.fromkeys(r["op"] for r in self.recorder.rows + self.recorder.pending_rows)
         return [op for op in recorded if not all(self.reference.has(i) for i in inputs(op))]
 

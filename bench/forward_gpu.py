@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import alignaudit_kernels as K  # noqa: E402
-from alignaudit.presets import PRESETS  # noqa: E402
+from alignaudit.arch import PRESETS  # noqa: E402
 from alignaudit.strict import STRICT_OPS  # noqa: E402
 from alignaudit.strict.hf import make_strict  # noqa: E402
 

@@ -17,8 +17,9 @@ Query head h reads KV head h // (num_heads / num_kv_heads) (GQA).
 Reductions: the dot products over head_dim and the sums over the keys of a block. CPU: products in fp32,
 kernels/primitives.fixed_sum (blocks of 32, pairwise tree, blocks left to right). GPU (Triton): tl.dot
 on tensor cores (fp32 inputs use IEEE products, not TF32), row sums by tl.sum; one kernel for prefill and
-decode, reading K/V through a block table, with a tile of 64 query rows (tokens x heads of a KV group), so
-a row's arithmetic does not depend on how many tokens share its tile. The key blocks that every row of a
+decode, reading K/V through a block table, with a tile of 64 query rows (floor(64 / group) tokens x the
+group's heads; rows past that masked, so any group size up to 64 works), so a row's arithmetic does not
+depend on how many tokens share its tile. The key blocks that every row of a
 tile sees whole are visited without masks, the others with them: the same steps with every mask true,
 so a row gets the same bits whichever loop visits a block (tests/test_kernels.py checks prefill against
 decode on the GPU). Contiguous K/V (training engines) are read in place as one-token pages.
@@ -234,8 +235,8 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     kvh = k_cache.shape[2]
     group = h // kvh
     tile, warps, stages = config or TILE_CONFIG
-    if tile % group:
-        raise ValueError(f"strict attention needs {tile} divisible by the GQA group size {group}")
+    if group > tile:  # a tile holds tile // group tokens; the rows past tokens * group stay masked
+        raise ValueError(f"strict attention holds at most {tile} query heads per KV head, not {group}")
     q = q.contiguous()
     out = torch.empty_like(q)
     tiles = tiles.to(q.device, non_blocking=True).contiguous()

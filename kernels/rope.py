@@ -1,9 +1,14 @@
 """Strict rotary position embedding (Qwen/Llama "rotate half" layout) and its cos/sin tables.
 
-Tables, computed once per (rows, rotary_dim, theta), the same way for every engine and device:
+Tables, computed once per (rows, rotary_dim, theta, scaling), the same way for every engine and device:
     inv_freq[i] = 1 / theta ** (2i / rotary_dim), angle = position * inv_freq[i], cos and sin of it, all in
     float64 on the CPU, then rounded once to fp32 ([max_positions, rotary_dim / 2] each). Every call
     indexes the same table, so a position's factors never depend on which positions are in the batch.
+    llama3 scaling (Llama 3.1 / 3.2), also in float64, before the angles: with w = 2 pi / inv_freq,
+    inv_freq unchanged where w < original / high, divided by factor where w > original / low, and
+    (1 - s) inv_freq / factor + s inv_freq in between, s = (original / w - low) / (high - low) (Meta's
+    llama-models reference; transformers' _compute_llama3_parameters and vLLM's Llama3RotaryEmbedding
+    compute the same in fp32, Megatron's _apply_scaling likewise).
 Apply, per token and head, with x1 = x[..., :D/2] and x2 = x[..., D/2:] (fp32, each product and sum
 rounded, no FMA):
     out1 = x1 * cos - x2 * sin        out2 = x2 * cos + x1 * sin
@@ -23,23 +28,41 @@ from alignaudit_kernels.primitives import triton, use_triton
 TABLE_ROWS = 1024  # tables grow in whole multiples of this many positions
 
 
-@functools.lru_cache(maxsize=16)
-def _tables_cpu(rows: int, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_frequencies(rotary_dim: int, theta: float, llama3: tuple | None = None) -> torch.Tensor:
+    """float64 [rotary_dim // 2]: the rotary frequencies, llama3-scaled where ``llama3`` = (factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings) is given."""
+    import math
+
     inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    if llama3 is None:
+        return inv_freq
+    factor, low, high, original = llama3
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low) if high != low else torch.zeros_like(inv_freq)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelength < original / high, inv_freq,
+                       torch.where(wavelength > original / low, inv_freq / factor, mid))
+
+
+@functools.lru_cache(maxsize=16)
+def _tables_cpu(rows: int, rotary_dim: int, theta: float, llama3: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = inverse_frequencies(rotary_dim, theta, llama3)
     angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
 @functools.lru_cache(maxsize=16)
-def rope_tables(max_positions: int, rotary_dim: int, theta: float, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(max_positions: int, rotary_dim: int, theta: float, device: str = "cpu",
+                llama3: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each fp32 [>= max_positions, rotary_dim // 2], on ``device`` (copied from the CPU tables).
+    ``llama3``: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), or None.
 
     The row count is rounded up to a multiple of TABLE_ROWS, so the tensors torch's vectorized cos/sin run
     over have no tail: torch's CPU loops use a scalar libm call for a tail that does not fill a vector,
     which could give a position another last bit in a table of another length.
     """
     rows = -(-max_positions // TABLE_ROWS) * TABLE_ROWS
-    cos, sin = _tables_cpu(rows, rotary_dim, float(theta))
+    cos, sin = _tables_cpu(rows, rotary_dim, float(theta), tuple(llama3) if llama3 else None)
     return cos.to(device), sin.to(device)
 
 

@@ -6,6 +6,7 @@ import hashlib
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -38,13 +39,16 @@ def test_tokenizer_round_trip(tiny_spec):
     assert max(ids) < tiny_spec.vocab_size and len(ids) < len(text)  # merges happened
 
 
-def test_script_reproduces_fixture(tmp_path):
-    out = tmp_path / "qwen3-tiny"
-    subprocess.run([sys.executable, str(ROOT / "fixtures" / "make_fixtures.py"), "--out", str(out)], check=True,
-                   capture_output=True)
+@pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen2-tiny", "llama-tiny"])
+def test_script_reproduces_fixture(tmp_path, fixture):
+    out = tmp_path / fixture
+    subprocess.run([sys.executable, str(ROOT / "fixtures" / "make_fixtures.py"), "--only", fixture, "--out", str(out)],
+                   check=True, capture_output=True)
 
     def digest(p):
         return hashlib.sha256(p.read_bytes()).hexdigest()
 
+    committed = ROOT / "fixtures" / fixture
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        assert digest(out / name) == digest(FIXTURE / name), f"{name} differs from the committed fixture"
+        assert digest(out / name) == digest(committed / name), f"{fixture}/{name} differs from the committed fixture"
+    assert sum(p.stat().st_size for p in committed.iterdir()) < 3 << 20

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from alignaudit.errors import InputError
 from alignaudit.models import load_spec, resolve_model
-from alignaudit.presets import PRESETS, find_preset, qwen3_config
+from alignaudit.arch import PRESETS, find_preset
+from alignaudit.arch.qwen3 import qwen3_config
 from alignaudit.synth import synthesize_checkpoint
 
 from conftest import FIXTURE
@@ -85,7 +86,8 @@ def test_unsupported_architecture_and_broken_dirs(tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InputError, match="MambaForCausalLM is not supported; supported: Qwen3ForCausalLM"):
+    with pytest.raises(InputError, match="MambaForCausalLM is not supported; supported: Qwen3ForCausalLM, Qwen2ForCausalLM, "
+                                         "LlamaForCausalLM$"):
         load_spec(bad)
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError, match="no config.json"):

@@ -190,7 +190,7 @@ def test_docs_list_every_setting_rule():
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
     names = [*caps.MEGATRON_OPTIONS, *caps.MEGATRON_REFUSED, *caps.VLLM_REFUSED, *caps.VLLM_SET_BY_ALIGNAUDIT,
-             *(f.field for f in caps.CHECKPOINT_FEATURES), *(name for name, _, _ in caps.ENGINE_FEATURES)]
+             *(f.field for f in caps.CHECKPOINT_FEATURES), *(name for name, _, _, _ in caps.ENGINE_FEATURES)]
     missing = [n for n in names if f"`{n}" not in text]
     assert not missing, f"docs/cli.md does not mention {missing}"
 

@@ -54,7 +54,7 @@ class HFEngine(Engine):
         if settings.strict_ops:
             from alignaudit.strict.hf import make_strict
 
-            self.strict_modules = make_strict(self.model, settings.strict_ops)
+            self.strict_modules = make_strict(self.model, settings.strict_ops, spec.rope_llama3)
         if settings.lm_head_dtype == "fp32":
             head, strict = self.model.lm_head, "linear" in settings.strict_ops
             head.forward = lambda x: fp32_head(x, head.weight, head.bias, strict)

@@ -1,4 +1,5 @@
-"""Where the canonical ops live in a transformers Qwen3ForCausalLM (transformers/models/qwen3/modeling_qwen3.py).
+"""Where the canonical ops live in a transformers dense decoder (Qwen3ForCausalLM, Qwen2ForCausalLM,
+LlamaForCausalLM: transformers/models/{qwen3,qwen2,llama}/modeling_*.py; the same module names in each).
 
 Tensors are [batch, tokens, ...]. RoPE is a module-level function (``apply_rotary_pos_emb``), patched for
 the duration of the capture; its outputs are [batch, heads, tokens, head_dim]. The residual adds are
@@ -16,7 +17,7 @@ HEADS_FIRST = Axes(0, 2)  # [batch, heads, tokens, head_dim]
 
 
 def install(model, tap: Tap) -> Hooks:
-    """Register every canonical op of ``model`` (a Qwen3ForCausalLM) on ``tap``; close the result to undo."""
+    """Register every canonical op of ``model`` on ``tap``; close the result to undo."""
     hooks = Hooks()
     core = model.model
     points = [HookPoint(core.embed_tokens, Same("embed"), None, BATCH_FIRST)]
@@ -28,8 +29,8 @@ def install(model, tap: Tap) -> Hooks:
             HookPoint(attn.q_proj, Same("q_proj"), i, BATCH_FIRST),
             HookPoint(attn.k_proj, Same("k_proj"), i, BATCH_FIRST),
             HookPoint(attn.v_proj, Same("v_proj"), i, BATCH_FIRST),
-            HookPoint(attn.q_norm, Same("q_norm"), i, BATCH_FIRST),
-            HookPoint(attn.k_norm, Same("k_norm"), i, BATCH_FIRST),
+            *([HookPoint(attn.q_norm, Same("q_norm"), i, BATCH_FIRST), HookPoint(attn.k_norm, Same("k_norm"), i, BATCH_FIRST)]
+              if hasattr(attn, "q_norm") else []),
             *([HookPoint(attn.q_rope, Same("q_rope"), i, BATCH_FIRST), HookPoint(attn.k_rope, Same("k_rope"), i, BATCH_FIRST)]
               if getattr(attn, "strict_rope", False) else []),  # strict rope (alignaudit.strict.hf) is a module
             HookPoint(attn.o_proj, Same("attn"), i, BATCH_FIRST, when="pre"),

@@ -188,7 +188,7 @@ class MegatronEngine(Engine):
         if ops:
             from alignaudit.strict.megatron import StrictGPTModel, strict_block_spec
 
-            layer_spec = strict_block_spec(spec.num_layers, ops, spec.rope_theta, spec.qk_norm)
+            layer_spec = strict_block_spec(spec.num_layers, ops, spec.rope_theta, spec.qk_norm, spec.rope_llama3)
             model_cls = functools.partial(StrictGPTModel, strict_ops=ops)
         else:
             layer_spec, model_cls = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm"), GPTModel
@@ -199,6 +199,9 @@ class MegatronEngine(Engine):
             max_sequence_length=spec.max_position_embeddings,
             position_embedding_type="rope",
             rotary_base=spec.rope_theta,
+            # llama3 scaling with Megatron's fixed low 1 / high 4 / original 8192 (capabilities refuses others)
+            rope_scaling=spec.rope_llama3 is not None,
+            rope_scaling_factor=spec.rope_llama3[0] if spec.rope_llama3 else 8.0,
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
             pre_process=True,
             post_process=True,

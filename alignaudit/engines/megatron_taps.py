@@ -31,8 +31,9 @@ def install(gpt, tap: Tap) -> Hooks:
         points += [
             HookPoint(layer.input_layernorm, Same("input_norm"), i, SEQ_FIRST),
             HookPoint(attn.linear_qkv, GroupedQKV(), i, SEQ_FIRST, index=0, sharded="features"),
-            HookPoint(attn.q_layernorm, Same("q_norm"), i, SEQ_FIRST, sharded="features"),
-            HookPoint(attn.k_layernorm, Same("k_norm"), i, SEQ_FIRST, sharded="features"),
+            *([HookPoint(attn.q_layernorm, Same("q_norm"), i, SEQ_FIRST, sharded="features"),
+               HookPoint(attn.k_layernorm, Same("k_norm"), i, SEQ_FIRST, sharded="features")]
+              if attn.q_layernorm is not None else []),  # QK-norm (Qwen3) only
             *_rope_points(attn.core_attention, i),
             HookPoint(attn.core_attention, Same("attn"), i, SEQ_FIRST, sharded="features"),
             HookPoint(attn.linear_proj, Same("o_proj"), i, SEQ_FIRST, index=0),

@@ -1,10 +1,12 @@
-"""Hugging Face Qwen3 -> Megatron-Core GPTModel (local layer spec) weight conversion, as data.
+"""Hugging Face dense decoder (Qwen3, Qwen2, Llama: alignaudit/arch) -> Megatron-Core GPTModel (local layer
+spec) weight conversion, as data.
 
 Each Megatron parameter name maps to the HF tensors it is built from; ``{i}`` is the layer index. Names
 with more than one source are fused by the function in ``FUSE`` keyed by the name's last two parts.
-Megatron's names come from GPTModel with get_gpt_layer_local_spec(qk_layernorm=True, normalization=
-"RMSNorm") (megatron/core/models/gpt/gpt_layer_specs.py); with tied embeddings GPTModel has no
-output_layer.weight and that entry is dropped.
+Megatron's names come from GPTModel with get_gpt_layer_local_spec(qk_layernorm=..., normalization=
+"RMSNorm") (megatron/core/models/gpt/gpt_layer_specs.py). ``weight_map(spec)`` keeps the entries a model
+has: no output_layer.weight with tied embeddings, no q/k_layernorm without QK-norm, no linear_qkv.bias
+without q/k/v biases.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from alignaudit.layouts import fuse_qkv_grouped
 from alignaudit.models import ModelSpec
 
 _L = "model.layers.{i}."
-QWEN3_WEIGHT_MAP: dict[str, tuple[str, ...]] = {
+WEIGHT_MAP: dict[str, tuple[str, ...]] = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight",),
     "decoder.layers.{i}.input_layernorm.weight": (_L + "input_layernorm.weight",),
     "decoder.layers.{i}.self_attention.linear_qkv.weight": (
         _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
-    "decoder.layers.{i}.self_attention.linear_qkv.bias": (  # attention_bias only (Qwen2-style QKV bias)
+    "decoder.layers.{i}.self_attention.linear_qkv.bias": (
         _L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
     "decoder.layers.{i}.self_attention.q_layernorm.weight": (_L + "self_attn.q_norm.weight",),
     "decoder.layers.{i}.self_attention.k_layernorm.weight": (_L + "self_attn.k_norm.weight",),
@@ -36,6 +38,21 @@ QWEN3_WEIGHT_MAP: dict[str, tuple[str, ...]] = {
     "decoder.final_layernorm.weight": ("model.norm.weight",),
     "output_layer.weight": ("lm_head.weight",),
 }
+
+
+
+def weight_map(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
+    """The entries of WEIGHT_MAP that ``spec``'s model has."""
+    absent = set()
+    if spec.tie_word_embeddings:
+        absent.add("output_layer.weight")
+    if not spec.attention_bias:
+        absent.add("linear_qkv.bias")
+    if not spec.qk_norm:
+        absent.update({"q_layernorm.weight", "k_layernorm.weight"})
+    return {name: sources for name, sources in WEIGHT_MAP.items()
+            if name not in absent and ".".join(name.split(".")[-2:]) not in absent}
+
 
 FUSE: dict[str, Callable[..., torch.Tensor]] = {
     "linear_qkv.weight": lambda spec, q, k, v: fuse_qkv_grouped(q, k, v, spec.num_query_groups, dim=0),
@@ -88,11 +105,7 @@ def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, t
     """
     tensors = _SafetensorsReader(Path(spec.path))
     out: dict[str, torch.Tensor] = {}
-    for template, sources in QWEN3_WEIGHT_MAP.items():
-        if template == "output_layer.weight" and spec.tie_word_embeddings:
-            continue
-        if template.endswith("linear_qkv.bias") and not spec.attention_bias:
-            continue
+    for template, sources in weight_map(spec).items():
         layers = range(spec.num_layers) if "{i}" in template else [None]
         for i in layers:
             name = template.format(i=i)
@@ -128,4 +141,4 @@ class _SafetensorsReader:
             self.read.add(name)
             return tensor
         except KeyError:
-            raise InputError(f"checkpoint has no tensor {name}; is it a Qwen3 checkpoint?") from None
+            raise InputError(f"checkpoint has no tensor {name}, which the Megatron conversion needs") from None

@@ -1,4 +1,5 @@
-"""Where the canonical ops live in vLLM's Qwen3ForCausalLM (vllm/model_executor/models/qwen3.py, qwen2.py).
+"""Where the canonical ops live in vLLM's dense decoders (vllm/model_executor/models/qwen3.py, qwen2.py,
+llama.py: the same module names in each; q_norm/k_norm in Qwen3 only).
 
 All requests of a step are flattened into [tokens, ...]; the rows of each request are found from the
 step's ``input_ids`` and ``positions`` (``StepRows``). Linears return (output, None); ``qkv_proj`` is
@@ -16,7 +17,7 @@ from alignaudit.ops import op_id, op_inputs, split_op_id
 from alignaudit.taps import CURRENT_LAYER, FLAT, Blocks, HookPoint, Hooks, RowSpan, Same, Tap
 
 
-def real_inputs(op: str, num_layers: int) -> list[str]:
+def real_inputs(op: str, num_layers: int, qk_norm: bool = True) -> list[str]:
     """The ops vLLM really computes ``op`` from. Its fused add+RMSNorm takes the sublayer output and the
     previous residual and normalizes their sum internally, so a norm that follows a residual add reads
     (o_proj or down_proj, previous residual), not the canonical residual op, and forcing the residual op
@@ -24,12 +25,12 @@ def real_inputs(op: str, num_layers: int) -> list[str]:
     name, layer = split_op_id(op)
     last = num_layers - 1
     if name == "post_attn_norm":
-        return op_inputs(op_id("attn_residual", layer), num_layers)
+        return op_inputs(op_id("attn_residual", layer), num_layers, qk_norm)
     if name == "input_norm" and layer > 0:
-        return op_inputs(op_id("mlp_residual", layer - 1), num_layers)
+        return op_inputs(op_id("mlp_residual", layer - 1), num_layers, qk_norm)
     if name == "final_norm":
-        return op_inputs(op_id("mlp_residual", last), num_layers)
-    return op_inputs(op, num_layers)
+        return op_inputs(op_id("mlp_residual", last), num_layers, qk_norm)
+    return op_inputs(op, num_layers, qk_norm)
 
 
 class StepRows:
@@ -71,9 +72,9 @@ class StepRows:
 
 
 def install(model, tap: Tap, sequences: tuple[tuple[int, ...], ...]) -> Hooks:
-    """Register every canonical op of ``model`` (vLLM's Qwen3ForCausalLM) on ``tap``."""
+    """Register every canonical op of ``model`` (a vLLM dense decoder) on ``tap``."""
     hooks = Hooks()
-    tap.real_inputs = lambda op: real_inputs(op, tap.spec.num_layers)
+    tap.real_inputs = lambda op: real_inputs(op, tap.spec.num_layers, tap.spec.qk_norm)
     core = model.model
     rows = StepRows(sequences)
     state = {}
@@ -86,8 +87,8 @@ def install(model, tap: Tap, sequences: tuple[tuple[int, ...], ...]) -> Hooks:
     def end_step(module, args, kwargs, output):
         state["base"] = output  # the hidden states compute_logits slices per request
 
-    # Qwen3Model's __call__ is replaced by vLLM's torch.compile wrapper (support_torch_compile), which
-    # skips module hooks; the outer Qwen3ForCausalLM takes the same inputs and returns the same tensor.
+    # The inner model's __call__ is replaced by vLLM's torch.compile wrapper (support_torch_compile), which
+    # skips module hooks; the outer *ForCausalLM takes the same inputs and returns the same tensor.
     hooks.raw(model, begin_step, pre=True, with_kwargs=True)
     hooks.raw(model, end_step, with_kwargs=True)
 
@@ -103,8 +104,8 @@ def install(model, tap: Tap, sequences: tuple[tuple[int, ...], ...]) -> Hooks:
             points.append(HookPoint(layer.input_layernorm, Same("mlp_residual"), i - 1, FLAT, index=1))
         points += [
             HookPoint(attn.qkv_proj, Blocks(("q_proj", "k_proj", "v_proj")), i, FLAT, index=0),
-            HookPoint(attn.q_norm, Same("q_norm"), i, FLAT),
-            HookPoint(attn.k_norm, Same("k_norm"), i, FLAT),
+            *([HookPoint(attn.q_norm, Same("q_norm"), i, FLAT), HookPoint(attn.k_norm, Same("k_norm"), i, FLAT)]
+              if hasattr(attn, "q_norm") else []),
             HookPoint(attn.o_proj, Same("attn"), i, FLAT, when="pre"),
             HookPoint(attn.o_proj, Same("o_proj"), i, FLAT, index=0),
             HookPoint(layer.post_attention_layernorm, Same("post_attn_norm"), i, FLAT, index=0),

@@ -49,16 +49,14 @@ def megatron_to_hf(gpt, spec: ModelSpec, diverged: list[str] | None = None) -> d
     Raises:
         KeyError: a parameter the conversion map expects is missing.
     """
-    from alignaudit.engines.megatron_weights import QWEN3_WEIGHT_MAP
+    from alignaudit.engines.megatron_weights import weight_map
 
     state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
     state = _unsharded(state, diverged if diverged is not None else [])
     out: dict[str, torch.Tensor] = {}
-    for template, sources in QWEN3_WEIGHT_MAP.items():
+    for template, sources in weight_map(spec).items():
         for i in range(spec.num_layers) if "{i}" in template else [None]:
             name = template.format(i=i)
-            if name not in state:
-                continue  # tied output layer, or no QKV bias
             tensor = state[name]
             if len(sources) == 1:
                 parts = (tensor,)
@@ -95,8 +93,8 @@ def _unsharded(state: dict[str, torch.Tensor], diverged: list[str]) -> dict[str,
 
 
 def vllm_to_hf(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """HF-named tensors of vLLM's Qwen3ForCausalLM (vllm/model_executor/models/qwen3.py): what the running
-    engine computes with. Raises ValueError if a linear weight was freed (see the module docstring)."""
+    """HF-named tensors of a vLLM dense decoder (vllm/model_executor/models/qwen3.py, qwen2.py, llama.py):
+    what the running engine computes with. Raises ValueError if a linear weight was freed (see the module docstring)."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     out: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():

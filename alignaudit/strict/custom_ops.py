@@ -55,14 +55,17 @@ def _(x, residual, weight, eps):
 
 
 @torch.library.custom_op("alignaudit::rope", mutates_args=())
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, max_positions: int) -> torch.Tensor:
-    """x [tokens, heads, head_dim], positions [tokens]."""
-    cos, sin = K.rope_tables(max_positions, x.shape[-1], theta, str(x.device))
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, max_positions: int,
+         llama3: list[float]) -> torch.Tensor:
+    """x [tokens, heads, head_dim], positions [tokens]; ``llama3`` [factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings] for llama3 rope scaling, or [] for none."""
+    scaling = (llama3[0], llama3[1], llama3[2], int(llama3[3])) if llama3 else None
+    cos, sin = K.rope_tables(max_positions, x.shape[-1], theta, str(x.device), scaling)
     return K.apply_rope(x, positions, cos, sin)
 
 
 @rope.register_fake
-def _(x, positions, theta, max_positions):
+def _(x, positions, theta, max_positions, llama3):
     return torch.empty_like(x)
 
 

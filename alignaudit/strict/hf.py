@@ -1,14 +1,18 @@
-"""Strict path for transformers Qwen3 models, by module swap (for FSDP-style trainers).
+"""Strict path for transformers dense decoders (Qwen3, Qwen2, Llama: alignaudit/arch), by module swap (for
+FSDP-style trainers).
 
 ``make_strict(model, ops)`` changes the classes of the model's modules in place to subclasses whose
-forward calls the strict kernels; parameters, names and state dicts are unchanged:
-    linear     every nn.Linear (projections and lm_head) -> alignaudit_kernels.linear; o_proj and down_proj
-               (row-parallel under tensor parallelism) with K in ROW_PARALLEL_SEGMENTS segments
-    rmsnorm    every Qwen3RMSNorm -> alignaudit_kernels.rms_norm (the residual adds stay HF's
+forward calls the strict kernels; parameters, names and state dicts are unchanged. ``<P>`` is the
+architecture's class prefix (Qwen3, Qwen2, Llama):
+    linear     every nn.Linear (projections with their biases, and lm_head) -> alignaudit_kernels.linear;
+               o_proj and down_proj (row-parallel under tensor parallelism) with K in ROW_PARALLEL_SEGMENTS
+               segments
+    rmsnorm    every <P>RMSNorm -> alignaudit_kernels.rms_norm (the residual adds stay HF's
                ``residual + x`` in the storage dtype, which is the kernels' rounding point 1)
-    silu       Qwen3MLP -> silu_mul(gate_proj(x), up_proj(x))
-    rope       Qwen3Attention applies alignaudit_kernels rope (tables of its own, from position_ids)
-    attention  Qwen3Attention computes alignaudit_kernels attention (KV cache supported, one
+    silu       <P>MLP -> silu_mul(gate_proj(x), up_proj(x))
+    rope       <P>Attention applies alignaudit_kernels rope (tables of its own from position_ids, llama3
+               scaling included)
+    attention  <P>Attention computes alignaudit_kernels attention (KV cache supported, one
                sequence per batch row, right padding only)
 Logprobs are not a module in HF: the engine calls alignaudit_kernels.token_logprobs when "logprobs"
 is strict.
@@ -38,28 +42,31 @@ class StrictRowLinear(torch.nn.Linear):
 
 
 class StrictRMSNorm(torch.nn.Module):
-    """Stands in for Qwen3RMSNorm (attributes ``weight``, ``variance_epsilon``)."""
+    """Stands in for <P>RMSNorm (attributes ``weight``, ``variance_epsilon``)."""
 
     def forward(self, x):
         return K.rms_norm(x, self.weight, self.variance_epsilon)
 
 
 class StrictMLP(torch.nn.Module):
-    """Stands in for Qwen3MLP (attributes gate_proj, up_proj, down_proj)."""
+    """Stands in for <P>MLP (attributes gate_proj, up_proj, down_proj)."""
 
     def forward(self, x):
         return self.down_proj(K.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class StrictAttention(torch.nn.Module):
-    """Stands in for Qwen3Attention; ``strict_rope`` / ``strict_attention`` say which parts are strict."""
+    """Stands in for <P>Attention (QK-norm where the module has q_norm/k_norm); ``strict_rope`` /
+    ``strict_attention`` say which parts are strict."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                 position_ids=None, **kwargs):
         b, t, _ = hidden_states.shape
         d = self.head_dim
-        q = self.q_norm(self.q_proj(hidden_states).view(b, t, -1, d))
-        k = self.k_norm(self.k_proj(hidden_states).view(b, t, -1, d))
+        q = self.q_proj(hidden_states).view(b, t, -1, d)
+        k = self.k_proj(hidden_states).view(b, t, -1, d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(hidden_states).view(b, t, -1, d)
         if position_ids is None:
             position_ids = torch.arange(t, device=hidden_states.device)[None]
@@ -93,16 +100,18 @@ def _swap(module: torch.nn.Module, cls: type) -> None:
     module.__class__ = _SWAPPED[key]
 
 
-def make_strict(model, ops: frozenset[str]) -> list[str]:
-    """Swap the strict ops into a Qwen3ForCausalLM in place; return what was swapped (for the manifest).
+def make_strict(model, ops: frozenset[str], llama3: tuple | None = None) -> list[str]:
+    """Swap the strict ops into a model of an alignaudit.arch architecture in place; return what was swapped
+    (for the manifest). ``llama3``: the spec's llama3 rope scaling (ModelSpec.rope_llama3), or None.
 
     Raises:
-        ValueError: the model is not a Qwen3ForCausalLM.
+        alignaudit.errors.InputError: the model's architecture is not one alignaudit runs.
     """
-    if type(model).__name__ != "Qwen3ForCausalLM":
-        raise ValueError(f"strict module swap supports Qwen3ForCausalLM, not {type(model).__name__}")
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from alignaudit.arch import architecture
+
+    prefix = architecture(type(model).__name__).hf_prefix
     config = model.config
     rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
     swapped = []
@@ -110,17 +119,17 @@ def make_strict(model, ops: frozenset[str]) -> list[str]:
         kind = type(m).__name__
         if "linear" in ops and isinstance(m, torch.nn.Linear):
             _swap(m, StrictRowLinear if name.endswith((".o_proj", ".down_proj")) else StrictLinear)
-        elif "rmsnorm" in ops and kind == "Qwen3RMSNorm":
+        elif "rmsnorm" in ops and kind == f"{prefix}RMSNorm":
             _swap(m, StrictRMSNorm)
-        elif "silu" in ops and kind == "Qwen3MLP":
+        elif "silu" in ops and kind == f"{prefix}MLP":
             _swap(m, StrictMLP)
-        elif ({"rope", "attention"} & ops) and kind == "Qwen3Attention":
+        elif ({"rope", "attention"} & ops) and kind == f"{prefix}Attention":
             m._hf_module = type(m).__module__
             m._stock_attention = ALL_ATTENTION_FUNCTIONS.get_interface(
                 config._attn_implementation, sys.modules[type(m).__module__].eager_attention_forward)
             m.strict_rope, m.strict_attention = "rope" in ops, "attention" in ops
-            m.q_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings)
-            m.k_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings)
+            m.q_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings, llama3)
+            m.k_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings, llama3)
             _swap(m, StrictAttention)
         else:
             continue

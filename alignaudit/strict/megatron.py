@@ -135,12 +135,12 @@ class StrictCoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, *, rotary_base: float,
-                 strict_rope: bool, strict_attention: bool):
+                 strict_rope: bool, strict_attention: bool, llama3: tuple | None = None):
         super().__init__(config=config)
         self.strict_rope, self.strict_attention = strict_rope, strict_attention
         self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
-        self.q_rope = RopeOp(config.kv_channels, rotary_base, 4096) if strict_rope else None
-        self.k_rope = RopeOp(config.kv_channels, rotary_base, 4096) if strict_rope else None
+        self.q_rope = RopeOp(config.kv_channels, rotary_base, 4096, llama3) if strict_rope else None
+        self.k_rope = RopeOp(config.kv_channels, rotary_base, 4096, llama3) if strict_rope else None
         self.stock = None if strict_attention else DotProductAttention(
             config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale, cp_comm_type,
             pg_collection)
@@ -162,8 +162,9 @@ class StrictCoreAttention(MegatronModule):
         return out.view(b, sq, -1).transpose(0, 1).contiguous()
 
 
-def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True) -> ModuleSpec:
-    """The local GPT layer spec with the strict ops swapped in."""
+def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
+                      llama3: tuple | None = None) -> ModuleSpec:
+    """The local GPT layer spec with the strict ops swapped in (``llama3``: ModelSpec.rope_llama3)."""
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     layer = spec.submodules
     attn = layer.self_attention.submodules
@@ -181,7 +182,8 @@ def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: boo
             linear_fc2=StrictRowParallelLinear if linear else RowParallelLinear))
     if {"rope", "attention"} & ops:
         attn.core_attention = ModuleSpec(module=StrictCoreAttention, params={
-            "rotary_base": rotary_base, "strict_rope": "rope" in ops, "strict_attention": "attention" in ops})
+            "rotary_base": rotary_base, "strict_rope": "rope" in ops, "strict_attention": "attention" in ops,
+            "llama3": llama3})
     return spec
 
 
@@ -194,11 +196,11 @@ def _mlp_spec(mlp_cls, submodules):
 
 
 def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float,
-                      qk_layernorm: bool = True) -> TransformerBlockSubmodules:
+                      qk_layernorm: bool = True, llama3: tuple | None = None) -> TransformerBlockSubmodules:
     """A TransformerBlockSubmodules of strict layers; the final norm is strict too with "rmsnorm"."""
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl
 
-    layer = strict_layer_spec(ops, rotary_base, qk_layernorm)
+    layer = strict_layer_spec(ops, rotary_base, qk_layernorm, llama3)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=StrictRMSNorm if "rmsnorm" in ops else LNImpl)
 

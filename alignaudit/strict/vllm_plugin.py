@@ -10,7 +10,8 @@ as "rmsnorm,rope"); then it replaces, for every model vLLM loads (all patches li
                oneDNN repacking)
     rmsnorm    RMSNorm.forward with alignaudit::rms_norm / alignaudit::add_rms_norm (fused residual add,
                rounded once to the storage dtype, then normalized)
-    rope       RotaryEmbedding.forward with alignaudit::rope (neox style, rotary_dim == head_size)
+    rope       RotaryEmbedding.forward with alignaudit::rope (neox style, rotary_dim == head_size; plain, or
+               Llama3RotaryEmbedding with its scaling read from the module)
     silu       SiluAndMul.forward with alignaudit::silu_and_mul
     logprobs   Sampler.compute_logprobs with alignaudit::log_softmax (prompt and sample logprobs)
     attention  the CPU_ATTN backend with alignaudit.strict.vllm_attention (CPU only for now)
@@ -138,16 +139,21 @@ def _rmsnorm() -> None:
 
 def _rope() -> None:
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
 
     def forward(self, positions, query, key=None, *args, **kwargs):
-        if not self.is_neox_style or self.rotary_dim != self.head_size or type(self) is not RotaryEmbedding:
-            raise NotImplementedError(f"strict rope supports plain neox-style RotaryEmbedding, not {type(self).__name__}")
+        if not self.is_neox_style or self.rotary_dim != self.head_size or type(self) not in (
+                RotaryEmbedding, Llama3RotaryEmbedding):
+            raise NotImplementedError(f"strict rope supports neox-style RotaryEmbedding and Llama3RotaryEmbedding, "
+                                      f"not {type(self).__name__}")
         theta, limit, d = float(self.base), self.max_position_embeddings, self.head_size
+        llama3 = ([float(self.scaling_factor), float(self.low_freq_factor), float(self.high_freq_factor),
+                   float(self.orig_max_position)] if type(self) is Llama3RotaryEmbedding else [])
         flat = positions.reshape(-1)
-        q = torch.ops.alignaudit.rope(query.view(flat.shape[0], -1, d), flat, theta, limit).view(query.shape)
+        q = torch.ops.alignaudit.rope(query.view(flat.shape[0], -1, d), flat, theta, limit, llama3).view(query.shape)
         if key is None:
             return q, None
-        return q, torch.ops.alignaudit.rope(key.view(flat.shape[0], -1, d), flat, theta, limit).view(key.shape)
+        return q, torch.ops.alignaudit.rope(key.view(flat.shape[0], -1, d), flat, theta, limit, llama3).view(key.shape)
 
     _patch(RotaryEmbedding, "forward", forward)
 
