@@ -427,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C and SIGTERM unwind (stopping engine workers); typer turns the KeyboardInterrupt into a silent
     # exit code 130, so the handler leaves a flag to say why.
     previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
     _signalled.clear()
     try:
         result = app(args=args, standalone_mode=False, prog_name="alignaudit")
@@ -452,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         return _unexpected(e, debug)
     finally:
         outdir.release_all()
+        sys.unraisablehook = previous_hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -470,6 +472,18 @@ _signalled: list[int] = []
 def _terminate(signum, frame):
     _signalled.append(signum)
     raise KeyboardInterrupt
+
+
+def _unraisable(info) -> None:
+    """Our interrupt, raised where Python cannot propagate it (e.g. an at-fork callback while a worker
+    starts), would be printed as "Exception ignored" with a traceback and lost. Deliver it again instead, at
+    the main thread's next step; report anything else as Python does."""
+    if issubclass(info.exc_type, KeyboardInterrupt) and _signalled:
+        import _thread
+
+        _thread.interrupt_main(_signalled[-1])
+        return
+    sys.__unraisablehook__(info)
 
 
 def _optional_values(args: list[str], defaults: dict[str, str]) -> list[str]:

@@ -177,6 +177,26 @@ def test_ctrl_c_says_interrupted_and_keeps_what_was_written(tmp_path):
     assert json.loads((tmp_path / "o" / "run.json").read_text())["status"] == "running"
 
 
+def test_an_interrupt_python_could_not_raise_is_delivered_again():
+    """A Ctrl-C landing in an at-fork callback (a worker starting) reaches sys.unraisablehook instead of the
+    command; it used to print "Exception ignored ... Traceback" before "interrupted"."""
+    import types
+
+    from alignaudit import cli
+
+    previous = signal.signal(signal.SIGINT, cli._terminate)
+    cli._signalled[:] = [signal.SIGINT]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cli._unraisable(types.SimpleNamespace(exc_type=KeyboardInterrupt))
+            for _ in range(1000):
+                time.sleep(0.001)
+        assert cli._signalled == [signal.SIGINT, signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        cli._signalled.clear()
+
+
 def test_paths_are_never_wrapped_and_manifests_are_reproducible(tmp_path):
     out = tmp_path / ("a-directory-name-long-enough-to-wrap-an-eighty-column-terminal-" * 2)
     proc = subprocess.run([sys.executable, "-m", "alignaudit", "compare", "--train", "megatron", "--infer", "hf",
