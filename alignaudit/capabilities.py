@@ -70,6 +70,23 @@ def check_engine_features(spec, engines: tuple[str, ...]) -> None:
                                      f"{' and '.join(sorted(implemented))}")
 
 
+# What alignaudit does not run for mixture-of-experts models yet (alignaudit.arch.qwen3_moe), and why.
+MOE_REFUSED: dict[str, str] = {
+    "strict": "the strict path has no MoE router or expert kernels yet (softmax top-k with a fixed tie-break and an "
+              "fp32 expert combine are the next step); compare the engines' default MoE without --strict",
+    "op capture": "the canonical op list has no router or expert ops yet; compare logprobs without op capture "
+                  "(alignaudit compare, or capture --no-ops)",
+    "alignaudit rl": "the weight sync maps dense MLPs only; run rl on a dense model",
+    "tensor parallelism": "expert weights are not sharded by alignaudit; run MoE models at tensor parallel size 1",
+}
+
+
+def refuse_moe(spec, what: str) -> None:
+    """Refuse ``what`` (a MOE_REFUSED key) for a mixture-of-experts model. Raises InputError with the reason."""
+    if spec.num_experts:
+        raise InputError(f"{what} for {spec.architecture} ({spec.name}) is not implemented: {MOE_REFUSED[what]}")
+
+
 def tensor_parallel_size(run) -> int:
     """The tensor-parallel size an EngineRun asks for (1 unless the engine's own option says otherwise)."""
     key = {"megatron": "tensor_model_parallel_size", "vllm": "tensor_parallel_size"}.get(run.engine)

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from alignaudit import __version__, errors, outdir
+from alignaudit.capabilities import refuse_moe
 from alignaudit.cliargs import (
     ClipEpsOpt, DeviceOpt, LayersOpt, MaxNewTokensOpt, ModelArgs, OpsOpt, OutputArgs, PairArgs, PromptArgs, SamplingArgs,
     StrictOpt, TemperatureOpt, TopKOpt, TopPOpt, build_request, field_names, given_options, grouped, load_batch, out_dir,
@@ -146,6 +147,7 @@ def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputA
     request = build_request(model, prompts, run)
     selection = parse_selection(layers, ops, request.spec.num_layers)
     _refuse_parallel_capture([request.train, request.infer], forced=mode != "natural")
+    refuse_moe(request.spec, "op capture")
     out = out_dir(output, "bisect", BISECT_OUTPUTS)
     with console.status("") as status:
         result = run_bisect(request, out, selection, mode=mode, stream_log=output.verbose, on_stage=status.update)
@@ -191,6 +193,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     selection = None if no_ops else parse_selection(layers, ops, spec.num_layers)
     if selection is not None:
         _refuse_parallel_capture([run], forced=reference is not None)
+        refuse_moe(spec, "op capture")
     batch = load_batch(spec, prompts, model.seed, (engine,))
     inputs = ()
     if reference is not None:
@@ -364,6 +367,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                             clip_eps)
     from alignaudit.capabilities import refuse_parallel
 
+    refuse_moe(request.spec, "alignaudit rl")
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
     out = out_dir(output, "rl", RL_OUTPUTS)

@@ -31,8 +31,8 @@ DEFAULT_MODEL = "qwen3-tiny"
 ModelOpt = Annotated[str, typer.Option(
     "--model", "-m", metavar="MODEL",
     help="Checkpoint directory, hub id in the local HF cache, or preset name with --random-weights "
-         "(Qwen3-0.6B ... Qwen3-32B, Qwen2.5-0.5B/1.5B/7B, Llama-3.2-1B/3B, Llama-3.1-8B). Default: the embedded "
-         "tiny Qwen3 fixture.")]
+         "(Qwen3-0.6B ... Qwen3-32B, Qwen2.5-0.5B/1.5B/7B, Llama-3.2-1B/3B, Llama-3.1-8B, Qwen3-30B-A3B). Default: "
+         "the embedded tiny Qwen3 fixture.")]
 RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", metavar="",
                                                 help="Synthesize a preset's checkpoint with random weights (once, cached).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random weights, random prompts and sampling.")]
@@ -236,7 +236,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     """The two EngineRuns of a comparison, validated before anything starts: engines installed, dtypes,
     device, strict ops, every setting against what the engine implements (alignaudit.capabilities), and
     the engines' own configuration classes in a short worker (alignaudit.runner.check_options)."""
-    from alignaudit.capabilities import check_engine_features, check_parallel, check_runs
+    from alignaudit.capabilities import check_engine_features, check_parallel, check_runs, refuse_moe, tensor_parallel_size
     from alignaudit.engines import check_installed
     from alignaudit.engines.base import EngineSettings, parse_options
     from alignaudit.request import EngineRun
@@ -254,6 +254,10 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
         for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt), (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]
     check_engine_features(spec, (pair.train, pair.infer))
+    if ops:
+        refuse_moe(spec, "strict")
+    if any(tensor_parallel_size(run) != 1 for run in runs):
+        refuse_moe(spec, "tensor parallelism")
     check_parallel(spec, runs, dev)
     check_runs(runs[0], runs[1], mode)
     check_options(runs, spec, mode)

@@ -49,6 +49,10 @@ class ModelSpec:
     rope_llama3: tuple[float, float, float, int] | None = None  # llama3 rope scaling: (factor, low_freq_factor,
     # high_freq_factor, original_max_position_embeddings), alignaudit.arch.llama
     tensors: int = 0  # tensors in the checkpoint, each loaded by every engine (models.check_weights)
+    num_experts: int = 0  # mixture of experts (alignaudit.arch.qwen3_moe); 0 for a dense MLP
+    experts_per_token: int = 0  # top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # the chosen experts' probabilities renormalized to sum to 1
 
     def __post_init__(self):
         if self.rope_llama3 is not None:  # a list after a JSON round trip (worker requests, manifests)
@@ -90,6 +94,10 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
     for field, why in arch.refused:
         if raw.get(field):
             raise InputError(f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name}: {why}")
+    for field, value, why in arch.required:
+        if raw.get(field, value) != value:
+            raise InputError(f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name} (only {value!r}): "
+                             f"{why}")
     if not any(path.glob("*.safetensors")):
         raise InputError(f"model directory {path} has no *.safetensors weights")
 
@@ -142,6 +150,10 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
         attention_bias=arch.qkv_bias(raw),
         rope_llama3=llama3,
         tensors=tensors,
+        num_experts=int(raw.get("num_experts", 0)) if arch.moe else 0,
+        experts_per_token=int(raw.get("num_experts_per_tok", 0)) if arch.moe else 0,
+        moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)) if arch.moe else 0,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)) if arch.moe else False,
         dtype=str(dtype),
         has_tokenizer=(path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file(),
     )

@@ -39,7 +39,7 @@ def test_tokenizer_round_trip(tiny_spec):
     assert max(ids) < tiny_spec.vocab_size and len(ids) < len(text)  # merges happened
 
 
-@pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen2-tiny", "llama-tiny", "qwen3-moe-tiny"])
 def test_script_reproduces_fixture(tmp_path, fixture):
     out = tmp_path / fixture
     subprocess.run([sys.executable, str(ROOT / "fixtures" / "make_fixtures.py"), "--only", fixture, "--out", str(out)],

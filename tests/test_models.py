@@ -87,7 +87,7 @@ def test_unsupported_architecture_and_broken_dirs(tmp_path):
     cfg["architectures"] = ["MambaForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match="MambaForCausalLM is not supported; supported: Qwen3ForCausalLM, Qwen2ForCausalLM, "
-                                         "LlamaForCausalLM$"):
+                                         "LlamaForCausalLM, Qwen3MoeForCausalLM$"):
         load_spec(bad)
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError, match="no config.json"):

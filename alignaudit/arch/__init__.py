@@ -3,6 +3,7 @@
     qwen3.py   Qwen3ForCausalLM     QK-norm, no biases
     qwen2.py   Qwen2ForCausalLM     q/k/v biases (Qwen2 and Qwen2.5)
     llama.py   LlamaForCausalLM     llama3 rope scaling (Llama 3.1 / 3.2)
+    qwen3_moe.py Qwen3MoeForCausalLM  Qwen3 attention, mixture-of-experts MLP
 
 What differs between them is data (``Architecture``): which tensors a checkpoint holds, how the engines'
 modules are named, which rope scaling is allowed, and the released shapes as presets. The dense decoder
@@ -12,11 +13,11 @@ arch/dense.py.
 
 from __future__ import annotations
 
-from alignaudit.arch import llama, qwen2, qwen3
+from alignaudit.arch import llama, qwen2, qwen3, qwen3_moe
 from alignaudit.arch.dense import Architecture, Preset
 from alignaudit.errors import InputError
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (qwen3.ARCH, qwen2.ARCH, llama.ARCH)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (qwen3.ARCH, qwen2.ARCH, llama.ARCH, qwen3_moe.ARCH)}
 PRESETS: dict[str, Preset] = {p.name: p for a in ARCHITECTURES.values() for p in a.presets}
 
 

@@ -33,6 +33,8 @@ class Architecture:
         qkv_bias: config -> whether q/k/v projections carry biases.
         rope_types: the ``rope_type`` values the engines implement alike (alignaudit refuses the rest).
         refused: (config field, why) pairs: a true value is refused, since some engine implements it otherwise.
+        required: (config field, value, why): any other value is refused.
+        moe: the MLP of every layer is a mixture of experts (a router and ``num_experts`` SwiGLU experts).
         presets: released shapes, for runs with random weights.
     """
 
@@ -42,16 +44,20 @@ class Architecture:
     qkv_bias: Callable[[dict], bool]
     rope_types: tuple[str, ...] = ("default",)
     refused: tuple[tuple[str, str], ...] = ()
+    required: tuple[tuple[str, object, str], ...] = ()
+    moe: bool = False
     presets: tuple[Preset, ...] = field(default=())
 
     def weight_shapes(self, config: dict) -> Iterator[tuple[str, tuple[int, ...], str]]:
         """(HF tensor name, shape, init kind) of every tensor ``config`` implies, in load order."""
-        return dense_weight_shapes(config, qk_norm=self.qk_norm, qkv_bias=self.qkv_bias(config))
+        return dense_weight_shapes(config, qk_norm=self.qk_norm, qkv_bias=self.qkv_bias(config), moe=self.moe)
 
 
-def dense_weight_shapes(config: dict, *, qk_norm: bool, qkv_bias: bool) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """Yield (HF parameter name, shape, init kind) for a dense decoder ``config``: every tensor the config
-    implies. Kinds: embed, linear, norm, bias (alignaudit.synth draws each kind at its own scale)."""
+def dense_weight_shapes(config: dict, *, qk_norm: bool, qkv_bias: bool,
+                        moe: bool = False) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """Yield (HF parameter name, shape, init kind) for a decoder ``config``: every tensor the config implies,
+    in the checkpoint's layout (an MoE layer's experts one by one, as the Hub stores them). Kinds: embed,
+    linear, norm, bias (alignaudit.synth draws each kind at its own scale)."""
     h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or h // nh
@@ -71,6 +77,14 @@ def dense_weight_shapes(config: dict, *, qk_norm: bool, qkv_bias: bool) -> Itera
             yield p + "self_attn.k_norm.weight", (hd,), "norm"
         yield p + "self_attn.o_proj.weight", (h, nh * hd), "linear"
         yield p + "post_attention_layernorm.weight", (h,), "norm"
+        if moe:
+            experts, width = config["num_experts"], config["moe_intermediate_size"]
+            yield p + "mlp.gate.weight", (experts, h), "linear"
+            for j in range(experts):
+                yield p + f"mlp.experts.{j}.gate_proj.weight", (width, h), "linear"
+                yield p + f"mlp.experts.{j}.up_proj.weight", (width, h), "linear"
+                yield p + f"mlp.experts.{j}.down_proj.weight", (h, width), "linear"
+            continue
         yield p + "mlp.gate_proj.weight", (inter, h), "linear"
         yield p + "mlp.up_proj.weight", (inter, h), "linear"
         yield p + "mlp.down_proj.weight", (h, inter), "linear"

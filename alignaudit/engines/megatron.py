@@ -68,6 +68,12 @@ def init_parallel(device: str, tp: int) -> int:
         # Rotary inv_freq and the attention score buffer are allocated on torch.cuda.current_device();
         # on a CPU-only worker point them at the CPU (this process runs nothing else).
         torch.cuda.current_device = lambda: "cpu"
+    from megatron.core.transformer.moe import moe_utils
+
+    # megatron-core 0.19 imports te_general_gemm from Transformer Engine inside a try, then tests it for None in
+    # the MoE router's linear (moe_utils.RouterGatingLinearFunction): without TE the name is unbound.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     return rank
 
 
@@ -100,6 +106,19 @@ def transformer_config(spec: ModelSpec, settings: EngineSettings, overrides: dic
         "use_cpu_initialization": settings.device == "cpu",
         "perform_initialization": False,  # every weight is loaded from the checkpoint
     }
+    if spec.num_experts:  # Qwen3 MoE: softmax top-k routing, no aux loss at inference, one rank
+        fields.update({
+            "num_moe_experts": spec.num_experts,
+            "moe_router_topk": spec.experts_per_token,
+            "moe_ffn_hidden_size": spec.moe_intermediate_size,
+            # top-k of the logits, then softmax over the k = renormalized top-k probabilities (norm_topk_prob);
+            # without renormalization: softmax over every expert first, then top-k
+            "moe_router_pre_softmax": not spec.norm_topk_prob,
+            "moe_router_load_balancing_type": "none",
+            "moe_aux_loss_coeff": 0.0,
+            "moe_token_dispatcher_type": "allgather",
+            "moe_grouped_gemm": False,
+        })
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -191,7 +210,9 @@ class MegatronEngine(Engine):
             layer_spec = strict_block_spec(spec.num_layers, ops, spec.rope_theta, spec.qk_norm, spec.rope_llama3)
             model_cls = functools.partial(StrictGPTModel, strict_ops=ops)
         else:
-            layer_spec, model_cls = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm"), GPTModel
+            layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm",
+                                                  num_experts=spec.num_experts or None, moe_grouped_gemm=False)
+            model_cls = GPTModel
         model = model_cls(
             self.config,
             layer_spec,

@@ -35,6 +35,11 @@ WEIGHT_MAP: dict[str, tuple[str, ...]] = {
     "decoder.layers.{i}.pre_mlp_layernorm.weight": (_L + "post_attention_layernorm.weight",),
     "decoder.layers.{i}.mlp.linear_fc1.weight": (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
     "decoder.layers.{i}.mlp.linear_fc2.weight": (_L + "mlp.down_proj.weight",),
+    # MoE layers (alignaudit.arch.qwen3_moe), {j} the expert: SequentialMLP's local experts
+    "decoder.layers.{i}.mlp.router.weight": (_L + "mlp.gate.weight",),
+    "decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight": (
+        _L + "mlp.experts.{j}.gate_proj.weight", _L + "mlp.experts.{j}.up_proj.weight"),
+    "decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight": (_L + "mlp.experts.{j}.down_proj.weight",),
     "decoder.final_layernorm.weight": ("model.norm.weight",),
     "output_layer.weight": ("lm_head.weight",),
 }
@@ -42,8 +47,10 @@ WEIGHT_MAP: dict[str, tuple[str, ...]] = {
 
 
 def weight_map(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
-    """The entries of WEIGHT_MAP that ``spec``'s model has."""
-    absent = set()
+    """The entries of WEIGHT_MAP that ``spec``'s model has (a dense MLP or experts, not both)."""
+    moe = {name for name in WEIGHT_MAP if ".mlp.router." in name or ".mlp.experts." in name}
+    dense = {name for name in WEIGHT_MAP if ".mlp.linear_fc" in name}
+    absent = set(dense if spec.num_experts else moe)
     if spec.tie_word_embeddings:
         absent.add("output_layer.weight")
     if not spec.attention_bias:
@@ -106,10 +113,9 @@ def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, t
     tensors = _SafetensorsReader(Path(spec.path))
     out: dict[str, torch.Tensor] = {}
     for template, sources in weight_map(spec).items():
-        layers = range(spec.num_layers) if "{i}" in template else [None]
-        for i in layers:
-            name = template.format(i=i)
-            parts = [tensors.get(s.format(i=i)) for s in sources]
+        for i, j in indices(template, spec):
+            name = template.format(i=i, j=j)
+            parts = [tensors.get(s.format(i=i, j=j)) for s in sources]
             fuse = FUSE.get(".".join(name.split(".")[-2:]))
             out[name] = tp_shard(name, (fuse(spec, *parts) if fuse else parts[0]), tp_rank, tp_size).to(dtype)
     unused = sorted(set(tensors.where) - tensors.read)
@@ -117,6 +123,13 @@ def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, t
         raise InputError(f"the Megatron conversion does not use checkpoint tensor(s) {', '.join(unused[:3])}; "
                          "they would be ignored")
     return out
+
+
+def indices(template: str, spec: ModelSpec) -> list[tuple[int | None, int | None]]:
+    """(layer, expert) pairs a WEIGHT_MAP template stands for."""
+    layers = range(spec.num_layers) if "{i}" in template else [None]
+    experts = range(spec.num_experts) if "{j}" in template else [None]
+    return [(i, j) for i in layers for j in experts]
 
 
 class _SafetensorsReader:

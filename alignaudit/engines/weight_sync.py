@@ -49,14 +49,14 @@ def megatron_to_hf(gpt, spec: ModelSpec, diverged: list[str] | None = None) -> d
     Raises:
         KeyError: a parameter the conversion map expects is missing.
     """
-    from alignaudit.engines.megatron_weights import weight_map
+    from alignaudit.engines.megatron_weights import indices, weight_map
 
     state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
     state = _unsharded(state, diverged if diverged is not None else [])
     out: dict[str, torch.Tensor] = {}
     for template, sources in weight_map(spec).items():
-        for i in range(spec.num_layers) if "{i}" in template else [None]:
-            name = template.format(i=i)
+        for i, j in indices(template, spec):
+            name = template.format(i=i, j=j)
             tensor = state[name]
             if len(sources) == 1:
                 parts = (tensor,)
@@ -65,7 +65,7 @@ def megatron_to_hf(gpt, spec: ModelSpec, diverged: list[str] | None = None) -> d
             else:  # linear_fc1: [gate | up]
                 parts = tuple(tensor.chunk(2, dim=0))
             for source, part in zip(sources, parts):
-                out[source.format(i=i)] = part.detach()
+                out[source.format(i=i, j=j)] = part.detach()
     return out
 
 
