@@ -1,0 +1,89 @@
+"""Strict mixture-of-experts layer (Qwen3-MoE style): router, top-k routing, SwiGLU experts, combine.
+
+One definition for every engine, each step with its order and rounding fixed:
+    logits  = x @ W_router^T       fp32: x and W upcast, alignaudit_kernels.linear's K order, never rounded to
+                                   the model dtype (a bf16 router logit is the usual cause of routing flips)
+    chosen  = the top_k largest logits per token, in descending order; equal logits -> the lower expert
+              index first (a stable sort of -logits; torch.topk leaves ties unspecified)
+    weights = normalize (Qwen3's norm_topk_prob): softmax over the chosen logits, i.e. the top-k
+              probabilities renormalized; otherwise softmax over all experts gathered at the chosen ones.
+              fp32, primitives.exp, primitives.fixed_sum over the experts (or the k chosen)
+    y_r     = down_e(silu_mul(gate_e(x), up_e(x))) for e = chosen[r]: alignaudit_kernels.linear and silu_mul,
+              each rounded to x.dtype, as the dense strict MLP rounds
+    out     = round(((w_0 * y_0) + w_1 * y_1) + ...)   fp32 products and sums in the chosen order, rounded once
+A token's result depends on that token alone: the expert GEMMs are row-invariant and every other step is
+per token, so the batch around it, and which other tokens share its experts, cannot change its bits.
+Forward only (the strict path of rollout and rescoring; training the router is out of scope here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignaudit_kernels.matmul import linear
+from alignaudit_kernels.primitives import exp, fixed_sum
+from alignaudit_kernels.silu import silu_mul
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool):
+    """Router logits, chosen experts and their weights for tokens x [T, H].
+
+    Returns:
+        logits fp32 [T, E]; chosen int64 [T, top_k] (descending logit, ties to the lower index);
+        weights fp32 [T, top_k].
+    Raises:
+        ValueError: top_k outside [1, E].
+    """
+    num_experts = router_weight.shape[0]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} outside [1, {num_experts}]")
+    logits = linear(x.float(), router_weight.float())
+    order = torch.sort(-logits, dim=-1, stable=True).indices
+    chosen = order[:, :top_k]
+    if normalize:
+        picked = logits.gather(1, chosen)
+        z = exp(picked - picked[:, :1])  # the first chosen logit is the largest
+        return logits, chosen, z / fixed_sum(z)[:, None]
+    z = exp(logits - logits.gather(1, order[:, :1]))
+    return logits, chosen, (z / fixed_sum(z)[:, None]).gather(1, chosen)
+
+
+def mixture_of_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+        normalize: bool):
+    """The strict MoE layer of the module docstring.
+
+    Args:
+        x: [T, H] tokens (bf16/fp16/fp32). router_weight: [E, H].
+        gate_up: [E, 2I, H], each expert's gate rows then up rows (transformers' and vLLM's fused layout).
+        down: [E, H, I]. top_k: experts per token. normalize: renormalize the chosen probabilities.
+    Returns:
+        (out [T, H] in x.dtype, logits fp32 [T, E], chosen int64 [T, top_k]).
+    """
+    t, h = x.shape
+    logits, chosen, weights = route(x, router_weight, top_k, normalize)
+    width = gate_up.shape[1] // 2
+    expert_out = torch.zeros(t, top_k, h, dtype=x.dtype, device=x.device)
+    for e in torch.unique(chosen).tolist():
+        token, slot = (chosen == e).nonzero(as_tuple=True)
+        rows = x[token]
+        act = silu_mul(linear(rows, gate_up[e, :width]), linear(rows, gate_up[e, width:]))
+        expert_out[token, slot] = linear(act, down[e])
+    acc = weights[:, :1] * expert_out[:, 0].float()
+    for r in range(1, top_k):
+        acc = acc + weights[:, r: r + 1] * expert_out[:, r].float()
+    return acc.to(x.dtype), logits, chosen
+
+
+def reference(x, router_weight, gate_up, down, top_k, normalize):
+    """Plain torch in x's dtype (float64 inputs for an accuracy reference): softmax, topk, weighted sum."""
+    probs = torch.softmax(x @ router_weight.T, dim=-1)
+    top, chosen = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        top = top / top.sum(-1, keepdim=True)
+    width = gate_up.shape[1] // 2
+    out = torch.zeros_like(x)
+    for r in range(top_k):
+        g = torch.einsum("th,tih->ti", x, gate_up[chosen[:, r], :width])
+        u = torch.einsum("th,tih->ti", x, gate_up[chosen[:, r], width:])
+        out = out + top[:, r: r + 1] * torch.einsum("ti,thi->th", torch.nn.functional.silu(g) * u, down[chosen[:, r]])
+    return out
