@@ -72,8 +72,8 @@ def check_engine_features(spec, engines: tuple[str, ...]) -> None:
 
 # What alignaudit does not run for mixture-of-experts models yet (alignaudit.arch.qwen3_moe), and why.
 MOE_REFUSED: dict[str, str] = {
-    "strict": "the strict path has no MoE router or expert kernels yet (softmax top-k with a fixed tie-break and an "
-              "fp32 expert combine are the next step); compare the engines' default MoE without --strict",
+    "strict with vllm": "vLLM's fused MoE has no strict replacement yet (megatron and hf run "
+                        "alignaudit_kernels.mixture_of_experts under --strict); compare megatron with hf, or drop --strict",
     "op capture": "the canonical op list has no router or expert ops yet; compare logprobs without op capture "
                   "(alignaudit compare, or capture --no-ops)",
     "alignaudit rl": "the weight sync maps dense MLPs only; run rl on a dense model",

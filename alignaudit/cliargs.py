@@ -254,8 +254,8 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
         for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt), (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]
     check_engine_features(spec, (pair.train, pair.infer))
-    if ops:
-        refuse_moe(spec, "strict")
+    if ops and "vllm" in (pair.train, pair.infer):
+        refuse_moe(spec, "strict with vllm")
     if any(tensor_parallel_size(run) != 1 for run in runs):
         refuse_moe(spec, "tensor parallelism")
     check_parallel(spec, runs, dev)

@@ -54,19 +54,21 @@ def mixture_of_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: to
 
     Args:
         x: [T, H] tokens (bf16/fp16/fp32). router_weight: [E, H].
-        gate_up: [E, 2I, H], each expert's gate rows then up rows (transformers' and vLLM's fused layout).
-        down: [E, H, I]. top_k: experts per token. normalize: renormalize the chosen probabilities.
+        gate_up: [E, 2I, H], each expert's gate rows then up rows (transformers' and vLLM's fused layout), or a
+            sequence of E [2I, H] tensors (Megatron's SequentialMLP experts).
+        down: [E, H, I], or a sequence of E [H, I] tensors. top_k: experts per token. normalize: renormalize
+            the chosen probabilities.
     Returns:
         (out [T, H] in x.dtype, logits fp32 [T, E], chosen int64 [T, top_k]).
     """
     t, h = x.shape
     logits, chosen, weights = route(x, router_weight, top_k, normalize)
-    width = gate_up.shape[1] // 2
+    width = gate_up[0].shape[0] // 2
     expert_out = torch.zeros(t, top_k, h, dtype=x.dtype, device=x.device)
     for e in torch.unique(chosen).tolist():
         token, slot = (chosen == e).nonzero(as_tuple=True)
         rows = x[token]
-        act = silu_mul(linear(rows, gate_up[e, :width]), linear(rows, gate_up[e, width:]))
+        act = silu_mul(linear(rows, gate_up[e][:width]), linear(rows, gate_up[e][width:]))
         expert_out[token, slot] = linear(act, down[e])
     acc = weights[:, :1] * expert_out[:, 0].float()
     for r in range(1, top_k):
@@ -80,7 +82,7 @@ def reference(x, router_weight, gate_up, down, top_k, normalize):
     top, chosen = torch.topk(probs, top_k, dim=-1)
     if normalize:
         top = top / top.sum(-1, keepdim=True)
-    width = gate_up.shape[1] // 2
+    width = gate_up[0].shape[0] // 2
     out = torch.zeros_like(x)
     for r in range(top_k):
         g = torch.einsum("th,tih->ti", x, gate_up[chosen[:, r], :width])

@@ -1,6 +1,7 @@
 """Qwen3 MoE on its tiny fixture (8 experts of width 64, top-2 routing with norm_topk_prob): every engine
-runs its own MoE, mapped from the same checkpoint, and what alignaudit does not implement for MoE yet is
-refused before any engine starts."""
+runs its own MoE, mapped from the same checkpoint; under --strict megatron and hf run
+alignaudit_kernels.mixture_of_experts and agree bit for bit; what alignaudit does not implement for MoE yet
+is refused before any engine starts."""
 
 from __future__ import annotations
 
@@ -39,8 +40,20 @@ def test_every_engine_runs_the_same_moe_in_fp32(moe, engine):
     assert s["tokens_compared"] == 176 and 0 < s["max_abs_diff"] < 1e-4, s["max_abs_diff"]
 
 
+def test_strict_megatron_and_hf_agree_bit_for_bit_and_the_defaults_do_not(moe):
+    """hf samples 16 tokens after each prompt with its KV cache, every layer's MoE strict; megatron rescoring
+    prompt and completion in one pass reproduces every logprob. Without --strict the same engines differ."""
+    rollout = {"max_new_tokens": 16, "temperature": 1.0, "seed": 0}
+    sampled = moe.get("hf", "bf16", strict="all", rollout=rollout)
+    assert sampled.manifest["engine_settings"]["strict_modules"] == 22  # the MoE blocks included
+    s = diff_captures(moe.get("megatron", "bf16", strict="all", batch=sampled), sampled, moe.root / "strict")
+    assert s["generated"]["tokens_compared"] == 64 and s["mismatches"] == 0 and s["ulp_max"] == 0
+    default = diff_captures(moe.get("megatron", "bf16"), moe.get("hf", "bf16"), moe.root / "default")
+    assert default["mismatches"] > 100
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["compare", "--strict"], "strict for Qwen3MoeForCausalLM (qwen3-moe-tiny) is not implemented"),
+    (["compare", "--strict"], "strict with vllm for Qwen3MoeForCausalLM (qwen3-moe-tiny) is not implemented"),
     (["bisect", "--train", "megatron", "--infer", "hf"], "op capture for Qwen3MoeForCausalLM"),
     (["capture", "--engine", "hf"], "op capture for Qwen3MoeForCausalLM"),
     (["rl", "--steps", "1"], "alignaudit rl for Qwen3MoeForCausalLM"),

@@ -7,8 +7,9 @@ the layer output is the probability-weighted sum of the chosen experts' SwiGLU o
 difference in a router logit can change which experts a token goes to.
 
 What runs today: every engine's own (default) MoE, compared at the logprob level (compare, capture/diff,
-gate). The strict path, op capture (bisect), rl and tensor parallelism are refused for MoE models before
-any engine starts (alignaudit.capabilities.check_moe).
+gate), and under --strict the strict MoE layer (alignaudit_kernels.mixture_of_experts) in megatron and hf.
+Strict with vllm, op capture (bisect), rl and tensor parallelism are refused for MoE models before any
+engine starts (alignaudit.capabilities.MOE_REFUSED).
 """
 
 from __future__ import annotations

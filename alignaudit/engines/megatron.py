@@ -207,7 +207,8 @@ class MegatronEngine(Engine):
         if ops:
             from alignaudit.strict.megatron import StrictGPTModel, strict_block_spec
 
-            layer_spec = strict_block_spec(spec.num_layers, ops, spec.rope_theta, spec.qk_norm, spec.rope_llama3)
+            layer_spec = strict_block_spec(spec.num_layers, ops, spec.rope_theta, spec.qk_norm, spec.rope_llama3,
+                                           spec.num_experts)
             model_cls = functools.partial(StrictGPTModel, strict_ops=ops)
         else:
             layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm",

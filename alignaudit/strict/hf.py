@@ -10,6 +10,8 @@ architecture's class prefix (Qwen3, Qwen2, Llama):
     rmsnorm    every <P>RMSNorm -> alignaudit_kernels.rms_norm (the residual adds stay HF's
                ``residual + x`` in the storage dtype, which is the kernels' rounding point 1)
     silu       <P>MLP -> silu_mul(gate_proj(x), up_proj(x))
+    moe        with "linear": <P>SparseMoeBlock (Qwen3 MoE) -> alignaudit_kernels.mixture_of_experts, the whole
+               layer (fp32 router, fixed top-k tie-break, strict expert linears and silu_mul, fp32 combine)
     rope       <P>Attention applies alignaudit_kernels rope (tables of its own from position_ids, llama3
                scaling included)
     attention  <P>Attention computes alignaudit_kernels attention (KV cache supported, one
@@ -53,6 +55,17 @@ class StrictMLP(torch.nn.Module):
 
     def forward(self, x):
         return self.down_proj(K.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class StrictMoeBlock(torch.nn.Module):
+    """Stands in for <P>SparseMoeBlock (attributes gate: the router with weight, top_k, norm_topk_prob;
+    experts: gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out, _, _ = K.mixture_of_experts(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
+                                         self.gate.top_k, self.gate.norm_topk_prob)
+        return out.view(hidden_states.shape)
 
 
 class StrictAttention(torch.nn.Module):
@@ -123,6 +136,8 @@ def make_strict(model, ops: frozenset[str], llama3: tuple | None = None) -> list
             _swap(m, StrictRMSNorm)
         elif "silu" in ops and kind == f"{prefix}MLP":
             _swap(m, StrictMLP)
+        elif "linear" in ops and kind == f"{prefix}SparseMoeBlock":
+            _swap(m, StrictMoeBlock)
         elif ({"rope", "attention"} & ops) and kind == f"{prefix}Attention":
             m._hf_module = type(m).__module__
             m._stock_attention = ALL_ATTENTION_FUNCTIONS.get_interface(

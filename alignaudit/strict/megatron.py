@@ -128,6 +128,20 @@ class StrictMLP(MLP):
         return self.linear_fc2(K.silu_and_mul(intermediate))
 
 
+class StrictMoELayer(torch.nn.Module):
+    """Stands in for MoELayer (router.weight [E, H]; experts.local_experts[j].linear_fc1.weight [2I, H] as
+    [gate | up], linear_fc2.weight [H, I]): alignaudit_kernels.mixture_of_experts on [seq * batch, H], one
+    rank. Returns (output, None) as MoELayer does."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        experts = self.experts.local_experts
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out, _, _ = K.mixture_of_experts(
+            x, self.router.weight, [e.linear_fc1.weight for e in experts], [e.linear_fc2.weight for e in experts],
+            self.config.moe_router_topk, not self.config.moe_router_pre_softmax)
+        return out.view(hidden_states.shape), None
+
+
 class StrictCoreAttention(MegatronModule):
     """Core attention that applies strict rope (``strict_rope``) and/or computes strict attention
     (``strict_attention``; otherwise Megatron's DotProductAttention). Inputs are [seq, batch, heads, dim];
@@ -163,9 +177,11 @@ class StrictCoreAttention(MegatronModule):
 
 
 def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
-                      llama3: tuple | None = None) -> ModuleSpec:
-    """The local GPT layer spec with the strict ops swapped in (``llama3``: ModelSpec.rope_llama3)."""
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+                      llama3: tuple | None = None, num_experts: int = 0) -> ModuleSpec:
+    """The local GPT layer spec with the strict ops swapped in (``llama3``: ModelSpec.rope_llama3). An MoE
+    layer keeps Megatron's MoELayer in the spec; StrictGPTModel swaps its forward for the strict one."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm",
+                                    num_experts=num_experts or None, moe_grouped_gemm=False)
     layer = spec.submodules
     attn = layer.self_attention.submodules
     if "rmsnorm" in ops:
@@ -175,7 +191,7 @@ def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: boo
     if "linear" in ops:
         attn.linear_qkv = StrictColumnParallelLinear
         attn.linear_proj = StrictRowParallelLinear
-    if {"linear", "silu"} & ops:
+    if {"linear", "silu"} & ops and not num_experts:
         linear = "linear" in ops
         layer.mlp = _mlp_spec(StrictMLP if "silu" in ops else MLP, MLPSubmodules(
             linear_fc1=StrictColumnParallelLinear if linear else ColumnParallelLinear,
@@ -195,12 +211,12 @@ def _mlp_spec(mlp_cls, submodules):
     return ModuleSpec(module=mlp_cls, submodules=submodules)
 
 
-def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float,
-                      qk_layernorm: bool = True, llama3: tuple | None = None) -> TransformerBlockSubmodules:
+def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
+                      llama3: tuple | None = None, num_experts: int = 0) -> TransformerBlockSubmodules:
     """A TransformerBlockSubmodules of strict layers; the final norm is strict too with "rmsnorm"."""
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl
 
-    layer = strict_layer_spec(ops, rotary_base, qk_layernorm, llama3)
+    layer = strict_layer_spec(ops, rotary_base, qk_layernorm, llama3, num_experts)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=StrictRMSNorm if "rmsnorm" in ops else LNImpl)
 
@@ -216,6 +232,12 @@ class StrictGPTModel(GPTModel):
         self.strict_ops = strict_ops
         if "linear" in strict_ops and getattr(self, "output_layer", None) is not None:
             self.output_layer.__class__ = StrictColumnParallelLinear
+        if "linear" in strict_ops:
+            from megatron.core.transformer.moe.moe_layer import MoELayer
+
+            for module in self.modules():
+                if type(module) is MoELayer:
+                    module.__class__ = StrictMoELayer
 
     def compute_language_model_loss(self, labels, logits):
         if "logprobs" not in self.strict_ops:
