@@ -145,7 +145,7 @@ def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputA
     if mode not in MODES:
         raise errors.InputError(f"unknown bisect mode {mode!r}; choose one of {', '.join(MODES)}")
     request = build_request(model, prompts, run)
-    selection = parse_selection(layers, ops, request.spec.num_layers)
+    selection = parse_selection(layers, ops, request.spec.num_layers, request.spec.qk_norm)
     _refuse_parallel_capture([request.train, request.infer], forced=mode != "natural")
     refuse_moe(request.spec, "op capture")
     out = out_dir(output, "bisect", BISECT_OUTPUTS)
@@ -190,7 +190,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     pair = PairArgs(train=engine, infer=engine, dtype=dtype, device=device, train_opt=opt, strict=strict)
     spec = resolve_model_arg(model)
     run = engine_runs(pair, model.seed, spec)[0]
-    selection = None if no_ops else parse_selection(layers, ops, spec.num_layers)
+    selection = None if no_ops else parse_selection(layers, ops, spec.num_layers, spec.qk_norm)
     if selection is not None:
         _refuse_parallel_capture([run], forced=reference is not None)
         refuse_moe(spec, "op capture")

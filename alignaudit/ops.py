@@ -137,11 +137,12 @@ def op_inputs(op: str, num_layers: int, qk_norm: bool = True) -> list[str]:
     return inputs
 
 
-def parse_selection(layers: str | None, ops: str | None, num_layers: int) -> Selection:
+def parse_selection(layers: str | None, ops: str | None, num_layers: int, qk_norm: bool = True) -> Selection:
     """Parse ``--layers 0-3,7`` and ``--ops attn,o_proj``.
 
     Raises:
-        InputError: malformed ranges, layers outside [0, num_layers), unknown op names.
+        InputError: malformed ranges, layers outside [0, num_layers), unknown op names, q_norm/k_norm for a
+            model without QK-norm.
     """
     chosen_layers = None
     if layers:
@@ -164,5 +165,9 @@ def parse_selection(layers: str | None, ops: str | None, num_layers: int) -> Sel
         unknown = sorted(names - set(OP_NAMES))
         if unknown:
             raise InputError(f"--ops: unknown op(s) {', '.join(unknown)}; canonical ops: {', '.join(OP_NAMES)}")
+        absent = sorted(names & QK_NORM_OPS) if not qk_norm else []
+        if absent:
+            raise InputError(f"--ops {', '.join(absent)}: this model has no QK-norm (Qwen3 has); its rope reads "
+                             "q_proj/k_proj directly")
         chosen_names = frozenset(names)
     return Selection(chosen_layers, chosen_names)

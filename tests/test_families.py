@@ -107,6 +107,12 @@ def test_megatron_applies_llama3_scaling_in_its_default_path(tmp_path_factory):
     assert s["max_abs_diff"] < 1e-3
 
 
+def test_qk_norm_ops_are_refused_for_a_model_without_qk_norm(capsys, tmp_path):
+    err = one_line_error(capsys, ["bisect", "--model", str(ROOT / "fixtures" / "qwen2-tiny"), "--train", "megatron",
+                                  "--infer", "hf", "--ops", "q_norm,attn", "--out", str(tmp_path / "o")], 2)
+    assert "--ops q_norm: this model has no QK-norm" in err and not (tmp_path / "o").exists()
+
+
 def _edited(tmp_path, fixture, **fields):
     model = tmp_path / fixture
     shutil.copytree(ROOT / "fixtures" / fixture, model)
