@@ -31,8 +31,8 @@ DEFAULT_MODEL = "qwen3-tiny"
 ModelOpt = Annotated[str, typer.Option(
     "--model", "-m", metavar="MODEL",
     help="Checkpoint directory, hub id in the local HF cache, or preset name with --random-weights "
-         "(Qwen3-0.6B ... Qwen3-32B, Qwen2.5-0.5B/1.5B/7B, Llama-3.2-1B/3B, Llama-3.1-8B, Qwen3-30B-A3B). Default: "
-         "the embedded tiny Qwen3 fixture.")]
+         "(Qwen3-0.6B ... Qwen3-32B, Qwen2.5-0.5B/1.5B/7B, Llama-3.2-1B/3B, Llama-3.1-8B, Qwen3-30B-A3B), or an "
+         "embedded fixture: qwen3-tiny (the default), qwen2-tiny, llama-tiny, qwen3-moe-tiny.")]
 RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", metavar="",
                                                 help="Synthesize a preset's checkpoint with random weights (once, cached).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random weights, random prompts and sampling.")]
@@ -184,10 +184,12 @@ def resolve_model_arg(args: ModelArgs):
     from alignaudit.models import resolve_model
 
     model = args.model
-    if model == DEFAULT_MODEL and not Path(model).exists():
+    fixture = fixtures_dir() / model
+    if "/" not in model and not Path(model).exists() and (fixture / "config.json").is_file():
         if args.random_weights:
-            raise errors.InputError("--random-weights needs --model PRESET, e.g. --model Qwen3-0.6B --random-weights")
-        model = str(fixtures_dir() / DEFAULT_MODEL)
+            raise errors.InputError(f"--random-weights needs --model PRESET, e.g. --model Qwen3-0.6B --random-weights; "
+                                    f"{model} is an embedded fixture with weights of its own")
+        model = str(fixture)
     return resolve_model(model, random_weights=args.random_weights, seed=args.seed)
 
 
@@ -254,7 +256,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
         for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt), (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]
     check_engine_features(spec, (pair.train, pair.infer))
-    if ops and "vllm" in (pair.train, pair.infer):
+    if "linear" in parse_strict(ops) and "vllm" in (pair.train, pair.infer):  # the strict MoE layer comes with linear
         refuse_moe(spec, "strict with vllm")
     if any(tensor_parallel_size(run) != 1 for run in runs):
         refuse_moe(spec, "tensor parallelism")

@@ -90,10 +90,16 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
     if not isinstance(raw, dict):
         raise InputError(f"{config_file} is not a JSON object; it must be a Hugging Face config")
     architectures = raw.get("architectures") or [raw.get("model_type", "?")]
-    arch = architecture(architectures[0])
+    try:
+        arch = architecture(architectures[0])
+    except InputError as e:
+        raise InputError(f"{config_file}: {e}") from None
     for field, why in arch.refused:
         if raw.get(field):
             raise InputError(f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name}: {why}")
+    if arch.moe and not 1 <= raw.get("num_experts_per_tok", 0) <= raw.get("num_experts", 0):
+        raise InputError(f"{config_file}: num_experts_per_tok {raw.get('num_experts_per_tok')!r} must be between 1 and "
+                         f"num_experts {raw.get('num_experts')!r}")
     for field, value, why in arch.required:
         if raw.get(field, value) != value:
             raise InputError(f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name} (only {value!r}): "
@@ -215,11 +221,16 @@ def resolve_model(model: str, random_weights: bool = False, seed: int = 0) -> Mo
         synthesize_checkpoint(preset.config, target, seed=seed)
         return load_spec(target, name=f"{preset.name} (random weights, seed {seed})")
     if random_weights:
-        raise InputError(f"--random-weights needs a preset name; presets: {', '.join(PRESETS)}")
+        import difflib
+
+        close = difflib.get_close_matches(model, list(PRESETS), n=2, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise InputError(f"--random-weights: {model!r} is not a preset; {hint}presets: {', '.join(PRESETS)}")
 
     hub_id = preset.hub_id if preset is not None else model
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise InputError(f"--model {model}: no such directory")
+        raise InputError(f"--model {model}: no such directory; pass a checkpoint directory, a hub id in the local "
+                         "Hugging Face cache, or a preset name with --random-weights")
     if "/" not in hub_id:
         raise InputError(
             f"--model {model} is not a directory, a preset or a hub id; presets (with --random-weights): "

@@ -107,6 +107,21 @@ def test_megatron_applies_llama3_scaling_in_its_default_path(tmp_path_factory):
     assert s["max_abs_diff"] < 1e-3
 
 
+def test_fixtures_by_name_and_inputs_that_are_not_models(capsys, tmp_path):
+    from alignaudit.cliargs import ModelArgs, resolve_model_arg
+
+    assert resolve_model_arg(ModelArgs(model="llama-tiny")).architecture == "LlamaForCausalLM"
+    err = one_line_error(capsys, ["compare", "--model", "Llama-3.2-2B", "--random-weights", "--out", str(tmp_path / "o")], 2)
+    assert "'Llama-3.2-2B' is not a preset; did you mean Llama-3.2-" in err and "Llama-3.2-1B" in err
+    moe = _edited(tmp_path, "qwen3-moe-tiny", num_experts_per_tok=9)
+    err = one_line_error(capsys, ["compare", "--model", str(moe), "--train", "megatron", "--infer", "hf",
+                                  "--out", str(tmp_path / "o")], 2)
+    assert "num_experts_per_tok 9 must be between 1 and num_experts 8" in err
+    gpt2 = _edited(tmp_path, "qwen2-tiny", architectures=["GPT2LMHeadModel"])
+    err = one_line_error(capsys, ["compare", "--model", str(gpt2), "--out", str(tmp_path / "o")], 2)
+    assert err.startswith(f"error: {gpt2 / 'config.json'}: architecture GPT2LMHeadModel is not supported; supported: ")
+
+
 def test_qk_norm_ops_are_refused_for_a_model_without_qk_norm(capsys, tmp_path):
     err = one_line_error(capsys, ["bisect", "--model", str(ROOT / "fixtures" / "qwen2-tiny"), "--train", "megatron",
                                   "--infer", "hf", "--ops", "q_norm,attn", "--out", str(tmp_path / "o")], 2)
