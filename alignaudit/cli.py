@@ -32,8 +32,21 @@ app = typer.Typer(
     rich_markup_mode="markdown",
     help="Numerical alignment auditor for RL: training-engine vs rollout-engine logprobs, down to the ULP.",
 )
-console = Console()
-err_console = Console(stderr=True)
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader of our output went away (``| head``): rich exits 1 here, which is alignaudit's
+        "alignment failure"; exit as a closed pipe instead (the files written so far are kept)."""
+        try:
+            super().on_broken_pipe()  # rich silences the stream and raises SystemExit(1)
+        except SystemExit:
+            raise SystemExit(EXIT_PIPE_CLOSED) from None
+
+
+console = _Console()
+err_console = _Console(stderr=True)
 
 
 def _version(value: bool) -> None:

@@ -197,6 +197,17 @@ def test_an_interrupt_python_could_not_raise_is_delivered_again():
         cli._signalled.clear()
 
 
+def test_a_closed_output_pipe_is_not_an_alignment_failure(tmp_path):
+    """`alignaudit compare | head -1`: rich exits 1 on a broken pipe, and 1 means "alignment failure"."""
+    proc = subprocess.Popen([sys.executable, "-m", "alignaudit", "compare", "--train", "hf", "--infer", "hf",
+                             "--out", str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err
+    assert (tmp_path / "o" / "summary.json").is_file()
+
+
 def test_paths_are_never_wrapped_and_manifests_are_reproducible(tmp_path):
     out = tmp_path / ("a-directory-name-long-enough-to-wrap-an-eighty-column-terminal-" * 2)
     proc = subprocess.run([sys.executable, "-m", "alignaudit", "compare", "--train", "megatron", "--infer", "hf",
