@@ -325,12 +325,17 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g = grad.float().reshape(-1, weight.shape[0])
-        gx = (g @ weight.float()).to(x.dtype).reshape(x.shape)
-        gw = (g.T @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
-        gb = g.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return gx, gw, gb, None
+        return (*linear_backward(grad, *ctx.saved_tensors, ctx.has_bias), None)
+
+
+def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool):
+    """Gradients of y = x @ W^T (+ b) with respect to x, W and b: plain torch matmuls in fp32, rounded to the
+    inputs' dtypes (correct, not strict). grad [..., N], x [..., K], weight [N, K]; b's gradient None
+    without a bias."""
+    g = grad.float().reshape(-1, weight.shape[0])
+    gx = (g @ weight.float()).to(x.dtype).reshape(x.shape)
+    gw = (g.T @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+    return gx, gw, g.sum(0).to(weight.dtype) if has_bias else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_segments: int = 1) -> torch.Tensor:

@@ -82,12 +82,9 @@ class _RowParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g = grad.float().reshape(-1, weight.shape[0])
-        gx = (g @ weight.float()).to(x.dtype).reshape(x.shape)
-        gw = (g.T @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
-        gb = g.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return gx, gw, gb, None
+        from alignaudit_kernels.matmul import linear_backward
+
+        return (*linear_backward(grad, *ctx.saved_tensors, ctx.has_bias), None)
 
 
 class StrictRowParallelLinear(RowParallelLinear):
