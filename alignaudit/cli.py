@@ -151,16 +151,15 @@ def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputA
         --layers 0-1 --ops q_rope,k_rope,attn
     ```
     """
-    from alignaudit.ops import parse_selection
+    from alignaudit.ops import OpGraph, parse_selection
     from alignaudit.pipeline import BISECT, BISECT_OUTPUTS, MODES, bisect as run_bisect
     from alignaudit.report import render_bisect
 
     if mode not in MODES:
         raise errors.InputError(f"unknown bisect mode {mode!r}; choose one of {', '.join(MODES)}")
     request = build_request(model, prompts, run)
-    selection = parse_selection(layers, ops, request.spec.num_layers, request.spec.qk_norm)
+    selection = parse_selection(layers, ops, OpGraph.of(request.spec))
     _refuse_parallel_capture([request.train, request.infer], forced=mode != "natural")
-    refuse_moe(request.spec, "op capture")
     out = out_dir(output, "bisect", BISECT_OUTPUTS)
     with console.status("") as status:
         result = run_bisect(request, out, selection, mode=mode, stream_log=output.verbose, on_stage=status.update)
@@ -197,16 +196,15 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     """
     from alignaudit.capture import read_capture
     from alignaudit.cliargs import engine_runs
-    from alignaudit.ops import parse_selection
+    from alignaudit.ops import OpGraph, parse_selection
     from alignaudit.pipeline import CAPTURE_OUTPUTS, capture as run_capture
 
     pair = PairArgs(train=engine, infer=engine, dtype=dtype, device=device, train_opt=opt, strict=strict)
     spec = resolve_model_arg(model)
     run = engine_runs(pair, model.seed, spec)[0]
-    selection = None if no_ops else parse_selection(layers, ops, spec.num_layers, spec.qk_norm)
+    selection = None if no_ops else parse_selection(layers, ops, OpGraph.of(spec))
     if selection is not None:
         _refuse_parallel_capture([run], forced=reference is not None)
-        refuse_moe(spec, "op capture")
     batch = load_batch(spec, prompts, model.seed, (engine,))
     inputs = ()
     if reference is not None:

@@ -27,6 +27,8 @@ def compare_op(op: str, a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) 
     if not seqs:
         side = "both" if not a and not b else ("train" if not a else "infer")
         return {**record, "status": MISSING, "note": f"not captured by {side}"}
+    if name == "routing":
+        return {**record, **_compare_routing(seqs, a, b)}
     xs, ys, coords = [], [], []
     notes = set()
     for seq in seqs:
@@ -66,6 +68,39 @@ def compare_op(op: str, a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) 
     if record["status"] == DIFFERS:
         record["worst"] = _worst(x, y, ulp, cls, coords)
     return record
+
+
+def _compare_routing(seqs: list[int], a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> dict:
+    """Routing decisions (canonical ``routing`` rows: each token's experts, ascending) compared per token:
+    ``equal_fraction`` is the routing agreement, the share of tokens sent to the same experts; ``rerouted``
+    counts the others; ``worst`` is the first such token with both expert sets. No ULP: these are indices."""
+    tokens = rerouted = 0
+    worst = None
+    for seq in seqs:
+        n = min(a[seq].shape[0], b[seq].shape[0])
+        x, y = a[seq][:n], b[seq][:n]
+        if x.shape != y.shape:
+            return {"status": SHAPE, "note": f"seq {seq}: {tuple(x.shape)} vs {tuple(y.shape)} experts per token"}
+        differs = (x != y).any(dim=-1)
+        tokens += n
+        rerouted += int(differs.sum())
+        if worst is None and bool(differs.any()):
+            pos = int(differs.nonzero()[0])
+            worst = {"seq": seq, "pos": pos, "train_experts": x[pos].tolist(), "infer_experts": y[pos].tolist()}
+    record = {"status": DIFFERS if rerouted else EQUAL, "dtype": "int64", "elements": tokens, "rerouted": rerouted,
+              "equal_fraction": (tokens - rerouted) / tokens if tokens else 1.0, "ulp_max": None, "ulp_median": None,
+              "abs_max": None, "rel_diff": None, "nan_mismatches": 0, "inf_mismatches": 0,
+              "note": "per token: the same experts"}
+    if worst is not None:
+        record["worst"] = worst
+    return record
+
+
+def routing_agreement(records: list[dict]) -> list[dict]:
+    """Per MoE layer, from the ``routing`` records of ``compare_ops``: tokens, tokens sent to other experts
+    (``rerouted``) and the agreement (share routed the same)."""
+    return [{"layer": r["layer"], "tokens": r["elements"], "rerouted": r["rerouted"], "agreement": r["equal_fraction"]}
+            for r in records if r["name"] == "routing" and "rerouted" in r]
 
 
 def _worst(x: torch.Tensor, y: torch.Tensor, ulp: torch.Tensor, cls: torch.Tensor, coords: list) -> dict:

@@ -6,9 +6,13 @@ per sequence in a canonical layout, whatever the engine's own layout:
     q_heads  [tokens, num_heads, head_dim]
     kv_heads [tokens, num_kv_heads, head_dim]
     ffn      [tokens, intermediate_size]
+    experts  [tokens, num_experts]       router logits
+    routing  [tokens, experts_per_token] the chosen experts, int64, ascending (the set, not the order)
     vocab    [tokens, vocab_size]
 Op ids are ``embed``, ``layers.{i}.{name}`` for per-layer ops, ``final_norm``, ``logits``; ``logprobs``
-(fp32, [tokens - 1]) comes from the capture's logprob table.
+(fp32, [tokens - 1]) comes from the capture's logprob table. A model's op list (``OpGraph``) drops
+q_norm/k_norm without QK-norm and, in a mixture-of-experts model, has router/routing/moe where a dense
+layer has gate_proj/up_proj/act/down_proj.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ class OpDef:
     layout: str
     inputs: tuple[str, ...]  # canonical ops (same layer unless prefixed) whose outputs this op consumes
     what: str
+    # Forced mode may replace the engine's value by the reference's. The router's logits and the routing
+    # decision are read only: every engine routes inside the call that computes the logits (or from a
+    # value no hook can replace), so replacing either would claim a substitution that did not happen.
+    replaceable: bool = True
 
 
 LAYER_OPS: tuple[OpDef, ...] = (
@@ -45,14 +53,25 @@ LAYER_OPS: tuple[OpDef, ...] = (
     OpDef("down_proj", "hidden", ("act",), "down projection"),
     OpDef("mlp_residual", "hidden", ("attn_residual", "down_proj"), "residual add after the MLP (layer output)"),
 )
+DENSE_MLP_OPS = frozenset({"gate_proj", "up_proj", "act", "down_proj"})
+# A mixture-of-experts layer (Qwen3 MoE): these stand where the dense MLP ops stand.
+MOE_OPS: tuple[OpDef, ...] = (
+    OpDef("router", "experts", ("post_attn_norm",), "router logits (x @ W_router^T)", replaceable=False),
+    OpDef("routing", "routing", ("router",), "the experts each token is sent to (top-k of the router)",
+          replaceable=False),
+    # The whole layer, routing included, computes from post_attn_norm: forced mode gives every engine the
+    # reference's input there, and moe's difference is the layer's own (routing flips included).
+    OpDef("moe", "hidden", ("post_attn_norm",), "the MoE layer output (the chosen experts' SwiGLU MLPs, "
+          "weighted and summed)"),
+)
 PRE_OPS: tuple[OpDef, ...] = (OpDef("embed", "hidden", (), "token embedding"),)
 POST_OPS: tuple[OpDef, ...] = (
     OpDef("final_norm", "hidden", ("mlp_residual",), "final RMSNorm"),
     OpDef("logits", "vocab", ("final_norm",), "lm_head"),
 )
 LOGPROBS = "logprobs"
-OP_NAMES: tuple[str, ...] = tuple(o.name for o in (*PRE_OPS, *LAYER_OPS, *POST_OPS)) + (LOGPROBS,)
-OP_DEFS: dict[str, OpDef] = {o.name: o for o in (*PRE_OPS, *LAYER_OPS, *POST_OPS)}
+OP_NAMES: tuple[str, ...] = tuple(o.name for o in (*PRE_OPS, *LAYER_OPS, *MOE_OPS, *POST_OPS)) + (LOGPROBS,)
+OP_DEFS: dict[str, OpDef] = {o.name: o for o in (*PRE_OPS, *LAYER_OPS, *MOE_OPS, *POST_OPS)}
 
 
 def op_id(name: str, layer: int | None = None) -> str:
@@ -70,13 +89,67 @@ def split_op_id(op: str) -> tuple[str, int | None]:
 QK_NORM_OPS = frozenset({"q_norm", "k_norm"})
 
 
-def all_op_ids(num_layers: int, qk_norm: bool = True) -> list[str]:
-    """Every canonical op id of a model, in topological order (logprobs last); q_norm/k_norm only for a
-    model with QK-norm (ModelSpec.qk_norm)."""
-    ids = [o.name for o in PRE_OPS]
-    for i in range(num_layers):
-        ids += [op_id(o.name, i) for o in LAYER_OPS if qk_norm or o.name not in QK_NORM_OPS]
-    return ids + [o.name for o in POST_OPS] + [LOGPROBS]
+@dataclass(frozen=True)
+class OpGraph:
+    """The canonical ops of one model, in topological order, and what each consumes.
+
+    ``qk_norm``: q_norm/k_norm exist (Qwen3); without them rope reads q_proj/k_proj. ``moe``: every layer's
+    MLP is a mixture of experts (router, routing, moe instead of gate_proj, up_proj, act, down_proj).
+    """
+
+    num_layers: int
+    qk_norm: bool = True
+    moe: bool = False
+
+    @classmethod
+    def of(cls, spec) -> OpGraph:
+        """The graph of a ModelSpec (or its to_dict() record, as stored in a capture's manifest)."""
+        get = spec.get if isinstance(spec, dict) else lambda k, default=None: getattr(spec, k, default)
+        return cls(get("num_layers"), bool(get("qk_norm", True)), bool(get("num_experts", 0)))
+
+    def layer_ops(self) -> tuple[OpDef, ...]:
+        ops = [o for o in LAYER_OPS if self.qk_norm or o.name not in QK_NORM_OPS]
+        if self.moe:
+            at = next(i for i, o in enumerate(ops) if o.name in DENSE_MLP_OPS)
+            ops = ops[:at] + list(MOE_OPS) + [o for o in ops[at:] if o.name not in DENSE_MLP_OPS]
+        return tuple(ops)
+
+    def names(self) -> tuple[str, ...]:
+        """The op names this model has (for --ops)."""
+        return tuple(o.name for o in (*PRE_OPS, *self.layer_ops(), *POST_OPS)) + (LOGPROBS,)
+
+    def op_ids(self) -> list[str]:
+        """Every op id, in topological order, logprobs last."""
+        ids = [o.name for o in PRE_OPS]
+        for i in range(self.num_layers):
+            ids += [op_id(o.name, i) for o in self.layer_ops()]
+        return ids + [o.name for o in POST_OPS] + [LOGPROBS]
+
+    def inputs(self, op: str) -> list[str]:
+        """Op ids whose outputs ``op`` consumes (``residual_in`` is the previous layer's output or embed;
+        without QK-norm rope reads the projection; in an MoE layer the residual add reads ``moe``)."""
+        if op == LOGPROBS:
+            return ["logits"]
+        name, layer = split_op_id(op)
+        inputs = []
+        for source in OP_DEFS[name].inputs:
+            if source in QK_NORM_OPS and not self.qk_norm:
+                source = OP_DEFS[source].inputs[0]
+            if source == "down_proj" and self.moe:
+                source = "moe"
+            if source == "residual_in":
+                inputs.append("embed" if layer == 0 else op_id("mlp_residual", layer - 1))
+            elif name == "final_norm":
+                inputs.append(op_id(source, self.num_layers - 1))
+            else:
+                inputs.append(op_id(source, layer))
+        return inputs
+
+
+def replaceable(op: str) -> bool:
+    """Whether forced mode replaces ``op``'s value in the engine (OpDef.replaceable); logprobs: no."""
+    name, _ = split_op_id(op)
+    return name in OP_DEFS and OP_DEFS[name].replaceable
 
 
 @dataclass(frozen=True)
@@ -95,14 +168,14 @@ class Selection:
             return False
         return layer is None or self.layers is None or layer in self.layers
 
-    def op_ids(self, num_layers: int, qk_norm: bool = True) -> list[str]:
-        return [op for op in all_op_ids(num_layers, qk_norm) if self.wants(op)]
+    def op_ids(self, graph: OpGraph) -> list[str]:
+        return [op for op in graph.op_ids() if self.wants(op)]
 
-    def with_inputs(self, num_layers: int, qk_norm: bool = True) -> Selection:
+    def with_inputs(self, graph: OpGraph) -> Selection:
         """This selection plus the ops that feed each selected op (what forced mode must substitute)."""
         extra = set(self.extra)
-        for op in self.op_ids(num_layers, qk_norm):
-            extra.update(op_inputs(op, num_layers, qk_norm))
+        for op in self.op_ids(graph):
+            extra.update(graph.inputs(op))
         return Selection(self.layers, self.names, frozenset(extra))
 
     def to_dict(self) -> dict:
@@ -118,32 +191,14 @@ class Selection:
                    frozenset(d.get("extra", ())))
 
 
-def op_inputs(op: str, num_layers: int, qk_norm: bool = True) -> list[str]:
-    """Op ids whose outputs ``op`` consumes (``residual_in`` is the previous layer's output or embed; rope
-    reads the projection directly in a model without QK-norm)."""
-    if op == LOGPROBS:
-        return ["logits"]
-    name, layer = split_op_id(op)
-    inputs = []
-    for source in OP_DEFS[name].inputs:
-        if source in QK_NORM_OPS and not qk_norm:
-            source = OP_DEFS[source].inputs[0]
-        if source == "residual_in":
-            inputs.append("embed" if layer == 0 else op_id("mlp_residual", layer - 1))
-        elif name == "final_norm":
-            inputs.append(op_id(source, num_layers - 1))
-        else:
-            inputs.append(op_id(source, layer))
-    return inputs
-
-
-def parse_selection(layers: str | None, ops: str | None, num_layers: int, qk_norm: bool = True) -> Selection:
-    """Parse ``--layers 0-3,7`` and ``--ops attn,o_proj``.
+def parse_selection(layers: str | None, ops: str | None, graph: OpGraph) -> Selection:
+    """Parse ``--layers 0-3,7`` and ``--ops attn,o_proj`` against a model's ``graph``.
 
     Raises:
-        InputError: malformed ranges, layers outside [0, num_layers), unknown op names, q_norm/k_norm for a
-            model without QK-norm.
+        InputError: malformed ranges, layers outside [0, num_layers), unknown op names, ops the model does
+            not have (q_norm/k_norm without QK-norm, the dense MLP ops in an MoE model and the reverse).
     """
+    num_layers = graph.num_layers
     chosen_layers = None
     if layers:
         chosen = set()
@@ -165,9 +220,14 @@ def parse_selection(layers: str | None, ops: str | None, num_layers: int, qk_nor
         unknown = sorted(names - set(OP_NAMES))
         if unknown:
             raise InputError(f"--ops: unknown op(s) {', '.join(unknown)}; canonical ops: {', '.join(OP_NAMES)}")
-        absent = sorted(names & QK_NORM_OPS) if not qk_norm else []
+        absent = sorted(names & QK_NORM_OPS) if not graph.qk_norm else []
         if absent:
             raise InputError(f"--ops {', '.join(absent)}: this model has no QK-norm (Qwen3 has); its rope reads "
                              "q_proj/k_proj directly")
+        absent = sorted(names - set(graph.names()))
+        if absent:
+            kind = "a mixture of experts" if graph.moe else "a dense MLP"
+            raise InputError(f"--ops {', '.join(absent)}: this model's layers have {kind}; its ops: "
+                             f"{', '.join(graph.names())}")
         chosen_names = frozenset(names)
     return Selection(chosen_layers, chosen_names)

@@ -20,8 +20,8 @@ from alignaudit.capabilities import processed_logprobs
 from alignaudit.capture import Capture
 from alignaudit.diff import align_tokens, compare_tokens, per_sequence, summarize
 from alignaudit.models import ModelSpec, checkpoint_sha256
-from alignaudit.opdiff import DIFFERS, compare_op, first_divergence
-from alignaudit.ops import LOGPROBS, Selection, all_op_ids
+from alignaudit.opdiff import DIFFERS, compare_op, first_divergence, routing_agreement
+from alignaudit.ops import LOGPROBS, OpGraph, Selection
 from alignaudit.opstore import OpStore
 from alignaudit.prompts import TokenBatch
 from alignaudit.request import EngineRun, Request
@@ -38,6 +38,7 @@ GATE_OUTPUTS = ("verdict.json", "junit.xml", "summary.md")
 DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, "ops.parquet")
 COMPARE_OUTPUTS = (RUN, "train", "infer", TOKENS, SEQUENCES, SUMMARY)
 BISECT_OUTPUTS = (RUN, "train", "infer", "infer-forced", "ops-natural.parquet", "ops-forced.parquet", BISECT)
+ROUTING = Selection(names=frozenset({"routing"}))  # what compare captures of a mixture-of-experts model
 CAPTURE_OUTPUTS = ("manifest.json", "manifest.json.tmp", "logprobs.parquet", "ops", "request.json", "worker.log")
 
 __all__ = ["EngineRun", "capture", "compare", "bisect", "diff_captures", "diff_ops"]
@@ -73,6 +74,8 @@ def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0
     summary = summarize(tokens, clip_eps=clip_eps, sequences=sequences)
     summary["model"] = train.manifest["model"]["name"]
     summary["sides"] = {role: _side(c) for role, c in (("train", train), ("infer", infer))}
+    if train.manifest.get("ops") and infer.manifest.get("ops") and train.manifest["model"].get("num_experts"):
+        summary["routing"] = routing_agreement(diff_ops(train, infer, ROUTING))
     out.mkdir(parents=True, exist_ok=True)
     tokens.to_parquet(out / TOKENS, index=False)
     sequences.to_parquet(out / SEQUENCES, index=False)
@@ -112,13 +115,32 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
                                 replay=replay, on_progress=stage(request.train, "training"))
     else:
+        # A mixture-of-experts model: each engine's routing decisions too, where reading them changes nothing.
+        ops = ROUTING if request.spec.num_experts and all(map(routing_observable, (request.train, request.infer))) else None
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
-                                on_progress=stage(request.train, "training"))
+                                ops=ops, on_progress=stage(request.train, "training"))
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
-                                on_progress=stage(request.infer, "inference"))
+                                ops=ops, on_progress=stage(request.infer, "inference"))
     summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps)
+    if request.spec.num_experts and "routing" not in summary:
+        summary["routing_note"] = ROUTING_NOTE if not rollout else "prompt mode only"
+        write_json(out / SUMMARY, summary)
     finish_run(out, record, {"train": train_capture, "infer": infer_capture})
     return summary
+
+
+ROUTING_NOTE = ("vLLM's compiled default MoE runs its routing inside the compiled graph, where no hook sees it; "
+                "alignaudit bisect reads it in eager mode")
+
+
+def routing_observable(run: EngineRun) -> bool:
+    """Whether ``run``'s routing decisions can be read without changing what it computes: always in megatron
+    and hf (eager); in vLLM in eager mode, or with the strict MoE layer (its router is an opaque custom op,
+    alignaudit::moe_route, that reports its decisions even in a compiled model)."""
+    from alignaudit.strict import parse_strict
+
+    return (run.engine != "vllm" or "linear" in parse_strict(run.settings.strict)
+            or run.settings.options.get("enforce_eager") is True)
 
 
 def finish_run(out: Path, record: dict, captures: dict[str, Capture]) -> None:
@@ -141,7 +163,7 @@ def diff_ops(train: Capture, infer: Capture, selection: Selection | None = None)
     unforced = set((infer.manifest.get("ops") or {}).get("unforced_ops") or ())
     records = []
     model = train.manifest["model"]
-    for op in all_op_ids(model["num_layers"], model.get("qk_norm", True)):
+    for op in OpGraph.of(model).op_ids():
         if op == LOGPROBS:
             record = compare_op(op, train.logprob_sequences(), infer.logprob_sequences())
         elif selection.wants(op) if selection is not None else (store_a.has(op) or store_b.has(op)):
@@ -184,7 +206,7 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
 
     stage(f"capturing ops of {train.label()} (train)")
     # Forced mode feeds each selected op the train engine's inputs, so those are captured too.
-    train_ops = selection.with_inputs(spec.num_layers, spec.qk_norm) if mode != "natural" else selection
+    train_ops = selection.with_inputs(OpGraph.of(spec)) if mode != "natural" else selection
     reference = capture(spec, batch, train, out / "train", role="train", stream_log=stream_log, ops=train_ops)
     result: dict = {"model": spec.name, "sides": {"train": _side(reference)}}
     runs = [("natural", out / "infer", None)] if mode in ("natural", "both") else []
@@ -204,6 +226,7 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
             "differing_ops": [r["op"] for r in verdict if r["status"] == DIFFERS],
             "unforced_ops": [r["op"] for r in records if not r.get("forced", True)],
             "first_divergence": first_divergence(verdict),
+            "routing": routing_agreement(records),
             "substituted_ops": other.manifest["ops"].get("substituted_ops"),
             "records": records,
         }

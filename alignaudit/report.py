@@ -39,7 +39,7 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
     table = Table(title=f"Logprob alignment  {title}", show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
     table.add_column("value")
-    table.add_row("tokens compared", f"{n} in {summary['sequences']} sequences")
+    table.add_row("tokens compared", f"{n} in {summary['sequences']} sequence{'' if summary['sequences'] == 1 else 's'}")
     table.add_row("mismatching tokens (bitwise)", f"{bad} ({summary['mismatch_fraction']:.1%})")
     for kind in ("nan", "inf"):
         counts = summary.get(f"{kind}_tokens") or {}
@@ -63,6 +63,10 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
         table.add_row("generated tokens (rollout)",
                       f"{g['mismatches']} of {g['tokens_compared']} differ; max ULP {g['ulp_max']}; "
                       f"ratio {_num(g['rl']['ratio_min'], '.6f')}..{_num(g['rl']['ratio_max'], '.6f')}")
+    if summary.get("routing"):
+        table.add_row("tokens rerouted (MoE), per layer", _routing_text(summary["routing"]))
+    elif summary.get("routing_note"):
+        table.add_row("tokens rerouted (MoE), per layer", f"[dim]not read: {escape(summary['routing_note'])}[/]")
     console.print(table)
 
     rows = sequences if sequences is not None else pd.DataFrame(summary.get("worst_sequences", []))
@@ -162,9 +166,14 @@ def render_op_verdict(console: Console, mode: str, records: list[dict]) -> None:
             console.print("[bold green]every op is bitwise equal[/]")
             return
         w = first["worst"]
+        head = f"[bold]first diverging op: [red]{escape(first['op'])}[/red][/bold] "
+        if "train_experts" in w:
+            console.print(f"{head}({_equal_fraction(first)} of {first['elements']} tokens routed the same); first "
+                          f"rerouted token seq {w['seq']}, pos {w['pos']}: train experts {w['train_experts']} vs infer "
+                          f"{w['infer_experts']}", highlight=False)
+            return
         console.print(
-            f"[bold]first diverging op: [red]{escape(first['op'])}[/red][/bold] "
-            f"({_equal_fraction(first)} of {first['elements']} elements bitwise equal); worst element "
+            f"{head}({_equal_fraction(first)} of {first['elements']} elements bitwise equal); worst element "
             f"seq {w['seq']}, pos {w['pos']}, index {w['index']}: train {w['train']:.9g} ({w['train_hex']}) "
             f"vs infer {w['infer']:.9g} ({w['infer_hex']}), {w['ulp']} ULP", highlight=False)
         return
@@ -178,6 +187,18 @@ def render_op_verdict(console: Console, mode: str, records: list[dict]) -> None:
         console.print(f"not judged (inputs not forced): {', '.join(unforced)}", highlight=False)
 
 
+def _routing_text(layers: list[dict]) -> str:
+    """Per layer, the tokens the two engines sent to different experts (opdiff.routing_agreement rows)."""
+    style = "red" if any(r["rerouted"] for r in layers) else "green"
+    return f"[{style}]" + "; ".join(f"layer {r['layer']}: {r['rerouted']} of {r['tokens']}" for r in layers) + "[/]"
+
+
+def render_routing(console: Console, layers: list[dict], title: str = "tokens rerouted (MoE)") -> None:
+    """One line for a mixture-of-experts model: per layer, the tokens sent to other experts by the two engines."""
+    if layers:
+        console.print(f"[bold]{title}:[/] {_routing_text(layers)}", highlight=False)
+
+
 def render_bisect(console: Console, result: dict) -> None:
     """Both modes' tables and verdict lines of a bisect."""
     for mode in ("natural", "forced"):
@@ -185,3 +206,4 @@ def render_bisect(console: Console, result: dict) -> None:
             part = result[mode]
             render_ops(console, part["records"], mode, part["first_divergence"])
             render_op_verdict(console, mode, part["records"])
+            render_routing(console, part.get("routing") or [], f"tokens rerouted (MoE, {mode} mode)")

@@ -22,7 +22,7 @@ import torch
 
 from alignaudit.layouts import fuse_qkv_grouped, split_qkv_grouped
 from alignaudit.models import ModelSpec
-from alignaudit.ops import OP_DEFS, Selection, op_id, op_inputs
+from alignaudit.ops import OP_DEFS, OpGraph, Selection, op_id, replaceable
 from alignaudit.opstore import OpRecorder, OpStore
 
 
@@ -146,6 +146,22 @@ class GroupedQKV(View):
         return fuse_qkv_grouped(q, k, v, spec.num_query_groups, dim=-1).reshape(like.shape)
 
 
+class Routing(View):
+    """The experts each token is sent to, as canonical ``routing`` rows (int64, ascending: the set, whatever
+    order the engine keeps), from expert ids [tokens, top_k] or a boolean routing map [tokens, num_experts]
+    (Megatron's). Read only: no engine takes its routing from a value a hook can replace."""
+
+    names = ("routing",)
+
+    def split(self, rows, spec):
+        if rows.dtype == torch.bool:
+            rows = rows.nonzero(as_tuple=True)[1].view(rows.shape[0], -1)  # row-major: ascending per token
+        return (rows.to(torch.int64).sort(dim=-1).values,)
+
+    def join(self, parts, like, spec):
+        raise NotImplementedError("routing is read only (OpDef.replaceable)")
+
+
 CURRENT_LAYER = "current"  # a HookPoint on a module shared by all layers: use Tap.layer
 
 
@@ -161,7 +177,7 @@ class Tap:
     layer: int | None = None
     substituted: set[str] = field(default_factory=set)
     # op id -> the canonical ops whose values the engine really computes it from (fused ops differ from
-    # the canonical graph, e.g. vLLM's add+RMSNorm); None: alignaudit.ops.op_inputs.
+    # the canonical graph, e.g. vLLM's add+RMSNorm); None: OpGraph.inputs.
     real_inputs: Callable[[str], list[str]] | None = None
     # Tensor parallelism: every rank taps (gathering a sharded tensor is collective), so ranks without a
     # recorder act as if they recorded (``record_all``); ``gather(x, sharded)`` returns the unsharded tensor.
@@ -169,13 +185,14 @@ class Tap:
     gather: Callable[[torch.Tensor, str], torch.Tensor] | None = None
 
     def unforced_ops(self) -> list[str]:
-        """Forced mode: recorded ops whose real inputs are not all in the reference, so they ran on the
-        engine's own values and their difference is not their own."""
+        """Forced mode: recorded ops whose real inputs are not all replaced by the reference's values (absent
+        from the reference, or read-only like the routing), so they ran on the engine's own values and their
+        difference is not their own."""
         if self.reference is None or self.recorder is None:
             return []
-        inputs = self.real_inputs or (lambda op: op_inputs(op, self.spec.num_layers, self.spec.qk_norm))
+        inputs = self.real_inputs or OpGraph.of(self.spec).inputs
         recorded = dict.fromkeys(r["op"] for r in self.recorder.rows + self.recorder.pending_rows)
-        return [op for op in recorded if not all(self.reference.has(i) for i in inputs(op))]
+        return [op for op in recorded if not all(self.reference.has(i) and replaceable(i) for i in inputs(op))]
 
     def __call__(self, x: torch.Tensor, view: View, layer: int | str | None, axes: Axes,
                  spans: list[RowSpan] | None = None, sharded: str | None = None) -> torch.Tensor | None:
@@ -185,7 +202,7 @@ class Tap:
             layer = self.layer
         ids = [op_id(n, layer) for n in view.names]
         record = [(self.recorder is not None or self.record_all) and self.selection.wants(i) for i in ids]
-        substitute = [self.reference is not None and self.reference.has(i) for i in ids]
+        substitute = [self.reference is not None and replaceable(i) and self.reference.has(i) for i in ids]
         if not any(record) and not any(substitute):
             return None
         if sharded is not None and self.gather is not None:
@@ -240,6 +257,7 @@ class Hooks:
     def __init__(self):
         self.handles: list = []
         self.patches: list[tuple[object, str, object]] = []
+        self.deferred: list[Callable[[], None]] = []
 
     def __enter__(self) -> Hooks:
         return self
@@ -254,6 +272,12 @@ class Hooks:
         while self.patches:
             owner, name, original = self.patches.pop()
             setattr(owner, name, original)
+        while self.deferred:
+            self.deferred.pop()()
+
+    def defer(self, undo: Callable[[], None]) -> None:
+        """Call ``undo`` on close()."""
+        self.deferred.append(undo)
 
     def patch(self, owner: object, name: str, value: object) -> None:
         """Replace ``owner.name`` until close() (for ops that are functions, not modules)."""
@@ -297,3 +321,18 @@ def _pre_hook(tap: Tap, p: HookPoint):
         i = p.index or 0
         return (*args[:i], new, *args[i + 1:])
     return hook
+
+
+def read_flattened(hooks: Hooks, tap: Tap, block: torch.nn.Module, module: torch.nn.Module, layer: int,
+                   axes: Axes, views: dict[int, View]) -> None:
+    """Read-only ops of ``module``, a router inside the MoE ``block``: ``block`` takes [*lead, hidden] and
+    hands ``module`` its tokens flattened to [prod(lead), hidden]; each output element ``index`` of
+    ``views`` is viewed back as [*lead, ...] (``axes`` then apply) before ``tap`` records it."""
+    lead: dict = {}
+    hooks.raw(block, lambda m, args: lead.__setitem__("shape", args[0].shape[:-1]), pre=True)
+
+    def hook(m, args, output):
+        for index, view in views.items():
+            tap(output[index].reshape(*lead["shape"], -1), view, layer, axes)
+
+    hooks.raw(module, hook)

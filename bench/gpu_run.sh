@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
 #   bench/gpu_run.sh tests sweep bench bench-quick forward q8 q8-strict q8-bisect q8-bisect-strict \
-#                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families
+#                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe
 # tests: the strict-kernel tests on the GPU; sweep: launch-configuration sweep; bench: kernels vs
 # defaults; q8: Qwen3-8B-shape compare (random weights) megatron vs hf, default and --strict;
 # q8-bisect: bisect of layer 0; tp-bench: the strict row-parallel reduction vs NCCL's all-reduce (2 GPUs);
 # q8-tp2*: megatron at tensor-parallel size 2 (NCCL) vs hf / vs megatron at size 1; rl17: alignaudit rl on
 # the Qwen3-1.7B shape, megatron trains, hf rolls out, 20 steps --strict; decode-diag: the first module
 # where HF's KV-cache decode parts from its own prefill (bench/decode_vs_prefill.py); families: Qwen2.5-0.5B
-# and Llama-3.2-1B shapes, megatron vs hf, --strict, rollout mode. Needs megatron-core carried as a
+# and Llama-3.2-1B shapes, megatron vs hf, --strict, rollout mode; q14: the Qwen3-14B shape (40 query heads
+# over 8 KV heads), megatron vs hf, --strict, rollout mode; moe: the Qwen3-MoE fixture, megatron vs hf,
+# default and --strict, prompt mode (routing read) and rollout mode. Needs megatron-core carried as a
 # wheel in .whl/ for the megatron stages (device README).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,6 +71,16 @@ for stage in "$@"; do
                   --out /tmp/runs/fam-$model --force 2>&1 | grep -E "IDENTICAL|MISMATCH|tokens compared|mismatching|error" | head -4
                 cp /tmp/runs/fam-$model/summary.json "$out/fam-$model-summary.json" 2>/dev/null
               done ;;
+    q14) timeout 500 python3 -m alignaudit compare --model Qwen3-14B --random-weights --random-prompts 2 --prompt-len 256 \
+           --train megatron --infer hf --device cuda --strict --mode rollout --max-new-tokens 32 --out /tmp/runs/q14 \
+           --force 2>&1 | grep -E "IDENTICAL|differ|tokens compared|mismatching|generated|error" | head -6
+         cp /tmp/runs/q14/summary.json "$out/q14-strict-rollout-summary.json" 2>/dev/null ;;
+    moe) for args in "default" "strict --strict" "strict-rollout --strict --mode rollout --max-new-tokens 32"; do
+           set -- $args; name=$1; shift
+           timeout 200 python3 -m alignaudit compare --model qwen3-moe-tiny --train megatron --infer hf --device cuda "$@" \
+             --out /tmp/runs/moe-$name --force 2>&1 | grep -E "IDENTICAL|differ|mismatching|generated|rerouted|error" | head -5
+           cp /tmp/runs/moe-$name/summary.json "$out/moe-$name-summary.json" 2>/dev/null
+         done ;;
     decode-diag) for run in "Qwen3-0.6B 128 32 2" "Qwen3-1.7B 128 32 2" "Qwen3-1.7B 512 32 2" "Qwen3-8B 512 16 1"; do
                    set -- $run
                    timeout 300 python3 bench/decode_vs_prefill.py --model $1 --random-weights --device cuda --strict all \

@@ -48,21 +48,19 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: b
     return logits, chosen, (z / fixed_sum(z)[:, None]).gather(1, chosen)
 
 
-def mixture_of_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-        normalize: bool):
-    """The strict MoE layer of the module docstring.
+def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """The experts' SwiGLU outputs for routed tokens, combined in the routing order (module docstring).
 
     Args:
-        x: [T, H] tokens (bf16/fp16/fp32). router_weight: [E, H].
+        x: [T, H] tokens. chosen: [T, top_k] expert indices (int). weights: [T, top_k] fp32, in ``chosen``'s order.
         gate_up: [E, 2I, H], each expert's gate rows then up rows (transformers' and vLLM's fused layout), or a
             sequence of E [2I, H] tensors (Megatron's SequentialMLP experts).
-        down: [E, H, I], or a sequence of E [H, I] tensors. top_k: experts per token. normalize: renormalize
-            the chosen probabilities.
+        down: [E, H, I], or a sequence of E [H, I] tensors.
     Returns:
-        (out [T, H] in x.dtype, logits fp32 [T, E], chosen int64 [T, top_k]).
+        [T, H] in x.dtype: round(((w_0 * y_0) + w_1 * y_1) + ...), fp32 products and sums, rounded once.
     """
     t, h = x.shape
-    logits, chosen, weights = route(x, router_weight, top_k, normalize)
+    top_k = chosen.shape[1]
     width = gate_up[0].shape[0] // 2
     expert_out = torch.zeros(t, top_k, h, dtype=x.dtype, device=x.device)
     for e in torch.unique(chosen).tolist():
@@ -73,7 +71,21 @@ def mixture_of_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: to
     acc = weights[:, :1] * expert_out[:, 0].float()
     for r in range(1, top_k):
         acc = acc + weights[:, r: r + 1] * expert_out[:, r].float()
-    return acc.to(x.dtype), logits, chosen
+    return acc.to(x.dtype)
+
+
+def mixture_of_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+        normalize: bool):
+    """The strict MoE layer of the module docstring: ``route`` then ``combine_experts``.
+
+    Args:
+        x: [T, H] tokens (bf16/fp16/fp32). router_weight: [E, H]. gate_up, down: as ``combine_experts``.
+        top_k: experts per token. normalize: renormalize the chosen probabilities.
+    Returns:
+        (out [T, H] in x.dtype, logits fp32 [T, E], chosen int64 [T, top_k]).
+    """
+    logits, chosen, weights = route(x, router_weight, top_k, normalize)
+    return combine_experts(x, chosen, weights, gate_up, down), logits, chosen
 
 
 def reference(x, router_weight, gate_up, down, top_k, normalize):

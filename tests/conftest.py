@@ -61,11 +61,14 @@ class CaptureCache:
         self.root, self.spec, self.batch = root, spec, batch
         self.done = {}
 
-    def get(self, engine: str, dtype: str, ops: bool = False, reference=None, strict: str = "", rollout=None,
-            batch=None, **options):
-        """A capture; ``ops`` adds every canonical op; ``reference`` (a capture) runs forced mode;
-        ``strict`` swaps in strict kernels; ``rollout`` samples; ``batch`` (a capture) scores its tokens."""
-        key = (engine, dtype, ops, reference.path.name if reference else None, strict or None,
+    def get(self, engine: str, dtype: str, ops: bool | Selection = False, reference=None, strict: str = "",
+            rollout=None, batch=None, **options):
+        """A capture; ``ops`` adds every canonical op (or those of a Selection); ``reference`` (a capture) runs
+        forced mode; ``strict`` swaps in strict kernels; ``rollout`` samples; ``batch`` (a capture) scores its
+        tokens."""
+        selection = ops if isinstance(ops, Selection) else Selection() if ops or reference else None
+        key = (engine, dtype, json.dumps(selection.to_dict(), sort_keys=True) if isinstance(ops, Selection) else ops,
+               reference.path.name if reference else None, strict or None,
                json.dumps(rollout, sort_keys=True) if rollout else None, batch.path.name if batch else None,
                json.dumps(options, sort_keys=True))
         if key not in self.done:
@@ -73,7 +76,7 @@ class CaptureCache:
             run = EngineRun(engine, EngineSettings(dtype=dtype, device="cpu", options=options, strict=strict))
             tokens = batch.token_batch() if batch is not None else self.batch
             self.done[key] = capture(self.spec, tokens, run, self.root / name,
-                                     ops=Selection() if ops or reference else None,
+                                     ops=selection,
                                      reference=reference.path if reference else None, rollout=rollout)
         return self.done[key]
 

@@ -8,9 +8,10 @@ import torch
 from alignaudit.engines.vllm_taps import StepRows, _slice_spans
 from alignaudit.errors import InputError
 from alignaudit.layouts import fuse_qkv_grouped, split_qkv_grouped
-from alignaudit.ops import Selection, all_op_ids, op_inputs, parse_selection
+from alignaudit.opdiff import compare_op, routing_agreement
+from alignaudit.ops import OpGraph, Selection, parse_selection
 from alignaudit.opstore import OpRecorder, OpStore
-from alignaudit.taps import BATCH_FIRST, FLAT, SEQ_FIRST, RowSpan, put_rows, take_rows
+from alignaudit.taps import BATCH_FIRST, FLAT, SEQ_FIRST, Routing, RowSpan, put_rows, take_rows
 
 
 def test_megatron_qkv_grouping_matches_its_definition():
@@ -30,22 +31,50 @@ def test_megatron_qkv_grouping_matches_its_definition():
 
 
 def test_selection_parsing_and_inputs():
-    sel = parse_selection("0-1,3", "attn,o_proj", num_layers=4)
-    assert sel.op_ids(4) == ["layers.0.attn", "layers.0.o_proj", "layers.1.attn", "layers.1.o_proj",
-                             "layers.3.attn", "layers.3.o_proj"]
-    assert op_inputs("layers.3.attn", 4) == ["layers.3.q_rope", "layers.3.k_rope", "layers.3.v_proj"]
-    assert op_inputs("layers.0.input_norm", 4) == ["embed"]
-    assert op_inputs("layers.2.attn_residual", 4) == ["layers.1.mlp_residual", "layers.2.o_proj"]
-    assert op_inputs("final_norm", 4) == ["layers.3.mlp_residual"]
-    wide = sel.with_inputs(4)
+    graph = OpGraph(4)
+    sel = parse_selection("0-1,3", "attn,o_proj", graph)
+    assert sel.op_ids(graph) == ["layers.0.attn", "layers.0.o_proj", "layers.1.attn", "layers.1.o_proj",
+                                 "layers.3.attn", "layers.3.o_proj"]
+    assert graph.inputs("layers.3.attn") == ["layers.3.q_rope", "layers.3.k_rope", "layers.3.v_proj"]
+    assert graph.inputs("layers.0.input_norm") == ["embed"]
+    assert graph.inputs("layers.2.attn_residual") == ["layers.1.mlp_residual", "layers.2.o_proj"]
+    assert graph.inputs("final_norm") == ["layers.3.mlp_residual"]
+    wide = sel.with_inputs(graph)
     assert wide.wants("layers.3.q_rope") and wide.wants("layers.3.attn") and not wide.wants("layers.2.attn")
     assert Selection.from_dict(wide.to_dict()) == wide
-    assert len(all_op_ids(2)) == 1 + 2 * 17 + 2 + 1
+    assert len(OpGraph(2).op_ids()) == 1 + 2 * 17 + 2 + 1
     for bad, message in (("0-9", "layers 0-3"), ("a", "ranges"), ("2-1", "runs backwards; write 1-2")):
         with pytest.raises(InputError, match=message):
-            parse_selection(bad, None, 4)
+            parse_selection(bad, None, graph)
     with pytest.raises(InputError, match="unknown op"):
-        parse_selection(None, "softmax", 4)
+        parse_selection(None, "softmax", graph)
+
+
+def test_a_mixture_of_experts_layer_has_router_routing_and_moe_in_place_of_the_dense_mlp():
+    graph = OpGraph(2, qk_norm=True, moe=True)
+    layer = [op.split(".", 2)[2] for op in graph.op_ids() if op.startswith("layers.0.")]
+    assert layer[layer.index("post_attn_norm"):] == ["post_attn_norm", "router", "routing", "moe", "mlp_residual"]
+    assert len(graph.op_ids()) == 1 + 2 * 16 + 2 + 1
+    assert graph.inputs("layers.1.mlp_residual") == ["layers.1.attn_residual", "layers.1.moe"]
+    assert graph.inputs("layers.0.routing") == ["layers.0.router"]
+    assert graph.inputs("layers.0.moe") == ["layers.0.post_attn_norm"]  # the whole layer, routing included
+    with pytest.raises(InputError, match="a mixture of experts; its ops: .*router, routing, moe"):
+        parse_selection(None, "down_proj", graph)
+    with pytest.raises(InputError, match="a dense MLP"):
+        parse_selection(None, "routing", OpGraph(2))
+
+
+def test_routing_is_compared_as_a_set_per_token():
+    ids = torch.tensor([[3, 1], [7, 3], [0, 5]])
+    (train,) = Routing().split(ids, None)
+    assert train.tolist() == [[1, 3], [3, 7], [0, 5]]  # ascending: the set, not the engine's order
+    routing_map = torch.zeros(3, 8, dtype=torch.bool)
+    routing_map[0, [1, 3]] = routing_map[1, [3, 7]] = routing_map[2, [0, 6]] = True  # Megatron's form
+    (infer,) = Routing().split(routing_map, None)
+    record = compare_op("layers.1.routing", {0: train}, {0: infer})
+    assert (record["status"], record["rerouted"], record["elements"]) == ("differs", 1, 3)
+    assert record["worst"] == {"seq": 0, "pos": 2, "train_experts": [0, 5], "infer_experts": [0, 6]}
+    assert routing_agreement([record]) == [{"layer": 1, "tokens": 3, "rerouted": 1, "agreement": 2 / 3}]
 
 
 def test_rows_in_each_engine_layout():

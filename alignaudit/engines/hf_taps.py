@@ -1,5 +1,8 @@
 """Where the canonical ops live in a transformers dense decoder (Qwen3ForCausalLM, Qwen2ForCausalLM,
-LlamaForCausalLM: transformers/models/{qwen3,qwen2,llama}/modeling_*.py; the same module names in each).
+LlamaForCausalLM: transformers/models/{qwen3,qwen2,llama}/modeling_*.py; the same module names in each),
+and Qwen3MoeForCausalLM, whose MLP is a Qwen3MoeSparseMoeBlock: its router (``gate``, or the strict path's
+``strict_router``) sees the tokens flattened to [batch * tokens, hidden] and returns (logits, weights, expert
+ids) (logits, expert ids, weights under --strict); the block's output is the moe op.
 
 Tensors are [batch, tokens, ...]. RoPE is a module-level function (``apply_rotary_pos_emb``), patched for
 the duration of the capture; its outputs are [batch, heads, tokens, head_dim]. The residual adds are
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from alignaudit.taps import BATCH_FIRST, CURRENT_LAYER, Axes, HookPoint, Hooks, Same, Tap
+from alignaudit.taps import BATCH_FIRST, CURRENT_LAYER, Axes, HookPoint, Hooks, Routing, Same, Tap, read_flattened
 
 HEADS_FIRST = Axes(0, 2)  # [batch, heads, tokens, head_dim]
 
@@ -37,10 +40,7 @@ def install(model, tap: Tap) -> Hooks:
             HookPoint(attn.o_proj, Same("o_proj"), i, BATCH_FIRST),
             HookPoint(layer.post_attention_layernorm, Same("attn_residual"), i, BATCH_FIRST, when="pre"),
             HookPoint(layer.post_attention_layernorm, Same("post_attn_norm"), i, BATCH_FIRST),
-            HookPoint(mlp.gate_proj, Same("gate_proj"), i, BATCH_FIRST),
-            HookPoint(mlp.up_proj, Same("up_proj"), i, BATCH_FIRST),
-            HookPoint(mlp.down_proj, Same("act"), i, BATCH_FIRST, when="pre"),
-            HookPoint(mlp.down_proj, Same("down_proj"), i, BATCH_FIRST),
+            *_mlp_points(hooks, tap, mlp, i),
             HookPoint(layer, Same("mlp_residual"), i, BATCH_FIRST),
         ]
     points += [
@@ -61,6 +61,22 @@ def install(model, tap: Tap) -> Hooks:
 
     hooks.patch(modeling, "apply_rotary_pos_emb", rope)
     return hooks
+
+
+def _mlp_points(hooks: Hooks, tap: Tap, mlp, layer: int) -> list[HookPoint]:
+    """The dense MLP's hook points, or an MoE block's (router and routing read from its router's output)."""
+    if hasattr(mlp, "experts"):
+        strict = getattr(mlp, "strict_router", None)
+        routing_index = 1 if strict is not None else 2
+        read_flattened(hooks, tap, mlp, strict or mlp.gate, layer, BATCH_FIRST,
+                       {0: Same("router"), routing_index: Routing()})
+        return [HookPoint(mlp, Same("moe"), layer, BATCH_FIRST)]
+    return [
+        HookPoint(mlp.gate_proj, Same("gate_proj"), layer, BATCH_FIRST),
+        HookPoint(mlp.up_proj, Same("up_proj"), layer, BATCH_FIRST),
+        HookPoint(mlp.down_proj, Same("act"), layer, BATCH_FIRST, when="pre"),
+        HookPoint(mlp.down_proj, Same("down_proj"), layer, BATCH_FIRST),
+    ]
 
 
 def _or(new, old):

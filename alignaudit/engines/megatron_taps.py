@@ -5,11 +5,15 @@ group (layouts.py); ``linear_fc1`` is [gate | up]. RoPE is a function applied in
 so q_rope/k_rope are read as core_attention's inputs; the residual adds are bias-dropout-add functions,
 so attn_residual is read as pre_mlp_layernorm's input and mlp_residual as the layer's output.
 (megatron/core/transformer/attention.py, transformer_layer.py, mlp.py in megatron-core 0.16.)
+An MoELayer (Qwen3 MoE) returns (output, bias) like the MLP: the moe op. Its TopKRouter computes the logits
+in ``gating`` (a method, wrapped for the capture) and returns (probs, routing_map [seq * batch, experts]);
+the strict layer's ``strict_router`` returns (logits, expert ids, weights) on [seq * batch, hidden]
+(transformer/moe/moe_layer.py, router.py).
 """
 
 from __future__ import annotations
 
-from alignaudit.taps import SEQ_FIRST, Blocks, GroupedQKV, HookPoint, Hooks, Same, Tap
+from alignaudit.taps import SEQ_FIRST, Blocks, GroupedQKV, HookPoint, Hooks, Routing, Same, Tap, read_flattened
 
 
 def install(gpt, tap: Tap) -> Hooks:
@@ -39,9 +43,7 @@ def install(gpt, tap: Tap) -> Hooks:
             HookPoint(attn.linear_proj, Same("o_proj"), i, SEQ_FIRST, index=0),
             HookPoint(layer.pre_mlp_layernorm, Same("attn_residual"), i, SEQ_FIRST, when="pre"),
             HookPoint(layer.pre_mlp_layernorm, Same("post_attn_norm"), i, SEQ_FIRST),
-            HookPoint(mlp.linear_fc1, Blocks(("gate_proj", "up_proj")), i, SEQ_FIRST, index=0, sharded="glu"),
-            HookPoint(mlp.linear_fc2, Same("act"), i, SEQ_FIRST, when="pre", sharded="features"),
-            HookPoint(mlp.linear_fc2, Same("down_proj"), i, SEQ_FIRST, index=0),
+            *_mlp_points(hooks, tap, mlp, i),
             HookPoint(layer, Same("mlp_residual"), i, SEQ_FIRST, index=0),
         ]
     points += [
@@ -51,6 +53,31 @@ def install(gpt, tap: Tap) -> Hooks:
     for p in points:
         hooks.add(tap, p)
     return hooks
+
+
+def _mlp_points(hooks: Hooks, tap: Tap, mlp, layer: int) -> list[HookPoint]:
+    """The dense MLP's hook points, or an MoE layer's (router and routing read, the output replaceable)."""
+    if not hasattr(mlp, "router"):
+        return [
+            HookPoint(mlp.linear_fc1, Blocks(("gate_proj", "up_proj")), layer, SEQ_FIRST, index=0, sharded="glu"),
+            HookPoint(mlp.linear_fc2, Same("act"), layer, SEQ_FIRST, when="pre", sharded="features"),
+            HookPoint(mlp.linear_fc2, Same("down_proj"), layer, SEQ_FIRST, index=0),
+        ]
+    strict = getattr(mlp, "strict_router", None)
+    if strict is not None:
+        read_flattened(hooks, tap, mlp, strict, layer, SEQ_FIRST, {0: Same("router"), 1: Routing()})
+    else:
+        router = mlp.router
+        gating = router.gating
+
+        def read_logits(input):
+            logits = gating(input)
+            tap(logits.reshape(*input.shape[:-1], -1), Same("router"), layer, SEQ_FIRST)
+            return logits
+
+        hooks.patch(router, "gating", read_logits)
+        read_flattened(hooks, tap, mlp, router, layer, SEQ_FIRST, {1: Routing()})
+    return [HookPoint(mlp, Same("moe"), layer, SEQ_FIRST, index=0)]
 
 
 def _gather(x, sharded: str):

@@ -128,11 +128,15 @@ class VllmEngine(Engine):
             # not depend on how tokens are batched, so a batch budget of what the prompts need changes no bit.
             kwargs["max_num_batched_tokens"] = max(256, -(-total_tokens // 64) * 64)
         if self.tap is not None:
-            # Hooks need eager mode (torch.compile would trace them away) and every prompt row computed
-            # (a prefix-cache hit skips rows).
-            if self.engine_options.get("enforce_eager") is False:
-                raise InputError("op capture needs vLLM's eager mode; drop enforce_eager=false")
-            kwargs.update(enforce_eager=True, enable_prefix_caching=False)
+            # Hooks need every prompt row computed (a prefix-cache hit skips rows) and, except for the MoE
+            # routing, eager mode (torch.compile would trace them away). The router and its routing run
+            # inside opaque custom ops (vLLM's moe_forward, alignaudit::moe_route), eagerly even in a compiled
+            # model, so capturing only them keeps the engine as it is (compiled by default).
+            kwargs["enable_prefix_caching"] = False
+            if not _read_only(self.tap):
+                if self.engine_options.get("enforce_eager") is False:
+                    raise InputError("op capture needs vLLM's eager mode; drop enforce_eager=false")
+                kwargs["enforce_eager"] = True
         kwargs.update(self.engine_options)
         if self.settings.lm_head_dtype == "fp32":  # vLLM's own switch (ModelConfig.head_dtype)
             kwargs["hf_overrides"] = {**(kwargs.get("hf_overrides") or {}), "head_dtype": "float32"}
@@ -236,3 +240,13 @@ class VllmEngine(Engine):
                 "startup_s": self.startup_s,
             }
         return record
+
+
+def _read_only(tap) -> bool:
+    """Whether ``tap`` only reads ops no engine lets a hook replace (OpDef.replaceable: router, routing), in
+    natural mode."""
+    from alignaudit.ops import OP_DEFS
+
+    names = tap.selection.names
+    return (tap.reference is None and names is not None and not tap.selection.extra
+            and all(not OP_DEFS[n].replaceable for n in names))

@@ -1,5 +1,8 @@
 """Where the canonical ops live in vLLM's dense decoders (vllm/model_executor/models/qwen3.py, qwen2.py,
-llama.py: the same module names in each; q_norm/k_norm in Qwen3 only).
+llama.py: the same module names in each; q_norm/k_norm in Qwen3 only; qwen3_moe.py, whose MLP is a
+Qwen3MoeSparseMoeBlock: ``gate`` returns (router logits, None), the fused MoE's router reports the expert
+ids it chose to ``capture_fn`` (the hook vLLM's routed-experts capture uses), the block returns the moe op;
+under --strict its ``strict_router`` returns (logits, expert ids, weights)).
 
 All requests of a step are flattened into [tokens, ...]; the rows of each request are found from the
 step's ``input_ids`` and ``positions`` (``StepRows``). Linears return (output, None); ``qkv_proj`` is
@@ -13,24 +16,23 @@ of the prompt-logprob path, whose inputs are row slices of the model output.
 
 from __future__ import annotations
 
-from alignaudit.ops import op_id, op_inputs, split_op_id
-from alignaudit.taps import CURRENT_LAYER, FLAT, Blocks, HookPoint, Hooks, RowSpan, Same, Tap
+from alignaudit.ops import OpGraph, op_id, split_op_id
+from alignaudit.taps import CURRENT_LAYER, FLAT, Blocks, HookPoint, Hooks, Routing, RowSpan, Same, Tap
 
 
-def real_inputs(op: str, num_layers: int, qk_norm: bool = True) -> list[str]:
+def real_inputs(op: str, graph: OpGraph) -> list[str]:
     """The ops vLLM really computes ``op`` from. Its fused add+RMSNorm takes the sublayer output and the
     previous residual and normalizes their sum internally, so a norm that follows a residual add reads
     (o_proj or down_proj, previous residual), not the canonical residual op, and forcing the residual op
     (an output of the same fused call) does not reach it."""
     name, layer = split_op_id(op)
-    last = num_layers - 1
     if name == "post_attn_norm":
-        return op_inputs(op_id("attn_residual", layer), num_layers, qk_norm)
+        return graph.inputs(op_id("attn_residual", layer))
     if name == "input_norm" and layer > 0:
-        return op_inputs(op_id("mlp_residual", layer - 1), num_layers, qk_norm)
+        return graph.inputs(op_id("mlp_residual", layer - 1))
     if name == "final_norm":
-        return op_inputs(op_id("mlp_residual", last), num_layers, qk_norm)
-    return op_inputs(op, num_layers, qk_norm)
+        return graph.inputs(op_id("mlp_residual", graph.num_layers - 1))
+    return graph.inputs(op)
 
 
 class StepRows:
@@ -74,7 +76,8 @@ class StepRows:
 def install(model, tap: Tap, sequences: tuple[tuple[int, ...], ...]) -> Hooks:
     """Register every canonical op of ``model`` (a vLLM dense decoder) on ``tap``."""
     hooks = Hooks()
-    tap.real_inputs = lambda op: real_inputs(op, tap.spec.num_layers, tap.spec.qk_norm)
+    graph = OpGraph.of(tap.spec)
+    tap.real_inputs = lambda op: real_inputs(op, graph)
     core = model.model
     rows = StepRows(sequences)
     state = {}
@@ -110,9 +113,7 @@ def install(model, tap: Tap, sequences: tuple[tuple[int, ...], ...]) -> Hooks:
             HookPoint(attn.o_proj, Same("o_proj"), i, FLAT, index=0),
             HookPoint(layer.post_attention_layernorm, Same("post_attn_norm"), i, FLAT, index=0),
             HookPoint(layer.post_attention_layernorm, Same("attn_residual"), i, FLAT, index=1),
-            HookPoint(mlp.gate_up_proj, Blocks(("gate_proj", "up_proj")), i, FLAT, index=0),
-            HookPoint(mlp.down_proj, Same("act"), i, FLAT, when="pre"),
-            HookPoint(mlp.down_proj, Same("down_proj"), i, FLAT, index=0),
+            *_mlp_points(hooks, tap, mlp, i),
         ]
         rotaries[id(attn.rotary_emb)] = attn.rotary_emb
     for rotary in rotaries.values():
@@ -133,6 +134,33 @@ def install(model, tap: Tap, sequences: tuple[tuple[int, ...], ...]) -> Hooks:
 
     hooks.raw(model.logits_processor, logits)
     return hooks
+
+
+def _mlp_points(hooks: Hooks, tap: Tap, mlp, layer: int) -> list[HookPoint]:
+    """The dense MLP's hook points, or an MoE block's (router and routing read, the output replaceable)."""
+    if not hasattr(mlp, "experts"):
+        return [
+            HookPoint(mlp.gate_up_proj, Blocks(("gate_proj", "up_proj")), layer, FLAT, index=0),
+            HookPoint(mlp.down_proj, Same("act"), layer, FLAT, when="pre"),
+            HookPoint(mlp.down_proj, Same("down_proj"), layer, FLAT, index=0),
+        ]
+    if getattr(mlp, "strict_router", None) is not None:
+        from alignaudit.strict.custom_ops import ROUTING_OBSERVERS
+
+        def observe(logits, chosen):  # read only: the tap returns no replacement for router and routing
+            tap(logits, Same("router"), layer, FLAT)
+            tap(chosen, Routing(), layer, FLAT)
+
+        ROUTING_OBSERVERS[layer] = observe
+        hooks.defer(lambda: ROUTING_OBSERVERS.pop(layer, None))
+    else:
+        hooks.raw(mlp.gate, lambda module, args, output: _read(tap, output[0], Same("router"), layer))
+        hooks.patch(mlp.experts.router, "capture_fn", lambda ids: _read(tap, ids, Routing(), layer))
+    return [HookPoint(mlp, Same("moe"), layer, FLAT)]
+
+
+def _read(tap: Tap, x, view, layer: int) -> None:
+    tap(x, view, layer, FLAT)  # a read-only op: the tap returns no replacement
 
 
 def _slice_spans(step_spans: list[RowSpan], base, hidden) -> list[RowSpan]:

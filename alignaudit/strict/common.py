@@ -28,3 +28,25 @@ class RopeOp(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}" + (f", llama3={self.llama3}" if self.llama3 else "")
+
+
+class StrictRouter(torch.nn.Module):
+    """The strict MoE router as a module (alignaudit_kernels.route), so op capture can hook its output.
+
+    forward(x [T, H], weight [E, H]) -> (logits fp32 [T, E], chosen int64 [T, top_k] by descending logit,
+    ties to the lower expert, weights fp32 [T, top_k]). The router weight stays with the engine's own
+    router module and is passed in, so checkpoints and weight syncs see no new parameter. ``layer`` names
+    the decoder layer for custom_ops.ROUTING_OBSERVERS (-1: none).
+    """
+
+    def __init__(self, top_k: int, normalize: bool, layer: int = -1):
+        super().__init__()
+        self.top_k, self.normalize, self.layer = top_k, normalize, layer
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor):
+        import alignaudit.strict.custom_ops  # noqa: F401  (opaque to torch.compile, as vLLM needs)
+
+        return torch.ops.alignaudit.moe_route(x, weight, self.top_k, self.normalize, self.layer)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, normalize={self.normalize}, layer={self.layer}"

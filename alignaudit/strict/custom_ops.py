@@ -87,3 +87,40 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 @log_softmax.register_fake
 def _(logits):
     return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+# layer -> fn(logits, chosen): called by moe_route with each routing decision it makes. An opaque op runs
+# eagerly inside a compiled graph, so this sees the routing where module hooks cannot (vLLM's compiled
+# model), as vLLM's own router.capture_fn does for its fused MoE. Op capture (engines/vllm_taps.py) sets it.
+ROUTING_OBSERVERS: dict[int, object] = {}
+
+
+@torch.library.custom_op("alignaudit::moe_route", mutates_args=())
+def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,
+              layer: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H], router weight [E, H] -> (logits fp32 [T, E], chosen int64 [T, top_k], weights fp32 [T, top_k]);
+    ``layer`` keys ROUTING_OBSERVERS."""
+    logits, chosen, weights = K.route(x, weight, top_k, normalize)
+    observer = ROUTING_OBSERVERS.get(layer)
+    if observer is not None:
+        observer(logits, chosen)
+    return logits, chosen.contiguous(), weights.contiguous()
+
+
+@moe_route.register_fake
+def _(x, weight, top_k, normalize, layer=-1):
+    t = x.shape[0]
+    return (x.new_empty((t, weight.shape[0]), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int64),
+            x.new_empty((t, top_k), dtype=torch.float32))
+
+
+@torch.library.custom_op("alignaudit::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """x [T, H], chosen/weights [T, top_k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x.dtype."""
+    return K.combine_experts(x, chosen, weights, gate_up, down)
+
+
+@moe_experts.register_fake
+def _(x, chosen, weights, gate_up, down):
+    return torch.empty_like(x)

@@ -27,7 +27,7 @@ import sys
 import torch
 
 import alignaudit_kernels as K
-from alignaudit.strict.common import RopeOp
+from alignaudit.strict.common import RopeOp, StrictRouter
 
 
 class StrictLinear(torch.nn.Linear):
@@ -58,13 +58,13 @@ class StrictMLP(torch.nn.Module):
 
 
 class StrictMoeBlock(torch.nn.Module):
-    """Stands in for <P>SparseMoeBlock (attributes gate: the router with weight, top_k, norm_topk_prob;
-    experts: gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    """Stands in for <P>SparseMoeBlock (attributes gate: the router with weight; experts: gate_up_proj
+    [E, 2I, H], down_proj [E, H, I]; strict_router: a StrictRouter)."""
 
     def forward(self, hidden_states):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out, _, _ = K.mixture_of_experts(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
-                                         self.gate.top_k, self.gate.norm_topk_prob)
+        _, chosen, weights = self.strict_router(x, self.gate.weight)
+        out = K.combine_experts(x, chosen, weights, self.experts.gate_up_proj, self.experts.down_proj)
         return out.view(hidden_states.shape)
 
 
@@ -137,6 +137,7 @@ def make_strict(model, ops: frozenset[str], llama3: tuple | None = None) -> list
         elif "silu" in ops and kind == f"{prefix}MLP":
             _swap(m, StrictMLP)
         elif "linear" in ops and kind == f"{prefix}SparseMoeBlock":
+            m.strict_router = StrictRouter(m.gate.top_k, m.gate.norm_topk_prob)
             _swap(m, StrictMoeBlock)
         elif ({"rope", "attention"} & ops) and kind == f"{prefix}Attention":
             m._hf_module = type(m).__module__

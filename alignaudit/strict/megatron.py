@@ -39,7 +39,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 import alignaudit_kernels as K
-from alignaudit.strict.common import RopeOp
+from alignaudit.strict.common import RopeOp, StrictRouter
 
 
 def _tp_group(module):
@@ -127,15 +127,16 @@ class StrictMLP(MLP):
 
 class StrictMoELayer(torch.nn.Module):
     """Stands in for MoELayer (router.weight [E, H]; experts.local_experts[j].linear_fc1.weight [2I, H] as
-    [gate | up], linear_fc2.weight [H, I]): alignaudit_kernels.mixture_of_experts on [seq * batch, H], one
-    rank. Returns (output, None) as MoELayer does."""
+    [gate | up], linear_fc2.weight [H, I]; strict_router: a StrictRouter): the strict MoE layer
+    (alignaudit_kernels.route, combine_experts) on [seq * batch, H], one rank. Returns (output, None) as
+    MoELayer does."""
 
     def forward(self, hidden_states, *args, **kwargs):
         experts = self.experts.local_experts
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out, _, _ = K.mixture_of_experts(
-            x, self.router.weight, [e.linear_fc1.weight for e in experts], [e.linear_fc2.weight for e in experts],
-            self.config.moe_router_topk, not self.config.moe_router_pre_softmax)
+        _, chosen, weights = self.strict_router(x, self.router.weight)
+        out = K.combine_experts(x, chosen, weights, [e.linear_fc1.weight for e in experts],
+                                [e.linear_fc2.weight for e in experts])
         return out.view(hidden_states.shape), None
 
 
@@ -234,6 +235,7 @@ class StrictGPTModel(GPTModel):
 
             for module in self.modules():
                 if type(module) is MoELayer:
+                    module.strict_router = StrictRouter(config.moe_router_topk, not config.moe_router_pre_softmax)
                     module.__class__ = StrictMoELayer
 
     def compute_language_model_loss(self, labels, logits):

@@ -7,7 +7,9 @@ as "rmsnorm,rope"); then it replaces, for every model vLLM loads (all patches li
                with alignaudit::linear; row-parallel layers with K in ROW_PARALLEL_SEGMENTS segments, and at
                tensor-parallel size > 1 RowParallelLinear.forward combines the ranks' fp32 partials in
                rank order instead of all-reducing rounded outputs; on the CPU the weights stay in place (no
-               oneDNN repacking)
+               oneDNN repacking); Qwen3MoeSparseMoeBlock.forward with the strict MoE layer
+               (alignaudit::moe_route on a StrictRouter module, alignaudit::moe_experts), its expert weights
+               kept in place on the CPU too (no grouped-GEMM prepacking)
     rmsnorm    RMSNorm.forward with alignaudit::rms_norm / alignaudit::add_rms_norm (fused residual add,
                rounded once to the storage dtype, then normalized)
     rope       RotaryEmbedding.forward with alignaudit::rope (neox style, rotary_dim == head_size; plain, or
@@ -101,6 +103,41 @@ def _linear() -> None:
     _patch(LogitsProcessor, "_apply_head", apply_head)
     if current_platform.is_cpu():  # the CPU path repacks weights for oneDNN and empties layer.weight
         _patch(UnquantizedLinearMethod, "process_weights_after_loading", lambda self, layer: None)
+    _mixture_of_experts()
+
+
+def _mixture_of_experts() -> None:
+    """Qwen3 MoE blocks compute the strict MoE layer (part of "linear": the router and expert linears)."""
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+    from vllm.platforms import current_platform
+
+    from alignaudit.strict.common import StrictRouter
+
+    original_init = Qwen3MoeSparseMoeBlock.__init__
+
+    def __init__(self, vllm_config, prefix: str = "", *args, **kwargs):
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        original_init(self, vllm_config, prefix, *args, **kwargs)
+        config = vllm_config.model_config.hf_text_config
+        if self.tp_size > 1 or self.ep_size > 1 or self.shared_expert is not None:
+            raise NotImplementedError("the strict MoE layer in vLLM runs one rank without shared experts")
+        self.strict_router = StrictRouter(config.num_experts_per_tok, bool(config.norm_topk_prob),
+                                          extract_layer_index(prefix))
+
+    def forward(self, hidden_states):
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        _, chosen, weights = self.strict_router(x, self.gate.weight)
+        experts = self.experts.routed_experts  # w13 [E, 2I, H] as [gate | up], w2 [E, H, I]
+        out = torch.ops.alignaudit.moe_experts(x, chosen, weights, experts.w13_weight, experts.w2_weight)
+        return out.view(hidden_states.shape)
+
+    _patch(Qwen3MoeSparseMoeBlock, "__init__", __init__)
+    _patch(Qwen3MoeSparseMoeBlock, "forward", forward)
+    if current_platform.is_cpu():  # prepacks (and pads) the expert weights for its grouped GEMM
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        _patch(CPUUnquantizedExperts, "process_weights_after_loading", lambda self, layer: None)
 
 
 def _row_parallel_forward(self, input_):
