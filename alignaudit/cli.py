@@ -96,7 +96,7 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
 
     out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS)
     _render_summary(out, summary)
-    _results(out / "summary.json", out / TOKENS, out / SEQUENCES)
+    _results(out / "summary.json", out / TOKENS, out / SEQUENCES, *_report(out))
 
 
 def _run_compare(pair, model, prompts, sampling, output, clip_eps, names) -> tuple[Path, dict]:
@@ -164,7 +164,7 @@ def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputA
     with console.status("") as status:
         result = run_bisect(request, out, selection, mode=mode, stream_log=output.verbose, on_stage=status.update)
     render_bisect(console, result)
-    _results(out / BISECT, *(out / f"ops-{m}.parquet" for m in ("natural", "forced") if m in result))
+    _results(out / BISECT, *(out / f"ops-{m}.parquet" for m in ("natural", "forced") if m in result), *_report(out))
 
 
 @app.command()
@@ -326,6 +326,8 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
                   f"{verdict.mismatches} of {verdict.tokens_compared} tokens differ, max ULP {verdict.ulp_max}", highlight=False)
     for reason in verdict.reasons:
         console.print(f"  {escape(reason)}", highlight=False)
+    if Path(targets[0]).resolve().parent == Path(run_dir).resolve():  # the verdict went into the run: so does the page
+        _results(*targets, *_report(Path(run_dir)))
     if verdict.error:
         raise errors.EngineError(verdict.error)
     raise typer.Exit(verdict.exit_code)
@@ -397,7 +399,45 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     console.print(f"[{style}]{bad} of {len(table)} steps with mismatching tokens; {unsynced} weight syncs not "
                   f"bit-equal[/]; reward {table['reward_mean'].iloc[0]:.3f} -> {table['reward_mean'].iloc[-1]:.3f}",
                   highlight=False)
-    _results(out / STEPS, out / PLOT, out / "run.json")
+    _results(out / STEPS, out / PLOT, out / "run.json", *_report(out))
+
+
+@app.command()
+@grouped
+def report(run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A run directory of compare, bisect, gate, rl or diff.")],
+           html: Annotated[Optional[Path], typer.Option("--html", metavar="FILE",
+                                                        help="Write the page here (default: RUN_DIR/report.html).")] = None) -> None:
+    """One self-contained HTML page of a run: tables and interactive plots, opening offline.
+
+    compare and gate: the summary, the ULP histogram, |d logprob| along each sequence, the sequences worst
+    first (sortable). bisect: layer x op heatmaps (share of bitwise-equal elements, max ULP), the first
+    diverging op outlined, natural and forced mode. rl: every per-step series. An ablation matrix
+    (ablate.parquet): table and bars. The kind of run is read from its files. compare, bisect, gate and rl
+    write RUN_DIR/report.html themselves when they finish; this command makes it again, or elsewhere.
+
+    Examples:
+
+    ```
+    alignaudit report alignaudit-runs/compare-20260101-120000
+    alignaudit report runs/ci --html reports/alignment.html
+    ```
+    """
+    from alignaudit.report_html import write_report
+
+    _results(write_report(run_dir, html))
+
+
+def _report(run_dir: Path) -> tuple[Path, ...]:
+    """RUN_DIR/report.html at the end of a run: (its path,), or () and one warning line when it cannot be
+    written (the run's results and exit code stand without it)."""
+    from alignaudit.report_html import write_report
+
+    try:
+        return (write_report(run_dir),)
+    except Exception as e:  # noqa: BLE001 - the page is an extra; the run has already succeeded
+        err_console.print(f"[yellow]warning:[/] report.html not written: {escape(str(e))} (retry with `alignaudit "
+                          f"report {escape(str(run_dir))}`)", highlight=False, soft_wrap=True)
+        return ()
 
 
 def _step_line(row: dict) -> str:

@@ -110,6 +110,7 @@ def test_cli_bisect_selection_and_outputs(tmp_path):
     assert result["natural"]["first_divergence"]["op"] == "layers.1.input_norm"
     assert set(result["forced"]["differing_ops"]) == {"layers.1.input_norm", "layers.1.attn", "final_norm", "logprobs"}
     assert (out / "ops-natural.parquet").is_file() and (out / "ops-forced.parquet").is_file()
+    assert "first diverging op: layers.1.input_norm" in (out / "report.html").read_text()
 
 
 def test_bisect_help_explains_both_modes():

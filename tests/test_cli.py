@@ -26,6 +26,7 @@ def test_compare_megatron_vs_vllm_default(tmp_path):
     proc = run_cli("compare", "--out", str(out))
     assert proc.returncode == EXIT_OK, proc.stderr
     assert "Logprob alignment" in proc.stdout and "176 of 176 tokens differ" in proc.stdout
+    assert f"{out}/report.html" in proc.stdout and "176 of 176 tokens differ" in (out / "report.html").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sides"]["train"]["engine"] == "megatron" and summary["sides"]["infer"]["engine"] == "vllm"
     assert summary["tokens_compared"] == 176 and summary["mismatches"] == 176

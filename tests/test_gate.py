@@ -55,6 +55,7 @@ def test_gate_fails_a_stock_comparison_with_exit_1(runs, tmp_path):
     message = cases[0].find("failure").get("message")
     assert "first at position 1" in message and "ULP" in message and "0x" in message
     assert "FAIL" in (run / "summary.md").read_text()
+    assert "gate FAIL" in (run / "report.html").read_text()  # the page shows the verdict
 
 
 def test_relaxations_and_baseline(runs, tmp_path):

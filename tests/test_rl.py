@@ -62,6 +62,7 @@ def test_strict_steps_stay_bitwise_aligned_while_the_weights_change(runs, tmp_pa
     assert record["engines"]["train"]["optimizer"] == "alignaudit.rl.optim.MixedPrecisionAdam"
     assert len(pd.read_parquet(runs / "strict" / "tokens" / "step-00002.parquet")) == 256
     assert (runs / "strict" / "steps.png").stat().st_size > 10_000
+    assert "0 of 3 steps with mismatching tokens" in (runs / "strict" / "report.html").read_text()
     out = tmp_path / "v"
     out.mkdir()
     args = ["--json", str(out / "v.json"), "--junit", str(out / "j.xml"), "--markdown", str(out / "s.md")]

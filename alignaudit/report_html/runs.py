@@ -1,0 +1,106 @@
+"""What a run directory holds, judged from its files (and its run.json), read with one-line errors.
+
+| kind | file that marks it | written by |
+|---|---|---|
+| compare | summary.json (+ tokens.parquet, sequences.parquet) | compare, gate, diff |
+| bisect | ops-natural.parquet and/or ops-forced.parquet (ops.parquet: diff of two op captures) | bisect, diff |
+| rl | steps.parquet | rl |
+| ablate | ablate.parquet | ablate |
+| gate | verdict.json, beside a compare or rl run | gate |
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from alignaudit.errors import InputError
+
+RUN = "run.json"
+SUMMARY, TOKENS, SEQUENCES = "summary.json", "tokens.parquet", "sequences.parquet"
+OPS_FILES = {"natural": "ops-natural.parquet", "forced": "ops-forced.parquet", "diff": "ops.parquet"}
+STEPS, ABLATE, VERDICT = "steps.parquet", "ablate.parquet", "verdict.json"
+MARKS = {"compare": SUMMARY, "rl": STEPS, "ablate": ABLATE}  # bisect: any of OPS_FILES
+KNOWN = f"{SUMMARY}, {', '.join(OPS_FILES.values())}, {STEPS} or {ABLATE}"
+
+
+@dataclass
+class RunDir:
+    """A run directory's kinds (in page order), its run.json (None without one) and gate verdict."""
+
+    path: Path
+    kinds: list[str]
+    record: dict | None = None
+    verdict: dict | None = None
+    ops: dict[str, Path] = field(default_factory=dict)  # bisect mode -> ops table
+
+    @property
+    def complete(self) -> bool:
+        return self.record is None or self.record.get("status") == "complete"
+
+
+def detect(run_dir: Path | str) -> RunDir:
+    """Read ``run_dir`` far enough to know what it holds.
+
+    Raises:
+        InputError: no such directory, an unreadable run.json or verdict.json, no alignaudit results, or
+            results missing a file their kind needs (the message names the file and the fix).
+    """
+    path = Path(run_dir)
+    if not path.exists():
+        raise InputError(f"{path} does not exist; give the run directory (--out) of alignaudit compare, bisect, gate or rl")
+    if not path.is_dir():
+        raise InputError(f"{path} is a file; give the run directory that holds it")
+    record = read_json(path / RUN) if (path / RUN).is_file() else None
+    ops = {mode: path / name for mode, name in OPS_FILES.items() if (path / name).is_file()}
+    kinds = [kind for kind in ("compare", "bisect", "rl", "ablate")
+             if (ops if kind == "bisect" else (path / MARKS[kind]).is_file())]
+    command = (record or {}).get("command")
+    if command in ("compare", "bisect", "rl", "ablate") and command not in kinds:
+        status = record.get("status")
+        fix = ("the run did not finish: run it again" if status != "complete"
+               else "the directory was altered: run the command again")
+        wanted = " or ".join(OPS_FILES[m] for m in ("natural", "forced")) if command == "bisect" else MARKS[command]
+        raise InputError(f"{path}: {RUN} records an `alignaudit {command}` run (status {status!r}) but {wanted} "
+                         f"is missing; {fix}")
+    if not kinds:
+        raise InputError(f"{path} holds no alignaudit results (none of {KNOWN}); give the run directory "
+                         "(--out) of alignaudit compare, bisect, gate or rl")
+    if "compare" in kinds:
+        missing = [name for name in (TOKENS, SEQUENCES) if not (path / name).is_file()]
+        if missing:
+            raise InputError(f"{path} holds {SUMMARY} but not {missing[0]}: the comparison is incomplete; run it again")
+    verdict = read_json(path / VERDICT) if (path / VERDICT).is_file() else None
+    return RunDir(path, kinds, record, verdict, ops)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``. Raises InputError when unreadable or not an object."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path} is unreadable ({e}); run the command that wrote it again") from e
+    if not isinstance(record, dict):
+        raise InputError(f"{path} is not a JSON object; run the command that wrote it again")
+    return record
+
+
+def read_table(path: Path, required: tuple[str, ...] = ()) -> pd.DataFrame:
+    """A parquet table holding at least the ``required`` columns.
+
+    Raises:
+        InputError: unreadable, or a required column missing (named).
+    """
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as e:  # pyarrow raises several types for a damaged or truncated file
+        raise InputError(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                         "run the command that wrote it again") from e
+    missing = [c for c in required if c not in frame.columns]
+    if missing:
+        raise InputError(f"{path} lacks the column(s) {', '.join(missing)}; it was written by another alignaudit "
+                         "version or altered: run the command again")
+    return frame
