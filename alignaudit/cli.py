@@ -7,6 +7,7 @@ traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import traceback
@@ -69,7 +70,11 @@ def _results(*paths) -> None:
 @app.command()
 @grouped
 def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs, output: OutputArgs,
-            clip_eps: ClipEpsOpt = 0.2) -> None:
+            clip_eps: ClipEpsOpt = 0.2,
+            repeat: Annotated[int, typer.Option("--repeat", metavar="N", help="Prompt mode: run each engine N times in "
+                                                "one process on the same token ids, the first repeat on the same "
+                                                "batch, later ones among random filler sequences; reports "
+                                                "mismatches between runs.")] = 1) -> None:
     """Run the same token ids through a training and an inference engine and compare per-token logprobs.
 
     Prompt mode (default): every prompt token after the first gets a teacher-forced logprob from each
@@ -94,16 +99,20 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     """
     from alignaudit.pipeline import COMPARE_OUTPUTS, SEQUENCES, TOKENS
 
-    out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS)
+    out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS, repeat)
     _render_summary(out, summary)
     _results(out / "summary.json", out / TOKENS, out / SEQUENCES, *_report(out))
 
 
-def _run_compare(pair, model, prompts, sampling, output, clip_eps, names) -> tuple[Path, dict]:
+def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat: int = 1) -> tuple[Path, dict]:
     """Validate everything, then run compare into the output directory; returns (out, summary)."""
     from alignaudit.pipeline import compare as run_compare
 
-    request = build_request(model, prompts, pair, sampling, clip_eps)
+    if repeat < 1:
+        raise errors.InputError(f"--repeat {repeat}: give the number of runs per engine, 1 or more")
+    if repeat > 1 and sampling.mode != "prompt":
+        raise errors.InputError("--repeat reruns teacher-forced prompts; use it in prompt mode (drop --mode rollout)")
+    request = dataclasses.replace(build_request(model, prompts, pair, sampling, clip_eps), repeat=repeat)
     out = out_dir(output, "compare", names)
     with console.status("") as status:
         summary = run_compare(request, out, stream_log=output.verbose, on_stage=status.update)
@@ -400,6 +409,59 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                   f"bit-equal[/]; reward {table['reward_mean'].iloc[0]:.3f} -> {table['reward_mean'].iloc[-1]:.3f}",
                   highlight=False)
     _results(out / STEPS, out / PLOT, out / "run.json", *_report(out))
+
+
+@app.command()
+@grouped
+def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs, output: OutputArgs,
+           factors: Annotated[Optional[str], typer.Option(
+               "--factors", metavar="OPS", help="Strict ops to ablate, e.g. linear,rmsnorm (default: all of linear, "
+                                                "rmsnorm, rope, silu, attention, logprobs).")] = None,
+           no_ops: Annotated[bool, typer.Option("--no-ops", metavar="", help="Skip op capture: no first diverging op "
+                                                "per row, and vLLM keeps its compiled default.")] = False) -> None:
+    """Which op's kernel makes the two engines disagree, and how much: one comparison per configuration.
+
+    Rows: all strict; each op left at its default with every other op strict; each op alone strict; all
+    default. Each row reports mismatching tokens, max ULP, max |d logprob| and (prompt mode) the first
+    diverging op from a natural-mode op capture, for which vLLM runs eager. The strict kernels fix the four
+    sources (reduction order, precision, rounding points, math primitives) together per op, so the factors
+    are ops. Writes configs/<row>/ (each row's comparison), ablate.parquet, ablate.json and report.html.
+
+    Examples:
+
+    ```
+    alignaudit ablate                                   # fixture, megatron vs vllm, bf16, every op
+    alignaudit ablate --train megatron --infer hf --factors linear,rmsnorm
+    alignaudit ablate --mode rollout --max-new-tokens 16 --no-ops
+    ```
+    """
+    from rich.table import Table
+
+    from alignaudit.ablate import ABLATE_JSON, ABLATE_OUTPUTS, ABLATE_PARQUET, ablate as run_ablate
+    from alignaudit.strict import STRICT_OPS, parse_strict
+
+    if run.strict is not None:
+        raise errors.InputError("ablate sets the strict ops of each row itself; drop --strict")
+    chosen = parse_strict(factors) if factors else frozenset(STRICT_OPS)
+    ordered = tuple(op for op in STRICT_OPS if op in chosen)
+    request = build_request(model, prompts, dataclasses.replace(run, strict="all"), sampling)
+    capture_ops = not no_ops and request.rollout is None
+    if capture_ops:
+        _refuse_parallel_capture([request.train, request.infer], forced=False)
+    out = out_dir(output, "ablate", ABLATE_OUTPUTS)
+    with console.status("") as status:
+        matrix = run_ablate(request, out, ordered, capture_ops, on_stage=status.update)
+    eager = " (vLLM eager: op capture)" if capture_ops and "vllm" in (run.train, run.infer) else ""
+    table = Table(title=f"Ablation: {escape(request.train.label())} vs {escape(request.infer.label())}, "
+                        f"{request.mode} mode{eager}", title_justify="left")
+    for col in ("factor", "kind", "mismatching tokens", "max ULP", "max |Δ|", "first diverging op"):
+        table.add_column(col, justify="right" if col in ("mismatching tokens", "max ULP", "max |Δ|") else "left")
+    for r in matrix.itertuples():
+        style = "green" if r.mismatches == 0 else None
+        table.add_row(r.factor, r.kind, f"{r.mismatches} of {r.tokens}", str(r.max_ulp), f"{r.max_abs_diff:.3e}",
+                      escape(r.first_diverging_op if isinstance(r.first_diverging_op, str) else "-"), style=style)
+    console.print(table)
+    _results(out / ABLATE_PARQUET, out / ABLATE_JSON, *_report(out))
 
 
 @app.command()

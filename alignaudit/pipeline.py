@@ -24,6 +24,7 @@ from alignaudit.opdiff import DIFFERS, compare_op, first_divergence, routing_agr
 from alignaudit.ops import LOGPROBS, OpGraph, Selection
 from alignaudit.opstore import OpStore
 from alignaudit.prompts import TokenBatch
+from alignaudit.repeat import summarize_repeats
 from alignaudit.request import EngineRun, Request
 from alignaudit.runner import run_capture
 from alignaudit.verify import RUN, capture_record
@@ -50,20 +51,21 @@ def write_json(path: Path, record: dict) -> None:
 
 def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
             stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None,
-            rollout: dict | None = None, replay: dict | None = None, on_progress=None) -> Capture:
+            rollout: dict | None = None, replay: dict | None = None, repeat: int = 1, on_progress=None) -> Capture:
     """Run one engine on ``batch`` in a worker process; the capture lands in ``out``.
 
     ``ops`` captures the selected canonical ops too; ``reference`` (a capture with ops of the same model
     and token ids) runs in forced mode: each op's inputs are the reference engine's values. ``rollout``
     (Sampling.to_dict()) samples completions; ``replay`` makes a trainer score the generated tokens under
-    the sampling transform. ``on_progress(done, total)`` receives sequence counts.
+    the sampling transform. ``repeat`` > 1 (prompt mode) runs the engine again on the same token ids, also
+    among random filler sequences (alignaudit.repeat). ``on_progress(done, total)`` receives sequence counts.
     """
     request = None
     if ops is not None:
         request = {"selection": ops.to_dict(), "reference": str(Path(reference).resolve()) if reference else None}
     return run_capture(run.engine, spec, batch, run.settings, out, role=role,
                        checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log, ops=request, rollout=rollout,
-                       replay=replay, on_progress=on_progress)
+                       replay=replay, repeat=repeat, on_progress=on_progress)
 
 
 def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2) -> dict:
@@ -74,6 +76,10 @@ def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0
     summary = summarize(tokens, clip_eps=clip_eps, sequences=sequences)
     summary["model"] = train.manifest["model"]["name"]
     summary["sides"] = {role: _side(c) for role, c in (("train", train), ("infer", infer))}
+    repeats = {role: summarize_repeats(c.manifest["repeats"]) for role, c in (("train", train), ("infer", infer))
+               if c.manifest.get("repeats")}
+    if repeats:
+        summary["repeats"] = repeats
     if train.manifest.get("ops") and infer.manifest.get("ops") and train.manifest["model"].get("num_experts"):
         summary["routing"] = routing_agreement(diff_ops(train, infer, ROUTING))
     out.mkdir(parents=True, exist_ok=True)
@@ -118,9 +124,9 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
         # A mixture-of-experts model: each engine's routing decisions too, where reading them changes nothing.
         ops = ROUTING if request.spec.num_experts and all(map(routing_observable, (request.train, request.infer))) else None
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
-                                ops=ops, on_progress=stage(request.train, "training"))
+                                ops=ops, repeat=request.repeat, on_progress=stage(request.train, "training"))
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
-                                ops=ops, on_progress=stage(request.infer, "inference"))
+                                ops=ops, repeat=request.repeat, on_progress=stage(request.infer, "inference"))
     summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps)
     if request.spec.num_experts and "routing" not in summary:
         summary["routing_note"] = ROUTING_NOTE if not rollout else "prompt mode only"

@@ -63,6 +63,12 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
         table.add_row("generated tokens (rollout)",
                       f"{g['mismatches']} of {g['tokens_compared']} differ; max ULP {g['ulp_max']}; "
                       f"ratio {_num(g['rl']['ratio_min'], '.6f')}..{_num(g['rl']['ratio_max'], '.6f')}")
+    for role, r in (summary.get("repeats") or {}).items():
+        style = "red" if r["mismatches"] else "green"
+        counts = " ".join(str(p["mismatches"]) for p in r["per_repeat"])
+        table.add_row(f"{role} engine, {r['runs']} runs",
+                      f"[{style}]{r['repeats_differing']} of {r['runs'] - 1} repeats differ[/]; tokens differing per "
+                      f"repeat {counts} (of {r['tokens']}); max ULP {r['ulp_max']}")
     if summary.get("routing"):
         table.add_row("tokens rerouted (MoE), per layer", _routing_text(summary["routing"]))
     elif summary.get("routing_note"):

@@ -61,6 +61,7 @@ class Request:
         train, infer: the two engines; ``infer`` samples in rollout mode.
         rollout: None for prompt mode (teacher-forced prompts), else the sampling settings.
         clip_eps: PPO clip epsilon for the clip-fraction metric.
+        repeat: prompt mode: runs of each engine on the same token ids (alignaudit.repeat); 1 = once.
     """
 
     spec: ModelSpec
@@ -69,6 +70,7 @@ class Request:
     infer: EngineRun
     rollout: Sampling | None = None
     clip_eps: float = 0.2
+    repeat: int = 1
 
     @property
     def mode(self) -> str:
@@ -89,4 +91,5 @@ class Request:
             "train": self.train.record(),
             "infer": self.infer.record(),
             "clip_eps": self.clip_eps,
+            "repeat": self.repeat,
         }

@@ -37,6 +37,7 @@ def run_capture(
     ops: dict | None = None,
     rollout: dict | None = None,
     replay: dict | None = None,
+    repeat: int = 1,
     on_progress=None,
 ) -> Capture:
     """Run ``engine`` in a fresh worker process and return the capture it wrote to ``out``.
@@ -46,6 +47,7 @@ def run_capture(
     ``rollout`` samples completions instead (alignaudit.request.Sampling.to_dict()); ``replay`` (temperature,
     top_k, top_p, prompt_lengths) scores generated tokens under the sampling transform. ``on_progress(done,
     total)`` receives the worker's progress lines (sequences done), which are kept out of the log.
+    ``repeat`` > 1 (prompt mode) runs the engine that many times in the worker (alignaudit.repeat).
 
     Raises:
         EngineError: the engine is not installed, or the worker crashed (message: its last log lines).
@@ -67,6 +69,7 @@ def run_capture(
         "ops": ops,
         "rollout": rollout,
         "replay": replay,
+        "repeat": repeat,
         "out": str(out.resolve()),
     }
     (out / REQUEST).write_text(json.dumps(request, indent=2) + "\n")

@@ -90,6 +90,14 @@ def run_rank(request: dict, rank: int) -> None:
         batch, logprobs = engine.rollout(batch, Sampling(**rollout))
     else:
         logprobs = engine.prompt_logprobs(batch)
+    repeats = None
+    if request.get("repeat", 1) > 1:  # compare --repeat: the same engine again, op capture done
+        from alignaudit.repeat import run_repeats
+
+        if engine.hooks is not None:
+            engine.hooks.close()
+        engine.hooks = engine.tap = None
+        repeats = run_repeats(engine, batch, logprobs, request["repeat"], settings.seed)
     finished = time.perf_counter()
     manifest = {
         "engine": request["engine"],
@@ -113,6 +121,8 @@ def run_rank(request: dict, rank: int) -> None:
         "numerics": numerics_flags(),
         "timing_s": {"load": round(loaded - started, 3), "forward": round(finished - loaded, 3)},
     }
+    if repeats is not None:
+        manifest["repeats"] = repeats
     if rank != 0:
         engine.close()
         return
