@@ -74,6 +74,12 @@ def _with_strict(run: EngineRun, ops: frozenset[str]) -> EngineRun:
     return replace(run, settings=replace(run.settings, strict=format_strict(ops)))
 
 
+def without_strict(request: Request) -> Request:
+    """``request`` with no strict op on either side: what ablate records (each row sets its own)."""
+    return replace(request, train=_with_strict(request.train, frozenset()),
+                   infer=_with_strict(request.infer, frozenset()))
+
+
 def ablate(request: Request, out: Path, factors: tuple[str, ...], capture_ops: bool = True, on_stage=None) -> pd.DataFrame:
     """Run every configuration of ``factors`` on ``request`` (its engines' own strict setting is ignored) and
     write ablate.parquet / ablate.json into ``out``; returns the matrix (ABLATE_COLUMNS).
@@ -82,6 +88,7 @@ def ablate(request: Request, out: Path, factors: tuple[str, ...], capture_ops: b
     """
     from alignaudit.pipeline import bisect, compare
 
+    request = without_strict(request)
     rows_of = configurations(factors)
     capture_ops = capture_ops and request.rollout is None
     record = {**request.record("ablate"), "factors": list(factors), "capture_ops": capture_ops, "status": "running",

@@ -437,13 +437,14 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
     """
     from rich.table import Table
 
-    from alignaudit.ablate import ABLATE_JSON, ABLATE_OUTPUTS, ABLATE_PARQUET, ablate as run_ablate
+    from alignaudit.ablate import ABLATE_JSON, ABLATE_OUTPUTS, ABLATE_PARQUET, ablate as run_ablate, without_strict
     from alignaudit.strict import STRICT_OPS, parse_strict
 
     if run.strict is not None:
         raise errors.InputError("ablate sets the strict ops of each row itself; drop --strict")
     chosen = parse_strict(factors) if factors else frozenset(STRICT_OPS)
     ordered = tuple(op for op in STRICT_OPS if op in chosen)
+    # validated with every op strict (the first row), run with each row's own strict ops
     request = build_request(model, prompts, dataclasses.replace(run, strict="all"), sampling)
     capture_ops = not no_ops and request.rollout is None
     if capture_ops:
@@ -452,10 +453,12 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
     with console.status("") as status:
         matrix = run_ablate(request, out, ordered, capture_ops, on_stage=status.update)
     eager = " (vLLM eager: op capture)" if capture_ops and "vllm" in (run.train, run.infer) else ""
-    table = Table(title=f"Ablation: {escape(request.train.label())} vs {escape(request.infer.label())}, "
+    shown = without_strict(request)
+    table = Table(title=f"Ablation: {escape(shown.train.label())} vs {escape(shown.infer.label())}, "
                         f"{request.mode} mode{eager}", title_justify="left")
     for col in ("factor", "kind", "mismatching tokens", "max ULP", "max |Δ|", "first diverging op"):
-        table.add_column(col, justify="right" if col in ("mismatching tokens", "max ULP", "max |Δ|") else "left")
+        table.add_column(col, justify="right" if col in ("mismatching tokens", "max ULP", "max |Δ|") else "left",
+                         overflow="fold")
     for r in matrix.itertuples():
         style = "green" if r.mismatches == 0 else None
         table.add_row(r.factor, r.kind, f"{r.mismatches} of {r.tokens}", str(r.max_ulp), f"{r.max_abs_diff:.3e}",

@@ -29,10 +29,11 @@ from alignaudit.errors import InputError
 MARKER = ".alignaudit-outputs"
 LOCK = ".alignaudit.lock"
 # Files alignaudit writes inside the directories it creates (captures and their op stores; rl's sync/ and
-# tokens/).
+# tokens/; the comparison of each row of ablate's configs/).
 INNER_FILES = ("manifest.json", "manifest.json.tmp", "logprobs.parquet", "request.json", "worker.log",
                "chunk-*.safetensors", "index.parquet", "fingerprints.parquet", "weights.safetensors",
-               "step-[0-9][0-9][0-9][0-9][0-9].parquet")
+               "step-[0-9][0-9][0-9][0-9][0-9].parquet", "run.json", "summary.json", "tokens.parquet",
+               "sequences.parquet", "bisect.json", "ops-natural.parquet")
 command_name = "?"  # set by the CLI; shown to a second run that finds the directory locked
 
 _held: dict[Path, int] = {}

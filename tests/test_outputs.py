@@ -241,3 +241,24 @@ def test_a_refused_out_directory_is_left_untouched(tmp_path, capsys):
     (d / "notes.txt").write_text("mine")
     assert "is not empty" in one_line_error(capsys, ["compare", "--out", str(d)], EXIT_USAGE)
     assert [p.name for p in d.iterdir()] == ["notes.txt"]
+
+
+def test_force_reuses_an_ablate_directory_and_still_guards_foreign_files(tmp_path):
+    """ablate's configs/<row>/ hold whole comparisons (run.json, summary.json, ops-natural.parquet, ...):
+    --force removes them, and still refuses a file alignaudit never writes."""
+    from alignaudit.ablate import ABLATE_OUTPUTS
+
+    out = outdir.prepare(tmp_path / "a", False, ABLATE_OUTPUTS)
+    row = out / "configs" / "all-strict"
+    (row / "train").mkdir(parents=True)
+    for name in ("run.json", "summary.json", "tokens.parquet", "sequences.parquet", "bisect.json",
+                 "ops-natural.parquet", "train/manifest.json"):
+        (row / name).write_text("{}")
+    outdir.release_all()
+    outdir.prepare(out, True, ABLATE_OUTPUTS)
+    assert not (out / "configs").exists()
+    (row / "notes.txt").parent.mkdir(parents=True)
+    (row / "notes.txt").write_text("mine")
+    outdir.release_all()
+    with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
+        outdir.prepare(out, True, ABLATE_OUTPUTS)
