@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
 #   bench/gpu_run.sh tests sweep bench bench-quick forward q8 q8-strict q8-bisect q8-bisect-strict \
-#                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe
+#                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat
 # tests: the strict-kernel tests on the GPU; sweep: launch-configuration sweep; bench: kernels vs
 # defaults; q8: Qwen3-8B-shape compare (random weights) megatron vs hf, default and --strict;
 # q8-bisect: bisect of layer 0; tp-bench: the strict row-parallel reduction vs NCCL's all-reduce (2 GPUs);
@@ -10,7 +10,8 @@
 # where HF's KV-cache decode parts from its own prefill (bench/decode_vs_prefill.py); families: Qwen2.5-0.5B
 # and Llama-3.2-1B shapes, megatron vs hf, --strict, rollout mode; q14: the Qwen3-14B shape (40 query heads
 # over 8 KV heads), megatron vs hf, --strict, rollout mode; moe: the Qwen3-MoE fixture, megatron vs hf,
-# default and --strict, prompt mode (routing read) and rollout mode. Needs megatron-core carried as a
+# default and --strict, prompt mode (routing read) and rollout mode; repeat: Qwen3-1.7B shape, megatron vs
+# hf, each engine 3 times (alone, then among random fillers), default and --strict. Needs megatron-core carried as a
 # wheel in .whl/ for the megatron stages (device README).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,6 +82,13 @@ for stage in "$@"; do
              --out /tmp/runs/moe-$name --force 2>&1 | grep -E "IDENTICAL|differ|mismatching|generated|rerouted|error" | head -5
            cp /tmp/runs/moe-$name/summary.json "$out/moe-$name-summary.json" 2>/dev/null
          done ;;
+    repeat) for args in "default" "strict --strict"; do
+              set -- $args; name=$1; shift
+              timeout 280 python3 -m alignaudit compare --model Qwen3-1.7B --random-weights --random-prompts 8 --prompt-len 256 \
+                --train megatron --infer hf --device cuda --repeat 3 "$@" --out /tmp/runs/repeat-$name --force 2>&1 \
+                | grep -E "IDENTICAL|differ|mismatching|runs|repeat|error" | head -8
+              cp /tmp/runs/repeat-$name/summary.json "$out/repeat-$name-summary.json" 2>/dev/null
+            done ;;
     decode-diag) for run in "Qwen3-0.6B 128 32 2" "Qwen3-1.7B 128 32 2" "Qwen3-1.7B 512 32 2" "Qwen3-8B 512 16 1"; do
                    set -- $run
                    timeout 300 python3 bench/decode_vs_prefill.py --model $1 --random-weights --device cuda --strict all \
