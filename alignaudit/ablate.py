@@ -80,6 +80,17 @@ def without_strict(request: Request) -> Request:
                    infer=_with_strict(request.infer, frozenset()))
 
 
+def _notes(request: Request, capture_ops: bool) -> list[str]:
+    """What a reader of the matrix must know about how it was measured."""
+    notes = [f"{request.mode} mode"]
+    if capture_ops and "vllm" in (request.train.engine, request.infer.engine):
+        notes.append("vLLM ran eager in every row (op capture needs it); its compiled default computes other "
+                     "bits, so the all-default row can differ from `alignaudit compare`")
+    if not capture_ops:
+        notes.append("no op capture: first_diverging_op is empty in every row, not 'no divergence'")
+    return notes
+
+
 def ablate(request: Request, out: Path, factors: tuple[str, ...], capture_ops: bool = True, on_stage=None) -> pd.DataFrame:
     """Run every configuration of ``factors`` on ``request`` (its engines' own strict setting is ignored) and
     write ablate.parquet / ablate.json into ``out``; returns the matrix (ABLATE_COLUMNS).
@@ -114,10 +125,12 @@ def ablate(request: Request, out: Path, factors: tuple[str, ...], capture_ops: b
         rows.append({"factor": config.factor, "kind": config.kind, "strict": format_strict(config.strict) or "none",
                      "mismatches": summary["mismatches"], "tokens": summary["tokens_compared"],
                      "max_ulp": summary["ulp_max"], "max_abs_diff": summary["max_abs_diff"],
-                     "first_diverging_op": first["op"] if first else None, "directory": str(directory)})
+                     "first_diverging_op": first["op"] if first else None,
+                     "directory": str(directory.relative_to(out))})
     matrix = pd.DataFrame(rows)
     matrix.to_parquet(out / ABLATE_PARQUET, index=False)
     write_json(out / ABLATE_JSON, {"model": request.spec.name, "mode": request.mode, "capture_ops": capture_ops,
-                                   "train": request.train.label(), "infer": request.infer.label(), "rows": rows})
+                                   "train": request.train.label(), "infer": request.infer.label(),
+                                   "notes": _notes(request, capture_ops), "rows": rows})
     write_json(out / RUN, {**record, "status": "complete"})
     return matrix

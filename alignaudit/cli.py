@@ -425,7 +425,7 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
     default. Each row reports mismatching tokens, max ULP, max |d logprob| and (prompt mode) the first
     diverging op from a natural-mode op capture, for which vLLM runs eager. The strict kernels fix the four
     sources (reduction order, precision, rounding points, math primitives) together per op, so the factors
-    are ops. Writes configs/<row>/ (each row's comparison), ablate.parquet, ablate.json and report.html.
+    are ops. Writes configs/ROW/ (each row's comparison), ablate.parquet, ablate.json and report.html.
 
     Examples:
 
@@ -442,7 +442,10 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
 
     if run.strict is not None:
         raise errors.InputError("ablate sets the strict ops of each row itself; drop --strict")
-    chosen = parse_strict(factors) if factors else frozenset(STRICT_OPS)
+    if factors is not None and not parse_strict(factors, "--factors"):
+        raise errors.InputError(f"--factors {factors!r} names no op; give some of {', '.join(STRICT_OPS)}, or drop "
+                                "--factors for all")
+    chosen = parse_strict(factors, "--factors") if factors else frozenset(STRICT_OPS)
     ordered = tuple(op for op in STRICT_OPS if op in chosen)
     # validated with every op strict (the first row), run with each row's own strict ops
     request = build_request(model, prompts, dataclasses.replace(run, strict="all"), sampling)
@@ -452,7 +455,8 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
     out = out_dir(output, "ablate", ABLATE_OUTPUTS)
     with console.status("") as status:
         matrix = run_ablate(request, out, ordered, capture_ops, on_stage=status.update)
-    eager = " (vLLM eager: op capture)" if capture_ops and "vllm" in (run.train, run.infer) else ""
+    eager = " (vLLM eager: op capture)" if capture_ops and "vllm" in (run.train, run.infer) else \
+        ("" if capture_ops else ", no op capture")
     shown = without_strict(request)
     table = Table(title=f"Ablation: {escape(shown.train.label())} vs {escape(shown.infer.label())}, "
                         f"{request.mode} mode{eager}", title_justify="left")
@@ -462,7 +466,8 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
     for r in matrix.itertuples():
         style = "green" if r.mismatches == 0 else None
         table.add_row(r.factor, r.kind, f"{r.mismatches} of {r.tokens}", str(r.max_ulp), f"{r.max_abs_diff:.3e}",
-                      escape(r.first_diverging_op if isinstance(r.first_diverging_op, str) else "-"), style=style)
+                      escape(r.first_diverging_op if isinstance(r.first_diverging_op, str)
+                             else "-" if capture_ops else "(not captured)"), style=style)
     console.print(table)
     _results(out / ABLATE_PARQUET, out / ABLATE_JSON, *_report(out))
 

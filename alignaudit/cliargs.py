@@ -66,7 +66,9 @@ LmHeadOpt = Annotated[str, typer.Option("--lm-head-dtype", metavar="DTYPE", help
                                         "fp32 (hidden states and lm_head cast to fp32, as RL trainers and vLLM's "
                                         "head_dtype do), for both engines.")]
 LayersOpt = Annotated[Optional[str], typer.Option("--layers", metavar="RANGES", help="Layers to capture, e.g. 0-3,7 (default: all).")]
-OpsOpt = Annotated[Optional[str], typer.Option("--ops", metavar="OPS", help="Canonical ops to capture, e.g. attn,o_proj (default: all).")]
+OpsOpt = Annotated[Optional[str], typer.Option("--ops", metavar="OPS", help="Canonical ops to capture, e.g. attn,o_proj "
+                                                "(default: all; a mixture-of-experts model has router, routing, moe "
+                                                "for gate_proj, up_proj, act, down_proj).")]
 ClipEpsOpt = Annotated[float, typer.Option("--clip-eps", metavar="EPS", help="PPO clip epsilon for the clip-fraction metric.")]
 ModeOpt = Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
                                       "(the inference engine samples, the training engine rescores).")]

@@ -219,7 +219,7 @@ def parse_selection(layers: str | None, ops: str | None, graph: OpGraph) -> Sele
         names = {n.strip() for n in ops.split(",") if n.strip()}
         unknown = sorted(names - set(OP_NAMES))
         if unknown:
-            raise InputError(f"--ops: unknown op(s) {', '.join(unknown)}; canonical ops: {', '.join(OP_NAMES)}")
+            raise InputError(f"--ops: unknown op(s) {', '.join(unknown)}; this model's ops: {', '.join(graph.names())}")
         absent = sorted(names & QK_NORM_OPS) if not graph.qk_norm else []
         if absent:
             raise InputError(f"--ops {', '.join(absent)}: this model has no QK-norm (Qwen3 has); its rope reads "

@@ -33,7 +33,7 @@ LOCK = ".alignaudit.lock"
 INNER_FILES = ("manifest.json", "manifest.json.tmp", "logprobs.parquet", "request.json", "worker.log",
                "chunk-*.safetensors", "index.parquet", "fingerprints.parquet", "weights.safetensors",
                "step-[0-9][0-9][0-9][0-9][0-9].parquet", "run.json", "summary.json", "tokens.parquet",
-               "sequences.parquet", "bisect.json", "ops-natural.parquet")
+               "sequences.parquet", "bisect.json", "ops-natural.parquet", "report.html", MARKER, LOCK)
 command_name = "?"  # set by the CLI; shown to a second run that finds the directory locked
 
 _held: dict[Path, int] = {}

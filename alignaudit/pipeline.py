@@ -166,7 +166,10 @@ def diff_ops(train: Capture, infer: Capture, selection: Selection | None = None)
     logprobs last. Ops the infer capture ran without forced inputs (forced mode, ``unforced_ops``) are
     marked ``note: inputs not forced`` and ``forced: False``."""
     store_a, store_b = OpStore(train.path), OpStore(infer.path)
-    unforced = set((infer.manifest.get("ops") or {}).get("unforced_ops") or ())
+    ops = infer.manifest.get("ops") or {}
+    unforced = set(ops.get("unforced_ops") or ())
+    if ops.get("mode") == "forced" and not store_a.has("logits"):
+        unforced.add(LOGPROBS)  # computed from the engine's own logits: the reference held none to force
     records = []
     model = train.manifest["model"]
     for op in OpGraph.of(model).op_ids():

@@ -65,10 +65,10 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
                       f"ratio {_num(g['rl']['ratio_min'], '.6f')}..{_num(g['rl']['ratio_max'], '.6f')}")
     for role, r in (summary.get("repeats") or {}).items():
         style = "red" if r["mismatches"] else "green"
-        counts = " ".join(str(p["mismatches"]) for p in r["per_repeat"])
+        counts = ", ".join(f"{p['kind']} {p['mismatches']}" for p in r["per_repeat"])
         table.add_row(f"{role} engine, {r['runs']} runs",
-                      f"[{style}]{r['repeats_differing']} of {r['runs'] - 1} repeats differ[/]; tokens differing per "
-                      f"repeat {counts} (of {r['tokens']}); max ULP {r['ulp_max']}")
+                      f"[{style}]{r['repeats_differing']} of {r['runs'] - 1} repeats differ[/]; tokens differing "
+                      f"({r['tokens']} each): {counts}; max ULP {r['ulp_max']}")
     if summary.get("routing"):
         table.add_row("tokens rerouted (MoE), per layer", _routing_text(summary["routing"]))
     elif summary.get("routing_note"):
@@ -187,7 +187,8 @@ def render_op_verdict(console: Console, mode: str, records: list[dict]) -> None:
     differing = [r["op"] for r in judged if r["status"] == DIFFERS]
     names = list(dict.fromkeys(op.split(".")[-1] for op in differing))
     console.print(f"[bold]ops that compute differently on identical inputs:[/] {len(differing)} of {len(judged)} ops"
-                  + (f", {len(names)} kinds: {', '.join(names)}" if names else ": none"), highlight=False)
+                  + (f", {len(names)} kind{'' if len(names) == 1 else 's'}: {', '.join(names)}" if names else ": none"),
+                  highlight=False)
     unforced = [r["op"] for r in records if not r.get("forced", True)]
     if unforced:
         console.print(f"not judged (inputs not forced): {', '.join(unforced)}", highlight=False)
@@ -196,7 +197,8 @@ def render_op_verdict(console: Console, mode: str, records: list[dict]) -> None:
 def _routing_text(layers: list[dict]) -> str:
     """Per layer, the tokens the two engines sent to different experts (opdiff.routing_agreement rows)."""
     style = "red" if any(r["rerouted"] for r in layers) else "green"
-    return f"[{style}]" + "; ".join(f"layer {r['layer']}: {r['rerouted']} of {r['tokens']}" for r in layers) + "[/]"
+    return f"[{style}]" + "; ".join(f"layer {r['layer']}: {r['rerouted']} of {r['tokens']} positions"
+                                    for r in layers) + "[/]"
 
 
 def render_routing(console: Console, layers: list[dict], title: str = "tokens rerouted (MoE)") -> None:

@@ -108,7 +108,9 @@ def test_cli_bisect_selection_and_outputs(tmp_path):
     ops = [r["op"] for r in result["natural"]["records"]]
     assert ops == ["layers.1.input_norm", "layers.1.q_proj", "layers.1.attn", "final_norm", "logprobs"]
     assert result["natural"]["first_divergence"]["op"] == "layers.1.input_norm"
-    assert set(result["forced"]["differing_ops"]) == {"layers.1.input_norm", "layers.1.attn", "final_norm", "logprobs"}
+    assert set(result["forced"]["differing_ops"]) == {"layers.1.input_norm", "layers.1.attn", "final_norm"}
+    # logits were not selected, so the reference holds none to force: logprobs is shown, not judged
+    assert result["forced"]["unforced_ops"] == ["logprobs"]
     assert (out / "ops-natural.parquet").is_file() and (out / "ops-forced.parquet").is_file()
     assert "first diverging op: layers.1.input_norm" in (out / "report.html").read_text()
 

@@ -128,12 +128,12 @@ class VllmEngine(Engine):
             # not depend on how tokens are batched, so a batch budget of what the prompts need changes no bit.
             kwargs["max_num_batched_tokens"] = max(256, -(-total_tokens // 64) * 64)
         if self.tap is not None:
-            # Hooks need every prompt row computed (a prefix-cache hit skips rows) and, except for the MoE
-            # routing, eager mode (torch.compile would trace them away). The router and its routing run
-            # inside opaque custom ops (vLLM's moe_forward, alignaudit::moe_route), eagerly even in a compiled
-            # model, so capturing only them keeps the engine as it is (compiled by default).
+            # Hooks need every prompt row computed (a prefix-cache hit skips rows) and eager mode (torch.compile
+            # would trace them away), except the strict MoE layer's router and routing: alignaudit::moe_route is
+            # an opaque op that runs eagerly inside a compiled model and reports them, so capturing only those
+            # keeps the engine as it is (compiled by default). vLLM's own compiled MoE exposes no routing.
             kwargs["enable_prefix_caching"] = False
-            if not _read_only(self.tap):
+            if not (_read_only(self.tap) and "linear" in self.settings.strict_ops):
                 if self.engine_options.get("enforce_eager") is False:
                     raise InputError("op capture needs vLLM's eager mode; drop enforce_eager=false")
                 kwargs["enforce_eager"] = True

@@ -40,6 +40,17 @@ def _header(page: Page, run, summary_model: str | None) -> None:
     page.add('<p class="sub">' + " · ".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in links) + "</p>")
 
 
+def _is_report(path: Path) -> bool:
+    """Whether ``path`` is a page alignaudit wrote (page.GENERATOR in its first bytes)."""
+    from alignaudit.report_html.page import GENERATOR
+
+    try:
+        with open(path, "rb") as f:
+            return GENERATOR.encode() in f.read(4096)
+    except OSError:
+        return False
+
+
 def build_report(run_dir: Path | str) -> str:
     """The HTML report of a run directory, as one self-contained page.
 
@@ -88,14 +99,19 @@ def write_report(run_dir: Path | str, html: Path | str | None = None) -> Path:
     target = Path(html) if html is not None else run_dir / REPORT
     if target.exists() and target.is_dir():
         raise InputError(f"--html {target} is a directory; give a file name such as {target / REPORT}")
-    if target.resolve().parent == run_dir.resolve():
+    inside = target.resolve().parent == run_dir.resolve()
+    if target.exists() and not _is_report(target) and not (inside and target.name in outdir.read_marker(run_dir)):
+        raise InputError(f"--html {target} exists and is not a report alignaudit wrote; give a new file name "
+                         "(an earlier report is replaced, any other file is kept)")
+    if not target.parent.is_dir():
+        raise InputError(f"--html {target}: no directory {target.parent}; create it first or give another path")
+    if inside:
         try:
             outdir.lock(run_dir)
             outdir.claim(run_dir, (target.name,))
         except InputError as e:
             raise InputError(f"{e}, or pass --html FILE to write the report elsewhere") from e
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text, encoding="utf-8")
     except OSError as e:
         raise InputError(f"cannot write {target}: {e.strerror}; pass --html FILE to write the report elsewhere") from e

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pandas as pd
 
 from alignaudit.report_html.page import Column, Page, table
-from alignaudit.report_html.runs import ABLATE, RunDir, read_table
+from alignaudit.report_html.runs import ABLATE, RunDir, read_json, read_table
+
+ABLATE_JSON = "ablate.json"
 
 ABLATE_COLUMNS = ("factor", "kind", "mismatches", "tokens", "max_ulp", "max_abs_diff", "first_diverging_op")
 KINDS = ("all strict", "default op", "strict op", "source")  # bar colours in this order
@@ -40,10 +42,14 @@ def ablate_section(page: Page, run: RunDir) -> pd.DataFrame:
     matrix = read_table(run.path / ABLATE, ABLATE_COLUMNS)
     matrix = matrix.assign(first_diverging_op=matrix["first_diverging_op"].where(matrix["first_diverging_op"].notna(), None))
     page.heading("Ablation matrix", anchor="ablate")
+    record = read_json(run.path / ABLATE_JSON) if (run.path / ABLATE_JSON).is_file() else {}
+    for note in record.get("notes") or ():
+        page.note(note)
     page.figure(ablate_figure(matrix), "ablate")
     rows = [{**r, "mismatch_fraction": r["mismatches"] / r["tokens"] if r["tokens"] else None}
             for r in matrix.to_dict("records")]
     page.add(table(rows, [Column("factor", "factor", text=True), Column("kind", "kind", text=True),
+                          *([Column("strict ops", "strict", text=True)] if "strict" in matrix.columns else []),
                           Column("mismatches", "mismatches"), Column("tokens", "tokens"),
                           Column("mismatching", "mismatch_fraction", ".1%"), Column("max ULP", "max_ulp"),
                           Column("max |d|", "max_abs_diff", ".3e"),

@@ -169,6 +169,11 @@ def bisect_section(page: Page, run: RunDir) -> None:
                   + ("◀ first op that computes differently (outlined), " if mode == "forced" else
                      "◀ first diverging op (outlined), ")
                   + "~ inputs not forced (not judged), ? missing; hover a cell for every number")
+        rerouted = [r for r in records if r.get("name") == "routing" and isinstance(r.get("rerouted"), (int, float))
+                     and r["rerouted"] == r["rerouted"]]  # NaN: the column of the other ops
+        if rerouted:
+            page.note("tokens rerouted (MoE): " + "; ".join(
+                f"layer {r['layer']}: {int(r['rerouted'])} of {int(r['elements'])} positions" for r in rerouted))
         page.figure(heatmap(records, first), f"bisect-{mode}")
         rows = [{**r, "mark": _mark(r, first), "equal_text": equal_text(r)} for r in records]
         columns = [Column("op", "op", text=True), Column("", "mark", text=True), Column("status", "status", text=True),

@@ -67,8 +67,9 @@ def compare_section(page: Page, run: RunDir) -> dict:
                     else f"{bad} of {n} tokens differ ({summary.get('mismatch_fraction', 0):.2%})", bad == 0)
     sides = summary.get("sides") or {}
     left = key_values([(role, side_label(side)) for role, side in sides.items()], table_id="sides") if sides else ""
-    fields = {k: v for k, v in summary.items() if k not in ("worst_sequences", "sides")}
+    fields = {k: v for k, v in summary.items() if k not in ("worst_sequences", "sides", "routing", "repeats")}
     left += "<h3>Summary (summary.json)</h3>" + key_values(flatten(fields), table_id="summary")
+    left += _routing_html(summary.get("routing")) + _repeats_html(summary.get("repeats"))
     page.row(left, "<h3>fp32 ULP distance</h3>" + page.figure_html(ulp_figure(summary), "ulp-histogram"))
     page.heading("|d logprob| along each sequence", level=3)
     figure, caption = positions_figure(tokens, sequences)
@@ -84,6 +85,25 @@ def compare_section(page: Page, run: RunDir) -> dict:
                    Column("d", "diff", ".3e"), Column("ULP", "ulp")]
         page.add(table(worst_tokens(tokens), columns, table_id="worst-tokens"))
     return summary
+
+
+def _routing_html(layers: list[dict] | None) -> str:
+    """MoE: per layer, prompt positions the two engines sent to other experts."""
+    if not layers:
+        return ""
+    rows = [(f"layer {r['layer']}", f"{r['rerouted']} of {r['tokens']} positions rerouted ({r['agreement']:.1%} agree)")
+            for r in layers]
+    return "<h3>Routing (MoE)</h3>" + key_values(rows, table_id="routing")
+
+
+def _repeats_html(repeats: dict | None) -> str:
+    """compare --repeat: per engine and repeat, tokens that differ from the engine's first run."""
+    if not repeats:
+        return ""
+    rows = [(f"{role} repeat {p['repeat']} ({p['kind']}, batch of {p['batch_size']})",
+             f"{p['mismatches']} of {p['tokens']} tokens differ, max ULP {p['ulp_max']}")
+            for role, r in repeats.items() for p in r["per_repeat"]]
+    return "<h3>Repeats (each engine against its first run)</h3>" + key_values(rows, table_id="repeats")
 
 
 def ulp_figure(summary: dict):

@@ -121,6 +121,10 @@ def key_values(pairs: list[tuple[str, object]], table_id: str = "") -> str:
     return f'<table class="kv"{attrs}><tbody>{rows}</tbody></table>'
 
 
+# Marks a page as alignaudit's: `report --html FILE` replaces an existing FILE only when it carries this.
+GENERATOR = '<meta name="generator" content="alignaudit report">'
+
+
 def flatten(record: dict, prefix: str = "") -> list[tuple[str, object]]:
     """Nested dicts as dotted (key, value) pairs; lists as their JSON-ish text."""
     out = []
@@ -185,6 +189,6 @@ class Page:
         from plotly.offline import get_plotlyjs
 
         plotly_js = f'<script type="text/javascript">{get_plotlyjs()}</script>' if self.figures else ""
-        return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-                f"<title>{esc(self.title)}</title><style>{CSS}</style>{plotly_js}</head><body>"
+        return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">" + GENERATOR
+                + f"<title>{esc(self.title)}</title><style>{CSS}</style>{plotly_js}</head><body>"
                 + "\n".join(self.parts) + f"<script>{SORT_JS}</script></body></html>\n")

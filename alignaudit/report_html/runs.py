@@ -51,7 +51,8 @@ def detect(run_dir: Path | str) -> RunDir:
     """
     path = Path(run_dir)
     if not path.exists():
-        raise InputError(f"{path} does not exist; give the run directory (--out) of alignaudit compare, bisect, gate or rl")
+        raise InputError(f"{path} does not exist; give the run directory (--out) of alignaudit compare, bisect, gate, rl, "
+                         "ablate or diff")
     if not path.is_dir():
         raise InputError(f"{path} is a file; give the run directory that holds it")
     record = read_json(path / RUN) if (path / RUN).is_file() else None
@@ -67,8 +68,10 @@ def detect(run_dir: Path | str) -> RunDir:
         raise InputError(f"{path}: {RUN} records an `alignaudit {command}` run (status {status!r}) but {wanted} "
                          f"is missing; {fix}")
     if not kinds:
-        raise InputError(f"{path} holds no alignaudit results (none of {KNOWN}); give the run directory "
-                         "(--out) of alignaudit compare, bisect, gate or rl")
+        hint = (" (a capture: compare two with `alignaudit diff A B`, then report that)"
+                if (path / "manifest.json").is_file() else "")
+        raise InputError(f"{path} holds no alignaudit results (none of {KNOWN}){hint}; give the run directory "
+                         "(--out) of alignaudit compare, bisect, gate, rl, ablate or diff")
     if "compare" in kinds:
         missing = [name for name in (TOKENS, SEQUENCES) if not (path / name).is_file()]
         if missing:

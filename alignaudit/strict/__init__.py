@@ -17,11 +17,11 @@ STRICT_OPS = ("linear", "rmsnorm", "rope", "silu", "attention", "logprobs")
 ENV = "ALIGNAUDIT_STRICT"
 
 
-def parse_strict(value: str | None) -> frozenset[str]:
+def parse_strict(value: str | None, option: str = "--strict") -> frozenset[str]:
     """``"all"`` -> every op; ``"rmsnorm,rope"`` -> those; None or "" or "none" -> none.
 
     Raises:
-        InputError: an unknown op name.
+        InputError: an unknown op name (the message names ``option``).
     """
     if value is None or value.strip() in ("", "none"):
         return frozenset()
@@ -30,7 +30,7 @@ def parse_strict(value: str | None) -> frozenset[str]:
         return frozenset(STRICT_OPS)
     unknown = sorted(names - set(STRICT_OPS))
     if unknown:
-        raise InputError(f"--strict: unknown op(s) {', '.join(unknown)}; choose all or any of {', '.join(STRICT_OPS)}")
+        raise InputError(f"{option}: unknown op(s) {', '.join(unknown)}; choose all or any of {', '.join(STRICT_OPS)}")
     return frozenset(names)
 
 
