@@ -1,11 +1,13 @@
-"""A whole Qwen3-shape forward pass, default vs every op strict, measured side by side on one GPU.
+"""A whole Qwen3-shape forward pass, default vs every op strict, eager and torch.compile'd, side by side.
 
-    python3 bench/forward_gpu.py [--preset Qwen3-8B] [--batch 4] [--tokens 1024]
+    python3 bench/forward_gpu.py [--preset Qwen3-8B] [--batch 4] [--tokens 1024] [--no-compile]
 
 Builds the preset's exact shape with random weights directly on the GPU (transformers Qwen3ForCausalLM,
-bf16), times the default forward (SDPA attention, cuBLAS) over batch x tokens, then swaps every strict op
-in (alignaudit.strict.hf.make_strict) and times the same forward again, logits and logprobs included.
-Prints both times and their ratio (median of several timed runs after warm-up, CUDA events).
+bf16), times the default forward (SDPA attention, cuBLAS) over batch x tokens, eager and under
+torch.compile, then swaps every strict op in (alignaudit.strict.hf.make_strict) and times the same forward
+again, eager and compiled, logits and logprobs included. Prints the times and their ratios (median of
+several timed runs after warm-up, CUDA events), and whether the compiled strict forward gives the eager
+strict forward's logprob bits (a compiled graph must not change what the strict kernels compute).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--preset", default="Qwen3-8B")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--no-compile", action="store_true", help="eager only")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -63,12 +66,27 @@ def main() -> None:
         return K.token_logprobs(logits[:, :-1], ids[:, 1:])
 
     default_ms = median_ms(stock)
+    default_compiled_ms = None if args.no_compile else median_ms(torch.compile(stock), warmup=3)
     make_strict(model, frozenset(STRICT_OPS))
     strict_ms = median_ms(strict)
     print(f"{args.preset} forward, {args.batch} x {args.tokens} tokens, bf16, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}")
     print(f"default (sdpa, cuBLAS): {default_ms:.1f} ms   strict (every op): {strict_ms:.1f} ms   "
           f"strict/default time: {strict_ms / default_ms:.2f}x")
+    if default_compiled_ms is None:
+        return
+    torch._dynamo.reset()
+    compiled_strict = torch.compile(strict)
+    try:
+        strict_compiled_ms = median_ms(compiled_strict, warmup=3)
+        same = torch.equal(compiled_strict().contiguous().view(torch.int32), strict().contiguous().view(torch.int32))
+        outcome = f"{strict_compiled_ms:.1f} ms, logprob bits equal to eager strict: {same}"
+    except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
+        strict_compiled_ms, outcome = None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    print(f"torch.compile: default {default_compiled_ms:.1f} ms; strict {outcome}")
+    print(f"strict eager / compiled default: {strict_ms / default_compiled_ms:.2f}x"
+          + (f"   compiled strict / compiled default: {strict_compiled_ms / default_compiled_ms:.2f}x"
+             if strict_compiled_ms else ""))
 
 
 if __name__ == "__main__":

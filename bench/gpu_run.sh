@@ -46,7 +46,7 @@ for stage in "$@"; do
     q8) q8 q8-default; q8 q8-strict --strict ;;
     q8-strict) q8 q8-strict --strict ;;
     bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | tail -40 ;;
-    forward) timeout 240 python3 bench/forward_gpu.py 2>&1 | tail -4 ;;
+    forward) timeout 540 python3 bench/forward_gpu.py 2>&1 | grep -v Warn | tail -6 ;;
     q8-bisect-strict) timeout 300 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --mode natural --strict \
                  --out /tmp/runs/q8-bisect-strict --force 2>&1 | grep -E "✗|◀|every op|first diverging|error" | head -20 ;;

@@ -237,7 +237,11 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     stores the unrounded accumulator (a partial)."""
     m, k = x2.shape
     n = weight.shape[0]
-    x2, weight = x2.contiguous(), weight.contiguous()
+    if tile is None and segments > 1 and m > SMALL_M:
+        return _split_segments(x2, weight, bias, segments, out_dtype)
+    # the pointer kernel reads rows through their stride: only the K axis must be contiguous
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
     if tile is None and out_dtype is None and m > SMALL_M and _tma_available(x2, weight, bias):
         large = TILES[x2.dtype]["large_tma"]
         if (k // segments) % large[2] == 0:  # no TMA load may cross a segment boundary
@@ -250,6 +254,25 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SEGMENTS=segments, num_warps=warps,
                          num_stages=stages)
     return y
+
+
+def _split_segments(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int,
+                    out_dtype: torch.dtype | None) -> torch.Tensor:
+    """A segmented product at large M as one unsegmented fp32 product per K segment, then the segment tree:
+    each segment accumulates its K range from zero in the same BLOCK_K steps as the in-kernel tree, and
+    tree_sum adds the segments in the same order, so the bits are the in-kernel tree's (tests/test_kernels.py
+    checks it). It keeps one accumulator live where the in-kernel tree keeps three, which spilled registers
+    at the large tiles: on an H200, Qwen3-8B's down projection at M = 4096 took 5.4 ms segmented against
+    0.53 ms unsegmented (docs/benchmarks.md, 2026-11-29 late)."""
+    width = x2.shape[1] // segments
+    parts = [_triton(x2[:, i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width], None,
+                     out_dtype=torch.float32) for i in range(segments)]
+    out = tree_sum(parts)
+    if out_dtype is not None:  # a partial: the tree, unrounded, without bias
+        return out
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x2.dtype)
 
 
 def _tma_available(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

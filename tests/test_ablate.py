@@ -11,6 +11,7 @@ from alignaudit.ablate import STRICT_OP_COVERS, configurations
 from alignaudit.errors import EXIT_OK
 from alignaudit.ops import OpGraph
 from test_cli import one_line_error, run_cli
+from test_html_report import CHROMIUM, open_in_chromium
 
 
 def test_configurations_cover_each_factor_both_ways():
@@ -44,10 +45,15 @@ def test_ablate_rmsnorm_megatron_vs_hf(tmp_path):
         "all", "linear,rope,silu,attention,logprobs", "rmsnorm", "none"]
     assert (out / "configs" / "default-rmsnorm" / "ops-natural.parquet").is_file()
     assert "Ablation matrix" in (out / "report.html").read_text()
+    if CHROMIUM is not None:  # the page of a real run renders (tests/test_html_report.py checks it in depth)
+        probe, _, console = open_in_chromium(out / "report.html", tmp_path)
+        assert console == [] and probe["plots"]["plot-ablate"]["rendered"]
     assert "first diverging op" in proc.stdout and "rmsnorm" in proc.stdout
 
 
 def test_ablate_refuses_strict_and_unknown_factors(capsys, tmp_path):
     assert "drop --strict" in one_line_error(capsys, ["ablate", "--strict", "--out", str(tmp_path / "a")], 2)
-    assert "unknown op(s) softmax" in one_line_error(capsys, ["ablate", "--factors", "softmax", "--out", str(tmp_path / "b")], 2)
+    assert "--factors: unknown op(s) softmax" in one_line_error(
+        capsys, ["ablate", "--factors", "softmax", "--out", str(tmp_path / "b")], 2)
+    assert "names no op" in one_line_error(capsys, ["ablate", "--factors", "", "--out", str(tmp_path / "b")], 2)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -275,3 +275,17 @@ def test_bad_run_directories_are_one_line_input_errors(tmp_path, capsys, make, m
     assert message in one_line_error(capsys, ["report", str(tmp_path)], EXIT_USAGE)
     assert not (tmp_path / "report.html").exists()
     assert "does not exist" in one_line_error(capsys, ["report", str(tmp_path / "missing")], EXIT_USAGE)
+
+
+def test_html_target_is_never_a_file_alignaudit_did_not_write(compare_run, tmp_path, capsys):
+    """--html replaces an earlier report, never another file, and needs an existing directory."""
+    precious = tmp_path / "summary.json"
+    precious.write_text('{"mine": 1}')
+    assert "is not a report alignaudit wrote" in one_line_error(
+        capsys, ["report", str(compare_run), "--html", str(precious)], EXIT_USAGE)
+    assert precious.read_text() == '{"mine": 1}'
+    assert "no directory" in one_line_error(
+        capsys, ["report", str(compare_run), "--html", str(tmp_path / "missing" / "r.html")], EXIT_USAGE)
+    page = tmp_path / "r.html"
+    assert cli.main(["report", str(compare_run), "--html", str(page)]) == EXIT_OK
+    assert cli.main(["report", str(compare_run), "--html", str(page)]) == EXIT_OK  # its own page: replaced

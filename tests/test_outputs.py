@@ -252,7 +252,7 @@ def test_force_reuses_an_ablate_directory_and_still_guards_foreign_files(tmp_pat
     row = out / "configs" / "all-strict"
     (row / "train").mkdir(parents=True)
     for name in ("run.json", "summary.json", "tokens.parquet", "sequences.parquet", "bisect.json",
-                 "ops-natural.parquet", "train/manifest.json"):
+                 "ops-natural.parquet", "train/manifest.json", "report.html", outdir.MARKER, outdir.LOCK):
         (row / name).write_text("{}")
     outdir.release_all()
     outdir.prepare(out, True, ABLATE_OUTPUTS)
