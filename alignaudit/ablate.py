@@ -70,14 +70,17 @@ def configurations(factors: tuple[str, ...]) -> list[Configuration]:
             + [Configuration("none", "all default", frozenset())])
 
 
-def _with_strict(run: EngineRun, ops: frozenset[str]) -> EngineRun:
-    return replace(run, settings=replace(run.settings, strict=format_strict(ops)))
+def with_strict(request: Request, ops: frozenset[str]) -> Request:
+    """``request`` with the strict ops ``ops`` on both sides."""
+    def run(side: EngineRun) -> EngineRun:
+        return replace(side, settings=replace(side.settings, strict=format_strict(ops)))
+
+    return replace(request, train=run(request.train), infer=run(request.infer))
 
 
 def without_strict(request: Request) -> Request:
     """``request`` with no strict op on either side: what ablate records (each row sets its own)."""
-    return replace(request, train=_with_strict(request.train, frozenset()),
-                   infer=_with_strict(request.infer, frozenset()))
+    return with_strict(request, frozenset())
 
 
 def _notes(request: Request, capture_ops: bool) -> list[str]:
@@ -110,8 +113,7 @@ def ablate(request: Request, out: Path, factors: tuple[str, ...], capture_ops: b
     for i, config in enumerate(rows_of):
         if on_stage:
             on_stage(f"configuration {i + 1}/{len(rows_of)}: {config.kind} {config.factor}")
-        sub = replace(request, train=_with_strict(request.train, config.strict),
-                      infer=_with_strict(request.infer, config.strict))
+        sub = with_strict(request, config.strict)
         directory = out / "configs" / config.name
         directory.mkdir(parents=True, exist_ok=True)
         first = None
