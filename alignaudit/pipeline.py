@@ -68,9 +68,11 @@ def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role:
                        replay=replay, repeat=repeat, on_progress=on_progress)
 
 
-def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2) -> dict:
+def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2,
+                  routing_note: str | None = None) -> dict:
     """Compare two captures (checked by alignaudit.verify first); write tokens.parquet, sequences.parquet
-    and summary.json."""
+    and summary.json. ``routing_note``: why a mixture-of-experts comparison holds no routing (the captures
+    were made without it)."""
     tokens = compare_tokens(align_tokens(train.logprobs, infer.logprobs))
     sequences = per_sequence(tokens)
     summary = summarize(tokens, clip_eps=clip_eps, sequences=sequences)
@@ -82,6 +84,8 @@ def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0
         summary["repeats"] = repeats
     if train.manifest.get("ops") and infer.manifest.get("ops") and train.manifest["model"].get("num_experts"):
         summary["routing"] = routing_agreement(diff_ops(train, infer, ROUTING))
+    elif routing_note:
+        summary["routing_note"] = routing_note
     out.mkdir(parents=True, exist_ok=True)
     tokens.to_parquet(out / TOKENS, index=False)
     sequences.to_parquet(out / SEQUENCES, index=False)
@@ -110,6 +114,7 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
 
     rollout = request.rollout.to_dict() if request.rollout else None
     batch = request.batch
+    ops = None  # a mixture-of-experts model in prompt mode: each engine's routing, where reading it changes nothing
     if rollout:
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
                                 rollout=rollout, on_progress=stage(request.infer, "inference (sampling)"))
@@ -121,16 +126,13 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
                                 replay=replay, on_progress=stage(request.train, "training"))
     else:
-        # A mixture-of-experts model: each engine's routing decisions too, where reading them changes nothing.
         ops = ROUTING if request.spec.num_experts and all(map(routing_observable, (request.train, request.infer))) else None
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
                                 ops=ops, repeat=request.repeat, on_progress=stage(request.train, "training"))
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
                                 ops=ops, repeat=request.repeat, on_progress=stage(request.infer, "inference"))
-    summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps)
-    if request.spec.num_experts and "routing" not in summary:
-        summary["routing_note"] = ROUTING_NOTE if not rollout else "prompt mode only"
-        write_json(out / SUMMARY, summary)
+    note = None if ops is not None or not request.spec.num_experts else "prompt mode only" if rollout else ROUTING_NOTE
+    summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps, routing_note=note)
     finish_run(out, record, {"train": train_capture, "infer": infer_capture})
     return summary
 
@@ -143,9 +145,7 @@ def routing_observable(run: EngineRun) -> bool:
     """Whether ``run``'s routing decisions can be read without changing what it computes: always in megatron
     and hf (eager); in vLLM in eager mode, or with the strict MoE layer (its router is an opaque custom op,
     alignaudit::moe_route, that reports its decisions even in a compiled model)."""
-    from alignaudit.strict import parse_strict
-
-    return (run.engine != "vllm" or "linear" in parse_strict(run.settings.strict)
+    return (run.engine != "vllm" or "linear" in run.settings.strict_ops
             or run.settings.options.get("enforce_eager") is True)
 
 

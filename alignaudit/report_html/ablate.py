@@ -5,9 +5,8 @@ from __future__ import annotations
 import pandas as pd
 
 from alignaudit.report_html.page import Column, Page, table
+from alignaudit.ablate import ABLATE_JSON
 from alignaudit.report_html.runs import ABLATE, RunDir, read_json, read_table
-
-ABLATE_JSON = "ablate.json"
 
 ABLATE_COLUMNS = ("factor", "kind", "mismatches", "tokens", "max_ulp", "max_abs_diff", "first_diverging_op")
 KINDS = ("all strict", "default op", "strict op", "source")  # bar colours in this order
