@@ -6,8 +6,10 @@ Every number is the median of triton.testing.do_bench over fresh random bf16 inp
 every row prints strict / default as a throughput ratio (>1: strict is faster). Matmul and the memory-bound
 kernels are also timed as CUDA-graph replays (triton.testing.do_bench_cudagraph, column "graph": GPU time
 without Python launch overhead, the way vLLM runs decode; no L2 flush between replays, so weights that fit
-in L2 stay there for both sides). Attention is timed eagerly only: the strict attention plans its tiles on
-the host and is not capturable yet. Memory-bound kernels also
+in L2 stay there for both sides). Attention prefill is timed eagerly (the strict prefill plans its tiles
+on the host); decode both ways (``paged_decode`` is capturable), each with the portable and the native exp
+(kernels/attention.py). The decode default is SDPA over the same keys laid out contiguously. Memory-bound
+kernels also
 print their fraction of the copy-bandwidth bound measured in the same run (a device-to-device copy of the
 same bytes). Shapes are Qwen3-8B's (hidden 4096, 32 query heads, 8 KV heads, head_dim 128, vocab 151936).
 """
@@ -109,23 +111,25 @@ def bench_attention(lengths, decode_batches):
         cu = torch.tensor([0, n])
         qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         base = ms(lambda: sdpa(qt, kt, vt, is_causal=True, enable_gqa=True))
-        strict = ms(lambda: K.varlen_attention(q, k, v, cu, d ** -0.5))
-        rows.append({"op": f"attention prefill {n}", "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+        for exp in K.attention.EXP_CHOICES:
+            strict = ms(lambda: K.varlen_attention(q, k, v, cu, d ** -0.5, exp=exp))
+            rows.append({"op": f"attention prefill {n} ({exp} exp)", "default_ms": base, "strict_ms": strict,
+                         "ratio": base / strict})
     ctx = 4096
     for b in decode_batches:
-        block = 16
+        block = 16  # vLLM's default page size
         pages = ctx // block
         kc = torch.randn(b * pages, block, kvh, d, dtype=DT, device="cuda")
         vc = torch.randn_like(kc)
         table = torch.arange(b * pages, device="cuda", dtype=torch.int32).view(b, pages)
         q = torch.randn(b, h, d, dtype=DT, device="cuda")
-        pos = torch.full((b,), ctx - 1, device="cuda")
-        seq = torch.arange(b)
+        lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
         kd = kc.view(b, ctx, kvh, d).transpose(1, 2)
         vd = vc.view(b, ctx, kvh, d).transpose(1, 2)
-        base = ms(lambda: sdpa(q[:, :, None], kd, vd, enable_gqa=True))
-        strict = ms(lambda: K.paged_attention(q, kc, vc, table, pos, seq, d ** -0.5))
-        rows.append({"op": f"attention decode b={b} ctx=4096", "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+        for exp in K.attention.EXP_CHOICES:
+            timing = side_by_side(lambda: sdpa(q[:, :, None], kd, vd, enable_gqa=True),
+                                  lambda: K.paged_decode(q, kc, vc, table, lens, d ** -0.5, ctx, exp=exp))
+            rows.append({"op": f"attention decode b={b} ctx={ctx} ({exp} exp)", **timing})
     return rows
 
 

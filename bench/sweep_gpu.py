@@ -6,8 +6,8 @@ For each configuration: its time at Qwen3-8B shapes (median of triton.testing.do
 to the default (cuBLAS, SDPA flash), and whether every configuration returns the same bits as the first
 for the same inputs. A configuration may be picked by batch size only if it does: that is what keeps a
 token's result independent of the batch it is in. Sections: matmul (pointer-kernel tiles), tma (the TMA
-kernel, grid and persistent, against the pointer kernel's bits), attention (tiles, key blocks, and the
-same kernel with the hardware exp as a diagnostic of what the strict exp costs).
+kernel, grid and persistent, against the pointer kernel's bits), attention (prefill tiles, key blocks, split
+or not, the portable and the native exp; decode tiles, split or not).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ SMALL = 4  # index of the 64x64 tile, the one a single row is checked in
 # algorithm (other bits), measured to choose the algorithm, never mixed with it.
 ATTN_CONFIGS = [((64, 4, 2), 64), ((64, 4, 3), 64), ((128, 8, 2), 64), ((128, 8, 3), 64), ((128, 4, 3), 64),
                 ((64, 4, 2), 128), ((128, 8, 2), 128), ((128, 8, 3), 128)]
+DECODE_CONFIGS = [(16, 4, 2), (16, 2, 2), (16, 4, 3), (32, 4, 2), (64, 4, 2)]
 
 
 def ms(fn):
@@ -95,26 +96,47 @@ def sweep_attention(rows):
     k = torch.randn(n, kvh, d, dtype=DT, device="cuda")
     v = torch.randn(n, kvh, d, dtype=DT, device="cuda")
     cu = torch.tensor([0, n])
-    outs = {c: attention._launch_varlen(q, k, v, cu, d ** -0.5, config=c[0], block_n=c[1]) for c in ATTN_CONFIGS}
+    outs = {(c, split): attention._launch_varlen(q, k, v, cu, d ** -0.5, config=c[0], block_n=c[1], split=split)
+            for c in ATTN_CONFIGS for split in (False, True)}
     first = {}
-    same = []
-    for (config, block_n), out in outs.items():
-        same.append(torch.equal(first.setdefault(block_n, out), out))
-    print(f"attention: bits equal across configs of one key block {same}", flush=True)
+    same = [torch.equal(first.setdefault(c[1], out), out) for (c, _), out in outs.items()]
+    print(f"attention: bits equal across configs and split/unsplit of one key block {same}", flush=True)
     for n_tok in (1024, 4096):
         qs, ks, vs = q[:n_tok], k[:n_tok], v[:n_tok]
         qt, kt, vt = qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]
         base = ms(lambda: sdpa(qt, kt, vt, is_causal=True, enable_gqa=True))
         cu = torch.tensor([0, n_tok])
         for c in ATTN_CONFIGS:
-            strict = ms(lambda: attention._launch_varlen(qs, ks, vs, cu, d ** -0.5, config=c[0], block_n=c[1]))
-            rows.append({"op": f"attention prefill {n_tok}", "M": f"key block {c[1]}", "config": list(c[0]),
-                         "default_ms": base, "strict_ms": strict, "ratio": base / strict})
-        # What the strict exp costs: the same kernel with the hardware's approximate exp (not strict).
-        lib = ms(lambda: attention._launch_varlen(qs, ks, vs, cu, d ** -0.5, library_exp=True))
-        rows.append({"op": f"attention prefill {n_tok}", "M": "tl.exp (diagnostic)", "config": list(attention.TILE_CONFIG),
-                     "default_ms": base, "strict_ms": lib, "ratio": base / lib})
-    return {"configs_bitwise_equal": all(same)}
+            for split in (False, True):
+                for exp in attention.EXP_CHOICES if c == ATTN_CONFIGS[0] else (attention.DEFAULT_EXP,):
+                    strict = ms(lambda: attention._launch_varlen(qs, ks, vs, cu, d ** -0.5, config=c[0], block_n=c[1],
+                                                                 split=split, exp=exp))
+                    rows.append({"op": f"attention prefill {n_tok}", "M": f"key block {c[1]} split {split} exp {exp}",
+                                 "config": list(c[0]), "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+    decode_same = []
+    ctx, block = 4096, 16
+    for b in (1, 16, 256):
+        kc = torch.randn(b * ctx // block, block, kvh, d, dtype=DT, device="cuda")
+        vc = torch.randn_like(kc)
+        table = torch.arange(b * ctx // block, device="cuda", dtype=torch.int32).view(b, -1)
+        qd = torch.randn(b, h, d, dtype=DT, device="cuda")
+        pos = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)
+        kd, vd = (x.view(b, ctx, kvh, d).transpose(1, 2) for x in (kc, vc))
+        base = ms(lambda: sdpa(qd[:, :, None], kd, vd, enable_gqa=True))
+        reference = None
+        for c in DECODE_CONFIGS:
+            for split in (False, True):
+                def run():
+                    return attention._launch(qd, kc, vc, table, None, pos, d ** -0.5, kv_mode=attention.KV_GATHER,
+                                             max_keys=ctx, config=c, split=split)
+                out = run()
+                reference = out if reference is None else reference
+                decode_same.append(torch.equal(reference, out))
+                strict = ms(run)
+                rows.append({"op": f"attention decode b={b} ctx={ctx}", "M": f"split {split}", "config": list(c),
+                             "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+    print(f"decode: bits equal across tiles and split/unsplit {decode_same}", flush=True)
+    return {"configs_bitwise_equal": all(same), "decode_configs_bitwise_equal": all(decode_same)}
 
 
 def main():

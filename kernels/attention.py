@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import exp, fixed_sum, triton, use_triton
+from alignaudit_kernels.primitives import compiling_inference, exp, fixed_sum, opaque_op, sm_count, triton, use_triton
 
 BLOCK_N = 64
+CHUNK_N = 256
 TILE_ROWS = 64
 CPU_CHUNK_ELEMENTS = 1 << 24
+EXP_CHOICES = ("portable", "native")
+DEFAULT_EXP = "portable"
 
 
 def reference(q, k, v, scale, q_positions=None):
@@ -67,13 +70,19 @@ def _cpu_attend(q, k, v, q_positions, scale):
 
 
 def _cpu_rows(qf, k, v, pos, scale):
+    m, l, acc = _cpu_chunk(qf, k, v, pos, scale, 0)
+    for c0 in range(CHUNK_N, int(pos.max()) + 1, CHUNK_N):
+        m, l, acc = _cpu_merge((m, l, acc), _cpu_chunk(qf, k, v, pos, scale, c0), (c0 <= pos)[:, None, None])
+    return acc / l[..., None]
+
+
+def _cpu_chunk(qf, k, v, pos, scale, c0):
+    """The softmax state of rows qf [n, KVH, group, D] over keys c0 .. c0 + CHUNK_N - 1, from a fresh state."""
     n, kvh, group, d = qf.shape
     m = torch.full((n, kvh, group), float("-inf"))
     l = torch.zeros(n, kvh, group)
     acc = torch.zeros(n, kvh, group, d)
-    blocks = (int(pos.max()) + BLOCK_N) // BLOCK_N
-    for b in range(blocks):
-        j0 = b * BLOCK_N
+    for j0 in range(c0, min(c0 + CHUNK_N, int(pos.max()) + 1), BLOCK_N):
         kb = _block(k, j0)  # [BLOCK_N, KVH, D] fp32, zero past the end
         vb = _block(v, j0)
         s = fixed_sum(qf[:, :, :, None, :] * kb.permute(1, 0, 2)[None, :, None, :, :], dim=-1) * scale
@@ -88,7 +97,16 @@ def _cpu_rows(qf, k, v, pos, scale):
         l = torch.where(active, l * alpha + fixed_sum(p), l)
         acc = torch.where(active[..., None], acc * alpha[..., None] + pv, acc)
         m = torch.where(active, m_new, m)
-    return acc / l[..., None]
+    return m, l, acc
+
+
+def _cpu_merge(state, chunk, active):
+    """Fold a later chunk's (m, l, acc) into the running state where ``active`` [n, 1, 1]."""
+    (m, l, acc), (m_c, l_c, acc_c) = state, chunk
+    m_new = torch.maximum(m, m_c)
+    a, b = exp(m - m_new), exp(m_c - m_new)
+    return (torch.where(active, m_new, m), torch.where(active, l * a + l_c * b, l),
+            torch.where(active[..., None], acc * a[..., None] + acc_c * b[..., None], acc))
 
 
 def _block(x, j0):
@@ -126,8 +144,8 @@ if triton is not None:
         return tl.load(k_ptr + k_off, mask=dmask[None, :], other=0.0), tl.load(v_ptr + v_off, mask=dmask[None, :], other=0.0)
 
     @triton.jit
-    def _exp(x, LIBRARY_EXP: tl.constexpr):
-        if LIBRARY_EXP:  # benchmarks only: what the strict exp costs against the hardware's approximate one
+    def _exp(x, NATIVE_EXP: tl.constexpr):
+        if NATIVE_EXP:  # the GPU's exp2 instruction (MUFU.EX2 on NVIDIA): bits fixed per architecture
             return tl.exp(x)
         return exp_t(x)
 
@@ -146,64 +164,154 @@ if triton is not None:
         return tl.dot(p.to(vb.dtype), vb)
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, bt_ptr, tiles_ptr, n_tiles, scale,
-                          stride_qt, stride_qh, stride_ot, stride_oh,
-                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                          KV: tl.constexpr, ROW_POS: tl.constexpr, LIBRARY_EXP: tl.constexpr):
-        # The last tile first: in a causal prefill it visits the most key blocks (load balance only).
-        tile = n_tiles - 1 - tl.program_id(0)
-        kvh = tl.program_id(1)
-        seq = tl.load(tiles_ptr + tile).to(tl.int64)
-        row0 = tl.load(tiles_ptr + n_tiles + tile).to(tl.int64)
-        nrows = tl.load(tiles_ptr + 2 * n_tiles + tile)
-        r = tl.arange(0, TILE)
-        tok = r // GROUP
-        head = kvh * GROUP + r % GROUP
-        valid_row = tok < nrows
-        qrow = row0 + tok
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < HEAD_DIM
-        q = tl.load(q_ptr + qrow[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=valid_row[:, None] & dmask[None, :], other=0.0)
-        if ROW_POS:  # rows of a whole-sequence prefill: position = first position of the tile + token index
-            pos = tl.where(valid_row, tl.load(tiles_ptr + 3 * n_tiles + tile) + tok, -1)
-        else:
-            pos = tl.load(pos_ptr + qrow, mask=valid_row, other=-1)
-        last = tl.max(pos, axis=0)
-        first = tl.min(tl.where(valid_row, pos, last), axis=0)
-        m = tl.full((TILE,), float("-inf"), tl.float32)
-        l = tl.zeros((TILE,), tl.float32)
-        acc = tl.zeros((TILE, BLOCK_D), tl.float32)
-        first_page = tl.load(bt_ptr + seq * stride_bt).to(tl.int64)
-        # Blocks every row of the tile sees whole: the same steps as below with every mask true, so a row
-        # gets the same bits whichever loop visits a block.
-        for j0 in range(0, (first + 1) // BLOCK_N * BLOCK_N, BLOCK_N):
-            kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
-                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, False)
-            s = _scores(q, kb, scale, IEEE)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = _exp(m - m_new, LIBRARY_EXP)
-            p = _exp(s - m_new[:, None], LIBRARY_EXP)
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _weighted_values(p, vb, IEEE)
-            m = m_new
-        for j0 in range((first + 1) // BLOCK_N * BLOCK_N, last + 1, BLOCK_N):
-            kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
-                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, True)
+    def _block_step(q, kb, vb, m, l, acc, pos, j0, scale, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                    NATIVE_EXP: tl.constexpr, MASKED: tl.constexpr):
+        """One key block of the online softmax. MASKED: keys past a row's position count as -inf and a
+        row with no key in the block keeps its state; unmasked: the same steps with every mask true."""
+        if MASKED:
             key = j0 + tl.arange(0, BLOCK_N)
             s = tl.where(key[None, :] <= pos[:, None], _scores(q, kb, scale, IEEE), float("-inf"))
             active = j0 <= pos
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = _exp(m - m_new, LIBRARY_EXP)
-            p = _exp(s - m_new[:, None], LIBRARY_EXP)
+            alpha = _exp(m - m_new, NATIVE_EXP)
+            p = _exp(s - m_new[:, None], NATIVE_EXP)
             l = tl.where(active, l * alpha + tl.sum(p, axis=1), l)
             acc = tl.where(active[:, None], acc * alpha[:, None] + _weighted_values(p, vb, IEEE), acc)
             m = tl.where(active, m_new, m)
+        else:
+            s = _scores(q, kb, scale, IEEE)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = _exp(m - m_new, NATIVE_EXP)
+            p = _exp(s - m_new[:, None], NATIVE_EXP)
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _weighted_values(p, vb, IEEE)
+            m = m_new
+        return m, l, acc
+
+    @triton.jit
+    def _chunk(q, pos, first, last, c0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask, scale,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+               BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               CHUNK_N: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, NATIVE_EXP: tl.constexpr):
+        """The softmax state (m, l, acc) of the tile's rows over keys c0 .. c0 + CHUNK_N - 1, from a fresh
+        state. Key blocks that every row sees whole are visited without masks (same bits, see above)."""
+        m = tl.full((TILE,), float("-inf"), tl.float32)
+        l = tl.zeros((TILE,), tl.float32)
+        acc = tl.zeros((TILE, BLOCK_D), tl.float32)
+        end = tl.minimum(c0 + CHUNK_N, last + 1)
+        whole = tl.minimum(tl.maximum((first + 1) // BLOCK_N * BLOCK_N, c0), end)
+        for j0 in range(c0, whole, BLOCK_N):
+            kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
+                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, False)
+            m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, False)
+        for j0 in range(whole, end, BLOCK_N):
+            kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
+                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, True)
+            m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, True)
+        return m, l, acc
+
+    @triton.jit
+    def _merge(m, l, acc, m_c, l_c, acc_c, active, NATIVE_EXP: tl.constexpr):
+        """Fold a later chunk's state into the running one (rows where ``active``; the others keep theirs)."""
+        m_new = tl.maximum(m, m_c)
+        a = _exp(m - m_new, NATIVE_EXP)
+        b = _exp(m_c - m_new, NATIVE_EXP)
+        l_new = l * a + l_c * b
+        acc_new = acc * a[:, None] + acc_c * b[:, None]
+        return tl.where(active, m_new, m), tl.where(active, l_new, l), tl.where(active[:, None], acc_new, acc)
+
+    @triton.jit
+    def _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, TILE: tl.constexpr, GROUP: tl.constexpr,
+                   ROW_POS: tl.constexpr, DECODE: tl.constexpr):
+        """The tile's sequence, and per row: query token row, validity and position (-1 past the tile)."""
+        tok = tl.arange(0, TILE) // GROUP
+        if DECODE:  # one query token per sequence: tile i is row i of sequence i
+            seq = tile.to(tl.int64)
+            valid_row = tok < 1
+            qrow = seq + tok
+        else:
+            seq = tl.load(tiles_ptr + tile).to(tl.int64)
+            valid_row = tok < tl.load(tiles_ptr + 2 * n_tiles + tile)
+            qrow = tl.load(tiles_ptr + n_tiles + tile).to(tl.int64) + tok
+        if ROW_POS:  # rows of a whole-sequence prefill: position = first position of the tile + token index
+            pos = tl.where(valid_row, tl.load(tiles_ptr + 3 * n_tiles + tile) + tok, -1)
+        else:
+            pos = tl.load(pos_ptr + qrow, mask=valid_row, other=-1)
+        return seq, qrow, valid_row, pos
+
+    @triton.jit
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, bt_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles,
+                          scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
+                          IEEE: tl.constexpr, KV: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
+                          SPLIT: tl.constexpr, NATIVE_EXP: tl.constexpr):
+        # The last tile first: in a causal prefill it visits the most key blocks (load balance only).
+        tile = n_tiles - 1 - tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq, qrow, valid_row, pos = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, TILE, GROUP, ROW_POS, DECODE)
+        r = tl.arange(0, TILE)
+        head = kvh * GROUP + r % GROUP
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        q = tl.load(q_ptr + qrow[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=valid_row[:, None] & dmask[None, :], other=0.0)
+        last = tl.max(pos, axis=0)
+        first = tl.min(tl.where(valid_row, pos, last), axis=0)
+        first_page = tl.load(bt_ptr + seq * stride_bt).to(tl.int64)
+        if SPLIT:  # this program: one chunk, its state to the scratch buffers for _combine_kernel
+            c = tl.program_id(2)
+            m, l, acc = _chunk(q, pos, first, last, c * CHUNK_N, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask,
+                               scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                               BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP)
+            slot = ((c.to(tl.int64) * n_tiles + tile) * tl.num_programs(1) + kvh) * TILE + r
+            keep = valid_row & (c * CHUNK_N <= pos)
+            tl.store(m_ptr + slot, m, mask=keep)
+            tl.store(l_ptr + slot, l, mask=keep)
+            tl.store(acc_ptr + slot[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None])
+        else:
+            m, l, acc = _chunk(q, pos, first, last, 0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask,
+                               scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                               BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP)
+            for c0 in range(CHUNK_N, last + 1, CHUNK_N):
+                m_c, l_c, acc_c = _chunk(q, pos, first, last, c0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d,
+                                         dmask, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                         stride_vh, stride_bt, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV,
+                                         NATIVE_EXP)
+                m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, c0 <= pos, NATIVE_EXP)
+            out = acc / l[:, None]
+            tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & dmask[None, :])
+
+    @triton.jit
+    def _combine_kernel(o_ptr, pos_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles, stride_ot, stride_oh,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
+                        CHUNK_N: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
+                        NATIVE_EXP: tl.constexpr):
+        """The split path's second launch: the chunk states of each row merged left to right, as the
+        unsplit kernel merges them in registers."""
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq, qrow, valid_row, pos = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, TILE, GROUP, ROW_POS, DECODE)
+        r = tl.arange(0, TILE)
+        head = kvh * GROUP + r % GROUP
+        d = tl.arange(0, BLOCK_D)
+        slot = (tile.to(tl.int64) * tl.num_programs(1) + kvh) * TILE + r
+        chunk_stride = n_tiles.to(tl.int64) * tl.num_programs(1) * TILE
+        m = tl.load(m_ptr + slot, mask=valid_row, other=float("-inf"))
+        l = tl.load(l_ptr + slot, mask=valid_row, other=0.0)
+        acc = tl.load(acc_ptr + slot[:, None] * BLOCK_D + d[None, :], mask=valid_row[:, None], other=0.0)
+        for c in range(1, tl.max(pos, axis=0) // CHUNK_N + 1):
+            active = valid_row & (c * CHUNK_N <= pos)
+            at = c * chunk_stride + slot
+            m_c = tl.load(m_ptr + at, mask=active, other=float("-inf"))
+            l_c = tl.load(l_ptr + at, mask=active, other=0.0)
+            acc_c = tl.load(acc_ptr + at[:, None] * BLOCK_D + d[None, :], mask=active[:, None], other=0.0)
+            m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, active, NATIVE_EXP)
         out = acc / l[:, None]
         tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & dmask[None, :])
+                 out.to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & (d < HEAD_DIM)[None, :])
 
 
 def _tiles(seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, per_tile: int) -> torch.Tensor:
@@ -220,44 +328,88 @@ def _tiles(seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, per_t
                         offset]).int()
 
 
-# Launch configuration (query rows per tile, warps, stages). The rows of a tile only decide which queries
-# a program handles; the key-block size BLOCK_N is the algorithm and never changes.
+# Launch configurations (query rows per tile, warps, stages). The rows of a tile only decide which queries
+# a program handles; the key block BLOCK_N and the key chunk CHUNK_N are the algorithm and never change.
 TILE_CONFIG = (TILE_ROWS, 4, 2)
+DECODE_CONFIG = (16, 4, 2)  # at most 16 query rows per sequence and KV head: a decode step's query heads
+SPLIT_BELOW_PROGRAMS_PER_SM = 4  # fewer (tile, KV head) programs than this per SM: one program per chunk
 KV_GATHER, KV_PAGE_ALIGNED, KV_DIRECT = 0, 1, 2
 
 
-def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_mode, row_pos=False, config=None,
-            block_n=BLOCK_N, library_exp=False):
-    """Run the Triton kernel. tiles: from ``_tiles`` (CPU); q_positions: [T] on q's device, or None with
-    ``row_pos`` (rows are whole sequences from position 0). ``block_n`` other than BLOCK_N and
-    ``library_exp``: benchmarks only (they change the algorithm)."""
+def _config(rows_per_sequence: int, group: int) -> tuple[int, int, int]:
+    return DECODE_CONFIG if rows_per_sequence * group <= DECODE_CONFIG[0] else TILE_CONFIG
+
+
+def _check_exp(exp: str, q: torch.Tensor) -> None:
+    if exp not in EXP_CHOICES:
+        raise ValueError(f"exp must be one of {', '.join(EXP_CHOICES)}, not {exp!r}")
+    if exp == "native" and not use_triton(q):
+        raise ValueError("exp='native' is a GPU instruction; the CPU backend computes the portable exp only")
+
+
+def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_mode, max_keys, config,
+            row_pos=False, split=None, block_n=BLOCK_N, exp=DEFAULT_EXP):
+    """Run the Triton kernel(s).
+
+    tiles: from ``_tiles`` (CPU), or None for a decode step (row i is the one query of sequence i);
+    q_positions: [T] on q's device, or None with ``row_pos`` (rows are whole sequences from position 0).
+    max_keys: a bound on the keys any row sees (host int, sets the chunk count of the split grid).
+    split: one program per (tile, KV head, chunk) and a second launch that merges the chunks (True), one
+    program per (tile, KV head) merging in registers (False), or chosen by occupancy (None): the same bits
+    either way. ``block_n`` other than BLOCK_N: benchmarks only (another algorithm).
+    """
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     group = h // kvh
-    tile, warps, stages = config or TILE_CONFIG
+    tile, warps, stages = config
     if group > tile:  # a tile holds tile // group tokens; the rows past tokens * group stay masked
         raise ValueError(f"strict attention holds at most {tile} query heads per KV head, not {group}")
     q = q.contiguous()
     out = torch.empty_like(q)
-    tiles = tiles.to(q.device, non_blocking=True).contiguous()
-    positions = tiles if q_positions is None else q_positions.to(torch.int32).contiguous()
-    _attention_kernel[(tiles.shape[1], kvh)](
-        q, k_cache, v_cache, out, positions, block_table, tiles, tiles.shape[1], float(scale),
+    positions = None if q_positions is None else q_positions.to(torch.int32).contiguous()
+    decode = tiles is None
+    if decode:
+        n_tiles, tiles = t, positions
+    else:
+        tiles = tiles.to(q.device, non_blocking=True).contiguous()
+        n_tiles = tiles.shape[1]
+    positions = tiles if positions is None else positions
+    chunks = -(-max_keys // CHUNK_N)
+    if split is None:
+        split = chunks > 1 and n_tiles * kvh < SPLIT_BELOW_PROGRAMS_PER_SM * (sm_count(q.device) if q.is_cuda else 1)
+    block_d = max(16, triton.next_power_of_2(d))
+    shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=CHUNK_N, ROW_POS=row_pos,
+                  DECODE=decode, NATIVE_EXP=exp == "native")
+    if split:
+        m = torch.empty(chunks, n_tiles, kvh, tile, dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty(chunks, n_tiles, kvh, tile, block_d, dtype=torch.float32, device=q.device)
+    else:
+        m = l = acc = out  # not read
+    _attention_kernel[(n_tiles, kvh, chunks if split else 1)](
+        q, k_cache, v_cache, out, positions, block_table, tiles, m, l, acc, n_tiles, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tile, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        KV=kv_mode, ROW_POS=row_pos, LIBRARY_EXP=library_exp, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        KV=kv_mode, SPLIT=split, **shared, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    if split:
+        _combine_kernel[(n_tiles, kvh)](out, positions, tiles, m, l, acc, n_tiles, out.stride(0), out.stride(1),
+                                        **shared, num_warps=4, enable_fp_fusion=False)
     return out
 
 
-def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None):
+def _kv_mode(k_cache: torch.Tensor) -> int:
+    return KV_PAGE_ALIGNED if k_cache.shape[1] % BLOCK_N == 0 else KV_GATHER
+
+
+def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None, exp=DEFAULT_EXP):
     group = q.shape[1] // k_cache.shape[2]
     seqs, counts = torch.unique_consecutive(q_seq.cpu().long(), return_counts=True)
-    tiles = _tiles(seqs, torch.cumsum(counts, 0) - counts, counts, (config or TILE_CONFIG)[0] // group)
+    config = config or _config(int(counts.max()), group)
+    tiles = _tiles(seqs, torch.cumsum(counts, 0) - counts, counts, config[0] // group)
     table = block_table.to(device=q.device, dtype=torch.int32).contiguous()
-    kv_mode = KV_PAGE_ALIGNED if k_cache.shape[1] % BLOCK_N == 0 else KV_GATHER
-    return _launch(q, k_cache, v_cache, table, tiles, q_positions.to(q.device), scale, kv_mode=kv_mode, config=config)
+    return _launch(q, k_cache, v_cache, table, tiles, q_positions.to(q.device), scale, kv_mode=_kv_mode(k_cache),
+                   max_keys=int(q_positions.max()) + 1, config=config, exp=exp)
 
 
 def _as_pages(x):
@@ -265,7 +417,7 @@ def _as_pages(x):
     return x.contiguous().unsqueeze(1)
 
 
-def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale):
+def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP):
     """Strict attention over a paged KV cache (inference engines; prefill and decode alike).
 
     Args:
@@ -274,10 +426,14 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale)
             blocks block_table[i, 0], block_table[i, 1], ... (already written, the current token included).
         block_table: [num_sequences, max_blocks] int. q_positions: [T] absolute position of each row.
         q_seq: [T] sequence index of each row (rows of one sequence consecutive). scale: float.
-    Returns: [T, H, D] in q.dtype.
+        exp: "portable" or "native" (module docstring).
+    Returns: [T, H, D] in q.dtype. Plans its tiles on the host (reads q_seq and q_positions there): not
+    capturable in a CUDA graph; ``paged_decode`` is.
+    Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
     """
+    _check_exp(exp, q)
     if use_triton(q):
-        return _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale)
+        return _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=exp)
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
     for seq in torch.unique_consecutive(q_seq).tolist():
@@ -290,29 +446,65 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale)
     return out
 
 
-def causal_attention(q, k, v, q_positions, scale):
+def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len, exp=DEFAULT_EXP):
+    """One decode step over a paged KV cache: the row of sequence i is its query at position seq_lens[i] - 1.
+    The same bits as ``paged_attention`` (and a prefill) for that row, without any host synchronization, so
+    a CUDA graph can capture it (vLLM replays decode steps as graphs).
+
+    Args:
+        q: [B, H, D] one query row per sequence. k_cache, v_cache, block_table: as ``paged_attention``.
+        seq_lens: [B] int on q's device, keys per sequence (the current token included).
+        max_seq_len: host int >= every seq_lens[i]: sets the chunk grid (CHUNK_N keys per program when the
+            (sequence, KV head) programs alone would leave SMs idle). scale: float.
+        exp: "portable" or "native" (module docstring).
+    Returns: [B, H, D] in q.dtype. Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
+    """
+    _check_exp(exp, q)
+    positions = seq_lens - 1
+    if not use_triton(q):
+        return paged_attention(q, k_cache, v_cache, block_table, positions, torch.arange(q.shape[0]), scale)
+    group = q.shape[1] // k_cache.shape[2]
+    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    return _launch(q, k_cache, v_cache, table, None, positions, scale, kv_mode=_kv_mode(k_cache),
+                   max_keys=int(max_seq_len), config=_config(1, group), exp=exp)
+
+
+def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP):
     """Strict attention for a batch of sequences with contiguous K/V (e.g. a training engine's KV cache).
 
     q [B, Tq, H, D] (or [Tq, H, D] for one sequence) at absolute positions ``q_positions`` [B, Tq] (int;
     [Tq] for one sequence); k/v [B, Tk, KVH, D] hold positions 0..Tk-1 of each sequence. Returns q's shape
     in q.dtype, each row equal bit for bit to the same row of a prefill or a decode. Forward only (decode
-    does not need gradients).
+    does not need gradients). exp: "portable" or "native"
+    (module docstring).
+    Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
     """
+    _check_exp(exp, q)
+    if compiling_inference(q, k, v):
+        return _causal_attention_op(q, k, v, q_positions, float(scale), exp)
     if q.dim() == 3:
-        return causal_attention(q[None], k[None], v[None], q_positions.reshape(1, -1), scale)[0]
+        return causal_attention(q[None], k[None], v[None], q_positions.reshape(1, -1), scale, exp)[0]
     b, tq, h, d = q.shape
     if not use_triton(q):
         return torch.stack([_cpu_attend(q[i], k[i], v[i], q_positions[i].cpu(), scale) for i in range(b)])
     tk, kvh = k.shape[1], k.shape[2]
+    config = _config(tq, h // kvh)
     runs = torch.arange(b)
-    tiles = _tiles(runs, runs * tq, torch.full((b,), tq), TILE_CONFIG[0] // (h // kvh))
+    tiles = _tiles(runs, runs * tq, torch.full((b,), tq), config[0] // (h // kvh))
     table = (torch.arange(b, device=q.device, dtype=torch.int32) * tk)[:, None]
     out = _launch(q.reshape(b * tq, h, d), _as_pages(k.reshape(b * tk, kvh, d)), _as_pages(v.reshape(b * tk, kvh, d)),
-                  table, tiles, q_positions.reshape(-1).to(q.device), scale, kv_mode=KV_DIRECT)
+                  table, tiles, q_positions.reshape(-1).to(q.device), scale, kv_mode=KV_DIRECT, max_keys=tk,
+                  config=config, exp=exp)
     return out.view(b, tq, h, d)
 
 
-def _contiguous_forward(q, k, v, cu_seqlens, scale):
+@opaque_op("causal_attention", "(Tensor q, Tensor k, Tensor v, Tensor q_positions, float scale, str exp) -> Tensor",
+           lambda q, k, v, q_positions, scale, exp: torch.empty_like(q))
+def _causal_attention_op(q, k, v, q_positions, scale, exp):
+    return causal_attention(q, k, v, q_positions, scale, exp)
+
+
+def _contiguous_forward(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP):
     """Ragged batch of whole sequences (prefill from position 0), K/V contiguous [T, KVH, D]."""
     bounds = cu_seqlens.tolist()
     if not use_triton(q):
@@ -320,28 +512,29 @@ def _contiguous_forward(q, k, v, cu_seqlens, scale):
         for a, b in zip(bounds[:-1], bounds[1:]):
             out[a:b] = _cpu_attend(q[a:b], k[a:b], v[a:b], torch.arange(b - a), scale)
         return out
-    return _launch_varlen(q, k, v, cu_seqlens, scale)
+    return _launch_varlen(q, k, v, cu_seqlens, scale, exp=exp)
 
 
-def _launch_varlen(q, k, v, cu_seqlens, scale, config=None, block_n=BLOCK_N, library_exp=False):
+def _launch_varlen(q, k, v, cu_seqlens, scale, config=None, block_n=BLOCK_N, exp=DEFAULT_EXP, split=None):
     """GPU prefill of whole sequences. Each sequence's keys are consecutive rows of k/v: one-token pages,
     the first page at the sequence's start, so nothing is copied."""
     bounds = cu_seqlens.tolist()
     starts = torch.tensor(bounds[:-1])
+    lengths = torch.tensor(bounds[1:]) - starts
     group = q.shape[1] // k.shape[1]
-    tiles = _tiles(torch.arange(len(bounds) - 1), starts, torch.tensor(bounds[1:]) - starts,
-                   (config or TILE_CONFIG)[0] // group)
+    config = config or _config(int(lengths.max()), group)
+    tiles = _tiles(torch.arange(len(bounds) - 1), starts, lengths, config[0] // group)
     table = starts.to(device=q.device, dtype=torch.int32)[:, None]
     return _launch(q, _as_pages(k), _as_pages(v), table, tiles, None, scale, kv_mode=KV_DIRECT, row_pos=True,
-                   config=config, block_n=block_n, library_exp=library_exp)
+                   max_keys=int(lengths.max()), config=config, block_n=block_n, exp=exp, split=split)
 
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
+    def forward(ctx, q, k, v, cu_seqlens, scale, exp):
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.scale = scale
-        return _contiguous_forward(q, k, v, cu_seqlens, scale)
+        return _contiguous_forward(q, k, v, cu_seqlens, scale, exp)
 
     @staticmethod
     def backward(ctx, g):
@@ -354,15 +547,19 @@ class _VarlenAttention(torch.autograd.Function):
                 out = reference(qs, ks, vs, ctx.scale)
                 gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), g[a:b].float())
             grads[0][a:b], grads[1][a:b], grads[2][a:b] = gq, gk, gv
-        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None
+        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None, None
 
 
-def varlen_attention(q, k, v, cu_seqlens, scale):
+def varlen_attention(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP):
     """Strict causal attention for a ragged batch of whole sequences (training engines, prefill).
 
     q [T, H, D], k/v [T, KVH, D], cu_seqlens [B + 1] (int, sequence i is rows cu[i]:cu[i+1], positions
-    0..len-1). Returns [T, H, D] in q.dtype; differentiable (backward through the reference).
+    0..len-1). Returns [T, H, D] in q.dtype; differentiable (backward through the reference). exp: "portable" or "native"
+    (module docstring).
+    Raises: ValueError when H is not a multiple of KVH, for an unknown ``exp``, or "native" on the CPU backend.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]}")
-    return _VarlenAttention.apply(q, k, v, cu_seqlens.cpu(), float(scale))
+    _check_exp(exp, q)
+    return _VarlenAttention.apply(q, k, v, cu_seqlens.cpu(), float(scale), exp)
+

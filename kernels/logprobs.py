@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import exp, fixed_sum, log, reduction_input, triton, use_triton
+from alignaudit_kernels.primitives import compiling_inference, exp, fixed_sum, log, opaque_op, reduction_input, triton, use_triton
 
 BLOCK_V = 4096
 UPCAST_ELEMENTS = 1 << 26  # the fp32 copy of a bf16 batch is made this many logits at a time (256 MiB)
@@ -139,6 +139,8 @@ class _TokenLogprobs(torch.autograd.Function):
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Strict log_softmax over the last axis: logits [..., V] -> fp32 [..., V]."""
+    if compiling_inference(logits):
+        return _log_softmax_op(logits)
     return _LogSoftmax.apply(logits)
 
 
@@ -147,4 +149,18 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     ``log_softmax(logits).gather(-1, targets[..., None])``."""
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} vs targets {tuple(targets.shape)}")
+    if compiling_inference(logits):
+        return _token_logprobs_op(logits, targets.long())
     return _TokenLogprobs.apply(logits, targets.long())
+
+
+@opaque_op("log_softmax", "(Tensor logits) -> Tensor",
+           lambda logits: torch.empty(logits.shape, dtype=torch.float32, device=logits.device))
+def _log_softmax_op(logits):
+    return _log_softmax(logits.reshape(-1, logits.shape[-1]).contiguous())[0].reshape(logits.shape)
+
+
+@opaque_op("token_logprobs", "(Tensor logits, Tensor targets) -> Tensor",
+           lambda logits, targets: torch.empty(targets.shape, dtype=torch.float32, device=logits.device))
+def _token_logprobs_op(logits, targets):
+    return _token_logprobs(logits.reshape(-1, logits.shape[-1]).contiguous(), targets.reshape(-1))[0].reshape(targets.shape)

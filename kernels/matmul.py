@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from alignaudit_kernels.primitives import BLOCK, block_sums, triton, use_triton
+from alignaudit_kernels.primitives import BLOCK, block_sums, compiling_inference, opaque_op, sm_count, triton, use_triton
 
 CPU_CHUNK_ELEMENTS = 1 << 24  # rows are independent: process as many as fit in this many fp32 products
 
@@ -290,10 +290,6 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True, segments: int = 1) -> torch.Tensor:
     """The large-batch path on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -304,7 +300,7 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = tile
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    programs = min(tiles, _sm_count(x2.device)) if persistent else tiles
+    programs = min(tiles, sm_count(x2.device)) if persistent else tiles
     _matmul_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(y, [bm, bn]), m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
@@ -369,7 +365,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         TypeError: x and weight of different dtypes. ValueError: K mismatch, or k_segments not in
             SEGMENT_COUNTS or not dividing K.
     """
+    if compiling_inference(x, weight, bias):
+        return _linear_op(x, weight, bias, k_segments)
     return _Linear.apply(x, weight, bias, k_segments)
+
+
+@opaque_op("linear", "(Tensor x, Tensor weight, Tensor? bias, int segments) -> Tensor",
+           lambda x, weight, bias, segments: x.new_empty(*x.shape[:-1], weight.shape[0]))
+def _linear_op(x, weight, bias, segments):
+    return _forward(x, weight, bias, segments)
 
 
 def linear_partial(x: torch.Tensor, weight: torch.Tensor, k_segments: int) -> torch.Tensor:

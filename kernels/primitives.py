@@ -25,6 +25,7 @@ Sources: W. J. Cody and W. Waite, "Software Manual for the Elementary Functions"
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -148,6 +149,33 @@ def use_triton(x: torch.Tensor) -> bool:
     """The Triton backend for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1 (the tests'
     interpreter runs); the CPU backend otherwise."""
     return x.is_cuda or (triton is not None and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def compiling_inference(*tensors: torch.Tensor | None) -> bool:
+    """True while torch.compile traces a call that needs no gradient. The strict kernels then enter the
+    graph as opaque custom ops (``opaque_op``): Dynamo does not trace their Triton launch code or host-side
+    planning, and the kernels compute what they compute eagerly, bit for bit. Calls that need gradients keep
+    the autograd path (the compiled strict path is forward only)."""
+    if not torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def opaque_op(name: str, schema: str, fake):
+    """Register the decorated forward function as the custom op ``alignaudit_kernels::<name>`` (torch.library,
+    https://pytorch.org/docs/stable/library.html) with the given schema and ``fake`` for shape propagation.
+    The function must return fresh tensors (no views of its inputs)."""
+    def register(fn):
+        op = torch.library.custom_op(f"alignaudit_kernels::{name}", fn, mutates_args=(), schema=schema)
+        op.register_fake(fake)
+        return op
+    return register
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (launch planning only, never the arithmetic)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def reduction_input(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

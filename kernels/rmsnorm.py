@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import fixed_sum, reduction_input, rsqrt, triton, use_triton
+from alignaudit_kernels.primitives import compiling_inference, fixed_sum, opaque_op, reduction_input, rsqrt, triton, use_triton
 
 
 def reference(x, weight, eps, residual=None):
@@ -130,6 +130,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     Returns y (x.dtype) when ``residual`` is None, else ``(y, s)`` with s = round(x + residual), the new
     residual stream. Raises TypeError when residual and x dtypes differ.
     """
+    if compiling_inference(x, weight, residual):
+        return _rms_norm_op(x, weight, eps) if residual is None else tuple(_add_rms_norm_op(x, weight, eps, residual))
     if residual is None:
         return _RMSNorm.apply(x, weight, eps)
     return _AddRMSNorm.apply(x, weight, eps, residual)
+
+
+@opaque_op("rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", lambda x, weight, eps: torch.empty_like(x))
+def _rms_norm_op(x, weight, eps):
+    return _forward(x, weight, eps, None)[0]
+
+
+@opaque_op("add_rms_norm", "(Tensor x, Tensor weight, float eps, Tensor residual) -> (Tensor, Tensor)",
+           lambda x, weight, eps, residual: (torch.empty_like(x), torch.empty_like(x)))
+def _add_rms_norm_op(x, weight, eps, residual):
+    return _forward(x, weight, eps, residual)

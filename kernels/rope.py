@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from alignaudit_kernels.primitives import triton, use_triton
+from alignaudit_kernels.primitives import compiling_inference, opaque_op, triton, use_triton
 
 
 TABLE_ROWS = 1024  # tables grow in whole multiples of this many positions
@@ -135,4 +135,12 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     """
     if x.dim() != 3 or positions.shape != (x.shape[0],) or cos.shape[1] * 2 != x.shape[-1]:
         raise ValueError(f"apply_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}, tables {tuple(cos.shape)}")
+    if compiling_inference(x, cos, sin):
+        return _rope_op(x, positions, cos, sin)
     return _Rope.apply(x, positions, cos, sin)
+
+
+@opaque_op("apply_rope", "(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor",
+           lambda x, positions, cos, sin: torch.empty_like(x))
+def _rope_op(x, positions, cos, sin):
+    return (_triton if use_triton(x) else _cpu)(x, positions, cos, sin)

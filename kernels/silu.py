@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import exp, triton, use_triton
+from alignaudit_kernels.primitives import compiling_inference, exp, opaque_op, triton, use_triton
 
 
 def reference(gate, up):
@@ -47,15 +47,24 @@ def _triton(gate, up):
     return y
 
 
+def _forward(gate, up):
+    shape = gate.shape
+    g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
+        g2, u2 = g2.contiguous(), u2.contiguous()
+    return (_triton if use_triton(gate) else _cpu)(g2, u2).reshape(shape)
+
+
+@opaque_op("silu_mul", "(Tensor gate, Tensor up) -> Tensor", lambda gate, up: torch.empty_like(gate))
+def _silu_mul_op(gate, up):
+    return _forward(gate, up)
+
+
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        shape = gate.shape
-        g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
-        if g2.stride(-1) != 1 or u2.stride(-1) != 1:
-            g2, u2 = g2.contiguous(), u2.contiguous()
-        return (_triton if use_triton(gate) else _cpu)(g2, u2).reshape(shape)
+        return _forward(gate, up)
 
     @staticmethod
     def backward(ctx, g):
@@ -70,6 +79,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Strict silu(gate) * up; gate and up of one shape [..., I] and dtype."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul: gate {gate.dtype}{tuple(gate.shape)} vs up {up.dtype}{tuple(up.shape)}")
+    if compiling_inference(gate, up):
+        return _silu_mul_op(gate, up)
     return _SiluMul.apply(gate, up)
 
 

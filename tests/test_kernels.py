@@ -580,6 +580,98 @@ def test_attention_accuracy_paged_and_varlen(device, h, kvh):
     assert_within("paged decode", last, ref, 1e-5 + 1e-5 * ref.abs())
 
 
+def exact_attention_inputs(lengths, h, kvh, d, device):
+    """q and k in multiples of 1/4 from -1/2 to 1/2 (every score exact) and v with at most two nonzero
+    values per head dim column in a key block of 64 (key j holds j % 7 - 3 in column j % d, d = 32): every
+    dot product is then exact whatever order adds it, so bit equality of the Triton kernel's tiles, splits
+    and decode steps is testable under the interpreter (whose dot is numpy's BLAS) as on a GPU."""
+    total = sum(lengths)
+    g = gen(40)
+    q = torch.randint(-2, 3, (total, h, d), generator=g).float() * 0.25
+    k = torch.randint(-2, 3, (total, kvh, d), generator=g).float() * 0.25
+    v = torch.zeros(total, kvh, d)
+    keys = torch.cat([torch.arange(n) for n in lengths])
+    v[torch.arange(total), :, keys % d] = (keys % 7 - 3).float()[:, None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return q.to(device), k.to(device), v.to(device), cu
+
+
+@pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="the Triton kernel's split and decode grid")
+def test_attention_key_chunks_split_decode_and_tiles_give_prefill_bits(device):
+    """Keys are visited in chunks of CHUNK_N (256) positions merged left to right: one program per chunk
+    plus a merge launch (split) gives the unsplit kernel's bits; so do decode steps through paged_decode
+    (16-row tiles, shuffled 16-key pages, split or not) at positions on both sides of every chunk edge."""
+    lengths = [600, 70]
+    h, kvh, d = 8, 2, 32
+    if INTERPRET:
+        q, k, v, cu = exact_attention_inputs(lengths, h, kvh, d, device)
+    else:
+        h, kvh, d = 32, 8, 128
+        q, k, v, cu = ragged(lengths, h, kvh, d, torch.bfloat16, device, seed=31)
+    scale = d ** -0.5
+    unsplit = attention._launch_varlen(q, k, v, cu, scale, split=False)
+    assert_bitwise_equal("split prefill", attention._launch_varlen(q, k, v, cu, scale, split=True), unsplit)
+    assert_bitwise_equal("public varlen_attention", K.varlen_attention(q, k, v, cu, scale), unsplit)
+    caches = [paged(k[a:b], v[a:b], 16, seed=i, device=device) for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+    pages = caches[0][0].shape[0]
+    ck, cv = torch.cat([caches[0][0], caches[1][0]]), torch.cat([caches[0][1], caches[1][1]])
+    table = torch.zeros(2, caches[0][2].shape[1], dtype=torch.int32, device=device)
+    table[0] = caches[0][2][0]
+    table[1, : caches[1][2].shape[1]] = caches[1][2][0] + pages
+    for p in (0, 63, 255, 256, 257, 511, 512, 599):
+        p2 = min(p, 69)
+        rows = torch.tensor([p, 600 + p2])
+        lens = torch.tensor([p + 1, p2 + 1], device=device)
+        for split in (False, True):
+            out = attention._launch(q[rows], ck, cv, table, None, lens - 1, scale, kv_mode=attention.KV_GATHER,
+                                    max_keys=600, config=attention.DECODE_CONFIG, split=split)
+            assert_bitwise_equal(f"decode at {p}, {p2} (split {split})", out, unsplit[rows])
+        assert_bitwise_equal(f"paged_decode at {p}", K.paged_decode(q[rows], ck, cv, table, lens, scale, 600), unsplit[rows])
+
+
+def test_native_exp_is_refused_on_the_cpu_backend_and_changes_bits_on_the_gpu(device):
+    """exp="native" (the GPU's exp2 instruction) takes effect where it exists and is refused where it does
+    not; prefill and decode stay bit-equal with it."""
+    q, k, v, cu = ragged([300], 8, 2, 64, torch.float32 if INTERPRET else torch.bfloat16, device, seed=33)
+    if not primitives.use_triton(q):
+        with pytest.raises(ValueError, match="native"):
+            K.varlen_attention(q, k, v, cu, 0.125, exp="native")
+        return
+    with pytest.raises(ValueError, match="exp must be one of"):
+        K.varlen_attention(q, k, v, cu, 0.125, exp="fast")
+    native = K.varlen_attention(q, k, v, cu, 0.125, exp="native")
+    assert not torch.equal(native, K.varlen_attention(q, k, v, cu, 0.125))
+    ref = attention.reference(q.double(), k.double(), v.double(), 0.125)
+    assert_within("native exp", native, ref, 1e-5 + 1e-5 * ref.abs() if INTERPRET else 2 * ulp_of(ref, q.dtype) + 1e-2)
+    if not INTERPRET:
+        one = K.causal_attention(q[299:300], k, v, torch.tensor([299], device=device), 0.125, exp="native")
+        assert_bitwise_equal("native decode row", one[0], native[299])
+
+
+def test_strict_ops_compile_into_one_graph_with_eager_bits(device):
+    """torch.compile(fullgraph=True) traces every strict op as an opaque custom op (no graph break) and the
+    compiled function returns the eager bits (Inductor on the GPU; aot_eager on the CPU, no C++ build)."""
+    dt = torch.float32 if INTERPRET else torch.bfloat16
+    x, r = randn(5, 64, dtype=dt, device=device, seed=50), randn(5, 64, dtype=dt, device=device, seed=51)
+    w, nw = randn(32, 64, dtype=dt, device=device, seed=52), randn(64, dtype=dt, device=device, seed=53)
+    q, k = randn(2, 7, 4, 16, dtype=dt, device=device, seed=54), randn(2, 7, 2, 16, dtype=dt, device=device, seed=55)
+    pos = torch.arange(7, device=device)[None].expand(2, 7)
+    cos, sin = K.rope_tables(64, 16, 1e4, device)
+    targets = torch.arange(5, device=device)
+
+    def forward(x, r, w, q, k):
+        y = K.linear(x, w)
+        normed, residual = K.rms_norm(x, nw, 1e-6, residual=r)
+        return (y, normed, residual, K.rms_norm(x, nw, 1e-6), K.causal_attention(q, k, k, pos, 0.25),
+                K.apply_rope(q[0], pos[0], cos, sin), K.silu_mul(y, y), K.token_logprobs(y, targets), K.log_softmax(y))
+
+    with torch.no_grad():
+        eager = forward(x, r, w, q, k)
+        compiled = torch.compile(forward, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+        for i, (a, b) in enumerate(zip(eager, compiled(x, r, w, q, k))):
+            assert_bitwise_equal(f"output {i}", b, a)
+
+
 def test_attention_negative_control_sdpa_prefill_vs_decode(device):
     """torch SDPA gives the last token of a causal prefill other bits than decoding it alone (fp32 on this
     CPU; on an H200 the flash and memory-efficient kernels differ for bf16 at a few thousand keys)."""

@@ -21,13 +21,30 @@ class RopeOp(torch.nn.Module):
         self.llama3 = tuple(llama3) if llama3 else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = K.rope_tables(max(self.max_positions, int(positions.max()) + 1), self.head_dim, self.theta,
-                                 str(x.device), self.llama3)
         flat = x.reshape(-1, x.shape[-2], x.shape[-1])
-        return K.apply_rope(flat, positions.reshape(-1).to(x.device), cos, sin).view(x.shape)
+        positions = positions.reshape(-1).to(x.device)
+        # Under torch.compile one opaque op: the tables are built eagerly (a compiled torch.cos could round
+        # otherwise) and their length reads positions.max() on the host, which Dynamo cannot trace.
+        rotate = rope_any_length if torch.compiler.is_compiling() else _rope_any_length
+        return rotate(flat, positions, self.theta, self.max_positions, list(self.llama3 or ())).view(x.shape)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}" + (f", llama3={self.llama3}" if self.llama3 else "")
+
+
+def _rope_any_length(x: torch.Tensor, positions: torch.Tensor, theta: float, min_positions: int,
+                     llama3: list[float]) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by tables that hold at least min_positions and every position."""
+    rows = max(min_positions, int(positions.max()) + 1)
+    scaling = (llama3[0], llama3[1], llama3[2], int(llama3[3])) if llama3 else None
+    cos, sin = K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
+    return K.apply_rope(x, positions, cos, sin)
+
+
+rope_any_length = torch.library.custom_op(
+    "alignaudit::rope_any_length", _rope_any_length, mutates_args=(),
+    schema="(Tensor x, Tensor positions, float theta, int min_positions, float[] llama3) -> Tensor")
+rope_any_length.register_fake(lambda x, positions, theta, min_positions, llama3: torch.empty_like(x))
 
 
 class StrictRouter(torch.nn.Module):
