@@ -53,7 +53,8 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.tokens), device="cuda")
+    all_ids = torch.randint(0, cfg.vocab_size, (args.batch, args.tokens), device="cuda")
+    ids = all_ids  # the closures below read it at call time
 
     @torch.no_grad()
     def stock():
@@ -67,6 +68,11 @@ def main() -> None:
 
     default_ms = median_ms(stock)
     default_compiled_ms = None if args.no_compile else median_ms(torch.compile(stock), warmup=3)
+    if not args.no_compile:  # one sequence too, in case the compiled strict forward does not fit at the full batch
+        ids = all_ids[:1]
+        torch._dynamo.reset()
+        default_compiled_one_ms = median_ms(torch.compile(stock), warmup=3)
+        ids = all_ids
     make_strict(model, frozenset(STRICT_OPS))
     strict_ms = median_ms(strict)
     print(f"{args.preset} forward, {args.batch} x {args.tokens} tokens, bf16, {torch.cuda.get_device_name()}, "
@@ -76,6 +82,9 @@ def main() -> None:
     if default_compiled_ms is None:
         return
     torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    print(f"peak GPU memory so far: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+    torch.cuda.reset_peak_memory_stats()
     compiled_strict = torch.compile(strict)
     try:
         strict_compiled_ms = median_ms(compiled_strict, warmup=3)
@@ -83,7 +92,22 @@ def main() -> None:
         outcome = f"{strict_compiled_ms:.1f} ms, logprob bits equal to eager strict: {same}"
     except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
         strict_compiled_ms, outcome = None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        print(f"peak GPU memory in the compiled strict forward: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        if isinstance(e, torch.OutOfMemoryError):  # where did it go: the largest live blocks
+            snapshot = torch.cuda.memory_snapshot()
+            sizes = sorted((blk["size"] for seg in snapshot for blk in seg["blocks"] if blk["state"] == "active_allocated"),
+                           reverse=True)
+            print("largest live blocks (MiB):", [round(x / 2**20) for x in sizes[:12]], "count", len(sizes))
     print(f"torch.compile: default {default_compiled_ms:.1f} ms; strict {outcome}")
+    if strict_compiled_ms is None:  # the same comparison at one sequence, both sides compiled again
+        ids = all_ids[:1]
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        compiled_strict = torch.compile(strict)
+        one_ms = median_ms(compiled_strict, warmup=3)
+        same = torch.equal(compiled_strict().contiguous().view(torch.int32), strict().contiguous().view(torch.int32))
+        print(f"at 1 x {args.tokens} tokens, compiled: default {default_compiled_one_ms:.1f} ms, strict {one_ms:.1f} ms "
+              f"({one_ms / default_compiled_one_ms:.2f}x), strict logprob bits equal to eager strict: {same}")
     print(f"strict eager / compiled default: {strict_ms / default_compiled_ms:.2f}x"
           + (f"   compiled strict / compiled default: {strict_compiled_ms / default_compiled_ms:.2f}x"
              if strict_compiled_ms else ""))

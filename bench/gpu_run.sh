@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
-#   bench/gpu_run.sh tests sweep sweep-attention bench bench-quick forward q8 q8-strict q8-bisect q8-bisect-strict \
+#   bench/gpu_run.sh tests sweep sweep-attention bench bench-quick bench-attention forward q8 q8-strict q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat
 # tests: the strict-kernel tests on the GPU; sweep: launch-configuration sweep (sweep-attention: its
 # attention section); bench: kernels vs
@@ -47,6 +47,7 @@ for stage in "$@"; do
     bench) timeout 300 python3 bench/kernels_gpu.py --json "$out/bench.json" 2>&1 | tail -45 ;;
     q8) q8 q8-default; q8 q8-strict --strict ;;
     q8-strict) q8 q8-strict --strict ;;
+    bench-attention) timeout 200 python3 bench/kernels_gpu.py --quick --sections attention --json "$out/bench-attention.json" 2>&1 | tail -14 ;;
     bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | tail -40 ;;
     forward) timeout 540 python3 bench/forward_gpu.py 2>&1 | grep -v Warn | tail -6 ;;
     q8-bisect-strict) timeout 300 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \

@@ -1,6 +1,6 @@
 """Strict kernels vs the default (cuBLAS, torch SDPA flash, torch ops) on one GPU, measured side by side.
 
-    python3 bench/kernels_gpu.py [--quick] [--json OUT.json]
+    python3 bench/kernels_gpu.py [--quick] [--sections matmul,memory,attention] [--json OUT.json]
 
 Every number is the median of triton.testing.do_bench over fresh random bf16 inputs (never zeros), and
 every row prints strict / default as a throughput ratio (>1: strict is faster). Matmul and the memory-bound
@@ -137,19 +137,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--sections", default="matmul,memory,attention", help="comma list of matmul, memory, attention")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
-    rows = bench_matmul((1, 16, 256, 4096) if args.quick else (1, 16, 256, 4096, 16384))
-    rows += bench_memory_bound()
-    rows += bench_attention((1024, 4096) if args.quick else (1024, 4096, 16384),
-                            (1, 16, 256) if args.quick else (1, 4, 16, 64, 256))
-    print(f"{'op':34s} {'M':>6s} {'default ms':>11s} {'strict ms':>10s} {'ratio':>6s} {'graph':>6s}  extra")
+    rows = []
+    if "matmul" in sections:
+        rows += bench_matmul((1, 16, 256, 4096) if args.quick else (1, 16, 256, 4096, 16384))
+    if "memory" in sections:
+        rows += bench_memory_bound()
+    if "attention" in sections:
+        rows += bench_attention((1024, 4096) if args.quick else (1024, 4096, 16384),
+                                (1, 16, 256) if args.quick else (1, 4, 16, 64, 256))
+    print(f"{'op':44s} {'M':>6s} {'default ms':>11s} {'strict ms':>10s} {'ratio':>6s} {'graph':>6s}  extra")
     for r in rows:
         extra = f"{r['strict_tflops']:.0f} TFLOP/s" if "strict_tflops" in r else (
             f"{r['of_copy_bound']:.2f} of copy bound" if "of_copy_bound" in r else "")
         graph = f"{r['graph_ratio']:6.2f}" if "graph_ratio" in r else " " * 6
-        print(f"{r['op']:34s} {str(r.get('M', '')):>6s} {r['default_ms']:11.4f} {r['strict_ms']:10.4f} {r['ratio']:6.2f} "
+        print(f"{r['op']:44s} {str(r.get('M', '')):>6s} {r['default_ms']:11.4f} {r['strict_ms']:10.4f} {r['ratio']:6.2f} "
               f"{graph}  {extra}")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

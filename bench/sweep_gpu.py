@@ -6,8 +6,9 @@ For each configuration: its time at Qwen3-8B shapes (median of triton.testing.do
 to the default (cuBLAS, SDPA flash), and whether every configuration returns the same bits as the first
 for the same inputs. A configuration may be picked by batch size only if it does: that is what keeps a
 token's result independent of the batch it is in. Sections: matmul (pointer-kernel tiles), tma (the TMA
-kernel, grid and persistent, against the pointer kernel's bits), attention (prefill tiles, key blocks, split
-or not, the portable and the native exp; decode tiles, split or not).
+kernel, grid and persistent, against the pointer kernel's bits), attention (key chunk sizes, split or not,
+the portable and the native exp; prefill and decode). Tiles and key blocks were swept on 2026-11-29
+(docs/benchmarks.md): all within 10%.
 """
 
 from __future__ import annotations
@@ -30,11 +31,7 @@ MATMUL_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4)
                 (128, 128, 64, 8, 4), (16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (32, 32, 64, 4, 4), (16, 32, 64, 2, 4),
                 (16, 16, 64, 2, 4), (16, 32, 128, 4, 3)]
 SMALL = 4  # index of the 64x64 tile, the one a single row is checked in
-# (query rows per tile, warps, stages), key block: a key block other than attention.BLOCK_N is another
-# algorithm (other bits), measured to choose the algorithm, never mixed with it.
-ATTN_CONFIGS = [((64, 4, 2), 64), ((64, 4, 3), 64), ((128, 8, 2), 64), ((128, 8, 3), 64), ((128, 4, 3), 64),
-                ((64, 4, 2), 128), ((128, 8, 2), 128), ((128, 8, 3), 128)]
-DECODE_CONFIGS = [(16, 4, 2), (16, 2, 2), (16, 4, 3), (32, 4, 2), (64, 4, 2)]
+CHUNKS = (256, 512, 1024, 4096)  # keys per chunk: the split-KV granularity, one algorithm each
 
 
 def ms(fn):
@@ -89,31 +86,31 @@ def sweep_matmul_tma(rows):
 
 
 def sweep_attention(rows):
+    """Key chunk sizes (the split-KV granularity; each one another algorithm), split or not, portable or native
+    exp: prefill at 1k and 4k tokens, paged decode at batch 1, 16 and 256 over 4k keys."""
     h, kvh, d = 32, 8, 128
     sdpa = torch.nn.functional.scaled_dot_product_attention
     n = 4096
     q = torch.randn(n, h, d, dtype=DT, device="cuda")
     k = torch.randn(n, kvh, d, dtype=DT, device="cuda")
     v = torch.randn(n, kvh, d, dtype=DT, device="cuda")
-    cu = torch.tensor([0, n])
-    outs = {(c, split): attention._launch_varlen(q, k, v, cu, d ** -0.5, config=c[0], block_n=c[1], split=split)
-            for c in ATTN_CONFIGS for split in (False, True)}
-    first = {}
-    same = [torch.equal(first.setdefault(c[1], out), out) for (c, _), out in outs.items()]
-    print(f"attention: bits equal across configs and split/unsplit of one key block {same}", flush=True)
+    same = []
     for n_tok in (1024, 4096):
         qs, ks, vs = q[:n_tok], k[:n_tok], v[:n_tok]
         qt, kt, vt = qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]
         base = ms(lambda: sdpa(qt, kt, vt, is_causal=True, enable_gqa=True))
         cu = torch.tensor([0, n_tok])
-        for c in ATTN_CONFIGS:
-            for split in (False, True):
-                for exp in attention.EXP_CHOICES if c == ATTN_CONFIGS[0] else (attention.DEFAULT_EXP,):
-                    strict = ms(lambda: attention._launch_varlen(qs, ks, vs, cu, d ** -0.5, config=c[0], block_n=c[1],
-                                                                 split=split, exp=exp))
-                    rows.append({"op": f"attention prefill {n_tok}", "M": f"key block {c[1]} split {split} exp {exp}",
-                                 "config": list(c[0]), "default_ms": base, "strict_ms": strict, "ratio": base / strict})
-    decode_same = []
+        for chunk in CHUNKS:
+            outs = []
+            for split, exp in ((False, "portable"), (True, "portable"), (False, "native")):
+                def run():
+                    return attention._launch_varlen(qs, ks, vs, cu, d ** -0.5, chunk_n=chunk, split=split, exp=exp)
+                outs.append(run())
+                strict = ms(run)
+                rows.append({"op": f"attention prefill {n_tok}", "M": f"chunk {chunk} split {split} {exp}",
+                             "config": list(attention.TILE_CONFIG), "default_ms": base, "strict_ms": strict,
+                             "ratio": base / strict})
+            same.append(torch.equal(outs[0], outs[1]))
     ctx, block = 4096, 16
     for b in (1, 16, 256):
         kc = torch.randn(b * ctx // block, block, kvh, d, dtype=DT, device="cuda")
@@ -122,21 +119,22 @@ def sweep_attention(rows):
         qd = torch.randn(b, h, d, dtype=DT, device="cuda")
         pos = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)
         kd, vd = (x.view(b, ctx, kvh, d).transpose(1, 2) for x in (kc, vc))
-        base = ms(lambda: sdpa(qd[:, :, None], kd, vd, enable_gqa=True))
-        reference = None
-        for c in DECODE_CONFIGS:
+        base = triton.testing.do_bench_cudagraph(lambda: sdpa(qd[:, :, None], kd, vd, enable_gqa=True), rep=100,
+                                                 return_mode="median")
+        for chunk in CHUNKS:
+            outs = []
             for split in (False, True):
                 def run():
                     return attention._launch(qd, kc, vc, table, None, pos, d ** -0.5, kv_mode=attention.KV_GATHER,
-                                             max_keys=ctx, config=c, split=split)
-                out = run()
-                reference = out if reference is None else reference
-                decode_same.append(torch.equal(reference, out))
-                strict = ms(run)
-                rows.append({"op": f"attention decode b={b} ctx={ctx}", "M": f"split {split}", "config": list(c),
-                             "default_ms": base, "strict_ms": strict, "ratio": base / strict})
-    print(f"decode: bits equal across tiles and split/unsplit {decode_same}", flush=True)
-    return {"configs_bitwise_equal": all(same), "decode_configs_bitwise_equal": all(decode_same)}
+                                             max_keys=ctx, chunk_n=chunk, split=split)
+                outs.append(run())
+                strict = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median")
+                rows.append({"op": f"attention decode b={b} ctx={ctx} (graph)", "M": f"chunk {chunk} split {split}",
+                             "config": list(attention.TILE_CONFIG), "default_ms": base, "strict_ms": strict,
+                             "ratio": base / strict})
+            same.append(torch.equal(outs[0], outs[1]))
+    print(f"attention: split == unsplit for every chunk size {same}", flush=True)
+    return {"split_bitwise_equal": all(same)}
 
 
 def main():
@@ -155,9 +153,10 @@ def main():
         key = (r["op"], r.get("M"))
         if key not in best or r["ratio"] > best[key]["ratio"]:
             best[key] = r
-    print(f"{'op':26s} {'M':>5s} {'best config':>24s} {'default ms':>10s} {'strict ms':>10s} {'ratio':>6s}")
+    print(f"{'op':36s} {'M':>30s} {'best config':>24s} {'default ms':>10s} {'strict ms':>10s} {'ratio':>6s}")
     for (op, m), r in best.items():
-        print(f"{op:26s} {str(m or ''):>5s} {str(r['config']):>24s} {r['default_ms']:10.4f} {r['strict_ms']:10.4f} {r['ratio']:6.2f}")
+        print(f"{op:36s} {str(m or ''):>30s} {str(r['config']):>24s} {r['default_ms']:10.4f} {r['strict_ms']:10.4f} "
+              f"{r['ratio']:6.2f}")
     print("checks:", checks)
     if args.json:
         args.json.write_text(json.dumps({"checks": checks, "rows": rows}, indent=1))

@@ -11,8 +11,19 @@ One algorithm for every query row q at absolute position p, whatever else is in 
                                                               (FlashAttention's convention), products fp32
                  (a block with no key <= p leaves m, l, acc untouched, so a batch that visits more
                  blocks for other rows cannot change this row)
-    out = acc / l                                             rounding point: once, fp32 -> dtype
-Query head h reads KV head h // (num_heads / num_kv_heads) (GQA).
+    keys are grouped in chunks of CHUNK_N = 512 positions (8 blocks); each chunk's blocks run the steps
+    above from a fresh state (m = -inf, l = 0, acc = 0), and the chunk states are folded in left to right:
+                 M = max(M, m_c);  a = exp(M_old - M);  b = exp(m_c - M)
+                 L = L * a + l_c * b;  A = A * a + acc_c * b  (a chunk with no key <= p is skipped)
+    out = A / L                                               rounding point: once, fp32 -> dtype
+Query head h reads KV head h // (num_heads / num_kv_heads) (GQA). The chunks are what lets a decode step
+split its keys over many programs (split-KV, one program per chunk and a second launch that folds the
+states in the same order) and still give the bits of a prefill, which folds them in registers.
+
+exp: "portable" (the default) is kernels/primitives.exp, the same bits on the CPU and on every GPU backend;
+"native" is the GPU's exp2 instruction (tl.exp: MUFU.EX2 after a multiply by log2(e) on NVIDIA), about 1.7x
+faster prefill on an H200 (docs/benchmarks.md) and the same bits wherever one GPU architecture runs every
+engine, but not the CPU backend's bits (it refuses "native").
 
 Reductions: the dot products over head_dim and the sums over the keys of a block. CPU: products in fp32,
 kernels/primitives.fixed_sum (blocks of 32, pairwise tree, blocks left to right). GPU (Triton): tl.dot
@@ -31,12 +42,14 @@ Layouts: q [tokens, heads, head_dim]; K/V either contiguous per sequence [tokens
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from alignaudit_kernels.primitives import compiling_inference, exp, fixed_sum, opaque_op, sm_count, triton, use_triton
 
 BLOCK_N = 64
-CHUNK_N = 256
+CHUNK_N = 512
 TILE_ROWS = 64
 CPU_CHUNK_ELEMENTS = 1 << 24
 EXP_CHOICES = ("portable", "native")
@@ -298,7 +311,7 @@ if triton is not None:
         head = kvh * GROUP + r % GROUP
         d = tl.arange(0, BLOCK_D)
         slot = (tile.to(tl.int64) * tl.num_programs(1) + kvh) * TILE + r
-        chunk_stride = n_tiles.to(tl.int64) * tl.num_programs(1) * TILE
+        chunk_stride = tl.num_programs(1).to(tl.int64) * n_tiles * TILE  # n_tiles may arrive as a constexpr 1
         m = tl.load(m_ptr + slot, mask=valid_row, other=float("-inf"))
         l = tl.load(l_ptr + slot, mask=valid_row, other=0.0)
         acc = tl.load(acc_ptr + slot[:, None] * BLOCK_D + d[None, :], mask=valid_row[:, None], other=0.0)
@@ -330,14 +343,11 @@ def _tiles(seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, per_t
 
 # Launch configurations (query rows per tile, warps, stages). The rows of a tile only decide which queries
 # a program handles; the key block BLOCK_N and the key chunk CHUNK_N are the algorithm and never change.
+# Every path uses 64-row tiles: on an H200 a 16-row tile (mma.sync rather than wgmma) gave decode rows 1-2
+# ULP away from the same rows of a 64-row prefill tile (bf16 and fp32, 2026-11-30).
 TILE_CONFIG = (TILE_ROWS, 4, 2)
-DECODE_CONFIG = (16, 4, 2)  # at most 16 query rows per sequence and KV head: a decode step's query heads
-SPLIT_BELOW_PROGRAMS_PER_SM = 4  # fewer (tile, KV head) programs than this per SM: one program per chunk
+SPLIT_BELOW_PROGRAMS_PER_SM = 32  # fewer (tile, KV head) programs than this per SM: one program per chunk
 KV_GATHER, KV_PAGE_ALIGNED, KV_DIRECT = 0, 1, 2
-
-
-def _config(rows_per_sequence: int, group: int) -> tuple[int, int, int]:
-    return DECODE_CONFIG if rows_per_sequence * group <= DECODE_CONFIG[0] else TILE_CONFIG
 
 
 def _check_exp(exp: str, q: torch.Tensor) -> None:
@@ -347,8 +357,8 @@ def _check_exp(exp: str, q: torch.Tensor) -> None:
         raise ValueError("exp='native' is a GPU instruction; the CPU backend computes the portable exp only")
 
 
-def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_mode, max_keys, config,
-            row_pos=False, split=None, block_n=BLOCK_N, exp=DEFAULT_EXP):
+def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_mode, max_keys, config=TILE_CONFIG,
+            row_pos=False, split=None, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP):
     """Run the Triton kernel(s).
 
     tiles: from ``_tiles`` (CPU), or None for a decode step (row i is the one query of sequence i);
@@ -356,7 +366,7 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     max_keys: a bound on the keys any row sees (host int, sets the chunk count of the split grid).
     split: one program per (tile, KV head, chunk) and a second launch that merges the chunks (True), one
     program per (tile, KV head) merging in registers (False), or chosen by occupancy (None): the same bits
-    either way. ``block_n`` other than BLOCK_N: benchmarks only (another algorithm).
+    either way. ``block_n`` / ``chunk_n`` other than BLOCK_N / CHUNK_N: benchmarks only (another algorithm).
     """
     t, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -374,11 +384,11 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
         tiles = tiles.to(q.device, non_blocking=True).contiguous()
         n_tiles = tiles.shape[1]
     positions = tiles if positions is None else positions
-    chunks = -(-max_keys // CHUNK_N)
+    chunks = -(-max_keys // chunk_n)
     if split is None:
         split = chunks > 1 and n_tiles * kvh < SPLIT_BELOW_PROGRAMS_PER_SM * (sm_count(q.device) if q.is_cuda else 1)
     block_d = max(16, triton.next_power_of_2(d))
-    shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=CHUNK_N, ROW_POS=row_pos,
+    shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=chunk_n, ROW_POS=row_pos,
                   DECODE=decode, NATIVE_EXP=exp == "native")
     if split:
         m = torch.empty(chunks, n_tiles, kvh, tile, dtype=torch.float32, device=q.device)
@@ -405,11 +415,30 @@ def _kv_mode(k_cache: torch.Tensor) -> int:
 def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None, exp=DEFAULT_EXP):
     group = q.shape[1] // k_cache.shape[2]
     seqs, counts = torch.unique_consecutive(q_seq.cpu().long(), return_counts=True)
-    config = config or _config(int(counts.max()), group)
+    config = config or TILE_CONFIG
     tiles = _tiles(seqs, torch.cumsum(counts, 0) - counts, counts, config[0] // group)
     table = block_table.to(device=q.device, dtype=torch.int32).contiguous()
     return _launch(q, k_cache, v_cache, table, tiles, q_positions.to(q.device), scale, kv_mode=_kv_mode(k_cache),
                    max_keys=int(q_positions.max()) + 1, config=config, exp=exp)
+
+
+# Launch plans of the contiguous layouts, kept on the device per shape: a training step or a forward at a
+# fixed batch shape plans once, and later calls pay no host work or host-to-device copy for it.
+@functools.lru_cache(maxsize=64)
+def _varlen_plan(bounds: tuple[int, ...], per_tile: int, device: torch.device):
+    """(tiles, block table, longest sequence) of a ragged prefill with cu_seqlens ``bounds``."""
+    starts = torch.tensor(bounds[:-1])
+    lengths = torch.tensor(bounds[1:]) - starts
+    tiles = _tiles(torch.arange(len(bounds) - 1), starts, lengths, per_tile).to(device)
+    return tiles, starts.to(device=device, dtype=torch.int32)[:, None], int(lengths.max())
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_plan(b: int, tq: int, tk: int, per_tile: int, device: torch.device):
+    """(tiles, block table) of ``b`` sequences of ``tq`` query rows over ``tk`` contiguous keys each."""
+    runs = torch.arange(b)
+    tiles = _tiles(runs, runs * tq, torch.full((b,), tq), per_tile).to(device)
+    return tiles, (torch.arange(b, device=device, dtype=torch.int32) * tk)[:, None]
 
 
 def _as_pages(x):
@@ -463,10 +492,9 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
     positions = seq_lens - 1
     if not use_triton(q):
         return paged_attention(q, k_cache, v_cache, block_table, positions, torch.arange(q.shape[0]), scale)
-    group = q.shape[1] // k_cache.shape[2]
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     return _launch(q, k_cache, v_cache, table, None, positions, scale, kv_mode=_kv_mode(k_cache),
-                   max_keys=int(max_seq_len), config=_config(1, group), exp=exp)
+                   max_keys=int(max_seq_len), exp=exp)
 
 
 def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP):
@@ -488,13 +516,9 @@ def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP):
     if not use_triton(q):
         return torch.stack([_cpu_attend(q[i], k[i], v[i], q_positions[i].cpu(), scale) for i in range(b)])
     tk, kvh = k.shape[1], k.shape[2]
-    config = _config(tq, h // kvh)
-    runs = torch.arange(b)
-    tiles = _tiles(runs, runs * tq, torch.full((b,), tq), config[0] // (h // kvh))
-    table = (torch.arange(b, device=q.device, dtype=torch.int32) * tk)[:, None]
+    tiles, table = _batch_plan(b, tq, tk, TILE_CONFIG[0] // (h // kvh), q.device)
     out = _launch(q.reshape(b * tq, h, d), _as_pages(k.reshape(b * tk, kvh, d)), _as_pages(v.reshape(b * tk, kvh, d)),
-                  table, tiles, q_positions.reshape(-1).to(q.device), scale, kv_mode=KV_DIRECT, max_keys=tk,
-                  config=config, exp=exp)
+                  table, tiles, q_positions.reshape(-1).to(q.device), scale, kv_mode=KV_DIRECT, max_keys=tk, exp=exp)
     return out.view(b, tq, h, d)
 
 
@@ -515,18 +539,13 @@ def _contiguous_forward(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP):
     return _launch_varlen(q, k, v, cu_seqlens, scale, exp=exp)
 
 
-def _launch_varlen(q, k, v, cu_seqlens, scale, config=None, block_n=BLOCK_N, exp=DEFAULT_EXP, split=None):
+def _launch_varlen(q, k, v, cu_seqlens, scale, config=TILE_CONFIG, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP,
+                   split=None):
     """GPU prefill of whole sequences. Each sequence's keys are consecutive rows of k/v: one-token pages,
     the first page at the sequence's start, so nothing is copied."""
-    bounds = cu_seqlens.tolist()
-    starts = torch.tensor(bounds[:-1])
-    lengths = torch.tensor(bounds[1:]) - starts
-    group = q.shape[1] // k.shape[1]
-    config = config or _config(int(lengths.max()), group)
-    tiles = _tiles(torch.arange(len(bounds) - 1), starts, lengths, config[0] // group)
-    table = starts.to(device=q.device, dtype=torch.int32)[:, None]
+    tiles, table, max_keys = _varlen_plan(tuple(cu_seqlens.tolist()), config[0] // (q.shape[1] // k.shape[1]), q.device)
     return _launch(q, _as_pages(k), _as_pages(v), table, tiles, None, scale, kv_mode=KV_DIRECT, row_pos=True,
-                   max_keys=int(lengths.max()), config=config, block_n=block_n, exp=exp, split=split)
+                   max_keys=max_keys, config=config, block_n=block_n, chunk_n=chunk_n, exp=exp, split=split)
 
 
 class _VarlenAttention(torch.autograd.Function):

@@ -596,35 +596,40 @@ def exact_attention_inputs(lengths, h, kvh, d, device):
     return q.to(device), k.to(device), v.to(device), cu
 
 
-@pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="the Triton kernel's split and decode grid")
-def test_attention_key_chunks_split_decode_and_tiles_give_prefill_bits(device):
-    """Keys are visited in chunks of CHUNK_N (256) positions merged left to right: one program per chunk
-    plus a merge launch (split) gives the unsplit kernel's bits; so do decode steps through paged_decode
-    (16-row tiles, shuffled 16-key pages, split or not) at positions on both sides of every chunk edge."""
+def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
+    """Keys are visited in chunks of CHUNK_N (512) positions folded left to right: on the Triton backends one
+    program per chunk plus a merge launch (split) gives the unsplit kernel's bits; on every backend decode
+    steps through paged_decode (shuffled 16-key pages) give the prefill's bits on both sides of a chunk edge."""
     lengths = [600, 70]
     h, kvh, d = 8, 2, 32
     if INTERPRET:
         q, k, v, cu = exact_attention_inputs(lengths, h, kvh, d, device)
-    else:
-        h, kvh, d = 32, 8, 128
+    else:  # bf16 at Qwen3-8B's head shape on the GPU, 8 x 2 x 32 on the CPU backend
+        if device == "cuda":
+            h, kvh, d = 32, 8, 128
         q, k, v, cu = ragged(lengths, h, kvh, d, torch.bfloat16, device, seed=31)
     scale = d ** -0.5
-    unsplit = attention._launch_varlen(q, k, v, cu, scale, split=False)
-    assert_bitwise_equal("split prefill", attention._launch_varlen(q, k, v, cu, scale, split=True), unsplit)
-    assert_bitwise_equal("public varlen_attention", K.varlen_attention(q, k, v, cu, scale), unsplit)
+    triton_backend = primitives.use_triton(q)
+    unsplit = K.varlen_attention(q, k, v, cu, scale)
+    if triton_backend:
+        assert_bitwise_equal("unsplit prefill", attention._launch_varlen(q, k, v, cu, scale, split=False), unsplit)
+        assert_bitwise_equal("split prefill", attention._launch_varlen(q, k, v, cu, scale, split=True), unsplit)
+    if device == "cuda":  # negative control: one chunk for all 600 keys is another algorithm past key 511
+        whole = attention._launch_varlen(q, k, v, cu, scale, chunk_n=1024)
+        assert torch.equal(whole[:512], unsplit[:512]) and not torch.equal(whole[512:600], unsplit[512:600])
     caches = [paged(k[a:b], v[a:b], 16, seed=i, device=device) for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
     pages = caches[0][0].shape[0]
     ck, cv = torch.cat([caches[0][0], caches[1][0]]), torch.cat([caches[0][1], caches[1][1]])
     table = torch.zeros(2, caches[0][2].shape[1], dtype=torch.int32, device=device)
     table[0] = caches[0][2][0]
     table[1, : caches[1][2].shape[1]] = caches[1][2][0] + pages
-    for p in (0, 63, 255, 256, 257, 511, 512, 599):
+    for p in (0, 63, 255, 256, 511, 512, 513, 599):
         p2 = min(p, 69)
         rows = torch.tensor([p, 600 + p2])
         lens = torch.tensor([p + 1, p2 + 1], device=device)
-        for split in (False, True):
+        for split in (False, True) if triton_backend else ():
             out = attention._launch(q[rows], ck, cv, table, None, lens - 1, scale, kv_mode=attention.KV_GATHER,
-                                    max_keys=600, config=attention.DECODE_CONFIG, split=split)
+                                    max_keys=600, split=split)
             assert_bitwise_equal(f"decode at {p}, {p2} (split {split})", out, unsplit[rows])
         assert_bitwise_equal(f"paged_decode at {p}", K.paged_decode(q[rows], ck, cv, table, lens, scale, 600), unsplit[rows])
 
