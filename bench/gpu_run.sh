@@ -2,7 +2,7 @@
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
 #   bench/gpu_run.sh tests sweep sweep-attention bench bench-quick bench-attention forward q8 q8-strict q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat
-# tests: the strict-kernel tests on the GPU; sweep: launch-configuration sweep (sweep-attention: its
+# tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects); sweep: launch-configuration sweep (sweep-attention: its
 # attention section); bench: kernels vs
 # defaults; q8: Qwen3-8B-shape compare (random weights) megatron vs hf, default and --strict;
 # q8-bisect: bisect of layer 0; tp-bench: the strict row-parallel reduction vs NCCL's all-reduce (2 GPUs);
@@ -40,7 +40,7 @@ q8() {  # $1 name, rest: extra compare options
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py --kernel-device cuda -rs 2>&1 \
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
              | tee "$out/gpu-kernel-tests.log" | tail -15 || status=1 ;;
     sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | tail -25 ;;
     sweep-attention) timeout 240 python3 bench/sweep_gpu.py --sections attention --json "$out/sweep-attention.json" 2>&1 | tail -30 ;;
