@@ -298,7 +298,7 @@ if triton is not None:
                      out.to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & dmask[None, :])
 
     @triton.jit
-    def _combine_kernel(o_ptr, pos_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles, stride_ot, stride_oh,
+    def _combine_kernel(o_ptr, pos_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles, n_chunks, stride_ot, stride_oh,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
                         CHUNK_N: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
                         NATIVE_EXP: tl.constexpr):
@@ -315,7 +315,7 @@ if triton is not None:
         m = tl.load(m_ptr + slot, mask=valid_row, other=float("-inf"))
         l = tl.load(l_ptr + slot, mask=valid_row, other=0.0)
         acc = tl.load(acc_ptr + slot[:, None] * BLOCK_D + d[None, :], mask=valid_row[:, None], other=0.0)
-        for c in range(1, tl.max(pos, axis=0) // CHUNK_N + 1):
+        for c in range(1, tl.minimum(tl.max(pos, axis=0) // CHUNK_N + 1, n_chunks)):  # never past the scratch
             active = valid_row & (c * CHUNK_N <= pos)
             at = c * chunk_stride + slot
             m_c = tl.load(m_ptr + at, mask=active, other=float("-inf"))
@@ -403,8 +403,8 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
         block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
         KV=kv_mode, SPLIT=split, **shared, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if split:
-        _combine_kernel[(n_tiles, kvh)](out, positions, tiles, m, l, acc, n_tiles, out.stride(0), out.stride(1),
-                                        **shared, num_warps=4, enable_fp_fusion=False)
+        _combine_kernel[(n_tiles, kvh)](out, positions, tiles, m, l, acc, n_tiles, chunks, out.stride(0),
+                                        out.stride(1), **shared, num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -483,8 +483,9 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
     Args:
         q: [B, H, D] one query row per sequence. k_cache, v_cache, block_table: as ``paged_attention``.
         seq_lens: [B] int on q's device, keys per sequence (the current token included).
-        max_seq_len: host int >= every seq_lens[i]: sets the chunk grid (CHUNK_N keys per program when the
-            (sequence, KV head) programs alone would leave SMs idle). scale: float.
+        max_seq_len: host int >= every seq_lens[i] (as FlashAttention's max_seqlen_k; not checked, since a
+            check would synchronize: keys past it may be left out): sets the chunk grid (CHUNK_N keys per
+            program when the (sequence, KV head) programs alone would leave SMs idle). scale: float.
         exp: "portable" or "native" (module docstring).
     Returns: [B, H, D] in q.dtype. Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
     """
@@ -573,8 +574,8 @@ def varlen_attention(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP):
     """Strict causal attention for a ragged batch of whole sequences (training engines, prefill).
 
     q [T, H, D], k/v [T, KVH, D], cu_seqlens [B + 1] (int, sequence i is rows cu[i]:cu[i+1], positions
-    0..len-1). Returns [T, H, D] in q.dtype; differentiable (backward through the reference). exp: "portable" or "native"
-    (module docstring).
+    0..len-1). Returns [T, H, D] in q.dtype; differentiable (backward through the reference).
+    exp: "portable" or "native" (module docstring).
     Raises: ValueError when H is not a multiple of KVH, for an unknown ``exp``, or "native" on the CPU backend.
     """
     if q.shape[1] % k.shape[1]:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import compiling_inference, exp, fixed_sum, log, opaque_op, reduction_input, triton, use_triton
+from alignaudit_kernels.primitives import (compiling_inference, exp, fixed_sum, log, opaque_op, reduction_input, triton,
+                                          use_triton)
 
 BLOCK_V = 4096
 UPCAST_ELEMENTS = 1 << 26  # the fp32 copy of a bf16 batch is made this many logits at a time (256 MiB)
@@ -163,4 +164,5 @@ def _log_softmax_op(logits):
 @opaque_op("token_logprobs", "(Tensor logits, Tensor targets) -> Tensor",
            lambda logits, targets: torch.empty(targets.shape, dtype=torch.float32, device=logits.device))
 def _token_logprobs_op(logits, targets):
-    return _token_logprobs(logits.reshape(-1, logits.shape[-1]).contiguous(), targets.reshape(-1))[0].reshape(targets.shape)
+    logprobs = _token_logprobs(logits.reshape(-1, logits.shape[-1]).contiguous(), targets.reshape(-1))[0]
+    return logprobs.reshape(targets.shape)

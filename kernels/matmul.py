@@ -31,7 +31,8 @@ import os
 
 import torch
 
-from alignaudit_kernels.primitives import BLOCK, block_sums, compiling_inference, opaque_op, sm_count, triton, use_triton
+from alignaudit_kernels.primitives import (BLOCK, block_sums, compiling_inference, opaque_op, sm_count, triton,
+                                          use_triton)
 
 CPU_CHUNK_ELEMENTS = 1 << 24  # rows are independent: process as many as fit in this many fp32 products
 

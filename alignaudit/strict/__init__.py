@@ -4,7 +4,8 @@
     megatron.py      a strict layer spec (ModuleSpec) and a GPTModel with a strict logprob head
     vllm_plugin.py   a vLLM general plugin (entry point ``vllm.general_plugins``), enabled by the
                      ALIGNAUDIT_STRICT environment variable
-    custom_ops.py    the kernels as torch.library custom ops, opaque to torch.compile
+    custom_ops.py    vLLM's extra custom ops (row-parallel partial, rope, MoE); the kernels themselves are
+                     opaque custom ops under torch.compile (alignaudit_kernels.primitives.opaque_op)
 
 Ops can be made strict one at a time (``--strict rmsnorm,rope``) for ablation; ``all`` is every op.
 """

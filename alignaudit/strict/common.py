@@ -32,13 +32,19 @@ class RopeOp(torch.nn.Module):
         return f"head_dim={self.head_dim}, theta={self.theta}" + (f", llama3={self.llama3}" if self.llama3 else "")
 
 
-def _rope_any_length(x: torch.Tensor, positions: torch.Tensor, theta: float, min_positions: int,
-                     llama3: list[float]) -> torch.Tensor:
-    """x [tokens, heads, head_dim] rotated by tables that hold at least min_positions and every position."""
-    rows = max(min_positions, int(positions.max()) + 1)
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by the angles of ``positions`` [tokens] (int, each < rows) from
+    the tables of ``rows`` positions; ``llama3`` [factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings] for llama3 rope scaling, or [] for none."""
     scaling = (llama3[0], llama3[1], llama3[2], int(llama3[3])) if llama3 else None
     cos, sin = K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
     return K.apply_rope(x, positions, cos, sin)
+
+
+def _rope_any_length(x: torch.Tensor, positions: torch.Tensor, theta: float, min_positions: int,
+                     llama3: list[float]) -> torch.Tensor:
+    """``rotate`` with tables that hold at least min_positions and every position (reads positions.max())."""
+    return rotate(x, positions, theta, max(min_positions, int(positions.max()) + 1), llama3)
 
 
 rope_any_length = torch.library.custom_op(

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+import alignaudit_kernels as K
 from alignaudit.strict import ENV, parse_strict
 
 log = logging.getLogger(__name__)
@@ -82,11 +83,10 @@ def _linear() -> None:
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.platforms import current_platform
 
-    import alignaudit_kernels as K
 
     def apply(self, layer, x, bias=None):
         segments = K.ROW_PARALLEL_SEGMENTS if isinstance(layer, RowParallelLinear) else 1
-        return torch.ops.alignaudit.linear(x, layer.weight, bias, segments)
+        return K.linear(x, layer.weight, bias, segments)
 
     _patch(UnquantizedLinearMethod, "apply", apply)
     _patch(UnquantizedEmbeddingMethod, "apply", apply)
@@ -98,7 +98,7 @@ def _linear() -> None:
         # head_dtype (e.g. float32) above the model dtype: vLLM casts both operands, then projects
         dtype = self.head_dtype or hidden_states.dtype
         bias = None if embedding_bias is None else embedding_bias.to(dtype)
-        return torch.ops.alignaudit.linear(hidden_states.to(dtype), lm_head.weight.to(dtype), bias)
+        return K.linear(hidden_states.to(dtype), lm_head.weight.to(dtype), bias)
 
     _patch(LogitsProcessor, "_apply_head", apply_head)
     if current_platform.is_cpu():  # the CPU path repacks weights for oneDNN and empties layer.weight
@@ -146,7 +146,6 @@ def _row_parallel_forward(self, input_):
     added, rounded once (alignaudit_kernels.combine_partials); not an all-reduce of rounded outputs."""
     from vllm.distributed import tensor_model_parallel_all_gather
 
-    import alignaudit_kernels as K
 
     if self.tp_size == 1 or not self.reduce_results:
         output = self.quant_method.apply(self, input_, None if self.skip_bias_add else self.bias)
@@ -168,8 +167,8 @@ def _rmsnorm() -> None:
         if getattr(self, "variance_size_override", None) is not None:
             raise NotImplementedError("strict RMSNorm does not support variance_size_override")
         if residual is None:
-            return torch.ops.alignaudit.rms_norm(x, self.weight, self.variance_epsilon)
-        return torch.ops.alignaudit.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+            return K.rms_norm(x, self.weight, self.variance_epsilon)
+        return K.rms_norm(x, self.weight, self.variance_epsilon, residual=residual)
 
     _patch(RMSNorm, "forward", forward)
 
@@ -198,13 +197,13 @@ def _rope() -> None:
 def _silu() -> None:
     from vllm.model_executor.layers.activation import SiluAndMul
 
-    _patch(SiluAndMul, "forward", lambda self, x: torch.ops.alignaudit.silu_and_mul(x))
+    _patch(SiluAndMul, "forward", lambda self, x: K.silu_and_mul(x))
 
 
 def _logprobs() -> None:
     from vllm.v1.sample.sampler import Sampler
 
-    _patch(Sampler, "compute_logprobs", staticmethod(lambda logits: torch.ops.alignaudit.log_softmax(logits)))
+    _patch(Sampler, "compute_logprobs", staticmethod(lambda logits: K.log_softmax(logits)))
 
 
 def _attention() -> None:
