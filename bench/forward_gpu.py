@@ -6,14 +6,16 @@ Builds the preset's exact shape with random weights directly on the GPU (transfo
 bf16), times the default forward (SDPA attention, cuBLAS) over batch x tokens, eager and under
 torch.compile, then swaps every strict op in (alignaudit.strict.hf.make_strict) and times the same forward
 again, eager and compiled, logits and logprobs included. Prints the times and their ratios (median of
-several timed runs after warm-up, CUDA events), and whether the compiled strict forward gives the eager
-strict forward's logprob bits (a compiled graph must not change what the strict kernels compute).
+several timed runs after warm-up, CUDA events), whether the compiled strict forward gives the eager
+strict forward's logprob bits (a compiled graph must not change what the strict kernels compute), and how
+many times the strict forward makes the host wait for the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,6 +40,22 @@ def median_ms(fn, warmup=2, reps=5) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def count_syncs(fn) -> str:
+    """How many times ``fn`` makes the host wait for the GPU (torch.cuda.set_sync_debug_mode), and where the
+    first ones come from: each one drains the launch queue, leaving the GPU idle while the host launches on."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    origins = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+    return f"{len(syncs)} ({', '.join(origins[:6])})"
 
 
 def main() -> None:
@@ -75,6 +93,7 @@ def main() -> None:
         ids = all_ids
     make_strict(model, frozenset(STRICT_OPS))
     strict_ms = median_ms(strict)
+    print(f"host synchronizations in one strict forward: {count_syncs(strict)}", flush=True)
     print(f"{args.preset} forward, {args.batch} x {args.tokens} tokens, bf16, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}")
     print(f"default (sdpa, cuBLAS): {default_ms:.1f} ms   strict (every op): {strict_ms:.1f} ms   "

@@ -1,8 +1,10 @@
-"""The strict forward under torch.compile: every strict op enters the graph as an opaque custom op, so HF's
-strict forward compiles to one graph without breaks and returns the eager strict bits."""
+"""The strict forward under torch.compile and without host reads: every strict op enters the graph as an
+opaque custom op, so HF's strict forward compiles to one graph without breaks and returns the eager strict
+bits; rope takes the caller's sequence bound instead of reading positions on the host."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from transformers import AutoModelForCausalLM
@@ -28,3 +30,17 @@ def test_hf_strict_forward_compiles_to_one_graph_with_the_eager_bits():
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     torch._dynamo.reset()
     assert_bitwise_equal("compiled strict logprobs", torch.compile(logprobs, backend="aot_eager")(), eager)
+
+
+def test_rope_with_a_host_bound_gives_the_same_bits_and_refuses_positions_past_its_tables():
+    """RopeOp with the caller's sequence bound (no host read of positions, what the engines pass) rotates
+    like RopeOp without one; a position past the tables fails the device-side assert instead of reading
+    past them."""
+    from alignaudit.strict.common import RopeOp, rotate
+
+    rope = RopeOp(16, 1e4, max_positions=8)
+    x = torch.randn(2, 20, 4, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    positions = torch.arange(20)[None].expand(2, 20)
+    assert_bitwise_equal("bounded rope", rope(x, positions, limit=20), rope(x, positions))
+    with pytest.raises(RuntimeError, match="past the rope tables"):
+        rotate(x[0], torch.arange(20), 1e4, 19, [])

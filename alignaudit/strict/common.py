@@ -20,37 +20,44 @@ class RopeOp(torch.nn.Module):
         self.head_dim, self.theta, self.max_positions = head_dim, float(theta), max_positions
         self.llama3 = tuple(llama3) if llama3 else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        """``limit``: a host int above every position (the caller's sequence bound), so that no host read of
+        positions is needed: on a GPU such a read per layer stalls the launch queue. Without it the bound is
+        read from positions (a synchronization)."""
         flat = x.reshape(-1, x.shape[-2], x.shape[-1])
         positions = positions.reshape(-1).to(x.device)
-        # Under torch.compile one opaque op: the tables are built eagerly (a compiled torch.cos could round
-        # otherwise) and their length reads positions.max() on the host, which Dynamo cannot trace.
-        rotate = rope_any_length if torch.compiler.is_compiling() else _rope_any_length
-        return rotate(flat, positions, self.theta, self.max_positions, list(self.llama3 or ())).view(x.shape)
+        if limit is None:
+            limit = int(positions.max()) + 1 if positions.numel() else 0
+        rotate_ = rope if torch.compiler.is_compiling() else rotate  # under torch.compile: one opaque op
+        rows = max(self.max_positions, limit)
+        return rotate_(flat, positions, self.theta, rows, list(self.llama3 or ())).view(x.shape)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}" + (f", llama3={self.llama3}" if self.llama3 else "")
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
-    """x [tokens, heads, head_dim] rotated by the angles of ``positions`` [tokens] (int, each < rows) from
-    the tables of ``rows`` positions; ``llama3`` [factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings] for llama3 rope scaling, or [] for none."""
+    """x [tokens, heads, head_dim] rotated by the angles of ``positions`` [tokens] (int) from the tables of
+    ``rows`` positions; ``llama3`` [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]
+    for llama3 rope scaling, or [] for none. A position >= rows fails a device-side assert (a RuntimeError on
+    the CPU, a CUDA error at the next synchronization on a GPU) instead of reading past the tables."""
+    if positions.numel():
+        torch._assert_async(positions.max() < rows, "strict rope: a position past the rope tables")
     scaling = (llama3[0], llama3[1], llama3[2], int(llama3[3])) if llama3 else None
     cos, sin = K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
     return K.apply_rope(x, positions, cos, sin)
 
 
-def _rope_any_length(x: torch.Tensor, positions: torch.Tensor, theta: float, min_positions: int,
-                     llama3: list[float]) -> torch.Tensor:
-    """``rotate`` with tables that hold at least min_positions and every position (reads positions.max())."""
-    return rotate(x, positions, theta, max(min_positions, int(positions.max()) + 1), llama3)
+@torch.library.custom_op("alignaudit::rope", mutates_args=())
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
+    """``rotate`` as one opaque op (vLLM, and torch.compile of the other engines): the tables are built
+    eagerly (a compiled torch.cos could round otherwise), with no host read of positions."""
+    return rotate(x, positions, theta, rows, llama3)
 
 
-rope_any_length = torch.library.custom_op(
-    "alignaudit::rope_any_length", _rope_any_length, mutates_args=(),
-    schema="(Tensor x, Tensor positions, float theta, int min_positions, float[] llama3) -> Tensor")
-rope_any_length.register_fake(lambda x, positions, theta, min_positions, llama3: torch.empty_like(x))
+@rope.register_fake
+def _(x, positions, theta, rows, llama3):
+    return torch.empty_like(x)
 
 
 class StrictRouter(torch.nn.Module):

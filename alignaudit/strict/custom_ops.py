@@ -1,6 +1,6 @@
 """Strict kernels as torch.library custom ops (namespace ``alignaudit``) where vLLM needs more than the
 kernel functions, which become opaque ops of their own under torch.compile (alignaudit_kernels.primitives.
-opaque_op): the row-parallel partial product, rope with its tables, and the MoE router and experts.
+opaque_op): the row-parallel partial product and the MoE router and experts (rope: strict/common.py).
 
 torch.compile treats a custom op as opaque: it neither fuses its arithmetic with neighbouring ops nor
 contracts its multiplies and adds into FMAs, so a compiled engine (vLLM's default) computes exactly what
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 import alignaudit_kernels as K
-from alignaudit.strict.common import rotate
+import alignaudit.strict.common  # noqa: F401  (registers alignaudit::rope)
 
 
 @torch.library.custom_op("alignaudit::linear_partial", mutates_args=())
@@ -24,19 +24,6 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor, k_segments: int) -> to
 @linear_partial.register_fake
 def _(x, weight, k_segments):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("alignaudit::rope", mutates_args=())
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, max_positions: int,
-         llama3: list[float]) -> torch.Tensor:
-    """alignaudit.strict.common.rotate with tables of max_positions rows (no host read of positions, so a
-    CUDA graph can capture it)."""
-    return rotate(x, positions, theta, max_positions, llama3)
-
-
-@rope.register_fake
-def _(x, positions, theta, max_positions, llama3):
-    return torch.empty_like(x)
 
 
 # layer -> fn(logits, chosen): called by moe_route with each routing decision it makes. An opaque op runs

@@ -85,7 +85,9 @@ class StrictAttention(torch.nn.Module):
             position_ids = torch.arange(t, device=hidden_states.device)[None]
         position_ids = position_ids.expand(b, t)  # HF passes [1, t] for a batch without padding
         if self.strict_rope:
-            q, k = self.q_rope(q, position_ids), self.k_rope(k, position_ids)
+            past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
+            limit = past + t if isinstance(past, int) else None  # positions of a cache of past + t keys
+            q, k = self.q_rope(q, position_ids, limit), self.k_rope(k, position_ids, limit)
         else:
             cos, sin = position_embeddings
             q, k = sys.modules[self._hf_module].apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)

@@ -164,7 +164,7 @@ class StrictCoreAttention(MegatronModule):
         sq, b = query.shape[:2]
         if self.strict_rope:
             positions = torch.arange(sq, device=query.device)[:, None].expand(sq, b)
-            query, key = self.q_rope(query, positions), self.k_rope(key, positions)
+            query, key = self.q_rope(query, positions, sq), self.k_rope(key, positions, sq)
         if not self.strict_attention:
             return self.stock(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                               attention_bias=attention_bias)

@@ -1,0 +1,97 @@
+"""Host time per call of each strict op against its default, at decode shapes, side by side in one run.
+
+    python3 bench/launch_overhead.py [--device cuda] [--calls 200]
+
+Host time: the wall time of ``calls`` back-to-back calls, before synchronizing, over ``calls``; at these
+shapes the GPU finishes each kernel sooner than the host launches the next, so this is the Python, autograd
+and launcher cost of one call (what an eager decode step pays per op, and what CUDA graphs remove). The
+GPU time of the same call as a CUDA-graph replay is printed beside it. Qwen3-8B shapes, one token (M = 1).
+On the CPU (--device cpu) both columns are the whole call and only show that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import alignaudit_kernels as K  # noqa: E402
+
+
+def host_us(fn, calls: int, device: str) -> float:
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def graph_us(fn, device: str) -> float | None:
+    if device != "cuda":
+        return None
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+
+
+def pairs(device: str) -> dict:
+    dt = torch.bfloat16
+    x = torch.randn(1, 4096, dtype=dt, device=device)
+    w = torch.randn(6144, 4096, dtype=dt, device=device) * 0.02
+    nw = torch.randn(4096, dtype=dt, device=device)
+    q = torch.randn(1, 32, 128, dtype=dt, device=device)
+    pos = torch.zeros(1, dtype=torch.long, device=device)
+    cos, sin = K.rope_tables(4096, 128, 1e6, device)
+    gate, up = torch.randn(1, 12288, dtype=dt, device=device), torch.randn(1, 12288, dtype=dt, device=device)
+    logits = torch.randn(1, 151936, dtype=dt, device=device)
+    target = torch.zeros(1, dtype=torch.long, device=device)
+    ctx = 4096
+    kc = torch.randn(ctx // 16, 16, 8, 128, dtype=dt, device=device)
+    table = torch.arange(ctx // 16, dtype=torch.int32, device=device)[None]
+    lens = torch.full((1,), ctx, dtype=torch.int32, device=device)
+    kd = kc.view(1, ctx, 8, 128).transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def torch_rope():
+        c, s = cos[pos][:, None].to(dt), sin[pos][:, None].to(dt)
+        return torch.cat([q[..., :64] * c - q[..., 64:] * s, q[..., 64:] * c + q[..., :64] * s], -1)
+
+    return {
+        "linear 4096x6144": (lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w)),
+        "rmsnorm 4096": (lambda: torch.nn.functional.rms_norm(x, (4096,), nw, 1e-6), lambda: K.rms_norm(x, nw, 1e-6)),
+        "rope 32x128": (torch_rope, lambda: K.apply_rope(q, pos, cos, sin)),
+        "silu_mul 12288": (lambda: torch.nn.functional.silu(gate) * up, lambda: K.silu_mul(gate, up)),
+        "token_logprobs 151936": (lambda: torch.log_softmax(logits.float(), -1).gather(1, target[:, None]),
+                                  lambda: K.token_logprobs(logits, target)),
+        "decode attention ctx 4096": (lambda: sdpa(q.transpose(0, 1)[None], kd, kd, enable_gqa=True),
+                                      lambda: K.paged_decode(q, kc, kc, table, lens, 128 ** -0.5, ctx)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"{'op':28s} {'default host us':>16s} {'strict host us':>15s} {'strict/default':>15s} "
+          f"{'default graph us':>17s} {'strict graph us':>16s}")
+    for name, (default, strict) in pairs(args.device).items():
+        d, s = host_us(default, args.calls, args.device), host_us(strict, args.calls, args.device)
+        gd, gs = graph_us(default, args.device), graph_us(strict, args.device)
+        graphs = f"{gd:17.1f} {gs:16.1f}" if gd is not None else ""
+        print(f"{name:28s} {d:16.1f} {s:15.1f} {s / d:15.2f} {graphs}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
