@@ -524,7 +524,7 @@ def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP):
 
 
 @opaque_op("causal_attention", "(Tensor q, Tensor k, Tensor v, Tensor q_positions, float scale, str exp) -> Tensor",
-           lambda q, k, v, q_positions, scale, exp: torch.empty_like(q))
+           lambda q, k, v, q_positions, scale, exp: q.new_empty(q.shape))
 def _causal_attention_op(q, k, v, q_positions, scale, exp):
     return causal_attention(q, k, v, q_positions, scale, exp)
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import compiling_inference, fixed_sum, opaque_op, reduction_input, rsqrt, triton, use_triton
+from alignaudit_kernels.primitives import (compiling_inference, fixed_sum, opaque_op, reduction_input, rsqrt, triton,
+                                          use_triton)
 
 
 def reference(x, weight, eps, residual=None):
@@ -137,12 +138,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return _AddRMSNorm.apply(x, weight, eps, residual)
 
 
-@opaque_op("rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", lambda x, weight, eps: torch.empty_like(x))
+@opaque_op("rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor",
+           lambda x, weight, eps: x.new_empty(x.shape))
 def _rms_norm_op(x, weight, eps):
     return _forward(x, weight, eps, None)[0]
 
 
 @opaque_op("add_rms_norm", "(Tensor x, Tensor weight, float eps, Tensor residual) -> (Tensor, Tensor)",
-           lambda x, weight, eps, residual: (torch.empty_like(x), torch.empty_like(x)))
+           lambda x, weight, eps, residual: (x.new_empty(x.shape), x.new_empty(x.shape)))
 def _add_rms_norm_op(x, weight, eps, residual):
     return _forward(x, weight, eps, residual)

@@ -141,6 +141,6 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
 
 
 @opaque_op("apply_rope", "(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor",
-           lambda x, positions, cos, sin: torch.empty_like(x))
+           lambda x, positions, cos, sin: x.new_empty(x.shape))
 def _rope_op(x, positions, cos, sin):
     return (_triton if use_triton(x) else _cpu)(x, positions, cos, sin)

@@ -55,7 +55,7 @@ def _forward(gate, up):
     return (_triton if use_triton(gate) else _cpu)(g2, u2).reshape(shape)
 
 
-@opaque_op("silu_mul", "(Tensor gate, Tensor up) -> Tensor", lambda gate, up: torch.empty_like(gate))
+@opaque_op("silu_mul", "(Tensor gate, Tensor up) -> Tensor", lambda gate, up: gate.new_empty(gate.shape))
 def _silu_mul_op(gate, up):
     return _forward(gate, up)
 

@@ -57,7 +57,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llam
 
 @rope.register_fake
 def _(x, positions, theta, rows, llama3):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 class StrictRouter(torch.nn.Module):
