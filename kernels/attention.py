@@ -361,7 +361,8 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
             row_pos=False, split=None, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP):
     """Run the Triton kernel(s).
 
-    tiles: from ``_tiles`` (CPU), or None for a decode step (row i is the one query of sequence i);
+    tiles: from ``_tiles`` (CPU, or already on q's device from a cached plan), or None for a decode step (row
+    i is the one query of sequence i);
     q_positions: [T] on q's device, or None with ``row_pos`` (rows are whole sequences from position 0).
     max_keys: a bound on the keys any row sees (host int, sets the chunk count of the split grid).
     split: one program per (tile, KV head, chunk) and a second launch that merges the chunks (True), one
