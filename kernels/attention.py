@@ -21,7 +21,7 @@ split its keys over many programs (split-KV, one program per chunk and a second 
 states in the same order) and still give the bits of a prefill, which folds them in registers.
 
 exp: "portable" (the default) is kernels/primitives.exp, the same bits on the CPU and on every GPU backend;
-"native" is the GPU's exp2 instruction (tl.exp: MUFU.EX2 after a multiply by log2(e) on NVIDIA), about 1.7x
+"native" is the GPU's exp2 instruction (tl.exp: MUFU.EX2 after a multiply by log2(e) on NVIDIA), 1.4-1.8x
 faster prefill on an H200 (docs/benchmarks.md) and the same bits wherever one GPU architecture runs every
 engine, but not the CPU backend's bits (it refuses "native").
 
