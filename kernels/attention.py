@@ -312,9 +312,10 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         slot = (tile.to(tl.int64) * tl.num_programs(1) + kvh) * TILE + r
         chunk_stride = tl.num_programs(1).to(tl.int64) * n_tiles * TILE  # n_tiles may arrive as a constexpr 1
-        m = tl.load(m_ptr + slot, mask=valid_row, other=float("-inf"))
-        l = tl.load(l_ptr + slot, mask=valid_row, other=0.0)
-        acc = tl.load(acc_ptr + slot[:, None] * BLOCK_D + d[None, :], mask=valid_row[:, None], other=0.0)
+        stored = valid_row & (pos >= 0)  # a row with no key (a decode slot of length 0) stored no state
+        m = tl.load(m_ptr + slot, mask=stored, other=float("-inf"))
+        l = tl.load(l_ptr + slot, mask=stored, other=0.0)
+        acc = tl.load(acc_ptr + slot[:, None] * BLOCK_D + d[None, :], mask=stored[:, None], other=0.0)
         for c in range(1, tl.minimum(tl.max(pos, axis=0) // CHUNK_N + 1, n_chunks)):  # never past the scratch
             active = valid_row & (c * CHUNK_N <= pos)
             at = c * chunk_stride + slot
@@ -484,13 +485,16 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
     Args:
         q: [B, H, D] one query row per sequence. k_cache, v_cache, block_table: as ``paged_attention``.
         seq_lens: [B] int on q's device, keys per sequence (the current token included).
-        max_seq_len: host int >= every seq_lens[i] (as FlashAttention's max_seqlen_k; not checked, since a
-            check would synchronize: keys past it may be left out): sets the chunk grid (CHUNK_N keys per
-            program when the (sequence, KV head) programs alone would leave SMs idle). scale: float.
+        max_seq_len: host int >= every seq_lens[i] (as FlashAttention's max_seqlen_k), in a captured graph
+            for every replay: sets the chunk grid (CHUNK_N keys per program when the (sequence, KV head)
+            programs alone would leave SMs idle). A longer sequence fails a device-side assert (a
+            RuntimeError on the CPU, a CUDA error at the next synchronization on a GPU). scale: float.
         exp: "portable" or "native" (module docstring).
     Returns: [B, H, D] in q.dtype. Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
     """
     _check_exp(exp, q)
+    if seq_lens.numel():  # without a host read: a sequence past the chunk grid would lose keys in the split path
+        torch._assert_async(seq_lens.max() <= max_seq_len, "paged_decode: a sequence longer than max_seq_len")
     positions = seq_lens - 1
     if not use_triton(q):
         return paged_attention(q, k_cache, v_cache, block_table, positions, torch.arange(q.shape[0]), scale)

@@ -290,7 +290,6 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-@functools.lru_cache(maxsize=None)
 def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True, segments: int = 1) -> torch.Tensor:
     """The large-batch path on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel)."""
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -152,10 +152,12 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def compiling_inference(*tensors: torch.Tensor | None) -> bool:
-    """True while torch.compile traces a call that needs no gradient. The strict kernels then enter the
-    graph as opaque custom ops (``opaque_op``): Dynamo does not trace their Triton launch code or host-side
-    planning, and the kernels compute what they compute eagerly, bit for bit. Calls that need gradients keep
-    the autograd path (the compiled strict path is forward only)."""
+    """True while torch.compile traces a call that needs no gradient. The strict kernels that model forwards
+    call (linear, rms_norm, silu_mul, apply_rope, causal_attention, log_softmax, token_logprobs) then enter
+    the graph as opaque custom ops (``opaque_op``): Dynamo does not trace their Triton launch code or
+    host-side planning, and they compute what they compute eagerly, bit for bit. Calls that need gradients
+    keep the autograd path (the compiled strict path is forward only); varlen_attention, paged_attention and
+    paged_decode are not wrapped (a graph break where a compiled model calls them)."""
     if not torch.compiler.is_compiling():
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))

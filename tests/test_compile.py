@@ -44,3 +44,14 @@ def test_rope_with_a_host_bound_gives_the_same_bits_and_refuses_positions_past_i
     assert_bitwise_equal("bounded rope", rope(x, positions, limit=20), rope(x, positions))
     with pytest.raises(RuntimeError, match="past the rope tables"):
         rotate(x[0], torch.arange(20), 1e4, 19, [])
+
+
+def test_compiled_rope_keeps_its_gradient():
+    """Traced with gradients, RopeOp stays on the autograd path (the opaque rope op is forward only)."""
+    from alignaudit.strict.common import RopeOp
+
+    rope = RopeOp(16, 1e4, max_positions=8)
+    x = torch.randn(1, 6, 2, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    positions = torch.arange(6)[None]
+    torch.compile(lambda x: rope(x, positions, 6).square().sum(), backend="aot_eager")(x).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0

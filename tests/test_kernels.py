@@ -632,6 +632,26 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
                                     max_keys=600, split=split)
             assert_bitwise_equal(f"decode at {p}, {p2} (split {split})", out, unsplit[rows])
         assert_bitwise_equal(f"paged_decode at {p}", K.paged_decode(q[rows], ck, cv, table, lens, scale, 600), unsplit[rows])
+    if triton_backend:  # an empty decode slot (length 0) gives the same NaN row split or not, never scratch memory
+        empty = [attention._launch(q[[0, 599]], ck, cv, table.flip(0), None, torch.tensor([-1, 599], device=device), scale,
+                                   kv_mode=attention.KV_GATHER, max_keys=600, split=split) for split in (False, True)]
+        assert_bitwise_equal("empty slot, split vs unsplit", empty[1], empty[0])
+        assert torch.isnan(empty[0][0]).all() and torch.equal(empty[0][1], unsplit[599])
+    if device != "cuda":  # on a GPU the device-side assert would end the CUDA context of the whole session
+        with pytest.raises(RuntimeError, match="longer than max_seq_len"):
+            K.paged_decode(q[:2], ck, cv, table, torch.tensor([600, 70]), scale, 599)
+
+
+def test_linear_recomputes_for_the_same_tensor_objects(device):
+    """No result is cached by tensor identity: the same x and weight objects, changed in place, give the new
+    product (a stray lru_cache on the large-batch GPU path once returned the old one and kept every input
+    and output alive)."""
+    x = randn(300, 64, dtype=torch.bfloat16, device=device, seed=60)
+    w = randn(32, 64, dtype=torch.bfloat16, device=device, seed=61)
+    first = K.linear(x, w).clone()
+    x.mul_(2)
+    second = K.linear(x, w)
+    assert not torch.equal(first, second)
 
 
 def test_native_exp_is_refused_on_the_cpu_backend_and_changes_bits_on_the_gpu(device):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import alignaudit_kernels as K
+from alignaudit_kernels.primitives import compiling_inference
 
 
 class RopeOp(torch.nn.Module):
@@ -28,7 +29,7 @@ class RopeOp(torch.nn.Module):
         positions = positions.reshape(-1).to(x.device)
         if limit is None:
             limit = int(positions.max()) + 1 if positions.numel() else 0
-        rotate_ = rope if torch.compiler.is_compiling() else rotate  # under torch.compile: one opaque op
+        rotate_ = rope if compiling_inference(x) else rotate  # traced without gradients: one opaque op
         rows = max(self.max_positions, limit)
         return rotate_(flat, positions, self.theta, rows, list(self.llama3 or ())).view(x.shape)
 

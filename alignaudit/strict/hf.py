@@ -86,7 +86,7 @@ class StrictAttention(torch.nn.Module):
         position_ids = position_ids.expand(b, t)  # HF passes [1, t] for a batch without padding
         if self.strict_rope:
             past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
-            limit = past + t if isinstance(past, int) else None  # positions of a cache of past + t keys
+            limit = past + t if isinstance(past, (int, torch.SymInt)) else None  # a cache of past + t keys
             q, k = self.q_rope(q, position_ids, limit), self.k_rope(k, position_ids, limit)
         else:
             cos, sin = position_embeddings

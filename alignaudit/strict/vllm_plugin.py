@@ -4,20 +4,21 @@ Registered under the ``vllm.general_plugins`` entry point (pyproject.toml), so v
 in every process it starts. It does nothing unless ALIGNAUDIT_STRICT names ops ("all", or a list such
 as "rmsnorm,rope"); then it replaces, for every model vLLM loads (all patches live here):
     linear     UnquantizedLinearMethod.apply and LogitsProcessor._apply_head (the lm_head, in head_dtype)
-               with alignaudit::linear; row-parallel layers with K in ROW_PARALLEL_SEGMENTS segments, and at
+               with alignaudit_kernels.linear; row-parallel layers with K in ROW_PARALLEL_SEGMENTS segments, and at
                tensor-parallel size > 1 RowParallelLinear.forward combines the ranks' fp32 partials in
                rank order instead of all-reducing rounded outputs; on the CPU the weights stay in place (no
                oneDNN repacking); Qwen3MoeSparseMoeBlock.forward with the strict MoE layer
                (alignaudit::moe_route on a StrictRouter module, alignaudit::moe_experts), its expert weights
                kept in place on the CPU too (no grouped-GEMM prepacking)
-    rmsnorm    RMSNorm.forward with alignaudit::rms_norm / alignaudit::add_rms_norm (fused residual add,
+    rmsnorm    RMSNorm.forward with alignaudit_kernels.rms_norm (fused residual add,
                rounded once to the storage dtype, then normalized)
     rope       RotaryEmbedding.forward with alignaudit::rope (neox style, rotary_dim == head_size; plain, or
                Llama3RotaryEmbedding with its scaling read from the module)
-    silu       SiluAndMul.forward with alignaudit::silu_and_mul
-    logprobs   Sampler.compute_logprobs with alignaudit::log_softmax (prompt and sample logprobs)
+    silu       SiluAndMul.forward with alignaudit_kernels.silu_and_mul
+    logprobs   Sampler.compute_logprobs with alignaudit_kernels.log_softmax (prompt and sample logprobs)
     attention  the CPU_ATTN backend with alignaudit.strict.vllm_attention (CPU only for now)
-The ops are torch.library custom ops, opaque to torch.compile, so compiled and eager vLLM agree.
+The kernels are torch.library custom ops while torch.compile traces them (alignaudit_kernels::*, and
+alignaudit::rope/moe_route/moe_experts), opaque to it, so compiled and eager vLLM agree.
 vLLM's compile cache is bypassed (VLLM_DISABLE_COMPILE_CACHE=1 unless set): its key does not see these
 patches, so a graph compiled without them could otherwise be loaded.
 
