@@ -42,7 +42,7 @@ q8() {  # $1 name, rest: extra compare options
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    tests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
              | tee "$out/gpu-kernel-tests.log" | tail -15 || status=1 ;;
     sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | tail -25 ;;
     sweep-attention) timeout 240 python3 bench/sweep_gpu.py --sections attention --json "$out/sweep-attention.json" 2>&1 | tail -30 ;;
