@@ -51,6 +51,7 @@ def _tables_cpu(rows: int, rotary_dim: int, theta: float, llama3: tuple | None) 
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
+@torch.compiler.disable  # traced by torch.compile, the tables could round otherwise: always built eagerly
 @functools.lru_cache(maxsize=16)
 def rope_tables(max_positions: int, rotary_dim: int, theta: float, device: str = "cpu",
                 llama3: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:

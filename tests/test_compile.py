@@ -4,6 +4,8 @@ bits; rope takes the caller's sequence bound instead of reading positions on the
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch._dynamo
@@ -47,11 +49,17 @@ def test_rope_with_a_host_bound_gives_the_same_bits_and_refuses_positions_past_i
 
 
 def test_compiled_rope_keeps_its_gradient():
-    """Traced with gradients, RopeOp stays on the autograd path (the opaque rope op is forward only)."""
+    """Traced with gradients, RopeOp stays on the autograd path (the opaque rope op is forward only), and
+    its cos/sin tables are still built eagerly: Dynamo never traces rope_tables (a compiled torch.cos could
+    round otherwise; Dynamo says so when it traces through an lru_cache)."""
     from alignaudit.strict.common import RopeOp
 
     rope = RopeOp(16, 1e4, max_positions=8)
     x = torch.randn(1, 6, 2, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
     positions = torch.arange(6)[None]
-    torch.compile(lambda x: rope(x, positions, 6).square().sum(), backend="aot_eager")(x).backward()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(lambda x: rope(x, positions, 6).square().sum(), backend="aot_eager")(x).backward()
     assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
