@@ -158,11 +158,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @opaque_op("log_softmax", "(Tensor logits) -> Tensor",
            lambda logits: torch.empty(logits.shape, dtype=torch.float32, device=logits.device))
 def _log_softmax_op(logits):
-    return _log_softmax(logits.reshape(-1, logits.shape[-1]).contiguous())[0].reshape(logits.shape)
+    return _LogSoftmax.apply(logits)  # inside the op no gradient is recorded: the forward alone
 
 
 @opaque_op("token_logprobs", "(Tensor logits, Tensor targets) -> Tensor",
            lambda logits, targets: torch.empty(targets.shape, dtype=torch.float32, device=logits.device))
 def _token_logprobs_op(logits, targets):
-    logprobs = _token_logprobs(logits.reshape(-1, logits.shape[-1]).contiguous(), targets.reshape(-1))[0]
-    return logprobs.reshape(targets.shape)
+    return _TokenLogprobs.apply(logits, targets)

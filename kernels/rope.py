@@ -144,4 +144,4 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
 @opaque_op("apply_rope", "(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor",
            lambda x, positions, cos, sin: x.new_empty(x.shape))
 def _rope_op(x, positions, cos, sin):
-    return (_triton if use_triton(x) else _cpu)(x, positions, cos, sin)
+    return _Rope.apply(x, positions, cos, sin)

@@ -47,24 +47,15 @@ def _triton(gate, up):
     return y
 
 
-def _forward(gate, up):
-    shape = gate.shape
-    g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
-    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
-        g2, u2 = g2.contiguous(), u2.contiguous()
-    return (_triton if use_triton(gate) else _cpu)(g2, u2).reshape(shape)
-
-
-@opaque_op("silu_mul", "(Tensor gate, Tensor up) -> Tensor", lambda gate, up: gate.new_empty(gate.shape))
-def _silu_mul_op(gate, up):
-    return _forward(gate, up)
-
-
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return _forward(gate, up)
+        shape = gate.shape
+        g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+        if g2.stride(-1) != 1 or u2.stride(-1) != 1:
+            g2, u2 = g2.contiguous(), u2.contiguous()
+        return (_triton if use_triton(gate) else _cpu)(g2, u2).reshape(shape)
 
     @staticmethod
     def backward(ctx, g):
@@ -88,3 +79,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Strict SwiGLU on a fused [..., 2I] tensor laid out [gate | up] (vLLM, Megatron): -> [..., I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return silu_mul(gate, up)
+
+
+@opaque_op("silu_mul", "(Tensor gate, Tensor up) -> Tensor", lambda gate, up: gate.new_empty(gate.shape))
+def _silu_mul_op(gate, up):
+    return _SiluMul.apply(gate, up)  # inside the op no gradient is recorded: the forward alone
