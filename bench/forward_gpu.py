@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -40,6 +41,17 @@ def median_ms(fn, warmup=2, reps=5) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def host_ms(fn) -> float:
+    """Wall time until ``fn`` returns, the GPU idle at the start and not awaited at the end: the host's share.
+    Close to the forward's GPU time means the forward is launch-bound."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed * 1e3
 
 
 def count_syncs(fn) -> str:
@@ -94,6 +106,12 @@ def main() -> None:
     make_strict(model, frozenset(STRICT_OPS))
     strict_ms = median_ms(strict)
     print(f"host synchronizations in one strict forward: {count_syncs(strict)}", flush=True)
+    print(f"host time to launch one forward (until it returns, GPU not awaited): default {host_ms(stock):.1f} ms, "
+          f"strict {host_ms(strict):.1f} ms", flush=True)
+    ids = all_ids[:1]
+    print(f"at 1 x {args.tokens} tokens, eager: strict {median_ms(strict):.1f} ms, host time to launch it "
+          f"{host_ms(strict):.1f} ms", flush=True)
+    ids = all_ids
     print(f"{args.preset} forward, {args.batch} x {args.tokens} tokens, bf16, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}")
     print(f"default (sdpa, cuBLAS): {default_ms:.1f} ms   strict (every op): {strict_ms:.1f} ms   "

@@ -29,7 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import alignaudit_kernels as K  # noqa: E402
 
 DT = torch.bfloat16
-LINEARS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096), "lm_head": (4096, 151936)}
+# (K, N, K segments): the row-parallel layers (attention output, MLP down) reduce K in the segments every
+# engine's strict path uses (kernels/matmul.ROW_PARALLEL_SEGMENTS), the others in one
+RP = K.matmul.ROW_PARALLEL_SEGMENTS
+LINEARS = {"qkv": (4096, 6144, 1), "o": (4096, 4096, RP), "gate_up": (4096, 24576, 1), "down": (12288, 4096, RP),
+           "lm_head": (4096, 151936, 1)}
 
 
 def ms(fn) -> float:
@@ -59,13 +63,14 @@ def copy_ms(nbytes: int) -> float:
 
 def bench_matmul(ms_list):
     rows = []
-    for name, (k, n) in LINEARS.items():
+    for name, (k, n, segments) in LINEARS.items():
         w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
         for m in ms_list:
             x = torch.randn(m, k, dtype=DT, device="cuda")
-            timing = side_by_side(lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w))
+            timing = side_by_side(lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w, k_segments=segments))
             tflops = 2 * m * n * k / timing["strict_ms"] / 1e9
-            rows.append({"op": f"matmul {name} {k}x{n}", "M": m, **timing, "strict_tflops": tflops})
+            label = f"matmul {name} {k}x{n}" + (f" ({segments} K segments)" if segments > 1 else "")
+            rows.append({"op": label, "M": m, **timing, "strict_tflops": tflops})
     return rows
 
 

@@ -68,6 +68,8 @@ def pairs(device: str) -> dict:
 
     return {
         "linear 4096x6144": (lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w)),
+        "linear 4096x4096, 4 K segments": (lambda: torch.nn.functional.linear(x, w[:4096]),
+                                           lambda: K.linear(x, w[:4096], k_segments=K.matmul.ROW_PARALLEL_SEGMENTS)),
         "rmsnorm 4096": (lambda: torch.nn.functional.rms_norm(x, (4096,), nw, 1e-6), lambda: K.rms_norm(x, nw, 1e-6)),
         "rope 32x128": (torch_rope, lambda: K.apply_rope(q, pos, cos, sin)),
         "silu_mul 12288": (lambda: torch.nn.functional.silu(gate) * up, lambda: K.silu_mul(gate, up)),

@@ -253,6 +253,13 @@ if triton is not None:
         return seq, qrow, valid_row, pos
 
     @triton.jit
+    def _store_output(o_ptr, acc, l, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+        """The end of every path (unsplit kernel and split merge alike): acc / l in fp32, rounded once to the
+        output dtype."""
+        tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & (d < HEAD_DIM)[None, :])
+
+    @triton.jit
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, bt_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles,
                           scale, stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -293,9 +300,7 @@ if triton is not None:
                                          stride_vh, stride_bt, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV,
                                          NATIVE_EXP)
                 m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, c0 <= pos, NATIVE_EXP)
-            out = acc / l[:, None]
-            tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                     out.to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & dmask[None, :])
+            _store_output(o_ptr, acc, l, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
 
     @triton.jit
     def _combine_kernel(o_ptr, pos_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles, n_chunks, stride_ot, stride_oh,
@@ -323,9 +328,7 @@ if triton is not None:
             l_c = tl.load(l_ptr + at, mask=active, other=0.0)
             acc_c = tl.load(acc_ptr + at[:, None] * BLOCK_D + d[None, :], mask=active[:, None], other=0.0)
             m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, active, NATIVE_EXP)
-        out = acc / l[:, None]
-        tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & (d < HEAD_DIM)[None, :])
+        _store_output(o_ptr, acc, l, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
 
 
 def _tiles(seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, per_tile: int) -> torch.Tensor:

@@ -114,15 +114,23 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr = 1):
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr = 1,
+                       SPLIT_K: tl.constexpr = False):
+        """y = x @ w^T (+ b) for one output tile. SEGMENTS > 1: K as a tree of segments, inside the program;
+        SPLIT_K: program (tile, s) stores segment s's fp32 accumulator at y + s * stride_ys instead (no bias),
+        and _segment_tree_kernel adds the segments afterwards."""
         pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         seg = K // SEGMENTS
         args = (x_ptr, w_ptr, rm, rn)
-        if SEGMENTS == 1:
+        if SPLIT_K:
+            s = tl.program_id(1)
+            acc = _segment(*args, s * seg, (s + 1) * seg, M, N, stride_xm, stride_wn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+            y_ptr += s.to(tl.int64) * stride_ys
+        elif SEGMENTS == 1:
             acc = _segment(*args, 0, K, M, N, stride_xm, stride_wn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
         elif SEGMENTS == 2:
             acc = (_segment(*args, 0, seg, M, N, stride_xm, stride_wn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -151,6 +159,27 @@ if triton is not None:
             acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _segment_pair(p_ptr, q, total, offs, mask):
+        return (tl.load(p_ptr + (2 * q) * total + offs, mask=mask, other=0.0)
+                + tl.load(p_ptr + (2 * q + 1) * total + offs, mask=mask, other=0.0))
+
+    @triton.jit
+    def _segment_tree_kernel(p_ptr, b_ptr, y_ptr, total, N, HAS_BIAS: tl.constexpr, SEGMENTS: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        """y = the SEGMENTS fp32 partials p [SEGMENTS, total] added by tree_sum's tree ((p0 + p1) + (p2 + p3))
+        ..., + bias (fp32, column = index % N), stored in y's dtype: the end of _matmul_kernel's tree."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < total
+        acc = _segment_pair(p_ptr, 0, total, offs, mask)
+        if SEGMENTS >= 4:
+            acc = acc + _segment_pair(p_ptr, 1, total, offs, mask)
+        if SEGMENTS == 8:
+            acc = acc + (_segment_pair(p_ptr, 2, total, offs, mask) + _segment_pair(p_ptr, 3, total, offs, mask))
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _tma_segment(x_desc, w_desc, pid_m, pid_n, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -238,8 +267,10 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     stores the unrounded accumulator (a partial)."""
     m, k = x2.shape
     n = weight.shape[0]
-    if tile is None and segments > 1 and m > SMALL_M:
-        return _split_segments(x2, weight, bias, segments, out_dtype)
+    if tile is None and segments > 1:
+        if m > SMALL_M:
+            return _split_segments(x2, weight, bias, segments, out_dtype)
+        return _split_k(x2, weight, bias, segments, out_dtype)
     # the pointer kernel reads rows through their stride: only the K axis must be contiguous
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
@@ -251,7 +282,7 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     bm, bn, bk, warps, stages = tile or tile_for(m, n, x2.dtype)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](x2, weight, bias if bias is not None else x2, y, m, n, k, x2.stride(0), weight.stride(0),
-                         y.stride(0), HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
+                         y.stride(0), 0, HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SEGMENTS=segments, num_warps=warps,
                          num_stages=stages)
     return y
@@ -274,6 +305,34 @@ def _split_segments(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if bias is not None:
         out = out + bias.float()
     return out.to(x2.dtype)
+
+
+SPLIT_K_BLOCK = 1024  # elements per program of _segment_tree_kernel
+
+
+def _split_k(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int,
+             out_dtype: torch.dtype | None) -> torch.Tensor:
+    """A segmented product at M <= SMALL_M with one program per (output tile, K segment), each storing its
+    segment's fp32 accumulator, then one launch that adds the segments by the tree, adds the bias and rounds.
+    Each segment is accumulated by the same _segment loop as inside the in-kernel tree and the tree is the
+    same, so the bits are the in-kernel tree's (tests/test_kernels.py checks it); the point is SEGMENTS times
+    as many programs, where a decode batch's few row tiles leave most SMs idle. Two launches where the tree
+    in one kernel takes one."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    parts = torch.empty(segments, m, n, dtype=torch.float32, device=x2.device)
+    bm, bn, bk, warps, stages = tile_for(m, n, x2.dtype)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), segments)
+    _matmul_kernel[grid](x2, weight, x2, parts, m, n, k, x2.stride(0), weight.stride(0), n, m * n,
+                         HAS_BIAS=False, IEEE=x2.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                         GROUP_M=8, SEGMENTS=segments, SPLIT_K=True, num_warps=warps, num_stages=stages)
+    y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
+    _segment_tree_kernel[(triton.cdiv(m * n, SPLIT_K_BLOCK),)](
+        parts, bias if bias is not None else parts, y, m * n, n, HAS_BIAS=bias is not None, SEGMENTS=segments,
+        BLOCK=SPLIT_K_BLOCK)
+    return y
 
 
 def _tma_available(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -232,14 +232,16 @@ def test_row_parallel_partials_combine_to_the_single_rank_result(device, dtype, 
     assert_within("segmented linear", full, ref, ulp_of(ref, dtype) + k * 2**-23 * (x.double().abs() @ w.double().abs().T + b.double().abs()))
 
 
+@pytest.mark.parametrize("m", [3, matmul.SMALL_M + 44])
 @pytest.mark.parametrize("segments", [2, 4, 8])
-def test_segments_at_large_m_split_into_products_give_the_in_kernel_tree(request, device, dtype, segments):
-    """Above SMALL_M a segmented product runs as one fp32 product per segment plus the segment tree
-    (matmul._split_segments); a launch tile given explicitly keeps the tree inside one kernel. Same bits,
-    with and without bias, and as an fp32 partial."""
+def test_segments_split_across_launches_give_the_in_kernel_tree(request, device, dtype, segments, m):
+    """A segmented product is split: above SMALL_M into one fp32 product per segment plus the segment tree
+    (matmul._split_segments), at or below it into one program per (tile, segment) plus a tree launch
+    (matmul._split_k); a launch tile given explicitly keeps the tree inside one kernel. Same bits, with and
+    without bias, and as an fp32 partial."""
     if request.config.getoption("--kernel-device") == "cpu":
         pytest.skip("compares two Triton paths (interpret or cuda)")
-    m, k, n = matmul.SMALL_M + 44, 1024, 96
+    k, n = 1024, 96
     x, w = randn(m, k, dtype=dtype, device=device, seed=16), randn(n, k, dtype=dtype, device=device, seed=17, scale=0.1)
     b = randn(n, dtype=dtype, device=device, seed=18)
     tile = matmul.tile_for(m, n, dtype)
