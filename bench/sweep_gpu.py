@@ -1,12 +1,13 @@
 """Launch-configuration sweep for the strict matmul and attention on one GPU.
 
-    python3 bench/sweep_gpu.py [--sections matmul,tma,attention] [--json OUT.json]
+    python3 bench/sweep_gpu.py [--sections matmul,tma,segments,small-m,attention] [--json OUT.json]
 
 For each configuration: its time at Qwen3-8B shapes (median of triton.testing.do_bench, random bf16), next
 to the default (cuBLAS, SDPA flash), and whether every configuration returns the same bits as the first
 for the same inputs. A configuration may be picked by batch size only if it does: that is what keeps a
 token's result independent of the batch it is in. Sections: matmul (pointer-kernel tiles), tma (the TMA
-kernel, grid and persistent, against the pointer kernel's bits), attention (key chunk sizes, split or not,
+kernel, grid and persistent, against the pointer kernel's bits), segments (every way to run the row-parallel
+layers' K-segmented product), small-m (the TMA kernel at M = 256), attention (key chunk sizes, split or not,
 the portable and the native exp; prefill and decode). Tiles and key blocks were swept on 2026-11-29
 (docs/benchmarks.md): all within 10%.
 """
@@ -85,6 +86,85 @@ def sweep_matmul_tma(rows):
     return {"tma_bitwise_equal_to_pointer_kernel": all(same)}
 
 
+def graph_ms(fn):
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+SEGMENT_TMA_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4),
+                     (64, 128, 64, 4, 4)]
+
+
+def sweep_segments(rows):
+    """The row-parallel layers' K-segmented product (ROW_PARALLEL_SEGMENTS, the tree of kernels/matmul.py) at
+    Qwen3-8B's o and down shapes, every way it can run, as CUDA-graph replays: the tree inside one pointer-kernel
+    program (the reference bits), one program per (tile, segment) plus a tree launch (_split_k), one fp32
+    product per segment plus torch's tree (_split_segments), and the TMA kernel with scratch tiles (tiles,
+    grid or persistent); beside cuBLAS and the unsegmented strict product."""
+    s = matmul.ROW_PARALLEL_SEGMENTS
+    same = []
+    for k, n in ((4096, 4096), (12288, 4096)):
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+        for m in (16, 256, 4096):
+            x = torch.randn(m, k, dtype=DT, device="cuda")
+            expected = matmul._triton(x, w, None, tile=matmul.tile_for(m, n, DT), segments=s)
+            base = graph_ms(lambda: torch.nn.functional.linear(x, w))
+            ways = {"unsegmented (strict, default path)": lambda: matmul._triton(x, w, None),
+                    "in-kernel tree (pointer)": lambda: matmul._triton(x, w, None, tile=matmul.tile_for(m, n, DT), segments=s),
+                    "split_k": lambda: matmul._split_k(x, w, None, s, None),
+                    "split_segments": lambda: matmul._split_segments(x, w, None, s, None),
+                    "default path": lambda: matmul._triton(x, w, None, segments=s)}
+            for t in SEGMENT_TMA_TILES:
+                for persistent in (False, True):
+                    ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = (
+                        lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent, segments=s))
+            for name, fn in ways.items():
+                try:
+                    if name != "unsegmented (strict, default path)":
+                        same.append(torch.equal(fn(), expected))
+                    strict = graph_ms(fn)
+                except Exception as e:  # a configuration that does not compile or fit: record it and go on
+                    print(f"segments {k}x{n} M={m} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                rows.append({"op": f"matmul {k}x{n} {s} K segments (graph)", "M": m, "config": name,
+                             "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+    print(f"segments: every way gives the in-kernel tree's bits {all(same)} ({len(same)} checks)", flush=True)
+    return {"segments_bitwise_equal": all(same)}
+
+
+SMALL_M_TMA_TILES = [(128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
+                     (64, 64, 64, 4, 4)]
+
+
+def sweep_small_m(rows):
+    """M = 256 (a prefill chunk or a large decode batch) for the unsegmented layers: the pointer kernel's tile
+    for that size against the TMA kernel at smaller tiles, as CUDA-graph replays, bits against the pointer
+    kernel's."""
+    same = []
+    m = 256
+    for k, n in ((4096, 6144), (4096, 24576), (4096, 151936)):
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+        x = torch.randn(m, k, dtype=DT, device="cuda")
+        expected = matmul._triton(x, w, None)
+        base = graph_ms(lambda: torch.nn.functional.linear(x, w))
+        rows.append({"op": f"matmul {k}x{n} (graph)", "M": m, "config": "pointer (default path)", "default_ms": base,
+                     "strict_ms": graph_ms(lambda: matmul._triton(x, w, None)), "ratio": None})
+        rows[-1]["ratio"] = base / rows[-1]["strict_ms"]
+        for t in SMALL_M_TMA_TILES:
+            for persistent in (False, True):
+                fn = lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent)  # noqa: E731
+                try:
+                    same.append(torch.equal(fn(), expected))
+                    strict = graph_ms(fn)
+                except Exception as e:  # noqa: BLE001
+                    print(f"small-m {k}x{n} tma {t}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                rows.append({"op": f"matmul {k}x{n} (graph)", "M": m,
+                             "config": f"tma {t} {'persistent' if persistent else 'grid'}", "default_ms": base,
+                             "strict_ms": strict, "ratio": base / strict})
+    print(f"small-m: TMA bits equal to the pointer kernel {all(same)} ({len(same)} checks)", flush=True)
+    return {"small_m_tma_bitwise_equal": all(same)}
+
+
 def sweep_attention(rows):
     """Key chunk sizes (the split-KV granularity; each one another algorithm), split or not, portable or native
     exp: prefill at 1k and 4k tokens, paged decode at batch 1, 16 and 256 over 4k keys."""
@@ -140,11 +220,12 @@ def sweep_attention(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--sections", default="matmul,tma,attention", help="comma list of matmul, tma, attention")
+    parser.add_argument("--sections", default="matmul,tma,attention", help="comma list of matmul, tma, segments, small-m, attention")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
-    sections = {"matmul": sweep_matmul, "tma": sweep_matmul_tma, "attention": sweep_attention}
+    sections = {"matmul": sweep_matmul, "tma": sweep_matmul_tma, "segments": sweep_segments, "small-m": sweep_small_m,
+                "attention": sweep_attention}
     checks = {}
     for name in args.sections.split(","):
         checks.update(sections[name](rows))

@@ -192,40 +192,61 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _matmul_tma_kernel(x_desc, w_desc, y_desc, M, N, K, programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr = 1):
+    def _tma_pair(x_desc, w_desc, pid_m, pid_n, seg, q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+        """Segments 2q and 2q + 1, each from zero, added: one pair of the segment tree."""
+        left = _tma_segment(x_desc, w_desc, pid_m, pid_n, 2 * q * seg, (2 * q + 1) * seg, BLOCK_M, BLOCK_N, BLOCK_K)
+        return left + _tma_segment(x_desc, w_desc, pid_m, pid_n, (2 * q + 1) * seg, (2 * q + 2) * seg, BLOCK_M,
+                                   BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def _park(scratch_ptr, slot, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Store a finished fp32 subtree in the program's scratch slot, so that the next pair needs no third
+        accumulator in registers (the barrier: no thread may overwrite a slot another still reads)."""
+        tl.debug_barrier()
+        at = slot * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(scratch_ptr + at, acc)
+
+    @triton.jit
+    def _unpark(scratch_ptr, slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        tl.debug_barrier()  # every thread's part of the slot written before any thread reads it
+        at = slot * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        return tl.load(scratch_ptr + at)
+
+    @triton.jit
+    def _matmul_tma_kernel(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                           SEGMENTS: tl.constexpr = 1):
         """The same arithmetic as _matmul_kernel (bf16/fp16, no bias), with tiles moved by the TMA unit
         (out-of-range rows and K zero-filled, as the masked loads do) and ``programs`` persistent programs
         walking the tiles in the same grouped order. With SEGMENTS > 1 each segment is a whole number of
-        BLOCK_K steps (the caller checks), so no load crosses a segment boundary."""
+        BLOCK_K steps (the caller checks), so no load crosses a segment boundary, and the tree's finished
+        left halves wait in two fp32 scratch tiles per program (scratch_ptr, [programs, 2, BLOCK_M, BLOCK_N]),
+        so that at most two accumulators are live (three spilled registers at the large tiles)."""
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         seg = K // SEGMENTS
+        slot = tl.program_id(0).to(tl.int64) * 2
         for tile in tl.range(tl.program_id(0), tiles, programs, flatten=True):
             pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             if SEGMENTS == 1:
                 acc = _tma_segment(x_desc, w_desc, pid_m, pid_n, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
-            else:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                left = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for q in tl.static_range(SEGMENTS // 2):
-                    pair = (_tma_segment(x_desc, w_desc, pid_m, pid_n, 2 * q * seg, (2 * q + 1) * seg, BLOCK_M,
-                                         BLOCK_N, BLOCK_K)
-                            + _tma_segment(x_desc, w_desc, pid_m, pid_n, (2 * q + 1) * seg, (2 * q + 2) * seg,
-                                           BLOCK_M, BLOCK_N, BLOCK_K))
-                    if SEGMENTS == 2:
-                        acc = pair
-                    elif SEGMENTS == 4:
-                        if q == 0:
-                            acc = pair
-                        else:
-                            acc = acc + pair
-                    else:
-                        if q % 2 == 0:
-                            left = pair
-                        elif q == 1:
-                            acc = left + pair
-                        else:
-                            acc = acc + (left + pair)
+            elif SEGMENTS == 2:
+                acc = _tma_pair(x_desc, w_desc, pid_m, pid_n, seg, 0, BLOCK_M, BLOCK_N, BLOCK_K)
+            elif SEGMENTS == 4:  # p01 + p23
+                _park(scratch_ptr, slot, _tma_pair(x_desc, w_desc, pid_m, pid_n, seg, 0, BLOCK_M, BLOCK_N, BLOCK_K),
+                      BLOCK_M, BLOCK_N)
+                right = _tma_pair(x_desc, w_desc, pid_m, pid_n, seg, 1, BLOCK_M, BLOCK_N, BLOCK_K)
+                acc = _unpark(scratch_ptr, slot, BLOCK_M, BLOCK_N) + right
+            else:  # 8: (p01 + p23) + (p45 + p67)
+                _park(scratch_ptr, slot, _tma_pair(x_desc, w_desc, pid_m, pid_n, seg, 0, BLOCK_M, BLOCK_N, BLOCK_K),
+                      BLOCK_M, BLOCK_N)
+                right = _tma_pair(x_desc, w_desc, pid_m, pid_n, seg, 1, BLOCK_M, BLOCK_N, BLOCK_K)
+                _park(scratch_ptr, slot, _unpark(scratch_ptr, slot, BLOCK_M, BLOCK_N) + right, BLOCK_M, BLOCK_N)
+                _park(scratch_ptr, slot + 1,
+                      _tma_pair(x_desc, w_desc, pid_m, pid_n, seg, 2, BLOCK_M, BLOCK_N, BLOCK_K), BLOCK_M, BLOCK_N)
+                right = _tma_pair(x_desc, w_desc, pid_m, pid_n, seg, 3, BLOCK_M, BLOCK_N, BLOCK_K)
+                right = _unpark(scratch_ptr, slot + 1, BLOCK_M, BLOCK_N) + right
+                acc = _unpark(scratch_ptr, slot, BLOCK_M, BLOCK_N) + right
             y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_desc.dtype))
 
 
@@ -233,7 +254,9 @@ if triton is not None:
 # batch size: up to TINY_M rows (decode) a 16-row tile with narrow columns, so that enough programs stream
 # W; up to SMALL_M rows 64x64 (128x128 for wide layers, N >= WIDE_N: gate/up, lm_head); above, 256x128,
 # or on Hopper and newer (bf16/fp16 without bias) 128x256 tiles moved by the TMA unit in persistent
-# programs (_matmul_tma_kernel; ALIGNAUDIT_MATMUL_TMA=0 turns it off). A tile only decides which outputs
+# programs (_matmul_tma_kernel; ALIGNAUDIT_MATMUL_TMA=0 turns it off), 128x128 for a K-segmented product
+# (two accumulators live, plus a scratch tile). Segmented products elsewhere run one program per tile and
+# segment (_split_k). A tile only decides which outputs
 # a program computes: on an H200 every tile in bench/sweep_gpu.py (fifteen bf16 tiles from 16x16 to
 # 256x128, BLOCK_K 64 and 128, and the TMA kernel, 2026-11-29) gave every element the same bits, and a
 # row alone in a small tile equals the same row in a large one; tests/test_kernels.py re-checks across the
@@ -241,9 +264,11 @@ if triton is not None:
 # code path) on hardware where that has not been verified.
 TILES = {
     torch.bfloat16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
-                     "large": (256, 128, 64, 8, 3), "large_tma": (128, 256, 64, 8, 3)},
+                     "large": (256, 128, 64, 8, 3), "large_tma": (128, 256, 64, 8, 3),
+                     "large_tma_segments": (128, 128, 64, 8, 4)},
     torch.float16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
-                    "large": (256, 128, 64, 8, 3), "large_tma": (128, 256, 64, 8, 3)},
+                    "large": (256, 128, 64, 8, 3), "large_tma": (128, 256, 64, 8, 3),
+                    "large_tma_segments": (128, 128, 64, 8, 4)},
     torch.float32: dict.fromkeys(("tiny", "small", "small_wide", "large"), (64, 64, 32, 4, 3)),
 }
 TINY_M = 16
@@ -267,17 +292,15 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     stores the unrounded accumulator (a partial)."""
     m, k = x2.shape
     n = weight.shape[0]
+    if tile is None and m > SMALL_M and _tma_available(x2, weight, bias):
+        large = TILES[x2.dtype]["large_tma" if segments == 1 else "large_tma_segments"]
+        if (k // segments) % large[2] == 0:  # no TMA load may cross a segment boundary
+            return _triton_tma(x2, weight, large, segments=segments, out_dtype=out_dtype)
     if tile is None and segments > 1:
-        if m > SMALL_M:
-            return _split_segments(x2, weight, bias, segments, out_dtype)
         return _split_k(x2, weight, bias, segments, out_dtype)
     # the pointer kernel reads rows through their stride: only the K axis must be contiguous
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    if tile is None and out_dtype is None and m > SMALL_M and _tma_available(x2, weight, bias):
-        large = TILES[x2.dtype]["large_tma"]
-        if (k // segments) % large[2] == 0:  # no TMA load may cross a segment boundary
-            return _triton_tma(x2, weight, large, segments=segments)
     y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = tile or tile_for(m, n, x2.dtype)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
@@ -349,20 +372,23 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True, segments: int = 1) -> torch.Tensor:
-    """The large-batch path on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel)."""
+def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True, segments: int = 1,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The large-batch path on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel); ``out_dtype``
+    float32 stores the unrounded accumulator (a partial)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x2.shape
     n = weight.shape[0]
     x2, weight = x2.contiguous(), weight.contiguous()
-    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = tile
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     programs = min(tiles, sm_count(x2.device)) if persistent else tiles
+    scratch = torch.empty(programs * 2 * bm * bn if segments > 2 else 1, dtype=torch.float32, device=x2.device)
     _matmul_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-        TensorDescriptor.from_tensor(y, [bm, bn]), m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        TensorDescriptor.from_tensor(y, [bm, bn]), scratch, m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
     return y
 

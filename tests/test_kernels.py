@@ -252,6 +252,32 @@ def test_segments_split_across_launches_give_the_in_kernel_tree(request, device,
                          matmul._triton(x, w, None, tile=tile, segments=segments, out_dtype=torch.float32))
 
 
+@pytest.mark.parametrize("segments", [2, 4, 8])
+def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypatch, device, dtype, segments):
+    """The TMA kernel parks the tree's finished left halves in scratch tiles (two accumulators live at most):
+    grid and persistent, at its tiles, the bits of the pointer kernel's tree inside one program. The
+    interpreter runs it too (fp32, at the pointer kernel's tile: its numpy dot depends on the tile)."""
+    where = request.config.getoption("--kernel-device")
+    if where == "cpu":
+        pytest.skip("compares two Triton paths (interpret or cuda)")
+    m, k, n = (300, 1024, 96) if where == "cuda" else (70, 256, 96)
+    x, w = randn(m, k, dtype=dtype, device=device, seed=19), randn(n, k, dtype=dtype, device=device, seed=20, scale=0.1)
+    if where == "cuda":
+        if not matmul._tma_available(x, w, None):
+            pytest.skip("the TMA kernel needs Hopper or newer and bf16/fp16")
+        reference_tile, tiles = matmul.TILES[dtype]["large"], [matmul.TILES[dtype]["large_tma"],
+                                                               matmul.TILES[dtype]["large_tma_segments"]]
+    else:
+        monkeypatch.setattr(matmul, "sm_count", lambda device: 3)  # persistent: 3 programs walk 30 tiles
+        reference_tile = (32, 32, 16, 4, 1)
+        tiles = [reference_tile]
+    expected = matmul._triton(x, w, None, tile=reference_tile, segments=segments)
+    for tile in tiles:
+        for persistent in (False, True):
+            assert_bitwise_equal(f"tma {tile} persistent={persistent}",
+                                 matmul._triton_tma(x, w, tile, persistent, segments=segments), expected)
+
+
 def test_row_parallel_negative_control_rounded_partials_summed(device):
     """What a stock row-parallel layer does (each rank rounds its output to bf16, then the ranks' outputs
     are added): not the single-rank bits."""
