@@ -252,11 +252,10 @@ if triton is not None:
 
 # Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing at run time; chosen by
 # batch size: up to TINY_M rows (decode) a 16-row tile with narrow columns, so that enough programs stream
-# W; up to SMALL_M rows 64x64 (128x128 for wide layers, N >= WIDE_N: gate/up, lm_head); above, 256x128,
-# or on Hopper and newer (bf16/fp16 without bias) 128x256 tiles moved by the TMA unit in persistent
-# programs (_matmul_tma_kernel; ALIGNAUDIT_MATMUL_TMA=0 turns it off), 128x128 for a K-segmented product
-# (two accumulators live, plus a scratch tile). Segmented products elsewhere run one program per tile and
-# segment (_split_k). A tile only decides which outputs
+# W; up to SMALL_M rows 64x64 (128x128 for wide layers, N >= WIDE_N: gate/up, lm_head); above, 256x128.
+# On Hopper and newer (bf16/fp16 without bias) every batch above TINY_M runs the TMA kernel instead
+# (_matmul_tma_kernel, tiles in TMA_PLANS; ALIGNAUDIT_MATMUL_TMA=0 turns it off). A K-segmented product that
+# does not run there runs one program per tile and segment (_split_k). A tile only decides which outputs
 # a program computes: on an H200 every tile in bench/sweep_gpu.py (fifteen bf16 tiles from 16x16 to
 # 256x128, BLOCK_K 64 and 128, and the TMA kernel, 2026-11-29) gave every element the same bits, and a
 # row alone in a small tile equals the same row in a large one; tests/test_kernels.py re-checks across the
@@ -264,16 +263,21 @@ if triton is not None:
 # code path) on hardware where that has not been verified.
 TILES = {
     torch.bfloat16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
-                     "large": (256, 128, 64, 8, 3), "large_tma": (128, 256, 64, 8, 3),
-                     "large_tma_segments": (128, 128, 64, 8, 4)},
+                     "large": (256, 128, 64, 8, 3)},
     torch.float16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
-                    "large": (256, 128, 64, 8, 3), "large_tma": (128, 256, 64, 8, 3),
-                    "large_tma_segments": (128, 128, 64, 8, 4)},
+                    "large": (256, 128, 64, 8, 3)},
     torch.float32: dict.fromkeys(("tiny", "small", "small_wide", "large"), (64, 64, 32, 4, 3)),
 }
 TINY_M = 16
 SMALL_M = 256
 WIDE_N = 16384
+# The TMA kernel's (tile, persistent) by batch-size class (above TINY_M; up to SMALL_M or above it) and by
+# whether the product is "narrow": K-segmented (two accumulators live, 128x256 spills) or stored as an fp32
+# partial (128x256 with an fp32 output tile exceeds shared memory). The fastest on an H200 in
+# bench/sweep_gpu.py --sections segments,small-m (2026-11-30, docs/benchmarks.md); every one gave the
+# pointer kernel's bits there.
+TMA_PLANS = {("small", False): ((128, 128, 64, 8, 4), True), ("small", True): ((64, 128, 64, 4, 4), False),
+             ("large", False): ((128, 256, 64, 8, 3), True), ("large", True): ((128, 128, 64, 8, 4), True)}
 
 
 def tile_for(m: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
@@ -292,10 +296,11 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     stores the unrounded accumulator (a partial)."""
     m, k = x2.shape
     n = weight.shape[0]
-    if tile is None and m > SMALL_M and _tma_available(x2, weight, bias):
-        large = TILES[x2.dtype]["large_tma" if segments == 1 else "large_tma_segments"]
-        if (k // segments) % large[2] == 0:  # no TMA load may cross a segment boundary
-            return _triton_tma(x2, weight, large, segments=segments, out_dtype=out_dtype)
+    if tile is None and m > TINY_M and _tma_available(x2, weight, bias):
+        narrow = segments > 1 or out_dtype == torch.float32
+        tma_tile, persistent = TMA_PLANS["large" if m > SMALL_M else "small", narrow]
+        if (k // segments) % tma_tile[2] == 0:  # no TMA load may cross a segment boundary
+            return _triton_tma(x2, weight, tma_tile, persistent, segments=segments, out_dtype=out_dtype)
     if tile is None and segments > 1:
         return _split_k(x2, weight, bias, segments, out_dtype)
     # the pointer kernel reads rows through their stride: only the K axis must be contiguous

@@ -188,7 +188,8 @@ def test_every_launch_tile_gives_the_same_bits(device, dtype):
     outs = {name: matmul._triton(x, w, None, tile=tile) for name, tile in matmul.TILES[dtype].items()}
     if matmul._tma_available(x, w, None):  # Hopper and newer: the TMA kernel, grid and persistent
         for persistent in (False, True):
-            outs[f"tma persistent={persistent}"] = matmul._triton_tma(x, w, matmul.TILES[dtype]["large_tma"], persistent)
+            for plan, (tile, _) in matmul.TMA_PLANS.items():
+                outs[f"tma {plan} persistent={persistent}"] = matmul._triton_tma(x, w, tile, persistent)
         assert_bitwise_equal("linear() at 300 rows (TMA path) vs large tile", K.linear(x, w), outs["large"])
     for name, out in outs.items():
         assert_bitwise_equal(f"tile {name} vs large", out, outs["large"])
@@ -265,8 +266,7 @@ def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypa
     if where == "cuda":
         if not matmul._tma_available(x, w, None):
             pytest.skip("the TMA kernel needs Hopper or newer and bf16/fp16")
-        reference_tile, tiles = matmul.TILES[dtype]["large"], [matmul.TILES[dtype]["large_tma"],
-                                                               matmul.TILES[dtype]["large_tma_segments"]]
+        reference_tile, tiles = matmul.TILES[dtype]["large"], [tile for tile, _ in matmul.TMA_PLANS.values()]
     else:
         monkeypatch.setattr(matmul, "sm_count", lambda device: 3)  # persistent: 3 programs walk 30 tiles
         reference_tile = (32, 32, 16, 4, 1)
@@ -276,6 +276,21 @@ def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypa
         for persistent in (False, True):
             assert_bitwise_equal(f"tma {tile} persistent={persistent}",
                                  matmul._triton_tma(x, w, tile, persistent, segments=segments), expected)
+
+
+@needs_hardware_dot
+@pytest.mark.parametrize("segments", [1, matmul.ROW_PARALLEL_SEGMENTS])
+def test_linear_rows_keep_their_bits_across_batch_size_classes(device, dtype, segments):
+    """A row at K = 1024 (segments whole BLOCK_K steps, so that Hopper takes its TMA plans) alone and at the
+    first, a middle and the last position of batches in every class (tiny: split across programs when
+    segmented; small and large: their tiles or TMA plans): the same bits everywhere."""
+    k, n = 1024, 96
+    w = randn(n, k, dtype=dtype, device=device, seed=21, scale=0.1)
+    row = randn(k, dtype=dtype, device=device, seed=22)
+    alone, outs = rows_everywhere(lambda x: K.linear(x, w, k_segments=segments), row,
+                                  lambda b: randn(b, k, dtype=dtype, device=device, seed=22 + b), device)
+    for where, out in outs:
+        assert_bitwise_equal(f"row at {where}", out, alone)
 
 
 def test_row_parallel_negative_control_rounded_partials_summed(device):
