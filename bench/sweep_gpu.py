@@ -97,9 +97,8 @@ SEGMENT_TMA_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 
 def sweep_segments(rows):
     """The row-parallel layers' K-segmented product (ROW_PARALLEL_SEGMENTS, the tree of kernels/matmul.py) at
     Qwen3-8B's o and down shapes, every way it can run, as CUDA-graph replays: the tree inside one pointer-kernel
-    program (the reference bits), one program per (tile, segment) plus a tree launch (_split_k), one fp32
-    product per segment plus torch's tree (_split_segments), and the TMA kernel with scratch tiles (tiles,
-    grid or persistent); beside cuBLAS and the unsegmented strict product."""
+    program (the reference bits), one program per (tile, segment) plus a tree launch (_split_k), and the TMA
+    kernel with scratch tiles (tiles, grid or persistent); beside cuBLAS and the unsegmented strict product."""
     s = matmul.ROW_PARALLEL_SEGMENTS
     same = []
     for k, n in ((4096, 4096), (12288, 4096)):
@@ -111,7 +110,6 @@ def sweep_segments(rows):
             ways = {"unsegmented (strict, default path)": lambda: matmul._triton(x, w, None),
                     "in-kernel tree (pointer)": lambda: matmul._triton(x, w, None, tile=matmul.tile_for(m, n, DT), segments=s),
                     "split_k": lambda: matmul._split_k(x, w, None, s, None),
-                    "split_segments": lambda: matmul._split_segments(x, w, None, s, None),
                     "default path": lambda: matmul._triton(x, w, None, segments=s)}
             for t in SEGMENT_TMA_TILES:
                 for persistent in (False, True):

@@ -17,7 +17,10 @@ Contract (both backends):
                   (kernels/primitives.fixed_sum); products x*w rounded to fp32 (exact for bf16/fp16)
     GPU order     Triton: each (BLOCK_M x BLOCK_N) output tile by one program, K in increasing order, tl.dot
                   accumulating into one fp32 accumulator (tensor cores; fp32 inputs use IEEE fp32
-                  products, not TF32); tiles fixed per dtype and batch-size class (TILES), no autotuning.
+                  products, not TF32); tiles fixed per dtype and batch-size class (TILES, TMA_PLANS), no
+                  autotuning. Segments: the tree inside the program (the TMA kernel keeps finished subtrees in
+                  fp32 scratch tiles), or one program per (tile, segment) and a launch adding the tree
+                  (_split_k): the same additions in the same order either way.
                   The tensor cores add K in steps of their instruction (16 for bf16/fp16) into the
                   accumulator, so BLOCK_K only groups steps: on an H200, BLOCK_K 64 and 128 give the same
                   bits (bench/sweep_gpu.py), and tests/test_kernels.py re-checks rows across every switch
@@ -314,25 +317,6 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SEGMENTS=segments, num_warps=warps,
                          num_stages=stages)
     return y
-
-
-def _split_segments(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int,
-                    out_dtype: torch.dtype | None) -> torch.Tensor:
-    """A segmented product at large M as one unsegmented fp32 product per K segment, then the segment tree:
-    each segment accumulates its K range from zero in the same BLOCK_K steps as the in-kernel tree, and
-    tree_sum adds the segments in the same order, so the bits are the in-kernel tree's (tests/test_kernels.py
-    checks it). It keeps one accumulator live where the in-kernel tree keeps three, which spilled registers
-    at the large tiles: on an H200, Qwen3-8B's down projection at M = 4096 took 5.4 ms segmented against
-    0.53 ms unsegmented (docs/benchmarks.md, 2026-11-29 late)."""
-    width = x2.shape[1] // segments
-    parts = [_triton(x2[:, i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width], None,
-                     out_dtype=torch.float32) for i in range(segments)]
-    out = tree_sum(parts)
-    if out_dtype is not None:  # a partial: the tree, unrounded, without bias
-        return out
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x2.dtype)
 
 
 SPLIT_K_BLOCK = 1024  # elements per program of _segment_tree_kernel

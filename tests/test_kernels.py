@@ -236,10 +236,10 @@ def test_row_parallel_partials_combine_to_the_single_rank_result(device, dtype, 
 @pytest.mark.parametrize("m", [3, matmul.SMALL_M + 44])
 @pytest.mark.parametrize("segments", [2, 4, 8])
 def test_segments_split_across_launches_give_the_in_kernel_tree(request, device, dtype, segments, m):
-    """A segmented product is split: above SMALL_M into one fp32 product per segment plus the segment tree
-    (matmul._split_segments), at or below it into one program per (tile, segment) plus a tree launch
-    (matmul._split_k); a launch tile given explicitly keeps the tree inside one kernel. Same bits, with and
-    without bias, and as an fp32 partial."""
+    """Without a launch tile a segmented product runs split (matmul._split_k: one program per tile and
+    segment, then a tree launch) or, on Hopper above TINY_M rows, in the TMA kernel with scratch tiles; a
+    launch tile given explicitly keeps the tree inside one pointer-kernel program. Same bits, with and
+    without bias (bias: never the TMA kernel), and as an fp32 partial."""
     if request.config.getoption("--kernel-device") == "cpu":
         pytest.skip("compares two Triton paths (interpret or cuda)")
     k, n = 1024, 96
