@@ -85,9 +85,13 @@ def refuse_moe(spec, what: str) -> None:
         raise InputError(f"{what} for {spec.architecture} ({spec.name}) is not implemented: {MOE_REFUSED[what]}")
 
 
+# The engine option that sets the tensor-parallel size, by engine (hf has none)
+TP_OPTION = {"megatron": "tensor_model_parallel_size", "vllm": "tensor_parallel_size"}
+
+
 def tensor_parallel_size(run) -> int:
     """The tensor-parallel size an EngineRun asks for (1 unless the engine's own option says otherwise)."""
-    key = {"megatron": "tensor_model_parallel_size", "vllm": "tensor_parallel_size"}.get(run.engine)
+    key = TP_OPTION.get(run.engine)
     return run.settings.options.get(key, 1) if key else 1
 
 
@@ -107,7 +111,7 @@ def check_parallel(spec, runs, device: str) -> None:
     import os
 
     for run in runs:
-        key = {"megatron": "tensor_model_parallel_size", "vllm": "tensor_parallel_size"}.get(run.engine)
+        key = TP_OPTION.get(run.engine)
         tp = tensor_parallel_size(run)
         if tp == 1:
             continue
@@ -172,11 +176,13 @@ MEGATRON_OPTIONS: dict[str, str] = {
 }
 CUDA_ONLY = {"masked_softmax_fusion", "apply_rope_fusion"}
 EVAL_ZERO = {"hidden_dropout", "attention_dropout"}
+PARALLEL_ONLY_TP = "alignaudit runs Megatron with tensor parallelism only (tensor_model_parallel_size)"
 MEGATRON_REFUSED: dict[str, str] = {
-    "pipeline_model_parallel_size": "alignaudit runs Megatron at world size 1",
-    "context_parallel_size": "alignaudit runs Megatron at world size 1",
-    "expert_model_parallel_size": "alignaudit runs Megatron at world size 1",
-    "sequence_parallel": "needs tensor parallelism, which alignaudit does not run yet",
+    "pipeline_model_parallel_size": PARALLEL_ONLY_TP,
+    "context_parallel_size": PARALLEL_ONLY_TP,
+    "expert_model_parallel_size": PARALLEL_ONLY_TP,
+    "sequence_parallel": "alignaudit's tensor-parallel runs keep activations whole on every rank; sequence "
+                         "parallelism (activations split along the sequence) is not implemented",
     "gradient_accumulation_fusion": "training only (fuses weight-gradient accumulation); no effect on a forward pass",
     "persist_layer_norm": "applies to apex/Transformer Engine LayerNorm; the local spec uses torch RMSNorm",
     "memory_efficient_layer_norm": "applies to apex/Transformer Engine LayerNorm; the local spec uses torch RMSNorm",

@@ -114,7 +114,7 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
 
     rollout = request.rollout.to_dict() if request.rollout else None
     batch = request.batch
-    ops = None  # a mixture-of-experts model in prompt mode: each engine's routing, where reading it changes nothing
+    ops, note = routing_plan(request.spec, request.train, request.infer, rollout=rollout is not None)
     if rollout:
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
                                 rollout=rollout, on_progress=stage(request.infer, "inference (sampling)"))
@@ -126,12 +126,10 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
                                 replay=replay, on_progress=stage(request.train, "training"))
     else:
-        ops = ROUTING if request.spec.num_experts and all(map(routing_observable, (request.train, request.infer))) else None
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
                                 ops=ops, repeat=request.repeat, on_progress=stage(request.train, "training"))
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
                                 ops=ops, repeat=request.repeat, on_progress=stage(request.infer, "inference"))
-    note = None if ops is not None or not request.spec.num_experts else "prompt mode only" if rollout else ROUTING_NOTE
     summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps, routing_note=note)
     finish_run(out, record, {"train": train_capture, "infer": infer_capture})
     return summary
@@ -139,6 +137,19 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
 
 ROUTING_NOTE = ("vLLM's compiled default MoE runs its routing inside the compiled graph, where no hook sees it; "
                 "alignaudit bisect reads it in eager mode")
+
+
+def routing_plan(spec: ModelSpec, train: EngineRun, infer: EngineRun, rollout: bool) -> tuple[Selection | None, str | None]:
+    """What a comparison captures besides logprobs, and why not more: (ROUTING, None) for a mixture-of-experts
+    model in prompt mode when both engines' routing can be read without changing what they compute; else
+    (None, the reason the summary gives for holding no routing), and (None, None) for a dense model."""
+    if not spec.num_experts:
+        return None, None
+    if rollout:
+        return None, "prompt mode only"
+    if all(map(routing_observable, (train, infer))):
+        return ROUTING, None
+    return None, ROUTING_NOTE
 
 
 def routing_observable(run: EngineRun) -> bool:

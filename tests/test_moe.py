@@ -13,7 +13,9 @@ import pytest
 
 from alignaudit.models import load_spec
 from alignaudit.opdiff import first_divergence
-from alignaudit.pipeline import ROUTING, diff_captures, diff_ops
+from alignaudit.engines.base import EngineSettings
+from alignaudit.pipeline import ROUTING, ROUTING_NOTE, diff_captures, diff_ops, routing_plan
+from alignaudit.request import EngineRun
 from alignaudit.prompts import load_prompts
 from conftest import ROOT, CaptureCache
 from test_cli import one_line_error
@@ -67,6 +69,24 @@ def test_strict_vllm_runs_the_moe_layer_of_megatron_bit_for_bit_routing_included
     s = diff_captures(moe.get("megatron", "bf16", ops=ROUTING, strict="all"), infer, moe.root / "strict-routing")
     assert s["mismatches"] == 0 and s["routing"] == [
         {"layer": i, "tokens": 180, "rerouted": 0, "agreement": 1.0} for i in range(2)]
+
+
+def test_compare_reads_routing_only_where_reading_it_changes_nothing(tiny_spec):
+    """compare's plan (no engine runs): routing is captured in prompt mode when both engines expose it
+    unchanged (megatron and hf always; vLLM eager, or strict, whose router is an opaque op); else the
+    summary says why it holds none; a dense model has no routing and no note."""
+    spec = load_spec(MOE)
+    megatron = EngineRun("megatron", EngineSettings())
+    vllm_default = EngineRun("vllm", EngineSettings())
+    vllm_eager = EngineRun("vllm", EngineSettings(options={"enforce_eager": True}))
+    vllm_strict = EngineRun("vllm", EngineSettings(strict="all"))
+    assert routing_plan(spec, megatron, vllm_eager, rollout=False) == (ROUTING, None)
+    assert routing_plan(spec, megatron, vllm_strict, rollout=False) == (ROUTING, None)
+    assert routing_plan(spec, megatron, EngineRun("hf", EngineSettings()), rollout=False) == (ROUTING, None)
+    assert routing_plan(spec, megatron, vllm_default, rollout=False) == (None, ROUTING_NOTE)
+    assert routing_plan(spec, vllm_default, megatron, rollout=False) == (None, ROUTING_NOTE)
+    assert routing_plan(spec, megatron, vllm_eager, rollout=True) == (None, "prompt mode only")
+    assert routing_plan(tiny_spec, megatron, vllm_default, rollout=False) == (None, None)
 
 
 def test_bisect_reads_router_routing_and_moe_in_every_engine(moe):

@@ -24,7 +24,7 @@ from test_cli import one_line_error
 @pytest.mark.parametrize("argv, message", [
     (["--train-opt", "hidden_dropout=0.1"], "megatron hidden_dropout=0.1: no effect, the forward pass runs in eval mode"),
     (["--train-opt", "attention_dropout=0.1"], "megatron attention_dropout=0.1: no effect"),
-    (["--train-opt", "pipeline_model_parallel_size=2"], "alignaudit runs Megatron at world size 1"),
+    (["--train-opt", "pipeline_model_parallel_size=2"], "alignaudit runs Megatron with tensor parallelism only"),
     (["--train-opt", "masked_softmax_fusion=true"], "masked_softmax_fusion=true needs a CUDA kernel"),
     (["--train-opt", "gradient_accumulation_fusion=true"], "training only"),
     (["--train-opt", "fp32_residual_connection=true"], "crashes the local spec"),
