@@ -27,6 +27,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import alignaudit_kernels as K  # noqa: E402
+from bench.timing import graph_ms, ms  # noqa: E402
 
 DT = torch.bfloat16
 # (K, N, K segments): the row-parallel layers (attention output, MLP down) reduce K in the segments every
@@ -36,18 +37,14 @@ LINEARS = {"qkv": (4096, 6144, 1), "o": (4096, 4096, RP), "gate_up": (4096, 2457
            "lm_head": (4096, 151936, 1)}
 
 
-def ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def side_by_side(default, strict) -> dict:
     """Both timings of a default/strict pair: eager (launch overhead included) and CUDA-graph replay (after
     an eager warm-up call; a side that cannot be captured is reported, not timed)."""
     base, mine = ms(default), ms(strict)
     timing = {"default_ms": base, "strict_ms": mine, "ratio": base / mine}
     try:
-        graph_base = triton.testing.do_bench_cudagraph(default, rep=100, return_mode="median")
-        graph_mine = triton.testing.do_bench_cudagraph(strict, rep=100, return_mode="median")
+        graph_base = graph_ms(default)
+        graph_mine = graph_ms(strict)
     except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
         torch.cuda.synchronize()
         return {**timing, "graph_error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}

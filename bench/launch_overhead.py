@@ -40,9 +40,9 @@ def host_us(fn, calls: int, device: str) -> float:
 def graph_us(fn, device: str) -> float | None:
     if device != "cuda":
         return None
-    import triton
+    from bench.timing import graph_ms
 
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+    return graph_ms(fn, rep=50) * 1e3
 
 
 def pairs(device: str) -> dict:

@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from alignaudit_kernels import attention, matmul  # noqa: E402
+from bench.timing import graph_ms, ms  # noqa: E402
 
 DT = torch.bfloat16
 MATMUL_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
@@ -33,10 +33,6 @@ MATMUL_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4)
                 (16, 16, 64, 2, 4), (16, 32, 128, 4, 3)]
 SMALL = 4  # index of the 64x64 tile, the one a single row is checked in
 CHUNKS = (256, 512, 1024, 4096)  # keys per chunk: the split-KV granularity, one algorithm each
-
-
-def ms(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def sweep_matmul(rows):
@@ -84,10 +80,6 @@ def sweep_matmul_tma(rows):
                              "default_ms": base, "strict_ms": strict, "ratio": base / strict})
     print(f"tma: bits equal to the pointer kernel {all(same)} ({len(same)} checks)", flush=True)
     return {"tma_bitwise_equal_to_pointer_kernel": all(same)}
-
-
-def graph_ms(fn):
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
 SEGMENT_TMA_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4),
@@ -197,8 +189,7 @@ def sweep_attention(rows):
         qd = torch.randn(b, h, d, dtype=DT, device="cuda")
         pos = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)
         kd, vd = (x.view(b, ctx, kvh, d).transpose(1, 2) for x in (kc, vc))
-        base = triton.testing.do_bench_cudagraph(lambda: sdpa(qd[:, :, None], kd, vd, enable_gqa=True), rep=100,
-                                                 return_mode="median")
+        base = graph_ms(lambda: sdpa(qd[:, :, None], kd, vd, enable_gqa=True))
         for chunk in CHUNKS:
             outs = []
             for split in (False, True):
@@ -206,7 +197,7 @@ def sweep_attention(rows):
                     return attention._launch(qd, kc, vc, table, None, pos, d ** -0.5, kv_mode=attention.KV_GATHER,
                                              max_keys=ctx, chunk_n=chunk, split=split)
                 outs.append(run())
-                strict = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median")
+                strict = graph_ms(run)
                 rows.append({"op": f"attention decode b={b} ctx={ctx} (graph)", "M": f"chunk {chunk} split {split}",
                              "config": list(attention.TILE_CONFIG), "default_ms": base, "strict_ms": strict,
                              "ratio": base / strict})
