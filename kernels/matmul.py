@@ -299,6 +299,9 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     stores the unrounded accumulator (a partial)."""
     m, k = x2.shape
     n = weight.shape[0]
+    # the pointer kernel reads rows through their stride: only the K axis must be contiguous
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
     if tile is None and m > TINY_M and _tma_available(x2, weight, bias):
         narrow = segments > 1 or out_dtype == torch.float32
         tma_tile, persistent = TMA_PLANS["large" if m > SMALL_M else "small", narrow]
@@ -306,9 +309,6 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
             return _triton_tma(x2, weight, tma_tile, persistent, segments=segments, out_dtype=out_dtype)
     if tile is None and segments > 1:
         return _split_k(x2, weight, bias, segments, out_dtype)
-    # the pointer kernel reads rows through their stride: only the K axis must be contiguous
-    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
     y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = tile or tile_for(m, n, x2.dtype)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
@@ -324,16 +324,15 @@ SPLIT_K_BLOCK = 1024  # elements per program of _segment_tree_kernel
 
 def _split_k(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int,
              out_dtype: torch.dtype | None) -> torch.Tensor:
-    """A segmented product at M <= SMALL_M with one program per (output tile, K segment), each storing its
-    segment's fp32 accumulator, then one launch that adds the segments by the tree, adds the bias and rounds.
+    """A segmented product off the TMA kernel (up to TINY_M rows, or a GPU without it) with one program per
+    (output tile, K segment), each storing its segment's fp32 accumulator, then one launch that adds the
+    segments by the tree, adds the bias and rounds. x2 [M, K] and weight [N, K] with unit stride along K.
     Each segment is accumulated by the same _segment loop as inside the in-kernel tree and the tree is the
     same, so the bits are the in-kernel tree's (tests/test_kernels.py checks it); the point is SEGMENTS times
-    as many programs, where a decode batch's few row tiles leave most SMs idle. Two launches where the tree
-    in one kernel takes one."""
+    as many programs, where a decode batch's few row tiles leave most SMs idle (on an H200 Qwen3-8B's down
+    projection at 16 rows went from 0.59x to 0.89x of cuBLAS, docs/benchmarks.md 2026-11-30 morning)."""
     m, k = x2.shape
     n = weight.shape[0]
-    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
     parts = torch.empty(segments, m, n, dtype=torch.float32, device=x2.device)
     bm, bn, bk, warps, stages = tile_for(m, n, x2.dtype)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), segments)
@@ -363,8 +362,9 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
 
 def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True, segments: int = 1,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The large-batch path on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel); ``out_dtype``
-    float32 stores the unrounded accumulator (a partial)."""
+    """Every batch above TINY_M rows on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel) at
+    ``tile``, ``persistent`` programs or one per tile; ``out_dtype`` float32 stores the unrounded accumulator
+    (a partial)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x2.shape
