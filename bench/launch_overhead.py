@@ -70,7 +70,7 @@ def pairs(device: str) -> dict:
     return {
         "linear 4096x6144": (lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w)),
         "linear 4096x6144, kernel launch only": (lambda: torch.nn.functional.linear(x, w),
-                                                 lambda: K.matmul._triton(x, w, None) if device == "cuda" else K.linear(x, w)),
+                                                 lambda: K.matmul._triton(x, w, None) if K.primitives.use_triton(x) else K.linear(x, w)),
         "linear 4096x4096, 4 K segments": (lambda: torch.nn.functional.linear(x, w[:4096]),
                                            lambda: K.linear(x, w[:4096], k_segments=K.matmul.ROW_PARALLEL_SEGMENTS)),
         "rmsnorm 4096": (lambda: torch.nn.functional.rms_norm(x, (4096,), nw, 1e-6), lambda: K.rms_norm(x, nw, 1e-6)),

@@ -46,7 +46,8 @@ import functools
 
 import torch
 
-from alignaudit_kernels.primitives import compiling_inference, exp, fixed_sum, opaque_op, sm_count, triton, use_triton
+from alignaudit_kernels.primitives import (cdiv, compiling_inference, exp, fixed_sum, no_gradient, opaque_op, sm_count,
+                                          triton, use_triton)
 
 BLOCK_N = 64
 CHUNK_N = 512
@@ -389,7 +390,7 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
         tiles = tiles.to(q.device, non_blocking=True).contiguous()
         n_tiles = tiles.shape[1]
     positions = tiles if positions is None else positions
-    chunks = -(-max_keys // chunk_n)
+    chunks = cdiv(max_keys, chunk_n)
     if split is None:
         split = chunks > 1 and n_tiles * kvh < SPLIT_BELOW_PROGRAMS_PER_SM * (sm_count(q.device) if q.is_cuda else 1)
     block_d = max(16, triton.next_power_of_2(d))
@@ -589,5 +590,7 @@ def varlen_attention(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP):
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]}")
     _check_exp(exp, q)
+    if no_gradient(q, k, v):
+        return _contiguous_forward(q, k, v, cu_seqlens.cpu(), float(scale), exp)
     return _VarlenAttention.apply(q, k, v, cu_seqlens.cpu(), float(scale), exp)
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import (compiling_inference, exp, fixed_sum, log, opaque_op, reduction_input, triton,
-                                          use_triton)
+from alignaudit_kernels.primitives import (cdiv, compiling_inference, exp, fixed_sum, log, no_gradient, opaque_op,
+                                          reduction_input, triton, use_triton)
 
 BLOCK_V = 4096
 UPCAST_ELEMENTS = 1 << 26  # the fp32 copy of a bf16 batch is made this many logits at a time (256 MiB)
@@ -87,7 +87,7 @@ def _log_softmax(l2):
     if use_triton(l2):
         m, lse = _lse_triton(l2)
         y = torch.empty(l2.shape, dtype=torch.float32, device=l2.device)
-        _log_softmax_kernel[(l2.shape[0], triton.cdiv(l2.shape[1], BLOCK_V))](
+        _log_softmax_kernel[(l2.shape[0], cdiv(l2.shape[1], BLOCK_V))](
             l2, lse, m, y, l2.shape[1], l2.stride(0), y.stride(0), BLOCK=BLOCK_V, num_warps=8, enable_fp_fusion=False)
         return y, lse
     z, lse = _cpu_lse(l2.float())
@@ -106,13 +106,25 @@ def _token_logprobs(l2, targets):
     return z.gather(1, targets[:, None])[:, 0] - log_s[:, 0], m + log_s[:, 0]
 
 
+def _log_softmax_forward(logits):
+    """-> fp32 log_softmax of logits [..., V] in logits' shape, and the flat [rows, V] view of it."""
+    y, lse = _log_softmax(logits.reshape(-1, logits.shape[-1]).contiguous())
+    return y.reshape(logits.shape), y
+
+
+def _token_logprobs_forward(logits, targets):
+    """-> fp32 log p(target) in targets' shape, and the per-row logsumexp [rows] (fp32)."""
+    lp, lse = _token_logprobs(logits.reshape(-1, logits.shape[-1]).contiguous(), targets.reshape(-1))
+    return lp.reshape(targets.shape), lse
+
+
 class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits):
-        y, lse = _log_softmax(logits.reshape(-1, logits.shape[-1]).contiguous())
+        out, y = _log_softmax_forward(logits)
         ctx.save_for_backward(y)
         ctx.dtype = logits.dtype
-        return y.reshape(logits.shape)
+        return out
 
     @staticmethod
     def backward(ctx, g):
@@ -124,10 +136,9 @@ class _LogSoftmax(torch.autograd.Function):
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets):
-        l2 = logits.reshape(-1, logits.shape[-1]).contiguous()
-        lp, lse = _token_logprobs(l2, targets.reshape(-1))
+        lp, lse = _token_logprobs_forward(logits, targets)
         ctx.save_for_backward(logits, targets, lse)
-        return lp.reshape(targets.shape)
+        return lp
 
     @staticmethod
     def backward(ctx, g):
@@ -142,6 +153,8 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Strict log_softmax over the last axis: logits [..., V] -> fp32 [..., V]."""
     if compiling_inference(logits):
         return _log_softmax_op(logits)
+    if no_gradient(logits):
+        return _log_softmax_forward(logits)[0]
     return _LogSoftmax.apply(logits)
 
 
@@ -152,16 +165,18 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} vs targets {tuple(targets.shape)}")
     if compiling_inference(logits):
         return _token_logprobs_op(logits, targets.long())
+    if no_gradient(logits):
+        return _token_logprobs_forward(logits, targets.long())[0]
     return _TokenLogprobs.apply(logits, targets.long())
 
 
 @opaque_op("log_softmax", "(Tensor logits) -> Tensor",
            lambda logits: torch.empty(logits.shape, dtype=torch.float32, device=logits.device))
 def _log_softmax_op(logits):
-    return _LogSoftmax.apply(logits)  # inside the op no gradient is recorded: the forward alone
+    return _log_softmax_forward(logits)[0]
 
 
 @opaque_op("token_logprobs", "(Tensor logits, Tensor targets) -> Tensor",
            lambda logits, targets: torch.empty(targets.shape, dtype=torch.float32, device=logits.device))
 def _token_logprobs_op(logits, targets):
-    return _TokenLogprobs.apply(logits, targets)
+    return _token_logprobs_forward(logits, targets)[0]

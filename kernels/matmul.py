@@ -34,8 +34,8 @@ import os
 
 import torch
 
-from alignaudit_kernels.primitives import (BLOCK, block_sums, compiling_inference, opaque_op, sm_count, triton,
-                                          use_triton)
+from alignaudit_kernels.primitives import (BLOCK, block_sums, cdiv, compiling_inference, no_gradient, opaque_op, sm_count,
+                                          triton, use_triton)
 
 CPU_CHUNK_ELEMENTS = 1 << 24  # rows are independent: process as many as fit in this many fp32 products
 
@@ -311,7 +311,7 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
         return _split_k(x2, weight, bias, segments, out_dtype)
     y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = tile or tile_for(m, n, x2.dtype)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (cdiv(m, bm) * cdiv(n, bn),)
     _matmul_kernel[grid](x2, weight, bias if bias is not None else x2, y, m, n, k, x2.stride(0), weight.stride(0),
                          y.stride(0), 0, HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SEGMENTS=segments, num_warps=warps,
@@ -335,12 +335,12 @@ def _split_k(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     n = weight.shape[0]
     parts = torch.empty(segments, m, n, dtype=torch.float32, device=x2.device)
     bm, bn, bk, warps, stages = tile_for(m, n, x2.dtype)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), segments)
+    grid = (cdiv(m, bm) * cdiv(n, bn), segments)
     _matmul_kernel[grid](x2, weight, x2, parts, m, n, k, x2.stride(0), weight.stride(0), n, m * n,
                          HAS_BIAS=False, IEEE=x2.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                          GROUP_M=8, SEGMENTS=segments, SPLIT_K=True, num_warps=warps, num_stages=stages)
     y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
-    _segment_tree_kernel[(triton.cdiv(m * n, SPLIT_K_BLOCK),)](
+    _segment_tree_kernel[(cdiv(m * n, SPLIT_K_BLOCK),)](
         parts, bias if bias is not None else parts, y, m * n, n, HAS_BIAS=bias is not None, SEGMENTS=segments,
         BLOCK=SPLIT_K_BLOCK)
     return y
@@ -372,7 +372,7 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
     x2, weight = x2.contiguous(), weight.contiguous()
     y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = tile
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     programs = min(tiles, sm_count(x2.device)) if persistent else tiles
     scratch = torch.empty(programs * 2 * bm * bn if segments > 2 else 1, dtype=torch.float32, device=x2.device)
     _matmul_tma_kernel[(programs,)](
@@ -441,6 +441,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if compiling_inference(x, weight, bias):
         return _linear_op(x, weight, bias, k_segments)
+    if no_gradient(x, weight, bias):
+        return _forward(x, weight, bias, k_segments)
     return _Linear.apply(x, weight, bias, k_segments)
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import (compiling_inference, fixed_sum, opaque_op, reduction_input, rsqrt, triton,
-                                          use_triton)
+from alignaudit_kernels.primitives import (compiling_inference, fixed_sum, no_gradient, opaque_op, reduction_input, rsqrt,
+                                          triton, use_triton)
 
 
 def reference(x, weight, eps, residual=None):
@@ -133,6 +133,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """
     if compiling_inference(x, weight, residual):
         return _rms_norm_op(x, weight, eps) if residual is None else tuple(_add_rms_norm_op(x, weight, eps, residual))
+    if no_gradient(x, weight, residual):
+        return _forward(x, weight, eps, None)[0] if residual is None else _forward(x, weight, eps, residual)
     if residual is None:
         return _RMSNorm.apply(x, weight, eps)
     return _AddRMSNorm.apply(x, weight, eps, residual)

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from alignaudit_kernels.primitives import compiling_inference, opaque_op, triton, use_triton
+from alignaudit_kernels.primitives import cdiv, compiling_inference, no_gradient, opaque_op, triton, use_triton
 
 
 TABLE_ROWS = 1024  # tables grow in whole multiples of this many positions
@@ -109,18 +109,22 @@ def _triton(x, positions, cos, sin):
     x = x.contiguous()
     y = torch.empty_like(x)
     block_h = min(16, triton.next_power_of_2(h))
-    _rope_kernel[(t, triton.cdiv(h, block_h))](x, positions.contiguous(), cos.contiguous(), sin.contiguous(), y, h,
+    _rope_kernel[(t, cdiv(h, block_h))](x, positions.contiguous(), cos.contiguous(), sin.contiguous(), y, h,
                                                x.stride(0), x.stride(1), y.stride(0), y.stride(1), HALF=d // 2,
                                                BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d // 2),
                                                enable_fp_fusion=False)
     return y
 
 
+def _forward(x, positions, cos, sin):
+    return (_triton if use_triton(x) else _cpu)(x, positions, cos, sin)
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, positions, cos, sin):
         ctx.save_for_backward(positions, cos, sin)
-        return (_triton if use_triton(x) else _cpu)(x, positions, cos, sin)
+        return _forward(x, positions, cos, sin)
 
     @staticmethod
     def backward(ctx, g):
@@ -138,10 +142,12 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
         raise ValueError(f"apply_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}, tables {tuple(cos.shape)}")
     if compiling_inference(x, cos, sin):
         return _rope_op(x, positions, cos, sin)
+    if no_gradient(x, cos, sin):
+        return _forward(x, positions, cos, sin)
     return _Rope.apply(x, positions, cos, sin)
 
 
 @opaque_op("apply_rope", "(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor",
            lambda x, positions, cos, sin: x.new_empty(x.shape))
 def _rope_op(x, positions, cos, sin):
-    return _Rope.apply(x, positions, cos, sin)
+    return _forward(x, positions, cos, sin)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import compiling_inference, exp, opaque_op, triton, use_triton
+from alignaudit_kernels.primitives import cdiv, compiling_inference, exp, no_gradient, opaque_op, triton, use_triton
 
 
 def reference(gate, up):
@@ -42,20 +42,24 @@ def _triton(gate, up):
     rows, cols = gate.shape
     y = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, y, cols, gate.stride(0), up.stride(0), y.stride(0),
+    _silu_mul_kernel[(rows, cdiv(cols, block))](gate, up, y, cols, gate.stride(0), up.stride(0), y.stride(0),
                                                        BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return y
+
+
+def _forward(gate, up):
+    shape = gate.shape
+    g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
+        g2, u2 = g2.contiguous(), u2.contiguous()
+    return (_triton if use_triton(gate) else _cpu)(g2, u2).reshape(shape)
 
 
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        shape = gate.shape
-        g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
-        if g2.stride(-1) != 1 or u2.stride(-1) != 1:
-            g2, u2 = g2.contiguous(), u2.contiguous()
-        return (_triton if use_triton(gate) else _cpu)(g2, u2).reshape(shape)
+        return _forward(gate, up)
 
     @staticmethod
     def backward(ctx, g):
@@ -72,6 +76,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul: gate {gate.dtype}{tuple(gate.shape)} vs up {up.dtype}{tuple(up.shape)}")
     if compiling_inference(gate, up):
         return _silu_mul_op(gate, up)
+    if no_gradient(gate, up):
+        return _forward(gate, up)
     return _SiluMul.apply(gate, up)
 
 
@@ -83,4 +89,4 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @opaque_op("silu_mul", "(Tensor gate, Tensor up) -> Tensor", lambda gate, up: gate.new_empty(gate.shape))
 def _silu_mul_op(gate, up):
-    return _SiluMul.apply(gate, up)  # inside the op no gradient is recorded: the forward alone
+    return _forward(gate, up)

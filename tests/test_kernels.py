@@ -789,3 +789,27 @@ def test_backward_matches_fp64_autograd(device):
         return torch.cat([attention.reference(q[a:b], k[a:b], v[a:b], 0.3) for a, b in ((0, 4), (4, 9))])
 
     check("varlen_attention", lambda q, k, v: K.varlen_attention(q, k, v, cu, 0.3), ref_attn, q, k, v)
+
+
+def test_entry_points_compute_the_same_bits_with_and_without_autograd(device, dtype):
+    """An entry point called where no gradient can be recorded skips its torch.autograd.Function
+    (primitives.no_gradient): same output bits as the recording call, and nothing recorded."""
+    x, w = randn(6, 64, dtype=dtype, device=device, seed=30), randn(32, 64, dtype=dtype, device=device, seed=31)
+    t = torch.arange(6, device=device) % 32
+    cos, sin = rope.rope_tables(64, 16, 1e4, device)
+    q, k = randn(6, 4, 16, dtype=dtype, device=device, seed=32), randn(6, 2, 16, dtype=dtype, device=device, seed=33)
+    cu = torch.tensor([0, 2, 6])
+    calls = {
+        "linear": (lambda a: K.linear(a, w), x), "linear, 4 segments": (lambda a: K.linear(a, w, k_segments=4), x),
+        "rms_norm": (lambda a: K.rms_norm(a, w[0], 1e-6), x),
+        "add_rms_norm": (lambda a: torch.cat(K.rms_norm(a, w[0], 1e-6, residual=x.flip(0)), -1), x),
+        "apply_rope": (lambda a: K.apply_rope(a, t, cos, sin), q), "silu_mul": (lambda a: K.silu_mul(a, x.flip(1)), x),
+        "log_softmax": (lambda a: K.log_softmax(a), x), "token_logprobs": (lambda a: K.token_logprobs(a, t), x),
+        "varlen_attention": (lambda a: K.varlen_attention(a, k, k, cu, 0.25), q),
+    }
+    for name, (fn, arg) in calls.items():
+        with torch.no_grad():
+            plain = fn(arg)
+        recorded = fn(arg.detach().clone().requires_grad_())
+        assert plain.grad_fn is None and recorded.grad_fn is not None, name
+        assert_bitwise_equal(name, plain, recorded.detach())
