@@ -59,6 +59,19 @@ TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (
              (128, 128, 64, 4, 4)]
 
 
+def try_config(rows, same, fn, expected, timer, **row):
+    """Check ``fn``'s bits against ``expected`` (into ``same``; None: no check), time it with ``timer`` and add
+    ``row`` with the time and ratio; a configuration that does not compile or fit is printed and skipped."""
+    try:
+        if expected is not None:
+            same.append(torch.equal(fn(), expected))
+        strict = timer(fn)
+    except Exception as e:  # noqa: BLE001 - a sweep reports what failed and goes on
+        print(f"{row['op']} M={row['M']} {row['config']}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return
+    rows.append({**row, "strict_ms": strict, "ratio": row["default_ms"] / strict})
+
+
 def sweep_matmul_tma(rows):
     """The TMA-descriptor kernel (plain and persistent) at large M, against cuBLAS and for equal bits."""
     same = []
@@ -70,14 +83,9 @@ def sweep_matmul_tma(rows):
         base = ms(lambda: torch.nn.functional.linear(x, w))
         for t in TMA_TILES:
             for persistent in (False, True):
-                try:
-                    same.append(torch.equal(matmul._triton_tma(x, w, t, persistent), expected))
-                    strict = ms(lambda: matmul._triton_tma(x, w, t, persistent))
-                except Exception as e:  # a tile that does not compile or fit: record it and go on
-                    print(f"tma {t} persistent={persistent}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    continue
-                rows.append({"op": f"matmul-tma {k}x{n}", "M": m, "config": [*t, "persistent" if persistent else "grid"],
-                             "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+                try_config(rows, same, lambda: matmul._triton_tma(x, w, t, persistent), expected, ms,
+                           op=f"matmul-tma {k}x{n}", M=m, config=[*t, "persistent" if persistent else "grid"],
+                           default_ms=base)
     print(f"tma: bits equal to the pointer kernel {all(same)} ({len(same)} checks)", flush=True)
     return {"tma_bitwise_equal_to_pointer_kernel": all(same)}
 
@@ -108,15 +116,8 @@ def sweep_segments(rows):
                     ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = (
                         lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent, segments=s))
             for name, fn in ways.items():
-                try:
-                    if name != "unsegmented (strict, default path)":
-                        same.append(torch.equal(fn(), expected))
-                    strict = graph_ms(fn)
-                except Exception as e:  # a configuration that does not compile or fit: record it and go on
-                    print(f"segments {k}x{n} M={m} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    continue
-                rows.append({"op": f"matmul {k}x{n} {s} K segments (graph)", "M": m, "config": name,
-                             "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+                try_config(rows, same, fn, None if name.startswith("unsegmented") else expected, graph_ms,
+                           op=f"matmul {k}x{n} {s} K segments (graph)", M=m, config=name, default_ms=base)
     print(f"segments: every way gives the in-kernel tree's bits {all(same)} ({len(same)} checks)", flush=True)
     return {"segments_bitwise_equal": all(same)}
 
@@ -127,30 +128,24 @@ SMALL_M_TMA_TILES = [(128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4,
 
 def sweep_small_m(rows):
     """M = 256 (a prefill chunk or a large decode batch) for the unsegmented layers: the pointer kernel's tile
-    for that size against the TMA kernel at smaller tiles, as CUDA-graph replays, bits against the pointer
-    kernel's."""
+    for that size, the default path (the TMA plan) and the TMA kernel at other tiles, as CUDA-graph replays,
+    bits against the pointer kernel's."""
     same = []
     m = 256
     for k, n in ((4096, 6144), (4096, 24576), (4096, 151936)):
         w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
         x = torch.randn(m, k, dtype=DT, device="cuda")
-        expected = matmul._triton(x, w, None)
+        pointer_tile = matmul.tile_for(m, n, DT)
+        expected = matmul._triton(x, w, None, tile=pointer_tile)
         base = graph_ms(lambda: torch.nn.functional.linear(x, w))
-        rows.append({"op": f"matmul {k}x{n} (graph)", "M": m, "config": "pointer (default path)", "default_ms": base,
-                     "strict_ms": graph_ms(lambda: matmul._triton(x, w, None)), "ratio": None})
-        rows[-1]["ratio"] = base / rows[-1]["strict_ms"]
+        row = {"op": f"matmul {k}x{n} (graph)", "M": m, "default_ms": base}
+        try_config(rows, same, lambda: matmul._triton(x, w, None, tile=pointer_tile), None, graph_ms,
+                   config=f"pointer {pointer_tile}", **row)
+        try_config(rows, same, lambda: matmul._triton(x, w, None), expected, graph_ms, config="default path", **row)
         for t in SMALL_M_TMA_TILES:
             for persistent in (False, True):
-                fn = lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent)  # noqa: E731
-                try:
-                    same.append(torch.equal(fn(), expected))
-                    strict = graph_ms(fn)
-                except Exception as e:  # noqa: BLE001
-                    print(f"small-m {k}x{n} tma {t}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    continue
-                rows.append({"op": f"matmul {k}x{n} (graph)", "M": m,
-                             "config": f"tma {t} {'persistent' if persistent else 'grid'}", "default_ms": base,
-                             "strict_ms": strict, "ratio": base / strict})
+                try_config(rows, same, lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent),
+                           expected, graph_ms, config=f"tma {t} {'persistent' if persistent else 'grid'}", **row)
     print(f"small-m: TMA bits equal to the pointer kernel {all(same)} ({len(same)} checks)", flush=True)
     return {"small_m_tma_bitwise_equal": all(same)}
 
