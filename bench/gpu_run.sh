@@ -16,6 +16,7 @@
 # default and --strict, prompt mode (routing read) and rollout mode; repeat: Qwen3-1.7B shape, megatron vs
 # hf, each engine 3 times (alone, then among random fillers), default and --strict. Needs megatron-core carried as a
 # wheel in .whl/ for the megatron stages (device README).
+# Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/aa-out}; mkdir -p "$out"
@@ -32,10 +33,11 @@ fi
 python3 -c "import torch, triton, transformers; print('gpu', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>/dev/null || echo "megatron-core: not available"
 status=0
+log() { tee -a "$out/${stage:-run}.log"; }  # each stage's whole output, kept under $OUT even if the call is cut short
 q8() {  # $1 name, rest: extra compare options
   local name=$1; shift
   timeout 420 python3 -m alignaudit compare --model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512 \
-    --train megatron --infer hf --device cuda --out /tmp/runs/$name --force "$@" 2>&1 | tail -32
+    --train megatron --infer hf --device cuda --out /tmp/runs/$name --force "$@" 2>&1 | log | tail -32
   cp /tmp/runs/$name/summary.json "$out/$name-summary.json" 2>/dev/null
   for side in train infer; do grep -A3 '"timing_s"' /tmp/runs/$name/$side/manifest.json 2>/dev/null || tail -5 /tmp/runs/$name/$side/worker.log; done
 }
@@ -44,21 +46,21 @@ for stage in "$@"; do
   case $stage in
     tests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
              | tee "$out/gpu-kernel-tests.log" | tail -15 || status=1 ;;
-    sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | tail -25 ;;
-    sweep-segments) timeout 300 python3 bench/sweep_gpu.py --sections segments,small-m --json "$out/sweep-segments.json" 2>&1 | tail -25 ;;
-    sweep-attention) timeout 240 python3 bench/sweep_gpu.py --sections attention --json "$out/sweep-attention.json" 2>&1 | tail -30 ;;
-    bench) timeout 300 python3 bench/kernels_gpu.py --json "$out/bench.json" 2>&1 | tail -45 ;;
+    sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | log | tail -25 ;;
+    sweep-segments) timeout 300 python3 bench/sweep_gpu.py --sections segments,small-m --json "$out/sweep-segments.json" 2>&1 | log | tail -25 ;;
+    sweep-attention) timeout 240 python3 bench/sweep_gpu.py --sections attention --json "$out/sweep-attention.json" 2>&1 | log | tail -30 ;;
+    bench) timeout 300 python3 bench/kernels_gpu.py --json "$out/bench.json" 2>&1 | log | tail -45 ;;
     q8) q8 q8-default; q8 q8-strict --strict ;;
     q8-strict) q8 q8-strict --strict ;;
-    launch) timeout 120 python3 bench/launch_overhead.py 2>&1 | tail -8 ;;
-    bench-attention) timeout 200 python3 bench/kernels_gpu.py --quick --sections attention --json "$out/bench-attention.json" 2>&1 | tail -14 ;;
-    bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | tail -40 ;;
-    forward) timeout 540 python3 bench/forward_gpu.py 2>&1 | grep -v Warn | tail -9 ;;
+    launch) timeout 120 python3 bench/launch_overhead.py 2>&1 | log | tail -8 ;;
+    bench-attention) timeout 200 python3 bench/kernels_gpu.py --quick --sections attention --json "$out/bench-attention.json" 2>&1 | log | tail -14 ;;
+    bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | log | tail -40 ;;
+    forward) timeout 540 python3 bench/forward_gpu.py 2>&1 | log | grep -v Warn | tail -9 ;;
     q8-bisect-strict) timeout 300 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --mode natural --strict \
-                 --out /tmp/runs/q8-bisect-strict --force 2>&1 | grep -E "✗|◀|every op|first diverging|error" | head -20 ;;
+                 --out /tmp/runs/q8-bisect-strict --force 2>&1 | log | grep -E "✗|◀|every op|first diverging|error" | head -20 ;;
     tp-bench) timeout 200 python3 bench/tp_reduction.py --world 2 --device cuda --hidden 4096 --tokens 16,256,1024,4096 \
-                --json "$out/tp-reduction.json" 2>&1 | tail -8 ;;
+                --json "$out/tp-reduction.json" 2>&1 | log | tail -8 ;;
     q8-tp2) q8 q8-tp2-strict --strict --train-opt tensor_model_parallel_size=2
             q8 q8-tp2-default --train-opt tensor_model_parallel_size=2 ;;
     q8-tp2-strict) q8 q8-tp2-strict --strict --train-opt tensor_model_parallel_size=2 ;;
@@ -66,44 +68,44 @@ for stage in "$@"; do
     q8-tp2-rollout) q8 q8-tp2-rollout-strict --strict --train-opt tensor_model_parallel_size=2 --mode rollout --max-new-tokens 64 ;;
     q8-tp2-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer megatron --train-opt tensor_model_parallel_size=2 --device cuda \
-                 --layers 0 --mode natural --out /tmp/runs/q8-tp2-bisect --force 2>&1 | grep -E "◀|first diverging|error" | head -5
+                 --layers 0 --mode natural --out /tmp/runs/q8-tp2-bisect --force 2>&1 | log | grep -E "◀|first diverging|error" | head -5
                cp /tmp/runs/q8-tp2-bisect/bisect.json "$out/q8-tp2-bisect.json" 2>/dev/null ;;
     rl17) timeout 560 python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --random-prompts 2 --prompt-len 64 \
             --train megatron --infer hf --device cuda --strict --steps 20 --group-size 4 --max-new-tokens 32 \
-            --no-token-rows --out /dev/shm/rl17 --force 2>&1 | tail -4
+            --no-token-rows --out /dev/shm/rl17 --force 2>&1 | log | tail -4
           cp /dev/shm/rl17/steps.parquet "$out/rl17-steps.parquet" 2>/dev/null; cp /dev/shm/rl17/steps.png "$out/rl17-steps.png" 2>/dev/null
-          python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/rl17/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','reward_mean','loss','grad_norm','seconds','rollout_s','rescore_s','update_s','sync_s']].to_string())" 2>&1 | tail -22 ;;
+          python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/rl17/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','reward_mean','loss','grad_norm','seconds','rollout_s','rescore_s','update_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
     families) for model in Qwen2.5-0.5B Llama-3.2-1B; do
                 timeout 200 python3 -m alignaudit compare --model $model --random-weights --random-prompts 2 --prompt-len 256 \
                   --train megatron --infer hf --device cuda --strict --mode rollout --max-new-tokens 32 \
-                  --out /tmp/runs/fam-$model --force 2>&1 | grep -E "IDENTICAL|MISMATCH|tokens compared|mismatching|error" | head -4
+                  --out /tmp/runs/fam-$model --force 2>&1 | log | grep -E "IDENTICAL|MISMATCH|tokens compared|mismatching|error" | head -4
                 cp /tmp/runs/fam-$model/summary.json "$out/fam-$model-summary.json" 2>/dev/null
               done ;;
     q14) timeout 500 python3 -m alignaudit compare --model Qwen3-14B --random-weights --random-prompts 2 --prompt-len 256 \
            --train megatron --infer hf --device cuda --strict --mode rollout --max-new-tokens 32 --out /tmp/runs/q14 \
-           --force 2>&1 | grep -E "IDENTICAL|differ|tokens compared|mismatching|generated|error" | head -6
+           --force 2>&1 | log | grep -E "IDENTICAL|differ|tokens compared|mismatching|generated|error" | head -6
          cp /tmp/runs/q14/summary.json "$out/q14-strict-rollout-summary.json" 2>/dev/null ;;
     moe) for args in "default" "strict --strict" "strict-rollout --strict --mode rollout --max-new-tokens 32"; do
            set -- $args; name=$1; shift
            timeout 200 python3 -m alignaudit compare --model qwen3-moe-tiny --train megatron --infer hf --device cuda "$@" \
-             --out /tmp/runs/moe-$name --force 2>&1 | grep -E "IDENTICAL|differ|mismatching|generated|rerouted|error" | head -5
+             --out /tmp/runs/moe-$name --force 2>&1 | log | grep -E "IDENTICAL|differ|mismatching|generated|rerouted|error" | head -5
            cp /tmp/runs/moe-$name/summary.json "$out/moe-$name-summary.json" 2>/dev/null
          done ;;
     repeat) for args in "default" "strict --strict"; do
               set -- $args; name=$1; shift
               timeout 280 python3 -m alignaudit compare --model Qwen3-1.7B --random-weights --random-prompts 8 --prompt-len 256 \
                 --train megatron --infer hf --device cuda --repeat 3 "$@" --out /tmp/runs/repeat-$name --force 2>&1 \
-                | grep -E "IDENTICAL|differ|mismatching|runs|repeat|error" | head -8
+                | log | grep -E "IDENTICAL|differ|mismatching|runs|repeat|error" | head -8
               cp /tmp/runs/repeat-$name/summary.json "$out/repeat-$name-summary.json" 2>/dev/null
             done ;;
     decode-diag) for run in "Qwen3-0.6B 128 32 2" "Qwen3-1.7B 128 32 2" "Qwen3-1.7B 512 32 2" "Qwen3-8B 512 16 1"; do
                    set -- $run
                    timeout 300 python3 bench/decode_vs_prefill.py --model $1 --random-weights --device cuda --strict all \
-                     --prompt-len $2 --new-tokens $3 --prompts $4 2>&1 | grep -v Warn | tail -8
+                     --prompt-len $2 --new-tokens $3 --prompts $4 2>&1 | log | grep -v Warn | tail -8
                  done ;;
     q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --out /tmp/runs/q8-bisect --force \
-                 2>&1 | tail -60
+                 2>&1 | log | tail -60
                cp /tmp/runs/q8-bisect/bisect.json "$out/q8-bisect.json" 2>/dev/null ;;
   esac
 done
