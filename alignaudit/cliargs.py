@@ -62,6 +62,11 @@ StrictOpt = Annotated[Optional[str], typer.Option(
     "--strict", metavar="[OPS]",
     help="Strict kernels in both engines: --strict alone for every op, or a subset for ablation, e.g. "
          "--strict rmsnorm,rope (ops: linear, rmsnorm, rope, silu, attention, logprobs).")]
+StrictExpOpt = Annotated[str, typer.Option(
+    "--strict-exp", metavar="EXP",
+    help="The exp inside strict attention, in both engines: portable (default; the same bits on the CPU and every "
+         "GPU) or native (the GPU's exp2 instruction: faster, the same bits only where one GPU architecture runs "
+         "both engines; CUDA, hf and megatron).")]
 LmHeadOpt = Annotated[str, typer.Option("--lm-head-dtype", metavar="DTYPE", help="model (the lm_head in --dtype) or "
                                         "fp32 (hidden states and lm_head cast to fp32, as RL trainers and vLLM's "
                                         "head_dtype do), for both engines.")]
@@ -112,6 +117,7 @@ class PairArgs:
     train_opt: TrainSettingOpt = None
     infer_opt: InferSettingOpt = None
     strict: StrictOpt = None
+    strict_exp: StrictExpOpt = "portable"
     lm_head_dtype: LmHeadOpt = "model"
 
 
@@ -245,16 +251,17 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     from alignaudit.engines.base import EngineSettings, parse_options
     from alignaudit.request import EngineRun
     from alignaudit.runner import check_options
-    from alignaudit.strict import format_strict, parse_strict
+    from alignaudit.strict import check_strict_exp, format_strict, parse_strict
 
     check_installed(pair.train), check_installed(pair.infer)
     dev = resolve_device(pair.device)
     ops = format_strict(parse_strict(pair.strict))
+    exp = check_strict_exp(pair.strict_exp, parse_strict(ops), dev, (pair.train, pair.infer))
     if pair.lm_head_dtype not in ("model", "fp32"):
         raise errors.InputError(f"--lm-head-dtype {pair.lm_head_dtype!r}: choose model or fp32")
     runs = [
         EngineRun(name, EngineSettings(check_dtype(own or pair.dtype), dev, seed, parse_options(opts), strict=ops,
-                                       lm_head_dtype=pair.lm_head_dtype))
+                                       lm_head_dtype=pair.lm_head_dtype, strict_exp=exp))
         for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt), (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]
     check_engine_features(spec, (pair.train, pair.infer))

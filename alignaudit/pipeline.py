@@ -169,6 +169,7 @@ def finish_run(out: Path, record: dict, captures: dict[str, Capture]) -> None:
 def _side(c: Capture) -> dict:
     s = c.manifest["settings"]
     return {"engine": c.engine, "dtype": s["dtype"], "device": s["device"], "strict": s.get("strict", ""),
+            "strict_exp": c.manifest.get("engine_settings", {}).get("attention_exp"),
             "lm_head_dtype": s.get("lm_head_dtype", "model"), "capture": str(c.path), "options": s.get("options", {})}
 
 

@@ -18,6 +18,7 @@ def _num(x, fmt: str = ".3e") -> str:
 def _side_label(side: dict) -> str:
     opts = " ".join(f"{k}={v}" for k, v in side.get("options", {}).items())
     strict = f", strict {side['strict']}" if side.get("strict") else ""
+    strict += f", {side['strict_exp']} exp" if side.get("strict_exp") not in (None, "portable") else ""
     head = ", fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else ""
     tp = side.get("options", {}).get("tensor_model_parallel_size") or side.get("options", {}).get("tensor_parallel_size")
     head += f", TP={tp}" if tp and tp != 1 else ""

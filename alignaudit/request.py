@@ -24,8 +24,9 @@ class EngineRun:
     def label(self) -> str:
         """``megatron (bf16, cpu, strict all)``: the engine as tables and progress lines name it."""
         strict = f", strict {self.settings.strict}" if self.settings.strict else ""
+        exp = f", {self.settings.strict_exp} exp" if self.settings.strict_exp != "portable" else ""
         head = ", fp32 lm_head" if self.settings.lm_head_dtype == "fp32" else ""
-        return f"{self.engine} ({self.settings.dtype}, {self.settings.device}{strict}{head})"
+        return f"{self.engine} ({self.settings.dtype}, {self.settings.device}{strict}{exp}{head})"
 
     def record(self) -> dict:
         return {"engine": self.engine, **self.settings.to_dict()}

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from alignaudit import cli
-from alignaudit.errors import EXIT_ENGINE, EXIT_OK, EXIT_USAGE
+from alignaudit.errors import EXIT_ENGINE, EXIT_OK, EXIT_USAGE, InputError
 
 from conftest import FIXTURE
 
@@ -70,6 +70,10 @@ def one_line_error(capsys, argv, code):
     (["--train-opt", "noequals"], "is not KEY=VALUE"),
     (["--random-prompts", "0"], "N >= 1"),
     (["--not-an-option"], "No such option"),
+    (["--strict-exp", "fast"], "--strict-exp 'fast': choose portable or native"),
+    (["--strict-exp", "native"], "add attention to --strict"),
+    (["--strict", "rmsnorm", "--strict-exp", "native"], "add attention to --strict"),
+    (["--strict", "--strict-exp", "native", "--device", "cpu"], "use --device cuda"),
 ])
 def test_usage_errors_are_one_line(capsys, tmp_path, argv, message):
     err = one_line_error(capsys, ["compare", "--out", str(tmp_path / "o"), *argv], EXIT_USAGE)
@@ -153,3 +157,15 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
     err = one_line_error(capsys, ["capture", "--engine", "hf", "--reference", str(other_prompts), "--out",
                                   str(tmp_path / "f")], EXIT_USAGE)
     assert "has no per-op tensors" in err
+
+
+def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp_path):
+    """vLLM's strict attention runs on its CPU platform only (portable exp); ablate has rows without strict
+    attention. Both refuse --strict-exp native before any engine starts."""
+    from alignaudit.strict import check_strict_exp
+
+    with pytest.raises(InputError, match="compare megatron with hf on the GPU"):
+        check_strict_exp("native", frozenset({"attention"}), "cuda", ("megatron", "vllm"))
+    assert check_strict_exp("native", frozenset({"attention"}), "cuda", ("megatron", "hf")) == "native"
+    err = one_line_error(capsys, ["ablate", "--strict-exp", "native", "--out", str(tmp_path / "a")], EXIT_USAGE)
+    assert "would not use --strict-exp" in err

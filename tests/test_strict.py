@@ -87,3 +87,6 @@ def test_manifests_record_strict(captures):
     h = captures.get("hf", "bf16", strict="all").manifest
     # per layer: attention, 4 projections, q/k norms, 2 RMSNorms, MLP and its 3 linears; then final norm, lm_head
     assert h["engine_settings"]["strict_modules"] == 2 * 13 + 2
+    # the exp the strict attention modules hold, read back from them (None: no strict attention)
+    assert [c["engine_settings"]["attention_exp"] for c in (m, v, h)] == ["portable"] * 3
+    assert captures.get("hf", "bf16", strict="rmsnorm").manifest["engine_settings"]["attention_exp"] is None

@@ -36,6 +36,9 @@ class EngineSettings:
         strict: strict ops to swap in ("" none, "all", or a comma list of alignaudit.strict.STRICT_OPS).
         lm_head_dtype: "model" (the lm_head runs in ``dtype``) or "fp32" (hidden states and lm_head weight
             cast to fp32 before the projection, as vLLM's ``head_dtype: float32`` and RL trainers do).
+        strict_exp: the exp inside strict attention (alignaudit_kernels.attention.EXP_CHOICES): "portable"
+            (the same bits on every backend) or "native" (the GPU's exp2 instruction: faster, the same bits
+            only where one GPU architecture runs both engines; needs strict attention on CUDA).
     """
 
     dtype: str = "bf16"
@@ -44,6 +47,7 @@ class EngineSettings:
     options: dict[str, Any] = field(default_factory=dict)
     strict: str = ""
     lm_head_dtype: str = "model"
+    strict_exp: str = "portable"
 
     @property
     def strict_ops(self) -> frozenset[str]:
@@ -57,6 +61,13 @@ class EngineSettings:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def applied_exp(model: torch.nn.Module) -> str | None:
+    """The exp that ``model``'s strict attention modules compute with, read back from the modules (their
+    ``strict_exp``) for the manifest; None when no module computes strict attention."""
+    found = {m.strict_exp for m in model.modules() if getattr(m, "strict_attention", False)}
+    return ",".join(sorted(found)) or None
 
 
 def fp32_head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, strict: bool) -> torch.Tensor:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from alignaudit.engines.base import (
-    Engine, EngineSettings, first_lines, fp32_head, micro_batch_option, reject_unknown, reject_wrong_types, right_padded,
+    Engine, EngineSettings, applied_exp, first_lines, fp32_head, micro_batch_option, reject_unknown, reject_wrong_types,
+    right_padded,
 )
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
@@ -54,7 +55,7 @@ class HFEngine(Engine):
         if settings.strict_ops:
             from alignaudit.strict.hf import make_strict
 
-            self.strict_modules = make_strict(self.model, settings.strict_ops, spec.rope_llama3)
+            self.strict_modules = make_strict(self.model, settings.strict_ops, spec.rope_llama3, settings.strict_exp)
         if settings.lm_head_dtype == "fp32":
             head, strict = self.model.lm_head, "linear" in settings.strict_ops
             head.forward = lambda x: fp32_head(x, head.weight, head.bias, strict)
@@ -147,6 +148,7 @@ class HFEngine(Engine):
             "replay": self.replay,
             "strict": self.settings.strict,
             "strict_modules": len(self.strict_modules),
+            "attention_exp": applied_exp(self.model),
             "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32" else str(self.model.lm_head.weight.dtype),
             "module_mode": "train" if self.model.training else "eval",
             "weights": {"checkpoint_tensors": self.spec.tensors, **self.loading},

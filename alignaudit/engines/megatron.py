@@ -29,7 +29,8 @@ import torch
 
 from alignaudit.capabilities import MEGATRON_CHECKPOINT_FIELDS
 from alignaudit.engines.base import (
-    Engine, EngineSettings, first_lines, fp32_head, micro_batch_option, reject_unknown, reject_wrong_types, right_padded,
+    Engine, EngineSettings, applied_exp, first_lines, fp32_head, micro_batch_option, reject_unknown, reject_wrong_types,
+    right_padded,
 )
 from alignaudit.engines.megatron_weights import megatron_state_dict
 from alignaudit.errors import InputError
@@ -208,7 +209,7 @@ class MegatronEngine(Engine):
             from alignaudit.strict.megatron import StrictGPTModel, strict_block_spec
 
             layer_spec = strict_block_spec(spec.num_layers, ops, spec.rope_theta, spec.qk_norm, spec.rope_llama3,
-                                           spec.num_experts)
+                                           spec.num_experts, settings.strict_exp)
             model_cls = functools.partial(StrictGPTModel, strict_ops=ops)
         else:
             layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm",
@@ -316,6 +317,7 @@ class MegatronEngine(Engine):
             "micro_batches": getattr(self, "micro_batches_run", None),
             "layer_spec": "alignaudit.strict.megatron.strict_block_spec" if self.settings.strict_ops else "get_gpt_layer_local_spec",
             "strict": self.settings.strict,
+            "attention_exp": applied_exp(self.gpt),
             "float16_module": self.gpt is not self.model,
             "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32" else str(self.config.params_dtype),
             "module_mode": "train" if self.model.training else "eval",

@@ -222,7 +222,9 @@ class VllmEngine(Engine):
         return None  # installed once the LLM exists and the prompts are known (prompt_logprobs)
 
     def settings_record(self) -> dict:
-        record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict}
+        record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict,
+                  # the strict attention backend (strict/vllm_attention.py) passes no exp: the portable default
+                  "attention_exp": "portable" if "attention" in self.settings.strict_ops else None}
         if self.llm is not None:
             config = self.llm.llm_engine.vllm_config
             record["resolved"] = {

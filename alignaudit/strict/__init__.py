@@ -15,7 +15,31 @@ from __future__ import annotations
 from alignaudit.errors import InputError
 
 STRICT_OPS = ("linear", "rmsnorm", "rope", "silu", "attention", "logprobs")
+STRICT_EXPS = ("portable", "native")  # alignaudit_kernels.attention.EXP_CHOICES, the default first
 ENV = "ALIGNAUDIT_STRICT"
+
+
+def check_strict_exp(exp: str, ops: frozenset[str], device: str, engines: tuple[str, str]) -> str:
+    """Validate ``--strict-exp`` before any engine starts and return it. "native" (the GPU's exp2 instruction
+    inside strict attention; alignaudit_kernels.attention) needs strict attention, CUDA, and engines whose
+    strict attention runs there (hf and megatron: vLLM's strict attention backend is its CPU platform's).
+
+    Raises:
+        InputError: an unknown value, or "native" where it would not take effect.
+    """
+    if exp not in STRICT_EXPS:
+        raise InputError(f"--strict-exp {exp!r}: choose {' or '.join(STRICT_EXPS)}")
+    if exp == "native":
+        if "attention" not in ops:
+            raise InputError("--strict-exp native sets the exp of strict attention, which this run does not compute: "
+                             "add attention to --strict (or give --strict alone)")
+        if device != "cuda":
+            raise InputError("--strict-exp native is the GPU's exp2 instruction; on the CPU strict attention computes "
+                             "the portable exp only: use --device cuda, or drop --strict-exp")
+        if "vllm" in engines:
+            raise InputError("--strict-exp native: vLLM's strict attention runs on vLLM's CPU platform only, where the "
+                             "exp is the portable one; compare megatron with hf on the GPU")
+    return exp
 
 
 def parse_strict(value: str | None, option: str = "--strict") -> frozenset[str]:

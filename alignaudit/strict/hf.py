@@ -70,7 +70,7 @@ class StrictMoeBlock(torch.nn.Module):
 
 class StrictAttention(torch.nn.Module):
     """Stands in for <P>Attention (QK-norm where the module has q_norm/k_norm); ``strict_rope`` /
-    ``strict_attention`` say which parts are strict."""
+    ``strict_attention`` say which parts are strict, ``strict_exp`` the exp of the strict attention."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                 position_ids=None, **kwargs):
@@ -96,7 +96,7 @@ class StrictAttention(torch.nn.Module):
             kc, vc = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
             k, v = kc.transpose(1, 2), vc.transpose(1, 2)
         if self.strict_attention:
-            out = K.causal_attention(q, k, v, position_ids, self.scaling)
+            out = K.causal_attention(q, k, v, position_ids, self.scaling, exp=self.strict_exp)
         else:
             interface = self._stock_attention
             out, _ = interface(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
@@ -115,9 +115,10 @@ def _swap(module: torch.nn.Module, cls: type) -> None:
     module.__class__ = _SWAPPED[key]
 
 
-def make_strict(model, ops: frozenset[str], llama3: tuple | None = None) -> list[str]:
+def make_strict(model, ops: frozenset[str], llama3: tuple | None = None, exp: str = "portable") -> list[str]:
     """Swap the strict ops into a model of an alignaudit.arch architecture in place; return what was swapped
-    (for the manifest). ``llama3``: the spec's llama3 rope scaling (ModelSpec.rope_llama3), or None.
+    (for the manifest). ``llama3``: the spec's llama3 rope scaling (ModelSpec.rope_llama3), or None. ``exp``:
+    the strict attention's exp (alignaudit_kernels.attention.EXP_CHOICES).
 
     Raises:
         alignaudit.errors.InputError: the model's architecture is not one alignaudit runs.
@@ -145,7 +146,7 @@ def make_strict(model, ops: frozenset[str], llama3: tuple | None = None) -> list
             m._hf_module = type(m).__module__
             m._stock_attention = ALL_ATTENTION_FUNCTIONS.get_interface(
                 config._attn_implementation, sys.modules[type(m).__module__].eager_attention_forward)
-            m.strict_rope, m.strict_attention = "rope" in ops, "attention" in ops
+            m.strict_rope, m.strict_attention, m.strict_exp = "rope" in ops, "attention" in ops, exp
             m.q_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings, llama3)
             m.k_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings, llama3)
             _swap(m, StrictAttention)

@@ -147,9 +147,9 @@ class StrictCoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, *, rotary_base: float,
-                 strict_rope: bool, strict_attention: bool, llama3: tuple | None = None):
+                 strict_rope: bool, strict_attention: bool, llama3: tuple | None = None, exp: str = "portable"):
         super().__init__(config=config)
-        self.strict_rope, self.strict_attention = strict_rope, strict_attention
+        self.strict_rope, self.strict_attention, self.strict_exp = strict_rope, strict_attention, exp
         self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
         self.q_rope = RopeOp(config.kv_channels, rotary_base, 4096, llama3) if strict_rope else None
         self.k_rope = RopeOp(config.kv_channels, rotary_base, 4096, llama3) if strict_rope else None
@@ -170,12 +170,12 @@ class StrictCoreAttention(MegatronModule):
                               attention_bias=attention_bias)
         q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value))
         cu = torch.arange(0, (b + 1) * sq, sq)
-        out = K.varlen_attention(q, k, v, cu, self.scale)  # [b * sq, heads, dim]
+        out = K.varlen_attention(q, k, v, cu, self.scale, exp=self.strict_exp)  # [b * sq, heads, dim]
         return out.view(b, sq, -1).transpose(0, 1).contiguous()
 
 
 def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
-                      llama3: tuple | None = None, num_experts: int = 0) -> ModuleSpec:
+                      llama3: tuple | None = None, num_experts: int = 0, exp: str = "portable") -> ModuleSpec:
     """The local GPT layer spec with the strict ops swapped in (``llama3``: ModelSpec.rope_llama3). An MoE
     layer keeps Megatron's MoELayer in the spec; StrictGPTModel swaps its forward for the strict one."""
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm",
@@ -197,7 +197,7 @@ def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: boo
     if {"rope", "attention"} & ops:
         attn.core_attention = ModuleSpec(module=StrictCoreAttention, params={
             "rotary_base": rotary_base, "strict_rope": "rope" in ops, "strict_attention": "attention" in ops,
-            "llama3": llama3})
+            "llama3": llama3, "exp": exp})
     return spec
 
 
@@ -210,11 +210,13 @@ def _mlp_spec(mlp_cls, submodules):
 
 
 def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
-                      llama3: tuple | None = None, num_experts: int = 0) -> TransformerBlockSubmodules:
-    """A TransformerBlockSubmodules of strict layers; the final norm is strict too with "rmsnorm"."""
+                      llama3: tuple | None = None, num_experts: int = 0,
+                      exp: str = "portable") -> TransformerBlockSubmodules:
+    """A TransformerBlockSubmodules of strict layers; the final norm is strict too with "rmsnorm"; ``exp``: the
+    strict attention's exp (alignaudit_kernels.attention.EXP_CHOICES)."""
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl
 
-    layer = strict_layer_spec(ops, rotary_base, qk_layernorm, llama3, num_experts)
+    layer = strict_layer_spec(ops, rotary_base, qk_layernorm, llama3, num_experts, exp)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=StrictRMSNorm if "rmsnorm" in ops else LNImpl)
 
