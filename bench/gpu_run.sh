@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
-#   bench/gpu_run.sh tests sweep sweep-segments sweep-attention bench bench-quick bench-attention launch forward q8 q8-strict q8-bisect q8-bisect-strict \
+#   bench/gpu_run.sh tests sweep sweep-segments sweep-attention bench bench-quick bench-attention launch forward q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
 # attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py);
 # forward: the whole Qwen3-8B-shape forward, eager and compiled; q8: Qwen3-8B-shape compare (random
-# weights) megatron vs hf, default and --strict;
+# weights) megatron vs hf, default and --strict (q8-native: --strict --strict-exp native);
 # q8-bisect: bisect of layer 0; tp-bench: the strict row-parallel reduction vs NCCL's all-reduce (2 GPUs);
 # q8-tp2*: megatron at tensor-parallel size 2 (NCCL) vs hf / vs megatron at size 1; rl17: alignaudit rl on
 # the Qwen3-1.7B shape, megatron trains, hf rolls out, 20 steps --strict; decode-diag: the first module
@@ -52,6 +52,8 @@ for stage in "$@"; do
     bench) timeout 300 python3 bench/kernels_gpu.py --json "$out/bench.json" 2>&1 | log | tail -45 ;;
     q8) q8 q8-default; q8 q8-strict --strict ;;
     q8-strict) q8 q8-strict --strict ;;
+    q8-native) q8 q8-strict-native --strict --strict-exp native
+               grep -h '"attention_exp"' /tmp/runs/q8-strict-native/*/manifest.json ;;
     launch) timeout 120 python3 bench/launch_overhead.py 2>&1 | log | tail -8 ;;
     bench-attention) timeout 200 python3 bench/kernels_gpu.py --quick --sections attention --json "$out/bench-attention.json" 2>&1 | log | tail -14 ;;
     bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | log | tail -40 ;;
