@@ -24,6 +24,8 @@ def side_label(side: dict) -> str:
     extra = [side.get("dtype"), side.get("device")]
     if side.get("strict"):
         extra.append(f"strict {side['strict']}")
+    if side.get("strict_exp") not in (None, "portable"):
+        extra.append(f"{side['strict_exp']} exp")
     if side.get("lm_head_dtype") == "fp32":
         extra.append("fp32 lm_head")
     extra += [f"{k}={v}" for k, v in (side.get("options") or {}).items()]
