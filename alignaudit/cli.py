@@ -594,23 +594,40 @@ def _interrupted() -> int:
 
 
 _signalled: list[int] = []
+_in_unraisable_hook: list[bool] = [False]
 
 
 def _terminate(signum, frame):
     _signalled.append(signum)
+    if _in_unraisable_hook[0]:  # raised inside the hook it would be swallowed again, with a traceback
+        _deliver_later(signum)
+        return
     raise KeyboardInterrupt
+
+
+def _deliver_later(signum: int) -> None:
+    """Deliver ``signum`` to the main thread again from a short timer thread, once it has left the hook."""
+    import _thread
+    import threading
+
+    timer = threading.Timer(0.01, _thread.interrupt_main, (signum,))
+    timer.daemon = True
+    timer.start()
 
 
 def _unraisable(info) -> None:
     """Our interrupt, raised where Python cannot propagate it (e.g. an at-fork callback while a worker
-    starts), would be printed as "Exception ignored" with a traceback and lost. Deliver it again instead, at
-    the main thread's next step; report anything else as Python does."""
-    if issubclass(info.exc_type, KeyboardInterrupt) and _signalled:
-        import _thread
-
-        _thread.interrupt_main(_signalled[-1])
-        return
-    sys.__unraisablehook__(info)
+    starts), would be printed as "Exception ignored" with a traceback and lost. Deliver it again instead,
+    after the hook has returned (a signal handled inside the hook is passed on the same way); report anything
+    else as Python does."""
+    _in_unraisable_hook[0] = True
+    try:
+        if issubclass(info.exc_type, KeyboardInterrupt) and _signalled:
+            _deliver_later(_signalled[-1])
+        else:
+            sys.__unraisablehook__(info)
+    finally:
+        _in_unraisable_hook[0] = False
 
 
 def _optional_values(args: list[str], defaults: dict[str, str]) -> list[str]:
