@@ -107,9 +107,8 @@ def _token_logprobs(l2, targets):
 
 
 def _log_softmax_forward(logits):
-    """-> fp32 log_softmax of logits [..., V] in logits' shape, and the flat [rows, V] view of it."""
-    y, lse = _log_softmax(logits.reshape(-1, logits.shape[-1]).contiguous())
-    return y.reshape(logits.shape), y
+    """-> fp32 log_softmax of logits [..., V], in logits' shape."""
+    return _log_softmax(logits.reshape(-1, logits.shape[-1]).contiguous())[0].reshape(logits.shape)
 
 
 def _token_logprobs_forward(logits, targets):
@@ -121,15 +120,15 @@ def _token_logprobs_forward(logits, targets):
 class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits):
-        out, y = _log_softmax_forward(logits)
+        y = _log_softmax_forward(logits)
         ctx.save_for_backward(y)
         ctx.dtype = logits.dtype
-        return out
+        return y
 
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        g = g.reshape(y.shape).float()
+        g = g.float()
         return (g - y.exp() * g.sum(-1, keepdim=True)).to(ctx.dtype)
 
 
@@ -154,7 +153,7 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     if compiling_inference(logits):
         return _log_softmax_op(logits)
     if no_gradient(logits):
-        return _log_softmax_forward(logits)[0]
+        return _log_softmax_forward(logits)
     return _LogSoftmax.apply(logits)
 
 
@@ -173,7 +172,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @opaque_op("log_softmax", "(Tensor logits) -> Tensor",
            lambda logits: torch.empty(logits.shape, dtype=torch.float32, device=logits.device))
 def _log_softmax_op(logits):
-    return _log_softmax_forward(logits)[0]
+    return _log_softmax_forward(logits)
 
 
 @opaque_op("token_logprobs", "(Tensor logits, Tensor targets) -> Tensor",

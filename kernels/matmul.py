@@ -203,18 +203,22 @@ if triton is not None:
                                    BLOCK_N, BLOCK_K)
 
     @triton.jit
+    def _slot(scratch_ptr, slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The pointers of scratch tile ``slot`` ([BLOCK_M, BLOCK_N] fp32, row-major)."""
+        return (scratch_ptr + slot * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
+                + tl.arange(0, BLOCK_N)[None, :])
+
+    @triton.jit
     def _park(scratch_ptr, slot, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Store a finished fp32 subtree in the program's scratch slot, so that the next pair needs no third
         accumulator in registers (the barrier: no thread may overwrite a slot another still reads)."""
         tl.debug_barrier()
-        at = slot * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(scratch_ptr + at, acc)
+        tl.store(_slot(scratch_ptr, slot, BLOCK_M, BLOCK_N), acc)
 
     @triton.jit
     def _unpark(scratch_ptr, slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         tl.debug_barrier()  # every thread's part of the slot written before any thread reads it
-        at = slot * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        return tl.load(scratch_ptr + at)
+        return tl.load(_slot(scratch_ptr, slot, BLOCK_M, BLOCK_N))
 
     @triton.jit
     def _matmul_tma_kernel(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M: tl.constexpr,
@@ -374,7 +378,8 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
     bm, bn, bk, warps, stages = tile
     tiles = cdiv(m, bm) * cdiv(n, bn)
     programs = min(tiles, sm_count(x2.device)) if persistent else tiles
-    scratch = torch.empty(programs * 2 * bm * bn if segments > 2 else 1, dtype=torch.float32, device=x2.device)
+    # two fp32 scratch tiles per program for the tree's left halves; up to two segments the kernel never reads it
+    scratch = torch.empty(programs * 2 * bm * bn, dtype=torch.float32, device=x2.device) if segments > 2 else y
     _matmul_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(y, [bm, bn]), scratch, m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

@@ -791,9 +791,10 @@ def test_backward_matches_fp64_autograd(device):
     check("varlen_attention", lambda q, k, v: K.varlen_attention(q, k, v, cu, 0.3), ref_attn, q, k, v)
 
 
-def test_entry_points_compute_the_same_bits_with_and_without_autograd(device, dtype):
+def test_entry_points_compute_the_same_bits_with_and_without_autograd(monkeypatch, device, dtype):
     """An entry point called where no gradient can be recorded skips its torch.autograd.Function
-    (primitives.no_gradient): same output bits as the recording call, and nothing recorded."""
+    (primitives.no_gradient; the Functions' apply is made to fail meanwhile): same output bits as the
+    recording call, and nothing recorded."""
     x, w = randn(6, 64, dtype=dtype, device=device, seed=30), randn(32, 64, dtype=dtype, device=device, seed=31)
     t = torch.arange(6, device=device) % 32
     cos, sin = rope.rope_tables(64, 16, 1e4, device)
@@ -807,6 +808,13 @@ def test_entry_points_compute_the_same_bits_with_and_without_autograd(device, dt
         "log_softmax": (lambda a: K.log_softmax(a), x), "token_logprobs": (lambda a: K.token_logprobs(a, t), x),
         "varlen_attention": (lambda a: K.varlen_attention(a, k, k, cu, 0.25), q),
     }
+    real_apply = torch.autograd.Function.apply.__func__
+
+    def apply_only_when_recording(cls, *args, **kwargs):
+        assert torch.is_grad_enabled(), f"{cls.__name__}.apply called where no gradient can be recorded"
+        return real_apply(cls, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(apply_only_when_recording))
     for name, (fn, arg) in calls.items():
         with torch.no_grad():
             plain = fn(arg)
