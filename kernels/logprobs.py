@@ -2,20 +2,22 @@
 
     m   = max_v l[v]                       exact (max does not round)
     z   = l - m                            fp32
-    s   = sum_v exp(z[v])                  exp: kernels/primitives
+    s   = sum_v exp(z[v])                  exp: kernels/primitives; sum: primitives.unit_sum (exact)
     lp  = z - log(s)                       log: kernels/primitives; result fp32, never rounded further
 token_logprobs gathers lp at the target ids with the same arithmetic, so its values equal the
 corresponding entries of log_softmax bit for bit. Megatron's vocab-parallel cross-entropy computes
 log(s) - z[target]: the same expression, negated.
 
 Contract (both backends):
-    inputs        logits [T, V] in bf16, fp16 or fp32, upcast to fp32 first: on the GPU into an fp32 buffer
-                  (UPCAST_ROWS rows at a time), so the kernel always loads fp32 rows from an aligned
-                  buffer and a bf16 rollout logit and its fp32 copy give one result (primitives.
-                  reduction_input says why the buffer matters)
-    reduction     sum over V only. CPU: kernels/primitives.fixed_sum (blocks of 32, pairwise tree in a
-                  block, blocks left to right). GPU: one program per row, V in steps of BLOCK_V (4096)
-                  left to right, tl.sum's fixed tree inside a step. Independent of the number of rows
+    inputs        logits [T, V] in bf16, fp16 or fp32, upcast to fp32 on load
+    reduction     max (exact) and unit_sum (exact fixed-point, rounded once): neither depends on the order,
+                  so the result is the same on the CPU and the GPU, for any number of rows, any split of
+                  the vocabulary between programs, and any width of the loads (a bf16 logit and its fp32
+                  copy give one result without an upcast buffer; primitives.reduction_input says why that
+                  needed one while the sum was a tl.sum of floats)
+    GPU           grid (rows, vocabulary chunks): chunk maxima and chunk sums meet in per-row atomics (an
+                  fp32 max and an int64 add: exact, so their order does not matter); a single row is
+                  spread over the whole GPU
 Backward: plain torch in fp32 (softmax from the saved lse).
 """
 
@@ -23,11 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import (cdiv, compiling_inference, exp, fixed_sum, log, no_gradient, opaque_op,
-                                          reduction_input, triton, use_triton)
+from alignaudit_kernels.primitives import (cdiv, compiling_inference, exp, log, no_gradient, opaque_op, sm_count,
+                                          triton, unit_sum, unit_sum_scale, use_triton)
 
 BLOCK_V = 4096
-UPCAST_ELEMENTS = 1 << 26  # the fp32 copy of a bf16 batch is made this many logits at a time (256 MiB)
+INTERPRETER_SPLITS = 3  # vocabulary chunks per row under the Triton interpreter, so the CPU tests cover splits
 
 
 def reference(logits):
@@ -35,10 +37,10 @@ def reference(logits):
 
 
 def _cpu_lse(l):
-    """(l - max [T, V], log(sum(exp(l - max))) [T, 1]) on the CPU."""
-    m = l.amax(-1, keepdim=True)
-    z = l - m
-    return z, log(fixed_sum(exp(z)))[:, None]
+    """(m [T], z = l - m [T, V], log(s) [T]) on the CPU, l fp32 [T, V]."""
+    m = l.amax(-1)
+    z = l - m[:, None]
+    return m, z, log(unit_sum(exp(z)))
 
 
 if triton is not None:
@@ -47,68 +49,118 @@ if triton is not None:
     from alignaudit_kernels.primitives import exp_t, log_t
 
     @triton.jit
-    def _lse_kernel(l_ptr, lse_ptr, max_ptr, V, stride_l, BLOCK: tl.constexpr):
+    def _max_kernel(l_ptr, max_ptr, V, stride_l, chunk, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        start = tl.program_id(1) * chunk
         base = l_ptr + row * stride_l
         m = tl.full((), float("-inf"), tl.float32)
-        for v0 in range(0, V, BLOCK):
+        for v0 in range(start, tl.minimum(start + chunk, V), BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
             m = tl.maximum(m, tl.max(tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32), axis=0))
-        s = tl.zeros((), tl.float32)
-        for v0 in range(0, V, BLOCK):
-            cols = v0 + tl.arange(0, BLOCK)
-            z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) - m
-            s = s + tl.sum(exp_t(z), axis=0)
-        tl.store(lse_ptr + row, log_t(s))
-        tl.store(max_ptr + row, m)
+        tl.atomic_max(max_ptr + row, m)
 
     @triton.jit
-    def _log_softmax_kernel(l_ptr, lse_ptr, max_ptr, y_ptr, V, stride_l, stride_y, BLOCK: tl.constexpr):
+    def _sum_kernel(l_ptr, max_ptr, sum_ptr, nan_ptr, V, stride_l, chunk, scale, BLOCK: tl.constexpr):
+        """int64 sum of exp(l - m) in units of 1/scale over one chunk, added to the row's total; a NaN in
+        l - m sets the row's NaN flag (unit_sum's arithmetic)."""
+        row = tl.program_id(0).to(tl.int64)
+        start = tl.program_id(1) * chunk
+        base = l_ptr + row * stride_l
+        m = tl.load(max_ptr + row)
+        total = tl.zeros((), tl.int64)
+        nan = tl.zeros((), tl.int64)
+        for v0 in range(start, tl.minimum(start + chunk, V), BLOCK):
+            cols = v0 + tl.arange(0, BLOCK)
+            inside = cols < V
+            z = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32) - m
+            bad = inside & (z != z)
+            e = tl.where(inside & ~bad, exp_t(z), 0.0)  # never convert a NaN to an integer
+            total += tl.sum((e * scale).to(tl.int64), axis=0)
+            nan = tl.maximum(nan, tl.max(bad.to(tl.int64), axis=0))
+        tl.atomic_add(sum_ptr + row, total)
+        tl.atomic_max(nan_ptr + row, nan)
+
+    @triton.jit
+    def _log_s(sum_ptr, nan_ptr, rows, inv_scale):
+        """log(s) of the given rows from their int64 sums and NaN flags."""
+        s = tl.load(sum_ptr + rows).to(tl.float32) * inv_scale
+        return tl.where(tl.load(nan_ptr + rows) != 0, float("nan"), log_t(s))
+
+    @triton.jit
+    def _log_softmax_kernel(l_ptr, max_ptr, sum_ptr, nan_ptr, y_ptr, V, stride_l, stride_y, inv_scale,
+                            BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         z = tl.load(l_ptr + row * stride_l + cols, mask=cols < V, other=0.0).to(tl.float32) - tl.load(max_ptr + row)
-        tl.store(y_ptr + row * stride_y + cols, z - tl.load(lse_ptr + row), mask=cols < V)
+        tl.store(y_ptr + row * stride_y + cols, z - _log_s(sum_ptr, nan_ptr, row, inv_scale), mask=cols < V)
+
+    @triton.jit
+    def _pick_kernel(l_ptr, t_ptr, max_ptr, sum_ptr, nan_ptr, lp_ptr, lse_ptr, T, stride_l, inv_scale,
+                     BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = rows < T
+        rows64 = rows.to(tl.int64)
+        targets = tl.load(t_ptr + rows64, mask=inside, other=0)
+        m = tl.load(max_ptr + rows64, mask=inside, other=0.0)
+        picked = tl.load(l_ptr + rows64 * stride_l + targets, mask=inside, other=0.0).to(tl.float32)
+        log_s = _log_s(sum_ptr, nan_ptr, rows64, inv_scale)
+        tl.store(lp_ptr + rows64, (picked - m) - log_s, mask=inside)
+        tl.store(lse_ptr + rows64, m + log_s, mask=inside)
 
 
-def _lse_triton(l):
-    """(max [T], log(sum(exp(l - max))) [T]) by the Triton kernel."""
+def _vocabulary_chunk(t, v, device):
+    """Logits per program along V (a multiple of BLOCK_V): all of V once the rows alone fill the GPU twice,
+    else V split so that rows x chunks does. The arithmetic is the same for any chunk (unit_sum is exact)."""
+    blocks = cdiv(v, BLOCK_V)
+    splits = INTERPRETER_SPLITS if device.type == "cpu" else cdiv(2 * sm_count(device), t)
+    return cdiv(blocks, max(1, min(splits, blocks))) * BLOCK_V
+
+
+def _row_statistics(l):
+    """Launch the max and sum kernels on l [T, V] (any float dtype, rows with unit stride along V):
+    -> (max [T] fp32, unit sums [T] int64, NaN flags [T] int64, 1/scale)."""
     t, v = l.shape
-    lse = torch.empty(t, dtype=torch.float32, device=l.device)
-    m = torch.empty(t, dtype=torch.float32, device=l.device)
-    rows = max(1, UPCAST_ELEMENTS // v)
-    for a in range(0, t, rows):
-        chunk = reduction_input(l[a: a + rows], torch.float32)
-        _lse_kernel[(chunk.shape[0],)](chunk, lse[a:], m[a:], v, chunk.stride(0), BLOCK=BLOCK_V, num_warps=8,
-                                       enable_fp_fusion=False)
-    return m, lse
+    scale = unit_sum_scale(v)
+    m = torch.full((t,), float("-inf"), dtype=torch.float32, device=l.device)
+    sums, nan = torch.zeros((2, t), dtype=torch.int64, device=l.device)
+    chunk = _vocabulary_chunk(t, v, l.device)
+    grid = (t, cdiv(v, chunk))
+    _max_kernel[grid](l, m, v, l.stride(0), chunk, BLOCK=BLOCK_V, num_warps=8)
+    _sum_kernel[grid](l, m, sums, nan, v, l.stride(0), chunk, scale, BLOCK=BLOCK_V, num_warps=8,
+                      enable_fp_fusion=False)
+    return m, sums, nan, 1.0 / scale
 
 
 def _log_softmax(l2):
+    """fp32 log_softmax of l2 [T, V]."""
     if use_triton(l2):
-        m, lse = _lse_triton(l2)
+        m, sums, nan, inv_scale = _row_statistics(l2)
         y = torch.empty(l2.shape, dtype=torch.float32, device=l2.device)
         _log_softmax_kernel[(l2.shape[0], cdiv(l2.shape[1], BLOCK_V))](
-            l2, lse, m, y, l2.shape[1], l2.stride(0), y.stride(0), BLOCK=BLOCK_V, num_warps=8, enable_fp_fusion=False)
-        return y, lse
-    z, lse = _cpu_lse(l2.float())
-    return z - lse, lse[:, 0]
+            l2, m, sums, nan, y, l2.shape[1], l2.stride(0), y.stride(0), inv_scale, BLOCK=BLOCK_V, num_warps=8,
+            enable_fp_fusion=False)
+        return y
+    _, z, log_s = _cpu_lse(l2.float())
+    return z - log_s[:, None]
 
 
 def _token_logprobs(l2, targets):
     """(logprobs [T], m + log(s) [T], the log-sum-exp of the logits, for the backward pass)."""
     if use_triton(l2):
-        m, log_s = _lse_triton(l2)
-        picked = l2.gather(1, targets[:, None])[:, 0].float()
-        return (picked - m) - log_s, m + log_s
-    l = l2.float()
-    z, log_s = _cpu_lse(l)
-    m = l.amax(-1)
-    return z.gather(1, targets[:, None])[:, 0] - log_s[:, 0], m + log_s[:, 0]
+        m, sums, nan, inv_scale = _row_statistics(l2)
+        t = l2.shape[0]
+        lp = torch.empty(t, dtype=torch.float32, device=l2.device)
+        lse = torch.empty_like(lp)
+        _pick_kernel[(cdiv(t, 256),)](l2, targets, m, sums, nan, lp, lse, t, l2.stride(0), inv_scale, BLOCK=256,
+                                      enable_fp_fusion=False)
+        return lp, lse
+    m, z, log_s = _cpu_lse(l2.float())
+    return z.gather(1, targets[:, None])[:, 0] - log_s, m + log_s
 
 
 def _log_softmax_forward(logits):
     """-> fp32 log_softmax of logits [..., V], in logits' shape."""
-    return _log_softmax(logits.reshape(-1, logits.shape[-1]).contiguous())[0].reshape(logits.shape)
+    return _log_softmax(logits.reshape(-1, logits.shape[-1]).contiguous()).reshape(logits.shape)
 
 
 def _token_logprobs_forward(logits, targets):

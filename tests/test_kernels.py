@@ -163,6 +163,23 @@ def test_fixed_sum_order_is_its_definition():
     assert_bitwise_equal("fixed_sum", primitives.fixed_sum(x), expected)
 
 
+def test_unit_sum_is_exact_up_to_its_truncation():
+    n = 151936  # the Qwen3 vocabulary
+    assert primitives.unit_sum_scale(n) == 2.0 ** 44
+    x = torch.rand(4, n, generator=gen(5)) ** 8  # most terms far below 1, where truncation bites
+    s = primitives.unit_sum(x)
+    exact = x.double().sum(-1)
+    assert_within("unit_sum", s, exact, n * 2.0 ** -44 + 0.5 * ulp_of(exact, torch.float32))
+    shuffled = x[:, torch.randperm(n, generator=gen(6))]
+    assert_bitwise_equal("unit_sum in another order", primitives.unit_sum(shuffled), s)
+    assert not torch.equal(primitives.fixed_sum(shuffled), primitives.fixed_sum(x))  # negative control
+    assert_bitwise_equal("unit_sum of ones", primitives.unit_sum(torch.ones(2, n)), torch.full((2,), float(n)))
+    x[2, 77] = float("nan")
+    assert primitives.unit_sum(x).isnan().tolist() == [False, False, True, False]
+    with pytest.raises(ValueError, match="at most"):
+        primitives.unit_sum_scale(2 ** 20 + 1)
+
+
 # ---------------------------------------------------------------- linear
 
 
@@ -444,6 +461,40 @@ def test_reductions_do_not_depend_on_the_callers_buffer(device, dtype):
     assert_bitwise_equal("misaligned rms_norm input", K.rms_norm(misaligned(x), w, 1e-6), K.rms_norm(x, w, 1e-6))
     for a, b in zip(K.rms_norm(misaligned(x), w, 1e-6, residual=misaligned(r)), K.rms_norm(x, w, 1e-6, residual=r)):
         assert_bitwise_equal("misaligned fused add + rms_norm", a, b)
+
+
+@EXAMPLES
+@given(seed=st.integers(0, 10**6))
+def test_logprobs_do_not_depend_on_the_vocabulary_order(device, dtype, seed):
+    """The normalizer is an exact sum: permuting the vocabulary permutes log_softmax bit for bit, and every
+    backend gives the bits of the CPU definition (max, exp, unit_sum, log)."""
+    v = 5000
+    logits = randn(33, v, dtype=dtype, device=device, seed=seed, scale=4)
+    perm = torch.randperm(v, generator=gen(seed + 1))
+    full = K.log_softmax(logits)
+    assert_bitwise_equal("permuted vocabulary", K.log_softmax(logits[:, perm.to(device)]), full[:, perm.to(device)])
+    l = logits.float().cpu()
+    z = l - l.amax(-1, keepdim=True)
+    assert_bitwise_equal("the CPU definition", full.cpu(),
+                         z - primitives.log(primitives.unit_sum(primitives.exp(z)))[:, None])
+    float_sum = z - primitives.log(primitives.fixed_sum(primitives.exp(z)))[:, None]
+    z_perm = z[:, perm]
+    assert not torch.equal(z_perm - primitives.log(primitives.fixed_sum(primitives.exp(z_perm)))[:, None],
+                           float_sum[:, perm])  # negative control: a float sum follows the order
+
+
+def test_logprobs_are_nan_where_a_logit_is_nan_or_inf(device):
+    """A NaN or +inf logit, or a row of -inf, makes its whole row NaN (never a finite logprob that hides it);
+    the other rows keep the bits they have alone."""
+    logits = randn(4, 5000, dtype=torch.float32, device=device, seed=21, scale=4)
+    logits[1, 7] = float("nan")
+    logits[2, 9] = float("inf")
+    logits[3] = float("-inf")
+    targets = torch.tensor([3, 4, 5, 6], device=device)
+    full, picked = K.log_softmax(logits), K.token_logprobs(logits, targets)
+    assert full.isnan().all(-1).tolist() == [False, True, True, True]
+    assert picked.isnan().tolist() == [False, True, True, True]
+    assert_bitwise_equal("finite row", full[0], K.log_softmax(logits[:1])[0])
 
 
 def misaligned(x: torch.Tensor) -> torch.Tensor:
