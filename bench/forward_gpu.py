@@ -1,6 +1,6 @@
 """A whole Qwen3-shape forward pass, default vs every op strict, eager and torch.compile'd, side by side.
 
-    python3 bench/forward_gpu.py [--preset Qwen3-8B] [--batch 4] [--tokens 1024] [--no-compile]
+    python3 bench/forward_gpu.py [--preset Qwen3-8B] [--batch 4] [--tokens 1024] [--no-compile] [--exp native]
 
 Builds the preset's exact shape with random weights directly on the GPU (transformers Qwen3ForCausalLM,
 bf16), times the default forward (SDPA attention, cuBLAS) over batch x tokens, eager and under
@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument("--exp", choices=("portable", "native"), default="portable",
+                        help="the strict attention's exp (alignaudit --strict-exp)")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -104,7 +106,7 @@ def main() -> None:
         torch._dynamo.reset()
         default_compiled_one_ms = median_ms(torch.compile(stock), warmup=3)
         ids = all_ids
-    make_strict(model, frozenset(STRICT_OPS))
+    make_strict(model, frozenset(STRICT_OPS), exp=args.exp)
     strict_ms = median_ms(strict)
     print(f"host synchronizations in one strict forward: {count_syncs(strict)}", flush=True)
     print(f"host time to launch one forward (until it returns, GPU not awaited): default {default_host_ms:.1f} ms, "
@@ -115,7 +117,7 @@ def main() -> None:
     ids = all_ids
     print(f"{args.preset} forward, {args.batch} x {args.tokens} tokens, bf16, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}")
-    print(f"default (sdpa, cuBLAS): {default_ms:.1f} ms   strict (every op): {strict_ms:.1f} ms   "
+    print(f"default (sdpa, cuBLAS): {default_ms:.1f} ms   strict (every op, {args.exp} exp): {strict_ms:.1f} ms   "
           f"strict/default time: {strict_ms / default_ms:.2f}x")
     if default_compiled_ms is None:
         return

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
-#   bench/gpu_run.sh tests sweep sweep-segments sweep-attention bench bench-quick bench-attention launch forward q8 q8-strict q8-native q8-bisect q8-bisect-strict \
+#   bench/gpu_run.sh tests sweep sweep-segments sweep-attention bench bench-quick bench-attention launch forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
 # attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py);
-# forward: the whole Qwen3-8B-shape forward, eager and compiled; q8: Qwen3-8B-shape compare (random
+# forward: the whole Qwen3-8B-shape forward, eager and compiled (forward-native: --strict-exp native); q8: Qwen3-8B-shape compare (random
 # weights) megatron vs hf, default and --strict (q8-native: --strict --strict-exp native);
 # q8-bisect: bisect of layer 0; tp-bench: the strict row-parallel reduction vs NCCL's all-reduce (2 GPUs);
 # q8-tp2*: megatron at tensor-parallel size 2 (NCCL) vs hf / vs megatron at size 1; rl17: alignaudit rl on
@@ -58,6 +58,7 @@ for stage in "$@"; do
     bench-attention) timeout 200 python3 bench/kernels_gpu.py --quick --sections attention --json "$out/bench-attention.json" 2>&1 | log | tail -14 ;;
     bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | log | tail -40 ;;
     forward) timeout 540 python3 bench/forward_gpu.py 2>&1 | log | grep -v Warn | tail -9 ;;
+    forward-native) timeout 540 python3 bench/forward_gpu.py --exp native 2>&1 | log | grep -v Warn | tail -9 ;;
     q8-bisect-strict) timeout 300 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --mode natural --strict \
                  --out /tmp/runs/q8-bisect-strict --force 2>&1 | log | grep -E "✗|◀|every op|first diverging|error" | head -20 ;;

@@ -282,8 +282,9 @@ WIDE_N = 16384
 # whether the product is "narrow": K-segmented (two accumulators live, 128x256 spills) or stored as an fp32
 # partial (128x256 with an fp32 output tile exceeds shared memory). The fastest on an H200 in
 # bench/sweep_gpu.py --sections segments,small-m (2026-11-30, docs/benchmarks.md); every one gave the
-# pointer kernel's bits there.
-TMA_PLANS = {("small", False): ((128, 128, 64, 8, 4), True), ("small", True): ((64, 128, 64, 4, 4), False),
+# pointer kernel's bits there. Six stages in the small class (2026-11-30 afternoon: at M = 256 o/down
+# 0.68/0.69 -> 0.78/0.84 of cuBLAS, qkv 0.81 -> 0.85; segmented at M = 32-64 0.03-0.04 slower).
+TMA_PLANS = {("small", False): ((128, 128, 64, 8, 6), True), ("small", True): ((64, 128, 64, 4, 6), False),
              ("large", False): ((128, 256, 64, 8, 3), True), ("large", True): ((128, 128, 64, 8, 4), True)}
 
 
