@@ -9,7 +9,7 @@ rounding points and primitives.
 """
 
 from alignaudit_kernels.attention import causal_attention, paged_attention, paged_decode, varlen_attention
-from alignaudit_kernels.logprobs import log_softmax, token_logprobs
+from alignaudit_kernels.logprobs import log_softmax, token_logprobs, token_logprobs_vocab_parallel
 from alignaudit_kernels.matmul import ROW_PARALLEL_SEGMENTS, combine_partials, linear, linear_partial
 from alignaudit_kernels.moe import combine_experts, mixture_of_experts, route
 from alignaudit_kernels.rmsnorm import rms_norm
@@ -19,5 +19,5 @@ from alignaudit_kernels.silu import silu_and_mul, silu_mul
 __all__ = [
     "ROW_PARALLEL_SEGMENTS", "apply_rope", "causal_attention", "combine_experts", "combine_partials", "inverse_frequencies", "linear",
     "linear_partial", "log_softmax", "mixture_of_experts", "paged_attention", "paged_decode", "rms_norm", "rope_tables", "route",
-    "silu_and_mul", "silu_mul", "token_logprobs", "varlen_attention",
+    "silu_and_mul", "silu_mul", "token_logprobs", "token_logprobs_vocab_parallel", "varlen_attention",
 ]

@@ -18,6 +18,8 @@ Contract (both backends):
     GPU           grid (rows, vocabulary chunks): chunk maxima and chunk sums meet in per-row atomics (an
                   fp32 max and an int64 add: exact, so their order does not matter); a single row is
                   spread over the whole GPU
+    tensor        token_logprobs_vocab_parallel: the same stages on each rank's vocabulary shard, with the
+    parallel      row statistics all-reduced between them (exact, so: the one-rank bits)
 Backward: plain torch in fp32 (softmax from the saved lse).
 """
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from alignaudit_kernels.primitives import (cdiv, compiling_inference, exp, log, no_gradient, opaque_op, sm_count,
-                                          triton, unit_sum, unit_sum_scale, use_triton)
+                                          triton, unit_sum_scale, unit_sum_units, units_to_sum, use_triton)
 
 BLOCK_V = 4096
 INTERPRETER_SPLITS = 3  # vocabulary chunks per row under the Triton interpreter, so the CPU tests cover splits
@@ -34,13 +36,6 @@ INTERPRETER_SPLITS = 3  # vocabulary chunks per row under the Triton interpreter
 
 def reference(logits):
     return torch.log_softmax(logits, dim=-1)
-
-
-def _cpu_lse(l):
-    """(m [T], z = l - m [T, V], log(s) [T]) on the CPU, l fp32 [T, V]."""
-    m = l.amax(-1)
-    z = l - m[:, None]
-    return m, z, log(unit_sum(exp(z)))
 
 
 if triton is not None:
@@ -60,9 +55,9 @@ if triton is not None:
         tl.atomic_max(max_ptr + row, m)
 
     @triton.jit
-    def _sum_kernel(l_ptr, max_ptr, sum_ptr, nan_ptr, V, stride_l, chunk, scale, BLOCK: tl.constexpr):
+    def _units_kernel(l_ptr, max_ptr, units_ptr, nan_ptr, V, stride_l, chunk, scale, BLOCK: tl.constexpr):
         """int64 sum of exp(l - m) in units of 1/scale over one chunk, added to the row's total; a NaN in
-        l - m sets the row's NaN flag (unit_sum's arithmetic)."""
+        l - m sets the row's NaN flag (primitives.unit_sum_units' arithmetic)."""
         row = tl.program_id(0).to(tl.int64)
         start = tl.program_id(1) * chunk
         base = l_ptr + row * stride_l
@@ -77,35 +72,32 @@ if triton is not None:
             e = tl.where(inside & ~bad, exp_t(z), 0.0)  # never convert a NaN to an integer
             total += tl.sum((e * scale).to(tl.int64), axis=0)
             nan = tl.maximum(nan, tl.max(bad.to(tl.int64), axis=0))
-        tl.atomic_add(sum_ptr + row, total)
+        tl.atomic_add(units_ptr + row, total)
         tl.atomic_max(nan_ptr + row, nan)
 
     @triton.jit
-    def _log_s(sum_ptr, nan_ptr, rows, inv_scale):
-        """log(s) of the given rows from their int64 sums and NaN flags."""
-        s = tl.load(sum_ptr + rows).to(tl.float32) * inv_scale
+    def _log_s(units_ptr, nan_ptr, rows, inv_scale):
+        """log(s) of the given rows from their int64 sums and NaN flags (primitives.units_to_sum, then log)."""
+        s = tl.load(units_ptr + rows).to(tl.float32) * inv_scale
         return tl.where(tl.load(nan_ptr + rows) != 0, float("nan"), log_t(s))
 
     @triton.jit
-    def _log_softmax_kernel(l_ptr, max_ptr, sum_ptr, nan_ptr, y_ptr, V, stride_l, stride_y, inv_scale,
+    def _log_softmax_kernel(l_ptr, max_ptr, units_ptr, nan_ptr, y_ptr, V, stride_l, stride_y, inv_scale,
                             BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         z = tl.load(l_ptr + row * stride_l + cols, mask=cols < V, other=0.0).to(tl.float32) - tl.load(max_ptr + row)
-        tl.store(y_ptr + row * stride_y + cols, z - _log_s(sum_ptr, nan_ptr, row, inv_scale), mask=cols < V)
+        tl.store(y_ptr + row * stride_y + cols, z - _log_s(units_ptr, nan_ptr, row, inv_scale), mask=cols < V)
 
     @triton.jit
-    def _pick_kernel(l_ptr, t_ptr, max_ptr, sum_ptr, nan_ptr, lp_ptr, lse_ptr, T, stride_l, inv_scale,
-                     BLOCK: tl.constexpr):
+    def _finish_kernel(picked_ptr, max_ptr, units_ptr, nan_ptr, lp_ptr, lse_ptr, T, inv_scale, BLOCK: tl.constexpr):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = rows < T
-        rows64 = rows.to(tl.int64)
-        targets = tl.load(t_ptr + rows64, mask=inside, other=0)
-        m = tl.load(max_ptr + rows64, mask=inside, other=0.0)
-        picked = tl.load(l_ptr + rows64 * stride_l + targets, mask=inside, other=0.0).to(tl.float32)
-        log_s = _log_s(sum_ptr, nan_ptr, rows64, inv_scale)
-        tl.store(lp_ptr + rows64, (picked - m) - log_s, mask=inside)
-        tl.store(lse_ptr + rows64, m + log_s, mask=inside)
+        rows = tl.where(inside, rows, 0).to(tl.int64)
+        m = tl.load(max_ptr + rows)
+        log_s = _log_s(units_ptr, nan_ptr, rows, inv_scale)
+        tl.store(lp_ptr + rows, (tl.load(picked_ptr + rows).to(tl.float32) - m) - log_s, mask=inside)
+        tl.store(lse_ptr + rows, m + log_s, mask=inside)
 
 
 def _vocabulary_chunk(t, v, device):
@@ -116,46 +108,63 @@ def _vocabulary_chunk(t, v, device):
     return cdiv(blocks, max(1, min(splits, blocks))) * BLOCK_V
 
 
-def _row_statistics(l):
-    """Launch the max and sum kernels on l [T, V] (any float dtype, rows with unit stride along V):
-    -> (max [T] fp32, unit sums [T] int64, NaN flags [T] int64, 1/scale)."""
-    t, v = l.shape
-    scale = unit_sum_scale(v)
-    m = torch.full((t,), float("-inf"), dtype=torch.float32, device=l.device)
-    sums, nan = torch.zeros((2, t), dtype=torch.int64, device=l.device)
-    chunk = _vocabulary_chunk(t, v, l.device)
-    grid = (t, cdiv(v, chunk))
-    _max_kernel[grid](l, m, v, l.stride(0), chunk, BLOCK=BLOCK_V, num_warps=8)
-    _sum_kernel[grid](l, m, sums, nan, v, l.stride(0), chunk, scale, BLOCK=BLOCK_V, num_warps=8,
-                      enable_fp_fusion=False)
-    return m, sums, nan, 1.0 / scale
+def _row_max(l2):
+    """max over V of l2 [T, V] (any float dtype, unit stride along V) -> fp32 [T]. Exact."""
+    if not use_triton(l2):
+        return l2.float().amax(-1)
+    t, v = l2.shape
+    m = torch.full((t,), float("-inf"), dtype=torch.float32, device=l2.device)
+    chunk = _vocabulary_chunk(t, v, l2.device)
+    _max_kernel[(t, cdiv(v, chunk))](l2, m, v, l2.stride(0), chunk, BLOCK=BLOCK_V, num_warps=8)
+    return m
+
+
+def _row_units(l2, m, scale):
+    """primitives.unit_sum_units of exp(l2 - m[:, None]): (int64 [T], NaN flags int64 [T]). Exact, so the
+    units of any split of V add up to the whole row's."""
+    if not use_triton(l2):
+        return unit_sum_units(exp(l2.float() - m[:, None]), scale)
+    t, v = l2.shape
+    units, nan = torch.zeros((2, t), dtype=torch.int64, device=l2.device)
+    chunk = _vocabulary_chunk(t, v, l2.device)
+    _units_kernel[(t, cdiv(v, chunk))](l2, m, units, nan, v, l2.stride(0), chunk, scale, BLOCK=BLOCK_V,
+                                       num_warps=8, enable_fp_fusion=False)
+    return units, nan
+
+
+def _finish(picked, m, units, nan, scale):
+    """(log p = (picked - m) - log(s) [T], m + log(s) [T], the log-sum-exp for the backward pass), fp32, from
+    the target logits [T] (any float dtype) and the row statistics."""
+    if not use_triton(picked):
+        log_s = log(units_to_sum(units, nan, scale))
+        return (picked.float() - m) - log_s, m + log_s
+    t = picked.shape[0]
+    lp = torch.empty(t, dtype=torch.float32, device=picked.device)
+    lse = torch.empty_like(lp)
+    _finish_kernel[(cdiv(t, 256),)](picked, m, units, nan, lp, lse, t, 1.0 / scale, BLOCK=256,
+                                    enable_fp_fusion=False)
+    return lp, lse
 
 
 def _log_softmax(l2):
     """fp32 log_softmax of l2 [T, V]."""
-    if use_triton(l2):
-        m, sums, nan, inv_scale = _row_statistics(l2)
-        y = torch.empty(l2.shape, dtype=torch.float32, device=l2.device)
-        _log_softmax_kernel[(l2.shape[0], cdiv(l2.shape[1], BLOCK_V))](
-            l2, m, sums, nan, y, l2.shape[1], l2.stride(0), y.stride(0), inv_scale, BLOCK=BLOCK_V, num_warps=8,
-            enable_fp_fusion=False)
-        return y
-    _, z, log_s = _cpu_lse(l2.float())
-    return z - log_s[:, None]
+    scale = unit_sum_scale(l2.shape[1])
+    m = _row_max(l2)
+    units, nan = _row_units(l2, m, scale)
+    if not use_triton(l2):
+        return (l2.float() - m[:, None]) - log(units_to_sum(units, nan, scale))[:, None]
+    y = torch.empty(l2.shape, dtype=torch.float32, device=l2.device)
+    _log_softmax_kernel[(l2.shape[0], cdiv(l2.shape[1], BLOCK_V))](
+        l2, m, units, nan, y, l2.shape[1], l2.stride(0), y.stride(0), 1.0 / scale, BLOCK=BLOCK_V, num_warps=8,
+        enable_fp_fusion=False)
+    return y
 
 
 def _token_logprobs(l2, targets):
     """(logprobs [T], m + log(s) [T], the log-sum-exp of the logits, for the backward pass)."""
-    if use_triton(l2):
-        m, sums, nan, inv_scale = _row_statistics(l2)
-        t = l2.shape[0]
-        lp = torch.empty(t, dtype=torch.float32, device=l2.device)
-        lse = torch.empty_like(lp)
-        _pick_kernel[(cdiv(t, 256),)](l2, targets, m, sums, nan, lp, lse, t, l2.stride(0), inv_scale, BLOCK=256,
-                                      enable_fp_fusion=False)
-        return lp, lse
-    m, z, log_s = _cpu_lse(l2.float())
-    return z.gather(1, targets[:, None])[:, 0] - log_s, m + log_s
+    scale = unit_sum_scale(l2.shape[1])
+    m = _row_max(l2)
+    return _finish(l2.gather(1, targets[:, None])[:, 0], m, *_row_units(l2, m, scale), scale)
 
 
 def _log_softmax_forward(logits):
@@ -184,6 +193,41 @@ class _LogSoftmax(torch.autograd.Function):
         return (g - y.exp() * g.sum(-1, keepdim=True)).to(ctx.dtype)
 
 
+def _vocab_parallel_forward(shard, targets, vocab_start, vocab_size, group):
+    """-> fp32 log p(target) in targets' shape and the per-row logsumexp [rows], from this rank's vocabulary
+    shard: the row statistics are all-reduced between the stages (max: MAX; units: SUM; NaN flags: MAX;
+    the target logit, -inf on the ranks that do not hold it: MAX), every reduction exact."""
+    import torch.distributed as dist
+
+    l2 = shard.reshape(-1, shard.shape[-1]).contiguous()
+    t = targets.reshape(-1)
+    scale = unit_sum_scale(vocab_size)
+    m = _row_max(l2)
+    dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
+    units, nan = _row_units(l2, m, scale)
+    dist.all_reduce(units, dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(nan, dist.ReduceOp.MAX, group=group)
+    local = t - vocab_start
+    mine = (local >= 0) & (local < l2.shape[1])
+    picked = l2.gather(1, local.clamp(0, l2.shape[1] - 1)[:, None])[:, 0].float()
+    picked = torch.where(mine, picked, float("-inf"))
+    dist.all_reduce(picked, dist.ReduceOp.MAX, group=group)
+    lp, lse = _finish(picked, m, units, nan, scale)
+    return lp.reshape(targets.shape), lse
+
+
+def _logprob_gradient(logits, targets, lse, g, vocab_start=0):
+    """d log p(target) / d logits for the rows' logits [..., V'] (V' the whole vocabulary or one shard whose
+    first entry is vocab_start): g * (onehot(target) - exp(l - lse)), fp32, returned in logits' dtype."""
+    l2 = logits.reshape(-1, logits.shape[-1]).float()
+    g2 = g.reshape(-1, 1).float()
+    grad = -(l2 - lse[:, None]).exp() * g2
+    local = targets.reshape(-1, 1) - vocab_start
+    mine = (local >= 0) & (local < l2.shape[1])
+    grad.scatter_add_(1, local.clamp(0, l2.shape[1] - 1), torch.where(mine, g2, 0.0))
+    return grad.reshape(logits.shape).to(logits.dtype)
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets):
@@ -193,11 +237,20 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        logits, targets, lse = ctx.saved_tensors
-        l2 = logits.reshape(-1, logits.shape[-1]).float()
-        grad = -(l2 - lse[:, None]).exp() * g.reshape(-1, 1).float()
-        grad.scatter_add_(1, targets.reshape(-1, 1), g.reshape(-1, 1).float())
-        return grad.reshape(logits.shape).to(logits.dtype), None
+        return _logprob_gradient(*ctx.saved_tensors, g), None
+
+
+class _TokenLogprobsVocabParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, targets, vocab_start, vocab_size, group):
+        lp, lse = _vocab_parallel_forward(shard, targets, vocab_start, vocab_size, group)
+        ctx.save_for_backward(shard, targets, lse)
+        ctx.vocab_start = vocab_start
+        return lp
+
+    @staticmethod
+    def backward(ctx, g):
+        return _logprob_gradient(*ctx.saved_tensors, g, ctx.vocab_start), None, None, None, None
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -219,6 +272,22 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if no_gradient(logits):
         return _token_logprobs_forward(logits, targets.long())[0]
     return _TokenLogprobs.apply(logits, targets.long())
+
+
+def token_logprobs_vocab_parallel(shard: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int,
+                                  group) -> torch.Tensor:
+    """Strict log p(target) with the vocabulary split over tensor-parallel ranks (Megatron's vocab-parallel
+    layout), without gathering the logits: shard [..., V/t] holds vocabulary entries [vocab_start,
+    vocab_start + V/t) of vocab_size; targets [...] (int64, global ids); group: a torch.distributed process
+    group. Every rank returns the same fp32 [...], equal bit for bit to ``token_logprobs`` of the whole
+    vocabulary on one rank, because max and unit_sum are exact, so the all-reduces between their stages
+    (O(rows) numbers, where a gather moves rows x V) cannot change a bit. Backward: each rank's gradient for
+    its shard. Raises ValueError on shape mismatch or vocab_size > primitives.UNIT_SUM_MAX_TERMS."""
+    if shard.shape[:-1] != targets.shape:
+        raise ValueError(f"token_logprobs_vocab_parallel: logits {tuple(shard.shape)} vs targets {tuple(targets.shape)}")
+    if no_gradient(shard):
+        return _vocab_parallel_forward(shard, targets.long(), vocab_start, vocab_size, group)[0]
+    return _TokenLogprobsVocabParallel.apply(shard, targets.long(), vocab_start, vocab_size, group)
 
 
 @opaque_op("log_softmax", "(Tensor logits) -> Tensor",

@@ -150,12 +150,21 @@ def unit_sum_scale(n: int) -> float:
 def unit_sum(x: torch.Tensor) -> torch.Tensor:
     """Exact fixed-point sum over the last axis of fp32 values in [0, 1] (module docstring): [..., n] -> [...],
     fp32. A NaN anywhere in a row makes that row's sum NaN."""
-    x = x.float()
     scale = unit_sum_scale(x.shape[-1])
+    return units_to_sum(*unit_sum_units(x, scale), scale)
+
+
+def unit_sum_units(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The integer half of ``unit_sum`` over the last axis: (sum of trunc(x * scale) [...] int64, rows holding a
+    NaN [...] int64 0/1). Partial results of any split of the axis add (and max) to the whole axis's, exactly."""
+    x = x.float()
     nan = torch.isnan(x)
-    total = (torch.where(nan, 0.0, x) * scale).to(torch.int64).sum(-1)
-    s = total.to(torch.float32) * (1.0 / scale)
-    return torch.where(nan.any(-1), float("nan"), s)
+    return (torch.where(nan, 0.0, x) * scale).to(torch.int64).sum(-1), nan.any(-1).to(torch.int64)
+
+
+def units_to_sum(units: torch.Tensor, nan: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 sum from ``unit_sum_units``' results: units / scale, rounded once; NaN where a NaN was seen."""
+    return torch.where(nan != 0, float("nan"), units.to(torch.float32) * (1.0 / scale))
 
 
 def block_sums(x: torch.Tensor) -> torch.Tensor:

@@ -872,3 +872,50 @@ def test_entry_points_compute_the_same_bits_with_and_without_autograd(monkeypatc
         recorded = fn(arg.detach().clone().requires_grad_())
         assert plain.grad_fn is None and recorded.grad_fn is not None, name
         assert_bitwise_equal(name, plain, recorded.detach())
+
+
+# ---------------------------------------------------------------- vocab-parallel logprobs
+
+
+def _vocab_parallel_rank(rank, world, init_file, logits, targets, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    v = logits.shape[-1] // world
+    shard = logits[..., rank * v:(rank + 1) * v].clone().requires_grad_(True)
+    lp = K.token_logprobs_vocab_parallel(shard, targets, rank * v, logits.shape[-1], dist.group.WORLD)
+    lp.sum().backward()
+    with torch.no_grad():
+        no_grad = K.token_logprobs_vocab_parallel(shard, targets, rank * v, logits.shape[-1], dist.group.WORLD)
+    torch.save((lp.detach(), no_grad, shard.grad), f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_logprobs_equal_the_whole_vocabulary(request, tmp_path, world):
+    """Ranks holding vocabulary shards (gloo processes) all-reduce only row statistics, yet every rank gets
+    token_logprobs' bits for the whole vocabulary (a NaN row stays NaN everywhere), and the shards' gradients
+    are the whole-vocabulary gradient's columns."""
+    if request.config.getoption("--kernel-device") == "cuda":
+        pytest.skip("one process per rank on the CPU (gloo); GPU ranks run in bench/gpu_run.sh q8-tp2")
+    if world == 4 and not INTERPRET:
+        pytest.skip("four ranks under the interpreter only (CI time)")
+    v = 4800
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    logits = randn(3, 5, v, dtype=dtype, device="cpu", seed=31, scale=4)
+    logits[1, 2, v - 7] = float("nan")  # on the last rank's shard
+    targets = torch.randint(0, v, (3, 5), generator=gen(32))
+    torch.multiprocessing.spawn(_vocab_parallel_rank, args=(world, str(tmp_path / "init"), logits, targets, str(tmp_path)),
+                                nprocs=world)
+    whole = logits.clone().requires_grad_(True)
+    expected = K.token_logprobs(whole, targets)
+    expected.sum().backward()
+    for rank in range(world):
+        lp, no_grad, grad = torch.load(tmp_path / f"rank{rank}.pt")
+        assert_bitwise_equal(f"rank {rank} logprobs", lp, expected.detach())
+        assert_bitwise_equal(f"rank {rank} logprobs without autograd", no_grad, expected.detach())
+        assert_bitwise_equal(f"rank {rank} gradient", grad, whole.grad[..., rank * v // world:(rank + 1) * v // world])
+    assert lp[1].isnan().tolist() == [False, False, True, False, False]
+    z = logits.float() - logits.float().amax(-1, keepdim=True)  # negative control: shards' float sums added
+    shards = [primitives.fixed_sum(primitives.exp(part)) for part in z.chunk(world, -1)]
+    assert not torch.equal(sum(shards[1:], shards[0]), primitives.fixed_sum(primitives.exp(z)))

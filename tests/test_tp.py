@@ -6,7 +6,8 @@ Chain of reasoning:
    rank) names the first row-parallel projection, layers.0.o_proj, with every op before it bitwise equal.
 2. The strict linear defines K as a tree of ROW_PARALLEL_SEGMENTS segments whose top levels the ranks add
    in rank order (tests/test_kernels.py proves the partials at TP 1, 2 and 4 combine to the single-rank
-   bits), and strict logprobs gather the vocabulary shards before the one log_softmax.
+   bits), and strict logprobs all-reduce exact row statistics over the vocabulary shards
+   (token_logprobs_vocab_parallel: the one-rank bits).
 3. So megatron and vllm under --strict agree bit for bit at any pairing of TP 1 and 2: TP=2 vs TP=2 (in
    rollout mode, whose prompt positions are the prompt-mode logprobs and whose sampled tokens come from
    vLLM's TP=2 decode), TP=1 vs TP=2, and TP=2 vs TP=1; without --strict they differ (negative control).

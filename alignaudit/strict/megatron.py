@@ -19,8 +19,8 @@ Per op:
                0..seq-1 per sequence (no packed sequences)
     attention  StrictCoreAttention: alignaudit_kernels.varlen_attention over each batch row
     logprobs   StrictGPTModel.compute_language_model_loss returns -token_logprobs (the loss whose
-               negation RL trainers read as logprobs), over the vocabulary gathered from every
-               tensor-parallel rank
+               negation RL trainers read as logprobs); at tensor-parallel size > 1
+               token_logprobs_vocab_parallel over each rank's vocabulary shard
 Forward and backward work (the kernels are autograd Functions).
 """
 
@@ -244,10 +244,11 @@ class StrictGPTModel(GPTModel):
         if "logprobs" not in self.strict_ops:
             return super().compute_language_model_loss(labels, logits)
         # logits [s, b, v] (v: this rank's vocabulary shard), labels [b, s] -> per-token loss [b, s], as Megatron
-        # returns it. At tensor-parallel size > 1 the shards are gathered in rank order (exact), so the strict
-        # log_softmax reduces over the whole vocabulary in its one order: the bits of size 1.
-        if _tp_group(self.output_layer) is not None:
-            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-            logits = gather_from_tensor_model_parallel_region(logits)
+        # returns it. At tensor-parallel size > 1 the ranks all-reduce the row statistics, never the logits
+        # (as Megatron's vocab-parallel cross-entropy does); the strict sums are exact, so: the bits of size 1.
+        group = _tp_group(self.output_layer)
+        if group is not None:
+            shard = logits.shape[-1]
+            return -K.token_logprobs_vocab_parallel(logits.transpose(0, 1), labels, group.rank() * shard,
+                                                    shard * group.size(), group)
         return -K.token_logprobs(logits.transpose(0, 1), labels)
