@@ -20,7 +20,8 @@ Contract (both backends):
                   spread over the whole GPU
     tensor        token_logprobs_vocab_parallel: the same stages on each rank's vocabulary shard, with the
     parallel      row statistics all-reduced between them (exact, so: the one-rank bits)
-Backward: plain torch in fp32 (softmax from the saved lse).
+Backward: plain torch in fp32 (token_logprobs: softmax from the saved log-sum-exp; log_softmax: from its
+output). Limit: V <= primitives.UNIT_SUM_MAX_TERMS (2^20); a larger vocabulary raises ValueError.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ if triton is not None:
         for v0 in range(start, tl.minimum(start + chunk, V), BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
             m = tl.maximum(m, tl.max(tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32), axis=0))
-        tl.atomic_max(max_ptr + row, m)
+        tl.atomic_max(max_ptr + row, m + 0.0)  # -0.0 -> +0.0: Triton < 3.4 mishandled -0.0 in a float atomic_max
 
     @triton.jit
     def _units_kernel(l_ptr, max_ptr, units_ptr, nan_ptr, V, stride_l, chunk, scale, BLOCK: tl.constexpr):
@@ -109,9 +110,10 @@ def _vocabulary_chunk(t, v, device):
 
 
 def _row_max(l2):
-    """max over V of l2 [T, V] (any float dtype, unit stride along V) -> fp32 [T]. Exact."""
+    """max over V of l2 [T, V] (any float dtype, unit stride along V) -> fp32 [T]. Exact; a maximum of -0.0
+    is returned as +0.0 on both backends."""
     if not use_triton(l2):
-        return l2.float().amax(-1)
+        return l2.float().amax(-1) + 0.0
     t, v = l2.shape
     m = torch.full((t,), float("-inf"), dtype=torch.float32, device=l2.device)
     chunk = _vocabulary_chunk(t, v, l2.device)
@@ -195,8 +197,9 @@ class _LogSoftmax(torch.autograd.Function):
 
 def _vocab_parallel_forward(shard, targets, vocab_start, vocab_size, group):
     """-> fp32 log p(target) in targets' shape and the per-row logsumexp [rows], from this rank's vocabulary
-    shard: the row statistics are all-reduced between the stages (max: MAX; units: SUM; NaN flags: MAX;
-    the target logit, -inf on the ranks that do not hold it: MAX), every reduction exact."""
+    shard: the row statistics are all-reduced between the stages (max: MAX; units: SUM; NaN flags and
+    "some rank holds the target": MAX; the target logit, -inf on the ranks that do not hold it: MAX), every
+    reduction exact. A target no rank holds (outside [0, vocab_size)) makes its row NaN."""
     import torch.distributed as dist
 
     l2 = shard.reshape(-1, shard.shape[-1]).contiguous()
@@ -206,13 +209,15 @@ def _vocab_parallel_forward(shard, targets, vocab_start, vocab_size, group):
     dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
     units, nan = _row_units(l2, m, scale)
     dist.all_reduce(units, dist.ReduceOp.SUM, group=group)
-    dist.all_reduce(nan, dist.ReduceOp.MAX, group=group)
     local = t - vocab_start
     mine = (local >= 0) & (local < l2.shape[1])
+    flags = torch.stack([nan, mine.to(torch.int64)])
+    dist.all_reduce(flags, dist.ReduceOp.MAX, group=group)
+    nan = torch.maximum(flags[0], 1 - flags[1])
     picked = l2.gather(1, local.clamp(0, l2.shape[1] - 1)[:, None])[:, 0].float()
     picked = torch.where(mine, picked, float("-inf"))
     dist.all_reduce(picked, dist.ReduceOp.MAX, group=group)
-    lp, lse = _finish(picked, m, units, nan, scale)
+    lp, lse = _finish(picked, m, units, nan.contiguous(), scale)
     return lp.reshape(targets.shape), lse
 
 
@@ -224,7 +229,8 @@ def _logprob_gradient(logits, targets, lse, g, vocab_start=0):
     grad = -(l2 - lse[:, None]).exp() * g2
     local = targets.reshape(-1, 1) - vocab_start
     mine = (local >= 0) & (local < l2.shape[1])
-    grad.scatter_add_(1, local.clamp(0, l2.shape[1] - 1), torch.where(mine, g2, 0.0))
+    # -0.0, the additive identity for every value (+0.0 would turn a -0.0 gradient into +0.0)
+    grad.scatter_add_(1, local.clamp(0, l2.shape[1] - 1), torch.where(mine, g2, -0.0))
     return grad.reshape(logits.shape).to(logits.dtype)
 
 
@@ -254,7 +260,8 @@ class _TokenLogprobsVocabParallel(torch.autograd.Function):
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """Strict log_softmax over the last axis: logits [..., V] -> fp32 [..., V]."""
+    """Strict log_softmax over the last axis: logits [..., V] -> fp32 [..., V] (module docstring: the
+    arithmetic). Raises ValueError for V > 2^20 (primitives.UNIT_SUM_MAX_TERMS)."""
     if compiling_inference(logits):
         return _log_softmax_op(logits)
     if no_gradient(logits):
@@ -264,7 +271,8 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Strict log p(target): logits [..., V], targets [...] (int64) -> fp32 [...]; equal bit for bit to
-    ``log_softmax(logits).gather(-1, targets[..., None])``."""
+    ``log_softmax(logits).gather(-1, targets[..., None])``. Raises ValueError on a shape mismatch or for
+    V > 2^20 (primitives.UNIT_SUM_MAX_TERMS)."""
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} vs targets {tuple(targets.shape)}")
     if compiling_inference(logits):
@@ -282,9 +290,14 @@ def token_logprobs_vocab_parallel(shard: torch.Tensor, targets: torch.Tensor, vo
     group. Every rank returns the same fp32 [...], equal bit for bit to ``token_logprobs`` of the whole
     vocabulary on one rank, because max and unit_sum are exact, so the all-reduces between their stages
     (O(rows) numbers, where a gather moves rows x V) cannot change a bit. Backward: each rank's gradient for
-    its shard. Raises ValueError on shape mismatch or vocab_size > primitives.UNIT_SUM_MAX_TERMS."""
+    its shard. A target outside [0, vocab_size) gives NaN (checking it on the host would synchronize).
+    Raises ValueError on a shape mismatch, a shard outside [0, vocab_size), or vocab_size >
+    primitives.UNIT_SUM_MAX_TERMS."""
     if shard.shape[:-1] != targets.shape:
         raise ValueError(f"token_logprobs_vocab_parallel: logits {tuple(shard.shape)} vs targets {tuple(targets.shape)}")
+    if vocab_start < 0 or vocab_start + shard.shape[-1] > vocab_size:
+        raise ValueError(f"token_logprobs_vocab_parallel: a shard of {shard.shape[-1]} entries from {vocab_start} does "
+                         f"not fit a vocabulary of {vocab_size}")
     if no_gradient(shard):
         return _vocab_parallel_forward(shard, targets.long(), vocab_start, vocab_size, group)[0]
     return _TokenLogprobsVocabParallel.apply(shard, targets.long(), vocab_start, vocab_size, group)

@@ -100,3 +100,24 @@ def test_tensor_parallel_sizes_the_run_cannot_take_are_refused(capsys, tmp_path,
     out = tmp_path / "o"
     assert message in one_line_error(capsys, [*argv, "--out", str(out)], EXIT_USAGE)
     assert not out.exists()
+
+
+def test_replay_truncates_the_whole_vocabulary_at_tp2(tmp_path, tiny_spec):
+    """A trainer replaying vLLM's processed logprobs with top-k at TP=2 truncates the gathered vocabulary (each
+    rank holds half of it; top-k of a half kept other tokens, 2k in all, and another normalizer): fp32 TP=2
+    equals TP=1 to rounding, -inf at the same tokens."""
+    import numpy as np
+
+    from alignaudit.engines.base import EngineSettings
+    from alignaudit.pipeline import EngineRun, capture
+    from alignaudit.prompts import load_prompts
+
+    batch = load_prompts(tiny_spec)
+    replay = {"temperature": 0.7, "top_k": 5, "top_p": 1.0, "prompt_lengths": [10, 3, 50, 20]}
+    logprobs = {}
+    for tp in (1, 2):
+        run = EngineRun("megatron", EngineSettings(dtype="fp32", options={"tensor_model_parallel_size": tp}))
+        logprobs[tp] = capture(tiny_spec, batch, run, tmp_path / f"tp{tp}", replay=replay).logprobs["logprob"].to_numpy()
+    truncated = np.isneginf(logprobs[1])
+    assert 50 < truncated.sum() < len(truncated) - 50  # replayed tokens outside the top 5, and others not
+    np.testing.assert_allclose(logprobs[2], logprobs[1], rtol=0, atol=1e-4)

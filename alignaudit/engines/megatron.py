@@ -289,11 +289,21 @@ class MegatronEngine(Engine):
             if replay is None:
                 continue
             span, kwargs = replay
-            processed = process_logits(logits[j, span], **kwargs)  # [m, V] fp32
+            processed = process_logits(self._whole_vocabulary(logits[j, span]), **kwargs)  # [m, V] fp32
+            if self.tp_size > 1:  # top-k/top-p saw the whole vocabulary; the loss takes this rank's shard
+                processed = processed.chunk(self.tp_size, -1)[self.rank]
             replayed = self.gpt.compute_language_model_loss(labels[j, span][None], processed[:, None])[0]
             loss = torch.cat([loss[:j], torch.cat([loss[j, : span.start], replayed, loss[j, span.stop:]])[None],
                               loss[j + 1:]])
         return loss
+
+    def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V/t] of this rank -> [..., V], the shards gathered in rank order (at size 1: as is)."""
+        if self.tp_size == 1:
+            return logits
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        return gather_from_tensor_model_parallel_region(logits.contiguous())
 
     def hf_weights(self, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The model's weights in HF names (weight_sync.megatron_to_hf); collective at tensor-parallel size
