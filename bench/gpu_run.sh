@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
-#   bench/gpu_run.sh tests sweep sweep-segments sweep-attention bench bench-quick bench-attention launch forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
+#   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects); sweep: launch-
-# configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
+# configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
 # attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py);
 # forward: the whole Qwen3-8B-shape forward, eager and compiled (forward-native: --strict-exp native); q8: Qwen3-8B-shape compare (random
 # weights) megatron vs hf, default and --strict (q8-native: --strict --strict-exp native);
@@ -47,6 +47,7 @@ for stage in "$@"; do
     tests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
              | tee "$out/gpu-kernel-tests.log" | tail -15 || status=1 ;;
     sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | log | tail -25 ;;
+    sweep-medium) timeout 300 python3 bench/sweep_gpu.py --sections medium-m --json "$out/sweep-medium.json" 2>&1 | log | tail -25 ;;
     sweep-segments) timeout 300 python3 bench/sweep_gpu.py --sections segments,small-m --json "$out/sweep-segments.json" 2>&1 | log | tail -25 ;;
     sweep-attention) timeout 240 python3 bench/sweep_gpu.py --sections attention --json "$out/sweep-attention.json" 2>&1 | log | tail -30 ;;
     bench) timeout 300 python3 bench/kernels_gpu.py --json "$out/bench.json" 2>&1 | log | tail -45 ;;

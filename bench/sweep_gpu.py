@@ -1,13 +1,14 @@
 """Launch-configuration sweep for the strict matmul and attention on one GPU.
 
-    python3 bench/sweep_gpu.py [--sections matmul,tma,segments,small-m,attention] [--json OUT.json]
+    python3 bench/sweep_gpu.py [--sections matmul,tma,segments,small-m,medium-m,attention] [--json OUT.json]
 
 For each configuration: its time at Qwen3-8B shapes (median of triton.testing.do_bench, random bf16), next
 to the default (cuBLAS, SDPA flash), and whether every configuration returns the same bits as the first
 for the same inputs. A configuration may be picked by batch size only if it does: that is what keeps a
 token's result independent of the batch it is in. Sections: matmul (pointer-kernel tiles), tma (the TMA
 kernel, grid and persistent, against the pointer kernel's bits), segments (every way to run the row-parallel
-layers' K-segmented product), small-m (the TMA kernel at M = 256), attention (key chunk sizes, split or not,
+layers' K-segmented product), small-m (the TMA kernel at M = 256), medium-m (every layer at M = 32-128:
+candidates for a third batch-size class; added 2026-11-30, not yet run), attention (key chunk sizes, split or not,
 the portable and the native exp; prefill and decode). Tiles and key blocks were swept on 2026-11-29
 (docs/benchmarks.md): all within 10%.
 """
@@ -150,6 +151,40 @@ def sweep_small_m(rows):
     return {"small_m_tma_bitwise_equal": all(same)}
 
 
+MEDIUM_M_POINTER_TILES = [(16, 32, 128, 4, 3), (32, 64, 64, 4, 4), (64, 64, 64, 4, 4)]
+MEDIUM_M_TMA_TILES = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 6), (128, 128, 64, 8, 6)]
+
+
+def sweep_medium_m(rows):
+    """M = 32, 64 and 128 (decode batches above the 16-row class), where the small-class TMA plans measured
+    0.41-0.69 of cuBLAS on 2026-11-30: every Qwen3-8B layer (o and down with their K segments) by the
+    pointer kernel at small tiles, by _split_k for the segmented ones, and by the TMA kernel, as CUDA-graph
+    replays; bits against the pointer kernel's largest tile (candidates for a third batch-size class)."""
+    same = []
+    s = matmul.ROW_PARALLEL_SEGMENTS
+    for k, n, segments in ((4096, 6144, 1), (4096, 4096, s), (4096, 24576, 1), (12288, 4096, s), (4096, 151936, 1)):
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+        for m in (32, 64, 128):
+            x = torch.randn(m, k, dtype=DT, device="cuda")
+            expected = matmul._triton(x, w, None, tile=matmul.TILES[DT]["large"], segments=segments)
+            base = graph_ms(lambda: torch.nn.functional.linear(x, w))
+            row = {"op": f"matmul {k}x{n}" + (f" {segments} K segments" if segments > 1 else "") + " (graph)",
+                   "M": m, "default_ms": base}
+            ways = {"default path": lambda: matmul._triton(x, w, None, segments=segments)}
+            for t in MEDIUM_M_POINTER_TILES:
+                ways[f"pointer {t}"] = lambda t=t: matmul._triton(x, w, None, tile=t, segments=segments)
+            if segments > 1:
+                ways["split_k"] = lambda: matmul._split_k(x, w, None, segments, None)
+            for t in MEDIUM_M_TMA_TILES:
+                for persistent in (False, True):
+                    ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = (
+                        lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent, segments=segments))
+            for name, fn in ways.items():
+                try_config(rows, same, fn, expected, graph_ms, config=name, **row)
+    print(f"medium-m: every way gives the pointer kernel's bits {all(same)} ({len(same)} checks)", flush=True)
+    return {"medium_m_bitwise_equal": all(same)}
+
+
 def sweep_attention(rows):
     """Key chunk sizes (the split-KV granularity; each one another algorithm), split or not, portable or native
     exp: prefill at 1k and 4k tokens, paged decode at batch 1, 16 and 256 over 4k keys."""
@@ -204,12 +239,13 @@ def sweep_attention(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--sections", default="matmul,tma,attention", help="comma list of matmul, tma, segments, small-m, attention")
+    parser.add_argument("--sections", default="matmul,tma,attention",
+                        help="comma list of matmul, tma, segments, small-m, medium-m, attention")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
     sections = {"matmul": sweep_matmul, "tma": sweep_matmul_tma, "segments": sweep_segments, "small-m": sweep_small_m,
-                "attention": sweep_attention}
+                "medium-m": sweep_medium_m, "attention": sweep_attention}
     checks = {}
     for name in args.sections.split(","):
         checks.update(sections[name](rows))
