@@ -197,27 +197,24 @@ class _LogSoftmax(torch.autograd.Function):
 
 def _vocab_parallel_forward(shard, targets, vocab_start, vocab_size, group):
     """-> fp32 log p(target) in targets' shape and the per-row logsumexp [rows], from this rank's vocabulary
-    shard: the row statistics are all-reduced between the stages (max: MAX; units: SUM; NaN flags and
-    "some rank holds the target": MAX; the target logit, -inf on the ranks that do not hold it: MAX), every
-    reduction exact. A target no rank holds (outside [0, vocab_size)) makes its row NaN."""
+    shard: three all-reduces between the stages (the row max and the target logit, -inf on the ranks that do
+    not hold it: MAX; the units: SUM; NaN flags and "some rank holds the target": MAX), every one exact. A
+    target no rank holds (outside [0, vocab_size)) makes its row NaN."""
     import torch.distributed as dist
 
     l2 = shard.reshape(-1, shard.shape[-1]).contiguous()
-    t = targets.reshape(-1)
+    local = targets.reshape(-1) - vocab_start
+    mine = (local >= 0) & (local < l2.shape[1])
+    picked = l2.gather(1, local.clamp(0, l2.shape[1] - 1)[:, None])[:, 0].float()
+    maxima = torch.stack([_row_max(l2), torch.where(mine, picked, float("-inf"))])
+    dist.all_reduce(maxima, dist.ReduceOp.MAX, group=group)
+    m, picked = maxima
     scale = unit_sum_scale(vocab_size)
-    m = _row_max(l2)
-    dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
     units, nan = _row_units(l2, m, scale)
     dist.all_reduce(units, dist.ReduceOp.SUM, group=group)
-    local = t - vocab_start
-    mine = (local >= 0) & (local < l2.shape[1])
     flags = torch.stack([nan, mine.to(torch.int64)])
     dist.all_reduce(flags, dist.ReduceOp.MAX, group=group)
-    nan = torch.maximum(flags[0], 1 - flags[1])
-    picked = l2.gather(1, local.clamp(0, l2.shape[1] - 1)[:, None])[:, 0].float()
-    picked = torch.where(mine, picked, float("-inf"))
-    dist.all_reduce(picked, dist.ReduceOp.MAX, group=group)
-    lp, lse = _finish(picked, m, units, nan.contiguous(), scale)
+    lp, lse = _finish(picked, m, units, torch.maximum(flags[0], 1 - flags[1]), scale)
     return lp.reshape(targets.shape), lse
 
 
