@@ -72,8 +72,6 @@ def check_engine_features(spec, engines: tuple[str, ...]) -> None:
 
 # What alignaudit does not run for mixture-of-experts models yet (alignaudit.arch.qwen3_moe), and why.
 MOE_REFUSED: dict[str, str] = {
-    "strict with vllm on a GPU": "the strict MoE layer inside vLLM is verified on vLLM's CPU backend only (its "
-                                 "CUDA MoE may lay out expert weights otherwise); compare megatron with hf on the GPU",
     "alignaudit rl": "the weight sync maps dense MLPs only; run rl on a dense model",
     "tensor parallelism": "expert weights are not sharded by alignaudit; run MoE models at tensor parallel size 1",
 }
@@ -277,9 +275,6 @@ def _check_vllm(settings, mode: str, role: str, flag: str) -> None:
             reason = "the training side scores teacher-forced tokens, whose logprobs vLLM always computes raw"
         if reason:
             raise InputError(f"vllm {key}={_json(value)}: {reason}; drop {flag} {key}")
-    if "attention" in settings.strict_ops and settings.device == "cuda":
-        raise InputError("strict attention inside vLLM is implemented for the CPU backend only; on CUDA use "
-                         "--strict linear,rmsnorm,rope,silu,logprobs")
 
 
 def check_vllm_sampling(options: dict, engine_fields: set[str], mode: str, role: str) -> None:

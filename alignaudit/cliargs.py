@@ -257,7 +257,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     dev = resolve_device(pair.device)
     strict_ops = parse_strict(pair.strict)
     ops = format_strict(strict_ops)
-    exp = check_strict_exp(pair.strict_exp, strict_ops, dev, (pair.train, pair.infer))
+    exp = check_strict_exp(pair.strict_exp, strict_ops, dev)
     if pair.lm_head_dtype not in ("model", "fp32"):
         raise errors.InputError(f"--lm-head-dtype {pair.lm_head_dtype!r}: choose model or fp32")
     runs = [
@@ -266,8 +266,6 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
         for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt), (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]
     check_engine_features(spec, (pair.train, pair.infer))
-    if "linear" in strict_ops and "vllm" in (pair.train, pair.infer) and dev != "cpu":  # strict MoE: with linear
-        refuse_moe(spec, "strict with vllm on a GPU")
     if any(tensor_parallel_size(run) != 1 for run in runs):
         refuse_moe(spec, "tensor parallelism")
     check_parallel(spec, runs, dev)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
 #   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
-#                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat
+#                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
+#                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
 # attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py);
@@ -16,6 +17,14 @@
 # default and --strict, prompt mode (routing read) and rollout mode; repeat: Qwen3-1.7B shape, megatron vs
 # hf, each engine 3 times (alone, then among random fillers), default and --strict. Needs megatron-core carried as a
 # wheel in .whl/ for the megatron stages (device README).
+# vllm-*: CUDA vLLM (installed first by ../shared/gpu/vllm-cuda.sh into /tmp/site, on PYTHONPATH): vllm-fixture-strict
+# megatron vs vllm on the fixture --strict, prompt and rollout mode; vllm-fixture default, and hf vs vllm strict
+# rollout; vllm-q8 the Qwen3-8B shape (2 x 512 tokens) --strict rollout (64 sampled tokens, vLLM's CUDA graphs on;
+# vllm-q8-rollout alone), prompt, and default (VQ8_OPTS: extra options, e.g. --infer-opt max_num_seqs=16); vllm-q8-hf
+# hf vs vllm strict rollout; vllm-q8-native --strict-exp native; vllm-q8-bisect bisect of layer 0, default;
+# vllm-moe the Qwen3-MoE fixture and the Qwen3-30B-A3B shape cut to MOE_LAYERS (4) layers, strict; vllm-rl17
+# alignaudit rl on the Qwen3-1.7B shape, megatron trains, vllm rolls out; vllm-bench generation tokens/s
+# (bench/vllm_generate.py, BENCH_CONFIGS).
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +50,27 @@ q8() {  # $1 name, rest: extra compare options
   cp /tmp/runs/$name/summary.json "$out/$name-summary.json" 2>/dev/null
   for side in train infer; do grep -A3 '"timing_s"' /tmp/runs/$name/$side/manifest.json 2>/dev/null || tail -5 /tmp/runs/$name/$side/worker.log; done
 }
+cmp() {  # $1 name, rest: compare options (model, engines, mode); summary, engine records and the verdict lines
+  local name=$1; shift
+  timeout ${CMP_TIMEOUT:-420} python3 -m alignaudit compare --device cuda --out /tmp/runs/$name --force "$@" 2>&1 | log \
+    | grep -E "IDENTICAL|differ|mismatch|tokens compared|generated|rerouted|rror|Traceback" | tail -8
+  cp /tmp/runs/$name/summary.json "$out/$name-summary.json" 2>/dev/null
+  python3 - /tmp/runs/$name <<'PY' 2>&1 | log
+import json, sys, pathlib
+run = pathlib.Path(sys.argv[1])
+s = json.loads((run / "summary.json").read_text())
+print("  ", run.name, "tokens", s.get("tokens_compared"), "mismatches", s.get("mismatches"), "ulp_max", s.get("ulp_max"),
+      "generated", {k: s["generated"].get(k) for k in ("tokens_compared", "mismatches")} if s.get("generated") else None)
+for side in ("train", "infer"):
+    m = json.loads((run / side / "manifest.json").read_text())
+    e = m.get("engine_settings", {})
+    r = e.get("resolved", {})
+    print("  ", side, m.get("engine"), "strict", e.get("strict"), "attention", e.get("attention_impl"), e.get("attention_exp"),
+          "graphs", r.get("cudagraph_mode"), "eager", r.get("enforce_eager"), "startup_s", r.get("startup_s"),
+          "timing", m.get("timing_s"))
+PY
+}
+Q8="--model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -107,6 +137,38 @@ for stage in "$@"; do
                    timeout 300 python3 bench/decode_vs_prefill.py --model $1 --random-weights --device cuda --strict all \
                      --prompt-len $2 --new-tokens $3 --prompts $4 2>&1 | log | grep -v Warn | tail -8
                  done ;;
+    vllm-fixture) cmp vfx-default --train megatron --infer vllm
+                  cmp vfx-strict-hf --train hf --infer vllm --strict --mode rollout --max-new-tokens 32 ;;
+    vllm-fixture-strict) cmp vfx-strict --train megatron --infer vllm --strict
+                         cmp vfx-strict-rollout --train megatron --infer vllm --strict --mode rollout --max-new-tokens 32 ;;
+    vllm-fixture-rollout) cmp vfx-strict-rollout --train megatron --infer vllm --strict --mode rollout --max-new-tokens 32 ;;
+    vllm-q8) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 $VQ8_OPTS
+             cmp vq8-strict $Q8 --train megatron --infer vllm --strict $VQ8_OPTS
+             cmp vq8-default $Q8 --train megatron --infer vllm $VQ8_OPTS ;;
+    vllm-q8-rollout) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 $VQ8_OPTS ;;
+    vllm-q8-hf) cmp vq8-strict-hf-rollout $Q8 --train hf --infer vllm --strict --mode rollout --max-new-tokens 64 ;;
+    vllm-q8-native) cmp vq8-native-rollout $Q8 --train megatron --infer vllm --strict --strict-exp native --mode rollout \
+                      --max-new-tokens 64 ;;
+    vllm-q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 256 --train megatron --infer vllm \
+                      --device cuda --layers 0 --mode natural --out /tmp/runs/vq8-bisect --force 2>&1 | log \
+                      | grep -E "◀|first diverging|every op|rror" | tail -8
+                    cp /tmp/runs/vq8-bisect/bisect.json "$out/vq8-bisect.json" 2>/dev/null ;;
+    vllm-moe) cmp vmoe-strict --model qwen3-moe-tiny --train megatron --infer vllm --strict
+              cmp vmoe-strict-rollout --model qwen3-moe-tiny --train megatron --infer vllm --strict --mode rollout --max-new-tokens 32
+              python3 -c "
+import copy; from pathlib import Path; from alignaudit.arch import PRESETS; from alignaudit.synth import synthesize_checkpoint
+c = copy.deepcopy(PRESETS['Qwen3-30B-A3B'].config); c['num_hidden_layers'] = ${MOE_LAYERS:-4}
+synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
+              cmp vq30-strict --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron --infer vllm --strict
+              cmp vq30-strict-rollout --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron --infer vllm \
+                --strict --mode rollout --max-new-tokens 64 ;;
+    vllm-rl17) timeout 560 python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --random-prompts 2 --prompt-len 64 \
+                 --train megatron --infer vllm --device cuda --strict --steps ${RL_STEPS:-20} --group-size 4 --max-new-tokens 32 \
+                 --no-token-rows --out /dev/shm/vrl17 --force 2>&1 | log | tail -4
+               cp /dev/shm/vrl17/steps.parquet "$out/vrl17-steps.parquet" 2>/dev/null
+               python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','reward_mean','loss','grad_norm','seconds','rollout_s','rescore_s','update_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
+    vllm-bench) timeout 560 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256 \
+                  --configs ${BENCH_CONFIGS:-default,batch-invariant,strict} --json "$out/vllm-generate.json" 2>&1 | log | tail -12 ;;
     q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --out /tmp/runs/q8-bisect --force \
                  2>&1 | log | tail -60

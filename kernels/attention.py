@@ -418,14 +418,17 @@ def _kv_mode(k_cache: torch.Tensor) -> int:
     return KV_PAGE_ALIGNED if k_cache.shape[1] % BLOCK_N == 0 else KV_GATHER
 
 
-def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None, exp=DEFAULT_EXP):
+def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None, exp=DEFAULT_EXP,
+                  max_keys=None):
     group = q.shape[1] // k_cache.shape[2]
     seqs, counts = torch.unique_consecutive(q_seq.cpu().long(), return_counts=True)
     config = config or TILE_CONFIG
     tiles = _tiles(seqs, torch.cumsum(counts, 0) - counts, counts, config[0] // group)
     table = block_table.to(device=q.device, dtype=torch.int32).contiguous()
+    if max_keys is None:
+        max_keys = int(q_positions.max()) + 1
     return _launch(q, k_cache, v_cache, table, tiles, q_positions.to(q.device), scale, kv_mode=_kv_mode(k_cache),
-                   max_keys=int(q_positions.max()) + 1, config=config, exp=exp)
+                   max_keys=max_keys, config=config, exp=exp)
 
 
 # Launch plans of the contiguous layouts, kept on the device per shape: a training step or a forward at a
@@ -452,7 +455,7 @@ def _as_pages(x):
     return x.contiguous().unsqueeze(1)
 
 
-def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP):
+def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP, max_keys=None):
     """Strict attention over a paged KV cache (inference engines; prefill and decode alike).
 
     Args:
@@ -460,15 +463,19 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale,
         k_cache, v_cache: [num_blocks, block_size, KVH, D]; keys of sequence i at positions 0..p are in
             blocks block_table[i, 0], block_table[i, 1], ... (already written, the current token included).
         block_table: [num_sequences, max_blocks] int. q_positions: [T] absolute position of each row.
-        q_seq: [T] sequence index of each row (rows of one sequence consecutive). scale: float.
+        q_seq: [T] sequence index of each row (rows of one sequence consecutive); read on the host, so a
+            CPU tensor costs no device synchronization. scale: float.
         exp: "portable" or "native" (module docstring).
-    Returns: [T, H, D] in q.dtype. Plans its tiles on the host (reads q_seq and q_positions there): not
-    capturable in a CUDA graph; ``paged_decode`` is.
+        max_keys: host int >= every q_positions[i] + 1 (an engine's longest sequence), or None to read the
+            bound from q_positions (a device synchronization on a GPU). It sizes the chunk grid only: any
+            bound gives the same bits.
+    Returns: [T, H, D] in q.dtype. Plans its tiles on the host from q_seq: not capturable in a CUDA graph;
+    ``paged_decode`` is.
     Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
     """
     _check_exp(exp, q)
     if use_triton(q):
-        return _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=exp)
+        return _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=exp, max_keys=max_keys)
     out = torch.empty_like(q)
     bs = k_cache.shape[1]
     for seq in torch.unique_consecutive(q_seq).tolist():

@@ -77,26 +77,30 @@ if triton is not None:
         tl.atomic_max(nan_ptr + row, nan)
 
     @triton.jit
-    def _log_s(units_ptr, nan_ptr, rows, inv_scale):
-        """log(s) of the given rows from their int64 sums and NaN flags (primitives.units_to_sum, then log)."""
+    def _log_s_kernel(units_ptr, nan_ptr, log_s_ptr, T, inv_scale, BLOCK: tl.constexpr):
+        """log(s) of every row from its int64 sum and NaN flag (primitives.units_to_sum, then log): the one
+        place the GPU computes it, so log_softmax (a rollout engine's path) and token_logprobs (a trainer's)
+        subtract the same log(s) by construction."""
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = rows < T
+        rows = tl.where(inside, rows, 0).to(tl.int64)
         s = tl.load(units_ptr + rows).to(tl.float32) * inv_scale
-        return tl.where(tl.load(nan_ptr + rows) != 0, float("nan"), log_t(s))
+        tl.store(log_s_ptr + rows, tl.where(tl.load(nan_ptr + rows) != 0, float("nan"), log_t(s)), mask=inside)
 
     @triton.jit
-    def _log_softmax_kernel(l_ptr, max_ptr, units_ptr, nan_ptr, y_ptr, V, stride_l, stride_y, inv_scale,
-                            BLOCK: tl.constexpr):
+    def _log_softmax_kernel(l_ptr, max_ptr, log_s_ptr, y_ptr, V, stride_l, stride_y, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         z = tl.load(l_ptr + row * stride_l + cols, mask=cols < V, other=0.0).to(tl.float32) - tl.load(max_ptr + row)
-        tl.store(y_ptr + row * stride_y + cols, z - _log_s(units_ptr, nan_ptr, row, inv_scale), mask=cols < V)
+        tl.store(y_ptr + row * stride_y + cols, z - tl.load(log_s_ptr + row), mask=cols < V)
 
     @triton.jit
-    def _finish_kernel(picked_ptr, max_ptr, units_ptr, nan_ptr, lp_ptr, lse_ptr, T, inv_scale, BLOCK: tl.constexpr):
+    def _finish_kernel(picked_ptr, max_ptr, log_s_ptr, lp_ptr, lse_ptr, T, BLOCK: tl.constexpr):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = rows < T
         rows = tl.where(inside, rows, 0).to(tl.int64)
         m = tl.load(max_ptr + rows)
-        log_s = _log_s(units_ptr, nan_ptr, rows, inv_scale)
+        log_s = tl.load(log_s_ptr + rows)
         tl.store(lp_ptr + rows, (tl.load(picked_ptr + rows).to(tl.float32) - m) - log_s, mask=inside)
         tl.store(lse_ptr + rows, m + log_s, mask=inside)
 
@@ -134,17 +138,26 @@ def _row_units(l2, m, scale):
     return units, nan
 
 
+def _row_log_s(units, nan, scale):
+    """log(s) [T] fp32 of each row from its unit_sum units [T] and NaN flags [T] (NaN where flagged)."""
+    if not use_triton(units):
+        return log(units_to_sum(units, nan, scale))
+    t = units.shape[0]
+    log_s = torch.empty(t, dtype=torch.float32, device=units.device)
+    _log_s_kernel[(cdiv(t, 256),)](units, nan, log_s, t, 1.0 / scale, BLOCK=256, enable_fp_fusion=False)
+    return log_s
+
+
 def _finish(picked, m, units, nan, scale):
     """(log p = (picked - m) - log(s) [T], m + log(s) [T], the log-sum-exp for the backward pass), fp32, from
     the target logits [T] (any float dtype) and the row statistics."""
+    log_s = _row_log_s(units, nan, scale)
     if not use_triton(picked):
-        log_s = log(units_to_sum(units, nan, scale))
         return (picked.float() - m) - log_s, m + log_s
     t = picked.shape[0]
     lp = torch.empty(t, dtype=torch.float32, device=picked.device)
     lse = torch.empty_like(lp)
-    _finish_kernel[(cdiv(t, 256),)](picked, m, units, nan, lp, lse, t, 1.0 / scale, BLOCK=256,
-                                    enable_fp_fusion=False)
+    _finish_kernel[(cdiv(t, 256),)](picked, m, log_s, lp, lse, t, BLOCK=256, enable_fp_fusion=False)
     return lp, lse
 
 
@@ -152,13 +165,12 @@ def _log_softmax(l2):
     """fp32 log_softmax of l2 [T, V]."""
     scale = unit_sum_scale(l2.shape[1])
     m = _row_max(l2)
-    units, nan = _row_units(l2, m, scale)
+    log_s = _row_log_s(*_row_units(l2, m, scale), scale)
     if not use_triton(l2):
-        return (l2.float() - m[:, None]) - log(units_to_sum(units, nan, scale))[:, None]
+        return (l2.float() - m[:, None]) - log_s[:, None]
     y = torch.empty(l2.shape, dtype=torch.float32, device=l2.device)
     _log_softmax_kernel[(l2.shape[0], cdiv(l2.shape[1], BLOCK_V))](
-        l2, m, units, nan, y, l2.shape[1], l2.stride(0), y.stride(0), 1.0 / scale, BLOCK=BLOCK_V, num_warps=8,
-        enable_fp_fusion=False)
+        l2, m, log_s, y, l2.shape[1], l2.stride(0), y.stride(0), BLOCK=BLOCK_V, num_warps=8, enable_fp_fusion=False)
     return y
 
 

@@ -160,12 +160,14 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
 
 
 def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp_path):
-    """vLLM's strict attention runs on its CPU platform only (portable exp); ablate has rows without strict
-    attention. Both refuse --strict-exp native before any engine starts."""
+    """native needs strict attention and CUDA (every engine's strict attention takes it there); ablate has
+    rows without strict attention. Each refuses --strict-exp native before any engine starts."""
     from alignaudit.strict import check_strict_exp
 
-    with pytest.raises(InputError, match="compare megatron with hf on the GPU"):
-        check_strict_exp("native", frozenset({"attention"}), "cuda", ("megatron", "vllm"))
-    assert check_strict_exp("native", frozenset({"attention"}), "cuda", ("megatron", "hf")) == "native"
+    with pytest.raises(InputError, match="add attention to --strict"):
+        check_strict_exp("native", frozenset({"linear"}), "cuda")
+    with pytest.raises(InputError, match="use --device cuda"):
+        check_strict_exp("native", frozenset({"attention"}), "cpu")
+    assert check_strict_exp("native", frozenset({"attention"}), "cuda") == "native"
     err = one_line_error(capsys, ["ablate", "--strict-exp", "native", "--out", str(tmp_path / "a")], EXIT_USAGE)
     assert "would not use --strict-exp" in err

@@ -445,6 +445,19 @@ def test_log_softmax_batch_invariant_and_gather_consistent(device, dtype, seed):
     assert_within("log_softmax", full, ref, 4 * 2**-23 * (ref.abs() + 8))
 
 
+def test_log_softmax_and_token_logprobs_agree_at_a_real_vocabulary(device):
+    """A rollout engine's logprobs come from log_softmax (vLLM's compute_logprobs), a trainer's from
+    token_logprobs: one bit pattern at Qwen3's vocabulary, for rows scored in batches of different sizes
+    (so the vocabulary is split between programs differently)."""
+    v = 151936
+    logits = randn(96, v, dtype=torch.bfloat16, device=device, seed=21, scale=3)
+    targets = torch.randint(0, v, (96,), generator=gen(22)).to(device)
+    trainer = K.token_logprobs(logits, targets)
+    for a, b in ((0, 1), (1, 40), (40, 96)):
+        rollout = K.log_softmax(logits[a:b]).gather(1, targets[a:b, None])[:, 0]
+        assert_bitwise_equal(f"log_softmax rows {a}:{b} vs token_logprobs", rollout, trainer[a:b])
+
+
 def test_reductions_do_not_depend_on_the_callers_buffer(device, dtype):
     """The same values from a misaligned view, and logits from an fp32 copy, give the same bits: on the
     H200 the Triton reductions' order followed the load width (HF's generate hands the sampler fp32

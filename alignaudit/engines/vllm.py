@@ -21,7 +21,7 @@ import time
 import torch
 
 from alignaudit.engines.base import Engine, EngineSettings, first_lines, reject_unknown, reject_wrong_types
-from alignaudit.errors import InputError
+from alignaudit.errors import EngineError, InputError
 from alignaudit.models import ModelSpec
 from alignaudit.prompts import TokenBatch
 
@@ -64,9 +64,10 @@ class VllmEngine(Engine):
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from alignaudit.strict import ENV, format_strict
+        from alignaudit.strict import ENV, EXP_ENV, format_strict
 
         os.environ[ENV] = format_strict(settings.strict_ops)  # read by the plugin in every vLLM process
+        os.environ[EXP_ENV] = settings.strict_exp  # read by the strict attention backend
         self.tp_size = int(settings.options.get("tensor_parallel_size", 1))
         if settings.device == "cpu" and self.tp_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
             # vLLM's automatic binding wants one NUMA node per rank (vllm/utils/ompmultiprocessing.py); split
@@ -80,6 +81,7 @@ class VllmEngine(Engine):
         self.sampling_options = {k: v for k, v in settings.options.items() if k not in engine_fields}
         self.llm = None
         self.llm_kwargs: dict = {}
+        self.attention_impls: dict[str, str | None] = {}  # impl class -> strict exp, read back from the model
         self.startup_s = None  # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
 
     def start(self, max_len: int, total_tokens: int) -> None:
@@ -122,6 +124,12 @@ class VllmEngine(Engine):
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(self.engine_options):
             per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[self.settings.dtype]
             kwargs["kv_cache_memory_bytes"] = max(16 << 20, 2 * per_token * max(total_tokens, max_model_len))
+            if self.settings.device == "cuda":
+                # vLLM starts only if gpu_memory_utilization x the GPU's memory is free (request_memory,
+                # vllm/v1/worker/utils.py); with the KV cache sized above, that check is all it is used for. rl's
+                # trainer shares the GPU: ask for most of what is free now rather than 0.9 of the card.
+                free, total = torch.cuda.mem_get_info()
+                kwargs["gpu_memory_utilization"] = round(min(0.9, 0.95 * free / total), 3)
         if self.settings.strict_ops and self.settings.device == "cpu" and "max_num_batched_tokens" not in self.engine_options:
             # Compiled vLLM warms up with a forward of max_num_batched_tokens tokens; the strict CPU kernels
             # spell every reduction out and take minutes for that on a real-shape model. Strict results do
@@ -151,6 +159,19 @@ class VllmEngine(Engine):
         except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             raise InputError(f"vLLM rejected the engine settings: {first_lines(e)}") from e
         self.startup_s = round(time.perf_counter() - started, 3)
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        """Read back which attention implementation every layer computes with; strict attention asked for
+        and any layer on another one (vLLM selected a backend the plugin does not replace) is an error."""
+        from alignaudit.strict.vllm_attention import attention_impls
+
+        self.attention_impls = self.llm.apply_model(attention_impls)[0]
+        if "attention" in self.settings.strict_ops and None in self.attention_impls.values():
+            others = sorted(name for name, exp in self.attention_impls.items() if exp is None)
+            raise EngineError(f"strict attention was asked for, but vLLM computes attention with {', '.join(others)}: "
+                              "it selected a backend the strict plugin does not replace (CPU_ATTN on CPU, FLASH_ATTN "
+                              "on CUDA); drop attention_backend / VLLM_ATTENTION_BACKEND")
 
     def _progress_bar(self):
         """A ``use_tqdm`` callable for ``LLM.generate`` that reports finished requests as progress lines."""
@@ -222,14 +243,16 @@ class VllmEngine(Engine):
         return None  # installed once the LLM exists and the prompts are known (prompt_logprobs)
 
     def settings_record(self) -> dict:
+        exps = sorted({exp for exp in self.attention_impls.values() if exp})
         record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict,
-                  # the strict attention backend (strict/vllm_attention.py) passes no exp: the portable default
-                  "attention_exp": "portable" if "attention" in self.settings.strict_ops else None}
+                  "attention_exp": ",".join(exps) or None, "attention_impl": sorted(self.attention_impls)}
         if self.llm is not None:
             config = self.llm.llm_engine.vllm_config
             record["resolved"] = {
                 "enforce_eager": config.model_config.enforce_eager,
                 "compilation_mode": str(getattr(config.compilation_config, "mode", None)),
+                "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+                "model_runner_v2": bool(getattr(config, "use_v2_model_runner", False)),
                 "enable_prefix_caching": config.cache_config.enable_prefix_caching,
                 "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
                 "max_num_seqs": config.scheduler_config.max_num_seqs,

@@ -4,6 +4,8 @@
     megatron.py      a strict layer spec (ModuleSpec) and a GPTModel with a strict logprob head
     vllm_plugin.py   a vLLM general plugin (entry point ``vllm.general_plugins``), enabled by the
                      ALIGNAUDIT_STRICT environment variable
+    vllm_attention.py       strict attention inside vLLM: shared pieces and the CPU platform's backend
+    vllm_cuda_attention.py  the CUDA backend (over FLASH_ATTN; decode capturable in CUDA graphs)
     custom_ops.py    vLLM's extra custom ops (row-parallel partial, rope, MoE); the kernels themselves are
                      opaque custom ops under torch.compile (alignaudit_kernels.primitives.opaque_op)
 
@@ -17,12 +19,13 @@ from alignaudit.errors import InputError
 STRICT_OPS = ("linear", "rmsnorm", "rope", "silu", "attention", "logprobs")
 STRICT_EXPS = ("portable", "native")  # alignaudit_kernels.attention.EXP_CHOICES, the default first
 ENV = "ALIGNAUDIT_STRICT"
+EXP_ENV = "ALIGNAUDIT_STRICT_EXP"  # the exp of strict attention inside vLLM (its plugin reads it)
 
 
-def check_strict_exp(exp: str, ops: frozenset[str], device: str, engines: tuple[str, str]) -> str:
+def check_strict_exp(exp: str, ops: frozenset[str], device: str) -> str:
     """Validate ``--strict-exp`` before any engine starts and return it. "native" (the GPU's exp2 instruction
-    inside strict attention; alignaudit_kernels.attention) needs strict attention, CUDA, and engines whose
-    strict attention runs there (hf and megatron: vLLM's strict attention backend is its CPU platform's).
+    inside strict attention; alignaudit_kernels.attention) needs strict attention and CUDA; every engine's
+    strict attention takes it there (vLLM's through ALIGNAUDIT_STRICT_EXP).
 
     Raises:
         InputError: an unknown value, or "native" where it would not take effect.
@@ -36,9 +39,6 @@ def check_strict_exp(exp: str, ops: frozenset[str], device: str, engines: tuple[
         if device != "cuda":
             raise InputError("--strict-exp native is the GPU's exp2 instruction; on the CPU strict attention computes "
                              "the portable exp only: use --device cuda, or drop --strict-exp")
-        if "vllm" in engines:
-            raise InputError("--strict-exp native: vLLM's strict attention runs on vLLM's CPU platform only, where the "
-                             "exp is the portable one; compare megatron with hf on the GPU")
     return exp
 
 

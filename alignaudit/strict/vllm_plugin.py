@@ -15,8 +15,10 @@ as "rmsnorm,rope"); then it replaces, for every model vLLM loads (all patches li
     rope       RotaryEmbedding.forward with alignaudit::rope (neox style, rotary_dim == head_size; plain, or
                Llama3RotaryEmbedding with its scaling read from the module)
     silu       SiluAndMul.forward with alignaudit_kernels.silu_and_mul
-    logprobs   Sampler.compute_logprobs with alignaudit_kernels.log_softmax (prompt and sample logprobs)
-    attention  the CPU_ATTN backend with alignaudit.strict.vllm_attention (CPU only for now)
+    logprobs   Sampler.compute_logprobs with alignaudit_kernels.log_softmax (prompt and sample logprobs), and
+               model runner V2's compute_token_logprobs (its fused kernel) with token_logprobs / log_softmax
+    attention  the CPU_ATTN backend (CPU) or the FLASH_ATTN backend (CUDA) with strict paged attention
+               (alignaudit.strict.vllm_attention, vllm_cuda_attention); exp from ALIGNAUDIT_STRICT_EXP
 The kernels are torch.library custom ops while torch.compile traces them (alignaudit_kernels::*, and
 alignaudit::rope/moe_route/moe_experts), opaque to it, so compiled and eager vLLM agree.
 vLLM's compile cache is bypassed (VLLM_DISABLE_COMPILE_CACHE=1 unless set): its key does not see these
@@ -135,10 +137,17 @@ def _mixture_of_experts() -> None:
 
     _patch(Qwen3MoeSparseMoeBlock, "__init__", __init__)
     _patch(Qwen3MoeSparseMoeBlock, "forward", forward)
-    if current_platform.is_cpu():  # prepacks (and pads) the expert weights for its grouped GEMM
+    # vLLM converts the expert weights after loading into the layout of the MoE kernel it picked: packed and
+    # padded for the CPU's grouped GEMM, [up | gate] or blocked for FlashInfer's CUDA kernels
+    # (fused_moe/oracle/unquantized.py). The strict layer reads them as loaded, [gate | up].
+    if current_platform.is_cpu():
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
         _patch(CPUUnquantizedExperts, "process_weights_after_loading", lambda self, layer: None)
+    else:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+        _patch(UnquantizedFusedMoEMethod, "process_weights_after_loading", lambda self, layer: None)
 
 
 def _row_parallel_forward(self, input_):
@@ -205,16 +214,35 @@ def _logprobs() -> None:
     from vllm.v1.sample.sampler import Sampler
 
     _patch(Sampler, "compute_logprobs", staticmethod(lambda logits: K.log_softmax(logits)))
+    try:  # model runner V2 (vllm/v1/worker/gpu/): its own fused max + logsumexp kernel, called by module name
+        from vllm.v1.worker.gpu.sample import logprob as runner_v2
+    except ImportError:
+        return
+    _patch(runner_v2, "compute_token_logprobs", _token_logprobs_columns)
+
+
+def _token_logprobs_columns(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Model runner V2's compute_token_logprobs, strict: logits [B, V], token_ids [B, k] -> fp32 logprobs
+    [B, k] (vllm/v1/worker/gpu/sample/logprob.py); one column through token_logprobs, more through
+    log_softmax (the same bits, alignaudit_kernels.logprobs)."""
+    token_ids = token_ids.long()
+    if token_ids.shape[1] == 1:
+        return K.token_logprobs(logits, token_ids[:, 0])[:, None]
+    return K.log_softmax(logits).gather(1, token_ids)
 
 
 def _attention() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if not current_platform.is_cpu():
-        raise NotImplementedError("strict attention inside vLLM is implemented for the CPU backend only; "
-                                  "drop 'attention' from ALIGNAUDIT_STRICT on GPUs")
-    register_backend(AttentionBackendEnum.CPU_ATTN, "alignaudit.strict.vllm_attention.StrictCPUAttentionBackend")
+    if current_platform.is_cpu():  # the CPU platform selects CPU_ATTN and nothing else
+        register_backend(AttentionBackendEnum.CPU_ATTN, "alignaudit.strict.vllm_attention.StrictCPUAttentionBackend")
+    elif current_platform.is_cuda():  # FLASH_ATTN: the one vLLM selects on Hopper, batch-invariant mode included
+        register_backend(AttentionBackendEnum.FLASH_ATTN,
+                         "alignaudit.strict.vllm_cuda_attention.StrictFlashAttentionBackend")
+    else:
+        raise NotImplementedError(f"strict attention inside vLLM runs on its CPU and CUDA platforms, not on "
+                                  f"{type(current_platform).__name__}; drop 'attention' from ALIGNAUDIT_STRICT")
 
 
 PATCHES = {"linear": _linear, "rmsnorm": _rmsnorm, "rope": _rope, "silu": _silu, "logprobs": _logprobs,

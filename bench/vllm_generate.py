@@ -1,0 +1,120 @@
+"""vLLM generation throughput, side by side in one run: default, VLLM_BATCH_INVARIANT=1, alignaudit strict.
+
+Each configuration runs in its own process (the environment variables act at import and at engine start):
+the same model config with vLLM's dummy weights (load_format="dummy": the shape is what costs, not the
+values), the same token-id prompts, ``LLM.generate`` with CUDA graphs and torch.compile as vLLM defaults
+them. One warm-up request, then every prompt at once, timed on the host (generate returns when done).
+Prints one line per configuration and the ratios to the default; --json writes the records.
+
+    python bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256
+    python bench/vllm_generate.py --configs default,strict --json out.json
+
+Needs a CUDA vLLM (bench/gpu_run.sh vllm-bench) and a preset name (alignaudit.arch.PRESETS) or a directory
+holding a config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = {  # name -> environment added for that process
+    "default": {},
+    "batch-invariant": {"VLLM_BATCH_INVARIANT": "1"},
+    "strict": {"ALIGNAUDIT_STRICT": "all"},
+    "strict+batch-invariant": {"ALIGNAUDIT_STRICT": "all", "VLLM_BATCH_INVARIANT": "1"},
+}
+
+
+def config_dir(model: str) -> str:
+    """A directory with the model's config.json: ``model`` itself, or a preset's config written once."""
+    if Path(model, "config.json").is_file():
+        return model
+    from alignaudit.arch import find_preset
+
+    preset = find_preset(model)
+    if preset is None:
+        raise SystemExit(f"{model!r}: not a directory with config.json nor a preset")
+    target = Path(tempfile.gettempdir(), f"aa-config-{preset.name}")
+    target.mkdir(exist_ok=True)
+    (target / "config.json").write_text(json.dumps(preset.config, indent=2))
+    return str(target)
+
+
+def worker(args) -> dict:
+    """One configuration, in this process: start, warm up, time the batch."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if os.environ.get("ALIGNAUDIT_STRICT"):
+        from alignaudit.strict import vllm_plugin
+
+        vllm_plugin.register()
+    started = time.perf_counter()
+    llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
+              max_model_len=args.prompt_len + args.new_tokens + 64, max_num_seqs=args.prompts,
+              gpu_memory_utilization=0.85)
+    startup = time.perf_counter() - started
+    g = torch.Generator().manual_seed(0)
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 32000, (args.prompt_len,), generator=g).tolist())
+               for _ in range(args.prompts)]
+    params = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
+              for i in range(args.prompts)]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    config = llm.llm_engine.vllm_config
+    from alignaudit.strict.vllm_attention import attention_impls
+
+    return {"generated_tokens": generated, "seconds": round(seconds, 3),
+            "output_tokens_per_s": round(generated / seconds, 1), "startup_s": round(startup, 1),
+            "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+            "attention_impl": sorted(llm.apply_model(attention_impls)[0])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="Qwen3-8B")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--configs", default="default,batch-invariant,strict")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.model = config_dir(args.model)
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return
+    results = {}
+    for name in args.configs.split(","):
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **CONFIGS[name]}
+        cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
+               "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(f"{name}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        results[name] = json.loads(lines[-1][len("RESULT "):])
+        print(f"{name:24s} {json.dumps(results[name])}", flush=True)
+    base = results.get("default", {}).get("output_tokens_per_s")
+    for name, r in results.items():
+        if base:
+            print(f"{name:24s} {r['output_tokens_per_s']:9.1f} tokens/s  {r['output_tokens_per_s'] / base:.3f}x of default")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
