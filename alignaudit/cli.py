@@ -320,10 +320,7 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             raise errors.InputError(f"gate RUN_DIR judges a finished run; {flags} apply only when gate runs the "
                                     "comparison itself (without RUN_DIR): drop them")
-    count, fraction = gating.parse_max_mismatch(max_mismatch)
-    if max_ulp is not None and max_ulp < 0 or max_abs is not None and max_abs < 0:
-        raise errors.InputError("--max-ulp and --max-abs must not be negative")
-    rule = gating.Rule(count, fraction, max_ulp, max_abs, gating.read_baseline(baseline) if baseline else None)
+    rule = gating.make_rule(max_mismatch, max_ulp, max_abs, baseline)
     if run_dir is None:
         run_dir, _ = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS + GATE_OUTPUTS)
     _claim_verdict_files(Path(run_dir), targets := (json_out or run_dir / "verdict.json", junit or run_dir / "junit.xml",

@@ -14,6 +14,7 @@ first (alignaudit.verify.load_run: the same validation ``diff`` uses, plus the r
 from __future__ import annotations
 
 import json
+import math
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,13 +79,46 @@ def parse_max_mismatch(value: str | None) -> tuple[int | None, float | None]:
     return None, fraction
 
 
+def make_rule(max_mismatch: str | None = None, max_ulp: int | None = None, max_abs: float | None = None,
+              baseline: Path | None = None) -> Rule:
+    """The Rule of the gate's options, each validated: a threshold that would pass anything (NaN, a negative
+    bound) or a baseline holding one is refused, never judged with.
+
+    Raises:
+        InputError: naming the option and what it accepts.
+    """
+    count, fraction = parse_max_mismatch(max_mismatch)
+    if max_ulp is not None and (isinstance(max_ulp, bool) or not isinstance(max_ulp, int) or max_ulp < 0):
+        raise InputError(f"--max-ulp {max_ulp!r}: give a whole number of ULP >= 0")
+    if max_abs is not None and not (math.isfinite(max_abs) and max_abs >= 0):
+        raise InputError(f"--max-abs {max_abs!r}: give a finite number >= 0 (NaN or a negative bound would judge "
+                         "nothing)")
+    return Rule(count, fraction, max_ulp, max_abs, read_baseline(baseline) if baseline is not None else None)
+
+
 def read_baseline(path: Path) -> dict:
-    """A stored verdict.json (or summary.json) with mismatches, ulp_max and max_abs_diff."""
+    """A stored verdict.json (or summary.json): its mismatches (int >= 0), ulp_max (int >= 0 or null) and
+    max_abs_diff (finite float >= 0 or null; null counts as 0, the strictest baseline).
+
+    Raises:
+        InputError: unreadable, a field missing, or a value no regression could be measured against (NaN,
+            negative, not a number).
+    """
     try:
         data = json.loads(Path(path).read_text())
-        return {k: data[k] for k in ("mismatches", "ulp_max", "max_abs_diff")}
+        values = {k: data[k] for k in ("mismatches", "ulp_max", "max_abs_diff")}
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise InputError(f"--baseline {path}: not a readable alignaudit verdict.json or summary.json ({e})") from e
+    for key, value in values.items():
+        whole = key != "max_abs_diff"
+        ok = (value is None and key != "mismatches") or (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+            and (not whole or float(value).is_integer()))
+        if not ok:
+            kind = "a whole number >= 0" if whole else "a finite number >= 0"
+            raise InputError(f"--baseline {path}: {key} is {value!r}, not {kind}; give a verdict.json written by "
+                             "`alignaudit gate`")
+    return values
 
 
 @dataclass

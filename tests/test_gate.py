@@ -80,6 +80,31 @@ def test_relaxations_and_baseline(runs, tmp_path):
     assert cli.main(["gate", str(run), "--baseline", str(baseline), "--json", str(tmp_path / "v.json")]) == EXIT_MISMATCH
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--max-abs", "nan"], "--max-abs nan: give a finite number >= 0"),
+    (["--max-abs", "-1"], "--max-abs -1.0: give a finite number >= 0"),
+    (["--max-abs", "inf"], "--max-abs inf: give a finite number >= 0"),
+    (["--max-ulp", "-1"], "--max-ulp -1: give a whole number"),
+    (["--max-mismatch", "nan"], "--max-mismatch 'nan': a fraction must lie in [0, 1]"),
+])
+def test_thresholds_that_would_pass_anything_are_refused(runs, tmp_path, capsys, args, message):
+    run = copy_run(runs, "stock", tmp_path)
+    err = one_line_error(capsys, ["gate", str(run), *args], EXIT_USAGE)
+    assert message in err
+    assert not (run / "verdict.json").exists()  # refused before anything is judged or written
+
+
+@pytest.mark.parametrize("field, value", [("mismatches", float("nan")), ("ulp_max", float("nan")),
+                                          ("max_abs_diff", float("nan")), ("mismatches", -1), ("mismatches", None),
+                                          ("ulp_max", 2.5), ("max_abs_diff", "0.1"), ("mismatches", True)])
+def test_a_baseline_no_regression_could_be_measured_against_is_refused(runs, tmp_path, capsys, field, value):
+    run = copy_run(runs, "stock", tmp_path)
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"mismatches": 0, "ulp_max": 0, "max_abs_diff": 0.0, field: value}))
+    err = one_line_error(capsys, ["gate", str(run), "--baseline", str(baseline)], EXIT_USAGE)
+    assert f"{field} is {value!r}" in err
+
+
 def test_markdown_is_appended_for_ci_job_summaries(runs, tmp_path):
     run = copy_run(runs, "strict", tmp_path)
     summary = tmp_path / "step-summary.md"
