@@ -106,6 +106,7 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
                              f"{why}")
     if not any(path.glob("*.safetensors")):
         raise InputError(f"model directory {path} has no *.safetensors weights")
+    check_json_files(path)
 
     raw_rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     rope_type = raw_rope.get("rope_type", raw_rope.get("type", "default")) if isinstance(raw_rope, dict) else raw_rope
@@ -163,6 +164,21 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
         dtype=str(dtype),
         has_tokenizer=(path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file(),
     )
+
+
+def check_json_files(path: Path) -> None:
+    """Every JSON file of a checkpoint directory (tokenizer.json, tokenizer_config.json, generation_config.json,
+    a safetensors index, ...) parses: engines read them at start, where a broken one surfaced as an engine
+    failure that named no file.
+
+    Raises:
+        InputError: naming the first file that is not valid JSON.
+    """
+    for file in sorted(path.glob("*.json")):
+        try:
+            json.loads(file.read_bytes())
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise InputError(f"{file} is not valid JSON ({e}); re-download the checkpoint or remove the file") from e
 
 
 def check_weights(path: Path, config: dict, arch) -> int:

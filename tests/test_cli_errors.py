@@ -33,6 +33,9 @@ def broken_model(tmp_path, edit):
      "not a readable safetensors file"),
     (lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace('"hidden_size": 128', '"hidden_size": 256')),
      "has shape [512, 128], but config.json implies [512, 256]"),
+    (lambda d: (d / "tokenizer.json").write_text("{not json"), "tokenizer.json is not valid JSON"),
+    (lambda d: (d / "tokenizer_config.json").write_bytes(b"\xff\xfe"), "tokenizer_config.json is not valid JSON"),
+    (lambda d: (d / "generation_config.json").write_text(""), "generation_config.json is not valid JSON"),
 ])
 def test_broken_checkpoints_fail_before_any_engine(capsys, tmp_path, edit, message):
     model = broken_model(tmp_path, edit)
