@@ -221,6 +221,40 @@ def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float, 
                                       layer_norm=StrictRMSNorm if "rmsnorm" in ops else LNImpl)
 
 
+def check_batch_layout(ops: frozenset[str], input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                       attention_mask: torch.Tensor | None, packed_seq_params=None) -> None:
+    """Refuse what strict attention and strict rope do not compute: they attend causally over whole
+    sequences from position 0 (right padding is fine: a causal row never sees the pads after it).
+
+    input_ids [b, s]; position_ids None or [b, s] (strict rope: each row 0..s-1); attention_mask None or a
+    bool mask broadcastable to [b, 1, s, s], True = masked (strict attention: exactly the causal triangle).
+    Costs one device synchronization per checked argument and forward.
+
+    Raises:
+        ValueError: naming the argument (a left-padded batch's shifted positions or key-padding mask,
+            packed sequences) and what to pass instead.
+    """
+    if not {"attention", "rope"} & set(ops):
+        return
+    if packed_seq_params is not None:
+        raise ValueError("StrictGPTModel: packed sequences (packed_seq_params) are not computed by strict attention "
+                         "and rope yet; pass a right-padded [batch, seq] batch")
+    b, s = input_ids.shape[:2]
+    if "rope" in ops and position_ids is not None:
+        expected = torch.arange(s, device=position_ids.device).expand(b, s)
+        if tuple(position_ids.shape) != (b, s) or not torch.equal(position_ids, expected.to(position_ids.dtype)):
+            raise ValueError("StrictGPTModel: position_ids must be 0..s-1 in every row (strict rope rotates the token "
+                             "at index i by position i); shifted positions (a left-padded batch?) would be ignored: "
+                             "pass right-padded sequences")
+    if "attention" in ops and attention_mask is not None:
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=attention_mask.device), diagonal=1)
+        if attention_mask.dtype != torch.bool or not torch.equal(attention_mask.expand(b, 1, s, s),
+                                                                 causal.expand(b, 1, s, s)):
+            raise ValueError("StrictGPTModel: attention_mask must be the causal mask (bool, True above the diagonal); "
+                             "strict attention would ignore a padding mask (a left-padded batch?): pass right-padded "
+                             "sequences and drop the padded positions' logprobs")
+
+
 class StrictGPTModel(GPTModel):
     """GPTModel whose output layer and logprob head are strict (per ``strict_ops``); with strict rope, the
     model's own rotary embedding is turned off (StrictCoreAttention rotates instead)."""
@@ -239,6 +273,12 @@ class StrictGPTModel(GPTModel):
                 if type(module) is MoELayer:
                     module.strict_router = StrictRouter(config.moe_router_topk, not config.moe_router_pre_softmax)
                     module.__class__ = StrictMoELayer
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        """GPTModel.forward, after ``check_batch_layout``: a layout the strict attention or rope would not
+        compute as asked is refused (ValueError naming the argument), never silently computed otherwise."""
+        check_batch_layout(self.strict_ops, input_ids, position_ids, attention_mask, kwargs.get("packed_seq_params"))
+        return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
     def compute_language_model_loss(self, labels, logits):
         if "logprobs" not in self.strict_ops:
