@@ -68,6 +68,40 @@ class StrictMoeBlock(torch.nn.Module):
         return out.view(hidden_states.shape)
 
 
+def check_batch_layout(attention_mask, position_ids: torch.Tensor, keys: int) -> None:
+    """Refuse what strict attention would compute otherwise than HF's mask and positions ask: it treats key
+    index j as position j and attends causally (alignaudit_kernels.causal_attention). So query positions must
+    be their key indices (no left padding) and the mask (None, or HF's processed 4D mask [b, 1, t, keys]:
+    bool True = attend, or additive with 0 = attend) causal, with padding only after a row's last token
+    (right padding: no real token ever attends a pad; the pad rows themselves, which belong to no token,
+    attend their pads too, as every key up to their index). One device synchronization per forward.
+
+    Raises:
+        ValueError: naming position_ids or attention_mask and what to pass instead.
+    """
+    b, t = position_ids.shape
+    index = torch.arange(keys - t, keys, device=position_ids.device)
+    if not torch.equal(position_ids, index.expand(b, t).to(position_ids.dtype)):
+        raise ValueError("strict attention (HF): position_ids must be each token's index in its sequence; shifted "
+                         "positions (a left-padded batch?) would be computed as unpadded: right-pad instead")
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        raise ValueError(f"strict attention (HF) reads a 4D tensor attention_mask, not {type(attention_mask).__name__}; "
+                         "use attn_implementation eager or sdpa")
+    attend = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    if attend.shape[-1] > keys and attend[..., keys:].any():  # a static cache's unfilled slots must stay masked
+        raise ValueError("strict attention (HF): attention_mask lets a query attend a key slot past the cache's "
+                         "filled length")
+    attend = attend[..., :keys].expand(b, 1, t, keys)[:, 0]
+    valid = attend[:, -1]  # the last query row may attend every key but the pads
+    causal = torch.arange(keys, device=attend.device)[None, :] <= index[:, None]
+    suffix_padding = torch.equal(valid, valid.cummin(dim=1).values)
+    if not (suffix_padding and torch.equal(attend, causal[None] & valid[:, None, :])):
+        raise ValueError("strict attention (HF): attention_mask must be causal with padding only at the end of a row "
+                         "(right padding); a left-padded or holed mask would be ignored: right-pad instead")
+
+
 class StrictAttention(torch.nn.Module):
     """Stands in for <P>Attention (QK-norm where the module has q_norm/k_norm); ``strict_rope`` /
     ``strict_attention`` say which parts are strict, ``strict_exp`` the exp of the strict attention."""
@@ -96,6 +130,8 @@ class StrictAttention(torch.nn.Module):
             kc, vc = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
             k, v = kc.transpose(1, 2), vc.transpose(1, 2)
         if self.strict_attention:
+            if getattr(self, "layer_idx", 0) == 0:  # once per forward: every layer sees the same layout
+                check_batch_layout(attention_mask, position_ids, k.shape[1])
             out = K.causal_attention(q, k, v, position_ids, self.scaling, exp=self.strict_exp)
         else:
             interface = self._stock_attention
