@@ -324,12 +324,14 @@ def junit_xml(verdict: Verdict, name: str = "alignaudit.gate") -> str:
 
 def write_outputs(verdict: Verdict, json_path: Path, junit_path: Path, md_path: Path, append_md: bool) -> None:
     """verdict.json, junit.xml and the Markdown summary (appended to an existing ``md_path`` with
-    ``append_md``, as GitHub's $GITHUB_STEP_SUMMARY expects).
+    ``append_md``, as GitHub's $GITHUB_STEP_SUMMARY expects); missing parent directories are created.
 
     Raises:
         InputError: a path cannot be written.
     """
     try:
+        for path in (json_path, junit_path, md_path):  # reports/alignment.xml in a fresh CI checkout
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(verdict.to_dict(), indent=2) + "\n")
         Path(junit_path).write_text(junit_xml(verdict))
         with open(md_path, "a" if append_md and Path(md_path).exists() else "w") as f:

@@ -35,13 +35,37 @@ def copy_run(runs, name, tmp_path):
     return dst
 
 
-def test_gate_runs_a_strict_comparison_with_vllm_and_passes(tmp_path):
-    out = tmp_path / "ci"
-    assert cli.main(["gate", "--strict", "--train", "megatron", "--infer", "vllm", "--out", str(out)]) == EXIT_OK
-    verdict = json.loads((out / "verdict.json").read_text())
-    assert verdict["verdict"] == "pass" and verdict["tokens_compared"] == 176 and verdict["mismatches"] == 0
-    suite = ET.fromstring((out / "junit.xml").read_text())
+def ci_examples() -> dict[str, list[str]]:
+    """The `alignaudit gate` command of each CI example in docs/ci.md (GitHub Actions, GitLab CI), as argv."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "ci.md").read_text()
+    examples = {}
+    for name in ("GitHub Actions", "GitLab CI"):
+        section = text.split(f"## {name}", 1)[1].split("\n## ", 1)[0]
+        command = re.search(r"(alignaudit gate (?:[^\n]*\\\n)*[^\n]*)", section).group(1)
+        examples[name] = shlex.split(command.replace("\\\n", " "))[1:]
+    return examples
+
+
+@pytest.mark.parametrize("name", ["GitHub Actions", "GitLab CI"])
+def test_the_ci_examples_of_the_docs_pass_in_a_fresh_checkout(tmp_path, monkeypatch, name):
+    """docs/ci.md's commands, run as written in an empty working directory (GitHub's writes its JUnit file
+    into reports/, which does not exist yet, and appends to $GITHUB_STEP_SUMMARY)."""
+    monkeypatch.chdir(tmp_path)
+    summary = tmp_path / "step-summary.md"
+    argv = [str(summary) if a == "$GITHUB_STEP_SUMMARY" else a for a in ci_examples()[name]]
+    assert cli.main(argv) == EXIT_OK, argv
+    verdict = json.loads((tmp_path / "runs" / "ci" / "verdict.json").read_text())
+    assert verdict["verdict"] == "pass" and verdict["mismatches"] == 0
+    assert verdict["tokens_compared"] == (304 if "rollout" in argv else 176)
+    junit = tmp_path / argv[argv.index("--junit") + 1]
+    suite = ET.fromstring(junit.read_text())
     assert suite.get("tests") == "4" and suite.get("failures") == "0"
+    if "--markdown" in argv:
+        assert "alignaudit gate: PASS" in summary.read_text()
 
 
 def test_gate_fails_a_stock_comparison_with_exit_1(runs, tmp_path):
