@@ -29,6 +29,7 @@ from alignaudit.ops import Selection
 from alignaudit.pipeline import RUN, diff_captures, write_json
 from alignaudit.request import EngineRun, Request
 from alignaudit.strict import STRICT_OPS, format_strict
+from alignaudit.verify import seal
 
 ABLATE_PARQUET, ABLATE_JSON = "ablate.parquet", "ablate.json"
 ABLATE_OUTPUTS = (RUN, "configs", ABLATE_PARQUET, ABLATE_JSON)
@@ -134,5 +135,5 @@ def ablate(request: Request, out: Path, factors: tuple[str, ...], capture_ops: b
     write_json(out / ABLATE_JSON, {"model": request.spec.name, "mode": request.mode, "capture_ops": capture_ops,
                                    "train": request.train.label(), "infer": request.infer.label(),
                                    "notes": _notes(request, capture_ops), "rows": rows})
-    write_json(out / RUN, {**record, "status": "complete"})
+    write_json(out / RUN, seal(record, out, (ABLATE_PARQUET, ABLATE_JSON, "configs")))
     return matrix

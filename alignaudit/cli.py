@@ -254,7 +254,7 @@ def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE", help
     """
     from alignaudit.cliargs import check_clip_eps
     from alignaudit.opdiff import first_divergence
-    from alignaudit.pipeline import DIFF_OUTPUTS, SUMMARY, diff_captures, diff_ops, write_ops
+    from alignaudit.pipeline import DIFF_OUTPUTS, RUN, SUMMARY, diff_captures, diff_ops, finish_diff, write_ops
     from alignaudit.report import render_op_verdict, render_ops
     from alignaudit.verify import load_pair
 
@@ -263,15 +263,17 @@ def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE", help
     with_ops = "ops" in a.manifest and "ops" in b.manifest
     records = diff_ops(a, b) if with_ops else None  # reads and verifies every op before anything is written
     target = OutputArgs(out=out, force=force)
-    out_path = out_dir(target, "diff", DIFF_OUTPUTS, (Path(train_dir), Path(infer_dir)))
+    out_path = out_dir(target, "diff", DIFF_OUTPUTS + (RUN,), (Path(train_dir), Path(infer_dir)))
     summary = diff_captures(a, b, out_path, clip_eps=clip_eps)
-    _render_summary(out_path, summary)
     if records is not None:
         write_ops(records, out_path / "ops.parquet")
+    finish_diff(out_path, a, b, clip_eps)
+    _render_summary(out_path, summary)
+    if records is not None:
         mode = b.manifest["ops"].get("mode", "natural")
         render_ops(console, records, mode, first_divergence([r for r in records if r.get("forced", True)]))
         render_op_verdict(console, mode, records)
-    _results(out_path / SUMMARY, *([out_path / "ops.parquet"] if records is not None else []))
+    _results(out_path / SUMMARY, *([out_path / "ops.parquet"] if records is not None else []), out_path / RUN)
 
 
 @app.command()
@@ -332,6 +334,8 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
                   f"{verdict.mismatches} of {verdict.tokens_compared} tokens differ, max ULP {verdict.ulp_max}", highlight=False)
     for reason in verdict.reasons:
         console.print(f"  {escape(reason)}", highlight=False)
+    for note in verdict.notes:
+        console.print(f"  not judged: {escape(note)}", highlight=False)
     if Path(targets[0]).resolve().parent == Path(run_dir).resolve():  # the verdict went into the run: so does the page
         _results(*targets, *_report(Path(run_dir)))
     if verdict.error:
@@ -533,7 +537,7 @@ def _claim_verdict_files(run_dir: Path, targets: tuple[Path, ...]) -> None:
     so a read-only run can be judged)."""
     from alignaudit.verify import read_run_record
 
-    read_run_record(run_dir, commands=("compare", "rl"))  # a missing or unfinished run: said so, not "unwritable"
+    read_run_record(run_dir, commands=("compare", "rl", "diff"))  # a missing or unfinished run: said so, not "unwritable"
     inside = tuple(Path(t).name for t in targets if Path(t).resolve().parent == run_dir.resolve())
     if inside:
         try:

@@ -137,6 +137,8 @@ class Verdict:
     # JUnit test cases: {"name", "status": "pass" | "note" | "fail" | "error", "message"}
     cases: list[dict] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)  # rl runs: one row per step
+    rule_params: dict = field(default_factory=dict)  # the Rule's fields, so a page can judge the run again
+    notes: list[str] = field(default_factory=list)  # what the verdict did not judge, said in every rendering
 
     @property
     def exit_code(self) -> int:
@@ -159,10 +161,36 @@ def judge_run(run_dir: Path, rule: Rule) -> Verdict:
     from alignaudit.diff import align_tokens, compare_tokens
     from alignaudit.verify import load_rl_run, load_run, read_run_record
 
-    if read_run_record(run_dir, commands=("compare", "rl"))["command"] == "rl":
-        return judge_steps(load_rl_run(run_dir), rule, str(run_dir))
+    if read_run_record(run_dir, commands=("compare", "rl", "diff"))["command"] == "rl":
+        verdict = judge_steps(load_rl_run(run_dir), rule, str(run_dir))
+        verdict.rule_params = asdict(rule)
+        return verdict
     run = load_run(run_dir)
-    return evaluate(compare_tokens(align_tokens(run.train.logprobs, run.infer.logprobs)), rule, str(run_dir))
+    verdict = evaluate(compare_tokens(align_tokens(run.train.logprobs, run.infer.logprobs)), rule, str(run_dir))
+    verdict.rule_params = asdict(rule)
+    return verdict
+
+
+def rejudge(run_dir: Path, stored: dict) -> dict:
+    """A stored verdict.json, judged again from the checked run under the rule it records: the fresh
+    verdict's record (Verdict.to_dict), which is what a page shows.
+
+    Raises:
+        InputError: the stored verdict records no rule, or any of its verdict, rule, counts, ULP or |d| differs
+            from the fresh one (verdict.json edited, or a verdict of another run).
+    """
+    params = stored.get("rule_params")
+    try:
+        rule = Rule(**params)
+    except TypeError:
+        raise InputError(f"{Path(run_dir) / 'verdict.json'} records no rule (written by an older alignaudit?); run "
+                         "alignaudit gate again") from None
+    fresh = judge_run(Path(run_dir), rule).to_dict()
+    for key in ("verdict", "rule", "tokens_compared", "mismatches", "ulp_max", "max_abs_diff", "error"):
+        if fresh.get(key) != stored.get(key):
+            raise InputError(f"{Path(run_dir) / 'verdict.json'} says {key} {stored.get(key)!r}, but judging the run "
+                             f"again gives {fresh.get(key)!r}; run alignaudit gate again")
+    return fresh
 
 
 def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
@@ -201,9 +229,20 @@ def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
                    nan_tokens, cases)
 
 
-def judge_steps(steps: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
-    """Judge an rl run's steps.parquet: the rule over all steps' generated tokens, and every weight sync
-    bit-equal whatever the rule; a step with NaN logprobs is an engine error."""
+STEP_CHECKS = (  # per-step column, what a failing value means
+    ("sync_tensors_differing", "weight tensors differed after the sync"),
+    ("sync_stale_packed", "packed GEMMs computed with stale weights after the sync"),
+    ("sync_replicas_diverged", "replicated parameters differed between tensor-parallel ranks"),
+)
+
+
+def judge_steps(run, rule: Rule, name: str = "") -> Verdict:
+    """Judge a checked rl run (alignaudit.verify.RLRun): the rule over all steps' generated tokens; whatever
+    the rule, the initial weight sync and every step's sync bit-equal (no differing tensor, no stale packed
+    GEMM, no diverged replica) and the training forward's logprobs equal to the rescoring's; a step with NaN
+    logprobs is an engine error. Without per-token rows (--no-token-rows) the counts are steps.parquet's
+    alone, which the verdict says."""
+    steps = run.steps
     n, mismatches = int(steps["tokens"].sum()), int(steps["mismatches"].sum())
     ulps, diffs = steps["ulp_max"].dropna(), steps["max_abs_diff"].dropna()
     ulp_max = int(ulps.max()) if len(ulps) else None
@@ -212,28 +251,42 @@ def judge_steps(steps: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
     bad = steps[steps["mismatches"] > 0]
     if len(bad) and rule.is_default:
         reasons[0] = f"{len(bad)} of {len(steps)} steps have mismatching tokens ({mismatches} of {n} tokens)"
+    if not (run.record.get("initial_sync") or {}).get("bit_equal"):
+        reasons.append("the initial weight sync (before step 1) was not bit-equal")
     unsynced = steps[~steps["sync_bit_equal"]]
     if len(unsynced):
         reasons.append(f"the weight sync was not bit-equal at {len(unsynced)} of {len(steps)} steps (first: step "
                        f"{int(unsynced['step'].iloc[0])})")
+    for column, meaning in STEP_CHECKS:
+        failing = steps[steps[column] > 0]
+        if len(failing):
+            reasons.append(f"{meaning} at {len(failing)} of {len(steps)} steps (first: step "
+                           f"{int(failing['step'].iloc[0])})")
+    unequal = steps[~steps["train_forward_equal"]]
+    if len(unequal):
+        reasons.append(f"the training forward's logprobs differed from the rescoring's at {len(unequal)} of "
+                       f"{len(steps)} steps (first: step {int(unequal['step'].iloc[0])})")
     nan = steps[steps["nan_tokens"] > 0]
     error = (f"NaN logprobs at {len(nan)} steps (first: step {int(nan['step'].iloc[0])}); the gate cannot judge NaN"
              if len(nan) else None)
     passed = not reasons and not error
     cases = []
     for row in steps.to_dict("records"):
-        message = (f"{row['mismatches']} of {row['tokens']} tokens differ, max ULP {row['ulp_max']}"
-                   if row["mismatches"] else None)
-        if not row["sync_bit_equal"]:
-            message = f"weight sync not bit-equal ({row['sync_tensors_differing']} tensors differ, "\
-                      f"{row.get('sync_stale_packed', 0)} packed GEMMs stale)" + (f"; {message}" if message else "")
-        case = _case(f"step {row['step']}", row["nan_tokens"], message, passed, error)
-        if not row["sync_bit_equal"] and case["status"] == "note":
-            case["status"] = "fail"
-        cases.append(case)
+        problems = [f"{row['mismatches']} of {row['tokens']} tokens differ, max ULP {row['ulp_max']}"] if row["mismatches"] else []
+        if not row["sync_bit_equal"] or any(row[c] for c, _ in STEP_CHECKS):
+            problems.append(f"weight sync not bit-equal ({row['sync_tensors_differing']} tensors differ, "
+                            f"{row['sync_stale_packed']} packed GEMMs stale, {row['sync_replicas_diverged']} "
+                            "replicas diverged)")
+        if not row["train_forward_equal"]:
+            problems.append("training forward != rescoring")
+        # a sync or forward problem is among the verdict's reasons, so the case fails whatever the token rule
+        cases.append(_case(f"step {row['step']}", row["nan_tokens"], "; ".join(problems) or None, passed, error))
+    notes = [] if run.token_rows else ["no per-token rows (--no-token-rows): the counts are steps.parquet's, not "
+                                       "recomputed from both engines' logprobs"]
     step_rows = steps[["step", "tokens", "mismatches", "ulp_max", "sync_bit_equal", "nan_tokens"]].to_dict("records")
     return Verdict(passed, rule.describe() + "; every weight sync bit-equal", n, mismatches, ulp_max, max_abs,
-                   reasons, [], run, error, {}, cases, [{k: _plain(v) for k, v in r.items()} for r in step_rows])
+                   reasons, [], name, error, {}, cases, [{k: _plain(v) for k, v in r.items()} for r in step_rows],
+                   notes=notes)
 
 
 def _plain(value):
@@ -352,6 +405,8 @@ def markdown(verdict: Verdict, title: str = "alignaudit gate") -> str:
         lines += [f"- engine error: {verdict.error}", ""]
     if verdict.reasons:
         lines += [f"- {r}" for r in verdict.reasons] + [""]
+    if verdict.notes:
+        lines += [f"- not judged: {n}" for n in verdict.notes] + [""]
     failing = [c for c in verdict.cases if c["status"] != "pass"]
     if failing:
         lines += ["| case | result |", "|---|---|"]

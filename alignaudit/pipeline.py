@@ -27,7 +27,7 @@ from alignaudit.prompts import TokenBatch
 from alignaudit.repeat import summarize_repeats
 from alignaudit.request import EngineRun, Request
 from alignaudit.runner import run_capture
-from alignaudit.verify import RUN, capture_record
+from alignaudit.verify import RUN, capture_record, manifest_sha256, seal
 
 TOKENS = "tokens.parquet"
 SEQUENCES = "sequences.parquet"
@@ -36,13 +36,13 @@ BISECT = "bisect.json"
 MODES = ("natural", "forced", "both")
 # Top-level entries each command writes in its output directory (alignaudit.outdir claims them).
 GATE_OUTPUTS = ("verdict.json", "junit.xml", "summary.md")
-DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, "ops.parquet")
+DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, "ops.parquet")  # and RUN, written last
 COMPARE_OUTPUTS = (RUN, "train", "infer", TOKENS, SEQUENCES, SUMMARY)
 BISECT_OUTPUTS = (RUN, "train", "infer", "infer-forced", "ops-natural.parquet", "ops-forced.parquet", BISECT)
 ROUTING = Selection(names=frozenset({"routing"}))  # what compare captures of a mixture-of-experts model
 CAPTURE_OUTPUTS = ("manifest.json", "manifest.json.tmp", "logprobs.parquet", "ops", "request.json", "worker.log")
 
-__all__ = ["EngineRun", "capture", "compare", "bisect", "diff_captures", "diff_ops"]
+__all__ = ["EngineRun", "capture", "compare", "bisect", "diff_captures", "diff_ops", "finish_diff"]
 
 
 def write_json(path: Path, record: dict) -> None:
@@ -131,7 +131,7 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
                                 ops=ops, repeat=request.repeat, on_progress=stage(request.infer, "inference"))
     summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps, routing_note=note)
-    finish_run(out, record, {"train": train_capture, "infer": infer_capture})
+    finish_run(out, record, {"train": train_capture, "infer": infer_capture}, (TOKENS, SEQUENCES, SUMMARY))
     return summary
 
 
@@ -160,10 +160,20 @@ def routing_observable(run: EngineRun) -> bool:
             or run.settings.options.get("enforce_eager") is True)
 
 
-def finish_run(out: Path, record: dict, captures: dict[str, Capture]) -> None:
-    """Mark run.json complete, with what identifies each capture the run wrote."""
-    write_json(out / RUN, {**record, "status": "complete",
-                           "captures": {role: capture_record(c) for role, c in captures.items()}})
+def finish_run(out: Path, record: dict, captures: dict[str, Capture], outputs: tuple[str, ...]) -> None:
+    """Seal run.json (alignaudit.verify.seal): complete, with what identifies each capture the run wrote and
+    the sha256 of each of its ``outputs``."""
+    write_json(out / RUN, seal({**record, "captures": {role: capture_record(c) for role, c in captures.items()}},
+                               out, outputs))
+
+
+def finish_diff(out: Path, train: Capture, infer: Capture, clip_eps: float) -> None:
+    """The record of a ``diff`` directory, sealed: the two captures by path and manifest sha256 (so gate and
+    report can check the comparison against them) and the sha256 of each output."""
+    record = {"command": "diff", "clip_eps": clip_eps, "model": {"name": train.manifest["model"]["name"]},
+              "captures": {role: {"path": str(c.path.resolve()), "manifest_sha256": manifest_sha256(c.path)}
+                           for role, c in (("train", train), ("infer", infer))}}
+    write_json(out / RUN, seal(record, out, DIFF_OUTPUTS))
 
 
 def _side(c: Capture) -> dict:
@@ -252,5 +262,5 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
             "records": records,
         }
     write_json(out / BISECT, result)
-    finish_run(out, record, captures)
+    finish_run(out, record, captures, ("ops-natural.parquet", "ops-forced.parquet", BISECT))
     return result

@@ -519,16 +519,46 @@ def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP):
 
     q [B, Tq, H, D] (or [Tq, H, D] for one sequence) at absolute positions ``q_positions`` [B, Tq] (int;
     [Tq] for one sequence); k/v [B, Tk, KVH, D] hold positions 0..Tk-1 of each sequence. Returns q's shape
-    in q.dtype, each row equal bit for bit to the same row of a prefill or a decode. Forward only (decode
-    does not need gradients). exp: "portable" or "native"
-    (module docstring).
+    in q.dtype, each row equal bit for bit to the same row of a prefill or a decode. Differentiable:
+    backward through the plain-torch reference in fp32, as varlen_attention (an HF trainer's forward).
+    exp: "portable" or "native" (module docstring).
     Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
     """
     _check_exp(exp, q)
+    if not no_gradient(q, k, v):
+        return _CausalAttention.apply(q, k, v, q_positions, float(scale), exp)
+    return _causal_forward(q, k, v, q_positions, scale, exp)
+
+
+class _CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_positions, scale, exp):
+        ctx.save_for_backward(q, k, v, q_positions)
+        ctx.scale = scale
+        return _causal_forward(q, k, v, q_positions, scale, exp)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, positions = ctx.saved_tensors
+        one = q.dim() == 3
+        qs, ks, vs, ps, gs = (t[None] if one else t for t in (q, k, v, positions.reshape(q.shape[:-2]), g))
+        grads = [torch.zeros_like(t, dtype=torch.float32) for t in (qs, ks, vs)]
+        for i in range(qs.shape[0]):
+            with torch.enable_grad():
+                qi, ki, vi = (t[i].detach().float().requires_grad_() for t in (qs, ks, vs))
+                out = reference(qi, ki, vi, ctx.scale, ps[i].to(q.device))
+                gq, gk, gv = torch.autograd.grad(out, (qi, ki, vi), gs[i].float())
+            grads[0][i], grads[1][i], grads[2][i] = gq, gk, gv
+        if one:
+            grads = [x[0] for x in grads]
+        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None, None
+
+
+def _causal_forward(q, k, v, q_positions, scale, exp):
     if compiling_inference(q, k, v):
         return _causal_attention_op(q, k, v, q_positions, float(scale), exp)
     if q.dim() == 3:
-        return causal_attention(q[None], k[None], v[None], q_positions.reshape(1, -1), scale, exp)[0]
+        return _causal_forward(q[None], k[None], v[None], q_positions.reshape(1, -1), scale, exp)[0]
     b, tq, h, d = q.shape
     if not use_triton(q):
         return torch.stack([_cpu_attend(q[i], k[i], v[i], q_positions[i].cpu(), scale) for i in range(b)])

@@ -66,6 +66,13 @@ def test_the_ci_examples_of_the_docs_pass_in_a_fresh_checkout(tmp_path, monkeypa
     assert suite.get("tests") == "4" and suite.get("failures") == "0"
     if "--markdown" in argv:
         assert "alignaudit gate: PASS" in summary.read_text()
+    if "rollout" in argv:  # how the inference engine sampled is checked against its capture, seal or not
+        run = tmp_path / "runs" / "ci"
+        record = json.loads((run / "run.json").read_text())
+        record["rollout"]["temperature"] = 0.7
+        reseal(run, record)
+        assert cli.main(["gate", str(run), "--json", str(tmp_path / "again.json")]) == EXIT_USAGE
+        assert not (tmp_path / "again.json").exists()
 
 
 def test_gate_fails_a_stock_comparison_with_exit_1(runs, tmp_path):
@@ -213,12 +220,20 @@ def test_foreign_captures_never_pass(runs, tmp_path, capsys):
     assert "is not the capture this run wrote" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
     record = json.loads((run / "run.json").read_text())
     record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
-    (run / "run.json").write_text(json.dumps(record))
+    reseal(run, record)
     assert "strict '' differs from run.json's 'all'" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
     _swap_in(run, run / "train")
     record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
-    (run / "run.json").write_text(json.dumps(record))
+    reseal(run, record)
     assert "made as the train side" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+
+
+def reseal(run, record):
+    """Write an edited run.json with its seal recomputed (what someone who knows the format could do), so a
+    test reaches the checks behind the seal."""
+    from alignaudit.verify import RECORD_SHA256, record_digest
+
+    (run / "run.json").write_text(json.dumps({**record, RECORD_SHA256: record_digest(record)}))
 
 
 def _manifest_sha(capture_dir):
@@ -234,7 +249,7 @@ def test_a_capture_of_another_checkpoint_is_refused_by_gate_and_diff(runs, tmp_p
     (run / "infer" / MANIFEST).write_text(json.dumps(manifest))
     record = json.loads((run / "run.json").read_text())
     record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
-    (run / "run.json").write_text(json.dumps(record))
+    reseal(run, record)
     assert "different checkpoints" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
     err = one_line_error(capsys, ["diff", str(run / "train"), str(run / "infer"), "--out", str(tmp_path / "d")], EXIT_USAGE)
     assert "different checkpoints" in err
@@ -253,6 +268,71 @@ def test_an_unfinished_run_is_refused(runs, tmp_path, capsys):
     record = json.loads((run / "run.json").read_text())
     (run / "run.json").write_text(json.dumps({**record, "status": "running"}))
     assert "the run did not finish" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+
+
+@pytest.mark.parametrize("edit, resealed, message", [
+    (lambda r: r["model"].update(name="Qwen3-32B"), False, "was changed after the run finished"),
+    (lambda r: r.update(mode="rollout"), False, "was changed after the run finished"),
+    (lambda r: r["model"].update(name="Qwen3-32B"), True, "names the model 'Qwen3-32B', its captures 'qwen3-tiny'"),
+    (lambda r: r.update(mode="rollout", rollout={"max_new_tokens": 16}), True,
+     "says mode 'rollout', the inference capture was made in 'prompt' mode"),
+    (lambda r: r["outputs"].pop("summary.json"), True, "summary.json is not among the files run.json lists"),
+])
+def test_record_fields_a_verdict_or_page_shows_are_checked(runs, tmp_path, capsys, edit, resealed, message):
+    """run.json is sealed (its own sha256) and cross-checked against the captures: an edited field is refused
+    by gate and report alike (exit 2, nothing written), also when the seal is recomputed."""
+    run = copy_run(runs, "strict", tmp_path)
+    page = (run / "report.html").read_bytes()  # compare's own page, from before the edit
+    record = json.loads((run / "run.json").read_text())
+    edit(record)
+    if resealed:
+        reseal(run, record)
+    else:
+        (run / "run.json").write_text(json.dumps(record))
+    for argv in (["gate", str(run)], ["report", str(run)]):
+        assert message in one_line_error(capsys, argv, EXIT_USAGE), argv
+    assert not (run / "verdict.json").exists() and (run / "report.html").read_bytes() == page
+
+
+@pytest.mark.parametrize("name, mismatches", [("stock", 0), ("strict", 99)])
+def test_pages_never_show_an_unchecked_summary(runs, tmp_path, capsys, name, mismatches):
+    """summary.json says 0 mismatches on a failing run (or 99 on a passing one): gate and report refuse it;
+    no page shows it."""
+    run = copy_run(runs, name, tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "mismatches": mismatches}))
+    page = (run / "report.html").read_bytes()
+    for argv in (["gate", str(run)], ["report", str(run)]):
+        assert "summary.json is missing or is not the file this run wrote" in one_line_error(capsys, argv, EXIT_USAGE)
+    assert (run / "report.html").read_bytes() == page and not (run / "verdict.json").exists()
+
+
+def test_a_page_shows_the_verdict_judged_again_not_the_stored_one(runs, tmp_path, capsys):
+    run = copy_run(runs, "stock", tmp_path)
+    assert cli.main(["gate", str(run)]) == EXIT_MISMATCH
+    stored = json.loads((run / "verdict.json").read_text())
+    assert stored["rule_params"]["max_mismatch"] is None and "gate FAIL" in (run / "report.html").read_text()
+    (run / "verdict.json").write_text(json.dumps({**stored, "verdict": "pass", "mismatches": 0}))
+    err = one_line_error(capsys, ["report", str(run), "--html", str(tmp_path / "r.html")], EXIT_USAGE)
+    assert "verdict.json says verdict 'pass', but judging the run again gives 'fail'" in err
+    assert not (tmp_path / "r.html").exists()
+    (run / "verdict.json").write_text(json.dumps({**stored, "rule_params": {**stored["rule_params"], "max_ulp": 10**9}}))
+    err = one_line_error(capsys, ["report", str(run), "--html", str(tmp_path / "r.html")], EXIT_USAGE)
+    assert "verdict.json says verdict 'fail'" in err  # a verdict of another rule than it names
+
+
+def test_gate_judges_a_diff_directory_against_its_captures(runs, tmp_path, capsys):
+    """diff writes a sealed record naming its two captures: gate judges it like a compare run (issue [20]'s
+    split-container audit), and an edit of what diff wrote is refused."""
+    out = tmp_path / "d"
+    assert cli.main(["diff", str(runs / "stock" / "train"), str(runs / "stock" / "infer"), "--out", str(out)]) == EXIT_OK
+    assert cli.main(["gate", str(out)]) == EXIT_MISMATCH
+    assert json.loads((out / "verdict.json").read_text())["mismatches"] == 176
+    assert cli.main(["diff", str(runs / "strict" / "train"), str(runs / "strict" / "infer"), "--out", str(tmp_path / "s")]) == EXIT_OK
+    assert cli.main(["gate", str(tmp_path / "s")]) == EXIT_OK
+    tokens = pd.read_parquet(out / "tokens.parquet")
+    tokens.assign(bitwise_equal=True).to_parquet(out / "tokens.parquet", index=False)
+    assert "tokens.parquet is missing or is not the file" in one_line_error(capsys, ["gate", str(out)], EXIT_USAGE)
 
 
 def test_gate_on_a_read_only_run_writes_elsewhere_or_says_how(runs, tmp_path, capsys, monkeypatch):
@@ -319,7 +399,7 @@ def _repair_run(run):
     record = json.loads((run / "run.json").read_text())
     for role in ("train", "infer"):
         record["captures"][role]["manifest_sha256"] = _manifest_sha(run / role)
-    (run / "run.json").write_text(json.dumps(record))
+    reseal(run, record)
 
 
 def _damage(run, side, kind, row, value):

@@ -126,7 +126,16 @@ def bisect_run(captures, tmp_path_factory):
     train = captures.get("megatron", "bf16", ops=True)
     write_ops(diff_ops(train, captures.get("hf", "bf16", ops=True)), out / "ops-natural.parquet")
     write_ops(diff_ops(train, captures.get("hf", "bf16", reference=train)), out / "ops-forced.parquet")
+    sealed_record(out, "bisect", ("ops-natural.parquet", "ops-forced.parquet"))
     return out
+
+
+def sealed_record(out: Path, command: str, outputs: tuple[str, ...]) -> None:
+    """A finished run's record over tables a test wrote (alignaudit.verify.seal), so the page may read them."""
+    from alignaudit.pipeline import write_json
+    from alignaudit.verify import seal
+
+    write_json(out / "run.json", seal({"command": command}, out, outputs))
 
 
 def test_a_page_that_throws_is_caught(tmp_path):
@@ -231,6 +240,7 @@ def test_rl_and_ablate_reports_plot_every_series(tmp_path):
     rl.mkdir()
     steps = steps_table()
     steps.to_parquet(rl / "steps.parquet", index=False)
+    _running(rl, "rl")  # a synthetic table: shown as an unfinished run's, under the banner that says so
     assert cli.main(["report", str(rl)]) == EXIT_OK
     probe, dom, console = open_in_chromium(rl / "report.html", tmp_path)
     assert console == [] and probe["plots"]["plot-rl-steps"]["rendered"]
@@ -249,6 +259,7 @@ def test_rl_and_ablate_reports_plot_every_series(tmp_path):
                            "max_abs_diff": [0.0, 1e-3, 2e-2, 0.0, 1e-6],
                            "first_diverging_op": [None, "layers.0.input_norm", "layers.0.attn", None, "layers.0.q_rope"]})
     matrix.to_parquet(ablate / "ablate.parquet", index=False)
+    sealed_record(ablate, "ablate", ("ablate.parquet",))
     assert cli.main(["report", str(ablate)]) == EXIT_OK
     probe, dom, console = open_in_chromium(ablate / "report.html", tmp_path, clicks=[("ablate", "mismatches")])
     assert console == [] and probe["plots"]["plot-ablate"]["rendered"]
@@ -258,17 +269,20 @@ def test_rl_and_ablate_reports_plot_every_series(tmp_path):
     assert [int(r["mismatches"]) for r in probe["tables"]["ablate"]] == sorted(matrix["mismatches"], reverse=True)
 
 
-def _running_compare(d: Path) -> None:
-    (d / "run.json").write_text('{"command": "compare", "status": "running"}')
+def _running(d: Path, command: str = "compare") -> Path:
+    (d / "run.json").write_text(f'{{"command": "{command}", "status": "running"}}')
+    return d
 
 
 @pytest.mark.parametrize("make, message", [
     (lambda d: None, "holds no alignaudit results"),
-    (_running_compare, "records an `alignaudit compare` run (status 'running') but summary.json is missing; "
-                       "the run did not finish"),
-    (lambda d: (d / "summary.json").write_text("{}"), "holds summary.json but not tokens.parquet"),
-    (lambda d: (d / "steps.parquet").write_bytes(b"PAR1 not parquet"), "steps.parquet is unreadable"),
-    (lambda d: pd.DataFrame({"factor": ["x"]}).to_parquet(d / "ablate.parquet"), "lacks the column(s) kind"),
+    (_running, "records an `alignaudit compare` run (status 'running') but summary.json is missing; "
+               "the run did not finish"),
+    (lambda d: (d / "summary.json").write_text("{}"), "holds results but no run.json, so nothing vouches for them"),
+    (lambda d: (_running(d) / "summary.json").write_text("{}"), "holds summary.json but not tokens.parquet"),
+    (lambda d: (_running(d, "rl") / "steps.parquet").write_bytes(b"PAR1 not parquet"), "steps.parquet is unreadable"),
+    (lambda d: pd.DataFrame({"factor": ["x"]}).to_parquet(_running(d, "ablate") / "ablate.parquet"),
+     "lacks the column(s) kind"),
 ])
 def test_bad_run_directories_are_one_line_input_errors(tmp_path, capsys, make, message):
     make(tmp_path)

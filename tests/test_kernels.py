@@ -853,6 +853,15 @@ def test_backward_matches_fp64_autograd(device):
         return torch.cat([attention.reference(q[a:b], k[a:b], v[a:b], 0.3) for a, b in ((0, 4), (4, 9))])
 
     check("varlen_attention", lambda q, k, v: K.varlen_attention(q, k, v, cu, 0.3), ref_attn, q, k, v)
+    # causal_attention (HF's strict attention in a trainer): its forward once had no backward, and autograd
+    # through the CPU kernel's primitives gave NaN gradients (an HF trainer's first update made every weight NaN)
+    qb, kb, vb = (t[:8].reshape(2, 4, *t.shape[1:]) for t in (q, k, v))
+    pos = torch.arange(4).expand(2, 4)
+
+    def ref_batch(q, k, v):
+        return torch.stack([attention.reference(q[i], k[i], v[i], 0.3, pos[i]) for i in range(2)])
+
+    check("causal_attention", lambda q, k, v: K.causal_attention(q, k, v, pos.to(device), 0.3), ref_batch, qb, kb, vb)
 
 
 def test_entry_points_compute_the_same_bits_with_and_without_autograd(monkeypatch, device, dtype):
@@ -871,6 +880,7 @@ def test_entry_points_compute_the_same_bits_with_and_without_autograd(monkeypatc
         "apply_rope": (lambda a: K.apply_rope(a, t, cos, sin), q), "silu_mul": (lambda a: K.silu_mul(a, x.flip(1)), x),
         "log_softmax": (lambda a: K.log_softmax(a), x), "token_logprobs": (lambda a: K.token_logprobs(a, t), x),
         "varlen_attention": (lambda a: K.varlen_attention(a, k, k, cu, 0.25), q),
+        "causal_attention": (lambda a: K.causal_attention(a, k, k, t, 0.25), q),
     }
     real_apply = torch.autograd.Function.apply.__func__
 

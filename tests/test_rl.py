@@ -117,7 +117,13 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
                      "--no-token-rows", "--out", str(out)]) == EXIT_OK
     s = pd.read_parquet(out / "steps.parquet")
     assert (s["mismatches"] == 0).all() and s["sync_bit_equal"].all() and s["weights_sha256"].nunique() == 2
+    assert (s["nan_tokens"] == 0).all() and (s["grad_norm"] > 0).all()  # HF's strict backward once gave NaN
     assert not (out / "tokens").exists()
+    # without per-token rows the counts are steps.parquet's alone: every rendering of the verdict says so
+    assert cli.main(["gate", str(out)]) == EXIT_OK
+    note = "no per-token rows (--no-token-rows)"
+    assert note in json.loads((out / "verdict.json").read_text())["notes"][0]
+    assert note in (out / "summary.md").read_text() and note in (out / "report.html").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -148,3 +154,83 @@ def test_an_engine_that_dies_mid_run_leaves_the_completed_steps(tmp_path):
     done = pd.read_parquet(out / "steps.parquet")
     assert len(done) >= 1 and done["step"].tolist() == list(range(1, len(done) + 1))
     assert json.loads((out / "run.json").read_text())["status"] == "running"
+
+
+def _resealed(run, edit):
+    """Apply ``edit`` to run.json and recompute its seal, as someone who knows the format could."""
+    from alignaudit.verify import RECORD_SHA256, record_digest
+
+    record = json.loads((run / "run.json").read_text())
+    edit(record)
+    (run / "run.json").write_text(json.dumps({**record, RECORD_SHA256: record_digest(record)}))
+
+
+def _step_file(run, step):
+    return run / "tokens" / f"step-{step:05d}.parquet"
+
+
+def _alter_rows(run):
+    table = pd.read_parquet(_step_file(run, 2))
+    table.loc[0, "lp_infer"] = table.loc[0, "lp_infer"] + 1.0
+    table.to_parquet(_step_file(run, 2), index=False)
+
+
+def _outputs_fixed(run):
+    """Recompute the listed sha256 of every output file too (a thorough forger)."""
+    from alignaudit.verify import file_sha256
+
+    def edit(record):
+        record["outputs"] = {name: file_sha256(run / name) for name in record["outputs"] if (run / name).is_file()}
+    _resealed(run, edit)
+
+
+def _edit_steps(run, **changes):
+    """Set columns of steps.parquet (step -> value) and fix every checksum after it."""
+    table = pd.read_parquet(run / "steps.parquet")
+    for column, (step, value) in changes.items():
+        table.loc[table["step"] == step, column] = value
+    table.to_parquet(run / "steps.parquet", index=False)
+    _outputs_fixed(run)
+
+
+@pytest.mark.parametrize("damage, code, message", [
+    (lambda r: _alter_rows(r), EXIT_USAGE, "is missing or is not the file this run wrote"),
+    (lambda r: _step_file(r, 2).write_bytes(_step_file(r, 1).read_bytes()), EXIT_USAGE,
+     "is missing or is not the file this run wrote"),
+    (lambda r: _step_file(r, 3).unlink(), EXIT_USAGE, "tokens/step-00003.parquet is missing"),
+    (lambda r: __import__("shutil").rmtree(r / "tokens"), EXIT_USAGE, "is missing or is not the file this run wrote"),
+    (lambda r: (_alter_rows(r), _outputs_fixed(r)), EXIT_USAGE,
+     "step 2: mismatches 0 in steps.parquet, 1 from the step's token rows"),
+    (lambda r: (_step_file(r, 2).write_bytes(_step_file(r, 1).read_bytes()), _outputs_fixed(r)), EXIT_USAGE,
+     "holds rows of another step"),
+    (lambda r: _resealed(r, lambda rec: rec["train"].update(strict="")), EXIT_USAGE, "train engine's strict '' in run.json"),
+    (lambda r: _resealed(r, lambda rec: rec["infer"].update(engine="hf")), EXIT_USAGE,
+     "rollout engine's engine 'hf' in run.json"),
+    (lambda r: (r / "run.json").write_text((r / "run.json").read_text().replace('"strict": "all"', '"strict": ""')),
+     EXIT_USAGE, "was changed after the run finished"),
+    (lambda r: _resealed(r, lambda rec: rec.update(initial_sync={**rec["initial_sync"], "bit_equal": False})),
+     EXIT_MISMATCH, "the initial weight sync (before step 1) was not bit-equal"),
+    (lambda r: _edit_steps(r, train_forward_equal=(2, False)), EXIT_MISMATCH,
+     "the training forward's logprobs differed from the rescoring's at 1 of 3 steps (first: step 2)"),
+    (lambda r: _edit_steps(r, sync_stale_packed=(3, 1)), EXIT_MISMATCH,
+     "packed GEMMs computed with stale weights after the sync at 1 of 3 steps (first: step 3)"),
+    (lambda r: _edit_steps(r, sync_replicas_diverged=(1, 2)), EXIT_MISMATCH,
+     "replicated parameters differed between tensor-parallel ranks at 1 of 3 steps (first: step 1)"),
+])
+def test_an_altered_rl_run_never_passes(runs, tmp_path, capsys, damage, code, message):
+    """Every per-token file, record field and per-step check the rl verdict rests on is judged: gate exits 2
+    naming what was altered, or 1 where the (resealed) record itself says a check failed; never 0."""
+    import shutil
+
+    run = tmp_path / "strict"
+    shutil.copytree(runs / "strict", run)
+    damage(run)
+    argv = ["gate", str(run), "--json", str(tmp_path / "v.json"), "--junit", str(tmp_path / "j.xml"),
+            "--markdown", str(tmp_path / "s.md")]
+    if code == EXIT_MISMATCH:
+        assert cli.main(argv) == EXIT_MISMATCH
+        assert message in json.loads((tmp_path / "v.json").read_text())["reasons"]
+        return
+    assert message in one_line_error(capsys, argv, EXIT_USAGE)
+    assert not (tmp_path / "v.json").exists()
+

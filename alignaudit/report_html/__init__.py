@@ -34,7 +34,7 @@ def _header(page: Page, run, summary_model: str | None) -> None:
              + f"; report by alignaudit {esc(__version__)} at {datetime.now():%Y-%m-%d %H:%M:%S}</p>")
     if not run.complete:
         page.banner(f"this run did not finish (run.json status {record.get('status')!r}): the report shows what it "
-                    "wrote", None)
+                    "wrote, which no checksum covers yet", None)
     links = [("gate", "gate verdict")] if run.verdict else []
     links += [(k, TITLES[k]) for k in run.kinds]
     page.add('<p class="sub">' + " · ".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in links) + "</p>")

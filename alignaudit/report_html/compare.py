@@ -33,12 +33,14 @@ def side_label(side: dict) -> str:
 
 
 def gate_section(page: Page, verdict: dict) -> None:
-    """The gate's verdict (verdict.json): pass, fail or error, its rule and reasons."""
+    """The gate's verdict (judged again from the checked run: gate.rejudge): pass, fail or error, its rule,
+    reasons and what it did not judge."""
     label = str(verdict.get("verdict", "?"))
     page.heading("Gate verdict", anchor="gate")
     page.banner(f"gate {label.upper()} ({verdict.get('rule', '')}): {verdict.get('mismatches')} of "
                 f"{verdict.get('tokens_compared')} tokens differ, max ULP {verdict.get('ulp_max')}", label == "pass")
     reasons = list(verdict.get("reasons") or []) + ([f"engine error: {verdict['error']}"] if verdict.get("error") else [])
+    reasons += [f"not judged: {n}" for n in verdict.get("notes") or []]
     if reasons:
         page.add("<ul>" + "".join(f"<li>{esc(r)}</li>" for r in reasons) + "</ul>")
 

@@ -6,7 +6,11 @@
 | bisect | ops-natural.parquet and/or ops-forced.parquet (ops.parquet: diff of two op captures) | bisect, diff |
 | rl | steps.parquet | rl |
 | ablate | ablate.parquet | ablate |
-| gate | verdict.json, beside a compare or rl run | gate |
+| gate | verdict.json, beside a compare, diff or rl run | gate |
+
+A finished run's record and every file it lists are verified (alignaudit.verify) before anything is read,
+and a gate verdict is judged again from the checked run under the rule verdict.json records: a page never
+shows a number the files' checksums do not cover.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ def detect(run_dir: Path | str) -> RunDir:
     ops = {mode: path / name for mode, name in OPS_FILES.items() if (path / name).is_file()}
     kinds = [kind for kind in ("compare", "bisect", "rl", "ablate")
              if (ops if kind == "bisect" else (path / MARKS[kind]).is_file())]
+    if record is None and kinds:
+        raise InputError(f"{path} holds results but no {RUN}, so nothing vouches for them (written by an older "
+                         "alignaudit?); run the command again")
+    if record is not None and record.get("status") == "complete":
+        _check(path, record)
     command = (record or {}).get("command")
     if command in ("compare", "bisect", "rl", "ablate") and command not in kinds:
         status = record.get("status")
@@ -76,8 +85,38 @@ def detect(run_dir: Path | str) -> RunDir:
         missing = [name for name in (TOKENS, SEQUENCES) if not (path / name).is_file()]
         if missing:
             raise InputError(f"{path} holds {SUMMARY} but not {missing[0]}: the comparison is incomplete; run it again")
-    verdict = read_json(path / VERDICT) if (path / VERDICT).is_file() else None
+    if record is not None and record.get("status") == "complete":  # the files this page reads: listed, checked
+        from alignaudit.verify import check_outputs
+
+        check_outputs(path, record, tuple(name for kind in kinds for name in _read_by(kind, ops)))
+    verdict = None
+    if (path / VERDICT).is_file():  # shown as judged again here from the checked run, never as stored
+        from alignaudit.gate import rejudge
+
+        verdict = rejudge(path, read_json(path / VERDICT))
     return RunDir(path, kinds, record, verdict, ops)
+
+
+def _check(path: Path, record: dict) -> None:
+    """A finished run as the gate checks it (alignaudit.verify): compare and diff runs against their
+    captures, rl runs against their token rows, every run's seal and listed files."""
+    from alignaudit import verify
+
+    command = record.get("command")
+    if command in ("compare", "diff"):
+        verify.load_run(path)
+    elif command == "rl":
+        verify.load_rl_run(path)
+    else:
+        verify.check_record(path / RUN, record)
+        verify.check_outputs(path, record)
+
+
+def _read_by(kind: str, ops: dict[str, Path]) -> tuple[str, ...]:
+    """The files the page's section of ``kind`` reads."""
+    if kind == "bisect":
+        return tuple(p.name for p in ops.values())
+    return {"compare": (SUMMARY, TOKENS, SEQUENCES), "rl": (STEPS,), "ablate": (ABLATE,)}[kind]
 
 
 def read_json(path: Path) -> dict:

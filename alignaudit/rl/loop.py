@@ -13,10 +13,10 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.rl.ses
                  then the sha256 of every tensor on both sides, and (vLLM on CPU) a probe of every packed
                  GEMM against one packed afresh from the loaded weight, and (a tensor-parallel trainer)
                  every replicated parameter equal on all ranks: bit-equal only if all agree.
-Records (in ``out``): run.json (every setting, written first; completed at the end with the sha256 of
-steps.parquet), steps.parquet (one row per step, rewritten after every step, so it is readable after a
-crash or Ctrl-C), tokens/step-NNNNN.parquet (every generated token of the step; ``token_rows=False`` skips
-them), steps.png (the per-step series), worker logs.
+Records (in ``out``): run.json (every setting, written first; sealed at the end with the sha256 of every
+file below, alignaudit.verify.seal), steps.parquet (one row per step, rewritten after every step, so it is
+readable after a crash or Ctrl-C), tokens/step-NNNNN.parquet (every generated token of the step;
+``token_rows=False`` skips them), steps.png (the per-step series), worker logs.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from alignaudit.errors import InputError
 from alignaudit.request import Request
 from alignaudit.rl.grpo import even_token_reward, group_advantages
 from alignaudit.rl.session import Session
+from alignaudit.verify import seal
 
 STEPS = "steps.parquet"
 PLOT = "steps.png"
@@ -106,7 +107,7 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
     from alignaudit.rl.records import plot_steps
 
     plot_steps(steps, out / PLOT, title=f"{request.spec.name}: {request.train.label()} vs {request.infer.label()}")
-    record.update(status="complete", steps_sha256=hashlib.sha256((out / STEPS).read_bytes()).hexdigest())
+    record = seal(record, out, (STEPS, TOKENS_DIR, PLOT))
     (out / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     return steps
 

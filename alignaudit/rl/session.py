@@ -131,7 +131,7 @@ class Worker:
                 self.engine.start(args["max_len"], args["total_tokens"])
             return {}
         if command == "settings":
-            record = self.engine.settings_record()
+            record = {"engine": self.engine.name, **self.engine.settings_record()}
             if self.trainer is not None:
                 record["optimizer"] = self.trainer.optimizer_name
             return {"settings": record}
