@@ -4,6 +4,9 @@ Layout, inside a capture directory:
     ops/chunk-00000.safetensors ...   canonical tensors, key "{op}|{seq}|{pos_start}", rows = tokens
     ops/index.parquet                 op, layer, name, seq, pos_start, pos_end, dtype, shape, file, key
     ops/fingerprints.parquet          op, seq, tokens, sha256 of the sequence's bytes in position order
+The capture's manifest records (OpRecorder.finish) the sha256 of the index and of the fingerprints and the
+ops recorded, in order; OpStore checks both files and that the index holds exactly those ops, so an op
+removed from (or added to) the index is an error, never a first divergence that silently moved.
 
 Tensors go to host memory as the hook fires and to disk every ``flush_bytes`` (256 MiB by default), so a
 capture never holds more than that much beyond what the engine itself holds. Two captures whose
@@ -78,32 +81,58 @@ class OpRecorder:
         self.pending, self.pending_rows, self.pending_bytes = {}, [], 0
 
     def finish(self) -> dict:
-        """Write the index and fingerprints; return a summary for the manifest."""
+        """Write the index and fingerprints; return a summary for the manifest (what OpStore checks)."""
         self.flush()
         pd.DataFrame(self.rows, columns=["op", "layer", "name", "seq", "pos_start", "pos_end", "dtype", "shape",
                                          "key", "file"]).to_parquet(self.directory / INDEX, index=False)
         prints = [{"op": op, "seq": seq, "tokens": state[1], "sha256": state[0].hexdigest()}
                   for (op, seq), state in self.hashes.items()]
         pd.DataFrame(prints, columns=["op", "seq", "tokens", "sha256"]).to_parquet(self.directory / FINGERPRINTS, index=False)
-        return {"ops": len({r["op"] for r in self.rows}), "bytes": self.total_bytes, "files": self.chunks}
+        op_ids = list(dict.fromkeys(r["op"] for r in self.rows))
+        return {"ops": len(op_ids), "bytes": self.total_bytes, "files": self.chunks, "op_ids": op_ids,
+                "index_sha256": _sha256(self.directory / INDEX),
+                "fingerprints_sha256": _sha256(self.directory / FINGERPRINTS)}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 class OpStore:
     """Read side: per-op, per-sequence canonical tensors of one capture.
 
+    ``recorded``: the manifest's ``ops`` record (OpRecorder.finish), against which the index and the
+    fingerprints are checked.
+
     Raises:
-        InputError: the capture has no ops (made without op capture) or a chunk file is unreadable.
+        InputError: the capture has no ops (made without op capture); its index or fingerprints are not the
+            files the capture wrote, or the index lacks an op it recorded (named) or holds one it did not; a
+            chunk file is unreadable.
     """
 
-    def __init__(self, capture_dir: Path, cache_ops: int = 32):
+    def __init__(self, capture_dir: Path, recorded: dict | None, cache_ops: int = 32):
         self.directory = Path(capture_dir) / OPS_DIR
         if not (self.directory / INDEX).is_file():
             raise InputError(f"{capture_dir} has no per-op tensors; make it with `alignaudit capture` (ops are on by default)")
+        recorded = recorded or {}
+        for name, key in ((INDEX, "index_sha256"), (FINGERPRINTS, "fingerprints_sha256")):
+            if not recorded.get(key):
+                raise InputError(f"{capture_dir}'s manifest records no sha256 of {OPS_DIR}/{name} (made by an older "
+                                 "alignaudit?); capture again")
+            if not (self.directory / name).is_file() or _sha256(self.directory / name) != recorded[key]:
+                raise InputError(f"{self.directory / name} is missing or is not the file the capture wrote (its sha256 "
+                                 "differs from the manifest's); capture again")
         try:
             self.index = pd.read_parquet(self.directory / INDEX)
             self.fingerprints = pd.read_parquet(self.directory / FINGERPRINTS).set_index(["op", "seq"])["sha256"].to_dict()
         except Exception as e:  # pyarrow raises several types for missing/truncated files
             raise InputError(f"{self.directory} has a missing or corrupt index ({type(e).__name__}); capture again") from e
+        held, expected = self.op_ids(), list(recorded.get("op_ids") or [])
+        if held != expected:
+            gone = [op for op in expected if op not in held]
+            raise InputError(f"{self.directory / INDEX}: " + (f"op {gone[0]} is missing" if gone else
+                             "holds ops the capture did not record") + " (the manifest lists what was captured); "
+                             "capture again")
         self._handles: dict[str, object] = {}
         self._cache: OrderedDict[str, dict[int, torch.Tensor]] = OrderedDict()
         self._cache_ops = cache_ops

@@ -187,7 +187,7 @@ def diff_ops(train: Capture, infer: Capture, selection: Selection | None = None)
     """Compare the ops of ``selection`` (default: every op either capture holds) in topological order,
     logprobs last. Ops the infer capture ran without forced inputs (forced mode, ``unforced_ops``) are
     marked ``note: inputs not forced`` and ``forced: False``."""
-    store_a, store_b = OpStore(train.path), OpStore(infer.path)
+    store_a, store_b = OpStore(train.path, train.manifest.get("ops")), OpStore(infer.path, infer.manifest.get("ops"))
     ops = infer.manifest.get("ops") or {}
     unforced = set(ops.get("unforced_ops") or ())
     if ops.get("mode") == "forced" and not store_a.has("logits"):

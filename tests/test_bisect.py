@@ -123,3 +123,31 @@ def test_bisect_help_explains_both_modes():
     result = CliRunner().invoke(app, ["bisect", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     assert "natural" in result.output and "forced" in result.output and "first op whose outputs differ" in result.output
+
+
+def test_an_op_removed_from_a_capture_is_reported_missing_by_diff(captures, tmp_path, capsys):
+    """One op's rows cut out of a capture's ops index, its manifest checksum recomputed: diff refuses and
+    names the op (exit 2, nothing written), instead of moving the first divergence to the next op."""
+    import hashlib
+    import shutil
+
+    import pandas as pd
+
+    from alignaudit import cli
+    from alignaudit.errors import EXIT_USAGE
+
+    from test_cli import one_line_error
+
+    train = captures.get("megatron", "bf16", ops=True)
+    damaged = tmp_path / "hf"
+    shutil.copytree(captures.get("hf", "bf16", ops=True).path, damaged)
+    index = damaged / "ops" / "index.parquet"
+    table = pd.read_parquet(index)
+    table[table["op"] != "layers.0.input_norm"].to_parquet(index, index=False)
+    argv = ["diff", str(train.path), str(damaged), "--out", str(tmp_path / "d")]
+    assert "index.parquet is missing or is not the file the capture wrote" in one_line_error(capsys, argv, EXIT_USAGE)
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    manifest["ops"]["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    assert "op layers.0.input_norm is missing" in one_line_error(capsys, argv, EXIT_USAGE)
+    assert not (tmp_path / "d").exists()

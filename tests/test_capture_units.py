@@ -119,11 +119,34 @@ def test_op_store_streams_chunks_and_reads_back(tmp_path):
     with pytest.raises(RuntimeError, match="expected 2"):
         rec.record("layers.0.attn", 1, 5, a[:1])
     summary = rec.finish()
-    assert summary["files"] == 3 and summary["ops"] == 1
-    store = OpStore(tmp_path)
+    assert summary["files"] == 3 and summary["ops"] == 1 and summary["op_ids"] == ["layers.0.attn"]
+    store = OpStore(tmp_path, summary)
     got = store.sequences("layers.0.attn")
     assert torch.equal(got[0].view(torch.int16), a.view(torch.int16)) and got[1].shape == (2, 8)
     assert store.fingerprint("layers.0.attn", 0) != store.fingerprint("layers.0.attn", 1)
     assert torch.equal(store.rows("layers.0.attn", 0, 1, 2), a[1:3])
     with pytest.raises(InputError, match="no per-op tensors"):
-        OpStore(tmp_path / "nothing")
+        OpStore(tmp_path / "nothing", summary)
+    with pytest.raises(InputError, match="records no sha256 of ops/index.parquet"):
+        OpStore(tmp_path, {})
+
+
+def test_an_op_removed_from_the_index_is_missing_not_skipped(tmp_path):
+    """The index lost one op's rows: with its checksum recomputed too, the op list the manifest recorded
+    still names it, so the store refuses instead of letting the first divergence move to the next op."""
+    import hashlib
+
+    import pandas as pd
+
+    rec = OpRecorder(tmp_path)
+    for op in ("layers.0.input_norm", "layers.0.q_proj"):
+        rec.record(op, 0, 0, torch.randn(3, 8))
+    summary = rec.finish()
+    index = tmp_path / "ops" / "index.parquet"
+    table = pd.read_parquet(index)
+    table[table["op"] != "layers.0.input_norm"].to_parquet(index, index=False)
+    with pytest.raises(InputError, match="index.parquet is missing or is not the file the capture wrote"):
+        OpStore(tmp_path, summary)
+    summary["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
+    with pytest.raises(InputError, match="op layers.0.input_norm is missing"):
+        OpStore(tmp_path, summary)

@@ -149,7 +149,11 @@ def _attach_tap(engine, spec, ops_request: dict | None, out: Path, rank: int = 0
     from alignaudit.opstore import OpRecorder, OpStore
     from alignaudit.taps import Tap
 
-    reference = OpStore(Path(ops_request["reference"])) if ops_request.get("reference") else None
+    reference = None
+    if ops_request.get("reference"):
+        from alignaudit.capture import read_capture
+
+        reference = OpStore(Path(ops_request["reference"]), read_capture(Path(ops_request["reference"])).manifest.get("ops"))
     recorder = OpRecorder(out) if rank == 0 else None
     tap = Tap(spec, Selection.from_dict(ops_request.get("selection")), recorder, reference, record_all=rank != 0)
     engine.attach(tap)
