@@ -38,7 +38,8 @@ MODES = ("natural", "forced", "both")
 GATE_OUTPUTS = ("verdict.json", "junit.xml", "summary.md")
 DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, "ops.parquet")  # and RUN, written last
 COMPARE_OUTPUTS = (RUN, "train", "infer", TOKENS, SEQUENCES, SUMMARY)
-BISECT_OUTPUTS = (RUN, "train", "infer", "infer-forced", "ops-natural.parquet", "ops-forced.parquet", BISECT)
+BISECT_OUTPUTS = (RUN, "train", "infer", "infer-forced", "train-as-configured", "infer-as-configured",
+                  "ops-natural.parquet", "ops-forced.parquet", BISECT)
 ROUTING = Selection(names=frozenset({"routing"}))  # what compare captures of a mixture-of-experts model
 CAPTURE_OUTPUTS = ("manifest.json", "manifest.json.tmp", "logprobs.parquet", "ops", "request.json", "worker.log")
 
@@ -222,6 +223,9 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
         train engine's values, so each op's difference is its own (local); this lists every op that
         computes differently. both: the two, sharing the train capture.
     Writes train/, infer/ and/or infer-forced/, ops-natural.parquet / ops-forced.parquet, bisect.json.
+    Where op capture made an engine run otherwise than asked (vLLM: eager, prefix caching off; the capture's
+    ``capture_overrides``), that engine runs again as configured (ROLE-as-configured/) and bisect.json's
+    ``as_configured`` says in how many tokens its logprobs differ from the captured run's.
     """
     from alignaudit.errors import InputError
 
@@ -261,6 +265,19 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
             "substituted_ops": other.manifest["ops"].get("substituted_ops"),
             "records": records,
         }
+    for role, run, made in (("train", train, reference), ("infer", infer, captures.get("infer"))):
+        overrides = (made or captures.get("infer-forced")).manifest.get("engine_settings", {}).get("capture_overrides")
+        if not overrides:
+            continue
+        entry = result.setdefault("as_configured", {})[role] = {"engine": run.engine, "overrides": overrides,
+                                                               "tokens": None, "mismatches": None}
+        if made is None:  # forced mode only: its logprobs follow the forced inputs, nothing to compare them with
+            continue
+        stage(f"running {run.label()} ({role}) as configured, without op capture")
+        plain = capture(spec, batch, run, out / f"{role}-as-configured", role=role, stream_log=stream_log)
+        captures[f"{role}-as-configured"] = plain
+        tokens = compare_tokens(align_tokens(made.logprobs, plain.logprobs))
+        entry.update(tokens=len(tokens), mismatches=int((~tokens["bitwise_equal"]).sum()))
     write_json(out / BISECT, result)
     finish_run(out, record, captures, ("ops-natural.parquet", "ops-forced.parquet", BISECT))
     return result

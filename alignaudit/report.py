@@ -163,14 +163,19 @@ def render_ops(console: Console, records: list[dict], mode: str, first: dict | N
         console.print(f"note (every op): {escape(common)}", highlight=False)
 
 
-def render_op_verdict(console: Console, mode: str, records: list[dict]) -> None:
-    """One line: the first diverging op with its worst element (natural), or every op that differs (forced)."""
+def render_op_verdict(console: Console, mode: str, records: list[dict], captured_only: bool = False) -> None:
+    """One line: the first diverging op with its worst element (natural), or every op that differs (forced).
+    ``captured_only``: op capture changed an engine's logprobs, so "all equal" holds for the captured runs only."""
     from alignaudit.opdiff import DIFFERS, first_divergence
 
     if mode == "natural":
         first = first_divergence(records)
         if first is None:
-            console.print("[bold green]every op is bitwise equal[/]")
+            if captured_only:
+                console.print("[bold yellow]every op is bitwise equal in the captured runs[/], which differ from the "
+                              "engines as configured (below)")
+            else:
+                console.print("[bold green]every op is bitwise equal[/]")
             return
         w = first["worst"]
         head = f"[bold]first diverging op: [red]{escape(first['op'])}[/red][/bold] "
@@ -209,10 +214,20 @@ def render_routing(console: Console, layers: list[dict], title: str = "tokens re
 
 
 def render_bisect(console: Console, result: dict) -> None:
-    """Both modes' tables and verdict lines of a bisect."""
+    """Both modes' tables and verdict lines of a bisect, and, where op capture ran an engine otherwise than
+    configured and that changed its logprobs, a line saying so (the op verdict then describes the captured
+    runs only, never the configuration as asked)."""
+    changed = {role: c for role, c in (result.get("as_configured") or {}).items() if c["mismatches"] != 0}
     for mode in ("natural", "forced"):
         if mode in result:
             part = result[mode]
             render_ops(console, part["records"], mode, part["first_divergence"])
-            render_op_verdict(console, mode, part["records"])
+            render_op_verdict(console, mode, part["records"], captured_only=bool(changed))
             render_routing(console, part.get("routing") or [], f"tokens rerouted (MoE, {mode} mode)")
+    for role, c in changed.items():
+        settings = ", ".join(f"{k}={v}" for k, v in c["overrides"].items())
+        how = ("(forced mode: not compared)" if c["mismatches"] is None else
+               f"its logprobs differ from the engine as configured in {c['mismatches']} of {c['tokens']} tokens")
+        console.print(f"[bold yellow]op capture changed how {escape(c['engine'])} ({role}) runs[/] ({escape(settings)}): "
+                      f"{how}; the ops above describe the captured run, not the configuration asked for (compare it "
+                      "with `alignaudit compare`)", highlight=False)

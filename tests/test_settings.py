@@ -170,6 +170,27 @@ def test_bisect_forced_marks_ops_whose_inputs_were_not_forced(tmp_path, capsys):
     ops = pd.read_parquet(out / "ops-forced.parquet").set_index("op")
     assert ops.loc["final_norm", "forced"] == False and "inputs not forced" in ops.loc["final_norm", "note"]  # noqa: E712
     assert ops.loc["layers.0.q_proj", "forced"] != False  # noqa: E712
+    configured = json.loads((out / "bisect.json").read_text())["as_configured"]
+    assert configured == {"infer": {"engine": "vllm", "overrides": {"enable_prefix_caching": False, "enforce_eager": True},
+                                    "tokens": None, "mismatches": None}}
+    assert "op capture changed how vllm (infer) runs" in text and "(forced mode: not compared)" in text
+
+
+def test_bisect_never_says_all_equal_when_op_capture_changed_the_engine(tmp_path, capsys):
+    """vLLM compiled (train) vs vLLM eager (infer): compare finds every token different, but op capture runs
+    vLLM eager on both sides, where every op agrees. Bisect runs the train side again as configured, finds
+    that its logprobs moved, and its verdict says the ops describe the captured runs only."""
+    out = tmp_path / "b"
+    assert cli.main(["bisect", "--train", "vllm", "--infer", "vllm", "--infer-opt", "enforce_eager=true",
+                     "--mode", "natural", "--out", str(out)]) == EXIT_OK
+    text = " ".join(capsys.readouterr().out.split())  # rich wraps lines at the terminal width
+    result = json.loads((out / "bisect.json").read_text())
+    assert result["natural"]["first_divergence"] is None  # both captured eager: every op equal
+    train = result["as_configured"]["train"]
+    assert train["overrides"]["enforce_eager"] is True and train["tokens"] == 176 and train["mismatches"] > 100
+    assert "infer" in result["as_configured"] and result["as_configured"]["infer"]["mismatches"] == 0
+    assert text.count("every op is bitwise equal") == text.count("every op is bitwise equal in the captured runs") == 1
+    assert f"in {train['mismatches']} of 176 tokens" in text
 
 
 def test_help_defaults_and_hardware_record(tmp_path):

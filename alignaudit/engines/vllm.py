@@ -82,6 +82,7 @@ class VllmEngine(Engine):
         self.llm = None
         self.llm_kwargs: dict = {}
         self.attention_impls: dict[str, str | None] = {}  # impl class -> strict exp, read back from the model
+        self.capture_overrides: dict = {}  # settings op capture changed against the ones asked for
         self.startup_s = None  # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
 
     def start(self, max_len: int, total_tokens: int) -> None:
@@ -140,11 +141,15 @@ class VllmEngine(Engine):
             # would trace them away), except the strict MoE layer's router and routing: alignaudit::moe_route is
             # an opaque op that runs eagerly inside a compiled model and reports them, so capturing only those
             # keeps the engine as it is (compiled by default). vLLM's own compiled MoE exposes no routing.
+            # What this changes against the configuration asked for is recorded (capture_overrides): bisect
+            # then runs the engine as configured too and says where the two differ.
             kwargs["enable_prefix_caching"] = False
             if not (_read_only(self.tap) and "linear" in self.settings.strict_ops):
                 if self.engine_options.get("enforce_eager") is False:
                     raise InputError("op capture needs vLLM's eager mode; drop enforce_eager=false")
                 kwargs["enforce_eager"] = True
+            self.capture_overrides = {k: kwargs[k] for k in ("enable_prefix_caching", "enforce_eager")
+                                      if k in kwargs and k not in self.engine_options}
         kwargs.update(self.engine_options)
         if self.settings.lm_head_dtype == "fp32":  # vLLM's own switch (ModelConfig.head_dtype)
             kwargs["hf_overrides"] = {**(kwargs.get("hf_overrides") or {}), "head_dtype": "float32"}
@@ -245,7 +250,8 @@ class VllmEngine(Engine):
     def settings_record(self) -> dict:
         exps = sorted({exp for exp in self.attention_impls.values() if exp})
         record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict,
-                  "attention_exp": ",".join(exps) or None, "attention_impl": sorted(self.attention_impls)}
+                  "attention_exp": ",".join(exps) or None, "attention_impl": sorted(self.attention_impls),
+                  "capture_overrides": dict(self.capture_overrides)}
         if self.llm is not None:
             config = self.llm.llm_engine.vllm_config
             record["resolved"] = {

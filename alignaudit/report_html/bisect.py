@@ -142,6 +142,16 @@ def heatmap(records: list[dict], first: dict | None):
     return fig
 
 
+def _capture_changed(run: RunDir) -> dict:
+    """bisect.json's ``as_configured`` entries where op capture changed an engine's logprobs (or could not
+    tell: forced mode); bisect.json is among the files the run's seal covers."""
+    from alignaudit.report_html.runs import BISECT, read_json
+
+    path = run.path / BISECT
+    result = read_json(path) if path.is_file() else {}
+    return {role: c for role, c in (result.get("as_configured") or {}).items() if c.get("mismatches") != 0}
+
+
 def bisect_section(page: Page, run: RunDir) -> None:
     """Add one heatmap, verdict line and op table per mode present in ``run``.
 
@@ -151,6 +161,13 @@ def bisect_section(page: Page, run: RunDir) -> None:
     from alignaudit.opdiff import DIFFERS, first_divergence
 
     page.heading("Ops (bisect)", anchor="bisect")
+    changed = _capture_changed(run)
+    for role, c in changed.items():
+        how = ("not compared (forced mode)" if c["mismatches"] is None else
+               f"its logprobs differ from the engine as configured in {c['mismatches']} of {c['tokens']} tokens")
+        page.banner(f"op capture changed how {c['engine']} ({role}) runs "
+                    f"({', '.join(f'{k}={v}' for k, v in c['overrides'].items())}): {how}; the ops below describe the "
+                    "captured run, not the configuration asked for", False)
     for mode, path in run.ops.items():
         records = read_records(path)
         judged = [r for r in records if r["forced"]]
@@ -161,7 +178,8 @@ def bisect_section(page: Page, run: RunDir) -> None:
             page.banner(f"ops that compute differently on identical inputs: {len(differing)} of {len(judged)}"
                         + (f": {', '.join(differing)}" if differing else ""), not differing)
         elif first is None:
-            page.banner(f"every op is bitwise equal ({len(judged)} ops)", True)
+            page.banner(f"every op is bitwise equal ({len(judged)} ops)" + (" in the captured runs" if changed else ""),
+                        not changed)
         else:
             page.banner(f"first diverging op: {first['op']} ({equal_text(first)} of {first['elements']} elements bitwise "
                         f"equal){worst_text(first.get('worst'))}", False)

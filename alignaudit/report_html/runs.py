@@ -26,7 +26,7 @@ from alignaudit.errors import InputError
 RUN = "run.json"
 SUMMARY, TOKENS, SEQUENCES = "summary.json", "tokens.parquet", "sequences.parquet"
 OPS_FILES = {"natural": "ops-natural.parquet", "forced": "ops-forced.parquet", "diff": "ops.parquet"}
-STEPS, ABLATE, VERDICT = "steps.parquet", "ablate.parquet", "verdict.json"
+STEPS, ABLATE, VERDICT, BISECT = "steps.parquet", "ablate.parquet", "verdict.json", "bisect.json"
 MARKS = {"compare": SUMMARY, "rl": STEPS, "ablate": ABLATE}  # bisect: any of OPS_FILES
 KNOWN = f"{SUMMARY}, {', '.join(OPS_FILES.values())}, {STEPS} or {ABLATE}"
 
@@ -114,8 +114,9 @@ def _check(path: Path, record: dict) -> None:
 
 def _read_by(kind: str, ops: dict[str, Path]) -> tuple[str, ...]:
     """The files the page's section of ``kind`` reads."""
-    if kind == "bisect":
-        return tuple(p.name for p in ops.values())
+    if kind == "bisect":  # and bisect.json where the run wrote one (the ops table of a diff has none)
+        return tuple(p.name for p in ops.values()) + tuple(
+            BISECT for p in list(ops.values())[:1] if (p.parent / BISECT).is_file())
     return {"compare": (SUMMARY, TOKENS, SEQUENCES), "rl": (STEPS,), "ablate": (ABLATE,)}[kind]
 
 
