@@ -172,12 +172,41 @@ def load_run(run_dir: Path) -> Run:
         train, infer = load_pair(Path(captures["train"]["path"]), Path(captures["infer"]["path"]))
         for role, capture in (("train", train), ("infer", infer)):
             _check_manifest(run_dir / RUN, f"the {role} capture {capture.path}", captures[role], capture, "compared")
+        _check_results(run_dir, train, infer)
         return Run(run_dir, record, train, infer)
     train, infer = load_pair(run_dir / "train", run_dir / "infer")
     for role, capture in (("train", train), ("infer", infer)):
         _check_capture(run_dir, record, role, capture)
     _check_request(run_dir, record, infer)
+    _check_results(run_dir, train, infer)
     return Run(run_dir, record, train, infer)
+
+
+def _check_results(run_dir: Path, train: Capture, infer: Capture) -> None:
+    """The result files agree with the captures they were computed from: tokens.parquet's rows and both
+    logprob columns bit for bit, and summary.json's counts, ULP and |d| (what a page shows), recomputed."""
+    import json as json_
+
+    import numpy as np
+    import pandas as pd
+
+    from alignaudit.diff import align_tokens, compare_tokens, summarize_tokens
+
+    fresh = compare_tokens(align_tokens(train.logprobs, infer.logprobs))
+    stored = pd.read_parquet(run_dir / "tokens.parquet")
+    same = len(stored) == len(fresh) and all(
+        np.array_equal(stored[c].to_numpy(), fresh[c].to_numpy()) for c in ("seq", "pos", "token_id", "bitwise_equal"))
+    same = same and all(np.array_equal(stored[c].to_numpy(np.float32).view(np.int32),
+                                       fresh[c].to_numpy(np.float32).view(np.int32)) for c in ("lp_train", "lp_infer"))
+    if not same:
+        raise InputError(f"{run_dir / 'tokens.parquet'} does not hold the comparison of the run's captures; run it "
+                         "again")
+    summary = json_.loads((run_dir / "summary.json").read_text())
+    expected = summarize_tokens(fresh, 0.2)
+    for key in ("tokens_compared", "mismatches", "ulp_max", "max_abs_diff"):
+        if summary.get(key) != expected[key]:
+            raise InputError(f"{run_dir / 'summary.json'} says {key} {summary.get(key)!r}, its captures give "
+                             f"{expected[key]!r}; run it again")
 
 
 STEP_COLUMNS = ("step", "tokens", "mismatches", "nan_tokens", "ulp_max", "max_abs_diff", "sync_bit_equal",

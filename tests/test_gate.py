@@ -422,6 +422,26 @@ def _damage(run, side, kind, row, value):
         shutil.move(run / "infer", run / "train")
         shutil.move(run / "tmp", run / "infer")
         return
+    elif kind == "edit_record":  # a field of run.json a verdict or page shows
+        record = json.loads((run / "run.json").read_text())
+        edits = [lambda r: r["model"].update(name="Qwen3-32B"), lambda r: r.update(mode="rollout"),
+                 lambda r: r.update(rollout={"max_new_tokens": 8, "temperature": 0.5}),
+                 lambda r: r[side].update(strict=""), lambda r: r[side].update(engine="vllm"),
+                 lambda r: r[side].update(dtype="fp32"), lambda r: r[side].update(options={"micro_batch_size": 3}),
+                 lambda r: r["model"].update(path="/elsewhere")]
+        edits[row % len(edits)](record)
+        (run / "run.json").write_text(json.dumps(record))
+        return
+    elif kind == "edit_output":  # a file of the run's results the page reads
+        name = ["summary.json", "tokens.parquet", "sequences.parquet"][row % 3]
+        if name == "summary.json":
+            summary = json.loads((run / name).read_text())
+            (run / name).write_text(json.dumps({**summary, "mismatches": 1 + value}))
+        else:
+            frame = pd.read_parquet(run / name)
+            frame.iloc[:0].to_parquet(run / name, index=False) if value % 2 else frame.iloc[::-1].to_parquet(
+                run / name, index=False)
+        return
     elif kind == "edit_manifest":
         manifest = json.loads((d / MANIFEST).read_text())
         key = ["engine", "role", "dtype", "strict", "options"][row % 5]
@@ -437,25 +457,28 @@ def _damage(run, side, kind, row, value):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(side=st.sampled_from(["train", "infer"]),
-       kind=st.sampled_from(["drop", "duplicate", "reorder", "alter", "swap", "edit_manifest"]),
+       kind=st.sampled_from(["drop", "duplicate", "reorder", "alter", "swap", "edit_manifest", "edit_record",
+                             "edit_output"]),
        row=st.integers(0, 10_000), value=st.sampled_from([0, 7, 22, 23, 30, 31]),
        repair_capture=st.booleans(), repair_run=st.booleans())
 def test_damaged_run_directories_never_pass(runs, tmp_path_factory, capsys, side, kind, row, value, repair_capture,
                                             repair_run):
-    """Whatever is done to a passing run directory, and however its checksums are patched up afterwards
-    (short of rewriting run.json's record of the settings), gate does not exit 0."""
+    """Whatever is done to a passing run directory (its captures, run.json's fields, its result files), and
+    however its checksums are patched up afterwards (the captures' and run.json's own seal, short of
+    recomputing the sha256 of the result files), gate and report do not exit 0."""
     run = tmp_path_factory.mktemp("damaged") / "run"
     shutil.copytree(runs / "strict", run)
     _damage(run, side, kind, row, value)
-    if repair_capture and kind not in ("swap", "edit_manifest"):
+    if repair_capture and kind not in ("swap", "edit_manifest", "edit_record", "edit_output"):
         _repair_capture(run / side)
     if repair_run:
         _repair_run(run)
     out = run.parent
     code = cli.main(["gate", str(run), "--json", str(out / "v.json"), "--junit", str(out / "j.xml"),
                      "--markdown", str(out / "s.md")])
+    page = cli.main(["report", str(run), "--html", str(out / "r.html")])
     capsys.readouterr()
-    assert code != EXIT_OK, (side, kind, row, value, repair_capture, repair_run)
+    assert code != EXIT_OK and page != EXIT_OK, (side, kind, row, value, repair_capture, repair_run)
 
 
 def test_nan_logprobs_are_counted_and_fail_the_gate_as_an_engine_error(tmp_path, capsys):
