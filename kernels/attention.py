@@ -540,18 +540,23 @@ class _CausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         q, k, v, positions = ctx.saved_tensors
-        one = q.dim() == 3
-        qs, ks, vs, ps, gs = (t[None] if one else t for t in (q, k, v, positions.reshape(q.shape[:-2]), g))
-        grads = [torch.zeros_like(t, dtype=torch.float32) for t in (qs, ks, vs)]
-        for i in range(qs.shape[0]):
-            with torch.enable_grad():
-                qi, ki, vi = (t[i].detach().float().requires_grad_() for t in (qs, ks, vs))
-                out = reference(qi, ki, vi, ctx.scale, ps[i].to(q.device))
-                gq, gk, gv = torch.autograd.grad(out, (qi, ki, vi), gs[i].float())
-            grads[0][i], grads[1][i], grads[2][i] = gq, gk, gv
-        if one:
-            grads = [x[0] for x in grads]
-        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None, None
+        positions = positions.to(q.device)
+        parts = ([(slice(None), positions.reshape(-1))] if q.dim() == 3 else
+                 [(i, positions.reshape(q.shape[:2])[i]) for i in range(q.shape[0])])
+        return (*_reference_gradients(q, k, v, g, ctx.scale, parts), None, None, None)
+
+
+def _reference_gradients(q, k, v, g, scale, parts):
+    """Gradients of q, k, v (in their dtypes) through ``reference`` in fp32, one sequence at a time: ``parts``
+    lists (index of the sequence's rows in q, k, v and g, its query positions or None for 0..len-1)."""
+    grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+    for rows, positions in parts:
+        with torch.enable_grad():
+            qs, ks, vs = (t[rows].detach().float().requires_grad_() for t in (q, k, v))
+            out = reference(qs, ks, vs, scale, positions)
+            gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), g[rows].float())
+        grads[0][rows], grads[1][rows], grads[2][rows] = gq, gk, gv
+    return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
 
 
 def _causal_forward(q, k, v, q_positions, scale, exp):
@@ -605,15 +610,9 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         q, k, v, cu_seqlens = ctx.saved_tensors
-        grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
         bounds = cu_seqlens.tolist()
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            with torch.enable_grad():
-                qs, ks, vs = (t[a:b].detach().float().requires_grad_() for t in (q, k, v))
-                out = reference(qs, ks, vs, ctx.scale)
-                gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), g[a:b].float())
-            grads[0][a:b], grads[1][a:b], grads[2][a:b] = gq, gk, gv
-        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), None, None, None
+        parts = [(slice(a, b), None) for a, b in zip(bounds[:-1], bounds[1:])]
+        return (*_reference_gradients(q, k, v, g, ctx.scale, parts), None, None, None)
 
 
 def varlen_attention(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP):
