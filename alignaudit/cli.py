@@ -537,7 +537,8 @@ def _claim_verdict_files(run_dir: Path, targets: tuple[Path, ...]) -> None:
     so a read-only run can be judged)."""
     from alignaudit.verify import read_run_record
 
-    read_run_record(run_dir, commands=("compare", "rl", "diff"))  # a missing or unfinished run: said so, not "unwritable"
+    # a missing or unfinished run: said so, not "unwritable"
+    read_run_record(run_dir, commands=("compare", "rl", "diff"))
     inside = tuple(Path(t).name for t in targets if Path(t).resolve().parent == run_dir.resolve())
     if inside:
         try:

@@ -272,7 +272,8 @@ def judge_steps(run, rule: Rule, name: str = "") -> Verdict:
     passed = not reasons and not error
     cases = []
     for row in steps.to_dict("records"):
-        problems = [f"{row['mismatches']} of {row['tokens']} tokens differ, max ULP {row['ulp_max']}"] if row["mismatches"] else []
+        problems = ([f"{row['mismatches']} of {row['tokens']} tokens differ, max ULP {row['ulp_max']}"]
+                    if row["mismatches"] else [])
         if not row["sync_bit_equal"] or any(row[c] for c, _ in STEP_CHECKS):
             problems.append(f"weight sync not bit-equal ({row['sync_tensors_differing']} tensors differ, "
                             f"{row['sync_stale_packed']} packed GEMMs stale, {row['sync_replicas_diverged']} "

@@ -228,6 +228,6 @@ def render_bisect(console: Console, result: dict) -> None:
         settings = ", ".join(f"{k}={v}" for k, v in c["overrides"].items())
         how = ("(forced mode: not compared)" if c["mismatches"] is None else
                f"its logprobs differ from the engine as configured in {c['mismatches']} of {c['tokens']} tokens")
-        console.print(f"[bold yellow]op capture changed how {escape(c['engine'])} ({role}) runs[/] ({escape(settings)}): "
-                      f"{how}; the ops above describe the captured run, not the configuration asked for (compare it "
-                      "with `alignaudit compare`)", highlight=False)
+        console.print(f"[bold yellow]op capture changed how {escape(c['engine'])} ({role}) runs[/] "
+                      f"({escape(settings)}): {how}; the ops above describe the captured run, not the configuration "
+                      "asked for (compare it with `alignaudit compare`)", highlight=False)

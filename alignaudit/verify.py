@@ -251,8 +251,9 @@ def load_rl_run(run_dir: Path) -> RLRun:
         reported = (record.get("engines") or {}).get(side) or {}
         for key in ("engine", "strict"):
             if reported.get(key) != (record.get(side) or {}).get(key):
-                raise InputError(f"{run_dir / RUN}: the {role} engine's {key} {(record.get(side) or {}).get(key)!r} in "
-                                 f"{RUN} differs from the {reported.get(key)!r} it reported; the run directory was altered")
+                asked = (record.get(side) or {}).get(key)
+                raise InputError(f"{run_dir / RUN}: the {role} engine's {key} {asked!r} in {RUN} differs from the "
+                                 f"{reported.get(key)!r} it reported; the run directory was altered")
     token_rows = bool((record.get("rl") or {}).get("token_rows"))
     for row in steps.to_dict("records") if token_rows else ():
         name = f"tokens/step-{int(row['step']):05d}.parquet"

@@ -133,7 +133,6 @@ def test_an_op_removed_from_a_capture_is_reported_missing_by_diff(captures, tmp_
 
     import pandas as pd
 
-    from alignaudit import cli
     from alignaudit.errors import EXIT_USAGE
 
     from test_cli import one_line_error

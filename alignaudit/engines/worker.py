@@ -153,7 +153,8 @@ def _attach_tap(engine, spec, ops_request: dict | None, out: Path, rank: int = 0
     if ops_request.get("reference"):
         from alignaudit.capture import read_capture
 
-        reference = OpStore(Path(ops_request["reference"]), read_capture(Path(ops_request["reference"])).manifest.get("ops"))
+        path = Path(ops_request["reference"])
+        reference = OpStore(path, read_capture(path).manifest.get("ops"))
     recorder = OpRecorder(out) if rank == 0 else None
     tap = Tap(spec, Selection.from_dict(ops_request.get("selection")), recorder, reference, record_all=rank != 0)
     engine.attach(tap)

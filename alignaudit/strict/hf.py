@@ -87,8 +87,8 @@ def check_batch_layout(attention_mask, position_ids: torch.Tensor, keys: int) ->
     if attention_mask is None:
         return
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-        raise ValueError(f"strict attention (HF) reads a 4D tensor attention_mask, not {type(attention_mask).__name__}; "
-                         "use attn_implementation eager or sdpa")
+        raise ValueError("strict attention (HF) reads a 4D tensor attention_mask, not "
+                         f"{type(attention_mask).__name__}; use attn_implementation eager or sdpa")
     attend = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     if attend.shape[-1] > keys and attend[..., keys:].any():  # a static cache's unfilled slots must stay masked
         raise ValueError("strict attention (HF): attention_mask lets a query attend a key slot past the cache's "

@@ -145,7 +145,8 @@ class StrictFlashAttentionBackend(FlashAttentionBackend):
 
     @classmethod
     def supports_batch_invariance(cls) -> bool:
-        return True  # a row's bits do not depend on the batch (kernels/attention.py), so VLLM_BATCH_INVARIANT=1 may select it
+        # a row's bits do not depend on the batch (kernels/attention.py): VLLM_BATCH_INVARIANT=1 may select it
+        return True
 
     @staticmethod
     def get_impl_cls():
