@@ -100,7 +100,8 @@ def test_damaged_op_captures_are_errors_not_differences(capsys, tmp_path):
     assert "does not match its sha256 fingerprint" in err
     assert not (tmp_path / "d1").exists()  # refused before writing anything
     (b / "ops" / "index.parquet").write_bytes(b"PAR1 truncated")
-    assert "missing or corrupt index" in one_line_error(capsys, ["diff", str(a), str(b), "--out", str(tmp_path / "d2")], EXIT_USAGE)
+    err = one_line_error(capsys, ["diff", str(a), str(b), "--out", str(tmp_path / "d2")], EXIT_USAGE)
+    assert "index.parquet is missing or is not the file the capture wrote" in err
     assert "is a file" in one_line_error(capsys, ["diff", str(chunk), str(a), "--out", str(tmp_path / "d3")], EXIT_USAGE)
 
 
