@@ -41,7 +41,7 @@ def test_force_never_removes_files_alignaudit_did_not_write(two_captures, tmp_pa
     assert cli.main(["diff", str(a), str(b), "--out", str(d), "--force"]) == EXIT_OK
     assert (d / "train" / "data.txt").read_text() == "data" and (d / "summary.json").is_file()
     assert json.loads((d / outdir.MARKER).read_text())["entries"] == sorted(
-        ["ops.parquet", "sequences.parquet", "summary.json", "tokens.parquet"])
+        ["ops.parquet", "run.json", "sequences.parquet", "summary.json", "tokens.parquet"])
     # compare would write train/: refused, and nothing is lost
     err = one_line_error(capsys, ["compare", "--train", "hf", "--infer", "hf", "--out", str(d), "--force"], EXIT_USAGE)
     assert "train exists and was not written by alignaudit" in err

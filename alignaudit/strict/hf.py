@@ -68,6 +68,15 @@ class StrictMoeBlock(torch.nn.Module):
         return out.view(hidden_states.shape)
 
 
+def _require(ok: torch.Tensor, message: str) -> None:
+    """ValueError(message) unless ``ok`` (a bool tensor) holds; inside torch.compile a device-side assert
+    with the same message (a host check would break the graph)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
+
+
 def check_batch_layout(attention_mask, position_ids: torch.Tensor, keys: int) -> None:
     """Refuse what strict attention would compute otherwise than HF's mask and positions ask: it treats key
     index j as position j and attends causally (alignaudit_kernels.causal_attention). So query positions must
@@ -81,25 +90,23 @@ def check_batch_layout(attention_mask, position_ids: torch.Tensor, keys: int) ->
     """
     b, t = position_ids.shape
     index = torch.arange(keys - t, keys, device=position_ids.device)
-    if not torch.equal(position_ids, index.expand(b, t).to(position_ids.dtype)):
-        raise ValueError("strict attention (HF): position_ids must be each token's index in its sequence; shifted "
-                         "positions (a left-padded batch?) would be computed as unpadded: right-pad instead")
+    _require((position_ids == index).all(), "strict attention (HF): position_ids must be each token's index in its "
+             "sequence; shifted positions (a left-padded batch?) would be computed as unpadded: right-pad instead")
     if attention_mask is None:
         return
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
         raise ValueError("strict attention (HF) reads a 4D tensor attention_mask, not "
                          f"{type(attention_mask).__name__}; use attn_implementation eager or sdpa")
     attend = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    if attend.shape[-1] > keys and attend[..., keys:].any():  # a static cache's unfilled slots must stay masked
-        raise ValueError("strict attention (HF): attention_mask lets a query attend a key slot past the cache's "
-                         "filled length")
+    if attend.shape[-1] > keys:  # a static cache's unfilled slots must stay masked
+        _require(~attend[..., keys:].any(), "strict attention (HF): attention_mask lets a query attend a key slot "
+                 "past the cache's filled length")
     attend = attend[..., :keys].expand(b, 1, t, keys)[:, 0]
     valid = attend[:, -1]  # the last query row may attend every key but the pads
     causal = torch.arange(keys, device=attend.device)[None, :] <= index[:, None]
-    suffix_padding = torch.equal(valid, valid.cummin(dim=1).values)
-    if not (suffix_padding and torch.equal(attend, causal[None] & valid[:, None, :])):
-        raise ValueError("strict attention (HF): attention_mask must be causal with padding only at the end of a row "
-                         "(right padding); a left-padded or holed mask would be ignored: right-pad instead")
+    _require((valid == valid.cummin(dim=1).values).all() & (attend == (causal[None] & valid[:, None, :])).all(),
+             "strict attention (HF): attention_mask must be causal with padding only at the end of a row (right "
+             "padding); a left-padded or holed mask would be ignored: right-pad instead")
 
 
 class StrictAttention(torch.nn.Module):
