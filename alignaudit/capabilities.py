@@ -74,6 +74,9 @@ def check_engine_features(spec, engines: tuple[str, ...]) -> None:
 MOE_REFUSED: dict[str, str] = {
     "alignaudit rl": "the weight sync maps dense MLPs only; run rl on a dense model",
     "tensor parallelism": "expert weights are not sharded by alignaudit; run MoE models at tensor parallel size 1",
+    "strict vLLM on CUDA with CUDA graphs": "its expert dispatch read the routing on the host and failed inside "
+    "vLLM's graph capture (H200, vLLM 0.26.0, 2026-12-01; eager: 0 mismatching tokens, docs/findings.md); add "
+    "--infer-opt enforce_eager=true",
 }
 
 
@@ -81,6 +84,18 @@ def refuse_moe(spec, what: str) -> None:
     """Refuse ``what`` (a MOE_REFUSED key) for a mixture-of-experts model. Raises InputError with the reason."""
     if spec.num_experts:
         raise InputError(f"{what} for {spec.architecture} ({spec.name}) is not implemented: {MOE_REFUSED[what]}")
+
+
+def refuse_moe_cuda_graphs(spec, runs) -> None:
+    """Refuse strict MoE inside CUDA vLLM unless vLLM runs eager (``enforce_eager=true``): not yet run in graphs.
+
+    Raises:
+        InputError: with MOE_REFUSED's reason and the fix.
+    """
+    for run in runs:
+        s = run.settings
+        if run.engine == "vllm" and s.device == "cuda" and "linear" in s.strict_ops and not s.options.get("enforce_eager"):
+            refuse_moe(spec, "strict vLLM on CUDA with CUDA graphs")
 
 
 # The engine option that sets the tensor-parallel size, by engine (hf has none)

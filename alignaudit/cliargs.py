@@ -246,7 +246,8 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     """The two EngineRuns of a comparison, validated before anything starts: engines installed, dtypes,
     device, strict ops, every setting against what the engine implements (alignaudit.capabilities), and
     the engines' own configuration classes in a short worker (alignaudit.runner.check_options)."""
-    from alignaudit.capabilities import check_engine_features, check_parallel, check_runs, refuse_moe, tensor_parallel_size
+    from alignaudit.capabilities import (check_engine_features, check_parallel, check_runs, refuse_moe,
+                                         refuse_moe_cuda_graphs, tensor_parallel_size)
     from alignaudit.engines import check_installed
     from alignaudit.engines.base import EngineSettings, parse_options
     from alignaudit.request import EngineRun
@@ -268,6 +269,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     check_engine_features(spec, (pair.train, pair.infer))
     if any(tensor_parallel_size(run) != 1 for run in runs):
         refuse_moe(spec, "tensor parallelism")
+    refuse_moe_cuda_graphs(spec, runs)
     check_parallel(spec, runs, dev)
     check_runs(runs[0], runs[1], mode)
     check_options(runs, spec, mode)

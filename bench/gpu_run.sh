@@ -24,7 +24,11 @@
 # hf vs vllm strict rollout; vllm-q8-native --strict-exp native; vllm-q8-bisect bisect of layer 0, default;
 # vllm-moe the Qwen3-MoE fixture and the Qwen3-30B-A3B shape cut to MOE_LAYERS (4) layers, strict; vllm-rl17
 # alignaudit rl on the Qwen3-1.7B shape, megatron trains, vllm rolls out; vllm-bench generation tokens/s
-# (bench/vllm_generate.py, BENCH_CONFIGS).
+# (bench/vllm_generate.py, BENCH_CONFIGS). vllm-q8-prompt / vllm-q8-default: one of vllm-q8's three. synth: build the
+# random checkpoints of SYNTH (comma-separated presets) once, before stages run side by side (the cache is not
+# safe for two writers). CMP_OPTS: options added to every compare and to vllm-rl17 (e.g. --infer-opt
+# gpu_memory_utilization=0.2 --infer-opt kv_cache_memory_bytes=4294967296, for two stages side by side on one GPU);
+# CMP_TIMEOUT: seconds per compare (420).
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +40,10 @@ export PYTHONPATH="$shim:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 ALIGNAUDIT_CAC
 # NVLink multicast stays off on shared multi-GPU hosts (device KINDS.md)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  # once per machine: lanes side by side (bench/gpu_lanes.sh) find it installed
+  PYTHONPATH=/tmp/site python3 -c "import megatron.core" 2>/dev/null \
+    || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 python3 -c "import torch, triton, transformers; print('gpu', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>/dev/null || echo "megatron-core: not available"
@@ -52,7 +58,7 @@ q8() {  # $1 name, rest: extra compare options
 }
 cmp() {  # $1 name, rest: compare options (model, engines, mode); summary, engine records and the verdict lines
   local name=$1; shift
-  timeout ${CMP_TIMEOUT:-420} python3 -m alignaudit compare --device cuda --out /tmp/runs/$name --force "$@" 2>&1 | log \
+  timeout ${CMP_TIMEOUT:-420} python3 -m alignaudit compare --device cuda --out /tmp/runs/$name --force "$@" ${CMP_OPTS:-} 2>&1 | log \
     | grep -E "IDENTICAL|differ|mismatch|tokens compared|generated|rerouted|rror|Traceback" | tail -8
   cp /tmp/runs/$name/summary.json "$out/$name-summary.json" 2>/dev/null
   python3 - /tmp/runs/$name <<'PY' 2>&1 | log
@@ -74,6 +80,8 @@ Q8="--model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
+    synth) python3 -c "from alignaudit.models import resolve_model as r; [r(m, random_weights=True) for m in '${SYNTH:-Qwen3-8B}'.split(',')]" \
+             2>&1 | log | tail -3 ;;
     tests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
              | tee "$out/gpu-kernel-tests.log" | tail -15 || status=1 ;;
     sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | log | tail -25 ;;
@@ -142,15 +150,17 @@ for stage in "$@"; do
     vllm-fixture-strict) cmp vfx-strict --train megatron --infer vllm --strict
                          cmp vfx-strict-rollout --train megatron --infer vllm --strict --mode rollout --max-new-tokens 32 ;;
     vllm-fixture-rollout) cmp vfx-strict-rollout --train megatron --infer vllm --strict --mode rollout --max-new-tokens 32 ;;
-    vllm-q8) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 $VQ8_OPTS
-             cmp vq8-strict $Q8 --train megatron --infer vllm --strict $VQ8_OPTS
-             cmp vq8-default $Q8 --train megatron --infer vllm $VQ8_OPTS ;;
-    vllm-q8-rollout) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 $VQ8_OPTS ;;
+    vllm-q8) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 ${VQ8_OPTS:-}
+             cmp vq8-strict $Q8 --train megatron --infer vllm --strict ${VQ8_OPTS:-}
+             cmp vq8-default $Q8 --train megatron --infer vllm ${VQ8_OPTS:-} ;;
+    vllm-q8-prompt) cmp vq8-strict $Q8 --train megatron --infer vllm --strict ${VQ8_OPTS:-} ;;
+    vllm-q8-default) cmp vq8-default $Q8 --train megatron --infer vllm ${VQ8_OPTS:-} ;;
+    vllm-q8-rollout) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 ${VQ8_OPTS:-} ;;
     vllm-q8-hf) cmp vq8-strict-hf-rollout $Q8 --train hf --infer vllm --strict --mode rollout --max-new-tokens 64 ;;
     vllm-q8-native) cmp vq8-native-rollout $Q8 --train megatron --infer vllm --strict --strict-exp native --mode rollout \
                       --max-new-tokens 64 ;;
     vllm-q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 256 --train megatron --infer vllm \
-                      --device cuda --layers 0 --mode natural --out /tmp/runs/vq8-bisect --force 2>&1 | log \
+                      --device cuda --layers 0 --mode natural --out /tmp/runs/vq8-bisect --force ${CMP_OPTS:-} 2>&1 | log \
                       | grep -E "◀|first diverging|every op|rror" | tail -8
                     cp /tmp/runs/vq8-bisect/bisect.json "$out/vq8-bisect.json" 2>/dev/null ;;
     vllm-moe) cmp vmoe-strict --model qwen3-moe-tiny --train megatron --infer vllm --strict
@@ -164,7 +174,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
                 --strict --mode rollout --max-new-tokens 64 ;;
     vllm-rl17) timeout 560 python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --random-prompts 2 --prompt-len 64 \
                  --train megatron --infer vllm --device cuda --strict --steps ${RL_STEPS:-20} --group-size 4 --max-new-tokens 32 \
-                 --no-token-rows --out /dev/shm/vrl17 --force 2>&1 | log | tail -4
+                 --no-token-rows --out /dev/shm/vrl17 --force ${CMP_OPTS:-} 2>&1 | log | tail -4
                cp /dev/shm/vrl17/steps.parquet "$out/vrl17-steps.parquet" 2>/dev/null
                python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','reward_mean','loss','grad_norm','seconds','rollout_s','rescore_s','update_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
     vllm-bench) timeout 560 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256 \

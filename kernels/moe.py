@@ -48,7 +48,8 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: b
     return logits, chosen, (z / fixed_sum(z)[:, None]).gather(1, chosen)
 
 
-def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up, down) -> torch.Tensor:
+def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up, down,
+                    every_expert: bool | None = None) -> torch.Tensor:
     """The experts' SwiGLU outputs for routed tokens, combined in the routing order (module docstring).
 
     Args:
@@ -56,6 +57,9 @@ def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
         gate_up: [E, 2I, H], each expert's gate rows then up rows (transformers' and vLLM's fused layout), or a
             sequence of E [2I, H] tensors (Megatron's SequentialMLP experts).
         down: [E, H, I], or a sequence of E [H, I] tensors.
+        every_expert: every expert computes every token, each token keeping its chosen experts' rows (no host
+            read of the routing, so a CUDA graph can capture it; E / top_k times the work). None: only while a
+            CUDA graph is being captured (torch.cuda.is_current_stream_capturing).
     Returns:
         [T, H] in x.dtype: round(((w_0 * y_0) + w_1 * y_1) + ...), fp32 products and sums, rounded once.
     """
@@ -63,15 +67,26 @@ def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     top_k = chosen.shape[1]
     width = gate_up[0].shape[0] // 2
     expert_out = torch.zeros(t, top_k, h, dtype=x.dtype, device=x.device)
-    for e in torch.unique(chosen).tolist():
-        token, slot = (chosen == e).nonzero(as_tuple=True)
-        rows = x[token]
-        act = silu_mul(linear(rows, gate_up[e][:width]), linear(rows, gate_up[e][width:]))
-        expert_out[token, slot] = linear(act, down[e])
+    if every_expert is None:
+        every_expert = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if every_expert:
+        # linear is row-invariant: a token's rows have the bits of the gathered path below
+        for e in range(len(gate_up)):
+            y = _expert(x, gate_up[e], down[e], width)
+            expert_out = torch.where((chosen == e)[..., None], y[:, None, :], expert_out)
+    else:
+        for e in torch.unique(chosen).tolist():
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            expert_out[token, slot] = _expert(x[token], gate_up[e], down[e], width)
     acc = weights[:, :1] * expert_out[:, 0].float()
     for r in range(1, top_k):
         acc = acc + weights[:, r: r + 1] * expert_out[:, r].float()
     return acc.to(x.dtype)
+
+
+def _expert(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, width: int) -> torch.Tensor:
+    """One expert's SwiGLU MLP of rows [R, H]: down(silu(gate(rows)) * up(rows)), each product rounded to rows.dtype."""
+    return linear(silu_mul(linear(rows, gate_up[:width]), linear(rows, gate_up[width:])), down)
 
 
 def mixture_of_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,

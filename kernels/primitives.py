@@ -49,10 +49,6 @@ SQRT_HALF_BITS = 0x3F3504F3  # sqrt(1/2) in fp32
 LG1, LG2, LG3, LG4 = 0.66666662693, 0.40000972152, 0.28498786688, 0.24279078841  # fdlibm e_logf.c
 
 
-def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
-
-
 def _pow2(n: torch.Tensor) -> torch.Tensor:
     """2**n for integral float n in [-126, 127], exactly, from the exponent bits."""
     return ((n.to(torch.int32) + 127) << 23).view(torch.float32)
@@ -69,8 +65,8 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     n = n.clamp(-252.0, 254.0)
     half = torch.floor(n * 0.5)
     y = (p * _pow2(half)) * _pow2(n - half)
-    y = torch.where(x > EXP_HI, _f32(float("inf"), x), y)
-    y = torch.where(x < EXP_LO, _f32(0.0, x), y)
+    y = torch.where(x > EXP_HI, float("inf"), y)
+    y = torch.where(x < EXP_LO, 0.0, y)
     return torch.where(torch.isnan(x), x, y)
 
 
@@ -92,8 +88,8 @@ def log(x: torch.Tensor) -> torch.Tensor:
     r = z * (LG1 + w * (LG3)) + w * (LG2 + w * LG4)
     hfsq = 0.5 * f * f
     y = e * LN2_HI - ((hfsq - (s * (hfsq + r) + e * LN2_LO)) - f)
-    y = torch.where(x == 0, _f32(float("-inf"), x), y)
-    y = torch.where(x < 0, _f32(float("nan"), x), y)
+    y = torch.where(x == 0, float("-inf"), y)
+    y = torch.where(x < 0, float("nan"), y)
     y = torch.where(torch.isinf(x) & (x > 0), x, y)
     return torch.where(torch.isnan(x), x, y)
 

@@ -558,6 +558,30 @@ def test_moe_token_bits_do_not_depend_on_the_batch(device, dtype, normalize):
     assert_within("moe", full, ref, 8 * ulp_of(ref, dtype) + 0.02 * ref.abs().max())
 
 
+@needs_hardware_dot
+def test_moe_every_expert_path_has_the_gathered_bits_and_a_cuda_graph_captures_it(device, dtype):
+    """The dispatch a CUDA graph can capture (every expert on every token) gives the gathered path's bits; on
+    CUDA a captured graph of the whole layer, replayed on new tokens, gives the eager layer's bits."""
+    e, h, i, k, t = 8, 64, 32, 2, 24
+    router, gate_up, down = moe_weights(e, h, i, dtype, device, seed=51)
+    x = randn(t, h, dtype=dtype, device=device, seed=54)
+    _, chosen, weights = moe.route(x, router, k, True)
+    gathered = moe.combine_experts(x, chosen, weights, gate_up, down, every_expert=False)
+    assert_bitwise_equal("every expert", moe.combine_experts(x, chosen, weights, gate_up, down, every_expert=True),
+                         gathered)
+    if device != "cuda":
+        return
+    static = x.clone()
+    K.mixture_of_experts(static, router, gate_up, down, k, True)  # warm-up: Triton compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = K.mixture_of_experts(static, router, gate_up, down, k, True)[0]
+    fresh = randn(t, h, dtype=dtype, device=device, seed=55)
+    static.copy_(fresh)
+    graph.replay()
+    assert_bitwise_equal("graph replay", captured, K.mixture_of_experts(fresh, router, gate_up, down, k, True)[0])
+
+
 def test_moe_ties_go_to_the_lower_expert_and_weights_are_probabilities(device):
     """Experts 2 and 5 with identical router rows tie for the largest logit: both are chosen, 2 first;
     torch.topk does not specify an order for ties."""

@@ -120,6 +120,30 @@ def test_what_moe_does_not_run_yet_is_refused_before_any_engine(capsys, tmp_path
     assert message in err and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("engine, device, strict, options, refused", [
+    ("vllm", "cuda", "all", {}, True),
+    ("vllm", "cuda", "linear", {"enforce_eager": False}, True),
+    ("vllm", "cuda", "all", {"enforce_eager": True}, False),
+    ("vllm", "cuda", "rmsnorm,rope", {}, False),  # vLLM's own fused MoE kernel: graphs are fine
+    ("vllm", "cpu", "all", {}, False),
+    ("megatron", "cuda", "all", {}, False),
+])
+def test_strict_moe_in_cuda_vllm_graphs_is_refused_until_run(engine, device, strict, options, refused):
+    """Strict MoE inside CUDA vLLM ran eager only (findings.md "CUDA vLLM"); graphs are refused with the fix."""
+    from alignaudit.capabilities import refuse_moe_cuda_graphs
+    from alignaudit.errors import InputError
+
+    runs = [EngineRun(engine, EngineSettings("bf16", device, 0, options, strict=strict))]
+    dense = load_spec(ROOT / "fixtures" / "qwen3-tiny")
+    refuse_moe_cuda_graphs(dense, runs)
+    if not refused:
+        refuse_moe_cuda_graphs(load_spec(MOE), runs)
+        return
+    with pytest.raises(InputError, match="strict vLLM on CUDA with CUDA graphs for Qwen3MoeForCausalLM .* add "
+                                         "--infer-opt enforce_eager=true"):
+        refuse_moe_cuda_graphs(load_spec(MOE), runs)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("decoder_sparse_step", 2, "decoder_sparse_step=2 is not supported for Qwen3MoeForCausalLM (only 1)"),
     ("mlp_only_layers", [0], "mlp_only_layers=[0] is not supported for Qwen3MoeForCausalLM"),
