@@ -38,7 +38,10 @@ chromium:
 	  { $(SUDO) apt-get update -q >/dev/null 2>&1 && $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1; } || \
 	  echo "chromium could not be installed: tests/test_html_report.py will skip"
 
+# ruff (pyproject.toml [tool.ruff]: line length, import order, pyflakes) before the suite; the import
+# contracts are tests/test_imports.py.
 test: setup chromium
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -24,15 +24,13 @@ from pathlib import Path
 import pandas as pd
 
 from alignaudit.capture import read_capture
-from alignaudit.opdiff import first_divergence
 from alignaudit.ops import Selection
-from alignaudit.pipeline import RUN, diff_captures, write_json
+from alignaudit.pipeline import diff_captures, write_json
 from alignaudit.request import EngineRun, Request
+from alignaudit.rundir import ABLATE_JSON, ABLATE_PARQUET, CONFIGS, RUN
 from alignaudit.strict import STRICT_OPS, format_strict
 from alignaudit.verify import seal
 
-ABLATE_PARQUET, ABLATE_JSON = "ablate.parquet", "ablate.json"
-ABLATE_OUTPUTS = (RUN, "configs", ABLATE_PARQUET, ABLATE_JSON)
 ABLATE_COLUMNS = ("factor", "kind", "strict", "mismatches", "tokens", "max_ulp", "max_abs_diff", "first_diverging_op")
 
 # The canonical ops (alignaudit.ops) each strict op computes, in every engine.
@@ -95,7 +93,8 @@ def _notes(request: Request, capture_ops: bool) -> list[str]:
     return notes
 
 
-def ablate(request: Request, out: Path, factors: tuple[str, ...], capture_ops: bool = True, on_stage=None) -> pd.DataFrame:
+def ablate(request: Request, out: Path, factors: tuple[str, ...],
+           capture_ops: bool = True, on_stage=None) -> pd.DataFrame:
     """Run every configuration of ``factors`` on ``request`` (its engines' own strict setting is ignored) and
     write ablate.parquet / ablate.json into ``out``; returns the matrix (ABLATE_COLUMNS).
 
@@ -115,7 +114,7 @@ def ablate(request: Request, out: Path, factors: tuple[str, ...], capture_ops: b
         if on_stage:
             on_stage(f"configuration {i + 1}/{len(rows_of)}: {config.kind} {config.factor}")
         sub = with_strict(request, config.strict)
-        directory = out / "configs" / config.name
+        directory = out / CONFIGS / config.name
         directory.mkdir(parents=True, exist_ok=True)
         first = None
         if capture_ops:
@@ -135,5 +134,5 @@ def ablate(request: Request, out: Path, factors: tuple[str, ...], capture_ops: b
     write_json(out / ABLATE_JSON, {"model": request.spec.name, "mode": request.mode, "capture_ops": capture_ops,
                                    "train": request.train.label(), "infer": request.infer.label(),
                                    "notes": _notes(request, capture_ops), "rows": rows})
-    write_json(out / RUN, seal(record, out, (ABLATE_PARQUET, ABLATE_JSON, "configs")))
+    write_json(out / RUN, seal(record, out, (ABLATE_PARQUET, ABLATE_JSON, CONFIGS)))
     return matrix

@@ -94,7 +94,8 @@ def refuse_moe_cuda_graphs(spec, runs) -> None:
     """
     for run in runs:
         s = run.settings
-        if run.engine == "vllm" and s.device == "cuda" and "linear" in s.strict_ops and not s.options.get("enforce_eager"):
+        if (run.engine == "vllm" and s.device == "cuda" and "linear" in s.strict_ops
+                and not s.options.get("enforce_eager")):
             refuse_moe(spec, "strict vLLM on CUDA with CUDA graphs")
 
 
@@ -219,15 +220,16 @@ VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
         "has no effect here: vLLM never reads the prefix cache for a request that asks for prompt logprobs "
         "(skip_reading_prefix_cache), and every alignaudit request does") if v else None,
     "skip_reading_prefix_cache": lambda v, mode: (
-        "reading the prefix cache with prompt logprobs crashes vLLM 0.32 (KeyError in the scheduler)") if v is False else None,
+        "reading the prefix cache with prompt logprobs crashes vLLM 0.32 "
+        "(KeyError in the scheduler)") if v is False else None,
     "logprobs_mode": lambda v, mode: (
         f"{v} are logits, not logprobs; the other engine computes logprobs" if v in ("raw_logits", "processed_logits")
         else "processed_logprobs apply to sampled tokens only (vLLM's prompt logprobs are always raw), so they "
              "need --mode rollout" if v == "processed_logprobs" and mode == "prompt" else None),
     "pipeline_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
     "data_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
-    "hf_overrides": lambda v, mode: "set the lm_head dtype with --lm-head-dtype, for both engines" if isinstance(v, dict)
-    and "head_dtype" in v else None,
+    "hf_overrides": lambda v, mode: "set the lm_head dtype with --lm-head-dtype, for both engines"
+    if isinstance(v, dict) and "head_dtype" in v else None,
 }
 
 
@@ -274,8 +276,8 @@ def _check_megatron(settings, flag: str) -> None:
             raise InputError(f"megatron {key}: alignaudit does not know it to take effect in a forward pass, so it "
                              f"would be recorded without being measured; supported: {', '.join(MEGATRON_OPTIONS)}")
         if key in EVAL_ZERO and value:
-            raise InputError(f"megatron {key}={_json(value)}: no effect, the forward pass runs in eval mode (dropout off); "
-                             f"drop {flag} {key}")
+            raise InputError(f"megatron {key}={_json(value)}: no effect, the forward pass runs in eval mode "
+                             f"(dropout off); drop {flag} {key}")
         if key in CUDA_ONLY and value and settings.device != "cuda":
             raise InputError(f"megatron {key}=true needs a CUDA kernel (Megatron falls back silently on CPU); drop it "
                              "or use --device cuda")
@@ -284,7 +286,8 @@ def _check_megatron(settings, flag: str) -> None:
 def _check_vllm(settings, mode: str, role: str, flag: str) -> None:
     for key, value in settings.options.items():
         if key in VLLM_SET_BY_ALIGNAUDIT:
-            raise InputError(f"vllm {key} is set by alignaudit; use {VLLM_SET_BY_ALIGNAUDIT[key]} instead of {flag} {key}")
+            raise InputError(f"vllm {key} is set by alignaudit; use {VLLM_SET_BY_ALIGNAUDIT[key]} "
+                             f"instead of {flag} {key}")
         reason = VLLM_REFUSED.get(key, lambda v, m: None)(value, mode)
         if key == "logprobs_mode" and value == "processed_logprobs" and role == "train":
             reason = "the training side scores teacher-forced tokens, whose logprobs vLLM always computes raw"

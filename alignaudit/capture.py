@@ -28,14 +28,14 @@ import torch
 
 from alignaudit.errors import InputError
 from alignaudit.prompts import TokenBatch
+from alignaudit.rundir import LOGPROBS, MANIFEST, MANIFEST_TMP, RUN
 
 FORMAT = "alignaudit-capture"
 VERSION = 2
-MANIFEST = "manifest.json"
-LOGPROBS = "logprobs.parquet"
 
 
-def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor], prompt_lengths: list[int] | None = None) -> pd.DataFrame:
+def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor],
+                  prompt_lengths: list[int] | None = None) -> pd.DataFrame:
     """Per-token rows from the batch and each sequence's fp32 logprobs (shape [len - 1]); positions at
     or past ``prompt_lengths[i]`` are marked generated. NaN and Inf logprobs are stored as they are."""
     import numpy as np
@@ -63,7 +63,7 @@ def write_capture(directory: Path, manifest: dict, logprobs: pd.DataFrame) -> No
     logprobs.to_parquet(directory / LOGPROBS, index=False)
     record = {"format": FORMAT, "version": VERSION, **manifest, "files": {LOGPROBS: _sha256(directory / LOGPROBS)},
               "status": "complete"}
-    tmp = directory / (MANIFEST + ".tmp")
+    tmp = directory / MANIFEST_TMP
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     os.replace(tmp, directory / MANIFEST)
 
@@ -106,8 +106,9 @@ def read_capture(directory: Path) -> Capture:
     if not directory.is_dir():
         raise InputError(f"{directory} is not a capture directory (it does not exist)")
     if not manifest_path.is_file():
-        if (directory / "run.json").is_file():
-            raise InputError(f"{directory} is a compare/bisect run; its captures are {directory}/train and {directory}/infer")
+        if (directory / RUN).is_file():
+            raise InputError(f"{directory} is a compare/bisect run; its captures are "
+                             f"{directory}/train and {directory}/infer")
         raise InputError(f"{directory} has no {MANIFEST}: the capture is incomplete or was interrupted; run it again")
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -116,7 +117,8 @@ def read_capture(directory: Path) -> Capture:
     if manifest.get("format") != FORMAT or manifest.get("status") != "complete":
         raise InputError(f"{manifest_path} is not a complete {FORMAT} manifest; run the capture again")
     if manifest.get("version") != VERSION:
-        raise InputError(f"{directory} has capture format version {manifest.get('version')}; this alignaudit reads {VERSION}")
+        raise InputError(f"{directory} has capture format version {manifest.get('version')}; "
+                         f"this alignaudit reads {VERSION}")
     expected = (manifest.get("files") or {}).get(LOGPROBS)
     if not isinstance(expected, str):
         raise InputError(f"{manifest_path} records no sha256 of {LOGPROBS}; the capture is damaged, run it again")
@@ -126,7 +128,8 @@ def read_capture(directory: Path) -> Capture:
     try:
         table = pd.read_parquet(directory / LOGPROBS)
     except Exception as e:  # pyarrow raises several types for missing/truncated files
-        raise InputError(f"{directory / LOGPROBS} is missing or corrupt ({type(e).__name__}); run the capture again") from e
+        raise InputError(f"{directory / LOGPROBS} is missing or corrupt ({type(e).__name__}); "
+                         "run the capture again") from e
     _check_table(directory, manifest, table)
     return Capture(directory, manifest, table)
 
@@ -168,7 +171,8 @@ def _check_table(directory: Path, manifest: dict, table: pd.DataFrame) -> None:
         raise InputError(f"{directory / LOGPROBS}: rows are not sequences 0..{n_seq - 1} with positions 0..n-1 in "
                          "order (rows dropped, duplicated or reordered); the capture is damaged, run it again")
     if not np.array_equal(table["scored"].to_numpy(), pos > 0):
-        raise InputError(f"{directory / LOGPROBS}: 'scored' must be false exactly at position 0; the capture is damaged")
+        raise InputError(f"{directory / LOGPROBS}: 'scored' must be false exactly at position 0; "
+                         "the capture is damaged")
     rebuilt = Capture(directory, manifest, table).token_batch()
     if rebuilt.digest() != prompts.get("digest"):
         raise InputError(f"{directory}: token ids do not match the manifest's digest; the capture is damaged")

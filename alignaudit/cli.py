@@ -21,8 +21,26 @@ from rich.markup import escape
 from alignaudit import __version__, errors, outdir
 from alignaudit.capabilities import refuse_moe
 from alignaudit.cliargs import (
-    ClipEpsOpt, DeviceOpt, LayersOpt, MaxNewTokensOpt, ModelArgs, OpsOpt, OutputArgs, PairArgs, PromptArgs, SamplingArgs,
-    StrictOpt, TemperatureOpt, TopKOpt, TopPOpt, build_request, field_names, given_options, grouped, load_batch, out_dir,
+    ClipEpsOpt,
+    DeviceOpt,
+    LayersOpt,
+    MaxNewTokensOpt,
+    ModelArgs,
+    OpsOpt,
+    OutputArgs,
+    PairArgs,
+    PromptArgs,
+    SamplingArgs,
+    StrictOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+    build_request,
+    field_names,
+    given_options,
+    grouped,
+    load_batch,
+    out_dir,
     resolve_model_arg,
 )
 
@@ -97,11 +115,11 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
         --infer-opt enforce_eager=true  # self-consistency
     ```
     """
-    from alignaudit.pipeline import COMPARE_OUTPUTS, SEQUENCES, TOKENS
+    from alignaudit.rundir import COMPARE_OUTPUTS, SEQUENCES, SUMMARY, TOKENS
 
     out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS, repeat)
     _render_summary(out, summary)
-    _results(out / "summary.json", out / TOKENS, out / SEQUENCES, *_report(out))
+    _results(out / SUMMARY, out / TOKENS, out / SEQUENCES, *_report(out))
 
 
 def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat: int = 1) -> tuple[Path, dict]:
@@ -122,8 +140,8 @@ def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat
 def _render_summary(out: Path, summary: dict) -> None:
     import pandas as pd
 
-    from alignaudit.pipeline import SEQUENCES, TOKENS
     from alignaudit.report import render_comparison
+    from alignaudit.rundir import SEQUENCES, TOKENS
 
     render_comparison(console, summary, pd.read_parquet(out / TOKENS), pd.read_parquet(out / SEQUENCES))
 
@@ -161,8 +179,10 @@ def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputA
     ```
     """
     from alignaudit.ops import OpGraph, parse_selection
-    from alignaudit.pipeline import BISECT, BISECT_OUTPUTS, MODES, bisect as run_bisect
+    from alignaudit.pipeline import MODES
+    from alignaudit.pipeline import bisect as run_bisect
     from alignaudit.report import render_bisect
+    from alignaudit.rundir import BISECT, BISECT_OUTPUTS, OPS_FILES
 
     if mode not in MODES:
         raise errors.InputError(f"unknown bisect mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -173,21 +193,25 @@ def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputA
     with console.status("") as status:
         result = run_bisect(request, out, selection, mode=mode, stream_log=output.verbose, on_stage=status.update)
     render_bisect(console, result)
-    _results(out / BISECT, *(out / f"ops-{m}.parquet" for m in ("natural", "forced") if m in result), *_report(out))
+    _results(out / BISECT, *(out / OPS_FILES[m] for m in ("natural", "forced") if m in result), *_report(out))
 
 
 @app.command()
 @grouped
 def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
-            engine: Annotated[str, typer.Option("--engine", "-e", metavar="ENGINE", help="megatron, vllm or hf.")] = "megatron",
+            engine: Annotated[str, typer.Option("--engine", "-e", metavar="ENGINE",
+                                                help="megatron, vllm or hf.")] = "megatron",
             dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32.")] = "bf16",
             device: DeviceOpt = "auto",
-            opt: Annotated[Optional[list[str]], typer.Option("--opt", metavar="KEY=VALUE", help="Engine setting (repeatable).")] = None,
+            opt: Annotated[Optional[list[str]], typer.Option("--opt", metavar="KEY=VALUE",
+                                                             help="Engine setting (repeatable).")] = None,
             layers: LayersOpt = None,
             ops: OpsOpt = None,
-            no_ops: Annotated[bool, typer.Option("--no-ops", metavar="", help="Logprobs only, no per-op tensors.")] = False,
+            no_ops: Annotated[bool, typer.Option("--no-ops", metavar="",
+                                                 help="Logprobs only, no per-op tensors.")] = False,
             reference: Annotated[Optional[Path], typer.Option("--reference", metavar="DIR",
-                                                              help="Forced mode: feed every op this capture's values.")] = None,
+                                                              help="Forced mode: feed every op "
+                                                              "this capture's values.")] = None,
             strict: StrictOpt = None) -> None:
     """Run one engine and write its capture: manifest, logprobs and (by default) every canonical op.
 
@@ -206,7 +230,8 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     from alignaudit.capture import read_capture
     from alignaudit.cliargs import engine_runs
     from alignaudit.ops import OpGraph, parse_selection
-    from alignaudit.pipeline import CAPTURE_OUTPUTS, capture as run_capture
+    from alignaudit.pipeline import capture as run_capture
+    from alignaudit.rundir import CAPTURE_OUTPUTS
 
     pair = PairArgs(train=engine, infer=engine, dtype=dtype, device=device, train_opt=opt, strict=strict)
     spec = resolve_model_arg(model)
@@ -230,22 +255,27 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     out = out_dir(output, f"capture-{engine}", CAPTURE_OUTPUTS, inputs)
     with console.status(f"running {run.label()}") as status:
         result = run_capture(spec, batch, run, out, stream_log=output.verbose, ops=selection, reference=reference,
-                             on_progress=lambda done, total: status.update(f"running {run.label()}: {done}/{total} sequences"))
+                             on_progress=lambda done, total: status.update(f"running {run.label()}: "
+                                                                           f"{done}/{total} sequences"))
     ops_info = result.manifest.get("ops")
     scored = batch.num_tokens - len(batch.sequences)
     console.print(f"capture of {escape(run.label())}: {len(batch.sequences)} sequences, {batch.num_tokens} token ids "
-                  f"({scored} scored)" + (f", {ops_info['ops']} ops ({ops_info['bytes'] / 2**20:.1f} MiB)" if ops_info else "")
+                  f"({scored} scored)" + (f", {ops_info['ops']} ops ({ops_info['bytes'] / 2**20:.1f} MiB)"
+                                          if ops_info else "")
                   + f" -> {out}", highlight=False, soft_wrap=True)
 
 
 @app.command()
 @grouped
-def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE", help="Capture directory playing the training engine.")],
-         infer_dir: Annotated[Path, typer.Argument(metavar="INFER_CAPTURE", help="Capture directory playing the inference engine.")],
+def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE",
+                                                   help="Capture directory playing the training engine.")],
+         infer_dir: Annotated[Path, typer.Argument(metavar="INFER_CAPTURE",
+                                                   help="Capture directory playing the inference engine.")],
          out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="DIR",
-                                                    help="Output directory (default: alignaudit-runs/diff-TIME).")] = None,
-         force: Annotated[bool, typer.Option("--force", metavar="", help="Reuse a non-empty --out (only alignaudit's own "
-                                             "earlier outputs there are replaced).")] = False,
+                                                    help="Output directory (default: "
+                                                    "alignaudit-runs/diff-TIME).")] = None,
+         force: Annotated[bool, typer.Option("--force", metavar="", help="Reuse a non-empty --out (only alignaudit's "
+                                             "own earlier outputs there are replaced).")] = False,
          clip_eps: ClipEpsOpt = 0.2) -> None:
     """Compare two captures made anywhere: logprobs, and every op when both captured ops.
 
@@ -254,8 +284,9 @@ def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE", help
     """
     from alignaudit.cliargs import check_clip_eps
     from alignaudit.opdiff import first_divergence
-    from alignaudit.pipeline import DIFF_OUTPUTS, RUN, SUMMARY, diff_captures, diff_ops, finish_diff, write_ops
+    from alignaudit.pipeline import diff_captures, diff_ops, finish_diff, write_ops
     from alignaudit.report import render_op_verdict, render_ops
+    from alignaudit.rundir import DIFF_OUTPUTS, OPS_FILES, RUN, SUMMARY
     from alignaudit.verify import load_pair
 
     check_clip_eps(clip_eps)
@@ -266,30 +297,37 @@ def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE", help
     out_path = out_dir(target, "diff", DIFF_OUTPUTS + (RUN,), (Path(train_dir), Path(infer_dir)))
     summary = diff_captures(a, b, out_path, clip_eps=clip_eps)
     if records is not None:
-        write_ops(records, out_path / "ops.parquet")
+        write_ops(records, out_path / OPS_FILES["diff"])
     finish_diff(out_path, a, b, clip_eps)
     _render_summary(out_path, summary)
     if records is not None:
         mode = b.manifest["ops"].get("mode", "natural")
         render_ops(console, records, mode, first_divergence([r for r in records if r.get("forced", True)]))
         render_op_verdict(console, mode, records)
-    _results(out_path / SUMMARY, *([out_path / "ops.parquet"] if records is not None else []), out_path / RUN)
+    _results(out_path / SUMMARY, *([out_path / OPS_FILES["diff"]] if records is not None else []), out_path / RUN)
 
 
 @app.command()
 @grouped
-def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs, output: OutputArgs,
-         run_dir: Annotated[Optional[Path], typer.Argument(metavar="[RUN_DIR]", help="A finished compare or rl run (omit to run a comparison now).")] = None,
+def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs,
+         output: OutputArgs,
+         run_dir: Annotated[Optional[Path], typer.Argument(metavar="[RUN_DIR]",
+                            help="A finished compare or rl run (omit to run a comparison now).")] = None,
          max_mismatch: Annotated[Optional[str], typer.Option("--max-mismatch", metavar="N|FRAC",
                                  help="Allow N mismatching tokens, or a fraction (0.5% or 0.005).")] = None,
-         max_ulp: Annotated[Optional[int], typer.Option("--max-ulp", metavar="N", help="Allow tokens up to N ULP apart.")] = None,
-         max_abs: Annotated[Optional[float], typer.Option("--max-abs", metavar="X", help="Allow |lp_train - lp_infer| up to X.")] = None,
+         max_ulp: Annotated[Optional[int], typer.Option("--max-ulp", metavar="N",
+                            help="Allow tokens up to N ULP apart.")] = None,
+         max_abs: Annotated[Optional[float], typer.Option("--max-abs", metavar="X",
+                            help="Allow |lp_train - lp_infer| up to X.")] = None,
          baseline: Annotated[Optional[Path], typer.Option("--baseline", metavar="FILE",
                              help="Fail only on regression against this verdict.json (or summary.json).")] = None,
-         junit: Annotated[Optional[Path], typer.Option("--junit", metavar="FILE", help="JUnit XML (default: RUN/junit.xml).")] = None,
-         json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="JSON verdict (default: RUN/verdict.json).")] = None,
+         junit: Annotated[Optional[Path], typer.Option("--junit", metavar="FILE",
+                          help="JUnit XML (default: RUN/junit.xml).")] = None,
+         json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE",
+                             help="JSON verdict (default: RUN/verdict.json).")] = None,
          md_out: Annotated[Optional[Path], typer.Option("--markdown", metavar="FILE",
-                           help="Markdown summary, appended when the file exists ($GITHUB_STEP_SUMMARY); default RUN/summary.md.")] = None,
+                           help="Markdown summary, appended when the file exists ($GITHUB_STEP_SUMMARY); "
+                           "default RUN/summary.md.")] = None,
          clip_eps: ClipEpsOpt = 0.2) -> None:
     """CI gate on bitwise equality of per-token logprobs.
 
@@ -314,10 +352,11 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
     ```
     """
     from alignaudit import gate as gating
-    from alignaudit.pipeline import COMPARE_OUTPUTS, GATE_OUTPUTS
+    from alignaudit.rundir import COMPARE_OUTPUTS, GATE_OUTPUTS, JUNIT, SUMMARY_MD, VERDICT
 
     if run_dir is not None:
-        given = given_options(ctx, field_names(PairArgs, ModelArgs, PromptArgs, SamplingArgs, OutputArgs) + ["clip_eps"])
+        given = given_options(ctx,
+                              field_names(PairArgs, ModelArgs, PromptArgs, SamplingArgs, OutputArgs) + ["clip_eps"])
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             raise errors.InputError(f"gate RUN_DIR judges a finished run; {flags} apply only when gate runs the "
@@ -325,13 +364,14 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
     rule = gating.make_rule(max_mismatch, max_ulp, max_abs, baseline)
     if run_dir is None:
         run_dir, _ = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS + GATE_OUTPUTS)
-    _claim_verdict_files(Path(run_dir), targets := (json_out or run_dir / "verdict.json", junit or run_dir / "junit.xml",
-                                                    md_out or run_dir / "summary.md"))
+    _claim_verdict_files(Path(run_dir), targets := (json_out or run_dir / VERDICT,
+                                                    junit or run_dir / JUNIT, md_out or run_dir / SUMMARY_MD))
     verdict = gating.judge_run(Path(run_dir), rule)
     gating.write_outputs(verdict, *targets, append_md=md_out is not None)
     style = "bold green" if verdict.passed else "bold red"
     console.print(f"[{style}]gate {verdict.label.upper()}[/] ({escape(verdict.rule)}): "
-                  f"{verdict.mismatches} of {verdict.tokens_compared} tokens differ, max ULP {verdict.ulp_max}", highlight=False)
+                  f"{verdict.mismatches} of {verdict.tokens_compared} tokens differ, max ULP {verdict.ulp_max}",
+                  highlight=False)
     for reason in verdict.reasons:
         console.print(f"  {escape(reason)}", highlight=False)
     for note in verdict.notes:
@@ -349,14 +389,16 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
        steps: Annotated[int, typer.Option("--steps", metavar="N", help="GRPO steps.")] = 10,
        lr: Annotated[float, typer.Option("--lr", metavar="LR", help="Adam learning rate (0: weights never change, "
                                          "the weight-sync control).")] = 1e-4,
-       group_size: Annotated[int, typer.Option("--group-size", metavar="G", help="Completions per prompt (GRPO group).")] = 4,
+       group_size: Annotated[int, typer.Option("--group-size", metavar="G",
+                                               help="Completions per prompt (GRPO group).")] = 4,
        max_new_tokens: MaxNewTokensOpt = 16,
        temperature: TemperatureOpt = 1.0,
        top_k: TopKOpt = 0,
        top_p: TopPOpt = 1.0,
        clip_eps: ClipEpsOpt = 0.2,
        no_token_rows: Annotated[bool, typer.Option("--no-token-rows", metavar="", help="Skip tokens/step-*.parquet "
-                                                   "(one row per generated token per step) on long runs.")] = False) -> None:
+                                                   "(one row per generated token per step) "
+                                                   "on long runs.")] = False) -> None:
     """N GRPO steps with the train/rollout alignment checked at every step.
 
     Each step the inference engine samples --group-size completions per prompt (seeded; the same seeds
@@ -379,7 +421,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from alignaudit.rl.loop import PLOT, RL_OUTPUTS, STEPS, RLSettings, run_rl
+    from alignaudit.rl.loop import RLSettings, run_rl
+    from alignaudit.rundir import PLOT, RL_OUTPUTS, RUN, STEPS
 
     settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows)
     settings.check()
@@ -394,7 +437,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
     out = out_dir(output, "rl", RL_OUTPUTS)
-    columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(), TextColumn("{task.fields[last]}"))
+    columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
+               TextColumn("{task.fields[last]}"))
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("rl", total=steps, last="starting engines")
 
@@ -409,7 +453,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     console.print(f"[{style}]{bad} of {len(table)} steps with mismatching tokens; {unsynced} weight syncs not "
                   f"bit-equal[/]; reward {table['reward_mean'].iloc[0]:.3f} -> {table['reward_mean'].iloc[-1]:.3f}",
                   highlight=False)
-    _results(out / STEPS, out / PLOT, out / "run.json", *_report(out))
+    _results(out / STEPS, out / PLOT, out / RUN, *_report(out))
 
 
 @app.command()
@@ -438,7 +482,9 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
     """
     from rich.table import Table
 
-    from alignaudit.ablate import ABLATE_JSON, ABLATE_OUTPUTS, ABLATE_PARQUET, ablate as run_ablate, without_strict
+    from alignaudit.ablate import ablate as run_ablate
+    from alignaudit.ablate import without_strict
+    from alignaudit.rundir import ABLATE_JSON, ABLATE_OUTPUTS, ABLATE_PARQUET
     from alignaudit.strict import STRICT_OPS, parse_strict
 
     if run.strict is not None:
@@ -477,9 +523,11 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
 
 @app.command()
 @grouped
-def report(run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A run directory of compare, bisect, gate, rl or diff.")],
+def report(run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR",
+                                                   help="A run directory of compare, bisect, gate, rl or diff.")],
            html: Annotated[Optional[Path], typer.Option("--html", metavar="FILE",
-                                                        help="Write the page here (default: RUN_DIR/report.html).")] = None) -> None:
+                                                        help="Write the page here "
+                                                        "(default: RUN_DIR/report.html).")] = None) -> None:
     """One self-contained HTML page of a run: tables and interactive plots, opening offline.
 
     compare and gate: the summary, the ULP histogram, |d logprob| along each sequence, the sequences worst
@@ -545,7 +593,8 @@ def _claim_verdict_files(run_dir: Path, targets: tuple[Path, ...]) -> None:
             outdir.lock(run_dir)
             outdir.claim(run_dir, inside)
         except errors.InputError as e:
-            raise errors.InputError(f"{e}, or pass --json, --junit and --markdown to write the verdict elsewhere") from e
+            raise errors.InputError(f"{e}, or pass --json, --junit and --markdown "
+                                    "to write the verdict elsewhere") from e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -646,7 +695,8 @@ def _unexpected(e: Exception, debug: bool) -> int:
     """An unexpected bug: one line unless --debug."""
     if debug:
         traceback.print_exc()
-    err_console.print(f"[bold red]error:[/] unexpected {type(e).__name__}: {escape(str(e))} (run with --debug for the traceback)",
+    err_console.print(f"[bold red]error:[/] unexpected {type(e).__name__}: {escape(str(e))} "
+                      "(run with --debug for the traceback)",
                       highlight=False, soft_wrap=True)
     return errors.EXIT_ENGINE
 

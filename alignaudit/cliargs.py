@@ -34,26 +34,32 @@ ModelOpt = Annotated[str, typer.Option(
          "(Qwen3-0.6B ... Qwen3-32B, Qwen2.5-0.5B/1.5B/7B, Llama-3.2-1B/3B, Llama-3.1-8B, Qwen3-30B-A3B), or an "
          "embedded fixture: qwen3-tiny (the default), qwen2-tiny, llama-tiny, qwen3-moe-tiny.")]
 RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", metavar="",
-                                                help="Synthesize a preset's checkpoint with random weights (once, cached).")]
+                                                help="Synthesize a preset's checkpoint with random weights "
+                                                "(once, cached).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random weights, random prompts and sampling.")]
 PromptsOpt = Annotated[Optional[Path], typer.Option(
     "--prompts", metavar="FILE", help="Prompt file: JSONL with \"text\" or \"token_ids\", or plain text lines.")]
-RandomPromptsOpt = Annotated[Optional[int], typer.Option("--random-prompts", metavar="N", help="Use N random token-id prompts instead.")]
-PromptLenOpt = Annotated[Optional[int], typer.Option("--prompt-len", metavar="L", help="Tokens per random prompt (default 64).")]
+RandomPromptsOpt = Annotated[Optional[int], typer.Option("--random-prompts", metavar="N",
+                                                         help="Use N random token-id prompts instead.")]
+PromptLenOpt = Annotated[Optional[int], typer.Option("--prompt-len", metavar="L",
+                                                     help="Tokens per random prompt (default 64).")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32, for both engines.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, or auto (cuda when available).")]
 # A string, not a Path: typer turns "" into Path("."), and an empty --out must be refused, not read as ".".
 OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", metavar="DIR",
                                                 help="Output directory (default: alignaudit-runs/COMMAND-TIME).")]
 ForceOpt = Annotated[bool, typer.Option("--force", metavar="",
-                                        help="Reuse a non-empty --out directory: alignaudit's own earlier outputs there are "
-                                             "replaced, nothing else is touched.")]
+                                        help="Reuse a non-empty --out directory: alignaudit's own earlier outputs "
+                                             "there are replaced, nothing else is touched.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Stream the engine workers' logs.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", metavar="", help="Show tracebacks on errors.")]
 TrainOpt = Annotated[str, typer.Option("--train", metavar="ENGINE", help="Training engine: megatron, hf or vllm.")]
-InferOpt = Annotated[str, typer.Option("--infer", metavar="ENGINE", help="Inference (rollout) engine: vllm, hf or megatron.")]
-TrainDtypeOpt = Annotated[Optional[str], typer.Option("--train-dtype", metavar="DTYPE", help="Override --dtype for the training engine.")]
-InferDtypeOpt = Annotated[Optional[str], typer.Option("--infer-dtype", metavar="DTYPE", help="Override --dtype for the inference engine.")]
+InferOpt = Annotated[str, typer.Option("--infer", metavar="ENGINE",
+                                       help="Inference (rollout) engine: vllm, hf or megatron.")]
+TrainDtypeOpt = Annotated[Optional[str], typer.Option("--train-dtype", metavar="DTYPE",
+                                                      help="Override --dtype for the training engine.")]
+InferDtypeOpt = Annotated[Optional[str], typer.Option("--infer-dtype", metavar="DTYPE",
+                                                      help="Override --dtype for the inference engine.")]
 TrainSettingOpt = Annotated[Optional[list[str]], typer.Option("--train-opt", metavar="KEY=VALUE",
                                                               help="Setting for the training engine (repeatable).")]
 InferSettingOpt = Annotated[Optional[list[str]], typer.Option("--infer-opt", metavar="KEY=VALUE",
@@ -70,16 +76,20 @@ StrictExpOpt = Annotated[str, typer.Option(
 LmHeadOpt = Annotated[str, typer.Option("--lm-head-dtype", metavar="DTYPE", help="model (the lm_head in --dtype) or "
                                         "fp32 (hidden states and lm_head cast to fp32, as RL trainers and vLLM's "
                                         "head_dtype do), for both engines.")]
-LayersOpt = Annotated[Optional[str], typer.Option("--layers", metavar="RANGES", help="Layers to capture, e.g. 0-3,7 (default: all).")]
-OpsOpt = Annotated[Optional[str], typer.Option("--ops", metavar="OPS", help="Canonical ops to capture, e.g. attn,o_proj "
-                                                "(default: all; a mixture-of-experts model has router, routing, moe "
-                                                "for gate_proj, up_proj, act, down_proj).")]
-ClipEpsOpt = Annotated[float, typer.Option("--clip-eps", metavar="EPS", help="PPO clip epsilon for the clip-fraction metric.")]
+LayersOpt = Annotated[Optional[str], typer.Option("--layers", metavar="RANGES",
+                                                  help="Layers to capture, e.g. 0-3,7 (default: all).")]
+OpsOpt = Annotated[Optional[str], typer.Option("--ops", metavar="OPS", help="Canonical ops to capture, e.g. "
+                                                "attn,o_proj (default: all; a mixture-of-experts model has router, "
+                                                "routing, moe for gate_proj, up_proj, act, down_proj).")]
+ClipEpsOpt = Annotated[float, typer.Option("--clip-eps", metavar="EPS",
+                                           help="PPO clip epsilon for the clip-fraction metric.")]
 ModeOpt = Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
                                       "(the inference engine samples, the training engine rescores).")]
-MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", metavar="N", help="Rollout: tokens sampled per prompt.")]
-TemperatureOpt = Annotated[float, typer.Option("--temperature", metavar="T", help="Rollout: sampling temperature (> 0). "
-                                               "With --infer-opt logprobs_mode=processed_logprobs the trainer replays it.")]
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", metavar="N",
+                                              help="Rollout: tokens sampled per prompt.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", metavar="T",
+                                               help="Rollout: sampling temperature (> 0). With --infer-opt "
+                                               "logprobs_mode=processed_logprobs the trainer replays it.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", metavar="K", help="Rollout: sample from the K most likely tokens "
                                       "(0 = off); replayed by the trainer with processed logprobs.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", metavar="P", help="Rollout: nucleus sampling (1.0 = off); replayed "
@@ -157,7 +167,8 @@ def grouped(fn):
             expanded += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
                                            annotation=field_hints[f.name]) for f in dataclasses.fields(cls)]
         else:
-            expanded.append(param.replace(annotation=hints.get(name, param.annotation), kind=inspect.Parameter.KEYWORD_ONLY))
+            expanded.append(param.replace(annotation=hints.get(name, param.annotation),
+                                          kind=inspect.Parameter.KEYWORD_ONLY))
     expanded.append(inspect.Parameter("debug", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=DebugOpt))
 
     @functools.wraps(fn)
@@ -246,8 +257,14 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     """The two EngineRuns of a comparison, validated before anything starts: engines installed, dtypes,
     device, strict ops, every setting against what the engine implements (alignaudit.capabilities), and
     the engines' own configuration classes in a short worker (alignaudit.runner.check_options)."""
-    from alignaudit.capabilities import (check_engine_features, check_parallel, check_runs, refuse_moe,
-                                         refuse_moe_cuda_graphs, tensor_parallel_size)
+    from alignaudit.capabilities import (
+        check_engine_features,
+        check_parallel,
+        check_runs,
+        refuse_moe,
+        refuse_moe_cuda_graphs,
+        tensor_parallel_size,
+    )
     from alignaudit.engines import check_installed
     from alignaudit.engines.base import EngineSettings, parse_options
     from alignaudit.request import EngineRun
@@ -264,7 +281,8 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     runs = [
         EngineRun(name, EngineSettings(check_dtype(own or pair.dtype), dev, seed, parse_options(opts), strict=ops,
                                        lm_head_dtype=pair.lm_head_dtype, strict_exp=exp))
-        for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt), (pair.infer, pair.infer_dtype, pair.infer_opt))
+        for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt),
+                                (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]
     check_engine_features(spec, (pair.train, pair.infer))
     if any(tensor_parallel_size(run) != 1 for run in runs):

@@ -344,7 +344,8 @@ def _sequences(tokens: pd.DataFrame) -> list[dict]:
 
 def _first_message(row: dict) -> str:
     f = row["first_mismatch"]
-    return (f"{row['mismatches']} of {row['tokens']} tokens differ; first at position {f['pos']} (token {f['token_id']}): "
+    return (f"{row['mismatches']} of {row['tokens']} tokens differ; first at position {f['pos']} "
+            f"(token {f['token_id']}): "
             f"train {f['train']:.9g} ({f['train_hex']}) vs infer {f['infer']:.9g} ({f['infer_hex']}), {f['ulp']} ULP")
 
 

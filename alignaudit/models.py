@@ -82,7 +82,8 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise InputError(f"model directory {path} has no config.json; point --model at a Hugging Face checkpoint directory")
+        raise InputError(f"model directory {path} has no config.json; "
+                         "point --model at a Hugging Face checkpoint directory")
     try:
         raw = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -102,8 +103,8 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
                          f"num_experts {raw.get('num_experts')!r}")
     for field, value, why in arch.required:
         if raw.get(field, value) != value:
-            raise InputError(f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name} (only {value!r}): "
-                             f"{why}")
+            raise InputError(f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name} "
+                             f"(only {value!r}): {why}")
     if not any(path.glob("*.safetensors")):
         raise InputError(f"model directory {path} has no *.safetensors weights")
     check_json_files(path)
@@ -206,7 +207,8 @@ def check_weights(path: Path, config: dict, arch) -> int:
         if name not in shapes:
             raise InputError(f"checkpoint {path} has no tensor {name}, which its config.json implies")
         if shapes[name] != list(shape):
-            raise InputError(f"checkpoint tensor {name} has shape {shapes[name]}, but config.json implies {list(shape)}")
+            raise InputError(f"checkpoint tensor {name} has shape {shapes[name]}, "
+                             f"but config.json implies {list(shape)}")
     unused = sorted(set(shapes) - {name for name, _, _ in expected})
     if unused:
         raise InputError(f"checkpoint {path} holds {len(unused)} tensor(s) its config.json does not account for "

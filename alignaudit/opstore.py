@@ -25,10 +25,7 @@ import torch
 
 from alignaudit.errors import InputError
 from alignaudit.ops import split_op_id
-
-OPS_DIR = "ops"
-INDEX = "index.parquet"
-FINGERPRINTS = "fingerprints.parquet"
+from alignaudit.rundir import FINGERPRINTS, INDEX, OPS_DIR
 
 
 class OpRecorder:
@@ -87,7 +84,8 @@ class OpRecorder:
                                          "key", "file"]).to_parquet(self.directory / INDEX, index=False)
         prints = [{"op": op, "seq": seq, "tokens": state[1], "sha256": state[0].hexdigest()}
                   for (op, seq), state in self.hashes.items()]
-        pd.DataFrame(prints, columns=["op", "seq", "tokens", "sha256"]).to_parquet(self.directory / FINGERPRINTS, index=False)
+        pd.DataFrame(prints, columns=["op", "seq", "tokens", "sha256"]).to_parquet(self.directory / FINGERPRINTS,
+                                                                                   index=False)
         op_ids = list(dict.fromkeys(r["op"] for r in self.rows))
         return {"ops": len(op_ids), "bytes": self.total_bytes, "files": self.chunks, "op_ids": op_ids,
                 "index_sha256": _sha256(self.directory / INDEX),
@@ -113,7 +111,8 @@ class OpStore:
     def __init__(self, capture_dir: Path, recorded: dict | None, cache_ops: int = 32):
         self.directory = Path(capture_dir) / OPS_DIR
         if not (self.directory / INDEX).is_file():
-            raise InputError(f"{capture_dir} has no per-op tensors; make it with `alignaudit capture` (ops are on by default)")
+            raise InputError(f"{capture_dir} has no per-op tensors; make it with `alignaudit capture` "
+                             "(ops are on by default)")
         recorded = recorded or {}
         for name, key in ((INDEX, "index_sha256"), (FINGERPRINTS, "fingerprints_sha256")):
             if not recorded.get(key):
@@ -124,9 +123,11 @@ class OpStore:
                                  "differs from the manifest's); capture again")
         try:
             self.index = pd.read_parquet(self.directory / INDEX)
-            self.fingerprints = pd.read_parquet(self.directory / FINGERPRINTS).set_index(["op", "seq"])["sha256"].to_dict()
+            self.fingerprints = (pd.read_parquet(self.directory / FINGERPRINTS)
+                                 .set_index(["op", "seq"])["sha256"].to_dict())
         except Exception as e:  # pyarrow raises several types for missing/truncated files
-            raise InputError(f"{self.directory} has a missing or corrupt index ({type(e).__name__}); capture again") from e
+            raise InputError(f"{self.directory} has a missing or corrupt index ({type(e).__name__}); "
+                             "capture again") from e
         held, expected = self.op_ids(), list(recorded.get("op_ids") or [])
         if held != expected:
             gone = [op for op in expected if op not in held]

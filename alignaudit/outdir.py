@@ -25,15 +25,8 @@ from datetime import datetime
 from pathlib import Path
 
 from alignaudit.errors import InputError
+from alignaudit.rundir import INNER_FILES, LOCK, MARKER
 
-MARKER = ".alignaudit-outputs"
-LOCK = ".alignaudit.lock"
-# Files alignaudit writes inside the directories it creates (captures and their op stores; rl's sync/ and
-# tokens/; the comparison of each row of ablate's configs/).
-INNER_FILES = ("manifest.json", "manifest.json.tmp", "logprobs.parquet", "request.json", "worker.log",
-               "chunk-*.safetensors", "index.parquet", "fingerprints.parquet", "weights.safetensors",
-               "step-[0-9][0-9][0-9][0-9][0-9].parquet", "run.json", "summary.json", "tokens.parquet",
-               "sequences.parquet", "bisect.json", "ops-natural.parquet", "report.html", MARKER, LOCK)
 command_name = "?"  # set by the CLI; shown to a second run that finds the directory locked
 
 _held: dict[Path, int] = {}
@@ -167,7 +160,8 @@ def lock(out: Path) -> None:
             who = f"pid {info['pid']}, `alignaudit {info['command']}`, started {info['started']}"
         except (json.JSONDecodeError, KeyError, TypeError):
             who = "another process"
-        raise InputError(f"{out} is in use by another alignaudit run ({who}); wait for it or choose another --out") from None
+        raise InputError(f"{out} is in use by another alignaudit run ({who}); "
+                         "wait for it or choose another --out") from None
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps({"pid": os.getpid(), "command": command_name,
                              "started": datetime.now().isoformat(timespec="seconds")}).encode())

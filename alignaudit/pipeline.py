@@ -26,22 +26,12 @@ from alignaudit.opstore import OpStore
 from alignaudit.prompts import TokenBatch
 from alignaudit.repeat import summarize_repeats
 from alignaudit.request import EngineRun, Request
+from alignaudit.rundir import BISECT, DIFF_OUTPUTS, OPS_FILES, RUN, SEQUENCES, SUMMARY, TOKENS
 from alignaudit.runner import run_capture
-from alignaudit.verify import RUN, capture_record, manifest_sha256, seal
+from alignaudit.verify import capture_record, manifest_sha256, seal
 
-TOKENS = "tokens.parquet"
-SEQUENCES = "sequences.parquet"
-SUMMARY = "summary.json"
-BISECT = "bisect.json"
 MODES = ("natural", "forced", "both")
-# Top-level entries each command writes in its output directory (alignaudit.outdir claims them).
-GATE_OUTPUTS = ("verdict.json", "junit.xml", "summary.md")
-DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, "ops.parquet")  # and RUN, written last
-COMPARE_OUTPUTS = (RUN, "train", "infer", TOKENS, SEQUENCES, SUMMARY)
-BISECT_OUTPUTS = (RUN, "train", "infer", "infer-forced", "train-as-configured", "infer-as-configured",
-                  "ops-natural.parquet", "ops-forced.parquet", BISECT)
 ROUTING = Selection(names=frozenset({"routing"}))  # what compare captures of a mixture-of-experts model
-CAPTURE_OUTPUTS = ("manifest.json", "manifest.json.tmp", "logprobs.parquet", "ops", "request.json", "worker.log")
 
 __all__ = ["EngineRun", "capture", "compare", "bisect", "diff_captures", "diff_ops", "finish_diff"]
 
@@ -140,7 +130,8 @@ ROUTING_NOTE = ("vLLM's compiled default MoE runs its routing inside the compile
                 "alignaudit bisect reads it in eager mode")
 
 
-def routing_plan(spec: ModelSpec, train: EngineRun, infer: EngineRun, rollout: bool) -> tuple[Selection | None, str | None]:
+def routing_plan(spec: ModelSpec, train: EngineRun, infer: EngineRun,
+                 rollout: bool) -> tuple[Selection | None, str | None]:
     """What a comparison captures besides logprobs, and why not more: (ROUTING, None) for a mixture-of-experts
     model in prompt mode when both engines' routing can be read without changing what they compute; else
     (None, the reason the summary gives for holding no routing), and (None, None) for a dense model."""
@@ -253,7 +244,7 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
                         reference=ref)
         captures["infer" if name == "natural" else "infer-forced"] = other
         records = diff_ops(reference, other, selection)
-        write_ops(records, out / f"ops-{name}.parquet")
+        write_ops(records, out / OPS_FILES[name])
         verdict = [r for r in records if r.get("forced", True)]
         result["sides"]["infer"] = _side(other)
         result[name] = {
@@ -279,5 +270,5 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
         tokens = compare_tokens(align_tokens(made.logprobs, plain.logprobs))
         entry.update(tokens=len(tokens), mismatches=int((~tokens["bitwise_equal"]).sum()))
     write_json(out / BISECT, result)
-    finish_run(out, record, captures, ("ops-natural.parquet", "ops-forced.parquet", BISECT))
+    finish_run(out, record, captures, (OPS_FILES["natural"], OPS_FILES["forced"], BISECT))
     return result

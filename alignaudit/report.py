@@ -20,7 +20,8 @@ def _side_label(side: dict) -> str:
     strict = f", strict {side['strict']}" if side.get("strict") else ""
     strict += f", {side['strict_exp']} exp" if side.get("strict_exp") not in (None, "portable") else ""
     head = ", fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else ""
-    tp = side.get("options", {}).get("tensor_model_parallel_size") or side.get("options", {}).get("tensor_parallel_size")
+    tp = (side.get("options", {}).get("tensor_model_parallel_size")
+          or side.get("options", {}).get("tensor_parallel_size"))
     head += f", TP={tp}" if tp and tp != 1 else ""
     return escape(f"{side['engine']} ({side['dtype']}, {side['device']}{strict}{head}{', ' + opts if opts else ''})")
 
@@ -34,13 +35,15 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
     sequences.parquet) and the worst tokens of a logprob comparison."""
     sides = summary.get("sides", {})
     train, infer = sides.get("train"), sides.get("infer")
-    title = f"{escape(summary.get('model', ''))}: {_side_label(train)} vs {_side_label(infer)}" if train and infer else ""
+    title = (f"{escape(summary.get('model', ''))}: {_side_label(train)} vs {_side_label(infer)}"
+             if train and infer else "")
     n, bad = summary["tokens_compared"], summary["mismatches"]
     rl = summary["rl"]
     table = Table(title=f"Logprob alignment  {title}", show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
     table.add_column("value")
-    table.add_row("tokens compared", f"{n} in {summary['sequences']} sequence{'' if summary['sequences'] == 1 else 's'}")
+    table.add_row("tokens compared",
+                  f"{n} in {summary['sequences']} sequence{'' if summary['sequences'] == 1 else 's'}")
     table.add_row("mismatching tokens (bitwise)", f"{bad} ({summary['mismatch_fraction']:.1%})")
     for kind in ("nan", "inf"):
         counts = summary.get(f"{kind}_tokens") or {}
@@ -50,12 +53,14 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
     if summary["nan_mismatches"] or summary["inf_mismatches"]:
         table.add_row("NaN / Inf mismatches", f"{summary['nan_mismatches']} / {summary['inf_mismatches']}")
     table.add_row("max |Δ logprob|", _num(summary["max_abs_diff"]))
-    table.add_row("mean |Δ logprob| / mean Δ (signed)", f"{_num(summary['mean_abs_diff'])} / {_num(summary.get('mean_diff'), '+.3e')}")
+    table.add_row("mean |Δ logprob| / mean Δ (signed)",
+                  f"{_num(summary['mean_abs_diff'])} / {_num(summary.get('mean_diff'), '+.3e')}")
     table.add_row("ULP (fp32) max / median / p99",
                   f"{summary['ulp_max']} / {_num(summary['ulp_median'], 'g')} / {_num(summary['ulp_p99'], 'g')}")
     table.add_row("ULP histogram", "  ".join(f"{k}: {v}" for k, v in summary["ulp_histogram"].items()))
     table.add_row("importance ratio min / max", f"{_num(rl['ratio_min'], '.6f')} / {_num(rl['ratio_max'], '.6f')}")
-    table.add_row(f"outside PPO clip [{1 - rl['clip_eps']:g}, {1 + rl['clip_eps']:g}]", _num(rl["clip_fraction"], ".2%"))
+    table.add_row(f"outside PPO clip [{1 - rl['clip_eps']:g}, {1 + rl['clip_eps']:g}]",
+                  _num(rl["clip_fraction"], ".2%"))
     table.add_row("token_mult_prob_error", _num(rl["token_mult_prob_error"], ".9f"))
     table.add_row("|p_train - p_infer| max / mean", f"{_num(rl['prob_diff_max'])} / {_num(rl['prob_diff_mean'])}")
     table.add_row("KL k3 (infer || train)", _num(rl["kl_k3_mean"]))
@@ -82,7 +87,8 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
 
         shown = worst_sequences(rows, SEQUENCE_ROWS)
         more = len(rows) - len(shown)
-        title = "Per sequence" if not more else f"Worst {len(shown)} of {len(rows)} sequences (all in sequences.parquet)"
+        title = ("Per sequence" if not more
+                 else f"Worst {len(shown)} of {len(rows)} sequences (all in sequences.parquet)")
         seq_table = Table(title=title, title_justify="left")
         for col in ("seq", "tokens", "mismatches", "first mismatch pos", "max ULP", "max |Δ|"):
             seq_table.add_column(col, justify="right")
@@ -97,8 +103,8 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
         render_worst_tokens(console, tokens, worst)
     nan = summary.get("nan_tokens") or {}
     if nan.get("train") or nan.get("infer"):
-        verdict = (f"[bold red]NaN logprobs: {nan['train']} tokens on the train side, {nan['infer']} on the infer side; "
-                   f"{bad} of {n} tokens differ[/]")
+        verdict = (f"[bold red]NaN logprobs: {nan['train']} tokens on the train side, {nan['infer']} "
+                   f"on the infer side; {bad} of {n} tokens differ[/]")
     else:
         verdict = "[bold green]BITWISE IDENTICAL[/]" if bad == 0 else f"[bold red]{bad} of {n} tokens differ[/]"
     console.print(verdict)
@@ -143,7 +149,8 @@ def render_ops(console: Console, records: list[dict], mode: str, first: dict | N
     notes = [r.get("note") or "" for r in records if "elements" in r]
     common = notes[0] if notes and all(n == notes[0] for n in notes) else ""
     with_notes = any((r.get("note") or "") not in ("", common) for r in records)
-    for col in ["op", "", "equal", "max ULP", "median ULP", "max |diff|", "rel_diff"] + (["note"] if with_notes else []):
+    for col in ["op", "", "equal", "max ULP", "median ULP",
+                "max |diff|", "rel_diff"] + (["note"] if with_notes else []):
         table.add_column(col, justify="left" if col in ("op", "", "note") else "right", no_wrap=col != "note")
     for r in records:
         differs = r["status"] == "differs"

@@ -12,16 +12,13 @@ from collections import deque
 from pathlib import Path
 
 from alignaudit import errors
-from alignaudit.capture import LOGPROBS, MANIFEST, Capture, read_capture
+from alignaudit.capture import Capture, read_capture
 from alignaudit.engines import check_installed
 from alignaudit.engines.base import EngineSettings
 from alignaudit.engines.worker import ERROR_MARKER, PROGRESS_MARKER
 from alignaudit.models import ModelSpec
-from alignaudit.opstore import OPS_DIR
 from alignaudit.prompts import TokenBatch
-
-REQUEST = "request.json"
-WORKER_LOG = "worker.log"
+from alignaudit.rundir import LOGPROBS, MANIFEST, OPS_DIR, REQUEST, WORKER_LOG
 
 
 def run_capture(

@@ -125,7 +125,8 @@ class Blocks(View):
 
     def split(self, rows, spec):
         flat = rows.reshape(rows.shape[0], -1)
-        return tuple(canonical(p, OP_DEFS[n].layout, spec) for n, p in zip(self.names, flat.split(self._sizes(spec), -1)))
+        return tuple(canonical(p, OP_DEFS[n].layout, spec)
+                     for n, p in zip(self.names, flat.split(self._sizes(spec), -1)))
 
     def join(self, parts, like, spec):
         return torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=-1).reshape(like.shape)
@@ -138,7 +139,8 @@ class GroupedQKV(View):
     names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
     def split(self, rows, spec):
-        q, k, v = split_qkv_grouped(rows.reshape(rows.shape[0], -1), spec.num_heads, spec.num_query_groups, spec.head_dim)
+        q, k, v = split_qkv_grouped(rows.reshape(rows.shape[0], -1),
+                                    spec.num_heads, spec.num_query_groups, spec.head_dim)
         return canonical(q, "q_heads", spec), canonical(k, "kv_heads", spec), canonical(v, "kv_heads", spec)
 
     def join(self, parts, like, spec):

@@ -25,16 +25,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from alignaudit.capture import MANIFEST, Capture, read_capture
+from alignaudit.capture import Capture, read_capture
 from alignaudit.errors import InputError
+from alignaudit.rundir import MANIFEST, RESULTS, RUN, SIDES, STEP_TOKENS, STEPS, SUMMARY, TOKENS, TOKENS_DIR
 
-RUN = "run.json"
 RECORD_SHA256 = "record_sha256"
 OUTPUTS = "outputs"
-# the result files each command's record must list (alignaudit.pipeline writes them; its constants match)
-RESULTS = {"compare": ("tokens.parquet", "sequences.parquet", "summary.json"),
-           "diff": ("tokens.parquet", "sequences.parquet", "summary.json"), "rl": ("steps.parquet",)}
-ROLES = ("train", "infer")
+ROLES = SIDES
 SETTINGS_CHECKED = ("dtype", "device", "strict", "options", "seed", "lm_head_dtype")
 
 
@@ -193,7 +190,7 @@ def _check_results(run_dir: Path, train: Capture, infer: Capture) -> None:
     from alignaudit.diff import align_tokens, compare_tokens, summarize_tokens
 
     fresh = compare_tokens(align_tokens(train.logprobs, infer.logprobs))
-    stored = pd.read_parquet(run_dir / "tokens.parquet")
+    stored = pd.read_parquet(run_dir / TOKENS)
     same = len(stored) == len(fresh) and all(
         np.array_equal(stored[c].to_numpy(), fresh[c].to_numpy()) for c in ("seq", "pos", "token_id", "bitwise_equal"))
     same = same and all(np.array_equal(stored[c].to_numpy(np.float32).view(np.int32),
@@ -201,7 +198,7 @@ def _check_results(run_dir: Path, train: Capture, infer: Capture) -> None:
     if not same:
         raise InputError(f"{run_dir / 'tokens.parquet'} does not hold the comparison of the run's captures; run it "
                          "again")
-    summary = json_.loads((run_dir / "summary.json").read_text())
+    summary = json_.loads((run_dir / SUMMARY).read_text())
     expected = summarize_tokens(fresh, 0.2)
     for key in ("tokens_compared", "mismatches", "ulp_max", "max_abs_diff"):
         if summary.get(key) != expected[key]:
@@ -239,7 +236,7 @@ def load_rl_run(run_dir: Path) -> RLRun:
     record = read_run_record(run_dir, commands=("rl",))
     check_outputs(run_dir, record, RESULTS["rl"])
     check_outputs(run_dir, record)
-    path = run_dir / "steps.parquet"
+    path = run_dir / STEPS
     steps = pd.read_parquet(path)
     missing = [c for c in STEP_COLUMNS if c not in steps]
     if missing:
@@ -256,7 +253,7 @@ def load_rl_run(run_dir: Path) -> RLRun:
                                  f"{reported.get(key)!r} it reported; the run directory was altered")
     token_rows = bool((record.get("rl") or {}).get("token_rows"))
     for row in steps.to_dict("records") if token_rows else ():
-        name = f"tokens/step-{int(row['step']):05d}.parquet"
+        name = f"{TOKENS_DIR}/{STEP_TOKENS.format(step=int(row['step']))}"
         check_outputs(run_dir, record, (name,))
         table = pd.read_parquet(run_dir / name)
         if set(table["step"]) != {row["step"]}:

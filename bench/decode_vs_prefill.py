@@ -16,9 +16,9 @@ import argparse
 
 import torch
 
+from alignaudit.cliargs import ModelArgs, resolve_model_arg
 from alignaudit.engines.base import EngineSettings
 from alignaudit.engines.hf import HFEngine
-from alignaudit.cliargs import ModelArgs, resolve_model_arg
 from alignaudit.numerics import ulp_distance
 
 

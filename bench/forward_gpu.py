@@ -81,7 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    cfg = Qwen3Config(**{k: v for k, v in PRESETS[args.preset].config.items() if k not in ("architectures", "torch_dtype")})
+    cfg = Qwen3Config(**{k: v for k, v in PRESETS[args.preset].config.items()
+                         if k not in ("architectures", "torch_dtype")})
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
@@ -135,7 +136,8 @@ def main() -> None:
         print(f"peak GPU memory in the compiled strict forward: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         if isinstance(e, torch.OutOfMemoryError):  # where did it go: the largest live blocks
             snapshot = torch.cuda.memory_snapshot()
-            sizes = sorted((blk["size"] for seg in snapshot for blk in seg["blocks"] if blk["state"] == "active_allocated"),
+            sizes = sorted((blk["size"] for seg in snapshot for blk in seg["blocks"]
+                            if blk["state"] == "active_allocated"),
                            reverse=True)
             print("largest live blocks (MiB):", [round(x / 2**20) for x in sizes[:12]], "count", len(sizes))
     print(f"torch.compile: default {default_compiled_ms:.1f} ms; strict {outcome}")
@@ -146,7 +148,8 @@ def main() -> None:
         compiled_strict = torch.compile(strict)
         one_ms = median_ms(compiled_strict, warmup=3)
         same = torch.equal(compiled_strict().contiguous().view(torch.int32), strict().contiguous().view(torch.int32))
-        print(f"at 1 x {args.tokens} tokens, compiled: default {default_compiled_one_ms:.1f} ms, strict {one_ms:.1f} ms "
+        print(f"at 1 x {args.tokens} tokens, compiled: default {default_compiled_one_ms:.1f} ms, "
+              f"strict {one_ms:.1f} ms "
               f"({one_ms / default_compiled_one_ms:.2f}x), strict logprob bits equal to eager strict: {same}")
     print(f"strict eager / compiled default: {strict_ms / default_compiled_ms:.2f}x"
           + (f"   compiled strict / compiled default: {strict_compiled_ms / default_compiled_ms:.2f}x"

@@ -163,8 +163,8 @@ def main() -> None:
             f"{r['of_copy_bound']:.2f} of copy bound" if "of_copy_bound" in r else "")
         graph = f"{r['graph_ratio']:6.2f}" if "graph_ratio" in r else " " * 6
         extra = extra or (f"not captured: {r['graph_error']}" if "graph_error" in r else "")
-        print(f"{r['op']:44s} {str(r.get('M', '')):>6s} {r['default_ms']:11.4f} {r['strict_ms']:10.4f} {r['ratio']:6.2f} "
-              f"{graph}  {extra}")
+        print(f"{r['op']:44s} {str(r.get('M', '')):>6s} {r['default_ms']:11.4f} {r['strict_ms']:10.4f} "
+              f"{r['ratio']:6.2f} {graph}  {extra}")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                          "triton": triton.__version__, "rows": rows}, indent=2))

@@ -6,7 +6,8 @@ Host time: the wall time of ``calls`` back-to-back calls, before synchronizing, 
 shapes the GPU finishes each kernel sooner than the host launches the next, so this is the Python, autograd
 and launcher cost of one call (what an eager decode step pays per op, and what CUDA graphs remove). The
 GPU time of the same call as a CUDA-graph replay is printed beside it. "kernel launch only" calls the strict
-linear's launcher directly (no argument checks, no autograd.Function): the rest of its host time is Triton's. Qwen3-8B shapes, one token (M = 1).
+linear's launcher directly (no argument checks, no autograd.Function): the rest of its host time is Triton's.
+Qwen3-8B shapes, one token (M = 1).
 On the CPU (--device cpu) both columns are the whole call and only show that the script runs.
 """
 
@@ -70,7 +71,8 @@ def pairs(device: str) -> dict:
     return {
         "linear 4096x6144": (lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w)),
         "linear 4096x6144, kernel launch only": (lambda: torch.nn.functional.linear(x, w),
-                                                 lambda: K.matmul._triton(x, w, None) if K.primitives.use_triton(x) else K.linear(x, w)),
+                                                 lambda: K.matmul._triton(x, w, None) if K.primitives.use_triton(x)
+                                                         else K.linear(x, w)),
         "linear 4096x4096, 4 K segments": (lambda: torch.nn.functional.linear(x, w[:4096]),
                                            lambda: K.linear(x, w[:4096], k_segments=K.matmul.ROW_PARALLEL_SEGMENTS)),
         "rmsnorm 4096": (lambda: torch.nn.functional.rms_norm(x, (4096,), nw, 1e-6), lambda: K.rms_norm(x, nw, 1e-6)),

@@ -43,7 +43,8 @@ def sweep_matmul(rows):
     same = [torch.equal(outs[0], o) for o in outs]
     one = matmul._triton(x[:1], w, None, tile=MATMUL_TILES[SMALL])
     same_row = torch.equal(one[0], outs[0][0])
-    print(f"matmul: bits equal across tiles {same}; row alone in the small tile == in the big tile: {same_row}", flush=True)
+    print(f"matmul: bits equal across tiles {same}; "
+          f"row alone in the small tile == in the big tile: {same_row}", flush=True)
     for k, n in ((4096, 6144), (4096, 24576), (12288, 4096)):
         w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
         for m in (1, 16, 256, 4096):
@@ -51,7 +52,8 @@ def sweep_matmul(rows):
             base = ms(lambda: torch.nn.functional.linear(x, w))
             for t in MATMUL_TILES:
                 strict = ms(lambda: matmul._triton(x, w, None, tile=t))
-                rows.append({"op": f"matmul {k}x{n}", "M": m, "config": list(t), "default_ms": base, "strict_ms": strict,
+                rows.append({"op": f"matmul {k}x{n}", "M": m, "config": list(t),
+                             "default_ms": base, "strict_ms": strict,
                              "ratio": base / strict})
     return {"tiles_bitwise_equal": all(same), "small_vs_large_row_equal": same_row}
 
@@ -109,7 +111,8 @@ def sweep_segments(rows):
             expected = matmul._triton(x, w, None, tile=matmul.tile_for(m, n, DT), segments=s)
             base = graph_ms(lambda: torch.nn.functional.linear(x, w))
             ways = {"unsegmented (strict, default path)": lambda: matmul._triton(x, w, None),
-                    "in-kernel tree (pointer)": lambda: matmul._triton(x, w, None, tile=matmul.tile_for(m, n, DT), segments=s),
+                    "in-kernel tree (pointer)": lambda: matmul._triton(x, w, None, tile=matmul.tile_for(m, n, DT),
+                                                                       segments=s),
                     "split_k": lambda: matmul._split_k(x, w, None, s, None),
                     "default path": lambda: matmul._triton(x, w, None, segments=s)}
             for t in SEGMENT_TMA_TILES:
@@ -123,7 +126,8 @@ def sweep_segments(rows):
     return {"segments_bitwise_equal": all(same)}
 
 
-SMALL_M_TMA_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 6), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
+SMALL_M_TMA_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 6), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+                     (64, 256, 64, 8, 3),
                      (64, 64, 64, 4, 4)]
 
 

@@ -111,7 +111,8 @@ def main() -> None:
     base = results.get("default", {}).get("output_tokens_per_s")
     for name, r in results.items():
         if base:
-            print(f"{name:24s} {r['output_tokens_per_s']:9.1f} tokens/s  {r['output_tokens_per_s'] / base:.3f}x of default")
+            print(f"{name:24s} {r['output_tokens_per_s']:9.1f} tokens/s  "
+                  f"{r['output_tokens_per_s'] / base:.3f}x of default")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
 

@@ -38,7 +38,8 @@ def main() -> None:
     kwargs = {"kv_cache_memory_bytes": 256 << 20}
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = 0.5
-    llm = LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=args.eager, max_model_len=1024,
+    llm = LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=args.eager,
+              max_model_len=1024,
               seed=0, **kwargs)
     captured = []
     llm.apply_model(lambda m: m.logits_processor.register_forward_hook(

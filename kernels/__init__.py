@@ -17,7 +17,8 @@ from alignaudit_kernels.rope import apply_rope, inverse_frequencies, rope_tables
 from alignaudit_kernels.silu import silu_and_mul, silu_mul
 
 __all__ = [
-    "ROW_PARALLEL_SEGMENTS", "apply_rope", "causal_attention", "combine_experts", "combine_partials", "inverse_frequencies", "linear",
-    "linear_partial", "log_softmax", "mixture_of_experts", "paged_attention", "paged_decode", "rms_norm", "rope_tables", "route",
+    "ROW_PARALLEL_SEGMENTS", "apply_rope", "causal_attention", "combine_experts", "combine_partials",
+    "inverse_frequencies", "linear", "linear_partial", "log_softmax", "mixture_of_experts", "paged_attention",
+    "paged_decode", "rms_norm", "rope_tables", "route",
     "silu_and_mul", "silu_mul", "token_logprobs", "token_logprobs_vocab_parallel", "varlen_attention",
 ]

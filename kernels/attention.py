@@ -46,8 +46,17 @@ import functools
 
 import torch
 
-from alignaudit_kernels.primitives import (cdiv, compiling_inference, exp, fixed_sum, no_gradient, opaque_op, sm_count,
-                                          triton, use_triton)
+from alignaudit_kernels.primitives import (
+    cdiv,
+    compiling_inference,
+    exp,
+    fixed_sum,
+    no_gradient,
+    opaque_op,
+    sm_count,
+    triton,
+    use_triton,
+)
 
 BLOCK_N = 64
 CHUNK_N = 512
@@ -155,7 +164,8 @@ if triton is not None:
         if MASKED:
             kmask = (key <= last)[:, None] & dmask[None, :]
             return tl.load(k_ptr + k_off, mask=kmask, other=0.0), tl.load(v_ptr + v_off, mask=kmask, other=0.0)
-        return tl.load(k_ptr + k_off, mask=dmask[None, :], other=0.0), tl.load(v_ptr + v_off, mask=dmask[None, :], other=0.0)
+        return (tl.load(k_ptr + k_off, mask=dmask[None, :], other=0.0),
+                tl.load(v_ptr + v_off, mask=dmask[None, :], other=0.0))
 
     @triton.jit
     def _exp(x, NATIVE_EXP: tl.constexpr):
@@ -405,7 +415,8 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     _attention_kernel[(n_tiles, kvh, chunks if split else 1)](
         q, k_cache, v_cache, out, positions, block_table, tiles, m, l, acc, n_tiles, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
         KV=kv_mode, SPLIT=split, **shared, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if split:

@@ -28,8 +28,20 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import (cdiv, compiling_inference, exp, log, no_gradient, opaque_op, sm_count,
-                                          triton, unit_sum_scale, unit_sum_units, units_to_sum, use_triton)
+from alignaudit_kernels.primitives import (
+    cdiv,
+    compiling_inference,
+    exp,
+    log,
+    no_gradient,
+    opaque_op,
+    sm_count,
+    triton,
+    unit_sum_scale,
+    unit_sum_units,
+    units_to_sum,
+    use_triton,
+)
 
 BLOCK_V = 4096
 INTERPRETER_SPLITS = 3  # vocabulary chunks per row under the Triton interpreter, so the CPU tests cover splits
@@ -303,7 +315,8 @@ def token_logprobs_vocab_parallel(shard: torch.Tensor, targets: torch.Tensor, vo
     Raises ValueError on a shape mismatch, a shard outside [0, vocab_size), or vocab_size >
     primitives.UNIT_SUM_MAX_TERMS."""
     if shard.shape[:-1] != targets.shape:
-        raise ValueError(f"token_logprobs_vocab_parallel: logits {tuple(shard.shape)} vs targets {tuple(targets.shape)}")
+        raise ValueError(f"token_logprobs_vocab_parallel: logits {tuple(shard.shape)} "
+                         f"vs targets {tuple(targets.shape)}")
     if vocab_start < 0 or vocab_start + shard.shape[-1] > vocab_size:
         raise ValueError(f"token_logprobs_vocab_parallel: a shard of {shard.shape[-1]} entries from {vocab_start} does "
                          f"not fit a vocabulary of {vocab_size}")

@@ -34,8 +34,17 @@ import os
 
 import torch
 
-from alignaudit_kernels.primitives import (BLOCK, block_sums, cdiv, compiling_inference, no_gradient, opaque_op, sm_count,
-                                          triton, use_triton)
+from alignaudit_kernels.primitives import (
+    BLOCK,
+    block_sums,
+    cdiv,
+    compiling_inference,
+    no_gradient,
+    opaque_op,
+    sm_count,
+    triton,
+    use_triton,
+)
 
 CPU_CHUNK_ELEMENTS = 1 << 24  # rows are independent: process as many as fit in this many fp32 products
 
@@ -108,8 +117,10 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + rk
-            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
-            b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < k_hi), other=0.0)
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                        mask=(rm[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
+            b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None],
+                        mask=(rn[None, :] < N) & (kk[:, None] < k_hi), other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -400,7 +411,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, segments: int) -> None:
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"strict linear: x has K={x.shape[-1]}, weight has K={weight.shape[1]}")
     if segments not in SEGMENT_COUNTS or x.shape[-1] % segments:
-        raise ValueError(f"strict linear: k_segments={segments} must be one of {SEGMENT_COUNTS} and divide K={x.shape[-1]}")
+        raise ValueError(f"strict linear: k_segments={segments} must be one of {SEGMENT_COUNTS} "
+                         f"and divide K={x.shape[-1]}")
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int = 1) -> torch.Tensor:
@@ -437,7 +449,8 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, h
     return gx, gw, g.sum(0).to(weight.dtype) if has_bias else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_segments: int = 1) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None, k_segments: int = 1) -> torch.Tensor:
     """Strict ``x @ weight.T + bias``: x [..., K], weight [N, K], bias [N] or None -> [..., N] in x.dtype.
     ``k_segments`` > 1 reduces K as a tree of that many segments (the row-parallel form; module docstring).
 

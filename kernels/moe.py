@@ -89,7 +89,8 @@ def _expert(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, width
     return linear(silu_mul(linear(rows, gate_up[:width]), linear(rows, gate_up[width:])), down)
 
 
-def mixture_of_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+def mixture_of_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
+        down: torch.Tensor, top_k: int,
         normalize: bool):
     """The strict MoE layer of the module docstring: ``route`` then ``combine_experts``.
 

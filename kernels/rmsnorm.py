@@ -20,8 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import (compiling_inference, fixed_sum, no_gradient, opaque_op, reduction_input, rsqrt,
-                                          triton, use_triton)
+from alignaudit_kernels.primitives import (
+    compiling_inference,
+    fixed_sum,
+    no_gradient,
+    opaque_op,
+    reduction_input,
+    rsqrt,
+    triton,
+    use_triton,
+)
 
 
 def reference(x, weight, eps, residual=None):

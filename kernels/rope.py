@@ -24,7 +24,6 @@ import torch
 
 from alignaudit_kernels.primitives import cdiv, compiling_inference, no_gradient, opaque_op, triton, use_triton
 
-
 TABLE_ROWS = 1024  # tables grow in whole multiples of this many positions
 
 
@@ -139,7 +138,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     Raises ValueError on shape mismatches.
     """
     if x.dim() != 3 or positions.shape != (x.shape[0],) or cos.shape[1] * 2 != x.shape[-1]:
-        raise ValueError(f"apply_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}, tables {tuple(cos.shape)}")
+        raise ValueError(f"apply_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}, "
+                         f"tables {tuple(cos.shape)}")
     if compiling_inference(x, cos, sin):
         return _rope_op(x, positions, cos, sin)
     if no_gradient(x, cos, sin):

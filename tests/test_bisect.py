@@ -68,7 +68,8 @@ def test_bf16_vllm_vs_hf_rope_first_then_attention_without_custom_ops(captures):
     natural = diff_ops(hf, captures.get("vllm", "bf16", ops=True))
     assert first_divergence(natural)["op"] == "layers.0.q_rope"
     ops = by_op(natural)
-    assert all(ops[f"layers.0.{n}"]["status"] == EQUAL for n in ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm"))
+    assert all(ops[f"layers.0.{n}"]["status"] == EQUAL
+               for n in ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm"))
     assert ops["logits"]["note"].startswith("first")  # vLLM computes prompt logits for all but the last position
     native = captures.get("vllm", "bf16", ops=True, compilation_config={"custom_ops": ["none"]})
     assert native.manifest["engine_settings"]["llm"]["compilation_config"] == {"custom_ops": ["none"]}
@@ -134,7 +135,6 @@ def test_an_op_removed_from_a_capture_is_reported_missing_by_diff(captures, tmp_
     import pandas as pd
 
     from alignaudit.errors import EXIT_USAGE
-
     from test_cli import one_line_error
 
     train = captures.get("megatron", "bf16", ops=True)

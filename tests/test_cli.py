@@ -12,7 +12,6 @@ import pytest
 
 from alignaudit import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_OK, EXIT_USAGE, InputError
-
 from conftest import FIXTURE
 
 
@@ -96,7 +95,8 @@ def test_engine_not_installed(capsys, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("megatron") else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("megatron") else real(name, *a))
     err = one_line_error(capsys, ["compare", "--model", str(FIXTURE)], EXIT_ENGINE)
     assert "megatron.core, which is not installed; pip install 'alignaudit[megatron]'" in err
 
@@ -145,9 +145,11 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
 
     other_model = tmp_path / "model-copy"
     shutil.copytree(FIXTURE, other_model)
-    (other_model / "config.json").write_text((FIXTURE / "config.json").read_text().replace('"use_cache": true', '"use_cache": false'))
+    (other_model / "config.json").write_text((FIXTURE / "config.json").read_text().replace('"use_cache": true',
+                                                                                           '"use_cache": false'))
     other_ckpt = tmp_path / "other-ckpt"
-    assert cli.main(["capture", "--engine", "hf", "--no-ops", "--model", str(other_model), "--out", str(other_ckpt)]) == EXIT_OK
+    assert cli.main(["capture", "--engine", "hf", "--no-ops", "--model", str(other_model),
+                     "--out", str(other_ckpt)]) == EXIT_OK
     err = one_line_error(capsys, ["diff", str(b), str(other_ckpt), "--out", str(tmp_path / "d3")], EXIT_USAGE)
     assert "different checkpoints" in err
 

@@ -15,7 +15,6 @@ import pytest
 
 from alignaudit import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_OK, EXIT_USAGE
-
 from conftest import FIXTURE
 from test_cli import one_line_error
 
@@ -31,7 +30,8 @@ def broken_model(tmp_path, edit):
     (lambda d: (d / "config.json").write_text("[]"), "is not a JSON object"),
     (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]),
      "not a readable safetensors file"),
-    (lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace('"hidden_size": 128', '"hidden_size": 256')),
+    (lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace('"hidden_size": 128',
+                                                                                      '"hidden_size": 256')),
      "has shape [512, 128], but config.json implies [512, 256]"),
     (lambda d: (d / "tokenizer.json").write_text("{not json"), "tokenizer.json is not valid JSON"),
     (lambda d: (d / "tokenizer_config.json").write_bytes(b"\xff\xfe"), "tokenizer_config.json is not valid JSON"),
@@ -47,7 +47,8 @@ def test_broken_checkpoints_fail_before_any_engine(capsys, tmp_path, edit, messa
     (["--clip-eps", "-1"], "must lie in (0, 1)"),
     (["--prompt-len", "10"], "--prompt-len applies to --random-prompts"),
     (["--device", "cuda"], "sees no CUDA GPU"),
-    (["--random-prompts", "1", "--prompt-len", "1024"], "1024 tokens plus 1 generated, longer than the model's max length 1024"),
+    (["--random-prompts", "1", "--prompt-len", "1024"],
+     "1024 tokens plus 1 generated, longer than the model's max length 1024"),
     (["--mode", "rollout", "--random-prompts", "1", "--prompt-len", "1000"], "plus 32 generated"),
     (["--random-weights"], "--random-weights needs --model PRESET"),
     (["--strict", "softmax"], "unknown op(s) softmax"),
@@ -60,9 +61,11 @@ def test_input_errors_before_any_engine(capsys, tmp_path, argv, message):
 
 def test_bad_engine_settings_are_input_errors(capsys, tmp_path):
     base = ["compare", "--train", "hf", "--infer", "hf"]
-    err = one_line_error(capsys, [*base, "--train-opt", "micro_batch_size=abc", "--out", str(tmp_path / "a")], EXIT_USAGE)
+    err = one_line_error(capsys, [*base, "--train-opt", "micro_batch_size=abc",
+                                  "--out", str(tmp_path / "a")], EXIT_USAGE)
     assert "micro_batch_size='abc': expected an integer >= 1" in err
-    err = one_line_error(capsys, [*base, "--train-opt", "attn_implementation=flash_attention_2", "--out", str(tmp_path / "b")],
+    err = one_line_error(capsys, [*base, "--train-opt", "attn_implementation=flash_attention_2",
+                                  "--out", str(tmp_path / "b")],
                          EXIT_USAGE)
     assert "transformers cannot load qwen3-tiny with attn_implementation=flash_attention_2" in err
     err = one_line_error(capsys, ["compare", "--train", "megatron", "--infer", "hf", "--train-opt", "num_layers=5",
@@ -75,7 +78,8 @@ def test_failed_recapture_leaves_no_valid_looking_capture(capsys, tmp_path):
     assert cli.main(["capture", "--engine", "hf", "--no-ops", "--out", str(cap)]) == EXIT_OK
     manifest = (cap / "manifest.json").read_bytes()
     # refused before anything starts: the earlier capture is left as it was
-    assert one_line_error(capsys, ["capture", "--engine", "hf", "--opt", "micro_batch_size=0", "--out", str(cap), "--force"],
+    assert one_line_error(capsys, ["capture", "--engine", "hf", "--opt", "micro_batch_size=0",
+                                   "--out", str(cap), "--force"],
                           EXIT_USAGE)
     assert (cap / "manifest.json").read_bytes() == manifest
     # failed inside the engine: the earlier capture must not look like this run's
@@ -84,7 +88,8 @@ def test_failed_recapture_leaves_no_valid_looking_capture(capsys, tmp_path):
     assert not (cap / "manifest.json").exists()
     err = one_line_error(capsys, ["diff", str(cap), str(cap), "--out", str(tmp_path / "d")], EXIT_USAGE)
     assert "incomplete" in err
-    err = one_line_error(capsys, ["capture", "--engine", "hf", "--reference", str(cap), "--out", str(cap), "--force"], EXIT_USAGE)
+    err = one_line_error(capsys, ["capture", "--engine", "hf", "--reference", str(cap),
+                                  "--out", str(cap), "--force"], EXIT_USAGE)
     assert "overlaps the input" in err
 
 
@@ -102,7 +107,8 @@ def test_damaged_op_captures_are_errors_not_differences(capsys, tmp_path):
     (b / "ops" / "index.parquet").write_bytes(b"PAR1 truncated")
     err = one_line_error(capsys, ["diff", str(a), str(b), "--out", str(tmp_path / "d2")], EXIT_USAGE)
     assert "index.parquet is missing or is not the file the capture wrote" in err
-    assert "is a file" in one_line_error(capsys, ["diff", str(chunk), str(a), "--out", str(tmp_path / "d3")], EXIT_USAGE)
+    assert "is a file" in one_line_error(capsys, ["diff", str(chunk), str(a),
+                                                  "--out", str(tmp_path / "d3")], EXIT_USAGE)
 
 
 def _wait_for_worker(proc, timeout=60):

@@ -38,7 +38,8 @@ def test_rope_with_a_host_bound_gives_the_same_bits_and_refuses_positions_past_i
     """RopeOp with the caller's sequence bound (no host read of positions, what the engines pass) rotates
     like RopeOp without one; a position past the tables fails the device-side assert instead of reading
     past them."""
-    from alignaudit.strict.common import RopeOp, rotate
+    from alignaudit.strict.common import RopeOp
+    from alignaudit.strict.custom_ops import rotate
 
     rope = RopeOp(16, 1e4, max_positions=8)
     x = torch.randn(2, 20, 4, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)

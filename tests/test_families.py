@@ -70,12 +70,12 @@ def test_strict_rollout_is_reproduced_bit_for_bit_by_megatron(family, sampler):
 def test_llama3_frequencies_match_every_engine():
     """alignaudit_kernels' float64 llama3 frequencies against transformers', vLLM's and Megatron's fp32 ones
     (Llama-3.2-1B: head_dim 64, theta 5e5, factor 32): within fp32 rounding, and scaled where they should be."""
-    import alignaudit_kernels as K
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding as MegatronRope
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
 
+    import alignaudit_kernels as K
     from alignaudit.arch import PRESETS
 
     config = PRESETS["Llama-3.2-1B"].config
@@ -111,7 +111,8 @@ def test_fixtures_by_name_and_inputs_that_are_not_models(capsys, tmp_path):
     from alignaudit.cliargs import ModelArgs, resolve_model_arg
 
     assert resolve_model_arg(ModelArgs(model="llama-tiny")).architecture == "LlamaForCausalLM"
-    err = one_line_error(capsys, ["compare", "--model", "Llama-3.2-2B", "--random-weights", "--out", str(tmp_path / "o")], 2)
+    err = one_line_error(capsys, ["compare", "--model", "Llama-3.2-2B", "--random-weights",
+                                  "--out", str(tmp_path / "o")], 2)
     assert "'Llama-3.2-2B' is not a preset; did you mean Llama-3.2-" in err and "Llama-3.2-1B" in err
     moe = _edited(tmp_path, "qwen3-moe-tiny", num_experts_per_tok=9)
     err = one_line_error(capsys, ["compare", "--model", str(moe), "--train", "megatron", "--infer", "hf",

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from alignaudit import cli, gate
-from alignaudit.capture import LOGPROBS, MANIFEST, _sha256
+from alignaudit.capture import _sha256
 from alignaudit.diff import align_tokens, compare_tokens
 from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
-
+from alignaudit.rundir import LOGPROBS, MANIFEST
 from test_cli import one_line_error
 
 
@@ -25,7 +25,8 @@ def runs(tmp_path_factory):
     """Two real comparisons of the fixture: megatron vs hf without --strict, and with it."""
     root = tmp_path_factory.mktemp("gate-runs")
     for name, extra in (("stock", []), ("strict", ["--strict"])):
-        assert cli.main(["compare", "--train", "megatron", "--infer", "hf", *extra, "--out", str(root / name)]) == EXIT_OK
+        assert cli.main(["compare", "--train", "megatron", "--infer", "hf", *extra,
+                         "--out", str(root / name)]) == EXIT_OK
     return root
 
 
@@ -108,7 +109,8 @@ def test_relaxations_and_baseline(runs, tmp_path):
     strict = copy_run(runs, "strict", tmp_path)
     assert cli.main(["gate", str(strict)]) == EXIT_OK
     shutil.copy(strict / "verdict.json", baseline)
-    assert cli.main(["gate", str(run), "--baseline", str(baseline), "--json", str(tmp_path / "v.json")]) == EXIT_MISMATCH
+    assert cli.main(["gate", str(run), "--baseline", str(baseline),
+                     "--json", str(tmp_path / "v.json")]) == EXIT_MISMATCH
 
 
 @pytest.mark.parametrize("args, message", [
@@ -251,7 +253,8 @@ def test_a_capture_of_another_checkpoint_is_refused_by_gate_and_diff(runs, tmp_p
     record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
     reseal(run, record)
     assert "different checkpoints" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
-    err = one_line_error(capsys, ["diff", str(run / "train"), str(run / "infer"), "--out", str(tmp_path / "d")], EXIT_USAGE)
+    err = one_line_error(capsys, ["diff", str(run / "train"), str(run / "infer"),
+                                  "--out", str(tmp_path / "d")], EXIT_USAGE)
     assert "different checkpoints" in err
 
 
@@ -316,7 +319,8 @@ def test_a_page_shows_the_verdict_judged_again_not_the_stored_one(runs, tmp_path
     err = one_line_error(capsys, ["report", str(run), "--html", str(tmp_path / "r.html")], EXIT_USAGE)
     assert "verdict.json says verdict 'pass', but judging the run again gives 'fail'" in err
     assert not (tmp_path / "r.html").exists()
-    (run / "verdict.json").write_text(json.dumps({**stored, "rule_params": {**stored["rule_params"], "max_ulp": 10**9}}))
+    (run / "verdict.json").write_text(json.dumps({**stored,
+                                                  "rule_params": {**stored["rule_params"], "max_ulp": 10**9}}))
     err = one_line_error(capsys, ["report", str(run), "--html", str(tmp_path / "r.html")], EXIT_USAGE)
     assert "verdict.json says verdict 'fail'" in err  # a verdict of another rule than it names
 
@@ -325,10 +329,12 @@ def test_gate_judges_a_diff_directory_against_its_captures(runs, tmp_path, capsy
     """diff writes a sealed record naming its two captures: gate judges it like a compare run (issue [20]'s
     split-container audit), and an edit of what diff wrote is refused."""
     out = tmp_path / "d"
-    assert cli.main(["diff", str(runs / "stock" / "train"), str(runs / "stock" / "infer"), "--out", str(out)]) == EXIT_OK
+    assert cli.main(["diff", str(runs / "stock" / "train"), str(runs / "stock" / "infer"),
+                     "--out", str(out)]) == EXIT_OK
     assert cli.main(["gate", str(out)]) == EXIT_MISMATCH
     assert json.loads((out / "verdict.json").read_text())["mismatches"] == 176
-    assert cli.main(["diff", str(runs / "strict" / "train"), str(runs / "strict" / "infer"), "--out", str(tmp_path / "s")]) == EXIT_OK
+    assert cli.main(["diff", str(runs / "strict" / "train"), str(runs / "strict" / "infer"),
+                     "--out", str(tmp_path / "s")]) == EXIT_OK
     assert cli.main(["gate", str(tmp_path / "s")]) == EXIT_OK
     tokens = pd.read_parquet(out / "tokens.parquet")
     tokens.assign(bitwise_equal=True).to_parquet(out / "tokens.parquet", index=False)
@@ -485,7 +491,6 @@ def test_nan_logprobs_are_counted_and_fail_the_gate_as_an_engine_error(tmp_path,
     """Embedding row 100 set to NaN: the first prompt (which holds token 100) has NaN logprobs on both sides.
     They are kept as values (not dropped like position 0, which has no logprob), counted, and the gate
     exits 3 with the reason; the second prompt is still judged."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     from conftest import FIXTURE

@@ -32,7 +32,6 @@ from alignaudit.diff import worst_sequences
 from alignaudit.errors import EXIT_OK, EXIT_USAGE
 from alignaudit.opdiff import DIFFERS, first_divergence
 from alignaudit.pipeline import diff_ops, write_ops
-
 from test_cli import one_line_error
 
 
@@ -245,7 +244,8 @@ def test_rl_and_ablate_reports_plot_every_series(tmp_path):
     probe, dom, console = open_in_chromium(rl / "report.html", tmp_path)
     assert console == [] and probe["plots"]["plot-rl-steps"]["rendered"]
     traces = {t["name"]: t for t in probe["plots"]["plot-rl-steps"]["traces"]}
-    assert traces["mismatches"]["y"] == steps["mismatches"].tolist() and traces["mismatches"]["x"] == steps["step"].tolist()
+    assert (traces["mismatches"]["y"] == steps["mismatches"].tolist()
+            and traces["mismatches"]["x"] == steps["step"].tolist())
     assert traces["max_abs_diff"]["y"] == [None, 1e-6, None, 4e-6, 5e-7]  # log axis: 0 is a gap
     numeric = [c for c in steps if c not in ("step", "tokens", "weights_sha256")]
     assert set(traces) == set(numeric)  # every series the steps hold
@@ -257,7 +257,8 @@ def test_rl_and_ablate_reports_plot_every_series(tmp_path):
                            "kind": ["all strict", "default op", "default op", "strict op", "source"],
                            "mismatches": [0, 120, 95, 0, 14], "tokens": 176, "max_ulp": [0, 3, 30000, 0, 2],
                            "max_abs_diff": [0.0, 1e-3, 2e-2, 0.0, 1e-6],
-                           "first_diverging_op": [None, "layers.0.input_norm", "layers.0.attn", None, "layers.0.q_rope"]})
+                           "first_diverging_op": [None, "layers.0.input_norm", "layers.0.attn",
+                                                  None, "layers.0.q_rope"]})
     matrix.to_parquet(ablate / "ablate.parquet", index=False)
     sealed_record(ablate, "ablate", ("ablate.parquet",))
     assert cli.main(["report", str(ablate)]) == EXIT_OK

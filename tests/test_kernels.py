@@ -97,7 +97,8 @@ def assert_within(name, got, ref64, bound):
 
 
 def test_exp_log_within_2_ulp_of_fp64():
-    x = torch.cat([torch.linspace(-103, 88.7, 200001), torch.randn(10000) * 10, torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    x = torch.cat([torch.linspace(-103, 88.7, 200001), torch.randn(10000) * 10,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
     ref = torch.exp(x.double())
     finite = ref < 3e38
     err_ulp = (primitives.exp(x).double() - ref).abs() / ulp_of(ref.float(), torch.float32)
@@ -108,7 +109,8 @@ def test_exp_log_within_2_ulp_of_fp64():
     err_ulp = (primitives.log(y).double() - ref).abs() / ulp_of(ref.float(), torch.float32).clamp_min(2**-149)
     assert float(err_ulp.max()) <= 2.0
     special = primitives.log(torch.tensor([0.0, -1.0, float("inf"), float("nan")]))
-    assert special[0] == float("-inf") and math.isnan(special[1]) and special[2] == float("inf") and math.isnan(special[3])
+    assert (special[0] == float("-inf") and math.isnan(special[1])
+            and special[2] == float("inf") and math.isnan(special[3]))
     assert primitives.exp(torch.tensor([0.0]))[0] == 1.0 and primitives.exp(torch.tensor([-float("inf")]))[0] == 0.0
 
 
@@ -120,7 +122,8 @@ def test_primitives_do_not_depend_on_position_in_tensor(seed, n, offset):
     whole = primitives.exp(x)
     part = primitives.exp(x[offset: offset + n])
     assert_bitwise_equal("exp", whole[offset: offset + n], part)
-    assert_bitwise_equal("log", primitives.log(x.abs())[offset: offset + n], primitives.log(x[offset: offset + n].abs()))
+    assert_bitwise_equal("log", primitives.log(x.abs())[offset: offset + n],
+                         primitives.log(x[offset: offset + n].abs()))
 
 
 def test_triton_primitives_match_the_cpu_bit_for_bit(request):
@@ -238,7 +241,8 @@ def test_row_parallel_partials_combine_to_the_single_rank_result(device, dtype, 
     rank order: the bits of linear(..., k_segments=4) on one rank; within fp32 rounding of fp64. At 300 rows
     bf16/fp16 on Hopper the single-rank result comes from the TMA kernel, the partials from the pointer one."""
     k, n, s = 1024, 96, matmul.ROW_PARALLEL_SEGMENTS
-    x, w = randn(rows, k, dtype=dtype, device=device, seed=11), randn(n, k, dtype=dtype, device=device, seed=12, scale=0.1)
+    x, w = (randn(rows, k, dtype=dtype, device=device, seed=11),
+            randn(n, k, dtype=dtype, device=device, seed=12, scale=0.1))
     b = randn(n, dtype=dtype, device=device, seed=13)
     full = K.linear(x, w, b, k_segments=s)
     for t in (1, 2, 4):
@@ -247,7 +251,8 @@ def test_row_parallel_partials_combine_to_the_single_rank_result(device, dtype, 
                  for r in range(t)]
         assert_bitwise_equal(f"tp={t}", K.combine_partials(parts, b, dtype), full)
     ref = matmul.reference(x.double(), w.double(), b.double())
-    assert_within("segmented linear", full, ref, ulp_of(ref, dtype) + k * 2**-23 * (x.double().abs() @ w.double().abs().T + b.double().abs()))
+    assert_within("segmented linear", full, ref,
+                  ulp_of(ref, dtype) + k * 2**-23 * (x.double().abs() @ w.double().abs().T + b.double().abs()))
 
 
 @pytest.mark.parametrize("m", [3, matmul.SMALL_M + 44])
@@ -313,7 +318,8 @@ def test_linear_rows_keep_their_bits_across_batch_size_classes(device, dtype, se
 def test_row_parallel_negative_control_rounded_partials_summed(device):
     """What a stock row-parallel layer does (each rank rounds its output to bf16, then the ranks' outputs
     are added): not the single-rank bits."""
-    x, w = randn(64, 1024, dtype=torch.bfloat16, device=device, seed=14), randn(96, 1024, dtype=torch.bfloat16, device=device, seed=15)
+    x, w = (randn(64, 1024, dtype=torch.bfloat16, device=device, seed=14),
+            randn(96, 1024, dtype=torch.bfloat16, device=device, seed=15))
     halves = [K.linear(x[:, r * 512:(r + 1) * 512], w[:, r * 512:(r + 1) * 512], k_segments=2) for r in range(2)]
     assert not torch.equal(halves[0] + halves[1], K.linear(x, w, k_segments=4))
 
@@ -321,7 +327,8 @@ def test_row_parallel_negative_control_rounded_partials_summed(device):
 def test_cpu_kernels_do_not_depend_on_thread_count(device):
     if device != "cpu":
         pytest.skip("thread count is a CPU property")
-    x, w = randn(33, 200, dtype=torch.bfloat16, device="cpu", seed=7), randn(50, 200, dtype=torch.bfloat16, device="cpu", seed=8)
+    x, w = (randn(33, 200, dtype=torch.bfloat16, device="cpu", seed=7),
+            randn(50, 200, dtype=torch.bfloat16, device="cpu", seed=8))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -349,7 +356,8 @@ def test_rmsnorm_is_batch_invariant_with_and_without_residual(device, dtype, see
         return torch.stack([y, s], 1)
 
     for fn in (lambda b: K.rms_norm(b[:, 0], w, 1e-6), fused):
-        alone, outs = rows_everywhere(fn, row, lambda b: randn(b, 2, h, dtype=dtype, device=device, seed=seed + b), device)
+        alone, outs = rows_everywhere(fn, row,
+                                      lambda b: randn(b, 2, h, dtype=dtype, device=device, seed=seed + b), device)
         for where, out in outs:
             assert_bitwise_equal(f"rms_norm row at {where}", out, alone)
 
@@ -381,7 +389,8 @@ def test_rope_tables_do_not_depend_on_length():
     short, _ = rope.rope_tables(100, 64, 1e6)
     long, _ = rope.rope_tables(5000, 64, 1e6)
     assert_bitwise_equal("cos table", short[:1024], long[:1024])
-    ref = torch.cos(torch.arange(5000, dtype=torch.float64)[:, None] / 1e6 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    ref = torch.cos(torch.arange(5000, dtype=torch.float64)[:, None]
+                    / 1e6 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
     assert float((long[:5000].double() - ref).abs().max()) <= 2**-24
 
 
@@ -395,7 +404,8 @@ def test_rope_is_batch_and_position_set_invariant(device, dtype, seed):
     for i in (0, 150, 299):
         assert_bitwise_equal(f"rope token {i}", K.apply_rope(x[i:i + 1], positions[i:i + 1], cos, sin)[0], full[i])
     ref = rope.reference(x.double(), positions, cos.double(), sin.double()).cpu()
-    assert_within("rope", full, ref, 1.01 * ulp_of(ref, dtype) + 4 * 2**-23 * x.double().abs().amax(-1, keepdim=True).cpu())
+    assert_within("rope", full, ref,
+                  1.01 * ulp_of(ref, dtype) + 4 * 2**-23 * x.double().abs().amax(-1, keepdim=True).cpu())
 
 
 def test_rope_negative_control_bf16_tables():
@@ -411,7 +421,8 @@ def test_rope_negative_control_bf16_tables():
 
 
 def test_silu_mul_invariance_and_accuracy(device, dtype):
-    g, u = randn(300, 200, dtype=dtype, device=device, seed=1, scale=3), randn(300, 200, dtype=dtype, device=device, seed=2)
+    g, u = (randn(300, 200, dtype=dtype, device=device, seed=1, scale=3),
+            randn(300, 200, dtype=dtype, device=device, seed=2))
     full = K.silu_mul(g, u)
     for i in (0, 150, 299):
         assert_bitwise_equal(f"silu_mul row {i}", K.silu_mul(g[i:i + 1], u[i:i + 1])[0], full[i])
@@ -422,7 +433,8 @@ def test_silu_mul_invariance_and_accuracy(device, dtype):
 
 def test_silu_negative_control_rounded_activation():
     """HF rounds silu(gate) to bf16 before multiplying by up; vLLM's fused op does not."""
-    g, u = randn(64, 256, dtype=torch.bfloat16, device="cpu", seed=3, scale=3), randn(64, 256, dtype=torch.bfloat16, device="cpu", seed=4)
+    g, u = (randn(64, 256, dtype=torch.bfloat16, device="cpu", seed=3, scale=3),
+            randn(64, 256, dtype=torch.bfloat16, device="cpu", seed=4))
     assert not torch.equal(torch.nn.functional.silu(g) * u, K.silu_mul(g, u))
 
 
@@ -643,7 +655,8 @@ def test_attention_prefill_equals_decode_over_shuffled_pages(device, dtype):
                                     torch.tensor([0]), scale)
             assert_bitwise_equal(f"seq {s} decode at {p}", one[0], prefill[a + p])
         ref = attention.reference(q[a:b].double(), k[a:b].double(), v[a:b].double(), scale)
-        assert_within(f"attention seq {s}", prefill[a:b], ref, 1.01 * ulp_of(ref, dtype) + 2**-9 * v.double().abs().max())
+        assert_within(f"attention seq {s}", prefill[a:b], ref,
+                      1.01 * ulp_of(ref, dtype) + 2**-9 * v.double().abs().max())
 
 
 @needs_hardware_dot
@@ -652,9 +665,11 @@ def test_paged_prefill_of_a_batch_equals_decode(device):
     h, kvh, d, dtype = 4, 4, 64, torch.float32
     lengths = [40, 90]
     q, k, v, cu = ragged(lengths, h, kvh, d, dtype, device, seed=3)
-    caches = [paged(k[a:b], v[a:b], 32, seed=i, device=device) for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+    caches = [paged(k[a:b], v[a:b], 32, seed=i, device=device)
+              for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
     # one cache holding both sequences: concatenate pages and offset the second table
-    ck = torch.cat([c[0] for c in caches]); cv = torch.cat([c[1] for c in caches])
+    ck = torch.cat([c[0] for c in caches])
+    cv = torch.cat([c[1] for c in caches])
     table = torch.zeros(2, 8, dtype=torch.long, device=device)
     table[0, : caches[0][2].shape[1]] = caches[0][2][0]
     table[1, : caches[1][2].shape[1]] = caches[1][2][0] + caches[0][0].shape[0]
@@ -706,7 +721,8 @@ def test_attention_accuracy_paged_and_varlen(device, h, kvh):
         ref = attention.reference(q[a:b].double(), k[a:b].double(), v[a:b].double(), 0.2)
         assert_within("attention", out[a:b], ref, 1e-5 + 1e-5 * ref.abs())
     cache_k, cache_v, table = paged(k[:70], v[:70], block_size=16, seed=1, device=device)
-    last = K.paged_attention(q[69:70], cache_k, cache_v, table, torch.tensor([69], device=device), torch.tensor([0]), 0.2)
+    last = K.paged_attention(q[69:70], cache_k, cache_v, table,
+                             torch.tensor([69], device=device), torch.tensor([0]), 0.2)
     ref = attention.reference(q[:70].double(), k[:70].double(), v[:70].double(), 0.2)[-1:]
     assert_within("paged decode", last, ref, 1e-5 + 1e-5 * ref.abs())
 
@@ -748,7 +764,8 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
     if device == "cuda":  # negative control: one chunk for all 600 keys is another algorithm past key 511
         whole = attention._launch_varlen(q, k, v, cu, scale, chunk_n=1024)
         assert torch.equal(whole[:512], unsplit[:512]) and not torch.equal(whole[512:600], unsplit[512:600])
-    caches = [paged(k[a:b], v[a:b], 16, seed=i, device=device) for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+    caches = [paged(k[a:b], v[a:b], 16, seed=i, device=device)
+              for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
     pages = caches[0][0].shape[0]
     ck, cv = torch.cat([caches[0][0], caches[1][0]]), torch.cat([caches[0][1], caches[1][1]])
     table = torch.zeros(2, caches[0][2].shape[1], dtype=torch.int32, device=device)
@@ -762,9 +779,11 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
             out = attention._launch(q[rows], ck, cv, table, None, lens - 1, scale, kv_mode=attention.KV_GATHER,
                                     max_keys=600, split=split)
             assert_bitwise_equal(f"decode at {p}, {p2} (split {split})", out, unsplit[rows])
-        assert_bitwise_equal(f"paged_decode at {p}", K.paged_decode(q[rows], ck, cv, table, lens, scale, 600), unsplit[rows])
+        assert_bitwise_equal(f"paged_decode at {p}",
+                             K.paged_decode(q[rows], ck, cv, table, lens, scale, 600), unsplit[rows])
     if triton_backend:  # an empty decode slot (length 0) gives the same NaN row split or not, never scratch memory
-        empty = [attention._launch(q[[0, 599]], ck, cv, table.flip(0), None, torch.tensor([-1, 599], device=device), scale,
+        empty = [attention._launch(q[[0, 599]], ck, cv, table.flip(0), None,
+                                   torch.tensor([-1, 599], device=device), scale,
                                    kv_mode=attention.KV_GATHER, max_keys=600, split=split) for split in (False, True)]
         assert_bitwise_equal("empty slot, split vs unsplit", empty[1], empty[0])
         assert torch.isnan(empty[0][0]).all() and torch.equal(empty[0][1], unsplit[599])
@@ -864,12 +883,14 @@ def test_backward_matches_fp64_autograd(device):
           lambda x, r, w: torch.cat(rmsnorm.reference(x, w, 1e-6, residual=r), -1), x, x.flip(0), w[0])
     cos, sin = rope.rope_tables(64, 8, 1e4, device)
     pos = torch.arange(7).to(device)
-    check("rope", lambda x: K.apply_rope(x, pos, cos, sin), lambda x: rope.reference(x, pos.cpu(), cos.cpu().double(), sin.cpu().double()),
+    check("rope", lambda x: K.apply_rope(x, pos, cos, sin),
+          lambda x: rope.reference(x, pos.cpu(), cos.cpu().double(), sin.cpu().double()),
           x.view(7, 5, 8))
     check("silu_mul", K.silu_mul, silu.reference, x, x.flip(1))
     check("log_softmax", K.log_softmax, logprobs.reference, x)
     t = torch.randint(0, 40, (7,))
-    check("token_logprobs", lambda x: K.token_logprobs(x, t.to(device)), lambda x: logprobs.reference(x).gather(1, t[:, None])[:, 0], x)
+    check("token_logprobs", lambda x: K.token_logprobs(x, t.to(device)),
+          lambda x: logprobs.reference(x).gather(1, t[:, None])[:, 0], x)
     q, k, v = torch.randn(9, 4, 8, dtype=dt), torch.randn(9, 2, 8, dtype=dt), torch.randn(9, 2, 8, dtype=dt)
     cu = torch.tensor([0, 4, 9])
 
@@ -958,7 +979,8 @@ def test_vocab_parallel_logprobs_equal_the_whole_vocabulary(request, tmp_path, w
     logits[2, 0, : v // 2] = float("-inf")  # masked logits filling the first half
     targets = torch.randint(0, v, (3, 5), generator=gen(32))
     targets[2, 0] = v - 1
-    torch.multiprocessing.spawn(_vocab_parallel_rank, args=(world, str(tmp_path / "init"), logits, targets, str(tmp_path)),
+    torch.multiprocessing.spawn(_vocab_parallel_rank,
+                                args=(world, str(tmp_path / "init"), logits, targets, str(tmp_path)),
                                 nprocs=world)
     whole = logits.clone().requires_grad_(True)
     expected = K.token_logprobs(whole, targets)

@@ -9,18 +9,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignaudit.errors import InputError
-from alignaudit.models import load_spec, resolve_model
 from alignaudit.arch import PRESETS, find_preset
 from alignaudit.arch.qwen3 import qwen3_config
+from alignaudit.errors import InputError
+from alignaudit.models import load_spec, resolve_model
 from alignaudit.synth import synthesize_checkpoint
-
 from conftest import FIXTURE
 
 
 def test_presets_have_published_shapes():
     p = PRESETS["Qwen3-8B"].config
-    assert (p["hidden_size"], p["num_hidden_layers"], p["num_attention_heads"], p["num_key_value_heads"]) == (4096, 36, 32, 8)
+    assert (p["hidden_size"], p["num_hidden_layers"],
+            p["num_attention_heads"], p["num_key_value_heads"]) == (4096, 36, 32, 8)
     assert (p["intermediate_size"], p["vocab_size"], p["tie_word_embeddings"]) == (12288, 151936, False)
     assert PRESETS["Qwen3-0.6B"].config["tie_word_embeddings"] is True
     assert find_preset("qwen/qwen3-14b").name == "Qwen3-14B"
@@ -50,12 +50,14 @@ def test_synthesis_is_seeded_sharded_and_reused(tmp_path):
     stamp = (single / "model.safetensors").stat().st_mtime_ns
     synthesize_checkpoint(cfg, tmp_path / "b", seed=3)
     assert (single / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
-    assert "lm_head.weight" not in load_file(synthesize_checkpoint(small_config(tie=True), tmp_path / "t") / "model.safetensors")
+    assert "lm_head.weight" not in load_file(synthesize_checkpoint(small_config(tie=True),
+                                                                   tmp_path / "t") / "model.safetensors")
 
 
 def test_preset_with_random_weights_goes_to_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("ALIGNAUDIT_CACHE", str(tmp_path))
-    monkeypatch.setitem(PRESETS, "Qwen3-0.6B", PRESETS["Qwen3-0.6B"].__class__("Qwen3-0.6B", "Qwen/Qwen3-0.6B", small_config()))
+    monkeypatch.setitem(PRESETS, "Qwen3-0.6B",
+                        PRESETS["Qwen3-0.6B"].__class__("Qwen3-0.6B", "Qwen/Qwen3-0.6B", small_config()))
     spec = resolve_model("Qwen3-0.6B", random_weights=True, seed=7)
     assert spec.path == str((tmp_path / "random" / "Qwen3-0.6B-seed7").resolve())
     assert not spec.has_tokenizer and spec.hidden_size == 64
@@ -86,8 +88,8 @@ def test_unsupported_architecture_and_broken_dirs(tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InputError, match="MambaForCausalLM is not supported; supported: Qwen3ForCausalLM, Qwen2ForCausalLM, "
-                                         "LlamaForCausalLM, Qwen3MoeForCausalLM$"):
+    with pytest.raises(InputError, match="MambaForCausalLM is not supported; supported: Qwen3ForCausalLM, "
+                                         "Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM$"):
         load_spec(bad)
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError, match="no config.json"):

@@ -11,12 +11,12 @@ import shutil
 
 import pytest
 
+from alignaudit.engines.base import EngineSettings
 from alignaudit.models import load_spec
 from alignaudit.opdiff import first_divergence
-from alignaudit.engines.base import EngineSettings
 from alignaudit.pipeline import ROUTING, ROUTING_NOTE, diff_captures, diff_ops, routing_plan
-from alignaudit.request import EngineRun
 from alignaudit.prompts import load_prompts
+from alignaudit.request import EngineRun
 from conftest import ROOT, CaptureCache
 from test_cli import one_line_error
 
@@ -33,7 +33,8 @@ def test_fixture_is_a_qwen3_moe():
     s = load_spec(MOE)
     assert s.architecture == "Qwen3MoeForCausalLM" and s.qk_norm and s.norm_topk_prob
     assert (s.num_experts, s.experts_per_token, s.moe_intermediate_size) == (8, 2, 64)
-    assert s.tensors == 1 + 2 * (8 + 1 + 3 * 8) + 1 + 1  # embed; per layer 8 attention/norm, router, experts; norm, head
+    # embed; per layer 8 attention/norm, router, experts; norm, head
+    assert s.tensors == 1 + 2 * (8 + 1 + 3 * 8) + 1 + 1
 
 
 @pytest.mark.parametrize("engine", ["megatron", "vllm"])

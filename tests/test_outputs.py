@@ -19,7 +19,6 @@ import pytest
 
 from alignaudit import cli, outdir
 from alignaudit.errors import EXIT_OK, EXIT_USAGE, InputError
-
 from conftest import FIXTURE
 from test_cli import one_line_error, run_cli
 
@@ -146,7 +145,8 @@ def test_many_short_prompts_are_batched_and_reported_compactly(tmp_path):
     for role in ("train", "infer"):
         settings = json.loads((out / role / "manifest.json").read_text())["engine_settings"]
         assert settings["micro_batch_size"] == "auto" and settings["micro_batches"] == 47  # ceil(3000 / 64)
-    assert len(pd.read_parquet(out / "sequences.parquet")) == 3000 and len(pd.read_parquet(out / "tokens.parquet")) == 3000
+    assert (len(pd.read_parquet(out / "sequences.parquet")) == 3000
+            and len(pd.read_parquet(out / "tokens.parquet")) == 3000)
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["worst_sequences"]) == 20 and (out / "summary.json").stat().st_size < 20_000
     assert "Worst 20 of 3000 sequences (all in sequences.parquet)" in proc.stdout
@@ -160,7 +160,8 @@ def test_progress_counts_reach_the_parent(tmp_path, tiny_spec):
 
     batch = load_prompts(tiny_spec, random_prompts=130, prompt_len=4)
     seen = []
-    capture(tiny_spec, batch, EngineRun("hf", EngineSettings()), tmp_path / "c", on_progress=lambda d, t: seen.append((d, t)))
+    capture(tiny_spec, batch, EngineRun("hf", EngineSettings()), tmp_path / "c",
+            on_progress=lambda d, t: seen.append((d, t)))
     assert seen == [(64, 130), (128, 130), (130, 130)]
 
 
@@ -268,7 +269,7 @@ def test_a_refused_out_directory_is_left_untouched(tmp_path, capsys):
 def test_force_reuses_an_ablate_directory_and_still_guards_foreign_files(tmp_path):
     """ablate's configs/<row>/ hold whole comparisons (run.json, summary.json, ops-natural.parquet, ...):
     --force removes them, and still refuses a file alignaudit never writes."""
-    from alignaudit.ablate import ABLATE_OUTPUTS
+    from alignaudit.rundir import ABLATE_OUTPUTS
 
     out = outdir.prepare(tmp_path / "a", False, ABLATE_OUTPUTS)
     row = out / "configs" / "all-strict"

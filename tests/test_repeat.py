@@ -28,7 +28,8 @@ def test_repeat_batches_keep_each_audited_sequence_whole_and_move_it():
 
 def test_compare_repeat_counts_bit_differences():
     first = [torch.tensor([-1.0, -2.0]), torch.tensor([float("nan")])]
-    again = [torch.tensor([-1.0, torch.nextafter(torch.tensor(-2.0), torch.tensor(0.0)).item()]), torch.tensor([float("nan")])]
+    again = [torch.tensor([-1.0, torch.nextafter(torch.tensor(-2.0), torch.tensor(0.0)).item()]),
+             torch.tensor([float("nan")])]
     assert compare_repeat(first, again) == {"tokens": 3, "mismatches": 1, "ulp_max": 1}
 
 

@@ -28,7 +28,6 @@ import pytest
 
 from alignaudit import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
-
 from test_cli import one_line_error
 
 TIMINGS = ["seconds", "rollout_s", "rescore_s", "update_s", "sync_s"]
@@ -58,7 +57,8 @@ def test_strict_steps_stay_bitwise_aligned_while_the_weights_change(runs, tmp_pa
     assert s["weights_sha256"].nunique() == 3  # every step's update changed the weights
     assert (s["grad_norm"] > 0).all()
     record = json.loads((runs / "strict" / "run.json").read_text())
-    assert record["status"] == "complete" and record["initial_sync"]["bit_equal"] and record["initial_sync"]["tensors"] == 25
+    assert (record["status"] == "complete" and record["initial_sync"]["bit_equal"]
+            and record["initial_sync"]["tensors"] == 25)
     assert record["engines"]["train"]["optimizer"] == "alignaudit.rl.optim.MixedPrecisionAdam"
     assert len(pd.read_parquet(runs / "strict" / "tokens" / "step-00002.parquet")) == 256
     assert (runs / "strict" / "steps.png").stat().st_size > 10_000
@@ -122,7 +122,8 @@ def test_a_stale_weight_sync_is_caught(tmp_path):
                           capture_output=True, text=True, env=env)
     assert proc.returncode == EXIT_OK, proc.stderr
     s = pd.read_parquet(out / "steps.parquet")
-    assert not s["sync_bit_equal"].any() and (s["sync_stale_packed"] > 0).all() and (s["sync_tensors_differing"] == 0).all()
+    assert (not s["sync_bit_equal"].any() and (s["sync_stale_packed"] > 0).all()
+            and (s["sync_tensors_differing"] == 0).all())
     gate = subprocess.run([sys.executable, "-m", "alignaudit", "gate", str(out), "--max-mismatch", "100%"],
                           capture_output=True, text=True)
     assert gate.returncode == EXIT_MISMATCH and "weight sync was not bit-equal at 2 of 2 steps" in gate.stdout
@@ -159,11 +160,13 @@ def test_bad_input_is_refused_before_any_engine(capsys, tmp_path, argv, message)
 def test_an_engine_that_dies_mid_run_leaves_the_completed_steps(tmp_path):
     out = tmp_path / "dies"
     proc = subprocess.Popen([sys.executable, "-m", "alignaudit", "rl", "--steps", "50", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
     deadline = time.time() + 120
     while not (out / "steps.parquet").exists() and time.time() < deadline:
         time.sleep(0.2)
-    rollout = [c for c in psutil.Process(proc.pid).children(recursive=True) if "infer.request.json" in " ".join(c.cmdline())]
+    rollout = [c for c in psutil.Process(proc.pid).children(recursive=True)
+               if "infer.request.json" in " ".join(c.cmdline())]
     rollout[0].send_signal(signal.SIGKILL)  # as the OOM killer would
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_ENGINE
@@ -220,7 +223,8 @@ def _edit_steps(run, **changes):
      "step 2: mismatches 0 in steps.parquet, 1 from the step's token rows"),
     (lambda r: (_step_file(r, 2).write_bytes(_step_file(r, 1).read_bytes()), _outputs_fixed(r)), EXIT_USAGE,
      "holds rows of another step"),
-    (lambda r: _resealed(r, lambda rec: rec["train"].update(strict="")), EXIT_USAGE, "train engine's strict '' in run.json"),
+    (lambda r: _resealed(r, lambda rec: rec["train"].update(strict="")), EXIT_USAGE,
+     "train engine's strict '' in run.json"),
     (lambda r: _resealed(r, lambda rec: rec["infer"].update(engine="hf")), EXIT_USAGE,
      "rollout engine's engine 'hf' in run.json"),
     (lambda r: (r / "run.json").write_text((r / "run.json").read_text().replace('"strict": "all"', '"strict": ""')),

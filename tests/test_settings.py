@@ -16,13 +16,13 @@ import torch
 
 from alignaudit import cli
 from alignaudit.errors import EXIT_OK, EXIT_USAGE
-
 from conftest import FIXTURE
 from test_cli import one_line_error
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--train-opt", "hidden_dropout=0.1"], "megatron hidden_dropout=0.1: no effect, the forward pass runs in eval mode"),
+    (["--train-opt", "hidden_dropout=0.1"],
+     "megatron hidden_dropout=0.1: no effect, the forward pass runs in eval mode"),
     (["--train-opt", "attention_dropout=0.1"], "megatron attention_dropout=0.1: no effect"),
     (["--train-opt", "pipeline_model_parallel_size=2"], "alignaudit runs Megatron with tensor parallelism only"),
     (["--train-opt", "masked_softmax_fusion=true"], "masked_softmax_fusion=true needs a CUDA kernel"),
@@ -32,10 +32,12 @@ from test_cli import one_line_error
     (["--infer-opt", "enable_prefix_caching=true"], "vLLM never reads the prefix cache for a request that asks for "
                                                     "prompt logprobs"),
     (["--mode", "rollout", "--infer-opt", "skip_reading_prefix_cache=false"], "crashes vLLM 0.32"),
-    (["--mode", "rollout", "--infer-opt", "temperature=0.5"], "vllm temperature is set by alignaudit; use --temperature"),
+    (["--mode", "rollout", "--infer-opt", "temperature=0.5"],
+     "vllm temperature is set by alignaudit; use --temperature"),
     (["--mode", "rollout", "--infer-opt", "min_tokens=4"], "EOS is ignored, never masked"),
     (["--infer-opt", "logprobs_mode=raw_logits"], "raw_logits are logits, not logprobs"),
-    (["--mode", "rollout", "--infer-opt", "logprobs_mode=processed_logits"], "processed_logits are logits, not logprobs"),
+    (["--mode", "rollout", "--infer-opt", "logprobs_mode=processed_logits"],
+     "processed_logits are logits, not logprobs"),
     (["--infer-opt", "logprobs_mode=processed_logprobs"], "so they need --mode rollout"),
     (["--infer-opt", "pipeline_parallel_size=2"], "alignaudit runs vLLM on one process"),
     (["--infer-opt", "repetition_penalty=1.2"], "is a sampling setting and has no effect on teacher-forced"),
@@ -71,7 +73,8 @@ def _add_qkv_bias(weights):
     g = torch.Generator().manual_seed(0)
     for i in range(2):
         for name, size in (("q", 128), ("k", 64), ("v", 64)):
-            weights[f"model.layers.{i}.self_attn.{name}_proj.bias"] = (0.5 * torch.randn(size, generator=g)).to(torch.bfloat16)
+            weights[f"model.layers.{i}.self_attn.{name}_proj.bias"] = (
+                0.5 * torch.randn(size, generator=g)).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("edit_config, edit_weights, message", [
@@ -114,7 +117,8 @@ def test_processed_logprobs_are_replayed_by_the_trainer_and_eos_is_not_masked(tm
     min_tokens, which masks the EOS logit and shifted every processed logprob by -log(1 - p_EOS)."""
     out = tmp_path / "run"
     assert cli.main(["compare", "--mode", "rollout", "--train", train, "--infer", "vllm", "--dtype", "fp32",
-                     "--temperature", "0.7", "--infer-opt", "logprobs_mode=processed_logprobs", "--max-new-tokens", "16",
+                     "--temperature", "0.7", "--infer-opt", "logprobs_mode=processed_logprobs",
+                     "--max-new-tokens", "16",
                      "--out", str(out)]) == EXIT_OK
     tokens = pd.read_parquet(out / "tokens.parquet")
     generated = tokens[tokens["generated"]]
@@ -171,7 +175,8 @@ def test_bisect_forced_marks_ops_whose_inputs_were_not_forced(tmp_path, capsys):
     assert ops.loc["final_norm", "forced"] == False and "inputs not forced" in ops.loc["final_norm", "note"]  # noqa: E712
     assert ops.loc["layers.0.q_proj", "forced"] != False  # noqa: E712
     configured = json.loads((out / "bisect.json").read_text())["as_configured"]
-    assert configured == {"infer": {"engine": "vllm", "overrides": {"enable_prefix_caching": False, "enforce_eager": True},
+    assert configured == {"infer": {"engine": "vllm", "overrides": {"enable_prefix_caching": False,
+                                                                    "enforce_eager": True},
                                     "tokens": None, "mismatches": None}}
     assert "op capture changed how vllm (infer) runs" in text and "(forced mode: not compared)" in text
 
@@ -195,7 +200,6 @@ def test_bisect_never_says_all_equal_when_op_capture_changed_the_engine(tmp_path
 
 def test_help_defaults_and_hardware_record(tmp_path):
     from alignaudit.environment import hardware
-
     from test_cli import run_cli
 
     assert "alignaudit-runs/COMMAND-TIME" in run_cli("compare", "--help").stdout
@@ -229,7 +233,8 @@ def test_fp32_lm_head_takes_effect_in_every_engine_and_strict_agrees(captures, t
         s = diff_captures(captures.get(engine, "bf16"), fp32, tmp_path / f"d-{engine}")
         assert s["mismatches"] > 100, engine
     vllm = json.loads((tmp_path / "vllm" / "manifest.json").read_text())["engine_settings"]
-    assert vllm["resolved"]["head_dtype"] == "torch.float32" and vllm["llm"]["hf_overrides"] == {"head_dtype": "float32"}
+    assert (vllm["resolved"]["head_dtype"] == "torch.float32"
+            and vllm["llm"]["hf_overrides"] == {"head_dtype": "float32"})
     out = tmp_path / "strict"
     assert cli.main(["compare", "--strict", "--lm-head-dtype", "fp32", "--out", str(out)]) == EXIT_OK
     summary = json.loads((out / "summary.json").read_text())

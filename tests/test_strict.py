@@ -67,7 +67,8 @@ def test_rollout_without_strict_mismatches(captures, diff):
 def test_strict_bisect_every_op_equal(captures):
     records = diff_ops(captures.get("megatron", "bf16", ops=True, strict="all"),
                        captures.get("vllm", "bf16", ops=True, strict="all"))
-    assert len(records) == 38 and all(r["status"] == EQUAL for r in records), [r["op"] for r in records if r["status"] != EQUAL]
+    assert len(records) == 38 and all(r["status"] == EQUAL for r in records), [r["op"] for r in records
+                                                                               if r["status"] != EQUAL]
 
 
 def test_ablation_strict_rmsnorm_moves_first_divergence_to_attention(captures):

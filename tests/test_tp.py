@@ -21,7 +21,6 @@ import pytest
 
 from alignaudit import cli
 from alignaudit.errors import EXIT_OK, EXIT_USAGE
-
 from test_cli import one_line_error
 
 MEGATRON_TP2 = ["--train-opt", "tensor_model_parallel_size=2"]
@@ -117,7 +116,8 @@ def test_replay_truncates_the_whole_vocabulary_at_tp2(tmp_path, tiny_spec):
     logprobs = {}
     for tp in (1, 2):
         run = EngineRun("megatron", EngineSettings(dtype="fp32", options={"tensor_model_parallel_size": tp}))
-        logprobs[tp] = capture(tiny_spec, batch, run, tmp_path / f"tp{tp}", replay=replay).logprobs["logprob"].to_numpy()
+        logprobs[tp] = capture(tiny_spec, batch, run, tmp_path / f"tp{tp}",
+                               replay=replay).logprobs["logprob"].to_numpy()
     truncated = np.isneginf(logprobs[1])
     assert 50 < truncated.sum() < len(truncated) - 50  # replayed tokens outside the top 5, and others not
     np.testing.assert_allclose(logprobs[2], logprobs[1], rtol=0, atol=1e-4)

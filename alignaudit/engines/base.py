@@ -210,7 +210,8 @@ class Engine(ABC):
         if self.tap is not None:
             from alignaudit.taps import RowSpan
 
-            self.tap.spans = [RowSpan(seq=r, pos_start=0, length=n, batch_row=j) for j, (r, n) in enumerate(zip(rows, lengths))]
+            self.tap.spans = [RowSpan(seq=r, pos_start=0, length=n, batch_row=j)
+                              for j, (r, n) in enumerate(zip(rows, lengths))]
 
     @abstractmethod
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:

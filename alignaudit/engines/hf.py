@@ -13,7 +13,14 @@ from __future__ import annotations
 import torch
 
 from alignaudit.engines.base import (
-    Engine, EngineSettings, applied_exp, first_lines, fp32_head, micro_batch_option, reject_unknown, reject_wrong_types,
+    Engine,
+    EngineSettings,
+    applied_exp,
+    first_lines,
+    fp32_head,
+    micro_batch_option,
+    reject_unknown,
+    reject_wrong_types,
     right_padded,
 )
 from alignaudit.errors import InputError
@@ -149,7 +156,8 @@ class HFEngine(Engine):
             "strict": self.settings.strict,
             "strict_modules": len(self.strict_modules),
             "attention_exp": applied_exp(self.model),
-            "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32" else str(self.model.lm_head.weight.dtype),
+            "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32"
+                             else str(self.model.lm_head.weight.dtype),
             "module_mode": "train" if self.model.training else "eval",
             "weights": {"checkpoint_tensors": self.spec.tensors, **self.loading},
         }

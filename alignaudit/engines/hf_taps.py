@@ -32,9 +32,11 @@ def install(model, tap: Tap) -> Hooks:
             HookPoint(attn.q_proj, Same("q_proj"), i, BATCH_FIRST),
             HookPoint(attn.k_proj, Same("k_proj"), i, BATCH_FIRST),
             HookPoint(attn.v_proj, Same("v_proj"), i, BATCH_FIRST),
-            *([HookPoint(attn.q_norm, Same("q_norm"), i, BATCH_FIRST), HookPoint(attn.k_norm, Same("k_norm"), i, BATCH_FIRST)]
+            *([HookPoint(attn.q_norm, Same("q_norm"), i, BATCH_FIRST),
+               HookPoint(attn.k_norm, Same("k_norm"), i, BATCH_FIRST)]
               if hasattr(attn, "q_norm") else []),
-            *([HookPoint(attn.q_rope, Same("q_rope"), i, BATCH_FIRST), HookPoint(attn.k_rope, Same("k_rope"), i, BATCH_FIRST)]
+            *([HookPoint(attn.q_rope, Same("q_rope"), i, BATCH_FIRST),
+               HookPoint(attn.k_rope, Same("k_rope"), i, BATCH_FIRST)]
               if getattr(attn, "strict_rope", False) else []),  # strict rope (alignaudit.strict.hf) is a module
             HookPoint(attn.o_proj, Same("attn"), i, BATCH_FIRST, when="pre"),
             HookPoint(attn.o_proj, Same("o_proj"), i, BATCH_FIRST),

@@ -29,14 +29,20 @@ import torch
 
 from alignaudit.capabilities import MEGATRON_CHECKPOINT_FIELDS
 from alignaudit.engines.base import (
-    Engine, EngineSettings, applied_exp, first_lines, fp32_head, micro_batch_option, reject_unknown, reject_wrong_types,
+    Engine,
+    EngineSettings,
+    applied_exp,
+    first_lines,
+    fp32_head,
+    micro_batch_option,
+    reject_unknown,
+    reject_wrong_types,
     right_padded,
 )
 from alignaudit.engines.megatron_weights import megatron_state_dict
 from alignaudit.errors import InputError
 from alignaudit.models import ModelSpec
 from alignaudit.prompts import TokenBatch
-
 
 RANK_ENV, WORLD_ENV, RENDEZVOUS_ENV = "RANK", "WORLD_SIZE", "ALIGNAUDIT_RENDEZVOUS"
 
@@ -57,7 +63,8 @@ def init_parallel(device: str, tp: int) -> int:
     if device == "cuda":
         torch.cuda.set_device(rank)
     if not torch.distributed.is_initialized():
-        rendezvous = os.environ.get(RENDEZVOUS_ENV) or tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
+        rendezvous = os.environ.get(RENDEZVOUS_ENV) or tempfile.NamedTemporaryFile(prefix="alignaudit-pg-",
+                                                                                   delete=False).name
         torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}",
                                              rank=rank, world_size=tp)
     if not parallel_state.model_parallel_is_initialized():
@@ -129,7 +136,10 @@ def _mark_sharded(gpt) -> None:
     while it initializes weights (perform_initialization), which a model loaded from a checkpoint skips, and
     its grad-norm and clipping code (clip_grads.py) count a parameter without them as a replica, once."""
     from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
     )
 
     for module in gpt.modules():
@@ -139,7 +149,8 @@ def _mark_sharded(gpt) -> None:
         if dim is not None and weight is not None and not getattr(weight, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(weight, True, dim, 1)
         bias = getattr(module, "bias", None)
-        if isinstance(module, ColumnParallelLinear) and bias is not None and not getattr(bias, "tensor_model_parallel", False):
+        if (isinstance(module, ColumnParallelLinear) and bias is not None
+                and not getattr(bias, "tensor_model_parallel", False)):
             set_tensor_model_parallel_attributes(bias, True, 0, 1)
 
 
@@ -167,12 +178,13 @@ class MegatronEngine(Engine):
         config_options = {k: v for k, v in options.items() if k != "micro_batch_size"}
         fields = {f.name: f.type for f in dataclasses.fields(TransformerConfig)}
         reject_unknown("megatron", config_options, set(fields),
-                       "megatron accepts micro_batch_size and TransformerConfig fields (megatron/core/transformer/transformer_config.py)")
+                       "megatron accepts micro_batch_size and TransformerConfig fields "
+                       "(megatron/core/transformer/transformer_config.py)")
         reject_wrong_types("megatron", config_options, fields)
         fixed = sorted(set(config_options) & MEGATRON_CHECKPOINT_FIELDS)
         if fixed:
-            raise InputError(f"megatron option(s) {', '.join(fixed)} come from the checkpoint's config.json or --dtype; "
-                             "they cannot be overridden")
+            raise InputError(f"megatron option(s) {', '.join(fixed)} come from the checkpoint's config.json "
+                             "or --dtype; they cannot be overridden")
 
     @classmethod
     def check_config(cls, spec, settings, role, mode):
@@ -182,7 +194,8 @@ class MegatronEngine(Engine):
         for key, value in settings.options.items():
             if key != "micro_batch_size" and getattr(config, key) != value:
                 raise InputError(f"megatron {key}={value!r}: TransformerConfig resolves it to {getattr(config, key)!r} "
-                                 "(another setting overrides it), so the run would not measure what it records; drop it")
+                                 "(another setting overrides it), so the run would not measure what it records; "
+                                 "drop it")
 
     @staticmethod
     def _config(spec: ModelSpec, settings: EngineSettings):
@@ -191,14 +204,14 @@ class MegatronEngine(Engine):
         try:
             return transformer_config(spec, settings, options)
         except (AssertionError, ValueError, TypeError) as e:
-            raise InputError(f"megatron rejected the TransformerConfig options: {first_lines(e) or type(e).__name__}") from e
+            raise InputError("megatron rejected the TransformerConfig options: "
+                             f"{first_lines(e) or type(e).__name__}") from e
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.transformer.module import Float16Module
-        from megatron.core.transformer.transformer_config import TransformerConfig
 
         self.micro_batch_size = micro_batch_option(settings.options)
         self.tp_size = tensor_parallel_size(settings)
@@ -325,7 +338,8 @@ class MegatronEngine(Engine):
         return {
             "micro_batch_size": self.micro_batch_size,
             "micro_batches": getattr(self, "micro_batches_run", None),
-            "layer_spec": "alignaudit.strict.megatron.strict_block_spec" if self.settings.strict_ops else "get_gpt_layer_local_spec",
+            "layer_spec": "alignaudit.strict.megatron.strict_block_spec" if self.settings.strict_ops
+                          else "get_gpt_layer_local_spec",
             "strict": self.settings.strict,
             "attention_exp": applied_exp(self.gpt),
             "float16_module": self.gpt is not self.model,

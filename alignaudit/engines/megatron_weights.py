@@ -102,7 +102,8 @@ def tp_unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=how)
 
 
-def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
+def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype,
+                        tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
     """Read the HF safetensors of ``spec`` and return Megatron parameter tensors in ``dtype``, sharded for
     rank ``tp_rank`` of ``tp_size`` tensor-parallel ranks.
 

@@ -131,7 +131,8 @@ class VllmEngine(Engine):
                 # trainer shares the GPU: ask for most of what is free now rather than 0.9 of the card.
                 free, total = torch.cuda.mem_get_info()
                 kwargs["gpu_memory_utilization"] = round(min(0.9, 0.95 * free / total), 3)
-        if self.settings.strict_ops and self.settings.device == "cpu" and "max_num_batched_tokens" not in self.engine_options:
+        if (self.settings.strict_ops and self.settings.device == "cpu"
+                and "max_num_batched_tokens" not in self.engine_options):
             # Compiled vLLM warms up with a forward of max_num_batched_tokens tokens; the strict CPU kernels
             # spell every reduction out and take minutes for that on a real-shape model. Strict results do
             # not depend on how tokens are batched, so a batch budget of what the prompts need changes no bit.

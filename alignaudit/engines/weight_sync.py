@@ -30,7 +30,6 @@ import torch
 from alignaudit.layouts import split_blocks, split_qkv_grouped
 from alignaudit.models import ModelSpec
 
-
 # Fault injection for the sync check's negative control (tests only): "stale-packed-weights" skips the
 # post-load repacking, so vLLM keeps computing with the old weights while its parameters hold the new ones.
 FAULT = "ALIGNAUDIT_FAULT"

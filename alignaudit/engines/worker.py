@@ -1,7 +1,8 @@
 """Worker process entry: run one engine on one request and write a capture directory.
 
     python -m alignaudit.engines.worker REQUEST.json
-    python -m alignaudit.engines.worker --check-options '[{"engine", "settings", "spec", "role", "mode"}, ...]'   (validate only)
+    python -m alignaudit.engines.worker --check-options '[{"engine", "settings", "spec", "role", "mode"}, ...]'
+        (validate only)
 
 Every engine runs in a worker of its own (vLLM's in-process engine patches torch; Megatron keeps global
 parallel state). A library error is reported on stderr as one line starting with ``ERROR_MARKER`` followed

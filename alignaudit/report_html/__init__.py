@@ -15,8 +15,8 @@ from alignaudit import __version__
 from alignaudit.errors import InputError
 from alignaudit.report_html.compare import side_label
 from alignaudit.report_html.page import Page, esc
+from alignaudit.rundir import REPORT
 
-REPORT = "report.html"
 TITLES = {"compare": "logprob comparison", "bisect": "ops (bisect)", "rl": "RL steps", "ablate": "ablation"}
 
 __all__ = ["REPORT", "build_report", "write_report"]
@@ -65,7 +65,8 @@ def build_report(run_dir: Path | str) -> str:
     from alignaudit.report_html.bisect import bisect_section
     from alignaudit.report_html.compare import compare_section, gate_section
     from alignaudit.report_html.rl import rl_section
-    from alignaudit.report_html.runs import SUMMARY, detect, read_json
+    from alignaudit.report_html.runs import detect, read_json
+    from alignaudit.rundir import SUMMARY
 
     run = detect(run_dir)
     page = Page(f"alignaudit report: {run.path.name}")

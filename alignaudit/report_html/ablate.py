@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 
 from alignaudit.report_html.page import Column, Page, table
-from alignaudit.ablate import ABLATE_JSON
-from alignaudit.report_html.runs import ABLATE, RunDir, read_json, read_table
+from alignaudit.report_html.runs import RunDir, read_json, read_table
+from alignaudit.rundir import ABLATE_JSON, ABLATE_PARQUET
 
 ABLATE_COLUMNS = ("factor", "kind", "mismatches", "tokens", "max_ulp", "max_abs_diff", "first_diverging_op")
 KINDS = ("all strict", "default op", "strict op", "source")  # bar colours in this order
@@ -38,8 +38,9 @@ def ablate_section(page: Page, run: RunDir) -> pd.DataFrame:
     Raises:
         InputError: ablate.parquet unreadable or lacking one of ABLATE_COLUMNS.
     """
-    matrix = read_table(run.path / ABLATE, ABLATE_COLUMNS)
-    matrix = matrix.assign(first_diverging_op=matrix["first_diverging_op"].where(matrix["first_diverging_op"].notna(), None))
+    matrix = read_table(run.path / ABLATE_PARQUET, ABLATE_COLUMNS)
+    matrix = matrix.assign(
+        first_diverging_op=matrix["first_diverging_op"].where(matrix["first_diverging_op"].notna(), None))
     page.heading("Ablation matrix", anchor="ablate")
     record = read_json(run.path / ABLATE_JSON) if (run.path / ABLATE_JSON).is_file() else {}
     for note in record.get("notes") or ():

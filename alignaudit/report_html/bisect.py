@@ -8,7 +8,8 @@ import json
 import math
 
 from alignaudit.report_html.page import Column, Page, table
-from alignaudit.report_html.runs import OPS_FILES, RunDir, read_table
+from alignaudit.report_html.runs import RunDir, read_table
+from alignaudit.rundir import BISECT, OPS_FILES
 
 OP_COLUMNS = ("op", "name", "layer", "status")
 MODE_TITLES = {"natural": "Natural mode (both engines run freely)",
@@ -74,7 +75,8 @@ def _hover(r: dict) -> str:
     lines = [f"<b>{r['op']}</b>: {r['status']}" + ("" if r["forced"] else " (inputs not forced)")]
     if r.get("elements") is not None:
         lines += [f"bitwise equal: {equal_text(r)} of {r['elements']} elements",
-                  f"max ULP {r.get('ulp_max')}, median ULP {r.get('ulp_median')}" if r.get("ulp_max") is not None else "",
+                  f"max ULP {r.get('ulp_max')}, median ULP {r.get('ulp_median')}"
+                      if r.get("ulp_max") is not None else "",
                   f"max |diff| {r['abs_max']:.3e}" if r.get("abs_max") is not None else "",
                   f"rel_diff {r['rel_diff']:.1e}" if r.get("rel_diff") is not None else ""]
     if r.get("worst"):
@@ -145,7 +147,7 @@ def heatmap(records: list[dict], first: dict | None):
 def _capture_changed(run: RunDir) -> dict:
     """bisect.json's ``as_configured`` entries where op capture changed an engine's logprobs (or could not
     tell: forced mode); bisect.json is among the files the run's seal covers."""
-    from alignaudit.report_html.runs import BISECT, read_json
+    from alignaudit.report_html.runs import read_json
 
     path = run.path / BISECT
     result = read_json(path) if path.is_file() else {}
@@ -181,8 +183,8 @@ def bisect_section(page: Page, run: RunDir) -> None:
             page.banner(f"every op is bitwise equal ({len(judged)} ops)" + (" in the captured runs" if changed else ""),
                         not changed)
         else:
-            page.banner(f"first diverging op: {first['op']} ({equal_text(first)} of {first['elements']} elements bitwise "
-                        f"equal){worst_text(first.get('worst'))}", False)
+            page.banner(f"first diverging op: {first['op']} ({equal_text(first)} of {first['elements']} elements "
+                        f"bitwise equal){worst_text(first.get('worst'))}", False)
         page.note(f"{len(differing)} of {len(judged)} ops differ ({OPS_FILES[mode]}); ✓ equal, ✗ differs, "
                   + ("◀ first op that computes differently (outlined), " if mode == "forced" else
                      "◀ first diverging op (outlined), ")

@@ -8,7 +8,8 @@ import pandas as pd
 
 from alignaudit.diff import worst_sequences
 from alignaudit.report_html.page import Column, Page, esc, flatten, key_values, table
-from alignaudit.report_html.runs import SEQUENCES, SUMMARY, TOKENS, RunDir, read_json, read_table
+from alignaudit.report_html.runs import RunDir, read_json, read_table
+from alignaudit.rundir import SEQUENCES, SUMMARY, TOKENS
 
 LINE_SEQUENCES = 20  # sequences drawn along their positions (the worst ones)
 LINE_POINTS = 2000  # longer sequences are drawn as the max |d| per bin of positions
@@ -39,7 +40,8 @@ def gate_section(page: Page, verdict: dict) -> None:
     page.heading("Gate verdict", anchor="gate")
     page.banner(f"gate {label.upper()} ({verdict.get('rule', '')}): {verdict.get('mismatches')} of "
                 f"{verdict.get('tokens_compared')} tokens differ, max ULP {verdict.get('ulp_max')}", label == "pass")
-    reasons = list(verdict.get("reasons") or []) + ([f"engine error: {verdict['error']}"] if verdict.get("error") else [])
+    reasons = list(verdict.get("reasons") or []) + ([f"engine error: {verdict['error']}"]
+                                                    if verdict.get("error") else [])
     reasons += [f"not judged: {n}" for n in verdict.get("notes") or []]
     if reasons:
         page.add("<ul>" + "".join(f"<li>{esc(r)}</li>" for r in reasons) + "</ul>")
@@ -157,7 +159,8 @@ def positions_figure(tokens: pd.DataFrame, sequences: pd.DataFrame):
         binned |= len(pos) < len(rows)
         fig.add_trace(go.Scatter(x=pos, y=[None if v != v else v for v in y], customdata=ulp, mode="lines+markers",
                                  marker=dict(size=4), name=f"seq {seq}", connectgaps=False,
-                                 hovertemplate=f"seq {seq}, pos %{{x}}<br>|d| %{{y:.3e}}<br>%{{customdata}} ULP<extra></extra>"))
+                                 hovertemplate=f"seq {seq}, pos %{{x}}<br>|d| %{{y:.3e}}<br>"
+                                               f"%{{customdata}} ULP<extra></extra>"))
     more = len(sequences) - len(shown)
     caption = (f"{len(shown)} sequences" if not more else f"the {len(shown)} worst of {len(sequences)} sequences") + \
         (f"; at most {LINE_POINTS} points each (max |d| per bin)" if binned else "") + \

@@ -111,7 +111,8 @@ def table(rows: list[dict], columns: list[Column], sortable: bool = True, table_
         cls = row_class(row) if row_class else ""
         body.append(f'<tr class="{cls or ""}">{cells}</tr>')
     attrs = (f' id="{esc(table_id)}"' if table_id else "") + (' class="sortable"' if sortable else "")
-    return f'<div class="scroll"><table{attrs}><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+    return (f'<div class="scroll"><table{attrs}><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div>')
 
 
 def key_values(pairs: list[tuple[str, object]], table_id: str = "") -> str:
@@ -176,7 +177,8 @@ class Page:
 
     def row(self, *fragments: str) -> None:
         """HTML fragments side by side; the last one takes the remaining width."""
-        cells = "".join(f'<div style="flex: {"1 1 0; min-width: 0" if i == len(fragments) - 1 else "0 0 auto"}">{f}</div>'
+        cells = "".join(f'<div style="flex: {"1 1 0; min-width: 0" if i == len(fragments) - 1 else "0 0 auto"}">'
+                        f'{f}</div>'
                         for i, f in enumerate(fragments))
         self.add(f'<div style="display: flex; gap: 24px; align-items: flex-start">{cells}</div>')
 

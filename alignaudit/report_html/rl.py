@@ -7,7 +7,8 @@ import math
 import pandas as pd
 
 from alignaudit.report_html.page import Column, Page, table
-from alignaudit.report_html.runs import STEPS, RunDir, read_table
+from alignaudit.report_html.runs import RunDir, read_table
+from alignaudit.rundir import STEPS
 
 STEP_COLUMNS = ("step",)
 # Panels in reading order: (title, columns, log y). Columns a run lacks are skipped; numeric columns not
@@ -42,7 +43,8 @@ def panels(steps: pd.DataFrame) -> list[tuple[str, list[str], bool]]:
         if present:
             out.append((title, present, log))
     for column in steps.columns:
-        if column not in used and (pd.api.types.is_numeric_dtype(steps[column]) or pd.api.types.is_bool_dtype(steps[column])):
+        if column not in used and (pd.api.types.is_numeric_dtype(steps[column])
+                                   or pd.api.types.is_bool_dtype(steps[column])):
             out.append((column, [column], False))
     return out
 
@@ -54,7 +56,8 @@ def steps_figure(steps: pd.DataFrame):
 
     chosen = panels(steps)
     rows = math.ceil(len(chosen) / 2)
-    fig = make_subplots(rows=rows, cols=2, subplot_titles=[t for t, _, _ in chosen], vertical_spacing=min(0.3 / rows, 0.08),
+    fig = make_subplots(rows=rows, cols=2, subplot_titles=[t for t, _, _ in chosen],
+                        vertical_spacing=min(0.3 / rows, 0.08),
                         horizontal_spacing=0.08)
     x = steps["step"].tolist()
     for k, (title, columns, log) in enumerate(chosen):
@@ -65,7 +68,8 @@ def steps_figure(steps: pd.DataFrame):
                 y = y.where(y > 0)  # 0 (aligned) has no place on a log axis: a gap
             fig.add_trace(go.Scatter(x=x, y=[None if v != v else v for v in y], mode="lines+markers", name=column,
                                      legendgroup=column, showlegend=len(columns) > 1, marker=dict(size=5),
-                                     hovertemplate=f"step %{{x}}<br>{column} %{{y:.6g}}<extra></extra>"), row=row, col=col)
+                                     hovertemplate=f"step %{{x}}<br>{column} %{{y:.6g}}<extra></extra>"),
+                          row=row, col=col)
         if log:
             fig.update_yaxes(type="log", row=row, col=col)
         fig.update_xaxes(title_text="step" if k >= len(chosen) - 2 else None, row=row, col=col)
@@ -93,7 +97,8 @@ def rl_section(page: Page, run: RunDir) -> pd.DataFrame:
                     bad == 0 and unsynced == 0)
     page.figure(steps_figure(steps), "rl-steps")
     page.heading("Steps (steps.parquet)", level=3)
-    columns = [Column(c, c, text=not pd.api.types.is_numeric_dtype(steps[c]) and not pd.api.types.is_bool_dtype(steps[c]))
+    columns = [Column(c, c, text=not pd.api.types.is_numeric_dtype(steps[c])
+                      and not pd.api.types.is_bool_dtype(steps[c]))
                for c in steps.columns if c != "weights_sha256"]
     rows = steps.to_dict("records")
     if "weights_sha256" in steps:

@@ -22,13 +22,21 @@ from pathlib import Path
 import pandas as pd
 
 from alignaudit.errors import InputError
+from alignaudit.rundir import (
+    ABLATE_PARQUET,
+    BISECT,
+    MANIFEST,
+    OPS_FILES,
+    RUN,
+    SEQUENCES,
+    STEPS,
+    SUMMARY,
+    TOKENS,
+    VERDICT,
+)
 
-RUN = "run.json"
-SUMMARY, TOKENS, SEQUENCES = "summary.json", "tokens.parquet", "sequences.parquet"
-OPS_FILES = {"natural": "ops-natural.parquet", "forced": "ops-forced.parquet", "diff": "ops.parquet"}
-STEPS, ABLATE, VERDICT, BISECT = "steps.parquet", "ablate.parquet", "verdict.json", "bisect.json"
-MARKS = {"compare": SUMMARY, "rl": STEPS, "ablate": ABLATE}  # bisect: any of OPS_FILES
-KNOWN = f"{SUMMARY}, {', '.join(OPS_FILES.values())}, {STEPS} or {ABLATE}"
+MARKS = {"compare": SUMMARY, "rl": STEPS, "ablate": ABLATE_PARQUET}  # bisect: any of OPS_FILES
+KNOWN = f"{SUMMARY}, {', '.join(OPS_FILES.values())}, {STEPS} or {ABLATE_PARQUET}"
 
 
 @dataclass
@@ -55,8 +63,8 @@ def detect(run_dir: Path | str) -> RunDir:
     """
     path = Path(run_dir)
     if not path.exists():
-        raise InputError(f"{path} does not exist; give the run directory (--out) of alignaudit compare, bisect, gate, rl, "
-                         "ablate or diff")
+        raise InputError(f"{path} does not exist; give the run directory (--out) of alignaudit compare, bisect, gate, "
+                         "rl, ablate or diff")
     if not path.is_dir():
         raise InputError(f"{path} is a file; give the run directory that holds it")
     record = read_json(path / RUN) if (path / RUN).is_file() else None
@@ -78,7 +86,7 @@ def detect(run_dir: Path | str) -> RunDir:
                          f"is missing; {fix}")
     if not kinds:
         hint = (" (a capture: compare two with `alignaudit diff A B`, then report that)"
-                if (path / "manifest.json").is_file() else "")
+                if (path / MANIFEST).is_file() else "")
         raise InputError(f"{path} holds no alignaudit results (none of {KNOWN}){hint}; give the run directory "
                          "(--out) of alignaudit compare, bisect, gate, rl, ablate or diff")
     if "compare" in kinds:
@@ -117,7 +125,7 @@ def _read_by(kind: str, ops: dict[str, Path]) -> tuple[str, ...]:
     if kind == "bisect":  # and bisect.json where the run wrote one (the ops table of a diff has none)
         return tuple(p.name for p in ops.values()) + tuple(
             BISECT for p in list(ops.values())[:1] if (p.parent / BISECT).is_file())
-    return {"compare": (SUMMARY, TOKENS, SEQUENCES), "rl": (STEPS,), "ablate": (ABLATE,)}[kind]
+    return {"compare": (SUMMARY, TOKENS, SEQUENCES), "rl": (STEPS,), "ablate": (ABLATE_PARQUET,)}[kind]
 
 
 def read_json(path: Path) -> dict:

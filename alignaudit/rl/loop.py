@@ -35,13 +35,8 @@ from alignaudit.errors import InputError
 from alignaudit.request import Request
 from alignaudit.rl.grpo import even_token_reward, group_advantages
 from alignaudit.rl.session import Session
+from alignaudit.rundir import INFER_LOG, PLOT, RUN, STEP_TOKENS, STEPS, SYNC_DIR, SYNC_WEIGHTS, TOKENS_DIR, TRAIN_LOG
 from alignaudit.verify import seal
-
-STEPS = "steps.parquet"
-PLOT = "steps.png"
-TOKENS_DIR = "tokens"
-RL_OUTPUTS = ("run.json", STEPS, PLOT, TOKENS_DIR, "sync", "train.log", "infer.log", "train.request.json",
-              "infer.request.json")
 
 
 @dataclass(frozen=True)
@@ -77,23 +72,24 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
             on disk).
     """
     record = {**request.record("rl"), "rl": asdict(rl), "status": "running"}
-    (out / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    (out / "sync").mkdir(exist_ok=True)
+    (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    (out / SYNC_DIR).mkdir(exist_ok=True)
     if rl.token_rows:
         (out / TOKENS_DIR).mkdir(exist_ok=True)
     stage = on_stage or (lambda text: None)
     sessions = []
     try:
         stage(f"starting {request.train.label()} (trainer) and {request.infer.label()} (rollout)")
-        trainer = _session(sessions, request, "trainer", out / "train.log", lr=rl.lr, clip_grad=rl.clip_grad)
-        rollout = _session(sessions, request, "rollout", out / "infer.log")
+        trainer = _session(sessions, request, "trainer", out / TRAIN_LOG, lr=rl.lr, clip_grad=rl.clip_grad)
+        rollout = _session(sessions, request, "rollout", out / INFER_LOG)
         prompts = [list(p) for p in request.batch.sequences for _ in range(rl.group_size)]
         new = request.rollout.max_new_tokens
         rollout.call("start", max_len=max(len(p) for p in prompts) + new,
                      total_tokens=sum(len(p) for p in prompts) + len(prompts) * new)
-        record["engines"] = {"train": trainer.call("settings")["settings"], "infer": rollout.call("settings")["settings"]}
+        record["engines"] = {"train": trainer.call("settings")["settings"],
+                             "infer": rollout.call("settings")["settings"]}
         record["initial_sync"] = _sync(trainer, rollout, out)
-        (out / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+        (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
         rows = []
         for step in range(1, rl.steps + 1):
             rows.append(_step(step, request, rl, trainer, rollout, prompts, out))
@@ -108,7 +104,7 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
 
     plot_steps(steps, out / PLOT, title=f"{request.spec.name}: {request.train.label()} vs {request.infer.label()}")
     record = seal(record, out, (STEPS, TOKENS_DIR, PLOT))
-    (out / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return steps
 
 
@@ -122,7 +118,7 @@ def _session(sessions: list, request: Request, role: str, log: Path, **extra) ->
 
 def _sync(trainer: Session, rollout: Session, out: Path) -> dict:
     """Trainer weights (HF names) into the running rollout engine; compare every tensor's sha256."""
-    path = out / "sync" / "weights.safetensors"
+    path = out / SYNC_DIR / SYNC_WEIGHTS
     exported = trainer.call("export", path=str(path))
     sent = exported["checksums"]
     loaded = rollout.call("load_weights", path=str(path))
@@ -162,7 +158,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
     t4 = time.perf_counter()
     forward = np.array([x for seq in update["forward_logprobs"] for x in seq], dtype=np.float32)
     if rl.token_rows:
-        tokens.to_parquet(out / TOKENS_DIR / f"step-{step:05d}.parquet", index=False)
+        tokens.to_parquet(out / TOKENS_DIR / STEP_TOKENS.format(step=step), index=False)
     rl_stats = summary["rl"]
     return {
         "step": step,

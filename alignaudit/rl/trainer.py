@@ -40,7 +40,8 @@ class Trainer:
                 from alignaudit.rl.optim import megatron_cuda_optimizer
 
                 self.optimizer = megatron_cuda_optimizer(self.ddp, engine.config, lr, clip_grad)
-                self.optimizer_name = "megatron.core.optimizer.get_megatron_optimizer (Float16OptimizerWithFloat16Params)"
+                self.optimizer_name = ("megatron.core.optimizer.get_megatron_optimizer "
+                                       "(Float16OptimizerWithFloat16Params)")
             else:
                 from megatron.core import parallel_state
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-import alignaudit_kernels as K
+from alignaudit.strict.custom_ops import rope, rotate
 from alignaudit_kernels.primitives import compiling_inference
 
 
@@ -37,30 +37,6 @@ class RopeOp(torch.nn.Module):
         return f"head_dim={self.head_dim}, theta={self.theta}" + (f", llama3={self.llama3}" if self.llama3 else "")
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
-    """x [tokens, heads, head_dim] rotated by the angles of ``positions`` [tokens] (int) from the tables of
-    ``rows`` positions; ``llama3`` [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]
-    for llama3 rope scaling, or [] for none. A position >= rows fails a device-side assert (a RuntimeError on
-    the CPU, a CUDA error at the next synchronization on a GPU) instead of reading past the tables."""
-    if positions.numel():
-        torch._assert_async(positions.max() < rows, "strict rope: a position past the rope tables")
-    scaling = (llama3[0], llama3[1], llama3[2], int(llama3[3])) if llama3 else None
-    cos, sin = K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
-    return K.apply_rope(x, positions, cos, sin)
-
-
-@torch.library.custom_op("alignaudit::rope", mutates_args=())
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
-    """``rotate`` as one opaque op (vLLM, and torch.compile of the other engines): the tables are built
-    eagerly (a compiled torch.cos could round otherwise), with no host read of positions."""
-    return rotate(x, positions, theta, rows, llama3)
-
-
-@rope.register_fake
-def _(x, positions, theta, rows, llama3):
-    return x.new_empty(x.shape)
-
-
 class StrictRouter(torch.nn.Module):
     """The strict MoE router as a module (alignaudit_kernels.route), so op capture can hook its output.
 
@@ -75,8 +51,6 @@ class StrictRouter(torch.nn.Module):
         self.top_k, self.normalize, self.layer = top_k, normalize, layer
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor):
-        import alignaudit.strict.custom_ops  # noqa: F401  (opaque to torch.compile, as vLLM needs)
-
         return torch.ops.alignaudit.moe_route(x, weight, self.top_k, self.normalize, self.layer)
 
     def extra_repr(self) -> str:

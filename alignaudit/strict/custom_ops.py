@@ -1,6 +1,6 @@
 """Strict kernels as torch.library custom ops (namespace ``alignaudit``) where vLLM needs more than the
 kernel functions, which become opaque ops of their own under torch.compile (alignaudit_kernels.primitives.
-opaque_op): the row-parallel partial product and the MoE router and experts (rope: strict/common.py).
+opaque_op): rope (with the tables built eagerly), the row-parallel partial product, the MoE router and experts.
 
 torch.compile treats a custom op as opaque: it neither fuses its arithmetic with neighbouring ops nor
 contracts its multiplies and adds into FMAs, so a compiled engine (vLLM's default) computes exactly what
@@ -13,7 +13,30 @@ from __future__ import annotations
 import torch
 
 import alignaudit_kernels as K
-import alignaudit.strict.common  # noqa: F401  (registers alignaudit::rope)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by the angles of ``positions`` [tokens] (int) from the tables of
+    ``rows`` positions; ``llama3`` [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]
+    for llama3 rope scaling, or [] for none. A position >= rows fails a device-side assert (a RuntimeError on
+    the CPU, a CUDA error at the next synchronization on a GPU) instead of reading past the tables."""
+    if positions.numel():
+        torch._assert_async(positions.max() < rows, "strict rope: a position past the rope tables")
+    scaling = (llama3[0], llama3[1], llama3[2], int(llama3[3])) if llama3 else None
+    cos, sin = K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
+    return K.apply_rope(x, positions, cos, sin)
+
+
+@torch.library.custom_op("alignaudit::rope", mutates_args=())
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
+    """``rotate`` as one opaque op (vLLM, and torch.compile of the other engines): the tables are built
+    eagerly (a compiled torch.cos could round otherwise), with no host read of positions."""
+    return rotate(x, positions, theta, rows, llama3)
+
+
+@rope.register_fake
+def _(x, positions, theta, rows, llama3):
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("alignaudit::linear_partial", mutates_args=())

@@ -84,7 +84,8 @@ class StrictCPUAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:  # warm-up
             return output
         if self.attn_type != AttentionType.DECODER or self.sliding_window != -1 or self.sinks is not None:
-            raise NotImplementedError("strict attention supports causal decoder attention without sliding window or sinks")
+            raise NotImplementedError("strict attention supports causal decoder attention without "
+                                      "sliding window or sinks")
         n = attn_metadata.num_actual_tokens
         qsl = attn_metadata.query_start_loc
         seqs = torch.repeat_interleave(torch.arange(qsl.shape[0] - 1), qsl[1:] - qsl[:-1])

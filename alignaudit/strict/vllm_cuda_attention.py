@@ -76,7 +76,7 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
         m = common_attn_metadata
         if common_prefix_len:
             raise NotImplementedError("strict attention computes no cascade (shared-prefix) attention")
-        if not (m.causal is True):
+        if m.causal is not True:
             raise NotImplementedError("strict attention is causal attention only")
         meta = StrictAttentionMetadata(num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
                                        max_seq_len=m.max_seq_len, query_start_loc=m.query_start_loc,
