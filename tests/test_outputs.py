@@ -25,10 +25,11 @@ from test_cli import one_line_error, run_cli
 
 @pytest.fixture(scope="module")
 def two_captures(tmp_path_factory):
-    """Two logprob-only captures of the fixture (hf, bf16), to diff without starting engines again."""
+    """Two logprob-only captures of the fixture (hf, bf16), to diff without starting engines again: one real
+    capture and a copy of it (these tests are about output directories, not about the bits of a second run)."""
     root = tmp_path_factory.mktemp("caps")
-    for name in ("a", "b"):
-        assert cli.main(["capture", "--engine", "hf", "--no-ops", "--out", str(root / name)]) == EXIT_OK
+    assert cli.main(["capture", "--engine", "hf", "--no-ops", "--out", str(root / "a")]) == EXIT_OK
+    shutil.copytree(root / "a", root / "b")
     return root / "a", root / "b"
 
 

@@ -133,7 +133,7 @@ def test_processed_logprobs_are_replayed_by_the_trainer_and_eos_is_not_masked(tm
 
 
 @pytest.mark.parametrize("dtype", ["fp32"])
-def test_replay_at_temperature_one_changes_no_bit(tmp_path, tiny_spec, dtype):
+def test_replay_at_temperature_one_changes_no_bit(tmp_path, tiny_spec, captures, dtype):
     """Dividing by 1.0 is exact and no truncation applies: the replayed path gives the bits of the plain one
     (in fp32 this caught Megatron's cross-entropy working in place on the logits the replay reads)."""
     from alignaudit.engines.base import EngineSettings
@@ -144,7 +144,7 @@ def test_replay_at_temperature_one_changes_no_bit(tmp_path, tiny_spec, dtype):
     replay = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "prompt_lengths": [10, 3, 50, 20]}
     for engine in ("megatron", "hf"):
         run = EngineRun(engine, EngineSettings(dtype=dtype))
-        plain = capture(tiny_spec, batch, run, tmp_path / f"{engine}-plain")
+        plain = captures.get(engine, dtype)  # the same settings and prompts as run, shared with test_engines
         replayed = capture(tiny_spec, batch, run, tmp_path / f"{engine}-replay", replay=replay)
         a, b = plain.logprobs["logprob"].to_numpy(), replayed.logprobs["logprob"].to_numpy()
         assert np.array_equal(a.view(np.int32), b.view(np.int32)), engine
