@@ -47,21 +47,31 @@ def test_default_tp2_differs_from_tp1_at_the_first_row_parallel_projection(tmp_p
     assert manifest["engine_settings"]["transformer_config"]["tensor_model_parallel_size"] == 2
 
 
-@pytest.mark.parametrize("train_tp, infer_tp, mode", [(2, 2, "rollout"), (1, 2, "prompt"), (2, 1, "prompt")])
-def test_strict_is_bitwise_equal_across_tensor_parallel_sizes(tmp_path, train_tp, infer_tp, mode):
+def test_strict_is_bitwise_equal_at_tp2_in_rollout_mode(tmp_path):
+    """End to end through the CLI: megatron at TP=2 rescores what vLLM at TP=2 sampled."""
     out = tmp_path / "run"
-    argv = ["compare", "--strict", "--train", "megatron", "--infer", "vllm", "--mode", mode,
-            "--max-new-tokens", "8", "--out", str(out)]
-    argv += MEGATRON_TP2 if train_tp == 2 else []
-    argv += VLLM_TP2 if infer_tp == 2 else []
-    assert cli.main(argv) == EXIT_OK
+    assert cli.main(["compare", "--strict", "--train", "megatron", "--infer", "vllm", "--mode", "rollout",
+                     "--max-new-tokens", "8", "--out", str(out), *MEGATRON_TP2, *VLLM_TP2]) == EXIT_OK
     s = summary(out)
-    assert s["mismatches"] == 0 and s["ulp_max"] == 0
-    assert s["tokens_compared"] == (176 + 4 * 8 if mode == "rollout" else 176)
-    if mode == "rollout":
-        assert s["generated"]["tokens_compared"] == 32 and s["generated"]["mismatches"] == 0
+    assert s["mismatches"] == 0 and s["ulp_max"] == 0 and s["tokens_compared"] == 176 + 4 * 8
+    assert s["generated"]["tokens_compared"] == 32 and s["generated"]["mismatches"] == 0
     resolved = json.loads((out / "infer" / "manifest.json").read_text())["engine_settings"]["resolved"]
-    assert resolved["tensor_parallel_size"] == infer_tp
+    assert resolved["tensor_parallel_size"] == 2
+
+
+@pytest.mark.parametrize("train_tp, infer_tp", [(1, 2), (2, 1)])
+def test_strict_is_bitwise_equal_across_tensor_parallel_sizes(tmp_path, captures, train_tp, infer_tp):
+    """TP=1 against TP=2 either way, prompt mode; the TP=1 sides are the session's strict captures."""
+    from alignaudit.pipeline import diff_captures
+
+    train = captures.get("megatron", "bf16", strict="all",
+                         **({"tensor_model_parallel_size": 2} if train_tp == 2 else {}))
+    infer = captures.get("vllm", "bf16", strict="all", **({"tensor_parallel_size": 2} if infer_tp == 2 else {}))
+    s = diff_captures(train, infer, tmp_path / "diff")
+    assert s["mismatches"] == 0 and s["ulp_max"] == 0 and s["tokens_compared"] == 176
+    assert infer.manifest["engine_settings"]["resolved"]["tensor_parallel_size"] == infer_tp
+    config = train.manifest["engine_settings"]["transformer_config"]
+    assert config["tensor_model_parallel_size"] == train_tp
 
 
 def test_the_default_stack_at_tp2_differs(tmp_path):
