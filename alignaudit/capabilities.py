@@ -74,9 +74,8 @@ def check_engine_features(spec, engines: tuple[str, ...]) -> None:
 MOE_REFUSED: dict[str, str] = {
     "alignaudit rl": "the weight sync maps dense MLPs only; run rl on a dense model",
     "tensor parallelism": "expert weights are not sharded by alignaudit; run MoE models at tensor parallel size 1",
-    "strict vLLM on CUDA with CUDA graphs": "its expert dispatch read the routing on the host and failed inside "
-    "vLLM's graph capture (H200, vLLM 0.26.0, 2026-12-01; eager: 0 mismatching tokens, docs/findings.md); add "
-    "--infer-opt enforce_eager=true",
+    "strict vLLM on CUDA with CUDA graphs": "its expert dispatch failed inside vLLM's graph capture (H200, vLLM "
+    "0.26.0; eager: 0 mismatches, docs/findings.md)",
 }
 
 
@@ -88,15 +87,19 @@ def refuse_moe(spec, what: str) -> None:
 
 def refuse_moe_cuda_graphs(spec, runs) -> None:
     """Refuse strict MoE inside CUDA vLLM unless vLLM runs eager (``enforce_eager=true``): not yet run in graphs.
+    ``runs``: the train run, then the infer run (the fix names that side's option flag).
 
     Raises:
         InputError: with MOE_REFUSED's reason and the fix.
     """
-    for run in runs:
+    for run, flag in zip(runs, ("--train-opt", "--infer-opt")):
         s = run.settings
         if (run.engine == "vllm" and s.device == "cuda" and "linear" in s.strict_ops
                 and not s.options.get("enforce_eager")):
-            refuse_moe(spec, "strict vLLM on CUDA with CUDA graphs")
+            try:
+                refuse_moe(spec, "strict vLLM on CUDA with CUDA graphs")
+            except InputError as e:
+                raise InputError(f"{e}; add {flag} enforce_eager=true") from None
 
 
 # The engine option that sets the tensor-parallel size, by engine (hf has none)

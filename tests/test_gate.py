@@ -271,6 +271,9 @@ def test_an_unfinished_run_is_refused(runs, tmp_path, capsys):
     record = json.loads((run / "run.json").read_text())
     (run / "run.json").write_text(json.dumps({**record, "status": "running"}))
     assert "the run did not finish" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+    # report shows an unfinished run's partial results under a banner; a sealed one whose status was edited
+    # to look unfinished would skip every checksum that way: its seal gives it away
+    assert "was changed after the run finished" in one_line_error(capsys, ["report", str(run)], EXIT_USAGE)
 
 
 @pytest.mark.parametrize("edit, resealed, message", [

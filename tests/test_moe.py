@@ -134,15 +134,17 @@ def test_strict_moe_in_cuda_vllm_graphs_is_refused_until_run(engine, device, str
     from alignaudit.capabilities import refuse_moe_cuda_graphs
     from alignaudit.errors import InputError
 
-    runs = [EngineRun(engine, EngineSettings("bf16", device, 0, options, strict=strict))]
+    run = EngineRun(engine, EngineSettings("bf16", device, 0, options, strict=strict))
+    other = EngineRun("hf", EngineSettings("bf16", device, 0, {}, strict=strict))
     dense = load_spec(ROOT / "fixtures" / "qwen3-tiny")
-    refuse_moe_cuda_graphs(dense, runs)
-    if not refused:
-        refuse_moe_cuda_graphs(load_spec(MOE), runs)
-        return
-    with pytest.raises(InputError, match="strict vLLM on CUDA with CUDA graphs for Qwen3MoeForCausalLM .* add "
-                                         "--infer-opt enforce_eager=true"):
-        refuse_moe_cuda_graphs(load_spec(MOE), runs)
+    for runs, flag in (([other, run], "--infer-opt"), ([run, other], "--train-opt")):
+        refuse_moe_cuda_graphs(dense, runs)
+        if not refused:
+            refuse_moe_cuda_graphs(load_spec(MOE), runs)
+            continue
+        with pytest.raises(InputError, match="strict vLLM on CUDA with CUDA graphs for Qwen3MoeForCausalLM .*; add "
+                                             f"{flag} enforce_eager=true$"):
+            refuse_moe_cuda_graphs(load_spec(MOE), runs)
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -74,7 +74,8 @@ def detect(run_dir: Path | str) -> RunDir:
     if record is None and kinds:
         raise InputError(f"{path} holds results but no {RUN}, so nothing vouches for them (written by an older "
                          "alignaudit?); run the command again")
-    if record is not None and record.get("status") == "complete":
+    sealed = record is not None and (record.get("status") == "complete" or "record_sha256" in record)
+    if sealed:  # a sealed record whose status says otherwise was edited: its seal no longer matches
         _check(path, record)
     command = (record or {}).get("command")
     if command in ("compare", "bisect", "rl", "ablate") and command not in kinds:
@@ -93,7 +94,7 @@ def detect(run_dir: Path | str) -> RunDir:
         missing = [name for name in (TOKENS, SEQUENCES) if not (path / name).is_file()]
         if missing:
             raise InputError(f"{path} holds {SUMMARY} but not {missing[0]}: the comparison is incomplete; run it again")
-    if record is not None and record.get("status") == "complete":  # the files this page reads: listed, checked
+    if sealed:  # the files this page reads: listed, checked
         from alignaudit.verify import check_outputs
 
         check_outputs(path, record, tuple(name for kind in kinds for name in _read_by(kind, ops)))
@@ -110,13 +111,13 @@ def _check(path: Path, record: dict) -> None:
     captures, rl runs against their token rows, every run's seal and listed files."""
     from alignaudit import verify
 
+    verify.check_record(path / RUN, record)  # first: a sealed record edited to look unfinished is named as edited
     command = record.get("command")
     if command in ("compare", "diff"):
         verify.load_run(path)
     elif command == "rl":
         verify.load_rl_run(path)
     else:
-        verify.check_record(path / RUN, record)
         verify.check_outputs(path, record)
 
 
