@@ -34,6 +34,7 @@ from alignaudit.rundir import (
     TOKENS,
     VERDICT,
 )
+from alignaudit.verify import RECORD_SHA256
 
 MARKS = {"compare": SUMMARY, "rl": STEPS, "ablate": ABLATE_PARQUET}  # bisect: any of OPS_FILES
 KNOWN = f"{SUMMARY}, {', '.join(OPS_FILES.values())}, {STEPS} or {ABLATE_PARQUET}"
@@ -74,7 +75,7 @@ def detect(run_dir: Path | str) -> RunDir:
     if record is None and kinds:
         raise InputError(f"{path} holds results but no {RUN}, so nothing vouches for them (written by an older "
                          "alignaudit?); run the command again")
-    sealed = record is not None and (record.get("status") == "complete" or "record_sha256" in record)
+    sealed = record is not None and (record.get("status") == "complete" or RECORD_SHA256 in record)
     if sealed:  # a sealed record whose status says otherwise was edited: its seal no longer matches
         _check(path, record)
     command = (record or {}).get("command")
