@@ -79,10 +79,12 @@ MOE_REFUSED: dict[str, str] = {
 }
 
 
-def refuse_moe(spec, what: str) -> None:
-    """Refuse ``what`` (a MOE_REFUSED key) for a mixture-of-experts model. Raises InputError with the reason."""
+def refuse_moe(spec, what: str, fix: str = "") -> None:
+    """Refuse ``what`` (a MOE_REFUSED key) for a mixture-of-experts model. Raises InputError with the reason
+    and, where given, ``fix`` (appended after a semicolon)."""
     if spec.num_experts:
-        raise InputError(f"{what} for {spec.architecture} ({spec.name}) is not implemented: {MOE_REFUSED[what]}")
+        raise InputError(f"{what} for {spec.architecture} ({spec.name}) is not implemented: {MOE_REFUSED[what]}"
+                         + (f"; {fix}" if fix else ""))
 
 
 def refuse_moe_cuda_graphs(spec, runs) -> None:
@@ -96,10 +98,7 @@ def refuse_moe_cuda_graphs(spec, runs) -> None:
         s = run.settings
         if (run.engine == "vllm" and s.device == "cuda" and "linear" in s.strict_ops
                 and not s.options.get("enforce_eager")):
-            try:
-                refuse_moe(spec, "strict vLLM on CUDA with CUDA graphs")
-            except InputError as e:
-                raise InputError(f"{e}; add {flag} enforce_eager=true") from None
+            refuse_moe(spec, "strict vLLM on CUDA with CUDA graphs", fix=f"add {flag} enforce_eager=true")
 
 
 # The engine option that sets the tensor-parallel size, by engine (hf has none)

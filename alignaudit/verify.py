@@ -31,7 +31,6 @@ from alignaudit.rundir import MANIFEST, RESULTS, RUN, SIDES, STEP_TOKENS, STEPS,
 
 RECORD_SHA256 = "record_sha256"
 OUTPUTS = "outputs"
-ROLES = SIDES
 SETTINGS_CHECKED = ("dtype", "device", "strict", "options", "seed", "lm_head_dtype")
 
 
@@ -161,7 +160,7 @@ def load_run(run_dir: Path) -> Run:
     run_dir = Path(run_dir)
     record = read_run_record(run_dir, commands=("compare", "diff"))
     captures = record.get("captures")
-    if not isinstance(captures, dict) or set(captures) != set(ROLES):
+    if not isinstance(captures, dict) or set(captures) != set(SIDES):
         raise InputError(f"{run_dir / RUN} lists no captures; the run was made by an older alignaudit, run it again")
     check_outputs(run_dir, record, RESULTS[record["command"]])
     check_outputs(run_dir, record)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from alignaudit import verify
 from alignaudit.errors import InputError
 from alignaudit.rundir import (
     ABLATE_PARQUET,
@@ -34,7 +35,6 @@ from alignaudit.rundir import (
     TOKENS,
     VERDICT,
 )
-from alignaudit.verify import RECORD_SHA256
 
 MARKS = {"compare": SUMMARY, "rl": STEPS, "ablate": ABLATE_PARQUET}  # bisect: any of OPS_FILES
 KNOWN = f"{SUMMARY}, {', '.join(OPS_FILES.values())}, {STEPS} or {ABLATE_PARQUET}"
@@ -75,7 +75,7 @@ def detect(run_dir: Path | str) -> RunDir:
     if record is None and kinds:
         raise InputError(f"{path} holds results but no {RUN}, so nothing vouches for them (written by an older "
                          "alignaudit?); run the command again")
-    sealed = record is not None and (record.get("status") == "complete" or RECORD_SHA256 in record)
+    sealed = record is not None and (record.get("status") == "complete" or verify.RECORD_SHA256 in record)
     if sealed:  # a sealed record whose status says otherwise was edited: its seal no longer matches
         _check(path, record)
     command = (record or {}).get("command")
@@ -96,9 +96,7 @@ def detect(run_dir: Path | str) -> RunDir:
         if missing:
             raise InputError(f"{path} holds {SUMMARY} but not {missing[0]}: the comparison is incomplete; run it again")
     if sealed:  # the files this page reads: listed, checked
-        from alignaudit.verify import check_outputs
-
-        check_outputs(path, record, tuple(name for kind in kinds for name in _read_by(kind, ops)))
+        verify.check_outputs(path, record, tuple(name for kind in kinds for name in _read_by(kind, ops)))
     verdict = None
     if (path / VERDICT).is_file():  # shown as judged again here from the checked run, never as stored
         from alignaudit.gate import rejudge
@@ -110,8 +108,6 @@ def detect(run_dir: Path | str) -> RunDir:
 def _check(path: Path, record: dict) -> None:
     """A finished run as the gate checks it (alignaudit.verify): compare and diff runs against their
     captures, rl runs against their token rows, every run's seal and listed files."""
-    from alignaudit import verify
-
     verify.check_record(path / RUN, record)  # first: a sealed record edited to look unfinished is named as edited
     command = record.get("command")
     if command in ("compare", "diff"):
