@@ -396,6 +396,15 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
        top_k: TopKOpt = 0,
        top_p: TopPOpt = 1.0,
        clip_eps: ClipEpsOpt = 0.2,
+       reward: Annotated[str, typer.Option("--reward", metavar="NAME", help="rotating-hash (a score per token id "
+                                           "from a table that changes every 10 steps), "
+                                           "token-hash (one fixed table) or even (the fraction of even token ids); "
+                                           "each collapses a policy in time; --kl-coef keeps the gradient "
+                                           "non-zero (docs/rl.md).")] = "rotating-hash",
+       kl_coef: Annotated[float, typer.Option("--kl-coef", metavar="BETA", help="Weight of the k3 KL to the starting "
+                                              "weights in the loss (GRPO's KL term; DeepSeekMath used 0.04). 0: none. "
+                                              "> 0 keeps a copy of the starting weights on the trainer's device."
+                                              )] = 0.0,
        no_token_rows: Annotated[bool, typer.Option("--no-token-rows", metavar="", help="Skip tokens/step-*.parquet "
                                                    "(one row per generated token per step) "
                                                    "on long runs.")] = False) -> None:
@@ -403,10 +412,11 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
 
     Each step the inference engine samples --group-size completions per prompt (seeded; the same seeds
     every step) and records their logprobs while decoding; the trainer rescores them (old_logprobs);
-    every generated token is compared bit for bit; a verifiable toy reward (the fraction of even token
-    ids) gives GRPO advantages; the trainer takes one clipped-loss step (Adam on fp32 main weights, grad
-    clipping at 1.0) with the ratio exp(lp_train - lp_rollout); its new weights go into the running
-    inference engine through model.load_weights, and every tensor's sha256 is compared on both sides.
+    every generated token is compared bit for bit; a verifiable toy reward (--reward) gives GRPO
+    advantages; the trainer takes one clipped-loss step (Adam on fp32 main weights, grad clipping at 1.0)
+    with the ratio exp(lp_train - lp_rollout); its new weights go into the running inference engine
+    through model.load_weights (a file on the CPU, CUDA IPC handles on the GPU), and every tensor the
+    engine then holds is checked bit for bit against the trainer's.
     Both engines stay up for the whole run. Writes steps.parquet (after every step), tokens/, steps.png
     and run.json; `alignaudit gate RUN` passes only if every step had 0 mismatching tokens and every sync
     was bit-equal. docs/rl.md explains each metric.
@@ -424,7 +434,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     from alignaudit.rl.loop import RLSettings, run_rl
     from alignaudit.rundir import PLOT, RL_OUTPUTS, RUN, STEPS
 
-    settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows)
+    settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows, reward=reward,
+                          kl_coef=kl_coef)
     settings.check()
     if run.train not in ("megatron", "hf") or run.infer not in ("vllm", "hf"):
         raise errors.InputError(f"rl trains with megatron or hf and rolls out with vllm or hf; got --train {run.train} "
@@ -436,6 +447,9 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     refuse_moe(request.spec, "alignaudit rl")
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
+    from alignaudit.rl.memory import rl_plan
+
+    memory = rl_plan(request, group_size, kl_coef > 0)  # refuses a model that cannot fit, before any engine starts
     out = out_dir(output, "rl", RL_OUTPUTS)
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[last]}"))
@@ -446,7 +460,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
             progress.update(task, advance=1, last=_step_line(row))
 
         table = run_rl(request, settings, out, on_step=on_step,
-                       on_stage=lambda text: progress.update(task, last=escape(text)))
+                       on_stage=lambda text: progress.update(task, last=escape(text)), memory=memory)
     bad = int((table["mismatches"] > 0).sum())
     unsynced = int((~table["sync_bit_equal"]).sum())
     style = "bold green" if bad == 0 and unsynced == 0 else "bold red"

@@ -2,7 +2,8 @@
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
 #   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
-#                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench
+#                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench \
+#                    ipc rl-bench grpo17 grpo8
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
 # attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py);
@@ -29,6 +30,10 @@
 # safe for two writers). CMP_OPTS: options added to every compare and to vllm-rl17 (e.g. --infer-opt
 # gpu_memory_utilization=0.2 --infer-opt kv_cache_memory_bytes=4294967296, for two stages side by side on one GPU);
 # CMP_TIMEOUT: seconds per compare (420).
+# [18]: ipc the CUDA IPC weight-transfer test; rl-bench seconds per RL step and stage, strict vs default, Qwen3-1.7B shape,
+# 8 prompts x 4 completions x 64 tokens (bench/rl_steps.py; RLB_STEPS); grpo17 the same shape for GRPO_STEPS (200) steps
+# (GRPO_OPTS: --strict by default, GRPO_TAG names the run); grpo8 the Qwen3-8B shape (GRPO8_STEPS, GRPO8_MB micro-batch);
+# GRPO_LR (1e-6), GRPO_KL (grpo17's --kl-coef, 0.04; grpo8 runs without), GRPO_TIMEOUT (570 s).
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +82,33 @@ for side in ("train", "infer"):
 PY
 }
 Q8="--model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512"
+G17="--model Qwen3-1.7B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4"
+grpo() {  # $1 name, rest: rl options; megatron trains, CUDA vLLM rolls out; steps.parquet, plot, run.json and a summary
+  local name=$1; shift
+  timeout ${GRPO_TIMEOUT:-570} python3 -m alignaudit rl --train megatron --infer vllm --device cuda --lr ${GRPO_LR:-1e-6} \
+    --no-token-rows --out /dev/shm/$name --force "$@" 2>&1 | log | tail -4
+  for f in steps.parquet steps.png run.json; do cp /dev/shm/$name/$f "$out/$name-$f" 2>/dev/null; done
+  python3 - /dev/shm/$name <<'PY' 2>&1 | log
+import json, sys, pathlib, pandas as pd
+run = pathlib.Path(sys.argv[1])
+t = pd.read_parquet(run / "steps.parquet")
+r = json.loads((run / "run.json").read_text())
+late = t.iloc[1:] if len(t) > 1 else t
+print("  ", run.name, "status", r["status"], "steps", len(t), "steps with mismatches", int((t.mismatches > 0).sum()),
+      "tokens/step", int(t.tokens.iloc[0]), "syncs bit-equal", bool(t.sync_bit_equal.all()), "forward==rescore",
+      bool(t.train_forward_equal.all()), "distinct digests", t.weights_digest.nunique())
+print("   grad_norm min", t.grad_norm.min(), "weights_changed min", int(t.weights_changed.min()), "max", int(t.weights_changed.max()),
+      "fraction min", t.weights_changed_fraction.min(), "max_abs_dw max", t.max_abs_dw.max(),
+      "reward", round(t.reward_mean.iloc[0], 4), "->", round(t.reward_mean.iloc[-1], 4), "max ulp", int(t.ulp_max.max()),
+      "kl_k3 max", t.kl_k3.max())
+print("   median s (steps 2..):", {c: round(float(late[c].median()), 3) for c in ("seconds", "rollout_s", "rescore_s", "update_s", "sync_s")},
+      "max sync_s", float(late.sync_s.max()))
+print("   transport", r.get("weight_sync"), "optimizer", r.get("engines", {}).get("train", {}).get("optimizer"))
+print("   memory plan", {k: (round(v / 1e9, 1) if isinstance(v, float) and v > 1e6 else v) for k, v in (r.get("memory_plan") or {}).items()})
+print(t[["step", "mismatches", "ulp_max", "sync_bit_equal", "reward_mean", "grad_norm", "weights_changed", "max_abs_dw", "seconds",
+         "rollout_s", "update_s", "sync_s"]].iloc[list(range(min(3, len(t)))) + list(range(max(3, len(t) - 3), len(t)))].to_string())
+PY
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -177,6 +209,13 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
                  --no-token-rows --out /dev/shm/vrl17 --force ${CMP_OPTS:-} 2>&1 | log | tail -4
                cp /dev/shm/vrl17/steps.parquet "$out/vrl17-steps.parquet" 2>/dev/null
                python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','reward_mean','loss','grad_norm','seconds','rollout_s','rescore_s','update_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
+    ipc) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_weight_transfer.py -rs 2>&1 | log | tail -5 ;;
+    rl-bench) timeout ${RLB_TIMEOUT:-420} python3 bench/rl_steps.py --steps ${RLB_STEPS:-6} -- $G17 --device cuda --lr 1e-6 \
+                ${RLB_OPTS:-} 2>&1 | log | tail -12
+              cp bench-rl-steps.json "$out/" 2>/dev/null ;;
+    grpo17) grpo grpo17-${GRPO_TAG:-strict} $G17 ${GRPO_OPTS:---strict} --steps ${GRPO_STEPS:-200} --kl-coef ${GRPO_KL:-0.04} ;;
+    grpo8) grpo grpo8 --model Qwen3-8B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4 \
+             --train-opt micro_batch_size=${GRPO8_MB:-8} --strict --steps ${GRPO8_STEPS:-30} ;;
     vllm-bench) timeout 560 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256 \
                   --configs ${BENCH_CONFIGS:-default,batch-invariant,strict} --json "$out/vllm-generate.json" 2>&1 | log | tail -12 ;;
     q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \

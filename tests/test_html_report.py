@@ -228,7 +228,7 @@ def steps_table() -> pd.DataFrame:
         "kl_k3": 0.0, "reward_mean": 0.5 + 0.01 * step, "loss": 0.0, "grad_norm": 1.0 / step,
         "train_clip_fraction": 0.0, "train_forward_equal": True, "sync_bit_equal": [True, True, False, True, True],
         "sync_tensors_differing": [0, 0, 2, 0, 0], "sync_stale_packed": 0, "sync_replicas_diverged": 0,
-        "weights_sha256": [f"{k:064x}" for k in step], "seconds": 1.5, "rollout_s": 0.5, "rescore_s": 0.3,
+        "weights_digest": [f"{k:064x}" for k in step], "seconds": 1.5, "rollout_s": 0.5, "rescore_s": 0.3,
         "update_s": 0.6, "sync_s": 0.1,
     })
 
@@ -247,7 +247,7 @@ def test_rl_and_ablate_reports_plot_every_series(tmp_path):
     assert (traces["mismatches"]["y"] == steps["mismatches"].tolist()
             and traces["mismatches"]["x"] == steps["step"].tolist())
     assert traces["max_abs_diff"]["y"] == [None, 1e-6, None, 4e-6, 5e-7]  # log axis: 0 is a gap
-    numeric = [c for c in steps if c not in ("step", "tokens", "weights_sha256")]
+    numeric = [c for c in steps if c not in ("step", "tokens", "weights_digest")]
     assert set(traces) == set(numeric)  # every series the steps hold
     assert "3 of 5 steps with mismatching tokens; 1 weight syncs not bit-equal" in dom
 

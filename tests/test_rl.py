@@ -36,7 +36,7 @@ TIMINGS = ["seconds", "rollout_s", "rescore_s", "update_s", "sync_s"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
-    for name, args in (("strict", ["--strict", "--steps", "3", "--lr", "1e-3"]),
+    for name, args in (("strict", ["--strict", "--steps", "3", "--lr", "1e-3", "--kl-coef", "0.04"]),
                        ("default", ["--steps", "2", "--lr", "1e-3"]),
                        ("again", ["--steps", "2", "--lr", "1e-3"]),
                        ("control", ["--steps", "3", "--lr", "0"])):
@@ -54,8 +54,13 @@ def test_strict_steps_stay_bitwise_aligned_while_the_weights_change(runs, tmp_pa
     assert (s["mismatches"] == 0).all() and (s["ulp_max"] == 0).all()
     assert (s["ratio_min"] == 1.0).all() and (s["ratio_max"] == 1.0).all() and (s["kl_k3"] == 0).all()
     assert s["sync_bit_equal"].all() and s["train_forward_equal"].all()
-    assert s["weights_sha256"].nunique() == 3  # every step's update changed the weights
-    assert (s["grad_norm"] > 0).all()
+    assert s["weights_digest"].nunique() == 3  # every step's update changed the weights
+    assert (s["grad_norm"] > 0).all() and (s["weights_changed"] > 0).all() and (s["max_abs_dw"] > 0).all()
+    assert (s["weights_changed_fraction"] == s["weights_changed"] / 525056).all()  # the fixture's weight elements
+    # the KL term's reference is the starting weights: exactly 0 at step 1, then > 0; swapping the reference in
+    # and out for its logprobs leaves the trainer's weights as they were (train_forward_equal above)
+    assert s["kl_ref"].iloc[0] == 0.0 and (s["kl_ref"].iloc[1:] > 0).all()
+    assert "kl_ref" not in steps(runs, "default")
     record = json.loads((runs / "strict" / "run.json").read_text())
     assert (record["status"] == "complete" and record["initial_sync"]["bit_equal"]
             and record["initial_sync"]["tensors"] == 25)
@@ -87,13 +92,15 @@ def test_lr_zero_repeats_every_step_exactly(runs):
     for i in range(1, len(s)):
         assert s.iloc[i].equals(first), s.iloc[i].compare(first)
     record = json.loads((runs / "control" / "run.json").read_text())
-    assert first["weights_sha256"] == record["initial_sync"]["weights_sha256"]  # the weights never moved
+    assert first["weights_digest"] == record["initial_sync"]["weights_digest"]  # the weights never moved
+    assert first["weights_changed"] == 0 and first["max_abs_dw"] == 0.0
+    assert record["weight_sync"]["transport"] == "file" and record["initial_sync"]["changed"] == 0
 
 
 def test_the_same_seed_gives_the_same_run(runs):
     a, b = steps(runs, "default").drop(columns=TIMINGS), steps(runs, "again").drop(columns=TIMINGS)
     pd.testing.assert_frame_equal(a, b)
-    assert a["weights_sha256"].iloc[-1] == b["weights_sha256"].iloc[-1]
+    assert a["weights_digest"].iloc[-1] == b["weights_digest"].iloc[-1]
 
 
 def _vllm_packs_cpu_weights() -> bool:
@@ -134,7 +141,7 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
     assert cli.main(["rl", "--train", "hf", "--infer", "vllm", "--strict", "--steps", "2", "--lr", "1e-3",
                      "--no-token-rows", "--out", str(out)]) == EXIT_OK
     s = pd.read_parquet(out / "steps.parquet")
-    assert (s["mismatches"] == 0).all() and s["sync_bit_equal"].all() and s["weights_sha256"].nunique() == 2
+    assert (s["mismatches"] == 0).all() and s["sync_bit_equal"].all() and s["weights_digest"].nunique() == 2
     assert (s["nan_tokens"] == 0).all() and (s["grad_norm"] > 0).all()  # HF's strict backward once gave NaN
     assert not (out / "tokens").exists()
     # without per-token rows the counts are steps.parquet's alone: every rendering of the verdict says so

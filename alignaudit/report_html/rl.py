@@ -24,7 +24,10 @@ PANELS = (
     ("mean d (signed)", ("mean_diff",), False),
     ("reward (mean)", ("reward_mean",), False),
     ("loss", ("loss",), False),
+    ("KL to the starting weights (k3, --kl-coef)", ("kl_ref",), False),
     ("grad norm", ("grad_norm",), False),
+    ("weights changed by the update (fraction of elements)", ("weights_changed_fraction",), False),
+    ("max |delta w|", ("max_abs_dw",), False),
     ("train clip fraction", ("train_clip_fraction",), False),
     ("checks (1 = holds)", ("sync_bit_equal", "train_forward_equal"), False),
     ("sync problems", ("sync_tensors_differing", "sync_stale_packed", "sync_replicas_diverged"), False),
@@ -99,10 +102,10 @@ def rl_section(page: Page, run: RunDir) -> pd.DataFrame:
     page.heading("Steps (steps.parquet)", level=3)
     columns = [Column(c, c, text=not pd.api.types.is_numeric_dtype(steps[c])
                       and not pd.api.types.is_bool_dtype(steps[c]))
-               for c in steps.columns if c != "weights_sha256"]
+               for c in steps.columns if c != "weights_digest"]
     rows = steps.to_dict("records")
-    if "weights_sha256" in steps:
+    if "weights_digest" in steps:
         columns.append(Column("weights", "weights", text=True))
-        rows = [{**r, "weights": str(r["weights_sha256"])[:12]} for r in rows]
+        rows = [{**r, "weights": str(r["weights_digest"])[:12]} for r in rows]
     page.add(table(rows, columns, table_id="steps"))
     return steps

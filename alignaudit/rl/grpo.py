@@ -1,9 +1,21 @@
-"""GRPO's pieces, pure: a verifiable toy reward, group-normalized advantages, the clipped policy loss.
+"""GRPO's pieces, pure: verifiable toy rewards, group-normalized advantages, the clipped policy loss.
 
-Reward (``even_token_reward``): the fraction of a completion's tokens whose id is even. It is computed from
-the token ids alone (deterministic, verifiable, no model), every completion earns between 0 and 1, and a
-policy can raise it by moving probability mass to half of the vocabulary, which even the tiny fixture
-does within tens of steps, so the reward curve moves.
+Rewards (``REWARDS``), computed from a completion's token ids and the step alone (deterministic, verifiable,
+no model), each between 0 and 1:
+    rotating-hash  the mean over the completion's tokens of a score per token id in [0, 1) drawn from a table
+                   that changes every ``ROTATION`` steps (SplitMix64 of the id and the period: Steele, Lea and
+                   Flood 2014, "Fast splittable pseudorandom number generators"). Within a period the policy
+                   climbs toward that period's high-scoring tokens; across periods the targets are unrelated,
+                   so the reward keeps moving. It delays the collapse onto one completion, it does not prevent
+                   it (fixture, lr 1e-3: first zero gradient at step 36 instead of 19); the KL term does
+                   (``kl_k3``). The default.
+    token-hash     one fixed table: Knuth's multiplicative hash, (id * 2654435761 mod 2**32) / 2**32 (Knuth,
+                   TAOCP vol. 3, 6.4). On random weights it collapses
+                   the policy: Qwen3-1.7B shape, lr 1e-6, 8 prompts x 4 completions x 64 tokens, the
+                   reward rose 0.50 -> 0.90 and from step 76 (strict) / 107 (default) every completion of a
+                   group was the same, the advantages 0 and the gradient 0 (H200, 2026-12-01).
+    even           the fraction of token ids that are even: satisfied fully by moving the mass to half of the
+                   vocabulary (every completion scored 1.0 by step 3 at lr 1e-4, Qwen3-1.7B shape, H200).
 
 Advantages (``group_advantages``): GRPO (Shao et al. 2024, "DeepSeekMath", section 4.1.2): each of the G
 completions of one prompt gets (r_i - mean(r)) / (std(r) + eps) over its group (population std, eps 1e-6);
@@ -12,7 +24,8 @@ a group whose rewards are all equal gets 0.
 Loss (``clipped_policy_loss``): the PPO clipped surrogate (Schulman et al. 2017) per generated token, with
 the importance ratio r = exp(lp_train - lp_rollout) of the trainer's logprobs (with gradient) against the
 rollout engine's recorded logprobs, averaged over all generated tokens of the batch ("token-mean", as verl's
-default loss_agg_mode); no KL penalty (beta = 0, as DAPO). On policy and aligned, r is exactly 1 and the
+default loss_agg_mode); no KL penalty by default (beta = 0, as DAPO); with beta > 0 the trainer adds beta times
+the mean ``kl_k3`` to the starting weights (GRPO's own form). On policy and aligned, r is exactly 1 and the
 loss gradient is the plain policy gradient; any train/rollout mismatch shows up as r != 1 here first.
 """
 
@@ -20,10 +33,38 @@ from __future__ import annotations
 
 import torch
 
+ROTATION = 10  # steps per rotating-hash table
+_MASK = (1 << 64) - 1
 
-def even_token_reward(completion: list[int]) -> float:
+
+def token_score(token: int, period: int) -> float:
+    """Score in [0, 1) of ``token`` in table ``period``: the top 53 bits of SplitMix64's output for the
+    state token + (period + 1) * 0x9E3779B97F4A7C15 (mod 2**64)."""
+    z = (token + (period + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((z ^ (z >> 31)) >> 11) / 2**53
+
+
+def rotating_hash_reward(completion: list[int], step: int) -> float:
+    """Mean ``token_score`` of ``completion`` in the table of step ``step`` (1-based): table (step - 1) //
+    ROTATION. 0 for an empty completion."""
+    period = (step - 1) // ROTATION
+    return sum(token_score(t, period) for t in completion) / len(completion) if completion else 0.0
+
+
+def token_hash_reward(completion: list[int], step: int) -> float:
+    """Mean of (id * 2654435761 mod 2**32) / 2**32 over ``completion``'s token ids, whatever the step (0 for
+    an empty completion)."""
+    return sum((t * 2654435761) % 2**32 for t in completion) / (2**32 * len(completion)) if completion else 0.0
+
+
+def even_token_reward(completion: list[int], step: int) -> float:
     """Fraction of ``completion``'s token ids that are even (0 for an empty completion)."""
     return sum(1 for t in completion if t % 2 == 0) / len(completion) if completion else 0.0
+
+
+REWARDS = {"rotating-hash": rotating_hash_reward, "token-hash": token_hash_reward, "even": even_token_reward}
 
 
 def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-6) -> list[float]:
@@ -37,6 +78,16 @@ def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-6) -
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
     mean, std = r.mean(dim=1, keepdim=True), r.std(dim=1, unbiased=False, keepdim=True)
     return ((r - mean) / (std + eps)).view(-1).tolist()
+
+
+def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(policy || reference) on tokens sampled from the policy: exp(r) - r - 1 with
+    r = lp_ref - lp (Schulman 2020, "Approximating KL divergence"; GRPO's KL term, Shao et al. 2024 eq. 4;
+    verl's ``low_var_kl``). fp32 [T] in, [T] out, >= 0, differentiable in ``logprobs``. Its gradient is
+    non-zero wherever the policy's logprob differs from the reference's, also when every completion of a
+    group got the same reward, which is what keeps a long run from stalling once the policy has collapsed."""
+    r = reference_logprobs - logprobs
+    return torch.exp(r) - r - 1
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,

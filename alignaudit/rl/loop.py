@@ -6,13 +6,16 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.rl.ses
                  records each sampled token's logprob while decoding;
     2. rescore   the trainer computes the same tokens' logprobs (old_logprobs), eval mode, no gradient;
     3. compare   every generated token, trainer vs rollout: bitwise, ULP, RL metrics (diff.py);
-    4. reward    even_token_reward per completion, GRPO group advantages (grpo.py);
+    4. reward    the chosen reward per completion (grpo.REWARDS), GRPO group advantages (grpo.py);
     5. update    the trainer's forward with gradient, the clipped loss with ratio exp(lp_train - lp_rollout),
                  gradient clipping, one optimizer step;
     6. sync      the trainer's weights in HF names into the running inference engine (model.load_weights),
-                 then the sha256 of every tensor on both sides, and (vLLM on CPU) a probe of every packed
-                 GEMM against one packed afresh from the loaded weight, and (a tensor-parallel trainer)
-                 every replicated parameter equal on all ranks: bit-equal only if all agree.
+                 through a file (CPU) or CUDA IPC handles (CUDA; alignaudit.rl.weight_transfer); first
+                 what the update changed against the weights the engine held (elements, max |delta w|),
+                 then the check: on the CPU the sha256 of every tensor on both sides and a probe of every
+                 packed vLLM GEMM against one packed afresh from the loaded weight; on CUDA every held
+                 tensor against the trainer's own memory, bit for bit on the GPU; and (a tensor-parallel
+                 trainer) every replicated parameter equal on all ranks: bit-equal only if all agree.
 Records (in ``out``): run.json (every setting, written first; sealed at the end with the sha256 of every
 file below, alignaudit.verify.seal), steps.parquet (one row per step, rewritten after every step, so it is
 readable after a crash or Ctrl-C), tokens/step-NNNNN.parquet (every generated token of the step;
@@ -33,10 +36,14 @@ import pandas as pd
 from alignaudit.diff import compare_tokens, summarize_tokens
 from alignaudit.errors import InputError
 from alignaudit.request import Request
-from alignaudit.rl.grpo import even_token_reward, group_advantages
+from alignaudit.rl.grpo import REWARDS, group_advantages
+from alignaudit.rl.memory import MemoryPlan
 from alignaudit.rl.session import Session
 from alignaudit.rundir import INFER_LOG, PLOT, RUN, STEP_TOKENS, STEPS, SYNC_DIR, SYNC_WEIGHTS, TOKENS_DIR, TRAIN_LOG
 from alignaudit.verify import seal
+
+DIGESTS = {"file": "sha256 of the sorted {name: sha256 of the tensor's bytes} (trainer side)",
+           "cuda_ipc": "weight_transfer.fingerprint of the rollout engine's weights after loading (GPU)"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class RLSettings:
     Attributes:
         steps: GRPO steps (>= 1). lr: Adam learning rate (>= 0; 0 = the sync control). group_size:
         completions per prompt (>= 2). clip_grad: max global grad norm. token_rows: write per-token rows.
+        reward: a name in grpo.REWARDS. kl_coef: weight of the k3 KL to the starting weights (grpo.kl_k3; 0: none).
     """
 
     steps: int = 10
@@ -53,6 +61,8 @@ class RLSettings:
     group_size: int = 4
     clip_grad: float = 1.0
     token_rows: bool = True
+    reward: str = "rotating-hash"
+    kl_coef: float = 0.0
 
     def check(self) -> None:
         """Raises InputError for a setting the loop cannot run with."""
@@ -60,18 +70,25 @@ class RLSettings:
             raise InputError(f"--steps {self.steps}: run at least one step")
         if self.group_size < 2:
             raise InputError(f"--group-size {self.group_size}: GRPO normalizes rewards within a group; use 2 or more")
+        if self.reward not in REWARDS:
+            raise InputError(f"--reward {self.reward}: not a reward; choose one of {', '.join(REWARDS)}")
+        if not self.kl_coef >= 0:
+            raise InputError(f"--kl-coef {self.kl_coef}: the KL weight must be >= 0 (0: no KL term)")
         if not self.lr >= 0:
             raise InputError(f"--lr {self.lr}: the learning rate must be >= 0 (0 keeps the weights: the sync control)")
 
 
-def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=None) -> pd.DataFrame:
-    """Run the loop into ``out`` (see the module docstring); returns the steps table.
+def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=None,
+           memory: MemoryPlan | None = None) -> pd.DataFrame:
+    """Run the loop into ``out`` (see the module docstring); returns the steps table. ``memory``: the
+    estimate of alignaudit.rl.memory.rl_plan (CUDA), recorded, its optimizer offload given to the trainer.
 
     Raises:
         InputError: a setting the engines refuse. EngineError: an engine worker died (completed steps stay
             on disk).
     """
-    record = {**request.record("rl"), "rl": asdict(rl), "status": "running"}
+    record = {**request.record("rl"), "rl": asdict(rl), "status": "running",
+              "memory_plan": memory.record() if memory else None}
     (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / SYNC_DIR).mkdir(exist_ok=True)
     if rl.token_rows:
@@ -80,19 +97,22 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
     sessions = []
     try:
         stage(f"starting {request.train.label()} (trainer) and {request.infer.label()} (rollout)")
-        trainer = _session(sessions, request, "trainer", out / TRAIN_LOG, lr=rl.lr, clip_grad=rl.clip_grad)
+        trainer = _session(sessions, request, "trainer", out / TRAIN_LOG, lr=rl.lr, clip_grad=rl.clip_grad,
+                           offload_fraction=memory.offload_fraction if memory else 0.0, kl_coef=rl.kl_coef)
         rollout = _session(sessions, request, "rollout", out / INFER_LOG)
         prompts = [list(p) for p in request.batch.sequences for _ in range(rl.group_size)]
         new = request.rollout.max_new_tokens
-        rollout.call("start", max_len=max(len(p) for p in prompts) + new,
+        rollout.call("start", max_len=max(len(p) for p in prompts) + new, max_seqs=len(prompts),
                      total_tokens=sum(len(p) for p in prompts) + len(prompts) * new)
         record["engines"] = {"train": trainer.call("settings")["settings"],
                              "infer": rollout.call("settings")["settings"]}
-        record["initial_sync"] = _sync(trainer, rollout, out)
+        how = transport(request)
+        record["weight_sync"] = {"transport": how, "digest": DIGESTS[how]}
+        record["initial_sync"] = _sync(trainer, rollout, out, how)
         (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
         rows = []
         for step in range(1, rl.steps + 1):
-            rows.append(_step(step, request, rl, trainer, rollout, prompts, out))
+            rows.append(_step(step, request, rl, trainer, rollout, prompts, out, how))
             steps = pd.DataFrame(rows)
             steps.to_parquet(out / STEPS, index=False)
             if on_step:
@@ -116,23 +136,33 @@ def _session(sessions: list, request: Request, role: str, log: Path, **extra) ->
     return session
 
 
-def _sync(trainer: Session, rollout: Session, out: Path) -> dict:
-    """Trainer weights (HF names) into the running rollout engine; compare every tensor's sha256."""
-    path = out / SYNC_DIR / SYNC_WEIGHTS
-    exported = trainer.call("export", path=str(path))
-    sent = exported["checksums"]
-    loaded = rollout.call("load_weights", path=str(path))
-    held = loaded["checksums"]
-    differing = sorted(name for name in set(sent) | set(held) if sent.get(name) != held.get(name))
-    digest = hashlib.sha256(json.dumps(sent, sort_keys=True).encode()).hexdigest()
+def transport(request: Request) -> str:
+    """``cuda_ipc`` when trainer and rollout engine both run on CUDA (one GPU: the device machine's
+    CUDA_VISIBLE_DEVICES), else ``file`` (alignaudit.rl.weight_transfer)."""
+    return "cuda_ipc" if request.train.settings.device == request.infer.settings.device == "cuda" else "file"
+
+
+def _sync(trainer: Session, rollout: Session, out: Path, how: str) -> dict:
+    """Trainer weights (HF names) into the running rollout engine, checked bit for bit (see transport)."""
+    path = str(out / SYNC_DIR / SYNC_WEIGHTS)
+    exported = trainer.call("export", transport=how, path=path)
+    loaded = rollout.call("load_weights", transport=how, path=path, handles=exported.get("handles"))
+    if how == "file":
+        sent, held = exported["checksums"], loaded["checksums"]
+        differing = sorted(name for name in set(sent) | set(held) if sent.get(name) != held.get(name))
+        tensors, digest = len(sent), hashlib.sha256(json.dumps(sent, sort_keys=True).encode()).hexdigest()
+    else:
+        differing, digest = loaded["differing"], loaded["digest"]
+        tensors = None
     diverged = exported.get("replicas_diverged", [])
-    return {"bit_equal": not differing and not loaded["stale"] and not diverged, "tensors": len(sent),
-            "differing": differing, "stale_packed": loaded["stale"], "replicas_diverged": diverged,
-            "weights_sha256": digest}
+    update = loaded["update"]
+    return {"bit_equal": not differing and not loaded["stale"] and not diverged, "transport": how,
+            "tensors": tensors, "differing": differing, "stale_packed": loaded["stale"],
+            "replicas_diverged": diverged, "weights_digest": digest, **update}
 
 
 def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout: Session, prompts: list,
-          out: Path) -> dict:
+          out: Path, how: str) -> dict:
     from alignaudit.capabilities import processed_logprobs
 
     t0 = time.perf_counter()
@@ -148,13 +178,13 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
     t2 = time.perf_counter()
     tokens = _generated_tokens(step, sequences, prompt_lengths, scored, rolled["logprobs"])
     summary = summarize_tokens(tokens, request.clip_eps)
-    rewards = [even_token_reward(s[p:]) for s, p in zip(sequences, prompt_lengths)]
+    rewards = [REWARDS[rl.reward](s[p:], step) for s, p in zip(sequences, prompt_lengths)]
     advantages = group_advantages(rewards, rl.group_size)
     rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths)]
     update = trainer.call("train_step", sequences=sequences, prompt_lengths=prompt_lengths, advantages=advantages,
                           rollout_logprobs=rollout_gen, clip_eps=request.clip_eps, replay=replay)
     t3 = time.perf_counter()
-    sync = _sync(trainer, rollout, out)
+    sync = _sync(trainer, rollout, out, how)
     t4 = time.perf_counter()
     forward = np.array([x for seq in update["forward_logprobs"] for x in seq], dtype=np.float32)
     if rl.token_rows:
@@ -176,6 +206,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "kl_k3": rl_stats["kl_k3_mean"],
         "reward_mean": float(np.mean(rewards)),
         "loss": update["loss"],
+        **({"kl_ref": update["kl_ref"]} if update["kl_ref"] is not None else {}),
         "grad_norm": update["grad_norm"],
         "train_clip_fraction": update["clip_fraction"],
         "train_forward_equal": bool(np.array_equal(forward.view(np.int32),
@@ -184,7 +215,10 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "sync_tensors_differing": len(sync["differing"]),
         "sync_stale_packed": len(sync["stale_packed"]),
         "sync_replicas_diverged": len(sync["replicas_diverged"]),
-        "weights_sha256": sync["weights_sha256"],
+        "weights_digest": sync["weights_digest"],
+        "weights_changed": sync["changed"],
+        "weights_changed_fraction": sync["changed"] / sync["elements"] if sync["elements"] else 0.0,
+        "max_abs_dw": sync["max_abs_dw"],
         "seconds": round(t4 - t0, 3),
         "rollout_s": round(t1 - t0, 3),
         "rescore_s": round(t2 - t1, 3),

@@ -76,11 +76,22 @@ class MixedPrecisionAdam:
         return squares.sqrt()
 
 
-def megatron_cuda_optimizer(ddp_model, config, lr: float, clip_grad: float):
-    """megatron.core's own mixed-precision Adam for a DDP-wrapped Megatron model (CUDA only)."""
+def megatron_cuda_optimizer(ddp_model, config, lr: float, clip_grad: float, offload_fraction: float = 0.0):
+    """megatron.core's own mixed-precision Adam for a DDP-wrapped Megatron model (CUDA only).
+
+    ``offload_fraction`` > 0: megatron.core's optimizer CPU offload (the distributed optimizer over a DDP
+    built with use_distributed_optimizer, HybridDeviceOptimizer keeping that fraction of the fp32 main
+    weights and Adam state on the host; the precision-aware path, so that the distributed optimizer keeps no
+    second fp32 copy on the GPU: megatron/core/optimizer/__init__.py, optimizer_config.py). Weight decay is
+    0, so its AdamW mode is Adam.
+    """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    offload = {}
+    if offload_fraction:
+        offload = {"use_distributed_optimizer": True, "optimizer_cpu_offload": True,
+                   "optimizer_offload_fraction": offload_fraction, "use_precision_aware_optimizer": True}
     opt_config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=0.0, adam_beta1=0.9,
                                  adam_beta2=0.999, adam_eps=1e-8, bf16=config.bf16, fp16=config.fp16,
-                                 params_dtype=config.params_dtype, clip_grad=clip_grad)
+                                 params_dtype=config.params_dtype, clip_grad=clip_grad, **offload)
     return get_megatron_optimizer(opt_config, [ddp_model])

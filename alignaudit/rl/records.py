@@ -8,15 +8,16 @@ import pandas as pd
 
 
 def plot_steps(steps: pd.DataFrame, path: Path, title: str = "") -> None:
-    """Four panels over the steps: mismatching-token fraction; max |d logprob| (log scale); K3 KL and the
-    clip fraction of the ratio; reward and loss. A step with no mismatch plots as 0 (and is absent from
-    the log-scale panel)."""
+    """Six panels over the steps: mismatching-token fraction; max |d logprob| (log scale); K3 KL and the
+    clip fraction of the ratio; reward and loss; the grad norm; the fraction of weight elements the update
+    changed (log scale; older runs without the column leave it empty). A step with no mismatch plots as 0
+    (and is absent from the log-scale panels)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True)
     x = steps["step"]
     ax = axes[0, 0]
     ax.plot(x, steps["mismatch_fraction"], marker=".")
@@ -39,7 +40,18 @@ def plot_steps(steps: pd.DataFrame, path: Path, title: str = "") -> None:
     twin = ax.twinx()
     twin.plot(x, steps["loss"], marker=".", color="tab:gray", label="loss")
     twin.set_ylabel("loss")
-    for ax in axes[1]:
+    ax = axes[2, 0]
+    ax.plot(x, steps["grad_norm"], marker=".", color="tab:purple")
+    ax.set_ylabel("grad norm (before clipping)")
+    ax.set_ylim(bottom=0)
+    ax = axes[2, 1]
+    if "weights_changed_fraction" in steps:
+        moved = steps[steps["weights_changed_fraction"] > 0]
+        ax.plot(moved["step"], moved["weights_changed_fraction"], marker=".", color="tab:brown")
+        if len(moved):
+            ax.set_yscale("log")
+    ax.set_ylabel("weight elements changed (fraction)")
+    for ax in axes[2]:
         ax.set_xlabel("step")
     synced = bool(steps["sync_bit_equal"].all())
     fig.suptitle(f"{title}\nweight sync bit-equal at every step: {'yes' if synced else 'NO'}", fontsize=10)

@@ -5,13 +5,14 @@
 The parent writes one JSON command per line on the worker's stdin and reads one reply line, marked with
 ``REPLY_MARKER``, from its stdout; anything else the worker prints goes to its log file (stderr goes there
 directly). Tokens and logprobs travel as JSON (an fp32 value survives the trip through a Python float
-exactly); weights travel as a safetensors file the parent names. A library error comes back as
+exactly); weights travel as a safetensors file the parent names (CPU) or as CUDA IPC handles of the
+trainer's own tensors (alignaudit.rl.weight_transfer). A library error comes back as
 ``{"error": {"type", "message"}}`` and is re-raised in the parent with its type; a worker that dies is an
 EngineError carrying the last lines of its log.
 
-Commands: ``start`` (size the engine), ``rollout``, ``score``, ``train_step``, ``export`` (trainer weights to
-a file, with checksums), ``load_weights`` (rollout engine, from a file, answering with the checksums of what
-the engine then holds), ``checksums``, ``settings``, ``close``.
+Commands: ``start`` (size the engine), ``rollout``, ``score``, ``train_step``, ``export`` (trainer weights: to
+a file with checksums, or as CUDA IPC handles), ``load_weights`` (rollout engine: load them, answering with
+what the update changed and the check of what the engine then holds), ``checksums``, ``settings``, ``close``.
 
 A Megatron trainer at tensor-parallel size t > 1 is t processes: the worker is rank 0 and starts ranks
 1..t-1, which follow it: rank 0 broadcasts each command (torch.distributed.broadcast_object_list), every
@@ -38,7 +39,7 @@ class Session:
 
     Args:
         request: {"role": "trainer" | "rollout", "engine", "spec", "settings", and for a trainer "lr",
-            "clip_grad"}. log: the worker's log file.
+            "clip_grad", "offload_fraction", "kl_coef"}. log: the worker's log file.
     Raises:
         EngineError: the worker died (its last log lines in the message).
     """
@@ -121,14 +122,15 @@ class Worker:
         if self.role == "trainer":
             from alignaudit.rl.trainer import Trainer
 
-            self.trainer = Trainer(self.engine, request["lr"], request["clip_grad"])
+            self.trainer = Trainer(self.engine, request["lr"], request["clip_grad"],
+                                   request.get("offload_fraction", 0.0), request.get("kl_coef", 0.0))
 
     def handle(self, command: str, args: dict) -> dict:
         from alignaudit.prompts import TokenBatch
 
         if command == "start":
             if self.engine.name == "vllm":
-                self.engine.start(args["max_len"], args["total_tokens"])
+                self.engine.start(args["max_len"], args["total_tokens"], args.get("max_seqs"))
             return {}
         if command == "settings":
             record = {"engine": self.engine.name, **self.engine.settings_record()}
@@ -148,26 +150,67 @@ class Worker:
             batch = TokenBatch(tuple(tuple(s) for s in args.pop("sequences")))
             return self.trainer.train_step(batch, **args)
         if command == "export":
-            from safetensors.torch import save_file
-
-            from alignaudit.engines.weight_sync import checksums
-
-            tensors, diverged = self.trainer.export()  # collective at tensor-parallel size > 1
-            if self.rank == 0:
-                save_file(tensors, args["path"])
-            return {"checksums": checksums(tensors), "replicas_diverged": diverged}
+            return self._export(args)
         if command == "load_weights":
-            from safetensors.torch import load_file
-
-            self.engine.load_weights(load_file(args["path"]))
-            reply = self.handle("checksums", {})
-            reply["stale"] = self.engine.stale_packed_layers() if hasattr(self.engine, "stale_packed_layers") else []
-            return reply
+            return self._load_weights(args)
         if command == "checksums":
             from alignaudit.engines.weight_sync import checksums
 
             return {"checksums": checksums(self.engine.hf_weights())}
         raise errors.InputError(f"unknown session command {command!r}")
+
+    def _export(self, args: dict) -> dict:
+        """The trainer's weights for the rollout engine (collective at tensor-parallel size > 1: every rank
+        gathers, rank 0 hands them out). ``file``: a safetensors file at args["path"] and every tensor's
+        sha256. ``cuda_ipc``: CUDA IPC handles of the tensors themselves, kept alive here until the next
+        export (weight_transfer.share)."""
+        from alignaudit.engines.weight_sync import checksums
+        from alignaudit.rl import weight_transfer
+
+        tensors, diverged = self.trainer.weights()
+        reply: dict = {"replicas_diverged": diverged}
+        if args["transport"] == "cuda_ipc":
+            self._shared = tensors  # the rollout engine reads this memory; it must outlive the load
+            if self.rank == 0:
+                reply["handles"] = weight_transfer.share(tensors)
+            return reply
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(tensors, args["path"])
+        return {**reply, "checksums": checksums(tensors)}
+
+    def _load_weights(self, args: dict) -> dict:
+        """The trainer's weights into the running rollout engine (engine.load_weights), measured against the
+        weights it held before (weight_transfer.update_stats) and checked after: ``file``: every held
+        tensor's sha256 (the parent compares them with the trainer's) and the packed-GEMM probe;
+        ``cuda_ipc``: every held tensor against the trainer's own memory, bit for bit on the GPU, and a
+        device fingerprint of what is held."""
+        from alignaudit.engines.weight_sync import checksums
+        from alignaudit.rl import weight_transfer
+
+        if args["transport"] == "cuda_ipc":
+            new = weight_transfer.receive(args["handles"])
+        else:
+            from safetensors.torch import load_file
+
+            new = load_file(args["path"])
+        reply = {"update": weight_transfer.update_stats(self.engine.hf_weights(), new)}
+        self.engine.load_weights(new)
+        held = self.engine.hf_weights()
+        if args["transport"] == "cuda_ipc":
+            reply["differing"] = weight_transfer.differing(held, new)
+            reply["digest"] = weight_transfer.fingerprint(held)
+            del new, held
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.ipc_collect()  # release the trainer's blocks this process no longer maps
+        else:
+            reply["checksums"] = checksums(held)
+        reply["stale"] = self.engine.stale_packed_layers() if hasattr(self.engine, "stale_packed_layers") else []
+        return reply
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ adds what a trainer does between rollouts:
     train_step   the same forward with gradient, the clipped GRPO loss over generated tokens, one optimizer
                  step (alignaudit.rl.optim); micro-batches accumulate gradients, the loss is normalized by
                  the batch's generated-token count
-    export       the model's weights in HF names and dtype (engines/weight_sync.py), for the rollout engine
+    weights      the model's weights in HF names and dtype (engines/weight_sync.py), for the rollout engine
 Megatron runs inside megatron.core's DistributedDataParallel (fp32 gradient buffers, as megatron-lm); its
 optimizer is megatron.core's own on CUDA and alignaudit's identical MixedPrecisionAdam on CPU.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from alignaudit.prompts import TokenBatch
-from alignaudit.rl.grpo import clipped_policy_loss
+from alignaudit.rl.grpo import clipped_policy_loss, kl_k3
 
 
 class Trainer:
@@ -25,23 +25,37 @@ class Trainer:
 
     Args:
         engine: a built MegatronEngine or HFEngine. lr: Adam learning rate. clip_grad: max grad norm.
+        offload_fraction: of the optimizer state, the fraction megatron.core keeps and updates in host memory
+            (alignaudit.rl.memory; CUDA Megatron only, 0 elsewhere).
+        kl_coef: weight of the k3 KL term against the reference policy (the weights at the start; grpo.kl_k3);
+            > 0 keeps one copy of the starting weights on the model's device. 0: no reference, no KL term.
+    Raises:
+        ValueError: offload_fraction > 0 for a trainer that is not Megatron on CUDA.
     """
 
-    def __init__(self, engine, lr: float, clip_grad: float):
+    def __init__(self, engine, lr: float, clip_grad: float, offload_fraction: float = 0.0, kl_coef: float = 0.0):
         self.engine = engine
         self.ddp = None
+        self.kl_coef = kl_coef
+        self.reference = ([p.detach().clone() for p in engine.model.parameters()] if kl_coef > 0 else None)
+        on_cuda_megatron = engine.name == "megatron" and engine.settings.device == "cuda"
+        if offload_fraction and not on_cuda_megatron:
+            raise ValueError(f"optimizer offload is megatron.core's (CUDA only); {engine.name} on "
+                             f"{engine.settings.device} cannot offload {offload_fraction}")
         if engine.name == "megatron":
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-            self.ddp = DistributedDataParallel(engine.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                               module=engine.model)
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                       use_distributed_optimizer=offload_fraction > 0)
+            self.ddp = DistributedDataParallel(engine.config, ddp_config, module=engine.model)
             params = list(self.ddp.parameters())
             if engine.settings.device == "cuda":
                 from alignaudit.rl.optim import megatron_cuda_optimizer
 
-                self.optimizer = megatron_cuda_optimizer(self.ddp, engine.config, lr, clip_grad)
-                self.optimizer_name = ("megatron.core.optimizer.get_megatron_optimizer "
-                                       "(Float16OptimizerWithFloat16Params)")
+                self.optimizer = megatron_cuda_optimizer(self.ddp, engine.config, lr, clip_grad, offload_fraction)
+                self.optimizer_name = ("megatron.core.optimizer.get_megatron_optimizer " + (
+                    f"(DistributedOptimizer, HybridDeviceOptimizer: {offload_fraction} of the state on the host)"
+                    if offload_fraction else "(Float16OptimizerWithFloat16Params)"))
             else:
                 from megatron.core import parallel_state
 
@@ -70,20 +84,22 @@ class Trainer:
             rollout_logprobs: per sequence, the rollout engine's logprobs of its generated tokens.
             advantages: per sequence. prompt_lengths: per sequence.
         Returns:
-            {"loss", "grad_norm", "clip_fraction", "forward_logprobs"}: the loss summed over micro-batches,
-            the global grad norm before clipping, and the training forward's logprobs of the generated tokens
-            (which must equal ``score``'s bit for bit: the same function, with gradient).
+            {"loss", "grad_norm", "clip_fraction", "forward_logprobs", "kl_ref"}: the loss summed over
+            micro-batches (the KL term included), the global grad norm before clipping, the training forward's
+            logprobs of the generated tokens (which must equal ``score``'s bit for bit: the same function, with
+            gradient), and the mean k3 KL to the reference policy (None without one).
         """
         from alignaudit.engines.base import micro_batches
 
         engine = self.engine
+        reference = self._reference_logprobs(batch, prompt_lengths, replay) if self.reference is not None else None
         engine.replay = replay
         engine.model.train()
         self.optimizer.zero_grad()
         if self.ddp is not None:
             self.ddp.zero_grad_buffer()
         total = sum(len(s) - p for s, p in zip(batch.sequences, prompt_lengths))
-        loss_sum, taken, forward = 0.0, 0.0, [None] * len(batch.sequences)
+        loss_sum, taken, kl_sum, forward = 0.0, 0.0, 0.0, [None] * len(batch.sequences)
         for rows in micro_batches(batch, engine.micro_batch_size):
             seqs = [batch.sequences[r] for r in rows]
             lps = engine.micro_batch_logprobs(rows, seqs)
@@ -92,6 +108,10 @@ class Trainer:
             adv = torch.tensor([advantages[r] for r in rows for _ in rollout_logprobs[r]], dtype=torch.float32,
                                device=new.device)
             loss, stats = clipped_policy_loss(new, old, adv, clip_eps)
+            if reference is not None:
+                kl = kl_k3(new, torch.cat([reference[r] for r in rows]).to(new.device))
+                loss = loss + self.kl_coef * kl.mean()
+                kl_sum += float(kl.sum())
             (loss * (len(new) / total)).backward()
             loss_sum += float(loss) * len(new) / total
             taken += stats["clip_fraction"] * len(new) / total
@@ -105,7 +125,27 @@ class Trainer:
             finalize_model_grads([self.ddp])
         grad_norm = self._step()
         engine.model.eval()
-        return {"loss": loss_sum, "grad_norm": grad_norm, "clip_fraction": taken, "forward_logprobs": forward}
+        return {"loss": loss_sum, "grad_norm": grad_norm, "clip_fraction": taken, "forward_logprobs": forward,
+                "kl_ref": kl_sum / total if reference is not None else None}
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: TokenBatch, prompt_lengths: list[int], replay: dict | None) -> list:
+        """The reference policy's fp32 logprobs of each sequence's generated tokens: the starting weights
+        swapped into the model one parameter at a time (exact copies, so the model's own weights come back bit
+        for bit), the engine's eval-mode logprob function, the weights swapped back."""
+        params = list(self.engine.model.parameters())
+        self._swap(params)
+        try:
+            lps = self.score(batch, replay)
+        finally:
+            self._swap(params)
+        return [lp[p - 1:] for lp, p in zip(lps, prompt_lengths)]
+
+    def _swap(self, params: list) -> None:
+        for param, ref in zip(params, self.reference):
+            held = param.detach().clone()
+            param.data.copy_(ref)
+            ref.copy_(held)
 
     def _step(self) -> float:
         result = self.optimizer.step()
@@ -113,9 +153,10 @@ class Trainer:
             return float(result[1])
         return float(result)
 
-    def export(self) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """The model's weights in HF names (bf16 or the model dtype), on the CPU, and the replicated
-        parameters whose tensor-parallel copies differ (a state bug; [] at size 1 and for HF)."""
+    def weights(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """The model's weights in HF names (bf16 or the model dtype) on the model's device, views of the
+        parameters where the layout allows (weight_sync.megatron_to_hf), and the replicated parameters whose
+        tensor-parallel copies differ (a state bug; [] at size 1 and for HF). Collective at size > 1."""
         diverged: list[str] = []
         weights = self.engine.hf_weights(diverged) if self.engine.name == "megatron" else self.engine.hf_weights()
-        return {k: v.detach().cpu().contiguous() for k, v in weights.items()}, diverged
+        return {k: v.detach() for k, v in weights.items()}, diverged
