@@ -59,6 +59,10 @@ def test_qwen3_8b_needs_part_of_its_optimizer_state_on_the_host_of_an_h200():
     assert over > H200_GPU
     record = chosen.record()
     assert record["offload_fraction"] == 0.6 and json.dumps(record)
+    halves = plan(spec, 32, 128, 8, kv, H200_GPU, H200_HOST, tensor_parallel=2)  # rank 0 holds half of the trainer
+    assert halves.offload_fraction == 0.0 and halves.optimizer_on_gpu == 6 * chosen.parameters
+    with_reference = plan(spec, 32, 128, 8, kv, H200_GPU, H200_HOST, reference=True)
+    assert with_reference.trainer_weights_and_grads == 8 * chosen.parameters and with_reference.offload_fraction == 0.75
     small = plan(_preset_spec("Qwen3-1.7B"), 32, 128, 32, kv, H200_GPU, H200_HOST)
     assert small.offload_fraction == 0.0 and small.optimizer_on_gpu == 12 * small.parameters
     assert small.gpu_needed < 60 * GB

@@ -152,8 +152,7 @@ def _sync(trainer: Session, rollout: Session, out: Path, how: str) -> dict:
         differing = sorted(name for name in set(sent) | set(held) if sent.get(name) != held.get(name))
         tensors, digest = len(sent), hashlib.sha256(json.dumps(sent, sort_keys=True).encode()).hexdigest()
     else:
-        differing, digest = loaded["differing"], loaded["digest"]
-        tensors = None
+        differing, digest, tensors = loaded["differing"], loaded["digest"], loaded["tensors"]
     diverged = exported.get("replicas_diverged", [])
     update = loaded["update"]
     return {"bit_equal": not differing and not loaded["stale"] and not diverged, "transport": how,

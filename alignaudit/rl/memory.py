@@ -75,14 +75,17 @@ class MemoryPlan:
 
 
 def plan(spec: ModelSpec, sequences: int, seq_len: int, micro_batch: int, kv_cache_bytes: float,
-         gpu_total: int, host_total: int, reference: bool = False) -> MemoryPlan:
+         gpu_total: int, host_total: int, reference: bool = False, tensor_parallel: int = 1) -> MemoryPlan:
     """The smallest optimizer offload fraction under which trainer and rollout engine fit one GPU.
 
     Args:
         sequences: sequences per training step; seq_len: tokens per sequence (prompt + completion);
         micro_batch: sequences per forward pass (<= sequences); kv_cache_bytes: the rollout engine's KV cache;
         gpu_total, host_total: bytes of GPU and host memory. reference: the trainer keeps a bf16 copy of the
-        starting weights (the KL term's reference policy, 2N more).
+        starting weights (the KL term's reference policy, 2N more). tensor_parallel: the trainer's size t;
+        the GPU checked is rank 0's, which also holds the rollout engine: weights, gradients and optimizer
+        state count N / t there (activations are counted whole: an upper bound), the host holds every rank's
+        offloaded state.
     Raises:
         InputError: no fraction fits the GPU (the weights, gradients and activations alone are too large),
             or the fraction needed does not fit the host's memory; the message gives both estimates.
@@ -92,12 +95,13 @@ def plan(spec: ModelSpec, sequences: int, seq_len: int, micro_batch: int, kv_cac
     per_layer = seq_len * min(micro_batch, sequences) * spec.hidden_size * (
         34 + 5 * spec.num_heads * seq_len / spec.hidden_size)
     activations = spec.num_layers * per_layer + 12 * tokens * spec.vocab_size
-    trainer = (8 if reference else 6) * n
+    shard = n / tensor_parallel
+    trainer = (8 if reference else 6) * shard
     fixed = trainer + activations + 2 * n + kv_cache_bytes + ROLLOUT_OVERHEAD
     budget = gpu_total * (1 - HEADROOM)
     for step in range(21):
         f = step / 20
-        if fixed + optimizer_on_gpu(n, f) <= budget:
+        if fixed + optimizer_on_gpu(shard, f) <= budget:
             break
     else:
         raise InputError(f"{spec.name} cannot train and roll out on one GPU of {gpu_total / GB:.0f} GB: weights, "
@@ -111,12 +115,12 @@ def plan(spec: ModelSpec, sequences: int, seq_len: int, micro_batch: int, kv_cac
                          f"({HOST_RESERVE / GB:.0f} GB kept for the processes; alignaudit.rl.memory); use a "
                          f"smaller model or a host with more memory")
     return MemoryPlan(parameters=n, offload_fraction=f, gpu_total=gpu_total, host_total=host_total,
-                      trainer_weights_and_grads=trainer, optimizer_on_gpu=optimizer_on_gpu(n, f),
+                      trainer_weights_and_grads=trainer, optimizer_on_gpu=optimizer_on_gpu(shard, f),
                       activations=activations, rollout=2 * n + kv_cache_bytes + ROLLOUT_OVERHEAD,
                       optimizer_on_host=host_needed)
 
 
-def optimizer_on_gpu(n: int, f: float) -> float:
+def optimizer_on_gpu(n: float, f: float) -> float:
     """Optimizer bytes on the GPU for ``n`` parameters with ``f`` of them offloaded (module docstring)."""
     return 12 * n if f == 0 else 16 * n * (1 - f)
 
@@ -148,8 +152,9 @@ def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | N
     micro = min(AUTO_BATCH_ROWS, max(1, AUTO_BATCH_TOKENS // seq_len)) if option == "auto" else int(option)
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
     kv = 2 * per_token * max(sequences * seq_len, 1024)
+    tp = int(request.train.settings.options.get("tensor_model_parallel_size", 1))
     chosen = plan(spec, sequences, seq_len, micro, kv, torch.cuda.get_device_properties(0).total_memory,
-                  host_memory(), reference)
+                  host_memory(), reference, tp)
     if chosen.offload_fraction and request.train.engine != "megatron":
         raise InputError(f"{spec.name} with an {request.train.engine} trainer does not fit one GPU "
                          f"({chosen.gpu_needed / GB:.0f} GB estimated without offload; alignaudit.rl.memory); "

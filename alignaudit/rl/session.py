@@ -200,7 +200,7 @@ class Worker:
         self.engine.load_weights(new)
         held = self.engine.hf_weights()
         if args["transport"] == "cuda_ipc":
-            reply["differing"] = weight_transfer.differing(held, new)
+            reply["differing"], reply["tensors"] = weight_transfer.differing(held, new), len(held)
             reply["digest"] = weight_transfer.fingerprint(held)
             del new, held
             import torch
