@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from collections import deque
 from pathlib import Path
@@ -110,6 +111,7 @@ class Worker:
         from alignaudit.engines.base import EngineSettings
         from alignaudit.models import ModelSpec
 
+        started = time.perf_counter()
         self.role, self.rank = request["role"], rank
         self.spec = ModelSpec(**request["spec"])
         settings = EngineSettings(**request["settings"])
@@ -118,12 +120,15 @@ class Worker:
 
             keep_vllm_cpu_weights()
         self.engine = load_engine_class(request["engine"])(self.spec, settings)
+        built = time.perf_counter()
+        self.startup_s = {"imports_and_engine": round(built - started, 3)}  # seconds, recorded in run.json
         self.trainer = None
         if self.role == "trainer":
             from alignaudit.rl.trainer import Trainer
 
             self.trainer = Trainer(self.engine, request["lr"], request["clip_grad"],
                                    request.get("offload_fraction", 0.0), request.get("kl_coef", 0.0))
+            self.startup_s["ddp_and_optimizer"] = round(time.perf_counter() - built, 3)
 
     def handle(self, command: str, args: dict) -> dict:
         from alignaudit.prompts import TokenBatch
@@ -133,7 +138,7 @@ class Worker:
                 self.engine.start(args["max_len"], args["total_tokens"], args.get("max_seqs"))
             return {}
         if command == "settings":
-            record = {"engine": self.engine.name, **self.engine.settings_record()}
+            record = {"engine": self.engine.name, **self.engine.settings_record(), "worker_startup_s": self.startup_s}
             if self.trainer is not None:
                 record["optimizer"] = self.trainer.optimizer_name
             return {"settings": record}
