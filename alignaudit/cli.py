@@ -340,8 +340,9 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
 
     Exit codes: **0** pass, **1** alignment failure, **2** usage or input error (including zero tokens
     compared, a run that did not finish, altered or damaged captures, compare options given with
-    RUN_DIR), **3** engine failure (including NaN logprobs). Writes verdict.json, junit.xml (one test
-    case per sequence) and summary.md.
+    RUN_DIR), **3** engine failure (including NaN logprobs, and an rl step with a non-finite loss or grad
+    norm). Writes verdict.json, junit.xml (one test case per sequence; per step for an rl run) and
+    summary.md.
 
     Examples:
 

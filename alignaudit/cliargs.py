@@ -82,7 +82,8 @@ OpsOpt = Annotated[Optional[str], typer.Option("--ops", metavar="OPS", help="Can
                                                 "attn,o_proj (default: all; a mixture-of-experts model has router, "
                                                 "routing, moe for gate_proj, up_proj, act, down_proj).")]
 ClipEpsOpt = Annotated[float, typer.Option("--clip-eps", metavar="EPS",
-                                           help="PPO clip epsilon for the clip-fraction metric.")]
+                                           help="PPO clip epsilon: the clip-fraction metric's range, and in rl "
+                                                "also the clip range of the loss.")]
 ModeOpt = Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
                                       "(the inference engine samples, the training engine rescores).")]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", metavar="N",

@@ -237,11 +237,11 @@ STEP_CHECKS = (  # per-step column, what a failing value means
 
 
 def judge_steps(run, rule: Rule, name: str = "") -> Verdict:
-    """Judge a checked rl run (alignaudit.verify.RLRun): the rule over all steps' generated tokens; whatever
-    the rule, the initial weight sync and every step's sync bit-equal (no differing tensor, no stale packed
-    GEMM, no diverged replica) and the training forward's logprobs equal to the rescoring's; a step with NaN
-    logprobs is an engine error. Without per-token rows (--no-token-rows) the counts are steps.parquet's
-    alone, which the verdict says."""
+    """Judge a checked rl run (alignaudit.verify.RLRun): the rule over all steps' generated tokens; whatever the rule,
+    the initial weight sync and every step's sync bit-equal (no differing tensor, no stale packed GEMM, no
+    diverged replica) and the training forward's logprobs equal to the rescoring's; a step with NaN logprobs, or
+    with a non-finite loss or grad norm, is an engine error. Without per-token rows (--no-token-rows) the counts
+    are steps.parquet's alone, which the verdict says."""
     steps = run.steps
     n, mismatches = int(steps["tokens"].sum()), int(steps["mismatches"].sum())
     ulps, diffs = steps["ulp_max"].dropna(), steps["max_abs_diff"].dropna()
@@ -267,8 +267,13 @@ def judge_steps(run, rule: Rule, name: str = "") -> Verdict:
         reasons.append(f"the training forward's logprobs differed from the rescoring's at {len(unequal)} of "
                        f"{len(steps)} steps (first: step {int(unequal['step'].iloc[0])})")
     nan = steps[steps["nan_tokens"] > 0]
-    error = (f"NaN logprobs at {len(nan)} steps (first: step {int(nan['step'].iloc[0])}); the gate cannot judge NaN"
-             if len(nan) else None)
+    errors = [f"NaN logprobs at {len(nan)} steps (first: step {int(nan['step'].iloc[0])}); the gate cannot judge NaN"
+              ] if len(nan) else []
+    broken = steps[~np.isfinite(steps["loss"].astype(float)) | ~np.isfinite(steps["grad_norm"].astype(float))]
+    if len(broken):  # the update then wrote non-finite weights: what later steps compare is not a model
+        errors.append(f"a non-finite loss or grad norm at {len(broken)} steps (first: step "
+                      f"{int(broken['step'].iloc[0])}); the weights the trainer wrote are not finite")
+    error = "; ".join(errors) or None
     passed = not reasons and not error
     cases = []
     for row in steps.to_dict("records"):

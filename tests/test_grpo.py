@@ -25,7 +25,10 @@ def test_kl_k3_is_zero_at_the_reference_and_exp_r_minus_r_minus_1_elsewhere():
 
 @pytest.mark.parametrize("argv, message", [
     (["--reward", "length"], "--reward length: not a reward; choose one of rotating-hash, token-hash, even"),
-    (["--kl-coef", "-0.1"], "--kl-coef -0.1: the KL weight must be >= 0 (0: no KL term)"),
+    (["--kl-coef", "-0.1"], "--kl-coef -0.1: the KL weight must be finite and >= 0 (0: no KL term)"),
+    (["--kl-coef", "inf"], "--kl-coef inf: the KL weight must be finite and >= 0"),
+    (["--lr", "inf"], "--lr inf: the learning rate must be finite and >= 0"),
+    (["--kl-coef", "0.04", "--lr", "0"], "--kl-coef 0.04 with --lr 0: the weights never leave the reference"),
 ])
 def test_rl_refuses_bad_rl_settings_before_any_engine(capsys, tmp_path, argv, message):
     out = tmp_path / "r"

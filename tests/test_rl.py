@@ -154,7 +154,7 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "--steps 0: run at least one step"),
     (["--group-size", "1"], "use 2 or more"),
-    (["--lr", "-1"], "the learning rate must be >= 0"),
+    (["--lr", "-1"], "the learning rate must be finite and >= 0"),
     (["--train", "vllm"], "rl trains with megatron or hf and rolls out with vllm or hf"),
     (["--random-prompts", "1", "--prompt-len", "1010", "--max-new-tokens", "16"], "plus 16 generated, longer than"),
 ])
@@ -262,3 +262,15 @@ def test_an_altered_rl_run_never_passes(runs, tmp_path, capsys, damage, code, me
     assert message in one_line_error(capsys, argv, EXIT_USAGE)
     assert not (tmp_path / "v.json").exists()
 
+
+
+def test_a_step_whose_update_was_not_finite_is_an_engine_error_for_the_gate(runs, tmp_path, capsys):
+    """A NaN grad norm means the optimizer wrote NaN weights (--kl-coef 1e308 once did, exit 0 and a passing
+    gate): whatever the token counts say after it, gate refuses to judge, exit 3, naming the step."""
+    import shutil
+
+    run = tmp_path / "strict"
+    shutil.copytree(runs / "strict", run)
+    _edit_steps(run, grad_norm=(2, float("nan")))
+    message = one_line_error(capsys, ["gate", str(run)], EXIT_ENGINE)
+    assert "a non-finite loss or grad norm at 1 steps (first: step 2)" in message

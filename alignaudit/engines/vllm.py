@@ -118,7 +118,7 @@ class VllmEngine(Engine):
         from vllm import LLM
 
         spec = self.spec
-        max_model_len = min(spec.max_position_embeddings, max(1024, 1 << (max_len - 1).bit_length()))
+        max_model_len = model_len(spec, max_len)
         kwargs = {
             "model": spec.path,
             "dtype": _VLLM_DTYPE[self.settings.dtype],
@@ -127,8 +127,7 @@ class VllmEngine(Engine):
             "skip_tokenizer_init": not spec.has_tokenizer,
         }
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(self.engine_options):
-            per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[self.settings.dtype]
-            kwargs["kv_cache_memory_bytes"] = max(16 << 20, 2 * per_token * max(total_tokens, max_model_len))
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(spec, self.settings.dtype, total_tokens, max_len)
             if self.settings.device == "cuda":
                 # vLLM starts only if gpu_memory_utilization x the GPU's memory is free (request_memory,
                 # vllm/v1/worker/utils.py); with the KV cache sized above, that check is all it is used for. rl's
@@ -278,6 +277,19 @@ class VllmEngine(Engine):
                 "startup_s": self.startup_s,
             }
         return record
+
+
+def model_len(spec: ModelSpec, max_len: int) -> int:
+    """vLLM's max_model_len for sequences of up to ``max_len`` tokens: the next power of two, at least 1024,
+    at most the model's max_position_embeddings."""
+    return min(spec.max_position_embeddings, max(1024, 1 << (max_len - 1).bit_length()))
+
+
+def kv_cache_bytes(spec: ModelSpec, dtype: str, total_tokens: int, max_len: int) -> int:
+    """The KV cache alignaudit gives vLLM (bytes): twice what ``total_tokens`` tokens, or one sequence of
+    max_model_len, need in ``dtype`` (K and V of every layer), at least 16 MiB."""
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[dtype]
+    return max(16 << 20, 2 * per_token * max(total_tokens, model_len(spec, max_len)))
 
 
 def _read_only(tap) -> bool:

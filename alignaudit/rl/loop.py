@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -72,10 +73,14 @@ class RLSettings:
             raise InputError(f"--group-size {self.group_size}: GRPO normalizes rewards within a group; use 2 or more")
         if self.reward not in REWARDS:
             raise InputError(f"--reward {self.reward}: not a reward; choose one of {', '.join(REWARDS)}")
-        if not self.kl_coef >= 0:
-            raise InputError(f"--kl-coef {self.kl_coef}: the KL weight must be >= 0 (0: no KL term)")
-        if not self.lr >= 0:
-            raise InputError(f"--lr {self.lr}: the learning rate must be >= 0 (0 keeps the weights: the sync control)")
+        if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
+            raise InputError(f"--kl-coef {self.kl_coef}: the KL weight must be finite and >= 0 (0: no KL term)")
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise InputError(f"--lr {self.lr}: the learning rate must be finite and >= 0 (0 keeps the weights: the "
+                             f"sync control)")
+        if self.kl_coef > 0 and self.lr == 0:
+            raise InputError(f"--kl-coef {self.kl_coef} with --lr 0: the weights never leave the reference, so the KL "
+                             f"term is 0 at every step; drop --kl-coef for the sync control")
 
 
 def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=None,

@@ -75,7 +75,8 @@ class MemoryPlan:
 
 
 def plan(spec: ModelSpec, sequences: int, seq_len: int, micro_batch: int, kv_cache_bytes: float,
-         gpu_total: int, host_total: int, reference: bool = False, tensor_parallel: int = 1) -> MemoryPlan:
+         gpu_total: int, host_total: int, reference: bool = False, tensor_parallel: int = 1,
+         rollout_bytes: float | None = None) -> MemoryPlan:
     """The smallest optimizer offload fraction under which trainer and rollout engine fit one GPU.
 
     Args:
@@ -85,7 +86,8 @@ def plan(spec: ModelSpec, sequences: int, seq_len: int, micro_batch: int, kv_cac
         starting weights (the KL term's reference policy, 2N more). tensor_parallel: the trainer's size t;
         the GPU checked is rank 0's, which also holds the rollout engine: weights, gradients and optimizer
         state count N / t there (activations are counted whole: an upper bound), the host holds every rank's
-        offloaded state.
+        offloaded state. rollout_bytes: what the rollout engine takes, where its options fix it (else its
+        weights, KV cache and ROLLOUT_OVERHEAD).
     Raises:
         InputError: no fraction fits the GPU (the weights, gradients and activations alone are too large),
             or the fraction needed does not fit the host's memory; the message gives both estimates.
@@ -97,7 +99,8 @@ def plan(spec: ModelSpec, sequences: int, seq_len: int, micro_batch: int, kv_cac
     activations = spec.num_layers * per_layer + 12 * tokens * spec.vocab_size
     shard = n / tensor_parallel
     trainer = (8 if reference else 6) * shard
-    fixed = trainer + activations + 2 * n + kv_cache_bytes + ROLLOUT_OVERHEAD
+    rollout = rollout_bytes if rollout_bytes is not None else 2 * n + kv_cache_bytes + ROLLOUT_OVERHEAD
+    fixed = trainer + activations + rollout
     budget = gpu_total * (1 - HEADROOM)
     for step in range(21):
         f = step / 20
@@ -116,7 +119,7 @@ def plan(spec: ModelSpec, sequences: int, seq_len: int, micro_batch: int, kv_cac
                          f"smaller model or a host with more memory")
     return MemoryPlan(parameters=n, offload_fraction=f, gpu_total=gpu_total, host_total=host_total,
                       trainer_weights_and_grads=trainer, optimizer_on_gpu=optimizer_on_gpu(shard, f),
-                      activations=activations, rollout=2 * n + kv_cache_bytes + ROLLOUT_OVERHEAD,
+                      activations=activations, rollout=rollout,
                       optimizer_on_host=host_needed)
 
 
@@ -132,15 +135,19 @@ def host_memory() -> int:
 
 def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | None:
     """``plan`` for ``alignaudit rl``'s request (alignaudit.request.Request): the trainer's micro-batch option
-    ("auto": engines.base.micro_batches' rule), the rollout engine's KV cache as engines/vllm.py sizes it.
-    None when the trainer does not run on CUDA (the CPU path has no GPU to fit).
+    ("auto": engines.base.micro_batches' rule) and tensor-parallel size; the rollout engine's KV cache as
+    engines/vllm.py sizes it, or as its options set it (kv_cache_memory_bytes; gpu_memory_utilization alone:
+    vLLM takes that fraction of the GPU for itself). None when the trainer does not run on CUDA (the CPU path
+    has no GPU to fit).
 
     Raises:
-        InputError: as ``plan``; also an hf trainer that would need offloading (only megatron.core offers it).
+        InputError: as ``plan``; an option that is not a number; an hf trainer that would need offloading (only
+            megatron.core offers it).
     """
     import torch
 
-    from alignaudit.engines.base import AUTO_BATCH_ROWS, AUTO_BATCH_TOKENS
+    from alignaudit.engines.base import AUTO_BATCH_ROWS, AUTO_BATCH_TOKENS, int_option, micro_batch_option
+    from alignaudit.engines.vllm import kv_cache_bytes
 
     if request.train.settings.device != "cuda" or not torch.cuda.is_available():
         return None
@@ -148,15 +155,26 @@ def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | N
     prompts = request.batch.sequences
     sequences = len(prompts) * group_size
     seq_len = max(len(p) for p in prompts) + request.rollout.max_new_tokens
-    option = request.train.settings.options.get("micro_batch_size", "auto")
-    micro = min(AUTO_BATCH_ROWS, max(1, AUTO_BATCH_TOKENS // seq_len)) if option == "auto" else int(option)
-    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
-    kv = 2 * per_token * max(sequences * seq_len, 1024)
-    tp = int(request.train.settings.options.get("tensor_model_parallel_size", 1))
-    chosen = plan(spec, sequences, seq_len, micro, kv, torch.cuda.get_device_properties(0).total_memory,
-                  host_memory(), reference, tp)
+    option = micro_batch_option(request.train.settings.options)
+    micro = min(AUTO_BATCH_ROWS, max(1, AUTO_BATCH_TOKENS // seq_len)) if option == "auto" else option
+    tp = int_option(request.train.settings.options, "tensor_model_parallel_size", 1)
+    infer = request.infer.settings.options
+    total = torch.cuda.get_device_properties(0).total_memory
+    kv = (_number(infer, "kv_cache_memory_bytes") if "kv_cache_memory_bytes" in infer
+          else kv_cache_bytes(spec, request.infer.settings.dtype, sequences * seq_len, seq_len))
+    rollout = None
+    if "gpu_memory_utilization" in infer and "kv_cache_memory_bytes" not in infer:
+        rollout = _number(infer, "gpu_memory_utilization") * total
+    chosen = plan(spec, sequences, seq_len, micro, kv, total, host_memory(), reference, tp, rollout)
     if chosen.offload_fraction and request.train.engine != "megatron":
         raise InputError(f"{spec.name} with an {request.train.engine} trainer does not fit one GPU "
                          f"({chosen.gpu_needed / GB:.0f} GB estimated without offload; alignaudit.rl.memory); "
                          f"train with --train megatron, whose optimizer can keep part of its state on the host")
     return chosen
+
+
+def _number(options: dict, key: str) -> float:
+    try:
+        return float(options[key])
+    except (TypeError, ValueError):
+        raise InputError(f"--infer-opt {key}={options[key]!r}: not a number") from None

@@ -4,11 +4,12 @@ On CUDA a Megatron trainer uses ``megatron.core.optimizer.get_megatron_optimizer
 (Float16OptimizerWithFloat16Params, over a DistributedDataParallel model with fp32 gradient buffers).
 That optimizer allocates its bookkeeping tensors with ``device='cuda'`` and checks parameters by their CUDA
 type names (megatron/core/optimizer/optimizer.py), so it cannot run on a CPU. ``MixedPrecisionAdam`` is the
-same algorithm for the CPU and for the HF trainer, step for step:
+same algorithm for the CPU and for the HF trainer, step for step (not bit for bit: torch.optim.Adam's update
+rounds differently from the fused Adam megatron.core runs on the GPU):
     1. main grads = the model params' fp32 gradients (Megatron DDP's ``main_grad`` buffers where present,
        else ``param.grad`` upcast);
-    2. global L2 norm of all main grads; if above ``clip_grad``, every main grad is scaled by
-       clip_grad / (norm + 1e-6) (megatron/core/optimizer/clip_grads.py);
+    2. global L2 norm of all main grads; where clip_grad / (norm + 1e-6) < 1, every main grad is scaled by
+       that factor (megatron/core/optimizer/clip_grads.py, clip_grad_by_total_norm_fp32);
     3. torch.optim.Adam on the fp32 main params (bias-corrected, betas (0.9, 0.999), eps 1e-8);
     4. each model param = its main param rounded to the model dtype.
 With lr 0 step 3 changes nothing and step 4 writes back the same bits: the weights stay exactly as they were.
@@ -52,8 +53,8 @@ class MixedPrecisionAdam:
             grad = p.grad if grad is None else grad
             main.grad = torch.zeros_like(main) if grad is None else grad.float().clone()
         norm = self._global_norm()
-        if self.clip_grad > 0 and norm > self.clip_grad:
-            scale = self.clip_grad / (norm + 1e-6)
+        scale = self.clip_grad / (norm + 1e-6)
+        if self.clip_grad > 0 and scale < 1.0:  # megatron/core/optimizer/clip_grads.py's condition
             for m in self.main:
                 m.grad.mul_(scale)
         self.adam.step()

@@ -38,21 +38,29 @@ def plot_steps(steps: pd.DataFrame, path: Path, title: str = "") -> None:
     ax.plot(x, steps["reward_mean"], marker=".", color="tab:green", label="reward")
     ax.set_ylabel("reward (mean)")
     twin = ax.twinx()
-    twin.plot(x, steps["loss"], marker=".", color="tab:gray", label="loss")
+    twin.plot(x, steps["loss"], marker=".", color="tab:gray", alpha=0.6, label="loss (right axis)")
     twin.set_ylabel("loss")
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper left", fontsize=8)
     ax = axes[2, 0]
     ax.plot(x, steps["grad_norm"], marker=".", color="tab:purple")
     ax.set_ylabel("grad norm (before clipping)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0, top=max(1e-9, float(steps["grad_norm"].max())) * 1.08)
     ax = axes[2, 1]
     if "weights_changed_fraction" in steps:
         moved = steps[steps["weights_changed_fraction"] > 0]
         ax.plot(moved["step"], moved["weights_changed_fraction"], marker=".", color="tab:brown")
         if len(moved):
             ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, "no weight element changed", transform=ax.transAxes, ha="center", va="center")
+            ax.set_yticks([])
     ax.set_ylabel("weight elements changed (fraction)")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in axes[2]:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     synced = bool(steps["sync_bit_equal"].all())
     fig.suptitle(f"{title}\nweight sync bit-equal at every step: {'yes' if synced else 'NO'}", fontsize=10)
     fig.tight_layout()

@@ -9,7 +9,8 @@ adds what a trainer does between rollouts:
                  the batch's generated-token count
     weights      the model's weights in HF names and dtype (engines/weight_sync.py), for the rollout engine
 Megatron runs inside megatron.core's DistributedDataParallel (fp32 gradient buffers, as megatron-lm); its
-optimizer is megatron.core's own on CUDA and alignaudit's identical MixedPrecisionAdam on CPU.
+optimizer is megatron.core's own on CUDA and alignaudit's MixedPrecisionAdam on CPU: the same algorithm,
+not the same bits (torch's Adam rounds its update differently from megatron.core's on the GPU).
 """
 
 from __future__ import annotations

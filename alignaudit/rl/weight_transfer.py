@@ -12,9 +12,10 @@ Two transports (alignaudit.rl.loop picks one from the engines' devices; run.json
                weight update; torch documents the mechanism in "Multiprocessing best practices").
 
 On both transports the rollout engine measures, before loading, what the update changed against the weights
-it held (``update_stats``: elements whose bits changed, max |delta w|), and fingerprints what it holds after
-loading (``fingerprint`` on the GPU; sha256 on the CPU). Every reduction here is over integers (bit
-patterns, counts) or a max, so the numbers do not depend on the device's reduction order.
+it held (``update_stats``: elements whose bits changed, max |delta w|). The step's weight digest is, on
+``cuda_ipc``, the ``fingerprint`` of what the rollout engine holds after loading (computed on the GPU); on
+``file``, the sha256 of the trainer's per-tensor sha256s (alignaudit.rl.loop). Every reduction here is over
+integers (bit patterns, counts) or a max, so the numbers do not depend on the device's reduction order.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ import pickle
 
 import torch
 
-CHUNK = 1 << 24  # elements per pass over a large tensor (bounds the int64 temporaries to 128 MiB)
+CHUNK = 1 << 24  # elements per pass over a large tensor: each int64 / fp32 temporary is at most 128 / 64 MiB
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (Knuth's multiplicative hashing constant)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bit patterns of ``t`` as a flat signed integer tensor of the same element size (no copy when
-    ``t`` is contiguous). Raises KeyError for an element size other than 1, 2, 4 or 8 bytes."""
+    ``t`` is contiguous; a whole contiguous copy when it is not). Raises KeyError for an element size other
+    than 1, 2, 4 or 8 bytes."""
     return t.detach().contiguous().view(-1).view(_BITS[t.element_size()])
 
 
