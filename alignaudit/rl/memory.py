@@ -146,7 +146,8 @@ def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | N
     """
     import torch
 
-    from alignaudit.engines.base import AUTO_BATCH_ROWS, AUTO_BATCH_TOKENS, int_option, micro_batch_option
+    from alignaudit.capabilities import tensor_parallel_size
+    from alignaudit.engines.base import AUTO_BATCH_ROWS, AUTO_BATCH_TOKENS, micro_batch_option
     from alignaudit.engines.vllm import kv_cache_bytes
 
     if request.train.settings.device != "cuda" or not torch.cuda.is_available():
@@ -157,7 +158,7 @@ def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | N
     seq_len = max(len(p) for p in prompts) + request.rollout.max_new_tokens
     option = micro_batch_option(request.train.settings.options)
     micro = min(AUTO_BATCH_ROWS, max(1, AUTO_BATCH_TOKENS // seq_len)) if option == "auto" else option
-    tp = int_option(request.train.settings.options, "tensor_model_parallel_size", 1)
+    tp = tensor_parallel_size(request.train)
     infer = request.infer.settings.options
     total = torch.cuda.get_device_properties(0).total_memory
     kv = (_number(infer, "kv_cache_memory_bytes") if "kv_cache_memory_bytes" in infer
