@@ -101,9 +101,14 @@ print("   grad_norm min", t.grad_norm.min(), "weights_changed min", int(t.weight
       "fraction min", t.weights_changed_fraction.min(), "max_abs_dw max", t.max_abs_dw.max(),
       "reward", round(t.reward_mean.iloc[0], 4), "->", round(t.reward_mean.iloc[-1], 4), "max ulp", int(t.ulp_max.max()),
       "kl_k3 max", t.kl_k3.max())
-print("   median s (steps 2..):", {c: round(float(late[c].median()), 3) for c in ("seconds", "rollout_s", "rescore_s", "update_s", "sync_s")},
+print("   median s (steps 2..):", {c: round(float(late[c].median()), 3) for c in ("seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s") if c in late},
       "max sync_s", float(late.sync_s.max()))
-print("   transport", r.get("weight_sync"), "optimizer", r.get("engines", {}).get("train", {}).get("optimizer"))
+e = r.get("engines", {})
+print("   transport", r.get("weight_sync"), "optimizer", e.get("train", {}).get("optimizer"), "host threads", e.get("train", {}).get("host_threads"))
+print("   start-up s: train", e.get("train", {}).get("worker_startup_s"), "infer", e.get("infer", {}).get("worker_startup_s"),
+      "vLLM", e.get("infer", {}).get("resolved", {}).get("startup_s"), "graph sizes", e.get("infer", {}).get("resolved", {}).get("cudagraph_capture_sizes"))
+print("   zero-gradient steps", int((t.grad_norm == 0).sum()), "steps with no weight change", int((t.weights_changed == 0).sum()),
+      "kl_ref max", t.kl_ref.max() if "kl_ref" in t else None, "total s", round(float(t.seconds.sum()), 1))
 print("   memory plan", {k: (round(v / 1e9, 1) if isinstance(v, float) and v > 1e6 else v) for k, v in (r.get("memory_plan") or {}).items()})
 print(t[["step", "mismatches", "ulp_max", "sync_bit_equal", "reward_mean", "grad_norm", "weights_changed", "max_abs_dw", "seconds",
          "rollout_s", "update_s", "sync_s"]].iloc[list(range(min(3, len(t)))) + list(range(max(3, len(t) - 3), len(t)))].to_string())

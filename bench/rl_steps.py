@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from alignaudit import cli  # noqa: E402
 
-STAGES = ["seconds", "rollout_s", "rescore_s", "update_s", "sync_s"]
+STAGES = ["seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s"]
 
 
 def main() -> None:

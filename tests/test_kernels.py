@@ -896,11 +896,12 @@ def test_backward_matches_fp64_autograd(device):
     t = torch.randint(0, 40, (7,))
     check("token_logprobs", lambda x: K.token_logprobs(x, t.to(device)),
           lambda x: logprobs.reference(x).gather(1, t[:, None])[:, 0], x)
-    q, k, v = torch.randn(9, 4, 8, dtype=dt), torch.randn(9, 2, 8, dtype=dt), torch.randn(9, 2, 8, dtype=dt)
-    cu = torch.tensor([0, 4, 9])
+    # three sequences, two of one length: the backward batches equal lengths through the reference
+    q, k, v = torch.randn(13, 4, 8, dtype=dt), torch.randn(13, 2, 8, dtype=dt), torch.randn(13, 2, 8, dtype=dt)
+    cu = torch.tensor([0, 4, 9, 13])
 
     def ref_attn(q, k, v):
-        return torch.cat([attention.reference(q[a:b], k[a:b], v[a:b], 0.3) for a, b in ((0, 4), (4, 9))])
+        return torch.cat([attention.reference(q[a:b], k[a:b], v[a:b], 0.3) for a, b in ((0, 4), (4, 9), (9, 13))])
 
     check("varlen_attention", lambda q, k, v: K.varlen_attention(q, k, v, cu, 0.3), ref_attn, q, k, v)
     # causal_attention (HF's strict attention in a trainer): its forward once had no backward, and autograd
@@ -912,6 +913,23 @@ def test_backward_matches_fp64_autograd(device):
         return torch.stack([attention.reference(q[i], k[i], v[i], 0.3, pos[i]) for i in range(2)])
 
     check("causal_attention", lambda q, k, v: K.causal_attention(q, k, v, pos.to(device), 0.3), ref_batch, qb, kb, vb)
+
+
+def test_attention_backward_gives_the_same_gradients_one_sequence_at_a_time(monkeypatch, device):
+    """The backward batches sequences through the reference; with a budget of one element it takes them one
+    at a time, and the gradients agree (fp32, to rounding: the batched products may sum in another order)."""
+    q, k, v = (torch.randn(3, 6, h, 8, generator=gen(40 + i)) for i, h in enumerate((4, 2, 2)))
+    pos = torch.arange(6).expand(3, 6)
+
+    def grads():
+        ins = [t.clone().to(device).requires_grad_() for t in (q, k, v)]
+        K.causal_attention(*ins, pos.to(device), 0.3).pow(2).sum().backward()
+        return [t.grad.cpu() for t in ins]
+
+    batched = grads()
+    monkeypatch.setattr(attention, "REFERENCE_GRAD_ELEMENTS", 1)
+    for name, a, b in zip("qkv", batched, grads()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
 
 
 def test_entry_points_compute_the_same_bits_with_and_without_autograd(monkeypatch, device, dtype):

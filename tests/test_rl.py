@@ -30,7 +30,7 @@ from alignaudit import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
 from test_cli import one_line_error
 
-TIMINGS = ["seconds", "rollout_s", "rescore_s", "update_s", "sync_s"]
+TIMINGS = ["seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s"]
 
 
 @pytest.fixture(scope="module")

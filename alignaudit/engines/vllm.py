@@ -264,6 +264,7 @@ class VllmEngine(Engine):
                 "enforce_eager": config.model_config.enforce_eager,
                 "compilation_mode": str(getattr(config.compilation_config, "mode", None)),
                 "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+                "cudagraph_capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
                 "model_runner_v2": bool(getattr(config, "use_v2_model_runner", False)),
                 "enable_prefix_caching": config.cache_config.enable_prefix_caching,
                 "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,

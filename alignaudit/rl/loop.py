@@ -227,6 +227,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "rollout_s": round(t1 - t0, 3),
         "rescore_s": round(t2 - t1, 3),
         "update_s": round(t3 - t2, 3),
+        "optimizer_s": update["optimizer_s"],
         "sync_s": round(t4 - t3, 3),
     }
 

@@ -11,7 +11,7 @@ def plot_steps(steps: pd.DataFrame, path: Path, title: str = "") -> None:
     """Six panels over the steps: mismatching-token fraction; max |d logprob| (log scale); K3 KL and the
     clip fraction of the ratio; reward and loss; the grad norm; the fraction of weight elements the update
     changed (log scale; older runs without the column leave it empty). A step with no mismatch plots as 0
-    (and is absent from the log-scale panels)."""
+    (and is absent from the log-scale panels, which say so when no step is left)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,6 +28,10 @@ def plot_steps(steps: pd.DataFrame, path: Path, title: str = "") -> None:
     ax.plot(positive["step"], positive["max_abs_diff"], marker=".", color="tab:red")
     if len(positive):
         ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "0 at every step: the logprobs agree bit for bit", transform=ax.transAxes, ha="center",
+                va="center")
+        ax.set_yticks([])
     ax.set_ylabel("max |lp_train - lp_rollout|")
     ax = axes[1, 0]
     ax.plot(x, steps["kl_k3"], marker=".", label="KL k3 (rollout || train)")

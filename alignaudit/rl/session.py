@@ -141,6 +141,9 @@ class Worker:
             record = {"engine": self.engine.name, **self.engine.settings_record(), "worker_startup_s": self.startup_s}
             if self.trainer is not None:
                 record["optimizer"] = self.trainer.optimizer_name
+                import torch
+
+                record["host_threads"] = torch.get_num_threads()  # what a host-side (offloaded, CPU) Adam runs on
             return {"settings": record}
         if command == "rollout":
             from alignaudit.request import Sampling

@@ -15,6 +15,8 @@ not the same bits (torch's Adam rounds its update differently from megatron.core
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from alignaudit.prompts import TokenBatch
@@ -85,10 +87,12 @@ class Trainer:
             rollout_logprobs: per sequence, the rollout engine's logprobs of its generated tokens.
             advantages: per sequence. prompt_lengths: per sequence.
         Returns:
-            {"loss", "grad_norm", "clip_fraction", "forward_logprobs", "kl_ref"}: the loss summed over
-            micro-batches (the KL term included), the global grad norm before clipping, the training forward's
-            logprobs of the generated tokens (which must equal ``score``'s bit for bit: the same function, with
-            gradient), and the mean k3 KL to the reference policy (None without one).
+            {"loss", "grad_norm", "clip_fraction", "forward_logprobs", "kl_ref", "optimizer_s"}: the loss summed
+            over micro-batches (the KL term included), the global grad norm before clipping, the training
+            forward's logprobs of the generated tokens (which must equal ``score``'s bit for bit: the same
+            function, with gradient), the mean k3 KL to the reference policy (None without one), and the
+            seconds of the optimizer step (grad-norm clipping, Adam, the weights written back; host offload
+            included).
         """
         from alignaudit.engines.base import micro_batches
 
@@ -124,10 +128,17 @@ class Trainer:
             from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
             finalize_model_grads([self.ddp])
+        on_cuda = engine.settings.device == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize()  # the backward's kernels done, and below the optimizer's: its seconds alone
+        stepped = time.perf_counter()
         grad_norm = self._step()
+        if on_cuda:
+            torch.cuda.synchronize()
+        optimizer_s = time.perf_counter() - stepped
         engine.model.eval()
         return {"loss": loss_sum, "grad_norm": grad_norm, "clip_fraction": taken, "forward_logprobs": forward,
-                "kl_ref": kl_sum / total if reference is not None else None}
+                "kl_ref": kl_sum / total if reference is not None else None, "optimizer_s": round(optimizer_s, 3)}
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: TokenBatch, prompt_lengths: list[int], replay: dict | None) -> list:
