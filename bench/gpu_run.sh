@@ -33,9 +33,12 @@
 # [18]: ipc the CUDA IPC weight-transfer test; rl-bench seconds per RL step and stage, strict vs default, Qwen3-1.7B shape,
 # 8 prompts x 4 completions x 64 tokens (bench/rl_steps.py; RLB_STEPS); grpo17 the same shape for GRPO_STEPS (200) steps
 # (GRPO_OPTS: --strict by default, GRPO_TAG names the run); grpo8 the Qwen3-8B shape (GRPO8_STEPS, GRPO8_MB micro-batch);
-# GRPO_LR (1e-6), GRPO_KL (grpo17's --kl-coef, 0.04; grpo8 runs without), GRPO_TIMEOUT (570 s).
+# GRPO_LR (1e-6), GRPO_KL (grpo17's --kl-coef, 0.04; grpo8 runs without), GRPO_TIMEOUT (570 s; never past CALL_S,
+# 590 s after the script started, less 25 s for the summary; lower CALL_S by what the call ran before the script,
+# e.g. the vLLM install: about 30 s).
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
+started=$SECONDS  # the device call began just before (CALL_S: grpo's deadline)
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/aa-out}; mkdir -p "$out"
 shim=$(mktemp -d)
@@ -85,7 +88,11 @@ Q8="--model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512"
 G17="--model Qwen3-1.7B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4"
 grpo() {  # $1 name, rest: rl options; megatron trains, CUDA vLLM rolls out; steps.parquet, plot, run.json and a summary
   local name=$1; shift
-  timeout ${GRPO_TIMEOUT:-570} python3 -m alignaudit rl --train megatron --infer vllm --device cuda --lr ${GRPO_LR:-1e-6} \
+  # the run ends CALL_S (590) seconds after the script started, less 25 for this summary, whatever GRPO_TIMEOUT says:
+  # a device call's limit that cut the summary off left only /dev/shm to copy from (2026-12-01)
+  local left=$(( ${CALL_S:-590} - (SECONDS - ${started:-0}) - 25 )) limit=${GRPO_TIMEOUT:-570}
+  (( left < limit )) && limit=$left
+  timeout $limit python3 -m alignaudit rl --train megatron --infer vllm --device cuda --lr ${GRPO_LR:-1e-6} \
     --no-token-rows --out /dev/shm/$name --force "$@" 2>&1 | log | tail -4
   for f in steps.parquet steps.png run.json; do cp /dev/shm/$name/$f "$out/$name-$f" 2>/dev/null; done
   python3 - /dev/shm/$name <<'PY' 2>&1 | log
