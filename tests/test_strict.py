@@ -18,6 +18,7 @@ import pytest
 
 from alignaudit.opdiff import EQUAL, first_divergence
 from alignaudit.pipeline import diff_captures, diff_ops
+from alignaudit.rundir import WORKER_LOG
 
 ROLLOUT = {"max_new_tokens": 32, "temperature": 1.0, "seed": 0}
 PAIRS = [("megatron", "vllm"), ("hf", "vllm"), ("megatron", "hf")]
@@ -82,9 +83,15 @@ def test_manifests_record_strict(captures):
     m = captures.get("megatron", "bf16", strict="all").manifest
     assert m["settings"]["strict"] == "all" and m["engine_settings"]["strict"] == "all"
     assert m["engine_settings"]["layer_spec"] == "alignaudit.strict.megatron.strict_block_spec"
-    v = captures.get("vllm", "bf16", strict="all").manifest
+    strict_vllm = captures.get("vllm", "bf16", strict="all")
+    v = strict_vllm.manifest
     assert v["engine_settings"]["strict"] == "all" and v["engine_settings"]["resolved"]["enforce_eager"] is False
     assert v["numerics"]["env"]["ALIGNAUDIT_STRICT"] == "all"
+    # the plugin says so in vLLM's own log, once (vLLM runs in the worker's process here)
+    said = [line for line in (strict_vllm.path / WORKER_LOG).read_text().splitlines()
+            if "alignaudit strict ops active in vLLM" in line]
+    assert len(said) == 1 and said[0].endswith(": attention, linear, logprobs, rmsnorm, rope, silu"), said
+    assert "alignaudit strict ops" not in (captures.get("vllm", "bf16").path / WORKER_LOG).read_text()
     h = captures.get("hf", "bf16", strict="all").manifest
     # per layer: attention, 4 projections, q/k norms, 2 RMSNorms, MLP and its 3 linears; then final norm, lm_head
     assert h["engine_settings"]["strict_modules"] == 2 * 13 + 2

@@ -38,13 +38,16 @@ import torch
 import alignaudit_kernels as K
 from alignaudit.strict import ENV, parse_strict
 
-log = logging.getLogger(__name__)
+# A child of vLLM's "vllm" logger: the line below goes to vLLM's own handler and format, in every process vLLM
+# starts (vllm/logger.py configures "vllm" with propagate False, so a logger of another name would print nothing).
+log = logging.getLogger("vllm.plugins.alignaudit_strict")
 _applied: set[str] = set()
 _originals: dict[tuple[type, str], object] = {}
 
 
 def register() -> None:
-    """vLLM's entry point: apply the ops named in ALIGNAUDIT_STRICT (idempotent, additive)."""
+    """vLLM's entry point: apply the ops named in ALIGNAUDIT_STRICT (idempotent, additive), and say in vLLM's
+    log, once per process, which ops are strict ("alignaudit strict ops active in vLLM: ...")."""
     ops = parse_strict(os.environ.get(ENV))
     todo = ops - _applied
     if not todo:
