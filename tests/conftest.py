@@ -22,6 +22,13 @@ from alignaudit.prompts import load_prompts
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "qwen3-tiny"
 
+# vLLM 0.32 (CPU wheel) with torch 2.13 cannot load its own AOT-compiled artifacts ("'function' object has no
+# attribute 'finalize_loading'", vllm/compilation/decorators.py) and compiles every engine again; its older
+# compile cache loads. Measured on 2 cores: a warm start's vLLM init 14.2 s -> 5.9 s, test_cli + test_engines
+# 575 s -> 504 s from empty caches (2026-12-01, AMD EPYC, AVX2). Tests compare engines within one run;
+# every manifest records the variable (environment.numerics_flags).
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run tests on real-shape models (minutes each)")

@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 
 import alignaudit_kernels as K
 from alignaudit.strict import ENV, parse_strict
 
-# A child of vLLM's "vllm" logger: the line below goes to vLLM's own handler and format, in every process vLLM
-# starts (vllm/logger.py configures "vllm" with propagate False, so a logger of another name would print nothing).
+# A child of vLLM's "vllm" logger, so that the line register() writes has vLLM's handler and format (vllm/logger.py
+# configures "vllm" with propagate False: a logger of another name would print nothing).
 log = logging.getLogger("vllm.plugins.alignaudit_strict")
 _applied: set[str] = set()
 _originals: dict[tuple[type, str], object] = {}
@@ -61,7 +62,16 @@ def register() -> None:
     for op in sorted(todo):
         PATCHES[op]()
         _applied.add(op)
-    log.info("alignaudit strict ops active in vLLM: %s", ", ".join(sorted(_applied)))
+    _say(f"alignaudit strict ops active in vLLM: {', '.join(sorted(_applied))}")
+
+
+def _say(text: str) -> None:
+    """One INFO line in vLLM's log; on stderr where vLLM has not configured its logging yet (vLLM 0.32 does so
+    when the engine's arguments are made, after alignaudit's engine registers the plugin)."""
+    if logging.getLogger("vllm").handlers:
+        log.info(text)
+    else:
+        print(f"INFO alignaudit: {text}", file=sys.stderr, flush=True)
 
 
 _MISSING = object()
