@@ -193,24 +193,10 @@ def given_options(ctx: typer.Context, names: list[str]) -> list[str]:
     return [n for n in names if ctx.get_parameter_source(n) not in (None, default)]
 
 
-def fixtures_dir() -> Path:
-    """The embedded fixtures (packaged as alignaudit_fixtures; the repository's fixtures/ folder)."""
-    import alignaudit_fixtures
-
-    return Path(alignaudit_fixtures.__file__).resolve().parent
-
-
 def resolve_model_arg(args: ModelArgs):
     from alignaudit.models import resolve_model
 
-    model = args.model
-    fixture = fixtures_dir() / model
-    if "/" not in model and not Path(model).exists() and (fixture / "config.json").is_file():
-        if args.random_weights:
-            raise errors.InputError(f"--random-weights needs --model PRESET, e.g. --model Qwen3-0.6B --random-weights; "
-                                    f"{model} is an embedded fixture with weights of its own")
-        model = str(fixture)
-    return resolve_model(model, random_weights=args.random_weights, seed=args.seed)
+    return resolve_model(args.model, random_weights=args.random_weights, seed=args.seed)
 
 
 def resolve_device(device: str) -> str:

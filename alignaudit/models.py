@@ -217,12 +217,28 @@ def check_weights(path: Path, config: dict, arch) -> int:
     return len(shapes)
 
 
+def fixtures_dir() -> Path:
+    """The embedded fixtures (packaged as alignaudit_fixtures; the repository's fixtures/ folder)."""
+    import alignaudit_fixtures
+
+    return Path(alignaudit_fixtures.__file__).resolve().parent
+
+
 def resolve_model(model: str, random_weights: bool = False, seed: int = 0) -> ModelSpec:
-    """Turn the ``--model`` argument into a ModelSpec of a local checkpoint directory.
+    """Turn the ``--model`` argument into a ModelSpec of a local checkpoint directory: a directory, an
+    embedded fixture's name (qwen3-tiny, qwen2-tiny, llama-tiny, qwen3-moe-tiny: fixtures/), a preset with
+    ``random_weights``, or a hub id in the local Hugging Face cache.
 
     Raises:
-        InputError: with the reason and the fix (not a directory, not cached, unknown preset, ...).
+        InputError: with the reason and the fix (not a directory, not cached, unknown preset, random weights
+            asked of a fixture, ...).
     """
+    fixture = fixtures_dir() / model
+    if "/" not in model and not Path(model).exists() and (fixture / "config.json").is_file():
+        if random_weights:
+            raise InputError(f"--random-weights needs --model PRESET, e.g. --model Qwen3-0.6B --random-weights; "
+                             f"{model} is an embedded fixture with weights of its own")
+        return load_spec(fixture)
     local = Path(model).expanduser()
     if local.exists():
         if not local.is_dir():

@@ -3,7 +3,7 @@
 #   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
 #                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench \
-#                    ipc rl-bench grpo17 grpo8
+#                    ipc rl-bench train-profile grpo17 grpo8
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
 # attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py);
@@ -33,6 +33,7 @@
 # [18]: ipc the CUDA IPC weight-transfer test; rl-bench seconds per RL step and stage, strict vs default, Qwen3-1.7B shape,
 # 8 prompts x 4 completions x 64 tokens (bench/rl_steps.py; RLB_STEPS); grpo17 the same shape for GRPO_STEPS (200) steps
 # (GRPO_OPTS: --strict by default, GRPO_TAG names the run); grpo8 the Qwen3-8B shape (GRPO8_STEPS, GRPO8_MB micro-batch);
+# train-profile: where one strict and one default update of that shape spend their time (bench/train_step_profile.py);
 # GRPO_LR (1e-6), GRPO_KL (grpo17's --kl-coef, 0.04; grpo8 runs without), GRPO_TIMEOUT (570 s; never past CALL_S,
 # 590 s after the script started, less 25 s for the summary; lower CALL_S by what the call ran before the script,
 # e.g. the vLLM install: about 30 s).
@@ -225,6 +226,8 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
     rl-bench) timeout ${RLB_TIMEOUT:-420} python3 bench/rl_steps.py --steps ${RLB_STEPS:-6} -- $G17 --device cuda --lr 1e-6 \
                 ${RLB_OPTS:-} 2>&1 | log | tail -12
               cp bench-rl-steps.json "$out/" 2>/dev/null ;;
+    train-profile) timeout ${TP_TIMEOUT:-300} python3 bench/train_step_profile.py --model Qwen3-1.7B --json "$out/train-profile.json" \
+                     2>&1 | log | tail -44 ;;
     grpo17) grpo grpo17-${GRPO_TAG:-strict} $G17 ${GRPO_OPTS:---strict} --steps ${GRPO_STEPS:-200} --kl-coef ${GRPO_KL:-0.04} ;;
     grpo8) grpo grpo8 --model Qwen3-8B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4 \
              --train-opt micro_batch_size=${GRPO8_MB:-8} --strict --steps ${GRPO8_STEPS:-30} ;;

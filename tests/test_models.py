@@ -68,6 +68,13 @@ def test_local_directory(tiny_spec):
     assert spec == tiny_spec and spec.name == "qwen3-tiny"
 
 
+def test_fixture_names_resolve_as_on_the_command_line(tiny_spec):
+    assert resolve_model("qwen3-tiny") == tiny_spec
+    assert resolve_model("llama-tiny").architecture == "LlamaForCausalLM"
+    with pytest.raises(InputError, match="qwen3-tiny is an embedded fixture with weights of its own"):
+        resolve_model("qwen3-tiny", random_weights=True)
+
+
 @pytest.mark.parametrize("model, message", [
     ("/nonexistent/dir", "no such directory"),
     ("qwen3-small", "not a directory, a preset or a hub id"),

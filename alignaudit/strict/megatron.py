@@ -69,7 +69,7 @@ class StrictColumnParallelLinear(ColumnParallelLinear):
 class _RowParallel(torch.autograd.Function):
     """The strict row-parallel product over ranks: forward as ``StrictRowParallelLinear`` says; backward
     the local products' gradients (the tree sum passes the output gradient to every rank's partial
-    unchanged), fp32 products rounded to the input and weight dtypes, as the strict linear's backward."""
+    unchanged), products in the input dtype (matmul.linear_backward), as the strict linear's backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
