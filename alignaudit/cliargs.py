@@ -204,6 +204,8 @@ def resolve_device(device: str) -> str:
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device in ("hip", "rocm"):
+        raise errors.InputError(f"--device {device}: torch names AMD (ROCm) GPUs cuda devices; pass --device cuda")
     if device not in ("cpu", "cuda"):
         raise errors.InputError(f"unknown device {device!r}; choose cpu, cuda or auto")
     if device == "cuda" and not torch.cuda.is_available():
@@ -256,13 +258,15 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     from alignaudit.engines.base import EngineSettings, parse_options
     from alignaudit.request import EngineRun
     from alignaudit.runner import check_options
-    from alignaudit.strict import check_strict_exp, format_strict, parse_strict
+    from alignaudit.strict import check_platform, check_strict_exp, format_strict, parse_strict
 
     check_installed(pair.train), check_installed(pair.infer)
     dev = resolve_device(pair.device)
     strict_ops = parse_strict(pair.strict)
     ops = format_strict(strict_ops)
     exp = check_strict_exp(pair.strict_exp, strict_ops, dev)
+    if dev == "cuda" and (warning := check_platform(strict_ops)):
+        typer.echo(warning, err=True)
     if pair.lm_head_dtype not in ("model", "fp32"):
         raise errors.InputError(f"--lm-head-dtype {pair.lm_head_dtype!r}: choose model or fp32")
     runs = [

@@ -37,6 +37,8 @@ def hardware(device: str) -> dict[str, str | int]:
     if device == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = str(torch.version.cuda)
+        if torch.version.hip:  # a ROCm build: the GPU is AMD's, whatever torch calls the device
+            info["hip"] = torch.version.hip
     return info
 
 

@@ -53,6 +53,7 @@ from alignaudit_kernels.primitives import (
     fixed_sum,
     no_gradient,
     opaque_op,
+    rocm,
     sm_count,
     triton,
     use_triton,
@@ -395,6 +396,8 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     kvh = k_cache.shape[2]
     group = h // kvh
     tile, warps, stages = config
+    if rocm() and q.dtype == torch.float32:
+        stages = 1  # fp32 at head dim 128, 4 warps, 2 stages aborts LLVM's AMDGPU register allocator (triton 3.8)
     if group > tile:  # a tile holds tile // group tokens; the rows past tokens * group stay masked
         raise ValueError(f"strict attention holds at most {tile} query heads per KV head, not {group}")
     q = q.contiguous()

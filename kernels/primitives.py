@@ -179,6 +179,11 @@ except ImportError:  # a CPU-only install without Triton: the CPU backend still 
     triton = None
 
 
+def rocm() -> bool:
+    """True on a ROCm build of torch (AMD GPUs, which torch names "cuda" devices): launch planning only."""
+    return torch.version.hip is not None
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """The Triton backend for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1 (the tests'
     interpreter runs); the CPU backend otherwise."""

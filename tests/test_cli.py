@@ -73,10 +73,42 @@ def one_line_error(capsys, argv, code):
     (["--strict-exp", "native"], "add attention to --strict"),
     (["--strict", "rmsnorm", "--strict-exp", "native"], "add attention to --strict"),
     (["--strict", "--strict-exp", "native", "--device", "cpu"], "use --device cuda"),
+    (["--device", "rocm"], "torch names AMD (ROCm) GPUs cuda devices; pass --device cuda"),
 ])
 def test_usage_errors_are_one_line(capsys, tmp_path, argv, message):
     err = one_line_error(capsys, ["compare", "--out", str(tmp_path / "o"), *argv], EXIT_USAGE)
     assert message in err
+
+
+def test_strict_on_rocm_is_refused_before_any_engine_starts(capsys, monkeypatch, tmp_path):
+    """A ROCm torch (torch.version.hip set; its GPUs are "cuda" devices): --strict is refused in one line
+    naming what was not checked and the way on; ALIGNAUDIT_ROCM_UNCHECKED=1 turns the refusal into a warning,
+    which the vLLM plugin puts in vLLM's log; without strict ops nothing is said."""
+    import torch
+
+    from alignaudit.strict import check_platform, vllm_plugin
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("ALIGNAUDIT_ROCM_UNCHECKED", raising=False)
+    err = one_line_error(capsys, ["compare", "--strict", "--device", "cuda", "--out", str(tmp_path / "o")],
+                         EXIT_USAGE)
+    assert "--strict on ROCm (torch HIP 6.4.43482)" in err and "ALIGNAUDIT_ROCM_UNCHECKED=1" in err
+    assert not (tmp_path / "o").exists()
+    monkeypatch.setenv("ALIGNAUDIT_STRICT", "rmsnorm")
+    monkeypatch.setattr(vllm_plugin, "_applied", set())
+    with pytest.raises(InputError, match="ALIGNAUDIT_STRICT on ROCm"):
+        vllm_plugin.register()
+    assert vllm_plugin._applied == set()  # refused before any op was patched
+    assert check_platform(frozenset()) is None
+    from alignaudit.strict.hf import make_strict
+
+    with pytest.raises(InputError, match="make_strict on ROCm"):  # what users build into their trainer
+        make_strict(object(), frozenset({"linear"}))
+    monkeypatch.setenv("ALIGNAUDIT_ROCM_UNCHECKED", "1")
+    assert check_platform(frozenset({"linear"})).startswith("warning: --strict on ROCm")
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert check_platform(frozenset({"linear"})) is None
 
 
 def test_bad_model_and_prompt_files(capsys, tmp_path):

@@ -14,6 +14,8 @@ Ops can be made strict one at a time (``--strict rmsnorm,rope``) for ablation; `
 
 from __future__ import annotations
 
+import os
+
 from alignaudit.errors import InputError
 
 STRICT_OPS = ("linear", "rmsnorm", "rope", "silu", "attention", "logprobs")
@@ -40,6 +42,40 @@ def check_strict_exp(exp: str, ops: frozenset[str], device: str) -> str:
             raise InputError("--strict-exp native is the GPU's exp2 instruction; on the CPU strict attention computes "
                              "the portable exp only: use --device cuda, or drop --strict-exp")
     return exp
+
+
+ROCM_ENV = "ALIGNAUDIT_ROCM_UNCHECKED"  # "1": run the strict path on ROCm although no AMD GPU has checked its bits
+
+
+def check_platform(ops: frozenset[str], where: str = "--strict") -> str | None:
+    """Refuse strict ops on a ROCm build of torch (AMD GPUs, which torch names "cuda" devices) before any
+    engine starts: the strict kernels build for MI300X (tests/cross_compile.py gfx942) but no AMD GPU has run
+    their bit-equality tests (docs/kernels.md, "ROCm"). With ALIGNAUDIT_ROCM_UNCHECKED=1 the run goes on;
+    returns the warning to print and record (the run's environment records the variable and torch's HIP
+    version). None on every other platform or without strict ops.
+
+    Raises:
+        InputError: strict ops on ROCm without the variable.
+    """
+    import torch
+
+    if not ops or torch.version.hip is None:
+        return None
+    what = (f"{where} on ROCm (torch HIP {torch.version.hip}): the strict kernels build for MI300X but their bits "
+            "have not been checked on an AMD GPU")
+    if os.environ.get(ROCM_ENV) != "1":
+        raise InputError(f"{what}; run tests/test_kernels.py --kernel-device cuda there first (docs/kernels.md, "
+                         f"'ROCm'), then set {ROCM_ENV}=1")
+    return f"warning: {what} ({ROCM_ENV}=1): a 0-mismatch verdict here is this run's, not a checked guarantee"
+
+
+def guard_platform(ops: frozenset[str], where: str) -> None:
+    """``check_platform`` for the strict modules users build into their own trainer (make_strict,
+    strict_layer_spec): raises the same InputError, and gives the warning as a Python warning."""
+    import warnings
+
+    if warning := check_platform(ops, where):
+        warnings.warn(warning.removeprefix("warning: "), stacklevel=3)
 
 
 def parse_strict(value: str | None, option: str = "--strict") -> frozenset[str]:

@@ -164,11 +164,15 @@ def make_strict(model, ops: frozenset[str], llama3: tuple | None = None, exp: st
     the strict attention's exp (alignaudit_kernels.attention.EXP_CHOICES).
 
     Raises:
-        alignaudit.errors.InputError: the model's architecture is not one alignaudit runs.
+        alignaudit.errors.InputError: the model's architecture is not one alignaudit runs; strict ops on ROCm
+            (alignaudit.strict.check_platform).
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from alignaudit.arch import architecture
+    from alignaudit.strict import guard_platform
+
+    guard_platform(ops, "make_strict")
 
     prefix = architecture(type(model).__name__).hf_prefix
     config = model.config

@@ -177,7 +177,14 @@ class StrictCoreAttention(MegatronModule):
 def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
                       llama3: tuple | None = None, num_experts: int = 0, exp: str = "portable") -> ModuleSpec:
     """The local GPT layer spec with the strict ops swapped in (``llama3``: ModelSpec.rope_llama3). An MoE
-    layer keeps Megatron's MoELayer in the spec; StrictGPTModel swaps its forward for the strict one."""
+    layer keeps Megatron's MoELayer in the spec; StrictGPTModel swaps its forward for the strict one.
+
+    Raises:
+        alignaudit.errors.InputError: strict ops on ROCm (alignaudit.strict.check_platform).
+    """
+    from alignaudit.strict import guard_platform
+
+    guard_platform(ops, "strict_layer_spec")
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm",
                                     num_experts=num_experts or None, moe_grouped_gemm=False)
     layer = spec.submodules

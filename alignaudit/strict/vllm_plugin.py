@@ -37,7 +37,7 @@ import sys
 import torch
 
 import alignaudit_kernels as K
-from alignaudit.strict import ENV, parse_strict
+from alignaudit.strict import ENV, check_platform, parse_strict
 
 # A child of vLLM's "vllm" logger, so that the line register() writes has vLLM's handler and format (vllm/logger.py
 # configures "vllm" with propagate False: a logger of another name would print nothing).
@@ -48,11 +48,18 @@ _originals: dict[tuple[type, str], object] = {}
 
 def register() -> None:
     """vLLM's entry point: apply the ops named in ALIGNAUDIT_STRICT (idempotent, additive), and say in vLLM's
-    log, once per process, which ops are strict ("alignaudit strict ops active in vLLM: ...")."""
+    log, once per process, which ops are strict ("alignaudit strict ops active in vLLM: ...").
+
+    Raises:
+        InputError: on ROCm without ALIGNAUDIT_ROCM_UNCHECKED=1 (alignaudit.strict.check_platform).
+    """
     ops = parse_strict(os.environ.get(ENV))
     todo = ops - _applied
     if not todo:
         return
+    warning = check_platform(ops, where=ENV)  # raises on ROCm unless told otherwise
+    if warning:
+        _say(warning)
     import alignaudit.strict.custom_ops  # noqa: F401  (registers torch.ops.alignaudit.*)
 
     # vLLM's torch.compile cache is keyed by the model code and config, not by these patches: a graph
