@@ -31,7 +31,8 @@ os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true", help="run tests on real-shape models (minutes each)")
+    parser.addoption("--run-slow", action="store_true",
+                     help="run the slow tests: real-shape models, every kernel launch configuration (minutes each)")
     parser.addoption("--kernel-device", default="cpu", choices=("cpu", "cuda", "interpret"),
                      help="strict-kernel backend for tests/test_kernels.py (interpret: set TRITON_INTERPRET=1)")
 
@@ -39,7 +40,7 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--run-slow"):
         return
-    skip = pytest.mark.skip(reason="real-shape model: run with --run-slow")
+    skip = pytest.mark.skip(reason="slow (minutes): run with --run-slow")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)

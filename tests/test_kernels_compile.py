@@ -18,7 +18,18 @@ ARTIFACT = {"gfx942": "hsaco", "sm90": "cubin"}
 
 
 def test_every_strict_kernel_builds_for_mi300x_and_hopper():
-    procs = {target: subprocess.Popen([sys.executable, str(SCRIPT), target], stdout=subprocess.PIPE,
+    """The bf16 set: every launched kernel, every host-side branch of the products (about 40 s)."""
+    _build_both([])
+
+
+@pytest.mark.slow
+def test_every_launch_configuration_builds_for_mi300x_and_hopper():
+    """--all: every branch of every host wrapper in bf16, fp16 and fp32 (about 4 minutes a target, cold)."""
+    _build_both(["--all"])
+
+
+def _build_both(flags: list[str]) -> None:
+    procs = {target: subprocess.Popen([sys.executable, str(SCRIPT), target, *flags], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True) for target in ARTIFACT}
     outputs = {target: proc.communicate(timeout=600) for target, proc in procs.items()}
     for target, (out, err) in outputs.items():
@@ -35,8 +46,8 @@ def test_every_strict_kernel_builds_for_mi300x_and_hopper():
         # the branches that differ by target: Hopper's products above the decode tile go to the TMA kernel
         # (segmented and partial ones included); AMD's fp32 attention builds with one stage
         if target == "sm90":
-            tma = [r["constexprs"]["SEGMENTS"] for r in records if r["kernel"] == "_matmul_tma_kernel"]
-            assert sorted(tma) == [1, 4]
+            tma = {r["constexprs"]["SEGMENTS"] for r in records if r["kernel"] == "_matmul_tma_kernel"}
+            assert tma == ({1, 2, 4, 8} if flags else {1, 4})
         else:
             fp32 = [r for r in records if r["kernel"] == "_attention_kernel" and "float32" in r["dtypes"]
                     and r["constexprs"]["IEEE"]]
