@@ -2,9 +2,12 @@
 
 Build a model the way a Megatron trainer does, with the strict spec in place of the local one:
 
-    spec = strict_block_spec(config, ops=STRICT_OPS)       # TransformerBlockSubmodules
+    ops = frozenset(STRICT_OPS)                            # alignaudit.strict.STRICT_OPS, or a subset
+    spec = strict_block_spec(config.num_layers, ops, rotary_base=theta, qk_layernorm=True)  # Qwen3: q/k norms
     model = StrictGPTModel(config, spec, vocab_size=..., max_sequence_length=..., rotary_base=theta,
-                           strict_ops=STRICT_OPS, position_embedding_type="rope", ...)
+                           position_embedding_type="rope", strict_ops=ops, ...)
+
+(alignaudit.engines.megatron.MegatronEngine builds it so, from a ModelSpec.)
 
 Per op:
     linear     ColumnParallelLinear / RowParallelLinear subclasses (and GPTModel.output_layer) whose
