@@ -233,12 +233,6 @@ def resolve_model(model: str, random_weights: bool = False, seed: int = 0) -> Mo
         InputError: with the reason and the fix (not a directory, not cached, unknown preset, random weights
             asked of a fixture, ...).
     """
-    fixture = fixtures_dir() / model
-    if "/" not in model and not Path(model).exists() and (fixture / "config.json").is_file():
-        if random_weights:
-            raise InputError(f"--random-weights needs --model PRESET, e.g. --model Qwen3-0.6B --random-weights; "
-                             f"{model} is an embedded fixture with weights of its own")
-        return load_spec(fixture)
     local = Path(model).expanduser()
     if local.exists():
         if not local.is_dir():
@@ -246,6 +240,12 @@ def resolve_model(model: str, random_weights: bool = False, seed: int = 0) -> Mo
         if random_weights:
             raise InputError("--random-weights applies to preset names, not to a local directory")
         return load_spec(local)
+    fixture = fixtures_dir() / model
+    if "/" not in model and (fixture / "config.json").is_file():
+        if random_weights:
+            raise InputError(f"--random-weights needs --model PRESET, e.g. --model Qwen3-0.6B --random-weights; "
+                             f"{model} is an embedded fixture with weights of its own")
+        return load_spec(fixture)
 
     preset = find_preset(model)
     if preset is not None and random_weights:

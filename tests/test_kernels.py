@@ -929,7 +929,9 @@ def test_linear_backward_is_torchs_own_in_bf16(device):
         return [t.grad for t in ins]
 
     class Products(torch.overrides.TorchFunctionMode):
-        dtypes: set = set()
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if getattr(func, "__name__", "") in ("__matmul__", "matmul", "mm"):
