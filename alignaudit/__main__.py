@@ -1,3 +1,3 @@
-from alignaudit.cli import entrypoint
+from alignaudit.commands.cli import entrypoint
 
 entrypoint()

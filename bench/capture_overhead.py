@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from alignaudit.engines.base import EngineSettings  # noqa: E402
-from alignaudit.models import load_spec  # noqa: E402
-from alignaudit.ops import Selection  # noqa: E402
-from alignaudit.pipeline import EngineRun, capture  # noqa: E402
-from alignaudit.prompts import load_prompts  # noqa: E402
+from alignaudit.capture.ops import Selection  # noqa: E402
+from alignaudit.commands.pipeline import EngineRun, capture  # noqa: E402
+from alignaudit.inputs.checkpoint import load_spec  # noqa: E402
+from alignaudit.inputs.prompts import load_prompts  # noqa: E402
+from alignaudit.inputs.request import EngineSettings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,10 +16,10 @@ import argparse
 
 import torch
 
-from alignaudit.cliargs import ModelArgs, resolve_model_arg
-from alignaudit.engines.base import EngineSettings
-from alignaudit.engines.hf import HFEngine
-from alignaudit.numerics import ulp_distance
+from alignaudit.commands.options import ModelArgs, resolve_model_arg
+from alignaudit.comparison.numerics import ulp_distance
+from alignaudit.engines.hf.adapter import HFEngine
+from alignaudit.inputs.request import EngineSettings
 
 
 def record_outputs(model):

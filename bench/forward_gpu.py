@@ -4,7 +4,7 @@
 
 Builds the preset's exact shape with random weights directly on the GPU (transformers Qwen3ForCausalLM,
 bf16), times the default forward (SDPA attention, cuBLAS) over batch x tokens, eager and under
-torch.compile, then swaps every strict op in (alignaudit.strict.hf.make_strict) and times the same forward
+torch.compile, then swaps every strict op in (alignaudit.engines.hf.strict.make_strict) and times the same forward
 again, eager and compiled, logits and logprobs included. Prints the times and their ratios (median of
 several timed runs after warm-up, CUDA events), whether the compiled strict forward gives the eager
 strict forward's logprob bits (a compiled graph must not change what the strict kernels compute), and how
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import alignaudit_kernels as K  # noqa: E402
 from alignaudit.arch import PRESETS  # noqa: E402
-from alignaudit.strict import STRICT_OPS  # noqa: E402
-from alignaudit.strict.hf import make_strict  # noqa: E402
+from alignaudit.engines.hf.strict import make_strict  # noqa: E402
+from alignaudit.inputs.strict_ops import STRICT_OPS  # noqa: E402
 
 
 def median_ms(fn, warmup=2, reps=5) -> float:

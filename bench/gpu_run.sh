@@ -125,7 +125,7 @@ PY
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    synth) python3 -c "from alignaudit.models import resolve_model as r; [r(m, random_weights=True) for m in '${SYNTH:-Qwen3-8B}'.split(',')]" \
+    synth) python3 -c "from alignaudit.inputs.checkpoint import resolve_model as r; [r(m, random_weights=True) for m in '${SYNTH:-Qwen3-8B}'.split(',')]" \
              2>&1 | log | tail -3 ;;
     tests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
              | tee "$out/gpu-kernel-tests.log" | tail -15 || status=1 ;;
@@ -211,7 +211,7 @@ for stage in "$@"; do
     vllm-moe) cmp vmoe-strict --model qwen3-moe-tiny --train megatron --infer vllm --strict
               cmp vmoe-strict-rollout --model qwen3-moe-tiny --train megatron --infer vllm --strict --mode rollout --max-new-tokens 32
               python3 -c "
-import copy; from pathlib import Path; from alignaudit.arch import PRESETS; from alignaudit.synth import synthesize_checkpoint
+import copy; from pathlib import Path; from alignaudit.arch import PRESETS; from alignaudit.inputs.synth import synthesize_checkpoint
 c = copy.deepcopy(PRESETS['Qwen3-30B-A3B'].config); c['num_hidden_layers'] = ${MOE_LAYERS:-4}
 synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
               cmp vq30-strict --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron --infer vllm --strict

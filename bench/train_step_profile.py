@@ -4,7 +4,7 @@
                                       [--new-tokens 64] [--kl-coef 0.04] [--json FILE]
 
 For each of strict and default, in its own process (megatron.core's parallel state is per process): the
-trainer of `alignaudit rl` (alignaudit.rl.session.Worker, megatron, random weights) on one batch of random
+trainer of `alignaudit rl` (alignaudit.workers.rl_session.Worker, megatron, random weights) on one batch of random
 token ids, the shape `alignaudit rl` feeds it (sequences x (prompt + new tokens)); two warm-up updates, three
 timed (the median of ``train_step``'s wall seconds and of its optimizer step), then one under torch.profiler:
 the kernels and ops with the most self time, and how many kernels the update launched. Prints the median
@@ -30,9 +30,9 @@ def profile_one(args) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from alignaudit.engines.base import EngineSettings
-    from alignaudit.models import find_preset, resolve_model
-    from alignaudit.rl.session import Worker
+    from alignaudit.inputs.checkpoint import find_preset, resolve_model
+    from alignaudit.inputs.request import EngineSettings
+    from alignaudit.workers.rl_session import Worker
 
     spec = resolve_model(args.model, random_weights=find_preset(args.model) is not None)  # presets: random weights
     settings = EngineSettings(device=args.device, strict="all" if args.mode == "strict" else "")

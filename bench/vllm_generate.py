@@ -54,7 +54,7 @@ def worker(args) -> dict:
     from vllm.inputs import TokensPrompt
 
     if os.environ.get("ALIGNAUDIT_STRICT"):
-        from alignaudit.strict import vllm_plugin
+        from alignaudit.engines.vllm import plugin as vllm_plugin
 
         vllm_plugin.register()
     started = time.perf_counter()
@@ -74,7 +74,7 @@ def worker(args) -> dict:
     seconds = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     config = llm.llm_engine.vllm_config
-    from alignaudit.strict.vllm_attention import attention_impls
+    from alignaudit.engines.vllm.attention_cpu import attention_impls
 
     return {"generated_tokens": generated, "seconds": round(seconds, 3),
             "output_tokens_per_s": round(generated / seconds, 1), "startup_s": round(startup, 1),

@@ -26,7 +26,7 @@ def main() -> None:
     import torch
 
     import alignaudit_kernels as K
-    from alignaudit.strict import vllm_plugin
+    from alignaudit.engines.vllm import plugin as vllm_plugin
 
     vllm_plugin.register()
     from vllm import LLM, SamplingParams

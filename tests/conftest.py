@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignaudit.engines.base import EngineSettings
-from alignaudit.models import load_spec
-from alignaudit.ops import Selection
-from alignaudit.pipeline import EngineRun, capture
-from alignaudit.prompts import load_prompts
+from alignaudit.capture.ops import Selection
+from alignaudit.commands.pipeline import EngineRun, capture
+from alignaudit.inputs.checkpoint import load_spec
+from alignaudit.inputs.prompts import load_prompts
+from alignaudit.inputs.request import EngineSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "qwen3-tiny"
@@ -96,7 +96,7 @@ def captures(tmp_path_factory, tiny_spec, tiny_batch):
 
 def assert_bitwise_equal(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
     """Assert identical bit patterns; on failure report count, max ULP, max |diff| and first indices."""
-    from alignaudit import numerics
+    from alignaudit.comparison import numerics
 
     assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
     same = numerics.bitwise_equal(a, b)

@@ -7,9 +7,9 @@ import json
 
 import pandas as pd
 
-from alignaudit.ablate import STRICT_OP_COVERS, configurations
+from alignaudit.capture.ops import OpGraph
+from alignaudit.commands.ablate import STRICT_OP_COVERS, configurations
 from alignaudit.errors import EXIT_OK
-from alignaudit.ops import OpGraph
 from test_cli import one_line_error, run_cli
 from test_html_report import CHROMIUM, open_in_chromium
 

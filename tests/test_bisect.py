@@ -20,8 +20,8 @@ import json
 
 import pytest
 
-from alignaudit.opdiff import DIFFERS, EQUAL, first_divergence
-from alignaudit.pipeline import diff_ops
+from alignaudit.commands.pipeline import diff_ops
+from alignaudit.comparison.op_diff import DIFFERS, EQUAL, first_divergence
 
 GEMMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NORMS = ("input_norm", "q_norm", "k_norm", "post_attn_norm")
@@ -99,7 +99,7 @@ def test_forced_capture_records_substitutions(captures):
 
 
 def test_cli_bisect_selection_and_outputs(tmp_path):
-    from alignaudit import cli
+    from alignaudit.commands import cli
 
     out = tmp_path / "b"
     code = cli.main(["bisect", "--train", "megatron", "--infer", "hf", "--layers", "1", "--ops",
@@ -119,7 +119,7 @@ def test_cli_bisect_selection_and_outputs(tmp_path):
 def test_bisect_help_explains_both_modes():
     from typer.testing import CliRunner
 
-    from alignaudit.cli import app
+    from alignaudit.commands.cli import app
 
     result = CliRunner().invoke(app, ["bisect", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0

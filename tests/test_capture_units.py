@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from alignaudit.engines.vllm_taps import StepRows, _slice_spans
+from alignaudit.capture.op_store import OpRecorder, OpStore
+from alignaudit.capture.ops import OpGraph, Selection, parse_selection
+from alignaudit.comparison.op_diff import compare_op, routing_agreement
+from alignaudit.engines.layouts import fuse_qkv_grouped, split_qkv_grouped
+from alignaudit.engines.taps import BATCH_FIRST, FLAT, SEQ_FIRST, Routing, RowSpan, put_rows, take_rows
+from alignaudit.engines.vllm.taps import StepRows, _slice_spans
 from alignaudit.errors import InputError
-from alignaudit.layouts import fuse_qkv_grouped, split_qkv_grouped
-from alignaudit.opdiff import compare_op, routing_agreement
-from alignaudit.ops import OpGraph, Selection, parse_selection
-from alignaudit.opstore import OpRecorder, OpStore
-from alignaudit.taps import BATCH_FIRST, FLAT, SEQ_FIRST, Routing, RowSpan, put_rows, take_rows
 
 
 def test_megatron_qkv_grouping_matches_its_definition():

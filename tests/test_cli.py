@@ -10,7 +10,7 @@ import sys
 import pandas as pd
 import pytest
 
-from alignaudit import cli
+from alignaudit.commands import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_OK, EXIT_USAGE, InputError
 from conftest import FIXTURE
 
@@ -86,7 +86,8 @@ def test_strict_on_rocm_is_refused_before_any_engine_starts(capsys, monkeypatch,
     which the vLLM plugin puts in vLLM's log; without strict ops nothing is said."""
     import torch
 
-    from alignaudit.strict import check_platform, vllm_plugin
+    from alignaudit.engines.vllm import plugin as vllm_plugin
+    from alignaudit.inputs.strict_ops import check_platform
 
     monkeypatch.setattr(torch.version, "hip", "6.4.43482")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -101,7 +102,7 @@ def test_strict_on_rocm_is_refused_before_any_engine_starts(capsys, monkeypatch,
         vllm_plugin.register()
     assert vllm_plugin._applied == set()  # refused before any op was patched
     assert check_platform(frozenset()) is None
-    from alignaudit.strict.hf import make_strict
+    from alignaudit.engines.hf.strict import make_strict
 
     with pytest.raises(InputError, match="make_strict on ROCm"):  # what users build into their trainer
         make_strict(object(), frozenset({"linear"}))
@@ -196,7 +197,7 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
 def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp_path):
     """native needs strict attention and CUDA (every engine's strict attention takes it there); ablate has
     rows without strict attention. Each refuses --strict-exp native before any engine starts."""
-    from alignaudit.strict import check_strict_exp
+    from alignaudit.inputs.strict_ops import check_strict_exp
 
     with pytest.raises(InputError, match="add attention to --strict"):
         check_strict_exp("native", frozenset({"linear"}), "cuda")

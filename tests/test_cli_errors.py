@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from alignaudit import cli
+from alignaudit.commands import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_OK, EXIT_USAGE
 from conftest import FIXTURE
 from test_cli import one_line_error
@@ -115,7 +115,7 @@ def _wait_for_worker(proc, timeout=60):
     deadline = time.time() + timeout
     while time.time() < deadline:
         workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                   if "alignaudit.engines.worker" in " ".join(c.cmdline())]
+                   if "alignaudit.workers.capture_worker" in " ".join(c.cmdline())]
         if workers:
             return workers[0]
         time.sleep(0.2)

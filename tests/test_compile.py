@@ -12,8 +12,8 @@ import torch._dynamo
 from transformers import AutoModelForCausalLM
 
 import alignaudit_kernels as K
-from alignaudit.strict import STRICT_OPS
-from alignaudit.strict.hf import make_strict
+from alignaudit.engines.hf.strict import make_strict
+from alignaudit.inputs.strict_ops import STRICT_OPS
 from conftest import FIXTURE, assert_bitwise_equal
 
 
@@ -38,8 +38,8 @@ def test_rope_with_a_host_bound_gives_the_same_bits_and_refuses_positions_past_i
     """RopeOp with the caller's sequence bound (no host read of positions, what the engines pass) rotates
     like RopeOp without one; a position past the tables fails the device-side assert instead of reading
     past them."""
-    from alignaudit.strict.common import RopeOp
-    from alignaudit.strict.custom_ops import rotate
+    from alignaudit.engines.custom_ops import rotate
+    from alignaudit.engines.strict_modules import RopeOp
 
     rope = RopeOp(16, 1e4, max_positions=8)
     x = torch.randn(2, 20, 4, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -53,7 +53,7 @@ def test_compiled_rope_keeps_its_gradient():
     """Traced with gradients, RopeOp stays on the autograd path (the opaque rope op is forward only), and
     its cos/sin tables are still built eagerly: Dynamo never traces rope_tables (a compiled torch.cos could
     round otherwise; Dynamo says so when it traces through an lru_cache)."""
-    from alignaudit.strict.common import RopeOp
+    from alignaudit.engines.strict_modules import RopeOp
 
     rope = RopeOp(16, 1e4, max_positions=8)
     x = torch.randn(1, 6, 2, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)

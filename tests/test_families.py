@@ -17,10 +17,10 @@ import shutil
 import pytest
 import torch
 
-from alignaudit.models import load_spec
-from alignaudit.opdiff import first_divergence
-from alignaudit.pipeline import diff_captures, diff_ops
-from alignaudit.prompts import load_prompts
+from alignaudit.commands.pipeline import diff_captures, diff_ops
+from alignaudit.comparison.op_diff import first_divergence
+from alignaudit.inputs.checkpoint import load_spec
+from alignaudit.inputs.prompts import load_prompts
 from conftest import ROOT, CaptureCache
 from test_cli import one_line_error
 
@@ -108,7 +108,7 @@ def test_megatron_applies_llama3_scaling_in_its_default_path(tmp_path_factory):
 
 
 def test_fixtures_by_name_and_inputs_that_are_not_models(capsys, tmp_path):
-    from alignaudit.cliargs import ModelArgs, resolve_model_arg
+    from alignaudit.commands.options import ModelArgs, resolve_model_arg
 
     assert resolve_model_arg(ModelArgs(model="llama-tiny")).architecture == "LlamaForCausalLM"
     err = one_line_error(capsys, ["compare", "--model", "Llama-3.2-2B", "--random-weights",

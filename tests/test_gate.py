@@ -12,11 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from alignaudit import cli, gate
-from alignaudit.capture import _sha256
-from alignaudit.diff import align_tokens, compare_tokens
+from alignaudit.capture.directory import _sha256
+from alignaudit.capture.rundir import LOGPROBS, MANIFEST
+from alignaudit.commands import cli
+from alignaudit.comparison import gate
+from alignaudit.comparison.token_diff import align_tokens, compare_tokens
 from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
-from alignaudit.rundir import LOGPROBS, MANIFEST
 from test_cli import one_line_error
 
 
@@ -233,7 +234,7 @@ def test_foreign_captures_never_pass(runs, tmp_path, capsys):
 def reseal(run, record):
     """Write an edited run.json with its seal recomputed (what someone who knows the format could do), so a
     test reaches the checks behind the seal."""
-    from alignaudit.verify import RECORD_SHA256, record_digest
+    from alignaudit.comparison.integrity import RECORD_SHA256, record_digest
 
     (run / "run.json").write_text(json.dumps({**record, RECORD_SHA256: record_digest(record)}))
 
@@ -348,7 +349,7 @@ def test_gate_on_a_read_only_run_writes_elsewhere_or_says_how(runs, tmp_path, ca
     """A run directory gate cannot write to: refused with the fix; judged when the verdict goes elsewhere."""
     import os
 
-    from alignaudit import outdir
+    from alignaudit.capture import outdir
 
     run = copy_run(runs, "strict", tmp_path)
     real_open = os.open
@@ -394,7 +395,7 @@ def test_a_single_flipped_bit_always_fails(identical_tables, data):
 
 def _repair_capture(capture_dir):
     """Make a damaged capture self-consistent again: table sha, counts and token digest in its manifest."""
-    from alignaudit.capture import Capture
+    from alignaudit.capture.directory import Capture
 
     table = pd.read_parquet(capture_dir / LOGPROBS)
     manifest = json.loads((capture_dir / MANIFEST).read_text())

@@ -27,11 +27,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from alignaudit import cli
-from alignaudit.diff import worst_sequences
+from alignaudit.commands import cli
+from alignaudit.commands.pipeline import diff_ops, write_ops
+from alignaudit.comparison.op_diff import DIFFERS, first_divergence
+from alignaudit.comparison.token_diff import worst_sequences
 from alignaudit.errors import EXIT_OK, EXIT_USAGE
-from alignaudit.opdiff import DIFFERS, first_divergence
-from alignaudit.pipeline import diff_ops, write_ops
 from test_cli import one_line_error
 
 
@@ -130,9 +130,10 @@ def bisect_run(captures, tmp_path_factory):
 
 
 def sealed_record(out: Path, command: str, outputs: tuple[str, ...]) -> None:
-    """A finished run's record over tables a test wrote (alignaudit.verify.seal), so the page may read them."""
-    from alignaudit.pipeline import write_json
-    from alignaudit.verify import seal
+    """A finished run's record over tables a test wrote (alignaudit.comparison.integrity.seal), so the page may
+    read them."""
+    from alignaudit.commands.pipeline import write_json
+    from alignaudit.comparison.integrity import seal
 
     write_json(out / "run.json", seal({"command": command}, out, outputs))
 

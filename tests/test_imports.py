@@ -1,9 +1,17 @@
 """The layering of alignaudit, checked on its import graph (every import statement, at module level or inside a
-function, read with ast: a lazy import couples modules as much as an eager one).
+function, read with ast: a lazy import couples modules as much as an eager one). The folders follow the data
+flow, and each may reach only what comes before it:
+
+    inputs       what a run is asked to do (request, checkpoint, prompts, checks before any engine starts)
+    capture      the capture format: the only thing both the engine side and the comparison side import
+    engines      one folder per engine (adapter, taps, weights, options, strict wiring) over engines/base
+    workers      the processes engines run in (one-shot captures, the rl session)
+    comparison   pure: never reaches an engine, a worker, the strict wiring, a command or vllm/megatron
+    reports      terminal and HTML: never reach an engine either
+    commands     the CLI and the pipelines it runs (and rl/, the GRPO loop)
 
     kernels (alignaudit_kernels)  import nothing of alignaudit
-    comparison and reports        never reach an engine, the workers, the strict wiring or an engine package
-    engines                       never reach a report
+    engines                       never reach a report, a command or the comparison
     no module                     reaches itself (no cycles)
 """
 
@@ -17,10 +25,17 @@ import pytest
 from conftest import ROOT
 
 PACKAGES = {"alignaudit": ROOT / "alignaudit", "alignaudit_kernels": ROOT / "kernels"}
-COMPARISON = ("alignaudit.numerics", "alignaudit.opdiff", "alignaudit.diff", "alignaudit.gate", "alignaudit.verify")
-REPORTS = ("alignaudit.report", "alignaudit.report_html")
-ENGINE_SIDE = ("alignaudit.engines", "alignaudit.runner", "alignaudit.strict", "alignaudit.pipeline", "vllm",
-               "megatron")
+ENGINE_SIDE = ("alignaudit.engines", "alignaudit.workers", "alignaudit.commands", "alignaudit.rl", "vllm", "megatron")
+# folder -> the folders (and engine packages) it must never reach, directly or through another module
+FORBIDDEN = {
+    "alignaudit.inputs": ENGINE_SIDE + ("alignaudit.capture", "alignaudit.comparison", "alignaudit.reports"),
+    "alignaudit.capture": ENGINE_SIDE + ("alignaudit.comparison", "alignaudit.reports"),
+    "alignaudit.comparison": ENGINE_SIDE + ("alignaudit.reports",),
+    "alignaudit.reports": ENGINE_SIDE,
+    "alignaudit.engines": ("alignaudit.workers", "alignaudit.commands", "alignaudit.rl", "alignaudit.comparison",
+                           "alignaudit.reports"),
+    "alignaudit.workers": ("alignaudit.commands", "alignaudit.reports"),
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -92,22 +107,25 @@ def _violations(graph, sources, forbidden, transitive=True) -> dict[str, list[st
 def test_the_graph_is_read(graph):
     """The reader sees real edges (a broken reader would pass every contract below)."""
     assert {"alignaudit_kernels.primitives", "torch"} <= graph["alignaudit_kernels.moe"]
-    assert "alignaudit.strict.custom_ops" in graph["alignaudit.strict.common"]
-    runner = _violations(graph, ("alignaudit.runner",), ("alignaudit.engines",))
-    assert "alignaudit.engines.base" in runner["alignaudit.runner"]
+    assert "alignaudit.engines.custom_ops" in graph["alignaudit.engines.strict_modules"]
+    spawn = _violations(graph, ("alignaudit.workers.spawn",), ("alignaudit.engines",))
+    assert "alignaudit.engines.base" in spawn["alignaudit.workers.spawn"]
 
 
 def test_kernels_import_nothing_of_alignaudit(graph):
     assert not _violations(graph, ("alignaudit_kernels",), ("alignaudit",), transitive=False)
 
 
-@pytest.mark.parametrize("layer", ["comparison", "reports"])
-def test_comparison_and_reports_never_reach_an_engine(graph, layer):
-    assert not _violations(graph, COMPARISON if layer == "comparison" else REPORTS, ENGINE_SIDE)
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_each_folder_reaches_only_what_comes_before_it(graph, folder):
+    assert not _violations(graph, (folder,), FORBIDDEN[folder])
 
 
-def test_engines_never_reach_a_report(graph):
-    assert not _violations(graph, ("alignaudit.engines",), REPORTS)
+def test_an_engine_folder_reaches_no_other_engine_folder(graph):
+    """Adding an engine, or another version of one, touches that engine's folder only."""
+    engines = ("alignaudit.engines.hf", "alignaudit.engines.megatron", "alignaudit.engines.vllm")
+    for engine in engines:
+        assert not _violations(graph, (engine,), tuple(e for e in engines if e != engine), transitive=False)
 
 
 def test_no_import_cycles(graph):

@@ -27,7 +27,7 @@ def test_triton_kernels_under_the_interpreter():
 STRICT_EXP_SCRIPT = """
 import sys, torch
 from transformers import AutoModelForCausalLM
-from alignaudit.strict.hf import make_strict
+from alignaudit.engines.hf.strict import make_strict
 from alignaudit.engines.base import applied_exp
 ids = torch.arange(3, 40)[None]
 logits = {}

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from alignaudit.arch import PRESETS, find_preset
 from alignaudit.arch.qwen3 import qwen3_config
 from alignaudit.errors import InputError
-from alignaudit.models import load_spec, resolve_model
-from alignaudit.synth import synthesize_checkpoint
+from alignaudit.inputs.checkpoint import load_spec, resolve_model
+from alignaudit.inputs.synth import synthesize_checkpoint
 from conftest import FIXTURE
 
 

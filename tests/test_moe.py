@@ -11,12 +11,11 @@ import shutil
 
 import pytest
 
-from alignaudit.engines.base import EngineSettings
-from alignaudit.models import load_spec
-from alignaudit.opdiff import first_divergence
-from alignaudit.pipeline import ROUTING, ROUTING_NOTE, diff_captures, diff_ops, routing_plan
-from alignaudit.prompts import load_prompts
-from alignaudit.request import EngineRun
+from alignaudit.commands.pipeline import ROUTING, ROUTING_NOTE, diff_captures, diff_ops, routing_plan
+from alignaudit.comparison.op_diff import first_divergence
+from alignaudit.inputs.checkpoint import load_spec
+from alignaudit.inputs.prompts import load_prompts
+from alignaudit.inputs.request import EngineRun, EngineSettings
 from conftest import ROOT, CaptureCache
 from test_cli import one_line_error
 
@@ -131,20 +130,20 @@ def test_what_moe_does_not_run_yet_is_refused_before_any_engine(capsys, tmp_path
 ])
 def test_strict_moe_in_cuda_vllm_graphs_is_refused_until_run(engine, device, strict, options, refused):
     """Strict MoE inside CUDA vLLM ran eager only (findings.md "CUDA vLLM"); graphs are refused with the fix."""
-    from alignaudit.capabilities import refuse_moe_cuda_graphs
     from alignaudit.errors import InputError
+    from alignaudit.engines.checks import check_moe
 
     run = EngineRun(engine, EngineSettings("bf16", device, 0, options, strict=strict))
     other = EngineRun("hf", EngineSettings("bf16", device, 0, {}, strict=strict))
     dense = load_spec(ROOT / "fixtures" / "qwen3-tiny")
     for runs, flag in (([other, run], "--infer-opt"), ([run, other], "--train-opt")):
-        refuse_moe_cuda_graphs(dense, runs)
+        check_moe(dense, runs)
         if not refused:
-            refuse_moe_cuda_graphs(load_spec(MOE), runs)
+            check_moe(load_spec(MOE), runs)
             continue
         with pytest.raises(InputError, match="strict vLLM on CUDA with CUDA graphs for Qwen3MoeForCausalLM .*; add "
                                              f"{flag} enforce_eager=true$"):
-            refuse_moe_cuda_graphs(load_spec(MOE), runs)
+            check_moe(load_spec(MOE), runs)
 
 
 @pytest.mark.parametrize("field, value, message", [

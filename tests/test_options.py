@@ -6,8 +6,9 @@ import typing
 
 import pytest
 
-from alignaudit.engines.base import parse_options, reject_unknown, reject_wrong_types, value_fits
+from alignaudit.engines.base import reject_unknown, reject_wrong_types, value_fits
 from alignaudit.errors import EXIT_USAGE, InputError
+from alignaudit.inputs.request import parse_options
 from tests.test_cli import one_line_error
 
 

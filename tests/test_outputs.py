@@ -17,7 +17,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from alignaudit import cli, outdir
+from alignaudit.capture import outdir
+from alignaudit.commands import cli
 from alignaudit.errors import EXIT_OK, EXIT_USAGE, InputError
 from conftest import FIXTURE
 from test_cli import one_line_error, run_cli
@@ -155,9 +156,9 @@ def test_many_short_prompts_are_batched_and_reported_compactly(tmp_path):
 
 
 def test_progress_counts_reach_the_parent(tmp_path, tiny_spec):
-    from alignaudit.engines.base import EngineSettings
-    from alignaudit.pipeline import EngineRun, capture
-    from alignaudit.prompts import load_prompts
+    from alignaudit.commands.pipeline import EngineRun, capture
+    from alignaudit.inputs.prompts import load_prompts
+    from alignaudit.inputs.request import EngineSettings
 
     batch = load_prompts(tiny_spec, random_prompts=130, prompt_len=4)
     seen = []
@@ -184,7 +185,7 @@ def test_an_interrupt_python_could_not_raise_is_delivered_again():
     command; it used to print "Exception ignored ... Traceback" before "interrupted"."""
     import types
 
-    from alignaudit import cli
+    from alignaudit.commands import cli
 
     previous = signal.signal(signal.SIGINT, cli._terminate)
     cli._signalled[:] = [signal.SIGINT]
@@ -203,7 +204,7 @@ def test_an_interrupt_handled_inside_the_unraisable_hook_is_delivered_after_it()
     """The re-delivered interrupt (or a second Ctrl-C) can be handled while the hook still runs; raised there it
     was swallowed again with "Exception ignored in sys.unraisablehook" and a traceback (seen once in a full
     test run). The handler passes it on instead, and it arrives after the hook."""
-    from alignaudit import cli
+    from alignaudit.commands import cli
 
     previous = signal.signal(signal.SIGINT, cli._terminate)
     cli._signalled.clear()
@@ -270,7 +271,7 @@ def test_a_refused_out_directory_is_left_untouched(tmp_path, capsys):
 def test_force_reuses_an_ablate_directory_and_still_guards_foreign_files(tmp_path):
     """ablate's configs/<row>/ hold whole comparisons (run.json, summary.json, ops-natural.parquet, ...):
     --force removes them, and still refuses a file alignaudit never writes."""
-    from alignaudit.rundir import ABLATE_OUTPUTS
+    from alignaudit.capture.rundir import ABLATE_OUTPUTS
 
     out = outdir.prepare(tmp_path / "a", False, ABLATE_OUTPUTS)
     row = out / "configs" / "all-strict"

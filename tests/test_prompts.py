@@ -8,7 +8,7 @@ import json
 import pytest
 
 from alignaudit.errors import InputError
-from alignaudit.prompts import BUILTIN_PROMPTS, load_prompts
+from alignaudit.inputs.prompts import BUILTIN_PROMPTS, load_prompts
 
 
 def test_builtin_prompts_tokenize_once(tiny_spec):

@@ -6,9 +6,9 @@ import json
 
 import torch
 
+from alignaudit.comparison.repeat import compare_repeat, repeat_batches
 from alignaudit.errors import EXIT_OK
-from alignaudit.prompts import TokenBatch
-from alignaudit.repeat import compare_repeat, repeat_batches
+from alignaudit.inputs.prompts import TokenBatch
 from test_cli import one_line_error, run_cli
 
 

@@ -26,7 +26,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from alignaudit import cli
+from alignaudit.commands import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
 from test_cli import one_line_error
 
@@ -185,7 +185,7 @@ def test_an_engine_that_dies_mid_run_leaves_the_completed_steps(tmp_path):
 
 def _resealed(run, edit):
     """Apply ``edit`` to run.json and recompute its seal, as someone who knows the format could."""
-    from alignaudit.verify import RECORD_SHA256, record_digest
+    from alignaudit.comparison.integrity import RECORD_SHA256, record_digest
 
     record = json.loads((run / "run.json").read_text())
     edit(record)
@@ -204,7 +204,7 @@ def _alter_rows(run):
 
 def _outputs_fixed(run):
     """Recompute the listed sha256 of every output file too (a thorough forger)."""
-    from alignaudit.verify import file_sha256
+    from alignaudit.comparison.integrity import file_sha256
 
     def edit(record):
         record["outputs"] = {name: file_sha256(run / name) for name in record["outputs"] if (run / name).is_file()}

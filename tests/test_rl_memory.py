@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from alignaudit.arch import find_preset
 from alignaudit.errors import InputError
-from alignaudit.models import ModelSpec, load_spec
+from alignaudit.inputs.checkpoint import ModelSpec, load_spec
 from alignaudit.rl.memory import GB, parameter_count, plan
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

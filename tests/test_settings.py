@@ -1,4 +1,4 @@
-"""Every setting takes effect or is refused before any engine starts (alignaudit.capabilities).
+"""Every setting takes effect or is refused before any engine starts (alignaudit.inputs.capabilities).
 
 Each refusal is checked for its one-line reason and for starting no engine (no capture directory is made);
 each setting that is accepted is checked for its effect on what is measured.
@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
-from alignaudit import cli
+from alignaudit.commands import cli
 from alignaudit.errors import EXIT_OK, EXIT_USAGE
 from conftest import FIXTURE
 from test_cli import one_line_error
@@ -136,9 +136,9 @@ def test_processed_logprobs_are_replayed_by_the_trainer_and_eos_is_not_masked(tm
 def test_replay_at_temperature_one_changes_no_bit(tmp_path, tiny_spec, captures, dtype):
     """Dividing by 1.0 is exact and no truncation applies: the replayed path gives the bits of the plain one
     (in fp32 this caught Megatron's cross-entropy working in place on the logits the replay reads)."""
-    from alignaudit.engines.base import EngineSettings
-    from alignaudit.pipeline import EngineRun, capture
-    from alignaudit.prompts import load_prompts
+    from alignaudit.commands.pipeline import EngineRun, capture
+    from alignaudit.inputs.prompts import load_prompts
+    from alignaudit.inputs.request import EngineSettings
 
     batch = load_prompts(tiny_spec)
     replay = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "prompt_lengths": [10, 3, 50, 20]}
@@ -151,7 +151,7 @@ def test_replay_at_temperature_one_changes_no_bit(tmp_path, tiny_spec, captures,
 
 
 def test_sampling_transform_follows_vllm():
-    from alignaudit.sampling import process_logits
+    from alignaudit.engines.sampling import process_logits
 
     logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, -1.0]])
     assert torch.equal(process_logits(logits, 2.0), logits / 2.0)
@@ -199,7 +199,7 @@ def test_bisect_never_says_all_equal_when_op_capture_changed_the_engine(tmp_path
 
 
 def test_help_defaults_and_hardware_record(tmp_path):
-    from alignaudit.environment import hardware
+    from alignaudit.capture.environment import hardware
     from test_cli import run_cli
 
     assert "alignaudit-runs/COMMAND-TIME" in run_cli("compare", "--help").stdout
@@ -211,10 +211,12 @@ def test_help_defaults_and_hardware_record(tmp_path):
 def test_docs_list_every_setting_rule():
     from pathlib import Path
 
-    from alignaudit import capabilities as caps
+    from alignaudit.engines.megatron import options as megatron
+    from alignaudit.engines.vllm import options as vllm
+    from alignaudit.inputs import capabilities as caps
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
-    names = [*caps.MEGATRON_OPTIONS, *caps.MEGATRON_REFUSED, *caps.VLLM_REFUSED, *caps.VLLM_SET_BY_ALIGNAUDIT,
+    names = [*megatron.MEGATRON_OPTIONS, *megatron.MEGATRON_REFUSED, *vllm.VLLM_REFUSED, *vllm.VLLM_SET_BY_ALIGNAUDIT,
              *(f.field for f in caps.CHECKPOINT_FEATURES), *(name for name, _, _, _ in caps.ENGINE_FEATURES)]
     missing = [n for n in names if f"`{n}" not in text]
     assert not missing, f"docs/cli.md does not mention {missing}"
@@ -223,8 +225,8 @@ def test_docs_list_every_setting_rule():
 def test_fp32_lm_head_takes_effect_in_every_engine_and_strict_agrees(captures, tmp_path):
     """--lm-head-dtype fp32 changes the logprobs of each engine against its bf16 head (so it takes effect;
     vLLM through its own head_dtype switch), and the strict path stays bit for bit equal with it."""
-    from alignaudit.engines.base import EngineSettings
-    from alignaudit.pipeline import EngineRun, capture, diff_captures
+    from alignaudit.commands.pipeline import EngineRun, capture, diff_captures
+    from alignaudit.inputs.request import EngineSettings
 
     for engine in ("megatron", "vllm", "hf"):
         fp32 = capture(captures.spec, captures.batch, EngineRun(engine, EngineSettings(lm_head_dtype="fp32")),

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from alignaudit import cli
+from alignaudit.commands import cli
 
 ARGS = ["compare", "--model", "Qwen3-0.6B", "--random-weights", "--random-prompts", "2", "--prompt-len", "64",
         "--train", "megatron", "--infer", "vllm"]

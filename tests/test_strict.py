@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from alignaudit.opdiff import EQUAL, first_divergence
-from alignaudit.pipeline import diff_captures, diff_ops
-from alignaudit.rundir import WORKER_LOG
+from alignaudit.capture.rundir import WORKER_LOG
+from alignaudit.commands.pipeline import diff_captures, diff_ops
+from alignaudit.comparison.op_diff import EQUAL, first_divergence
 
 ROLLOUT = {"max_new_tokens": 32, "temperature": 1.0, "seed": 0}
 PAIRS = [("megatron", "vllm"), ("hf", "vllm"), ("megatron", "hf")]
@@ -82,7 +82,7 @@ def test_ablation_strict_rmsnorm_moves_first_divergence_to_attention(captures):
 def test_manifests_record_strict(captures):
     m = captures.get("megatron", "bf16", strict="all").manifest
     assert m["settings"]["strict"] == "all" and m["engine_settings"]["strict"] == "all"
-    assert m["engine_settings"]["layer_spec"] == "alignaudit.strict.megatron.strict_block_spec"
+    assert m["engine_settings"]["layer_spec"] == "alignaudit.engines.megatron.strict.strict_block_spec"
     strict_vllm = captures.get("vllm", "bf16", strict="all")
     v = strict_vllm.manifest
     assert v["engine_settings"]["strict"] == "all" and v["engine_settings"]["resolved"]["enforce_eager"] is False

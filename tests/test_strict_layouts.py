@@ -18,8 +18,8 @@ from conftest import FIXTURE
 SCRIPT = """
 import sys, torch
 from alignaudit.engines import load_engine_class
-from alignaudit.engines.base import EngineSettings
-from alignaudit.models import load_spec
+from alignaudit.inputs.request import EngineSettings
+from alignaudit.inputs.checkpoint import load_spec
 
 engine = load_engine_class("megatron")(load_spec(sys.argv[1]), EngineSettings("bf16", "cpu", 0, {}, strict="all"))
 ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -56,8 +56,8 @@ def test_hf_strict_attention_refuses_left_padding_and_keeps_right_padding():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from alignaudit.strict import STRICT_OPS
-    from alignaudit.strict.hf import make_strict
+    from alignaudit.engines.hf.strict import make_strict
+    from alignaudit.inputs.strict_ops import STRICT_OPS
 
     model = AutoModelForCausalLM.from_pretrained(str(FIXTURE), dtype=torch.bfloat16).eval()
     make_strict(model, frozenset(STRICT_OPS))

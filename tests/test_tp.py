@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from alignaudit import cli
+from alignaudit.commands import cli
 from alignaudit.errors import EXIT_OK, EXIT_USAGE
 from test_cli import one_line_error
 
@@ -62,7 +62,7 @@ def test_strict_is_bitwise_equal_at_tp2_in_rollout_mode(tmp_path):
 @pytest.mark.parametrize("train_tp, infer_tp", [(1, 2), (2, 1)])
 def test_strict_is_bitwise_equal_across_tensor_parallel_sizes(tmp_path, captures, train_tp, infer_tp):
     """TP=1 against TP=2 either way, prompt mode; the TP=1 sides are the session's strict captures."""
-    from alignaudit.pipeline import diff_captures
+    from alignaudit.commands.pipeline import diff_captures
 
     train = captures.get("megatron", "bf16", strict="all",
                          **({"tensor_model_parallel_size": 2} if train_tp == 2 else {}))
@@ -117,9 +117,9 @@ def test_replay_truncates_the_whole_vocabulary_at_tp2(tmp_path, tiny_spec):
     equals TP=1 to rounding, -inf at the same tokens."""
     import numpy as np
 
-    from alignaudit.engines.base import EngineSettings
-    from alignaudit.pipeline import EngineRun, capture
-    from alignaudit.prompts import load_prompts
+    from alignaudit.commands.pipeline import EngineRun, capture
+    from alignaudit.inputs.prompts import load_prompts
+    from alignaudit.inputs.request import EngineSettings
 
     batch = load_prompts(tiny_spec)
     replay = {"temperature": 0.7, "top_k": 5, "top_p": 1.0, "prompt_lengths": [10, 3, 50, 20]}

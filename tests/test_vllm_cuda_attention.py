@@ -26,7 +26,7 @@ pytest.importorskip("vllm")
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
 import alignaudit_kernels as K  # noqa: E402
-from alignaudit.strict.vllm_cuda_attention import StrictAttentionMetadataBuilder, strict_attention  # noqa: E402
+from alignaudit.engines.vllm.attention_cuda import StrictAttentionMetadataBuilder, strict_attention  # noqa: E402
 from conftest import assert_bitwise_equal  # noqa: E402
 
 HEADS, KV_HEADS, D, BLOCK = 4, 2, 32, 16

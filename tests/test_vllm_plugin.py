@@ -18,7 +18,8 @@ from vllm.v1.sample.sampler import Sampler  # noqa: E402
 from vllm.v1.worker.gpu.sample import logprob as runner_v2  # noqa: E402
 
 import alignaudit_kernels as K  # noqa: E402
-from alignaudit.strict import ENV, vllm_plugin  # noqa: E402
+from alignaudit.engines.vllm import plugin as vllm_plugin
+from alignaudit.inputs.strict_ops import ENV  # noqa: E402
 from conftest import assert_bitwise_equal  # noqa: E402
 
 

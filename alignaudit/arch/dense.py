@@ -57,7 +57,7 @@ def dense_weight_shapes(config: dict, *, qk_norm: bool, qkv_bias: bool,
                         moe: bool = False) -> Iterator[tuple[str, tuple[int, ...], str]]:
     """Yield (HF parameter name, shape, init kind) for a decoder ``config``: every tensor the config implies,
     in the checkpoint's layout (an MoE layer's experts one by one, as the Hub stores them). Kinds: embed,
-    linear, norm, bias (alignaudit.synth draws each kind at its own scale)."""
+    linear, norm, bias (alignaudit.inputs.synth draws each kind at its own scale)."""
     h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or h // nh

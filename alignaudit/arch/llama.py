@@ -7,7 +7,7 @@ transformers' ``_compute_llama3_parameters``): with wavelength w = 2 pi / f of e
     w > original / low_freq_factor    f / factor
     otherwise                         (1 - s) f / factor + s f,  s = (original / w - low) / (high - low)
 alignaudit_kernels.rope_tables computes that in float64 for the strict path. ``attention_bias`` and
-``mlp_bias`` (biases on every projection in transformers' Llama) are refused (alignaudit.capabilities).
+``mlp_bias`` (biases on every projection in transformers' Llama) are refused (alignaudit.inputs.capabilities).
 """
 
 from __future__ import annotations

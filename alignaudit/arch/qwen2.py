@@ -1,6 +1,6 @@
 """Qwen2 and Qwen2.5 (Qwen2ForCausalLM): q/k/v biases, no QK-norm, tied embeddings in the small sizes
 (transformers/models/qwen2/modeling_qwen2.py: q/k/v_proj with bias=True, o_proj without). Sliding-window
-attention is off in every released config (use_sliding_window false); alignaudit.capabilities refuses a
+attention is off in every released config (use_sliding_window false); alignaudit.inputs.capabilities refuses a
 config that turns it on.
 """
 

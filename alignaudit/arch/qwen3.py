@@ -1,7 +1,7 @@
 """Qwen3 dense (Qwen3ForCausalLM): QK-norm, no biases (transformers/models/qwen3/modeling_qwen3.py).
 
 ``attention_bias: true`` would give q/k/v biases in vLLM and Megatron but an o_proj bias as well in
-transformers; alignaudit.capabilities refuses that combination for hf.
+transformers; alignaudit.inputs.capabilities refuses that combination for hf.
 """
 
 from __future__ import annotations

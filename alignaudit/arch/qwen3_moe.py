@@ -7,10 +7,10 @@ the layer output is the probability-weighted sum of the chosen experts' SwiGLU o
 difference in a router logit can change which experts a token goes to.
 
 What runs today: every engine's own (default) MoE, compared at the logprob level (compare, capture/diff,
-gate) and op by op (bisect: router logits, routing, MoE output; alignaudit.ops.MOE_OPS), and under --strict
+gate) and op by op (bisect: router logits, routing, MoE output; alignaudit.capture.ops.MOE_OPS), and under --strict
 the strict MoE layer (alignaudit_kernels.route + combine_experts) in megatron, hf and vLLM (its CPU backend).
 rl, tensor parallelism and strict vLLM on a GPU are refused for MoE models before any engine starts
-(alignaudit.capabilities.MOE_REFUSED).
+(alignaudit.inputs.capabilities.MOE_REFUSED).
 """
 
 from __future__ import annotations

@@ -8,59 +8,18 @@ imports stay inside each adapter module, so the rest of alignaudit imports on an
 from __future__ import annotations
 
 import difflib
-import json
+import hashlib
 import types
 import typing
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from alignaudit.errors import InputError
-from alignaudit.models import ModelSpec
-from alignaudit.prompts import TokenBatch
-
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass
-class EngineSettings:
-    """What the user chose for one engine.
-
-    Attributes:
-        dtype: "bf16", "fp16" or "fp32": the dtype of weights and activations.
-        device: "cpu" or "cuda".
-        seed: seeds every RNG the engine uses (sampling in rollout mode).
-        options: ``--train-opt`` / ``--infer-opt`` KEY=VALUE pairs, values parsed as JSON where they parse.
-        strict: strict ops to swap in ("" none, "all", or a comma list of alignaudit.strict.STRICT_OPS).
-        lm_head_dtype: "model" (the lm_head runs in ``dtype``) or "fp32" (hidden states and lm_head weight
-            cast to fp32 before the projection, as vLLM's ``head_dtype: float32`` and RL trainers do).
-        strict_exp: the exp inside strict attention (alignaudit_kernels.attention.EXP_CHOICES): "portable"
-            (the same bits on every backend) or "native" (the GPU's exp2 instruction: faster, the same bits
-            only where one GPU architecture runs both engines; needs strict attention on CUDA).
-    """
-
-    dtype: str = "bf16"
-    device: str = "cpu"
-    seed: int = 0
-    options: dict[str, Any] = field(default_factory=dict)
-    strict: str = ""
-    lm_head_dtype: str = "model"
-    strict_exp: str = "portable"
-
-    @property
-    def strict_ops(self) -> frozenset[str]:
-        from alignaudit.strict import parse_strict
-
-        return parse_strict(self.strict)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from alignaudit.inputs.checkpoint import ModelSpec
+from alignaudit.inputs.prompts import TokenBatch
+from alignaudit.inputs.request import EngineSettings
 
 
 def applied_exp(model: torch.nn.Module) -> str | None:
@@ -80,24 +39,6 @@ def fp32_head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
         return K.linear(*args)
     return torch.nn.functional.linear(*args)
-
-
-def parse_options(pairs: list[str] | None) -> dict[str, Any]:
-    """``["a=1", "b=true", "c=eager"]`` -> ``{"a": 1, "b": True, "c": "eager"}`` (JSON where it parses).
-
-    Raises:
-        InputError: an item without ``=``.
-    """
-    options: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise InputError(f"option {pair!r} is not KEY=VALUE (e.g. --infer-opt enforce_eager=true)")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
 
 
 def int_option(options: dict[str, Any], key: str, default: int, minimum: int = 1) -> int:
@@ -180,7 +121,7 @@ class Engine(ABC):
         self.hooks = None
         self.progress = lambda done, total: None  # the worker points this at its progress lines
         # Trainer side of a processed-logprobs rollout: {"temperature", "top_k", "top_p", "prompt_lengths"};
-        # generated tokens are then scored under the sampling transform (alignaudit.sampling).
+        # generated tokens are then scored under the sampling transform (alignaudit.engines.sampling).
         self.replay: dict | None = None
 
     @classmethod
@@ -188,7 +129,7 @@ class Engine(ABC):
     def check_options(cls, options: dict[str, Any]) -> None:
         """Raise InputError for an option the engine does not understand or cannot take. Imports the
         engine's own config classes, nothing heavier, so the parent can check both sides before either
-        engine starts (alignaudit.runner.check_options)."""
+        engine starts (alignaudit.workers.spawn.check_options)."""
 
     @classmethod
     def check_config(cls, spec: ModelSpec, settings: EngineSettings, role: str, mode: str) -> None:
@@ -197,18 +138,18 @@ class Engine(ABC):
         input error before any engine runs (default: nothing)."""
 
     def attach(self, tap) -> None:
-        """Capture canonical ops through ``tap`` (alignaudit.taps.Tap) during the next forward passes."""
+        """Capture canonical ops through ``tap`` (alignaudit.engines.taps.Tap) during the next forward passes."""
         self.tap = tap
         self.hooks = self.install_taps(tap)
 
     @abstractmethod
     def install_taps(self, tap):
-        """Register the engine's hook points on ``tap``; return the alignaudit.taps.Hooks to undo them."""
+        """Register the engine's hook points on ``tap``; return the alignaudit.engines.taps.Hooks to undo them."""
 
     def set_spans(self, rows: list[int], lengths: list[int]) -> None:
         """For batch-major engines: micro-batch row j holds all ``lengths[j]`` tokens of sequence ``rows[j]``."""
         if self.tap is not None:
-            from alignaudit.taps import RowSpan
+            from alignaudit.engines.taps import RowSpan
 
             self.tap.spans = [RowSpan(seq=r, pos_start=0, length=n, batch_row=j)
                               for j, (r, n) in enumerate(zip(rows, lengths))]
@@ -244,20 +185,35 @@ class Engine(ABC):
         a sequence of ``length`` tokens, or None when nothing is replayed."""
         if self.replay is None:
             return None
-        from alignaudit.sampling import generated_rows
+        from alignaudit.engines.sampling import generated_rows
 
         rows = generated_rows(self.replay["prompt_lengths"][row], length)
         kwargs = {k: self.replay[k] for k in ("temperature", "top_k", "top_p")}
         return (rows, kwargs) if rows.stop > rows.start else None
 
     def rollout(self, batch: TokenBatch, sampling) -> tuple[TokenBatch, list[torch.Tensor]]:
-        """Sample ``sampling.max_new_tokens`` after each prompt (alignaudit.request.Sampling: temperature,
+        """Sample ``sampling.max_new_tokens`` after each prompt (alignaudit.inputs.request.Sampling: temperature,
         top-k, top-p; EOS neither stops nor is masked; request i seeded with ``sampling.seed + i``).
 
         Returns the full sequences (prompt + completion) and, per sequence, fp32 logprobs [len - 1]: the
         prompt positions teacher-forced, the generated positions as recorded while sampling (decode).
         """
         raise InputError(f"{self.name} cannot sample rollouts; use --infer vllm or --infer hf with --mode rollout")
+
+    @classmethod
+    def prepare_for_weight_updates(cls) -> None:
+        """Called before the engine is built in a process that will load new weights into it (rl's workers).
+        Nothing to do unless the engine frees, once loaded, what a later load needs."""
+
+    def start(self, max_len: int, total_tokens: int, max_seqs: int | None = None) -> None:
+        """Size a long-lived engine (rl) for sequences of up to ``max_len`` tokens, ``total_tokens`` per call and
+        ``max_seqs`` sequences at once. Engines that need no sizing are ready when built."""
+
+    def hf_weights(self, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The weights the engine computes with, in HF names (rl's weight sync). ``diverged`` collects
+        replicated parameters whose tensor-parallel copies differ (engines with no ranks of their own add none).
+        """
+        raise NotImplementedError(f"{self.name} does not give its weights in HF names")
 
     @abstractmethod
     def settings_record(self) -> dict:
@@ -323,3 +279,9 @@ def right_padded(sequences: list[tuple[int, ...]], pad_id: int = 0) -> tuple[tor
         ids[row, : len(seq)] = torch.tensor(seq)
         valid[row, : len(seq)] = True
     return ids, valid
+
+
+def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{hf_name: sha256 of the tensor's bytes (dtype and layout as stored, contiguous)}``."""
+    return {name: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+            for name, t in sorted(tensors.items())}

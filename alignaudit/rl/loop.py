@@ -1,6 +1,6 @@
 """The RL experiment: N GRPO steps, the train/rollout alignment checked at every step.
 
-Each step (both engines stay up in one long-lived worker each, alignaudit.rl.session):
+Each step (both engines stay up in one long-lived worker each, alignaudit.workers.rl_session):
     1. rollout   the inference engine samples ``group_size`` completions per prompt (request i seeded with
                  seed + i, the same at every step, so that with unchanged weights every step repeats) and
                  records each sampled token's logprob while decoding;
@@ -17,7 +17,7 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.rl.ses
                  tensor against the trainer's own memory, bit for bit on the GPU; and (a tensor-parallel
                  trainer) every replicated parameter equal on all ranks: bit-equal only if all agree.
 Records (in ``out``): run.json (every setting, written first; sealed at the end with the sha256 of every
-file below, alignaudit.verify.seal), steps.parquet (one row per step, rewritten after every step, so it is
+file below, alignaudit.comparison.integrity.seal), steps.parquet (one row per step, rewritten after every step, so it is
 readable after a crash or Ctrl-C), tokens/step-NNNNN.parquet (every generated token of the step;
 ``token_rows=False`` skips them), steps.png (the per-step series), worker logs.
 """
@@ -34,14 +34,24 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from alignaudit.diff import compare_tokens, summarize_tokens
+from alignaudit.capture.rundir import (
+    INFER_LOG,
+    PLOT,
+    RUN,
+    STEP_TOKENS,
+    STEPS,
+    SYNC_DIR,
+    SYNC_WEIGHTS,
+    TOKENS_DIR,
+    TRAIN_LOG,
+)
+from alignaudit.comparison.integrity import seal
+from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
 from alignaudit.errors import InputError
-from alignaudit.request import Request
+from alignaudit.inputs.request import Request
 from alignaudit.rl.grpo import REWARDS, group_advantages
 from alignaudit.rl.memory import MemoryPlan
-from alignaudit.rl.session import Session
-from alignaudit.rundir import INFER_LOG, PLOT, RUN, STEP_TOKENS, STEPS, SYNC_DIR, SYNC_WEIGHTS, TOKENS_DIR, TRAIN_LOG
-from alignaudit.verify import seal
+from alignaudit.workers.rl_session import Session
 
 DIGESTS = {"file": "sha256 of the sorted {name: sha256 of the tensor's bytes} (trainer side)",
            "cuda_ipc": "weight_transfer.fingerprint of the rollout engine's weights after loading (GPU)"}
@@ -167,7 +177,7 @@ def _sync(trainer: Session, rollout: Session, out: Path, how: str) -> dict:
 
 def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout: Session, prompts: list,
           out: Path, how: str) -> dict:
-    from alignaudit.capabilities import processed_logprobs
+    from alignaudit.engines.checks import processed_logprobs
 
     t0 = time.perf_counter()
     sampling = request.rollout.to_dict()

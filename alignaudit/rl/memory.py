@@ -31,7 +31,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from alignaudit.errors import InputError
-from alignaudit.models import ModelSpec
+from alignaudit.inputs.checkpoint import ModelSpec
 
 GB = 1e9
 ROLLOUT_OVERHEAD = 6 * GB
@@ -134,9 +134,9 @@ def host_memory() -> int:
 
 
 def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | None:
-    """``plan`` for ``alignaudit rl``'s request (alignaudit.request.Request): the trainer's micro-batch option
+    """``plan`` for ``alignaudit rl``'s request (alignaudit.inputs.request.Request): the trainer's micro-batch option
     ("auto": engines.base.micro_batches' rule) and tensor-parallel size; the rollout engine's KV cache as
-    engines/vllm.py sizes it, or as its options set it (kv_cache_memory_bytes; gpu_memory_utilization alone:
+    engines/vllm/adapter.py sizes it, or as its options set it (kv_cache_memory_bytes; gpu_memory_utilization alone:
     vLLM takes that fraction of the GPU for itself). None when the trainer does not run on CUDA (the CPU path
     has no GPU to fit).
 
@@ -146,9 +146,10 @@ def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | N
     """
     import torch
 
-    from alignaudit.capabilities import tensor_parallel_size
+    from alignaudit.engines import kind_of
     from alignaudit.engines.base import AUTO_BATCH_ROWS, AUTO_BATCH_TOKENS, micro_batch_option
-    from alignaudit.engines.vllm import kv_cache_bytes
+    from alignaudit.engines.checks import tensor_parallel_size
+    from alignaudit.engines.vllm.adapter import kv_cache_bytes
 
     if request.train.settings.device != "cuda" or not torch.cuda.is_available():
         return None
@@ -167,7 +168,7 @@ def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | N
     if "gpu_memory_utilization" in infer and "kv_cache_memory_bytes" not in infer:
         rollout = _number(infer, "gpu_memory_utilization") * total
     chosen = plan(spec, sequences, seq_len, micro, kv, total, host_memory(), reference, tp, rollout)
-    if chosen.offload_fraction and request.train.engine != "megatron":
+    if chosen.offload_fraction and not kind_of(request.train.engine).offloads_optimizer:
         raise InputError(f"{spec.name} with an {request.train.engine} trainer does not fit one GPU "
                          f"({chosen.gpu_needed / GB:.0f} GB estimated without offload; alignaudit.rl.memory); "
                          f"train with --train megatron, whose optimizer can keep part of its state on the host")

@@ -7,7 +7,7 @@ adds what a trainer does between rollouts:
     train_step   the same forward with gradient, the clipped GRPO loss over generated tokens, one optimizer
                  step (alignaudit.rl.optim); micro-batches accumulate gradients, the loss is normalized by
                  the batch's generated-token count
-    weights      the model's weights in HF names and dtype (engines/weight_sync.py), for the rollout engine
+    weights      the model's weights in HF names and dtype (engines/vllm/weights.py), for the rollout engine
 Megatron runs inside megatron.core's DistributedDataParallel (fp32 gradient buffers, as megatron-lm); its
 optimizer is megatron.core's own on CUDA and alignaudit's MixedPrecisionAdam on CPU: the same algorithm,
 not the same bits (torch's Adam rounds its update differently from megatron.core's on the GPU).
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from alignaudit.prompts import TokenBatch
+from alignaudit.inputs.prompts import TokenBatch
 from alignaudit.rl.grpo import clipped_policy_loss, kl_k3
 
 
@@ -167,8 +167,9 @@ class Trainer:
 
     def weights(self) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The model's weights in HF names (bf16 or the model dtype) on the model's device, views of the
-        parameters where the layout allows (weight_sync.megatron_to_hf), and the replicated parameters whose
-        tensor-parallel copies differ (a state bug; [] at size 1 and for HF). Collective at size > 1."""
+        parameters where the layout allows (alignaudit.engines.megatron.weights.megatron_to_hf), and the replicated
+        parameters whose tensor-parallel copies differ (a state bug; [] at size 1 and for HF). Collective at size > 1.
+        """
         diverged: list[str] = []
-        weights = self.engine.hf_weights(diverged) if self.engine.name == "megatron" else self.engine.hf_weights()
+        weights = self.engine.hf_weights(diverged)
         return {k: v.detach() for k, v in weights.items()}, diverged

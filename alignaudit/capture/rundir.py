@@ -1,0 +1,74 @@
+"""The run directory: the name of every file alignaudit writes, and which entries each command writes.
+
+The one module that spells these names; writers (pipeline, runner, rl, ablate, gate), readers (verify,
+report_html) and the output-directory guard (outdir) import them from here, so a reader can never look for
+a file under a name its writer does not use. Layout of a compare run::
+
+    run.json                  the sealed record (comparison/integrity.py): status, settings, sha256 of every output
+    summary.json, tokens.parquet, sequences.parquet
+    train/, infer/            one capture per side: manifest.json, logprobs.parquet, request.json,
+                              worker.log, ops/ (op store: index.parquet, fingerprints.parquet, chunk-*.safetensors)
+
+bisect adds ops-natural.parquet / ops-forced.parquet and bisect.json; rl writes steps.parquet, steps.png,
+tokens/step-NNNNN.parquet and sync/weights.safetensors; ablate ablate.parquet, ablate.json and configs/;
+gate verdict.json, junit.xml and summary.md beside the run it judges; report report.html.
+"""
+
+from __future__ import annotations
+
+SIDES = ("train", "infer")  # a comparison's two captures, as directory names and record roles
+
+# one engine's capture
+MANIFEST = "manifest.json"
+MANIFEST_TMP = MANIFEST + ".tmp"
+LOGPROBS = "logprobs.parquet"
+REQUEST = "request.json"
+WORKER_LOG = "worker.log"
+OPS_DIR = "ops"
+INDEX = "index.parquet"
+FINGERPRINTS = "fingerprints.parquet"
+CHUNKS = "chunk-*.safetensors"
+
+# results
+RUN = "run.json"
+SUMMARY = "summary.json"
+TOKENS = "tokens.parquet"
+SEQUENCES = "sequences.parquet"
+BISECT = "bisect.json"
+OPS_FILES = {"natural": "ops-natural.parquet", "forced": "ops-forced.parquet", "diff": "ops.parquet"}
+ABLATE_PARQUET = "ablate.parquet"
+ABLATE_JSON = "ablate.json"
+CONFIGS = "configs"
+STEPS = "steps.parquet"
+PLOT = "steps.png"
+TOKENS_DIR = "tokens"
+STEP_TOKENS = "step-{step:05d}.parquet"
+SYNC_DIR = "sync"
+SYNC_WEIGHTS = "weights.safetensors"
+TRAIN_LOG, INFER_LOG = "train.log", "infer.log"
+VERDICT = "verdict.json"
+JUNIT = "junit.xml"
+SUMMARY_MD = "summary.md"
+REPORT = "report.html"
+
+# the output-directory guard (alignaudit.capture.outdir)
+MARKER = ".alignaudit-outputs"
+LOCK = ".alignaudit.lock"
+
+# Top-level entries each command writes in its output directory (alignaudit.capture.outdir claims them first).
+CAPTURE_OUTPUTS = (MANIFEST, MANIFEST_TMP, LOGPROBS, OPS_DIR, REQUEST, WORKER_LOG)
+COMPARE_OUTPUTS = (RUN, *SIDES, TOKENS, SEQUENCES, SUMMARY)
+BISECT_OUTPUTS = (RUN, *SIDES, "infer-forced", "train-as-configured", "infer-as-configured", OPS_FILES["natural"],
+                  OPS_FILES["forced"], BISECT)
+DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, OPS_FILES["diff"])  # and RUN, written last
+GATE_OUTPUTS = (VERDICT, JUNIT, SUMMARY_MD)
+RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, SYNC_DIR, TRAIN_LOG, INFER_LOG, "train." + REQUEST, "infer." + REQUEST)
+ABLATE_OUTPUTS = (RUN, CONFIGS, ABLATE_PARQUET, ABLATE_JSON)
+# the result files each command's run.json must list (alignaudit.comparison.integrity checks them)
+RESULTS = {"compare": (TOKENS, SEQUENCES, SUMMARY), "diff": (TOKENS, SEQUENCES, SUMMARY), "rl": (STEPS,)}
+
+# Files alignaudit writes inside the directories it creates (captures and their op stores; rl's sync/ and
+# tokens/; the comparison of each row of ablate's configs/): what --force may remove there.
+INNER_FILES = (MANIFEST, MANIFEST_TMP, LOGPROBS, REQUEST, WORKER_LOG, CHUNKS, INDEX, FINGERPRINTS, SYNC_WEIGHTS,
+               "step-[0-9][0-9][0-9][0-9][0-9].parquet", RUN, SUMMARY, TOKENS, SEQUENCES, BISECT,
+               OPS_FILES["natural"], REPORT, MARKER, LOCK)

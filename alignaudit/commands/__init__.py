@@ -1,0 +1,3 @@
+"""The commands: the typer CLI, its shared options, and the pipelines each command runs (capture, diff, compare,
+bisect, ablate).
+"""

@@ -1,0 +1,81 @@
+"""The checks on a comparison's two engine runs made before any engine starts, through each engine's kind
+(alignaudit.engines.kind): options, tensor-parallel sizes, what a mixture-of-experts model cannot run, and what
+the rollout engine records. Each raises InputError with one line naming the setting, the reason and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+from alignaudit.engines import kind_of
+from alignaudit.errors import InputError
+from alignaudit.inputs.capabilities import refuse_moe
+
+
+def check_runs(train, infer, mode: str) -> None:
+    """Refuse settings of either engine that would not take effect as recorded (each engine's options module).
+
+    Args:
+        train, infer: alignaudit.inputs.request.EngineRun (options, strict ops, device). mode: "prompt" or "rollout".
+    Raises:
+        InputError: the first refused setting: engine, name, reason, fix.
+    """
+    for role, run in (("train", train), ("infer", infer)):
+        kind_of(run.engine).check_settings(run.settings, mode, role)
+
+
+def tensor_parallel_size(run) -> int:
+    """The tensor-parallel size an EngineRun asks for (1 unless the engine's own option says otherwise)."""
+    return kind_of(run.engine).tensor_parallel_size(run.settings)
+
+
+def refuse_parallel(runs, what: str, why: str) -> None:
+    """Refuse ``what`` for runs at tensor-parallel size > 1. Raises InputError naming the engine and why."""
+    for run in runs:
+        if tensor_parallel_size(run) != 1:
+            raise InputError(f"{what} with {run.engine} at tensor parallel size > 1 is not implemented: {why}")
+
+
+def check_parallel(spec, runs, device: str) -> None:
+    """Refuse a tensor-parallel size the model cannot be split by, or the machine cannot hold.
+
+    Raises:
+        InputError: naming the size, what it must divide, or what the machine has.
+    """
+    for run in runs:
+        kind = kind_of(run.engine)
+        tp = tensor_parallel_size(run)
+        if tp == 1:
+            continue
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise InputError(f"{run.engine} {kind.tp_option}={tp!r}: expected an integer >= 1")
+        kind.check_tensor_parallel(spec, tp)
+        if device == "cuda":
+            import torch
+
+            have, unit = torch.cuda.device_count(), "GPUs"
+        else:
+            have, unit = len(os.sched_getaffinity(0)), "CPU cores"
+        if tp > have:
+            raise InputError(f"{run.engine} {kind.tp_option}={tp} needs {tp} {unit}, one per rank; this machine has "
+                             f"{have}")
+
+
+def check_moe(spec, runs) -> None:
+    """Refuse what a mixture-of-experts ``spec`` cannot run with these engine runs (the train run, then the infer
+    run: a message names that side's option flag). Raises InputError."""
+    if any(tensor_parallel_size(run) != 1 for run in runs):
+        refuse_moe(spec, "tensor parallelism")
+    for run, flag in zip(runs, ("--train-opt", "--infer-opt")):
+        kind_of(run.engine).check_moe(spec, run.settings, flag)
+
+
+def processed_logprobs(run) -> bool:
+    """Whether ``run`` (the rollout engine) records processed logprobs (after temperature, top-k, top-p),
+    which the training side must then replay."""
+    return kind_of(run.engine).records_processed_logprobs(run.settings)
+
+
+def routing_observable(run) -> bool:
+    """Whether ``run``'s MoE routing decisions can be read without changing what it computes."""
+    return kind_of(run.engine).routing_observable(run.settings)

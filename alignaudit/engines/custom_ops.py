@@ -1,0 +1,86 @@
+"""Strict kernels as torch.library custom ops (namespace ``alignaudit``) where vLLM needs more than the
+kernel functions, which become opaque ops of their own under torch.compile (alignaudit_kernels.primitives.
+opaque_op): rope (with the tables built eagerly), the row-parallel partial product, the MoE router and experts.
+
+torch.compile treats a custom op as opaque: it neither fuses its arithmetic with neighbouring ops nor
+contracts its multiplies and adds into FMAs, so a compiled engine (vLLM's default) computes exactly what
+the kernel's contract says. Forward only; each op has a fake implementation for tracing.
+Importing this module registers the ops (once per process).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import alignaudit_kernels as K
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by the angles of ``positions`` [tokens] (int) from the tables of
+    ``rows`` positions; ``llama3`` [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]
+    for llama3 rope scaling, or [] for none. A position >= rows fails a device-side assert (a RuntimeError on
+    the CPU, a CUDA error at the next synchronization on a GPU) instead of reading past the tables."""
+    if positions.numel():
+        torch._assert_async(positions.max() < rows, "strict rope: a position past the rope tables")
+    scaling = (llama3[0], llama3[1], llama3[2], int(llama3[3])) if llama3 else None
+    cos, sin = K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
+    return K.apply_rope(x, positions, cos, sin)
+
+
+@torch.library.custom_op("alignaudit::rope", mutates_args=())
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
+    """``rotate`` as one opaque op (vLLM, and torch.compile of the other engines): the tables are built
+    eagerly (a compiled torch.cos could round otherwise), with no host read of positions."""
+    return rotate(x, positions, theta, rows, llama3)
+
+
+@rope.register_fake
+def _(x, positions, theta, rows, llama3):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("alignaudit::linear_partial", mutates_args=())
+def linear_partial(x: torch.Tensor, weight: torch.Tensor, k_segments: int) -> torch.Tensor:
+    return K.linear_partial(x, weight, k_segments)
+
+
+@linear_partial.register_fake
+def _(x, weight, k_segments):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
+# layer -> fn(logits, chosen): called by moe_route with each routing decision it makes. An opaque op runs
+# eagerly inside a compiled graph, so this sees the routing where module hooks cannot (vLLM's compiled
+# model), as vLLM's own router.capture_fn does for its fused MoE. Op capture (engines/vllm/taps.py) sets it.
+ROUTING_OBSERVERS: dict[int, object] = {}
+
+
+@torch.library.custom_op("alignaudit::moe_route", mutates_args=())
+def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,
+              layer: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H], router weight [E, H] -> (logits fp32 [T, E], chosen int64 [T, top_k], weights fp32 [T, top_k]);
+    ``layer`` keys ROUTING_OBSERVERS."""
+    logits, chosen, weights = K.route(x, weight, top_k, normalize)
+    observer = ROUTING_OBSERVERS.get(layer)
+    if observer is not None:
+        observer(logits, chosen)
+    return logits, chosen.contiguous(), weights.contiguous()
+
+
+@moe_route.register_fake
+def _(x, weight, top_k, normalize, layer=-1):
+    t = x.shape[0]
+    return (x.new_empty((t, weight.shape[0]), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int64),
+            x.new_empty((t, top_k), dtype=torch.float32))
+
+
+@torch.library.custom_op("alignaudit::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """x [T, H], chosen/weights [T, top_k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x.dtype."""
+    return K.combine_experts(x, chosen, weights, gate_up, down)
+
+
+@moe_experts.register_fake
+def _(x, chosen, weights, gate_up, down):
+    return torch.empty_like(x)

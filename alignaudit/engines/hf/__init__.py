@@ -1,0 +1,20 @@
+"""Hugging Face transformers: the adapter, where each canonical op lives in it, and its strict module swap."""
+
+from __future__ import annotations
+
+from alignaudit.engines.kind import EngineKind
+
+
+class HFKind(EngineKind):
+    """transformers' eager model on one process: trains (rl) and samples rollouts (model.generate)."""
+
+    name = "hf"
+    display = "Hugging Face transformers"
+    adapter = "alignaudit.engines.hf.adapter:HFEngine"
+    requires = "transformers"
+    install = "pip install alignaudit"
+    trains = True
+    rolls_out = True
+
+
+KIND = HFKind()

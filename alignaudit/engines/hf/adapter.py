@@ -1,0 +1,163 @@
+"""Hugging Face transformers engine: the reference layout, and the path FSDP-style trainers use.
+
+Logprobs: ``log_softmax(logits.float(), -1)`` gathered at the next token, the formula of TRL's
+``selective_log_softmax`` for float32 logits. Logits come out of the model in its dtype.
+
+Options (``--train-opt`` / ``--infer-opt``):
+    attn_implementation  "eager" (default), "sdpa", "flex_attention", ...
+    micro_batch_size     sequences per forward pass, right-padded (default 1)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignaudit.engines.base import (
+    Engine,
+    EngineSettings,
+    applied_exp,
+    first_lines,
+    fp32_head,
+    micro_batch_option,
+    reject_unknown,
+    reject_wrong_types,
+    right_padded,
+)
+from alignaudit.errors import InputError
+from alignaudit.inputs.checkpoint import ModelSpec
+from alignaudit.inputs.prompts import TokenBatch
+
+
+class HFEngine(Engine):
+    name = "hf"
+
+    @classmethod
+    def check_options(cls, options):
+        reject_unknown("hf", options, {"attn_implementation", "micro_batch_size"},
+                       "hf accepts attn_implementation and micro_batch_size")
+        reject_wrong_types("hf", options, {"attn_implementation": str})
+        micro_batch_option(options)
+
+    def __init__(self, spec: ModelSpec, settings: EngineSettings):
+        super().__init__(spec, settings)
+        from transformers import AutoModelForCausalLM
+
+        options = dict(settings.options)
+        self.attn_implementation = str(options.get("attn_implementation", "eager"))
+        self.micro_batch_size = micro_batch_option(options)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                spec.path, dtype=settings.torch_dtype, attn_implementation=self.attn_implementation,
+                device_map=settings.device if settings.device == "cuda" else None, output_loading_info=True,
+            )
+            self.model = model.to(settings.device)
+        except (ImportError, ValueError) as e:
+            raise InputError(f"transformers cannot load {spec.name} with attn_implementation="
+                             f"{self.attn_implementation}: {first_lines(e)}") from e
+        self.loading = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if any(self.loading.values()):
+            raise InputError(f"transformers did not load {spec.name} completely: {self.loading}")
+        self.model.eval()
+        self.strict_modules: list[str] = []
+        if settings.strict_ops:
+            from alignaudit.engines.hf.strict import make_strict
+
+            self.strict_modules = make_strict(self.model, settings.strict_ops, spec.rope_llama3, settings.strict_exp)
+        if settings.lm_head_dtype == "fp32":
+            head, strict = self.model.lm_head, "linear" in settings.strict_ops
+            head.forward = lambda x: fp32_head(x, head.weight, head.bias, strict)
+
+    @torch.no_grad()
+    def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
+        return self.batched_logprobs(batch)
+
+    def micro_batch_logprobs(self, rows: list[int], seqs: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        ids, valid = right_padded(seqs)
+        ids, valid = ids.to(self.settings.device), valid.to(self.settings.device)
+        self.set_spans(rows, [len(s) for s in seqs])
+        logits = self.model(input_ids=ids, attention_mask=valid.long()).logits
+        lp = self.token_logprobs(logits[:, :-1], ids[:, 1:])
+        results = []
+        for j, (r, s) in enumerate(zip(rows, seqs)):
+            seq_lp = lp[j, : len(s) - 1]
+            replay = self.replay_rows(r, len(s))
+            if replay is not None:
+                from alignaudit.engines.sampling import process_logits
+
+                span, kwargs = replay
+                processed = process_logits(logits[j, :-1][span], **kwargs)
+                seq_lp = torch.cat([seq_lp[: span.start], self.token_logprobs(processed, ids[j, 1:][span])])
+            results.append(seq_lp)
+        return results
+
+    @torch.no_grad()
+    def rollout(self, batch, sampling):
+        """One sequence at a time through ``model.generate`` (KV cache, sampling seeded per request). EOS is
+        not a stop token (``eos_token_id`` is emptied), so no logits processor masks it."""
+        sequences, logprobs = [], []
+        for i, prompt in enumerate(batch.sequences):
+            torch.manual_seed(sampling.seed + i)
+            ids = torch.tensor([prompt], device=self.settings.device)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                      temperature=sampling.temperature, top_k=sampling.top_k or None,
+                                      top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens, eos_token_id=[],
+                                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            generated = out.sequences[0, len(prompt):]
+            step_logits = torch.cat(out.logits)  # raw logits of each decode step, [new, V]
+            sampled = self.token_logprobs(step_logits, generated).cpu()
+            prompt_lp = self.prompt_logprobs(type(batch)((prompt,)))[0]
+            sequences.append(tuple(prompt) + tuple(generated.tolist()))
+            logprobs.append(torch.cat([prompt_lp, sampled.float()]))
+            self.progress(i + 1, len(batch.sequences))
+        return type(batch)(tuple(sequences), batch.texts, batch.source), logprobs
+
+    def hf_weights(self, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The model's tensors in HF names (the tied lm_head left out, as checkpoints store it)."""
+        return {k: v for k, v in self.model.state_dict().items()
+                if not (self.spec.tie_word_embeddings and k == "lm_head.weight")}
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy new weights (HF names) into the model in place.
+
+        Raises:
+            InputError: a tensor the model lacks, or a model tensor missing from ``tensors``.
+        """
+        held = self.model.state_dict()
+        unknown = sorted(set(tensors) - set(held))
+        missing = sorted(set(self.hf_weights()) - set(tensors))
+        if unknown or missing:
+            raise InputError(f"weight sync into hf: unknown tensors {unknown[:3]}, missing {missing[:3]}")
+        for name, tensor in tensors.items():
+            held[name].copy_(tensor)
+
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """fp32 log p(target) from logits [..., V]: TRL's formula, or the strict kernel."""
+        if "logprobs" in self.settings.strict_ops:
+            import alignaudit_kernels as K
+
+            return K.token_logprobs(logits, targets)
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+
+    def install_taps(self, tap):
+        from alignaudit.engines.hf import taps as hf_taps
+
+        return hf_taps.install(self.model, tap)
+
+    def settings_record(self) -> dict:
+        return {
+            "attn_implementation": self.attn_implementation,
+            "micro_batch_size": self.micro_batch_size,
+            "micro_batches": getattr(self, "micro_batches_run", None),
+            "dtype": str(self.model.dtype),
+            "logprob_formula": "alignaudit_kernels.token_logprobs" if "logprobs" in self.settings.strict_ops
+            else "log_softmax(logits.float(), -1).gather(next_token)",
+            "replay": self.replay,
+            "strict": self.settings.strict,
+            "strict_modules": len(self.strict_modules),
+            "attention_exp": applied_exp(self.model),
+            "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32"
+                             else str(self.model.lm_head.weight.dtype),
+            "module_mode": "train" if self.model.training else "eval",
+            "weights": {"checkpoint_tensors": self.spec.tensors, **self.loading},
+        }

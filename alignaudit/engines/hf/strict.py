@@ -1,0 +1,203 @@
+"""Strict path for transformers dense decoders (Qwen3, Qwen2, Llama: alignaudit/arch), by module swap (for
+FSDP-style trainers).
+
+``make_strict(model, ops)`` changes the classes of the model's modules in place to subclasses whose
+forward calls the strict kernels; parameters, names and state dicts are unchanged. ``<P>`` is the
+architecture's class prefix (Qwen3, Qwen2, Llama):
+    linear     every nn.Linear (projections with their biases, and lm_head) -> alignaudit_kernels.linear;
+               o_proj and down_proj (row-parallel under tensor parallelism) with K in ROW_PARALLEL_SEGMENTS
+               segments
+    rmsnorm    every <P>RMSNorm -> alignaudit_kernels.rms_norm (the residual adds stay HF's
+               ``residual + x`` in the storage dtype, which is the kernels' rounding point 1)
+    silu       <P>MLP -> silu_mul(gate_proj(x), up_proj(x))
+    moe        with "linear": <P>SparseMoeBlock (Qwen3 MoE) -> alignaudit_kernels.mixture_of_experts, the whole
+               layer (fp32 router, fixed top-k tie-break, strict expert linears and silu_mul, fp32 combine)
+    rope       <P>Attention applies alignaudit_kernels rope (tables of its own from position_ids, llama3
+               scaling included)
+    attention  <P>Attention computes alignaudit_kernels attention (KV cache supported, one
+               sequence per batch row, right padding only)
+Logprobs are not a module in HF: the engine calls alignaudit_kernels.token_logprobs when "logprobs"
+is strict.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import alignaudit_kernels as K
+from alignaudit.engines.strict_modules import RopeOp, StrictRouter
+
+
+class StrictLinear(torch.nn.Linear):
+    def forward(self, x):
+        return K.linear(x, self.weight, self.bias)
+
+
+class StrictRowLinear(torch.nn.Linear):
+    """A projection that is row-parallel under tensor parallelism (o_proj, down_proj): K reduced in
+    alignaudit_kernels.ROW_PARALLEL_SEGMENTS segments, as every engine's strict path does."""
+
+    def forward(self, x):
+        return K.linear(x, self.weight, self.bias, K.ROW_PARALLEL_SEGMENTS)
+
+
+class StrictRMSNorm(torch.nn.Module):
+    """Stands in for <P>RMSNorm (attributes ``weight``, ``variance_epsilon``)."""
+
+    def forward(self, x):
+        return K.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+class StrictMLP(torch.nn.Module):
+    """Stands in for <P>MLP (attributes gate_proj, up_proj, down_proj)."""
+
+    def forward(self, x):
+        return self.down_proj(K.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class StrictMoeBlock(torch.nn.Module):
+    """Stands in for <P>SparseMoeBlock (attributes gate: the router with weight; experts: gate_up_proj
+    [E, 2I, H], down_proj [E, H, I]; strict_router: a StrictRouter)."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        _, chosen, weights = self.strict_router(x, self.gate.weight)
+        out = K.combine_experts(x, chosen, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        return out.view(hidden_states.shape)
+
+
+def _require(ok: torch.Tensor, message: str) -> None:
+    """ValueError(message) unless ``ok`` (a bool tensor) holds; inside torch.compile a device-side assert
+    with the same message (a host check would break the graph)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
+
+
+def check_batch_layout(attention_mask, position_ids: torch.Tensor, keys: int) -> None:
+    """Refuse what strict attention would compute otherwise than HF's mask and positions ask: it treats key
+    index j as position j and attends causally (alignaudit_kernels.causal_attention). So query positions must
+    be their key indices (no left padding) and the mask (None, or HF's processed 4D mask [b, 1, t, keys]:
+    bool True = attend, or additive with 0 = attend) causal, with padding only after a row's last token
+    (right padding: no real token ever attends a pad; the pad rows themselves, which belong to no token,
+    attend their pads too, as every key up to their index). One device synchronization per forward.
+
+    Raises:
+        ValueError: naming position_ids or attention_mask and what to pass instead.
+    """
+    b, t = position_ids.shape
+    index = torch.arange(keys - t, keys, device=position_ids.device)
+    _require((position_ids == index).all(), "strict attention (HF): position_ids must be each token's index in its "
+             "sequence; shifted positions (a left-padded batch?) would be computed as unpadded: right-pad instead")
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        raise ValueError("strict attention (HF) reads a 4D tensor attention_mask, not "
+                         f"{type(attention_mask).__name__}; use attn_implementation eager or sdpa")
+    attend = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    if attend.shape[-1] > keys:  # a static cache's unfilled slots must stay masked
+        _require(~attend[..., keys:].any(), "strict attention (HF): attention_mask lets a query attend a key slot "
+                 "past the cache's filled length")
+    attend = attend[..., :keys].expand(b, 1, t, keys)[:, 0]
+    valid = attend[:, -1]  # the last query row may attend every key but the pads
+    causal = torch.arange(keys, device=attend.device)[None, :] <= index[:, None]
+    _require((valid == valid.cummin(dim=1).values).all() & (attend == (causal[None] & valid[:, None, :])).all(),
+             "strict attention (HF): attention_mask must be causal with padding only at the end of a row (right "
+             "padding); a left-padded or holed mask would be ignored: right-pad instead")
+
+
+class StrictAttention(torch.nn.Module):
+    """Stands in for <P>Attention (QK-norm where the module has q_norm/k_norm); ``strict_rope`` /
+    ``strict_attention`` say which parts are strict, ``strict_exp`` the exp of the strict attention."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                position_ids=None, **kwargs):
+        b, t, _ = hidden_states.shape
+        d = self.head_dim
+        q = self.q_proj(hidden_states).view(b, t, -1, d)
+        k = self.k_proj(hidden_states).view(b, t, -1, d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        v = self.v_proj(hidden_states).view(b, t, -1, d)
+        if position_ids is None:
+            position_ids = torch.arange(t, device=hidden_states.device)[None]
+        position_ids = position_ids.expand(b, t)  # HF passes [1, t] for a batch without padding
+        if self.strict_rope:
+            past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
+            limit = past + t if isinstance(past, (int, torch.SymInt)) else None  # a cache of past + t keys
+            q, k = self.q_rope(q, position_ids, limit), self.k_rope(k, position_ids, limit)
+        else:
+            cos, sin = position_embeddings
+            q, k = sys.modules[self._hf_module].apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if past_key_values is not None:
+            kc, vc = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
+            k, v = kc.transpose(1, 2), vc.transpose(1, 2)
+        if self.strict_attention:
+            if getattr(self, "layer_idx", 0) == 0:  # once per forward: every layer sees the same layout
+                check_batch_layout(attention_mask, position_ids, k.shape[1])
+            out = K.causal_attention(q, k, v, position_ids, self.scaling, exp=self.strict_exp)
+        else:
+            interface = self._stock_attention
+            out, _ = interface(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
+                               dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(b, t, -1)), None
+
+
+_SWAPPED: dict[tuple[type, type], type] = {}
+
+
+def _swap(module: torch.nn.Module, cls: type) -> None:
+    """Give ``module`` a class deriving from ``cls`` (whose forward wins) and its own class."""
+    key = (cls, type(module))
+    if key not in _SWAPPED:
+        _SWAPPED[key] = type(f"Strict{type(module).__name__}", key, {})
+    module.__class__ = _SWAPPED[key]
+
+
+def make_strict(model, ops: frozenset[str], llama3: tuple | None = None, exp: str = "portable") -> list[str]:
+    """Swap the strict ops into a model of an alignaudit.arch architecture in place; return what was swapped
+    (for the manifest). ``llama3``: the spec's llama3 rope scaling (ModelSpec.rope_llama3), or None. ``exp``:
+    the strict attention's exp (alignaudit_kernels.attention.EXP_CHOICES).
+
+    Raises:
+        alignaudit.errors.InputError: the model's architecture is not one alignaudit runs; strict ops on ROCm
+            (alignaudit.inputs.strict_ops.check_platform).
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from alignaudit.arch import architecture
+    from alignaudit.inputs.strict_ops import guard_platform
+
+    guard_platform(ops, "make_strict")
+
+    prefix = architecture(type(model).__name__).hf_prefix
+    config = model.config
+    rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
+    swapped = []
+    for name, m in list(model.named_modules()):
+        kind = type(m).__name__
+        if "linear" in ops and isinstance(m, torch.nn.Linear):
+            _swap(m, StrictRowLinear if name.endswith((".o_proj", ".down_proj")) else StrictLinear)
+        elif "rmsnorm" in ops and kind == f"{prefix}RMSNorm":
+            _swap(m, StrictRMSNorm)
+        elif "silu" in ops and kind == f"{prefix}MLP":
+            _swap(m, StrictMLP)
+        elif "linear" in ops and kind == f"{prefix}SparseMoeBlock":
+            m.strict_router = StrictRouter(m.gate.top_k, m.gate.norm_topk_prob)
+            _swap(m, StrictMoeBlock)
+        elif ({"rope", "attention"} & ops) and kind == f"{prefix}Attention":
+            m._hf_module = type(m).__module__
+            m._stock_attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+                config._attn_implementation, sys.modules[type(m).__module__].eager_attention_forward)
+            m.strict_rope, m.strict_attention, m.strict_exp = "rope" in ops, "attention" in ops, exp
+            m.q_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings, llama3)
+            m.k_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings, llama3)
+            _swap(m, StrictAttention)
+        else:
+            continue
+        swapped.append(name)
+    return swapped

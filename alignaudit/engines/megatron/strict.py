@@ -1,0 +1,304 @@
+"""Strict path for Megatron-Core: a layer spec (ModuleSpec) and a GPTModel with a strict logprob head.
+
+Build a model the way a Megatron trainer does, with the strict spec in place of the local one:
+
+    ops = frozenset(STRICT_OPS)                            # alignaudit.inputs.strict_ops.STRICT_OPS, or a subset
+    spec = strict_block_spec(config.num_layers, ops, rotary_base=theta, qk_layernorm=True)  # Qwen3: q/k norms
+    model = StrictGPTModel(config, spec, vocab_size=..., max_sequence_length=..., rotary_base=theta,
+                           position_embedding_type="rope", strict_ops=ops, ...)
+
+(alignaudit.engines.megatron.adapter.MegatronEngine builds it so, from a ModelSpec.)
+
+Per op:
+    linear     ColumnParallelLinear / RowParallelLinear subclasses (and GPTModel.output_layer) whose
+               forward is alignaudit_kernels.linear; row-parallel layers reduce K in ROW_PARALLEL_SEGMENTS
+               segments and, at tensor-parallel size > 1, combine the ranks' fp32 partials in rank order
+               (the bits of size 1), not an all-reduce of rounded outputs
+    rmsnorm    StrictRMSNorm for input, pre-MLP, q/k and final norms; the residual adds stay Megatron's
+               bias-dropout-add, which rounds ``residual + x`` once in the storage dtype (the kernels'
+               rounding point 1); dropout must be 0
+    silu       StrictMLP: linear_fc1 -> silu_and_mul -> linear_fc2
+    rope       StrictCoreAttention rotates q and k itself (GPTModel is built without rope); positions
+               0..seq-1 per sequence (no packed sequences)
+    attention  StrictCoreAttention: alignaudit_kernels.varlen_attention over each batch row
+    logprobs   StrictGPTModel.compute_language_model_loss returns -token_logprobs (the loss whose
+               negation RL trainers read as logprobs); at tensor-parallel size > 1
+               token_logprobs_vocab_parallel over each rank's vocabulary shard
+Forward and backward work (the kernels are autograd Functions).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+import alignaudit_kernels as K
+from alignaudit.engines.strict_modules import RopeOp, StrictRouter
+
+
+def _tp_group(module):
+    """The module's tensor-parallel group (megatron.core keeps it as ``tp_group``), or None at size 1."""
+    group = getattr(module, "tp_group", None)
+    return group if group is not None and group.size() > 1 else None
+
+
+class StrictColumnParallelLinear(ColumnParallelLinear):
+    """Output features split over ranks: each rank's shard is an independent strict linear (K whole). At
+    tensor-parallel size > 1 the input passes Megatron's copy-to-region (identity forward, all-reduce of the
+    input gradient backward), as ColumnParallelLinear does, so replicated parameters upstream get the same
+    gradient on every rank."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None, **kwargs):
+        if _tp_group(self) is not None:
+            if getattr(self, "gather_output", False):
+                raise ValueError("strict column-parallel linear does not gather its output")
+            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+            input_ = copy_to_tensor_model_parallel_region(input_)
+        w = self.weight if weight is None else weight
+        bias = None if self.skip_bias_add else self.bias
+        return K.linear(input_, w, bias), (self.bias if self.skip_bias_add else None)
+
+
+class _RowParallel(torch.autograd.Function):
+    """The strict row-parallel product over ranks: forward as ``StrictRowParallelLinear`` says; backward
+    the local products' gradients (the tree sum passes the output gradient to every rank's partial
+    unchanged), products in the input dtype (matmul.linear_backward), as the strict linear's backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        partial = K.linear_partial(x, weight, K.ROW_PARALLEL_SEGMENTS // group.size())
+        parts = [torch.empty_like(partial) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, partial.contiguous(), group=group)
+        return K.combine_partials(parts, bias, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from alignaudit_kernels.matmul import linear_backward
+
+        return (*linear_backward(grad, *ctx.saved_tensors, ctx.has_bias), None)
+
+
+class StrictRowParallelLinear(RowParallelLinear):
+    """K split over ranks: K reduced in ROW_PARALLEL_SEGMENTS segments; at tensor-parallel size t each rank
+    computes its S/t segments' fp32 partial, the partials are gathered and added in rank order by the top
+    of the segment tree, the bias is added and the sum rounded once (alignaudit_kernels.combine_partials):
+    the bits of tensor-parallel size 1."""
+
+    def forward(self, input_, **kwargs):
+        bias = None if self.skip_bias_add else self.bias
+        out_bias = self.bias if self.skip_bias_add else None
+        group = _tp_group(self)
+        if group is None:
+            return K.linear(input_, self.weight, bias, K.ROW_PARALLEL_SEGMENTS), out_bias
+        return _RowParallel.apply(input_, self.weight, bias, group), out_bias
+
+
+class StrictRMSNorm(torch.nn.Module):
+    """RMSNorm with Megatron's norm constructor signature (config, hidden_size, eps)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x):
+        return K.rms_norm(x, self.weight, self.eps)
+
+
+class StrictMLP(MLP):
+    """SwiGLU MLP whose activation is alignaudit_kernels.silu_and_mul (fc1 output is [gate | up])."""
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        intermediate, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            intermediate = intermediate + bias
+        return self.linear_fc2(K.silu_and_mul(intermediate))
+
+
+class StrictMoELayer(torch.nn.Module):
+    """Stands in for MoELayer (router.weight [E, H]; experts.local_experts[j].linear_fc1.weight [2I, H] as
+    [gate | up], linear_fc2.weight [H, I]; strict_router: a StrictRouter): the strict MoE layer
+    (alignaudit_kernels.route, combine_experts) on [seq * batch, H], one rank. Returns (output, None) as
+    MoELayer does."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        experts = self.experts.local_experts
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        _, chosen, weights = self.strict_router(x, self.router.weight)
+        out = K.combine_experts(x, chosen, weights, [e.linear_fc1.weight for e in experts],
+                                [e.linear_fc2.weight for e in experts])
+        return out.view(hidden_states.shape), None
+
+
+class StrictCoreAttention(MegatronModule):
+    """Core attention that applies strict rope (``strict_rope``) and/or computes strict attention
+    (``strict_attention``; otherwise Megatron's DotProductAttention). Inputs are [seq, batch, heads, dim];
+    q_rope and k_rope are modules so op capture can see them."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, *, rotary_base: float,
+                 strict_rope: bool, strict_attention: bool, llama3: tuple | None = None, exp: str = "portable"):
+        super().__init__(config=config)
+        self.strict_rope, self.strict_attention, self.strict_exp = strict_rope, strict_attention, exp
+        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.q_rope = RopeOp(config.kv_channels, rotary_base, 4096, llama3) if strict_rope else None
+        self.k_rope = RopeOp(config.kv_channels, rotary_base, 4096, llama3) if strict_rope else None
+        self.stock = None if strict_attention else DotProductAttention(
+            config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale, cp_comm_type,
+            pg_collection)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        if packed_seq_params is not None:
+            raise ValueError("strict core attention does not support packed sequences")
+        sq, b = query.shape[:2]
+        if self.strict_rope:
+            positions = torch.arange(sq, device=query.device)[:, None].expand(sq, b)
+            query, key = self.q_rope(query, positions, sq), self.k_rope(key, positions, sq)
+        if not self.strict_attention:
+            return self.stock(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                              attention_bias=attention_bias)
+        q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value))
+        cu = torch.arange(0, (b + 1) * sq, sq)
+        out = K.varlen_attention(q, k, v, cu, self.scale, exp=self.strict_exp)  # [b * sq, heads, dim]
+        return out.view(b, sq, -1).transpose(0, 1).contiguous()
+
+
+def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
+                      llama3: tuple | None = None, num_experts: int = 0, exp: str = "portable") -> ModuleSpec:
+    """The local GPT layer spec with the strict ops swapped in (``llama3``: ModelSpec.rope_llama3). An MoE
+    layer keeps Megatron's MoELayer in the spec; StrictGPTModel swaps its forward for the strict one.
+
+    Raises:
+        alignaudit.errors.InputError: strict ops on ROCm (alignaudit.inputs.strict_ops.check_platform).
+    """
+    from alignaudit.inputs.strict_ops import guard_platform
+
+    guard_platform(ops, "strict_layer_spec")
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm",
+                                    num_experts=num_experts or None, moe_grouped_gemm=False)
+    layer = spec.submodules
+    attn = layer.self_attention.submodules
+    if "rmsnorm" in ops:
+        layer.input_layernorm = layer.pre_mlp_layernorm = StrictRMSNorm
+        if qk_layernorm:
+            attn.q_layernorm = attn.k_layernorm = StrictRMSNorm
+    if "linear" in ops:
+        attn.linear_qkv = StrictColumnParallelLinear
+        attn.linear_proj = StrictRowParallelLinear
+    if {"linear", "silu"} & ops and not num_experts:
+        linear = "linear" in ops
+        layer.mlp = _mlp_spec(StrictMLP if "silu" in ops else MLP, MLPSubmodules(
+            linear_fc1=StrictColumnParallelLinear if linear else ColumnParallelLinear,
+            linear_fc2=StrictRowParallelLinear if linear else RowParallelLinear))
+    if {"rope", "attention"} & ops:
+        attn.core_attention = ModuleSpec(module=StrictCoreAttention, params={
+            "rotary_base": rotary_base, "strict_rope": "rope" in ops, "strict_attention": "attention" in ops,
+            "llama3": llama3, "exp": exp})
+    return spec
+
+
+def _mlp_spec(mlp_cls, submodules):
+    """An MLP spec in the form this megatron-core builds: a partial of ``as_mlp_submodule`` (0.19+), or
+    a ModuleSpec (0.16)."""
+    if hasattr(mlp_cls, "as_mlp_submodule"):
+        return functools.partial(mlp_cls.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=mlp_cls, submodules=submodules)
+
+
+def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
+                      llama3: tuple | None = None, num_experts: int = 0,
+                      exp: str = "portable") -> TransformerBlockSubmodules:
+    """A TransformerBlockSubmodules of strict layers; the final norm is strict too with "rmsnorm"; ``exp``: the
+    strict attention's exp (alignaudit_kernels.attention.EXP_CHOICES)."""
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
+
+    layer = strict_layer_spec(ops, rotary_base, qk_layernorm, llama3, num_experts, exp)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
+                                      layer_norm=StrictRMSNorm if "rmsnorm" in ops else LNImpl)
+
+
+def check_batch_layout(ops: frozenset[str], input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                       attention_mask: torch.Tensor | None, packed_seq_params=None) -> None:
+    """Refuse what strict attention and strict rope do not compute: they attend causally over whole
+    sequences from position 0 (right padding is fine: a causal row never sees the pads after it).
+
+    input_ids [b, s]; position_ids None or [b, s] (strict rope: each row 0..s-1); attention_mask None or a
+    bool mask broadcastable to [b, 1, s, s], True = masked (strict attention: exactly the causal triangle).
+    Costs one device synchronization per checked argument and forward.
+
+    Raises:
+        ValueError: naming the argument (a left-padded batch's shifted positions or key-padding mask,
+            packed sequences) and what to pass instead.
+    """
+    if not {"attention", "rope"} & set(ops):
+        return
+    if packed_seq_params is not None:
+        raise ValueError("StrictGPTModel: packed sequences (packed_seq_params) are not computed by strict attention "
+                         "and rope yet; pass a right-padded [batch, seq] batch")
+    b, s = input_ids.shape[:2]
+    if "rope" in ops and position_ids is not None:
+        expected = torch.arange(s, device=position_ids.device).expand(b, s)
+        if tuple(position_ids.shape) != (b, s) or not torch.equal(position_ids, expected.to(position_ids.dtype)):
+            raise ValueError("StrictGPTModel: position_ids must be 0..s-1 in every row (strict rope rotates the token "
+                             "at index i by position i); shifted positions (a left-padded batch?) would be ignored: "
+                             "pass right-padded sequences")
+    if "attention" in ops and attention_mask is not None:
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=attention_mask.device), diagonal=1)
+        if attention_mask.dtype != torch.bool or not torch.equal(attention_mask.expand(b, 1, s, s),
+                                                                 causal.expand(b, 1, s, s)):
+            raise ValueError("StrictGPTModel: attention_mask must be the causal mask (bool, True above the diagonal); "
+                             "strict attention would ignore a padding mask (a left-padded batch?): pass right-padded "
+                             "sequences and drop the padded positions' logprobs")
+
+
+class StrictGPTModel(GPTModel):
+    """GPTModel whose output layer and logprob head are strict (per ``strict_ops``); with strict rope, the
+    model's own rotary embedding is turned off (StrictCoreAttention rotates instead)."""
+
+    def __init__(self, config, transformer_layer_spec, *args, strict_ops: frozenset[str] = frozenset(), **kwargs):
+        if "rope" in strict_ops:
+            kwargs["position_embedding_type"] = "none"
+        super().__init__(config, transformer_layer_spec, *args, **kwargs)
+        self.strict_ops = strict_ops
+        if "linear" in strict_ops and getattr(self, "output_layer", None) is not None:
+            self.output_layer.__class__ = StrictColumnParallelLinear
+        if "linear" in strict_ops:
+            from megatron.core.transformer.moe.moe_layer import MoELayer
+
+            for module in self.modules():
+                if type(module) is MoELayer:
+                    module.strict_router = StrictRouter(config.moe_router_topk, not config.moe_router_pre_softmax)
+                    module.__class__ = StrictMoELayer
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        """GPTModel.forward, after ``check_batch_layout``: a layout the strict attention or rope would not
+        compute as asked is refused (ValueError naming the argument), never silently computed otherwise."""
+        check_batch_layout(self.strict_ops, input_ids, position_ids, attention_mask, kwargs.get("packed_seq_params"))
+        return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+
+    def compute_language_model_loss(self, labels, logits):
+        if "logprobs" not in self.strict_ops:
+            return super().compute_language_model_loss(labels, logits)
+        # logits [s, b, v] (v: this rank's vocabulary shard), labels [b, s] -> per-token loss [b, s], as Megatron
+        # returns it. At tensor-parallel size > 1 the ranks all-reduce the row statistics, never the logits
+        # (as Megatron's vocab-parallel cross-entropy does); the strict sums are exact, so: the bits of size 1.
+        group = _tp_group(self.output_layer)
+        if group is not None:
+            shard = logits.shape[-1]
+            return -K.token_logprobs_vocab_parallel(logits.transpose(0, 1), labels, group.rank() * shard,
+                                                    shard * group.size(), group)
+        return -K.token_logprobs(logits.transpose(0, 1), labels)

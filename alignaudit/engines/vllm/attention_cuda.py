@@ -1,0 +1,157 @@
+"""A vLLM attention backend for CUDA that computes alignaudit_kernels' paged attention.
+
+Registered over FLASH_ATTN (the backend vLLM selects on Hopper, and one that declares batch invariance) by
+alignaudit.engines.vllm.plugin. It keeps FlashAttention's KV cache (logical [num_blocks, num_kv_heads,
+block_size, 2 * head_size], stored [num_blocks, block_size, num_kv_heads, 2 * head_size]: keys in the first
+head_size columns, values in the rest; vllm/v1/attention/backends/flash_attn.py) and its cache write
+(reshape_and_cache_flash: a copy, no arithmetic), and replaces the attention:
+
+    decode batch (every request one new token): alignaudit_kernels.paged_decode, which reads only vLLM's
+        persistent buffers (seq_lens, block_table) and the host constant max_model_len, so a CUDA graph
+        captures it (vLLM's FULL graphs for uniform decode batches, padded requests have seq_lens 0);
+    any other batch (prefill, chunked prefill, prefill mixed with decode): alignaudit_kernels.paged_attention
+        with a plan the metadata builder makes once per step (each query row's request on the host, its
+        position on the device, vLLM's max_seq_len as the bound on keys), so no layer reads the device.
+
+Both give a query row the bits of a prefill of the same tokens (kernels/attention.py), which is what the
+strict attention of Megatron and HF computes. CUDA graphs: the builder declares UNIFORM_SINGLE_TOKEN_DECODE,
+the support it really has: vLLM then captures FULL graphs for decode batches only and runs other batches
+piecewise, attention outside the graphs (vllm/config/compilation.py resolve_cudagraph_mode_and_sizes). The
+metadata of those batches holds fresh tensors each step, which a FULL graph would bake in stale (an
+over-claiming builder gives stale sequence lengths on replay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, AttentionType
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
+
+import alignaudit_kernels as K
+from alignaudit.engines.vllm.attention_cpu import configured_exp, request_of_rows, token_positions
+
+
+@dataclass
+class StrictAttentionMetadata:
+    """One step's attention plan, shared by every layer.
+
+    Attributes:
+        num_actual_tokens: query rows of the step that belong to a request (vLLM pads the rest).
+        max_query_len, max_seq_len: host ints from vLLM (max_seq_len is an upper bound on keys).
+        query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks], slot_mapping [tokens]: vLLM's
+            persistent device buffers (int32), R the (padded) request count.
+        decode: every request has one query row: the paged_decode path.
+        decode_bound: max_model_len, the key bound of every decode step (constant, so a graph may hold it).
+        positions [num_actual_tokens] (device, int64) and q_seq [num_actual_tokens] (CPU, int64): the
+            position and the request of each query row; None for a decode batch.
+    """
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    decode: bool
+    decode_bound: int
+    positions: torch.Tensor | None = None
+    q_seq: torch.Tensor | None = None
+    causal: bool = True
+    use_cascade: bool = False
+
+
+class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMetadata]):
+    """Builds StrictAttentionMetadata from vLLM's CommonAttentionMetadata (module docstring)."""
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.decode_bound = int(vllm_config.model_config.max_model_len)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> StrictAttentionMetadata:
+        m = common_attn_metadata
+        if common_prefix_len:
+            raise NotImplementedError("strict attention computes no cascade (shared-prefix) attention")
+        if m.causal is not True:
+            raise NotImplementedError("strict attention is causal attention only")
+        meta = StrictAttentionMetadata(num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
+                                       max_seq_len=m.max_seq_len, query_start_loc=m.query_start_loc,
+                                       seq_lens=m.seq_lens, block_table=m.block_table_tensor,
+                                       slot_mapping=m.slot_mapping, decode=m.max_query_len == 1,
+                                       decode_bound=self.decode_bound)
+        if not meta.decode:
+            meta.q_seq = request_of_rows(m.query_start_loc_cpu, m.num_reqs)
+            meta.num_actual_tokens = int(meta.q_seq.shape[0])
+            rows_seq = meta.q_seq.to(self.device, non_blocking=True)
+            meta.positions = token_positions(m.query_start_loc[: m.num_reqs + 1], m.seq_lens[: m.num_reqs], rows_seq)
+        return meta
+
+
+def strict_attention(meta: StrictAttentionMetadata, query: torch.Tensor, kv_cache: torch.Tensor, head_size: int,
+                     scale: float, exp: str, output: torch.Tensor) -> torch.Tensor:
+    """Attention of one layer for one step into ``output`` [tokens, heads, head_size] (rows past the
+    requests' are left as they are), reading FlashAttention's KV cache ``kv_cache`` (module docstring)."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)  # [blocks, block_size, kv_heads, D]
+    if meta.decode:
+        b = meta.seq_lens.shape[0]
+        output[:b] = K.paged_decode(query[:b], key_cache, value_cache, meta.block_table, meta.seq_lens, scale,
+                                    meta.decode_bound, exp=exp)
+    else:
+        n = meta.num_actual_tokens
+        output[:n] = K.paged_attention(query[:n], key_cache, value_cache, meta.block_table, meta.positions,
+                                       meta.q_seq, scale, exp=exp, max_keys=meta.max_seq_len)
+    return output
+
+
+class StrictFlashAttentionImpl(FlashAttentionImpl):
+    """FlashAttentionImpl with the attention computed by ``strict_attention``; the cache write is vLLM's.
+
+    Raises NotImplementedError at construction for what strict attention does not compute (encoder or
+    cross attention, sliding window, ALiBi, soft cap, sinks, a quantized KV cache, decode context
+    parallelism), and ValueError for an unknown ALIGNAUDIT_STRICT_EXP.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        unsupported = {
+            "encoder or cross attention": self.attn_type != AttentionType.DECODER,
+            "sliding window": tuple(self.sliding_window) != (-1, -1),
+            "ALiBi": self.alibi_slopes is not None,
+            "logits soft cap": bool(self.logits_soft_cap),
+            "attention sinks": self.sinks is not None,
+            "a quantized KV cache": self.kv_cache_dtype not in ("auto", "bfloat16", "float16"),
+            "decode context parallelism": self.dcp_world_size > 1,
+        }
+        found = [name for name, present in unsupported.items() if present]
+        if found:
+            raise NotImplementedError(f"strict attention in vLLM does not compute {', '.join(found)}")
+        self.strict_exp = configured_exp()
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("strict attention does not quantize its output")
+        if attn_metadata is None:  # vLLM's profiling run
+            return output.fill_(0)
+        return strict_attention(attn_metadata, query, kv_cache, self.head_size, self.scale, self.strict_exp, output)
+
+
+class StrictFlashAttentionBackend(FlashAttentionBackend):
+    """FLASH_ATTN's KV cache layout, block sizes and cache write; strict attention (module docstring)."""
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        # a row's bits do not depend on the batch (kernels/attention.py): VLLM_BATCH_INVARIANT=1 may select it
+        return True
+
+    @staticmethod
+    def get_impl_cls():
+        return StrictFlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return StrictAttentionMetadataBuilder

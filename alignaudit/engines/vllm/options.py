@@ -1,0 +1,80 @@
+"""vLLM options: the EngineArgs/SamplingParams settings alignaudit refuses, and why, checked before any engine
+starts.
+
+    VLLM_SET_BY_ALIGNAUDIT  settings alignaudit sets itself (use its flag instead)
+    VLLM_REFUSED            settings that have no effect on what alignaudit measures, or that make the values
+                            something other than logprobs (each a function of the value and the mode giving the
+                            reason, or None where the value is fine)
+docs/cli.md lists the same tables for users.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from alignaudit.errors import InputError
+
+VLLM_SET_BY_ALIGNAUDIT: dict[str, str] = {
+    "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+    "max_tokens": "--max-new-tokens", "min_tokens": "--max-new-tokens (EOS is ignored, never masked)",
+    "ignore_eos": "--max-new-tokens (EOS is always ignored)", "logprobs": "alignaudit (the sampled token's logprob)",
+    "prompt_logprobs": "alignaudit (one per prompt token)", "n": "--prompts (one completion per prompt)",
+    "detokenize": "alignaudit (token ids only)", "dtype": "--dtype / --infer-dtype", "model": "--model",
+}
+VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
+    "enable_prefix_caching": lambda v, mode: (
+        "has no effect here: vLLM never reads the prefix cache for a request that asks for prompt logprobs "
+        "(skip_reading_prefix_cache), and every alignaudit request does") if v else None,
+    "skip_reading_prefix_cache": lambda v, mode: (
+        "reading the prefix cache with prompt logprobs crashes vLLM 0.32 "
+        "(KeyError in the scheduler)") if v is False else None,
+    "logprobs_mode": lambda v, mode: (
+        f"{v} are logits, not logprobs; the other engine computes logprobs" if v in ("raw_logits", "processed_logits")
+        else "processed_logprobs apply to sampled tokens only (vLLM's prompt logprobs are always raw), so they "
+             "need --mode rollout" if v == "processed_logprobs" and mode == "prompt" else None),
+    "pipeline_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
+    "data_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
+    "hf_overrides": lambda v, mode: "set the lm_head dtype with --lm-head-dtype, for both engines"
+    if isinstance(v, dict) and "head_dtype" in v else None,
+}
+
+
+def check_options(settings, mode: str, role: str) -> None:
+    """Refuse an EngineArgs/SamplingParams setting that alignaudit sets itself, that has no effect on what is
+    measured, or that makes the values something other than logprobs (the tables above); and, on the rollout
+    side, strict logprobs with processed logprobs (vLLM computes those inside its top-k/top-p sampler, which the
+    strict path does not replace). ``mode``: "prompt" or "rollout"; ``role``: "train" or "infer".
+
+    Raises:
+        InputError: the setting, the reason and the fix.
+    """
+    flag = f"--{role}-opt"
+    for key, value in settings.options.items():
+        if key in VLLM_SET_BY_ALIGNAUDIT:
+            raise InputError(f"vllm {key} is set by alignaudit; use {VLLM_SET_BY_ALIGNAUDIT[key]} "
+                             f"instead of {flag} {key}")
+        reason = VLLM_REFUSED.get(key, lambda v, m: None)(value, mode)
+        if key == "logprobs_mode" and value == "processed_logprobs" and role == "train":
+            reason = "the training side scores teacher-forced tokens, whose logprobs vLLM always computes raw"
+        if reason:
+            raise InputError(f"vllm {key}={json.dumps(value)}: {reason}; drop {flag} {key}")
+    if role == "infer" and settings.options.get("logprobs_mode") == "processed_logprobs" \
+            and "logprobs" in settings.strict_ops:
+        raise InputError("--strict logprobs covers vLLM's raw_logprobs (Sampler.compute_logprobs); with "
+                         "logprobs_mode=processed_logprobs vLLM computes them inside its top-k/top-p sampler, which "
+                         "the strict path does not replace: drop logprobs from --strict or the option")
+
+
+def check_vllm_sampling(options: dict, engine_fields: set[str], mode: str, role: str) -> None:
+    """SamplingParams settings only act on sampled tokens: refused in prompt mode and on the training side.
+    Runs in the option-check worker, which imports vLLM's EngineArgs to tell the two kinds apart.
+
+    Raises:
+        InputError: naming the setting.
+    """
+    flag = f"--{role}-opt"
+    for key in options:
+        if key not in engine_fields and (mode == "prompt" or role == "train"):
+            raise InputError(f"vllm {key} is a sampling setting and has no effect on teacher-forced (prompt) logprobs; "
+                             f"drop {flag} {key}")

@@ -1,0 +1,160 @@
+"""What a run is asked to do, as one object: the model, the token ids, both engines, sampling.
+
+Every command (compare, gate, bisect, rl, ablate) builds one ``Request`` from its options, validated before
+any engine starts (alignaudit.commands.options.build_request), and the pipeline functions take it whole, so no
+command re-lists or hard-codes another's settings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from alignaudit.errors import InputError
+from alignaudit.inputs.checkpoint import ModelSpec
+from alignaudit.inputs.prompts import TokenBatch
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class EngineSettings:
+    """What the user chose for one engine.
+
+    Attributes:
+        dtype: "bf16", "fp16" or "fp32": the dtype of weights and activations.
+        device: "cpu" or "cuda".
+        seed: seeds every RNG the engine uses (sampling in rollout mode).
+        options: ``--train-opt`` / ``--infer-opt`` KEY=VALUE pairs, values parsed as JSON where they parse.
+        strict: strict ops to swap in ("" none, "all", or a comma list of alignaudit.inputs.strict_ops.STRICT_OPS).
+        lm_head_dtype: "model" (the lm_head runs in ``dtype``) or "fp32" (hidden states and lm_head weight
+            cast to fp32 before the projection, as vLLM's ``head_dtype: float32`` and RL trainers do).
+        strict_exp: the exp inside strict attention (alignaudit_kernels.attention.EXP_CHOICES): "portable"
+            (the same bits on every backend) or "native" (the GPU's exp2 instruction: faster, the same bits
+            only where one GPU architecture runs both engines; needs strict attention on CUDA).
+    """
+
+    dtype: str = "bf16"
+    device: str = "cpu"
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    strict: str = ""
+    lm_head_dtype: str = "model"
+    strict_exp: str = "portable"
+
+    @property
+    def strict_ops(self) -> frozenset[str]:
+        from alignaudit.inputs.strict_ops import parse_strict
+
+        return parse_strict(self.strict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``["a=1", "b=true", "c=eager"]`` -> ``{"a": 1, "b": True, "c": "eager"}`` (JSON where it parses).
+
+    Raises:
+        InputError: an item without ``=``.
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InputError(f"option {pair!r} is not KEY=VALUE (e.g. --infer-opt enforce_eager=true)")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One side of a comparison: an engine name and its settings."""
+
+    engine: str
+    settings: EngineSettings
+
+    def label(self) -> str:
+        """``megatron (bf16, cpu, strict all)``: the engine as tables and progress lines name it."""
+        strict = f", strict {self.settings.strict}" if self.settings.strict else ""
+        exp = f", {self.settings.strict_exp} exp" if self.settings.strict_exp != "portable" else ""
+        head = ", fp32 lm_head" if self.settings.lm_head_dtype == "fp32" else ""
+        return f"{self.engine} ({self.settings.dtype}, {self.settings.device}{strict}{exp}{head})"
+
+    def record(self) -> dict:
+        return {"engine": self.engine, **self.settings.to_dict()}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the rollout engine samples and how the trainer replays it (RL trainers divide logits by the
+    rollout temperature before the log-softmax; some apply the same top-k/top-p truncation).
+
+    Attributes:
+        max_new_tokens: tokens sampled per prompt (EOS never stops a sequence and is never masked).
+        temperature: > 0. top_k: 0 = off. top_p: 1.0 = off.
+        seed: request i is seeded with seed + i.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A comparison to run.
+
+    Attributes:
+        spec: the checkpoint. batch: the prompts' token ids (identical for both engines).
+        train, infer: the two engines; ``infer`` samples in rollout mode.
+        rollout: None for prompt mode (teacher-forced prompts), else the sampling settings.
+        clip_eps: PPO clip epsilon for the clip-fraction metric.
+        repeat: prompt mode: runs of each engine on the same token ids (alignaudit.comparison.repeat); 1 = once.
+    """
+
+    spec: ModelSpec
+    batch: TokenBatch
+    train: EngineRun
+    infer: EngineRun
+    rollout: Sampling | None = None
+    clip_eps: float = 0.2
+    repeat: int = 1
+
+    @property
+    def mode(self) -> str:
+        return "rollout" if self.rollout else "prompt"
+
+    def with_batch(self, batch: TokenBatch) -> Request:
+        return replace(self, batch=batch)
+
+    def record(self, command: str) -> dict:
+        """The resolved configuration, as run.json records it first."""
+        b = self.batch
+        return {
+            "command": command,
+            "mode": self.mode,
+            "rollout": self.rollout.to_dict() if self.rollout else None,
+            "model": self.spec.to_dict(),
+            "prompts": {"source": b.source, "sequences": len(b.sequences), "tokens": b.num_tokens,
+                        "digest": b.digest()},
+            "train": self.train.record(),
+            "infer": self.infer.record(),
+            "clip_eps": self.clip_eps,
+            "repeat": self.repeat,
+        }

@@ -1,0 +1,104 @@
+"""Which ops run strict: the names a user passes to --strict and --strict-exp, and the platform refusals, all
+checked before any engine starts.
+
+The wiring of the strict kernels (alignaudit_kernels) into each engine sits beside that engine:
+    engines/hf/strict.py             module swap for transformers (FSDP-style trainers)
+    engines/megatron/strict.py       a strict layer spec (ModuleSpec) and a GPTModel with a strict logprob head
+    engines/vllm/plugin.py           a vLLM general plugin (entry point ``vllm.general_plugins``), enabled by the
+                                     ALIGNAUDIT_STRICT environment variable
+    engines/vllm/attention_cpu.py    strict attention inside vLLM: shared pieces and the CPU platform's backend
+    engines/vllm/attention_cuda.py   the CUDA backend (over FLASH_ATTN; decode capturable in CUDA graphs)
+    engines/strict_modules.py        the modules every engine's wiring shares (rope, MoE router)
+    engines/custom_ops.py            the alignaudit:: custom ops (row-parallel partial, rope, MoE); the kernels
+                                     themselves are opaque custom ops under torch.compile
+                                     (alignaudit_kernels.primitives.opaque_op)
+
+Ops can be made strict one at a time (``--strict rmsnorm,rope``) for ablation; ``all`` is every op.
+"""
+
+from __future__ import annotations
+
+import os
+
+from alignaudit.errors import InputError
+
+STRICT_OPS = ("linear", "rmsnorm", "rope", "silu", "attention", "logprobs")
+STRICT_EXPS = ("portable", "native")  # alignaudit_kernels.attention.EXP_CHOICES, the default first
+ENV = "ALIGNAUDIT_STRICT"
+EXP_ENV = "ALIGNAUDIT_STRICT_EXP"  # the exp of strict attention inside vLLM (its plugin reads it)
+
+
+def check_strict_exp(exp: str, ops: frozenset[str], device: str) -> str:
+    """Validate ``--strict-exp`` before any engine starts and return it. "native" (the GPU's exp2 instruction
+    inside strict attention; alignaudit_kernels.attention) needs strict attention and CUDA; every engine's
+    strict attention takes it there (vLLM's through ALIGNAUDIT_STRICT_EXP).
+
+    Raises:
+        InputError: an unknown value, or "native" where it would not take effect.
+    """
+    if exp not in STRICT_EXPS:
+        raise InputError(f"--strict-exp {exp!r}: choose {' or '.join(STRICT_EXPS)}")
+    if exp == "native":
+        if "attention" not in ops:
+            raise InputError("--strict-exp native sets the exp of strict attention, which this run does not compute: "
+                             "add attention to --strict (or give --strict alone)")
+        if device != "cuda":
+            raise InputError("--strict-exp native is the GPU's exp2 instruction; on the CPU strict attention computes "
+                             "the portable exp only: use --device cuda, or drop --strict-exp")
+    return exp
+
+
+ROCM_ENV = "ALIGNAUDIT_ROCM_UNCHECKED"  # "1": run the strict path on ROCm although no AMD GPU has checked its bits
+
+
+def check_platform(ops: frozenset[str], where: str = "--strict") -> str | None:
+    """Refuse strict ops on a ROCm build of torch (AMD GPUs, which torch names "cuda" devices) before any
+    engine starts: the strict kernels build for MI300X (tests/cross_compile.py gfx942) but no AMD GPU has run
+    their bit-equality tests (docs/kernels.md, "ROCm"). With ALIGNAUDIT_ROCM_UNCHECKED=1 the run goes on;
+    returns the warning to print and record (the run's environment records the variable and torch's HIP
+    version). None on every other platform or without strict ops.
+
+    Raises:
+        InputError: strict ops on ROCm without the variable.
+    """
+    import torch
+
+    if not ops or torch.version.hip is None:
+        return None
+    what = (f"{where} on ROCm (torch HIP {torch.version.hip}): the strict kernels build for MI300X but their bits "
+            "have not been checked on an AMD GPU")
+    if os.environ.get(ROCM_ENV) != "1":
+        raise InputError(f"{what}; run tests/test_kernels.py --kernel-device cuda there first (docs/kernels.md, "
+                         f"'ROCm'), then set {ROCM_ENV}=1")
+    return f"warning: {what} ({ROCM_ENV}=1): a 0-mismatch verdict here is this run's, not a checked guarantee"
+
+
+def guard_platform(ops: frozenset[str], where: str) -> None:
+    """``check_platform`` for the strict modules users build into their own trainer (make_strict,
+    strict_layer_spec): raises the same InputError, and gives the warning as a Python warning."""
+    import warnings
+
+    if warning := check_platform(ops, where):
+        warnings.warn(warning.removeprefix("warning: "), stacklevel=3)
+
+
+def parse_strict(value: str | None, option: str = "--strict") -> frozenset[str]:
+    """``"all"`` -> every op; ``"rmsnorm,rope"`` -> those; None or "" or "none" -> none.
+
+    Raises:
+        InputError: an unknown op name (the message names ``option``).
+    """
+    if value is None or value.strip() in ("", "none"):
+        return frozenset()
+    names = {v.strip() for v in value.split(",") if v.strip()}
+    if "all" in names:
+        return frozenset(STRICT_OPS)
+    unknown = sorted(names - set(STRICT_OPS))
+    if unknown:
+        raise InputError(f"{option}: unknown op(s) {', '.join(unknown)}; choose all or any of {', '.join(STRICT_OPS)}")
+    return frozenset(names)
+
+
+def format_strict(ops: frozenset[str]) -> str:
+    """The inverse of parse_strict, in a stable order ("" for none)."""
+    return "all" if set(ops) == set(STRICT_OPS) else ",".join(o for o in STRICT_OPS if o in ops)

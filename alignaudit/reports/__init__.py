@@ -1,0 +1,1 @@
+"""Renderings of results: terminal tables (rich) and self-contained HTML pages. Import no engine."""

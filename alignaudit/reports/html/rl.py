@@ -1,0 +1,111 @@
+"""The rl section: every per-step series of steps.parquet as curves over the steps, and the steps table."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from alignaudit.capture.rundir import STEPS
+from alignaudit.reports.html.page import Column, Page, table
+from alignaudit.reports.html.runs import RunDir, read_table
+
+STEP_COLUMNS = ("step",)
+# Panels in reading order: (title, columns, log y). Columns a run lacks are skipped; numeric columns not
+# named here get a panel each, so nothing the step records hold is left out.
+PANELS = (
+    ("mismatching tokens", ("mismatches",), False),
+    ("mismatching fraction", ("mismatch_fraction",), False),
+    ("max |lp_train - lp_rollout|", ("max_abs_diff",), True),
+    ("max ULP", ("ulp_max",), False),
+    ("importance ratio min / max", ("ratio_min", "ratio_max"), False),
+    ("KL k3 and ratio outside clip", ("kl_k3", "clip_fraction"), False),
+    ("token_mult_prob_error", ("token_mult_prob_error",), False),
+    ("mean d (signed)", ("mean_diff",), False),
+    ("reward (mean)", ("reward_mean",), False),
+    ("loss", ("loss",), False),
+    ("KL to the starting weights (k3, --kl-coef)", ("kl_ref",), False),
+    ("grad norm", ("grad_norm",), False),
+    ("weights changed by the update (fraction of elements)", ("weights_changed_fraction",), False),
+    ("max |delta w|", ("max_abs_dw",), False),
+    ("train clip fraction", ("train_clip_fraction",), False),
+    ("checks (1 = holds)", ("sync_bit_equal", "train_forward_equal"), False),
+    ("sync problems", ("sync_tensors_differing", "sync_stale_packed", "sync_replicas_diverged"), False),
+    ("NaN tokens", ("nan_tokens",), False),
+    ("seconds per stage", ("rollout_s", "rescore_s", "update_s", "sync_s", "seconds"), False),
+)
+SKIP = {"step", "tokens"}
+
+
+def panels(steps: pd.DataFrame) -> list[tuple[str, list[str], bool]]:
+    """The PANELS this table has columns for, then one panel per other numeric or boolean column."""
+    out, used = [], set(SKIP)
+    for title, columns, log in PANELS:
+        present = [c for c in columns if c in steps]
+        used |= set(columns)
+        if present:
+            out.append((title, present, log))
+    for column in steps.columns:
+        if column not in used and (pd.api.types.is_numeric_dtype(steps[column])
+                                   or pd.api.types.is_bool_dtype(steps[column])):
+            out.append((column, [column], False))
+    return out
+
+
+def steps_figure(steps: pd.DataFrame):
+    """A grid of small plots over the steps, two per row, one per panel."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    chosen = panels(steps)
+    rows = math.ceil(len(chosen) / 2)
+    fig = make_subplots(rows=rows, cols=2, subplot_titles=[t for t, _, _ in chosen],
+                        vertical_spacing=min(0.3 / rows, 0.08),
+                        horizontal_spacing=0.08)
+    x = steps["step"].tolist()
+    for k, (title, columns, log) in enumerate(chosen):
+        row, col = k // 2 + 1, k % 2 + 1
+        for column in columns:
+            y = steps[column].astype(float)
+            if log:
+                y = y.where(y > 0)  # 0 (aligned) has no place on a log axis: a gap
+            fig.add_trace(go.Scatter(x=x, y=[None if v != v else v for v in y], mode="lines+markers", name=column,
+                                     legendgroup=column, showlegend=len(columns) > 1, marker=dict(size=5),
+                                     hovertemplate=f"step %{{x}}<br>{column} %{{y:.6g}}<extra></extra>"),
+                          row=row, col=col)
+        if log:
+            fig.update_yaxes(type="log", row=row, col=col)
+        fig.update_xaxes(title_text="step" if k >= len(chosen) - 2 else None, row=row, col=col)
+    fig.update_xaxes(tick0=1, dtick=max(1, math.ceil(len(steps) / 10)))  # whole steps only
+    fig.update_layout(height=260 * rows + 80, legend=dict(orientation="h", y=-0.03))
+    return fig
+
+
+def rl_section(page: Page, run: RunDir) -> pd.DataFrame:
+    """Add the per-step curves and table of an rl run; returns the steps table.
+
+    Raises:
+        InputError: steps.parquet unreadable or without a ``step`` column, or empty.
+    """
+    from alignaudit.errors import InputError
+
+    steps = read_table(run.path / STEPS, STEP_COLUMNS).sort_values("step").reset_index(drop=True)
+    if steps.empty:
+        raise InputError(f"{run.path / STEPS} holds no steps; the run stopped before its first step: run it again")
+    page.heading("RL steps", anchor="rl")
+    if "mismatches" in steps:
+        bad = int((steps["mismatches"] > 0).sum())
+        unsynced = int((~steps["sync_bit_equal"].astype(bool)).sum()) if "sync_bit_equal" in steps else 0
+        page.banner(f"{bad} of {len(steps)} steps with mismatching tokens; {unsynced} weight syncs not bit-equal",
+                    bad == 0 and unsynced == 0)
+    page.figure(steps_figure(steps), "rl-steps")
+    page.heading("Steps (steps.parquet)", level=3)
+    columns = [Column(c, c, text=not pd.api.types.is_numeric_dtype(steps[c])
+                      and not pd.api.types.is_bool_dtype(steps[c]))
+               for c in steps.columns if c != "weights_digest"]
+    rows = steps.to_dict("records")
+    if "weights_digest" in steps:
+        columns.append(Column("weights", "weights", text=True))
+        rows = [{**r, "weights": str(r["weights_digest"])[:12]} for r in rows]
+    page.add(table(rows, columns, table_id="steps"))
+    return steps

@@ -1,0 +1,215 @@
+"""Worker process entry: run one engine on one request and write a capture directory.
+
+    python -m alignaudit.workers.capture_worker REQUEST.json
+    python -m alignaudit.workers.capture_worker --check-options '[{"engine", "settings", "spec", "role", "mode"}, ...]'
+        (validate only)
+
+Every engine runs in a worker of its own (vLLM's in-process engine patches torch; Megatron keeps global
+parallel state). A library error is reported on stderr as one line starting with ``ERROR_MARKER`` followed
+by JSON, so the parent can re-raise it with the same type and exit code. Megatron at tensor-parallel size
+t > 1 runs as t rank processes started here (torch.multiprocessing, one rendezvous file); every rank runs
+the request, rank 0 alone reports progress and writes the capture.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+ERROR_MARKER = "ALIGNAUDIT-WORKER-ERROR "
+PROGRESS_MARKER = "ALIGNAUDIT-PROGRESS "
+
+
+def report_progress(done: int, total: int) -> None:
+    """One progress line on stdout (sequences done of total); the parent shows it and keeps it out of the log."""
+    print(f"{PROGRESS_MARKER}{done} {total}", flush=True)
+
+
+def run_request(request: dict) -> None:
+    """Run the request on this process, or on its tensor-parallel ranks."""
+    tp = ranks_to_spawn(request)
+    if tp > 1:
+        run_ranks(request, tp)
+    else:
+        run_rank(request, 0)
+
+
+def ranks_to_spawn(request: dict) -> int:
+    """How many rank processes the worker starts for ``request``: its tensor-parallel size where alignaudit starts
+    the engine's ranks (Megatron), else 1 (vLLM starts its own; HF has none)."""
+    from alignaudit.engines import kind_of
+
+    kind = kind_of(request["engine"])
+    return int(request["settings"].get("options", {}).get(kind.tp_option, 1)) if kind.spawns_ranks else 1
+
+
+def run_ranks(request: dict, tp: int) -> None:
+    """Start ``tp`` rank processes and wait for all; a rank's failure ends the worker with that rank's exit
+    code (the rank reported its error on the shared stderr)."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from alignaudit.engines.megatron.adapter import RENDEZVOUS_ENV
+
+    os.environ[RENDEZVOUS_ENV] = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
+    try:
+        mp.start_processes(_rank_main, args=(request, tp), nprocs=tp, join=True, start_method="spawn")
+    except mp.ProcessExitedException as e:
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 3)
+
+
+def _rank_main(rank: int, request: dict, tp: int) -> None:
+    import os
+
+    from alignaudit.engines.megatron.adapter import RANK_ENV, WORLD_ENV
+
+    os.environ[RANK_ENV], os.environ[WORLD_ENV] = str(rank), str(tp)
+    _guarded(lambda: run_rank(request, rank))
+
+
+def run_rank(request: dict, rank: int) -> None:
+    from alignaudit.capture.directory import logprob_table, write_capture
+    from alignaudit.capture.environment import hardware, numerics_flags, package_versions
+    from alignaudit.engines import load_engine_class
+    from alignaudit.inputs.checkpoint import ModelSpec
+    from alignaudit.inputs.prompts import TokenBatch
+    from alignaudit.inputs.request import EngineSettings, Sampling
+
+    spec = ModelSpec(**request["spec"])
+    settings = EngineSettings(**request["settings"])
+    batch = TokenBatch.from_dict(request["batch"])
+    out = Path(request["out"])
+    started = time.perf_counter()
+    engine = load_engine_class(request["engine"])(spec, settings)
+    if rank == 0:
+        engine.progress = report_progress
+    loaded = time.perf_counter()
+    tap = _attach_tap(engine, spec, request.get("ops"), out, rank)
+    rollout = request.get("rollout")
+    engine.replay = request.get("replay")
+    prompt_lengths = engine.replay["prompt_lengths"] if engine.replay else None
+    if rollout:
+        prompt_lengths = [len(s) for s in batch.sequences]
+        batch, logprobs = engine.rollout(batch, Sampling(**rollout))
+    else:
+        logprobs = engine.prompt_logprobs(batch)
+    repeats = None
+    if request.get("repeat", 1) > 1:  # compare --repeat: the same engine again, op capture done
+        from alignaudit.comparison.repeat import run_repeats
+
+        if engine.hooks is not None:
+            engine.hooks.close()
+        engine.hooks = engine.tap = None
+        repeats = run_repeats(engine, batch, logprobs, request["repeat"], settings.seed)
+    finished = time.perf_counter()
+    manifest = {
+        "engine": request["engine"],
+        "role": request.get("role"),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {**spec.to_dict(), "checkpoint_sha256": request.get("checkpoint_sha256")},
+        "settings": settings.to_dict(),
+        "engine_settings": engine.settings_record(),
+        "mode": "rollout" if rollout else "prompt",
+        "rollout": {**rollout, "prompt_lengths": prompt_lengths} if rollout else None,
+        "replay": engine.replay,
+        "prompts": {
+            "source": batch.source,
+            "num_sequences": len(batch.sequences),
+            "num_tokens": batch.num_tokens,
+            "digest": batch.digest(),
+            "texts": list(batch.texts),
+        },
+        "versions": package_versions(),
+        "hardware": hardware(settings.device),
+        "numerics": numerics_flags(),
+        "timing_s": {"load": round(loaded - started, 3), "forward": round(finished - loaded, 3)},
+    }
+    if repeats is not None:
+        manifest["repeats"] = repeats
+    if rank != 0:
+        engine.close()
+        return
+    if tap is not None:
+        unforced = tap.unforced_ops()
+        manifest["ops"] = {
+            **tap.recorder.finish(),
+            "unforced_ops": unforced,
+            "selection": request["ops"].get("selection"),
+            "mode": "forced" if tap.reference is not None else "natural",
+            "reference": request["ops"].get("reference"),
+            "substituted_ops": len(tap.substituted),
+        }
+    engine.close()
+    write_capture(out, manifest, logprob_table(batch, logprobs, prompt_lengths))
+
+
+def _attach_tap(engine, spec, ops_request: dict | None, out: Path, rank: int = 0):
+    """Natural capture of the selected ops, or forced mode when a reference capture is given. Every
+    tensor-parallel rank taps (gathering a sharded op is collective); rank 0 alone records."""
+    if ops_request is None:
+        return None
+    from alignaudit.capture.op_store import OpRecorder, OpStore
+    from alignaudit.capture.ops import Selection
+    from alignaudit.engines.taps import Tap
+
+    reference = None
+    if ops_request.get("reference"):
+        from alignaudit.capture.directory import read_capture
+
+        path = Path(ops_request["reference"])
+        reference = OpStore(path, read_capture(path).manifest.get("ops"))
+    recorder = OpRecorder(out) if rank == 0 else None
+    tap = Tap(spec, Selection.from_dict(ops_request.get("selection")), recorder, reference, record_all=rank != 0)
+    engine.attach(tap)
+    return tap
+
+
+def main() -> None:
+    def work():
+        if sys.argv[1] == "--check-options":
+            check_options(json.loads(sys.argv[2]))
+        else:
+            run_request(json.loads(Path(sys.argv[1]).read_text()))
+
+    _guarded(work)
+
+
+def check_options(checks: list[dict]) -> None:
+    from alignaudit.engines import load_engine_class
+    from alignaudit.inputs.checkpoint import ModelSpec
+    from alignaudit.inputs.request import EngineSettings
+
+    for check in checks:
+        cls = load_engine_class(check["engine"])
+        settings = EngineSettings(**check["settings"])
+        cls.check_options(settings.options)
+        cls.check_config(ModelSpec(**check["spec"]), settings, check["role"], check["mode"])
+
+
+def _guarded(work) -> None:
+    """Run ``work``; a library error becomes an ERROR_MARKER line and its exit code, anything else exit 3."""
+    from alignaudit.errors import EXIT_ENGINE, AlignAuditError
+
+    try:
+        work()
+    except AlignAuditError as e:
+        traceback.print_exc()
+        record = {"type": type(e).__name__, "message": str(e)}
+        print(ERROR_MARKER + json.dumps(record), file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(EXIT_ENGINE)
+
+
+if __name__ == "__main__":
+    main()

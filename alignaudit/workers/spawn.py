@@ -1,0 +1,141 @@
+"""Parent side of the engine workers: launch one worker process per capture and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+from alignaudit import errors
+from alignaudit.capture.directory import Capture, read_capture
+from alignaudit.capture.rundir import LOGPROBS, MANIFEST, OPS_DIR, REQUEST, WORKER_LOG
+from alignaudit.engines import check_installed
+from alignaudit.inputs.checkpoint import ModelSpec
+from alignaudit.inputs.prompts import TokenBatch
+from alignaudit.inputs.request import EngineSettings
+from alignaudit.workers.capture_worker import ERROR_MARKER, PROGRESS_MARKER
+
+
+def run_capture(
+    engine: str,
+    spec: ModelSpec,
+    batch: TokenBatch,
+    settings: EngineSettings,
+    out: Path,
+    *,
+    role: str | None = None,
+    checkpoint_sha256: str | None = None,
+    stream_log: bool = False,
+    ops: dict | None = None,
+    rollout: dict | None = None,
+    replay: dict | None = None,
+    repeat: int = 1,
+    on_progress=None,
+) -> Capture:
+    """Run ``engine`` in a fresh worker process and return the capture it wrote to ``out``.
+
+    The request and the worker's combined stdout/stderr (``worker.log``) stay in ``out`` for reproduction.
+    ``ops`` turns on per-op capture: ``{"selection": Selection.to_dict(), "reference": capture dir or None}``.
+    ``rollout`` samples completions instead (alignaudit.inputs.request.Sampling.to_dict()); ``replay`` (temperature,
+    top_k, top_p, prompt_lengths) scores generated tokens under the sampling transform. ``on_progress(done,
+    total)`` receives the worker's progress lines (sequences done), which are kept out of the log.
+    ``repeat`` > 1 (prompt mode) runs the engine that many times in the worker (alignaudit.comparison.repeat).
+
+    Raises:
+        EngineError: the engine is not installed, or the worker crashed (message: its last log lines).
+        InputError: the worker refused the input (same message as it would give in-process).
+    """
+    check_installed(engine)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in (MANIFEST, LOGPROBS):  # a failed run must never leave an earlier capture looking valid
+        (out / stale).unlink(missing_ok=True)
+    shutil.rmtree(out / OPS_DIR, ignore_errors=True)
+    request = {
+        "engine": engine,
+        "role": role,
+        "spec": spec.to_dict(),
+        "settings": settings.to_dict(),
+        "batch": batch.to_dict(),
+        "checkpoint_sha256": checkpoint_sha256,
+        "ops": ops,
+        "rollout": rollout,
+        "replay": replay,
+        "repeat": repeat,
+        "out": str(out.resolve()),
+    }
+    (out / REQUEST).write_text(json.dumps(request, indent=2) + "\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    tail: deque[str] = deque(maxlen=20)
+    with open(out / WORKER_LOG, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "alignaudit.workers.capture_worker", str(out / REQUEST)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_die_with_parent,
+        )
+        try:
+            for line in proc.stdout:
+                if line.startswith(PROGRESS_MARKER):
+                    if on_progress is not None:
+                        done, total = line[len(PROGRESS_MARKER):].split()
+                        on_progress(int(done), int(total))
+                    continue
+                log.write(line)
+                tail.append(line.rstrip("\n"))
+                if stream_log:
+                    sys.stderr.write(line)
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: do not leave an engine holding memory
+                proc.kill()
+                proc.wait()
+    if code != 0:
+        raise _worker_error(engine, code, list(tail), out / WORKER_LOG)
+    return read_capture(out)
+
+
+def check_options(runs: list, spec: ModelSpec, mode: str = "prompt") -> None:
+    """Validate the settings of every engine run (alignaudit.inputs.request.EngineRun) in one short worker that
+    imports only the engines' config classes (seconds): option names and types, and the engine's own
+    configuration built from ``spec`` and the settings (e.g. Megatron's TransformerConfig), so a problem
+    with the second engine is reported before the first one runs. Runs without options cost nothing.
+
+    Raises:
+        InputError: an option an engine does not understand or cannot take (the engine's own message).
+        EngineError: the check itself crashed.
+    """
+    checks = [{"engine": run.engine, "settings": run.settings.to_dict(), "spec": spec.to_dict(), "role": role,
+               "mode": mode} for role, run in zip(("train", "infer"), runs) if run.settings.options]
+    if not checks:
+        return
+    proc = subprocess.run([sys.executable, "-m", "alignaudit.workers.capture_worker", "--check-options",
+                           json.dumps(checks)], capture_output=True, text=True, preexec_fn=_die_with_parent)
+    if proc.returncode != 0:
+        engines = " and ".join(dict.fromkeys(c["engine"] for c in checks))
+        raise _worker_error(engines, proc.returncode, (proc.stdout + proc.stderr).splitlines()[-20:], None)
+
+
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGKILL when the parent dies, however it dies (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _worker_error(engine: str, code: int, tail: list[str], log: Path | None) -> errors.AlignAuditError:
+    for line in reversed(tail):
+        if line.startswith(ERROR_MARKER):
+            record = json.loads(line[len(ERROR_MARKER):])
+            kind = getattr(errors, record["type"], errors.EngineError)
+            return kind(record["message"])
+    last = "\n  ".join(line for line in tail[-8:] if line.strip())
+    where = f"; full log: {log}" if log else ""
+    return errors.EngineError(f"{engine} worker crashed (exit code {code}){where}; last lines:\n  {last}")
