@@ -130,8 +130,8 @@ def test_what_moe_does_not_run_yet_is_refused_before_any_engine(capsys, tmp_path
 ])
 def test_strict_moe_in_cuda_vllm_graphs_is_refused_until_run(engine, device, strict, options, refused):
     """Strict MoE inside CUDA vLLM ran eager only (findings.md "CUDA vLLM"); graphs are refused with the fix."""
-    from alignaudit.errors import InputError
     from alignaudit.engines.checks import check_moe
+    from alignaudit.errors import InputError
 
     run = EngineRun(engine, EngineSettings("bf16", device, 0, options, strict=strict))
     other = EngineRun("hf", EngineSettings("bf16", device, 0, {}, strict=strict))

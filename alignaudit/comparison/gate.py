@@ -354,7 +354,7 @@ def _first_message(row: dict) -> str:
             f"train {f['train']:.9g} ({f['train_hex']}) vs infer {f['infer']:.9g} ({f['infer_hex']}), {f['ulp']} ULP")
 
 
-def junit_xml(verdict: Verdict, name: str = "alignaudit.comparison.gate") -> str:
+def junit_xml(verdict: Verdict, name: str = "alignaudit.gate") -> str:
     """JUnit XML: one test case per sequence (compare) or per step (rl). NaN is an <error>; a mismatch (or
     an rl step's weight sync that is not bit-equal) a <failure> when the verdict fails; under a relaxed rule
     that passes, mismatches are reported as system-out."""

@@ -86,7 +86,7 @@ class View:
 
 
 def canonical(rows: torch.Tensor, layout: str, spec: ModelSpec) -> torch.Tensor:
-    """Reshape rows [tokens, ...] to the canonical layout of ``layout`` (see ops.py)."""
+    """Reshape rows [tokens, ...] to the canonical layout of ``layout`` (see capture/ops.py)."""
     n = rows.shape[0]
     if layout == "q_heads":
         return rows.reshape(n, spec.num_heads, spec.head_dim)

@@ -5,7 +5,7 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.worker
                  seed + i, the same at every step, so that with unchanged weights every step repeats) and
                  records each sampled token's logprob while decoding;
     2. rescore   the trainer computes the same tokens' logprobs (old_logprobs), eval mode, no gradient;
-    3. compare   every generated token, trainer vs rollout: bitwise, ULP, RL metrics (diff.py);
+    3. compare   every generated token, trainer vs rollout: bitwise, ULP, RL metrics (comparison/token_diff.py);
     4. reward    the chosen reward per completion (grpo.REWARDS), GRPO group advantages (grpo.py);
     5. update    the trainer's forward with gradient, the clipped loss with ratio exp(lp_train - lp_rollout),
                  gradient clipping, one optimizer step;
