@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/alignaudit compare --out alignaudit-runs/demo --force
 
-# tests/test_html_report.py opens reports in a headless Chromium: installed here when missing and apt-get
+# tests/reports/test_html_report.py opens reports in a headless Chromium: installed here when missing and apt-get
 # can (as root, or through passwordless sudo); without it those tests skip, saying why.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 
@@ -40,7 +40,7 @@ chromium:
 	  ! command -v apt-get >/dev/null 2>&1 || \
 	  $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1 || \
 	  { $(SUDO) apt-get update -q >/dev/null 2>&1 && $(SUDO) apt-get install -y -q chromium >/dev/null 2>&1; } || \
-	  echo "chromium could not be installed: tests/test_html_report.py will skip"
+	  echo "chromium could not be installed: tests/reports/test_html_report.py will skip"
 
 # ruff (pyproject.toml [tool.ruff]: line length, import order, pyflakes) before the suite; the import
 # contracts are tests/test_imports.py.

@@ -127,7 +127,7 @@ for stage in "$@"; do
   case $stage in
     synth) python3 -c "from alignaudit.inputs.checkpoint import resolve_model as r; [r(m, random_weights=True) for m in '${SYNTH:-Qwen3-8B}'.split(',')]" \
              2>&1 | log | tail -3 ;;
-    tests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    tests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
              | tee "$out/gpu-kernel-tests.log" | tail -15 || status=1 ;;
     sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | log | tail -25 ;;
     sweep-medium) timeout 300 python3 bench/sweep_gpu.py --sections medium-m --json "$out/sweep-medium.json" 2>&1 | log | tail -25 ;;
@@ -222,7 +222,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
                  --no-token-rows --out /dev/shm/vrl17 --force ${CMP_OPTS:-} 2>&1 | log | tail -4
                cp /dev/shm/vrl17/steps.parquet "$out/vrl17-steps.parquet" 2>/dev/null
                python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','reward_mean','loss','grad_norm','seconds','rollout_s','rescore_s','update_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
-    ipc) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_weight_transfer.py -rs 2>&1 | log | tail -5 ;;
+    ipc) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/rl/test_weight_transfer.py -rs 2>&1 | log | tail -5 ;;
     rl-bench) timeout ${RLB_TIMEOUT:-420} python3 bench/rl_steps.py --steps ${RLB_STEPS:-6} -- $G17 --device cuda --lr 1e-6 \
                 ${RLB_OPTS:-} 2>&1 | log | tail -12
               cp bench-rl-steps.json "$out/" 2>/dev/null ;;

@@ -6,21 +6,20 @@ Engine captures are expensive on 2 CPU cores (a worker process per engine, 10-40
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from alignaudit.capture.ops import Selection
-from alignaudit.commands.pipeline import EngineRun, capture
+from alignaudit.capture.directory import read_capture
+from alignaudit.capture.rundir import CAPTURE_OUTPUTS
 from alignaudit.inputs.checkpoint import load_spec
 from alignaudit.inputs.prompts import load_prompts
-from alignaudit.inputs.request import EngineSettings
-
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = ROOT / "fixtures" / "qwen3-tiny"
+from helpers import FIXTURE, CaptureCache
 
 # vLLM 0.32 (CPU wheel) with torch 2.13 cannot load its own AOT-compiled artifacts ("'function' object has no
 # attribute 'finalize_loading'", vllm/compilation/decorators.py) and compiles every engine again; its older
@@ -34,7 +33,7 @@ def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true",
                      help="run the slow tests: real-shape models, every kernel launch configuration (minutes each)")
     parser.addoption("--kernel-device", default="cpu", choices=("cpu", "cuda", "interpret"),
-                     help="strict-kernel backend for tests/test_kernels.py (interpret: set TRITON_INTERPRET=1)")
+                     help="strict-kernel backend for tests/kernels/test_kernels.py (interpret: set TRITON_INTERPRET=1)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,6 +51,66 @@ def _isolated_cache(tmp_path_factory):
     os.environ.setdefault("ALIGNAUDIT_CACHE", str(tmp_path_factory.mktemp("alignaudit-cache")))
 
 
+# Engine settings that reach a worker through its environment rather than its request (fault injection, kernels,
+# vLLM and torch switches): part of what a capture is, so part of its key (where caches live is not).
+CAPTURE_ENV_PREFIXES = ("ALIGNAUDIT_", "VLLM_", "TRITON_", "TORCH", "OMP_", "CUDA_", "MKL_")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _captures_once_per_session(tmp_path_factory):
+    """Every engine capture a test asks for in-process (pipeline.capture: the CLI's compare, bisect, ablate, gate
+    and the CaptureCache) runs the real engine once per test session and request; the same request again, from
+    any test or test process, gets a copy of that real capture. The key is the whole worker request (engine,
+    settings, checkpoint sha256, token ids, role, ops, rollout, replay, repeat) and the worker's environment
+    variables that change what it computes. Not memoized: forced-mode op capture (its reference is a path),
+    captures that stream their log, and failures. Commands run as subprocesses (run_cli) always run engines."""
+    from alignaudit.commands import pipeline
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # one directory for every xdist worker of the session
+    store = shared / "capture-memo"
+    store.mkdir(exist_ok=True)
+    real = pipeline.run_capture
+
+    def run_capture(engine, spec, batch, settings, out, **kw):
+        if kw.get("stream_log") or (kw.get("ops") or {}).get("reference"):
+            return real(engine, spec, batch, settings, out, **kw)
+        keyed = {k: v for k, v in kw.items() if k not in ("stream_log", "on_progress")}
+        env = {k: v for k, v in os.environ.items() if k.startswith(CAPTURE_ENV_PREFIXES) and "CACHE" not in k}
+        key = hashlib.sha256(json.dumps([engine, spec.to_dict(), batch.to_dict(), settings.to_dict(), keyed, env],
+                                        sort_keys=True, default=str).encode()).hexdigest()[:24]
+        kept, out = store / key, Path(out)
+        with open(store / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (kept / ".complete").exists():
+                result = real(engine, spec, batch, settings, out, **kw)
+                _copy_capture(out, kept)
+                (kept / ".complete").touch()
+                return result
+        _copy_capture(kept, out)
+        return read_capture(out)
+
+    pipeline.run_capture = run_capture
+    yield
+    pipeline.run_capture = real
+
+
+def _copy_capture(src: Path, dst: Path) -> None:
+    """The files a capture worker writes (rundir.CAPTURE_OUTPUTS), from ``src`` into ``dst`` (replacing the
+    ones there, as a new capture does)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in CAPTURE_OUTPUTS:
+        if (dst / name).is_dir():
+            shutil.rmtree(dst / name)
+        elif (dst / name).exists():
+            (dst / name).unlink()
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name)
+        elif (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
 @pytest.fixture(scope="session")
 def tiny_spec():
     return load_spec(FIXTURE)
@@ -62,49 +121,8 @@ def tiny_batch(tiny_spec):
     return load_prompts(tiny_spec)
 
 
-class CaptureCache:
-    """Real engine captures of the fixture on the built-in prompts, keyed by (engine, dtype, options)."""
-
-    def __init__(self, root: Path, spec, batch):
-        self.root, self.spec, self.batch = root, spec, batch
-        self.done = {}
-
-    def get(self, engine: str, dtype: str, ops: bool | Selection = False, reference=None, strict: str = "",
-            rollout=None, batch=None, **options):
-        """A capture; ``ops`` adds every canonical op (or those of a Selection); ``reference`` (a capture) runs
-        forced mode; ``strict`` swaps in strict kernels; ``rollout`` samples; ``batch`` (a capture) scores its
-        tokens."""
-        selection = ops if isinstance(ops, Selection) else Selection() if ops or reference else None
-        key = (engine, dtype, json.dumps(selection.to_dict(), sort_keys=True) if isinstance(ops, Selection) else ops,
-               reference.path.name if reference else None, strict or None,
-               json.dumps(rollout, sort_keys=True) if rollout else None, batch.path.name if batch else None,
-               json.dumps(options, sort_keys=True))
-        if key not in self.done:
-            name = "-".join(str(k) for k in key if k not in (None, False, "{}")).replace("/", "_").replace(" ", "")
-            run = EngineRun(engine, EngineSettings(dtype=dtype, device="cpu", options=options, strict=strict))
-            tokens = batch.token_batch() if batch is not None else self.batch
-            self.done[key] = capture(self.spec, tokens, run, self.root / name,
-                                     ops=selection,
-                                     reference=reference.path if reference else None, rollout=rollout)
-        return self.done[key]
-
-
 @pytest.fixture(scope="session")
 def captures(tmp_path_factory, tiny_spec, tiny_batch):
     return CaptureCache(tmp_path_factory.mktemp("captures"), tiny_spec, tiny_batch)
 
 
-def assert_bitwise_equal(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    """Assert identical bit patterns; on failure report count, max ULP, max |diff| and first indices."""
-    from alignaudit.comparison import numerics
-
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    same = numerics.bitwise_equal(a, b)
-    if bool(same.all()):
-        return
-    ulp = numerics.ulp_distance(a, b)
-    where = (~same).nonzero()[:5].tolist()
-    raise AssertionError(
-        f"{name}: {int((~same).sum())} of {same.numel()} elements differ; max ULP {int(ulp.max())}, "
-        f"max |diff| {float((a.double() - b.double()).abs().max()):.3e}; first at {where}"
-    )

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 PACKAGES = {"alignaudit": ROOT / "alignaudit", "alignaudit_kernels": ROOT / "kernels"}
 ENGINE_SIDE = ("alignaudit.engines", "alignaudit.workers", "alignaudit.commands", "alignaudit.rl", "vllm", "megatron")

@@ -250,7 +250,7 @@ def micro_batches(batch: TokenBatch, size: int | str) -> list[list[int]]:
     up to ``AUTO_BATCH_ROWS`` rows and ``AUTO_BATCH_TOKENS`` tokens per pass, so nothing is padded and
     every sequence's attention runs over its own length. Padding changes fp32 bits here (the built-in
     prompts: 5 of 176 hf tokens, 4 megatron tokens); equal-length batches gave the same bits as one
-    sequence at a time, fp32 and bf16, hf and megatron (tests/test_engines.py; AMD EPYC with AVX-512 BF16,
+    sequence at a time, fp32 and bf16, hf and megatron (tests/engines/test_engines.py; AMD EPYC with AVX-512 BF16,
     2026-11-29).
     """
     n = len(batch.sequences)

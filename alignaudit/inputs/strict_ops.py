@@ -53,7 +53,7 @@ ROCM_ENV = "ALIGNAUDIT_ROCM_UNCHECKED"  # "1": run the strict path on ROCm altho
 
 def check_platform(ops: frozenset[str], where: str = "--strict") -> str | None:
     """Refuse strict ops on a ROCm build of torch (AMD GPUs, which torch names "cuda" devices) before any
-    engine starts: the strict kernels build for MI300X (tests/cross_compile.py gfx942) but no AMD GPU has run
+    engine starts: the strict kernels build for MI300X (tests/kernels/cross_compile.py gfx942) but no AMD GPU has run
     their bit-equality tests (docs/kernels.md, "ROCm"). With ALIGNAUDIT_ROCM_UNCHECKED=1 the run goes on;
     returns the warning to print and record (the run's environment records the variable and torch's HIP
     version). None on every other platform or without strict ops.
@@ -68,8 +68,8 @@ def check_platform(ops: frozenset[str], where: str = "--strict") -> str | None:
     what = (f"{where} on ROCm (torch HIP {torch.version.hip}): the strict kernels build for MI300X but their bits "
             "have not been checked on an AMD GPU")
     if os.environ.get(ROCM_ENV) != "1":
-        raise InputError(f"{what}; run tests/test_kernels.py --kernel-device cuda there first (docs/kernels.md, "
-                         f"'ROCm'), then set {ROCM_ENV}=1")
+        raise InputError(f"{what}; run tests/kernels/test_kernels.py --kernel-device cuda there first "
+                         f"(docs/kernels.md, 'ROCm'), then set {ROCM_ENV}=1")
     return f"warning: {what} ({ROCM_ENV}=1): a 0-mismatch verdict here is this run's, not a checked guarantee"
 
 

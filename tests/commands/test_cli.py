@@ -1,0 +1,195 @@
+"""The real command on the real fixture: outputs parsed back, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from alignaudit.commands import cli
+from alignaudit.errors import EXIT_ENGINE, EXIT_OK, EXIT_USAGE, InputError
+from helpers import FIXTURE, one_line_error, run_cli
+
+pytestmark = pytest.mark.engines
+
+
+def test_compare_megatron_vs_vllm_default(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli("compare", "--out", str(out))
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert "Logprob alignment" in proc.stdout and "176 of 176 tokens differ" in proc.stdout
+    assert f"{out}/report.html" in proc.stdout and "176 of 176 tokens differ" in (out / "report.html").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sides"]["train"]["engine"] == "megatron" and summary["sides"]["infer"]["engine"] == "vllm"
+    assert summary["tokens_compared"] == 176 and summary["mismatches"] == 176
+    tokens = pd.read_parquet(out / "tokens.parquet")
+    assert len(tokens) == 176 and not tokens["bitwise_equal"].any()
+    assert (tokens["ulp"] > 0).all() and set(tokens["pos"]) == set(range(1, 98))
+    run = json.loads((out / "run.json").read_text())
+    assert run["train"]["dtype"] == "bf16" and run["model"]["name"] == "qwen3-tiny"
+    for role in ("train", "infer"):
+        assert (out / role / "manifest.json").is_file() and (out / role / "worker.log").is_file()
+    again = run_cli("compare", "--out", str(out))  # nothing already written is lost
+    assert again.returncode == EXIT_USAGE and "--force" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_self_consistency_same_engine_both_sides(tmp_path):
+    """One engine, the same settings spelled two ways: a deterministic engine must agree with itself."""
+    out = tmp_path / "self"
+    code = cli.main(["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "micro_batch_size=auto",
+                     "--dtype", "fp32", "--out", str(out)])
+    assert code == EXIT_OK
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mismatches"] == 0 and summary["tokens_compared"] == 176
+    assert summary["sides"]["infer"]["options"] == {"micro_batch_size": "auto"}
+    manifest = json.loads((out / "infer" / "manifest.json").read_text())
+    assert manifest["engine_settings"]["micro_batch_size"] == "auto"
+    assert manifest["engine_settings"]["micro_batches"] == 4  # the built-in prompts differ in length: no padding
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/no/such/model"], "no such directory"),
+    (["--train", "deepspeed"], "unknown engine 'deepspeed'; choose one of hf, megatron, vllm"),
+    (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    (["--device", "tpu"], "unknown device"),
+    (["--train-opt", "noequals"], "is not KEY=VALUE"),
+    (["--random-prompts", "0"], "N >= 1"),
+    (["--not-an-option"], "No such option"),
+    (["--strict-exp", "fast"], "--strict-exp 'fast': choose portable or native"),
+    (["--strict-exp", "native"], "add attention to --strict"),
+    (["--strict", "rmsnorm", "--strict-exp", "native"], "add attention to --strict"),
+    (["--strict", "--strict-exp", "native", "--device", "cpu"], "use --device cuda"),
+    (["--device", "rocm"], "torch names AMD (ROCm) GPUs cuda devices; pass --device cuda"),
+])
+def test_usage_errors_are_one_line(capsys, tmp_path, argv, message):
+    err = one_line_error(capsys, ["compare", "--out", str(tmp_path / "o"), *argv], EXIT_USAGE)
+    assert message in err
+
+
+def test_strict_on_rocm_is_refused_before_any_engine_starts(capsys, monkeypatch, tmp_path):
+    """A ROCm torch (torch.version.hip set; its GPUs are "cuda" devices): --strict is refused in one line
+    naming what was not checked and the way on; ALIGNAUDIT_ROCM_UNCHECKED=1 turns the refusal into a warning,
+    which the vLLM plugin puts in vLLM's log; without strict ops nothing is said."""
+    import torch
+
+    from alignaudit.engines.vllm import plugin as vllm_plugin
+    from alignaudit.inputs.strict_ops import check_platform
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("ALIGNAUDIT_ROCM_UNCHECKED", raising=False)
+    err = one_line_error(capsys, ["compare", "--strict", "--device", "cuda", "--out", str(tmp_path / "o")],
+                         EXIT_USAGE)
+    assert "--strict on ROCm (torch HIP 6.4.43482)" in err and "ALIGNAUDIT_ROCM_UNCHECKED=1" in err
+    assert not (tmp_path / "o").exists()
+    monkeypatch.setenv("ALIGNAUDIT_STRICT", "rmsnorm")
+    monkeypatch.setattr(vllm_plugin, "_applied", set())
+    with pytest.raises(InputError, match="ALIGNAUDIT_STRICT on ROCm"):
+        vllm_plugin.register()
+    assert vllm_plugin._applied == set()  # refused before any op was patched
+    assert check_platform(frozenset()) is None
+    from alignaudit.engines.hf.strict import make_strict
+
+    with pytest.raises(InputError, match="make_strict on ROCm"):  # what users build into their trainer
+        make_strict(object(), frozenset({"linear"}))
+    monkeypatch.setenv("ALIGNAUDIT_ROCM_UNCHECKED", "1")
+    assert check_platform(frozenset({"linear"})).startswith("warning: --strict on ROCm")
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert check_platform(frozenset({"linear"})) is None
+
+
+def test_bad_model_and_prompt_files(capsys, tmp_path):
+    arch = tmp_path / "mamba"
+    arch.mkdir()
+    (arch / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
+    assert "supported: Qwen3ForCausalLM" in one_line_error(capsys, ["compare", "--model", str(arch)], EXIT_USAGE)
+    for content, message in [("", "is empty"), ('{"token_ids": [1, 600]}', "outside the vocabulary [0, 512)"),
+                             (json.dumps({"token_ids": [1] * 2000}), "longer than the model's max length")]:
+        f = tmp_path / "p.jsonl"
+        f.write_text(content)
+        assert message in one_line_error(capsys, ["compare", "--prompts", str(f)], EXIT_USAGE)
+
+
+def test_engine_not_installed(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("megatron") else real(name, *a))
+    err = one_line_error(capsys, ["compare", "--model", str(FIXTURE)], EXIT_ENGINE)
+    assert "megatron.core, which is not installed; pip install 'alignaudit[megatron]'" in err
+
+
+def test_unknown_engine_option_is_an_input_error(capsys, tmp_path):
+    err = one_line_error(capsys, ["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "flash=1",
+                                  "--out", str(tmp_path / "x")], EXIT_USAGE)
+    assert "hf does not understand option(s) flash" in err
+
+
+def test_option_typo_on_the_second_engine_stops_before_the_first_runs(capsys, tmp_path):
+    out = tmp_path / "typo"
+    err = one_line_error(capsys, ["compare", "--model", str(FIXTURE), "--train", "hf", "--infer", "vllm",
+                                  "--infer-opt", "max_num_seqz=4", "--out", str(out)], EXIT_USAGE)
+    assert "vllm does not understand option(s) max_num_seqz" in err
+    assert not (out / "train").exists()
+
+
+def test_help_lists_commands_and_examples():
+    proc = run_cli("compare", "--help")
+    assert proc.returncode == 0 and "--train-opt" in proc.stdout and "self-consistency" in proc.stdout
+
+
+def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
+    """Two captures made separately (as in two containers), compared afterwards."""
+    import shutil
+
+    a, b = tmp_path / "megatron", tmp_path / "hf"
+    sel = ["--layers", "0", "--ops", "input_norm,attn"]
+    assert cli.main(["capture", "--engine", "megatron", *sel, "--out", str(a)]) == EXIT_OK
+    assert cli.main(["capture", "--engine", "hf", *sel, "--out", str(b)]) == EXIT_OK
+    manifest = json.loads((a / "manifest.json").read_text())
+    assert manifest["ops"]["ops"] == 2 and manifest["ops"]["selection"]["names"] == ["attn", "input_norm"]
+    capsys.readouterr()
+    assert cli.main(["diff", str(a), str(b), "--out", str(tmp_path / "d")]) == EXIT_OK
+    assert "layers.0.input_norm" in capsys.readouterr().out
+    ops = pd.read_parquet(tmp_path / "d" / "ops.parquet").set_index("op")
+    assert list(ops.index) == ["layers.0.input_norm", "layers.0.attn", "logprobs"]
+    assert ops.loc["layers.0.input_norm", "status"] == "differs" and ops.loc["logprobs", "status"] == "differs"
+
+    other_prompts = tmp_path / "other-prompts"
+    assert cli.main(["capture", "--engine", "hf", "--no-ops", "--random-prompts", "2", "--prompt-len", "8",
+                     "--out", str(other_prompts)]) == EXIT_OK
+    err = one_line_error(capsys, ["diff", str(a), str(other_prompts), "--out", str(tmp_path / "d2")], EXIT_USAGE)
+    assert "different token ids" in err
+
+    other_model = tmp_path / "model-copy"
+    shutil.copytree(FIXTURE, other_model)
+    (other_model / "config.json").write_text((FIXTURE / "config.json").read_text().replace('"use_cache": true',
+                                                                                           '"use_cache": false'))
+    other_ckpt = tmp_path / "other-ckpt"
+    assert cli.main(["capture", "--engine", "hf", "--no-ops", "--model", str(other_model),
+                     "--out", str(other_ckpt)]) == EXIT_OK
+    err = one_line_error(capsys, ["diff", str(b), str(other_ckpt), "--out", str(tmp_path / "d3")], EXIT_USAGE)
+    assert "different checkpoints" in err
+
+    (b / "manifest.json").unlink()
+    err = one_line_error(capsys, ["diff", str(a), str(b), "--out", str(tmp_path / "d4")], EXIT_USAGE)
+    assert "incomplete" in err
+    err = one_line_error(capsys, ["capture", "--engine", "hf", "--reference", str(other_prompts), "--out",
+                                  str(tmp_path / "f")], EXIT_USAGE)
+    assert "has no per-op tensors" in err
+
+
+def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp_path):
+    """native needs strict attention and CUDA (every engine's strict attention takes it there); ablate has
+    rows without strict attention. Each refuses --strict-exp native before any engine starts."""
+    from alignaudit.inputs.strict_ops import check_strict_exp
+
+    with pytest.raises(InputError, match="add attention to --strict"):
+        check_strict_exp("native", frozenset({"linear"}), "cuda")
+    with pytest.raises(InputError, match="use --device cuda"):
+        check_strict_exp("native", frozenset({"attention"}), "cpu")
+    assert check_strict_exp("native", frozenset({"attention"}), "cuda") == "native"
+    err = one_line_error(capsys, ["ablate", "--strict-exp", "native", "--out", str(tmp_path / "a")], EXIT_USAGE)
+    assert "would not use --strict-exp" in err

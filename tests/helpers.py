@@ -1,0 +1,145 @@
+"""What the tests share: paths, real engine captures of the fixture, bit-level assertions, the CLI as a user runs
+it, and headless Chromium for the report pages. The fixtures that build on these live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignaudit.capture.ops import Selection
+from alignaudit.commands import cli
+from alignaudit.commands.pipeline import EngineRun, capture
+from alignaudit.inputs.request import EngineSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "fixtures" / "qwen3-tiny"
+MOE = ROOT / "fixtures" / "qwen3-moe-tiny"
+
+
+class CaptureCache:
+    """Real engine captures of the fixture on the built-in prompts, keyed by (engine, dtype, options)."""
+
+    def __init__(self, root: Path, spec, batch):
+        self.root, self.spec, self.batch = root, spec, batch
+        self.done = {}
+
+    def get(self, engine: str, dtype: str, ops: bool | Selection = False, reference=None, strict: str = "",
+            rollout=None, batch=None, **options):
+        """A capture; ``ops`` adds every canonical op (or those of a Selection); ``reference`` (a capture) runs
+        forced mode; ``strict`` swaps in strict kernels; ``rollout`` samples; ``batch`` (a capture) scores its
+        tokens."""
+        selection = ops if isinstance(ops, Selection) else Selection() if ops or reference else None
+        key = (engine, dtype, json.dumps(selection.to_dict(), sort_keys=True) if isinstance(ops, Selection) else ops,
+               reference.path.name if reference else None, strict or None,
+               json.dumps(rollout, sort_keys=True) if rollout else None, batch.path.name if batch else None,
+               json.dumps(options, sort_keys=True))
+        if key not in self.done:
+            name = "-".join(str(k) for k in key if k not in (None, False, "{}")).replace("/", "_").replace(" ", "")
+            run = EngineRun(engine, EngineSettings(dtype=dtype, device="cpu", options=options, strict=strict))
+            tokens = batch.token_batch() if batch is not None else self.batch
+            self.done[key] = capture(self.spec, tokens, run, self.root / name,
+                                     ops=selection,
+                                     reference=reference.path if reference else None, rollout=rollout)
+        return self.done[key]
+
+
+def assert_bitwise_equal(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Assert identical bit patterns; on failure report count, max ULP, max |diff| and first indices."""
+    from alignaudit.comparison import numerics
+
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    same = numerics.bitwise_equal(a, b)
+    if bool(same.all()):
+        return
+    ulp = numerics.ulp_distance(a, b)
+    where = (~same).nonzero()[:5].tolist()
+    raise AssertionError(
+        f"{name}: {int((~same).sum())} of {same.numel()} elements differ; max ULP {int(ulp.max())}, "
+        f"max |diff| {float((a.double() - b.double()).abs().max()):.3e}; first at {where}"
+    )
+
+
+# --- the CLI as a user runs it ---
+
+def run_cli(*args, cwd=None):
+    env = {**os.environ, "COLUMNS": "120"}
+    return subprocess.run([sys.executable, "-m", "alignaudit", *args], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def one_line_error(capsys, argv, code):
+    assert cli.main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "Traceback" not in err, err
+    return err
+
+
+# --- report pages in headless Chromium ---
+
+def _find_chromium() -> str | None:
+    for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+CHROMIUM = _find_chromium()
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium found (apt-get install -y chromium, or set "
+                                                             "CHROMIUM=/path/to/chrome)")
+
+# Appended to a copy of the page (never to the report itself): after load, optionally click table headers,
+# then write what the page holds into <pre id="probe">, which --dump-dom serializes.
+PROBE = """<script>
+function plain(v) { if (v == null) return v; if (ArrayBuffer.isView(v)) return Array.from(v);
+  if (Array.isArray(v)) return v.map(plain); return v; }
+window.addEventListener("load", function () {
+  var out = {plots: {}, tables: {}, clicks: CLICKS};
+  document.querySelectorAll(".js-plotly-plot").forEach(function (gd) {
+    out.plots[gd.id] = {rendered: gd.querySelector(".plot-container .main-svg") !== null,
+      traces: gd._fullData.map(function (t) { return {name: t.name, x: plain(t.x), y: plain(t.y), z: plain(t.z),
+                                                       text: plain(t.text)}; })};
+  });
+  CLICKS.forEach(function (c) { document.querySelector("#" + c[0] + " th[data-key='" + c[1] + "']").click(); });
+  document.querySelectorAll("table[id]").forEach(function (t) {
+    out.tables[t.id] = Array.from(t.querySelectorAll("tbody tr")).map(function (r) {
+      var row = {};
+      Array.from(r.cells).forEach(function (c) {
+        row[c.dataset.key || c.dataset.field] = c.dataset.v !== undefined ? c.dataset.v : c.textContent; });
+      return row; });
+  });
+  var pre = document.createElement("pre"); pre.id = "probe"; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+def open_in_chromium(page: Path, tmp: Path, clicks=()) -> tuple[dict, str, list[str]]:
+    """Load a copy of ``page`` with the probe in headless Chromium; returns (probe, DOM, console lines)."""
+    probed = tmp / f"probed-{page.stem}.html"
+    text = page.read_text(encoding="utf-8")
+    probed.write_text(text.replace("</body>", PROBE.replace("CLICKS", json.dumps(list(clicks))) + "</body>"),
+                      encoding="utf-8")
+    dom, console = run_chromium(probed, tmp)
+    match = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
+    assert match, f"the probe did not run: {console or dom[-500:]}"
+    import html
+
+    return json.loads(html.unescape(match.group(1))), dom, console
+
+
+def run_chromium(page: Path, tmp: Path, *extra: str) -> tuple[str, list[str]]:
+    """Headless Chromium on ``page``: (the DOM after load, every console line it logged)."""
+    proc = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                           f"--user-data-dir={tmp / 'chromium-profile'}", "--enable-logging=stderr", "--v=0",
+                           "--virtual-time-budget=5000", *(extra or ("--dump-dom",)), page.resolve().as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
+    return proc.stdout, console

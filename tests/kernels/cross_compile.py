@@ -1,0 +1,243 @@
+"""Compile every strict Triton kernel for a GPU this machine does not have, in the launch configurations the
+host wrappers choose, without running any of them.
+
+    python tests/kernels/cross_compile.py sm90 [--all]      # NVIDIA Hopper (H100/H200): PTX and a cubin per kernel
+    python tests/kernels/cross_compile.py gfx942 [--all]   # AMD MI300X (CDNA3, 64-wide wavefronts): AMDGCN, HSA code
+                                                           # object
+
+Without --all the launch configurations every kernel runs in for bf16 models (tests/kernels/test_kernels_compile.py,
+in `make test`: about half a minute a target); with --all every branch of every host wrapper, fp16 and fp32
+included (89 configurations for gfx942, 81 for sm90; about 4 minutes a target on 2 CPU cores with a cold
+Triton cache: the attention kernel takes 5-16 s to build for either target, its fp32 IEEE form 77-91 s for
+sm90).
+
+How: Triton's compiler needs no GPU, only a target. A stand-in driver (``CompileOnlyDriver``) tells Triton
+the target; the kernels' own host wrappers run on CPU tensors (their Triton branch forced on, their device
+queries answered for the target: SM/CU count, TMA on Hopper only) and every ``kernel[grid](...)`` they issue
+is compiled (``JITFunction.run`` with ``warmup=True``: compile, do not launch) instead of launched. The
+kernels' outputs are never computed, so this checks that each kernel builds for the target, not its bits.
+Prints, per launch configuration, a line before building it (``building``: what a compiler abort leaves as
+the last line) and one after (kernel, constexprs, warps, stages, what the compiler produced or its error),
+then a summary line; exits 1 if any configuration failed to build.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+# name -> (GPUTarget arguments, what a built kernel must hold, SMs / CUs, Hopper's TMA)
+TARGETS = {
+    "sm90": (("cuda", 90, 32), "cubin", 132, True),
+    "gfx942": (("hip", "gfx942", 64), "hsaco", 304, False),
+}
+MODULES = ("attention", "logprobs", "matmul", "rmsnorm", "rope", "silu")
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+class CompileOnlyDriver:
+    """The part of Triton's driver interface that compiling (``JITFunction.run(..., warmup=True)``) asks for:
+    the target, a device index and a stream. Nothing is ever launched through it."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _launches(target_name: str, every: bool) -> list[dict]:
+    """Run the host wrappers' Triton branches (``_drive``) with every launch compiled for ``target_name``
+    instead; returns one record per launch. The process stays compile-only afterwards (its driver is the
+    stand-in: a CPU machine has no other)."""
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    spec, artifact, units, has_tma = TARGETS[target_name]
+    driver.set_active(CompileOnlyDriver(GPUTarget(*spec)))
+    modules = {name: importlib.import_module(f"alignaudit_kernels.{name}") for name in MODULES}
+    for module in modules.values():
+        if hasattr(module, "use_triton"):
+            module.use_triton = lambda x: True
+        if hasattr(module, "sm_count"):
+            module.sm_count = lambda device: units
+        if hasattr(module, "rocm"):
+            module.rocm = lambda: spec[0] == "hip"
+    matmul = modules["matmul"]
+    matmul._tma_available = (lambda x2, w, b: has_tma and b is None and x2.dtype in (BF16, FP16)
+                             and x2.shape[1] % 8 == 0 and w.shape[0] % 8 == 0)
+    records: list[dict] = []
+    real_run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        started = time.perf_counter()
+        record = {"target": target_name, "kernel": self.fn.__name__, "module": self.fn.__module__.split(".")[-1],
+                  "constexprs": {k: v for k, v in kwargs.items() if k.isupper()},
+                  "num_warps": kwargs.get("num_warps"), "num_stages": kwargs.get("num_stages"),
+                  "dtypes": sorted({str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)})}
+        # a compiler that aborts (LLVM's UNREACHABLE) ends the process: this line names what it was building
+        print(json.dumps({"building": record}), flush=True)
+        try:
+            kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+            record["built"] = sorted(kernel.asm)
+            record["ok"] = artifact in kernel.asm and len(kernel.asm[artifact]) > 0
+        except Exception as error:  # one failing configuration must not hide the others
+            record["ok"] = False
+            record["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:400]
+            record["traceback"] = traceback.format_exc()[-1500:]
+        record["seconds"] = round(time.perf_counter() - started, 3)
+        records.append(record)
+        print(json.dumps({k: v for k, v in record.items() if k != "traceback"}), flush=True)
+        return None
+
+    JITFunction.run = compile_only
+    try:
+        _drive(modules, every, amd=spec[0] == "hip")
+    finally:
+        JITFunction.run = real_run
+    return records
+
+
+def _empty(*shape, dtype=BF16):
+    return torch.empty(*shape, dtype=dtype)
+
+
+def _drive(m: dict, every: bool, amd: bool) -> None:
+    """The configurations. Default: every launched kernel at least once, in what models run (bf16, the
+    Qwen3-8B shape: hidden 4096, 32 query heads over 8 KV heads, head dim 128, MLP 12288, vocabulary 151936),
+    each host-side branch of the products (decode tile, K split plus tree kernel, large tile or Hopper's TMA
+    kernel, a row-parallel fp32 partial), prefill and split decode attention; for AMD also the fp32 attention
+    with its own launch (attention._launch). ``every``: each branch of each host wrapper, also in fp16 and
+    fp32 and at the Qwen2.5-0.5B (896, 14 over 2, head dim 64) and Qwen3-14B (40 over 8) shapes."""
+    matmul, attention, logprobs = m["matmul"], m["attention"], m["logprobs"]
+    if not every:
+        w = _empty(4096, 4096)
+        for rows, segments, out in ((8, 1, None), (8, 4, None), (512, 1, None), (512, 4, FP32)):
+            matmul._triton(_empty(rows, 4096), w, None, segments=segments, out_dtype=out)
+        m["rmsnorm"]._triton(_empty(16, 4096), _empty(4096), 1e-6, _empty(16, 4096))
+        m["rope"]._triton(_empty(16, 32, 128), torch.arange(16), _empty(64, 64, dtype=FP32), _empty(64, 64, dtype=FP32))
+        m["silu"]._triton(_empty(16, 12288), _empty(16, 12288))
+        logits = _empty(4, 151936)
+        logprobs._log_softmax(logits)
+        logprobs._token_logprobs(logits, torch.zeros(4, dtype=torch.int64))
+        _attention(attention, BF16, 32, 8, 128, "portable", every_path=False)
+        if amd:
+            _attention(attention, FP32, 32, 8, 128, "portable", every_path=False, decode=False)
+        return
+    for rows in (8, 64, 512):  # the tile classes (matmul.tile_for) and, on Hopper, the TMA plans
+        x = _empty(rows, 4096)
+        for segments in matmul.SEGMENT_COUNTS:  # > 1: in-kernel tree, or split K plus the tree kernel
+            matmul._triton(x, _empty(4096, 4096), None, segments=segments)
+        matmul._triton(x, _empty(4096, 4096), None, segments=4, out_dtype=FP32)  # a row-parallel partial
+    matmul._triton(_empty(64, 4096), _empty(24576, 4096), None)  # small_wide (N >= WIDE_N)
+    matmul._triton(_empty(64, 4096), _empty(4096, 4096), _empty(4096))  # a bias: never the TMA kernel
+    for dtype in (FP16, FP32):
+        matmul._triton(_empty(512, 4096, dtype=dtype), _empty(4096, 4096, dtype=dtype), None)
+        matmul._triton(_empty(8, 4096, dtype=dtype), _empty(4096, 4096, dtype=dtype), None, segments=4)
+    for dtype in (BF16, FP32):
+        for h, residual in ((4096, False), (4096, True), (896, False)):  # BLOCK_H and warps by hidden size
+            m["rmsnorm"]._triton(_empty(16, h, dtype=dtype), _empty(h, dtype=dtype), 1e-6,
+                                 _empty(16, h, dtype=dtype) if residual else None)
+        for heads, d in ((32, 128), (14, 64)):
+            cos = sin = _empty(64, d // 2, dtype=FP32)
+            m["rope"]._triton(_empty(16, heads, d, dtype=dtype), torch.arange(16), cos, sin)
+        m["silu"]._triton(_empty(16, 12288, dtype=dtype), _empty(16, 12288, dtype=dtype))
+        logits = _empty(4, 151936, dtype=dtype)
+        logprobs._log_softmax(logits)
+        logprobs._token_logprobs(logits, torch.zeros(4, dtype=torch.int64))
+    for exp in attention.EXP_CHOICES:
+        _attention(attention, BF16, 32, 8, 128, exp, every_path=exp == "portable")
+    _attention(attention, BF16, 14, 2, 64, "portable", every_path=False)
+    _attention(attention, BF16, 40, 8, 128, "portable", every_path=False)
+    for dtype in (FP16, FP32):
+        _attention(attention, dtype, 32, 8, 128, "portable", every_path=False)
+
+
+def _attention(attention, dtype, heads: int, kv_heads: int, d: int, exp: str, every_path: bool,
+               decode: bool = True) -> None:
+    """Prefill of 4096 whole-sequence rows (contiguous K/V; one program per (tile, KV head)) and a decode step
+    of 2 sequences over page-aligned pages with max_seq_len 2048 (the key chunks split over programs, then
+    the combine kernel). ``every_path`` adds split prefill, a batch over contiguous K/V, decode over gathered
+    pages, unsplit decode, and paged prefill."""
+    scale = d ** -0.5
+    for length in ((64, 4096) if every_path else (4096,)):  # 64 rows, 4096 keys: split; 4096 rows: not
+        q, kv = _empty(length, heads, d, dtype=dtype), _empty(length, kv_heads, d, dtype=dtype)
+        attention._contiguous_forward(q, kv, kv, torch.tensor([0, length]), scale, exp=exp)
+    if not every_path:
+        if decode:
+            pages = _empty(256, attention.BLOCK_N * 2, kv_heads, d, dtype=dtype)
+            attention.paged_decode(_empty(2, heads, d, dtype=dtype), pages, pages,
+                                   torch.arange(256, dtype=torch.int32).reshape(2, 128),
+                                   torch.full((2,), 100, dtype=torch.int32), scale, max_seq_len=2048, exp=exp)
+        return
+    kv = _empty(2, 128, kv_heads, d, dtype=dtype)
+    attention._causal_forward(_empty(2, 128, heads, d, dtype=dtype), kv, kv, torch.arange(128).expand(2, 128),
+                              scale, exp)
+    for block_size in (16, attention.BLOCK_N * 2):  # KV_GATHER, KV_PAGE_ALIGNED
+        pages = _empty(256, block_size, kv_heads, d, dtype=dtype)
+        table = torch.arange(256, dtype=torch.int32).reshape(2, 128)
+        for rows in (2, 64):  # 2 sequences of up to 2048 keys: split; 64 of 100: not
+            attention.paged_decode(_empty(rows, heads, d, dtype=dtype), pages, pages, table.repeat(32, 1)[:rows],
+                                   torch.full((rows,), 100, dtype=torch.int32), scale,
+                                   max_seq_len=2048 if rows == 2 else 100, exp=exp)
+        attention.paged_attention(_empty(64, heads, d, dtype=dtype), pages, pages, table,
+                                  torch.cat([torch.arange(40), torch.arange(24) + 500]),
+                                  torch.tensor([0] * 40 + [1] * 24), scale, exp=exp)
+
+
+def launched_kernels() -> set[str]:
+    """Every Triton kernel a host wrapper in alignaudit_kernels launches: the JITFunctions whose name is
+    followed by a launch grid (``name[...](``) in their module's source."""
+    import importlib
+    import re
+
+    from triton.runtime.jit import JITFunction
+
+    names = set()
+    for name in MODULES:
+        module = importlib.import_module(f"alignaudit_kernels.{name}")
+        source = Path(module.__file__).read_text()
+        for launched in re.findall(r"\b(_\w+_kernel)\[", source):
+            if isinstance(getattr(module, launched, None), JITFunction):
+                names.add(launched)
+    return names
+
+
+def main() -> None:
+    target = sys.argv[1] if len(sys.argv) > 1 else ""
+    if target not in TARGETS or sys.argv[2:] not in ([], ["--all"]):
+        raise SystemExit(f"usage: python tests/kernels/cross_compile.py {{{','.join(TARGETS)}}} [--all]")
+    started = time.perf_counter()
+    records = _launches(target, every=sys.argv[2:] == ["--all"])
+    failed = [r for r in records if not r["ok"]]
+    for record in failed[:3]:
+        print(record.get("traceback", ""), file=sys.stderr)
+    print(json.dumps({"summary": target, "configurations": len(records), "failed": len(failed),
+                      "kernels": sorted({r["kernel"] for r in records if r["ok"]}),
+                      "launched_in_source": sorted(launched_kernels()),
+                      "seconds": round(time.perf_counter() - started, 1)}))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

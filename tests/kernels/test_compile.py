@@ -1,0 +1,66 @@
+"""The strict forward under torch.compile and without host reads: every strict op enters the graph as an
+opaque custom op, so HF's strict forward compiles to one graph without breaks and returns the eager strict
+bits; rope takes the caller's sequence bound instead of reading positions on the host."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+from transformers import AutoModelForCausalLM
+
+import alignaudit_kernels as K
+from alignaudit.engines.hf.strict import make_strict
+from alignaudit.inputs.strict_ops import STRICT_OPS
+from helpers import FIXTURE, assert_bitwise_equal
+
+
+def test_hf_strict_forward_compiles_to_one_graph_with_the_eager_bits():
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.bfloat16).eval()
+    make_strict(model, frozenset(STRICT_OPS))
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+
+    @torch.no_grad()
+    def logprobs():
+        return K.token_logprobs(model(ids).logits[:, :-1], ids[:, 1:])
+
+    eager = logprobs()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(logprobs)()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    assert_bitwise_equal("compiled strict logprobs", torch.compile(logprobs, backend="aot_eager")(), eager)
+
+
+def test_rope_with_a_host_bound_gives_the_same_bits_and_refuses_positions_past_its_tables():
+    """RopeOp with the caller's sequence bound (no host read of positions, what the engines pass) rotates
+    like RopeOp without one; a position past the tables fails the device-side assert instead of reading
+    past them."""
+    from alignaudit.engines.custom_ops import rotate
+    from alignaudit.engines.strict_modules import RopeOp
+
+    rope = RopeOp(16, 1e4, max_positions=8)
+    x = torch.randn(2, 20, 4, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    positions = torch.arange(20)[None].expand(2, 20)
+    assert_bitwise_equal("bounded rope", rope(x, positions, limit=20), rope(x, positions))
+    with pytest.raises(RuntimeError, match="past the rope tables"):
+        rotate(x[0], torch.arange(20), 1e4, 19, [])
+
+
+def test_compiled_rope_keeps_its_gradient():
+    """Traced with gradients, RopeOp stays on the autograd path (the opaque rope op is forward only), and
+    its cos/sin tables are still built eagerly: Dynamo never traces rope_tables (a compiled torch.cos could
+    round otherwise; Dynamo says so when it traces through an lru_cache)."""
+    from alignaudit.engines.strict_modules import RopeOp
+
+    rope = RopeOp(16, 1e4, max_positions=8)
+    x = torch.randn(1, 6, 2, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    positions = torch.arange(6)[None]
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(lambda x: rope(x, positions, 6).square().sum(), backend="aot_eager")(x).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert not [w for w in caught if "lru_cache" in str(w.message)]

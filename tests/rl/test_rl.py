@@ -1,0 +1,278 @@
+"""`alignaudit rl` on the fixture: real Megatron-Core training, real vLLM rollouts, real weight syncs.
+
+Chain of reasoning:
+1. Strict kernels make the trainer's logprobs of the rollout's tokens bitwise equal to the rollout's own
+   (tests/engines/test_strict.py, rollout mode), for one set of weights.
+2. After an optimizer step, the trainer's new weights reach the running rollout engine bit for bit: every
+   tensor's sha256 matches, and vLLM's packed CPU GEMMs compute with the new weights (a probe against a
+   GEMM packed afresh; its negative control injects stale packed weights and must be caught).
+3. Therefore every step of a strict run must show 0 mismatching tokens while the weights change (a new
+   weights digest every step); the default stack must mismatch at every step (negative control).
+4. With lr 0 the weights never change and every step repeats the same rollout (same seeds): every
+   statistic must be identical at every step, so any drift would be a sync or state bug.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pandas as pd
+import psutil
+import pytest
+
+from alignaudit.commands import cli
+from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
+from helpers import one_line_error
+
+pytestmark = pytest.mark.engines
+
+TIMINGS = ["seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl")
+    for name, args in (("strict", ["--strict", "--steps", "3", "--lr", "1e-3", "--kl-coef", "0.04"]),
+                       ("default", ["--steps", "2", "--lr", "1e-3"]),
+                       ("again", ["--steps", "2", "--lr", "1e-3"]),
+                       ("control", ["--steps", "3", "--lr", "0"])):
+        assert cli.main(["rl", *args, "--out", str(root / name)]) == EXIT_OK, name
+    return root
+
+
+def steps(runs, name):
+    return pd.read_parquet(runs / name / "steps.parquet")
+
+
+def test_strict_steps_stay_bitwise_aligned_while_the_weights_change(runs, tmp_path):
+    s = steps(runs, "strict")
+    assert s["step"].tolist() == [1, 2, 3] and (s["tokens"] == 4 * 4 * 16).all()
+    assert (s["mismatches"] == 0).all() and (s["ulp_max"] == 0).all()
+    assert (s["ratio_min"] == 1.0).all() and (s["ratio_max"] == 1.0).all() and (s["kl_k3"] == 0).all()
+    assert s["sync_bit_equal"].all() and s["train_forward_equal"].all()
+    assert s["weights_digest"].nunique() == 3  # every step's update changed the weights
+    assert (s["grad_norm"] > 0).all() and (s["weights_changed"] > 0).all() and (s["max_abs_dw"] > 0).all()
+    assert (s["weights_changed_fraction"] == s["weights_changed"] / 525056).all()  # the fixture's weight elements
+    # the KL term's reference is the starting weights: exactly 0 at step 1, then > 0; swapping the reference in
+    # and out for its logprobs leaves the trainer's weights as they were (train_forward_equal above)
+    assert s["kl_ref"].iloc[0] == 0.0 and (s["kl_ref"].iloc[1:] > 0).all()
+    assert "kl_ref" not in steps(runs, "default")
+    record = json.loads((runs / "strict" / "run.json").read_text())
+    assert (record["status"] == "complete" and record["initial_sync"]["bit_equal"]
+            and record["initial_sync"]["tensors"] == 25)
+    assert record["engines"]["train"]["optimizer"] == "alignaudit.rl.optim.MixedPrecisionAdam"
+    assert len(pd.read_parquet(runs / "strict" / "tokens" / "step-00002.parquet")) == 256
+    assert (runs / "strict" / "steps.png").stat().st_size > 10_000
+    assert "0 of 3 steps with mismatching tokens" in (runs / "strict" / "report.html").read_text()
+    out = tmp_path / "v"
+    out.mkdir()
+    args = ["--json", str(out / "v.json"), "--junit", str(out / "j.xml"), "--markdown", str(out / "s.md")]
+    assert cli.main(["gate", str(runs / "strict"), *args]) == EXIT_OK
+    suite = ET.fromstring((out / "j.xml").read_text())
+    assert [c.get("name") for c in suite.findall("testcase")] == ["step 1", "step 2", "step 3"]
+
+
+def test_the_default_stack_mismatches_at_every_step_and_fails_the_gate(runs, tmp_path):
+    s = steps(runs, "default")
+    assert (s["mismatches"] > 0).all() and (s["max_abs_diff"] > 1e-3).all() and s["sync_bit_equal"].all()
+    out = tmp_path / "v"
+    out.mkdir()
+    args = ["--json", str(out / "v.json"), "--junit", str(out / "j.xml"), "--markdown", str(out / "s.md")]
+    assert cli.main(["gate", str(runs / "default"), *args]) == EXIT_MISMATCH
+    assert "2 of 2 steps have mismatching tokens" in json.loads((out / "v.json").read_text())["reasons"][0]
+
+
+def test_lr_zero_repeats_every_step_exactly(runs):
+    s = steps(runs, "control").drop(columns=TIMINGS + ["step"])
+    first = s.iloc[0]
+    for i in range(1, len(s)):
+        assert s.iloc[i].equals(first), s.iloc[i].compare(first)
+    record = json.loads((runs / "control" / "run.json").read_text())
+    assert first["weights_digest"] == record["initial_sync"]["weights_digest"]  # the weights never moved
+    assert first["weights_changed"] == 0 and first["max_abs_dw"] == 0.0
+    assert record["weight_sync"]["transport"] == "file" and record["initial_sync"]["changed"] == 0
+
+
+def test_the_same_seed_gives_the_same_run(runs):
+    a, b = steps(runs, "default").drop(columns=TIMINGS), steps(runs, "again").drop(columns=TIMINGS)
+    pd.testing.assert_frame_equal(a, b)
+    assert a["weights_digest"].iloc[-1] == b["weights_digest"].iloc[-1]
+
+
+def _vllm_packs_cpu_weights() -> bool:
+    """Whether vLLM's CPU GEMM dispatch on this machine computes with a packed copy of a bf16 weight (oneDNN
+    on AVX-512; on an AVX2 machine it falls back to torch's linear over the live weight, so nothing can go
+    stale). Checked on the installed vLLM: the weight is changed in place after dispatch."""
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    layer.weight.data.mul_(2)
+    return not torch.equal(layer.cpu_linear(x, layer.weight, None), torch.nn.functional.linear(x, layer.weight))
+
+
+def test_a_stale_weight_sync_is_caught(tmp_path):
+    """Fault injection: vLLM's packed CPU GEMMs are not rebuilt after load_weights. The parameters (and so
+    their checksums) hold the new weights, but the engine computes with the old ones: the probe catches it."""
+    if not _vllm_packs_cpu_weights():
+        pytest.skip("vLLM's CPU GEMM computes with the live weight on this CPU (no packed copy to go stale)")
+    out = tmp_path / "stale"
+    env = {**os.environ, "ALIGNAUDIT_FAULT": "stale-packed-weights"}
+    proc = subprocess.run([sys.executable, "-m", "alignaudit", "rl", "--steps", "2", "--lr", "1e-3", "--out", str(out)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == EXIT_OK, proc.stderr
+    s = pd.read_parquet(out / "steps.parquet")
+    assert (not s["sync_bit_equal"].any() and (s["sync_stale_packed"] > 0).all()
+            and (s["sync_tensors_differing"] == 0).all())
+    gate = subprocess.run([sys.executable, "-m", "alignaudit", "gate", str(out), "--max-mismatch", "100%"],
+                          capture_output=True, text=True)
+    assert gate.returncode == EXIT_MISMATCH and "weight sync was not bit-equal at 2 of 2 steps" in gate.stdout
+
+
+def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
+    out = tmp_path / "hf"
+    assert cli.main(["rl", "--train", "hf", "--infer", "vllm", "--strict", "--steps", "2", "--lr", "1e-3",
+                     "--no-token-rows", "--out", str(out)]) == EXIT_OK
+    s = pd.read_parquet(out / "steps.parquet")
+    assert (s["mismatches"] == 0).all() and s["sync_bit_equal"].all() and s["weights_digest"].nunique() == 2
+    assert (s["nan_tokens"] == 0).all() and (s["grad_norm"] > 0).all()  # HF's strict backward once gave NaN
+    assert not (out / "tokens").exists()
+    # without per-token rows the counts are steps.parquet's alone: every rendering of the verdict says so
+    assert cli.main(["gate", str(out)]) == EXIT_OK
+    note = "no per-token rows (--no-token-rows)"
+    assert note in json.loads((out / "verdict.json").read_text())["notes"][0]
+    assert note in (out / "summary.md").read_text() and note in (out / "report.html").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps 0: run at least one step"),
+    (["--group-size", "1"], "use 2 or more"),
+    (["--lr", "-1"], "the learning rate must be finite and >= 0"),
+    (["--train", "vllm"], "rl trains with megatron or hf and rolls out with vllm or hf"),
+    (["--random-prompts", "1", "--prompt-len", "1010", "--max-new-tokens", "16"], "plus 16 generated, longer than"),
+])
+def test_bad_input_is_refused_before_any_engine(capsys, tmp_path, argv, message):
+    out = tmp_path / "o"
+    assert message in one_line_error(capsys, ["rl", *argv, "--out", str(out)], EXIT_USAGE)
+    assert not (out / "run.json").exists()
+
+
+def test_an_engine_that_dies_mid_run_leaves_the_completed_steps(tmp_path):
+    out = tmp_path / "dies"
+    proc = subprocess.Popen([sys.executable, "-m", "alignaudit", "rl", "--steps", "50", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    deadline = time.time() + 120
+    while not (out / "steps.parquet").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    rollout = [c for c in psutil.Process(proc.pid).children(recursive=True)
+               if "infer.request.json" in " ".join(c.cmdline())]
+    rollout[0].send_signal(signal.SIGKILL)  # as the OOM killer would
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_ENGINE
+    assert "vllm rollout worker died (exit code -9)" in err and "infer.log" in err and "Traceback" not in err
+    done = pd.read_parquet(out / "steps.parquet")
+    assert len(done) >= 1 and done["step"].tolist() == list(range(1, len(done) + 1))
+    assert json.loads((out / "run.json").read_text())["status"] == "running"
+
+
+def _resealed(run, edit):
+    """Apply ``edit`` to run.json and recompute its seal, as someone who knows the format could."""
+    from alignaudit.comparison.integrity import RECORD_SHA256, record_digest
+
+    record = json.loads((run / "run.json").read_text())
+    edit(record)
+    (run / "run.json").write_text(json.dumps({**record, RECORD_SHA256: record_digest(record)}))
+
+
+def _step_file(run, step):
+    return run / "tokens" / f"step-{step:05d}.parquet"
+
+
+def _alter_rows(run):
+    table = pd.read_parquet(_step_file(run, 2))
+    table.loc[0, "lp_infer"] = table.loc[0, "lp_infer"] + 1.0
+    table.to_parquet(_step_file(run, 2), index=False)
+
+
+def _outputs_fixed(run):
+    """Recompute the listed sha256 of every output file too (a thorough forger)."""
+    from alignaudit.comparison.integrity import file_sha256
+
+    def edit(record):
+        record["outputs"] = {name: file_sha256(run / name) for name in record["outputs"] if (run / name).is_file()}
+    _resealed(run, edit)
+
+
+def _edit_steps(run, **changes):
+    """Set columns of steps.parquet (step -> value) and fix every checksum after it."""
+    table = pd.read_parquet(run / "steps.parquet")
+    for column, (step, value) in changes.items():
+        table.loc[table["step"] == step, column] = value
+    table.to_parquet(run / "steps.parquet", index=False)
+    _outputs_fixed(run)
+
+
+@pytest.mark.parametrize("damage, code, message", [
+    (lambda r: _alter_rows(r), EXIT_USAGE, "is missing or is not the file this run wrote"),
+    (lambda r: _step_file(r, 2).write_bytes(_step_file(r, 1).read_bytes()), EXIT_USAGE,
+     "is missing or is not the file this run wrote"),
+    (lambda r: _step_file(r, 3).unlink(), EXIT_USAGE, "tokens/step-00003.parquet is missing"),
+    (lambda r: __import__("shutil").rmtree(r / "tokens"), EXIT_USAGE, "is missing or is not the file this run wrote"),
+    (lambda r: (_alter_rows(r), _outputs_fixed(r)), EXIT_USAGE,
+     "step 2: mismatches 0 in steps.parquet, 1 from the step's token rows"),
+    (lambda r: (_step_file(r, 2).write_bytes(_step_file(r, 1).read_bytes()), _outputs_fixed(r)), EXIT_USAGE,
+     "holds rows of another step"),
+    (lambda r: _resealed(r, lambda rec: rec["train"].update(strict="")), EXIT_USAGE,
+     "train engine's strict '' in run.json"),
+    (lambda r: _resealed(r, lambda rec: rec["infer"].update(engine="hf")), EXIT_USAGE,
+     "rollout engine's engine 'hf' in run.json"),
+    (lambda r: (r / "run.json").write_text((r / "run.json").read_text().replace('"strict": "all"', '"strict": ""')),
+     EXIT_USAGE, "was changed after the run finished"),
+    (lambda r: _resealed(r, lambda rec: rec.update(initial_sync={**rec["initial_sync"], "bit_equal": False})),
+     EXIT_MISMATCH, "the initial weight sync (before step 1) was not bit-equal"),
+    (lambda r: _edit_steps(r, train_forward_equal=(2, False)), EXIT_MISMATCH,
+     "the training forward's logprobs differed from the rescoring's at 1 of 3 steps (first: step 2)"),
+    (lambda r: _edit_steps(r, sync_stale_packed=(3, 1)), EXIT_MISMATCH,
+     "packed GEMMs computed with stale weights after the sync at 1 of 3 steps (first: step 3)"),
+    (lambda r: _edit_steps(r, sync_replicas_diverged=(1, 2)), EXIT_MISMATCH,
+     "replicated parameters differed between tensor-parallel ranks at 1 of 3 steps (first: step 1)"),
+])
+def test_an_altered_rl_run_never_passes(runs, tmp_path, capsys, damage, code, message):
+    """Every per-token file, record field and per-step check the rl verdict rests on is judged: gate exits 2
+    naming what was altered, or 1 where the (resealed) record itself says a check failed; never 0."""
+    import shutil
+
+    run = tmp_path / "strict"
+    shutil.copytree(runs / "strict", run)
+    damage(run)
+    argv = ["gate", str(run), "--json", str(tmp_path / "v.json"), "--junit", str(tmp_path / "j.xml"),
+            "--markdown", str(tmp_path / "s.md")]
+    if code == EXIT_MISMATCH:
+        assert cli.main(argv) == EXIT_MISMATCH
+        assert message in json.loads((tmp_path / "v.json").read_text())["reasons"]
+        return
+    assert message in one_line_error(capsys, argv, EXIT_USAGE)
+    assert not (tmp_path / "v.json").exists()
+
+
+
+def test_a_step_whose_update_was_not_finite_is_an_engine_error_for_the_gate(runs, tmp_path, capsys):
+    """A NaN grad norm means the optimizer wrote NaN weights (--kl-coef 1e308 once did, exit 0 and a passing
+    gate): whatever the token counts say after it, gate refuses to judge, exit 3, naming the step."""
+    import shutil
+
+    run = tmp_path / "strict"
+    shutil.copytree(runs / "strict", run)
+    _edit_steps(run, grad_norm=(2, float("nan")))
+    message = one_line_error(capsys, ["gate", str(run)], EXIT_ENGINE)
+    assert "a non-finite loss or grad norm at 1 steps (first: step 2)" in message
