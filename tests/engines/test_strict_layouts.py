@@ -1,11 +1,13 @@
-"""The strict modules users build into their trainers refuse the batch layouts they do not compute.
+"""The strict modules users build into their trainers take the batch layouts trainers feed, or refuse them.
 
 Tried as a user would: a left-padded batch (key-padding mask, positions shifted by the padding) fed to
 StrictGPTModel gave wrong logprobs for every token of the padded sequences (55 of 87, max |d| 9.91), with no
-warning, because strict attention attends causally over whole sequences and strict rope rotates index i by
-position i. Now each argument it would not honour raises a ValueError naming it; the layout it computes
-(right padding, causal mask, positions 0..s-1) keeps working. Real megatron-core on the fixture, in a
-subprocess (Megatron keeps process-global parallel state), and transformers' model with the HF strict swap.
+warning, because strict attention attended causally over whole rows and strict rope rotated index i by
+position i. StrictGPTModel now computes each row's run of unmasked tokens as one sequence, rotates at the
+position_ids it is given, and computes THD packs by their cu_seqlens: every layout gives a sequence the bits
+it has alone. What it does not compute raises a ValueError naming the argument. Real megatron-core on the
+fixture, in a subprocess (Megatron keeps process-global parallel state), and transformers' model with the HF
+strict swap (which still refuses left padding).
 """
 
 from __future__ import annotations
@@ -20,37 +22,106 @@ from helpers import FIXTURE
 pytestmark = pytest.mark.engines
 
 SCRIPT = """
-import sys, torch
+import copy, sys, torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from alignaudit.engines import load_engine_class
+from alignaudit.engines.megatron.strict import StrictGPTModel
 from alignaudit.inputs.request import EngineSettings
 from alignaudit.inputs.checkpoint import load_spec
 
 engine = load_engine_class("megatron")(load_spec(sys.argv[1]), EngineSettings("bf16", "cpu", 0, {}, strict="all"))
-ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
-positions = torch.arange(12).expand(2, 12)
-causal = torch.triu(torch.ones(12, 12, dtype=torch.bool), 1)[None, None]
-left_padded = positions.clone()
-left_padded[1] = (torch.arange(12) - 3).clamp(min=0)
-padding_mask = causal.expand(2, 1, 12, 12).clone()
-padding_mask[1, :, :, :3] = True
+gpt = engine.gpt
+g = torch.Generator().manual_seed(0)
+lengths = (12, 9, 5)
+seqs = [torch.randint(0, 512, (n,), generator=g) for n in lengths]
+b, s = len(seqs), max(lengths)
+bits = lambda t: t.contiguous().view(torch.int16)
+
+def run(ids, positions, mask, **kw):  # logits [b, s, V] and the strict logprob head's loss [b, s]
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        return gpt(ids, positions, mask, **kw), gpt(ids, positions, mask, labels=labels, **kw)
+
+alone = [run(x[None], None, None) for x in seqs]
+causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+right = torch.zeros(b, s, dtype=torch.long)
+left = torch.zeros(b, s, dtype=torch.long)
+right_keys = causal.expand(b, 1, s, s).clone()
+left_keys = causal.expand(b, 1, s, s).clone()
+left_positions = torch.zeros(b, s, dtype=torch.long)
+for i, x in enumerate(seqs):
+    n = len(x)
+    right[i, :n] = x
+    right_keys[i, :, :, n:] = True
+    left[i, s - n:] = x
+    left_keys[i, :, :, :s - n] = True
+    left_positions[i, s - n:] = torch.arange(n)
+cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
+layouts = {
+    "right-padded, causal mask": (run(right, None, causal), lambda i, n: (i, slice(0, n))),
+    "right-padded, padding mask": (run(right, None, right_keys), lambda i, n: (i, slice(0, n))),
+    "left-padded, padding mask and positions": (run(left, left_positions, left_keys),
+                                                lambda i, n: (i, slice(s - n, s))),
+    "packed (THD)": (run(torch.cat(seqs)[None], None, None, packed_seq_params=packed),
+                     lambda i, n: (0, slice(int(cu[i]), int(cu[i + 1])))),
+}
+for name, ((logits, loss), where) in layouts.items():
+    for i, n in enumerate(lengths):
+        row, span = where(i, n)
+        assert torch.equal(bits(logits[row, span]), bits(alone[i][0][0])), (name, i, "logits")
+        last = slice(span.start, span.stop - 1)  # the last token's label wraps around within its own row
+        assert torch.equal(loss[row, last].view(torch.int32), alone[i][1][0, :n - 1].view(torch.int32)), (name, i)
+    print("same bits:", name)
+
+# the negative control: stock Megatron (no strict ops) does not give a left-padded sequence its bits alone
+stock = load_engine_class("megatron")(load_spec(sys.argv[1]), EngineSettings("bf16", "cpu", 0, {})).gpt
 with torch.no_grad():
-    assert engine.gpt(ids, positions, causal).shape[:2] == (2, 12)
-    assert engine.gpt(ids, None, None).shape[:2] == (2, 12)
-    for pos, mask, name in ((left_padded, causal, "position_ids"), (positions, padding_mask, "attention_mask"),
-                            (positions, causal.float(), "attention_mask")):
-        try:
-            engine.gpt(ids, pos, mask)
-        except ValueError as e:
-            assert str(e).startswith(f"StrictGPTModel: {name} must be"), e
-        else:
-            raise AssertionError(f"{name}: a layout strict attention does not compute was accepted")
-print("refused both")
+    batched, single = stock(left, left_positions, left_keys), stock(seqs[2][None], None, causal[..., :5, :5])
+assert not torch.equal(bits(batched[2, s - 5:]), bits(single[0])), "stock megatron gave the same bits: no control"
+
+def refused(call, prefix):
+    try:
+        call()
+    except ValueError as e:
+        assert str(e).startswith(prefix), e
+        print("refused:", e)
+    else:
+        raise AssertionError(f"accepted: {prefix}")
+
+hole = left_keys.clone()
+hole[0, :, :, 3] = True
+bidirectional = torch.zeros(1, 1, s, s, dtype=torch.bool)
+refused(lambda: run(left, left_positions, hole), "StrictGPTModel: attention_mask must be causal over one contiguous")
+refused(lambda: run(right, None, bidirectional), "StrictGPTModel: attention_mask must be causal over one contiguous")
+refused(lambda: run(right, None, causal.float()), "StrictGPTModel: attention_mask must be bool")
+shifted = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu * 2)
+refused(lambda: run(torch.cat(seqs)[None], None, None, packed_seq_params=shifted),
+        "StrictGPTModel: packed_seq_params.cu_seqlens_q_padded differs")
+for name in ("context_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+    config = copy.copy(engine.config)
+    setattr(config, name, 2)
+    refused(lambda: StrictGPTModel(config, None), f"StrictGPTModel: {name}=2 is not supported")
+config = copy.copy(engine.config)
+config.sequence_parallel = True
+refused(lambda: StrictGPTModel(config, None), "StrictGPTModel: sequence_parallel is not supported")
+config = copy.copy(engine.config)
+config.recompute_granularity = "full"
+gpt.config = config
+refused(lambda: run(left, left_positions, left_keys), "StrictGPTModel: position_ids other than each row's index")
+print("done")
 """
 
 
-def test_strict_gpt_model_refuses_left_padded_batches():
+def test_strict_gpt_model_gives_each_sequence_its_bits_alone_in_every_batch_layout():
+    """StrictGPTModel, fed the layouts trainers use (right padding with a causal or a key-padding mask, left
+    padding with shifted position_ids, a THD pack with cu_seqlens), gives every sequence the bits of its logits
+    and of the strict logprob head's loss alone; the stock model does not (the negative control); what strict
+    attention does not compute (holed or bidirectional masks, float masks, padded packs, context / pipeline /
+    expert / sequence parallelism, shifted positions under recomputation) raises one ValueError line."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(FIXTURE)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "refused both" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("same bits:") == 4 and proc.stdout.count("refused:") == 9, proc.stdout
 
 
 def test_hf_strict_attention_refuses_left_padding_and_keeps_right_padding():

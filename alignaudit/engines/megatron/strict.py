@@ -18,13 +18,19 @@ Per op:
                bias-dropout-add, which rounds ``residual + x`` once in the storage dtype (the kernels'
                rounding point 1); dropout must be 0
     silu       StrictMLP: linear_fc1 -> silu_and_mul -> linear_fc2
-    rope       StrictCoreAttention rotates q and k itself (GPTModel is built without rope); positions
-               0..seq-1 per sequence (no packed sequences)
-    attention  StrictCoreAttention: alignaudit_kernels.varlen_attention over each batch row
+    rope       StrictCoreAttention rotates q and k itself (GPTModel is built without rope), at the positions
+               StrictGPTModel.forward is given (position_ids; default each row's index), or, packed, at each
+               token's index in its sequence
+    attention  StrictCoreAttention: alignaudit_kernels.varlen_attention over the sequences of the batch:
+               each row's one run of unmasked tokens (right or left padding, from the attention mask), or,
+               packed (THD, packed_seq_params), the cu_seqlens of the pack
     logprobs   StrictGPTModel.compute_language_model_loss returns -token_logprobs (the loss whose
                negation RL trainers read as logprobs); at tensor-parallel size > 1
                token_logprobs_vocab_parallel over each rank's vocabulary shard
-Forward and backward work (the kernels are autograd Functions).
+Forward and backward work (the kernels are autograd Functions). A sequence gets the same bits alone, in a
+right- or left-padded batch, or packed (tests/engines/test_strict_layouts.py). What the strict kernels do not
+compute is refused with a ValueError before anything runs: context, pipeline and expert parallelism, sequence
+parallelism, masks that are not causal over one run of tokens per row, and packings with padded cu_seqlens.
 """
 
 from __future__ import annotations
@@ -159,22 +165,87 @@ class StrictCoreAttention(MegatronModule):
         self.stock = None if strict_attention else DotProductAttention(
             config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale, cp_comm_type,
             pg_collection)
+        self.position_ids, self.position_limit = None, 0  # set by StrictGPTModel.forward for one forward
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
-        if packed_seq_params is not None:
-            raise ValueError("strict core attention does not support packed sequences")
-        sq, b = query.shape[:2]
+        if packed_seq_params is not None:  # THD: [tokens, heads, dim], sequences by cu_seqlens
+            cu = packed_cu_seqlens(packed_seq_params, query.shape[0])
+            lengths = cu[1:] - cu[:-1]
+            positions = torch.arange(query.shape[0]) - torch.repeat_interleave(cu[:-1], lengths)
+            limit = int(lengths.max()) if len(lengths) else 0
+        else:  # [seq, batch, heads, dim]
+            sq, b = query.shape[:2]
+            positions = (torch.arange(sq, device=query.device)[:, None].expand(sq, b) if self.position_ids is None
+                         else self.position_ids.T)
+            limit = sq if self.position_ids is None else self.position_limit
         if self.strict_rope:
-            positions = torch.arange(sq, device=query.device)[:, None].expand(sq, b)
-            query, key = self.q_rope(query, positions, sq), self.k_rope(key, positions, sq)
+            query, key = self.q_rope(query, positions, limit), self.k_rope(key, positions, limit)
         if not self.strict_attention:
             return self.stock(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                              attention_bias=attention_bias)
+                              attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        if packed_seq_params is not None:
+            return K.varlen_attention(query, key, value, cu, self.scale, exp=self.strict_exp).flatten(1)
         q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value))
-        cu = torch.arange(0, (b + 1) * sq, sq)
+        cu = padded_cu_seqlens(attention_mask, b, sq)
         out = K.varlen_attention(q, k, v, cu, self.scale, exp=self.strict_exp)  # [b * sq, heads, dim]
         return out.view(b, sq, -1).transpose(0, 1).contiguous()
+
+
+def packed_cu_seqlens(packed_seq_params, tokens: int) -> torch.Tensor:
+    """The sequences of a THD pack (megatron.core.packed_seq_params.PackedSeqParams) as host cu_seqlens
+    [sequences + 1] (int64) over its ``tokens`` rows.
+
+    Raises:
+        ValueError: a format other than "thd", query and key sequences that differ, padded cu_seqlens that
+            differ from the unpadded ones, or cu_seqlens that do not cover the pack.
+    """
+    p = packed_seq_params
+    if p.qkv_format != "thd":
+        raise ValueError(f"StrictGPTModel: packed_seq_params.qkv_format {p.qkv_format!r} is not computed; pack as thd")
+    cu = p.cu_seqlens_q.detach().cpu().long()
+    for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        other = getattr(p, name)
+        if other is not None and not torch.equal(other.detach().cpu().long(), cu):
+            raise ValueError(f"StrictGPTModel: packed_seq_params.{name} differs from cu_seqlens_q; strict attention "
+                             "computes packs of whole, unpadded sequences (each its own queries and keys)")
+    if cu[0] != 0 or int(cu[-1]) != tokens or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"StrictGPTModel: cu_seqlens_q {cu.tolist()} do not cut the pack of {tokens} tokens into "
+                         "sequences")
+    return cu
+
+
+def padded_cu_seqlens(attention_mask: torch.Tensor | None, b: int, s: int) -> torch.Tensor:
+    """The sequences strict attention computes for a padded batch of ``b`` rows of ``s`` tokens, as host
+    cu_seqlens over the b * s rows taken row by row: in each row, the one run of tokens the mask lets attend
+    each other causally, and the padding before and after it, each a sequence of its own (pads attend only
+    pads, so no real token ever sees one). ``attention_mask``: None (every row one sequence) or bool,
+    broadcastable to [b, 1, s, s], True = masked (Megatron's convention); a key no query attends is padding.
+    One device synchronization.
+
+    Raises:
+        ValueError: a mask that is not bool, or that is not causal over one contiguous run of tokens per row
+            (a hole, a bidirectional block, a pad a real token attends).
+    """
+    rows = torch.arange(0, (b + 1) * s, s)
+    if attention_mask is None:
+        return rows
+    if attention_mask.dtype != torch.bool:
+        raise ValueError("StrictGPTModel: attention_mask must be bool (True = masked), as Megatron's; got "
+                         f"{attention_mask.dtype}")
+    attend = ~attention_mask.expand(b, 1, s, s)[:, 0].cpu()  # [b, query, key]
+    valid = attend.any(dim=1)  # keys some query attends
+    index = torch.arange(s)
+    start = torch.where(valid.any(1), valid.int().argmax(1), 0)
+    end = torch.where(valid.any(1), s - valid.flip(1).int().argmax(1), 0)
+    inside = (index >= start[:, None]) & (index < end[:, None])
+    causal = index[None, :] <= index[:, None]
+    expected = causal[None] & inside[:, :, None] & inside[:, None, :]
+    if not (torch.equal(valid, inside) and torch.equal(attend & inside[:, :, None], expected)):
+        raise ValueError("StrictGPTModel: attention_mask must be causal over one contiguous run of tokens per row, "
+                         "padding masked as keys (left or right padding); strict attention computes no other mask")
+    cuts = torch.stack([rows[:-1], rows[:-1] + start, rows[:-1] + end, rows[1:]], dim=1).flatten()
+    return torch.unique_consecutive(cuts)
 
 
 def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
@@ -231,38 +302,50 @@ def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float, 
                                       layer_norm=StrictRMSNorm if "rmsnorm" in ops else LNImpl)
 
 
-def check_batch_layout(ops: frozenset[str], input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                       attention_mask: torch.Tensor | None, packed_seq_params=None) -> None:
-    """Refuse what strict attention and strict rope do not compute: they attend causally over whole
-    sequences from position 0 (right padding is fine: a causal row never sees the pads after it).
+# megatron.core parallelism the strict kernels do not compute, and why (ValueError at StrictGPTModel()).
+REFUSED_PARALLELISM = {
+    "context_parallel_size": "strict attention holds each sequence's keys on one rank",
+    "pipeline_model_parallel_size": "alignaudit builds and checks the strict model as one pipeline stage",
+    "expert_model_parallel_size": "the strict MoE layer computes every expert on one rank",
+}
 
-    input_ids [b, s]; position_ids None or [b, s] (strict rope: each row 0..s-1); attention_mask None or a
-    bool mask broadcastable to [b, 1, s, s], True = masked (strict attention: exactly the causal triangle).
-    Costs one device synchronization per checked argument and forward.
+
+def check_parallelism(config) -> None:
+    """Refuse a TransformerConfig whose parallelism the strict model would not compute as Megatron does.
 
     Raises:
-        ValueError: naming the argument (a left-padded batch's shifted positions or key-padding mask,
-            packed sequences) and what to pass instead.
+        ValueError: naming the setting and why (REFUSED_PARALLELISM; sequence_parallel: the strict row-parallel
+            product gathers the ranks' fp32 partials and adds them in rank order, where sequence parallelism
+            reduce-scatters rounded outputs).
     """
-    if not {"attention", "rope"} & set(ops):
-        return
-    if packed_seq_params is not None:
-        raise ValueError("StrictGPTModel: packed sequences (packed_seq_params) are not computed by strict attention "
-                         "and rope yet; pass a right-padded [batch, seq] batch")
+    for name, why in REFUSED_PARALLELISM.items():
+        if (getattr(config, name, 1) or 1) > 1:
+            raise ValueError(f"StrictGPTModel: {name}={getattr(config, name)} is not supported: {why}; use 1")
+    if getattr(config, "sequence_parallel", False):
+        raise ValueError("StrictGPTModel: sequence_parallel is not supported: the strict row-parallel product adds "
+                         "the ranks' fp32 partials in rank order and keeps activations whole; turn it off")
+
+
+def _position_ids(position_ids: torch.Tensor | None, input_ids: torch.Tensor, config) -> torch.Tensor | None:
+    """``position_ids`` [b, s] if they differ from each row's index (a left-padded batch's), else None.
+
+    Raises:
+        ValueError: other than [b, s], or given with activation recomputation (a recomputed layer would not see
+            them).
+    """
+    if position_ids is None:
+        return None
     b, s = input_ids.shape[:2]
-    if "rope" in ops and position_ids is not None:
-        expected = torch.arange(s, device=position_ids.device).expand(b, s)
-        if tuple(position_ids.shape) != (b, s) or not torch.equal(position_ids, expected.to(position_ids.dtype)):
-            raise ValueError("StrictGPTModel: position_ids must be 0..s-1 in every row (strict rope rotates the token "
-                             "at index i by position i); shifted positions (a left-padded batch?) would be ignored: "
-                             "pass right-padded sequences")
-    if "attention" in ops and attention_mask is not None:
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=attention_mask.device), diagonal=1)
-        if attention_mask.dtype != torch.bool or not torch.equal(attention_mask.expand(b, 1, s, s),
-                                                                 causal.expand(b, 1, s, s)):
-            raise ValueError("StrictGPTModel: attention_mask must be the causal mask (bool, True above the diagonal); "
-                             "strict attention would ignore a padding mask (a left-padded batch?): pass right-padded "
-                             "sequences and drop the padded positions' logprobs")
+    if tuple(position_ids.shape) != (b, s) and tuple(position_ids.shape) != (1, s):
+        raise ValueError(f"StrictGPTModel: position_ids {tuple(position_ids.shape)} must be [batch, seq] = {(b, s)}")
+    position_ids = position_ids.expand(b, s)
+    if torch.equal(position_ids, torch.arange(s, device=position_ids.device).expand(b, s).to(position_ids.dtype)):
+        return None
+    if getattr(config, "recompute_granularity", None) is not None:
+        raise ValueError("StrictGPTModel: position_ids other than each row's index with recompute_granularity set: "
+                         "a recomputed layer would rotate at the index; turn recomputation off or pack the batch "
+                         "(packed_seq_params)")
+    return position_ids
 
 
 class StrictGPTModel(GPTModel):
@@ -270,10 +353,12 @@ class StrictGPTModel(GPTModel):
     model's own rotary embedding is turned off (StrictCoreAttention rotates instead)."""
 
     def __init__(self, config, transformer_layer_spec, *args, strict_ops: frozenset[str] = frozenset(), **kwargs):
+        check_parallelism(config)
         if "rope" in strict_ops:
             kwargs["position_embedding_type"] = "none"
         super().__init__(config, transformer_layer_spec, *args, **kwargs)
         self.strict_ops = strict_ops
+        self._core_attention = [m for m in self.modules() if isinstance(m, StrictCoreAttention)]
         if "linear" in strict_ops and getattr(self, "output_layer", None) is not None:
             self.output_layer.__class__ = StrictColumnParallelLinear
         if "linear" in strict_ops:
@@ -285,10 +370,21 @@ class StrictGPTModel(GPTModel):
                     module.__class__ = StrictMoELayer
 
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
-        """GPTModel.forward, after ``check_batch_layout``: a layout the strict attention or rope would not
-        compute as asked is refused (ValueError naming the argument), never silently computed otherwise."""
-        check_batch_layout(self.strict_ops, input_ids, position_ids, attention_mask, kwargs.get("packed_seq_params"))
-        return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        """GPTModel.forward for the batches trainers feed: input_ids [b, s] with a causal or padding mask (bool,
+        True = masked) and position_ids (strict rope rotates at them; Megatron's own rope would not read them),
+        or a THD pack ([1, tokens] with packed_seq_params). A layout the strict attention or rope would not
+        compute as asked raises ValueError naming the argument, never is computed otherwise."""
+        positions = None
+        if kwargs.get("packed_seq_params") is None and "rope" in self.strict_ops:
+            positions = _position_ids(position_ids, input_ids, self.config)
+        limit = int(positions.max()) + 1 if positions is not None else 0  # one synchronization, not one a layer
+        for module in self._core_attention:
+            module.position_ids, module.position_limit = positions, limit
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        finally:
+            for module in self._core_attention:
+                module.position_ids = None
 
     def compute_language_model_loss(self, labels, logits):
         if "logprobs" not in self.strict_ops:
