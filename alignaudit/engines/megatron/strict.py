@@ -165,7 +165,8 @@ class StrictCoreAttention(MegatronModule):
         self.stock = None if strict_attention else DotProductAttention(
             config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale, cp_comm_type,
             pg_collection)
-        self.position_ids, self.position_limit = None, 0  # set by StrictGPTModel.forward for one forward
+        # set by StrictGPTModel.forward for one forward (what every layer would otherwise derive again)
+        self.position_ids, self.position_limit, self.cu_seqlens = None, 0, None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
@@ -187,7 +188,7 @@ class StrictCoreAttention(MegatronModule):
         if packed_seq_params is not None:
             return K.varlen_attention(query, key, value, cu, self.scale, exp=self.strict_exp).flatten(1)
         q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value))
-        cu = padded_cu_seqlens(attention_mask, b, sq)
+        cu = self.cu_seqlens if self.cu_seqlens is not None else padded_cu_seqlens(attention_mask, b, sq)
         out = K.varlen_attention(q, k, v, cu, self.scale, exp=self.strict_exp)  # [b * sq, heads, dim]
         return out.view(b, sq, -1).transpose(0, 1).contiguous()
 
@@ -374,17 +375,20 @@ class StrictGPTModel(GPTModel):
         True = masked) and position_ids (strict rope rotates at them; Megatron's own rope would not read them),
         or a THD pack ([1, tokens] with packed_seq_params). A layout the strict attention or rope would not
         compute as asked raises ValueError naming the argument, never is computed otherwise."""
-        positions = None
-        if kwargs.get("packed_seq_params") is None and "rope" in self.strict_ops:
-            positions = _position_ids(position_ids, input_ids, self.config)
+        positions, cu = None, None
+        if kwargs.get("packed_seq_params") is None:
+            if "rope" in self.strict_ops:
+                positions = _position_ids(position_ids, input_ids, self.config)
+            if "attention" in self.strict_ops:
+                cu = padded_cu_seqlens(attention_mask, *input_ids.shape[:2])
         limit = int(positions.max()) + 1 if positions is not None else 0  # one synchronization, not one a layer
         for module in self._core_attention:
-            module.position_ids, module.position_limit = positions, limit
+            module.position_ids, module.position_limit, module.cu_seqlens = positions, limit, cu
         try:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         finally:
             for module in self._core_attention:
-                module.position_ids = None
+                module.position_ids = module.cu_seqlens = None
 
     def compute_language_model_loss(self, labels, logits):
         if "logprobs" not in self.strict_ops:
