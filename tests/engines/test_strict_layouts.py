@@ -124,10 +124,10 @@ def test_strict_gpt_model_gives_each_sequence_its_bits_alone_in_every_batch_layo
     assert proc.stdout.count("same bits:") == 4 and proc.stdout.count("refused:") == 9, proc.stdout
 
 
-def test_hf_strict_attention_refuses_left_padding_and_keeps_right_padding():
-    """The same contract in the HF strict swap: right padding (the HF engine's own batches) gives each
-    sequence the bits of it alone; a left-padded batch (positions shifted, pads masked at the start) raises."""
-    import pytest
+def test_hf_strict_attention_gives_right_and_left_padded_sequences_their_bits_alone():
+    """The same contract in the HF strict swap: a right-padded batch (the HF engine's own) and a left-padded one
+    (pads masked at the start, position_ids counting from each row's first token, as HF's generate makes them)
+    give each sequence the bits of its logits alone; a mask with a hole is refused."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -137,16 +137,20 @@ def test_hf_strict_attention_refuses_left_padding_and_keeps_right_padding():
     model = AutoModelForCausalLM.from_pretrained(str(FIXTURE), dtype=torch.bfloat16).eval()
     make_strict(model, frozenset(STRICT_OPS))
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
-    valid = torch.ones(2, 12, dtype=torch.long)
-    valid[1, 9:] = 0
+    bits = lambda t: t.contiguous().view(torch.int16)  # noqa: E731
     with torch.no_grad():
-        batch = model(input_ids=ids, attention_mask=valid).logits
-        alone = model(input_ids=ids[1:, :9]).logits
-        assert torch.equal(batch[1, :9].view(torch.int16), alone[0].view(torch.int16))
+        alone = [model(input_ids=ids[r:r + 1, :n]).logits[0] for r, n in ((0, 12), (1, 9))]
+        right = torch.ones(2, 12, dtype=torch.long)
+        right[1, 9:] = 0
+        batch = model(input_ids=ids, attention_mask=right).logits
+        assert torch.equal(bits(batch[0]), bits(alone[0])) and torch.equal(bits(batch[1, :9]), bits(alone[1]))
+        left_ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids[1:, :9]], dim=1)
         left = torch.ones(2, 12, dtype=torch.long)
         left[1, :3] = 0
         positions = (left.cumsum(1) - 1).clamp(min=0)
-        with pytest.raises(ValueError, match="position_ids must be each token's index"):
-            model(input_ids=ids, attention_mask=left, position_ids=positions)
-        with pytest.raises(ValueError, match="attention_mask must be causal with padding only at the end"):
-            model(input_ids=ids, attention_mask=left)
+        batch = model(input_ids=torch.cat([ids[:1], left_ids]), attention_mask=left, position_ids=positions).logits
+        assert torch.equal(bits(batch[0]), bits(alone[0])) and torch.equal(bits(batch[1, 3:]), bits(alone[1]))
+        holed = torch.ones(2, 12, dtype=torch.long)
+        holed[1, 4] = 0
+        with pytest.raises(ValueError, match="attention_mask must be causal over one contiguous run of keys per row"):
+            model(input_ids=ids, attention_mask=holed)

@@ -14,8 +14,8 @@ architecture's class prefix (Qwen3, Qwen2, Llama):
                layer (fp32 router, fixed top-k tie-break, strict expert linears and silu_mul, fp32 combine)
     rope       <P>Attention applies alignaudit_kernels rope (tables of its own from position_ids, llama3
                scaling included)
-    attention  <P>Attention computes alignaudit_kernels attention (KV cache supported, one
-               sequence per batch row, right padding only)
+    attention  <P>Attention computes alignaudit_kernels attention (KV cache supported, one sequence per
+               batch row: right or left padding, from the attention mask; rope at the given position_ids)
 Logprobs are not a module in HF: the engine calls alignaudit_kernels.token_logprobs when "logprobs"
 is strict.
 """
@@ -77,23 +77,20 @@ def _require(ok: torch.Tensor, message: str) -> None:
         raise ValueError(message)
 
 
-def check_batch_layout(attention_mask, position_ids: torch.Tensor, keys: int) -> None:
-    """Refuse what strict attention would compute otherwise than HF's mask and positions ask: it treats key
-    index j as position j and attends causally (alignaudit_kernels.causal_attention). So query positions must
-    be their key indices (no left padding) and the mask (None, or HF's processed 4D mask [b, 1, t, keys]:
-    bool True = attend, or additive with 0 = attend) causal, with padding only after a row's last token
-    (right padding: no real token ever attends a pad; the pad rows themselves, which belong to no token,
-    attend their pads too, as every key up to their index). One device synchronization per forward.
+def row_starts(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
+    """The first key of each row's run of tokens (a left-padded row's pads come before it), or None where no
+    row has left padding: what strict attention computes, from HF's processed mask (None, or [b, 1, t, keys]:
+    bool True = attend, or additive with 0 = attend; the queries are the last t of the keys). Each row must
+    attend causally over one contiguous run of keys [start, end): its real tokens; a left pad's query row is
+    ignored (its output is zeros), a right pad's may attend its pads too (it belongs to no token). Out of
+    torch.compile one device synchronization; inside it, left padding is refused by a device-side assert (a
+    per-row start would break the graph).
 
     Raises:
-        ValueError: naming position_ids or attention_mask and what to pass instead.
+        ValueError: a mask that is not a 4D tensor, or not causal over one run of keys per row.
     """
-    b, t = position_ids.shape
-    index = torch.arange(keys - t, keys, device=position_ids.device)
-    _require((position_ids == index).all(), "strict attention (HF): position_ids must be each token's index in its "
-             "sequence; shifted positions (a left-padded batch?) would be computed as unpadded: right-pad instead")
     if attention_mask is None:
-        return
+        return None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
         raise ValueError("strict attention (HF) reads a 4D tensor attention_mask, not "
                          f"{type(attention_mask).__name__}; use attn_implementation eager or sdpa")
@@ -102,11 +99,36 @@ def check_batch_layout(attention_mask, position_ids: torch.Tensor, keys: int) ->
         _require(~attend[..., keys:].any(), "strict attention (HF): attention_mask lets a query attend a key slot "
                  "past the cache's filled length")
     attend = attend[..., :keys].expand(b, 1, t, keys)[:, 0]
-    valid = attend[:, -1]  # the last query row may attend every key but the pads
-    causal = torch.arange(keys, device=attend.device)[None, :] <= index[:, None]
-    _require((valid == valid.cummin(dim=1).values).all() & (attend == (causal[None] & valid[:, None, :])).all(),
-             "strict attention (HF): attention_mask must be causal with padding only at the end of a row (right "
-             "padding); a left-padded or holed mask would be ignored: right-pad instead")
+    valid = attend[:, -1]  # the last query row attends every key of its row's run (a right pad's: all before it)
+    key = torch.arange(keys, device=attend.device)
+    index = key[keys - t:]
+    start = torch.where(valid.any(1), valid.int().argmax(1), 0)
+    between = valid.int().cummax(1).values.bool() & valid.flip(1).int().cummax(1).values.flip(1).bool()
+    causal = key[None, :] <= index[:, None]
+    real_query = index[None, :] >= start[:, None]  # [b, t]: a left pad's query row is not checked
+    ok = (valid == between).all() & ((attend == (causal[None] & valid[:, None, :])) | ~real_query[:, :, None]).all()
+    message = ("strict attention (HF): attention_mask must be causal over one contiguous run of keys per row "
+               "(left or right padding); a holed or bidirectional mask would be computed otherwise")
+    if torch.compiler.is_compiling():
+        _require(ok & (start == 0).all(), message + "; left padding is computed out of torch.compile only")
+        return None
+    _require(ok, message)
+    starts = start.tolist()
+    return starts if any(starts) else None
+
+
+_LAST_LAYOUT: list = [None, None]  # (the mask and shape of the last forward, its row starts): one check a forward
+
+
+def _row_starts_once(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
+    """``row_starts`` once per forward: every layer is handed the same mask object."""
+    if torch.compiler.is_compiling() or attention_mask is None:
+        return row_starts(attention_mask, b, t, keys)
+    if _LAST_LAYOUT[0] is not None and _LAST_LAYOUT[0][0] is attention_mask and _LAST_LAYOUT[0][1] == (b, t, keys):
+        return _LAST_LAYOUT[1]
+    starts = row_starts(attention_mask, b, t, keys)
+    _LAST_LAYOUT[:] = [(attention_mask, (b, t, keys)), starts]
+    return starts
 
 
 class StrictAttention(torch.nn.Module):
@@ -137,9 +159,17 @@ class StrictAttention(torch.nn.Module):
             kc, vc = past_key_values.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx)
             k, v = kc.transpose(1, 2), vc.transpose(1, 2)
         if self.strict_attention:
-            if getattr(self, "layer_idx", 0) == 0:  # once per forward: every layer sees the same layout
-                check_batch_layout(attention_mask, position_ids, k.shape[1])
-            out = K.causal_attention(q, k, v, position_ids, self.scaling, exp=self.strict_exp)
+            keys = k.shape[1]
+            index = torch.arange(keys - t, keys, device=q.device)  # each query's key index
+            starts = _row_starts_once(attention_mask, b, t, keys)
+            if starts is None:
+                out = K.causal_attention(q, k, v, index.expand(b, t), self.scaling, exp=self.strict_exp)
+            else:  # left padding: each row attends its own run of keys, its pads' queries stay zero
+                out = torch.zeros_like(q)
+                for r, start in enumerate(starts):
+                    first = max(0, start - (keys - t))
+                    out[r, first:] = K.causal_attention(q[r, first:], k[r, start:], v[r, start:], index[first:] - start,
+                                                        self.scaling, exp=self.strict_exp)
         else:
             interface = self._stock_attention
             out, _ = interface(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
