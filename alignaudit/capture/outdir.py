@@ -168,6 +168,14 @@ def lock(out: Path) -> None:
     _held[key] = fd
 
 
+def release(out: Path) -> None:
+    """Release the lock this process holds on ``out`` (a no-op without one): the Python API, which may run
+    several commands in one process, releases each when it ends."""
+    fd = _held.pop(Path(out).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def release_all() -> None:
     """Release every lock this process holds (the CLI calls this when a command ends)."""
     while _held:

@@ -1,0 +1,272 @@
+"""alignaudit's Python API: what a user script or a training loop calls (docs/api.md).
+
+    strict_megatron_model(model)   a Megatron-Core GPTModel with every op strict, weights from an HF checkpoint
+    strict_hf_model(model)         a transformers model with the strict module swap
+    token_logprobs(model, ...)     per-token logprobs of token ids under either model (the trainer's side)
+    compare(model, ...)            a whole comparison, as ``alignaudit compare`` runs it -> Comparison
+    mismatch_metrics(train, rollout)    the metrics of one RL step's logprobs, as compare reports them
+    verify_weight_sync(trainer, rollout)  two sets of HF-named weights, bit for bit -> WeightSync
+
+Every argument either takes effect or raises alignaudit.errors.InputError (one line naming it and the fix)
+before any engine starts; the checks are the CLI's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from alignaudit.errors import InputError
+
+
+def _settings(dtype: str, device: str, ops: str, exp: str, seed: int = 0):
+    """EngineSettings for a strict model built in this process, validated as the CLI validates them."""
+    from alignaudit.commands.options import check_dtype, resolve_device
+    from alignaudit.inputs.request import EngineSettings
+    from alignaudit.inputs.strict_ops import check_strict_exp, format_strict, parse_strict
+
+    device = resolve_device(device)
+    strict = parse_strict(ops, option="ops")
+    return EngineSettings(check_dtype(dtype), device, seed, {}, strict=format_strict(strict),
+                          strict_exp=check_strict_exp(exp, strict, device))
+
+
+def _spec(model: str | Path, random_weights: bool, seed: int = 0):
+    from alignaudit.inputs.checkpoint import resolve_model
+
+    return resolve_model(str(model), random_weights=random_weights, seed=seed)
+
+
+def strict_megatron_model(model: str | Path = "qwen3-tiny", ops: str = "all", dtype: str = "bf16",
+                          device: str = "auto", exp: str = "portable", random_weights: bool = False):
+    """A Megatron-Core StrictGPTModel (alignaudit.engines.megatron.strict) of ``model``, built as alignaudit's
+    own Megatron engine builds it: a one-rank process group if none exists (gloo on CPU, NCCL on CUDA), Megatron's
+    model-parallel state and RNG tracker, the TransformerConfig from config.json, and the HF weights converted
+    (alignaudit.engines.megatron.weights). Call it as a GPTModel: ``model(input_ids [b, s], position_ids,
+    attention_mask, labels=labels)`` gives the per-token loss, whose negation is the logprob; the batch layouts
+    it takes are in docs/strict.md.
+
+    Args:
+        model: an HF checkpoint directory, a hub id in the local cache, a fixture name, or a preset with
+            ``random_weights``. ops: "all" or a comma list of alignaudit.inputs.strict_ops.STRICT_OPS.
+        dtype: "bf16", "fp16" or "fp32". device: "cpu", "cuda" or "auto". exp: strict attention's exp,
+            "portable" or "native" (CUDA).
+    Raises:
+        InputError: a bad argument (the CLI's message). EngineError: megatron-core is not installed.
+    """
+    from alignaudit.engines import load_engine_class
+
+    spec = _spec(model, random_weights)
+    engine = load_engine_class("megatron")(spec, _settings(dtype, device, ops, exp))
+    return engine.gpt
+
+
+def strict_hf_model(model: str | Path = "qwen3-tiny", ops: str = "all", dtype: str = "bf16", device: str = "auto",
+                    exp: str = "portable", random_weights: bool = False):
+    """A transformers model of ``model`` with the strict module swap (alignaudit.engines.hf.strict.make_strict),
+    in eval mode. Logprobs: ``token_logprobs(model, ...)`` (strict, as every engine's strict path). Arguments
+    and errors as ``strict_megatron_model``."""
+    from alignaudit.engines import load_engine_class
+
+    spec = _spec(model, random_weights)
+    return load_engine_class("hf")(spec, _settings(dtype, device, ops, exp)).model
+
+
+def token_logprobs(model, sequences: list[list[int]] | list[torch.Tensor]) -> list[torch.Tensor]:
+    """Teacher-forced logprobs of each sequence's tokens 1..n-1 under ``model`` (a model from
+    ``strict_megatron_model`` or ``strict_hf_model``), the sequences right-padded into one batch. Returns one fp32
+    tensor of n - 1 values per sequence, on the CPU; strict models give each sequence the bits it has alone.
+
+    Raises:
+        InputError: a sequence shorter than 2 tokens, or a model of neither kind.
+    """
+    import alignaudit_kernels as K
+
+    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
+    if not seqs or min(len(s) for s in seqs) < 2:
+        raise InputError("token_logprobs needs sequences of at least 2 tokens (the first has no logprob)")
+    device = next(model.parameters()).device
+    b, t = len(seqs), max(len(s) for s in seqs)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], valid[i, :len(s)] = s, True
+    ids, valid = ids.to(device), valid.to(device)
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        if hasattr(model, "compute_language_model_loss"):  # Megatron-Core GPTModel: the pads masked as keys
+            causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), 1)
+            mask = (causal[None] | ~valid[:, None, :])[:, None]
+            rows = -model(ids, None, mask, labels=labels).float()
+        elif hasattr(model, "config") and hasattr(model, "generate"):  # transformers
+            logits = model(input_ids=ids, attention_mask=valid.long()).logits
+            rows = K.token_logprobs(logits, labels).float()
+        else:
+            raise InputError(f"token_logprobs takes a model from strict_megatron_model or strict_hf_model, not "
+                             f"{type(model).__name__}")
+    return [rows[i, :len(s) - 1].cpu() for i, s in enumerate(seqs)]
+
+
+@dataclass
+class Comparison:
+    """A finished comparison (``compare``): summary.json's numbers as attributes, the tables as DataFrames.
+
+    Attributes:
+        path: the run directory (run.json, the captures, tokens.parquet, sequences.parquet, summary.json).
+        tokens_compared, mismatches: tokens with a logprob on both sides, and those not bitwise equal.
+        ulp_max, max_abs_diff: the largest fp32 ULP distance and |lp_train - lp_infer| (None without finite pairs).
+        generated: the same record for the sampled tokens alone (rollout mode), else None.
+        summary: all of summary.json (docs/output.md explains every field).
+        tokens, sequences: tokens.parquet (one row per token) and sequences.parquet (one per sequence).
+    """
+
+    path: Path
+    tokens_compared: int
+    mismatches: int
+    ulp_max: int | None
+    max_abs_diff: float | None
+    generated: dict | None
+    summary: dict = field(repr=False)
+    tokens: pd.DataFrame = field(repr=False)
+    sequences: pd.DataFrame = field(repr=False)
+
+    @property
+    def bitwise_equal(self) -> bool:
+        """Every compared token bitwise equal (and at least one compared)."""
+        return self.tokens_compared > 0 and self.mismatches == 0
+
+
+def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer: str = "vllm",
+            strict: str | None = None,
+            mode: str = "prompt", prompts: str | Path | None = None, random_prompts: int | None = None,
+            prompt_len: int | None = None, dtype: str = "bf16", device: str = "auto",
+            train_options: dict[str, Any] | None = None, infer_options: dict[str, Any] | None = None,
+            max_new_tokens: int = 32, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+            random_weights: bool = False, seed: int = 0, clip_eps: float = 0.2, out: str | Path | None = None,
+            force: bool = False) -> Comparison:
+    """Run ``alignaudit compare`` from Python: the same validation, engines (each in its own worker process),
+    outputs and sealed run.json, into ``out`` (default: a new alignaudit-runs/compare-<time> directory; an
+    existing non-empty one needs ``force``). Arguments are the CLI's options (docs/cli.md): ``strict`` "all" or a
+    comma list; ``train_options`` / ``infer_options`` the ``--train-opt`` / ``--infer-opt`` settings.
+
+    Raises:
+        InputError: any bad argument, before any engine starts. EngineError: an engine failed.
+    """
+    import json
+
+    from alignaudit.capture import outdir
+    from alignaudit.capture.rundir import COMPARE_OUTPUTS, SEQUENCES, TOKENS
+    from alignaudit.commands.options import (
+        ModelArgs,
+        OutputArgs,
+        PairArgs,
+        PromptArgs,
+        SamplingArgs,
+        build_request,
+        out_dir,
+    )
+    from alignaudit.commands.pipeline import compare as run_compare
+
+    if mode not in ("prompt", "rollout"):
+        raise InputError(f"mode {mode!r}: choose prompt or rollout")
+    options = [[f"{k}={json.dumps(v)}" for k, v in (opts or {}).items()] for opts in (train_options, infer_options)]
+    pair = PairArgs(train=train, infer=infer, dtype=dtype, device=device, train_opt=options[0] or None,
+                    infer_opt=options[1] or None, strict=strict)
+    sampling = SamplingArgs(mode, max_new_tokens, temperature, top_k, top_p) if mode == "rollout" else None
+    request = build_request(ModelArgs(str(model), random_weights, seed),
+                            PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
+                            pair, sampling, clip_eps)
+    path = out_dir(OutputArgs(Path(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
+    try:
+        summary = run_compare(request, path)
+    finally:
+        outdir.release(path)
+    return Comparison(path, summary["tokens_compared"], summary["mismatches"], summary["ulp_max"],
+                      summary["max_abs_diff"], summary.get("generated"), summary,
+                      pd.read_parquet(path / TOKENS), pd.read_parquet(path / SEQUENCES))
+
+
+def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None = None,
+                     clip_eps: float = 0.2) -> dict:
+    """The mismatch metrics of one RL step, computed as ``compare`` computes them (summary.json's fields:
+    tokens_compared, mismatches, mismatch_fraction, ulp_max, ulp_histogram, max_abs_diff, NaN/Inf counts and
+    ``rl``: importance-ratio range, clip fraction at ``clip_eps``, token_mult_prob_error, probability
+    differences, K3 KL; docs/output.md has each formula).
+
+    Args:
+        train_logprobs, rollout_logprobs: the trainer's and the rollout engine's logprobs of the same tokens:
+            two lists of 1-D tensors (one per sequence, equal lengths pairwise), or two [B, T] tensors with
+            ``mask`` [B, T] (bool, True = a token to compare, e.g. the response mask).
+        clip_eps: the PPO clip range the clip fraction counts against.
+    Raises:
+        InputError: shapes or lengths that disagree, or no token to compare.
+    """
+    from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
+
+    train, rollout = _rows(train_logprobs, mask, "train_logprobs"), _rows(rollout_logprobs, mask, "rollout_logprobs")
+    if len(train) != len(rollout) or any(a.shape != b.shape for a, b in zip(train, rollout)):
+        raise InputError(f"train_logprobs and rollout_logprobs disagree: {[len(a) for a in train]} tokens per "
+                         f"sequence vs {[len(b) for b in rollout]}")
+    seq = [torch.full((len(a),), i) for i, a in enumerate(train)]
+    tokens = pd.DataFrame({
+        "seq": torch.cat(seq).numpy() if seq else [],
+        "pos": torch.cat([torch.arange(len(a)) for a in train]).numpy() if train else [],
+        "lp_train": torch.cat(train).numpy() if train else [],
+        "lp_infer": torch.cat(rollout).numpy() if rollout else [],
+    })
+    return summarize_tokens(compare_tokens(tokens), clip_eps)
+
+
+def _rows(logprobs, mask, name: str) -> list[torch.Tensor]:
+    """One fp32 CPU tensor per sequence from a list of 1-D tensors or a [B, T] tensor with ``mask``."""
+    if isinstance(logprobs, torch.Tensor):
+        if logprobs.dim() != 2:
+            raise InputError(f"{name}: a [B, T] tensor (with mask) or a list of 1-D tensors, not shape "
+                             f"{tuple(logprobs.shape)}")
+        if mask is None:
+            mask = torch.ones_like(logprobs, dtype=torch.bool)
+        if mask.shape != logprobs.shape:
+            raise InputError(f"mask {tuple(mask.shape)} and {name} {tuple(logprobs.shape)} differ in shape")
+        return [row[m].detach().float().cpu() for row, m in zip(logprobs, mask.bool())]
+    if mask is not None:
+        raise InputError(f"mask applies to [B, T] tensors; {name} is a list of sequences")
+    return [torch.as_tensor(row).detach().float().cpu().reshape(-1) for row in logprobs]
+
+
+@dataclass
+class WeightSync:
+    """The result of ``verify_weight_sync``.
+
+    Attributes:
+        equal: every tensor present on both sides with the same bits (dtype, shape and bytes), none missing.
+        differing: names whose dtype, shape or bytes differ. missing: names on one side only (trainer-only
+            names first, then rollout-only).
+        checksums: sha256 of each trainer tensor's bytes, by name (alignaudit.engines.base.checksums).
+    """
+
+    equal: bool
+    differing: list[str]
+    missing: list[str]
+    checksums: dict[str, str] = field(repr=False)
+
+
+def verify_weight_sync(trainer: dict[str, torch.Tensor], rollout: dict[str, torch.Tensor]) -> WeightSync:
+    """Check that the rollout engine holds, bit for bit, the weights the trainer sent (both in HF names: e.g.
+    ``dict(model.named_parameters())`` of an HF model, vLLM's weights read back through its
+    ``load_weights`` names). A weight sync that changes one bit breaks bitwise alignment however strict the
+    kernels are."""
+    from alignaudit.engines.base import checksums
+
+    missing = sorted(set(trainer) - set(rollout)) + sorted(set(rollout) - set(trainer))
+    differing = [name for name in sorted(set(trainer) & set(rollout))
+                 if trainer[name].dtype != rollout[name].dtype or trainer[name].shape != rollout[name].shape
+                 or not torch.equal(_bytes(trainer[name]), _bytes(rollout[name]))]
+    return WeightSync(not differing and not missing, differing, missing, checksums(trainer))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
