@@ -251,16 +251,23 @@ def _token_logprobs_columns(logits: torch.Tensor, token_ids: torch.Tensor) -> to
     return K.log_softmax(logits).gather(1, token_ids)
 
 
+# The strict attention backends by vLLM platform: the backend each overrides, and the class (a dotted path, which
+# vLLM imports in each of its processes). The CPU platform selects CPU_ATTN and nothing else; on CUDA, FLASH_ATTN
+# is the one vLLM selects on Hopper, batch-invariant mode included.
+ATTENTION_BACKENDS = {
+    "cpu": ("CPU_ATTN", "alignaudit.engines.vllm.attention_cpu.StrictCPUAttentionBackend"),
+    "cuda": ("FLASH_ATTN", "alignaudit.engines.vllm.attention_cuda.StrictFlashAttentionBackend"),
+}
+
+
 def _attention() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if current_platform.is_cpu():  # the CPU platform selects CPU_ATTN and nothing else
-        register_backend(AttentionBackendEnum.CPU_ATTN,
-                         "alignaudit.engines.vllm.attention_cpu.StrictCPUAttentionBackend")
-    elif current_platform.is_cuda():  # FLASH_ATTN: the one vLLM selects on Hopper, batch-invariant mode included
-        register_backend(AttentionBackendEnum.FLASH_ATTN,
-                         "alignaudit.engines.vllm.attention_cuda.StrictFlashAttentionBackend")
+    platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
+    if platform is not None:
+        member, backend = ATTENTION_BACKENDS[platform]
+        register_backend(AttentionBackendEnum[member], backend)
     else:
         raise NotImplementedError(f"strict attention inside vLLM runs on its CPU and CUDA platforms, not on "
                                   f"{type(current_platform).__name__}; drop 'attention' from ALIGNAUDIT_STRICT")

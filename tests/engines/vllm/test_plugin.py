@@ -41,3 +41,16 @@ def test_both_model_runners_compute_strict_logprobs(monkeypatch):
         vllm_plugin.unregister()
     assert Sampler.compute_logprobs is stock_v1 and runner_v2.compute_token_logprobs is stock_v2
     assert not torch.equal(stock_v1(logits).view(torch.int32), expected.view(torch.int32))  # stock: other bits
+
+
+def test_every_strict_attention_backend_the_plugin_registers_imports():
+    """vLLM imports a backend by the dotted path the plugin registers, in each of its processes: each path must
+    name a class of that module (a moved module would fail only inside vLLM, on that platform)."""
+    import importlib
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    for platform, (member, path) in vllm_plugin.ATTENTION_BACKENDS.items():
+        module, _, name = path.rpartition(".")
+        assert isinstance(getattr(importlib.import_module(module), name), type), platform
+        assert AttentionBackendEnum[member] is not None
