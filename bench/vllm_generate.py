@@ -73,13 +73,36 @@ def worker(args) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    profile = profile_generate(llm, prompts, params) if args.profile else None
     config = llm.llm_engine.vllm_config
     from alignaudit.strict.vllm_attention import attention_impls
 
     return {"generated_tokens": generated, "seconds": round(seconds, 3),
             "output_tokens_per_s": round(generated / seconds, 1), "startup_s": round(startup, 1),
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
-            "attention_impl": sorted(llm.apply_model(attention_impls)[0])}
+            "attention_impl": sorted(llm.apply_model(attention_impls)[0]),
+            **({"profile": profile} if profile else {})}
+
+
+def profile_generate(llm, prompts, params, top: int = 14) -> dict:
+    """The same generate again under torch.profiler (after the timed one): GPU kernel time by kernel name,
+    CUDA-graph replays included, the largest ``top`` and the total; where a configuration's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name[:90]
+            count, us = kernels.get(name, (0, 0.0))
+            kernels[name] = (count + 1, us + e.time_range.elapsed_us())
+    total = sum(us for _, us in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"gpu_kernel_ms": round(total / 1e3, 1),
+            "top": [{"kernel": k, "calls": c, "ms": round(us / 1e3, 1)} for k, (c, us) in ranked]}
 
 
 def main() -> None:
@@ -90,6 +113,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--configs", default="default,batch-invariant,strict")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", default="", help="comma list of configurations to run once more under "
+                        "torch.profiler (GPU kernel time by kernel, printed after the timings)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -101,6 +126,8 @@ def main() -> None:
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **CONFIGS[name]}
         cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
                "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+        if name in args.profile.split(","):
+            cmd += ["--profile", name]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -113,6 +140,11 @@ def main() -> None:
         if base:
             print(f"{name:24s} {r['output_tokens_per_s']:9.1f} tokens/s  "
                   f"{r['output_tokens_per_s'] / base:.3f}x of default")
+    for name, r in results.items():
+        if "profile" in r:
+            print(f"{name}: GPU kernel time {r['profile']['gpu_kernel_ms']} ms in one profiled generate; largest:")
+            for t in r["profile"]["top"]:
+                print(f"   {t['ms']:9.1f} ms {t['calls']:7d} calls  {t['kernel']}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
 

@@ -268,6 +268,59 @@ if triton is not None:
             y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_desc.dtype))
 
 
+    @triton.jit
+    def _matmul_tma_split_kernel(x_desc, w_desc, p_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr):
+        """Program (tile, s): K segment s of one output tile from zero, by the TMA unit, its fp32 accumulator
+        stored as p[s] (p_desc over [SEGMENTS, M, N]); _segment_tree_kernel adds the tree afterwards. The
+        segment loop is _tma_segment's, so the bits are the in-kernel tree's (as _split_k's for the pointer
+        kernel), with SEGMENTS times the programs of one per tile."""
+        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        s = tl.program_id(1)
+        seg = K // SEGMENTS
+        acc = _tma_segment(x_desc, w_desc, pid_m, pid_n, s * seg, (s + 1) * seg, BLOCK_M, BLOCK_N, BLOCK_K)
+        p_desc.store([s, pid_m * BLOCK_M, pid_n * BLOCK_N], acc.reshape(1, BLOCK_M, BLOCK_N))
+
+    @triton.jit
+    def _matmul_tma_flat_kernel(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                SEGMENTS: tl.constexpr):
+        """_matmul_tma_kernel's segment tree (SEGMENTS 2 or 4) with one flattened loop over (tile, segment):
+        each iteration accumulates one segment from zero, and its epilogue parks, combines or stores by the
+        segment's place in the tree ((p0 + p1) + (p2 + p3); IEEE addition commutes, so unpark + acc gives
+        the same bits as the other order), so the software pipeline loads the next segment while this one
+        ends instead of refilling at every segment boundary."""
+        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        seg = K // SEGMENTS
+        slot = tl.program_id(0).to(tl.int64) * 2
+        mine = tl.cdiv(tiles - tl.program_id(0), programs)
+        for j in tl.range(0, mine * SEGMENTS, flatten=True):
+            tile = tl.program_id(0) + (j // SEGMENTS) * programs
+            s = j % SEGMENTS
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(s * seg, (s + 1) * seg, BLOCK_K):
+                a = x_desc.load([pid_m * BLOCK_M, k0])
+                b = w_desc.load([pid_n * BLOCK_N, k0])
+                acc = tl.dot(a, b.T, acc)
+            if SEGMENTS == 2:
+                if s == 0:
+                    _park(scratch_ptr, slot, acc, BLOCK_M, BLOCK_N)
+                else:
+                    out = _unpark(scratch_ptr, slot, BLOCK_M, BLOCK_N) + acc
+                    y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out.to(y_desc.dtype))
+            else:
+                if s == 0:
+                    _park(scratch_ptr, slot, acc, BLOCK_M, BLOCK_N)
+                elif s == 1:
+                    _park(scratch_ptr, slot, _unpark(scratch_ptr, slot, BLOCK_M, BLOCK_N) + acc, BLOCK_M, BLOCK_N)
+                elif s == 2:
+                    _park(scratch_ptr, slot + 1, acc, BLOCK_M, BLOCK_N)
+                else:
+                    right = _unpark(scratch_ptr, slot + 1, BLOCK_M, BLOCK_N) + acc
+                    out = _unpark(scratch_ptr, slot, BLOCK_M, BLOCK_N) + right
+                    y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out.to(y_desc.dtype))
+
 # Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing at run time; chosen by
 # batch size: up to TINY_M rows (decode) a 16-row tile with narrow columns, so that enough programs stream
 # W; up to SMALL_M rows 64x64 (128x128 for wide layers, N >= WIDE_N: gate/up, lm_head); above, 256x128.
@@ -398,6 +451,46 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
         GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
     return y
 
+
+def _triton_tma_split(x2: torch.Tensor, weight: torch.Tensor, tile, segments: int,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A segmented bf16/fp16 product by _matmul_tma_split_kernel (one program per tile and segment, fp32
+    partials) and _segment_tree_kernel (the tree, rounded once): the in-kernel tree's bits."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    x2, weight = x2.contiguous(), weight.contiguous()
+    bm, bn, bk, warps, stages = tile
+    parts = torch.empty(segments, m, n, dtype=torch.float32, device=x2.device)
+    _matmul_tma_split_kernel[(cdiv(m, bm) * cdiv(n, bn), segments)](
+        TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(parts, [1, bm, bn]), m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        SEGMENTS=segments, num_warps=warps, num_stages=stages)
+    y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
+    _segment_tree_kernel[(cdiv(m * n, SPLIT_K_BLOCK),)](parts, parts, y, m * n, n, HAS_BIAS=False,
+                                                        SEGMENTS=segments, BLOCK=SPLIT_K_BLOCK)
+    return y
+
+
+def _triton_tma_flat(x2: torch.Tensor, weight: torch.Tensor, tile, segments: int,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A segmented (2 or 4) bf16/fp16 product by _matmul_tma_flat_kernel, persistent: the in-kernel tree's bits
+    with one pipelined loop over (tile, segment)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    x2, weight = x2.contiguous(), weight.contiguous()
+    y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
+    bm, bn, bk, warps, stages = tile
+    programs = min(cdiv(m, bm) * cdiv(n, bn), sm_count(x2.device))
+    scratch = torch.empty(programs * 2 * bm * bn, dtype=torch.float32, device=x2.device)
+    _matmul_tma_flat_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(y, [bm, bn]), scratch, m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
+    return y
 
 SEGMENT_COUNTS = (1, 2, 4, 8)
 # The K segments of every row-parallel layer (attention output and MLP down projections) in every engine's
