@@ -20,7 +20,8 @@ Contract (both backends):
                   products, not TF32); tiles fixed per dtype and batch-size class (TILES, TMA_PLANS), no
                   autotuning. Segments: the tree inside the program (the TMA kernel keeps finished subtrees in
                   fp32 scratch tiles), or one program per (tile, segment) and a launch adding the tree
-                  (_split_k): the same additions in the same order either way.
+                  (_split_k; _triton_tma_split by the TMA unit): the same additions in the same order
+                  either way.
                   The tensor cores add K in steps of their instruction (16 for bf16/fp16) into the
                   accumulator, so BLOCK_K only groups steps: on an H200, BLOCK_K 64 and 128 give the same
                   bits (bench/sweep_gpu.py), and tests/test_kernels.py re-checks rows across every switch
@@ -281,45 +282,6 @@ if triton is not None:
         acc = _tma_segment(x_desc, w_desc, pid_m, pid_n, s * seg, (s + 1) * seg, BLOCK_M, BLOCK_N, BLOCK_K)
         p_desc.store([s, pid_m * BLOCK_M, pid_n * BLOCK_N], acc.reshape(1, BLOCK_M, BLOCK_N))
 
-    @triton.jit
-    def _matmul_tma_flat_kernel(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                SEGMENTS: tl.constexpr):
-        """_matmul_tma_kernel's segment tree (SEGMENTS 2 or 4) with one flattened loop over (tile, segment):
-        each iteration accumulates one segment from zero, and its epilogue parks, combines or stores by the
-        segment's place in the tree ((p0 + p1) + (p2 + p3); IEEE addition commutes, so unpark + acc gives
-        the same bits as the other order), so the software pipeline loads the next segment while this one
-        ends instead of refilling at every segment boundary."""
-        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        seg = K // SEGMENTS
-        slot = tl.program_id(0).to(tl.int64) * 2
-        mine = tl.cdiv(tiles - tl.program_id(0), programs)
-        for j in tl.range(0, mine * SEGMENTS, flatten=True):
-            tile = tl.program_id(0) + (j // SEGMENTS) * programs
-            s = j % SEGMENTS
-            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(s * seg, (s + 1) * seg, BLOCK_K):
-                a = x_desc.load([pid_m * BLOCK_M, k0])
-                b = w_desc.load([pid_n * BLOCK_N, k0])
-                acc = tl.dot(a, b.T, acc)
-            if SEGMENTS == 2:
-                if s == 0:
-                    _park(scratch_ptr, slot, acc, BLOCK_M, BLOCK_N)
-                else:
-                    out = _unpark(scratch_ptr, slot, BLOCK_M, BLOCK_N) + acc
-                    y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out.to(y_desc.dtype))
-            else:
-                if s == 0:
-                    _park(scratch_ptr, slot, acc, BLOCK_M, BLOCK_N)
-                elif s == 1:
-                    _park(scratch_ptr, slot, _unpark(scratch_ptr, slot, BLOCK_M, BLOCK_N) + acc, BLOCK_M, BLOCK_N)
-                elif s == 2:
-                    _park(scratch_ptr, slot + 1, acc, BLOCK_M, BLOCK_N)
-                else:
-                    right = _unpark(scratch_ptr, slot + 1, BLOCK_M, BLOCK_N) + acc
-                    out = _unpark(scratch_ptr, slot, BLOCK_M, BLOCK_N) + right
-                    y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out.to(y_desc.dtype))
 
 # Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing at run time; chosen by
 # batch size: up to TINY_M rows (decode) a 16-row tile with narrow columns, so that enough programs stream
@@ -350,6 +312,23 @@ WIDE_N = 16384
 # 0.68/0.69 -> 0.78/0.84 of cuBLAS, qkv 0.81 -> 0.85; segmented at M = 32-64 0.03-0.04 slower).
 TMA_PLANS = {("small", False): ((128, 128, 64, 8, 6), True), ("small", True): ((64, 128, 64, 4, 6), False),
              ("large", False): ((128, 256, 64, 8, 3), True), ("large", True): ((128, 128, 64, 8, 4), True)}
+# A third class, TINY_M < rows <= MEDIUM_M (decode batches of 17-128 sequences), opt-in until the GPU kernel
+# tests have run with it (ALIGNAUDIT_MATMUL_MEDIUM=1): at those sizes the small-class plans' 128-row tiles
+# leave most SMs idle (qkv at 32 rows: 48 programs on 132 SMs). Unsegmented products run 64x128 TMA tiles,
+# persistent; K-segmented ones one program per (column tile, segment) over a single row tile (64 rows up to
+# 64, 128 up to 128) and the tree launch (_triton_tma_split). Picked from bench/sweep_gpu.py --sections
+# issue19 (H200, 2026-12-02, docs/benchmarks.md), where each gave the pointer kernel's bits at every Qwen3-8B
+# layer and M = 32, 64, 128: CUDA-graph ratio to cuBLAS at M = 32/64/128 qkv 0.51/0.61/0.69 -> 0.78/0.82/0.83,
+# gate_up 0.58/0.64/0.88 -> 0.81/0.90/0.90, o 0.48/0.40/0.67 -> 0.91/0.83/0.87, down 0.55/0.61/0.65 ->
+# 1.00/1.04/0.95.
+MEDIUM_M = 128
+MEDIUM_TILE = ((64, 128, 64, 4, 6), True)
+MEDIUM_SPLIT_TILES = ((64, (64, 128, 64, 4, 6)), (MEDIUM_M, (128, 128, 64, 8, 6)))  # (up to rows, tile)
+
+
+def medium_class_enabled() -> bool:
+    """Whether TINY_M < rows <= MEDIUM_M runs the medium-class plans (ALIGNAUDIT_MATMUL_MEDIUM=1)."""
+    return os.environ.get("ALIGNAUDIT_MATMUL_MEDIUM", "0") == "1"
 
 
 def tile_for(m: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
@@ -371,6 +350,12 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     # the pointer kernel reads rows through their stride: only the K axis must be contiguous
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    if tile is None and TINY_M < m <= MEDIUM_M and medium_class_enabled() and _tma_available(x2, weight, bias):
+        if segments == 1:
+            return _triton_tma(x2, weight, *MEDIUM_TILE, out_dtype=out_dtype)
+        split_tile = next(t for rows, t in MEDIUM_SPLIT_TILES if m <= rows)
+        if (k // segments) % split_tile[2] == 0:  # no TMA load may cross a segment boundary
+            return _triton_tma_split(x2, weight, split_tile, segments, out_dtype)
     if tile is None and m > TINY_M and _tma_available(x2, weight, bias):
         narrow = segments > 1 or out_dtype == torch.float32
         tma_tile, persistent = TMA_PLANS["large" if m > SMALL_M else "small", narrow]
@@ -472,25 +457,6 @@ def _triton_tma_split(x2: torch.Tensor, weight: torch.Tensor, tile, segments: in
                                                         SEGMENTS=segments, BLOCK=SPLIT_K_BLOCK)
     return y
 
-
-def _triton_tma_flat(x2: torch.Tensor, weight: torch.Tensor, tile, segments: int,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A segmented (2 or 4) bf16/fp16 product by _matmul_tma_flat_kernel, persistent: the in-kernel tree's bits
-    with one pipelined loop over (tile, segment)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    m, k = x2.shape
-    n = weight.shape[0]
-    x2, weight = x2.contiguous(), weight.contiguous()
-    y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
-    bm, bn, bk, warps, stages = tile
-    programs = min(cdiv(m, bm) * cdiv(n, bn), sm_count(x2.device))
-    scratch = torch.empty(programs * 2 * bm * bn, dtype=torch.float32, device=x2.device)
-    _matmul_tma_flat_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-        TensorDescriptor.from_tensor(y, [bm, bn]), scratch, m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
-    return y
 
 SEGMENT_COUNTS = (1, 2, 4, 8)
 # The K segments of every row-parallel layer (attention output and MLP down projections) in every engine's
