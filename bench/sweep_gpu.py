@@ -1,6 +1,6 @@
 """Launch-configuration sweep for the strict matmul and attention on one GPU.
 
-    python3 bench/sweep_gpu.py [--sections matmul,tma,segments,small-m,medium-m,attention] [--json OUT.json]
+    python3 bench/sweep_gpu.py [--sections matmul,tma,segments,small-m,medium-m,attention,issue19] [--json F]
 
 For each configuration: its time at Qwen3-8B shapes (median of triton.testing.do_bench, random bf16), next
 to the default (cuBLAS, SDPA flash), and whether every configuration returns the same bits as the first
@@ -9,8 +9,9 @@ token's result independent of the batch it is in. Sections: matmul (pointer-kern
 kernel, grid and persistent, against the pointer kernel's bits), segments (every way to run the row-parallel
 layers' K-segmented product), small-m (the TMA kernel at M = 256), medium-m (every layer at M = 32-128:
 candidates for a third batch-size class; added 2026-11-30, not yet run), attention (key chunk sizes, split or not,
-the portable and the native exp; prefill and decode). Tiles and key blocks were swept on 2026-11-29
-(docs/benchmarks.md): all within 10%.
+the portable and the native exp; prefill and decode), issue19 (issue [19]'s linears at M = 32-256 and 4096 by
+narrower TMA tiles and one program per tile and K segment; run 2026-12-02, where the medium class came from).
+Tiles and key blocks were swept on 2026-11-29 (docs/benchmarks.md): all within 10%.
 """
 
 from __future__ import annotations
@@ -192,16 +193,15 @@ def sweep_medium_m(rows):
 ISSUE19_TMA_TILES = [(128, 128, 64, 8, 6), (64, 128, 64, 4, 6), (64, 64, 64, 4, 6), (64, 64, 64, 4, 8),
                      (64, 32, 64, 4, 8), (64, 64, 128, 4, 4)]
 ISSUE19_SPLIT_TILES = [(64, 128, 64, 4, 6), (64, 64, 64, 4, 6), (64, 64, 64, 4, 8), (128, 128, 64, 8, 6)]
-ISSUE19_FLAT_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 6), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
-                      (64, 128, 64, 4, 6)]
 
 
 def sweep_issue19(rows):
     """Candidates for issue [19]'s linear targets (every Qwen3-8B layer, M = 32-256 and 4096), as CUDA-graph
     replays, each with its bits checked against the pointer kernel's (tree inside one program): unsegmented
     qkv and gate_up by the TMA kernel at narrower tiles (more programs at small M); the segmented o and
-    down by the TMA kernel with one program per (tile, segment) plus the tree launch (_triton_tma_split)
-    and by the flattened (tile, segment) loop (_triton_tma_flat)."""
+    down by the TMA kernel with one program per (tile, segment) plus the tree launch (_triton_tma_split).
+    The 2026-12-02 run also swept a kernel with one flattened (tile, segment) loop (at 1fca074, since removed:
+    slower at M = 4096 and below; docs/benchmarks.md)."""
     same = []
     s = matmul.ROW_PARALLEL_SEGMENTS
     for name, k, n, segments in (("qkv", 4096, 6144, 1), ("gate_up", 4096, 24576, 1), ("o", 4096, 4096, s),
@@ -223,8 +223,6 @@ def sweep_issue19(rows):
             if segments > 1:
                 for t in ISSUE19_SPLIT_TILES if m <= 256 else ():
                     ways[f"tma-split {t}"] = lambda t=t: matmul._triton_tma_split(x, w, t, segments)
-                for t in ISSUE19_FLAT_TILES:
-                    ways[f"tma-flat {t}"] = lambda t=t: matmul._triton_tma_flat(x, w, t, segments)
             for way, fn in ways.items():
                 try_config(rows, same, fn, expected, graph_ms, config=way, **row)
     print(f"issue19: every way gives the pointer kernel's bits {all(same)} ({len(same)} checks, "
