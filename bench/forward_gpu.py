@@ -14,6 +14,7 @@ many times the strict forward makes the host wait for the GPU.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="eager only")
     parser.add_argument("--exp", choices=("portable", "native"), default="portable",
                         help="the strict attention's exp (alignaudit --strict-exp)")
+    parser.add_argument("--json", type=Path, help="write the times (ms) here")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -131,6 +133,12 @@ def main() -> None:
         strict_compiled_ms = median_ms(compiled_strict, warmup=3)
         same = torch.equal(compiled_strict().contiguous().view(torch.int32), strict().contiguous().view(torch.int32))
         outcome = f"{strict_compiled_ms:.1f} ms, logprob bits equal to eager strict: {same}"
+        if args.json:
+            args.json.write_text(json.dumps({"preset": args.preset, "batch": args.batch, "tokens": args.tokens,
+                                             "exp": args.exp, "default_ms": default_ms, "strict_ms": strict_ms,
+                                             "default_compiled_ms": default_compiled_ms,
+                                             "strict_compiled_ms": strict_compiled_ms,
+                                             "compiled_bits_equal_eager": same}, indent=1))
     except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
         strict_compiled_ms, outcome = None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         print(f"peak GPU memory in the compiled strict forward: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")

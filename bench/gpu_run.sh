@@ -3,7 +3,7 @@
 #   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
 #                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench \
-#                    ipc rl-bench train-profile grpo17 grpo8
+#                    ipc rl-bench train-profile grpo17 grpo8 linear19 attention19 sweep19 targets19
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
 # attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py);
@@ -37,6 +37,10 @@
 # GRPO_LR (1e-6), GRPO_KL (grpo17's --kl-coef, 0.04; grpo8 runs without), GRPO_TIMEOUT (570 s; never past CALL_S,
 # 590 s after the script started, less 25 s for the summary; lower CALL_S by what the call ran before the script,
 # e.g. the vLLM install: about 30 s).
+# [19]: linear19 strict linear vs cuBLAS for qkv, o, gate_up, down at LIN_MS (32,64,128,256,4096), graph replays;
+# attention19 strict prefill and paged decode vs vLLM's FlashAttention-3 (needs CUDA vLLM); sweep19 the linear
+# candidates (bench/sweep_gpu.py --sections issue19); targets19 the [19] target table from the stages' JSON in $OUT
+# (forward.json from forward, vllm-generate.json from vllm-bench; BENCH_PROFILE: configurations profiled there).
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
 started=$SECONDS  # the device call began just before (CALL_S: grpo's deadline)
@@ -141,7 +145,7 @@ for stage in "$@"; do
     launch) timeout 120 python3 bench/launch_overhead.py 2>&1 | log | tail -8 ;;
     bench-attention) timeout 200 python3 bench/kernels_gpu.py --quick --sections attention --json "$out/bench-attention.json" 2>&1 | log | tail -14 ;;
     bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | log | tail -40 ;;
-    forward) timeout 540 python3 bench/forward_gpu.py 2>&1 | log | grep -v Warn | tail -9 ;;
+    forward) timeout ${FWD_TIMEOUT:-540} python3 bench/forward_gpu.py --json "$out/forward.json" 2>&1 | log | grep -v Warn | tail -9 ;;
     forward-native) timeout 540 python3 bench/forward_gpu.py --exp native 2>&1 | log | grep -v Warn | tail -9 ;;
     q8-bisect-strict) timeout 300 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --mode natural --strict \
@@ -232,7 +236,15 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
     grpo8) grpo grpo8 --model Qwen3-8B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4 \
              --train-opt micro_batch_size=${GRPO8_MB:-8} --strict --steps ${GRPO8_STEPS:-30} ;;
     vllm-bench) timeout 560 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256 \
-                  --configs ${BENCH_CONFIGS:-default,batch-invariant,strict} --json "$out/vllm-generate.json" 2>&1 | log | tail -12 ;;
+                  --configs ${BENCH_CONFIGS:-default,batch-invariant,strict} --profile "${BENCH_PROFILE:-}" \
+                  --json "$out/vllm-generate.json" 2>&1 | log | tail -${BENCH_TAIL:-12} ;;
+    linear19) timeout 300 python3 bench/kernels_gpu.py --sections matmul --layers qkv,o,gate_up,down \
+                --ms ${LIN_MS:-32,64,128,256,4096} --json "$out/linear19.json" 2>&1 | log | tail -22 ;;
+    attention19) timeout 200 python3 bench/kernels_gpu.py --sections attention-fa3 --json "$out/attention19.json" 2>&1 \
+                   | log | tail -12 ;;
+    sweep19) timeout 400 python3 bench/sweep_gpu.py --sections issue19 --json "$out/sweep19.json" 2>&1 | log | tail -40 ;;
+    targets19) python3 bench/targets.py $(for f in linear19 attention19; do [ -f "$out/$f.json" ] && echo --kernels "$out/$f.json"; done) \
+                 --forward "$out/forward.json" --vllm "$out/vllm-generate.json" 2>&1 | log ;;
     q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --out /tmp/runs/q8-bisect --force \
                  2>&1 | log | tail -60

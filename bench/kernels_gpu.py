@@ -8,7 +8,9 @@ kernels are also timed as CUDA-graph replays (triton.testing.do_bench_cudagraph,
 without Python launch overhead, the way vLLM runs decode; no L2 flush between replays, so weights that fit
 in L2 stay there for both sides). Attention is timed both ways too (the strict prefill's launch plan is
 cached on the device after the warm-up call, so the replay needs no host work), each with the portable and
-the native exp (kernels/attention.py). The decode default is SDPA over the same keys laid out contiguously. Memory-bound
+the native exp (kernels/attention.py). The decode default is SDPA over the same keys laid out contiguously.
+Section attention-fa3 (needs CUDA vLLM) measures the same kernels against vLLM's FlashAttention-3, issue
+[19]'s reference. Memory-bound
 kernels also
 print their fraction of the copy-bandwidth bound measured in the same run (a device-to-device copy of the
 same bytes). Shapes are Qwen3-8B's (hidden 4096, 32 query heads, 8 KV heads, head_dim 128, vocab 151936).
@@ -58,16 +60,17 @@ def copy_ms(nbytes: int) -> float:
     return ms(lambda: dst.copy_(src))
 
 
-def bench_matmul(ms_list):
+def bench_matmul(ms_list, layers=tuple(LINEARS)):
     rows = []
-    for name, (k, n, segments) in LINEARS.items():
+    for name in layers:
+        k, n, segments = LINEARS[name]
         w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
         for m in ms_list:
             x = torch.randn(m, k, dtype=DT, device="cuda")
             timing = side_by_side(lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w, k_segments=segments))
             tflops = 2 * m * n * k / timing["strict_ms"] / 1e9
             label = f"matmul {name} {k}x{n}" + (f" ({segments} K segments)" if segments > 1 else "")
-            rows.append({"op": label, "M": m, **timing, "strict_tflops": tflops})
+            rows.append({"op": label, "layer": name, "M": m, **timing, "strict_tflops": tflops})
     return rows
 
 
@@ -140,26 +143,92 @@ def bench_attention(lengths, decode_batches):
     return rows
 
 
+def bench_attention_fa3(lengths, decode_batches):
+    """Against vLLM's FlashAttention-3 (vllm.vllm_flash_attn.flash_attn_varlen_func, fa_version=3), the
+    attention vLLM runs by default on Hopper: causal varlen prefill of one sequence, and paged decode over
+    16-key pages (vLLM's page size; one query per sequence, seqused_k = the context, as vLLM's FlashAttention
+    backend calls it under full CUDA graphs: scheduler metadata computed ahead, at most 32 splits, its
+    flash_attn_max_num_splits_for_cuda_graph). Strict: varlen_attention / paged_decode on the same
+    tensors. Prefill as eager launches and graph replays, decode as graph replays (the way vLLM decodes)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+
+    rows = []
+    h, kvh, d = 32, 8, 128
+    scale = d ** -0.5
+    for n in lengths:
+        q = torch.randn(n, h, d, dtype=DT, device="cuda")
+        k = torch.randn(n, kvh, d, dtype=DT, device="cuda")
+        v = torch.randn(n, kvh, d, dtype=DT, device="cuda")
+        cu = torch.tensor([0, n])
+        cu32 = cu.to(device="cuda", dtype=torch.int32)
+
+        def fa3(q=q, k=k, v=v, n=n, cu32=cu32):
+            return flash_attn_varlen_func(q, k, v, max_seqlen_q=n, cu_seqlens_q=cu32, max_seqlen_k=n,
+                                          cu_seqlens_k=cu32, softmax_scale=scale, causal=True, fa_version=3)
+
+        flops = 4 * n * n * h * d / 2  # causal: QK^T and PV over half the square
+        for exp in K.attention.EXP_CHOICES:
+            timing = side_by_side(fa3, lambda: K.varlen_attention(q, k, v, cu, scale, exp=exp))
+            rows.append({"op": f"attention prefill {n} ({exp} exp) vs FA3", "target": "prefill", "tokens": n,
+                         "exp": exp, **timing, "fa3_tflops": flops / timing["default_ms"] / 1e9,
+                         "strict_tflops": flops / timing["strict_ms"] / 1e9})
+    ctx, block = 4096, 16
+    for b in decode_batches:
+        pages = ctx // block
+        kc = torch.randn(b * pages, block, kvh, d, dtype=DT, device="cuda")
+        vc = torch.randn_like(kc)
+        table = torch.randperm(b * pages, device="cuda").to(torch.int32).view(b, pages)
+        q = torch.randn(b, h, d, dtype=DT, device="cuda")
+        lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+        cuq = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+        try:
+            meta, splits = get_scheduler_metadata(
+                batch_size=b, max_seqlen_q=1, max_seqlen_k=ctx, num_heads_q=h, num_heads_kv=kvh, headdim=d,
+                cache_seqlens=lens, qkv_dtype=DT, cu_seqlens_q=cuq, page_size=block, causal=True, num_splits=32), 32
+        except Exception as e:  # noqa: BLE001 - then FA3's own heuristics, and the row says so
+            print(f"FA3 scheduler metadata failed ({type(e).__name__}: {e}); FA3 splits by its heuristics", flush=True)
+            meta, splits = None, 0
+
+        def fa3_decode(q=q, kc=kc, vc=vc, table=table, lens=lens, cuq=cuq, meta=meta, splits=splits):
+            return flash_attn_varlen_func(q, kc, vc, max_seqlen_q=1, cu_seqlens_q=cuq, max_seqlen_k=ctx,
+                                          seqused_k=lens, softmax_scale=scale, causal=True, block_table=table,
+                                          scheduler_metadata=meta, num_splits=splits, fa_version=3)
+
+        for exp in K.attention.EXP_CHOICES:
+            timing = side_by_side(fa3_decode, lambda: K.paged_decode(q, kc, vc, table, lens, scale, ctx, exp=exp))
+            rows.append({"op": f"attention decode b={b} ctx={ctx} ({exp} exp) vs FA3", "target": "decode",
+                         "batch": b, "exp": exp, "fa3_max_splits": splits, **timing})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--sections", default="matmul,memory,attention", help="comma list of matmul, memory, attention")
+    parser.add_argument("--sections", default="matmul,memory,attention",
+                        help="comma list of matmul, memory, attention, attention-fa3 (needs CUDA vLLM)")
+    parser.add_argument("--ms", help="comma list of matmul batch sizes (M), instead of the --quick or full set")
+    parser.add_argument("--layers", default=",".join(LINEARS), help=f"comma list of {', '.join(LINEARS)}")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     rows = []
     if "matmul" in sections:
-        rows += bench_matmul((1, 16, 256, 4096) if args.quick else (1, 16, 256, 4096, 16384))
+        ms_list = (tuple(int(m) for m in args.ms.split(",")) if args.ms
+                   else (1, 16, 256, 4096) if args.quick else (1, 16, 256, 4096, 16384))
+        rows += bench_matmul(ms_list, args.layers.split(","))
     if "memory" in sections:
         rows += bench_memory_bound()
     if "attention" in sections:
         rows += bench_attention((1024, 4096) if args.quick else (1024, 4096, 16384),
                                 (1, 16, 256) if args.quick else (1, 4, 16, 64, 256))
+    if "attention-fa3" in sections:
+        rows += bench_attention_fa3((1024, 4096), (1, 32, 256))
     print(f"{'op':44s} {'M':>6s} {'default ms':>11s} {'strict ms':>10s} {'ratio':>6s} {'graph':>6s}  extra")
     for r in rows:
-        extra = f"{r['strict_tflops']:.0f} TFLOP/s" if "strict_tflops" in r else (
+        extra = f"{r['strict_tflops']:.0f} TFLOP/s" + (
+            f" (FA3 {r['fa3_tflops']:.0f})" if "fa3_tflops" in r else "") if "strict_tflops" in r else (
             f"{r['of_copy_bound']:.2f} of copy bound" if "of_copy_bound" in r else "")
         graph = f"{r['graph_ratio']:6.2f}" if "graph_ratio" in r else " " * 6
         extra = extra or (f"not captured: {r['graph_error']}" if "graph_error" in r else "")

@@ -1,6 +1,6 @@
 """Launch-configuration sweep for the strict matmul and attention on one GPU.
 
-    python3 bench/sweep_gpu.py [--sections matmul,tma,segments,small-m,medium-m,attention] [--json OUT.json]
+    python3 bench/sweep_gpu.py [--sections matmul,tma,segments,small-m,medium-m,attention,issue19] [--json F]
 
 For each configuration: its time at Qwen3-8B shapes (median of triton.testing.do_bench, random bf16), next
 to the default (cuBLAS, SDPA flash), and whether every configuration returns the same bits as the first
@@ -9,8 +9,9 @@ token's result independent of the batch it is in. Sections: matmul (pointer-kern
 kernel, grid and persistent, against the pointer kernel's bits), segments (every way to run the row-parallel
 layers' K-segmented product), small-m (the TMA kernel at M = 256), medium-m (every layer at M = 32-128:
 candidates for a third batch-size class; added 2026-11-30, not yet run), attention (key chunk sizes, split or not,
-the portable and the native exp; prefill and decode). Tiles and key blocks were swept on 2026-11-29
-(docs/benchmarks.md): all within 10%.
+the portable and the native exp; prefill and decode), issue19 (issue [19]'s linears at M = 32-256 and 4096 by
+narrower TMA tiles and one program per tile and K segment; run 2026-12-02, where the medium class came from).
+Tiles and key blocks were swept on 2026-11-29 (docs/benchmarks.md): all within 10%.
 """
 
 from __future__ import annotations
@@ -189,6 +190,45 @@ def sweep_medium_m(rows):
     return {"medium_m_bitwise_equal": all(same)}
 
 
+ISSUE19_TMA_TILES = [(128, 128, 64, 8, 6), (64, 128, 64, 4, 6), (64, 64, 64, 4, 6), (64, 64, 64, 4, 8),
+                     (64, 32, 64, 4, 8), (64, 64, 128, 4, 4)]
+ISSUE19_SPLIT_TILES = [(64, 128, 64, 4, 6), (64, 64, 64, 4, 6), (64, 64, 64, 4, 8), (128, 128, 64, 8, 6)]
+
+
+def sweep_issue19(rows):
+    """Candidates for issue [19]'s linear targets (every Qwen3-8B layer, M = 32-256 and 4096), as CUDA-graph
+    replays, each with its bits checked against the pointer kernel's (tree inside one program): unsegmented
+    qkv and gate_up by the TMA kernel at narrower tiles (more programs at small M); the segmented o and
+    down by the TMA kernel with one program per (tile, segment) plus the tree launch (_triton_tma_split).
+    The 2026-12-02 run also swept a kernel with one flattened (tile, segment) loop (at 1fca074, since removed:
+    slower at M = 4096 and below; docs/benchmarks.md)."""
+    same = []
+    s = matmul.ROW_PARALLEL_SEGMENTS
+    for name, k, n, segments in (("qkv", 4096, 6144, 1), ("gate_up", 4096, 24576, 1), ("o", 4096, 4096, s),
+                                 ("down", 12288, 4096, s)):
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+        for m in (32, 64, 128, 256, 4096):
+            if segments == 1 and m == 4096:
+                continue
+            x = torch.randn(m, k, dtype=DT, device="cuda")
+            expected = matmul._triton(x, w, None, tile=matmul.TILES[DT]["large"], segments=segments)
+            base = graph_ms(lambda: torch.nn.functional.linear(x, w))
+            row = {"op": f"{name} {k}x{n}" + (f" {segments} seg" if segments > 1 else "") + " (graph)", "M": m,
+                   "default_ms": base}
+            ways = {"default path": lambda: matmul._triton(x, w, None, segments=segments)}
+            for t in ISSUE19_TMA_TILES if m <= 256 else ():
+                for persistent in (False, True):
+                    ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = (
+                        lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent, segments=segments))
+            if segments > 1:
+                for t in ISSUE19_SPLIT_TILES if m <= 256 else ():
+                    ways[f"tma-split {t}"] = lambda t=t: matmul._triton_tma_split(x, w, t, segments)
+            for way, fn in ways.items():
+                try_config(rows, same, fn, expected, graph_ms, config=way, **row)
+    print(f"issue19: every way gives the pointer kernel's bits {all(same)} ({len(same)} checks, "
+          f"{same.count(False)} unequal)", flush=True)
+    return {"issue19_bitwise_equal": all(same), "issue19_checks": len(same), "issue19_unequal": same.count(False)}
+
 def sweep_attention(rows):
     """Key chunk sizes (the split-KV granularity; each one another algorithm), split or not, portable or native
     exp: prefill at 1k and 4k tokens, paged decode at batch 1, 16 and 256 over 4k keys."""
@@ -244,12 +284,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sections", default="matmul,tma,attention",
-                        help="comma list of matmul, tma, segments, small-m, medium-m, attention")
+                        help="comma list of matmul, tma, segments, small-m, medium-m, attention, issue19")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
     sections = {"matmul": sweep_matmul, "tma": sweep_matmul_tma, "segments": sweep_segments, "small-m": sweep_small_m,
-                "medium-m": sweep_medium_m, "attention": sweep_attention}
+                "medium-m": sweep_medium_m, "attention": sweep_attention, "issue19": sweep_issue19}
     checks = {}
     for name in args.sections.split(","):
         checks.update(sections[name](rows))

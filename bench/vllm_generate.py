@@ -3,7 +3,8 @@
 Each configuration runs in its own process (the environment variables act at import and at engine start):
 the same model config with vLLM's dummy weights (load_format="dummy": the shape is what costs, not the
 values), the same token-id prompts, ``LLM.generate`` with CUDA graphs and torch.compile as vLLM defaults
-them. One warm-up request, then every prompt at once, timed on the host (generate returns when done).
+them. One warm-up request, then every prompt at once, timed on the host (generate returns when done), then the
+same batch once more (repeat_seconds: the first includes one-time work such as JIT builds of new launch shapes).
 Prints one line per configuration and the ratios to the default; --json writes the records.
 
     python bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256
@@ -73,13 +74,42 @@ def worker(args) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    t0 = time.perf_counter()  # the same batch again: what the first one spent on one-time work (JIT builds)
+    llm.generate(prompts, params, use_tqdm=False)
+    repeat_seconds = time.perf_counter() - t0
+    profile = profile_generate(llm, prompts, params) if args.profile else None
     config = llm.llm_engine.vllm_config
     from alignaudit.engines.vllm.attention_cpu import attention_impls
 
     return {"generated_tokens": generated, "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(generated / seconds, 1), "startup_s": round(startup, 1),
+            "output_tokens_per_s": round(generated / seconds, 1), "repeat_seconds": round(repeat_seconds, 3),
+            "startup_s": round(startup, 1),
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
-            "attention_impl": sorted(llm.apply_model(attention_impls)[0])}
+            "attention_impl": sorted(llm.apply_model(attention_impls)[0]),
+            **({"profile": profile} if profile else {})}
+
+
+def profile_generate(llm, prompts, params, top: int = 14) -> dict:
+    """The same generate again under torch.profiler (after the timed one): GPU kernel time by kernel name,
+    CUDA-graph replays included, the largest ``top`` and the total; where a configuration's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name[:90]
+            count, us = kernels.get(name, (0, 0.0))
+            kernels[name] = (count + 1, us + e.time_range.elapsed_us())
+    total = sum(us for _, us in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"gpu_kernel_ms": round(total / 1e3, 1), "profiled_wall_s": round(wall, 3),
+            "top": [{"kernel": k, "calls": c, "ms": round(us / 1e3, 1)} for k, (c, us) in ranked]}
 
 
 def main() -> None:
@@ -90,6 +120,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--configs", default="default,batch-invariant,strict")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", default="", help="comma list of configurations to run once more under "
+                        "torch.profiler (GPU kernel time by kernel, printed after the timings)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -101,6 +133,8 @@ def main() -> None:
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **CONFIGS[name]}
         cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
                "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+        if name in args.profile.split(","):
+            cmd += ["--profile", name]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -113,6 +147,12 @@ def main() -> None:
         if base:
             print(f"{name:24s} {r['output_tokens_per_s']:9.1f} tokens/s  "
                   f"{r['output_tokens_per_s'] / base:.3f}x of default")
+    for name, r in results.items():
+        if "profile" in r:
+            print(f"{name}: GPU kernel time {r['profile']['gpu_kernel_ms']} ms in one profiled generate "
+                  f"({r['profile'].get('profiled_wall_s')} s wall under the profiler); largest:")
+            for t in r["profile"]["top"]:
+                print(f"   {t['ms']:9.1f} ms {t['calls']:7d} calls  {t['kernel']}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
 

@@ -20,7 +20,8 @@ Contract (both backends):
                   products, not TF32); tiles fixed per dtype and batch-size class (TILES, TMA_PLANS), no
                   autotuning. Segments: the tree inside the program (the TMA kernel keeps finished subtrees in
                   fp32 scratch tiles), or one program per (tile, segment) and a launch adding the tree
-                  (_split_k): the same additions in the same order either way.
+                  (_split_k; _triton_tma_split by the TMA unit): the same additions in the same order
+                  either way.
                   The tensor cores add K in steps of their instruction (16 for bf16/fp16) into the
                   accumulator, so BLOCK_K only groups steps: on an H200, BLOCK_K 64 and 128 give the same
                   bits (bench/sweep_gpu.py), and tests/test_kernels.py re-checks rows across every switch
@@ -268,6 +269,20 @@ if triton is not None:
             y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_desc.dtype))
 
 
+    @triton.jit
+    def _matmul_tma_split_kernel(x_desc, w_desc, p_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr):
+        """Program (tile, s): K segment s of one output tile from zero, by the TMA unit, its fp32 accumulator
+        stored as p[s] (p_desc over [SEGMENTS, M, N]); _segment_tree_kernel adds the tree afterwards. The
+        segment loop is _tma_segment's, so the bits are the in-kernel tree's (as _split_k's for the pointer
+        kernel), with SEGMENTS times the programs of one per tile."""
+        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        s = tl.program_id(1)
+        seg = K // SEGMENTS
+        acc = _tma_segment(x_desc, w_desc, pid_m, pid_n, s * seg, (s + 1) * seg, BLOCK_M, BLOCK_N, BLOCK_K)
+        p_desc.store([s, pid_m * BLOCK_M, pid_n * BLOCK_N], acc.reshape(1, BLOCK_M, BLOCK_N))
+
+
 # Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Never chosen by timing at run time; chosen by
 # batch size: up to TINY_M rows (decode) a 16-row tile with narrow columns, so that enough programs stream
 # W; up to SMALL_M rows 64x64 (128x128 for wide layers, N >= WIDE_N: gate/up, lm_head); above, 256x128.
@@ -297,6 +312,23 @@ WIDE_N = 16384
 # 0.68/0.69 -> 0.78/0.84 of cuBLAS, qkv 0.81 -> 0.85; segmented at M = 32-64 0.03-0.04 slower).
 TMA_PLANS = {("small", False): ((128, 128, 64, 8, 6), True), ("small", True): ((64, 128, 64, 4, 6), False),
              ("large", False): ((128, 256, 64, 8, 3), True), ("large", True): ((128, 128, 64, 8, 4), True)}
+# A third class, TINY_M < rows <= MEDIUM_M (decode batches of 17-128 sequences), opt-in until the GPU kernel
+# tests have run with it (ALIGNAUDIT_MATMUL_MEDIUM=1): at those sizes the small-class plans' 128-row tiles
+# leave most SMs idle (qkv at 32 rows: 48 programs on 132 SMs). Unsegmented products run 64x128 TMA tiles,
+# persistent; K-segmented ones one program per (column tile, segment) over a single row tile (64 rows up to
+# 64, 128 up to 128) and the tree launch (_triton_tma_split). Picked from bench/sweep_gpu.py --sections
+# issue19 (H200, 2026-12-02, docs/benchmarks.md), where each gave the pointer kernel's bits at every Qwen3-8B
+# layer and M = 32, 64, 128: CUDA-graph ratio to cuBLAS at M = 32/64/128 qkv 0.51/0.61/0.69 -> 0.78/0.82/0.83,
+# gate_up 0.58/0.64/0.88 -> 0.81/0.90/0.90, o 0.48/0.40/0.67 -> 0.91/0.83/0.87, down 0.55/0.61/0.65 ->
+# 1.00/1.04/0.95.
+MEDIUM_M = 128
+MEDIUM_TILE = ((64, 128, 64, 4, 6), True)
+MEDIUM_SPLIT_TILES = ((64, (64, 128, 64, 4, 6)), (MEDIUM_M, (128, 128, 64, 8, 6)))  # (up to rows, tile)
+
+
+def medium_class_enabled() -> bool:
+    """Whether TINY_M < rows <= MEDIUM_M runs the medium-class plans (ALIGNAUDIT_MATMUL_MEDIUM=1)."""
+    return os.environ.get("ALIGNAUDIT_MATMUL_MEDIUM", "0") == "1"
 
 
 def tile_for(m: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
@@ -318,6 +350,12 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     # the pointer kernel reads rows through their stride: only the K axis must be contiguous
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    if tile is None and TINY_M < m <= MEDIUM_M and medium_class_enabled() and _tma_available(x2, weight, bias):
+        if segments == 1:
+            return _triton_tma(x2, weight, *MEDIUM_TILE, out_dtype=out_dtype)
+        split_tile = next(t for rows, t in MEDIUM_SPLIT_TILES if m <= rows)
+        if (k // segments) % split_tile[2] == 0:  # no TMA load may cross a segment boundary
+            return _triton_tma_split(x2, weight, split_tile, segments, out_dtype)
     if tile is None and m > TINY_M and _tma_available(x2, weight, bias):
         narrow = segments > 1 or out_dtype == torch.float32
         tma_tile, persistent = TMA_PLANS["large" if m > SMALL_M else "small", narrow]
@@ -396,6 +434,27 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
         TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(y, [bm, bn]), scratch, m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
+    return y
+
+
+def _triton_tma_split(x2: torch.Tensor, weight: torch.Tensor, tile, segments: int,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A segmented bf16/fp16 product by _matmul_tma_split_kernel (one program per tile and segment, fp32
+    partials) and _segment_tree_kernel (the tree, rounded once): the in-kernel tree's bits."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x2.shape
+    n = weight.shape[0]
+    x2, weight = x2.contiguous(), weight.contiguous()
+    bm, bn, bk, warps, stages = tile
+    parts = torch.empty(segments, m, n, dtype=torch.float32, device=x2.device)
+    _matmul_tma_split_kernel[(cdiv(m, bm) * cdiv(n, bn), segments)](
+        TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(parts, [1, bm, bn]), m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        SEGMENTS=segments, num_warps=warps, num_stages=stages)
+    y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
+    _segment_tree_kernel[(cdiv(m * n, SPLIT_K_BLOCK),)](parts, parts, y, m * n, n, HAS_BIAS=False,
+                                                        SEGMENTS=segments, BLOCK=SPLIT_K_BLOCK)
     return y
 
 

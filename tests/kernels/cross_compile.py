@@ -134,6 +134,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         w = _empty(4096, 4096)
         for rows, segments, out in ((8, 1, None), (8, 4, None), (512, 1, None), (512, 4, FP32)):
             matmul._triton(_empty(rows, 4096), w, None, segments=segments, out_dtype=out)
+        _medium_class(matmul, w)
         m["rmsnorm"]._triton(_empty(16, 4096), _empty(4096), 1e-6, _empty(16, 4096))
         m["rope"]._triton(_empty(16, 32, 128), torch.arange(16), _empty(64, 64, dtype=FP32), _empty(64, 64, dtype=FP32))
         m["silu"]._triton(_empty(16, 12288), _empty(16, 12288))
@@ -150,6 +151,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
             matmul._triton(x, _empty(4096, 4096), None, segments=segments)
         matmul._triton(x, _empty(4096, 4096), None, segments=4, out_dtype=FP32)  # a row-parallel partial
     matmul._triton(_empty(64, 4096), _empty(24576, 4096), None)  # small_wide (N >= WIDE_N)
+    _medium_class(matmul, _empty(4096, 4096))
     matmul._triton(_empty(64, 4096), _empty(4096, 4096), _empty(4096))  # a bias: never the TMA kernel
     for dtype in (FP16, FP32):
         matmul._triton(_empty(512, 4096, dtype=dtype), _empty(4096, 4096, dtype=dtype), None)
@@ -171,6 +173,18 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
     _attention(attention, BF16, 40, 8, 128, "portable", every_path=False)
     for dtype in (FP16, FP32):
         _attention(attention, dtype, 32, 8, 128, "portable", every_path=False)
+
+
+def _medium_class(matmul, w) -> None:
+    """The opt-in medium class (ALIGNAUDIT_MATMUL_MEDIUM=1: 17-128 rows; on Hopper a 64x128 TMA tile, or one
+    program per tile and K segment plus the tree kernel), at both of its split tiles and as a partial."""
+    enabled = matmul.medium_class_enabled
+    matmul.medium_class_enabled = lambda: True
+    try:
+        for rows, segments, out in ((32, 1, None), (32, 4, None), (128, 4, None), (128, 4, FP32)):
+            matmul._triton(_empty(rows, 4096), w, None, segments=segments, out_dtype=out)
+    finally:
+        matmul.medium_class_enabled = enabled
 
 
 def _attention(attention, dtype, heads: int, kv_heads: int, d: int, exp: str, every_path: bool,

@@ -300,6 +300,66 @@ def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypa
                                  matmul._triton_tma(x, w, tile, persistent, segments=segments), expected)
 
 
+@pytest.mark.parametrize("segments", [2, 4, 8])
+def test_tma_split_segment_tree_gives_the_pointer_kernel_bits(request, device, dtype, segments):
+    """The TMA kernel with one program per (tile, segment) plus the tree launch (_triton_tma_split, the
+    medium class's segmented path): the bits of the pointer kernel's tree inside one program, rounded and as
+    an fp32 partial. The interpreter runs it too (fp32, at the pointer kernel's tile)."""
+    where = request.config.getoption("--kernel-device")
+    if where == "cpu":
+        pytest.skip("compares two Triton paths (interpret or cuda)")
+    m, k, n = (300, 1024, 96) if where == "cuda" else (70, 256, 96)
+    x, w = randn(m, k, dtype=dtype, device=device, seed=23), randn(n, k, dtype=dtype, device=device, seed=24, scale=0.1)
+    if where == "cuda":
+        if not matmul._tma_available(x, w, None):
+            pytest.skip("the TMA kernel needs Hopper or newer and bf16/fp16")
+        reference_tile = matmul.TILES[dtype]["large"]
+        tiles = [tile for _, tile in matmul.MEDIUM_SPLIT_TILES] + [(128, 128, 64, 8, 4)]
+    else:
+        reference_tile = (32, 32, 16, 4, 1)
+        tiles = [reference_tile]
+    for out_dtype in (None, torch.float32):
+        expected = matmul._triton(x, w, None, tile=reference_tile, segments=segments, out_dtype=out_dtype)
+        for tile in tiles:
+            assert_bitwise_equal(f"tma split {tile} out={out_dtype}",
+                                 matmul._triton_tma_split(x, w, tile, segments, out_dtype), expected)
+
+
+@needs_hardware_dot
+@pytest.mark.parametrize("segments", [1, matmul.ROW_PARALLEL_SEGMENTS])
+def test_medium_class_keeps_every_rows_bits(monkeypatch, device, dtype, segments):
+    """ALIGNAUDIT_MATMUL_MEDIUM=1 (rows TINY_M < m <= MEDIUM_M take their own TMA plans on Hopper): a row
+    alone and at the first, a middle and the last position of batches on both sides of every class edge
+    (16/17, 64/65, 128/129, 256/257) gives the same bits with the switch on and off, and so does a
+    tensor-parallel split's partials combined. Negative control: the same four segment partials added left to
+    right instead of by the tree give other fp32 bits, so the comparison sees a changed reduction order."""
+    k, n = 1024, 96
+    w = randn(n, k, dtype=dtype, device=device, seed=25, scale=0.1)
+    row = randn(k, dtype=dtype, device=device, seed=26)
+    monkeypatch.setenv("ALIGNAUDIT_MATMUL_MEDIUM", "0")
+    alone = K.linear(row[None], w, k_segments=segments)[0]
+    for b in (16, 17, 33, 64, 65, 128, 129, 257):
+        batch = randn(b, k, dtype=dtype, device=device, seed=26 + b)
+        for pos in sorted({0, b // 2, b - 1}):
+            batch[pos] = row
+            for medium in ("0", "1"):
+                monkeypatch.setenv("ALIGNAUDIT_MATMUL_MEDIUM", medium)
+                assert_bitwise_equal(f"row at ({b}, {pos}), medium={medium}",
+                                     K.linear(batch, w, k_segments=segments)[pos], alone)
+    if segments > 1:  # unrounded (fp32 partials), where a changed order of additions cannot round away
+        x = randn(100, k, dtype=dtype, device=device, seed=27)
+        width = k // segments
+        parts = [K.linear_partial(x[:, r * width:(r + 1) * width], w[:, r * width:(r + 1) * width], 1)
+                 for r in range(segments)]
+        full = K.linear_partial(x, w, segments)
+        assert_bitwise_equal("tree of the segments' partials, medium", matmul.tree_sum(parts), full)
+        monkeypatch.setenv("ALIGNAUDIT_MATMUL_MEDIUM", "0")
+        assert_bitwise_equal("fp32 partial, medium on vs off", K.linear_partial(x, w, segments), full)
+        in_order = parts[0]
+        for p in parts[1:]:
+            in_order = in_order + p
+        assert not torch.equal(in_order, full), "negative control: left-to-right partial sums gave the tree's bits"
+
 @needs_hardware_dot
 @pytest.mark.parametrize("segments", [1, matmul.ROW_PARALLEL_SEGMENTS])
 def test_linear_rows_keep_their_bits_across_batch_size_classes(device, dtype, segments):
