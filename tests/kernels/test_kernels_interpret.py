@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import FIXTURE, ROOT
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -17,7 +19,7 @@ def test_triton_kernels_under_the_interpreter():
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_kernels.py"),
          "--kernel-device", "interpret", "-k", "not backward"],
-        capture_output=True, text=True, env=env, cwd=HERE.parent,
+        capture_output=True, text=True, env=env, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", proc.stdout).group(1))
@@ -48,8 +50,8 @@ def test_strict_exp_reaches_hf_attention_under_the_interpreter():
     strict attention computes with the exp make_strict was given: the logits move with it, and the manifest
     reads it back from the modules (applied_exp)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", STRICT_EXP_SCRIPT, str(HERE.parent / "fixtures" / "qwen3-tiny")],
-                          capture_output=True, text=True, env=env, cwd=HERE.parent)
+    proc = subprocess.run([sys.executable, "-c", STRICT_EXP_SCRIPT, str(FIXTURE)],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     same, differ = re.search(r"portable twice equal: (\w+); native differs in (\d+)", proc.stdout).groups()
     assert same == "True" and int(differ) > 0, proc.stdout

@@ -157,7 +157,7 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
     (["--steps", "0"], "--steps 0: run at least one step"),
     (["--group-size", "1"], "use 2 or more"),
     (["--lr", "-1"], "the learning rate must be finite and >= 0"),
-    (["--train", "vllm"], "rl trains with megatron or hf and rolls out with vllm or hf"),
+    (["--train", "vllm"], "rl trains with hf or megatron and rolls out with hf or vllm"),
     (["--random-prompts", "1", "--prompt-len", "1010", "--max-new-tokens", "16"], "plus 16 generated, longer than"),
 ])
 def test_bad_input_is_refused_before_any_engine(capsys, tmp_path, argv, message):
