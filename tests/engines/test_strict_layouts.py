@@ -154,3 +154,24 @@ def test_hf_strict_attention_gives_right_and_left_padded_sequences_their_bits_al
         holed[1, 4] = 0
         with pytest.raises(ValueError, match="attention_mask must be causal over one contiguous run of keys per row"):
             model(input_ids=ids, attention_mask=holed)
+
+
+def test_hf_strict_attention_under_torch_compile_keeps_right_padding_and_refuses_left_padding():
+    """Compiled (one graph, the layout checked by device-side asserts over int reductions), a right-padded batch
+    gets the eager bits; left padding, which needs a host-side cut per row, is refused with the mask message."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from alignaudit.engines.hf.strict import make_strict
+    from alignaudit.inputs.strict_ops import STRICT_OPS
+
+    model = AutoModelForCausalLM.from_pretrained(str(FIXTURE), dtype=torch.bfloat16, attn_implementation="eager")
+    make_strict(model.eval(), frozenset(STRICT_OPS))
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    right, left = torch.ones(2, 12, dtype=torch.long), torch.ones(2, 12, dtype=torch.long)
+    right[1, 9:], left[1, :3] = 0, 0
+    forward = torch.no_grad()(lambda mask: model(input_ids=ids, attention_mask=mask).logits)
+    compiled = torch.compile(forward)
+    assert torch.equal(compiled(right).view(torch.int16), forward(right).view(torch.int16))
+    with pytest.raises(RuntimeError, match="computed out of torch.compile only"):
+        compiled(left)

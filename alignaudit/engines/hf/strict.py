@@ -77,6 +77,12 @@ def _require(ok: torch.Tensor, message: str) -> None:
         raise ValueError(message)
 
 
+def _all(x: torch.Tensor) -> torch.Tensor:
+    """Whether every element of a bool tensor is true, as an int reduction: Inductor's GPU code generation failed
+    on the bool reduction (a TypeError compiling the forward on an H200, docs/benchmarks.md 2026-12-02)."""
+    return x.to(torch.int32).amin() == 1
+
+
 def row_starts(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
     """The first key of each row's run of tokens (a left-padded row's pads come before it), or None where no
     row has left padding: what strict attention computes, from HF's processed mask (None, or [b, 1, t, keys]:
@@ -96,7 +102,7 @@ def row_starts(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
                          f"{type(attention_mask).__name__}; use attn_implementation eager or sdpa")
     attend = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     if attend.shape[-1] > keys:  # a static cache's unfilled slots must stay masked
-        _require(~attend[..., keys:].any(), "strict attention (HF): attention_mask lets a query attend a key slot "
+        _require(_all(~attend[..., keys:]), "strict attention (HF): attention_mask lets a query attend a key slot "
                  "past the cache's filled length")
     attend = attend[..., :keys].expand(b, 1, t, keys)[:, 0]
     valid = attend[:, -1]  # the last query row attends every key of its row's run (a right pad's: all before it)
@@ -106,11 +112,11 @@ def row_starts(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
     between = valid.int().cummax(1).values.bool() & valid.flip(1).int().cummax(1).values.flip(1).bool()
     causal = key[None, :] <= index[:, None]
     real_query = index[None, :] >= start[:, None]  # [b, t]: a left pad's query row is not checked
-    ok = (valid == between).all() & ((attend == (causal[None] & valid[:, None, :])) | ~real_query[:, :, None]).all()
+    ok = _all(valid == between) & _all((attend == (causal[None] & valid[:, None, :])) | ~real_query[:, :, None])
     message = ("strict attention (HF): attention_mask must be causal over one contiguous run of keys per row "
                "(left or right padding); a holed or bidirectional mask would be computed otherwise")
     if torch.compiler.is_compiling():
-        _require(ok & (start == 0).all(), message + "; left padding is computed out of torch.compile only")
+        _require(ok & _all(start == 0), message + "; left padding is computed out of torch.compile only")
         return None
     _require(ok, message)
     starts = start.tolist()
