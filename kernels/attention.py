@@ -32,7 +32,7 @@ decode, reading K/V through a block table, with a tile of 64 query rows (floor(6
 group's heads; rows past that masked, so any group size up to 64 works), so a row's arithmetic does not
 depend on how many tokens share its tile. The key blocks that every row of a
 tile sees whole are visited without masks, the others with them: the same steps with every mask true,
-so a row gets the same bits whichever loop visits a block (tests/kernels/test_kernels.py checks prefill against
+so a row gets the same bits whichever loop visits a block (tests/kernels/ checks prefill against
 decode on the GPU). Contiguous K/V (training engines) are read in place as one-token pages.
 
 Layouts: q [tokens, heads, head_dim]; K/V either contiguous per sequence [tokens, kv_heads, head_dim]

@@ -24,7 +24,7 @@ Contract (both backends):
                   either way.
                   The tensor cores add K in steps of their instruction (16 for bf16/fp16) into the
                   accumulator, so BLOCK_K only groups steps: on an H200, BLOCK_K 64 and 128 give the same
-                  bits (bench/sweep_gpu.py), and tests/kernels/test_kernels.py re-checks rows across every switch
+                  bits (bench/sweep_gpu.py), and tests/kernels/ re-checks rows across every switch
 Backward: plain torch matmuls in fp32 (correct, not strict).
 """
 
@@ -291,7 +291,7 @@ if triton is not None:
 # does not run there runs one program per tile and segment (_split_k). A tile only decides which outputs
 # a program computes: on an H200 every tile in bench/sweep_gpu.py (fifteen bf16 tiles from 16x16 to
 # 256x128, BLOCK_K 64 and 128, and the TMA kernel, 2026-11-29) gave every element the same bits, and a
-# row alone in a small tile equals the same row in a large one; tests/kernels/test_kernels.py re-checks across the
+# row alone in a small tile equals the same row in a large one; tests/kernels/ re-checks across the
 # switches. ALIGNAUDIT_MATMUL_TILES=fixed forces the large pointer-kernel tile for every batch size (one
 # code path) on hardware where that has not been verified.
 TILES = {
@@ -382,7 +382,7 @@ def _split_k(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     (output tile, K segment), each storing its segment's fp32 accumulator, then one launch that adds the
     segments by the tree, adds the bias and rounds. x2 [M, K] and weight [N, K] with unit stride along K.
     Each segment is accumulated by the same _segment loop as inside the in-kernel tree and the tree is the
-    same, so the bits are the in-kernel tree's (tests/kernels/test_kernels.py checks it); the point is SEGMENTS times
+    same, so the bits are the in-kernel tree's (tests/kernels/ checks it); the point is SEGMENTS times
     as many programs, where a decode batch's few row tiles leave most SMs idle (on an H200 Qwen3-8B's down
     projection at 16 rows went from 0.59x to 0.89x of cuBLAS, docs/benchmarks.md 2026-11-30 morning)."""
     m, k = x2.shape

@@ -33,7 +33,7 @@ def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true",
                      help="run the slow tests: real-shape models, every kernel launch configuration (minutes each)")
     parser.addoption("--kernel-device", default="cpu", choices=("cpu", "cuda", "interpret"),
-                     help="strict-kernel backend for tests/kernels/test_kernels.py (interpret: set TRITON_INTERPRET=1)")
+                     help="strict-kernel backend for tests/kernels/ (interpret: set TRITON_INTERPRET=1)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, settings
 
 from alignaudit.capture.ops import Selection
 from alignaudit.commands import cli
@@ -143,3 +144,53 @@ def run_chromium(page: Path, tmp: Path, *extra: str) -> tuple[str, list[str]]:
                           capture_output=True, text=True, timeout=120)
     console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
     return proc.stdout, console
+
+
+# --- the strict kernels' tests (tests/kernels/): shapes that straddle block thresholds, random inputs, bounds ---
+
+BATCHES = (1, 2, 33, 255, 257, 300)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+EXAMPLES = settings(max_examples=1 if INTERPRET else 4, deadline=None, phases=[Phase.explicit, Phase.generate],
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+needs_hardware_dot = pytest.mark.skipif(
+    INTERPRET, reason="the interpreter's tl.dot is numpy BLAS, whose result for a row depends on its place in the "
+                      "tile; tensor-core dot invariance is tested on the GPU")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, dtype, device, seed, scale=1.0):
+    return (torch.randn(*shape, generator=gen(seed)) * scale).to(dtype).to(device)
+
+
+def rows_everywhere(fn, row, make_others, device):
+    """Evaluate fn on batches holding ``row`` at the first, a middle and the last position; return the
+    outputs for the row, and the output for the row alone."""
+    alone = fn(row[None])[0]
+    outs = []
+    for b in BATCHES:
+        others = make_others(b)
+        for pos in sorted({0, b // 2, b - 1}):
+            batch = others.clone()
+            batch[pos] = row
+            outs.append(((b, pos), fn(batch)[pos]))
+    return alone, outs
+
+
+def ulp_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of ``dtype`` at |x| (float64), at least the smallest normal's spacing."""
+    finfo = torch.finfo(dtype)
+    mag = x.abs().double().clamp_min(finfo.smallest_normal)
+    return torch.exp2(torch.floor(torch.log2(mag)) - (finfo.nmant if hasattr(finfo, "nmant") else _mant(dtype)))
+
+
+def _mant(dtype):
+    return {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}[dtype]
+
+
+def assert_within(name, got, ref64, bound):
+    err = (got.double().cpu() - ref64.cpu()).abs()
+    worst = float((err - bound.cpu()).max())
+    assert worst <= 0, f"{name}: error exceeds bound by {worst:.3e} (max error {float(err.max()):.3e})"

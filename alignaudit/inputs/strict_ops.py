@@ -68,7 +68,7 @@ def check_platform(ops: frozenset[str], where: str = "--strict") -> str | None:
     what = (f"{where} on ROCm (torch HIP {torch.version.hip}): the strict kernels build for MI300X but their bits "
             "have not been checked on an AMD GPU")
     if os.environ.get(ROCM_ENV) != "1":
-        raise InputError(f"{what}; run tests/kernels/test_kernels.py --kernel-device cuda there first "
+        raise InputError(f"{what}; run pytest tests/kernels --kernel-device cuda there first "
                          f"(docs/kernels.md, 'ROCm'), then set {ROCM_ENV}=1")
     return f"warning: {what} ({ROCM_ENV}=1): a 0-mismatch verdict here is this run's, not a checked guarantee"
 

@@ -4,7 +4,7 @@ Chain of reasoning:
 1. Prompt mode: with --strict, every engine's teacher-forced logprobs are bitwise equal (megatron ==
    vllm == hf), in bf16 and fp32, and every canonical op agrees (bisect).
 2. The strict attention kernel gives a query the same bits in prefill and in paged decode
-   (tests/kernels/test_kernels.py), so vLLM's decode of a sampled token equals a prefill of the same sequence.
+   (tests/kernels/), so vLLM's decode of a sampled token equals a prefill of the same sequence.
 3. Rollout mode therefore must agree too: vLLM samples 32 tokens after each of 4 prompts of different
    lengths, batched together, records their logprobs while decoding, and Megatron (or HF) rescoring
    prompt + completion in one pass reproduces every bit. Checked directly, for vLLM and for HF as the

@@ -5,7 +5,7 @@ Chain of reasoning:
    all-reduces, so TP=2 differs from TP=1 inside one engine, and bisect (sharded ops gathered from every
    rank) names the first row-parallel projection, layers.0.o_proj, with every op before it bitwise equal.
 2. The strict linear defines K as a tree of ROW_PARALLEL_SEGMENTS segments whose top levels the ranks add
-   in rank order (tests/kernels/test_kernels.py proves the partials at TP 1, 2 and 4 combine to the single-rank
+   in rank order (tests/kernels/ proves the partials at TP 1, 2 and 4 combine to the single-rank
    bits), and strict logprobs all-reduce exact row statistics over the vocabulary shards
    (token_logprobs_vocab_parallel: the one-rank bits).
 3. So megatron and vllm under --strict agree bit for bit at any pairing of TP 1 and 2: TP=2 vs TP=2 (in

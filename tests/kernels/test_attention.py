@@ -1,0 +1,263 @@
+"""Strict kernels, attention: prefill == decode over shuffled pages, chunked and split keys, accuracy, native exp,
+one compiled graph with eager bits; SDPA's prefill vs decode as the negative control.
+
+The backend is --kernel-device's (tests/kernels/conftest.py); each invariance has its negative control.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import alignaudit_kernels as K
+from alignaudit_kernels import attention, primitives
+from helpers import (
+    INTERPRET,
+    assert_bitwise_equal,
+    assert_within,
+    gen,
+    needs_hardware_dot,
+    randn,
+    ulp_of,
+)
+
+
+def ragged(lengths, h, kvh, d, dtype, device, seed):
+    total = sum(lengths)
+    q = randn(total, h, d, dtype=dtype, device=device, seed=seed)
+    k = randn(total, kvh, d, dtype=dtype, device=device, seed=seed + 1)
+    v = randn(total, kvh, d, dtype=dtype, device=device, seed=seed + 2)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return q, k, v, cu
+
+
+def paged(k, v, block_size, seed, device):
+    """Scatter one sequence's K/V into a paged cache with shuffled pages; return cache and block table."""
+    n = k.shape[0]
+    pages = (n + block_size - 1) // block_size
+    order = torch.randperm(pages + 3, generator=gen(seed))[:pages]
+    cache_k = torch.zeros(pages + 3, block_size, *k.shape[1:], dtype=k.dtype, device=device)
+    cache_v = torch.zeros_like(cache_k)
+    for i, page in enumerate(order.tolist()):
+        cache_k[page, : min(block_size, n - i * block_size)] = k[i * block_size: (i + 1) * block_size]
+        cache_v[page, : min(block_size, n - i * block_size)] = v[i * block_size: (i + 1) * block_size]
+    return cache_k, cache_v, order[None].to(device)
+
+
+@needs_hardware_dot
+def test_attention_prefill_equals_decode_over_shuffled_pages(device, dtype):
+    h, kvh, d = 8, 2, 32
+    lengths = [70, 5, 130]
+    q, k, v, cu = ragged(lengths, h, kvh, d, dtype, device, seed=1)
+    scale = d ** -0.5
+    prefill = K.varlen_attention(q, k, v, cu, scale)
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        alone = K.varlen_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), scale)
+        assert_bitwise_equal(f"seq {s} alone vs in batch", alone, prefill[a:b])
+        cache_k, cache_v, table = paged(k[a:b], v[a:b], block_size=16, seed=s, device=device)
+        for p in sorted({0, 1, 63, 64, 65, b - a - 1} & set(range(b - a))):
+            one = K.paged_attention(q[a + p: a + p + 1], cache_k, cache_v, table, torch.tensor([p], device=device),
+                                    torch.tensor([0]), scale)
+            assert_bitwise_equal(f"seq {s} decode at {p}", one[0], prefill[a + p])
+        ref = attention.reference(q[a:b].double(), k[a:b].double(), v[a:b].double(), scale)
+        assert_within(f"attention seq {s}", prefill[a:b], ref,
+                      1.01 * ulp_of(ref, dtype) + 2**-9 * v.double().abs().max())
+
+
+@needs_hardware_dot
+def test_paged_prefill_of_a_batch_equals_decode(device):
+    """vLLM's case: several sequences' prompt rows in one paged call, then one decode row each."""
+    h, kvh, d, dtype = 4, 4, 64, torch.float32
+    lengths = [40, 90]
+    q, k, v, cu = ragged(lengths, h, kvh, d, dtype, device, seed=3)
+    caches = [paged(k[a:b], v[a:b], 32, seed=i, device=device)
+              for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+    # one cache holding both sequences: concatenate pages and offset the second table
+    ck = torch.cat([c[0] for c in caches])
+    cv = torch.cat([c[1] for c in caches])
+    table = torch.zeros(2, 8, dtype=torch.long, device=device)
+    table[0, : caches[0][2].shape[1]] = caches[0][2][0]
+    table[1, : caches[1][2].shape[1]] = caches[1][2][0] + caches[0][0].shape[0]
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+    seq_of_row = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    batch = K.paged_attention(q, ck, cv, table, positions, seq_of_row, d ** -0.5)
+    assert_bitwise_equal("paged prefill vs varlen", batch, K.varlen_attention(q, k, v, cu, d ** -0.5))
+    last = K.paged_attention(q[cu[1:] - 1], ck, cv, table, positions[cu[1:] - 1], torch.arange(2), d ** -0.5)
+    assert_bitwise_equal("decode of both sequences", last, batch[cu[1:] - 1])
+
+
+@needs_hardware_dot
+def test_batched_causal_attention_equals_prefill_and_decode(device):
+    """The training/HF layout: a batch of equal-length sequences with their K/V, then one decode row."""
+    h, kvh, d, dtype, b, t = 8, 2, 64, torch.bfloat16, 3, 90
+    q, k, v, cu = ragged([t] * b, h, kvh, d, dtype, device, seed=11)
+    prefill = K.varlen_attention(q, k, v, cu, 0.125)
+    positions = torch.arange(t, device=device)[None].expand(b, t)
+    batched = K.causal_attention(q.view(b, t, h, d), k.view(b, t, kvh, d), v.view(b, t, kvh, d), positions, 0.125)
+    assert_bitwise_equal("batched causal vs varlen prefill", batched.flatten(0, 1), prefill)
+    p = 70  # decode of position 70 with the keys 0..70 of sequence 1 (a cache that holds more keys than that)
+    one = K.causal_attention(q[t + p: t + p + 1], k[t: 2 * t], v[t: 2 * t], torch.tensor([p], device=device), 0.125)
+    assert_bitwise_equal("decode row vs prefill row", one[0], prefill[t + p])
+
+
+@pytest.mark.skipif(INTERPRET, reason="bf16 at real head shapes: a GPU check (the interpreter handles fp32 only)")
+@pytest.mark.parametrize("h, kvh", [(8, 8), (16, 8), (32, 8), (40, 8), (28, 4), (64, 8)])
+def test_decode_rows_equal_prefill_at_real_head_shapes(device, h, kvh):
+    """HF's generate decodes with a cache of exactly p + 1 keys; the trainer prefills the whole sequence.
+    head_dim 128 at GQA group sizes 1, 2, 4, 5 (Qwen3-14B: 40 over 8), 7 (Qwen2.5-7B: 28 over 4) and 8; on the
+    GPU a tile of 64 rows holds floor(64 / group) tokens, the rest of it masked. Positions around key-block
+    edges."""
+    d, t = 128, 300
+    q, k, v, cu = ragged([t], h, kvh, d, torch.bfloat16, device, seed=21)
+    prefill = K.varlen_attention(q, k, v, cu, d ** -0.5)
+    for p in (0, 1, 63, 64, 65, 127, 128, 255, 256, 299):
+        one = K.causal_attention(q[p: p + 1], k[: p + 1], v[: p + 1], torch.tensor([p], device=device), d ** -0.5)
+        assert_bitwise_equal(f"decode row {p} vs prefill row", one[0], prefill[p])
+
+
+@pytest.mark.parametrize("h, kvh", [(4, 2), (10, 2), (14, 2)])
+def test_attention_accuracy_paged_and_varlen(device, h, kvh):
+    """Small enough for the interpreter: the Triton attention's indexing against the fp64 reference, at GQA
+    groups of 2, 5 and 7 (64-row tiles that 5 and 7 do not divide)."""
+    d = 32
+    q, k, v, cu = ragged([70, 9], h, kvh, d, torch.float32, device, seed=8)
+    out = K.varlen_attention(q, k, v, cu, 0.2)
+    for a, b in ((0, 70), (70, 79)):
+        ref = attention.reference(q[a:b].double(), k[a:b].double(), v[a:b].double(), 0.2)
+        assert_within("attention", out[a:b], ref, 1e-5 + 1e-5 * ref.abs())
+    cache_k, cache_v, table = paged(k[:70], v[:70], block_size=16, seed=1, device=device)
+    last = K.paged_attention(q[69:70], cache_k, cache_v, table,
+                             torch.tensor([69], device=device), torch.tensor([0]), 0.2)
+    ref = attention.reference(q[:70].double(), k[:70].double(), v[:70].double(), 0.2)[-1:]
+    assert_within("paged decode", last, ref, 1e-5 + 1e-5 * ref.abs())
+
+
+def exact_attention_inputs(lengths, h, kvh, d, device):
+    """q and k in multiples of 1/4 from -1/2 to 1/2 (every score exact) and v with at most two nonzero
+    values per head dim column in a key block of 64 (key j holds j % 7 - 3 in column j % d, d = 32): every
+    dot product is then exact whatever order adds it, so bit equality of the Triton kernel's tiles, splits
+    and decode steps is testable under the interpreter (whose dot is numpy's BLAS) as on a GPU."""
+    total = sum(lengths)
+    g = gen(40)
+    q = torch.randint(-2, 3, (total, h, d), generator=g).float() * 0.25
+    k = torch.randint(-2, 3, (total, kvh, d), generator=g).float() * 0.25
+    v = torch.zeros(total, kvh, d)
+    keys = torch.cat([torch.arange(n) for n in lengths])
+    v[torch.arange(total), :, keys % d] = (keys % 7 - 3).float()[:, None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return q.to(device), k.to(device), v.to(device), cu
+
+
+def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
+    """Keys are visited in chunks of CHUNK_N (512) positions folded left to right: on the Triton backends one
+    program per chunk plus a merge launch (split) gives the unsplit kernel's bits; on every backend decode
+    steps through paged_decode (shuffled 16-key pages) give the prefill's bits on both sides of a chunk edge."""
+    lengths = [600, 70]
+    h, kvh, d = 8, 2, 32
+    if INTERPRET:
+        q, k, v, cu = exact_attention_inputs(lengths, h, kvh, d, device)
+    else:  # bf16 at Qwen3-8B's head shape on the GPU, 8 x 2 x 32 on the CPU backend
+        if device == "cuda":
+            h, kvh, d = 32, 8, 128
+        q, k, v, cu = ragged(lengths, h, kvh, d, torch.bfloat16, device, seed=31)
+    scale = d ** -0.5
+    triton_backend = primitives.use_triton(q)
+    unsplit = K.varlen_attention(q, k, v, cu, scale)
+    if triton_backend:
+        assert_bitwise_equal("unsplit prefill", attention._launch_varlen(q, k, v, cu, scale, split=False), unsplit)
+        assert_bitwise_equal("split prefill", attention._launch_varlen(q, k, v, cu, scale, split=True), unsplit)
+    if device == "cuda":  # negative control: one chunk for all 600 keys is another algorithm past key 511
+        whole = attention._launch_varlen(q, k, v, cu, scale, chunk_n=1024)
+        assert torch.equal(whole[:512], unsplit[:512]) and not torch.equal(whole[512:600], unsplit[512:600])
+    caches = [paged(k[a:b], v[a:b], 16, seed=i, device=device)
+              for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+    pages = caches[0][0].shape[0]
+    ck, cv = torch.cat([caches[0][0], caches[1][0]]), torch.cat([caches[0][1], caches[1][1]])
+    table = torch.zeros(2, caches[0][2].shape[1], dtype=torch.int32, device=device)
+    table[0] = caches[0][2][0]
+    table[1, : caches[1][2].shape[1]] = caches[1][2][0] + pages
+    for p in (0, 63, 255, 256, 511, 512, 513, 599):
+        p2 = min(p, 69)
+        rows = torch.tensor([p, 600 + p2])
+        lens = torch.tensor([p + 1, p2 + 1], device=device)
+        for split in (False, True) if triton_backend else ():
+            out = attention._launch(q[rows], ck, cv, table, None, lens - 1, scale, kv_mode=attention.KV_GATHER,
+                                    max_keys=600, split=split)
+            assert_bitwise_equal(f"decode at {p}, {p2} (split {split})", out, unsplit[rows])
+        assert_bitwise_equal(f"paged_decode at {p}",
+                             K.paged_decode(q[rows], ck, cv, table, lens, scale, 600), unsplit[rows])
+    if triton_backend:  # an empty decode slot (length 0) gives the same NaN row split or not, never scratch memory
+        empty = [attention._launch(q[[0, 599]], ck, cv, table.flip(0), None,
+                                   torch.tensor([-1, 599], device=device), scale,
+                                   kv_mode=attention.KV_GATHER, max_keys=600, split=split) for split in (False, True)]
+        assert_bitwise_equal("empty slot, split vs unsplit", empty[1], empty[0])
+        assert torch.isnan(empty[0][0]).all() and torch.equal(empty[0][1], unsplit[599])
+    if device != "cuda":  # on a GPU the device-side assert would end the CUDA context of the whole session
+        with pytest.raises(RuntimeError, match="longer than max_seq_len"):
+            K.paged_decode(q[:2], ck, cv, table, torch.tensor([600, 70]), scale, 599)
+
+
+def test_linear_recomputes_for_the_same_tensor_objects(device):
+    """No result is cached by tensor identity: the same x and weight objects, changed in place, give the new
+    product (a stray lru_cache on the large-batch GPU path once returned the old one and kept every input
+    and output alive)."""
+    x = randn(300, 64, dtype=torch.bfloat16, device=device, seed=60)
+    w = randn(32, 64, dtype=torch.bfloat16, device=device, seed=61)
+    first = K.linear(x, w).clone()
+    x.mul_(2)
+    second = K.linear(x, w)
+    assert not torch.equal(first, second)
+
+
+def test_native_exp_is_refused_on_the_cpu_backend_and_changes_bits_on_the_gpu(device):
+    """exp="native" (the GPU's exp2 instruction) takes effect where it exists and is refused where it does
+    not; prefill and decode stay bit-equal with it."""
+    q, k, v, cu = ragged([300], 8, 2, 64, torch.float32 if INTERPRET else torch.bfloat16, device, seed=33)
+    if not primitives.use_triton(q):
+        with pytest.raises(ValueError, match="native"):
+            K.varlen_attention(q, k, v, cu, 0.125, exp="native")
+        return
+    with pytest.raises(ValueError, match="exp must be one of"):
+        K.varlen_attention(q, k, v, cu, 0.125, exp="fast")
+    native = K.varlen_attention(q, k, v, cu, 0.125, exp="native")
+    assert not torch.equal(native, K.varlen_attention(q, k, v, cu, 0.125))
+    ref = attention.reference(q.double(), k.double(), v.double(), 0.125)
+    assert_within("native exp", native, ref, 1e-5 + 1e-5 * ref.abs() if INTERPRET else 2 * ulp_of(ref, q.dtype) + 1e-2)
+    if not INTERPRET:
+        one = K.causal_attention(q[299:300], k, v, torch.tensor([299], device=device), 0.125, exp="native")
+        assert_bitwise_equal("native decode row", one[0], native[299])
+
+
+def test_strict_ops_compile_into_one_graph_with_eager_bits(device):
+    """torch.compile(fullgraph=True) traces every strict op as an opaque custom op (no graph break) and the
+    compiled function returns the eager bits (Inductor on the GPU; aot_eager on the CPU, no C++ build)."""
+    dt = torch.float32 if INTERPRET else torch.bfloat16
+    x, r = randn(5, 64, dtype=dt, device=device, seed=50), randn(5, 64, dtype=dt, device=device, seed=51)
+    w, nw = randn(32, 64, dtype=dt, device=device, seed=52), randn(64, dtype=dt, device=device, seed=53)
+    q, k = randn(2, 7, 4, 16, dtype=dt, device=device, seed=54), randn(2, 7, 2, 16, dtype=dt, device=device, seed=55)
+    pos = torch.arange(7, device=device)[None].expand(2, 7)
+    cos, sin = K.rope_tables(64, 16, 1e4, device)
+    targets = torch.arange(5, device=device)
+
+    def forward(x, r, w, q, k):
+        y = K.linear(x, w)
+        normed, residual = K.rms_norm(x, nw, 1e-6, residual=r)
+        return (y, normed, residual, K.rms_norm(x, nw, 1e-6), K.causal_attention(q, k, k, pos, 0.25),
+                K.apply_rope(q[0], pos[0], cos, sin), K.silu_mul(y, y), K.token_logprobs(y, targets), K.log_softmax(y))
+
+    with torch.no_grad():
+        eager = forward(x, r, w, q, k)
+        compiled = torch.compile(forward, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+        for i, (a, b) in enumerate(zip(eager, compiled(x, r, w, q, k))):
+            assert_bitwise_equal(f"output {i}", b, a)
+
+
+def test_attention_negative_control_sdpa_prefill_vs_decode(device):
+    """torch SDPA gives the last token of a causal prefill other bits than decoding it alone (fp32 on this
+    CPU; on an H200 the flash and memory-efficient kernels differ for bf16 at a few thousand keys)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    differs = []
+    for dtype, n in ((torch.float32, 100), (torch.bfloat16, 100), (torch.bfloat16, 3000)):
+        q, k, v = (randn(1, 4, n, 64, dtype=dtype, device=device, seed=5 + i) for i in range(3))
+        differs.append(not torch.equal(sdpa(q, k, v, is_causal=True)[:, :, -1:], sdpa(q[:, :, -1:], k, v)))
+    assert any(differs), differs

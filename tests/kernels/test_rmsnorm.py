@@ -1,0 +1,60 @@
+"""Strict kernels, RMSNorm (with and without the residual add): batch invariance, its two rounding points, accuracy;
+the engines' own roundings as the negative control.
+
+The backend is --kernel-device's (tests/kernels/conftest.py); each invariance has its negative control.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import alignaudit_kernels as K
+from alignaudit_kernels import rmsnorm
+from helpers import (
+    EXAMPLES,
+    assert_bitwise_equal,
+    assert_within,
+    randn,
+    rows_everywhere,
+    ulp_of,
+)
+
+
+@EXAMPLES
+@given(seed=st.integers(0, 10**6))
+def test_rmsnorm_is_batch_invariant_with_and_without_residual(device, dtype, seed):
+    h = 160
+    w = randn(h, dtype=dtype, device=device, seed=seed, scale=0.5) + 1
+    row = randn(2, h, dtype=dtype, device=device, seed=seed + 1)
+
+    def fused(batch):
+        y, s = K.rms_norm(batch[:, 0], w, 1e-6, residual=batch[:, 1])
+        return torch.stack([y, s], 1)
+
+    for fn in (lambda b: K.rms_norm(b[:, 0], w, 1e-6), fused):
+        alone, outs = rows_everywhere(fn, row,
+                                      lambda b: randn(b, 2, h, dtype=dtype, device=device, seed=seed + b), device)
+        for where, out in outs:
+            assert_bitwise_equal(f"rms_norm row at {where}", out, alone)
+
+
+def test_rmsnorm_rounding_points_and_accuracy(device, dtype):
+    h = 256
+    x, r = randn(64, h, dtype=dtype, device=device, seed=1), randn(64, h, dtype=dtype, device=device, seed=2)
+    w = randn(h, dtype=dtype, device=device, seed=3, scale=0.2) + 1
+    y, s = K.rms_norm(x, w, 1e-6, residual=r)
+    assert_bitwise_equal("residual stream", s, (x.float() + r.float()).to(dtype))  # rounding point 1
+    ref = rmsnorm.reference(s.double(), w.double(), 1e-6)
+    assert_within("rms_norm", y, ref, 1.01 * ulp_of(ref, dtype) + 8 * 2**-23 * ref.abs())
+
+
+def test_rmsnorm_negative_control_engines_round_differently():
+    """HF's Qwen3RMSNorm (rounds before the weight) and torch.nn.RMSNorm (Megatron) disagree."""
+    x = randn(64, 256, dtype=torch.bfloat16, device="cpu", seed=4)
+    w = randn(256, dtype=torch.bfloat16, device="cpu", seed=5, scale=0.2) + 1
+    xf = x.float()
+    hf = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    torch_norm = torch.nn.functional.rms_norm(x, (256,), w, 1e-6)
+    assert not torch.equal(hf, torch_norm)

@@ -1,0 +1,54 @@
+"""Strict kernels, rotary embedding: tables independent of length, batch and position-set invariance; bf16 tables as
+the negative control.
+
+The backend is --kernel-device's (tests/kernels/conftest.py); each invariance has its negative control.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import alignaudit_kernels as K
+from alignaudit_kernels import rope
+from helpers import (
+    EXAMPLES,
+    assert_bitwise_equal,
+    assert_within,
+    gen,
+    randn,
+    ulp_of,
+)
+
+
+def test_rope_tables_do_not_depend_on_length():
+    short, _ = rope.rope_tables(100, 64, 1e6)
+    long, _ = rope.rope_tables(5000, 64, 1e6)
+    assert_bitwise_equal("cos table", short[:1024], long[:1024])
+    ref = torch.cos(torch.arange(5000, dtype=torch.float64)[:, None]
+                    / 1e6 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    assert float((long[:5000].double() - ref).abs().max()) <= 2**-24
+
+
+@EXAMPLES
+@given(seed=st.integers(0, 10**6))
+def test_rope_is_batch_and_position_set_invariant(device, dtype, seed):
+    cos, sin = rope.rope_tables(4096, 64, 1e6, device)
+    x = randn(300, 4, 64, dtype=dtype, device=device, seed=seed)
+    positions = torch.randint(0, 4096, (300,), generator=gen(seed)).to(device)
+    full = K.apply_rope(x, positions, cos, sin)
+    for i in (0, 150, 299):
+        assert_bitwise_equal(f"rope token {i}", K.apply_rope(x[i:i + 1], positions[i:i + 1], cos, sin)[0], full[i])
+    ref = rope.reference(x.double(), positions, cos.double(), sin.double()).cpu()
+    assert_within("rope", full, ref,
+                  1.01 * ulp_of(ref, dtype) + 4 * 2**-23 * x.double().abs().amax(-1, keepdim=True).cpu())
+
+
+def test_rope_negative_control_bf16_tables():
+    """HF casts cos/sin to bf16 before the multiply; rounding once in fp32 gives other bits."""
+    cos, sin = rope.rope_tables(512, 32, 1e6)
+    x = randn(512, 2, 32, dtype=torch.bfloat16, device="cpu", seed=9)
+    pos = torch.arange(512)
+    hf_style = rope.reference(x, pos, cos.bfloat16(), sin.bfloat16())
+    assert not torch.equal(hf_style, K.apply_rope(x, pos, cos, sin))
