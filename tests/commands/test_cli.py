@@ -193,3 +193,30 @@ def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp
     assert check_strict_exp("native", frozenset({"attention"}), "cuda") == "native"
     err = one_line_error(capsys, ["ablate", "--strict-exp", "native", "--out", str(tmp_path / "a")], EXIT_USAGE)
     assert "would not use --strict-exp" in err
+
+
+def test_a_rollout_audited_across_containers_capture_rollout_then_tokens_from_then_diff_and_gate(tmp_path, capsys):
+    """The rollout engine samples in its own container (capture --mode rollout), the trainer scores those token
+    ids in another (capture --tokens-from), diff compares them anywhere and gate judges the diff: strict on both
+    sides, every token, the 32 sampled ones included, bitwise equal."""
+    rollout, train, diff = tmp_path / "rollout", tmp_path / "train", tmp_path / "d"
+    assert cli.main(["capture", "--engine", "vllm", "--strict", "--mode", "rollout", "--max-new-tokens", "8",
+                     "--out", str(rollout)]) == EXIT_OK
+    manifest = json.loads((rollout / "manifest.json").read_text())
+    assert manifest["mode"] == "rollout" and manifest["rollout"]["max_new_tokens"] == 8
+    assert cli.main(["capture", "--engine", "megatron", "--strict", "--no-ops", "--tokens-from", str(rollout),
+                     "--out", str(train)]) == EXIT_OK
+    assert cli.main(["diff", str(train), str(rollout), "--out", str(diff)]) == EXIT_OK
+    summary = json.loads((diff / "summary.json").read_text())
+    assert summary["generated"]["tokens_compared"] == 32 and summary["tokens_compared"] == 176 + 32
+    assert summary["mismatches"] == 0 and summary["generated"]["mismatches"] == 0
+    assert cli.main(["gate", str(diff)]) == EXIT_OK
+    capsys.readouterr()
+    for argv, message in ((["--engine", "megatron", "--mode", "rollout"], "megatron does not sample rollouts"),
+                          (["--engine", "vllm", "--mode", "rollout", "--tokens-from", str(rollout)],
+                           "--tokens-from scores given tokens"),
+                          (["--engine", "hf", "--tokens-from", str(rollout), "--random-prompts", "2"],
+                           "--tokens-from gives the token ids"),
+                          (["--engine", "hf", "--model", "llama-tiny", "--tokens-from", str(rollout)],
+                           "captured from another checkpoint")):
+        assert message in one_line_error(capsys, ["capture", *argv, "--out", str(tmp_path / "bad")], EXIT_USAGE)
