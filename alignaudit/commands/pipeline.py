@@ -161,10 +161,14 @@ def finish_diff(out: Path, train: Capture, infer: Capture, clip_eps: float) -> N
 
 
 def _side(c: Capture) -> dict:
+    from alignaudit.engines import KINDS
+
     s = c.manifest["settings"]
+    kind = KINDS.get(c.engine)
     return {"engine": c.engine, "dtype": s["dtype"], "device": s["device"], "strict": s.get("strict", ""),
             "strict_exp": c.manifest.get("engine_settings", {}).get("attention_exp"),
-            "lm_head_dtype": s.get("lm_head_dtype", "model"), "capture": str(c.path), "options": s.get("options", {})}
+            "lm_head_dtype": s.get("lm_head_dtype", "model"), "capture": str(c.path), "options": s.get("options", {}),
+            "tensor_parallel_size": s.get("options", {}).get(kind.tp_option, 1) if kind and kind.tp_option else 1}
 
 
 def diff_ops(train: Capture, infer: Capture, selection: Selection | None = None) -> list[dict]:

@@ -20,9 +20,8 @@ def _side_label(side: dict) -> str:
     strict = f", strict {side['strict']}" if side.get("strict") else ""
     strict += f", {side['strict_exp']} exp" if side.get("strict_exp") not in (None, "portable") else ""
     head = ", fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else ""
-    tp = (side.get("options", {}).get("tensor_model_parallel_size")
-          or side.get("options", {}).get("tensor_parallel_size"))
-    head += f", TP={tp}" if tp and tp != 1 else ""
+    tp = side.get("tensor_parallel_size", 1)  # engines/kind.py: each engine's own option
+    head += f", TP={tp}" if tp != 1 else ""
     return escape(f"{side['engine']} ({side['dtype']}, {side['device']}{strict}{head}{', ' + opts if opts else ''})")
 
 

@@ -72,6 +72,8 @@ def test_strict_is_bitwise_equal_across_tensor_parallel_sizes(tmp_path, captures
     s = diff_captures(train, infer, tmp_path / "diff")
     assert s["mismatches"] == 0 and s["ulp_max"] == 0 and s["tokens_compared"] == 176
     assert infer.manifest["engine_settings"]["resolved"]["tensor_parallel_size"] == infer_tp
+    assert (s["sides"]["train"]["tensor_parallel_size"], s["sides"]["infer"]["tensor_parallel_size"]) == (train_tp,
+                                                                                                        infer_tp)
     config = train.manifest["engine_settings"]["transformer_config"]
     assert config["tensor_model_parallel_size"] == train_tp
 
