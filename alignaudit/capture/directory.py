@@ -9,6 +9,10 @@ Layout (format version 2):
                            generated (bool: sampled by this engine in rollout mode, its logprob recorded
                            while decoding)
 
+A capture of a rollout file (``alignaudit rescore``: engine "rollout-file") holds the rollout engine's logprobs of
+the sampled tokens only: its manifest says ``"scored": "generated"``, and ``scored`` is true exactly where
+``generated`` is; a comparison with it covers the sampled tokens.
+
 The manifest is written last, atomically, with ``"status": "complete"`` and the sha256 of
 logprobs.parquet: a directory without it is an interrupted capture, one whose table does not match it (or
 whose manifest lacks the checksum) is damaged, and every reader refuses both. Version 1 stored position 0
@@ -32,6 +36,7 @@ from alignaudit.inputs.prompts import TokenBatch
 
 FORMAT = "alignaudit-capture"
 VERSION = 2
+SCORED_GENERATED = "generated"  # manifest "scored": a rollout file's capture, logprobs of sampled tokens only
 
 
 def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor],
@@ -54,6 +59,15 @@ def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor],
             "generated": np.arange(len(ids)) >= (prompt_lengths[seq_index] if prompt_lengths else len(ids)),
         }))
     return pd.concat(frames, ignore_index=True)
+
+
+def rollout_file_table(batch: TokenBatch, prompt_lengths: list[int], logprobs: list[torch.Tensor]) -> pd.DataFrame:
+    """The logprob table of a rollout file's capture: ``logprobs[i]`` (fp32 [len - prompt_lengths[i]]) at the
+    sampled positions, scored and generated there only (NaN filler elsewhere)."""
+    full = [torch.cat([torch.full((n - 1,), float("nan")), lp]) for n, lp in zip(prompt_lengths, logprobs)]
+    table = logprob_table(batch, full, prompt_lengths)
+    table["scored"] = table["generated"]
+    return table
 
 
 def write_capture(directory: Path, manifest: dict, logprobs: pd.DataFrame) -> None:
@@ -170,9 +184,11 @@ def _check_table(directory: Path, manifest: dict, table: pd.DataFrame) -> None:
     if len(table) and (not np.array_equal(pos, expected_pos) or not np.array_equal(seq[starts], np.arange(n_seq))):
         raise InputError(f"{directory / LOGPROBS}: rows are not sequences 0..{n_seq - 1} with positions 0..n-1 in "
                          "order (rows dropped, duplicated or reordered); the capture is damaged, run it again")
-    if not np.array_equal(table["scored"].to_numpy(), pos > 0):
-        raise InputError(f"{directory / LOGPROBS}: 'scored' must be false exactly at position 0; "
-                         "the capture is damaged")
+    generated_only = manifest.get("scored") == SCORED_GENERATED
+    expected = table["generated"].to_numpy(dtype=bool) if generated_only else pos > 0
+    if not np.array_equal(table["scored"].to_numpy(), expected):
+        where = "the sampled tokens" if generated_only else "every position but 0"
+        raise InputError(f"{directory / LOGPROBS}: 'scored' must be true exactly at {where}; the capture is damaged")
     rebuilt = Capture(directory, manifest, table).token_batch()
     if rebuilt.digest() != prompts.get("digest"):
         raise InputError(f"{directory}: token ids do not match the manifest's digest; the capture is damaged")

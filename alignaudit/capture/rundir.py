@@ -65,7 +65,11 @@ GATE_OUTPUTS = (VERDICT, JUNIT, SUMMARY_MD)
 RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, SYNC_DIR, TRAIN_LOG, INFER_LOG, "train." + REQUEST, "infer." + REQUEST)
 ABLATE_OUTPUTS = (RUN, CONFIGS, ABLATE_PARQUET, ABLATE_JSON)
 # the result files each command's run.json must list (alignaudit.comparison.integrity checks them)
-RESULTS = {"compare": (TOKENS, SEQUENCES, SUMMARY), "diff": (TOKENS, SEQUENCES, SUMMARY), "rl": (STEPS,)}
+RESCORE_OUTPUTS = COMPARE_OUTPUTS  # the rollout file's capture plays the infer side
+RESULTS = {"compare": (TOKENS, SEQUENCES, SUMMARY), "diff": (TOKENS, SEQUENCES, SUMMARY),
+           "rescore": (TOKENS, SEQUENCES, SUMMARY), "rl": (STEPS,)}
+TOKEN_RUNS = ("compare", "diff", "rescore")  # the commands whose run compares two captures token by token
+JUDGED = (*TOKEN_RUNS, "rl")  # the records gate judges
 
 # Files alignaudit writes inside the directories it creates (captures and their op stores; rl's sync/ and
 # tokens/; the comparison of each row of ablate's configs/): what --force may remove there.

@@ -138,6 +138,53 @@ def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat
     return out, summary
 
 
+@app.command()
+@grouped
+def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="Rollouts: JSONL or parquet, one "
+                                                          "row per rollout (token_ids, prompt_length, logprobs).")],
+            model: ModelArgs, output: OutputArgs,
+            train: Annotated[str, typer.Option("--train", metavar="ENGINE", help="megatron or hf.")] = "megatron",
+            dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32.")] = "bf16",
+            device: DeviceOpt = "auto",
+            train_opt: Annotated[Optional[list[str]], typer.Option(
+                "--train-opt", metavar="KEY=VALUE", help="Training-engine setting (repeatable).")] = None,
+            strict: StrictOpt = None, clip_eps: ClipEpsOpt = 0.2) -> None:
+    """Score rollouts your RL framework recorded with the training engine, and compare its logprobs of the
+    sampled tokens with the rollout engine's, as `compare --mode rollout` does.
+
+    FILE holds, per rollout, the token ids (prompt then sampled tokens), the prompt length and the rollout
+    engine's logprob of each sampled token; optionally temperature, top_k, top_p and logprobs_mode (raw or
+    processed: processed logprobs are scored under the same sampling transform). docs/cli.md "rescore" has
+    the schema. The run directory is `alignaudit gate`'s and `alignaudit report`'s input.
+
+    Examples:
+
+    ```
+    alignaudit rescore rollouts.jsonl --model /ckpt/step-100 --train megatron --out runs/step-100
+    alignaudit gate runs/step-100
+    ```
+    """
+    from alignaudit.capture.rundir import RESCORE_OUTPUTS, SUMMARY
+    from alignaudit.commands.options import check_clip_eps, engine_runs
+    from alignaudit.commands.pipeline import rescore as run_rescore
+    from alignaudit.engines import KINDS, kind_of
+    from alignaudit.inputs.rollouts import read_rollouts
+
+    check_clip_eps(clip_eps)
+    if not kind_of(train).trains:
+        raise errors.InputError(f"--train {train}: rescore scores with a training engine, "
+                                f"{' or '.join(k.name for k in KINDS.values() if k.trains)}")
+    spec = resolve_model_arg(model)
+    pair = PairArgs(train=train, infer=train, dtype=dtype, device=device, train_opt=train_opt, strict=strict)
+    run = engine_runs(pair, model.seed, spec)[0]
+    rollouts = read_rollouts(rollouts_file, spec.vocab_size)
+    out = out_dir(output, "rescore", RESCORE_OUTPUTS, (Path(rollouts_file),))
+    with console.status("") as status:
+        summary = run_rescore(spec, rollouts, run, out, clip_eps, stream_log=output.verbose, on_stage=status.update)
+    _render_summary(out, summary)
+    _results(out / SUMMARY, out / "tokens.parquet", out / "sequences.parquet", out / "run.json")
+
+
 def _render_summary(out: Path, summary: dict) -> None:
     import pandas as pd
 
@@ -666,10 +713,11 @@ def _refuse_parallel_capture(runs, forced: bool) -> None:
 def _claim_verdict_files(run_dir: Path, targets: tuple[Path, ...]) -> None:
     """Lock the run directory and claim the verdict files gate writes into it (none when all go elsewhere,
     so a read-only run can be judged)."""
+    from alignaudit.capture.rundir import JUDGED
     from alignaudit.comparison.integrity import read_run_record
 
     # a missing or unfinished run: said so, not "unwritable"
-    read_run_record(run_dir, commands=("compare", "rl", "diff"))
+    read_run_record(run_dir, commands=JUDGED)
     inside = tuple(Path(t).name for t in targets if Path(t).resolve().parent == run_dir.resolve())
     if inside:
         try:

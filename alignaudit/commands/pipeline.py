@@ -25,9 +25,11 @@ from alignaudit.comparison.op_diff import DIFFERS, compare_op, first_divergence,
 from alignaudit.comparison.repeat import summarize_repeats
 from alignaudit.comparison.token_diff import align_tokens, compare_tokens, per_sequence, summarize
 from alignaudit.engines.checks import processed_logprobs, routing_observable
+from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec, checkpoint_sha256
 from alignaudit.inputs.prompts import TokenBatch
 from alignaudit.inputs.request import EngineRun, Request
+from alignaudit.inputs.rollouts import REPLAYED
 from alignaudit.workers.spawn import run_capture
 
 MODES = ("natural", "forced", "both")
@@ -126,6 +128,52 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
     return summary
 
 
+# What a rollout file's capture records of the engine that made it: nothing the file does not say.
+FILE_SETTINGS = {"dtype": None, "device": None, "seed": None, "options": {}, "strict": None, "lm_head_dtype": None,
+                 "strict_exp": None}
+
+
+def rescore(spec: ModelSpec, rollouts, train: EngineRun, out: Path, clip_eps: float = 0.2, stream_log: bool = False,
+            on_stage=None) -> dict:
+    """``alignaudit rescore``: the training engine scores the token ids of rollouts an RL framework recorded
+    (alignaudit.inputs.rollouts.Rollouts), and its logprobs of the sampled tokens are compared with the file's.
+
+    ``out`` gets what ``compare --mode rollout`` writes: ``infer/`` (the file as a capture, engine "rollout-file",
+    the sampled tokens scored only), ``train/``, tokens.parquet, sequences.parquet, summary.json (over the sampled
+    tokens) and a sealed run.json that gate checks against both captures and the file's sha256. Where the file's
+    logprobs are processed, the trainer replays its temperature, top-k and top-p, as compare does.
+
+    """
+    from alignaudit.capture.directory import SCORED_GENERATED, read_capture, rollout_file_table, write_capture
+
+    replay = None
+    if rollouts.processed:
+        replay = {**{k: rollouts.sampling[k] for k in REPLAYED}, "prompt_lengths": rollouts.prompt_lengths}
+    sampling = dict(rollouts.sampling)
+    record = {"command": "rescore", "mode": "rollout", "rollout": sampling, "model": spec.to_dict(),
+              "prompts": {"source": rollouts.batch.source, "sequences": len(rollouts.batch.sequences),
+                          "tokens": rollouts.batch.num_tokens, "digest": rollouts.batch.digest()},
+              "train": train.record(), "infer": {"engine": "rollout-file", **FILE_SETTINGS}, "clip_eps": clip_eps,
+              "source": rollouts.source, "status": "running"}
+    write_json(out / RUN, record)
+    batch = rollouts.batch
+    manifest = {"engine": "rollout-file", "role": "infer", "model": {**spec.to_dict(),
+                                                                     "checkpoint_sha256": checkpoint_sha256(spec)},
+                "settings": FILE_SETTINGS, "engine_settings": {"source": rollouts.source}, "mode": "rollout",
+                "rollout": {**sampling, "prompt_lengths": rollouts.prompt_lengths}, "replay": None,
+                "scored": SCORED_GENERATED,
+                "prompts": {"source": batch.source, "num_sequences": len(batch.sequences),
+                            "num_tokens": batch.num_tokens, "digest": batch.digest(), "texts": []}}
+    write_capture(out / "infer", manifest, rollout_file_table(batch, rollouts.prompt_lengths, rollouts.logprobs))
+    infer_capture = read_capture(out / "infer")
+    if on_stage:
+        on_stage(f"running {train.label()} as the training engine")
+    train_capture = capture(spec, batch, train, out / "train", role="train", stream_log=stream_log, replay=replay)
+    summary = diff_captures(train_capture, infer_capture, out, clip_eps=clip_eps)
+    finish_run(out, record, {"train": train_capture, "infer": infer_capture}, (TOKENS, SEQUENCES, SUMMARY))
+    return summary
+
+
 ROUTING_NOTE = ("vLLM's compiled default MoE runs its routing inside the compiled graph, where no hook sees it; "
                 "alignaudit bisect reads it in eager mode")
 
@@ -214,7 +262,6 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
     ``capture_overrides``), that engine runs again as configured (ROLE-as-configured/) and bisect.json's
     ``as_configured`` says in how many tokens its logprobs differ from the captured run's.
     """
-    from alignaudit.errors import InputError
 
     if mode not in MODES:
         raise InputError(f"unknown bisect mode {mode!r}; choose one of {', '.join(MODES)}")

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from alignaudit.capture.rundir import JUDGED
 from alignaudit.comparison.numerics import hex_bits
 from alignaudit.errors import EXIT_ENGINE, InputError
 
@@ -161,7 +162,7 @@ def judge_run(run_dir: Path, rule: Rule) -> Verdict:
     from alignaudit.comparison.integrity import load_rl_run, load_run, read_run_record
     from alignaudit.comparison.token_diff import align_tokens, compare_tokens
 
-    if read_run_record(run_dir, commands=("compare", "rl", "diff"))["command"] == "rl":
+    if read_run_record(run_dir, commands=JUDGED)["command"] == "rl":
         verdict = judge_steps(load_rl_run(run_dir), rule, str(run_dir))
         verdict.rule_params = asdict(rule)
         return verdict

@@ -26,7 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from alignaudit.capture.directory import Capture, read_capture
-from alignaudit.capture.rundir import MANIFEST, RESULTS, RUN, SIDES, STEP_TOKENS, STEPS, SUMMARY, TOKENS, TOKENS_DIR
+from alignaudit.capture.rundir import (
+    MANIFEST,
+    RESULTS,
+    RUN,
+    SIDES,
+    STEP_TOKENS,
+    STEPS,
+    SUMMARY,
+    TOKEN_RUNS,
+    TOKENS,
+    TOKENS_DIR,
+)
 from alignaudit.errors import InputError
 
 RECORD_SHA256 = "record_sha256"
@@ -158,7 +169,7 @@ def load_run(run_dir: Path) -> Run:
         InputError: naming the first check that fails.
     """
     run_dir = Path(run_dir)
-    record = read_run_record(run_dir, commands=("compare", "diff"))
+    record = read_run_record(run_dir, commands=TOKEN_RUNS)
     captures = record.get("captures")
     if not isinstance(captures, dict) or set(captures) != set(SIDES):
         raise InputError(f"{run_dir / RUN} lists no captures; the run was made by an older alignaudit, run it again")

@@ -28,8 +28,9 @@ ULP_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 3, "2-3"), (4, 15, "4-15"), (16, 25
 
 
 def align_tokens(train: pd.DataFrame, infer: pd.DataFrame) -> pd.DataFrame:
-    """Join two logprob tables (capture format 2) on (seq, pos); scored rows only (pos 0 has no logprob).
-    NaN and Inf logprobs are kept: they are the engines' values.
+    """Join two logprob tables (capture format 2) on (seq, pos); scored rows only (pos 0 has no logprob; against
+    a rollout file's capture, which scores the sampled tokens only, those). NaN and Inf logprobs are kept: they are
+    the engines' values.
 
     Raises:
         InputError: the tables do not hold the same sequences of token ids.
@@ -39,13 +40,15 @@ def align_tokens(train: pd.DataFrame, infer: pd.DataFrame) -> pd.DataFrame:
     b = infer.sort_values(keys).reset_index(drop=True)
     if len(a) != len(b) or not (a[keys + ["token_id"]].to_numpy() == b[keys + ["token_id"]].to_numpy()).all():
         raise InputError("the two captures were made on different token ids; capture both from the same prompts")
-    scored = a["scored"].to_numpy(dtype=bool)
-    if not (scored == b["scored"].to_numpy(dtype=bool)).all():
-        raise InputError("the two captures disagree on which positions have a logprob; capture both again")
+    scored_a, scored_b = a["scored"].to_numpy(dtype=bool), b["scored"].to_numpy(dtype=bool)
     generated = np.zeros(len(a), dtype=bool)
     for side in (a, b):
         if "generated" in side:
             generated |= side["generated"].to_numpy(dtype=bool)
+    scored = scored_a & scored_b
+    if not (scored_a == scored_b).all() and not any(_sampled_only(x, y, generated)
+                                                    for x, y in ((scored_a, scored_b), (scored_b, scored_a))):
+        raise InputError("the two captures disagree on which positions have a logprob; capture both again")
     return pd.DataFrame({
         "seq": a["seq"].to_numpy()[scored],
         "pos": a["pos"].to_numpy()[scored],
@@ -54,6 +57,12 @@ def align_tokens(train: pd.DataFrame, infer: pd.DataFrame) -> pd.DataFrame:
         "lp_train": a["logprob"].to_numpy(dtype=np.float32)[scored],
         "lp_infer": b["logprob"].to_numpy(dtype=np.float32)[scored],
     })
+
+
+def _sampled_only(scored: np.ndarray, other: np.ndarray, generated: np.ndarray) -> bool:
+    """Whether one side scores exactly the sampled tokens (a rollout file's capture) and the other scores at least
+    those: then the comparison covers the sampled tokens, the only ones both have."""
+    return bool(generated.any() and np.array_equal(scored, generated) and other[scored].all())
 
 
 def compare_tokens(tokens: pd.DataFrame) -> pd.DataFrame:

@@ -16,13 +16,15 @@ def _num(x, fmt: str = ".3e") -> str:
 
 
 def _side_label(side: dict) -> str:
+    """``engine (dtype, device, strict ..., TP=n, options)``; what a side's record lacks (a rollout file's dtype and
+    device) is left out."""
     opts = " ".join(f"{k}={v}" for k, v in side.get("options", {}).items())
-    strict = f", strict {side['strict']}" if side.get("strict") else ""
-    strict += f", {side['strict_exp']} exp" if side.get("strict_exp") not in (None, "portable") else ""
-    head = ", fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else ""
-    tp = side.get("tensor_parallel_size", 1)  # engines/kind.py: each engine's own option
-    head += f", TP={tp}" if tp != 1 else ""
-    return escape(f"{side['engine']} ({side['dtype']}, {side['device']}{strict}{head}{', ' + opts if opts else ''})")
+    parts = [side.get("dtype"), side.get("device"), f"strict {side['strict']}" if side.get("strict") else None,
+             f"{side['strict_exp']} exp" if side.get("strict_exp") not in (None, "portable") else None,
+             "fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else None,
+             f"TP={side['tensor_parallel_size']}" if side.get("tensor_parallel_size", 1) != 1 else None, opts]
+    shown = ", ".join(str(part) for part in parts if part)
+    return escape(f"{side['engine']} ({shown})" if shown else side["engine"])
 
 
 SEQUENCE_ROWS = 20

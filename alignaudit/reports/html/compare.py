@@ -30,7 +30,8 @@ def side_label(side: dict) -> str:
     if side.get("lm_head_dtype") == "fp32":
         extra.append("fp32 lm_head")
     extra += [f"{k}={v}" for k, v in (side.get("options") or {}).items()]
-    return f"{side.get('engine', '?')} ({', '.join(str(e) for e in extra if e)})"
+    shown = ", ".join(str(e) for e in extra if e)
+    return f"{side.get('engine', '?')} ({shown})" if shown else side.get("engine", "?")
 
 
 def gate_section(page: Page, verdict: dict) -> None:

@@ -30,6 +30,7 @@ from alignaudit.capture.rundir import (
     SEQUENCES,
     STEPS,
     SUMMARY,
+    TOKEN_RUNS,
     TOKENS,
     VERDICT,
 )
@@ -110,7 +111,7 @@ def _check(path: Path, record: dict) -> None:
     captures, rl runs against their token rows, every run's seal and listed files."""
     integrity.check_record(path / RUN, record)  # first: a sealed record edited to look unfinished is named as edited
     command = record.get("command")
-    if command in ("compare", "diff"):
+    if command in TOKEN_RUNS:
         integrity.load_run(path)
     elif command == "rl":
         integrity.load_rl_run(path)

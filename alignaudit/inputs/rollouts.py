@@ -1,0 +1,167 @@
+"""Rollouts an RL framework recorded, read from a file for ``alignaudit rescore`` (docs/cli.md "rescore").
+
+One row per rollout, JSON lines or parquet, the same columns either way:
+    token_ids       list of int: the prompt's tokens, then the sampled ones
+    prompt_length   int >= 1: how many of token_ids are the prompt (at least one token must follow)
+    logprobs        list of float: the rollout engine's logprob of each sampled token (len(token_ids) -
+                    prompt_length values, in order), as it recorded them while sampling
+    temperature, top_k, top_p, logprobs_mode   optional, the same in every row: how the engine sampled, and
+                    whether its logprobs are "raw" (vLLM's default) or "processed" (after the sampling
+                    transform; the trainer then replays it)
+Refused with one line naming the row and the fix: a missing column, lengths that disagree, a NaN or infinite
+logprob, token ids outside the vocabulary, settings that differ between rows, and verl's rollout_data_dir dumps
+(JSON lines of decoded text, "input" and "output", and scores, written by RayPPOTrainer._dump_generations in
+verl/trainer/ppo/ray_trainer.py: no token ids and no rollout logprobs, so nothing to rescore).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from alignaudit.errors import InputError
+from alignaudit.inputs.prompts import TokenBatch
+
+COLUMNS = ("token_ids", "prompt_length", "logprobs")
+SAMPLING = ("temperature", "top_k", "top_p", "logprobs_mode")
+REPLAYED = ("temperature", "top_k", "top_p")  # what a trainer replays for processed logprobs
+LOGPROBS_MODES = ("raw", "processed")
+
+
+@dataclass
+class Rollouts:
+    """A checked rollout file.
+
+    Attributes:
+        batch: every rollout's token ids (prompt then sampled tokens). prompt_lengths: per rollout.
+        logprobs: per rollout, fp32 [number of sampled tokens], the rollout engine's values.
+        sampling: the optional settings (SAMPLING keys present in the file), one value each.
+        source: {"path", "sha256", "format"} of the file.
+    """
+
+    batch: TokenBatch
+    prompt_lengths: list[int]
+    logprobs: list[torch.Tensor]
+    sampling: dict
+    source: dict
+
+    @property
+    def processed(self) -> bool:
+        """Whether the engine recorded processed logprobs (the trainer must replay temperature, top-k, top-p)."""
+        return self.sampling.get("logprobs_mode") == "processed"
+
+
+def read_rollouts(path: Path | str, vocab_size: int) -> Rollouts:
+    """Read and check a rollout file (the module docstring's schema); ``vocab_size``: the model's.
+
+    Raises:
+        InputError: an unreadable or damaged file (one line naming the row, the column and the fix).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file; give a JSONL or parquet file of rollouts")
+    rows, fmt = _read_rows(path)
+    if not rows:
+        raise InputError(f"{path} holds no rollouts")
+    if {"input", "output"} <= set(rows[0]) and "token_ids" not in rows[0]:
+        raise InputError(f"{path} looks like a verl rollout_data_dir dump (decoded text, no token ids or rollout "
+                         "logprobs); write token_ids, prompt_length and logprobs per rollout (docs/cli.md 'rescore')")
+    sequences, lengths, logprobs = [], [], []
+    for i, row in enumerate(rows):
+        missing = [c for c in COLUMNS if row.get(c) is None]
+        if missing:
+            raise InputError(f"{path}: row {i} has no {', '.join(missing)}; every rollout needs {', '.join(COLUMNS)}")
+        ids, n, lps = _ids(path, i, row["token_ids"], vocab_size), row["prompt_length"], row["logprobs"]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < len(ids):
+            raise InputError(f"{path}: row {i}: prompt_length {n!r} must be an integer in [1, {len(ids) - 1}] (the "
+                             "prompt's tokens, with at least one sampled token after them)")
+        values = _floats(path, i, lps)
+        if len(values) != len(ids) - n:
+            raise InputError(f"{path}: row {i} has {len(values)} logprobs for {len(ids) - n} sampled tokens "
+                             f"({len(ids)} token_ids, prompt_length {n}); give one logprob per sampled token")
+        bad = [j for j, v in enumerate(values) if not math.isfinite(v)]
+        if bad:
+            raise InputError(f"{path}: row {i}: logprob {bad[0]} is {values[bad[0]]}; a rollout engine's logprob of a "
+                             "token it sampled is finite: the file is damaged")
+        sequences.append(tuple(ids))
+        lengths.append(n)
+        logprobs.append(torch.tensor(values, dtype=torch.float32))
+    sampling = _sampling(path, rows)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return Rollouts(TokenBatch(tuple(sequences), source=f"rollouts:{path.name}"), lengths, logprobs, sampling,
+                    {"path": str(path.resolve()), "sha256": digest, "format": fmt})
+
+
+def _read_rows(path: Path) -> tuple[list[dict], str]:
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        try:
+            table = pd.read_parquet(path)
+        except Exception as e:  # pyarrow raises several types for damaged files
+            raise InputError(f"{path} is not a readable parquet file ({type(e).__name__}); write it again") from e
+        rows = [{k: _plain(v) for k, v in row.items()} for row in table.to_dict("records")]
+        return rows, "parquet"
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{number} is not JSON ({e.msg}); one rollout object per line") from e
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{number} is not a JSON object; one rollout object per line")
+        rows.append(row)
+    return rows, "jsonl"
+
+
+def _plain(value):
+    """Parquet cells as JSON would give them: lists and Python scalars (NaN of a missing cell as None)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def _ids(path: Path, i: int, ids, vocab_size: int) -> list[int]:
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InputError(f"{path}: row {i}: token_ids must be a list of integers")
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise InputError(f"{path}: row {i}: token id {outside[0]} is outside the model's vocabulary of {vocab_size}; "
+                         "rescore with the model the rollouts were sampled from")
+    return ids
+
+
+def _floats(path: Path, i: int, values) -> list[float]:
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                               for v in values if v is not None):
+        raise InputError(f"{path}: row {i}: logprobs must be a list of numbers")
+    return [float("nan") if v is None else float(v) for v in values]
+
+
+def _sampling(path: Path, rows: list[dict]) -> dict:
+    """The SAMPLING settings the file gives, the same in every row."""
+    found = {}
+    for key in SAMPLING:
+        values = {json.dumps(row.get(key)) for row in rows}
+        if len(values) > 1:
+            raise InputError(f"{path}: {key} differs between rollouts ({', '.join(sorted(values))}); rescore each "
+                             "setting's rollouts from a file of their own")
+        value = rows[0].get(key)
+        if value is not None:
+            found[key] = value
+    if found.get("logprobs_mode", "raw") not in LOGPROBS_MODES:
+        raise InputError(f"{path}: logprobs_mode {found['logprobs_mode']!r}: choose raw or processed")
+    missing = [k for k in REPLAYED if k not in found]
+    if found.get("logprobs_mode") == "processed" and missing:
+        raise InputError(f"{path}: the logprobs are processed but the file gives no {', '.join(missing)}; the trainer "
+                         "must replay the sampling transform they were processed with")
+    return found

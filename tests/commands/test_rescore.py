@@ -1,0 +1,104 @@
+"""`alignaudit rescore`: rollouts a framework recorded, scored by the training engine.
+
+The chain: compare --mode rollout has vLLM sample and Megatron score; the same rollouts written to a file
+(token ids, prompt lengths, vLLM's logprobs of the sampled tokens) and rescored with Megatron must give
+compare's numbers for the sampled tokens, bit for bit, from JSONL and from parquet; gate judges the run; a
+damaged file is refused with one line before any engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from alignaudit.commands import cli
+from alignaudit.errors import EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
+from helpers import one_line_error
+
+pytestmark = pytest.mark.engines
+
+
+@pytest.fixture(scope="module")
+def rollout_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rescore") / "compare"
+    assert cli.main(["compare", "--mode", "rollout", "--max-new-tokens", "8", "--out", str(out)]) == EXIT_OK
+    return out
+
+
+def rollout_rows(run) -> list[dict]:
+    """The compare run's rollouts as a framework would dump them: ids, prompt length, the sampled logprobs."""
+    table = pd.read_parquet(run / "infer" / "logprobs.parquet")
+    lengths = json.loads((run / "infer" / "manifest.json").read_text())["rollout"]["prompt_lengths"]
+    rows = []
+    for (seq, group), n in zip(table.groupby("seq"), lengths):
+        group = group.sort_values("pos")
+        rows.append({"token_ids": group["token_id"].tolist(), "prompt_length": n,
+                     "logprobs": group["logprob"][group["generated"]].astype(float).tolist()})
+    return rows
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_rescore_gives_compare_numbers_for_the_sampled_tokens_and_gate_judges_it(rollout_run, tmp_path):
+    compared = json.loads((rollout_run / "summary.json").read_text())["generated"]
+    rows = rollout_rows(rollout_run)
+    assert len(rows) == 4 and all(len(r["logprobs"]) == 8 for r in rows)
+    files = {"jsonl": write_jsonl(tmp_path / "rollouts.jsonl", rows), "parquet": tmp_path / "rollouts.parquet"}
+    pd.DataFrame(rows).to_parquet(files["parquet"])
+    expected = pd.read_parquet(rollout_run / "tokens.parquet")
+    expected = expected[expected["generated"]].reset_index(drop=True)
+    for kind, path in files.items():
+        out = tmp_path / f"rescore-{kind}"
+        assert cli.main(["rescore", str(path), "--train", "megatron", "--out", str(out)]) == EXIT_OK
+        summary = json.loads((out / "summary.json").read_text())
+        for key in ("tokens_compared", "mismatches", "ulp_max", "max_abs_diff", "ulp_histogram", "rl"):
+            assert summary[key] == compared[key], (kind, key)
+        assert summary["tokens_compared"] == 32 and summary["mismatches"] > 0  # the default stack differs
+        tokens = pd.read_parquet(out / "tokens.parquet")
+        for column in ("seq", "pos", "token_id"):
+            assert tokens[column].tolist() == expected[column].tolist()
+        for column in ("lp_train", "lp_infer"):
+            assert (tokens[column].to_numpy().view("int32") == expected[column].to_numpy().view("int32")).all()
+        record = json.loads((out / "run.json").read_text())
+        assert record["command"] == "rescore" and record["source"]["format"] == kind
+        assert record["infer"]["engine"] == "rollout-file" and record["infer"]["dtype"] is None
+        assert cli.main(["gate", str(out), "--json", str(tmp_path / f"verdict-{kind}.json")]) == EXIT_MISMATCH
+        verdict = json.loads((tmp_path / f"verdict-{kind}.json").read_text())
+        assert verdict["tokens_compared"] == 32 and verdict["mismatches"] == summary["mismatches"]
+    assert cli.main(["report", str(out), "--html", str(tmp_path / "page.html")]) == EXIT_OK  # checked, then shown
+    page = (tmp_path / "page.html").read_text()
+    assert "megatron (bf16, cpu) vs rollout-file" in page and "32 of 32 tokens differ" in page
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r.pop("logprobs"), "row 0 has no logprobs"),
+    (lambda r: r["logprobs"].pop(), "row 0 has 7 logprobs for 8 sampled tokens"),
+    (lambda r: r["logprobs"].__setitem__(2, float("nan")), "row 0: logprob 2 is nan"),
+    (lambda r: r.__setitem__("prompt_length", len(r["token_ids"])), "prompt_length"),
+    (lambda r: r["token_ids"].__setitem__(0, 10**6), "outside the model's vocabulary"),
+    (lambda r: r.update(logprobs_mode="processed"), "logprobs_mode differs between rollouts"),
+])
+def test_a_damaged_rollout_file_is_refused_before_any_engine(rollout_run, tmp_path, capsys, edit, message):
+    rows = rollout_rows(rollout_run)
+    edit(rows[0])
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    out = tmp_path / "never"
+    assert message in one_line_error(capsys, ["rescore", str(path), "--out", str(out)], EXIT_USAGE)
+    assert not out.exists()
+
+
+def test_dumps_without_token_ids_or_logprobs_are_refused_with_the_reason(tmp_path, capsys):
+    verl = write_jsonl(tmp_path / "1.jsonl", [{"input": "2+2=", "output": "4", "score": 1.0, "step": 1}])
+    assert "looks like a verl rollout_data_dir dump" in one_line_error(
+        capsys, ["rescore", str(verl), "--out", str(tmp_path / "o")], EXIT_USAGE)
+    processed = write_jsonl(tmp_path / "p.jsonl", [{"token_ids": [1, 2, 3], "prompt_length": 2, "logprobs": [-1.0],
+                                                   "logprobs_mode": "processed", "temperature": 0.7}])
+    assert "the logprobs are processed but the file gives no top_k, top_p" in one_line_error(
+        capsys, ["rescore", str(processed), "--out", str(tmp_path / "o")], EXIT_USAGE)
+    assert "rescore scores with a training engine" in one_line_error(
+        capsys, ["rescore", str(processed), "--train", "vllm", "--out", str(tmp_path / "o")], EXIT_USAGE)
