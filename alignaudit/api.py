@@ -31,6 +31,9 @@ def _settings(dtype: str, device: str, ops: str, exp: str, seed: int = 0):
 
     device = resolve_device(device)
     strict = parse_strict(ops, option="ops")
+    if not strict:
+        raise InputError(f"ops {ops!r} selects no strict op, so the model would not be strict; pass 'all' or a comma "
+                         "list of alignaudit.inputs.strict_ops.STRICT_OPS")
     return EngineSettings(check_dtype(dtype), device, seed, {}, strict=format_strict(strict),
                           strict_exp=check_strict_exp(exp, strict, device))
 
@@ -86,9 +89,15 @@ def token_logprobs(model, sequences: list[list[int]] | list[torch.Tensor]) -> li
     """
     import alignaudit_kernels as K
 
-    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
-    if not seqs or min(len(s) for s in seqs) < 2:
-        raise InputError("token_logprobs needs sequences of at least 2 tokens (the first has no logprob)")
+    megatron = hasattr(model, "compute_language_model_loss")
+    if not megatron and not (hasattr(model, "config") and hasattr(model, "generate")):
+        raise InputError(f"token_logprobs takes a model from strict_megatron_model or strict_hf_model, not "
+                         f"{type(model).__name__}")
+    vocab = model.vocab_size if megatron else model.config.vocab_size
+    limit = model.max_sequence_length if megatron else model.config.max_position_embeddings
+    seqs = [_token_ids(i, s, vocab, limit) for i, s in enumerate(sequences)]
+    if not seqs:
+        raise InputError("token_logprobs needs at least one sequence")
     device = next(model.parameters()).device
     b, t = len(seqs), max(len(s) for s in seqs)
     ids = torch.zeros(b, t, dtype=torch.long)
@@ -98,17 +107,30 @@ def token_logprobs(model, sequences: list[list[int]] | list[torch.Tensor]) -> li
     ids, valid = ids.to(device), valid.to(device)
     labels = torch.roll(ids, -1, dims=1)
     with torch.no_grad():
-        if hasattr(model, "compute_language_model_loss"):  # Megatron-Core GPTModel: the pads masked as keys
+        if megatron:  # Megatron-Core GPTModel: the pads masked as keys
             causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), 1)
             mask = (causal[None] | ~valid[:, None, :])[:, None]
             rows = -model(ids, None, mask, labels=labels).float()
-        elif hasattr(model, "config") and hasattr(model, "generate"):  # transformers
+        else:  # transformers
             logits = model(input_ids=ids, attention_mask=valid.long()).logits
             rows = K.token_logprobs(logits, labels).float()
-        else:
-            raise InputError(f"token_logprobs takes a model from strict_megatron_model or strict_hf_model, not "
-                             f"{type(model).__name__}")
     return [rows[i, :len(s) - 1].cpu() for i, s in enumerate(seqs)]
+
+
+def _token_ids(i: int, sequence, vocab: int, limit: int) -> torch.Tensor:
+    """Sequence ``i`` as a 1-D int64 tensor. Raises InputError for what the model cannot score."""
+    ids = torch.as_tensor(sequence)
+    if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InputError(f"sequence {i}: token ids must be one list (or 1-D tensor) of integers, not "
+                         f"{ids.dtype} of shape {tuple(ids.shape)}")
+    if len(ids) < 2:
+        raise InputError(f"sequence {i} has {len(ids)} token(s); token_logprobs needs at least 2 (the first has no "
+                         "logprob)")
+    if len(ids) > limit:
+        raise InputError(f"sequence {i} has {len(ids)} tokens, more than the model's {limit} positions; shorten it")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise InputError(f"sequence {i} has a token id outside the vocabulary [0, {vocab}); score ids of this model")
+    return ids.long()
 
 
 @dataclass
@@ -173,10 +195,23 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
 
     if mode not in ("prompt", "rollout"):
         raise InputError(f"mode {mode!r}: choose prompt or rollout")
-    options = [[f"{k}={json.dumps(v)}" for k, v in (opts or {}).items()] for opts in (train_options, infer_options)]
+    if prompts is not None and not isinstance(prompts, (str, Path)):
+        raise InputError(f"prompts: a file path (JSONL or text lines), not {type(prompts).__name__}; token ids go in "
+                         "a JSONL file of {\"token_ids\": [...]} lines")
+    for name, opts in (("train_options", train_options), ("infer_options", infer_options)):
+        if opts is not None and not isinstance(opts, dict):
+            raise InputError(f"{name}: a dict of engine settings, not {type(opts).__name__}")
+    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed),
+                        ("random_prompts", random_prompts), ("prompt_len", prompt_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise InputError(f"{name} {value!r}: an integer")
+    try:
+        options = [[f"{k}={json.dumps(v)}" for k, v in (opts or {}).items()] for opts in (train_options, infer_options)]
+    except TypeError as e:
+        raise InputError(f"engine options must be JSON values (numbers, strings, booleans, lists): {e}") from e
     pair = PairArgs(train=train, infer=infer, dtype=dtype, device=device, train_opt=options[0] or None,
                     infer_opt=options[1] or None, strict=strict)
-    sampling = SamplingArgs(mode, max_new_tokens, temperature, top_k, top_p) if mode == "rollout" else None
+    sampling = SamplingArgs(mode, max_new_tokens, temperature, top_k, top_p)
     request = build_request(ModelArgs(str(model), random_weights, seed),
                             PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
                             pair, sampling, clip_eps)
@@ -205,8 +240,12 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None
     Raises:
         InputError: shapes or lengths that disagree, or no token to compare.
     """
+    from alignaudit.commands.options import check_clip_eps
     from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
 
+    if isinstance(clip_eps, bool) or not isinstance(clip_eps, (int, float)):
+        raise InputError(f"clip_eps {clip_eps!r}: a number in (0, 1)")
+    check_clip_eps(clip_eps)
     train, rollout = _rows(train_logprobs, mask, "train_logprobs"), _rows(rollout_logprobs, mask, "rollout_logprobs")
     if len(train) != len(rollout) or any(a.shape != b.shape for a, b in zip(train, rollout)):
         raise InputError(f"train_logprobs and rollout_logprobs disagree: {[len(a) for a in train]} tokens per "
@@ -223,6 +262,9 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None
 
 def _rows(logprobs, mask, name: str) -> list[torch.Tensor]:
     """One fp32 CPU tensor per sequence from a list of 1-D tensors or a [B, T] tensor with ``mask``."""
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+        raise InputError(f"mask must be a bool tensor (True = a token to compare), not "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)}")
     if isinstance(logprobs, torch.Tensor):
         if logprobs.dim() != 2:
             raise InputError(f"{name}: a [B, T] tensor (with mask) or a list of 1-D tensors, not shape "
@@ -234,7 +276,13 @@ def _rows(logprobs, mask, name: str) -> list[torch.Tensor]:
         return [row[m].detach().float().cpu() for row, m in zip(logprobs, mask.bool())]
     if mask is not None:
         raise InputError(f"mask applies to [B, T] tensors; {name} is a list of sequences")
-    return [torch.as_tensor(row).detach().float().cpu().reshape(-1) for row in logprobs]
+    if not isinstance(logprobs, (list, tuple)):
+        raise InputError(f"{name}: a list of 1-D tensors (one per sequence) or a [B, T] tensor, not "
+                         f"{type(logprobs).__name__}")
+    rows = [torch.as_tensor(row).detach().float().cpu() for row in logprobs]
+    if any(row.dim() != 1 for row in rows):
+        raise InputError(f"{name}: each sequence's logprobs must be 1-D; give a [B, T] tensor with a mask instead")
+    return rows
 
 
 @dataclass
@@ -261,6 +309,12 @@ def verify_weight_sync(trainer: dict[str, torch.Tensor], rollout: dict[str, torc
     kernels are."""
     from alignaudit.engines.base import checksums
 
+    for name, side in (("trainer", trainer), ("rollout", rollout)):
+        if not isinstance(side, dict) or not all(isinstance(t, torch.Tensor) for t in side.values()):
+            raise InputError(f"{name}: a dict of HF name -> tensor (e.g. dict(model.named_parameters())), not "
+                             f"{type(side).__name__}")
+    if not trainer:
+        raise InputError("trainer holds no weights: an empty sync would pass unchecked; give the tensors sent")
     missing = sorted(set(trainer) - set(rollout)) + sorted(set(rollout) - set(trainer))
     differing = [name for name in sorted(set(trainer) & set(rollout))
                  if trainer[name].dtype != rollout[name].dtype or trainer[name].shape != rollout[name].shape

@@ -32,6 +32,14 @@ trainer = api.token_logprobs(megatron, batch)
 assert [len(t) for t in trainer] == [16, 8, 29]
 same = api.token_logprobs(hf, batch)
 assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(trainer, same)), "hf != megatron"
+for bad, message in (([[1, 600, 3]], "outside the vocabulary"), ([[1.5, 2.0]], "integers"),
+                     ([list(range(2)) * 600], "more than the model's 1024 positions"), ([[1]], "at least 2")):
+    try:
+        api.token_logprobs(hf, bad)
+    except Exception as e:
+        assert type(e).__name__ == "InputError" and message in str(e), e
+    else:
+        raise AssertionError(f"accepted: {message}")
 alone = api.token_logprobs(megatron, batch[1:2])[0]
 assert torch.equal(alone.view(torch.int32), trainer[1].view(torch.int32)), "a sequence alone differs from batched"
 
@@ -93,3 +101,35 @@ def test_the_hook_refuses_logprobs_that_do_not_pair_up():
     assert (m["tokens_compared"], m["mismatches"]) == (5, 1)
     with pytest.raises(InputError, match="differ in shape"):
         api.mismatch_metrics(padded, other, mask=mask[:, :3])
+    for kwargs, message in (({"mask": mask.float()}, "mask must be a bool tensor"),
+                            ({"mask": mask.tolist()}, "mask must be a bool tensor"),
+                            ({"clip_eps": -0.2}, "clip-eps"), ({"clip_eps": "0.2"}, "a number in")):
+        with pytest.raises(InputError, match=message):
+            api.mismatch_metrics(padded, other, **kwargs)
+    with pytest.raises(InputError, match="a list of 1-D tensors"):
+        api.mismatch_metrics(None, None)
+    with pytest.raises(InputError, match="must be 1-D"):
+        api.mismatch_metrics([padded], [other])
+
+
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
+    """What would be ignored, or would fail deep inside, is one InputError line naming it."""
+    with pytest.raises(InputError, match="selects no strict op"):
+        api.strict_megatron_model("qwen3-tiny", ops="", device="cpu")
+    with pytest.raises(InputError, match="unknown op"):
+        api.strict_hf_model("qwen3-tiny", ops="all,bogus", device="cpu")
+    with pytest.raises(InputError, match="not a comma-separated string"):
+        api.strict_hf_model("qwen3-tiny", ops=["linear"], device="cpu")
+    with pytest.raises(InputError, match="an empty sync would pass unchecked"):
+        api.verify_weight_sync({}, {})
+    with pytest.raises(InputError, match="a dict of HF name -> tensor"):
+        api.verify_weight_sync([torch.zeros(1)], {})
+    with pytest.raises(InputError, match="token_logprobs takes a model"):
+        api.token_logprobs("qwen3-tiny", [[1, 2]])
+    for kwargs, message in (({"prompts": [[1, 2, 3]]}, "prompts: a file path"),
+                            ({"train_options": ["a=1"]}, "train_options: a dict"),
+                            ({"max_new_tokens": "8", "mode": "rollout"}, "max_new_tokens '8': an integer"),
+                            ({"temperature": 0.5}, "--temperature applies to rollouts")):
+        with pytest.raises(InputError, match=message):
+            api.compare(out=tmp_path / "never", **kwargs)
+    assert not (tmp_path / "never").exists()

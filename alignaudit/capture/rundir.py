@@ -1,8 +1,9 @@
 """The run directory: the name of every file alignaudit writes, and which entries each command writes.
 
-The one module that spells these names; writers (pipeline, runner, rl, ablate, gate), readers (verify,
-report_html) and the output-directory guard (outdir) import them from here, so a reader can never look for
-a file under a name its writer does not use. Layout of a compare run::
+The one module that spells these names; writers (commands/pipeline.py, workers/, rl/, commands/ablate.py,
+comparison/gate.py), readers (comparison/integrity.py, reports/html/) and the output-directory guard
+(capture/outdir.py) import them from here, so a reader can never look for a file under a name its writer does
+not use. Layout of a compare run::
 
     run.json                  the sealed record (comparison/integrity.py): status, settings, sha256 of every output
     summary.json, tokens.parquet, sequences.parquet

@@ -227,6 +227,10 @@ def check_clip_eps(eps: float) -> float:
     return eps
 
 
+SAMPLING_FLAGS = {"--max-new-tokens": "max_new_tokens", "--temperature": "temperature", "--top-k": "top_k",
+                  "--top-p": "top_p"}
+
+
 def sampling(args: SamplingArgs, seed: int):
     """The rollout Sampling of ``args``, or None in prompt mode. Raises InputError for a bad mode or value."""
     from alignaudit.inputs.request import Sampling
@@ -234,6 +238,11 @@ def sampling(args: SamplingArgs, seed: int):
     if args.mode not in ("prompt", "rollout"):
         raise errors.InputError(f"unknown --mode {args.mode!r}; choose prompt or rollout")
     if args.mode == "prompt":
+        given = [flag for flag, field in SAMPLING_FLAGS.items()
+                 if getattr(args, field) != SamplingArgs.__dataclass_fields__[field].default]
+        if given:
+            raise errors.InputError(f"{given[0]} applies to rollouts and would not take effect in prompt mode; add "
+                                    f"--mode rollout or drop {given[0]}")
         return None
     if args.max_new_tokens < 1 or not args.temperature > 0:
         raise errors.InputError("rollout mode needs --max-new-tokens >= 1 and --temperature > 0")

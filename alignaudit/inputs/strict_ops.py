@@ -88,15 +88,15 @@ def parse_strict(value: str | None, option: str = "--strict") -> frozenset[str]:
     Raises:
         InputError: an unknown op name (the message names ``option``).
     """
+    if value is not None and not isinstance(value, str):
+        raise InputError(f"{option}: {value!r} is not a comma-separated string of ops; e.g. 'all' or 'rmsnorm,rope'")
     if value is None or value.strip() in ("", "none"):
         return frozenset()
     names = {v.strip() for v in value.split(",") if v.strip()}
-    if "all" in names:
-        return frozenset(STRICT_OPS)
-    unknown = sorted(names - set(STRICT_OPS))
+    unknown = sorted(names - set(STRICT_OPS) - {"all"})
     if unknown:
         raise InputError(f"{option}: unknown op(s) {', '.join(unknown)}; choose all or any of {', '.join(STRICT_OPS)}")
-    return frozenset(names)
+    return frozenset(STRICT_OPS) if "all" in names else frozenset(names)
 
 
 def format_strict(ops: frozenset[str]) -> str:

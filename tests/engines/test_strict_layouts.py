@@ -7,7 +7,7 @@ position i. StrictGPTModel now computes each row's run of unmasked tokens as one
 position_ids it is given, and computes THD packs by their cu_seqlens: every layout gives a sequence the bits
 it has alone. What it does not compute raises a ValueError naming the argument. Real megatron-core on the
 fixture, in a subprocess (Megatron keeps process-global parallel state), and transformers' model with the HF
-strict swap (which still refuses left padding).
+strict swap (right and left padding; refusals under torch.compile).
 """
 
 from __future__ import annotations
@@ -95,6 +95,10 @@ bidirectional = torch.zeros(1, 1, s, s, dtype=torch.bool)
 refused(lambda: run(left, left_positions, hole), "StrictGPTModel: attention_mask must be causal over one contiguous")
 refused(lambda: run(right, None, bidirectional), "StrictGPTModel: attention_mask must be causal over one contiguous")
 refused(lambda: run(right, None, causal.float()), "StrictGPTModel: attention_mask must be bool")
+refused(lambda: run(left, None, left_keys), "StrictGPTModel: a left-padded row needs position_ids")
+refused(lambda: run(right, None, right_keys[:, :, 0]), "StrictGPTModel: attention_mask (3, 1, 12) does not broadcast")
+refused(lambda: run(torch.cat(seqs)[None].expand(2, -1), None, None, packed_seq_params=packed),
+        "StrictGPTModel: a THD pack is input_ids [1, tokens]")
 shifted = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu * 2)
 refused(lambda: run(torch.cat(seqs)[None], None, None, packed_seq_params=shifted),
         "StrictGPTModel: packed_seq_params.cu_seqlens_q_padded differs")
@@ -121,7 +125,7 @@ def test_strict_gpt_model_gives_each_sequence_its_bits_alone_in_every_batch_layo
     expert / sequence parallelism, shifted positions under recomputation) raises one ValueError line."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(FIXTURE)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("same bits:") == 4 and proc.stdout.count("refused:") == 9, proc.stdout
+    assert proc.stdout.count("same bits:") == 4 and proc.stdout.count("refused:") == 12, proc.stdout
 
 
 def test_hf_strict_attention_gives_right_and_left_padded_sequences_their_bits_alone():
@@ -154,6 +158,9 @@ def test_hf_strict_attention_gives_right_and_left_padded_sequences_their_bits_al
         holed[1, 4] = 0
         with pytest.raises(ValueError, match="attention_mask must be causal over one contiguous run of keys per row"):
             model(input_ids=ids, attention_mask=holed)
+        ones = torch.ones(2, 1, 12, 12)  # additive: +1 on every score, i.e. attend everything, bidirectionally
+        with pytest.raises(ValueError, match="attention_mask must be causal over one contiguous run of keys per row"):
+            model(input_ids=ids, attention_mask=ones)
 
 
 def test_hf_strict_attention_under_torch_compile_keeps_right_padding_and_refuses_left_padding():

@@ -113,6 +113,7 @@ def row_starts(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
     causal = key[None, :] <= index[:, None]
     real_query = index[None, :] >= start[:, None]  # [b, t]: a left pad's query row is not checked
     ok = _all(valid == between) & _all((attend == (causal[None] & valid[:, None, :])) | ~real_query[:, :, None])
+    ok = ok & _all(valid.any(1))  # a row that attends no key (e.g. an additive mask of ones, not zeros) is no run
     message = ("strict attention (HF): attention_mask must be causal over one contiguous run of keys per row "
                "(left or right padding); a holed or bidirectional mask would be computed otherwise")
     if torch.compiler.is_compiling():

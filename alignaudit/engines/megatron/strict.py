@@ -228,13 +228,33 @@ def padded_cu_seqlens(attention_mask: torch.Tensor | None, b: int, s: int) -> to
         ValueError: a mask that is not bool, or that is not causal over one contiguous run of tokens per row
             (a hole, a bidirectional block, a pad a real token attends).
     """
-    rows = torch.arange(0, (b + 1) * s, s)
+    return _cu_seqlens(*mask_runs(attention_mask, b, s), s)
+
+
+def _cu_seqlens(start: torch.Tensor, end: torch.Tensor, s: int) -> torch.Tensor:
+    """cu_seqlens over the rows of s tokens each: every row's pads before its run, the run, the pads after."""
+    rows = torch.arange(0, (len(start) + 1) * s, s)
+    cuts = torch.stack([rows[:-1], rows[:-1] + start, rows[:-1] + end, rows[1:]], dim=1).flatten()
+    return torch.unique_consecutive(cuts)
+
+
+def mask_runs(attention_mask: torch.Tensor | None, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's run of tokens [start, end) (host int64 [b] each) from a padded batch's mask (see
+    ``padded_cu_seqlens``); every row whole without a mask.
+
+    Raises:
+        ValueError: as ``padded_cu_seqlens``, and for a mask that is not broadcastable to [b, 1, s, s].
+    """
     if attention_mask is None:
-        return rows
+        return torch.zeros(b, dtype=torch.long), torch.full((b,), s)
     if attention_mask.dtype != torch.bool:
         raise ValueError("StrictGPTModel: attention_mask must be bool (True = masked), as Megatron's; got "
                          f"{attention_mask.dtype}")
-    attend = ~attention_mask.expand(b, 1, s, s)[:, 0].cpu()  # [b, query, key]
+    try:
+        attend = ~attention_mask.expand(b, 1, s, s)[:, 0].cpu()  # [b, query, key]
+    except RuntimeError:
+        raise ValueError(f"StrictGPTModel: attention_mask {tuple(attention_mask.shape)} does not broadcast to "
+                         f"[batch, 1, seq, seq] = {(b, 1, s, s)}") from None
     valid = attend.any(dim=1)  # keys some query attends
     index = torch.arange(s)
     start = torch.where(valid.any(1), valid.int().argmax(1), 0)
@@ -245,8 +265,7 @@ def padded_cu_seqlens(attention_mask: torch.Tensor | None, b: int, s: int) -> to
     if not (torch.equal(valid, inside) and torch.equal(attend & inside[:, :, None], expected)):
         raise ValueError("StrictGPTModel: attention_mask must be causal over one contiguous run of tokens per row, "
                          "padding masked as keys (left or right padding); strict attention computes no other mask")
-    cuts = torch.stack([rows[:-1], rows[:-1] + start, rows[:-1] + end, rows[1:]], dim=1).flatten()
-    return torch.unique_consecutive(cuts)
+    return start, end
 
 
 def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
@@ -376,11 +395,19 @@ class StrictGPTModel(GPTModel):
         or a THD pack ([1, tokens] with packed_seq_params). A layout the strict attention or rope would not
         compute as asked raises ValueError naming the argument, never is computed otherwise."""
         positions, cu = None, None
-        if kwargs.get("packed_seq_params") is None:
+        if kwargs.get("packed_seq_params") is not None:
+            if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+                raise ValueError(f"StrictGPTModel: a THD pack is input_ids [1, tokens], not {tuple(input_ids.shape)}; "
+                                 "concatenate the sequences and give their cu_seqlens")
+        else:
             if "rope" in self.strict_ops:
                 positions = _position_ids(position_ids, input_ids, self.config)
             if "attention" in self.strict_ops:
-                cu = padded_cu_seqlens(attention_mask, *input_ids.shape[:2])
+                start, end = mask_runs(attention_mask, *input_ids.shape[:2])
+                if "rope" in self.strict_ops and position_ids is None and bool((start > 0).any()):
+                    raise ValueError("StrictGPTModel: a left-padded row needs position_ids (0 from its first token); "
+                                     "without them its tokens would be rotated at their index in the row")
+                cu = _cu_seqlens(start, end, input_ids.shape[1])
         limit = int(positions.max()) + 1 if positions is not None else 0  # one synchronization, not one a layer
         for module in self._core_attention:
             module.position_ids, module.position_limit, module.cu_seqlens = positions, limit, cu
