@@ -167,13 +167,13 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
     from alignaudit.capture.rundir import RESCORE_OUTPUTS, SUMMARY
     from alignaudit.commands.options import check_clip_eps, engine_runs
     from alignaudit.commands.pipeline import rescore as run_rescore
-    from alignaudit.engines import KINDS, kind_of
+    from alignaudit.engines import kind_of, names_where
     from alignaudit.inputs.rollouts import read_rollouts
 
     check_clip_eps(clip_eps)
     if not kind_of(train).trains:
         raise errors.InputError(f"--train {train}: rescore scores with a training engine, "
-                                f"{' or '.join(k.name for k in KINDS.values() if k.trains)}")
+                                f"{names_where(lambda k: k.trains)}")
     spec = resolve_model_arg(model)
     pair = PairArgs(train=train, infer=train, dtype=dtype, device=device, train_opt=train_opt, strict=strict)
     run = engine_runs(pair, model.seed, spec)[0]
@@ -336,10 +336,10 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
 
 def _refuse_for_rollout(engine: str, layers, ops, no_ops: bool, reference, tokens_from) -> None:
     """What capture --mode rollout does not do, refused before any engine starts. Raises InputError."""
-    from alignaudit.engines import KINDS, kind_of
+    from alignaudit.engines import kind_of, names_where
 
     if not kind_of(engine).rolls_out:
-        samplers = " or ".join(k.name for k in KINDS.values() if k.rolls_out)
+        samplers = names_where(lambda k: k.rolls_out)
         raise errors.InputError(f"{engine} does not sample rollouts; capture --mode rollout with --engine {samplers}")
     if reference is not None or tokens_from is not None:
         raise errors.InputError(f"{'--reference' if reference is not None else '--tokens-from'} scores given tokens; "
@@ -546,11 +546,10 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows, reward=reward,
                           kl_coef=kl_coef)
     settings.check()
-    from alignaudit.engines import KINDS, kind_of
+    from alignaudit.engines import kind_of, names_where
 
     if not kind_of(run.train).trains or not kind_of(run.infer).rolls_out:
-        trainers = " or ".join(k.name for k in KINDS.values() if k.trains)
-        rollers = " or ".join(k.name for k in KINDS.values() if k.rolls_out)
+        trainers, rollers = names_where(lambda k: k.trains), names_where(lambda k: k.rolls_out)
         raise errors.InputError(f"rl trains with {trainers} and rolls out with {rollers}; got --train {run.train} "
                                 f"--infer {run.infer}")
     request = build_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p),

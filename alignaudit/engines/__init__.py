@@ -20,6 +20,11 @@ def kind_of(name: str) -> EngineKind:
         raise InputError(f"unknown engine {name!r}; choose one of {', '.join(KINDS)}") from None
 
 
+def names_where(capable) -> str:
+    """The engines whose kind ``capable(kind)`` holds for, as a message lists them: "hf or megatron"."""
+    return " or ".join(kind.name for kind in KINDS.values() if capable(kind))
+
+
 def check_installed(name: str) -> None:
     """Raise EngineError with the install command when the engine's package is missing."""
     kind_of(name).check_installed()
