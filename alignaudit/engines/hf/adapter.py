@@ -14,7 +14,6 @@ import torch
 
 from alignaudit.engines.base import (
     Engine,
-    EngineSettings,
     applied_exp,
     first_lines,
     fp32_head,
@@ -26,6 +25,7 @@ from alignaudit.engines.base import (
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
+from alignaudit.inputs.request import EngineSettings
 
 
 class HFEngine(Engine):

@@ -29,7 +29,6 @@ import torch
 
 from alignaudit.engines.base import (
     Engine,
-    EngineSettings,
     applied_exp,
     first_lines,
     fp32_head,
@@ -43,6 +42,7 @@ from alignaudit.engines.megatron.weights import megatron_state_dict
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
+from alignaudit.inputs.request import EngineSettings
 
 RANK_ENV, WORLD_ENV, RENDEZVOUS_ENV = "RANK", "WORLD_SIZE", "ALIGNAUDIT_RENDEZVOUS"
 
