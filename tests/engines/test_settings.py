@@ -44,6 +44,8 @@ pytestmark = pytest.mark.engines
     (["--infer-opt", "repetition_penalty=1.2"], "is a sampling setting and has no effect on teacher-forced"),
     (["--mode", "rollout", "--strict", "--infer-opt", "logprobs_mode=processed_logprobs"],
      "--strict logprobs covers vLLM's raw_logprobs"),
+    (["--infer-opt", "quantization=fp8"], "vllm quantization=\"fp8\": vLLM's CPU wheel has no fp8 kernels"),
+    (["--mode", "rollout", "--infer-opt", "kv_cache_dtype=fp8"], "vllm kv_cache_dtype=\"fp8\": vLLM's CPU wheel"),
     # TransformerConfig itself runs in the option-check worker, before either engine: a value it overrides
     (["--train-opt", "attention_softmax_in_fp32=false", "--train-opt", "apply_query_key_layer_scaling=true"],
      "attention_softmax_in_fp32=False: TransformerConfig resolves it to True"),
@@ -53,6 +55,22 @@ def test_settings_without_effect_are_refused_before_any_engine(capsys, tmp_path,
     err = one_line_error(capsys, ["compare", *argv, "--out", str(out)], EXIT_USAGE)
     assert message in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("strict, options, message", [
+    ("all", {"quantization": "fp8"}, "strict linear replaces vLLM's unquantized linear method only"),
+    ("linear", {"quantization": "fp8"}, "strict linear replaces"),
+    ("all", {"kv_cache_dtype": "fp8_e4m3"}, "strict attention reads bf16/fp16 KV caches only"),
+])
+def test_fp8_rollouts_are_refused_under_the_strict_op_that_would_not_cover_them(strict, options, message):
+    from alignaudit.engines.vllm.options import check_options
+    from alignaudit.errors import InputError
+    from alignaudit.inputs.request import EngineSettings
+
+    with pytest.raises(InputError, match=message):
+        check_options(EngineSettings(device="cuda", strict=strict, options=options), "rollout", "infer")
+    check_options(EngineSettings(device="cuda", strict="rmsnorm,rope", options=options), "rollout", "infer")
+    check_options(EngineSettings(device="cuda", options=options), "rollout", "infer")
 
 
 def _model(tmp_path, edit_config=None, edit_weights=None):

@@ -59,11 +59,37 @@ def check_options(settings, mode: str, role: str) -> None:
             reason = "the training side scores teacher-forced tokens, whose logprobs vLLM always computes raw"
         if reason:
             raise InputError(f"vllm {key}={json.dumps(value)}: {reason}; drop {flag} {key}")
+    _check_quantization(settings, flag)
     if role == "infer" and settings.options.get("logprobs_mode") == "processed_logprobs" \
             and "logprobs" in settings.strict_ops:
         raise InputError("--strict logprobs covers vLLM's raw_logprobs (Sampler.compute_logprobs); with "
                          "logprobs_mode=processed_logprobs vLLM computes them inside its top-k/top-p sampler, which "
                          "the strict path does not replace: drop logprobs from --strict or the option")
+
+
+def _check_quantization(settings, flag: str) -> None:
+    """FP8 rollouts (``quantization=fp8``, ``kv_cache_dtype=fp8*``) run on CUDA only and never under the strict op
+    that would not cover them: a strict linear replaces ``UnquantizedLinearMethod.apply`` only (a quantized layer
+    keeps vLLM's kernel), and strict attention reads bf16/fp16 KV caches only (engines/vllm/attention_cuda.py).
+
+    Raises:
+        InputError: naming the setting, the reason and the fix.
+    """
+    quantization = settings.options.get("quantization")
+    kv_cache_dtype = str(settings.options.get("kv_cache_dtype", "auto"))
+    fp8_kv = kv_cache_dtype.startswith("fp8")
+    if settings.device == "cpu" and (fp8_kv or (quantization and "fp8" in str(quantization))):
+        key = "kv_cache_dtype" if fp8_kv else "quantization"
+        raise InputError(f"vllm {key}={json.dumps(settings.options[key])}: vLLM's CPU wheel has no fp8 kernels "
+                         f"(its _C::static_scaled_fp8_quant takes no arguments there); run it with --device cuda "
+                         f"or drop {flag} {key}")
+    if quantization is not None and "linear" in settings.strict_ops:
+        raise InputError(f"vllm quantization={json.dumps(quantization)}: strict linear replaces vLLM's unquantized "
+                         f"linear method only, so the quantized layers would stay vLLM's; drop linear from --strict "
+                         f"or {flag} quantization")
+    if kv_cache_dtype not in ("auto", "bfloat16", "float16") and "attention" in settings.strict_ops:
+        raise InputError(f"vllm kv_cache_dtype={json.dumps(kv_cache_dtype)}: strict attention reads bf16/fp16 KV "
+                         f"caches only; drop attention from --strict or {flag} kv_cache_dtype")
 
 
 def check_vllm_sampling(options: dict, engine_fields: set[str], mode: str, role: str) -> None:
