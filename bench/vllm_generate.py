@@ -3,8 +3,9 @@
 Each configuration runs in its own process (the environment variables act at import and at engine start):
 the same model config with vLLM's dummy weights (load_format="dummy": the shape is what costs, not the
 values), the same token-id prompts, ``LLM.generate`` with CUDA graphs and torch.compile as vLLM defaults
-them. One warm-up request, then every prompt at once, timed on the host (generate returns when done), then the
-same batch once more (repeat_seconds: the first includes one-time work such as JIT builds of new launch shapes).
+them. One warm-up request, then every prompt at once, timed on the host (generate returns when done), then
+a fresh batch of the same shapes (repeat_seconds: the first includes one-time work such as JIT builds of new
+launch shapes).
 Prints one line per configuration and the ratios to the default; --json writes the records.
 
     python bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256
@@ -74,8 +75,12 @@ def worker(args) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    t0 = time.perf_counter()  # the same batch again: what the first one spent on one-time work (JIT builds)
-    llm.generate(prompts, params, use_tqdm=False)
+    # a batch of the same shapes again, other tokens (the same prompts would hit vLLM's prefix cache, on by
+    # default, and skip the prefill): what the first one spent on one-time work (JIT builds of new launch shapes)
+    fresh = [TokensPrompt(prompt_token_ids=torch.randint(0, 32000, (args.prompt_len,), generator=g).tolist())
+             for _ in range(args.prompts)]
+    t0 = time.perf_counter()
+    llm.generate(fresh, params, use_tqdm=False)
     repeat_seconds = time.perf_counter() - t0
     profile = profile_generate(llm, prompts, params) if args.profile else None
     config = llm.llm_engine.vllm_config

@@ -312,8 +312,9 @@ WIDE_N = 16384
 # 0.68/0.69 -> 0.78/0.84 of cuBLAS, qkv 0.81 -> 0.85; segmented at M = 32-64 0.03-0.04 slower).
 TMA_PLANS = {("small", False): ((128, 128, 64, 8, 6), True), ("small", True): ((64, 128, 64, 4, 6), False),
              ("large", False): ((128, 256, 64, 8, 3), True), ("large", True): ((128, 128, 64, 8, 4), True)}
-# A third class, TINY_M < rows <= MEDIUM_M (decode batches of 17-128 sequences), opt-in until the GPU kernel
-# tests have run with it (ALIGNAUDIT_MATMUL_MEDIUM=1): at those sizes the small-class plans' 128-row tiles
+# A third class, TINY_M < rows <= MEDIUM_M (decode batches of 17-128 sequences), on by default since the GPU
+# kernel tests passed with it (H200, 2026-12-02: 88 passed, 0 failed; ALIGNAUDIT_MATMUL_MEDIUM=0 turns it off,
+# the same bits either way): at those sizes the small-class plans' 128-row tiles
 # leave most SMs idle (qkv at 32 rows: 48 programs on 132 SMs). Unsegmented products run 64x128 TMA tiles,
 # persistent; K-segmented ones one program per (column tile, segment) over a single row tile (64 rows up to
 # 64, 128 up to 128) and the tree launch (_triton_tma_split). Picked from bench/sweep_gpu.py --sections
@@ -327,8 +328,8 @@ MEDIUM_SPLIT_TILES = ((64, (64, 128, 64, 4, 6)), (MEDIUM_M, (128, 128, 64, 8, 6)
 
 
 def medium_class_enabled() -> bool:
-    """Whether TINY_M < rows <= MEDIUM_M runs the medium-class plans (ALIGNAUDIT_MATMUL_MEDIUM=1)."""
-    return os.environ.get("ALIGNAUDIT_MATMUL_MEDIUM", "0") == "1"
+    """Whether TINY_M < rows <= MEDIUM_M runs the medium-class plans (default on; ALIGNAUDIT_MATMUL_MEDIUM=0: off)."""
+    return os.environ.get("ALIGNAUDIT_MATMUL_MEDIUM", "1") == "1"
 
 
 def tile_for(m: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:

@@ -62,6 +62,10 @@ def test_vllm_compilation_changes_bf16_logprobs(captures, diff):
     assert compiled.manifest["engine_settings"]["resolved"]["enforce_eager"] is False
     assert eager.manifest["engine_settings"]["resolved"]["enforce_eager"] is True
     assert eager.manifest["engine_settings"]["llm"]["enforce_eager"] is True
+    for run in (compiled, eager):  # what computes the products and holds the cache, read back from vLLM
+        settings = run.manifest["engine_settings"]
+        assert settings["linear_methods"] == ["UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"]
+        assert settings["resolved"]["quantization"] is None and settings["resolved"]["kv_cache_dtype"] == "auto"
     s = diff(compiled, eager)
     assert s["mismatches"] == s["tokens_compared"]
 

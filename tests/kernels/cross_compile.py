@@ -176,7 +176,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
 
 
 def _medium_class(matmul, w) -> None:
-    """The opt-in medium class (ALIGNAUDIT_MATMUL_MEDIUM=1: 17-128 rows; on Hopper a 64x128 TMA tile, or one
+    """The medium class (default on: 17-128 rows; on Hopper a 64x128 TMA tile, or one
     program per tile and K segment plus the tree kernel), at both of its split tiles and as a partial."""
     enabled = matmul.medium_class_enabled
     matmul.medium_class_enabled = lambda: True

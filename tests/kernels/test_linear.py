@@ -166,9 +166,10 @@ def test_tma_split_segment_tree_gives_the_pointer_kernel_bits(request, device, d
 @needs_hardware_dot
 @pytest.mark.parametrize("segments", [1, matmul.ROW_PARALLEL_SEGMENTS])
 def test_medium_class_keeps_every_rows_bits(monkeypatch, device, dtype, segments):
-    """ALIGNAUDIT_MATMUL_MEDIUM=1 (rows TINY_M < m <= MEDIUM_M take their own TMA plans on Hopper): a row
-    alone and at the first, a middle and the last position of batches on both sides of every class edge
-    (16/17, 64/65, 128/129, 256/257) gives the same bits with the switch on and off, and so does a
+    """The medium class (default on, ALIGNAUDIT_MATMUL_MEDIUM=0 off: rows TINY_M < m <= MEDIUM_M take their own
+    TMA plans on Hopper): a row alone and at the first, a middle and the last position of batches on both sides
+    of every class edge (16/17, 64/65, 128/129, 256/257) gives the same bits with the switch on and off, and so
+    does a
     tensor-parallel split's partials combined. Negative control: the same four segment partials added left to
     right instead of by the tree give other fp32 bits, so the comparison sees a changed reduction order."""
     k, n = 1024, 96

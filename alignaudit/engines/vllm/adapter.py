@@ -83,6 +83,7 @@ class VllmEngine(Engine):
         self.llm = None
         self.llm_kwargs: dict = {}
         self.attention_impls: dict[str, str | None] = {}  # impl class -> strict exp, read back from the model
+        self.linear_methods: list[str] = []  # quant_method classes of the linear layers, read back from the model
         self.capture_overrides: dict = {}  # settings op capture changed against the ones asked for
         self.startup_s = None  # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
 
@@ -181,11 +182,18 @@ class VllmEngine(Engine):
         self._check_attention()
 
     def _check_attention(self) -> None:
-        """Read back which attention implementation every layer computes with; strict attention asked for
-        and any layer on another one (vLLM selected a backend the plugin does not replace) is an error."""
+        """Read back which attention implementation and which linear method every layer computes with; strict
+        attention (linear) asked for and any layer on another one (vLLM selected a backend the plugin does not
+        replace, or a quantized method) is an error."""
         from alignaudit.engines.vllm.attention_cpu import attention_impls
+        from alignaudit.engines.vllm.weights import linear_methods
 
         self.attention_impls = self.llm.apply_model(attention_impls)[0]
+        self.linear_methods = self.llm.apply_model(linear_methods)[0]
+        quantized = [m for m in self.linear_methods if not m.startswith("Unquantized")]
+        if "linear" in self.settings.strict_ops and quantized:
+            raise EngineError(f"strict linear was asked for, but vLLM computes products with {', '.join(quantized)}, "
+                              "which the strict plugin does not replace; drop quantization")
         if "attention" in self.settings.strict_ops and None in self.attention_impls.values():
             others = sorted(name for name, exp in self.attention_impls.items() if exp is None)
             raise EngineError(f"strict attention was asked for, but vLLM computes attention with {', '.join(others)}: "
@@ -265,7 +273,7 @@ class VllmEngine(Engine):
         exps = sorted({exp for exp in self.attention_impls.values() if exp})
         record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict,
                   "attention_exp": ",".join(exps) or None, "attention_impl": sorted(self.attention_impls),
-                  "capture_overrides": dict(self.capture_overrides)}
+                  "linear_methods": list(self.linear_methods), "capture_overrides": dict(self.capture_overrides)}
         if self.llm is not None:
             config = self.llm.llm_engine.vllm_config
             record["resolved"] = {
@@ -279,6 +287,8 @@ class VllmEngine(Engine):
                 "max_num_seqs": config.scheduler_config.max_num_seqs,
                 "logprobs_mode": str(config.model_config.logprobs_mode),
                 "head_dtype": str(config.model_config.head_dtype),
+                "quantization": config.model_config.quantization,
+                "kv_cache_dtype": str(config.cache_config.cache_dtype),
                 "attention_backend": os.environ.get("VLLM_ATTENTION_BACKEND"),
                 "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
                 "cpu_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),

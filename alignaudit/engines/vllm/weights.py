@@ -114,3 +114,11 @@ def load_into_vllm(llm, tensors: dict[str, torch.Tensor]) -> None:
 
     llm.apply_model(load)
     llm.reset_prefix_cache()
+
+
+def linear_methods(model: torch.nn.Module) -> list[str]:
+    """Class names of the ``quant_method`` of every linear and embedding layer of a loaded vLLM model, sorted
+    (``UnquantizedLinearMethod``, ``Fp8LinearMethod``, ...): which kernels compute the products, read back rather
+    than assumed from ``quantization``."""
+    return sorted({type(m.quant_method).__name__ for m in model.modules()
+                   if getattr(m, "quant_method", None) is not None})
