@@ -209,6 +209,14 @@ class Engine(ABC):
         """Size a long-lived engine (rl) for sequences of up to ``max_len`` tokens, ``total_tokens`` per call and
         ``max_seqs`` sequences at once. Engines that need no sizing are ready when built."""
 
+    def training(self, lr: float, clip_grad: float, offload_fraction: float, adam):
+        """This engine's model made trainable (alignaudit.engines.training): its gradients and optimizer. ``adam``:
+        the optimizer class for parameters the engine has none of its own for. Raises ValueError for an
+        optimizer offload the engine cannot do."""
+        from alignaudit.engines.training import PlainTraining
+
+        return PlainTraining(self, lr, clip_grad, offload_fraction, adam)
+
     def hf_weights(self, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The weights the engine computes with, in HF names (rl's weight sync). ``diverged`` collects
         replicated parameters whose tensor-parallel copies differ (engines with no ranks of their own add none).

@@ -1,9 +1,7 @@
 """The trainer's optimizer: Adam on fp32 main parameters for bf16/fp16 model parameters, as megatron-lm trains.
 
 On CUDA a Megatron trainer uses ``megatron.core.optimizer.get_megatron_optimizer`` itself
-(Float16OptimizerWithFloat16Params, over a DistributedDataParallel model with fp32 gradient buffers).
-That optimizer allocates its bookkeeping tensors with ``device='cuda'`` and checks parameters by their CUDA
-type names (megatron/core/optimizer/optimizer.py), so it cannot run on a CPU. ``MixedPrecisionAdam`` is the
+(alignaudit.engines.megatron.training), which cannot run on a CPU. ``MixedPrecisionAdam`` is the
 same algorithm for the CPU and for the HF trainer, step for step (not bit for bit: torch.optim.Adam's update
 rounds differently from the fused Adam megatron.core runs on the GPU):
     1. main grads = the model params' fp32 gradients (Megatron DDP's ``main_grad`` buffers where present,
@@ -76,23 +74,3 @@ class MixedPrecisionAdam:
         torch.distributed.all_reduce(squares, group=self.tp_group)
         return squares.sqrt()
 
-
-def megatron_cuda_optimizer(ddp_model, config, lr: float, clip_grad: float, offload_fraction: float = 0.0):
-    """megatron.core's own mixed-precision Adam for a DDP-wrapped Megatron model (CUDA only).
-
-    ``offload_fraction`` > 0: megatron.core's optimizer CPU offload (the distributed optimizer over a DDP
-    built with use_distributed_optimizer, HybridDeviceOptimizer keeping that fraction of the fp32 main
-    weights and Adam state on the host; the precision-aware path, so that the distributed optimizer keeps no
-    second fp32 copy on the GPU: megatron/core/optimizer/__init__.py, optimizer_config.py). Weight decay is
-    0, so its AdamW mode is Adam.
-    """
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    offload = {}
-    if offload_fraction:
-        offload = {"use_distributed_optimizer": True, "optimizer_cpu_offload": True,
-                   "optimizer_offload_fraction": offload_fraction, "use_precision_aware_optimizer": True}
-    opt_config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=0.0, adam_beta1=0.9,
-                                 adam_beta2=0.999, adam_eps=1e-8, bf16=config.bf16, fp16=config.fp16,
-                                 params_dtype=config.params_dtype, clip_grad=clip_grad, **offload)
-    return get_megatron_optimizer(opt_config, [ddp_model])

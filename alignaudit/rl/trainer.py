@@ -8,9 +8,9 @@ adds what a trainer does between rollouts:
                  step (alignaudit.rl.optim); micro-batches accumulate gradients, the loss is normalized by
                  the batch's generated-token count
     weights      the model's weights in HF names and dtype (engines/vllm/weights.py), for the rollout engine
-Megatron runs inside megatron.core's DistributedDataParallel (fp32 gradient buffers, as megatron-lm); its
-optimizer is megatron.core's own on CUDA and alignaudit's MixedPrecisionAdam on CPU: the same algorithm,
-not the same bits (torch's Adam rounds its update differently from megatron.core's on the GPU).
+The engine makes itself trainable (``Engine.training``: Megatron inside megatron.core's DistributedDataParallel
+with megatron.core's optimizer on CUDA, alignaudit.engines.megatron.training; otherwise alignaudit's
+MixedPrecisionAdam, alignaudit.rl.optim).
 """
 
 from __future__ import annotations
@@ -33,45 +33,17 @@ class Trainer:
         kl_coef: weight of the k3 KL term against the reference policy (the weights at the start; grpo.kl_k3);
             > 0 keeps one copy of the starting weights on the model's device. 0: no reference, no KL term.
     Raises:
-        ValueError: offload_fraction > 0 for a trainer that is not Megatron on CUDA.
+        ValueError: offload_fraction > 0 for a trainer that is not Megatron on CUDA (the engine's training()).
     """
 
     def __init__(self, engine, lr: float, clip_grad: float, offload_fraction: float = 0.0, kl_coef: float = 0.0):
-        self.engine = engine
-        self.ddp = None
-        self.kl_coef = kl_coef
-        self.reference = ([p.detach().clone() for p in engine.model.parameters()] if kl_coef > 0 else None)
-        on_cuda_megatron = engine.name == "megatron" and engine.settings.device == "cuda"
-        if offload_fraction and not on_cuda_megatron:
-            raise ValueError(f"optimizer offload is megatron.core's (CUDA only); {engine.name} on "
-                             f"{engine.settings.device} cannot offload {offload_fraction}")
-        if engine.name == "megatron":
-            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                       use_distributed_optimizer=offload_fraction > 0)
-            self.ddp = DistributedDataParallel(engine.config, ddp_config, module=engine.model)
-            params = list(self.ddp.parameters())
-            if engine.settings.device == "cuda":
-                from alignaudit.rl.optim import megatron_cuda_optimizer
-
-                self.optimizer = megatron_cuda_optimizer(self.ddp, engine.config, lr, clip_grad, offload_fraction)
-                self.optimizer_name = ("megatron.core.optimizer.get_megatron_optimizer " + (
-                    f"(DistributedOptimizer, HybridDeviceOptimizer: {offload_fraction} of the state on the host)"
-                    if offload_fraction else "(Float16OptimizerWithFloat16Params)"))
-            else:
-                from megatron.core import parallel_state
-
-                group = parallel_state.get_tensor_model_parallel_group() if engine.tp_size > 1 else None
-                self.optimizer = self._mixed_precision(params, lr, clip_grad, group)
-        else:
-            self.optimizer = self._mixed_precision(list(engine.model.parameters()), lr, clip_grad)
-
-    def _mixed_precision(self, params, lr, clip_grad, tp_group=None):
         from alignaudit.rl.optim import MixedPrecisionAdam
 
-        self.optimizer_name = MixedPrecisionAdam.name
-        return MixedPrecisionAdam(params, lr, clip_grad, tp_group=tp_group)
+        self.engine = engine
+        self.kl_coef = kl_coef
+        self.reference = ([p.detach().clone() for p in engine.model.parameters()] if kl_coef > 0 else None)
+        self.training = engine.training(lr, clip_grad, offload_fraction, MixedPrecisionAdam)
+        self.optimizer_name = self.training.name
 
     def score(self, batch: TokenBatch, replay: dict | None) -> list[torch.Tensor]:
         """fp32 logprobs [len - 1] per sequence, in eval mode without gradient."""
@@ -100,9 +72,7 @@ class Trainer:
         reference = self._reference_logprobs(batch, prompt_lengths, replay) if self.reference is not None else None
         engine.replay = replay
         engine.model.train()
-        self.optimizer.zero_grad()
-        if self.ddp is not None:
-            self.ddp.zero_grad_buffer()
+        self.training.zero_grad()
         total = sum(len(s) - p for s, p in zip(batch.sequences, prompt_lengths))
         loss_sum, taken, kl_sum, forward = 0.0, 0.0, 0.0, [None] * len(batch.sequences)
         for rows in micro_batches(batch, engine.micro_batch_size):
@@ -122,17 +92,12 @@ class Trainer:
             taken += stats["clip_fraction"] * len(new) / total
             for r, lp in zip(rows, lps):
                 forward[r] = lp[prompt_lengths[r] - 1:].detach().cpu().tolist()
-        if self.ddp is not None:
-            # megatron-lm's own step: data-parallel grad sync, and the tensor-parallel all-reduce of the
-            # q/k layernorm grads (each rank holds the grad of its own heads only)
-            from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-            finalize_model_grads([self.ddp])
+        self.training.finalize_grads()
         on_cuda = engine.settings.device == "cuda"
         if on_cuda:
             torch.cuda.synchronize()  # the backward's kernels done, and below the optimizer's: its seconds alone
         stepped = time.perf_counter()
-        grad_norm = self._step()
+        grad_norm = self.training.step()
         if on_cuda:
             torch.cuda.synchronize()
         optimizer_s = time.perf_counter() - stepped
@@ -158,12 +123,6 @@ class Trainer:
             held = param.detach().clone()
             param.data.copy_(ref)
             ref.copy_(held)
-
-    def _step(self) -> float:
-        result = self.optimizer.step()
-        if isinstance(result, tuple):  # megatron.core: (update_successful, grad_norm, num_zeros)
-            return float(result[1])
-        return float(result)
 
     def weights(self) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The model's weights in HF names (bf16 or the model dtype) on the model's device, views of the

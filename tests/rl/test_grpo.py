@@ -49,3 +49,26 @@ def test_the_rewards_on_known_token_ids():
     a = np.array([token_score(t, 0) for t in range(2000)])
     b = np.array([token_score(t, 1) for t in range(2000)])
     assert abs(np.corrcoef(a, b)[0, 1]) < 0.1 and 0.45 < a.mean() < 0.55 and len(set(a)) == 2000
+
+
+def test_plain_training_steps_the_given_adam_and_refuses_an_offload():
+    """An engine without an optimizer of its own (HF) trains under the caller's Adam: one step with lr 0 writes
+    back the same bits and returns the grad norm; an optimizer offload is refused (megatron.core's, CUDA only)."""
+    from types import SimpleNamespace
+
+    from alignaudit.engines.training import PlainTraining
+    from alignaudit.rl.optim import MixedPrecisionAdam
+
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    engine = SimpleNamespace(name="hf", settings=SimpleNamespace(device="cpu"), model=model)
+    before = [p.detach().clone() for p in model.parameters()]
+    training = PlainTraining(engine, lr=0.0, clip_grad=1.0, offload_fraction=0.0, adam=MixedPrecisionAdam)
+    assert training.name == "alignaudit.rl.optim.MixedPrecisionAdam"
+    training.zero_grad()
+    model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    training.finalize_grads()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    assert training.step() == pytest.approx(float(torch.linalg.vector_norm(grads)), rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="optimizer offload is megatron.core's"):
+        PlainTraining(engine, lr=0.0, clip_grad=1.0, offload_fraction=0.5, adam=MixedPrecisionAdam)

@@ -318,6 +318,12 @@ class MegatronEngine(Engine):
 
         return gather_from_tensor_model_parallel_region(logits.contiguous())
 
+    def training(self, lr: float, clip_grad: float, offload_fraction: float, adam):
+        """DistributedDataParallel, megatron.core's optimizer on CUDA (alignaudit.engines.megatron.training)."""
+        from alignaudit.engines.megatron.training import MegatronTraining
+
+        return MegatronTraining(self, lr, clip_grad, offload_fraction, adam)
+
     def hf_weights(self, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The model's weights in HF names (weights.megatron_to_hf); collective at tensor-parallel size
         > 1, where ``diverged`` collects replicated parameters whose copies differ between ranks."""
