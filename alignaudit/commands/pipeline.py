@@ -44,7 +44,8 @@ def write_json(path: Path, record: dict) -> None:
 
 def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
             stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None,
-            rollout: dict | None = None, replay: dict | None = None, repeat: int = 1, on_progress=None) -> Capture:
+            rollout: dict | None = None, replay: dict | None = None, repeat: int = 1, on_progress=None,
+            routing_from: Path | None = None) -> Capture:
     """Run one engine on ``batch`` in a worker process; the capture lands in ``out``.
 
     ``ops`` captures the selected canonical ops too; ``reference`` (a capture with ops of the same model
@@ -52,13 +53,14 @@ def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role:
     (Sampling.to_dict()) samples completions; ``replay`` makes a trainer score the generated tokens under
     the sampling transform. ``repeat`` > 1 (prompt mode) runs the engine again on the same token ids, also
     among random filler sequences (alignaudit.comparison.repeat). ``on_progress(done, total)`` receives sequence counts.
+    ``routing_from``: a capture with the ``routing`` op whose experts the engine's MoE router replays.
     """
     request = None
     if ops is not None:
         request = {"selection": ops.to_dict(), "reference": str(Path(reference).resolve()) if reference else None}
     return run_capture(run.engine, spec, batch, run.settings, out, role=role,
                        checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log, ops=request, rollout=rollout,
-                       replay=replay, repeat=repeat, on_progress=on_progress)
+                       replay=replay, routing_from=routing_from, repeat=repeat, on_progress=on_progress)
 
 
 def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2,
