@@ -51,8 +51,8 @@ def check_routing(routing: dict[int, dict[int, torch.Tensor]], num_layers: int, 
                 raise ValueError(f"routing replay layer {layer} sequence {seq}: expected [{n}, {top_k}] expert ids, "
                                  f"got {None if ids is None else tuple(ids.shape)}")
             if n and (ids.min() < 0 or ids.max() >= num_experts or (ids.sort(-1).values.diff(dim=-1) == 0).any()):
-                raise ValueError(f"routing replay layer {layer} sequence {seq}: expert ids outside 0..{num_experts - 1} "
-                                 "or repeated within a token")
+                raise ValueError(f"routing replay layer {layer} sequence {seq}: expert ids outside "
+                                 f"0..{num_experts - 1} or repeated within a token")
 
 
 def batch_routing(routing: dict[int, torch.Tensor], rows: list[int], width: int, seq_first: bool) -> torch.Tensor:

@@ -27,7 +27,6 @@ from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
 from alignaudit.inputs.request import EngineSettings
 
-
 ROUTING_REPLAYED = {"mechanism": "alignaudit.engines.routing_replay.replayed_router_forward",
                     "weights": "softmax(router logits, fp32) at the replayed experts, renormalized when norm_topk_prob"}
 
@@ -106,7 +105,8 @@ class HFEngine(Engine):
 
         gates = [layer.mlp.gate for layer in self.model.model.layers if hasattr(layer.mlp, "experts")]
         if not gates or any(hasattr(layer.mlp, "strict_router") for layer in self.model.model.layers):
-            raise InputError("hf replays routing of its own MoE router only (a Qwen3 MoE model, --strict without linear)")
+            raise InputError("hf replays routing of its own MoE router only (a Qwen3 MoE model, --strict without "
+                             "linear)")
         try:
             check_routing(routing, len(gates), self.spec.experts_per_token, self.spec.num_experts, lengths)
         except ValueError as e:

@@ -168,7 +168,9 @@ def stable_repr(value) -> str:
 
 
 ROUTING_REPLAYED = {"mechanism": "megatron.core.transformer.moe.router_replay.RouterReplay (REPLAY_FORWARD)",
-                    "weights": "softmax(router logits at the replayed experts) (moe_utils.topk_routing_with_score_function)"}
+                    "weights": "softmax(router logits at the replayed experts), or with moe_router_pre_softmax the "
+                               "softmax over every expert gathered at them "
+                               "(moe_utils.topk_routing_with_score_function)"}
 
 
 class MegatronEngine(Engine):
