@@ -63,7 +63,8 @@ def _captures_once_per_session(tmp_path_factory):
     any test or test process, gets a copy of that real capture. The key is the whole worker request (engine,
     settings, checkpoint sha256, token ids, role, ops, rollout, replay, repeat) and the worker's environment
     variables that change what it computes. Not memoized: forced-mode op capture (its reference is a path),
-    routing replay (its routing source is a path), captures that stream their log, and failures. Commands run as subprocesses (run_cli) always run engines."""
+    routing replay (its routing source is a path), captures that stream their log, and failures. Commands run
+    as subprocesses (run_cli) always run engines."""
     from alignaudit.commands import pipeline
 
     shared = tmp_path_factory.getbasetemp()

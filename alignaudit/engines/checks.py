@@ -102,7 +102,9 @@ def check_routing_replay(spec, train, infer, mode: str, repeat: int = 1) -> None
                          "computes it where alignaudit cannot read it (vLLM's compiled default MoE); add --infer-opt "
                          "enforce_eager=true, or use --infer hf")
     if not train_kind.replays_routing(train.settings):
-        raise InputError(f"--replay-routing: the train engine {train.engine}"
-                         + (" with the strict MoE layer (--strict with linear) routes by its own kernel" if
-                            train_kind.trains else " cannot take given experts in its router")
-                         + "; use --train megatron or --train hf with their own MoE router")
+        if train_kind.trains:
+            raise InputError(f"--replay-routing: the train engine {train.engine} with the strict MoE layer (--strict "
+                             "with linear) routes by its own kernel, which replays nothing; drop linear from --strict "
+                             "(e.g. --strict rmsnorm,rope,silu,attention,logprobs) or drop --replay-routing")
+        raise InputError(f"--replay-routing: the train engine {train.engine} cannot take given experts in its "
+                         "router; use --train megatron or --train hf")

@@ -80,7 +80,7 @@ def test_megatron_replays_vllms_routing_and_reports_what_remains(megatron_run):
     # the replay changed megatron's logprobs at the rerouted tokens and only downstream of them: logprob index i
     # (token i + 1) is computed from positions 0..i
     changed = differing(lp["own"], lp["replayed"])
-    assert r["tokens_changed_by_replay"] == len(changed) >= 1
+    assert r["tokens_changed_by_replay"] == len(changed) >= 1 and len(changed) < r["tokens_compared"]
     assert all(any(s == seq and p <= i for _, s, p in before) for seq, i in changed)
     assert any((seq, p) in changed for _, seq, p in before if p < len(lp["own"][seq]))
     # how megatron replayed: its own RouterReplay, switched on in the config it records
@@ -152,9 +152,19 @@ def test_replayed_router_weights():
     (["--repeat", "2"], "with --repeat is undefined"),
     (["--infer", "vllm"], "add --infer-opt enforce_eager=true, or use --infer hf"),
     (["--train", "vllm", "--infer", "hf"], "the train engine vllm cannot take given experts"),
-    (["--strict", "all", "--infer", "hf"], "the train engine megatron with the strict MoE layer"),
+    (["--strict", "all", "--infer", "hf"], "the train engine megatron with the strict MoE layer (--strict with "
+                                           "linear) routes by its own kernel, which replays nothing; drop linear"),
 ])
 def test_replay_routing_is_refused_where_undefined(capsys, tmp_path, argv, message):
     argv = ["compare", "--model", str(MOE), *argv] if "--model" not in argv else ["compare", *argv]
     err = one_line_error(capsys, [*argv, "--replay-routing", "--out", str(tmp_path / "o")], 2)
     assert message in err and not (tmp_path / "o").exists()
+
+
+def test_the_python_api_refuses_replay_on_a_dense_model(tmp_path):
+    from alignaudit import api
+    from alignaudit.errors import InputError
+
+    with pytest.raises(InputError, match=r"qwen3-tiny \(Qwen3ForCausalLM\) is dense"):
+        api.compare("qwen3-tiny", replay_routing=True, out=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
