@@ -169,11 +169,12 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
             train_options: dict[str, Any] | None = None, infer_options: dict[str, Any] | None = None,
             max_new_tokens: int = 32, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
             random_weights: bool = False, seed: int = 0, clip_eps: float = 0.2, out: str | Path | None = None,
-            force: bool = False) -> Comparison:
+            force: bool = False, replay_routing: bool = False) -> Comparison:
     """Run ``alignaudit compare`` from Python: the same validation, engines (each in its own worker process),
     outputs and sealed run.json, into ``out`` (default: a new alignaudit-runs/compare-<time> directory; an
     existing non-empty one needs ``force``). Arguments are the CLI's options (docs/cli.md): ``strict`` "all" or a
-    comma list; ``train_options`` / ``infer_options`` the ``--train-opt`` / ``--infer-opt`` settings.
+    comma list; ``train_options`` / ``infer_options`` the ``--train-opt`` / ``--infer-opt`` settings;
+    ``replay_routing`` is ``--replay-routing`` (summary["routing_replay"]).
 
     Raises:
         InputError: any bad argument, before any engine starts. EngineError: an engine failed.
@@ -215,6 +216,15 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
     request = build_request(ModelArgs(str(model), random_weights, seed),
                             PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
                             pair, sampling, clip_eps)
+    if not isinstance(replay_routing, bool):
+        raise InputError(f"replay_routing {replay_routing!r}: True or False")
+    if replay_routing:
+        import dataclasses
+
+        from alignaudit.engines.checks import check_routing_replay
+
+        check_routing_replay(request.spec, request.train, request.infer, request.mode, request.repeat)
+        request = dataclasses.replace(request, replay_routing=True)
     path = out_dir(OutputArgs(Path(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
     try:
         summary = run_compare(request, path)

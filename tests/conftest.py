@@ -63,7 +63,8 @@ def _captures_once_per_session(tmp_path_factory):
     any test or test process, gets a copy of that real capture. The key is the whole worker request (engine,
     settings, checkpoint sha256, token ids, role, ops, rollout, replay, repeat) and the worker's environment
     variables that change what it computes. Not memoized: forced-mode op capture (its reference is a path),
-    captures that stream their log, and failures. Commands run as subprocesses (run_cli) always run engines."""
+    routing replay (its routing source is a path), captures that stream their log, and failures. Commands run
+    as subprocesses (run_cli) always run engines."""
     from alignaudit.commands import pipeline
 
     shared = tmp_path_factory.getbasetemp()
@@ -74,7 +75,7 @@ def _captures_once_per_session(tmp_path_factory):
     real = pipeline.run_capture
 
     def run_capture(engine, spec, batch, settings, out, **kw):
-        if kw.get("stream_log") or (kw.get("ops") or {}).get("reference"):
+        if kw.get("stream_log") or (kw.get("ops") or {}).get("reference") or kw.get("routing_from"):
             return real(engine, spec, batch, settings, out, **kw)
         keyed = {k: v for k, v in kw.items() if k not in ("stream_log", "on_progress")}
         env = {k: v for k, v in os.environ.items() if k.startswith(CAPTURE_ENV_PREFIXES) and "CACHE" not in k}

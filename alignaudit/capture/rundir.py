@@ -9,6 +9,7 @@ not use. Layout of a compare run::
     summary.json, tokens.parquet, sequences.parquet
     train/, infer/            one capture per side: manifest.json, logprobs.parquet, request.json,
                               worker.log, ops/ (op store: index.parquet, fingerprints.parquet, chunk-*.safetensors)
+    train-unreplayed/         compare --replay-routing: the train engine on its own routing (train/ replays infer's)
 
 bisect adds ops-natural.parquet / ops-forced.parquet and bisect.json; rl writes steps.parquet, steps.png,
 tokens/step-NNNNN.parquet and sync/weights.safetensors; ablate ablate.parquet, ablate.json and configs/;
@@ -18,6 +19,8 @@ gate verdict.json, junit.xml and summary.md beside the run it judges; report rep
 from __future__ import annotations
 
 SIDES = ("train", "infer")  # a comparison's two captures, as directory names and record roles
+
+UNREPLAYED = "train-unreplayed"  # compare --replay-routing: the train engine on its own routing
 
 # one engine's capture
 MANIFEST = "manifest.json"
@@ -58,7 +61,7 @@ LOCK = ".alignaudit.lock"
 
 # Top-level entries each command writes in its output directory (alignaudit.capture.outdir claims them first).
 CAPTURE_OUTPUTS = (MANIFEST, MANIFEST_TMP, LOGPROBS, OPS_DIR, REQUEST, WORKER_LOG)
-COMPARE_OUTPUTS = (RUN, *SIDES, TOKENS, SEQUENCES, SUMMARY)
+COMPARE_OUTPUTS = (RUN, *SIDES, UNREPLAYED, TOKENS, SEQUENCES, SUMMARY)
 BISECT_OUTPUTS = (RUN, *SIDES, "infer-forced", "train-as-configured", "infer-as-configured", OPS_FILES["natural"],
                   OPS_FILES["forced"], BISECT)
 DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, OPS_FILES["diff"])  # and RUN, written last
@@ -66,7 +69,7 @@ GATE_OUTPUTS = (VERDICT, JUNIT, SUMMARY_MD)
 RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, SYNC_DIR, TRAIN_LOG, INFER_LOG, "train." + REQUEST, "infer." + REQUEST)
 ABLATE_OUTPUTS = (RUN, CONFIGS, ABLATE_PARQUET, ABLATE_JSON)
 # the result files each command's run.json must list (alignaudit.comparison.integrity checks them)
-RESCORE_OUTPUTS = COMPARE_OUTPUTS  # the rollout file's capture plays the infer side
+RESCORE_OUTPUTS = (RUN, *SIDES, TOKENS, SEQUENCES, SUMMARY)  # the rollout file's capture plays the infer side
 RESULTS = {"compare": (TOKENS, SEQUENCES, SUMMARY), "diff": (TOKENS, SEQUENCES, SUMMARY),
            "rescore": (TOKENS, SEQUENCES, SUMMARY), "rl": (STEPS,)}
 TOKEN_RUNS = ("compare", "diff", "rescore")  # the commands whose run compares two captures token by token

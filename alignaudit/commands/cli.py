@@ -93,7 +93,11 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
             repeat: Annotated[int, typer.Option("--repeat", metavar="N", help="Prompt mode: run each engine N times in "
                                                 "one process on the same token ids, the first repeat on the same "
                                                 "batch, later ones among random filler sequences; reports "
-                                                "mismatches between runs.")] = 1) -> None:
+                                                "mismatches between runs.")] = 1,
+            replay_routing: Annotated[bool, typer.Option(
+                "--replay-routing", help="MoE models, prompt mode: the training engine's router replays the "
+                "experts the inference engine chose for each token (R3); compares with and without "
+                "(summary routing_replay).")] = False) -> None:
     """Run the same token ids through a training and an inference engine and compare per-token logprobs.
 
     Prompt mode (default): every prompt token after the first gets a teacher-forced logprob from each
@@ -118,12 +122,14 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     """
     from alignaudit.capture.rundir import COMPARE_OUTPUTS, SEQUENCES, SUMMARY, TOKENS
 
-    out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS, repeat)
+    out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS, repeat,
+                                replay_routing)
     _render_summary(out, summary)
     _results(out / SUMMARY, out / TOKENS, out / SEQUENCES, *_report(out))
 
 
-def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat: int = 1) -> tuple[Path, dict]:
+def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat: int = 1,
+                 replay_routing: bool = False) -> tuple[Path, dict]:
     """Validate everything, then run compare into the output directory; returns (out, summary)."""
     from alignaudit.commands.pipeline import compare as run_compare
 
@@ -131,7 +137,12 @@ def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat
         raise errors.InputError(f"--repeat {repeat}: give the number of runs per engine, 1 or more")
     if repeat > 1 and sampling.mode != "prompt":
         raise errors.InputError("--repeat reruns teacher-forced prompts; use it in prompt mode (drop --mode rollout)")
-    request = dataclasses.replace(build_request(model, prompts, pair, sampling, clip_eps), repeat=repeat)
+    request = dataclasses.replace(build_request(model, prompts, pair, sampling, clip_eps), repeat=repeat,
+                                  replay_routing=replay_routing)
+    if replay_routing:
+        from alignaudit.engines.checks import check_routing_replay
+
+        check_routing_replay(request.spec, request.train, request.infer, request.mode, repeat)
     out = out_dir(output, "compare", names)
     with console.status("") as status:
         summary = run_compare(request, out, stream_log=output.verbose, on_stage=status.update)

@@ -19,12 +19,12 @@ import pandas as pd
 from alignaudit.capture.directory import Capture
 from alignaudit.capture.op_store import OpStore
 from alignaudit.capture.ops import LOGPROBS, OpGraph, Selection
-from alignaudit.capture.rundir import BISECT, DIFF_OUTPUTS, OPS_FILES, RUN, SEQUENCES, SUMMARY, TOKENS
+from alignaudit.capture.rundir import BISECT, DIFF_OUTPUTS, OPS_FILES, RUN, SEQUENCES, SUMMARY, TOKENS, UNREPLAYED
 from alignaudit.comparison.integrity import capture_record, manifest_sha256, seal
 from alignaudit.comparison.op_diff import DIFFERS, compare_op, first_divergence, routing_agreement
 from alignaudit.comparison.repeat import summarize_repeats
 from alignaudit.comparison.token_diff import align_tokens, compare_tokens, per_sequence, summarize
-from alignaudit.engines.checks import processed_logprobs, routing_observable
+from alignaudit.engines.checks import check_routing_replay, processed_logprobs, routing_observable
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec, checkpoint_sha256
 from alignaudit.inputs.prompts import TokenBatch
@@ -44,7 +44,8 @@ def write_json(path: Path, record: dict) -> None:
 
 def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
             stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None,
-            rollout: dict | None = None, replay: dict | None = None, repeat: int = 1, on_progress=None) -> Capture:
+            rollout: dict | None = None, replay: dict | None = None, repeat: int = 1, on_progress=None,
+            routing_from: Path | None = None) -> Capture:
     """Run one engine on ``batch`` in a worker process; the capture lands in ``out``.
 
     ``ops`` captures the selected canonical ops too; ``reference`` (a capture with ops of the same model
@@ -52,13 +53,14 @@ def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role:
     (Sampling.to_dict()) samples completions; ``replay`` makes a trainer score the generated tokens under
     the sampling transform. ``repeat`` > 1 (prompt mode) runs the engine again on the same token ids, also
     among random filler sequences (alignaudit.comparison.repeat). ``on_progress(done, total)`` receives sequence counts.
+    ``routing_from``: a capture with the ``routing`` op whose experts the engine's MoE router replays.
     """
     request = None
     if ops is not None:
         request = {"selection": ops.to_dict(), "reference": str(Path(reference).resolve()) if reference else None}
     return run_capture(run.engine, spec, batch, run.settings, out, role=role,
                        checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log, ops=request, rollout=rollout,
-                       replay=replay, repeat=repeat, on_progress=on_progress)
+                       replay=replay, routing_from=routing_from, repeat=repeat, on_progress=on_progress)
 
 
 def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2,
@@ -66,6 +68,19 @@ def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0
     """Compare two captures (checked by alignaudit.comparison.integrity first); write tokens.parquet, sequences.parquet
     and summary.json. ``routing_note``: why a mixture-of-experts comparison holds no routing (the captures
     were made without it)."""
+    tokens, sequences, summary = comparison(train, infer, clip_eps)
+    if "routing" not in summary and routing_note:
+        summary["routing_note"] = routing_note
+    out.mkdir(parents=True, exist_ok=True)
+    tokens.to_parquet(out / TOKENS, index=False)
+    sequences.to_parquet(out / SEQUENCES, index=False)
+    write_json(out / SUMMARY, summary)
+    return summary
+
+
+def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """(tokens, sequences, summary) of two captures, nothing written: per-token comparison, per-sequence rows, the
+    summarize record with the model, both sides, repeats and, where both captures hold routing, ``routing``."""
     tokens = compare_tokens(align_tokens(train.logprobs, infer.logprobs))
     sequences = per_sequence(tokens)
     summary = summarize(tokens, clip_eps=clip_eps, sequences=sequences)
@@ -77,13 +92,7 @@ def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0
         summary["repeats"] = repeats
     if train.manifest.get("ops") and infer.manifest.get("ops") and train.manifest["model"].get("num_experts"):
         summary["routing"] = routing_agreement(diff_ops(train, infer, ROUTING))
-    elif routing_note:
-        summary["routing_note"] = routing_note
-    out.mkdir(parents=True, exist_ok=True)
-    tokens.to_parquet(out / TOKENS, index=False)
-    sequences.to_parquet(out / SEQUENCES, index=False)
-    write_json(out / SUMMARY, summary)
-    return summary
+    return tokens, sequences, summary
 
 
 def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None) -> dict:
@@ -105,6 +114,8 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
             return lambda done, total: on_stage(f"running {run.label()} as the {role} engine: {done}/{total} sequences")
         return None
 
+    if request.replay_routing:
+        return _compare_replayed(request, out, record, stream_log, stage)
     rollout = request.rollout.to_dict() if request.rollout else None
     batch = request.batch
     ops, note = routing_plan(request.spec, request.train, request.infer, rollout=rollout is not None)
@@ -126,6 +137,49 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
     summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps, routing_note=note)
     finish_run(out, record, {"train": train_capture, "infer": infer_capture}, (TOKENS, SEQUENCES, SUMMARY))
     return summary
+
+
+def _compare_replayed(request: Request, out: Path, record: dict, stream_log: bool, stage) -> dict:
+    """compare --replay-routing (prompt mode): the infer engine first, its routing captured; the train engine
+    twice, on its own routing (``train-unreplayed/``) and replaying the infer engine's (``train/``, the run's
+    train side); both compared with the infer capture, the second written as the run's comparison and the first
+    summarized in summary["routing_replay"] (routing_replay_record)."""
+    check_routing_replay(request.spec, request.train, request.infer, request.mode, request.repeat)
+    kw = {"stream_log": stream_log, "ops": ROUTING}
+    infer_capture = capture(request.spec, request.batch, request.infer, out / "infer", role="infer",
+                            on_progress=stage(request.infer, "inference"), **kw)
+    unreplayed = capture(request.spec, request.batch, request.train, out / UNREPLAYED, role="train",
+                         on_progress=stage(request.train, "training (own routing)"), **kw)
+    train_capture = capture(request.spec, request.batch, request.train, out / "train", role="train",
+                            routing_from=infer_capture.path,
+                            on_progress=stage(request.train, "training (routing replayed)"), **kw)
+    before = comparison(unreplayed, infer_capture, request.clip_eps)[2]
+    summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps)
+    changed = summarize(compare_tokens(align_tokens(unreplayed.logprobs, train_capture.logprobs)))["mismatches"]
+    summary["routing_replay"] = routing_replay_record(before, summary, changed, train_capture)
+    write_json(out / SUMMARY, summary)
+    record["routing_replay"] = {"unreplayed": capture_record(unreplayed)}
+    finish_run(out, record, {"train": train_capture, "infer": infer_capture}, (TOKENS, SEQUENCES, SUMMARY))
+    return summary
+
+
+def routing_replay_record(before: dict, after: dict, changed: int, train: Capture) -> dict:
+    """summary["routing_replay"]: the comparison with the train engine's own routing (``before``, a summarize
+    record with ``routing``) and with the infer engine's routing replayed (``after``): tokens rerouted (all MoE
+    layers; per layer in ``routing_before`` / ``routing_after``), logprob mismatches, max ULP and max |diff|,
+    the RL metrics' token_mult_prob_error; ``tokens_changed_by_replay``: tokens whose train logprob the replay
+    changed (bitwise); ``mechanism``: how the trainer replayed (its capture's engine settings)."""
+    record = {"rerouted_before": sum(r["rerouted"] for r in before["routing"]),
+              "rerouted_after": sum(r["rerouted"] for r in after["routing"]),
+              "tokens_compared": after["tokens_compared"]}
+    for key in ("mismatches", "ulp_max", "max_abs_diff"):
+        record[f"{key}_before"], record[f"{key}_after"] = before[key], after[key]
+    record["token_mult_prob_error_before"] = before["rl"]["token_mult_prob_error"]
+    record["token_mult_prob_error_after"] = after["rl"]["token_mult_prob_error"]
+    record["tokens_changed_by_replay"] = changed
+    record["routing_before"], record["routing_after"] = before["routing"], after["routing"]
+    record["mechanism"] = train.manifest["engine_settings"].get("routing_replay")
+    return record
 
 
 # What a rollout file's capture records of the engine that made it: nothing the file does not say.

@@ -123,6 +123,9 @@ class Engine(ABC):
         # Trainer side of a processed-logprobs rollout: {"temperature", "top_k", "top_p", "prompt_lengths"};
         # generated tokens are then scored under the sampling transform (alignaudit.engines.sampling).
         self.replay: dict | None = None
+        # compare --replay-routing: layer -> sequence -> the rollout engine's experts, int64 [tokens, top_k]
+        # (alignaudit.engines.routing_replay); the trainer's router takes them instead of its own top-k.
+        self.routing_replay: dict[int, dict[int, torch.Tensor]] | None = None
 
     @classmethod
     @abstractmethod
@@ -179,6 +182,16 @@ class Engine(ABC):
         """One forward pass over ``seqs`` (batch rows ``rows`` of the whole batch): each sequence's fp32
         logprobs [len - 1], on the engine's device, with gradient when grad mode is on."""
         raise NotImplementedError(f"{self.name} is not a batch-major engine")
+
+    def replay_routing(self, routing: dict[int, dict[int, torch.Tensor]], lengths: list[int]) -> None:
+        """Route every token of the next forward passes to the experts of ``routing`` (layer -> sequence ->
+        int64 [len, top_k], the rollout engine's choice; ``lengths``: the batch's sequence lengths, checked
+        against it) instead of the engine's own top-k (alignaudit.engines.routing_replay).
+
+        Raises:
+            InputError: the engine cannot replay routing, or ``routing`` does not fit the model and batch.
+        """
+        raise InputError(f"{self.name} cannot replay MoE routing; use --train megatron or --train hf")
 
     def replay_rows(self, row: int, length: int):
         """(slice of next-token logits rows to replay, sampling transform kwargs) for batch row ``row`` of

@@ -79,3 +79,32 @@ def processed_logprobs(run) -> bool:
 def routing_observable(run) -> bool:
     """Whether ``run``'s MoE routing decisions can be read without changing what it computes."""
     return kind_of(run.engine).routing_observable(run.settings)
+
+
+def check_routing_replay(spec, train, infer, mode: str, repeat: int = 1) -> None:
+    """Refuse compare --replay-routing where it is undefined or cannot be done (before any engine starts): a
+    dense ``spec``; rollout mode (alignaudit reads routing while scoring prompts, not while sampling); --repeat
+    (the repeats run without the replayed routing); an infer engine whose routing cannot be read as it runs
+    (vLLM's compiled default MoE); a train engine whose router cannot take given experts (vLLM; the strict MoE
+    layer). Raises InputError: one line, the reason and the fix."""
+    if not spec.num_experts:
+        raise InputError(f"--replay-routing replays MoE routing; {spec.name} ({spec.architecture}) is dense and has "
+                         "none: use a mixture-of-experts model (e.g. --model qwen3-moe-tiny) or drop --replay-routing")
+    if mode != "prompt":
+        raise InputError("--replay-routing runs in prompt mode only: alignaudit records the rollout engine's routing "
+                         "while it scores prompts, not while it samples; drop --mode rollout")
+    if repeat != 1:
+        raise InputError("--replay-routing with --repeat is undefined (the repeats run the engines again without "
+                         "the replayed routing); drop --repeat")
+    infer_kind, train_kind = kind_of(infer.engine), kind_of(train.engine)
+    if not infer_kind.routing_observable(infer.settings):
+        raise InputError(f"--replay-routing needs the rollout engine's routing, and {infer.engine} as configured "
+                         "computes it where alignaudit cannot read it (vLLM's compiled default MoE); add --infer-opt "
+                         "enforce_eager=true, or use --infer hf")
+    if not train_kind.replays_routing(train.settings):
+        if train_kind.trains:
+            raise InputError(f"--replay-routing: the train engine {train.engine} with the strict MoE layer (--strict "
+                             "with linear) routes by its own kernel, which replays nothing; drop linear from --strict "
+                             "(e.g. --strict rmsnorm,rope,silu,attention,logprobs) or drop --replay-routing")
+        raise InputError(f"--replay-routing: the train engine {train.engine} cannot take given experts in its "
+                         "router; use --train megatron or --train hf")

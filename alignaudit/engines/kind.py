@@ -92,6 +92,11 @@ class EngineKind:
         """Whether an MoE model's routing decisions can be read without changing what the engine computes."""
         return True
 
+    def replays_routing(self, settings) -> bool:
+        """Whether, as the trainer, its MoE router can be made to take the rollout engine's experts
+        (compare --replay-routing; alignaudit.engines.routing_replay)."""
+        return False
+
     def records_processed_logprobs(self, settings) -> bool:
         """Whether, as the rollout engine, it records logprobs after temperature, top-k and top-p (which the
         training side must then replay)."""

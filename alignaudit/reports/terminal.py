@@ -80,6 +80,8 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
         table.add_row("tokens rerouted (MoE), per layer", _routing_text(summary["routing"]))
     elif summary.get("routing_note"):
         table.add_row("tokens rerouted (MoE), per layer", f"[dim]not read: {escape(summary['routing_note'])}[/]")
+    if summary.get("routing_replay"):
+        table.add_row("routing replayed (MoE)", _replay_text(summary["routing_replay"]))
     console.print(table)
 
     rows = sequences if sequences is not None else pd.DataFrame(summary.get("worst_sequences", []))
@@ -206,6 +208,15 @@ def render_op_verdict(console: Console, mode: str, records: list[dict], captured
     unforced = [r["op"] for r in records if not r.get("forced", True)]
     if unforced:
         console.print(f"not judged (inputs not forced): {', '.join(unforced)}", highlight=False)
+
+
+def _replay_text(r: dict) -> str:
+    """compare --replay-routing: rerouted tokens and logprob mismatches, own routing -> replayed routing."""
+    style = "green" if r["rerouted_after"] == 0 else "red"
+    return (f"[{style}]rerouted {r['rerouted_before']} -> {r['rerouted_after']}[/]; logprobs differing "
+            f"{r['mismatches_before']} -> {r['mismatches_after']} of {r['tokens_compared']}; max ULP "
+            f"{r['ulp_max_before']} -> {r['ulp_max_after']}; max |Δ| {_num(r['max_abs_diff_before'])} -> "
+            f"{_num(r['max_abs_diff_after'])}; {r['tokens_changed_by_replay']} train logprobs changed by the replay")
 
 
 def _routing_text(layers: list[dict]) -> str:

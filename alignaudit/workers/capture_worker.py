@@ -91,6 +91,9 @@ def run_rank(request: dict, rank: int) -> None:
         engine.progress = report_progress
     loaded = time.perf_counter()
     tap = _attach_tap(engine, spec, request.get("ops"), out, rank)
+    if request.get("routing_from"):  # compare --replay-routing: the rollout engine's experts, before any forward
+        engine.replay_routing(replayed_routing(Path(request["routing_from"]), spec, batch),
+                              [len(s) for s in batch.sequences])
     rollout = request.get("rollout")
     engine.replay = request.get("replay")
     prompt_lengths = engine.replay["prompt_lengths"] if engine.replay else None
@@ -118,6 +121,7 @@ def run_rank(request: dict, rank: int) -> None:
         "mode": "rollout" if rollout else "prompt",
         "rollout": {**rollout, "prompt_lengths": prompt_lengths} if rollout else None,
         "replay": engine.replay,
+        "routing_from": request.get("routing_from"),
         "prompts": {
             "source": batch.source,
             "num_sequences": len(batch.sequences),
@@ -147,6 +151,25 @@ def run_rank(request: dict, rank: int) -> None:
         }
     engine.close()
     write_capture(out, manifest, logprob_table(batch, logprobs, prompt_lengths))
+
+
+def replayed_routing(path: Path, spec, batch) -> dict:
+    """The routing a capture recorded (its ``routing`` ops), as layer -> sequence -> int64 [tokens, top_k], for
+    Engine.replay_routing. Raises InputError when the capture holds no routing of every layer or was made on
+    other token ids."""
+    from alignaudit.capture.directory import read_capture
+    from alignaudit.capture.op_store import OpStore
+    from alignaudit.capture.ops import op_id
+    from alignaudit.errors import InputError
+
+    source = read_capture(path)
+    if source.manifest["prompts"]["digest"] != batch.digest():
+        raise InputError(f"routing replay: {path} was captured on other token ids than this run's")
+    store = OpStore(path, source.manifest.get("ops"))
+    routing = {layer: store.sequences(op_id("routing", layer)) for layer in range(spec.num_layers)}
+    if not all(routing.values()):
+        raise InputError(f"routing replay: {path} holds no routing of every layer; capture it with the routing op")
+    return routing
 
 
 def _attach_tap(engine, spec, ops_request: dict | None, out: Path, rank: int = 0):

@@ -34,6 +34,7 @@ def run_capture(
     ops: dict | None = None,
     rollout: dict | None = None,
     replay: dict | None = None,
+    routing_from: Path | None = None,
     repeat: int = 1,
     on_progress=None,
 ) -> Capture:
@@ -44,6 +45,8 @@ def run_capture(
     ``rollout`` samples completions instead (alignaudit.inputs.request.Sampling.to_dict()); ``replay`` (temperature,
     top_k, top_p, prompt_lengths) scores generated tokens under the sampling transform. ``on_progress(done,
     total)`` receives the worker's progress lines (sequences done), which are kept out of the log.
+    ``routing_from`` (a capture holding the ``routing`` op of every MoE layer, on the same token ids) makes the
+    engine's router replay that capture's experts (compare --replay-routing).
     ``repeat`` > 1 (prompt mode) runs the engine that many times in the worker (alignaudit.comparison.repeat).
 
     Raises:
@@ -66,6 +69,7 @@ def run_capture(
         "ops": ops,
         "rollout": rollout,
         "replay": replay,
+        "routing_from": str(Path(routing_from).resolve()) if routing_from else None,
         "repeat": repeat,
         "out": str(out.resolve()),
     }

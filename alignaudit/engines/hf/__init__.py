@@ -17,4 +17,10 @@ class HFKind(EngineKind):
     rolls_out = True
 
 
+    def replays_routing(self, settings) -> bool:
+        """Its default MoE router (Qwen3MoeTopKRouter) replays; the strict MoE layer (--strict with linear)
+        routes by its own kernel (alignaudit_kernels.route) and does not."""
+        return "linear" not in settings.strict_ops
+
+
 KIND = HFKind()

@@ -27,6 +27,9 @@ from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
 from alignaudit.inputs.request import EngineSettings
 
+ROUTING_REPLAYED = {"mechanism": "alignaudit.engines.routing_replay.replayed_router_forward",
+                    "weights": "softmax(router logits, fp32) at the replayed experts, renormalized when norm_topk_prob"}
+
 
 class HFEngine(Engine):
     name = "hf"
@@ -75,6 +78,11 @@ class HFEngine(Engine):
         ids, valid = right_padded(seqs)
         ids, valid = ids.to(self.settings.device), valid.to(self.settings.device)
         self.set_spans(rows, [len(s) for s in seqs])
+        if self.routing_replay is not None:
+            from alignaudit.engines.routing_replay import batch_routing
+
+            for layer, target in enumerate(self._replay_targets):  # the gate flattens [batch, tokens]
+                target["ids"] = batch_routing(self.routing_replay[layer], rows, ids.shape[1], seq_first=False)
         logits = self.model(input_ids=ids, attention_mask=valid.long()).logits
         lp = self.token_logprobs(logits[:, :-1], ids[:, 1:])
         results = []
@@ -89,6 +97,24 @@ class HFEngine(Engine):
                 seq_lp = torch.cat([seq_lp[: span.start], self.token_logprobs(processed, ids[j, 1:][span])])
             results.append(seq_lp)
         return results
+
+    def replay_routing(self, routing, lengths):
+        """Each Qwen3MoeSparseMoeBlock's gate routes to the given experts (routing_replay.replayed_router_forward:
+        its own softmax, gathered at them). Raises InputError as Engine.replay_routing says."""
+        from alignaudit.engines.routing_replay import check_routing, replayed_router_forward
+
+        gates = [layer.mlp.gate for layer in self.model.model.layers if hasattr(layer.mlp, "experts")]
+        if not gates or any(hasattr(layer.mlp, "strict_router") for layer in self.model.model.layers):
+            raise InputError("hf replays routing of its own MoE router only (a Qwen3 MoE model, --strict without "
+                             "linear)")
+        try:
+            check_routing(routing, len(gates), self.spec.experts_per_token, self.spec.num_experts, lengths)
+        except ValueError as e:
+            raise InputError(str(e)) from e
+        self.routing_replay = routing
+        self._replay_targets = [{} for _ in gates]
+        for gate, target in zip(gates, self._replay_targets):
+            gate.forward = replayed_router_forward(gate, target)
 
     @torch.no_grad()
     def rollout(self, batch, sampling):
@@ -153,6 +179,7 @@ class HFEngine(Engine):
             "logprob_formula": "alignaudit_kernels.token_logprobs" if "logprobs" in self.settings.strict_ops
             else "log_softmax(logits.float(), -1).gather(next_token)",
             "replay": self.replay,
+            "routing_replay": ROUTING_REPLAYED if self.routing_replay is not None else None,
             "strict": self.settings.strict,
             "strict_modules": len(self.strict_modules),
             "attention_exp": applied_exp(self.model),

@@ -167,6 +167,12 @@ def stable_repr(value) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
+ROUTING_REPLAYED = {"mechanism": "megatron.core.transformer.moe.router_replay.RouterReplay (REPLAY_FORWARD)",
+                    "weights": "softmax(router logits at the replayed experts), or with moe_router_pre_softmax the "
+                               "softmax over every expert gathered at them "
+                               "(moe_utils.topk_routing_with_score_function)"}
+
+
 class MegatronEngine(Engine):
     name = "megatron"
 
@@ -271,11 +277,42 @@ class MegatronEngine(Engine):
         positions = torch.arange(n, device=device).expand_as(inputs)
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)[None, None]
         self.set_spans(rows, [len(s) for s in seqs])
+        if self.routing_replay is not None:
+            from alignaudit.engines.routing_replay import batch_routing
+
+            for layer, replay in enumerate(self._router_replays):  # the router flattens [seq, batch]
+                replay.clear_indices()
+                replay.set_target_indices(batch_routing(self.routing_replay[layer], rows, n, seq_first=True))
         if self.replay is None:
             loss = self.model(inputs, positions, causal, labels=labels)  # [batch, n] fp32
         else:
             loss = self._replayed_loss(inputs, positions, causal, labels, rows, [len(s) for s in seqs])
         return [-loss[j, : len(s) - 1].float() for j, s in enumerate(seqs)]
+
+    def replay_routing(self, routing, lengths):
+        """Megatron-Core's own router replay: each TopKRouter gets the RouterReplay that
+        ``moe_enable_routing_replay`` gives it at construction, in REPLAY_FORWARD (megatron/core/transformer/moe/
+        router_replay.py); the config records the flag. Raises InputError as Engine.replay_routing says."""
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        from alignaudit.engines.routing_replay import check_routing
+
+        routers = [layer.mlp.router for layer in self.gpt.decoder.layers]
+        if not all(isinstance(r, TopKRouter) for r in routers) or self.tp_size != 1:
+            raise InputError("megatron replays routing of its own TopKRouter only (a Qwen3 MoE model, one rank, "
+                             "--strict without linear)")
+        try:
+            check_routing(routing, len(routers), self.spec.experts_per_token, self.spec.num_experts, lengths)
+        except ValueError as e:
+            raise InputError(str(e)) from e
+        self.config.moe_enable_routing_replay = True
+        self.routing_replay = routing
+        self._router_replays = []
+        for router in routers:
+            router.router_replay = RouterReplay()
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._router_replays.append(router.router_replay)
 
     @staticmethod
     def _fp32_output_layer(gpt, strict: bool) -> None:
@@ -354,5 +391,6 @@ class MegatronEngine(Engine):
             "weights": {"checkpoint_tensors": self.spec.tensors, "megatron_parameters_loaded": self.loaded_tensors},
             "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)",
             "replay": self.replay,
+            "routing_replay": ROUTING_REPLAYED if self.routing_replay is not None else None,
             "transformer_config": config,
         }
