@@ -48,7 +48,7 @@ def number(value, spec: str = "") -> str:
         return str(int(value))
     if isinstance(value, (float, np.floating)):
         if spec:
-            return format(value, spec)
+            return "0" if value == 0 and "e" in spec else format(value, spec)
         v = float(value)
         if v.is_integer() and abs(v) < 1e15 and not spec:
             return str(int(v))  # a median or percentile of integer distances
@@ -110,8 +110,9 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
     out = []
     a = Section("Alignment", "alignment")
     sequences = summary.get("sequences")
-    a.add("tokens compared", f"{n}" + (f" in {sequences} sequence{'' if sequences == 1 else 's'}"
-                                       if sequences is not None else ""), "tokens_compared")
+    a.add("tokens compared", f"{n}", "tokens_compared")
+    if sequences is not None:
+        a.add("sequences", f"{sequences}", "sequences")
     a.add("mismatches (bitwise)", f"{bad}", "mismatches")
     if summary.get("mismatch_fraction") is not None:
         a.add("mismatch fraction", f"{summary['mismatch_fraction']:.2%}", "mismatch_fraction")

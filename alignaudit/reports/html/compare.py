@@ -1,5 +1,7 @@
-"""The compare section: summary fields, the ULP histogram, |d logprob| along each sequence, the sequences
-(worst first, sortable) and the largest single-token differences; a gate verdict above them."""
+"""The compare section: the summary in sections (reports.views.summary_sections), the fp32 ULP histogram in log2
+buckets from tokens.parquet, |d logprob| along each sequence (rollout: where each prompt ends), the largest
+single-token differences with their text, the sequences (worst first, sortable), the settings and environment
+folded; a gate verdict above them."""
 
 from __future__ import annotations
 
