@@ -72,6 +72,13 @@ def test_sections_appear_only_with_their_data():
     assert rows == {"KL train infer": "1.000e-04", "TV max": "0.5", "Top 5 agreement: Mean": "0.9"}
     assert [r[0] for r in sections["Importance weights"].rows] == ["ESS fraction", "Weight max"]
     assert readable("kl_k3_mean") == "KL k3 mean"
+    routed = {**summary, "routing": [{"layer": 0, "tokens": 10, "rerouted": 2, "agreement": 0.8},
+                                      {"layer": 1, "tokens": 10, "rerouted": 0, "agreement": 1.0}]}
+    rows = {s.title: s for s in summary_sections(routed)}["Routing (MoE)"].rows
+    assert rows == [("layer 0", "2 of 10 positions rerouted (80.0% agree)", "routing.0"),
+                    ("layer 1", "0 of 10 positions rerouted (100.0% agree)", "routing.1")]
+    unread = {s.title: s for s in summary_sections({**summary, "routing_note": "compiled MoE"})}["Routing (MoE)"]
+    assert unread.rows == [] and unread.note == "not read: compiled MoE"
 
 
 @pytest.mark.parametrize("mismatch", [True, False])
