@@ -106,7 +106,9 @@ window.addEventListener("load", function () {
   document.querySelectorAll(".js-plotly-plot").forEach(function (gd) {
     out.plots[gd.id] = {rendered: gd.querySelector(".plot-container .main-svg") !== null,
       traces: gd._fullData.map(function (t) { return {name: t.name, x: plain(t.x), y: plain(t.y), z: plain(t.z),
-                                                       text: plain(t.text)}; })};
+        text: plain(t.text), symbol: t.marker ? plain(t.marker.symbol) : null}; }),
+      shapes: (gd._fullLayout.shapes || []).map(function (s) { return {name: s.name, x0: s.x0, x1: s.x1}; }),
+      drawn_shapes: gd.querySelectorAll(".shapelayer path").length};
   });
   CLICKS.forEach(function (c) { document.querySelector("#" + c[0] + " th[data-key='" + c[1] + "']").click(); });
   document.querySelectorAll("table[id]").forEach(function (t) {

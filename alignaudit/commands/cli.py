@@ -661,29 +661,42 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
 
 @app.command()
 @grouped
-def report(run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR",
-                                                   help="A run directory of compare, bisect, gate, rl or diff.")],
+def report(run_dirs: Annotated[list[Path], typer.Argument(
+               metavar="RUN_DIR", help="A run directory of compare, bisect, gate, rl or diff; two or more "
+               "comparisons (compare, gate, diff, rescore): side by side.")],
            html: Annotated[Optional[Path], typer.Option("--html", metavar="FILE",
-                                                        help="Write the page here "
-                                                        "(default: RUN_DIR/report.html).")] = None) -> None:
-    """One self-contained HTML page of a run: tables and interactive plots, opening offline.
+                                                        help="Write the page here (default: RUN_DIR/report.html; "
+                                                        "several runs: alignaudit-runs/report-TIME.html).")] = None
+           ) -> None:
+    """One self-contained HTML page of a run, or of several comparisons side by side; opens offline.
 
-    compare and gate: the summary, the ULP histogram, |d logprob| along each sequence, the sequences worst
-    first (sortable). bisect: layer x op heatmaps (share of bitwise-equal elements, max ULP), the first
+    compare and gate: the summary grouped (alignment, RL impact, importance weights, distribution, routing),
+    the fp32 ULP distances in log2 buckets, |d logprob| along each sequence (rollout: where each prompt
+    ends), the worst tokens with their text, the sequences worst first (sortable), the settings and
+    environment. bisect: layer x op heatmaps (share of bitwise-equal elements, max ULP), the first
     diverging op outlined, natural and forced mode. rl: every per-step series. An ablation matrix
     (ablate.parquet): table and bars. The kind of run is read from its files. compare, bisect, gate and rl
     write RUN_DIR/report.html themselves when they finish; this command makes it again, or elsewhere.
+
+    Several runs: one column per run (engines, strict ops, mismatches, ULP, KL, clip fraction, ...) and
+    their ULP histograms together; runs of different models, prompts or modes are refused.
 
     Examples:
 
     ```
     alignaudit report alignaudit-runs/compare-20260101-120000
     alignaudit report runs/ci --html reports/alignment.html
+    alignaudit report runs/default runs/strict --html default-vs-strict.html
     ```
     """
+    if len(run_dirs) > 1:
+        from alignaudit.reports.html.side_by_side import write_side_by_side
+
+        _results(write_side_by_side(run_dirs, html))
+        return
     from alignaudit.reports.html import write_report
 
-    _results(write_report(run_dir, html))
+    _results(write_report(run_dirs[0], html))
 
 
 def _report(run_dir: Path) -> tuple[Path, ...]:

@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from alignaudit.comparison.numerics import hex_bits
+from alignaudit.reports.views import summary_sections, ulp_buckets
 
 
 def _num(x, fmt: str = ".3e") -> str:
@@ -30,6 +31,21 @@ def _side_label(side: dict) -> str:
 SEQUENCE_ROWS = 20
 
 
+def _styled(key: str, text: str, summary: dict) -> str:
+    """A summary value with the colour it warrants: mismatches red (green when none), NaN/Inf red, routing red
+    when a token was rerouted, repeats red when a repeat differed."""
+    red = "bold red" if key in ("nan_tokens", "inf_tokens") else "red"
+    if key == "mismatches":
+        return f"[{'green' if summary['mismatches'] == 0 else 'red'}]{escape(text)}[/]"
+    if key in ("nan_tokens", "inf_tokens") or (key.startswith("routing.") and not text.startswith("0 of")):
+        return f"[{red}]{escape(text)}[/]"
+    if key == "routing_replay.rerouted_after":
+        return f"[{'green' if text.endswith('-> 0') else 'red'}]{escape(text)}[/]"
+    if key.startswith("repeats."):
+        return f"[{'green' if text.startswith('0 of') else 'red'}]{escape(text)}[/]"
+    return escape(text)
+
+
 def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | None = None,
                       sequences: pd.DataFrame | None = None, worst: int = 8) -> None:
     """Print the summary table, the worst sequences (at most SEQUENCE_ROWS; every sequence is in
@@ -39,49 +55,18 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
     title = (f"{escape(summary.get('model', ''))}: {_side_label(train)} vs {_side_label(infer)}"
              if train and infer else "")
     n, bad = summary["tokens_compared"], summary["mismatches"]
-    rl = summary["rl"]
     table = Table(title=f"Logprob alignment  {title}", show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
     table.add_column("value")
-    table.add_row("tokens compared",
-                  f"{n} in {summary['sequences']} sequence{'' if summary['sequences'] == 1 else 's'}")
-    table.add_row("mismatching tokens (bitwise)", f"{bad} ({summary['mismatch_fraction']:.1%})")
-    for kind in ("nan", "inf"):
-        counts = summary.get(f"{kind}_tokens") or {}
-        if counts.get("train") or counts.get("infer"):
-            table.add_row(f"{kind.upper()} logprobs train / infer / both",
-                          f"[bold red]{counts['train']} / {counts['infer']} / {counts['both']}[/]")
-    if summary["nan_mismatches"] or summary["inf_mismatches"]:
-        table.add_row("NaN / Inf mismatches", f"{summary['nan_mismatches']} / {summary['inf_mismatches']}")
-    table.add_row("max |Δ logprob|", _num(summary["max_abs_diff"]))
-    table.add_row("mean |Δ logprob| / mean Δ (signed)",
-                  f"{_num(summary['mean_abs_diff'])} / {_num(summary.get('mean_diff'), '+.3e')}")
-    table.add_row("ULP (fp32) max / median / p99",
-                  f"{summary['ulp_max']} / {_num(summary['ulp_median'], 'g')} / {_num(summary['ulp_p99'], 'g')}")
-    table.add_row("ULP histogram", "  ".join(f"{k}: {v}" for k, v in summary["ulp_histogram"].items()))
-    table.add_row("importance ratio min / max", f"{_num(rl['ratio_min'], '.6f')} / {_num(rl['ratio_max'], '.6f')}")
-    table.add_row(f"outside PPO clip [{1 - rl['clip_eps']:g}, {1 + rl['clip_eps']:g}]",
-                  _num(rl["clip_fraction"], ".2%"))
-    table.add_row("token_mult_prob_error", _num(rl["token_mult_prob_error"], ".9f"))
-    table.add_row("|p_train - p_infer| max / mean", f"{_num(rl['prob_diff_max'])} / {_num(rl['prob_diff_mean'])}")
-    table.add_row("KL k3 (infer || train)", _num(rl["kl_k3_mean"]))
-    if "generated" in summary:
-        g = summary["generated"]
-        table.add_row("generated tokens (rollout)",
-                      f"{g['mismatches']} of {g['tokens_compared']} differ; max ULP {g['ulp_max']}; "
-                      f"ratio {_num(g['rl']['ratio_min'], '.6f')}..{_num(g['rl']['ratio_max'], '.6f')}")
-    for role, r in (summary.get("repeats") or {}).items():
-        style = "red" if r["mismatches"] else "green"
-        counts = ", ".join(f"{p['kind']} {p['mismatches']}" for p in r["per_repeat"])
-        table.add_row(f"{role} engine, {r['runs']} runs",
-                      f"[{style}]{r['repeats_differing']} of {r['runs'] - 1} repeats differ[/]; tokens differing "
-                      f"({r['tokens']} each): {counts}; max ULP {r['ulp_max']}")
-    if summary.get("routing"):
-        table.add_row("tokens rerouted (MoE), per layer", _routing_text(summary["routing"]))
-    elif summary.get("routing_note"):
-        table.add_row("tokens rerouted (MoE), per layer", f"[dim]not read: {escape(summary['routing_note'])}[/]")
-    if summary.get("routing_replay"):
-        table.add_row("routing replayed (MoE)", _replay_text(summary["routing_replay"]))
+    buckets = ulp_buckets(tokens)[0] if tokens is not None and {"ulp", "pair_class"} <= set(tokens.columns) else None
+    for k, section in enumerate(summary_sections(summary, buckets)):
+        if k:
+            table.add_section()
+        table.add_row(f"[cyan]{escape(section.title)}[/]", "")
+        for label, text, key in section.rows:
+            table.add_row(f"  {escape(label)}", _styled(key, text, summary))
+        if section.note:
+            table.add_row("", f"[dim]{escape(section.note)}[/]")
     console.print(table)
 
     rows = sequences if sequences is not None else pd.DataFrame(summary.get("worst_sequences", []))
@@ -208,15 +193,6 @@ def render_op_verdict(console: Console, mode: str, records: list[dict], captured
     unforced = [r["op"] for r in records if not r.get("forced", True)]
     if unforced:
         console.print(f"not judged (inputs not forced): {', '.join(unforced)}", highlight=False)
-
-
-def _replay_text(r: dict) -> str:
-    """compare --replay-routing: rerouted tokens and logprob mismatches, own routing -> replayed routing."""
-    style = "green" if r["rerouted_after"] == 0 else "red"
-    return (f"[{style}]rerouted {r['rerouted_before']} -> {r['rerouted_after']}[/]; logprobs differing "
-            f"{r['mismatches_before']} -> {r['mismatches_after']} of {r['tokens_compared']}; max ULP "
-            f"{r['ulp_max_before']} -> {r['ulp_max_after']}; max |Δ| {_num(r['max_abs_diff_before'])} -> "
-            f"{_num(r['max_abs_diff_after'])}; {r['tokens_changed_by_replay']} train logprobs changed by the replay")
 
 
 def _routing_text(layers: list[dict]) -> str:

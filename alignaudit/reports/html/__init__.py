@@ -3,6 +3,7 @@
 The kind of run is read from the files present (alignaudit.reports.html.runs): compare (and gate, which holds
 a compare or rl run), bisect, rl, ablate; a directory may hold several (diff: a comparison and ops). Each kind
 has its own module that adds a section to the page (compare, bisect, rl, ablate); page.py holds the HTML.
+Several comparisons side by side, one column each: side_by_side.py (`alignaudit report RUN_A RUN_B ...`).
 """
 
 from __future__ import annotations

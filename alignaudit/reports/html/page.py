@@ -27,6 +27,16 @@ td.l, th.l { text-align: left; } table.kv td:first-child { text-align: left; fon
 table.sortable th { cursor: pointer; user-select: none; } table.sortable th:hover { background: #d9e2ec; }
 th[data-dir="asc"]::after { content: " \\25B2"; } th[data-dir="desc"]::after { content: " \\25BC"; }
 tr.differs td { color: #9b1c1c; } .scroll { max-height: 560px; max-width: 100%; overflow: auto; display: inline-block; }
+td.tok { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre; color: #0b4f8a; }
+td.ctx { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre; color: #7b8794; }
+.sections { display: flex; flex-direction: column; gap: 2px; }
+.sections h3 { margin: 10px 0 2px 0; } .sections table { margin: 2px 0 8px 0; }
+table.kv td[data-field] { font-variant-numeric: tabular-nums; }
+table.runs td.diff { background: #fff3bf; font-weight: 600; }
+table.runs td.ok { color: #05400a; font-weight: 700; } table.runs td.bad { color: #9b1c1c; font-weight: 700; }
+table.runs td:first-child { text-align: left; font-weight: 600; }
+table.runs td { text-align: left; } tr.group td { background: #f0f4f8; font-weight: 700; color: #334e68; }
+details > summary { cursor: pointer; color: #334e68; font-weight: 600; margin: 10px 0; }
 details pre { background: #f5f7fa; padding: 8px; font-size: 12px; overflow: auto; max-height: 400px; }
 """
 
@@ -94,6 +104,7 @@ class Column:
     spec: str = ""
     text: bool = False
     shown: str = ""
+    cls: str = ""  # an extra CSS class of the column's cells (e.g. "tok": token text, whitespace kept)
 
 
 def table(rows: list[dict], columns: list[Column], sortable: bool = True, table_id: str = "",
@@ -101,7 +112,7 @@ def table(rows: list[dict], columns: list[Column], sortable: bool = True, table_
     """An HTML table of ``rows`` (dicts); cells carry their raw value in ``data-v`` for sorting.
     ``row_class(row)`` may give a CSS class per row (e.g. "differs")."""
     def align(c: Column) -> str:
-        return "l" if c.text else ""
+        return " ".join(x for x in ("l" if c.text else "", c.cls) if x)
 
     head = "".join(f'<th class="{align(c)}" data-key="{esc(c.key)}">{esc(c.title)}</th>' for c in columns)
     body = []

@@ -50,6 +50,7 @@ class RunDir:
     record: dict | None = None
     verdict: dict | None = None
     ops: dict[str, Path] = field(default_factory=dict)  # bisect mode -> ops table
+    captures: dict = field(default_factory=dict)  # role -> Capture (checked), for a sealed compare/diff run
 
     @property
     def complete(self) -> bool:
@@ -77,8 +78,9 @@ def detect(run_dir: Path | str) -> RunDir:
         raise InputError(f"{path} holds results but no {RUN}, so nothing vouches for them (written by an older "
                          "alignaudit?); run the command again")
     sealed = record is not None and (record.get("status") == "complete" or integrity.RECORD_SHA256 in record)
+    captures = {}
     if sealed:  # a sealed record whose status says otherwise was edited: its seal no longer matches
-        _check(path, record)
+        captures = _check(path, record)
     command = (record or {}).get("command")
     if command in ("compare", "bisect", "rl", "ablate") and command not in kinds:
         status = record.get("status")
@@ -103,20 +105,23 @@ def detect(run_dir: Path | str) -> RunDir:
         from alignaudit.comparison.gate import rejudge
 
         verdict = rejudge(path, read_json(path / VERDICT))
-    return RunDir(path, kinds, record, verdict, ops)
+    return RunDir(path, kinds, record, verdict, ops, captures)
 
 
-def _check(path: Path, record: dict) -> None:
+def _check(path: Path, record: dict) -> dict:
     """A finished run as the gate checks it (alignaudit.comparison.integrity): compare and diff runs against their
-    captures, rl runs against their token rows, every run's seal and listed files."""
+    captures, rl runs against their token rows, every run's seal and listed files. Returns the checked captures
+    of a compare or diff run by role ({} for other runs)."""
     integrity.check_record(path / RUN, record)  # first: a sealed record edited to look unfinished is named as edited
     command = record.get("command")
     if command in TOKEN_RUNS:
-        integrity.load_run(path)
+        checked = integrity.load_run(path)
+        return {"train": checked.train, "infer": checked.infer}
     elif command == "rl":
         integrity.load_rl_run(path)
     else:
         integrity.check_outputs(path, record)
+    return {}
 
 
 def _read_by(kind: str, ops: dict[str, Path]) -> tuple[str, ...]:
