@@ -93,7 +93,12 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
             repeat: Annotated[int, typer.Option("--repeat", metavar="N", help="Prompt mode: run each engine N times in "
                                                 "one process on the same token ids, the first repeat on the same "
                                                 "batch, later ones among random filler sequences; reports "
-                                                "mismatches between runs.")] = 1) -> None:
+                                                "mismatches between runs.")] = 1,
+            full_vocab: Annotated[bool, typer.Option("--full-vocab", help="Prompt mode: each engine also records its "
+                                                     "whole log-softmax row at every scored position (4 x vocabulary "
+                                                     "bytes each, in RUN/train/vocab, RUN/infer/vocab); adds "
+                                                     "KL both ways, total variation, top-1 agreement and top-5 "
+                                                     "overlap per token.")] = False) -> None:
     """Run the same token ids through a training and an inference engine and compare per-token logprobs.
 
     Prompt mode (default): every prompt token after the first gets a teacher-forced logprob from each
@@ -101,8 +106,10 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     (seeded; EOS neither stops nor is masked) and records each sampled token's logprob while decoding;
     the training engine rescores prompt + completion in one pass. Reports bitwise mismatches, ULP
     distances and the RL impact (importance ratio, clip fraction, token_mult_prob_error, probability
-    differences, KL, mean signed difference). Writes tokens.parquet, sequences.parquet and summary.json to
-    --out. The exit code is 0 whatever the result; `alignaudit gate` turns results into a CI verdict.
+    differences, KL, mean signed difference). --full-vocab compares the engines' whole distributions at each
+    position as well (exact KL both ways, total variation, top-1 agreement, top-5 overlap: summary.json's
+    "vocab"). Writes tokens.parquet, sequences.parquet and summary.json to --out. The exit code is 0 whatever
+    the result; `alignaudit gate` turns results into a CI verdict.
 
     Examples:
 
@@ -110,6 +117,7 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     alignaudit compare                  # fixture, megatron vs vllm, bf16
     alignaudit compare --dtype fp32 --train megatron --infer hf
     alignaudit compare --strict --mode rollout --max-new-tokens 32
+    alignaudit compare --full-vocab     # whole distributions: KL, TV, top-k
     alignaudit compare --model Qwen3-0.6B --random-weights \\
         --random-prompts 2 --prompt-len 64
     alignaudit compare --train vllm --infer vllm \\
@@ -118,20 +126,25 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     """
     from alignaudit.capture.rundir import COMPARE_OUTPUTS, SEQUENCES, SUMMARY, TOKENS
 
-    out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS, repeat)
+    out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS, repeat, full_vocab)
     _render_summary(out, summary)
     _results(out / SUMMARY, out / TOKENS, out / SEQUENCES, *_report(out))
 
 
-def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat: int = 1) -> tuple[Path, dict]:
+def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat: int = 1,
+                 full_vocab: bool = False) -> tuple[Path, dict]:
     """Validate everything, then run compare into the output directory; returns (out, summary)."""
     from alignaudit.commands.pipeline import compare as run_compare
+    from alignaudit.engines.checks import check_full_vocab
 
     if repeat < 1:
         raise errors.InputError(f"--repeat {repeat}: give the number of runs per engine, 1 or more")
     if repeat > 1 and sampling.mode != "prompt":
         raise errors.InputError("--repeat reruns teacher-forced prompts; use it in prompt mode (drop --mode rollout)")
-    request = dataclasses.replace(build_request(model, prompts, pair, sampling, clip_eps), repeat=repeat)
+    request = dataclasses.replace(build_request(model, prompts, pair, sampling, clip_eps), repeat=repeat,
+                                  full_vocab=full_vocab)
+    if full_vocab:
+        check_full_vocab(request.train, request.infer, request.mode)
     out = out_dir(output, "compare", names)
     with console.status("") as status:
         summary = run_compare(request, out, stream_log=output.verbose, on_stage=status.update)

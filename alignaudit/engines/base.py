@@ -123,6 +123,9 @@ class Engine(ABC):
         # Trainer side of a processed-logprobs rollout: {"temperature", "top_k", "top_p", "prompt_lengths"};
         # generated tokens are then scored under the sampling transform (alignaudit.engines.sampling).
         self.replay: dict | None = None
+        # compare --full-vocab: receives (seq, float32 rows [len - 1, V]) for each sequence prompt_logprobs scores,
+        # each row the engine's whole log-softmax at that position (alignaudit.capture.vocab_rows).
+        self.vocab_sink = None
 
     @classmethod
     @abstractmethod
@@ -159,6 +162,11 @@ class Engine(ABC):
         """Teacher-forced logprobs: for each sequence s, a float32 tensor of shape [len(s) - 1] whose
         element t-1 is log p(s[t] | s[:t]), computed the way this engine computes it in production. With
         ``replay`` set, the generated tokens' logprobs are those of the sampling transform's distribution."""
+
+    def vocab_row_formula(self) -> str:
+        """How this engine computes the full-vocabulary rows it gives ``vocab_sink``, in words (the manifest's
+        ``vocab.rows``). Raises InputError for an engine that cannot give them."""
+        raise InputError(f"{self.name} cannot give full-vocabulary rows; drop --full-vocab")
 
     def batched_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
         """``micro_batch_logprobs`` over the micro-batches of ``batch`` (``micro_batch_size`` option), in the

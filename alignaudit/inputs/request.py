@@ -126,6 +126,8 @@ class Request:
         rollout: None for prompt mode (teacher-forced prompts), else the sampling settings.
         clip_eps: PPO clip epsilon for the clip-fraction metric.
         repeat: prompt mode: runs of each engine on the same token ids (alignaudit.comparison.repeat); 1 = once.
+        full_vocab: prompt mode: each engine also records every scored position's full log-softmax row, and the
+            comparison adds the divergence of the two distributions (alignaudit.comparison.vocab).
     """
 
     spec: ModelSpec
@@ -135,6 +137,7 @@ class Request:
     rollout: Sampling | None = None
     clip_eps: float = 0.2
     repeat: int = 1
+    full_vocab: bool = False
 
     @property
     def mode(self) -> str:
@@ -157,4 +160,5 @@ class Request:
             "infer": self.infer.record(),
             "clip_eps": self.clip_eps,
             "repeat": self.repeat,
+            "full_vocab": self.full_vocab,
         }

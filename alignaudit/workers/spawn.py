@@ -13,7 +13,7 @@ from pathlib import Path
 
 from alignaudit import errors
 from alignaudit.capture.directory import Capture, read_capture
-from alignaudit.capture.rundir import LOGPROBS, MANIFEST, OPS_DIR, REQUEST, WORKER_LOG
+from alignaudit.capture.rundir import LOGPROBS, MANIFEST, OPS_DIR, REQUEST, VOCAB_DIR, WORKER_LOG
 from alignaudit.engines import check_installed
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
@@ -35,6 +35,7 @@ def run_capture(
     rollout: dict | None = None,
     replay: dict | None = None,
     repeat: int = 1,
+    full_vocab: bool = False,
     on_progress=None,
 ) -> Capture:
     """Run ``engine`` in a fresh worker process and return the capture it wrote to ``out``.
@@ -45,6 +46,7 @@ def run_capture(
     top_k, top_p, prompt_lengths) scores generated tokens under the sampling transform. ``on_progress(done,
     total)`` receives the worker's progress lines (sequences done), which are kept out of the log.
     ``repeat`` > 1 (prompt mode) runs the engine that many times in the worker (alignaudit.comparison.repeat).
+    ``full_vocab`` (prompt mode) also writes every scored position's full log-softmax row (capture/vocab_rows.py).
 
     Raises:
         EngineError: the engine is not installed, or the worker crashed (message: its last log lines).
@@ -56,6 +58,7 @@ def run_capture(
     for stale in (MANIFEST, LOGPROBS):  # a failed run must never leave an earlier capture looking valid
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / OPS_DIR, ignore_errors=True)
+    shutil.rmtree(out / VOCAB_DIR, ignore_errors=True)
     request = {
         "engine": engine,
         "role": role,
@@ -67,6 +70,7 @@ def run_capture(
         "rollout": rollout,
         "replay": replay,
         "repeat": repeat,
+        "full_vocab": full_vocab,
         "out": str(out.resolve()),
     }
     (out / REQUEST).write_text(json.dumps(request, indent=2) + "\n")
