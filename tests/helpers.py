@@ -34,22 +34,26 @@ class CaptureCache:
         self.done = {}
 
     def get(self, engine: str, dtype: str, ops: bool | Selection = False, reference=None, strict: str = "",
-            rollout=None, batch=None, **options):
+            rollout=None, batch=None, full_vocab: bool | None = None, **options):
         """A capture; ``ops`` adds every canonical op (or those of a Selection); ``reference`` (a capture) runs
         forced mode; ``strict`` swaps in strict kernels; ``rollout`` samples; ``batch`` (a capture) scores its
-        tokens."""
+        tokens. ``full_vocab`` writes full-vocabulary rows; by default the plain prompt captures (no ops, rollout,
+        batch or options) write them, so the rows' tests reuse the engine runs every other test makes."""
         selection = ops if isinstance(ops, Selection) else Selection() if ops or reference else None
+        if full_vocab is None:
+            full_vocab = not (ops or reference or rollout or batch or options)
         key = (engine, dtype, json.dumps(selection.to_dict(), sort_keys=True) if isinstance(ops, Selection) else ops,
                reference.path.name if reference else None, strict or None,
                json.dumps(rollout, sort_keys=True) if rollout else None, batch.path.name if batch else None,
-               json.dumps(options, sort_keys=True))
+               json.dumps(options, sort_keys=True), "vocab" if full_vocab else None)
         if key not in self.done:
             name = "-".join(str(k) for k in key if k not in (None, False, "{}")).replace("/", "_").replace(" ", "")
             run = EngineRun(engine, EngineSettings(dtype=dtype, device="cpu", options=options, strict=strict))
             tokens = batch.token_batch() if batch is not None else self.batch
             self.done[key] = capture(self.spec, tokens, run, self.root / name,
                                      ops=selection,
-                                     reference=reference.path if reference else None, rollout=rollout)
+                                     reference=reference.path if reference else None, rollout=rollout,
+                                     full_vocab=full_vocab)
         return self.done[key]
 
 

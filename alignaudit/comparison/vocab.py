@@ -110,7 +110,8 @@ def vocab_columns(tokens: pd.DataFrame, train_rows: Callable[[int], torch.Tensor
             cols[f"vocab_{name}"][at] = m[name]
         for side, r in (("train", a), ("infer", b)):
             picked = r.gather(1, ids[:, None])[:, 0].numpy().view(np.int32)
-            cols[f"vocab_row_matches_{side}"][at] = picked == out[f"lp_{side}"].to_numpy(np.float32).view(np.int32)
+            reported = out[f"lp_{side}"].to_numpy(np.float32)[at].view(np.int32)
+            cols[f"vocab_row_matches_{side}"][at] = picked == reported
     for c in COLUMNS:
         out[c] = cols[c]
     return out
