@@ -73,6 +73,36 @@ def assert_bitwise_equal(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
     )
 
 
+def vocab_reference(a32, b32, k: int = 5) -> dict:
+    """comparison/vocab.py's measures per row pair, written again in numpy float64 (no torch, no alignaudit): rows
+    renormalized, KL both ways over p > 0, TV, top-1 and top-k by a stable descending sort (ties: lower id)."""
+    import numpy as np
+
+    def normalized(x):
+        x = np.asarray(x, dtype=np.float64)
+        m = x.max(-1, keepdims=True)
+        return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+
+    a32, b32 = np.asarray(a32, dtype=np.float32), np.asarray(b32, dtype=np.float32)
+    la, lb = normalized(a32), normalized(b32)
+    p, q = np.exp(la), np.exp(lb)
+    with np.errstate(invalid="ignore"):
+        kl_pq = np.where(p > 0, p * (la - lb), 0.0).sum(-1)
+        kl_qp = np.where(q > 0, q * (lb - la), 0.0).sum(-1)
+    top_a = np.argsort(-a32, axis=-1, kind="stable")[:, :k]
+    top_b = np.argsort(-b32, axis=-1, kind="stable")[:, :k]
+    return {"kl_train_infer": kl_pq, "kl_infer_train": kl_qp, "tv": 0.5 * np.abs(p - q).sum(-1),
+            "top1_agree": top_a[:, 0] == top_b[:, 0],
+            "topk_overlap": np.array([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b)])}
+
+
+def saved_vocab_rows(capture, seq: int) -> torch.Tensor:
+    """A capture's rows of sequence ``seq`` read straight from its file (safetensors), not through alignaudit."""
+    from safetensors.torch import load_file
+
+    return load_file(str(capture.path / "vocab" / f"seq-{seq:05d}.safetensors"))["logprobs"]
+
+
 # --- the CLI as a user runs it ---
 
 def run_cli(*args, cwd=None):

@@ -277,7 +277,11 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
                 "--tokens-from", metavar="DIR", help="Score the token ids of another capture (e.g. a rollout made "
                 "elsewhere) instead of --prompts; its sampling transform is replayed where it recorded processed "
                 "logprobs.")] = None,
-            strict: StrictOpt = None) -> None:
+            strict: StrictOpt = None,
+            full_vocab: Annotated[bool, typer.Option("--full-vocab", help="Prompt mode: also write the engine's "
+                                                     "whole log-softmax row at every scored position (DIR/vocab); "
+                                                     "`diff` of two such captures compares the distributions.")]
+            = False) -> None:
     """Run one engine and write its capture: manifest, logprobs and (by default, prompt mode) every canonical op.
 
     Make one capture where each engine lives (e.g. in the vLLM container, then in the Megatron
@@ -320,6 +324,14 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
         inputs = (Path(tokens_from),)
     else:
         batch = load_batch(spec, prompts, model.seed, (engine,), rollout.max_new_tokens if rollout else 0)
+    if full_vocab:
+        from alignaudit.engines.checks import check_full_vocab
+
+        check_full_vocab(run, run, sample.mode)
+        if reference is not None or replay is not None:
+            raise errors.InputError("--full-vocab records each engine's own rows: with --reference (forced inputs) or "
+                                    "--tokens-from a rollout of processed logprobs (its sampling transform replayed) "
+                                    "they would not be the rows its logprobs come from; drop one")
     if reference is not None:
         inputs = (*inputs, Path(reference))
         if output.out is not None:
@@ -334,7 +346,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     out = out_dir(output, f"capture-{engine}", CAPTURE_OUTPUTS, inputs)
     with console.status(f"running {run.label()}") as status:
         result = run_capture(spec, batch, run, out, stream_log=output.verbose, ops=selection, reference=reference,
-                             rollout=rollout.to_dict() if rollout else None, replay=replay,
+                             rollout=rollout.to_dict() if rollout else None, replay=replay, full_vocab=full_vocab,
                              on_progress=lambda done, total: status.update(f"running {run.label()}: "
                                                                            f"{done}/{total} sequences"))
     ops_info = result.manifest.get("ops")

@@ -9,25 +9,7 @@ import pytest
 import torch
 
 from alignaudit.comparison.vocab import TOP_K, position_divergence, summarize_vocab, vocab_columns
-
-
-def reference(a32: np.ndarray, b32: np.ndarray, k: int = TOP_K) -> dict[str, np.ndarray]:
-    """The module docstring's measures, per row, in numpy float64 (no torch)."""
-    def normalized(x):
-        x = x.astype(np.float64)
-        m = x.max(-1, keepdims=True)
-        return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
-
-    la, lb = normalized(a32), normalized(b32)
-    p, q = np.exp(la), np.exp(lb)
-    with np.errstate(invalid="ignore"):
-        kl_pq = np.where(p > 0, p * (la - lb), 0.0).sum(-1)
-        kl_qp = np.where(q > 0, q * (lb - la), 0.0).sum(-1)
-    top_a = np.argsort(-a32, axis=-1, kind="stable")[:, :k]
-    top_b = np.argsort(-b32, axis=-1, kind="stable")[:, :k]
-    overlap = np.array([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b)])
-    return {"kl_train_infer": kl_pq, "kl_infer_train": kl_qp, "tv": 0.5 * np.abs(p - q).sum(-1),
-            "top1_agree": top_a[:, 0] == top_b[:, 0], "topk_overlap": overlap}
+from helpers import vocab_reference as reference
 
 
 def rows(seed: int, n: int, v: int, scale: float = 1.0) -> torch.Tensor:

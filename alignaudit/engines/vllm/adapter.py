@@ -270,9 +270,9 @@ class VllmEngine(Engine):
         return results
 
     def vocab_row_formula(self) -> str:
-        from alignaudit.engines.vllm.vocab import FORMULA
+        from alignaudit.engines.vllm.vocab import formula
 
-        return FORMULA
+        return formula("logprobs" in self.settings.strict_ops)
 
     def install_taps(self, tap):
         return None  # installed once the LLM exists and the prompts are known (prompt_logprobs)

@@ -22,8 +22,12 @@ import torch
 from alignaudit.engines.taps import Hooks
 from alignaudit.engines.vllm.taps import StepRows, _slice_spans
 
-FORMULA = ("vllm.v1.sample.sampler.Sampler.compute_logprobs (log_softmax(dim=-1, dtype=float32); strict: "
-           "alignaudit_kernels.log_softmax) of the logits compute_logits returns for the prompt-logprob rows")
+
+def formula(strict_logprobs: bool) -> str:
+    """How the rows were computed, in words (the manifest's ``vocab.rows``)."""
+    how = ("alignaudit_kernels.log_softmax (the strict plugin's Sampler.compute_logprobs)" if strict_logprobs
+           else "vllm.v1.sample.sampler.Sampler.compute_logprobs: logits.log_softmax(dim=-1, dtype=float32)")
+    return f"{how} of the logits compute_logits returns for the prompt-logprob rows"
 
 
 class PromptRows:
