@@ -69,7 +69,13 @@ def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0
                   routing_note: str | None = None) -> dict:
     """Compare two captures (checked by alignaudit.comparison.integrity first); write tokens.parquet, sequences.parquet
     and summary.json. ``routing_note``: why a mixture-of-experts comparison holds no routing (the captures
-    were made without it)."""
+    were made without it). When both captures hold full-vocabulary rows, tokens.parquet gains the
+    alignaudit.comparison.vocab columns and summary.json its ``vocab`` record (with each side's row formula);
+    when only one does, ``vocab_note`` says so.
+
+    Raises:
+        InputError: the captures do not hold the same token ids, or a row file is missing or damaged.
+    """
     tokens = compare_tokens(align_tokens(train.logprobs, infer.logprobs))
     if train.has_vocab_rows and infer.has_vocab_rows:  # both captured with --full-vocab
         tokens = vocab_columns(tokens, train.vocab_rows, infer.vocab_rows)
@@ -105,7 +111,9 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
     completions and records their logprobs while decoding; the training engine then scores prompt +
     completion in one pass; when the rollout engine records processed logprobs (vLLM
     ``logprobs_mode=processed_logprobs``), the trainer scores the generated tokens under the same sampling
-    transform (temperature, top-k, top-p), as RL trainers do.
+    transform (temperature, top-k, top-p), as RL trainers do. ``request.full_vocab`` (prompt mode; checked here
+    too, engines.checks.check_full_vocab) has both engines record their full log-softmax rows, and the diff adds
+    the per-position divergence of the two distributions (alignaudit.comparison.vocab).
     ``on_stage(text)`` receives progress lines.
     """
     if request.full_vocab:
