@@ -169,12 +169,13 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
             train_options: dict[str, Any] | None = None, infer_options: dict[str, Any] | None = None,
             max_new_tokens: int = 32, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
             random_weights: bool = False, seed: int = 0, clip_eps: float = 0.2, out: str | Path | None = None,
-            force: bool = False, replay_routing: bool = False) -> Comparison:
+            force: bool = False, replay_routing: bool = False, full_vocab: bool = False) -> Comparison:
     """Run ``alignaudit compare`` from Python: the same validation, engines (each in its own worker process),
     outputs and sealed run.json, into ``out`` (default: a new alignaudit-runs/compare-<time> directory; an
     existing non-empty one needs ``force``). Arguments are the CLI's options (docs/cli.md): ``strict`` "all" or a
     comma list; ``train_options`` / ``infer_options`` the ``--train-opt`` / ``--infer-opt`` settings;
     ``replay_routing`` is ``--replay-routing`` (summary["routing_replay"]).
+    ``full_vocab`` is ``--full-vocab`` (the summary's ``vocab`` record and the tokens' ``vocab_*`` columns).
 
     Raises:
         InputError: any bad argument, before any engine starts. EngineError: an engine failed.
@@ -213,6 +214,8 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
     pair = PairArgs(train=train, infer=infer, dtype=dtype, device=device, train_opt=options[0] or None,
                     infer_opt=options[1] or None, strict=strict)
     sampling = SamplingArgs(mode, max_new_tokens, temperature, top_k, top_p)
+    if not isinstance(full_vocab, bool):
+        raise InputError(f"full_vocab {full_vocab!r}: True or False")
     request = build_request(ModelArgs(str(model), random_weights, seed),
                             PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
                             pair, sampling, clip_eps)
@@ -225,6 +228,13 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
 
         check_routing_replay(request.spec, request.train, request.infer, request.mode, request.repeat)
         request = dataclasses.replace(request, replay_routing=True)
+    if full_vocab:
+        from dataclasses import replace
+
+        from alignaudit.engines.checks import check_full_vocab
+
+        check_full_vocab(request.train, request.infer, request.mode)
+        request = replace(request, full_vocab=True)
     path = out_dir(OutputArgs(Path(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
     try:
         summary = run_compare(request, path)

@@ -34,22 +34,26 @@ class CaptureCache:
         self.done = {}
 
     def get(self, engine: str, dtype: str, ops: bool | Selection = False, reference=None, strict: str = "",
-            rollout=None, batch=None, **options):
+            rollout=None, batch=None, full_vocab: bool | None = None, **options):
         """A capture; ``ops`` adds every canonical op (or those of a Selection); ``reference`` (a capture) runs
         forced mode; ``strict`` swaps in strict kernels; ``rollout`` samples; ``batch`` (a capture) scores its
-        tokens."""
+        tokens. ``full_vocab`` writes full-vocabulary rows; by default the plain prompt captures (no ops, rollout,
+        batch or options) write them, so the rows' tests reuse the engine runs every other test makes."""
         selection = ops if isinstance(ops, Selection) else Selection() if ops or reference else None
+        if full_vocab is None:
+            full_vocab = not (ops or reference or rollout or batch or options)
         key = (engine, dtype, json.dumps(selection.to_dict(), sort_keys=True) if isinstance(ops, Selection) else ops,
                reference.path.name if reference else None, strict or None,
                json.dumps(rollout, sort_keys=True) if rollout else None, batch.path.name if batch else None,
-               json.dumps(options, sort_keys=True))
+               json.dumps(options, sort_keys=True), "vocab" if full_vocab else None)
         if key not in self.done:
             name = "-".join(str(k) for k in key if k not in (None, False, "{}")).replace("/", "_").replace(" ", "")
             run = EngineRun(engine, EngineSettings(dtype=dtype, device="cpu", options=options, strict=strict))
             tokens = batch.token_batch() if batch is not None else self.batch
             self.done[key] = capture(self.spec, tokens, run, self.root / name,
                                      ops=selection,
-                                     reference=reference.path if reference else None, rollout=rollout)
+                                     reference=reference.path if reference else None, rollout=rollout,
+                                     full_vocab=full_vocab)
         return self.done[key]
 
 
@@ -67,6 +71,36 @@ def assert_bitwise_equal(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         f"{name}: {int((~same).sum())} of {same.numel()} elements differ; max ULP {int(ulp.max())}, "
         f"max |diff| {float((a.double() - b.double()).abs().max()):.3e}; first at {where}"
     )
+
+
+def vocab_reference(a32, b32, k: int = 5) -> dict:
+    """comparison/vocab.py's measures per row pair, written again in numpy float64 (no torch, no alignaudit): rows
+    renormalized, KL both ways over p > 0, TV, top-1 and top-k by a stable descending sort (ties: lower id)."""
+    import numpy as np
+
+    def normalized(x):
+        x = np.asarray(x, dtype=np.float64)
+        m = x.max(-1, keepdims=True)
+        return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+
+    a32, b32 = np.asarray(a32, dtype=np.float32), np.asarray(b32, dtype=np.float32)
+    la, lb = normalized(a32), normalized(b32)
+    p, q = np.exp(la), np.exp(lb)
+    with np.errstate(invalid="ignore"):
+        kl_pq = np.where(p > 0, p * (la - lb), 0.0).sum(-1)
+        kl_qp = np.where(q > 0, q * (lb - la), 0.0).sum(-1)
+    top_a = np.argsort(-a32, axis=-1, kind="stable")[:, :k]
+    top_b = np.argsort(-b32, axis=-1, kind="stable")[:, :k]
+    return {"kl_train_infer": kl_pq, "kl_infer_train": kl_qp, "tv": 0.5 * np.abs(p - q).sum(-1),
+            "top1_agree": top_a[:, 0] == top_b[:, 0],
+            "topk_overlap": np.array([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b)])}
+
+
+def saved_vocab_rows(capture, seq: int) -> torch.Tensor:
+    """A capture's rows of sequence ``seq`` read straight from its file (safetensors), not through alignaudit."""
+    from safetensors.torch import load_file
+
+    return load_file(str(capture.path / "vocab" / f"seq-{seq:05d}.safetensors"))["logprobs"]
 
 
 # --- the CLI as a user runs it ---

@@ -8,6 +8,8 @@ Layout (format version 2):
                            Inf are the engine's values, kept as they came; NaN filler where not scored),
                            generated (bool: sampled by this engine in rollout mode, its logprob recorded
                            while decoding)
+    DIR/vocab/             with ``compare --full-vocab`` only: every scored position's full log-softmax row, one
+                           file per sequence (alignaudit.capture.vocab_rows; the manifest's ``vocab`` record)
 
 A capture of a rollout file (``alignaudit rescore``: engine "rollout-file") holds the rollout engine's logprobs of
 the sampled tokens only: its manifest says ``"scored": "generated"``, and ``scored`` is true exactly where
@@ -101,6 +103,21 @@ class Capture:
         return {int(seq): torch.from_numpy(g["logprob"].to_numpy(dtype="float32").copy())
                 for seq, g in table.groupby("seq")}
 
+    @property
+    def has_vocab_rows(self) -> bool:
+        """Whether the capture holds full-vocabulary rows (``compare --full-vocab``)."""
+        return bool(self.manifest.get("vocab"))
+
+    def vocab_rows(self, seq: int) -> torch.Tensor:
+        """Sequence ``seq``'s full log-softmax rows, float32 [len - 1, V], checked (alignaudit.capture.vocab_rows.
+        read_rows). Raises InputError when the capture holds none or the file is damaged."""
+        from alignaudit.capture.vocab_rows import read_rows
+
+        if not self.has_vocab_rows:
+            raise InputError(f"{self.path} holds no full-vocabulary rows; capture it with --full-vocab")
+        length = int((self.logprobs["seq"] == seq).sum())
+        return read_rows(self.path, self.manifest["vocab"], seq, length)
+
     def token_batch(self) -> TokenBatch:
         """The token ids this capture was made on, rebuilt from the table."""
         groups = self.logprobs.sort_values(["seq", "pos"]).groupby("seq")["token_id"]
@@ -145,6 +162,11 @@ def read_capture(directory: Path) -> Capture:
         raise InputError(f"{directory / LOGPROBS} is missing or corrupt ({type(e).__name__}); "
                          "run the capture again") from e
     _check_table(directory, manifest, table)
+    if manifest.get("vocab"):
+        from alignaudit.capture.vocab_rows import check_listing
+
+        check_listing(directory, manifest["vocab"], [len(s) for s in Capture(directory, manifest, table)
+                                                     .token_batch().sequences])
     return Capture(directory, manifest, table)
 
 

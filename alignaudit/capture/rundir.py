@@ -8,7 +8,8 @@ not use. Layout of a compare run::
     run.json                  the sealed record (comparison/integrity.py): status, settings, sha256 of every output
     summary.json, tokens.parquet, sequences.parquet
     train/, infer/            one capture per side: manifest.json, logprobs.parquet, request.json,
-                              worker.log, ops/ (op store: index.parquet, fingerprints.parquet, chunk-*.safetensors)
+                              worker.log, ops/ (op store: index.parquet, fingerprints.parquet, chunk-*.safetensors),
+                              vocab/ (compare --full-vocab: seq-NNNNN.safetensors, each sequence's log-softmax rows)
     train-unreplayed/         compare --replay-routing: the train engine on its own routing (train/ replays infer's)
 
 bisect adds ops-natural.parquet / ops-forced.parquet and bisect.json; rl writes steps.parquet, steps.png,
@@ -32,6 +33,9 @@ OPS_DIR = "ops"
 INDEX = "index.parquet"
 FINGERPRINTS = "fingerprints.parquet"
 CHUNKS = "chunk-*.safetensors"
+VOCAB_DIR = "vocab"  # full-vocabulary rows (alignaudit.capture.vocab_rows)
+VOCAB_ROWS = "seq-{seq:05d}.safetensors"
+VOCAB_ROWS_GLOB = "seq-[0-9][0-9][0-9][0-9][0-9].safetensors"
 
 # results
 RUN = "run.json"
@@ -60,7 +64,7 @@ MARKER = ".alignaudit-outputs"
 LOCK = ".alignaudit.lock"
 
 # Top-level entries each command writes in its output directory (alignaudit.capture.outdir claims them first).
-CAPTURE_OUTPUTS = (MANIFEST, MANIFEST_TMP, LOGPROBS, OPS_DIR, REQUEST, WORKER_LOG)
+CAPTURE_OUTPUTS = (MANIFEST, MANIFEST_TMP, LOGPROBS, OPS_DIR, VOCAB_DIR, REQUEST, WORKER_LOG)
 COMPARE_OUTPUTS = (RUN, *SIDES, UNREPLAYED, TOKENS, SEQUENCES, SUMMARY)
 BISECT_OUTPUTS = (RUN, *SIDES, "infer-forced", "train-as-configured", "infer-as-configured", OPS_FILES["natural"],
                   OPS_FILES["forced"], BISECT)
@@ -77,6 +81,7 @@ JUDGED = (*TOKEN_RUNS, "rl")  # the records gate judges
 
 # Files alignaudit writes inside the directories it creates (captures and their op stores; rl's sync/ and
 # tokens/; the comparison of each row of ablate's configs/): what --force may remove there.
-INNER_FILES = (MANIFEST, MANIFEST_TMP, LOGPROBS, REQUEST, WORKER_LOG, CHUNKS, INDEX, FINGERPRINTS, SYNC_WEIGHTS,
+INNER_FILES = (MANIFEST, MANIFEST_TMP, LOGPROBS, REQUEST, WORKER_LOG, CHUNKS, INDEX, FINGERPRINTS, VOCAB_ROWS_GLOB,
+               SYNC_WEIGHTS,
                "step-[0-9][0-9][0-9][0-9][0-9].parquet", RUN, SUMMARY, TOKENS, SEQUENCES, BISECT,
                OPS_FILES["natural"], REPORT, MARKER, LOCK)

@@ -97,7 +97,12 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
             replay_routing: Annotated[bool, typer.Option(
                 "--replay-routing", help="MoE models, prompt mode: the training engine's router replays the "
                 "experts the inference engine chose for each token (R3); compares with and without "
-                "(summary routing_replay).")] = False) -> None:
+                "(summary routing_replay).")] = False,
+            full_vocab: Annotated[bool, typer.Option("--full-vocab", help="Prompt mode: each engine also records its "
+                                                     "whole log-softmax row at every scored position (4 x vocabulary "
+                                                     "bytes each, in RUN/train/vocab, RUN/infer/vocab); adds "
+                                                     "KL both ways, total variation, top-1 agreement and top-5 "
+                                                     "overlap per token.")] = False) -> None:
     """Run the same token ids through a training and an inference engine and compare per-token logprobs.
 
     Prompt mode (default): every prompt token after the first gets a teacher-forced logprob from each
@@ -105,8 +110,10 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     (seeded; EOS neither stops nor is masked) and records each sampled token's logprob while decoding;
     the training engine rescores prompt + completion in one pass. Reports bitwise mismatches, ULP
     distances and the RL impact (importance ratio, clip fraction, token_mult_prob_error, probability
-    differences, KL, mean signed difference). Writes tokens.parquet, sequences.parquet and summary.json to
-    --out. The exit code is 0 whatever the result; `alignaudit gate` turns results into a CI verdict.
+    differences, KL, mean signed difference). --full-vocab compares the engines' whole distributions at each
+    position as well (exact KL both ways, total variation, top-1 agreement, top-5 overlap: summary.json's
+    "vocab"). Writes tokens.parquet, sequences.parquet and summary.json to --out. The exit code is 0 whatever
+    the result; `alignaudit gate` turns results into a CI verdict.
 
     Examples:
 
@@ -114,6 +121,7 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     alignaudit compare                  # fixture, megatron vs vllm, bf16
     alignaudit compare --dtype fp32 --train megatron --infer hf
     alignaudit compare --strict --mode rollout --max-new-tokens 32
+    alignaudit compare --full-vocab     # whole distributions: KL, TV, top-k
     alignaudit compare --model Qwen3-0.6B --random-weights \\
         --random-prompts 2 --prompt-len 64
     alignaudit compare --train vllm --infer vllm \\
@@ -123,26 +131,27 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     from alignaudit.capture.rundir import COMPARE_OUTPUTS, SEQUENCES, SUMMARY, TOKENS
 
     out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS, repeat,
-                                replay_routing)
+                                replay_routing, full_vocab)
     _render_summary(out, summary)
     _results(out / SUMMARY, out / TOKENS, out / SEQUENCES, *_report(out))
 
 
 def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat: int = 1,
-                 replay_routing: bool = False) -> tuple[Path, dict]:
+                 replay_routing: bool = False, full_vocab: bool = False) -> tuple[Path, dict]:
     """Validate everything, then run compare into the output directory; returns (out, summary)."""
     from alignaudit.commands.pipeline import compare as run_compare
+    from alignaudit.engines.checks import check_full_vocab, check_routing_replay
 
     if repeat < 1:
         raise errors.InputError(f"--repeat {repeat}: give the number of runs per engine, 1 or more")
     if repeat > 1 and sampling.mode != "prompt":
         raise errors.InputError("--repeat reruns teacher-forced prompts; use it in prompt mode (drop --mode rollout)")
     request = dataclasses.replace(build_request(model, prompts, pair, sampling, clip_eps), repeat=repeat,
-                                  replay_routing=replay_routing)
+                                  replay_routing=replay_routing, full_vocab=full_vocab)
     if replay_routing:
-        from alignaudit.engines.checks import check_routing_replay
-
         check_routing_replay(request.spec, request.train, request.infer, request.mode, repeat)
+    if full_vocab:
+        check_full_vocab(request.train, request.infer, request.mode)
     out = out_dir(output, "compare", names)
     with console.status("") as status:
         summary = run_compare(request, out, stream_log=output.verbose, on_stage=status.update)
@@ -275,7 +284,11 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
                 "--tokens-from", metavar="DIR", help="Score the token ids of another capture (e.g. a rollout made "
                 "elsewhere) instead of --prompts; its sampling transform is replayed where it recorded processed "
                 "logprobs.")] = None,
-            strict: StrictOpt = None) -> None:
+            strict: StrictOpt = None,
+            full_vocab: Annotated[bool, typer.Option("--full-vocab", help="Prompt mode: also write the engine's "
+                                                     "whole log-softmax row at every scored position (DIR/vocab); "
+                                                     "`diff` of two such captures compares the distributions.")]
+            = False) -> None:
     """Run one engine and write its capture: manifest, logprobs and (by default, prompt mode) every canonical op.
 
     Make one capture where each engine lives (e.g. in the vLLM container, then in the Megatron
@@ -318,6 +331,14 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
         inputs = (Path(tokens_from),)
     else:
         batch = load_batch(spec, prompts, model.seed, (engine,), rollout.max_new_tokens if rollout else 0)
+    if full_vocab:
+        from alignaudit.engines.checks import check_full_vocab
+
+        check_full_vocab(run, run, sample.mode)
+        if reference is not None or replay is not None:
+            raise errors.InputError("--full-vocab records each engine's own rows: with --reference (forced inputs) or "
+                                    "--tokens-from a rollout of processed logprobs (its sampling transform replayed) "
+                                    "they would not be the rows its logprobs come from; drop one")
     if reference is not None:
         inputs = (*inputs, Path(reference))
         if output.out is not None:
@@ -332,7 +353,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     out = out_dir(output, f"capture-{engine}", CAPTURE_OUTPUTS, inputs)
     with console.status(f"running {run.label()}") as status:
         result = run_capture(spec, batch, run, out, stream_log=output.verbose, ops=selection, reference=reference,
-                             rollout=rollout.to_dict() if rollout else None, replay=replay,
+                             rollout=rollout.to_dict() if rollout else None, replay=replay, full_vocab=full_vocab,
                              on_progress=lambda done, total: status.update(f"running {run.label()}: "
                                                                            f"{done}/{total} sequences"))
     ops_info = result.manifest.get("ops")

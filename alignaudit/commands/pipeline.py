@@ -24,7 +24,8 @@ from alignaudit.comparison.integrity import capture_record, manifest_sha256, sea
 from alignaudit.comparison.op_diff import DIFFERS, compare_op, first_divergence, routing_agreement
 from alignaudit.comparison.repeat import summarize_repeats
 from alignaudit.comparison.token_diff import align_tokens, compare_tokens, per_sequence, summarize
-from alignaudit.engines.checks import check_routing_replay, processed_logprobs, routing_observable
+from alignaudit.comparison.vocab import vocab_columns
+from alignaudit.engines.checks import check_full_vocab, check_routing_replay, processed_logprobs, routing_observable
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec, checkpoint_sha256
 from alignaudit.inputs.prompts import TokenBatch
@@ -44,8 +45,8 @@ def write_json(path: Path, record: dict) -> None:
 
 def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
             stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None,
-            rollout: dict | None = None, replay: dict | None = None, repeat: int = 1, on_progress=None,
-            routing_from: Path | None = None) -> Capture:
+            rollout: dict | None = None, replay: dict | None = None, repeat: int = 1, full_vocab: bool = False,
+            on_progress=None, routing_from: Path | None = None) -> Capture:
     """Run one engine on ``batch`` in a worker process; the capture lands in ``out``.
 
     ``ops`` captures the selected canonical ops too; ``reference`` (a capture with ops of the same model
@@ -54,13 +55,17 @@ def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role:
     the sampling transform. ``repeat`` > 1 (prompt mode) runs the engine again on the same token ids, also
     among random filler sequences (alignaudit.comparison.repeat). ``on_progress(done, total)`` receives sequence counts.
     ``routing_from``: a capture with the ``routing`` op whose experts the engine's MoE router replays.
+    among random filler sequences (alignaudit.comparison.repeat). ``full_vocab`` (prompt mode) also writes every
+    scored position's full log-softmax row (alignaudit.capture.vocab_rows). ``on_progress(done, total)`` receives
+    sequence counts.
     """
     request = None
     if ops is not None:
         request = {"selection": ops.to_dict(), "reference": str(Path(reference).resolve()) if reference else None}
     return run_capture(run.engine, spec, batch, run.settings, out, role=role,
                        checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log, ops=request, rollout=rollout,
-                       replay=replay, routing_from=routing_from, repeat=repeat, on_progress=on_progress)
+                       replay=replay, routing_from=routing_from, repeat=repeat, full_vocab=full_vocab,
+                       on_progress=on_progress)
 
 
 def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2,
@@ -80,10 +85,24 @@ def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0
 
 def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(tokens, sequences, summary) of two captures, nothing written: per-token comparison, per-sequence rows, the
-    summarize record with the model, both sides, repeats and, where both captures hold routing, ``routing``."""
+    summarize record with the model, both sides, repeats and, where both captures hold routing, ``routing``. When
+    both captures hold full-vocabulary rows, the tokens gain the alignaudit.comparison.vocab columns and the summary
+    its ``vocab`` record (with each side's row formula); when only one does, ``vocab_note`` says so.
+
+    Raises:
+        InputError: the captures do not hold the same token ids, or a row file is missing or damaged.
+    """
     tokens = compare_tokens(align_tokens(train.logprobs, infer.logprobs))
+    if train.has_vocab_rows and infer.has_vocab_rows:  # both captured with --full-vocab
+        tokens = vocab_columns(tokens, train.vocab_rows, infer.vocab_rows)
     sequences = per_sequence(tokens)
     summary = summarize(tokens, clip_eps=clip_eps, sequences=sequences)
+    if "vocab" in summary:
+        summary["vocab"]["rows"] = {role: c.manifest["vocab"]["rows"] for role, c in (("train", train),
+                                                                                     ("infer", infer))}
+    elif train.has_vocab_rows or infer.has_vocab_rows:
+        summary["vocab_note"] = (f"only the {'train' if train.has_vocab_rows else 'infer'} capture holds "
+                                 "full-vocabulary rows; capture both with --full-vocab")
     summary["model"] = train.manifest["model"]["name"]
     summary["sides"] = {role: _side(c) for role, c in (("train", train), ("infer", infer))}
     repeats = {role: summarize_repeats(c.manifest["repeats"]) for role, c in (("train", train), ("infer", infer))
@@ -102,9 +121,13 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
     completions and records their logprobs while decoding; the training engine then scores prompt +
     completion in one pass; when the rollout engine records processed logprobs (vLLM
     ``logprobs_mode=processed_logprobs``), the trainer scores the generated tokens under the same sampling
-    transform (temperature, top-k, top-p), as RL trainers do.
+    transform (temperature, top-k, top-p), as RL trainers do. ``request.full_vocab`` (prompt mode; checked here
+    too, engines.checks.check_full_vocab) has both engines record their full log-softmax rows, and the diff adds
+    the per-position divergence of the two distributions (alignaudit.comparison.vocab).
     ``on_stage(text)`` receives progress lines.
     """
+    if request.full_vocab:
+        check_full_vocab(request.train, request.infer, request.mode)
     record = {**request.record("compare"), "status": "running"}
     write_json(out / RUN, record)
 
@@ -131,9 +154,11 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
                                 replay=replay, on_progress=stage(request.train, "training"))
     else:
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
-                                ops=ops, repeat=request.repeat, on_progress=stage(request.train, "training"))
+                                ops=ops, repeat=request.repeat, full_vocab=request.full_vocab,
+                                on_progress=stage(request.train, "training"))
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
-                                ops=ops, repeat=request.repeat, on_progress=stage(request.infer, "inference"))
+                                ops=ops, repeat=request.repeat, full_vocab=request.full_vocab,
+                                on_progress=stage(request.infer, "inference"))
     summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps, routing_note=note)
     finish_run(out, record, {"train": train_capture, "infer": infer_capture}, (TOKENS, SEQUENCES, SUMMARY))
     return summary

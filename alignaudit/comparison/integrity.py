@@ -214,6 +214,54 @@ def _check_results(run_dir: Path, train: Capture, infer: Capture) -> None:
         if summary.get(key) != expected[key]:
             raise InputError(f"{run_dir / 'summary.json'} says {key} {summary.get(key)!r}, its captures give "
                              f"{expected[key]!r}; run it again")
+    _check_vocab(run_dir, summary, stored, fresh, train, infer)
+
+
+VOCAB_CHECKED = ("positions", "k", "nonfinite_positions", "infinite_kl", "row_token_mismatches", "kl_train_infer",
+                 "kl_infer_train", "tv", "top1_agreement", "topk_overlap_mean", "topk_overlap_min")
+
+
+def _check_vocab(run_dir: Path, summary: dict, stored, fresh, train: Capture, infer: Capture) -> None:
+    """With full-vocabulary rows (compare --full-vocab): the rows pass their checks (sha256 in the manifest, dtype,
+    shape; capture.vocab_rows.read_rows), and tokens.parquet's vocab columns and summary.json's "vocab" record are
+    those recomputed from them. Counts and flags must be equal; the float64 measures equal to a relative 1e-9, since
+    another machine's float64 reductions (vector width) may round the last bits otherwise. A summary with a vocab
+    record whose captures hold no rows, or the reverse, is refused."""
+    import math
+
+    import numpy as np
+
+    from alignaudit.comparison.vocab import COLUMNS, summarize_vocab, vocab_columns
+
+    has_rows = train.has_vocab_rows and infer.has_vocab_rows
+    if not has_rows:
+        if "vocab" in summary or any(c in stored for c in COLUMNS):
+            raise InputError(f"{run_dir / SUMMARY} holds full-vocabulary results, but its captures hold no rows to "
+                             "check them against; run it again")
+        return
+    recomputed = vocab_columns(fresh, train.vocab_rows, infer.vocab_rows)
+
+    def close(a, b) -> bool:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+        if isinstance(a, float) and isinstance(b, float):
+            return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-300) or (math.isnan(a) and math.isnan(b))
+        return a == b
+
+    for column in COLUMNS:
+        want = recomputed[column].to_numpy()
+        have = stored[column].to_numpy() if column in stored else None
+        same = have is not None and len(have) == len(want) and (
+            np.array_equal(have, want) if want.dtype == bool else
+            np.allclose(have, want, rtol=1e-9, atol=1e-300, equal_nan=True))
+        if not same:
+            raise InputError(f"{run_dir / TOKENS}: column {column} is not the comparison of the captures' "
+                             "full-vocabulary rows; run it again")
+    expected = summarize_vocab(recomputed)
+    for key in VOCAB_CHECKED:
+        if not close((summary.get("vocab") or {}).get(key), expected[key]):
+            raise InputError(f"{run_dir / SUMMARY} says vocab {key} {(summary.get('vocab') or {}).get(key)!r}, its "
+                             f"captures' rows give {expected[key]!r}; run it again")
 
 
 STEP_COLUMNS = ("step", "tokens", "mismatches", "nan_tokens", "ulp_max", "max_abs_diff", "sync_bit_equal",

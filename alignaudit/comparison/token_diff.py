@@ -87,12 +87,17 @@ WORST_SEQUENCES = 20
 def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2, sequences: pd.DataFrame | None = None) -> dict:
     """Summary record of a ``compare_tokens`` table: counts, ULP distribution, RL impact, and the
     ``WORST_SEQUENCES`` worst sequences (``sequences``, the ``per_sequence`` table, has them all); with
-    rollout tokens, the same record for the generated tokens alone under ``generated``."""
+    rollout tokens, the same record for the generated tokens alone under ``generated``; with full-vocabulary
+    columns (alignaudit.comparison.vocab.vocab_columns), their record under ``vocab``."""
     summary = summarize_tokens(tokens, clip_eps)
     sequences = per_sequence(tokens) if sequences is None else sequences
     summary["worst_sequences"] = _records(worst_sequences(sequences, WORST_SEQUENCES))
     if "generated" in tokens and tokens["generated"].any():
         summary["generated"] = summarize_tokens(tokens[tokens["generated"]], clip_eps)
+    if "vocab_tv" in tokens:  # compare --full-vocab: the columns of alignaudit.comparison.vocab
+        from alignaudit.comparison.vocab import summarize_vocab
+
+        summary["vocab"] = summarize_vocab(tokens)
     return summary
 
 

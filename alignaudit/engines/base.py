@@ -126,6 +126,9 @@ class Engine(ABC):
         # compare --replay-routing: layer -> sequence -> the rollout engine's experts, int64 [tokens, top_k]
         # (alignaudit.engines.routing_replay); the trainer's router takes them instead of its own top-k.
         self.routing_replay: dict[int, dict[int, torch.Tensor]] | None = None
+        # compare --full-vocab: receives (seq, float32 rows [len - 1, V]) for each sequence prompt_logprobs scores,
+        # each row the engine's whole log-softmax at that position (alignaudit.capture.vocab_rows).
+        self.vocab_sink = None
 
     @classmethod
     @abstractmethod
@@ -162,6 +165,11 @@ class Engine(ABC):
         """Teacher-forced logprobs: for each sequence s, a float32 tensor of shape [len(s) - 1] whose
         element t-1 is log p(s[t] | s[:t]), computed the way this engine computes it in production. With
         ``replay`` set, the generated tokens' logprobs are those of the sampling transform's distribution."""
+
+    def vocab_row_formula(self) -> str:
+        """How this engine computes the full-vocabulary rows it gives ``vocab_sink``, in words (the manifest's
+        ``vocab.rows``). Raises InputError for an engine that cannot give them."""
+        raise InputError(f"{self.name} cannot give full-vocabulary rows; drop --full-vocab")
 
     def batched_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
         """``micro_batch_logprobs`` over the micro-batches of ``batch`` (``micro_batch_size`` option), in the

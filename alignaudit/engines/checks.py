@@ -108,3 +108,31 @@ def check_routing_replay(spec, train, infer, mode: str, repeat: int = 1) -> None
                              "(e.g. --strict rmsnorm,rope,silu,attention,logprobs) or drop --replay-routing")
         raise InputError(f"--replay-routing: the train engine {train.engine} cannot take given experts in its "
                          "router; use --train megatron or --train hf")
+
+
+FULL_VOCAB_MODES = ("prompt",)
+
+
+def check_full_vocab(train, infer, mode: str) -> None:
+    """Refuse ``--full-vocab`` where no engine run can give the rows it needs (before any engine starts).
+
+    Defined in prompt mode only: in rollout mode the rollout engine's sampled tokens are scored while it decodes,
+    by its sampler, and their rows are not captured (its processed logprobs would also be another distribution
+    than the trainer's raw rows). An engine whose adapter gives no rows (EngineKind.gives_vocab_rows) and
+    tensor-parallel sizes above 1 (vLLM's ranks run in processes of its own that alignaudit's hooks do not
+    reach; Megatron's rows would need the sharded vocabulary gathered) are refused too.
+
+    Raises:
+        InputError: naming the engine or mode, why, and the fix.
+    """
+    if mode not in FULL_VOCAB_MODES:
+        raise InputError("--full-vocab compares teacher-forced rows: in rollout mode the rollout engine scores its "
+                         "sampled tokens while decoding, where alignaudit captures no rows; drop --mode rollout or "
+                         "--full-vocab")
+    for role, run in (("train", train), ("infer", infer)):
+        if not kind_of(run.engine).gives_vocab_rows:
+            raise InputError(f"--full-vocab: {run.engine} (--{role}) gives no full-vocabulary rows; choose hf, "
+                             "megatron or vllm, or drop --full-vocab")
+    refuse_parallel((train, infer), "--full-vocab", "vLLM's ranks run in processes of its own that alignaudit's "
+                    "row hooks do not reach, and Megatron's rows would need its sharded vocabulary gathered; drop "
+                    "the tensor-parallel option or --full-vocab")

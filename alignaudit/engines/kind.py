@@ -31,6 +31,8 @@ class EngineKind:
         eager_for_op_capture: op capture runs it eager, not as its compiled default (which then computes other
             bits; reports say so).
         offloads_optimizer: its trainer can keep part of the optimizer state in host memory (rl's memory plan).
+        gives_vocab_rows: its adapter gives full-vocabulary log-softmax rows (``compare --full-vocab``,
+            Engine.vocab_row_formula says how it computes them).
     """
 
     name = ""
@@ -46,6 +48,7 @@ class EngineKind:
     reserves_a_token = False
     eager_for_op_capture = False
     offloads_optimizer = False
+    gives_vocab_rows = False
 
     def check_installed(self) -> None:
         """Raises EngineError with the install command when the engine's package is missing."""

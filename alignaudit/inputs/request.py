@@ -128,6 +128,8 @@ class Request:
         repeat: prompt mode: runs of each engine on the same token ids (alignaudit.comparison.repeat); 1 = once.
         replay_routing: mixture-of-experts models, prompt mode: the train engine's router replays the infer
             engine's experts (alignaudit.engines.routing_replay), and the comparison is made with and without.
+        full_vocab: prompt mode: each engine also records every scored position's full log-softmax row, and the
+            comparison adds the divergence of the two distributions (alignaudit.comparison.vocab).
     """
 
     spec: ModelSpec
@@ -138,6 +140,7 @@ class Request:
     clip_eps: float = 0.2
     repeat: int = 1
     replay_routing: bool = False
+    full_vocab: bool = False
 
     @property
     def mode(self) -> str:
@@ -161,4 +164,5 @@ class Request:
             "clip_eps": self.clip_eps,
             "repeat": self.repeat,
             "replay_routing": self.replay_routing,
+            "full_vocab": self.full_vocab,
         }

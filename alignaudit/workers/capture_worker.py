@@ -97,11 +97,19 @@ def run_rank(request: dict, rank: int) -> None:
     rollout = request.get("rollout")
     engine.replay = request.get("replay")
     prompt_lengths = engine.replay["prompt_lengths"] if engine.replay else None
+    rows = None
+    if request.get("full_vocab"):  # prompt mode only (engines.checks.check_full_vocab refuses the rest)
+        from alignaudit.capture.vocab_rows import VocabRowWriter
+
+        rows = VocabRowWriter(out, [len(s) for s in batch.sequences], engine.vocab_row_formula()) if rank == 0 \
+            else None
+        engine.vocab_sink = rows.write if rows is not None else (lambda seq, r: None)
     if rollout:
         prompt_lengths = [len(s) for s in batch.sequences]
         batch, logprobs = engine.rollout(batch, Sampling(**rollout))
     else:
         logprobs = engine.prompt_logprobs(batch)
+    engine.vocab_sink = None  # rows of the first run only (--repeat runs again without them)
     repeats = None
     if request.get("repeat", 1) > 1:  # compare --repeat: the same engine again, op capture done
         from alignaudit.comparison.repeat import run_repeats
@@ -136,6 +144,8 @@ def run_rank(request: dict, rank: int) -> None:
     }
     if repeats is not None:
         manifest["repeats"] = repeats
+    if rows is not None:
+        manifest["vocab"] = rows.finish()
     if rank != 0:
         engine.close()
         return

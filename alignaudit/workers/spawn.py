@@ -13,7 +13,7 @@ from pathlib import Path
 
 from alignaudit import errors
 from alignaudit.capture.directory import Capture, read_capture
-from alignaudit.capture.rundir import LOGPROBS, MANIFEST, OPS_DIR, REQUEST, WORKER_LOG
+from alignaudit.capture.rundir import LOGPROBS, MANIFEST, OPS_DIR, REQUEST, VOCAB_DIR, WORKER_LOG
 from alignaudit.engines import check_installed
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
@@ -36,6 +36,7 @@ def run_capture(
     replay: dict | None = None,
     routing_from: Path | None = None,
     repeat: int = 1,
+    full_vocab: bool = False,
     on_progress=None,
 ) -> Capture:
     """Run ``engine`` in a fresh worker process and return the capture it wrote to ``out``.
@@ -48,6 +49,7 @@ def run_capture(
     ``routing_from`` (a capture holding the ``routing`` op of every MoE layer, on the same token ids) makes the
     engine's router replay that capture's experts (compare --replay-routing).
     ``repeat`` > 1 (prompt mode) runs the engine that many times in the worker (alignaudit.comparison.repeat).
+    ``full_vocab`` (prompt mode) also writes every scored position's full log-softmax row (capture/vocab_rows.py).
 
     Raises:
         EngineError: the engine is not installed, or the worker crashed (message: its last log lines).
@@ -59,6 +61,7 @@ def run_capture(
     for stale in (MANIFEST, LOGPROBS):  # a failed run must never leave an earlier capture looking valid
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / OPS_DIR, ignore_errors=True)
+    shutil.rmtree(out / VOCAB_DIR, ignore_errors=True)
     request = {
         "engine": engine,
         "role": role,
@@ -71,6 +74,7 @@ def run_capture(
         "replay": replay,
         "routing_from": str(Path(routing_from).resolve()) if routing_from else None,
         "repeat": repeat,
+        "full_vocab": full_vocab,
         "out": str(out.resolve()),
     }
     (out / REQUEST).write_text(json.dumps(request, indent=2) + "\n")

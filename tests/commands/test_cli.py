@@ -35,13 +35,22 @@ def test_compare_megatron_vs_vllm_default(tmp_path):
 
 
 def test_self_consistency_same_engine_both_sides(tmp_path):
-    """One engine, the same settings spelled two ways: a deterministic engine must agree with itself."""
+    """One engine, the same settings spelled two ways: a deterministic engine must agree with itself, down to its
+    whole distributions (--full-vocab: every KL and TV exactly 0, the run sealed and checked as gate checks it)."""
+    from alignaudit.comparison.integrity import load_run
+
     out = tmp_path / "self"
     code = cli.main(["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "micro_batch_size=auto",
-                     "--dtype", "fp32", "--out", str(out)])
+                     "--dtype", "fp32", "--full-vocab", "--out", str(out)])
     assert code == EXIT_OK
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mismatches"] == 0 and summary["tokens_compared"] == 176
+    vocab = summary["vocab"]
+    assert vocab["positions"] == 176 and vocab["kl_train_infer"]["max"] == vocab["tv"]["max"] == 0.0
+    assert vocab["top1_agreement"] == 1.0 and vocab["row_token_mismatches"] == {"train": 0, "infer": 0}
+    assert json.loads((out / "run.json").read_text())["full_vocab"] is True
+    assert sorted(p.name for p in (out / "infer" / "vocab").iterdir()) == [f"seq-{s:05d}.safetensors" for s in range(4)]
+    assert load_run(out).record["status"] == "complete"
     assert summary["sides"]["infer"]["options"] == {"micro_batch_size": "auto"}
     manifest = json.loads((out / "infer" / "manifest.json").read_text())
     assert manifest["engine_settings"]["micro_batch_size"] == "auto"
@@ -144,11 +153,12 @@ def test_help_lists_commands_and_examples():
 
 
 def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
-    """Two captures made separately (as in two containers), compared afterwards."""
+    """Two captures made separately (as in two containers), compared afterwards: ops, logprobs and (--full-vocab)
+    whole distributions."""
     import shutil
 
     a, b = tmp_path / "megatron", tmp_path / "hf"
-    sel = ["--layers", "0", "--ops", "input_norm,attn"]
+    sel = ["--layers", "0", "--ops", "input_norm,attn", "--full-vocab"]
     assert cli.main(["capture", "--engine", "megatron", *sel, "--out", str(a)]) == EXIT_OK
     assert cli.main(["capture", "--engine", "hf", *sel, "--out", str(b)]) == EXIT_OK
     manifest = json.loads((a / "manifest.json").read_text())
@@ -159,6 +169,12 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
     ops = pd.read_parquet(tmp_path / "d" / "ops.parquet").set_index("op")
     assert list(ops.index) == ["layers.0.input_norm", "layers.0.attn", "logprobs"]
     assert ops.loc["layers.0.input_norm", "status"] == "differs" and ops.loc["logprobs", "status"] == "differs"
+    vocab = json.loads((tmp_path / "d" / "summary.json").read_text())["vocab"]
+    assert vocab["positions"] == 176 and vocab["kl_train_infer"]["mean"] > 0
+    assert vocab["row_token_mismatches"] == {"train": 0, "infer": 0}
+    err = one_line_error(capsys, ["capture", "--engine", "hf", "--full-vocab", "--reference", str(a), "--out",
+                                  str(tmp_path / "fv")], EXIT_USAGE)
+    assert "--full-vocab records each engine's own rows" in err
 
     other_prompts = tmp_path / "other-prompts"
     assert cli.main(["capture", "--engine", "hf", "--no-ops", "--random-prompts", "2", "--prompt-len", "8",

@@ -54,6 +54,9 @@ def test_broken_checkpoints_fail_before_any_engine(capsys, tmp_path, edit, messa
     (["--random-weights"], "--random-weights needs --model PRESET"),
     (["--strict", "softmax"], "unknown op(s) softmax"),
     (["--out", "/proc/alignaudit"], "cannot create --out"),
+    (["--full-vocab", "--mode", "rollout"], "--full-vocab compares teacher-forced rows: in rollout mode"),
+    (["--full-vocab", "--infer-opt", "tensor_parallel_size=2"],
+     "--full-vocab with vllm at tensor parallel size > 1 is not implemented"),
 ])
 def test_input_errors_before_any_engine(capsys, tmp_path, argv, message):
     argv = ["compare", *argv] + ([] if "--out" in argv else ["--out", str(tmp_path / "o")])

@@ -11,6 +11,7 @@ class HFKind(EngineKind):
     name = "hf"
     display = "Hugging Face transformers"
     adapter = "alignaudit.engines.hf.adapter:HFEngine"
+    gives_vocab_rows = True
     requires = "transformers"
     install = "pip install alignaudit"
     trains = True

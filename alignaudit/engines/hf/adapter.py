@@ -85,6 +85,10 @@ class HFEngine(Engine):
                 target["ids"] = batch_routing(self.routing_replay[layer], rows, ids.shape[1], seq_first=False)
         logits = self.model(input_ids=ids, attention_mask=valid.long()).logits
         lp = self.token_logprobs(logits[:, :-1], ids[:, 1:])
+        if self.vocab_sink is not None:
+            vocab = self.log_softmax_rows(logits[:, :-1])
+            for j, (r, s) in enumerate(zip(rows, seqs)):
+                self.vocab_sink(r, vocab[j, : len(s) - 1])
         results = []
         for j, (r, s) in enumerate(zip(rows, seqs)):
             seq_lp = lp[j, : len(s) - 1]
@@ -164,6 +168,20 @@ class HFEngine(Engine):
 
             return K.token_logprobs(logits, targets)
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+
+    def log_softmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 log-softmax rows [..., V] of logits [..., V], by the formula ``token_logprobs`` gathers from: TRL's
+        ``log_softmax(logits.float(), -1)``, or the strict kernel's log_softmax (bit for bit the rows its
+        token_logprobs gathers, alignaudit_kernels.logprobs)."""
+        if "logprobs" in self.settings.strict_ops:
+            import alignaudit_kernels as K
+
+            return K.log_softmax(logits)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def vocab_row_formula(self) -> str:
+        return ("alignaudit_kernels.log_softmax(logits)" if "logprobs" in self.settings.strict_ops
+                else "log_softmax(logits.float(), -1)") + " over the model's output logits"
 
     def install_taps(self, tap):
         from alignaudit.engines.hf import taps as hf_taps

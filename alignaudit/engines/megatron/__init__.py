@@ -13,6 +13,7 @@ class MegatronKind(EngineKind):
     name = "megatron"
     display = "Megatron-Core"
     adapter = "alignaudit.engines.megatron.adapter:MegatronEngine"
+    gives_vocab_rows = True
     requires = "megatron.core"
     install = "pip install 'alignaudit[megatron]'"
     tp_option = "tensor_model_parallel_size"

