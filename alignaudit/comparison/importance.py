@@ -26,11 +26,13 @@ Sources (read 2026-12-02; docs/rl-metrics.md maps every number to the frameworks
           truncated_importance_sampling_ratio(_min), is_oob_ratio, token_mult_prob_error, gen_kl_error,
           policy_kl_error, sampling_importance_ratio; nemo_rl/algorithms/utils.py calculate_kl.
 
-Differences from the frameworks, on purpose: ESS is mean(w)^2 / mean(w^2) (verl adds 1e-8 to the mean, so its ESS
-of all-equal weights is 1 - 2e-8, ours exactly 1); verl's k1 rejection compares -log r, the log of the *inverse*
-ratio, with its bounds (identical to ours for bounds with low = 1/high). Like verl, weights exponentiate the log
-ratio clamped to [-20, 20] (its SAFETY_BOUND); fractions at sequence level compare in log space, as verl does.
-Tokens whose logprob is NaN or infinite on either side are left out (``tokens`` counts those used).
+Differences from the frameworks, on purpose: ESS is mean(w)^2 / mean(w^2) (verl adds 1e-8 to the mean, so its
+ESS of all-equal weights is 1 - 2e-8, ours exactly 1); verl's k1 rejection compares -log r, the log of the
+*inverse* ratio, with its bounds (identical to ours for bounds with low = 1/high); k3 is computed as
+expm1(d) - d, the frameworks' exp(d) - 1 - d without its cancellation (at |d| = 1e-8 that form is rounding
+noise). Like verl, weights exponentiate the log ratio clamped to [-20, 20] (its SAFETY_BOUND); fractions at
+sequence level compare in log space, as verl does. Tokens whose logprob is NaN or infinite on either side are
+left out (``tokens`` counts those used).
 """
 
 from __future__ import annotations
@@ -132,8 +134,8 @@ def importance_diagnostics(seq, lp_train, lp_infer, thresholds: ISThresholds | N
             "seq_mask_fraction": np.mean(~seq_kept), "seq_mask_token_fraction": token_share(~seq_kept),
             "geo_ratio_min": np.min(geo), "geo_ratio_max": np.max(geo),
             "geo_mask_fraction": np.mean(~geo_kept), "geo_mask_token_fraction": token_share(~geo_kept),
-            "kl_k1": np.mean(li - lt), "kl_k3": np.mean(np.exp(d) - 1.0 - d),
-            "kl_k3_train_rollout": np.mean(np.exp(-d) - 1.0 + d),
+            "kl_k1": np.mean(li - lt), "kl_k3": np.mean(np.expm1(d) - d),
+            "kl_k3_train_rollout": np.mean(np.expm1(-d) + d),
             "chi2_token": np.mean(r * r) - 1.0, "chi2_seq": np.mean(np.exp(2.0 * s_safe)) - 1.0,
             "training_log_ppl": np.mean(-mean_lt), "rollout_log_ppl": np.mean(-mean_li),
             "log_ppl_diff": np.mean(mean_li - mean_lt),
