@@ -103,6 +103,36 @@ def saved_vocab_rows(capture, seq: int) -> torch.Tensor:
     return load_file(str(capture.path / "vocab" / f"seq-{seq:05d}.safetensors"))["logprobs"]
 
 
+def importance_by_hand(tokens, tis=2.0, mask_low=0.5, mask_high=5.0, geo_low=0.999, geo_high=1.001) -> dict:
+    """The IS fractions and KL of a tokens table (a run's tokens.parquet or tokens/step-N.parquet), recomputed
+    here with pandas from the definitions (verl rollout_corr_helper.py, NeMo-RL loss_functions.py), independently of
+    alignaudit.comparison.importance: over the generated tokens when there are any."""
+    import numpy as np
+    import pandas as pd
+
+    t = tokens[tokens["generated"]] if "generated" in tokens and tokens["generated"].any() else tokens
+    d = t["lp_train"].to_numpy(np.float64) - t["lp_infer"].to_numpy(np.float64)
+    frame = pd.DataFrame({"seq": t["seq"].to_numpy(), "d": d, "r": np.exp(d)})
+    by = frame.groupby("seq")
+    prod, geo, size = np.exp(by["d"].sum()), np.exp(by["d"].mean()), by.size()
+    r = frame["r"]
+    out_token = (r < mask_low) | (r > mask_high)
+    geo_out = (geo < geo_low) | (geo > geo_high)
+    return {
+        "tokens": len(t), "sequences": len(size),
+        "token_tis_fraction": float((r > tis).mean()),
+        "token_tis_seq_fraction": float((by["r"].max() > tis).mean()),
+        "token_mask_fraction": float(out_token.mean()),
+        "token_mask_seq_fraction": float(out_token.groupby(frame["seq"]).any().mean()),
+        "seq_tis_fraction": float((prod > tis).mean()),
+        "seq_mask_fraction": float(((prod < mask_low) | (prod > mask_high)).mean()),
+        "geo_mask_fraction": float(geo_out.mean()),
+        "geo_mask_token_fraction": float(size[geo_out].sum() / len(t)),
+        "kl_k3": float(np.mean(r - 1 - d)),
+        "token_ratio_max": float(r.max()), "token_ratio_min": float(r.min()),
+    }
+
+
 # --- the CLI as a user runs it ---
 
 def run_cli(*args, cwd=None):

@@ -54,6 +54,8 @@ STEP_TOKENS = "step-{step:05d}.parquet"
 SYNC_DIR = "sync"
 SYNC_WEIGHTS = "weights.safetensors"
 TRAIN_LOG, INFER_LOG = "train.log", "infer.log"
+TENSORBOARD_DIR = "tensorboard"  # rl --log-to tensorboard: event files (alignaudit.rl.export)
+WANDB_DIR = "wandb"  # rl --log-to wandb: what wandb.init(mode="offline", dir=RUN) writes there
 VERDICT = "verdict.json"
 JUNIT = "junit.xml"
 SUMMARY_MD = "summary.md"
@@ -70,7 +72,8 @@ BISECT_OUTPUTS = (RUN, *SIDES, "infer-forced", "train-as-configured", "infer-as-
                   OPS_FILES["forced"], BISECT)
 DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, OPS_FILES["diff"])  # and RUN, written last
 GATE_OUTPUTS = (VERDICT, JUNIT, SUMMARY_MD)
-RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, SYNC_DIR, TRAIN_LOG, INFER_LOG, "train." + REQUEST, "infer." + REQUEST)
+RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, SYNC_DIR, TRAIN_LOG, INFER_LOG, "train." + REQUEST, "infer." + REQUEST,
+              TENSORBOARD_DIR, WANDB_DIR)
 ABLATE_OUTPUTS = (RUN, CONFIGS, ABLATE_PARQUET, ABLATE_JSON)
 # the result files each command's run.json must list (alignaudit.comparison.integrity checks them)
 RESCORE_OUTPUTS = (RUN, *SIDES, TOKENS, SEQUENCES, SUMMARY)  # the rollout file's capture plays the infer side

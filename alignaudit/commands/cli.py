@@ -23,6 +23,7 @@ from alignaudit.capture import outdir
 from alignaudit.commands.options import (
     ClipEpsOpt,
     DeviceOpt,
+    ISArgs,
     LayersOpt,
     MaxNewTokensOpt,
     ModelArgs,
@@ -89,7 +90,7 @@ def _results(*paths) -> None:
 @app.command()
 @grouped
 def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs, output: OutputArgs,
-            clip_eps: ClipEpsOpt = 0.2,
+            importance: ISArgs, clip_eps: ClipEpsOpt = 0.2,
             repeat: Annotated[int, typer.Option("--repeat", metavar="N", help="Prompt mode: run each engine N times in "
                                                 "one process on the same token ids, the first repeat on the same "
                                                 "batch, later ones among random filler sequences; reports "
@@ -110,10 +111,12 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     (seeded; EOS neither stops nor is masked) and records each sampled token's logprob while decoding;
     the training engine rescores prompt + completion in one pass. Reports bitwise mismatches, ULP
     distances and the RL impact (importance ratio, clip fraction, token_mult_prob_error, probability
-    differences, KL, mean signed difference). --full-vocab compares the engines' whole distributions at each
-    position as well (exact KL both ways, total variation, top-1 agreement, top-5 overlap: summary.json's
-    "vocab"). Writes tokens.parquet, sequences.parquet and summary.json to --out. The exit code is 0 whatever
-    the result; `alignaudit gate` turns results into a CI verdict.
+    differences, KL, mean signed difference) and the importance-sampling diagnostics of RL frameworks (truncated
+    and masked IS at token, sequence and geometric level at --tis-threshold, --mask-low/--mask-high and
+    --geo-mask-low/--geo-mask-high; docs/rl-metrics.md). --full-vocab compares the engines' whole distributions at
+    each position as well (exact KL both ways, total variation, top-1 agreement, top-5 overlap: summary.json's
+    "vocab"). Writes tokens.parquet, sequences.parquet and summary.json to --out. The exit code is 0 whatever the
+    result; `alignaudit gate` turns results into a CI verdict.
 
     Examples:
 
@@ -131,13 +134,14 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     from alignaudit.capture.rundir import COMPARE_OUTPUTS, SEQUENCES, SUMMARY, TOKENS
 
     out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS, repeat,
-                                replay_routing, full_vocab)
+                                replay_routing, full_vocab, importance)
     _render_summary(out, summary)
     _results(out / SUMMARY, out / TOKENS, out / SEQUENCES, *_report(out))
 
 
 def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat: int = 1,
-                 replay_routing: bool = False, full_vocab: bool = False) -> tuple[Path, dict]:
+                 replay_routing: bool = False, full_vocab: bool = False,
+                 importance: ISArgs | None = None) -> tuple[Path, dict]:
     """Validate everything, then run compare into the output directory; returns (out, summary)."""
     from alignaudit.commands.pipeline import compare as run_compare
     from alignaudit.engines.checks import check_full_vocab, check_routing_replay
@@ -146,7 +150,7 @@ def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat
         raise errors.InputError(f"--repeat {repeat}: give the number of runs per engine, 1 or more")
     if repeat > 1 and sampling.mode != "prompt":
         raise errors.InputError("--repeat reruns teacher-forced prompts; use it in prompt mode (drop --mode rollout)")
-    request = dataclasses.replace(build_request(model, prompts, pair, sampling, clip_eps), repeat=repeat,
+    request = dataclasses.replace(build_request(model, prompts, pair, sampling, clip_eps, importance), repeat=repeat,
                                   replay_routing=replay_routing, full_vocab=full_vocab)
     if replay_routing:
         check_routing_replay(request.spec, request.train, request.infer, request.mode, repeat)
@@ -526,7 +530,7 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
 
 @app.command()
 @grouped
-def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
+def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs, importance: ISArgs,
        steps: Annotated[int, typer.Option("--steps", metavar="N", help="GRPO steps.")] = 10,
        lr: Annotated[float, typer.Option("--lr", metavar="LR", help="Adam learning rate (0: weights never change, "
                                          "the weight-sync control).")] = 1e-4,
@@ -548,7 +552,11 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                                               )] = 0.0,
        no_token_rows: Annotated[bool, typer.Option("--no-token-rows", metavar="", help="Skip tokens/step-*.parquet "
                                                    "(one row per generated token per step) "
-                                                   "on long runs.")] = False) -> None:
+                                                   "on long runs.")] = False,
+       log_to: Annotated[Optional[str], typer.Option("--log-to", metavar="SINKS", help="Also log every step's "
+                                                     "numbers to tensorboard (RUN/tensorboard/) and/or wandb "
+                                                     "(offline, RUN/wandb/), comma-separated; each needs its "
+                                                     "package (pip install tensorboard wandb).")] = None) -> None:
     """N GRPO steps with the train/rollout alignment checked at every step.
 
     Each step the inference engine samples --group-size completions per prompt (seeded; the same seeds
@@ -568,15 +576,17 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     alignaudit rl --steps 200 --strict                 # fixture, megatron trains, vllm rolls out
     alignaudit rl --steps 5 --lr 0                     # control: weights fixed, sync still runs
     alignaudit rl --train hf --infer hf --steps 20 --strict
+    alignaudit rl --steps 50 --log-to tensorboard      # tensorboard --logdir RUN/tensorboard
     ```
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from alignaudit.capture.rundir import PLOT, RL_OUTPUTS, RUN, STEPS
+    from alignaudit.rl.export import parse_sinks
     from alignaudit.rl.loop import RLSettings, run_rl
 
     settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows, reward=reward,
-                          kl_coef=kl_coef)
+                          kl_coef=kl_coef, log_to=parse_sinks(log_to))
     settings.check()
     from alignaudit.engines import kind_of, names_where
 
@@ -585,7 +595,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
         raise errors.InputError(f"rl trains with {trainers} and rolls out with {rollers}; got --train {run.train} "
                                 f"--infer {run.infer}")
     request = build_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p),
-                            clip_eps)
+                            clip_eps, importance)
     from alignaudit.engines.checks import refuse_parallel
 
     refuse_moe(request.spec, "alignaudit rl")
@@ -734,10 +744,18 @@ def _report(run_dir: Path) -> tuple[Path, ...]:
 
 
 def _step_line(row: dict) -> str:
+    """One rl step as the progress bar shows it: mismatching tokens, max |d|, k3 KL and clip fraction first (what
+    the mismatch costs the optimizer), then the sync, the reward and the time."""
     sync = "sync ok" if row["sync_bit_equal"] else f"[red]sync: {row['sync_tensors_differing']} tensors differ[/]"
     mism = f"{row['mismatches']}/{row['tokens']} tokens differ"
-    return (f"{'[green]' if row['mismatches'] == 0 else '[red]'}{mism}[/], max ULP {row['ulp_max']}, {sync}, "
+    return (f"{'[green]' if row['mismatches'] == 0 else '[red]'}{mism}[/], max |d| {_num(row['max_abs_diff'])}, "
+            f"KL {_num(row['kl_k3'])}, clip {_num(row['clip_fraction'], '.3f')}, {sync}, "
             f"reward {row['reward_mean']:.3f}, {row['seconds']:.1f}s")
+
+
+def _num(x, spec: str = ".2e") -> str:
+    """A step-line number; "n/a" where the step had none (no finite pair)."""
+    return "n/a" if x is None or x != x else format(x, spec)
 
 
 def _refuse_parallel_capture(runs, forced: bool) -> None:

@@ -84,6 +84,17 @@ OpsOpt = Annotated[Optional[str], typer.Option("--ops", metavar="OPS", help="Can
 ClipEpsOpt = Annotated[float, typer.Option("--clip-eps", metavar="EPS",
                                            help="PPO clip epsilon: the clip-fraction metric's range, and in rl "
                                                 "also the clip range of the loss.")]
+TisThresholdOpt = Annotated[float, typer.Option(
+    "--tis-threshold", metavar="C", help="Importance-sampling diagnostics: the truncation C of truncated IS, token and "
+                                         "sequence level (verl's rollout_is_threshold; > 0).")]
+MaskLowOpt = Annotated[float, typer.Option("--mask-low", metavar="L", help="Importance-sampling diagnostics: masked "
+                                           "IS (IcePop) keeps token and sequence ratios in [L, H] (0 <= L < H).")]
+MaskHighOpt = Annotated[float, typer.Option("--mask-high", metavar="H", help="The upper end of --mask-low's range.")]
+GeoMaskLowOpt = Annotated[float, typer.Option("--geo-mask-low", metavar="L", help="Importance-sampling diagnostics: "
+                                              "the geometric-mean sequence mask (NeMo-RL seq-mask-tis, verl Geo-RS) "
+                                              "keeps sequences whose exp(mean log ratio) lies in [L, H].")]
+GeoMaskHighOpt = Annotated[float, typer.Option("--geo-mask-high", metavar="H",
+                                               help="The upper end of --geo-mask-low's range.")]
 ModeOpt = Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
                                       "(the inference engine samples, the training engine rescores).")]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", metavar="N",
@@ -152,7 +163,26 @@ class OutputArgs:
     verbose: VerboseOpt = False
 
 
-GROUPS = (ModelArgs, PromptArgs, PairArgs, SamplingArgs, OutputArgs)
+@dataclass
+class ISArgs:
+    """The thresholds of the importance-sampling diagnostics (summary.json's ``importance``; docs/rl-metrics.md).
+    Defaults: verl's rollout_is_threshold 2.0, its IcePop preset 0.5_5.0 and its Geo-RS preset 0.999_1.001."""
+
+    tis_threshold: TisThresholdOpt = 2.0
+    mask_low: MaskLowOpt = 0.5
+    mask_high: MaskHighOpt = 5.0
+    geo_mask_low: GeoMaskLowOpt = 0.999
+    geo_mask_high: GeoMaskHighOpt = 1.001
+
+    def thresholds(self):
+        """The checked ISThresholds. Raises InputError for C <= 0 or a range with low >= high."""
+        from alignaudit.inputs.request import ISThresholds
+
+        return ISThresholds(self.tis_threshold, self.mask_low, self.mask_high, self.geo_mask_low,
+                            self.geo_mask_high).check()
+
+
+GROUPS = (ModelArgs, PromptArgs, PairArgs, SamplingArgs, OutputArgs, ISArgs)
 
 
 def grouped(fn):
@@ -300,7 +330,7 @@ def load_batch(spec, args: PromptArgs, seed: int, engines, new_tokens: int = 0):
 
 
 def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, sampling_args: SamplingArgs | None = None,
-                  clip_eps: float = 0.2):
+                  clip_eps: float = 0.2, importance: ISArgs | None = None):
     """Validate every option and build the Request (no engine starts here).
 
     Raises:
@@ -309,11 +339,12 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
     from alignaudit.inputs.request import Request
 
     check_clip_eps(clip_eps)
+    thresholds = (importance or ISArgs()).thresholds()
     rollout = sampling(sampling_args, model.seed) if sampling_args is not None else None
     spec = resolve_model_arg(model)
     train, infer = engine_runs(pair, model.seed, spec, "rollout" if rollout else "prompt")
     batch = load_batch(spec, prompts, model.seed, (pair.train, pair.infer), rollout.max_new_tokens if rollout else 0)
-    return Request(spec, batch, train, infer, rollout, clip_eps)
+    return Request(spec, batch, train, infer, rollout, clip_eps, importance=thresholds)
 
 
 def out_dir(output: OutputArgs, command: str, names: tuple[str, ...], inputs: tuple[Path, ...] = ()) -> Path:

@@ -29,7 +29,7 @@ from alignaudit.engines.checks import check_full_vocab, check_routing_replay, pr
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec, checkpoint_sha256
 from alignaudit.inputs.prompts import TokenBatch
-from alignaudit.inputs.request import EngineRun, Request
+from alignaudit.inputs.request import EngineRun, ISThresholds, Request
 from alignaudit.inputs.rollouts import REPLAYED
 from alignaudit.workers.spawn import run_capture
 
@@ -69,11 +69,11 @@ def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role:
 
 
 def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2,
-                  routing_note: str | None = None) -> dict:
+                  routing_note: str | None = None, importance: ISThresholds | None = None) -> dict:
     """Compare two captures (checked by alignaudit.comparison.integrity first); write tokens.parquet, sequences.parquet
     and summary.json. ``routing_note``: why a mixture-of-experts comparison holds no routing (the captures
-    were made without it)."""
-    tokens, sequences, summary = comparison(train, infer, clip_eps)
+    were made without it). ``importance``: the IS diagnostics' thresholds (default ISThresholds())."""
+    tokens, sequences, summary = comparison(train, infer, clip_eps, importance)
     if "routing" not in summary and routing_note:
         summary["routing_note"] = routing_note
     out.mkdir(parents=True, exist_ok=True)
@@ -83,11 +83,13 @@ def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0
     return summary
 
 
-def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2,
+               importance: ISThresholds | None = None) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(tokens, sequences, summary) of two captures, nothing written: per-token comparison, per-sequence rows, the
-    summarize record with the model, both sides, repeats and, where both captures hold routing, ``routing``. When
-    both captures hold full-vocabulary rows, the tokens gain the alignaudit.comparison.vocab columns and the summary
-    its ``vocab`` record (with each side's row formula); when only one does, ``vocab_note`` says so.
+    summarize record (IS diagnostics at ``importance``'s thresholds) with the model, both sides, repeats and, where
+    both captures hold routing, ``routing``. When both captures hold full-vocabulary rows, the tokens gain the
+    alignaudit.comparison.vocab columns and the summary its ``vocab`` record (with each side's row formula); when
+    only one does, ``vocab_note`` says so.
 
     Raises:
         InputError: the captures do not hold the same token ids, or a row file is missing or damaged.
@@ -96,7 +98,7 @@ def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2) -> tuple[p
     if train.has_vocab_rows and infer.has_vocab_rows:  # both captured with --full-vocab
         tokens = vocab_columns(tokens, train.vocab_rows, infer.vocab_rows)
     sequences = per_sequence(tokens)
-    summary = summarize(tokens, clip_eps=clip_eps, sequences=sequences)
+    summary = summarize(tokens, clip_eps=clip_eps, sequences=sequences, importance=importance)
     if "vocab" in summary:
         summary["vocab"]["rows"] = {role: c.manifest["vocab"]["rows"] for role, c in (("train", train),
                                                                                      ("infer", infer))}
@@ -159,7 +161,8 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
                                 ops=ops, repeat=request.repeat, full_vocab=request.full_vocab,
                                 on_progress=stage(request.infer, "inference"))
-    summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps, routing_note=note)
+    summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps, routing_note=note,
+                            importance=request.importance)
     finish_run(out, record, {"train": train_capture, "infer": infer_capture}, (TOKENS, SEQUENCES, SUMMARY))
     return summary
 
@@ -178,8 +181,9 @@ def _compare_replayed(request: Request, out: Path, record: dict, stream_log: boo
     train_capture = capture(request.spec, request.batch, request.train, out / "train", role="train",
                             routing_from=infer_capture.path,
                             on_progress=stage(request.train, "training (routing replayed)"), **kw)
-    before = comparison(unreplayed, infer_capture, request.clip_eps)[2]
-    summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps)
+    before = comparison(unreplayed, infer_capture, request.clip_eps, request.importance)[2]
+    summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps,
+                            importance=request.importance)
     changed = summarize(compare_tokens(align_tokens(unreplayed.logprobs, train_capture.logprobs)))["mismatches"]
     summary["routing_replay"] = routing_replay_record(before, summary, changed, train_capture)
     write_json(out / SUMMARY, summary)

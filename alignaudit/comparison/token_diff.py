@@ -13,6 +13,8 @@ RL impact metrics, for d = lp_train - lp_infer per token (computed in float64):
                              from rollout samples (J. Schulman, "Approximating KL Divergence", 2020)
     mean signed diff         mean(d): a bias indicator (the other metrics are symmetric in sign)
 NaN and Inf logprobs are counted per side (``nan_tokens``, ``inf_tokens``), never averaged in.
+Importance-sampling diagnostics (truncated and masked IS at token, sequence and geometric level, ESS, KL, log-
+perplexity) under ``importance``, with the thresholds they used: alignaudit.comparison.importance.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import pandas as pd
 import torch
 
 from alignaudit.comparison import numerics
+from alignaudit.comparison.importance import summarize_importance
 from alignaudit.errors import InputError
+from alignaudit.inputs.request import ISThresholds
 
 ULP_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 3, "2-3"), (4, 15, "4-15"), (16, 255, "16-255"), (256, None, ">=256"))
 
@@ -84,16 +88,17 @@ def compare_tokens(tokens: pd.DataFrame) -> pd.DataFrame:
 WORST_SEQUENCES = 20
 
 
-def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2, sequences: pd.DataFrame | None = None) -> dict:
-    """Summary record of a ``compare_tokens`` table: counts, ULP distribution, RL impact, and the
-    ``WORST_SEQUENCES`` worst sequences (``sequences``, the ``per_sequence`` table, has them all); with
-    rollout tokens, the same record for the generated tokens alone under ``generated``; with full-vocabulary
-    columns (alignaudit.comparison.vocab.vocab_columns), their record under ``vocab``."""
-    summary = summarize_tokens(tokens, clip_eps)
+def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2, sequences: pd.DataFrame | None = None,
+              importance: ISThresholds | None = None) -> dict:
+    """Summary record of a ``compare_tokens`` table: counts, ULP distribution, RL impact, IS diagnostics at
+    ``importance``'s thresholds, and the ``WORST_SEQUENCES`` worst sequences (``sequences``, the ``per_sequence``
+    table, has them all); with rollout tokens, the same record for the generated tokens alone under ``generated``;
+    with full-vocabulary columns (alignaudit.comparison.vocab.vocab_columns), their record under ``vocab``."""
+    summary = summarize_tokens(tokens, clip_eps, importance)
     sequences = per_sequence(tokens) if sequences is None else sequences
     summary["worst_sequences"] = _records(worst_sequences(sequences, WORST_SEQUENCES))
     if "generated" in tokens and tokens["generated"].any():
-        summary["generated"] = summarize_tokens(tokens[tokens["generated"]], clip_eps)
+        summary["generated"] = summarize_tokens(tokens[tokens["generated"]], clip_eps, importance)
     if "vocab_tv" in tokens:  # compare --full-vocab: the columns of alignaudit.comparison.vocab
         from alignaudit.comparison.vocab import summarize_vocab
 
@@ -101,9 +106,10 @@ def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2, sequences: pd.DataFra
     return summary
 
 
-def summarize_tokens(tokens: pd.DataFrame, clip_eps: float) -> dict:
-    """Counts, ULP distribution, NaN/Inf counts and RL impact of a ``compare_tokens`` table (no per-sequence
-    view). Raises InputError for an empty table."""
+def summarize_tokens(tokens: pd.DataFrame, clip_eps: float, importance: ISThresholds | None = None) -> dict:
+    """Counts, ULP distribution, NaN/Inf counts, RL impact and (``importance``: importance.summarize_importance at
+    these thresholds, default ISThresholds()) IS diagnostics of a ``compare_tokens`` table (no per-sequence
+    view). Raises InputError for an empty table or invalid thresholds."""
     n = len(tokens)
     if n == 0:
         raise InputError("no tokens to compare (every sequence needs at least 2 tokens)")
@@ -142,6 +148,7 @@ def summarize_tokens(tokens: pd.DataFrame, clip_eps: float) -> dict:
             "prob_diff_mean": _mean(prob_diff),
             "kl_k3_mean": _mean(ratio - 1.0 - d),
         },
+        "importance": summarize_importance(tokens, importance),
     }
 
 

@@ -8,6 +8,7 @@ command re-lists or hard-codes another's settings.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -117,6 +118,46 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class ISThresholds:
+    """Importance-sampling thresholds of the IS diagnostics (alignaudit.comparison.importance), user settings.
+
+    Attributes:
+        tis: C, truncated IS: weights min(ratio, C), token and sequence level (verl's rollout_is_threshold,
+            default 2.0; NeMo-RL's truncated_importance_sampling_ratio). ``--tis-threshold``.
+        mask_low, mask_high: masked IS (IcePop) at token and sequence (product) level: a weight outside
+            [low, high] is zeroed (verl's "lower_upper" rollout_is_threshold, preset 0.5_5.0; NeMo-RL's icepop,
+            reference bounds 0.5-5). ``--mask-low`` / ``--mask-high``.
+        geo_mask_low, geo_mask_high: the same for the per-sequence geometric mean ratio (verl's seq_mean_k1
+            rejection, preset 0.999_1.001; NeMo-RL's seq-mask-tis, reference bounds 0.999-1.002).
+            ``--geo-mask-low`` / ``--geo-mask-high``.
+    """
+
+    tis: float = 2.0
+    mask_low: float = 0.5
+    mask_high: float = 5.0
+    geo_mask_low: float = 0.999
+    geo_mask_high: float = 1.001
+
+    def check(self) -> ISThresholds:
+        """Returns self; raises InputError naming the flag for a threshold no framework could use."""
+        if isinstance(self.tis, bool) or not (isinstance(self.tis, (int, float)) and math.isfinite(self.tis)
+                                              and self.tis > 0):
+            raise InputError(f"--tis-threshold {self.tis}: the truncation C must be a finite number > 0 (verl's "
+                             f"default is 2.0)")
+        for flag, low, high, example in (("mask", self.mask_low, self.mask_high, "0.5 and 5.0"),
+                                         ("geo-mask", self.geo_mask_low, self.geo_mask_high, "0.999 and 1.001")):
+            if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in (low, high)):
+                raise InputError(f"--{flag}-low/--{flag}-high {low!r}, {high!r}: give numbers")
+            if not (math.isfinite(low) and math.isfinite(high) and 0 <= low < high):
+                raise InputError(f"--{flag}-low {low} --{flag}-high {high}: the kept range needs 0 <= low < high, "
+                                 f"both finite (e.g. {example})")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Request:
     """A comparison to run.
 
@@ -125,6 +166,7 @@ class Request:
         train, infer: the two engines; ``infer`` samples in rollout mode.
         rollout: None for prompt mode (teacher-forced prompts), else the sampling settings.
         clip_eps: PPO clip epsilon for the clip-fraction metric.
+        importance: the thresholds of the importance-sampling diagnostics (summary.json's ``importance``).
         repeat: prompt mode: runs of each engine on the same token ids (alignaudit.comparison.repeat); 1 = once.
         replay_routing: mixture-of-experts models, prompt mode: the train engine's router replays the infer
             engine's experts (alignaudit.engines.routing_replay), and the comparison is made with and without.
@@ -141,6 +183,7 @@ class Request:
     repeat: int = 1
     replay_routing: bool = False
     full_vocab: bool = False
+    importance: ISThresholds = field(default_factory=ISThresholds)
 
     @property
     def mode(self) -> str:
@@ -162,6 +205,7 @@ class Request:
             "train": self.train.record(),
             "infer": self.infer.record(),
             "clip_eps": self.clip_eps,
+            "importance": self.importance.to_dict(),
             "repeat": self.repeat,
             "replay_routing": self.replay_routing,
             "full_vocab": self.full_vocab,

@@ -19,7 +19,8 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.worker
 Records (in ``out``): run.json (every setting, written first; sealed at the end with the sha256 of every
 file below, alignaudit.comparison.integrity.seal), steps.parquet (one row per step, rewritten after every step, so it is
 readable after a crash or Ctrl-C), tokens/step-NNNNN.parquet (every generated token of the step;
-``token_rows=False`` skips them), steps.png (the per-step series), worker logs.
+``token_rows=False`` skips them), steps.png (the per-step series), worker logs; with ``log_to``, the same rows
+as TensorBoard event files (tensorboard/) and an offline W&B run (wandb/), alignaudit.rl.export.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ from alignaudit.capture.rundir import (
     TOKENS_DIR,
     TRAIN_LOG,
 )
+from alignaudit.comparison.importance import FIELDS
 from alignaudit.comparison.integrity import seal
 from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
 from alignaudit.errors import InputError
 from alignaudit.inputs.request import Request
+from alignaudit.rl.export import StepExport
 from alignaudit.rl.grpo import REWARDS, group_advantages
 from alignaudit.rl.memory import MemoryPlan
 from alignaudit.workers.rl_session import Session
@@ -65,6 +68,7 @@ class RLSettings:
         steps: GRPO steps (>= 1). lr: Adam learning rate (>= 0; 0 = the sync control). group_size:
         completions per prompt (>= 2). clip_grad: max global grad norm. token_rows: write per-token rows.
         reward: a name in grpo.REWARDS. kl_coef: weight of the k3 KL to the starting weights (grpo.kl_k3; 0: none).
+        log_to: where else every step row goes (alignaudit.rl.export.SINKS: "tensorboard", "wandb").
     """
 
     steps: int = 10
@@ -74,9 +78,13 @@ class RLSettings:
     token_rows: bool = True
     reward: str = "rotating-hash"
     kl_coef: float = 0.0
+    log_to: tuple[str, ...] = ()
 
     def check(self) -> None:
-        """Raises InputError for a setting the loop cannot run with."""
+        """Raises InputError for a setting the loop cannot run with (a --log-to library not installed included)."""
+        from alignaudit.rl.export import check_sinks
+
+        check_sinks(tuple(self.log_to))
         if self.steps < 1:
             raise InputError(f"--steps {self.steps}: run at least one step")
         if self.group_size < 2:
@@ -110,6 +118,7 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         (out / TOKENS_DIR).mkdir(exist_ok=True)
     stage = on_stage or (lambda text: None)
     sessions = []
+    export = StepExport(tuple(rl.log_to), out, record) if rl.log_to else None
     try:
         stage(f"starting {request.train.label()} (trainer) and {request.infer.label()} (rollout)")
         trainer = _session(sessions, request, "trainer", out / TRAIN_LOG, lr=rl.lr, clip_grad=rl.clip_grad,
@@ -130,11 +139,15 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
             rows.append(_step(step, request, rl, trainer, rollout, prompts, out, how))
             steps = pd.DataFrame(rows)
             steps.to_parquet(out / STEPS, index=False)
+            if export:
+                export.log(rows[-1])
             if on_step:
                 on_step(rows[-1])
     finally:
         for session in sessions:
             session.close()
+        if export:
+            export.close()
     from alignaudit.rl.records import plot_steps
 
     plot_steps(steps, out / PLOT, title=f"{request.spec.name}: {request.train.label()} vs {request.infer.label()}")
@@ -191,7 +204,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
     scored = trainer.call("score", sequences=sequences, replay=replay)["logprobs"]
     t2 = time.perf_counter()
     tokens = _generated_tokens(step, sequences, prompt_lengths, scored, rolled["logprobs"])
-    summary = summarize_tokens(tokens, request.clip_eps)
+    summary = summarize_tokens(tokens, request.clip_eps, request.importance)
     rewards = [REWARDS[rl.reward](s[p:], step) for s, p in zip(sequences, prompt_lengths)]
     advantages = group_advantages(rewards, rl.group_size)
     rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths)]
@@ -218,6 +231,9 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "clip_fraction": rl_stats["clip_fraction"],
         "token_mult_prob_error": rl_stats["token_mult_prob_error"],
         "kl_k3": rl_stats["kl_k3_mean"],
+        "prob_diff_max": rl_stats["prob_diff_max"],
+        "prob_diff_mean": rl_stats["prob_diff_mean"],
+        **importance_columns(summary["importance"]),
         "reward_mean": float(np.mean(rewards)),
         "loss": update["loss"],
         **({"kl_ref": update["kl_ref"]} if update["kl_ref"] is not None else {}),
@@ -240,6 +256,12 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "optimizer_s": update["optimizer_s"],
         "sync_s": round(t4 - t3, 3),
     }
+
+
+def importance_columns(importance: dict) -> dict:
+    """The step record's IS diagnostics: every number of summary["importance"] (importance.FIELDS) as
+    ``is_<name>``; the thresholds they used are run.json's ``importance``."""
+    return {f"is_{name}": importance[name] for name in FIELDS}
 
 
 def _generated_tokens(step: int, sequences: list, prompt_lengths: list, train: list, infer: list) -> pd.DataFrame:

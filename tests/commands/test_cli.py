@@ -9,14 +9,18 @@ import pytest
 
 from alignaudit.commands import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_OK, EXIT_USAGE, InputError
-from helpers import FIXTURE, one_line_error, run_cli
+from helpers import FIXTURE, importance_by_hand, one_line_error, run_cli
 
 pytestmark = pytest.mark.engines
 
 
+IS_OPTIONS = ["--tis-threshold", "1.0001", "--mask-low", "0.9999", "--mask-high", "1.001", "--geo-mask-low",
+              "0.99999", "--geo-mask-high", "1.00001"]
+
+
 def test_compare_megatron_vs_vllm_default(tmp_path):
     out = tmp_path / "run"
-    proc = run_cli("compare", "--out", str(out))
+    proc = run_cli("compare", "--out", str(out), *IS_OPTIONS)
     assert proc.returncode == EXIT_OK, proc.stderr
     assert "Logprob alignment" in proc.stdout and "176 of 176 tokens differ" in proc.stdout
     assert f"{out}/report.html" in proc.stdout and "176 of 176 tokens differ" in (out / "report.html").read_text()
@@ -30,6 +34,18 @@ def test_compare_megatron_vs_vllm_default(tmp_path):
     assert run["train"]["dtype"] == "bf16" and run["model"]["name"] == "qwen3-tiny"
     for role in ("train", "infer"):
         assert (out / role / "manifest.json").is_file() and (out / role / "worker.log").is_file()
+    # the IS diagnostics at the thresholds given, recomputed by hand from tokens.parquet (prompt mode: every token)
+    imp = summary["importance"]
+    assert run["importance"] == {"tis": 1.0001, "mask_low": 0.9999, "mask_high": 1.001, "geo_mask_low": 0.99999,
+                                 "geo_mask_high": 1.00001}
+    assert (imp["scope"], imp["tis_threshold"], imp["mask_low"], imp["mask_high"]) == ("all", 1.0001, 0.9999, 1.001)
+    hand = importance_by_hand(tokens, 1.0001, 0.9999, 1.001, 0.99999, 1.00001)
+    for key, value in hand.items():
+        assert imp[key] == pytest.approx(value, rel=1e-9, abs=1e-15), key
+    # every token differs, so the ratios leave 1 and a threshold this close to 1 truncates and masks some
+    assert imp["token_ratio_max"] > 1 > imp["token_ratio_min"] and imp["kl_k3"] > 0 and imp["chi2_token"] != 0
+    assert 0 < imp["token_tis_fraction"] < 1 and 0 < imp["token_mask_fraction"] < 1 and imp["geo_mask_fraction"] > 0
+    assert imp["token_ess"] < 1 and imp["kl_k1"] != 0 and imp["training_log_ppl"] != imp["rollout_log_ppl"]
     again = run_cli("compare", "--out", str(out))  # nothing already written is lost
     assert again.returncode == EXIT_USAGE and "--force" in again.stderr and "Traceback" not in again.stderr
 
@@ -229,6 +245,13 @@ def test_a_rollout_audited_across_containers_capture_rollout_then_tokens_from_th
     summary = json.loads((diff / "summary.json").read_text())
     assert summary["generated"]["tokens_compared"] == 32 and summary["tokens_compared"] == 176 + 32
     assert summary["mismatches"] == 0 and summary["generated"]["mismatches"] == 0
+    imp = summary["importance"]  # the sampled tokens, bitwise equal: every ratio exactly 1, nothing truncated
+    assert imp["scope"] == "generated" and imp["tokens"] == 32 and imp["sequences"] == 4
+    for key in ("token_ratio_min", "token_ratio_max", "seq_ratio_min", "seq_ratio_max", "geo_ratio_min",
+                "geo_ratio_max", "token_tis_weight_mean", "seq_tis_weight_mean", "token_ess", "seq_ess"):
+        assert imp[key] == 1.0, key
+    assert all(imp[key] == 0.0 for key in imp if "fraction" in key or key.startswith(("kl_", "chi2")))
+    assert importance_by_hand(pd.read_parquet(diff / "tokens.parquet"))["token_tis_fraction"] == 0.0
     assert cli.main(["gate", str(diff)]) == EXIT_OK
     capsys.readouterr()
     for argv, message in ((["--engine", "megatron", "--mode", "rollout"], "megatron does not sample rollouts"),

@@ -46,6 +46,10 @@ def test_broken_checkpoints_fail_before_any_engine(capsys, tmp_path, edit, messa
 
 @pytest.mark.parametrize("argv, message", [
     (["--clip-eps", "-1"], "must lie in (0, 1)"),
+    (["--tis-threshold", "0"], "--tis-threshold 0.0: the truncation C must be a finite number > 0"),
+    (["--mask-low", "1.5", "--mask-high", "1.5"],
+     "--mask-low 1.5 --mask-high 1.5: the kept range needs 0 <= low < high"),
+    (["--geo-mask-low", "1.01"], "--geo-mask-low 1.01 --geo-mask-high 1.001"),
     (["--prompt-len", "10"], "--prompt-len applies to --random-prompts"),
     (["--device", "cuda"], "sees no CUDA GPU"),
     (["--random-prompts", "1", "--prompt-len", "1024"],

@@ -56,7 +56,7 @@ def test_rescore_gives_compare_numbers_for_the_sampled_tokens_and_gate_judges_it
         out = tmp_path / f"rescore-{kind}"
         assert cli.main(["rescore", str(path), "--train", "megatron", "--out", str(out)]) == EXIT_OK
         summary = json.loads((out / "summary.json").read_text())
-        for key in ("tokens_compared", "mismatches", "ulp_max", "max_abs_diff", "ulp_histogram", "rl"):
+        for key in ("tokens_compared", "mismatches", "ulp_max", "max_abs_diff", "ulp_histogram", "rl", "importance"):
             assert summary[key] == compared[key], (kind, key)
         assert summary["tokens_compared"] == 32 and summary["mismatches"] > 0  # the default stack differs
         tokens = pd.read_parquet(out / "tokens.parquet")

@@ -22,25 +22,29 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
+import numpy as np
 import pandas as pd
 import psutil
 import pytest
 
 from alignaudit.commands import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
-from helpers import one_line_error
+from helpers import importance_by_hand, one_line_error
 
 pytestmark = pytest.mark.engines
 
 TIMINGS = ["seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s"]
+# IS thresholds close to 1, so that the default stack's mismatch truncates and masks some tokens
+IS_OPTIONS = ["--tis-threshold", "1.0001", "--mask-low", "0.9999", "--mask-high", "1.001"]
+IS_HAND = dict(tis=1.0001, mask_low=0.9999, mask_high=1.001)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     for name, args in (("strict", ["--strict", "--steps", "3", "--lr", "1e-3", "--kl-coef", "0.04"]),
-                       ("default", ["--steps", "2", "--lr", "1e-3"]),
-                       ("again", ["--steps", "2", "--lr", "1e-3"]),
+                       ("default", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "tensorboard"]),
+                       ("again", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "wandb"]),
                        ("control", ["--steps", "3", "--lr", "0"])):
         assert cli.main(["rl", *args, "--out", str(root / name)]) == EXIT_OK, name
     return root
@@ -55,6 +59,12 @@ def test_strict_steps_stay_bitwise_aligned_while_the_weights_change(runs, tmp_pa
     assert s["step"].tolist() == [1, 2, 3] and (s["tokens"] == 4 * 4 * 16).all()
     assert (s["mismatches"] == 0).all() and (s["ulp_max"] == 0).all()
     assert (s["ratio_min"] == 1.0).all() and (s["ratio_max"] == 1.0).all() and (s["kl_k3"] == 0).all()
+    assert (s["prob_diff_max"] == 0).all() and (s["prob_diff_mean"] == 0).all()
+    for key in ("token_ratio_min", "token_ratio_max", "seq_ratio_min", "seq_ratio_max", "geo_ratio_min",
+                "geo_ratio_max", "token_tis_weight_mean", "seq_tis_weight_mean", "token_ess", "seq_ess"):
+        assert (s[f"is_{key}"] == 1.0).all(), key
+    zero = [c for c in s if c.startswith(("is_kl", "is_chi2")) or (c.startswith("is_") and "fraction" in c)]
+    assert len(zero) == 17 and (s[zero] == 0.0).all().all()
     assert s["sync_bit_equal"].all() and s["train_forward_equal"].all()
     assert s["weights_digest"].nunique() == 3  # every step's update changed the weights
     assert (s["grad_norm"] > 0).all() and (s["weights_changed"] > 0).all() and (s["max_abs_dw"] > 0).all()
@@ -81,6 +91,19 @@ def test_strict_steps_stay_bitwise_aligned_while_the_weights_change(runs, tmp_pa
 def test_the_default_stack_mismatches_at_every_step_and_fails_the_gate(runs, tmp_path):
     s = steps(runs, "default")
     assert (s["mismatches"] > 0).all() and (s["max_abs_diff"] > 1e-3).all() and s["sync_bit_equal"].all()
+    assert (s["prob_diff_max"] > 0).all() and (s["prob_diff_max"] >= s["prob_diff_mean"]).all()
+    record = json.loads((runs / "default" / "run.json").read_text())
+    assert record["importance"]["tis"] == 1.0001 and record["importance"]["mask_high"] == 1.001
+    for row in s.to_dict("records"):  # each step's IS numbers, recomputed by hand from its token rows
+        tokens = pd.read_parquet(runs / "default" / "tokens" / f"step-{row['step']:05d}.parquet")
+        hand = importance_by_hand(tokens, **IS_HAND)
+        assert hand["tokens"] == row["tokens"] == 256 and hand["sequences"] == 16
+        for key, value in hand.items():
+            if key not in ("tokens", "sequences"):
+                assert row[f"is_{key}"] == pytest.approx(value, rel=1e-9, abs=1e-15), (row["step"], key)
+        assert row["is_token_ratio_max"] > 1 > row["is_token_ratio_min"] and row["is_kl_k3"] > 0
+        assert 0 < row["is_token_tis_fraction"] < 1 and 0 < row["is_token_mask_fraction"] < 1
+        assert row["is_geo_mask_fraction"] > 0 and row["is_token_ess"] < 1
     out = tmp_path / "v"
     out.mkdir()
     args = ["--json", str(out / "v.json"), "--junit", str(out / "j.xml"), "--markdown", str(out / "s.md")]
@@ -97,6 +120,26 @@ def test_lr_zero_repeats_every_step_exactly(runs):
     assert first["weights_digest"] == record["initial_sync"]["weights_digest"]  # the weights never moved
     assert first["weights_changed"] == 0 and first["max_abs_dw"] == 0.0
     assert record["weight_sync"]["transport"] == "file" and record["initial_sync"]["changed"] == 0
+
+
+def test_the_steps_reach_tensorboard_and_wandb(runs):
+    """--log-to tensorboard: the event files, read back with TensorBoard's own reader, hold every numeric column of
+    steps.parquet at its step (TensorBoard stores float32); --log-to wandb: an offline run directory."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    s = steps(runs, "default")
+    events = EventAccumulator(str(runs / "default" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    numeric = [c for c in s if c not in ("step", "weights_digest") and s[c].notna().all()]
+    assert tags == {f"alignaudit/{c}" for c in numeric}
+    for column in numeric:
+        logged = events.Scalars(f"alignaudit/{column}")
+        assert [e.step for e in logged] == s["step"].tolist(), column
+        assert [e.value for e in logged] == [float(np.float32(v)) for v in s[column].astype(float)], column
+    assert not (runs / "strict" / "tensorboard").exists() and not (runs / "default" / "wandb").exists()
+    offline = list((runs / "again" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(offline) == 1 and offline[0].stat().st_size > 0
 
 
 def test_the_same_seed_gives_the_same_run(runs):
@@ -159,11 +202,22 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
     (["--lr", "-1"], "the learning rate must be finite and >= 0"),
     (["--train", "vllm"], "rl trains with hf or megatron and rolls out with hf or vllm"),
     (["--random-prompts", "1", "--prompt-len", "1010", "--max-new-tokens", "16"], "plus 16 generated, longer than"),
+    (["--tis-threshold", "-2"], "--tis-threshold -2.0: the truncation C must be a finite number > 0"),
+    (["--mask-low", "5", "--mask-high", "0.5"], "the kept range needs 0 <= low < high"),
+    (["--log-to", "tensorboard,mlflow"], "--log-to mlflow: not an export; choose from tensorboard, wandb"),
 ])
 def test_bad_input_is_refused_before_any_engine(capsys, tmp_path, argv, message):
     out = tmp_path / "o"
     assert message in one_line_error(capsys, ["rl", *argv, "--out", str(out)], EXIT_USAGE)
     assert not (out / "run.json").exists()
+
+
+def test_a_missing_export_library_is_refused_with_the_pip_command(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # what `import tensorboard` sees without the package
+    out = tmp_path / "o"
+    err = one_line_error(capsys, ["rl", "--log-to", "wandb,tensorboard", "--out", str(out)], EXIT_USAGE)
+    assert "--log-to tensorboard: the tensorboard package is not installed; run `pip install tensorboard`" in err
+    assert not out.exists()
 
 
 def test_an_engine_that_dies_mid_run_leaves_the_completed_steps(tmp_path):
