@@ -55,12 +55,12 @@ def _isolated_cache(tmp_path_factory):
 def _preloaded_workers(_isolated_cache):
     """Capture workers launched in-process (spawn.start_worker: captures and option checks) are forked from a server
     per engine that has imported it once (alignaudit.workers.preloaded): each capture still builds and runs its
-    engine in a process of its own, without its 5-10 s of imports on 2 cores. Launches under another environment
-    (a test's monkeypatch.setenv) get a fresh process; commands run as subprocesses (run_cli) always do."""
+    engine in a process of its own, without its 5-10 s of imports on 2 cores. A launch under another environment
+    (a test's monkeypatch.setenv) gets a server of its own; commands run as subprocesses (run_cli) fork nothing."""
     from alignaudit.workers import preloaded, spawn
 
     fresh = spawn.start_worker
-    pool = preloaded.Preloaded(fresh, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    pool = preloaded.Preloaded(fresh)
     spawn.start_worker = pool.start_worker
     yield
     spawn.start_worker = fresh

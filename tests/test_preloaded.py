@@ -1,6 +1,6 @@
 """The test session's worker launcher (alignaudit.workers.preloaded): a worker forked from a preloaded server
-answers as a fresh ``python -m alignaudit.workers.capture_worker`` does, and launches it may not serve get a
-fresh process."""
+answers as a fresh ``python -m alignaudit.workers.capture_worker`` does; a launch under another environment gets
+a server of its own, and one past the cap a fresh process."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_a_forked_worker_answers_as_a_fresh_one(tiny_spec, monkeypatch):
     fresh = spawn.start_worker
     while isinstance(getattr(fresh, "__self__", None), preloaded.Preloaded):  # the session's pool: its fallback
         fresh = fresh.__self__.fresh
-    pool = preloaded.Preloaded(fresh, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    pool = preloaded.Preloaded(fresh)
     launched = []
     try:
         for launcher in (fresh, pool.start_worker):
@@ -47,12 +47,16 @@ def test_a_forked_worker_answers_as_a_fresh_one(tiny_spec, monkeypatch):
         assert all(isinstance(p, subprocess.Popen) for p in launched[:2])
         assert all(isinstance(p, preloaded.ForkedWorker) for p in launched[3:5])
         assert [p.returncode for p in launched[:2] + launched[3:5]] == [2, 0, 2, 0]
-        server = pool.servers[("megatron",)].proc.pid
+        server = next(iter(pool.servers.values())).proc.pid
         assert server not in {p.pid for p in launched[3:5]} and launched[3].pid != launched[4].pid
-        # another environment (a variable the server imported without): a fresh process
+        # another environment (a variable the server imported without): a server of its own; none past the cap
         check = json.dumps([{"engine": "megatron"}])
         other = pool.start_worker(["--check-options", check], {**os.environ, "ALIGNAUDIT_TEST_OTHER_ENV": "1"})
         other.wait()
-        assert isinstance(other, subprocess.Popen)
+        assert isinstance(other, preloaded.ForkedWorker) and len(pool.servers) == 2
+        pool.max_servers = 2
+        third = pool.start_worker(["--check-options", check], {**os.environ, "ALIGNAUDIT_TEST_OTHER_ENV": "2"})
+        third.wait()
+        assert isinstance(third, subprocess.Popen) and len(pool.servers) == 2
     finally:
         pool.close()

@@ -14,7 +14,7 @@ What stays equal to a fresh worker: each engine is built, run and torn down in i
 the server but imports (no engine, no torch computation, no threads: forking a process with an OpenMP pool
 would be unsafe). The server imports only the libraries a worker for those engines imports anyway, and a
 server serves only launches whose environment is the one it started with (variables read at import time
-would otherwise differ); any other launch, and any launch while the server is busy, gets a fresh process.
+would otherwise differ: a launch under another environment gets a server of its own).
 
 Not used by the CLI: a command runs two or three workers, each importing a different engine, so preloading
 saves nothing there. alignaudit's tests install it (tests/conftest.py) through
@@ -64,25 +64,32 @@ def engines_of(args: list[str]) -> tuple[str, ...] | None:
 class Preloaded:
     """Preloaded servers, one per set of engines, started on first use and stopped with ``close``.
 
-    ``start_worker(args, env)`` has the signature of alignaudit.workers.spawn.start_worker and returns either a
-    ForkedWorker or, when no server may serve the launch, ``fresh(args, env)`` (spawn's own fresh process):
-    a launch whose environment is not ``env`` (up to IGNORED_ENV), or while that engine's server is busy.
+    A server serves one set of engines under one environment (up to IGNORED_ENV): it imported under that
+    environment. ``start_worker(args, env)`` has the signature of alignaudit.workers.spawn.start_worker and
+    returns a ForkedWorker, or ``fresh(args, env)`` (spawn's own fresh process) for a launch no server may serve:
+    arguments it does not understand, while that server is busy, or with ``max_servers`` servers running.
     """
 
-    def __init__(self, fresh, env: dict[str, str]):
+    def __init__(self, fresh, max_servers: int = 6):
         self.fresh = fresh  # spawn's launcher: (args, env) -> subprocess.Popen
-        self.env = _comparable(env)  # the one environment the servers serve
-        self.servers: dict[tuple[str, ...], _Server] = {}
+        self.max_servers = max_servers  # each holds its imports in memory (0.4-0.7 GB RSS)
+        self.servers: dict[tuple, _Server] = {}
         self.lock = threading.Lock()
 
     def start_worker(self, args: list[str], env: dict[str, str]):
         engines = engines_of(args)
-        if not engines or not set(engines) <= set(PRELOAD) or _comparable(env) != self.env:
+        if not engines or not set(engines) <= set(PRELOAD):
             return self.fresh(args, env)
+        key = (engines, tuple(sorted(_comparable(env).items())))
         with self.lock:
-            server = self.servers.get(engines)
-            if server is None or not server.alive():
-                server = self.servers[engines] = _Server(engines, env)
+            server = self.servers.get(key)
+            if server is not None and not server.alive():
+                del self.servers[key]
+                server = None
+            if server is None:
+                if len(self.servers) >= self.max_servers:
+                    return self.fresh(args, env)
+                server = self.servers[key] = _Server(engines, env)
         if not server.busy.acquire(blocking=False):
             return self.fresh(args, env)
         try:
