@@ -51,6 +51,22 @@ def _isolated_cache(tmp_path_factory):
     os.environ.setdefault("ALIGNAUDIT_CACHE", str(tmp_path_factory.mktemp("alignaudit-cache")))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _preloaded_workers(_isolated_cache):
+    """Capture workers launched in-process (spawn.start_worker: captures and option checks) are forked from a server
+    per engine that has imported it once (alignaudit.workers.preloaded): each capture still builds and runs its
+    engine in a process of its own, without its 5-10 s of imports on 2 cores. A launch under another environment
+    (a test's monkeypatch.setenv) gets a server of its own; commands run as subprocesses (run_cli) fork nothing."""
+    from alignaudit.workers import preloaded, spawn
+
+    fresh = spawn.start_worker
+    pool = preloaded.Preloaded(fresh)
+    spawn.start_worker = pool.start_worker
+    yield
+    spawn.start_worker = fresh
+    pool.close()
+
+
 # Engine settings that reach a worker through its environment rather than its request (fault injection, kernels,
 # vLLM and torch switches): part of what a capture is, so part of its key (where caches live is not).
 CAPTURE_ENV_PREFIXES = ("ALIGNAUDIT_", "VLLM_", "TRITON_", "TORCH", "OMP_", "CUDA_", "MKL_")

@@ -81,10 +81,7 @@ def run_capture(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tail: deque[str] = deque(maxlen=20)
     with open(out / WORKER_LOG, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "alignaudit.workers.capture_worker", str(out / REQUEST)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_die_with_parent,
-        )
+        proc = start_worker([str(out / REQUEST)], env)
         try:
             for line in proc.stdout:
                 if line.startswith(PROGRESS_MARKER):
@@ -120,11 +117,26 @@ def check_options(runs: list, spec: ModelSpec, mode: str = "prompt") -> None:
                "mode": mode} for role, run in zip(("train", "infer"), runs) if run.settings.options]
     if not checks:
         return
-    proc = subprocess.run([sys.executable, "-m", "alignaudit.workers.capture_worker", "--check-options",
-                           json.dumps(checks)], capture_output=True, text=True, preexec_fn=_die_with_parent)
-    if proc.returncode != 0:
+    proc = start_worker(["--check-options", json.dumps(checks)], {**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        output = proc.stdout.read()
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if code != 0:
         engines = " and ".join(dict.fromkeys(c["engine"] for c in checks))
-        raise _worker_error(engines, proc.returncode, (proc.stdout + proc.stderr).splitlines()[-20:], None)
+        raise _worker_error(engines, code, output.splitlines()[-20:], None)
+
+
+def start_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``python -m alignaudit.workers.capture_worker ARGS`` in a fresh process with ``env``: its stdout and stderr
+    together on one text pipe (``proc.stdout``), killed when this process dies. The test session replaces it
+    with alignaudit.workers.preloaded (the same worker, forked from an interpreter that has imported the engine)."""
+    return subprocess.Popen([sys.executable, "-m", "alignaudit.workers.capture_worker", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=_die_with_parent)
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,250 @@
+"""Capture workers forked from interpreters that have already imported the engine: the test session's launcher.
+
+    python -m alignaudit.workers.preloaded ENGINE[,ENGINE...] FD   (started by Preloaded; FD: its socket)
+
+A one-shot capture worker (alignaudit.workers.capture_worker) spends most of a small capture importing: on 2 CPU
+cores, torch 3 s, vLLM 9 s, megatron-core 5 s, transformers 4 s, against 1-2 s of forward pass on the fixture
+(2026-12-02). A preloaded server imports torch, alignaudit's worker modules and the named engines' libraries
+once, then forks one child per worker launch; the child takes the launch's output pipe, working directory,
+environment and arguments and runs ``python -m alignaudit.workers.capture_worker ARGS`` as that command
+would (runpy, ``__main__``, the exit code of its ``SystemExit``), so every capture still builds its engine
+in a process of its own, and the child exits when the capture is done.
+
+What stays equal to a fresh worker: each engine is built, run and torn down in its own process; nothing runs in
+the server but imports (no engine, no torch computation, no threads: forking a process with an OpenMP pool
+would be unsafe). The server imports only the libraries a worker for those engines imports anyway, and a
+server serves only launches whose environment is the one it started with (variables read at import time
+would otherwise differ: a launch under another environment gets a server of its own).
+
+Not used by the CLI: a command runs two or three workers, each importing a different engine, so preloading
+saves nothing there. alignaudit's tests install it (tests/conftest.py) through
+``alignaudit.workers.spawn.start_worker``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+WORKER_MODULE = "alignaudit.workers.capture_worker"
+# Differs from launch to launch without changing what a worker computes (pytest names the running test).
+IGNORED_ENV = ("PYTEST_CURRENT_TEST",)
+
+# What a worker for each engine imports before it builds the engine (alignaudit.engines.*.adapter and the
+# modules its constructor and start import); run_rank's own imports come first.
+PRELOAD = {
+    "vllm": ("vllm", "vllm.entrypoints.llm", "vllm.engine.arg_utils", "vllm.sampling_params"),
+    "megatron": ("megatron.core.parallel_state", "megatron.core.transformer.transformer_config",
+                 "megatron.core.models.gpt.gpt_model", "megatron.core.models.gpt.gpt_layer_specs",
+                 "megatron.core.transformer.module", "megatron.core.tensor_parallel"),
+    "hf": ("transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+           "transformers.generation"),
+}
+
+
+def engines_of(args: list[str]) -> tuple[str, ...] | None:
+    """The engines a capture_worker launch imports: the request's engine, or those of an option check; None
+    when the arguments are not understood (such a launch gets a fresh process)."""
+    try:
+        if args[0] == "--check-options":
+            return tuple(sorted({check["engine"] for check in json.loads(args[1])}))
+        return (json.loads(Path(args[0]).read_text())["engine"],)
+    except (IndexError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class Preloaded:
+    """Preloaded servers, one per set of engines, started on first use and stopped with ``close``.
+
+    A server serves one set of engines under one environment (up to IGNORED_ENV): it imported under that
+    environment. ``start_worker(args, env)`` has the signature of alignaudit.workers.spawn.start_worker and
+    returns a ForkedWorker, or ``fresh(args, env)`` (spawn's own fresh process) for a launch no server may serve:
+    arguments it does not understand, while that server is busy, or with ``max_servers`` servers running.
+    """
+
+    def __init__(self, fresh, max_servers: int = 6):
+        self.fresh = fresh  # spawn's launcher: (args, env) -> subprocess.Popen
+        self.max_servers = max_servers  # each holds its imports in memory (0.4-0.7 GB RSS)
+        self.servers: dict[tuple, _Server] = {}
+        self.lock = threading.Lock()
+
+    def start_worker(self, args: list[str], env: dict[str, str]):
+        engines = engines_of(args)
+        if not engines or not set(engines) <= set(PRELOAD):
+            return self.fresh(args, env)
+        key = (engines, tuple(sorted(_comparable(env).items())))
+        with self.lock:
+            server = self.servers.get(key)
+            if server is not None and not server.alive():
+                del self.servers[key]
+                server = None
+            if server is None:
+                if len(self.servers) >= self.max_servers:
+                    return self.fresh(args, env)
+                server = self.servers[key] = _Server(engines, env)
+        if not server.busy.acquire(blocking=False):
+            return self.fresh(args, env)
+        try:
+            return ForkedWorker(server, args, env)
+        except OSError:
+            server.busy.release()
+            return self.fresh(args, env)
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+        self.servers.clear()
+
+
+class _Server:
+    def __init__(self, engines: tuple[str, ...], env: dict[str, str]):
+        from alignaudit.workers.spawn import _die_with_parent
+
+        self.busy = threading.Lock()
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "alignaudit.workers.preloaded", ",".join(engines), str(theirs.fileno())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            pass_fds=(theirs.fileno(),), preexec_fn=_die_with_parent,
+        )
+        theirs.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        """Stop the server: it holds imports only (its workers have exited), so it is killed rather than left to
+        run the interpreter's shutdown of vLLM and megatron-core (seconds each on 2 cores)."""
+        self.sock.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _comparable(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in IGNORED_ENV}
+
+
+class ForkedWorker:
+    """A worker forked by a preloaded server, with the part of subprocess.Popen that spawn uses: ``stdout`` (text,
+    the worker's stdout and stderr together), ``wait``, ``poll``, ``kill``, ``returncode``."""
+
+    def __init__(self, server: _Server, args: list[str], env: dict[str, str]):
+        self.server, self.returncode = server, None
+        read, write = os.pipe()
+        try:
+            message = json.dumps({"args": args, "env": env, "cwd": os.getcwd()}).encode()
+            socket.send_fds(server.sock, [message], [write])
+        except OSError:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        self.stdout = open(read, encoding=None, errors="replace")
+        self.pid = self._reply()["pid"]
+
+    def _reply(self) -> dict:
+        data = self.server.sock.recv(1 << 16)
+        if not data:  # the server died (it takes its forked worker with it)
+            return {"pid": -1, "exit": -signal.SIGKILL}
+        return json.loads(data)
+
+    def wait(self, timeout=None) -> int:
+        if self.returncode is None:
+            reply = self._reply()
+            self.returncode = reply["exit"]
+            self.server.busy.release()
+        return self.returncode
+
+    def poll(self):
+        if self.returncode is None and select.select([self.server.sock], [], [], 0)[0]:
+            self.wait()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None and self.pid > 0:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def serve(engines: list[str], fd: int) -> None:
+    """The server: import, then fork one worker per launch received on socket ``fd`` until it closes."""
+    import importlib
+
+    import torch  # noqa: F401
+
+    from alignaudit.capture import directory, environment  # noqa: F401  (what run_rank imports)
+    from alignaudit.engines import load_engine_class
+
+    for engine in engines:
+        load_engine_class(engine)
+        for module in PRELOAD[engine]:
+            importlib.import_module(module)
+    sock = socket.socket(fileno=fd)
+    while True:
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
+        if not message:
+            return
+        request = json.loads(message)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            _child(request, fds[0])
+        os.close(fds[0])
+        sock.send(json.dumps({"pid": pid}).encode())
+        _, status = os.waitpid(pid, 0)
+        sock.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _child(request: dict, output: int) -> None:
+    """Become ``python -m alignaudit.workers.capture_worker ARGS`` in ``cwd`` with ``env``; never returns."""
+    import runpy
+    import traceback
+
+    from alignaudit.workers.spawn import _die_with_parent
+
+    code = 1
+    try:
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(output)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        _die_with_parent()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [WORKER_MODULE, *request["args"]]
+        sys.path[0] = request["cwd"]  # as `python -m` sets it
+        runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1].split(","), int(sys.argv[2]))
