@@ -32,6 +32,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from alignaudit.capture.digest import file_sha256
 from alignaudit.capture.rundir import LOGPROBS, MANIFEST, MANIFEST_TMP, RUN
 from alignaudit.errors import InputError
 from alignaudit.inputs.prompts import TokenBatch
@@ -77,7 +78,7 @@ def write_capture(directory: Path, manifest: dict, logprobs: pd.DataFrame) -> No
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     logprobs.to_parquet(directory / LOGPROBS, index=False)
-    record = {"format": FORMAT, "version": VERSION, **manifest, "files": {LOGPROBS: _sha256(directory / LOGPROBS)},
+    record = {"format": FORMAT, "version": VERSION, **manifest, "files": {LOGPROBS: file_sha256(directory / LOGPROBS)},
               "status": "complete"}
     tmp = directory / MANIFEST_TMP
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -153,7 +154,7 @@ def read_capture(directory: Path) -> Capture:
     expected = (manifest.get("files") or {}).get(LOGPROBS)
     if not isinstance(expected, str):
         raise InputError(f"{manifest_path} records no sha256 of {LOGPROBS}; the capture is damaged, run it again")
-    if not (directory / LOGPROBS).is_file() or _sha256(directory / LOGPROBS) != expected:
+    if not (directory / LOGPROBS).is_file() or file_sha256(directory / LOGPROBS) != expected:
         raise InputError(f"{directory / LOGPROBS} is missing or does not match the manifest's sha256; the capture "
                          "is damaged, run it again")
     try:
@@ -168,16 +169,6 @@ def read_capture(directory: Path) -> Capture:
         check_listing(directory, manifest["vocab"], [len(s) for s in Capture(directory, manifest, table)
                                                      .token_batch().sequences])
     return Capture(directory, manifest, table)
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 COLUMNS = {"seq": "int32", "pos": "int32", "token_id": "int32", "scored": "bool", "logprob": "float32",

@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from alignaudit.capture.digest import file_sha256
 from alignaudit.capture.ops import split_op_id
 from alignaudit.capture.rundir import FINGERPRINTS, INDEX, OPS_DIR
 from alignaudit.errors import InputError
@@ -88,12 +89,8 @@ class OpRecorder:
                                                                                    index=False)
         op_ids = list(dict.fromkeys(r["op"] for r in self.rows))
         return {"ops": len(op_ids), "bytes": self.total_bytes, "files": self.chunks, "op_ids": op_ids,
-                "index_sha256": _sha256(self.directory / INDEX),
-                "fingerprints_sha256": _sha256(self.directory / FINGERPRINTS)}
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+                "index_sha256": file_sha256(self.directory / INDEX),
+                "fingerprints_sha256": file_sha256(self.directory / FINGERPRINTS)}
 
 
 class OpStore:
@@ -118,7 +115,7 @@ class OpStore:
             if not recorded.get(key):
                 raise InputError(f"{capture_dir}'s manifest records no sha256 of {OPS_DIR}/{name} (made by an older "
                                  "alignaudit?); capture again")
-            if not (self.directory / name).is_file() or _sha256(self.directory / name) != recorded[key]:
+            if not (self.directory / name).is_file() or file_sha256(self.directory / name) != recorded[key]:
                 raise InputError(f"{self.directory / name} is missing or is not the file the capture wrote (its sha256 "
                                  "differs from the manifest's); capture again")
         try:

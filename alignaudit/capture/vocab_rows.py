@@ -18,23 +18,15 @@ beyond what the engine itself holds. Size: 4 x V bytes per scored position (Qwen
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 
+from alignaudit.capture.digest import file_sha256
 from alignaudit.capture.rundir import VOCAB_DIR, VOCAB_ROWS
 from alignaudit.errors import InputError
 
 TENSOR = "logprobs"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class VocabRowWriter:
@@ -64,7 +56,7 @@ class VocabRowWriter:
         self.vocab_size = rows.shape[1]
         path = self.directory / name
         save_file({TENSOR: rows.detach().to("cpu", copy=True).contiguous()}, str(path))
-        self.files[name] = _sha256(path)
+        self.files[name] = file_sha256(path)
 
     def finish(self) -> dict:
         """The manifest's ``vocab`` record. Raises ValueError when a sequence got no rows."""
@@ -101,7 +93,7 @@ def read_rows(directory: Path, record: dict, seq: int, length: int) -> torch.Ten
     """
     name = VOCAB_ROWS.format(seq=seq)
     path = Path(directory) / VOCAB_DIR / name
-    if not path.is_file() or _sha256(path) != (record.get("files") or {}).get(name):
+    if not path.is_file() or file_sha256(path) != (record.get("files") or {}).get(name):
         raise InputError(f"{path} is missing or does not match the manifest's sha256; the capture is damaged, run it "
                          "again")
     from safetensors.torch import load_file

@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from alignaudit.capture.digest import file_sha256
 from alignaudit.capture.directory import Capture, read_capture
 from alignaudit.capture.rundir import (
     MANIFEST,
@@ -84,10 +85,6 @@ def manifest_sha256(capture_dir: Path) -> str:
 def capture_record(capture: Capture) -> dict:
     """What run.json stores about a capture it made, to recognize it later."""
     return {"path": capture.path.name, "manifest_sha256": manifest_sha256(capture.path)}
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def record_digest(record: dict) -> str:

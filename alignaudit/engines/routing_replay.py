@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from alignaudit.errors import InputError
+
 # what each adapter reports in its settings record
 MEGATRON_MECHANISM = ("megatron.core.transformer.moe.router_replay.RouterReplay (REPLAY_FORWARD): "
                       "weights softmax(router logits at the replayed experts)")
@@ -40,18 +42,18 @@ def check_routing(routing: dict[int, dict[int, torch.Tensor]], num_layers: int, 
     MoE layer and sequence, int [len(seq), top_k], ids in [0, num_experts), distinct per token.
 
     Raises:
-        ValueError: naming the layer and sequence.
+        InputError: naming the layer and sequence.
     """
     if sorted(routing) != list(range(num_layers)):
-        raise ValueError(f"routing replay holds layers {sorted(routing)}, the model has {num_layers}")
+        raise InputError(f"routing replay holds layers {sorted(routing)}, the model has {num_layers}")
     for layer, seqs in routing.items():
         for seq, n in enumerate(lengths):
             ids = seqs.get(seq)
             if ids is None or tuple(ids.shape) != (n, top_k):
-                raise ValueError(f"routing replay layer {layer} sequence {seq}: expected [{n}, {top_k}] expert ids, "
+                raise InputError(f"routing replay layer {layer} sequence {seq}: expected [{n}, {top_k}] expert ids, "
                                  f"got {None if ids is None else tuple(ids.shape)}")
             if n and (ids.min() < 0 or ids.max() >= num_experts or (ids.sort(-1).values.diff(dim=-1) == 0).any()):
-                raise ValueError(f"routing replay layer {layer} sequence {seq}: expert ids outside "
+                raise InputError(f"routing replay layer {layer} sequence {seq}: expert ids outside "
                                  f"0..{num_experts - 1} or repeated within a token")
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from alignaudit.capture.directory import _sha256
+from alignaudit.capture.digest import file_sha256
 from alignaudit.capture.rundir import LOGPROBS, MANIFEST
 from alignaudit.commands import cli
 from alignaudit.comparison import gate
@@ -156,7 +156,7 @@ def rewrite_table(capture_dir, edit, fix_manifest=True):
     table.to_parquet(capture_dir / LOGPROBS, index=False)
     if fix_manifest:
         manifest = json.loads((capture_dir / MANIFEST).read_text())
-        manifest["files"][LOGPROBS] = _sha256(capture_dir / LOGPROBS)
+        manifest["files"][LOGPROBS] = file_sha256(capture_dir / LOGPROBS)
         (capture_dir / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -400,7 +400,7 @@ def _repair_capture(capture_dir):
 
     table = pd.read_parquet(capture_dir / LOGPROBS)
     manifest = json.loads((capture_dir / MANIFEST).read_text())
-    manifest["files"][LOGPROBS] = _sha256(capture_dir / LOGPROBS)
+    manifest["files"][LOGPROBS] = file_sha256(capture_dir / LOGPROBS)
     manifest["prompts"].update(num_sequences=int(table["seq"].nunique()), num_tokens=len(table),
                                digest=Capture(capture_dir, manifest, table).token_batch().digest())
     (capture_dir / MANIFEST).write_text(json.dumps(manifest))

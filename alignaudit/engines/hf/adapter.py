@@ -111,10 +111,7 @@ class HFEngine(Engine):
         if not gates or any(hasattr(layer.mlp, "strict_router") for layer in self.model.model.layers):
             raise InputError("hf replays routing of its own MoE router only (a Qwen3 MoE model, --strict without "
                              "linear)")
-        try:
-            check_routing(routing, len(gates), self.spec.experts_per_token, self.spec.num_experts, lengths)
-        except ValueError as e:
-            raise InputError(str(e)) from e
+        check_routing(routing, len(gates), self.spec.experts_per_token, self.spec.num_experts, lengths)
         self.routing_replay = routing
         self._replay_targets = [{} for _ in gates]
         for gate, target in zip(gates, self._replay_targets):

@@ -351,10 +351,7 @@ class MegatronEngine(Engine):
         if not all(isinstance(r, TopKRouter) for r in routers) or self.tp_size != 1:
             raise InputError("megatron replays routing of its own TopKRouter only (a Qwen3 MoE model, one rank, "
                              "--strict without linear)")
-        try:
-            check_routing(routing, len(routers), self.spec.experts_per_token, self.spec.num_experts, lengths)
-        except ValueError as e:
-            raise InputError(str(e)) from e
+        check_routing(routing, len(routers), self.spec.experts_per_token, self.spec.num_experts, lengths)
         self.config.moe_enable_routing_replay = True
         self.routing_replay = routing
         self._router_replays = []
