@@ -94,3 +94,22 @@ def test_terminal_summary_is_grouped(mismatch):
                       for k, b in enumerate(ulp_buckets(tokens)[0]) if b["count"])
     assert shown in text
     assert ("BITWISE IDENTICAL" in text) != mismatch
+
+
+def test_rl_page_groups_every_importance_column_into_named_panels():
+    """An rl step record's 31 is_* columns (comparison/importance.FIELDS) land in 8 named panels, not one panel
+    each; a column no panel names still gets its own (nothing the steps hold is left out)."""
+    import pandas as pd
+
+    from alignaudit.comparison.importance import FIELDS
+    from alignaudit.reports.html.rl import panels
+
+    steps = pd.DataFrame({"step": [0, 1], "mismatches": [3, 0], "prob_diff_max": [0.1, 0.0],
+                          "prob_diff_mean": [0.01, 0.0], **{f"is_{f}": [1.0, 1.0] for f in FIELDS},
+                          "something_new": [1.0, 2.0]})
+    chosen = panels(steps)
+    titles = [title for title, _, _ in chosen]
+    is_panels = [cols for title, cols, _ in chosen if title.startswith("IS:") or title.startswith("log-perplexity")]
+    assert sorted(c for cols in is_panels for c in cols) == sorted(f"is_{f}" for f in FIELDS)
+    assert len(is_panels) == 8
+    assert "|p_train - p_rollout| max / mean" in titles and titles[-1] == "something_new"
