@@ -59,7 +59,7 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
     table.add_column("metric", style="bold")
     table.add_column("value")
     buckets = ulp_buckets(tokens)[0] if tokens is not None and {"ulp", "pair_class"} <= set(tokens.columns) else None
-    for k, section in enumerate(summary_sections(summary, buckets)):
+    for k, section in enumerate(summary_sections(summary, buckets, brief=True)):
         if k:
             table.add_section()
         table.add_row(f"[cyan]{escape(section.title)}[/]", "")

@@ -98,10 +98,37 @@ def _ratio_range(rl: dict) -> str:
     return f"{number(rl.get('ratio_min'), '.6f')} .. {number(rl.get('ratio_max'), '.6f')}"
 
 
-def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram: bool = True) -> list[Section]:
+def brief_importance(imp: dict) -> Section:
+    """The importance diagnostics a terminal shows (alignaudit.comparison.importance; the rest stays in
+    summary.json): the fractions of tokens and sequences each correction would truncate or mask at the run's
+    thresholds, the effective sample size and the k1/k3 KL."""
+    s = Section("Importance weights", "importance",
+                note="every diagnostic: summary.json's importance (docs/rl-metrics.md)")
+    scope = f" ({imp['scope']})" if imp.get("scope") else ""
+    rows = (("token_tis_fraction", f"tokens truncated, ratio > {imp.get('tis_threshold', '?'):g}{scope}"),
+            ("token_mask_fraction", f"tokens masked, ratio outside [{imp.get('mask_low', '?'):g}, "
+                                    f"{imp.get('mask_high', '?'):g}]"),
+            ("seq_mask_fraction", f"sequences masked, sequence ratio outside [{imp.get('mask_low', '?'):g}, "
+                                  f"{imp.get('mask_high', '?'):g}]"),
+            ("geo_mask_fraction", f"sequences masked, geometric mean outside [{imp.get('geo_mask_low', '?'):g}, "
+                                  f"{imp.get('geo_mask_high', '?'):g}]"))
+    for key, label in rows:
+        if key in imp:
+            s.add(label, number(imp[key], ".2%") if imp[key] is not None else "-", f"importance.{key}")
+    if "token_ess" in imp:
+        s.add("effective sample size, tokens / sequences",
+              f"{number(imp['token_ess'])} / {number(imp.get('seq_ess'))}", "importance.token_ess")
+    if "kl_k1" in imp:
+        s.add("KL k1 / k3", f"{number(imp['kl_k1'])} / {number(imp.get('kl_k3'))}", "importance.kl_k3")
+    return s
+
+
+def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram: bool = True,
+                     brief: bool = False) -> list[Section]:
     """summary.json as the sections a report shows (module docstring). ``buckets``: ``ulp_buckets`` of the
     tokens table (shown in Alignment as the non-empty log2 buckets); without them the summary's fixed buckets;
-    ``histogram=False``: neither (a page that draws the histogram).
+    ``histogram=False``: neither (a page that draws the histogram). ``brief`` (the terminal): of the importance
+    diagnostics only what each correction would discard, the ESS and the KL (``brief_importance``).
 
     Raises:
         KeyError: the summary lacks tokens_compared or mismatches (callers check SUMMARY_FIELDS first).
@@ -171,9 +198,12 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
         out.append(s)
     importance = summary.get("importance") or (rl or {}).get("importance")
     if isinstance(importance, dict) and importance:
-        s = Section("Importance weights", "importance")
-        generic_rows(s, importance, "importance")
-        out.append(s)
+        if brief:
+            out.append(brief_importance(importance))
+        else:
+            s = Section("Importance weights", "importance")
+            generic_rows(s, importance, "importance")
+            out.append(s)
     vocab = summary.get("vocab")
     if isinstance(vocab, dict) and vocab:
         s = Section("Distribution (full vocabulary)", "distribution")

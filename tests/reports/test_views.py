@@ -5,6 +5,7 @@ the terminal summary grouped the same way."""
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pandas as pd
@@ -63,7 +64,7 @@ def test_sections_appear_only_with_their_data():
     tokens = tokens_of(-np.linspace(1, 2, 8), -np.linspace(1, 2, 8) - 1e-3)
     summary = summarize(tokens)
     titles = [s.title for s in summary_sections(summary)]
-    assert titles == ["Alignment", "RL impact"]
+    assert titles == ["Alignment", "RL impact", "Importance weights"]  # IS diagnostics: every comparison
     summary["vocab"] = {"kl_train_infer": 1e-4, "tv_max": 0.5, "top_5_agreement": {"mean": 0.9}}
     summary["importance"] = {"ess_fraction": 0.99, "weight_max": 1.2}
     sections = {s.title: s for s in summary_sections(summary)}
@@ -94,6 +95,14 @@ def test_terminal_summary_is_grouped(mismatch):
                       for k, b in enumerate(ulp_buckets(tokens)[0]) if b["count"])
     assert shown in text
     assert ("BITWISE IDENTICAL" in text) != mismatch
+    # the importance diagnostics briefly: 6 rows and a pointer to the rest, the fractions as the summary holds them
+    imp = summary["importance"]
+    section = text[text.index("Importance weights"):]
+    assert re.search(rf"tokens truncated, ratio > 2 \(all\) +│ {imp['token_tis_fraction']:.2%}", section)
+    assert re.search(rf"sequences masked, geometric mean outside \[0.999, 1.001\] +│ "
+                     rf"{imp['geo_mask_fraction']:.2%}", section)
+    assert "KL k1 / k3" in section and "every diagnostic: summary.json's importance" in section
+    assert "TIS weight mean" not in text and "chi" not in text.lower()
 
 
 def test_rl_page_groups_every_importance_column_into_named_panels():
