@@ -23,6 +23,10 @@
 # rollout; vllm-q8 the Qwen3-8B shape (2 x 512 tokens) --strict rollout (64 sampled tokens, vLLM's CUDA graphs on;
 # vllm-q8-rollout alone), prompt, and default (VQ8_OPTS: extra options, e.g. --infer-opt max_num_seqs=16); vllm-q8-hf
 # hf vs vllm strict rollout; vllm-q8-native --strict-exp native; vllm-q8-bisect bisect of layer 0, default;
+# vllm-fp8 [21]: megatron bf16 vs vLLM bf16 / quantization=fp8 / + kv_cache_dtype=fp8, Qwen3-1.7B shape, rollout mode (needs
+# loguru: carry its wheel in .whl/extra/, installed into /tmp/site); vllm-fp8-bisect the first diverging op
+# under fp8 weights; [22] with two GPUs: VQ8_OPTS="--train-opt tensor_model_parallel_size=2 --infer-opt
+# tensor_parallel_size=2" vllm-q8;
 # vllm-moe the Qwen3-MoE fixture and the Qwen3-30B-A3B shape cut to MOE_LAYERS (4) layers, strict; vllm-rl17
 # alignaudit rl on the Qwen3-1.7B shape, megatron trains, vllm rolls out; vllm-bench generation tokens/s
 # (bench/vllm_generate.py, BENCH_CONFIGS). vllm-q8-prompt / vllm-q8-default: one of vllm-q8's three. synth: build the
@@ -57,6 +61,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   PYTHONPATH=/tmp/site python3 -c "import megatron.core" 2>/dev/null \
     || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if ls .whl/extra/*.whl >/dev/null 2>&1; then  # pure-Python packages the vLLM bundle lacks (loguru, for fp8)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/extra/*.whl
 fi
 python3 -c "import torch, triton, transformers; print('gpu', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>/dev/null || echo "megatron-core: not available"
@@ -203,6 +210,14 @@ for stage in "$@"; do
     vllm-q8) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 ${VQ8_OPTS:-}
              cmp vq8-strict $Q8 --train megatron --infer vllm --strict ${VQ8_OPTS:-}
              cmp vq8-default $Q8 --train megatron --infer vllm ${VQ8_OPTS:-} ;;
+    vllm-fp8) for args in "bf16" "w8 --infer-opt quantization=fp8" "w8kv8 --infer-opt quantization=fp8 --infer-opt kv_cache_dtype=fp8"; do
+                set -- $args; name=$1; shift
+                cmp fp8-$name --model Qwen3-1.7B --random-weights --random-prompts 4 --prompt-len 256 --mode rollout \
+                  --max-new-tokens 64 --train megatron --infer vllm "$@"
+              done ;;
+    vllm-fp8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-1.7B --random-weights --random-prompts 2 \
+                       --prompt-len 256 --train megatron --infer vllm --infer-opt quantization=fp8 --layers 0 --device cuda \
+                       --out /tmp/runs/fp8-bisect --force 2>&1 | log | tail -30 ;;
     vllm-q8-prompt) cmp vq8-strict $Q8 --train megatron --infer vllm --strict ${VQ8_OPTS:-} ;;
     vllm-q8-default) cmp vq8-default $Q8 --train megatron --infer vllm ${VQ8_OPTS:-} ;;
     vllm-q8-rollout) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 ${VQ8_OPTS:-} ;;
