@@ -233,7 +233,7 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
 
         from alignaudit.engines.checks import check_full_vocab
 
-        check_full_vocab(request.train, request.infer, request.mode)
+        check_full_vocab(request.train, request.infer, request.mode, replay_routing)
         request = replace(request, full_vocab=True)
     path = out_dir(OutputArgs(Path(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
     try:

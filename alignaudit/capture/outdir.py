@@ -7,8 +7,9 @@ Every command that writes results (compare, bisect, capture, diff, gate, rl) goe
     - a marker file (``.alignaudit-outputs``, JSON) lists the top-level names alignaudit may write there. It
       is extended *before* anything is written, so after a crash it still covers every partial output;
     - ``--force`` removes only entries that the marker lists, and a listed directory only when every file in
-      it has a name alignaudit writes (capture and op-store files); anything else is refused, naming the
-      file, before anything is removed;
+      it has a name alignaudit writes (capture and op-store files) or it is one a library writes whole for
+      alignaudit (rl --log-to: tensorboard/, wandb/); anything else is refused, naming the file, before anything
+      is removed;
     - an entry the command is about to write that exists but was not written by alignaudit is refused.
 Default names (``alignaudit-runs/<command>-<time>``) are created exclusively, with a numeric suffix when
 two runs start in the same second.
@@ -24,7 +25,7 @@ import shutil
 from datetime import datetime
 from pathlib import Path
 
-from alignaudit.capture.rundir import INNER_FILES, LOCK, MARKER
+from alignaudit.capture.rundir import INNER_FILES, LIBRARY_DIRS, LOCK, MARKER
 from alignaudit.errors import InputError
 
 command_name = "?"  # set by the CLI; shown to a second run that finds the directory locked
@@ -127,7 +128,7 @@ def read_marker(out: Path) -> list[str]:
 
 
 def _check_removable(path: Path) -> None:
-    if not path.is_dir() or path.is_symlink():
+    if not path.is_dir() or path.is_symlink() or path.name in LIBRARY_DIRS:
         return
     for root, _, files in os.walk(path):
         for name in files:

@@ -82,6 +82,8 @@ RESULTS = {"compare": (TOKENS, SEQUENCES, SUMMARY), "diff": (TOKENS, SEQUENCES, 
 TOKEN_RUNS = ("compare", "diff", "rescore")  # the commands whose run compares two captures token by token
 JUDGED = (*TOKEN_RUNS, "rl")  # the records gate judges
 
+# Directories a library writes whole for alignaudit (rl --log-to): --force removes whatever they hold.
+LIBRARY_DIRS = (TENSORBOARD_DIR, WANDB_DIR)
 # Files alignaudit writes inside the directories it creates (captures and their op stores; rl's sync/ and
 # tokens/; the comparison of each row of ablate's configs/): what --force may remove there.
 INNER_FILES = (MANIFEST, MANIFEST_TMP, LOGPROBS, REQUEST, WORKER_LOG, CHUNKS, INDEX, FINGERPRINTS, VOCAB_ROWS_GLOB,

@@ -155,7 +155,7 @@ def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat
     if replay_routing:
         check_routing_replay(request.spec, request.train, request.infer, request.mode, repeat)
     if full_vocab:
-        check_full_vocab(request.train, request.infer, request.mode)
+        check_full_vocab(request.train, request.infer, request.mode, replay_routing)
     out = out_dir(output, "compare", names)
     with console.status("") as status:
         summary = run_compare(request, out, stream_log=output.verbose, on_stage=status.update)

@@ -113,7 +113,7 @@ def check_routing_replay(spec, train, infer, mode: str, repeat: int = 1) -> None
 FULL_VOCAB_MODES = ("prompt",)
 
 
-def check_full_vocab(train, infer, mode: str) -> None:
+def check_full_vocab(train, infer, mode: str, replay_routing: bool = False) -> None:
     """Refuse ``--full-vocab`` where no engine run can give the rows it needs (before any engine starts).
 
     Defined in prompt mode only: in rollout mode the rollout engine's sampled tokens are scored while it decodes,
@@ -122,9 +122,14 @@ def check_full_vocab(train, infer, mode: str) -> None:
     tensor-parallel sizes above 1 (vLLM's ranks run in processes of its own that alignaudit's hooks do not
     reach; Megatron's rows would need the sharded vocabulary gathered) are refused too.
 
+    ``replay_routing``: compare --replay-routing is on, which does not record rows yet (refused).
+
     Raises:
         InputError: naming the engine or mode, why, and the fix.
     """
+    if replay_routing:
+        raise InputError("--full-vocab with --replay-routing is not built yet (the replayed trainer's rows are not "
+                         "recorded); run them as two compares, or drop one")
     if mode not in FULL_VOCAB_MODES:
         raise InputError("--full-vocab compares teacher-forced rows: in rollout mode the rollout engine scores its "
                          "sampled tokens while decoding, where alignaudit captures no rows; drop --mode rollout or "

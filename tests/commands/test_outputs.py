@@ -288,3 +288,23 @@ def test_force_reuses_an_ablate_directory_and_still_guards_foreign_files(tmp_pat
     outdir.release_all()
     with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
         outdir.prepare(out, True, ABLATE_OUTPUTS)
+
+
+def test_force_reuses_an_rl_directory_with_the_libraries_exports(tmp_path):
+    """rl --log-to: TensorBoard's event files and W&B's offline run are written whole by those libraries into
+    tensorboard/ and wandb/: --force removes them (a foreign file elsewhere is still refused)."""
+    from alignaudit.capture.rundir import RL_OUTPUTS
+
+    out = outdir.prepare(tmp_path / "rl", False, RL_OUTPUTS)
+    for name in ("tensorboard/events.out.tfevents.1.host", "wandb/debug-internal.log",
+                 "wandb/offline-run-1/run-1.wandb"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x")
+    outdir.release_all()
+    outdir.prepare(out, True, RL_OUTPUTS)
+    assert not (out / "tensorboard").exists() and not (out / "wandb").exists()
+    (out / "tokens" / "notes.txt").parent.mkdir(parents=True)
+    (out / "tokens" / "notes.txt").write_text("mine")
+    outdir.release_all()
+    with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
+        outdir.prepare(out, True, RL_OUTPUTS)

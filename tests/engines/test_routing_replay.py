@@ -154,6 +154,7 @@ def test_replayed_router_weights():
     (["--train", "vllm", "--infer", "hf"], "the train engine vllm cannot take given experts"),
     (["--strict", "all", "--infer", "hf"], "the train engine megatron with the strict MoE layer (--strict with "
                                            "linear) routes by its own kernel, which replays nothing; drop linear"),
+    (["--infer", "hf", "--full-vocab"], "--full-vocab with --replay-routing is not built yet"),
 ])
 def test_replay_routing_is_refused_where_undefined(capsys, tmp_path, argv, message):
     argv = ["compare", "--model", str(MOE), *argv] if "--model" not in argv else ["compare", *argv]
@@ -167,4 +168,6 @@ def test_the_python_api_refuses_replay_on_a_dense_model(tmp_path):
 
     with pytest.raises(InputError, match=r"qwen3-tiny \(Qwen3ForCausalLM\) is dense"):
         api.compare("qwen3-tiny", replay_routing=True, out=tmp_path / "o")
+    with pytest.raises(InputError, match="--full-vocab with --replay-routing is not built yet"):
+        api.compare(str(MOE), train="megatron", infer="hf", replay_routing=True, full_vocab=True, out=tmp_path / "o")
     assert not (tmp_path / "o").exists()
