@@ -610,8 +610,10 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("rl", total=steps, last="starting engines")
 
-        def on_step(row: dict) -> None:
-            progress.update(task, advance=1, last=_step_line(row))
+        def on_step(row: dict) -> None:  # a line per step above the bar (a log or CI keeps each one whole)
+            line = _step_line(row)
+            progress.console.print(f"step {row['step']}: {line}", highlight=False, soft_wrap=True)
+            progress.update(task, advance=1, last=line)
 
         table = run_rl(request, settings, out, on_step=on_step,
                        on_stage=lambda text: progress.update(task, last=escape(text)), memory=memory)

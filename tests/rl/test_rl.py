@@ -14,6 +14,8 @@ Chain of reasoning:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -46,8 +48,23 @@ def runs(tmp_path_factory):
                        ("default", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "tensorboard"]),
                        ("again", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "wandb"]),
                        ("control", ["--steps", "3", "--lr", "0"])):
-        assert cli.main(["rl", *args, "--out", str(root / name)]) == EXIT_OK, name
+        printed = io.StringIO()  # not a terminal, as a CI log: the progress bar draws once, the step lines stay
+        with contextlib.redirect_stdout(printed):
+            assert cli.main(["rl", *args, "--out", str(root / name)]) == EXIT_OK, name
+        (root / f"{name}.stdout").write_text(printed.getvalue())
     return root
+
+
+def test_every_step_prints_one_whole_line_outside_a_terminal(runs):
+    """The step lines lead with what the mismatch costs (tokens differing, max |d|, KL, clip), one per step, whole
+    (not cut to the terminal width), their numbers those of steps.parquet."""
+    for name in ("strict", "default"):
+        s = steps(runs, name)
+        lines = [line for line in (runs / f"{name}.stdout").read_text().splitlines() if line.startswith("step ")]
+        assert len(lines) == len(s), (name, lines)
+        for line, row in zip(lines, s.itertuples()):
+            assert line.startswith(f"step {row.step}: {row.mismatches}/{row.tokens} tokens differ, max |d| "), line
+            assert f", clip {row.clip_fraction:.3f}, sync ok, reward {row.reward_mean:.3f}, " in line, line
 
 
 def steps(runs, name):
