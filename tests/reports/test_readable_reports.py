@@ -167,6 +167,10 @@ def test_runs_side_by_side_show_each_runs_numbers(runs, tmp_path, monkeypatch, c
         assert float(table["rl.clip_fraction"][cell]) == s["rl"]["clip_fraction"]
     assert table["strict"]["run0"] == "default / default" and table["strict"]["run1"] == "strict all / strict all"
     assert "sampling" not in table  # prompt mode: no row of dashes
+    imp = summaries[0]["importance"]  # the thresholds every fraction was computed at, per run (verl's defaults here)
+    shown = (f"{imp['tis_threshold']:g}; [{imp['mask_low']:g}, {imp['mask_high']:g}]; "
+             f"[{imp['geo_mask_low']:g}, {imp['geo_mask_high']:g}]")
+    assert table["is_thresholds"]["run0"] == table["is_thresholds"]["run1"] == shown == "2; [0.5, 5]; [0.999, 1.001]"
     bars = {t["name"]: t for t in probe["plots"]["plot-runs-ulp"]["traces"]}
     for key in ("default", "strict"):
         counts = log2_counts(pd.read_parquet(runs[key] / "tokens.parquet"))[0]

@@ -99,6 +99,15 @@ def _strict(side: dict) -> str:
     return f"strict {side['strict']}" if side.get("strict") else "default"
 
 
+def _thresholds(summary: dict) -> str:
+    """The importance-sampling thresholds a summary's fractions were computed at ("-" for a run without them)."""
+    imp = summary.get("importance") or {}
+    if "tis_threshold" not in imp:
+        return "-"
+    return (f"{imp['tis_threshold']:g}; [{imp['mask_low']:g}, {imp['mask_high']:g}]; "
+            f"[{imp['geo_mask_low']:g}, {imp['geo_mask_high']:g}]")
+
+
 def _sampling(run: RunDir) -> str:
     rollout = (run.record or {}).get("rollout") or _manifest(run).get("rollout")
     return ", ".join(f"{k}={v}" for k, v in rollout.items()) if isinstance(rollout, dict) else "-"
@@ -148,6 +157,7 @@ def rows(columns: list[RunColumn]) -> list[tuple[str, str, str, list[tuple[objec
         text(lambda c: f"{_strict(side(c, 'train'))} / {_strict(side(c, 'infer'))}"))
     add("Run", "sampling", "sampling (rollout)", text(lambda c: _sampling(c.run)))
     add("Run", "clip_eps", "clip eps", each(lambda c: (c.summary.get("rl") or {}).get("clip_eps")))
+    add("Run", "is_thresholds", "IS thresholds (TIS C; mask; geometric mask)", text(lambda c: _thresholds(c.summary)))
     add("Alignment", "tokens_compared", "tokens compared", each(lambda c: c.summary["tokens_compared"]))
     add("Alignment", "mismatches", "mismatches (bitwise)", each(lambda c: c.summary["mismatches"]))
     add("Alignment", "mismatch_fraction", "mismatch fraction",
@@ -236,10 +246,11 @@ def build_side_by_side(run_dirs: list[Path | str]) -> str:
              + ", ".join(f"<code>{esc(c.run.path.resolve())}</code>" for c in columns) + "</p>")
     table_rows = rows(columns)
     differing = [label for group, key, label, values in table_rows
-                 if group == "Run" and key in ("sampling", "clip_eps") and len({t for _, t in values}) > 1]
+                 if group == "Run" and key in ("sampling", "clip_eps", "is_thresholds")
+                 and len({t for _, t in values}) > 1]
     if differing:
-        page.banner(f"the runs differ in {', '.join(differing)}: their clip fractions or generated tokens count "
-                    "different things (highlighted below)", None)
+        page.banner(f"the runs differ in {', '.join(differing)}: their clip fractions, importance-sampling "
+                    "fractions or generated tokens count different things (highlighted below)", None)
     page.note("one column per run; highlighted: a setting that differs from the first run's")
     head = "".join(f'<th class="l">{esc(c.run.path.name)}</th>' for c in columns)
     body, group = [], None
