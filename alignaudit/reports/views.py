@@ -209,6 +209,9 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
         s = Section("Distribution (full vocabulary)", "distribution")
         generic_rows(s, vocab, "vocab")
         out.append(s)
+    elif summary.get("vocab_note"):  # one capture holds rows, the other not: say why nothing is compared
+        out.append(Section("Distribution (full vocabulary)", "distribution",
+                           note=f"not compared: {summary['vocab_note']}"))
     replay = summary.get("routing_replay")
     if summary.get("routing") or replay:
         s = Section("Routing (MoE)", "routing")
