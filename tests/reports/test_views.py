@@ -80,7 +80,8 @@ def test_sections_appear_only_with_their_data():
                     ("layer 1", "0 of 10 positions rerouted (100.0% agree)", "routing.1")]
     unread = {s.title: s for s in summary_sections({**summary, "routing_note": "compiled MoE"})}["Routing (MoE)"]
     assert unread.rows == [] and unread.note == "not read: compiled MoE"
-    one_side = {s.title: s for s in summary_sections({**summary, "vocab_note": "only the train capture holds "
+    no_rows = {k: v for k, v in summary.items() if k != "vocab"}
+    one_side = {s.title: s for s in summary_sections({**no_rows, "vocab_note": "only the train capture holds "
                                                       "full-vocabulary rows"})}["Distribution (full vocabulary)"]
     assert one_side.rows == [] and one_side.note == "not compared: only the train capture holds full-vocabulary rows"
 
