@@ -108,17 +108,23 @@ def row_starts(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
     valid = attend[:, -1]  # the last query row attends every key of its row's run (a right pad's: all before it)
     key = torch.arange(keys, device=attend.device)
     index = key[keys - t:]
-    start = torch.where(valid.any(1), valid.int().argmax(1), 0)
-    between = valid.int().cummax(1).values.bool() & valid.flip(1).int().cummax(1).values.flip(1).bool()
     causal = key[None, :] <= index[:, None]
-    real_query = index[None, :] >= start[:, None]  # [b, t]: a left pad's query row is not checked
-    ok = _all(valid == between) & _all((attend == (causal[None] & valid[:, None, :])) | ~real_query[:, :, None])
-    ok = ok & _all(valid.any(1))  # a row that attends no key (e.g. an additive mask of ones, not zeros) is no run
     message = ("strict attention (HF): attention_mask must be causal over one contiguous run of keys per row "
                "(left or right padding); a holed or bidirectional mask would be computed otherwise")
     if torch.compiler.is_compiling():
-        _require(ok & _all(start == 0), message + "; left padding is computed out of torch.compile only")
+        # Only runs that start at key 0 compile (every query row real): valid must be a prefix, checked with
+        # elementwise ops and int reductions alone. Inductor's GPU code generation failed on the argmax/cummax
+        # below (a sympy TypeError compiling the Qwen3-8B-shape forward on an H200, docs/benchmarks.md 2026-12-02).
+        v = valid.to(torch.int32)
+        prefix = _all(v[:, 1:] <= v[:, :-1]) & _all(valid[:, 0])
+        ok = prefix & _all(attend == (causal[None] & valid[:, None, :]))
+        _require(ok, message + "; left padding is computed out of torch.compile only")
         return None
+    start = torch.where(valid.any(1), valid.int().argmax(1), 0)
+    between = valid.int().cummax(1).values.bool() & valid.flip(1).int().cummax(1).values.flip(1).bool()
+    real_query = index[None, :] >= start[:, None]  # [b, t]: a left pad's query row is not checked
+    ok = _all(valid == between) & _all((attend == (causal[None] & valid[:, None, :])) | ~real_query[:, :, None])
+    ok = ok & _all(valid.any(1))  # a row that attends no key (e.g. an additive mask of ones, not zeros) is no run
     _require(ok, message)
     starts = start.tolist()
     return starts if any(starts) else None
