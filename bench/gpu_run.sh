@@ -138,7 +138,7 @@ for stage in "$@"; do
   case $stage in
     synth) python3 -c "from alignaudit.inputs.checkpoint import resolve_model as r; [r(m, random_weights=True) for m in '${SYNTH:-Qwen3-8B}'.split(',')]" \
              2>&1 | log | tail -3 ;;
-    tests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_kernels_interpret.py \
+    tests) timeout 480 python3 -m pytest -v -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_kernels_interpret.py \
              --ignore=tests/kernels/test_kernels_compile.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
              | tee "$out/gpu-kernel-tests.log" | tail -15 || status=1 ;;
     sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | log | tail -25 ;;
