@@ -53,17 +53,18 @@ def _isolated_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _preloaded_workers(_isolated_cache):
-    """Capture workers launched in-process (spawn.start_worker: captures and option checks) are forked from a server
+    """Capture workers launched in-process (spawn.start_worker: captures and option checks) and the RL loop's session
+    workers (spawn.start_session) are forked from a server
     per engine that has imported it once (alignaudit.workers.preloaded): each capture still builds and runs its
     engine in a process of its own, without its 5-10 s of imports on 2 cores. A launch under another environment
     (a test's monkeypatch.setenv) gets a server of its own; commands run as subprocesses (run_cli) fork nothing."""
     from alignaudit.workers import preloaded, spawn
 
-    fresh = spawn.start_worker
-    pool = preloaded.Preloaded(fresh)
-    spawn.start_worker = pool.start_worker
+    fresh, fresh_session = spawn.start_worker, spawn.start_session
+    pool = preloaded.Preloaded(fresh, fresh_session=fresh_session)
+    spawn.start_worker, spawn.start_session = pool.start_worker, pool.start_session
     yield
-    spawn.start_worker = fresh
+    spawn.start_worker, spawn.start_session = fresh, fresh_session
     pool.close()
 
 

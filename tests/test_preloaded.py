@@ -60,3 +60,37 @@ def test_a_forked_worker_answers_as_a_fresh_one(tiny_spec, monkeypatch):
         assert isinstance(third, subprocess.Popen) and len(pool.servers) == 2
     finally:
         pool.close()
+
+
+def test_a_forked_rl_session_answers_as_a_fresh_one(tiny_spec, monkeypatch, tmp_path):
+    """The RL loop's long-lived worker (alignaudit.workers.rl_session) of an hf rollout engine, started fresh and
+    forked: the same settings record (less its start-up seconds), the same refusal of an unknown command (type and
+    message, through stdin and stdout), exit code 0 after ``close``; the forked one's stderr goes to its log."""
+    from alignaudit.inputs.request import EngineSettings as Settings
+    from alignaudit.workers.rl_session import Session
+
+    fresh_session = spawn.start_session
+    while isinstance(getattr(fresh_session, "__self__", None), preloaded.Preloaded):
+        fresh_session = fresh_session.__self__.fresh_session
+    pool = preloaded.Preloaded(spawn.start_worker, fresh_session=fresh_session)
+    request = {"role": "rollout", "engine": "hf", "spec": tiny_spec.to_dict(), "settings": Settings().to_dict()}
+    records, refusals, procs = [], [], []
+    try:
+        for name, launcher in (("fresh", fresh_session), ("forked", pool.start_session)):
+            monkeypatch.setattr(spawn, "start_session", launcher)
+            session = Session(request, tmp_path / f"{name}.log")
+            procs.append(session.proc)
+            record = session.call("settings")["settings"]
+            record.pop("worker_startup_s")
+            records.append(record)
+            with pytest.raises(InputError) as refused:
+                session.call("no-such-command")
+            refusals.append(str(refused.value))
+            session.close()
+        assert records[0] == records[1] and records[0]["engine"] == "hf"
+        assert refusals[0] == refusals[1] == "unknown session command 'no-such-command'"
+        assert isinstance(procs[0], subprocess.Popen) and isinstance(procs[1], preloaded.ForkedWorker)
+        assert [p.returncode for p in procs] == [0, 0]
+        assert "InputError" in (tmp_path / "forked.log").read_text()  # the worker's traceback, on its stderr
+    finally:
+        pool.close()

@@ -35,6 +35,7 @@ import threading
 from pathlib import Path
 
 WORKER_MODULE = "alignaudit.workers.capture_worker"
+SESSION_MODULE = "alignaudit.workers.rl_session"  # the RL loop's long-lived workers (stdin commands, stdout replies)
 # Differs from launch to launch without changing what a worker computes (pytest names the running test).
 IGNORED_ENV = ("PYTEST_CURRENT_TEST",)
 
@@ -68,18 +69,31 @@ class Preloaded:
     environment. ``start_worker(args, env)`` has the signature of alignaudit.workers.spawn.start_worker and
     returns a ForkedWorker, or ``fresh(args, env)`` (spawn's own fresh process) for a launch no server may serve:
     arguments it does not understand, while that server is busy, or with ``max_servers`` servers running.
+    ``start_session`` does the same for the RL loop's session workers (spawn.start_session's signature).
     """
 
-    def __init__(self, fresh, max_servers: int = 6):
+    def __init__(self, fresh, max_servers: int = 6, fresh_session=None):
+        from alignaudit.workers.spawn import start_session
+
         self.fresh = fresh  # spawn's launcher: (args, env) -> subprocess.Popen
+        self.fresh_session = fresh_session or start_session  # (args, env, stderr) -> subprocess.Popen
         self.max_servers = max_servers  # each holds its imports in memory (0.4-0.7 GB RSS)
         self.servers: dict[tuple, _Server] = {}
         self.lock = threading.Lock()
 
     def start_worker(self, args: list[str], env: dict[str, str]):
+        return self._launch(args, env, lambda: self.fresh(args, env), WORKER_MODULE)
+
+    def start_session(self, args: list[str], env: dict[str, str], stderr):
+        """An RL session worker (alignaudit.workers.rl_session), as spawn.start_session starts one: commands on its
+        ``stdin``, replies on its ``stdout``, its stderr into the open file ``stderr``."""
+        return self._launch(args, env, lambda: self.fresh_session(args, env, stderr), SESSION_MODULE,
+                            stdin=True, stderr=stderr)
+
+    def _launch(self, args, env, fresh, module, stdin=False, stderr=None):
         engines = engines_of(args)
         if not engines or not set(engines) <= set(PRELOAD):
-            return self.fresh(args, env)
+            return fresh()
         key = (engines, tuple(sorted(_comparable(env).items())))
         with self.lock:
             server = self.servers.get(key)
@@ -88,15 +102,15 @@ class Preloaded:
                 server = None
             if server is None:
                 if len(self.servers) >= self.max_servers:
-                    return self.fresh(args, env)
+                    return fresh()
                 server = self.servers[key] = _Server(engines, env)
         if not server.busy.acquire(blocking=False):
-            return self.fresh(args, env)
+            return fresh()
         try:
-            return ForkedWorker(server, args, env)
+            return ForkedWorker(server, args, env, module, stdin, stderr)
         except OSError:
             server.busy.release()
-            return self.fresh(args, env)
+            return fresh()
 
     def close(self) -> None:
         for server in self.servers.values():
@@ -133,21 +147,36 @@ def _comparable(env: dict[str, str]) -> dict[str, str]:
 
 
 class ForkedWorker:
-    """A worker forked by a preloaded server, with the part of subprocess.Popen that spawn uses: ``stdout`` (text,
-    the worker's stdout and stderr together), ``wait``, ``poll``, ``kill``, ``returncode``."""
+    """A worker forked by a preloaded server, with the part of subprocess.Popen that spawn and the RL session use:
+    ``stdout`` (text; the worker's stdout, and its stderr too unless ``stderr`` is an open file), ``stdin`` (text,
+    when asked for; else the worker reads /dev/null), ``wait``, ``poll``, ``kill``, ``returncode``."""
 
-    def __init__(self, server: _Server, args: list[str], env: dict[str, str]):
-        self.server, self.returncode = server, None
+    def __init__(self, server: _Server, args: list[str], env: dict[str, str], module: str = WORKER_MODULE,
+                 stdin: bool = False, stderr=None):
+        self.server, self.returncode, self.stdin = server, None, None
         read, write = os.pipe()
+        mine, theirs, names = [read], [write], ["stdout"]
+        if stderr is not None:
+            theirs.append(os.dup(stderr.fileno()))
+            names.append("stderr")
+        if stdin:
+            child_in, parent_in = os.pipe()
+            mine.append(parent_in)
+            theirs.append(child_in)
+            names.append("stdin")
         try:
-            message = json.dumps({"args": args, "env": env, "cwd": os.getcwd()}).encode()
-            socket.send_fds(server.sock, [message], [write])
+            message = json.dumps({"args": args, "env": env, "cwd": os.getcwd(), "module": module, "fds": names})
+            socket.send_fds(server.sock, [message.encode()], theirs)
         except OSError:
-            os.close(read)
+            for fd in mine:
+                os.close(fd)
             raise
         finally:
-            os.close(write)
+            for fd in theirs:
+                os.close(fd)
         self.stdout = open(read, encoding=None, errors="replace")
+        if stdin:
+            self.stdin = open(parent_in, "w")
         self.pid = self._reply()["pid"]
 
     def _reply(self) -> dict:
@@ -157,7 +186,10 @@ class ForkedWorker:
         return json.loads(data)
 
     def wait(self, timeout=None) -> int:
+        """The worker's exit code; subprocess.TimeoutExpired if it has not exited within ``timeout`` seconds."""
         if self.returncode is None:
+            if timeout is not None and not select.select([self.server.sock], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(SESSION_MODULE if self.stdin else WORKER_MODULE, timeout)
             reply = self._reply()
             self.returncode = reply["exit"]
             self.server.busy.release()
@@ -191,7 +223,7 @@ def serve(engines: list[str], fd: int) -> None:
             importlib.import_module(module)
     sock = socket.socket(fileno=fd)
     while True:
-        message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
         if not message:
             return
         request = json.loads(message)
@@ -200,35 +232,40 @@ def serve(engines: list[str], fd: int) -> None:
         pid = os.fork()
         if pid == 0:
             sock.close()
-            _child(request, fds[0])
-        os.close(fds[0])
+            _child(request, dict(zip(request["fds"], fds)))
+        for fd in fds:
+            os.close(fd)
         sock.send(json.dumps({"pid": pid}).encode())
         _, status = os.waitpid(pid, 0)
         sock.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _child(request: dict, output: int) -> None:
-    """Become ``python -m alignaudit.workers.capture_worker ARGS`` in ``cwd`` with ``env``; never returns."""
+def _child(request: dict, fds: dict[str, int]) -> None:
+    """Become ``python -m MODULE ARGS`` (capture_worker unless the request names rl_session) in ``cwd`` with
+    ``env``, on the received ``fds`` ("stdout"; "stderr", else stdout; "stdin", else /dev/null); never returns."""
     import runpy
     import traceback
 
     from alignaudit.workers.spawn import _die_with_parent
 
     code = 1
+    module = request.get("module", WORKER_MODULE)
     try:
-        os.dup2(output, 1)
-        os.dup2(output, 2)
-        os.close(output)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
+        if module not in (WORKER_MODULE, SESSION_MODULE):
+            raise ValueError(f"a preloaded server runs {WORKER_MODULE} or {SESSION_MODULE}, not {module}")
+        if "stdin" not in fds:
+            fds["stdin"] = os.open(os.devnull, os.O_RDONLY)
+        for name, target in (("stdout", 1), ("stderr", 2), ("stdin", 0)):
+            os.dup2(fds.get(name, fds["stdout"]), target)
+        for fd in set(fds.values()):
+            os.close(fd)
         _die_with_parent()
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [WORKER_MODULE, *request["args"]]
+        sys.argv = [module, *request["args"]]
         sys.path[0] = request["cwd"]  # as `python -m` sets it
-        runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):

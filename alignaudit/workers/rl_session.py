@@ -47,15 +47,13 @@ class Session:
     """
 
     def __init__(self, request: dict, log: Path):
-        from alignaudit.workers.spawn import _die_with_parent
+        from alignaudit.workers import spawn
 
         self.request, self.log = request, Path(log)
         path = self.log.with_suffix(".request.json")
         path.write_text(json.dumps(request, indent=2) + "\n")
         self._log = open(self.log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "alignaudit.workers.rl_session", str(path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
+        self.proc = spawn.start_session([str(path)], {**os.environ, "PYTHONUNBUFFERED": "1"}, self._log)
 
     def call(self, command: str, **args) -> dict:
         """Send a command; return its reply. Raises the worker's own error type, or EngineError."""

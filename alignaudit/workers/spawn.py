@@ -139,6 +139,14 @@ def start_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen:
                             preexec_fn=_die_with_parent)
 
 
+def start_session(args: list[str], env: dict[str, str], stderr) -> subprocess.Popen:
+    """``python -m alignaudit.workers.rl_session ARGS`` in a fresh process with ``env``: text pipes on its stdin
+    (commands) and stdout (replies), its stderr into the open file ``stderr``, killed when this process dies. The
+    test session replaces it too (alignaudit.workers.preloaded.Preloaded.start_session)."""
+    return subprocess.Popen([sys.executable, "-m", "alignaudit.workers.rl_session", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=_die_with_parent)
+
+
 def _die_with_parent() -> None:
     """Linux: the worker gets SIGKILL when the parent dies, however it dies (prctl PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux"):
