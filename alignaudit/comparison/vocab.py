@@ -169,3 +169,21 @@ def summarize_vocab(tokens: pd.DataFrame, k: int = TOP_K) -> dict:
     record["row_token_mismatches"] = {side: int((~tokens[f"vocab_row_matches_{side}"].to_numpy(dtype=bool)).sum())
                                       for side in ("train", "infer")}
     return record
+
+
+def step_columns(record: dict) -> dict:
+    """``rl --full-vocab``: steps.parquet's full-vocabulary columns from a summarize_vocab record over a step's
+    generated tokens: ``vocab_<measure>_mean`` / ``_max`` for KL(train || infer), KL(infer || train) and total
+    variation (nats, fractions; NaN where no position is finite), ``vocab_top1_agreement``, ``vocab_top5_overlap``
+    (its mean), ``vocab_nonfinite_positions`` and ``vocab_infinite_kl`` (counts)."""
+    out = {}
+    for name, column in MEASURES.items():
+        for stat in ("mean", "max"):
+            value = record[name][stat]
+            out[f"{column}_{stat}"] = float("nan") if value is None else value
+    for column, key in (("vocab_top1_agreement", "top1_agreement"), (f"vocab_top{record['k']}_overlap",
+                                                                      "topk_overlap_mean")):
+        out[column] = float("nan") if record[key] is None else record[key]
+    out["vocab_nonfinite_positions"] = record["nonfinite_positions"]
+    out["vocab_infinite_kl"] = record["infinite_kl"]
+    return out

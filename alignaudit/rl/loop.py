@@ -6,6 +6,11 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.worker
                  records each sampled token's logprob while decoding;
     2. rescore   the trainer computes the same tokens' logprobs (old_logprobs), eval mode, no gradient;
     3. compare   every generated token, trainer vs rollout: bitwise, ULP, RL metrics (comparison/token_diff.py);
+                 with ``full_vocab``, also each token's whole fp32 log-softmax row on both sides (the trainer's from
+                 its rescoring forward, the rollout's from vLLM's sampler while decoding: engines/vllm/vocab.py
+                 DecodeRows), through one file per side (capture.rundir.STEP_VOCAB_ROWS), each row checked bit for
+                 bit against the logprob that side recorded for the token, then exact KL both ways, total
+                 variation, top-1 / top-5 (comparison/vocab.py) per token and per step;
     4. reward    the chosen reward per completion (grpo.REWARDS), GRPO group advantages (grpo.py);
     5. update    the trainer's forward with gradient, the clipped loss with ratio exp(lp_train - lp_rollout),
                  gradient clipping, one optimizer step;
@@ -73,8 +78,8 @@ class RLSettings:
         reward: a name in grpo.REWARDS. kl_coef: weight of the k3 KL to the starting weights (grpo.kl_k3; 0: none).
         log_to: where else every step row goes (alignaudit.rl.export.SINKS: "tensorboard", "wandb").
         full_vocab: per step, the full-vocabulary divergence of the trainer's rescoring rows from the rollout
-        engine's decode rows at every generated token (vocab_step_columns). keep_vocab_rows: keep those rows in
-        vocab/ (4 x V bytes per generated token per side; otherwise deleted after each step).
+        engine's decode rows at every generated token (comparison.vocab.step_columns). keep_vocab_rows: keep those
+        rows in vocab/ (4 x V bytes per generated token per side; otherwise deleted after each step).
     """
 
     steps: int = 10
@@ -288,14 +293,14 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
 
 def _vocab(step: int, tokens: pd.DataFrame, rows: dict, vocab_size: int, keep: bool) -> tuple[pd.DataFrame, dict]:
     """The step's tokens with the per-token vocab columns (comparison.vocab.row_columns) and the step's
-    vocab_step_columns, from the rows each worker wrote to ``rows[side]`` (deleted here unless ``keep``).
+    comparison.vocab.step_columns, from the rows each worker wrote to ``rows[side]`` (deleted here unless ``keep``).
 
     Raises:
         EngineError: a file does not hold one row per generated token, or a row's entry at its token is not bit
             for bit the logprob that engine recorded for it (the row belongs to another token or formula).
     """
     from alignaudit.capture.vocab_rows import read_step_rows
-    from alignaudit.comparison.vocab import row_columns, summarize_vocab
+    from alignaudit.comparison.vocab import row_columns, step_columns, summarize_vocab
 
     train, infer = (read_step_rows(rows[side], len(tokens), vocab_size) for side in ("train", "infer"))
     tokens = row_columns(tokens, train, infer)
@@ -311,26 +316,7 @@ def _vocab(step: int, tokens: pd.DataFrame, rows: dict, vocab_size: int, keep: b
             raise EngineError(f"step {step}: {bad} of the {engine}'s full-vocabulary rows do not hold the logprob it "
                               f"recorded for their token (first: seq {first['seq']}, pos {first['pos']}); the rows "
                               "are not the ones its logprobs were computed from")
-    return tokens, vocab_step_columns(record)
-
-
-def vocab_step_columns(record: dict) -> dict:
-    """steps.parquet's full-vocabulary columns from a comparison.vocab.summarize_vocab record over the step's
-    generated tokens: ``vocab_<measure>_mean`` / ``_max`` for KL(train || infer), KL(infer || train) and total
-    variation (nats, fractions; NaN where no position is finite), ``vocab_top1_agreement``, ``vocab_top5_overlap``
-    (its mean), ``vocab_nonfinite_positions`` and ``vocab_infinite_kl`` (counts)."""
-    from alignaudit.comparison.vocab import MEASURES
-
-    out = {}
-    for name, column in MEASURES.items():
-        for stat in ("mean", "max"):
-            value = record[name][stat]
-            out[f"{column}_{stat}"] = float("nan") if value is None else value
-    out["vocab_top1_agreement"] = record["top1_agreement"]
-    out[f"vocab_top{record['k']}_overlap"] = record["topk_overlap_mean"]
-    out["vocab_nonfinite_positions"] = record["nonfinite_positions"]
-    out["vocab_infinite_kl"] = record["infinite_kl"]
-    return out
+    return tokens, step_columns(record)
 
 
 def importance_columns(importance: dict) -> dict:
