@@ -606,15 +606,11 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
         trainers, rollers = names_where(lambda k: k.trains), names_where(lambda k: k.rolls_out)
         raise errors.InputError(f"rl trains with {trainers} and rolls out with {rollers}; got --train {run.train} "
                                 f"--infer {run.infer}")
+    from alignaudit.engines.checks import check_rl_full_vocab, refuse_parallel
+
     request = build_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p),
-                            clip_eps, importance)
-    from alignaudit.engines.checks import refuse_parallel
-
+                            clip_eps, importance, extra_check=check_rl_full_vocab if full_vocab else None)
     refuse_moe(request.spec, "alignaudit rl")
-    if full_vocab:
-        from alignaudit.engines.checks import check_rl_full_vocab
-
-        check_rl_full_vocab(request.train, request.infer)
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
     from alignaudit.rl.memory import rl_plan

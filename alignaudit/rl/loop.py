@@ -236,6 +236,8 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
     vocab = {}
     if rl.full_vocab:
         tokens, vocab = _vocab(step, tokens, rows, request.spec.vocab_size, rl.keep_vocab_rows)
+        vocab["vocab_s"] = round(time.perf_counter() - t2, 3)  # reading and measuring the rows, apart from update_s
+        t2 = time.perf_counter()
     summary = summarize_tokens(tokens, request.clip_eps, request.importance)
     rewards = [REWARDS[rl.reward](s[p:], step) for s, p in zip(sequences, prompt_lengths)]
     advantages = group_advantages(rewards, rl.group_size)

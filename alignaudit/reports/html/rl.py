@@ -55,7 +55,7 @@ PANELS = (
     ("checks (1 = holds)", ("sync_bit_equal", "train_forward_equal"), False),
     ("sync problems", ("sync_tensors_differing", "sync_stale_packed", "sync_replicas_diverged"), False),
     ("NaN tokens", ("nan_tokens",), False),
-    ("seconds per stage", ("rollout_s", "rescore_s", "update_s", "sync_s", "seconds"), False),
+    ("seconds per stage", ("rollout_s", "rescore_s", "vocab_s", "update_s", "sync_s", "seconds"), False),
 )
 SKIP = {"step", "tokens"}
 
