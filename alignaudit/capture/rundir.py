@@ -13,7 +13,8 @@ not use. Layout of a compare run::
     train-unreplayed/         compare --replay-routing: the train engine on its own routing (train/ replays infer's)
 
 bisect adds ops-natural.parquet / ops-forced.parquet and bisect.json; rl writes steps.parquet, steps.png,
-tokens/step-NNNNN.parquet and sync/weights.safetensors; ablate ablate.parquet, ablate.json and configs/;
+tokens/step-NNNNN.parquet, sync/weights.safetensors and (--full-vocab --keep-vocab-rows)
+vocab/step-NNNNN-SIDE.safetensors; ablate ablate.parquet, ablate.json and configs/;
 gate verdict.json, junit.xml and summary.md beside the run it judges; report report.html.
 """
 
@@ -53,6 +54,11 @@ TOKENS_DIR = "tokens"
 STEP_TOKENS = "step-{step:05d}.parquet"
 SYNC_DIR = "sync"
 SYNC_WEIGHTS = "weights.safetensors"
+# rl --full-vocab: each side's rows of the step's generated tokens, one tensor float32 [tokens, V] in the order of
+# tokens/step-N.parquet; deleted once the step's measures are computed, kept (and sealed) with --keep-vocab-rows
+STEP_VOCAB_DIR = "vocab"
+STEP_VOCAB_ROWS = "step-{step:05d}-{side}.safetensors"
+STEP_VOCAB_TENSOR = "logprobs"
 TRAIN_LOG, INFER_LOG = "train.log", "infer.log"
 TENSORBOARD_DIR = "tensorboard"  # rl --log-to tensorboard: event files (alignaudit.rl.export)
 WANDB_DIR = "wandb"  # rl --log-to wandb: what wandb.init(mode="offline", dir=RUN) writes there
@@ -72,7 +78,8 @@ BISECT_OUTPUTS = (RUN, *SIDES, "infer-forced", "train-as-configured", "infer-as-
                   OPS_FILES["forced"], BISECT)
 DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, OPS_FILES["diff"])  # and RUN, written last
 GATE_OUTPUTS = (VERDICT, JUNIT, SUMMARY_MD)
-RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, SYNC_DIR, TRAIN_LOG, INFER_LOG, "train." + REQUEST, "infer." + REQUEST,
+RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, SYNC_DIR, STEP_VOCAB_DIR, TRAIN_LOG, INFER_LOG, "train." + REQUEST,
+              "infer." + REQUEST,
               TENSORBOARD_DIR, WANDB_DIR)
 ABLATE_OUTPUTS = (RUN, CONFIGS, ABLATE_PARQUET, ABLATE_JSON)
 # the result files each command's run.json must list (alignaudit.comparison.integrity checks them)

@@ -104,3 +104,27 @@ def read_rows(directory: Path, record: dict, seq: int, length: int) -> torch.Ten
     if set(tensors) != {TENSOR} or rows.dtype != torch.float32 or tuple(rows.shape) != shape:
         raise InputError(f"{path} does not hold float32 rows of shape {list(shape)}; the capture is damaged")
     return rows
+
+
+def read_step_rows(path: Path, tokens: int, vocab_size: int) -> torch.Tensor:
+    """``rl --full-vocab``: one side's rows of a step's generated tokens, float32 [tokens, vocab_size], from the file
+    its worker wrote (capture.rundir.STEP_VOCAB_ROWS: one tensor STEP_VOCAB_TENSOR, row i scoring the step's
+    token-table row i).
+
+    Raises:
+        EngineError: the file is missing or holds another tensor, dtype or shape (the worker's rows do not cover
+            the step's tokens: a wiring bug, never a divergence).
+    """
+    from safetensors.torch import load_file
+
+    from alignaudit.capture.rundir import STEP_VOCAB_TENSOR
+    from alignaudit.errors import EngineError
+
+    path = Path(path)
+    tensors = load_file(str(path)) if path.is_file() else {}
+    rows = tensors.get(STEP_VOCAB_TENSOR)
+    if set(tensors) != {STEP_VOCAB_TENSOR} or rows.dtype != torch.float32 or tuple(rows.shape) != (tokens, vocab_size):
+        got = f"{rows.dtype}{list(rows.shape)}" if rows is not None else "nothing"
+        raise EngineError(f"{path}: full-vocabulary rows {got}, expected float32 [{tokens}, {vocab_size}] (one per "
+                          "generated token of the step)")
+    return rows

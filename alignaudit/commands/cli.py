@@ -556,7 +556,18 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
        log_to: Annotated[Optional[str], typer.Option("--log-to", metavar="SINKS", help="Also log every step's "
                                                      "numbers to tensorboard (RUN/tensorboard/) and/or wandb "
                                                      "(offline, RUN/wandb/), comma-separated; each needs its "
-                                                     "package (pip install tensorboard wandb).")] = None) -> None:
+                                                     "package (pip install tensorboard wandb).")] = None,
+       full_vocab: Annotated[bool, typer.Option("--full-vocab", help="Also compare, at every generated token of "
+                                                "every step, the trainer's whole log-softmax row with the one vLLM's "
+                                                "sampler computed while decoding: exact KL both ways, total "
+                                                "variation, top-1 agreement, top-5 overlap (steps.parquet vocab_*, "
+                                                "per token in tokens/). Cost: each side's rows, 4 x vocabulary bytes "
+                                                "per generated token (Qwen3: 594 KiB; 2048 tokens a step: 1.2 GB a "
+                                                "side), held by its worker, written to RUN/vocab/, read by the "
+                                                "parent and deleted after the step.")] = False,
+       keep_vocab_rows: Annotated[bool, typer.Option("--keep-vocab-rows", help="With --full-vocab: keep every "
+                                                     "step's rows in RUN/vocab/step-N-{train,infer}.safetensors "
+                                                     "(the disk cost above, per step).")] = False) -> None:
     """N GRPO steps with the train/rollout alignment checked at every step.
 
     Each step the inference engine samples --group-size completions per prompt (seeded; the same seeds
@@ -586,7 +597,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     from alignaudit.rl.loop import RLSettings, run_rl
 
     settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows, reward=reward,
-                          kl_coef=kl_coef, log_to=parse_sinks(log_to))
+                          kl_coef=kl_coef, log_to=parse_sinks(log_to), full_vocab=full_vocab,
+                          keep_vocab_rows=keep_vocab_rows)
     settings.check()
     from alignaudit.engines import kind_of, names_where
 
@@ -594,10 +606,10 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
         trainers, rollers = names_where(lambda k: k.trains), names_where(lambda k: k.rolls_out)
         raise errors.InputError(f"rl trains with {trainers} and rolls out with {rollers}; got --train {run.train} "
                                 f"--infer {run.infer}")
-    request = build_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p),
-                            clip_eps, importance)
-    from alignaudit.engines.checks import refuse_parallel
+    from alignaudit.engines.checks import check_rl_full_vocab, refuse_parallel
 
+    request = build_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p),
+                            clip_eps, importance, extra_check=check_rl_full_vocab if full_vocab else None)
     refuse_moe(request.spec, "alignaudit rl")
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
@@ -746,12 +758,15 @@ def _report(run_dir: Path) -> tuple[Path, ...]:
 
 
 def _step_line(row: dict) -> str:
-    """One rl step as the progress bar shows it: mismatching tokens, max |d|, k3 KL and clip fraction first (what
-    the mismatch costs the optimizer), then the sync, the reward and the time."""
+    """One rl step as the progress bar shows it: mismatching tokens, max |d|, k3 KL, (--full-vocab) the exact mean
+    KL(train || rollout) over the whole vocabulary and top-1 agreement, and the clip fraction first (what the
+    mismatch costs the optimizer), then the sync, the reward and the time."""
     sync = "sync ok" if row["sync_bit_equal"] else f"[red]sync: {row['sync_tensors_differing']} tensors differ[/]"
     mism = f"{row['mismatches']}/{row['tokens']} tokens differ"
+    vocab = (f"vocab KL {_num(row['vocab_kl_train_infer_mean'])}, top-1 {_num(row['vocab_top1_agreement'], '.3f')}, "
+             if "vocab_kl_train_infer_mean" in row else "")
     return (f"{'[green]' if row['mismatches'] == 0 else '[red]'}{mism}[/], max |d| {_num(row['max_abs_diff'])}, "
-            f"KL {_num(row['kl_k3'])}, clip {_num(row['clip_fraction'], '.3f')}, {sync}, "
+            f"KL {_num(row['kl_k3'])}, {vocab}clip {_num(row['clip_fraction'], '.3f')}, {sync}, "
             f"reward {row['reward_mean']:.3f}, {row['seconds']:.1f}s")
 
 

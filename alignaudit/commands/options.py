@@ -281,10 +281,11 @@ def sampling(args: SamplingArgs, seed: int):
     return Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed)
 
 
-def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
+def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_check=None):
     """The two EngineRuns of a comparison, validated before anything starts: engines installed, dtypes,
-    device, strict ops, every setting against what the engine implements (alignaudit.inputs.capabilities), and
-    the engines' own configuration classes in a short worker (alignaudit.workers.spawn.check_options)."""
+    device, strict ops, every setting against what the engine implements (alignaudit.inputs.capabilities),
+    ``extra_check(train, infer)`` (a command's own refusal, e.g. rl --full-vocab), and the engines' own
+    configuration classes in a short worker (alignaudit.workers.spawn.check_options), last: it takes seconds."""
     from alignaudit.engines import check_installed
     from alignaudit.engines.checks import check_moe, check_parallel, check_runs
     from alignaudit.inputs.capabilities import check_engine_features
@@ -311,6 +312,8 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt"):
     check_moe(spec, runs)
     check_parallel(spec, runs, dev)
     check_runs(runs[0], runs[1], mode)
+    if extra_check is not None:
+        extra_check(runs[0], runs[1])
     check_options(runs, spec, mode)
     return runs
 
@@ -330,8 +333,8 @@ def load_batch(spec, args: PromptArgs, seed: int, engines, new_tokens: int = 0):
 
 
 def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, sampling_args: SamplingArgs | None = None,
-                  clip_eps: float = 0.2, importance: ISArgs | None = None):
-    """Validate every option and build the Request (no engine starts here).
+                  clip_eps: float = 0.2, importance: ISArgs | None = None, extra_check=None):
+    """Validate every option and build the Request (no engine starts here). ``extra_check``: see engine_runs.
 
     Raises:
         InputError: any bad input, with the fix. EngineError: an engine is not installed.
@@ -342,7 +345,7 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
     thresholds = (importance or ISArgs()).thresholds()
     rollout = sampling(sampling_args, model.seed) if sampling_args is not None else None
     spec = resolve_model_arg(model)
-    train, infer = engine_runs(pair, model.seed, spec, "rollout" if rollout else "prompt")
+    train, infer = engine_runs(pair, model.seed, spec, "rollout" if rollout else "prompt", extra_check)
     batch = load_batch(spec, prompts, model.seed, (pair.train, pair.infer), rollout.max_new_tokens if rollout else 0)
     return Request(spec, batch, train, infer, rollout, clip_eps, importance=thresholds)
 

@@ -322,7 +322,29 @@ def load_rl_run(run_dir: Path) -> RLRun:
             if recorded != value:
                 raise InputError(f"step {row['step']}: {key} {recorded} in steps.parquet, {value} from the step's "
                                  f"token rows ({name}); the run directory was altered")
+        if (record.get("rl") or {}).get("full_vocab"):
+            _check_step_vocab(run_dir / name, row, table)
     return RLRun(run_dir, record, steps, token_rows)
+
+
+def _check_step_vocab(path: Path, row: dict, table) -> None:
+    """rl --full-vocab: the step's vocab columns of steps.parquet are those its token rows' per-token vocab columns
+    give (comparison.vocab.summarize_vocab, step_columns): counts equal, measures equal to a relative 1e-9 (another
+    machine's float64 sums may round the last bits otherwise), NaN where NaN. Raises InputError naming the column."""
+    import math
+
+    from alignaudit.comparison.vocab import COLUMNS, step_columns, summarize_vocab
+
+    if any(c not in table for c in COLUMNS):
+        raise InputError(f"{path} lacks the per-token vocab columns of an rl --full-vocab run; the run directory was "
+                         "altered")
+    for key, value in step_columns(summarize_vocab(table)).items():
+        recorded = float(row.get(key, float("nan")))
+        same = (math.isnan(recorded) and math.isnan(value)) or math.isclose(recorded, value, rel_tol=1e-9,
+                                                                            abs_tol=0.0)
+        if not same:
+            raise InputError(f"step {row['step']}: {key} {recorded} in steps.parquet, {value} from the step's token "
+                             f"rows ({path.name}); the run directory was altered")
 
 
 def _check_manifest(record_path: Path, where: str, expected, capture: Capture, made: str = "wrote") -> None:

@@ -95,26 +95,49 @@ def vocab_columns(tokens: pd.DataFrame, train_rows: Callable[[int], torch.Tensor
     ``train_rows(seq)`` / ``infer_rows(seq)``: that sequence's rows, float32 [len - 1, V]; the token at position
     pos is scored by row pos - 1. Each sequence's rows are read once.
     """
-    out = tokens.copy()
-    n = len(out)
-    cols = {c: np.zeros(n, dtype=bool if c in ("vocab_top1_agree", "vocab_nonfinite", "vocab_row_matches_train",
-                                               "vocab_row_matches_infer") else np.float64) for c in COLUMNS}
-    seqs = out["seq"].to_numpy()
+    cols = _empty_columns(len(tokens))
+    seqs = tokens["seq"].to_numpy()
     for seq in pd.unique(seqs):
         at = np.flatnonzero(seqs == seq)
-        rows = torch.from_numpy(out["pos"].to_numpy()[at].astype(np.int64) - 1)
-        ids = torch.from_numpy(out["token_id"].to_numpy()[at].astype(np.int64))
-        a, b = train_rows(int(seq))[rows], infer_rows(int(seq))[rows]
-        m = position_divergence(a, b, k)
-        for name in ("kl_train_infer", "kl_infer_train", "tv", "top1_agree", "topk_overlap", "nonfinite"):
-            cols[f"vocab_{name}"][at] = m[name]
-        for side, r in (("train", a), ("infer", b)):
-            picked = r.gather(1, ids[:, None])[:, 0].numpy().view(np.int32)
-            reported = out[f"lp_{side}"].to_numpy(np.float32)[at].view(np.int32)
-            cols[f"vocab_row_matches_{side}"][at] = picked == reported
-    for c in COLUMNS:
-        out[c] = cols[c]
-    return out
+        rows = torch.from_numpy(tokens["pos"].to_numpy()[at].astype(np.int64) - 1)
+        _fill(cols, at, tokens, train_rows(int(seq))[rows], infer_rows(int(seq))[rows], k)
+    return tokens.assign(**cols)
+
+
+def row_columns(tokens: pd.DataFrame, train: torch.Tensor, infer: torch.Tensor, k: int = TOP_K) -> pd.DataFrame:
+    """``tokens`` with COLUMNS added, from one row per table row (``rl --full-vocab``: the step's generated tokens).
+
+    Args:
+        tokens: token_diff.compare_tokens output (token_id, lp_train, lp_infer; n rows).
+        train, infer: float32 [n, V]; row i scores table row i's token.
+    Raises:
+        ValueError: the rows are not [n, V] each (position_divergence).
+    """
+    if train.shape[0] != len(tokens):
+        raise ValueError(f"row_columns: {train.shape[0]} rows for {len(tokens)} tokens")
+    cols = _empty_columns(len(tokens))
+    _fill(cols, np.arange(len(tokens)), tokens, train, infer, k)
+    return tokens.assign(**cols)
+
+
+BOOL_COLUMNS = ("vocab_top1_agree", "vocab_nonfinite", "vocab_row_matches_train", "vocab_row_matches_infer")
+
+
+def _empty_columns(n: int) -> dict[str, np.ndarray]:
+    return {c: np.zeros(n, dtype=bool if c in BOOL_COLUMNS else np.float64) for c in COLUMNS}
+
+
+def _fill(cols: dict, at: np.ndarray, tokens: pd.DataFrame, a: torch.Tensor, b: torch.Tensor, k: int) -> None:
+    """COLUMNS at table rows ``at`` from the row pairs a, b (float32 [len(at), V]): the measures, and whether each
+    row's entry at the token is bit for bit the logprob that side recorded."""
+    ids = torch.from_numpy(tokens["token_id"].to_numpy()[at].astype(np.int64))
+    m = position_divergence(a, b, k)
+    for name in ("kl_train_infer", "kl_infer_train", "tv", "top1_agree", "topk_overlap", "nonfinite"):
+        cols[f"vocab_{name}"][at] = m[name]
+    for side, r in (("train", a), ("infer", b)):
+        picked = r.gather(1, ids[:, None])[:, 0].numpy().view(np.int32)
+        reported = tokens[f"lp_{side}"].to_numpy(np.float32)[at].view(np.int32)
+        cols[f"vocab_row_matches_{side}"][at] = picked == reported
 
 
 def summarize_vocab(tokens: pd.DataFrame, k: int = TOP_K) -> dict:
@@ -146,3 +169,21 @@ def summarize_vocab(tokens: pd.DataFrame, k: int = TOP_K) -> dict:
     record["row_token_mismatches"] = {side: int((~tokens[f"vocab_row_matches_{side}"].to_numpy(dtype=bool)).sum())
                                       for side in ("train", "infer")}
     return record
+
+
+def step_columns(record: dict) -> dict:
+    """``rl --full-vocab``: steps.parquet's full-vocabulary columns from a summarize_vocab record over a step's
+    generated tokens: ``vocab_<measure>_mean`` / ``_max`` for KL(train || infer), KL(infer || train) and total
+    variation (nats, fractions; NaN where no position is finite), ``vocab_top1_agreement``, ``vocab_top5_overlap``
+    (its mean), ``vocab_nonfinite_positions`` and ``vocab_infinite_kl`` (counts)."""
+    out = {}
+    for name, column in MEASURES.items():
+        for stat in ("mean", "max"):
+            value = record[name][stat]
+            out[f"{column}_{stat}"] = float("nan") if value is None else value
+    for column, key in (("vocab_top1_agreement", "top1_agreement"), (f"vocab_top{record['k']}_overlap",
+                                                                      "topk_overlap_mean")):
+        out[column] = float("nan") if record[key] is None else record[key]
+    out["vocab_nonfinite_positions"] = record["nonfinite_positions"]
+    out["vocab_infinite_kl"] = record["infinite_kl"]
+    return out

@@ -127,7 +127,9 @@ class Engine(ABC):
         # (alignaudit.engines.routing_replay); the trainer's router takes them instead of its own top-k.
         self.routing_replay: dict[int, dict[int, torch.Tensor]] | None = None
         # compare --full-vocab: receives (seq, float32 rows [len - 1, V]) for each sequence prompt_logprobs scores,
-        # each row the engine's whole log-softmax at that position (alignaudit.capture.vocab_rows).
+        # each row the engine's whole log-softmax at that position (alignaudit.capture.vocab_rows). In rollout()
+        # (rl --full-vocab): (i, float32 rows [max_new_tokens, V]) per request, the rows its sampled tokens'
+        # logprobs were gathered from while decoding.
         self.vocab_sink = None
 
     @classmethod

@@ -141,3 +141,25 @@ def check_full_vocab(train, infer, mode: str, replay_routing: bool = False) -> N
     refuse_parallel((train, infer), "--full-vocab", "vLLM's ranks run in processes of its own that alignaudit's "
                     "row hooks do not reach, and Megatron's rows would need its sharded vocabulary gathered; drop "
                     "the tensor-parallel option or --full-vocab")
+
+
+def check_rl_full_vocab(train, infer) -> None:
+    """Refuse ``rl --full-vocab`` where the rows cannot be had (before any engine starts): an engine that gives no
+    full-vocabulary rows (EngineKind.gives_vocab_rows), a tensor-parallel size above 1 (as check_full_vocab), and a
+    rollout engine recording processed logprobs (its rows would be those of the sampling transform, which the
+    trainer replays for the token's logprob only; its rows are not recorded).
+
+    Raises:
+        InputError: naming the engine or setting, why, and the fix.
+    """
+    for role, run in (("train", train), ("infer", infer)):
+        if not kind_of(run.engine).gives_vocab_rows:
+            raise InputError(f"rl --full-vocab: {run.engine} (--{role}) gives no full-vocabulary rows; choose hf, "
+                             "megatron or vllm, or drop --full-vocab")
+    if processed_logprobs(infer):
+        raise InputError("rl --full-vocab with logprobs_mode=processed_logprobs is not built yet (the trainer replays "
+                         "the sampling transform for the sampled token only, not for its whole row); drop "
+                         "logprobs_mode or --full-vocab")
+    refuse_parallel((train, infer), "rl --full-vocab", "vLLM's ranks run in processes of its own that alignaudit's "
+                    "row hooks do not reach, and Megatron's rows would need its sharded vocabulary gathered; drop "
+                    "the tensor-parallel option or --full-vocab")

@@ -6,6 +6,11 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.worker
                  records each sampled token's logprob while decoding;
     2. rescore   the trainer computes the same tokens' logprobs (old_logprobs), eval mode, no gradient;
     3. compare   every generated token, trainer vs rollout: bitwise, ULP, RL metrics (comparison/token_diff.py);
+                 with ``full_vocab``, also each token's whole fp32 log-softmax row on both sides (the trainer's from
+                 its rescoring forward, the rollout's from vLLM's sampler while decoding: engines/vllm/vocab.py
+                 DecodeRows), through one file per side (capture.rundir.STEP_VOCAB_ROWS), each row checked bit for
+                 bit against the logprob that side recorded for the token, then exact KL both ways, total
+                 variation, top-1 / top-5 (comparison/vocab.py) per token and per step;
     4. reward    the chosen reward per completion (grpo.REWARDS), GRPO group advantages (grpo.py);
     5. update    the trainer's forward with gradient, the clipped loss with ratio exp(lp_train - lp_rollout),
                  gradient clipping, one optimizer step;
@@ -40,6 +45,9 @@ from alignaudit.capture.rundir import (
     PLOT,
     RUN,
     STEP_TOKENS,
+    STEP_VOCAB_DIR,
+    STEP_VOCAB_ROWS,
+    STEP_VOCAB_TENSOR,
     STEPS,
     SYNC_DIR,
     SYNC_WEIGHTS,
@@ -49,7 +57,7 @@ from alignaudit.capture.rundir import (
 from alignaudit.comparison.importance import FIELDS
 from alignaudit.comparison.integrity import seal
 from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
-from alignaudit.errors import InputError
+from alignaudit.errors import EngineError, InputError
 from alignaudit.inputs.request import Request
 from alignaudit.rl.export import StepExport
 from alignaudit.rl.grpo import REWARDS, group_advantages
@@ -69,6 +77,9 @@ class RLSettings:
         completions per prompt (>= 2). clip_grad: max global grad norm. token_rows: write per-token rows.
         reward: a name in grpo.REWARDS. kl_coef: weight of the k3 KL to the starting weights (grpo.kl_k3; 0: none).
         log_to: where else every step row goes (alignaudit.rl.export.SINKS: "tensorboard", "wandb").
+        full_vocab: per step, the full-vocabulary divergence of the trainer's rescoring rows from the rollout
+        engine's decode rows at every generated token (comparison.vocab.step_columns). keep_vocab_rows: keep those
+        rows in vocab/ (4 x V bytes per generated token per side; otherwise deleted after each step).
     """
 
     steps: int = 10
@@ -79,12 +90,17 @@ class RLSettings:
     reward: str = "rotating-hash"
     kl_coef: float = 0.0
     log_to: tuple[str, ...] = ()
+    full_vocab: bool = False
+    keep_vocab_rows: bool = False
 
     def check(self) -> None:
         """Raises InputError for a setting the loop cannot run with (a --log-to library not installed included)."""
         from alignaudit.rl.export import check_sinks
 
         check_sinks(tuple(self.log_to))
+        if self.keep_vocab_rows and not self.full_vocab:
+            raise InputError("--keep-vocab-rows keeps the rows --full-vocab records; add --full-vocab or drop "
+                             "--keep-vocab-rows")
         if self.steps < 1:
             raise InputError(f"--steps {self.steps}: run at least one step")
         if self.group_size < 2:
@@ -116,6 +132,8 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
     (out / SYNC_DIR).mkdir(exist_ok=True)
     if rl.token_rows:
         (out / TOKENS_DIR).mkdir(exist_ok=True)
+    if rl.full_vocab:
+        (out / STEP_VOCAB_DIR).mkdir(exist_ok=True)
     stage = on_stage or (lambda text: None)
     sessions = []
     export = StepExport(tuple(rl.log_to), out, record) if rl.log_to else None
@@ -148,10 +166,14 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
             session.close()
         if export:
             export.close()
+        if rl.full_vocab and not rl.keep_vocab_rows:
+            for path in (out / STEP_VOCAB_DIR).glob("*"):
+                path.unlink()
+            (out / STEP_VOCAB_DIR).rmdir()
     from alignaudit.rl.records import plot_steps
 
     plot_steps(steps, out / PLOT, title=f"{request.spec.name}: {request.train.label()} vs {request.infer.label()}")
-    record = seal(record, out, (STEPS, TOKENS_DIR, PLOT))
+    record = seal(record, out, (STEPS, TOKENS_DIR, PLOT, STEP_VOCAB_DIR))
     (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return steps
 
@@ -194,16 +216,28 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
 
     t0 = time.perf_counter()
     sampling = request.rollout.to_dict()
-    rolled = rollout.call("rollout", prompts=prompts, sampling=sampling)
+    prompt_lengths = [len(p) for p in prompts]
+    rows = {side: str(out / STEP_VOCAB_DIR / STEP_VOCAB_ROWS.format(step=step, side=side))
+            for side in ("train", "infer")}
+
+    def spec(side: str) -> dict | None:  # where a worker writes its rows (rl --full-vocab)
+        if not rl.full_vocab:
+            return None
+        return {"path": rows[side], "tensor": STEP_VOCAB_TENSOR, "prompt_lengths": prompt_lengths}
+    rolled = rollout.call("rollout", prompts=prompts, sampling=sampling, vocab_rows=spec("infer"))
     t1 = time.perf_counter()
     sequences = rolled["sequences"]
-    prompt_lengths = [len(p) for p in prompts]
     replay = None
     if processed_logprobs(request.infer):
         replay = {**{k: sampling[k] for k in ("temperature", "top_k", "top_p")}, "prompt_lengths": prompt_lengths}
-    scored = trainer.call("score", sequences=sequences, replay=replay)["logprobs"]
+    scored = trainer.call("score", sequences=sequences, replay=replay, vocab_rows=spec("train"))["logprobs"]
     t2 = time.perf_counter()
     tokens = _generated_tokens(step, sequences, prompt_lengths, scored, rolled["logprobs"])
+    vocab = {}
+    if rl.full_vocab:
+        tokens, vocab = _vocab(step, tokens, rows, request.spec.vocab_size, rl.keep_vocab_rows)
+        vocab["vocab_s"] = round(time.perf_counter() - t2, 3)  # reading and measuring the rows, apart from update_s
+        t2 = time.perf_counter()
     summary = summarize_tokens(tokens, request.clip_eps, request.importance)
     rewards = [REWARDS[rl.reward](s[p:], step) for s, p in zip(sequences, prompt_lengths)]
     advantages = group_advantages(rewards, rl.group_size)
@@ -234,6 +268,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "prob_diff_max": rl_stats["prob_diff_max"],
         "prob_diff_mean": rl_stats["prob_diff_mean"],
         **importance_columns(summary["importance"]),
+        **vocab,
         "reward_mean": float(np.mean(rewards)),
         "loss": update["loss"],
         **({"kl_ref": update["kl_ref"]} if update["kl_ref"] is not None else {}),
@@ -256,6 +291,34 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "optimizer_s": update["optimizer_s"],
         "sync_s": round(t4 - t3, 3),
     }
+
+
+def _vocab(step: int, tokens: pd.DataFrame, rows: dict, vocab_size: int, keep: bool) -> tuple[pd.DataFrame, dict]:
+    """The step's tokens with the per-token vocab columns (comparison.vocab.row_columns) and the step's
+    comparison.vocab.step_columns, from the rows each worker wrote to ``rows[side]`` (deleted here unless ``keep``).
+
+    Raises:
+        EngineError: a file does not hold one row per generated token, or a row's entry at its token is not bit
+            for bit the logprob that engine recorded for it (the row belongs to another token or formula).
+    """
+    from alignaudit.capture.vocab_rows import read_step_rows
+    from alignaudit.comparison.vocab import row_columns, step_columns, summarize_vocab
+
+    train, infer = (read_step_rows(rows[side], len(tokens), vocab_size) for side in ("train", "infer"))
+    tokens = row_columns(tokens, train, infer)
+    del train, infer
+    if not keep:
+        for path in rows.values():
+            Path(path).unlink()
+    record = summarize_vocab(tokens)
+    for side, engine in (("infer", "rollout"), ("train", "trainer")):
+        bad = record["row_token_mismatches"][side]
+        if bad:
+            first = tokens.loc[~tokens[f"vocab_row_matches_{side}"]].iloc[0]
+            raise EngineError(f"step {step}: {bad} of the {engine}'s full-vocabulary rows do not hold the logprob it "
+                              f"recorded for their token (first: seq {first['seq']}, pos {first['pos']}); the rows "
+                              "are not the ones its logprobs were computed from")
+    return tokens, step_columns(record)
 
 
 def importance_columns(importance: dict) -> dict:

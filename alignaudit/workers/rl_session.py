@@ -10,9 +10,11 @@ trainer's own tensors (alignaudit.rl.weight_transfer). A library error comes bac
 ``{"error": {"type", "message"}}`` and is re-raised in the parent with its type; a worker that dies is an
 EngineError carrying the last lines of its log.
 
-Commands: ``start`` (size the engine), ``rollout``, ``score``, ``train_step``, ``export`` (trainer weights: to
-a file with checksums, or as CUDA IPC handles), ``load_weights`` (rollout engine: load them, answering with
-what the update changed and the check of what the engine then holds), ``checksums``, ``settings``, ``close``.
+Commands: ``start`` (size the engine), ``rollout``, ``score`` (both: with ``vocab_rows``, rl --full-vocab, the
+engine's full-vocabulary rows of the generated tokens into a file, _RowFile), ``train_step``, ``export``
+(trainer weights: to a file with checksums, or as CUDA IPC handles), ``load_weights`` (rollout engine: load
+them, answering with what the update changed and the check of what the engine then holds), ``checksums``,
+``settings``, ``close``.
 
 A Megatron trainer at tensor-parallel size t > 1 is t processes: the worker is rank 0 and starts ranks
 1..t-1, which follow it: rank 0 broadcasts each command (torch.distributed.broadcast_object_list), every
@@ -145,11 +147,15 @@ class Worker:
             from alignaudit.inputs.request import Sampling
 
             batch = TokenBatch(tuple(tuple(s) for s in args["prompts"]))
-            full, logprobs = self.engine.rollout(batch, Sampling(**args["sampling"]))
+            with _RowFile(self.engine, args.get("vocab_rows"), [0] * len(batch.sequences)):
+                full, logprobs = self.engine.rollout(batch, Sampling(**args["sampling"]))
             return {"sequences": [list(s) for s in full.sequences], "logprobs": [lp.tolist() for lp in logprobs]}
         if command == "score":
             batch = TokenBatch(tuple(tuple(s) for s in args["sequences"]))
-            return {"logprobs": [lp.tolist() for lp in self.trainer.score(batch, args.get("replay"))]}
+            rows = args.get("vocab_rows")
+            with _RowFile(self.engine, rows, [p - 1 for p in rows["prompt_lengths"]] if rows else None):
+                scored = self.trainer.score(batch, args.get("replay"))
+            return {"logprobs": [lp.tolist() for lp in scored]}
         if command == "train_step":
             batch = TokenBatch(tuple(tuple(s) for s in args.pop("sequences")))
             return self.trainer.train_step(batch, **args)
@@ -215,6 +221,41 @@ class Worker:
             reply["checksums"] = checksums(held)
         reply["stale"] = self.engine.stale_packed_layers() if hasattr(self.engine, "stale_packed_layers") else []
         return reply
+
+
+class _RowFile:
+    """rl --full-vocab, around one rollout or score: the engine's full-vocabulary rows (Engine.vocab_sink) of each
+    sequence from row ``first[seq]`` on, concatenated in sequence order into one float32 tensor [rows, V] named
+    ``spec["tensor"]`` in the safetensors file ``spec["path"]`` (the parent reads it: alignaudit.rl.loop). Holds
+    on the host 4 x V bytes per row kept until the file is written. ``spec`` None: nothing. One rank only (the rl
+    command refuses --full-vocab at tensor-parallel size > 1, engines.checks.check_rl_full_vocab)."""
+
+    def __init__(self, engine, spec: dict | None, first: list[int] | None):
+        self.engine, self.spec, self.first = engine, spec, first
+        self.pieces: dict = {}
+
+    def __enter__(self):
+        if self.spec is not None:
+            def sink(seq, rows):
+                if seq in self.pieces:
+                    raise errors.EngineError(f"full-vocabulary rows of sequence {seq} came twice")
+                self.pieces[seq] = rows[self.first[seq]:].detach().to("cpu", copy=True).contiguous()
+            self.engine.vocab_sink = sink
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        self.engine.vocab_sink = None
+        if self.spec is None or kind is not None:
+            return
+        missing = [s for s in range(len(self.first)) if s not in self.pieces]
+        if missing:
+            raise errors.EngineError(f"full-vocabulary rows: sequences {missing[:5]} got none from {self.engine.name}")
+        import torch
+        from safetensors.torch import save_file
+
+        rows = torch.cat([self.pieces[s] for s in range(len(self.first))])
+        self.pieces.clear()
+        save_file({self.spec["tensor"]: rows}, self.spec["path"])
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from helpers import importance_by_hand, one_line_error
 
 pytestmark = pytest.mark.engines
 
-TIMINGS = ["seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s"]
+TIMINGS = ["seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s", "vocab_s"]
 # IS thresholds close to 1, so that the default stack's mismatch truncates and masks some tokens
 IS_OPTIONS = ["--tis-threshold", "1.0001", "--mask-low", "0.9999", "--mask-high", "1.001"]
 IS_HAND = dict(tis=1.0001, mask_low=0.9999, mask_high=1.001)
@@ -44,9 +44,10 @@ IS_HAND = dict(tis=1.0001, mask_low=0.9999, mask_high=1.001)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
-    for name, args in (("strict", ["--strict", "--steps", "3", "--lr", "1e-3", "--kl-coef", "0.04"]),
-                       ("default", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "tensorboard"]),
-                       ("again", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "wandb"]),
+    vocab = ["--full-vocab", "--keep-vocab-rows"]
+    for name, args in (("strict", ["--strict", "--steps", "3", "--lr", "1e-3", "--kl-coef", "0.04", *vocab]),
+                       ("default", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "tensorboard", *vocab]),
+                       ("again", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "wandb", "--full-vocab"]),
                        ("control", ["--steps", "3", "--lr", "0"])):
         printed = io.StringIO()  # not a terminal, as a CI log: the progress bar draws once, the step lines stay
         with contextlib.redirect_stdout(printed):
@@ -65,6 +66,8 @@ def test_every_step_prints_one_whole_line_outside_a_terminal(runs):
         for line, row in zip(lines, s.itertuples()):
             assert line.startswith(f"step {row.step}: {row.mismatches}/{row.tokens} tokens differ, max |d| "), line
             assert f", clip {row.clip_fraction:.3f}, sync ok, reward {row.reward_mean:.3f}, " in line, line
+            assert (f", vocab KL {row.vocab_kl_train_infer_mean:.2e}, top-1 {row.vocab_top1_agreement:.3f}, "
+                    in line), line
 
 
 def steps(runs, name):
@@ -128,8 +131,74 @@ def test_the_default_stack_mismatches_at_every_step_and_fails_the_gate(runs, tmp
     assert "2 of 2 steps have mismatching tokens" in json.loads((out / "v.json").read_text())["reasons"][0]
 
 
+def _rows(run, step):
+    """The step's kept rows (--keep-vocab-rows), float32 [tokens, V] per side, read with safetensors alone."""
+    from safetensors.numpy import load_file
+
+    return [load_file(run / "vocab" / f"step-{step:05d}-{side}.safetensors")["logprobs"] for side in ("train", "infer")]
+
+
+def _by_hand(a32, b32):
+    """Per position, in numpy float64 from the fp32 rows: KL both ways, TV, top-1 agreement and top-5 overlap of the
+    two renormalized distributions (ties to the lower token id)."""
+    def normalized(x):
+        x = x.astype(np.float64)
+        top = x.max(axis=1, keepdims=True)
+        return x - (top + np.log(np.exp(x - top).sum(axis=1, keepdims=True)))
+
+    la, lb = normalized(a32), normalized(b32)
+    p, q = np.exp(la), np.exp(lb)
+    top_a = np.argsort(-a32, axis=1, kind="stable")[:, :5]
+    top_b = np.argsort(-b32, axis=1, kind="stable")[:, :5]
+    overlap = np.array([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b)])
+    return {"vocab_kl_train_infer": (p * (la - lb)).sum(axis=1), "vocab_kl_infer_train": (q * (lb - la)).sum(axis=1),
+            "vocab_tv": 0.5 * np.abs(p - q).sum(axis=1), "vocab_top1_agree": a32.argmax(1) == b32.argmax(1),
+            "vocab_topk_overlap": overlap}
+
+
+def test_full_vocab_columns_are_those_of_the_rows_by_hand(runs):
+    """--full-vocab: each step's kept rows (trainer: its rescoring forward; rollout: vLLM's sampler while decoding)
+    hold, bit for bit, the logprob each engine recorded at the token; the per-token and per-step vocab columns
+    equal a float64 computation from those rows by hand. Default stack: KL > 0 at every generated token; strict:
+    the rows are bit-equal, so KL = TV = 0 exactly and top-1 = top-5 = 1. Without --keep-vocab-rows no row is
+    left in the run directory."""
+    vocab = 512  # the fixture's vocabulary
+    for name in ("default", "strict"):
+        s = steps(runs, name)
+        for row in s.to_dict("records"):
+            step = row["step"]
+            tokens = pd.read_parquet(runs / name / "tokens" / f"step-{step:05d}.parquet")
+            a, b = _rows(runs / name, step)
+            assert a.shape == b.shape == (len(tokens), vocab) == (256, vocab) and a.dtype == np.float32
+            ids = tokens["token_id"].to_numpy()
+            for rows, side in ((a, "train"), (b, "infer")):
+                picked = rows[np.arange(len(ids)), ids]
+                assert np.array_equal(picked.view(np.int32), tokens[f"lp_{side}"].to_numpy(np.float32).view(np.int32))
+                assert tokens[f"vocab_row_matches_{side}"].all()
+            hand = _by_hand(a, b)
+            for column, values in hand.items():
+                np.testing.assert_allclose(tokens[column].to_numpy(dtype=np.float64), values.astype(np.float64),
+                                           rtol=1e-9, atol=1e-15, err_msg=f"{name} step {step} {column}")
+            for measure in ("vocab_kl_train_infer", "vocab_kl_infer_train", "vocab_tv"):
+                assert row[f"{measure}_mean"] == pytest.approx(hand[measure].mean(), rel=1e-9, abs=1e-15)
+                assert row[f"{measure}_max"] == pytest.approx(hand[measure].max(), rel=1e-9, abs=1e-15)
+            assert row["vocab_top1_agreement"] == hand["vocab_top1_agree"].mean()
+            assert row["vocab_top5_overlap"] == pytest.approx(hand["vocab_topk_overlap"].mean(), rel=1e-12)
+            assert row["vocab_nonfinite_positions"] == 0 and row["vocab_infinite_kl"] == 0
+            if name == "strict":
+                assert np.array_equal(a.view(np.int32), b.view(np.int32))
+                for measure in ("vocab_kl_train_infer", "vocab_kl_infer_train", "vocab_tv"):
+                    assert row[f"{measure}_mean"] == 0.0 and row[f"{measure}_max"] == 0.0
+                assert row["vocab_top1_agreement"] == 1.0 and row["vocab_top5_overlap"] == 1.0
+            else:
+                assert (hand["vocab_kl_train_infer"] > 0).all() and (hand["vocab_kl_infer_train"] > 0).all()
+                assert 0 < row["vocab_kl_train_infer_mean"] < 1e-2 and row["vocab_top1_agreement"] < 1
+    assert not (runs / "again" / "vocab").exists()  # --full-vocab alone: the rows were deleted after each step
+    assert "Full vocabulary (--full-vocab, exact over every entry)" in (runs / "default" / "report.html").read_text()
+
+
 def test_lr_zero_repeats_every_step_exactly(runs):
-    s = steps(runs, "control").drop(columns=TIMINGS + ["step"])
+    s = steps(runs, "control").drop(columns=TIMINGS + ["step"], errors="ignore")
     first = s.iloc[0]
     for i in range(1, len(s)):
         assert s.iloc[i].equals(first), s.iloc[i].compare(first)
@@ -201,9 +270,12 @@ def test_a_stale_weight_sync_is_caught(tmp_path):
 def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
     out = tmp_path / "hf"
     assert cli.main(["rl", "--train", "hf", "--infer", "vllm", "--strict", "--steps", "2", "--lr", "1e-3",
-                     "--no-token-rows", "--out", str(out)]) == EXIT_OK
+                     "--no-token-rows", "--full-vocab", "--out", str(out)]) == EXIT_OK
     s = pd.read_parquet(out / "steps.parquet")
     assert (s["mismatches"] == 0).all() and s["sync_bit_equal"].all() and s["weights_digest"].nunique() == 2
+    # HF's strict rows (alignaudit_kernels.log_softmax) equal vLLM's strict sampler rows: every measure exactly 0
+    assert (s["vocab_kl_train_infer_max"] == 0).all() and (s["vocab_tv_max"] == 0).all()
+    assert (s["vocab_top1_agreement"] == 1).all() and not (out / "vocab").exists()
     assert (s["nan_tokens"] == 0).all() and (s["grad_norm"] > 0).all()  # HF's strict backward once gave NaN
     assert not (out / "tokens").exists()
     # without per-token rows the counts are steps.parquet's alone: every rendering of the verdict says so
@@ -222,6 +294,11 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
     (["--tis-threshold", "-2"], "--tis-threshold -2.0: the truncation C must be a finite number > 0"),
     (["--mask-low", "5", "--mask-high", "0.5"], "the kept range needs 0 <= low < high"),
     (["--log-to", "tensorboard,mlflow"], "--log-to mlflow: not an export; choose from tensorboard, wandb"),
+    (["--keep-vocab-rows"], "--keep-vocab-rows keeps the rows --full-vocab records; add --full-vocab"),
+    (["--full-vocab", "--train-opt", "tensor_model_parallel_size=2"],
+     "rl --full-vocab with megatron at tensor parallel size > 1 is not implemented"),
+    (["--full-vocab", "--infer-opt", "logprobs_mode=processed_logprobs"],
+     "rl --full-vocab with logprobs_mode=processed_logprobs is not built yet"),
 ])
 def test_bad_input_is_refused_before_any_engine(capsys, tmp_path, argv, message):
     out = tmp_path / "o"
@@ -315,6 +392,8 @@ def _edit_steps(run, **changes):
      "the training forward's logprobs differed from the rescoring's at 1 of 3 steps (first: step 2)"),
     (lambda r: _edit_steps(r, sync_stale_packed=(3, 1)), EXIT_MISMATCH,
      "packed GEMMs computed with stale weights after the sync at 1 of 3 steps (first: step 3)"),
+    (lambda r: _edit_steps(r, vocab_kl_train_infer_mean=(2, 1e-3)), EXIT_USAGE,
+     "step 2: vocab_kl_train_infer_mean 0.001 in steps.parquet, 0.0 from the step's token rows"),
     (lambda r: _edit_steps(r, sync_replicas_diverged=(1, 2)), EXIT_MISMATCH,
      "replicated parameters differed between tensor-parallel ranks at 1 of 3 steps (first: step 1)"),
 ])

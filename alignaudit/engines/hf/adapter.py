@@ -120,8 +120,18 @@ class HFEngine(Engine):
     @torch.no_grad()
     def rollout(self, batch, sampling):
         """One sequence at a time through ``model.generate`` (KV cache, sampling seeded per request). EOS is
-        not a stop token (``eos_token_id`` is emptied), so no logits processor masks it."""
+        not a stop token (``eos_token_id`` is emptied), so no logits processor masks it. With ``vocab_sink`` set
+        (rl --full-vocab), ``vocab_sink(i, rows)`` gets request i's log_softmax_rows of its decode logits, float32
+        [max_new_tokens, V]."""
         sequences, logprobs = [], []
+        sink, self.vocab_sink = self.vocab_sink, None  # the prompt rows scored below are not decode rows
+        try:
+            self._rollout(batch, sampling, sink, sequences, logprobs)
+        finally:
+            self.vocab_sink = sink
+        return type(batch)(tuple(sequences), batch.texts, batch.source), logprobs
+
+    def _rollout(self, batch, sampling, sink, sequences: list, logprobs: list) -> None:
         for i, prompt in enumerate(batch.sequences):
             torch.manual_seed(sampling.seed + i)
             ids = torch.tensor([prompt], device=self.settings.device)
@@ -132,11 +142,12 @@ class HFEngine(Engine):
             generated = out.sequences[0, len(prompt):]
             step_logits = torch.cat(out.logits)  # raw logits of each decode step, [new, V]
             sampled = self.token_logprobs(step_logits, generated).cpu()
+            if sink is not None:  # rl --full-vocab: the rows the sampled logprobs are gathered from
+                sink(i, self.log_softmax_rows(step_logits).cpu())
             prompt_lp = self.prompt_logprobs(type(batch)((prompt,)))[0]
             sequences.append(tuple(prompt) + tuple(generated.tolist()))
             logprobs.append(torch.cat([prompt_lp, sampled.float()]))
             self.progress(i + 1, len(batch.sequences))
-        return type(batch)(tuple(sequences), batch.texts, batch.source), logprobs
 
     def hf_weights(self, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The model's tensors in HF names (the tied lm_head left out, as checkpoints store it)."""

@@ -226,7 +226,9 @@ class VllmEngine(Engine):
     @torch.no_grad()
     def rollout(self, batch, sampling):
         """vLLM samples ``sampling.max_new_tokens`` per prompt with EOS ignored (``ignore_eos``: EOS neither
-        stops nor is masked; ``min_tokens`` would mask it) and records each sampled token's logprob."""
+        stops nor is masked; ``min_tokens`` would mask it) and records each sampled token's logprob. With
+        ``vocab_sink`` set (rl --full-vocab), ``vocab_sink(i, rows)`` gets request i's sampler rows, float32
+        [max_new_tokens, V], row j the one its j-th sampled token's logprob was gathered from (vocab.DecodeRows)."""
         from vllm import SamplingParams
 
         self._start(max(len(s) for s in batch.sequences) + sampling.max_new_tokens,
@@ -236,11 +238,22 @@ class VllmEngine(Engine):
                                     "top_p": sampling.top_p, "seed": sampling.seed + i, "logprobs": 0,
                                     "prompt_logprobs": 0, "detokenize": False})
                   for i in range(len(batch.sequences))]
-        outputs = self._generate(batch, params)
+        rows = None
+        if self.vocab_sink is not None:
+            from alignaudit.engines.vllm.vocab import DecodeRows
+
+            rows = DecodeRows(self.llm.collective_rpc(lambda worker: worker.model_runner)[0])
+        try:
+            outputs = self._generate(batch, params)
+        finally:
+            if rows is not None:
+                rows.hooks.close()
         sequences, logprobs = [], []
-        for out, prompt in zip(outputs, batch.sequences):
+        for i, (out, prompt) in enumerate(zip(outputs, batch.sequences)):
             done = out.outputs[0]
             generated = list(done.token_ids)
+            if rows is not None:
+                self.vocab_sink(i, rows.take(out.request_id, len(generated)))
             prompt_lp = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]
             sampled_lp = [e[t].logprob for e, t in zip(done.logprobs, generated)]
             sequences.append(tuple(prompt) + tuple(generated))

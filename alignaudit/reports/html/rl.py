@@ -20,6 +20,12 @@ PANELS = (
     ("max ULP", ("ulp_max",), False),
     ("importance ratio min / max", ("ratio_min", "ratio_max"), False),
     ("KL k3 and ratio outside clip", ("kl_k3", "clip_fraction"), False),
+    ("KL over the whole vocabulary (exact, --full-vocab): train || rollout, rollout || train, mean and max",
+     ("vocab_kl_train_infer_mean", "vocab_kl_infer_train_mean", "vocab_kl_train_infer_max",
+      "vocab_kl_infer_train_max"), False),
+    ("total variation over the whole vocabulary, mean and max", ("vocab_tv_mean", "vocab_tv_max"), False),
+    ("top-1 agreement and top-5 overlap of the two rows", ("vocab_top1_agreement", "vocab_top5_overlap"), False),
+    ("rows with NaN or +inf; infinite KLs", ("vocab_nonfinite_positions", "vocab_infinite_kl"), False),
     ("token_mult_prob_error", ("token_mult_prob_error",), False),
     ("|p_train - p_rollout| max / mean", ("prob_diff_max", "prob_diff_mean"), False),
     ("IS: tokens truncated (TIS) / masked", ("is_token_tis_fraction", "is_token_tis_fraction_low",
@@ -49,7 +55,7 @@ PANELS = (
     ("checks (1 = holds)", ("sync_bit_equal", "train_forward_equal"), False),
     ("sync problems", ("sync_tensors_differing", "sync_stale_packed", "sync_replicas_diverged"), False),
     ("NaN tokens", ("nan_tokens",), False),
-    ("seconds per stage", ("rollout_s", "rescore_s", "update_s", "sync_s", "seconds"), False),
+    ("seconds per stage", ("rollout_s", "rescore_s", "vocab_s", "update_s", "sync_s", "seconds"), False),
 )
 SKIP = {"step", "tokens"}
 
@@ -98,6 +104,15 @@ def steps_figure(steps: pd.DataFrame):
     return fig
 
 
+def vocab_note(steps: pd.DataFrame) -> str:
+    """rl --full-vocab, in one sentence: the exact KL(train || rollout) over the whole vocabulary (per-step means:
+    their mean and the largest per-token max), and the lowest per-step top-1 agreement."""
+    kl, top1 = steps["vocab_kl_train_infer_mean"], steps["vocab_top1_agreement"]
+    return (f"Full vocabulary (--full-vocab, exact over every entry): KL(train || rollout) per step {kl.mean():.3g} "
+            f"nats on average, largest at one token {steps['vocab_kl_train_infer_max'].max():.3g}; top-1 agreement "
+            f"at least {top1.min():.4g}.")
+
+
 def rl_section(page: Page, run: RunDir) -> pd.DataFrame:
     """Add the per-step curves and table of an rl run; returns the steps table.
 
@@ -115,6 +130,8 @@ def rl_section(page: Page, run: RunDir) -> pd.DataFrame:
         unsynced = int((~steps["sync_bit_equal"].astype(bool)).sum()) if "sync_bit_equal" in steps else 0
         page.banner(f"{bad} of {len(steps)} steps with mismatching tokens; {unsynced} weight syncs not bit-equal",
                     bad == 0 and unsynced == 0)
+    if "vocab_kl_train_infer_mean" in steps:
+        page.note(vocab_note(steps))
     page.figure(steps_figure(steps), "rl-steps")
     page.heading("Steps (steps.parquet)", level=3)
     columns = [Column(c, c, text=not pd.api.types.is_numeric_dtype(steps[c])
