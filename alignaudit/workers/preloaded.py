@@ -153,7 +153,7 @@ class ForkedWorker:
 
     def __init__(self, server: _Server, args: list[str], env: dict[str, str], module: str = WORKER_MODULE,
                  stdin: bool = False, stderr=None):
-        self.server, self.returncode, self.stdin = server, None, None
+        self.server, self.module, self.returncode, self.stdin = server, module, None, None
         read, write = os.pipe()
         mine, theirs, names = [read], [write], ["stdout"]
         if stderr is not None:
@@ -189,7 +189,7 @@ class ForkedWorker:
         """The worker's exit code; subprocess.TimeoutExpired if it has not exited within ``timeout`` seconds."""
         if self.returncode is None:
             if timeout is not None and not select.select([self.server.sock], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired(SESSION_MODULE if self.stdin else WORKER_MODULE, timeout)
+                raise subprocess.TimeoutExpired(self.module, timeout)
             reply = self._reply()
             self.returncode = reply["exit"]
             self.server.busy.release()
