@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
-#   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
+#   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch compile-probe forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
 #                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench \
 #                    ipc rl-bench train-profile grpo17 grpo8 linear19 attention19 sweep19 targets19
-# tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects); sweep: launch-
+# tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects; TESTS_N=N: N pytest-xdist workers on
+# the one GPU, with pytest-xdist and execnet carried as wheels in .whl/extra/); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
 # attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py);
+# compile-probe: the fixture's strict forward under Inductor, the whole traceback of a failure (bench/compile_probe.py);
 # forward: the whole Qwen3-8B-shape forward, eager and compiled (forward-native: --strict-exp native); q8: Qwen3-8B-shape compare (random
 # weights) megatron vs hf, default and --strict (q8-native: --strict --strict-exp native);
 # q8-bisect: bisect of layer 0; tp-bench: the strict row-parallel reduction vs NCCL's all-reduce (2 GPUs);
@@ -139,7 +141,7 @@ for stage in "$@"; do
     synth) python3 -c "from alignaudit.inputs.checkpoint import resolve_model as r; [r(m, random_weights=True) for m in '${SYNTH:-Qwen3-8B}'.split(',')]" \
              2>&1 | log | tail -3 ;;
     tests) timeout 480 python3 -m pytest -v -p no:cacheprovider tests/kernels --ignore=tests/kernels/test_kernels_interpret.py \
-             --ignore=tests/kernels/test_kernels_compile.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+             --ignore=tests/kernels/test_kernels_compile.py --kernel-device cuda -rs ${TESTS_K:+-k "$TESTS_K"} ${TESTS_N:+-n $TESTS_N} 2>&1 \
              | tee "$out/gpu-kernel-tests.log" | tail -15 || status=1 ;;
     sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | log | tail -25 ;;
     sweep-medium) timeout 300 python3 bench/sweep_gpu.py --sections medium-m --json "$out/sweep-medium.json" 2>&1 | log | tail -25 ;;
@@ -153,6 +155,7 @@ for stage in "$@"; do
     launch) timeout 120 python3 bench/launch_overhead.py 2>&1 | log | tail -8 ;;
     bench-attention) timeout 200 python3 bench/kernels_gpu.py --quick --sections attention --json "$out/bench-attention.json" 2>&1 | log | tail -14 ;;
     bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | log | tail -40 ;;
+    compile-probe) for m in "" --mask; do timeout 200 python3 bench/compile_probe.py $m 2>&1 | log | grep -v Warn | tail -25; done ;;
     forward) timeout ${FWD_TIMEOUT:-540} python3 bench/forward_gpu.py --json "$out/forward.json" 2>&1 | log | grep -v Warn | tail -9 ;;
     forward-native) timeout 540 python3 bench/forward_gpu.py --exp native 2>&1 | log | grep -v Warn | tail -9 ;;
     q8-bisect-strict) timeout 300 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \

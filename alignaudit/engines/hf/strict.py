@@ -68,19 +68,32 @@ class StrictMoeBlock(torch.nn.Module):
         return out.view(hidden_states.shape)
 
 
-def _require(ok: torch.Tensor, message: str) -> None:
-    """ValueError(message) unless ``ok`` (a bool tensor) holds; inside torch.compile a device-side assert
-    with the same message (a host check would break the graph)."""
-    if torch.compiler.is_compiling():
+def _require(ok: torch.Tensor, message: str, compiled: bool = False) -> None:
+    """ValueError(message) unless ``ok`` (a bool tensor) holds; ``compiled``: a device-side assert with the
+    same message instead (a RuntimeError on the CPU; a host check would synchronize)."""
+    if compiled:
         torch._assert_async(ok, message)
     elif not bool(ok):
         raise ValueError(message)
 
 
-def _all(x: torch.Tensor) -> torch.Tensor:
-    """Whether every element of a bool tensor is true, as an int reduction: Inductor's GPU code generation failed
-    on the bool reduction (a TypeError compiling the forward on an H200, docs/benchmarks.md 2026-12-02)."""
-    return x.to(torch.int32).amin() == 1
+_MASK_MESSAGE = ("strict attention (HF): attention_mask must be causal over one contiguous run of keys per row "
+                 "(left or right padding); a holed or bidirectional mask would be computed otherwise")
+
+
+def _attend(attention_mask: torch.Tensor, b: int, t: int, keys: int, compiled: bool) -> torch.Tensor:
+    """HF's processed mask as bool [b, t, keys] (True = attend), the unfilled slots of a static cache checked."""
+    attend = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    if attend.shape[-1] > keys:  # a static cache's unfilled slots must stay masked
+        _require(~attend[..., keys:].any(), "strict attention (HF): attention_mask lets a query attend a key "
+                 "slot past the cache's filled length", compiled)
+    return attend[..., :keys].expand(b, 1, t, keys)[:, 0]
+
+
+def _causal(keys: int, t: int, device) -> torch.Tensor:
+    """[t, keys] bool: query i (key index keys - t + i) may attend key j <= its index."""
+    key = torch.arange(keys, device=device)
+    return key[None, :] <= key[keys - t:, None]
 
 
 def row_starts(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
@@ -88,46 +101,55 @@ def row_starts(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
     row has left padding: what strict attention computes, from HF's processed mask (None, or [b, 1, t, keys]:
     bool True = attend, or additive with 0 = attend; the queries are the last t of the keys). Each row must
     attend causally over one contiguous run of keys [start, end): its real tokens; a left pad's query row is
-    ignored (its output is zeros), a right pad's may attend its pads too (it belongs to no token). Out of
-    torch.compile one device synchronization; inside it, left padding is refused by a device-side assert (a
-    per-row start would break the graph).
+    ignored (its output is zeros), a right pad's may attend its pads too (it belongs to no token). One device
+    synchronization (torch.compile calls ``mask_checked_index`` instead).
 
     Raises:
         ValueError: a mask that is not a 4D tensor, or not causal over one run of keys per row.
     """
     if attention_mask is None:
         return None
+    _require_4d(attention_mask)
+    attend = _attend(attention_mask, b, t, keys, compiled=False)
+    valid = attend[:, -1]  # the last query row attends every key of its row's run (a right pad's: all before it)
+    start = torch.where(valid.any(1), valid.int().argmax(1), 0)
+    between = valid.int().cummax(1).values.bool() & valid.flip(1).int().cummax(1).values.flip(1).bool()
+    index = torch.arange(keys - t, keys, device=attend.device)
+    real_query = index[None, :] >= start[:, None]  # [b, t]: a left pad's query row is not checked
+    layout = attend == (_causal(keys, t, attend.device)[None] & valid[:, None, :])
+    ok = (valid == between).all() & (layout | ~real_query[:, :, None]).all()
+    ok = ok & valid.any(1).all()  # a row that attends no key (e.g. an additive mask of ones, not zeros) is no run
+    _require(ok, _MASK_MESSAGE)
+    starts = start.tolist()
+    return starts if any(starts) else None
+
+
+def _require_4d(attention_mask) -> None:
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
         raise ValueError("strict attention (HF) reads a 4D tensor attention_mask, not "
                          f"{type(attention_mask).__name__}; use attn_implementation eager or sdpa")
-    attend = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    if attend.shape[-1] > keys:  # a static cache's unfilled slots must stay masked
-        _require(_all(~attend[..., keys:]), "strict attention (HF): attention_mask lets a query attend a key slot "
-                 "past the cache's filled length")
-    attend = attend[..., :keys].expand(b, 1, t, keys)[:, 0]
-    valid = attend[:, -1]  # the last query row attends every key of its row's run (a right pad's: all before it)
-    key = torch.arange(keys, device=attend.device)
-    index = key[keys - t:]
-    causal = key[None, :] <= index[:, None]
-    message = ("strict attention (HF): attention_mask must be causal over one contiguous run of keys per row "
-               "(left or right padding); a holed or bidirectional mask would be computed otherwise")
-    if torch.compiler.is_compiling():
-        # Only runs that start at key 0 compile (every query row real): valid must be a prefix, checked with
-        # elementwise ops and int reductions alone. Inductor's GPU code generation failed on the argmax/cummax
-        # below (a sympy TypeError compiling the Qwen3-8B-shape forward on an H200, docs/benchmarks.md 2026-12-02).
-        v = valid.to(torch.int32)
-        prefix = _all(v[:, 1:] <= v[:, :-1]) & _all(valid[:, 0])
-        ok = prefix & _all(attend == (causal[None] & valid[:, None, :]))
-        _require(ok, message + "; left padding is computed out of torch.compile only")
-        return None
-    start = torch.where(valid.any(1), valid.int().argmax(1), 0)
-    between = valid.int().cummax(1).values.bool() & valid.flip(1).int().cummax(1).values.flip(1).bool()
-    real_query = index[None, :] >= start[:, None]  # [b, t]: a left pad's query row is not checked
-    ok = _all(valid == between) & _all((attend == (causal[None] & valid[:, None, :])) | ~real_query[:, :, None])
-    ok = ok & _all(valid.any(1))  # a row that attends no key (e.g. an additive mask of ones, not zeros) is no run
-    _require(ok, message)
-    starts = start.tolist()
-    return starts if any(starts) else None
+
+
+@torch.library.custom_op("alignaudit::hf_mask_checked_index", mutates_args=())
+def mask_checked_index(index: torch.Tensor, attention_mask: torch.Tensor, t: int, keys: int) -> torch.Tensor:
+    """``row_starts``'s check under torch.compile, as one opaque op: a copy of ``index`` [b, t] (each query's
+    key index, int64), returned once HF's mask [b, 1, t, keys'] has passed device-side asserts (no host read).
+    Only runs that start at key 0 pass (every query row real): left padding, which needs a per-row cut on
+    the host, is refused. Opaque because Inductor's GPU code generation failed on the check's reductions
+    (a sympy TypeError compiling the Qwen3-8B-shape forward on an H200, torch 2.11, docs/benchmarks.md
+    2026-12-02); the index feeds the attention, so the check cannot be dropped from the graph."""
+    b = index.shape[0]
+    attend = _attend(attention_mask, b, t, keys, compiled=True)
+    valid = attend[:, -1]
+    prefix = (valid[:, 1:] <= valid[:, :-1]).all() & valid[:, 0].all()
+    ok = prefix & (attend == (_causal(keys, t, attend.device)[None] & valid[:, None, :])).all()
+    _require(ok, _MASK_MESSAGE + "; left padding is computed out of torch.compile only", compiled=True)
+    return index.clone()
+
+
+@mask_checked_index.register_fake
+def _(index, attention_mask, t, keys):
+    return torch.empty_like(index)
 
 
 _LAST_LAYOUT: list = [None, None]  # (the mask and shape of the last forward, its row starts): one check a forward
@@ -135,8 +157,8 @@ _LAST_LAYOUT: list = [None, None]  # (the mask and shape of the last forward, it
 
 def _row_starts_once(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
     """``row_starts`` once per forward: every layer is handed the same mask object."""
-    if torch.compiler.is_compiling() or attention_mask is None:
-        return row_starts(attention_mask, b, t, keys)
+    if attention_mask is None:
+        return None
     if _LAST_LAYOUT[0] is not None and _LAST_LAYOUT[0][0] is attention_mask and _LAST_LAYOUT[0][1] == (b, t, keys):
         return _LAST_LAYOUT[1]
     starts = row_starts(attention_mask, b, t, keys)
@@ -174,7 +196,13 @@ class StrictAttention(torch.nn.Module):
         if self.strict_attention:
             keys = k.shape[1]
             index = torch.arange(keys - t, keys, device=q.device)  # each query's key index
-            starts = _row_starts_once(attention_mask, b, t, keys)
+            if torch.compiler.is_compiling():
+                starts, index = None, index.expand(b, t).contiguous()
+                if attention_mask is not None:
+                    _require_4d(attention_mask)
+                    index = mask_checked_index(index, attention_mask, t, keys)
+            else:
+                starts = _row_starts_once(attention_mask, b, t, keys)
             if starts is None:
                 out = K.causal_attention(q, k, v, index.expand(b, t), self.scaling, exp=self.strict_exp)
             else:  # left padding: each row attends its own run of keys, its pads' queries stay zero
