@@ -1,6 +1,6 @@
 """A whole Qwen3-shape forward pass, default vs every op strict, eager and torch.compile'd, side by side.
 
-    python3 bench/forward_gpu.py [--preset Qwen3-8B] [--batch 4] [--tokens 1024] [--no-compile] [--exp native]
+    python3 bench/forward_gpu.py [--preset Qwen3-8B] [--batch 4] [--tokens 1024] [--no-compile] [--exp native] [--profile]
 
 Builds the preset's exact shape with random weights directly on the GPU (transformers Qwen3ForCausalLM,
 bf16), times the default forward (SDPA attention, cuBLAS) over batch x tokens, eager and under
@@ -8,7 +8,9 @@ torch.compile, then swaps every strict op in (alignaudit.engines.hf.strict.make_
 again, eager and compiled, logits and logprobs included. Prints the times and their ratios (median of
 several timed runs after warm-up, CUDA events), whether the compiled strict forward gives the eager
 strict forward's logprob bits (a compiled graph must not change what the strict kernels compute), and how
-many times the strict forward makes the host wait for the GPU.
+many times the strict forward makes the host wait for the GPU. --profile: one forward each of the compiled
+default, the eager strict and the compiled strict under torch.profiler, GPU kernel time by kind of kernel
+(cuBLAS, SDPA flash, strict Triton, Inductor-generated, torch's own) and the largest kernels: where a gap goes.
 """
 
 from __future__ import annotations
@@ -71,6 +73,57 @@ def count_syncs(fn) -> str:
     return f"{len(syncs)} ({', '.join(origins[:6])})"
 
 
+STRICT_KERNELS = ("_matmul", "_attention", "_combine", "_rmsnorm", "_rope", "_silu_mul", "_log_softmax",
+                  "_log_s", "_max_kernel", "_finish", "_segment", "_units", "_chunk")
+
+
+def kernel_kind(name: str) -> str:
+    """Which part of the stack launched a CUDA kernel, from its name (Inductor names its kernels triton_poi_/
+    triton_red_/triton_per_; cuBLAS's carry gemm/nvjet/xmma; our strict kernels their @triton.jit names)."""
+    if name.startswith(("triton_poi", "triton_red", "triton_per", "triton_tem")):
+        return "Inductor-generated"
+    if name.startswith(STRICT_KERNELS):
+        return "strict Triton"
+    low = name.lower()
+    if any(k in low for k in ("gemm", "nvjet", "xmma", "cutlass", "cublas")):
+        return "cuBLAS"
+    if any(k in low for k in ("flash", "fmha", "attention")):
+        return "SDPA flash"
+    if "memcpy" in low or "copy" in low:
+        return "copies"
+    return "torch's own"
+
+
+def profile_one(fn) -> dict:
+    """One call of ``fn`` (warm) under torch.profiler: CUDA-event time, GPU kernel time by kind, largest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.timing import kernel_table
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+    table = kernel_table(prof, top=None)
+    kinds: dict[str, float] = {}
+    for row in table["top"]:
+        kinds[kernel_kind(row["kernel"])] = kinds.get(kernel_kind(row["kernel"]), 0.0) + row["ms"]
+    return {"event_ms": round(start.elapsed_time(end), 1), "gpu_kernel_ms": table["gpu_kernel_ms"],
+            "by_kind_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": table["top"][:8]}
+
+
+def print_profile(name: str, p: dict) -> None:
+    print(f"profile, {name}: {p['event_ms']} ms (CUDA events), GPU kernel time {p['gpu_kernel_ms']} ms; by kind: "
+          + ", ".join(f"{k} {v}" for k, v in p["by_kind_ms"].items()))
+    for row in p["top"]:
+        print(f"    {row['ms']:7.1f} ms  {row['calls']:4d} x  {row['kernel']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="Qwen3-8B")
@@ -80,6 +133,7 @@ def main() -> None:
     parser.add_argument("--exp", choices=("portable", "native"), default="portable",
                         help="the strict attention's exp (alignaudit --strict-exp)")
     parser.add_argument("--json", type=Path, help="write the times (ms) here")
+    parser.add_argument("--profile", action="store_true", help="where the GPU time of one forward goes, by kernel")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -103,7 +157,11 @@ def main() -> None:
 
     default_ms = median_ms(stock)
     default_host_ms = host_ms(stock)
-    default_compiled_ms = None if args.no_compile else median_ms(torch.compile(stock), warmup=3)
+    compiled_stock = None if args.no_compile else torch.compile(stock)
+    default_compiled_ms = None if args.no_compile else median_ms(compiled_stock, warmup=3)
+    profiles = {}
+    if args.profile and compiled_stock is not None:
+        profiles["compiled default"] = profile_one(compiled_stock)
     if not args.no_compile:  # one sequence too, in case the compiled strict forward does not fit at the full batch
         ids = all_ids[:1]
         torch._dynamo.reset()
@@ -111,6 +169,8 @@ def main() -> None:
         ids = all_ids
     make_strict(model, frozenset(STRICT_OPS), exp=args.exp)
     strict_ms = median_ms(strict)
+    if args.profile:
+        profiles["eager strict"] = profile_one(strict)
     print(f"host synchronizations in one strict forward: {count_syncs(strict)}", flush=True)
     print(f"host time to launch one forward (until it returns, GPU not awaited): default {default_host_ms:.1f} ms, "
           f"strict {host_ms(strict):.1f} ms", flush=True)
@@ -133,12 +193,14 @@ def main() -> None:
         strict_compiled_ms = median_ms(compiled_strict, warmup=3)
         same = torch.equal(compiled_strict().contiguous().view(torch.int32), strict().contiguous().view(torch.int32))
         outcome = f"{strict_compiled_ms:.1f} ms, logprob bits equal to eager strict: {same}"
+        if args.profile:
+            profiles["compiled strict"] = profile_one(compiled_strict)
         if args.json:
             args.json.write_text(json.dumps({"preset": args.preset, "batch": args.batch, "tokens": args.tokens,
                                              "exp": args.exp, "default_ms": default_ms, "strict_ms": strict_ms,
                                              "default_compiled_ms": default_compiled_ms,
                                              "strict_compiled_ms": strict_compiled_ms,
-                                             "compiled_bits_equal_eager": same}, indent=1))
+                                             "compiled_bits_equal_eager": same, "profiles": profiles}, indent=1))
     except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
         strict_compiled_ms, outcome = None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         print(f"peak GPU memory in the compiled strict forward: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
@@ -159,6 +221,8 @@ def main() -> None:
         print(f"at 1 x {args.tokens} tokens, compiled: default {default_compiled_one_ms:.1f} ms, "
               f"strict {one_ms:.1f} ms "
               f"({one_ms / default_compiled_one_ms:.2f}x), strict logprob bits equal to eager strict: {same}")
+    for name, p in profiles.items():
+        print_profile(name, p)
     print(f"strict eager / compiled default: {strict_ms / default_compiled_ms:.2f}x"
           + (f"   compiled strict / compiled default: {strict_compiled_ms / default_compiled_ms:.2f}x"
              if strict_compiled_ms else ""))

@@ -9,7 +9,8 @@
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
 # attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py);
 # compile-probe: the fixture's strict forward under Inductor, the whole traceback of a failure (bench/compile_probe.py);
-# forward: the whole Qwen3-8B-shape forward, eager and compiled (forward-native: --strict-exp native); q8: Qwen3-8B-shape compare (random
+# forward: the whole Qwen3-8B-shape forward, eager and compiled, and where one forward's GPU time goes by kernel
+# (--profile; its JSON kept in /tmp/keep for targets19 in a later call) (forward-native: --strict-exp native); q8: Qwen3-8B-shape compare (random
 # weights) megatron vs hf, default and --strict (q8-native: --strict --strict-exp native);
 # q8-bisect: bisect of layer 0; tp-bench: the strict row-parallel reduction vs NCCL's all-reduce (2 GPUs);
 # q8-tp2*: megatron at tensor-parallel size 2 (NCCL) vs hf / vs megatron at size 1; rl17: alignaudit rl on
@@ -156,7 +157,8 @@ for stage in "$@"; do
     bench-attention) timeout 200 python3 bench/kernels_gpu.py --quick --sections attention --json "$out/bench-attention.json" 2>&1 | log | tail -14 ;;
     bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | log | tail -40 ;;
     compile-probe) for m in "" --mask; do timeout 200 python3 bench/compile_probe.py $m 2>&1 | log | grep -v Warn | tail -25; done ;;
-    forward) timeout ${FWD_TIMEOUT:-540} python3 bench/forward_gpu.py --json "$out/forward.json" 2>&1 | log | grep -v Warn | tail -9 ;;
+    forward) timeout ${FWD_TIMEOUT:-540} python3 bench/forward_gpu.py --profile --json "$out/forward.json" 2>&1 | log | grep -v Warn | tail -40
+             mkdir -p /tmp/keep && cp "$out/forward.json" /tmp/keep/ 2>/dev/null ;;  # for targets19 in a later call
     forward-native) timeout 540 python3 bench/forward_gpu.py --exp native 2>&1 | log | grep -v Warn | tail -9 ;;
     q8-bisect-strict) timeout 300 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --mode natural --strict \
@@ -262,7 +264,8 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
     attention19) timeout 200 python3 bench/kernels_gpu.py --sections attention-fa3 --json "$out/attention19.json" 2>&1 \
                    | log | tail -12 ;;
     sweep19) timeout 400 python3 bench/sweep_gpu.py --sections issue19 --json "$out/sweep19.json" 2>&1 | log | tail -40 ;;
-    targets19) python3 bench/targets.py $(for f in linear19 attention19; do [ -f "$out/$f.json" ] && echo --kernels "$out/$f.json"; done) \
+    targets19) [ -f "$out/forward.json" ] || cp /tmp/keep/forward.json "$out/" 2>/dev/null
+               python3 bench/targets.py $(for f in linear19 attention19; do [ -f "$out/$f.json" ] && echo --kernels "$out/$f.json"; done) \
                  --forward "$out/forward.json" --vllm "$out/vllm-generate.json" 2>&1 | log ;;
     q8-bisect) timeout 400 python3 -m alignaudit bisect --model Qwen3-8B --random-weights --random-prompts 2 \
                  --prompt-len 256 --train megatron --infer hf --device cuda --layers 0 --out /tmp/runs/q8-bisect --force \
