@@ -1,6 +1,7 @@
 """A whole Qwen3-shape forward pass, default vs every op strict, eager and torch.compile'd, side by side.
 
-    python3 bench/forward_gpu.py [--preset Qwen3-8B] [--batch 4] [--tokens 1024] [--no-compile] [--exp native] [--profile]
+    python3 bench/forward_gpu.py [--preset Qwen3-8B] [--batch 4] [--tokens 1024] [--no-compile] [--exp native]
+                                 [--profile]
 
 Builds the preset's exact shape with random weights directly on the GPU (transformers Qwen3ForCausalLM,
 bf16), times the default forward (SDPA attention, cuBLAS) over batch x tokens, eager and under

@@ -17,8 +17,8 @@ def graph_ms(fn, rep: int = 100) -> float:
 
 def kernel_table(prof, top: int | None = 14) -> dict:
     """GPU kernel time by kernel name from a finished ``torch.profiler.profile`` (CUDA activity on), CUDA-graph
-    replays included: the ``top`` largest (None: all) and the total, in milliseconds. Total below the measured time of the
-    profiled work means the GPU sat idle for part of it (host launches, synchronizations)."""
+    replays included: the ``top`` largest (None: all) and the total, in milliseconds. Total below the measured time
+    of the profiled work means the GPU sat idle for part of it (host launches, synchronizations)."""
     import torch
 
     kernels: dict[str, tuple[int, float]] = {}
