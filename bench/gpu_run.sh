@@ -65,8 +65,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-if ls .whl/extra/*.whl >/dev/null 2>&1; then  # pure-Python packages the vLLM bundle lacks (loguru, for fp8)
+if ls .whl/extra/*.whl >/dev/null 2>&1; then  # pure-Python packages the image lacks (loguru for fp8, pytest-xdist)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/extra/*.whl
+  case ":$PYTHONPATH:" in *:/tmp/site:*) ;; *) export PYTHONPATH="$PYTHONPATH:/tmp/site" ;; esac
 fi
 python3 -c "import torch, triton, transformers; print('gpu', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>/dev/null || echo "megatron-core: not available"

@@ -79,7 +79,9 @@ def _cpu(x, positions, cos, sin):
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    # no no-op cast of an fp32 result: torch 2.11's compiled autograd.Function gave such a forward a zero gradient
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 if triton is not None:

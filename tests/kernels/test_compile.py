@@ -64,3 +64,40 @@ def test_compiled_rope_keeps_its_gradient():
         torch.compile(lambda x: rope(x, positions, 6).square().sum(), backend="aot_eager")(x).backward()
     assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
     assert not [w for w in caught if "lru_cache" in str(w.message)]
+
+
+def _gradient_cases():
+    """Each strict op with an autograd path, on fp32 CPU tensors (a no-op output cast is where torch 2.11's compiled
+    autograd.Function lost the gradient): (name, fn, input shapes)."""
+    positions = torch.arange(6)
+    cos, sin = K.rope_tables(8, 16, 1e4, "cpu")
+    return [
+        ("linear", lambda x, w: K.linear(x, w), [(5, 16), (8, 16)]),
+        ("linear, 4 K segments", lambda x, w: K.linear(x, w, None, 4), [(5, 16), (8, 16)]),
+        ("rms_norm", lambda x, w: K.rms_norm(x, w, 1e-6), [(5, 16), (16,)]),
+        ("rms_norm with residual", lambda x, w: K.rms_norm(x, w, 1e-6, residual=x * 0.5)[0], [(5, 16), (16,)]),
+        ("silu_mul", K.silu_mul, [(5, 16), (5, 16)]),
+        ("apply_rope", lambda x: K.apply_rope(x, positions, cos, sin), [(6, 2, 16)]),
+        ("log_softmax", K.log_softmax, [(5, 32)]),
+        ("token_logprobs", lambda x: K.token_logprobs(x, torch.arange(5)), [(5, 32)]),
+        ("causal_attention", lambda q, k, v: K.causal_attention(q, k, v, positions[None], 0.25), [(1, 6, 2, 16)] * 3),
+    ]
+
+
+@pytest.mark.parametrize("name, fn, shapes", _gradient_cases(), ids=[c[0] for c in _gradient_cases()])
+def test_compiled_strict_ops_give_the_eager_gradients(name, fn, shapes):
+    """Traced with gradients, each strict op keeps its autograd path: the compiled backward gives the eager
+    gradients bit for bit, and none is all zero (torch 2.11 gave apply_rope's fp32 CPU path an all-zero gradient
+    while its forward ended in a no-op ``.to(x.dtype)``; docs/benchmarks.md 2026-12-04)."""
+    generator = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(*shape, generator=generator) for shape in shapes]
+    grads = []
+    for compiled in (False, True):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        torch._dynamo.reset()
+        out = (torch.compile(fn, backend="aot_eager") if compiled else fn)(*leaves)
+        (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        grads.append([x.grad for x in leaves])
+    for i, (eager, compiled) in enumerate(zip(*grads)):
+        assert eager.abs().sum() > 0
+        assert_bitwise_equal(f"{name}: compiled gradient of input {i}", compiled, eager)
