@@ -46,7 +46,7 @@ chromium:
 # contracts are tests/test_imports.py.
 test: setup chromium
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) alignaudit-runs .pytest_cache

@@ -37,6 +37,10 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    # Files marked `long` first, in collection order: run by `make test` (--dist loadfile --no-loadscope-reorder),
+    # the two workers start them first and end on short files, together. xdist's own order (most tests first) left
+    # the interpreter's 2 tests (110 s) for last, on one worker while the other sat idle (2026-12-04, 2 cores).
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow (minutes): run with --run-slow")

@@ -136,8 +136,20 @@ def importance_by_hand(tokens, tis=2.0, mask_low=0.5, mask_high=5.0, geo_low=0.9
 # --- the CLI as a user runs it ---
 
 def run_cli(*args, cwd=None):
+    """The command in a fresh interpreter, its workers fresh too (nothing forked from the test session)."""
     env = {**os.environ, "COLUMNS": "120"}
     return subprocess.run([sys.executable, "-m", "alignaudit", *args], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def run_in_process(capsys, monkeypatch, *args) -> subprocess.CompletedProcess:
+    """The command through cli.main in this process, printed 120 columns wide as run_cli prints it, its engine
+    workers forked from the session's preloaded servers (tests/conftest.py): what run_cli returns, without a
+    fresh interpreter and fresh workers per call."""
+    monkeypatch.setattr(cli.console, "width", 120)
+    monkeypatch.setattr(cli.err_console, "width", 120)
+    code = cli.main(list(args))
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(["alignaudit", *args], code, printed.out, printed.err)
 
 
 def one_line_error(capsys, argv, code):

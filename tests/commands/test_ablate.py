@@ -11,9 +11,9 @@ import pytest
 from alignaudit.capture.ops import OpGraph
 from alignaudit.commands.ablate import STRICT_OP_COVERS, configurations
 from alignaudit.errors import EXIT_OK
-from helpers import CHROMIUM, one_line_error, open_in_chromium, run_cli
+from helpers import CHROMIUM, one_line_error, open_in_chromium, run_in_process
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 
 def test_configurations_cover_each_factor_both_ways():
@@ -25,12 +25,14 @@ def test_configurations_cover_each_factor_both_ways():
     assert rows[4].strict == {"rope"} and rows[5].strict == frozenset() and len({c.name for c in rows}) == 6
 
 
-def test_ablate_rmsnorm_megatron_vs_hf(tmp_path):
+def test_ablate_rmsnorm_megatron_vs_hf(tmp_path, capsys, monkeypatch):
     """All strict: 0 mismatches. RMSNorm left at each engine's default (every other op strict): the first
     diverging op is an RMSNorm (Megatron and transformers round at different points). RMSNorm alone
-    strict: the first divergence moves past it. All default: every token differs."""
+    strict: the first divergence moves past it. All default: every token differs. In-process (the command's
+    workers forked from the test session's preloaded engines)."""
     out = tmp_path / "ablate"
-    proc = run_cli("ablate", "--train", "megatron", "--infer", "hf", "--factors", "rmsnorm", "--out", str(out))
+    proc = run_in_process(capsys, monkeypatch, "ablate", "--train", "megatron", "--infer", "hf", "--factors", "rmsnorm",
+                          "--out", str(out))
     assert proc.returncode == EXIT_OK, proc.stderr
     matrix = pd.read_parquet(out / "ablate.parquet").set_index("kind")
     assert list(matrix.index) == ["all strict", "default op", "strict op", "all default"]

@@ -11,7 +11,7 @@ from alignaudit.commands import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_OK, EXIT_USAGE, InputError
 from helpers import FIXTURE, importance_by_hand, one_line_error, run_cli
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 
 IS_OPTIONS = ["--tis-threshold", "1.0001", "--mask-low", "0.9999", "--mask-high", "1.001", "--geo-mask-low",

@@ -20,9 +20,9 @@ import pytest
 from alignaudit.capture import outdir
 from alignaudit.commands import cli
 from alignaudit.errors import EXIT_OK, EXIT_USAGE, InputError
-from helpers import FIXTURE, one_line_error, run_cli
+from helpers import FIXTURE, one_line_error, run_cli, run_in_process
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +137,14 @@ def test_inconsistent_head_counts_are_refused_before_any_engine(tmp_path, capsys
     assert not (tmp_path / "o").exists()
 
 
-def test_many_short_prompts_are_batched_and_reported_compactly(tmp_path):
+def test_many_short_prompts_are_batched_and_reported_compactly(tmp_path, capsys, monkeypatch):
     """3,000 two-token prompts: megatron and hf batch them (the micro-batches are recorded), the terminal
     shows the 20 worst sequences, the files hold all of them, and summary.json stays small."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"token_ids": [i % 500 + 1, (7 * i) % 500 + 1]}) + "\n" for i in range(3000)))
     out = tmp_path / "run"
-    proc = run_cli("compare", "--train", "megatron", "--infer", "hf", "--prompts", str(prompts), "--out", str(out))
+    proc = run_in_process(capsys, monkeypatch, "compare", "--train", "megatron", "--infer", "hf", "--prompts",
+                          str(prompts), "--out", str(out))
     assert proc.returncode == EXIT_OK, proc.stderr
     for role in ("train", "infer"):
         settings = json.loads((out / role / "manifest.json").read_text())["engine_settings"]

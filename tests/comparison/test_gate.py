@@ -20,7 +20,7 @@ from alignaudit.comparison.token_diff import align_tokens, compare_tokens
 from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
 from helpers import ROOT, one_line_error
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from alignaudit.comparison.repeat import compare_repeat, repeat_batches
 from alignaudit.errors import EXIT_OK
 from alignaudit.inputs.prompts import TokenBatch
-from helpers import one_line_error, run_cli
+from helpers import one_line_error, run_in_process
 
 pytestmark = pytest.mark.engines
 
@@ -36,11 +36,12 @@ def test_compare_repeat_counts_bit_differences():
     assert compare_repeat(first, again) == {"tokens": 3, "mismatches": 1, "ulp_max": 1}
 
 
-def test_strict_engines_agree_with_themselves_in_any_batch(tmp_path):
+def test_strict_engines_agree_with_themselves_in_any_batch(tmp_path, capsys, monkeypatch):
     """hf and vLLM under --strict: 3 runs each (the first, the same batch again, the prompts among random
     fillers): every repeat bit-equal to the first run, and the two engines equal."""
     out = tmp_path / "r"
-    proc = run_cli("compare", "--train", "hf", "--infer", "vllm", "--strict", "--repeat", "3", "--out", str(out))
+    proc = run_in_process(capsys, monkeypatch, "compare", "--train", "hf", "--infer", "vllm", "--strict",
+                          "--repeat", "3", "--out", str(out))
     assert proc.returncode == EXIT_OK, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mismatches"] == 0

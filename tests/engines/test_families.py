@@ -23,7 +23,7 @@ from alignaudit.inputs.checkpoint import load_spec
 from alignaudit.inputs.prompts import load_prompts
 from helpers import ROOT, CaptureCache, one_line_error
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 ROLLOUT = {"max_new_tokens": 16, "temperature": 1.0, "seed": 0}
 FAMILIES = ("qwen2-tiny", "llama-tiny")

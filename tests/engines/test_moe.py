@@ -18,7 +18,7 @@ from alignaudit.inputs.prompts import load_prompts
 from alignaudit.inputs.request import EngineRun, EngineSettings
 from helpers import ROOT, CaptureCache, one_line_error
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 MOE = ROOT / "fixtures" / "qwen3-moe-tiny"
 

@@ -18,7 +18,7 @@ from alignaudit.commands import cli
 from alignaudit.errors import EXIT_OK, EXIT_USAGE
 from helpers import FIXTURE, ROOT, one_line_error
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -20,7 +20,7 @@ from alignaudit.capture.rundir import WORKER_LOG
 from alignaudit.commands.pipeline import diff_captures, diff_ops
 from alignaudit.comparison.op_diff import EQUAL, first_divergence
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 ROLLOUT = {"max_new_tokens": 32, "temperature": 1.0, "seed": 0}
 PAIRS = [("megatron", "vllm"), ("hf", "vllm"), ("megatron", "hf")]

@@ -23,7 +23,7 @@ from alignaudit.commands import cli
 from alignaudit.errors import EXIT_OK, EXIT_USAGE
 from helpers import one_line_error
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 MEGATRON_TP2 = ["--train-opt", "tensor_model_parallel_size=2"]
 VLLM_TP2 = ["--infer-opt", "tensor_parallel_size=2"]

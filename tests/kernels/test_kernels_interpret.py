@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import FIXTURE, ROOT
+
+pytestmark = pytest.mark.long
 
 HERE = Path(__file__).resolve().parent
 # the per-op kernel tests (test_kernels_compile.py builds for GPUs instead; test_compile.py needs Inductor)

@@ -31,9 +31,9 @@ import pytest
 
 from alignaudit.commands import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
-from helpers import importance_by_hand, one_line_error
+from helpers import importance_by_hand, one_line_error, run_in_process
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 TIMINGS = ["seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s", "vocab_s"]
 # IS thresholds close to 1, so that the default stack's mismatch truncates and masks some tokens
@@ -249,7 +249,7 @@ def _vllm_packs_cpu_weights() -> bool:
     return not torch.equal(layer.cpu_linear(x, layer.weight, None), torch.nn.functional.linear(x, layer.weight))
 
 
-def test_a_stale_weight_sync_is_caught(tmp_path):
+def test_a_stale_weight_sync_is_caught(tmp_path, capsys, monkeypatch):
     """Fault injection: vLLM's packed CPU GEMMs are not rebuilt after load_weights. The parameters (and so
     their checksums) hold the new weights, but the engine computes with the old ones: the probe catches it."""
     if not _vllm_packs_cpu_weights():
@@ -262,8 +262,7 @@ def test_a_stale_weight_sync_is_caught(tmp_path):
     s = pd.read_parquet(out / "steps.parquet")
     assert (not s["sync_bit_equal"].any() and (s["sync_stale_packed"] > 0).all()
             and (s["sync_tensors_differing"] == 0).all())
-    gate = subprocess.run([sys.executable, "-m", "alignaudit", "gate", str(out), "--max-mismatch", "100%"],
-                          capture_output=True, text=True)
+    gate = run_in_process(capsys, monkeypatch, "gate", str(out), "--max-mismatch", "100%")
     assert gate.returncode == EXIT_MISMATCH and "weight sync was not bit-equal at 2 of 2 steps" in gate.stdout
 
 
