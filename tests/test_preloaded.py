@@ -49,8 +49,12 @@ def test_a_forked_worker_answers_as_a_fresh_one(tiny_spec, monkeypatch):
         assert [p.returncode for p in launched[:2] + launched[3:5]] == [2, 0, 2, 0]
         server = next(iter(pool.servers.values())).proc.pid
         assert server not in {p.pid for p in launched[3:5]} and launched[3].pid != launched[4].pid
-        # another environment (a variable the server imported without): a server of its own; none past the cap
+        # W&B's service socket (what `rl --log-to wandb` leaves in the environment) does not make another server
         check = json.dumps([{"engine": "megatron"}])
+        same = pool.start_worker(["--check-options", check], {**os.environ, "WANDB_SERVICE": "3-1-unix-/tmp/s"})
+        same.wait()
+        assert isinstance(same, preloaded.ForkedWorker) and len(pool.servers) == 1
+        # another environment (a variable the server imported without): a server of its own; none past the cap
         other = pool.start_worker(["--check-options", check], {**os.environ, "ALIGNAUDIT_TEST_OTHER_ENV": "1"})
         other.wait()
         assert isinstance(other, preloaded.ForkedWorker) and len(pool.servers) == 2

@@ -36,8 +36,10 @@ from pathlib import Path
 
 WORKER_MODULE = "alignaudit.workers.capture_worker"
 SESSION_MODULE = "alignaudit.workers.rl_session"  # the RL loop's long-lived workers (stdin commands, stdout replies)
-# Differs from launch to launch without changing what a worker computes (pytest names the running test).
-IGNORED_ENV = ("PYTEST_CURRENT_TEST",)
+# Differs from launch to launch without changing what a worker computes: pytest names the running test, and
+# `rl --log-to wandb` leaves W&B's service socket in the environment of the process that ran it (every later launch
+# of that test process got servers of its own, importing their engines again).
+IGNORED_ENV = ("PYTEST_CURRENT_TEST", "WANDB_SERVICE")
 
 # What a worker for each engine imports before it builds the engine (alignaudit.engines.*.adapter and the
 # modules its constructor and start import); run_rank's own imports come first.

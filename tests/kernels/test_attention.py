@@ -154,8 +154,8 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
     steps through paged_decode (shuffled 16-key pages) give the prefill's bits on both sides of a chunk edge."""
     lengths = [600, 70]
     h, kvh, d = 8, 2, 32
-    if INTERPRET:
-        q, k, v, cu = exact_attention_inputs(lengths, h, kvh, d, device)
+    if INTERPRET:  # 4 query heads over 2: the chunk edges are per key, and each head is as many programs again
+        q, k, v, cu = exact_attention_inputs(lengths, 4, kvh, d, device)
     else:  # bf16 at Qwen3-8B's head shape on the GPU, 8 x 2 x 32 on the CPU backend
         if device == "cuda":
             h, kvh, d = 32, 8, 128
