@@ -84,7 +84,10 @@ def _gradient_cases():
     ]
 
 
-@pytest.mark.parametrize("name, fn, shapes", _gradient_cases(), ids=[c[0] for c in _gradient_cases()])
+GRADIENT_CASES = _gradient_cases()
+
+
+@pytest.mark.parametrize("name, fn, shapes", GRADIENT_CASES, ids=[case[0] for case in GRADIENT_CASES])
 def test_compiled_strict_ops_give_the_eager_gradients(name, fn, shapes):
     """Traced with gradients, each strict op keeps its autograd path: the compiled backward gives the eager
     gradients bit for bit, and none is all zero (torch 2.11 gave apply_rope's fp32 CPU path an all-zero gradient
