@@ -3,9 +3,11 @@
 Each configuration runs in its own process (the environment variables act at import and at engine start):
 the same model config with vLLM's dummy weights (load_format="dummy": the shape is what costs, not the
 values), the same token-id prompts, ``LLM.generate`` with CUDA graphs and torch.compile as vLLM defaults
-them. One warm-up request, then every prompt at once, timed on the host (generate returns when done), then
-a fresh batch of the same shapes (repeat_seconds: the first includes one-time work such as JIT builds of new
-launch shapes).
+them. One warm-up request, then --batches batches of every prompt at once, each of new token ids (the same
+prompts again would hit vLLM's prefix cache and skip the prefill), each timed on the host (generate returns
+when done). The first batches include one-time work (JIT builds of launch shapes not seen before: a strict
+kernel specializes on its integer arguments); the rate is that of the last batch (steady state), and
+batch_seconds lists them all.
 Prints one line per configuration and the ratios to the default; --json writes the records.
 
     python bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256
@@ -53,7 +55,6 @@ def worker(args) -> dict:
     """One configuration, in this process: start, warm up, time the batch."""
     import torch
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     if os.environ.get("ALIGNAUDIT_STRICT"):
         from alignaudit.engines.vllm import plugin as vllm_plugin
@@ -65,37 +66,38 @@ def worker(args) -> dict:
               gpu_memory_utilization=0.85)
     startup = time.perf_counter() - started
     g = torch.Generator().manual_seed(0)
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 32000, (args.prompt_len,), generator=g).tolist())
-               for _ in range(args.prompts)]
+    prompts = new_prompts(g, args)
     params = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
               for i in range(args.prompts)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    # a batch of the same shapes again, other tokens (the same prompts would hit vLLM's prefix cache, on by
-    # default, and skip the prefill): what the first one spent on one-time work (JIT builds of new launch shapes)
-    fresh = [TokensPrompt(prompt_token_ids=torch.randint(0, 32000, (args.prompt_len,), generator=g).tolist())
-             for _ in range(args.prompts)]
-    t0 = time.perf_counter()
-    llm.generate(fresh, params, use_tqdm=False)
-    repeat_seconds = time.perf_counter() - t0
-    profile = None
-    if args.profile:  # a third batch of new prompts: the profiled one pays neither prefix-cache hits nor builds
-        third = [TokensPrompt(prompt_token_ids=torch.randint(0, 32000, (args.prompt_len,), generator=g).tolist())
-                 for _ in range(args.prompts)]
-        profile = profile_generate(llm, third, params)
+    batch_seconds, generated = [], 0
+    for i in range(args.batches):
+        batch = prompts if i == 0 else new_prompts(g, args)
+        t0 = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        batch_seconds.append(round(time.perf_counter() - t0, 3))
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    # one more batch under torch.profiler: after the timed ones, so it pays neither prefix-cache hits nor builds
+    profile = profile_generate(llm, new_prompts(g, args), params) if args.profile else None
     config = llm.llm_engine.vllm_config
     from alignaudit.engines.vllm.attention_cpu import attention_impls
 
-    return {"generated_tokens": generated, "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(generated / seconds, 1), "repeat_seconds": round(repeat_seconds, 3),
-            "startup_s": round(startup, 1),
+    return {"generated_tokens": generated, "batch_seconds": batch_seconds,
+            "output_tokens_per_s": round(generated / batch_seconds[-1], 1),
+            "first_batch_tokens_per_s": round(generated / batch_seconds[0], 1), "startup_s": round(startup, 1),
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
             "attention_impl": sorted(llm.apply_model(attention_impls)[0]),
             **({"profile": profile} if profile else {})}
+
+
+def new_prompts(generator, args) -> list:
+    """args.prompts prompts of args.prompt_len random token ids below 32000 (inside every preset's vocabulary)."""
+    import torch
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=torch.randint(0, 32000, (args.prompt_len,), generator=generator).tolist())
+            for _ in range(args.prompts)]
 
 
 def profile_generate(llm, prompts, params, top: int = 14) -> dict:
@@ -121,6 +123,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--batches", type=int, default=4, help="timed batches of new prompts; the rate is the last's")
     parser.add_argument("--configs", default="default,batch-invariant,strict")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", default="", help="comma list of configurations to run once more under "
@@ -135,7 +138,8 @@ def main() -> None:
     for name in args.configs.split(","):
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **CONFIGS[name]}
         cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
-               "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+               "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+               "--batches", str(args.batches)]
         if name in args.profile.split(","):
             cmd += ["--profile", name]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
