@@ -33,7 +33,7 @@ from collections import deque
 from pathlib import Path
 
 from alignaudit import errors
-from alignaudit.workers.capture_worker import ranks_to_spawn
+from alignaudit.workers.capture_worker import rank_start_method, ranks_to_spawn
 
 REPLY_MARKER = "ALIGNAUDIT-REPLY "
 
@@ -297,7 +297,7 @@ def _start_followers(request: dict, tp: int) -> None:
 
     os.environ[RENDEZVOUS_ENV] = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
     os.environ[RANK_ENV], os.environ[WORLD_ENV] = "0", str(tp)
-    mp.start_processes(_follow, args=(request, tp), nprocs=tp - 1, join=False, start_method="spawn")
+    mp.start_processes(_follow, args=(request, tp), nprocs=tp - 1, join=False, start_method=rank_start_method(request))
 
 
 def _follow(index: int, request: dict, tp: int) -> None:
