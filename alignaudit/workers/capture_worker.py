@@ -65,6 +65,8 @@ def run_ranks(request: dict, tp: int) -> None:
     from alignaudit.engines.megatron.adapter import RENDEZVOUS_ENV
 
     os.environ[RENDEZVOUS_ENV] = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
+    sys.stdout.flush()  # a forked rank would write out a copy of anything still buffered
+    sys.stderr.flush()
     try:
         mp.start_processes(_rank_main, args=(request, tp), nprocs=tp, join=True,
                            start_method=rank_start_method(request))

@@ -297,6 +297,8 @@ def _start_followers(request: dict, tp: int) -> None:
 
     os.environ[RENDEZVOUS_ENV] = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
     os.environ[RANK_ENV], os.environ[WORLD_ENV] = "0", str(tp)
+    sys.stdout.flush()  # a forked rank would write out a copy of anything still buffered
+    sys.stderr.flush()
     mp.start_processes(_follow, args=(request, tp), nprocs=tp - 1, join=False, start_method=rank_start_method(request))
 
 
