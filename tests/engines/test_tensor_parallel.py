@@ -135,3 +135,12 @@ def test_replay_truncates_the_whole_vocabulary_at_tp2(tmp_path, tiny_spec):
     truncated = np.isneginf(logprobs[1])
     assert 50 < truncated.sum() < len(truncated) - 50  # replayed tokens outside the top 5, and others not
     np.testing.assert_allclose(logprobs[2], logprobs[1], rtol=0, atol=1e-4)
+
+
+def test_ranks_are_forked_on_the_cpu_and_spawned_on_cuda():
+    """A forked child cannot use its parent's CUDA context, so CUDA ranks start as fresh interpreters; CPU ranks are
+    forked from a worker that has only imported (every CPU tensor-parallel test above ran them so)."""
+    from alignaudit.workers.capture_worker import rank_start_method
+
+    assert rank_start_method({"settings": {"device": "cuda"}}) == "spawn"
+    assert rank_start_method({"settings": {"device": "cpu"}}) == "fork"
