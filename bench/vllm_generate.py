@@ -130,6 +130,8 @@ def main() -> None:
                         "torch.profiler (GPU kernel time by kernel, printed after the timings)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.batches < 1:
+        parser.error("--batches must be at least 1 (the rate is the last batch's)")
     if args.worker:
         args.model = config_dir(args.model)
         print("RESULT " + json.dumps(worker(args)), flush=True)

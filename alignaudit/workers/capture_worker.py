@@ -54,9 +54,10 @@ def rank_start_method(request: dict) -> str:
     return "spawn" if request["settings"].get("device") == "cuda" else "fork"
 
 
-def run_ranks(request: dict, tp: int) -> None:
-    """Start ``tp`` rank processes and wait for all; a rank's failure ends the worker with that rank's exit
-    code (the rank reported its error on the shared stderr)."""
+def start_ranks(target, request: dict, tp: int, nprocs: int, join: bool):
+    """Start ``nprocs`` processes running ``target(index, request, tp)`` that meet in one process group (a fresh
+    rendezvous file in RENDEZVOUS_ENV), by ``rank_start_method``; torch.multiprocessing.start_processes' result
+    (its ProcessExitedException when joined and a rank failed)."""
     import os
     import tempfile
 
@@ -67,9 +68,17 @@ def run_ranks(request: dict, tp: int) -> None:
     os.environ[RENDEZVOUS_ENV] = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
     sys.stdout.flush()  # a forked rank would write out a copy of anything still buffered
     sys.stderr.flush()
+    return mp.start_processes(target, args=(request, tp), nprocs=nprocs, join=join,
+                              start_method=rank_start_method(request))
+
+
+def run_ranks(request: dict, tp: int) -> None:
+    """Start ``tp`` rank processes and wait for all; a rank's failure ends the worker with that rank's exit
+    code (the rank reported its error on the shared stderr)."""
+    import torch.multiprocessing as mp
+
     try:
-        mp.start_processes(_rank_main, args=(request, tp), nprocs=tp, join=True,
-                           start_method=rank_start_method(request))
+        start_ranks(_rank_main, request, tp, nprocs=tp, join=True)
     except mp.ProcessExitedException as e:
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 3)
 

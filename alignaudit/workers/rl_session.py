@@ -33,7 +33,7 @@ from collections import deque
 from pathlib import Path
 
 from alignaudit import errors
-from alignaudit.workers.capture_worker import rank_start_method, ranks_to_spawn
+from alignaudit.workers.capture_worker import ranks_to_spawn, start_ranks
 
 REPLY_MARKER = "ALIGNAUDIT-REPLY "
 
@@ -289,17 +289,10 @@ def main() -> None:
 
 def _start_followers(request: dict, tp: int) -> None:
     """Ranks 1..tp-1 of a tensor-parallel Megatron trainer, each following rank 0's commands."""
-    import tempfile
+    from alignaudit.engines.megatron.adapter import RANK_ENV, WORLD_ENV
 
-    import torch.multiprocessing as mp
-
-    from alignaudit.engines.megatron.adapter import RANK_ENV, RENDEZVOUS_ENV, WORLD_ENV
-
-    os.environ[RENDEZVOUS_ENV] = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
     os.environ[RANK_ENV], os.environ[WORLD_ENV] = "0", str(tp)
-    sys.stdout.flush()  # a forked rank would write out a copy of anything still buffered
-    sys.stderr.flush()
-    mp.start_processes(_follow, args=(request, tp), nprocs=tp - 1, join=False, start_method=rank_start_method(request))
+    start_ranks(_follow, request, tp, nprocs=tp - 1, join=False)
 
 
 def _follow(index: int, request: dict, tp: int) -> None:
