@@ -3,7 +3,7 @@
 #   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch compile-probe forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
 #                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench \
-#                    ipc rl-bench train-profile grpo17 grpo8 linear19 attention19 sweep19 targets19
+#                    ipc rl-bench train-profile grpo17 grpo8 linear19 attention19 sweep19 decode-gen19 targets19
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects; TESTS_N=N: N pytest-xdist workers on
 # the one GPU, with pytest-xdist and execnet carried as wheels in .whl/extra/); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
@@ -46,7 +46,8 @@
 # e.g. the vLLM install: about 30 s).
 # [19]: linear19 strict linear vs cuBLAS for qkv, o, gate_up, down at LIN_MS (32,64,128,256,4096), graph replays;
 # attention19 strict prefill and paged decode vs vLLM's FlashAttention-3 (needs CUDA vLLM); sweep19 the linear
-# candidates (bench/sweep_gpu.py --sections issue19); targets19 the [19] target table from the stages' JSON in $OUT
+# candidates (bench/sweep_gpu.py --sections issue19); decode-gen19 paged decode at vllm-bench's decode shape vs FA3
+# (pages of 16 and 64, split, stages, warps; needs CUDA vLLM); targets19 the [19] target table from the stages' JSON in $OUT
 # (forward.json from forward, vllm-generate.json from vllm-bench; BENCH_PROFILE: configurations profiled there).
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
@@ -264,6 +265,8 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
                 --ms ${LIN_MS:-32,64,128,256,4096} --json "$out/linear19.json" 2>&1 | log | tail -22 ;;
     attention19) timeout 200 python3 bench/kernels_gpu.py --sections attention-fa3 --json "$out/attention19.json" 2>&1 \
                    | log | tail -12 ;;
+    decode-gen19) timeout 200 python3 bench/sweep_gpu.py --sections decode-generation --json "$out/decode-gen19.json" \
+                    2>&1 | log | tail -24 ;;
     sweep19) timeout 400 python3 bench/sweep_gpu.py --sections issue19 --json "$out/sweep19.json" 2>&1 | log | tail -40 ;;
     targets19) [ -f "$out/forward.json" ] || cp /tmp/keep/forward.json "$out/" 2>/dev/null
                python3 bench/targets.py $(for f in linear19 attention19; do [ -f "$out/$f.json" ] && echo --kernels "$out/$f.json"; done) \

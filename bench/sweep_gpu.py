@@ -10,7 +10,9 @@ kernel, grid and persistent, against the pointer kernel's bits), segments (every
 layers' K-segmented product), small-m (the TMA kernel at M = 256), medium-m (every layer at M = 32-128:
 candidates for a third batch-size class; added 2026-11-30, not yet run), attention (key chunk sizes, split or not,
 the portable and the native exp; prefill and decode), issue19 (issue [19]'s linears at M = 32-256 and 4096 by
-narrower TMA tiles and one program per tile and K segment; run 2026-12-02, where the medium class came from).
+narrower TMA tiles and one program per tile and K segment; run 2026-12-02, where the medium class came from),
+decode-generation (paged decode at vllm_generate's decode shape against FlashAttention-3: page size, split,
+pipelining stages, warps).
 Tiles and key blocks were swept on 2026-11-29 (docs/benchmarks.md): all within 10%.
 """
 
@@ -261,14 +263,14 @@ def sweep_attention(rows):
         vc = torch.randn_like(kc)
         table = torch.arange(b * ctx // block, device="cuda", dtype=torch.int32).view(b, -1)
         qd = torch.randn(b, h, d, dtype=DT, device="cuda")
-        pos = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)
+        lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
         kd, vd = (x.view(b, ctx, kvh, d).transpose(1, 2) for x in (kc, vc))
         base = graph_ms(lambda: sdpa(qd[:, :, None], kd, vd, enable_gqa=True))
         for chunk in CHUNKS:
             outs = []
             for split in (False, True):
                 def run():
-                    return attention._launch(qd, kc, vc, table, None, pos, d ** -0.5, kv_mode=attention.KV_GATHER,
+                    return attention._launch(qd, kc, vc, table, None, lens, d ** -0.5, kv_mode=attention.KV_GATHER,
                                              max_keys=ctx, chunk_n=chunk, split=split)
                 outs.append(run())
                 strict = graph_ms(run)
@@ -280,16 +282,64 @@ def sweep_attention(rows):
     return {"split_bitwise_equal": all(same)}
 
 
+def sweep_decode_generation(rows):
+    """Paged decode at the shape of bench/vllm_generate.py's decode steps (64 sequences at 640 keys, the grid
+    bounded by max_model_len 832, Qwen3-8B heads), CUDA-graph replays: vLLM's 16-key pages and 64-key pages
+    (the kernel's page-aligned mode), split-KV or not, stages 2-4 (software pipelining only) and 8 warps,
+    against FlashAttention-3 on the same pages (needs CUDA vLLM). Which configurations give the default's
+    bits is in the checks: only those may replace it."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    b, ctx, bound, h, kvh, d = 64, 640, 832, 32, 8, 128
+    scale = d ** -0.5
+    q = torch.randn(b, h, d, dtype=DT, device="cuda")
+    keys = torch.randn(b, ctx, kvh, d, dtype=DT, device="cuda")
+    values = torch.randn_like(keys)
+    lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    cuq = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+    reference, same = None, {}
+    for block in (16, 64):
+        pages = ctx // block
+        order = torch.randperm(b * pages, device="cuda")
+        kc = torch.empty(b * pages, block, kvh, d, dtype=DT, device="cuda")
+        vc = torch.empty_like(kc)
+        kc[order] = keys.view(b * pages, block, kvh, d)
+        vc[order] = values.view(b * pages, block, kvh, d)
+        table = order.to(torch.int32).view(b, pages)
+        base = graph_ms(lambda: flash_attn_varlen_func(q, kc, vc, max_seqlen_q=1, cu_seqlens_q=cuq, max_seqlen_k=bound,
+                                                       seqused_k=lens, softmax_scale=scale, causal=True,
+                                                       block_table=table, fa_version=3))
+        mode = attention._kv_mode(kc)
+        for config in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2)):
+            for split in (True, False):
+                def run():
+                    return attention._launch(q, kc, vc, table, None, lens, scale, kv_mode=mode, max_keys=bound,
+                                             config=config, split=split)
+                out = run()
+                reference = out if reference is None else reference
+                same[f"block {block} {config} split {split}"] = torch.equal(out, reference)
+                strict = graph_ms(run)
+                rows.append({"op": f"decode b={b} ctx={ctx} pages of {block}", "M": f"split {split}",
+                             "config": list(config), "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+    for r in rows[-16:]:
+        print(f"{r['op']:34s} {r['M']:12s} {str(r['config']):14s} FA3 {r['default_ms']:.4f} ms  strict "
+              f"{r['strict_ms']:.4f} ms  ratio {r['ratio']:.2f}", flush=True)
+    print("decode at the generation shape, same bits as block 16 (64, 4, 2) split:", same, flush=True)
+    return {"decode_generation_same_bits": same}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sections", default="matmul,tma,attention",
-                        help="comma list of matmul, tma, segments, small-m, medium-m, attention, issue19")
+                        help="comma list of matmul, tma, segments, small-m, medium-m, attention, issue19, "
+                        "decode-generation (needs CUDA vLLM)")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
     sections = {"matmul": sweep_matmul, "tma": sweep_matmul_tma, "segments": sweep_segments, "small-m": sweep_small_m,
-                "medium-m": sweep_medium_m, "attention": sweep_attention, "issue19": sweep_issue19}
+                "medium-m": sweep_medium_m, "attention": sweep_attention, "issue19": sweep_issue19,
+                "decode-generation": sweep_decode_generation}
     checks = {}
     for name in args.sections.split(","):
         checks.update(sections[name](rows))

@@ -6,8 +6,8 @@ values), the same token-id prompts, ``LLM.generate`` with CUDA graphs and torch.
 them. One warm-up request, then --batches batches of every prompt at once, each of new token ids (the same
 prompts again would hit vLLM's prefix cache and skip the prefill), each timed on the host (generate returns
 when done). The first batches include one-time work (JIT builds of launch shapes not seen before: a strict
-kernel specializes on its integer arguments); the rate is that of the last batch (steady state), and
-batch_seconds lists them all.
+kernel specializes on its integer arguments; strict_builds_per_batch counts them); the rate is that of the last
+batch (steady state), and batch_seconds lists them all.
 Prints one line per configuration and the ratios to the default; --json writes the records.
 
     python bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256
@@ -71,13 +71,14 @@ def worker(args) -> dict:
               for i in range(args.prompts)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     torch.cuda.synchronize()
-    batch_seconds, generated = [], 0
+    batch_seconds, generated, builds = [], 0, [strict_kernel_builds()]
     for i in range(args.batches):
         batch = prompts if i == 0 else new_prompts(g, args)
         t0 = time.perf_counter()
         outputs = llm.generate(batch, params, use_tqdm=False)
         batch_seconds.append(round(time.perf_counter() - t0, 3))
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        builds.append(strict_kernel_builds())
     # one more batch under torch.profiler: after the timed ones, so it pays neither prefix-cache hits nor builds
     profile = profile_generate(llm, new_prompts(g, args), params) if args.profile else None
     config = llm.llm_engine.vllm_config
@@ -86,9 +87,32 @@ def worker(args) -> dict:
     return {"generated_tokens": generated, "batch_seconds": batch_seconds,
             "output_tokens_per_s": round(generated / batch_seconds[-1], 1),
             "first_batch_tokens_per_s": round(generated / batch_seconds[0], 1), "startup_s": round(startup, 1),
+            "strict_builds_at_start": sum(builds[0].values()),
+            "strict_builds_per_batch": [{k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+                                        for before, after in zip(builds, builds[1:])],
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
             "attention_impl": sorted(llm.apply_model(attention_impls)[0]),
             **({"profile": profile} if profile else {})}
+
+
+def strict_kernel_builds() -> dict:
+    """Kernel name -> compiled variants held by each Triton kernel of alignaudit_kernels in this process (a
+    new launch shape that Triton specializes on, e.g. an integer argument that turns divisible by 16, is a
+    build). Counted before and after each batch: builds inside a timed batch are one-time work in it."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import alignaudit_kernels
+
+    counts = {}
+    for info in pkgutil.iter_modules(alignaudit_kernels.__path__):
+        module = importlib.import_module(f"alignaudit_kernels.{info.name}")
+        for name, fn in vars(module).items():
+            if isinstance(fn, JITFunction) and fn.device_caches:
+                counts[name] = sum(len(entry[0]) for entry in fn.device_caches.values())
+    return counts
 
 
 def new_prompts(generator, args) -> list:

@@ -253,9 +253,11 @@ if triton is not None:
         return tl.where(active, m_new, m), tl.where(active, l_new, l), tl.where(active[:, None], acc_new, acc)
 
     @triton.jit
-    def _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, TILE: tl.constexpr, GROUP: tl.constexpr,
+    def _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys, TILE: tl.constexpr, GROUP: tl.constexpr,
                    ROW_POS: tl.constexpr, DECODE: tl.constexpr):
-        """The tile's sequence, and per row: query token row, validity and position (-1 past the tile)."""
+        """The tile's sequence, and per row: query token row, validity, position (-1 past the tile) and
+        overflow: a position at or past ``max_keys``, clamped to max_keys - 1 so no key past the bound is
+        read (the caller stores NaN for those rows). DECODE: pos_ptr holds each sequence's key count."""
         tok = tl.arange(0, TILE) // GROUP
         if DECODE:  # one query token per sequence: tile i is row i of sequence i
             seq = tile.to(tl.int64)
@@ -267,20 +269,25 @@ if triton is not None:
             qrow = tl.load(tiles_ptr + n_tiles + tile).to(tl.int64) + tok
         if ROW_POS:  # rows of a whole-sequence prefill: position = first position of the tile + token index
             pos = tl.where(valid_row, tl.load(tiles_ptr + 3 * n_tiles + tile) + tok, -1)
+        elif DECODE:  # the query is the sequence's last key
+            pos = tl.load(pos_ptr + qrow, mask=valid_row, other=0) - 1
         else:
             pos = tl.load(pos_ptr + qrow, mask=valid_row, other=-1)
-        return seq, qrow, valid_row, pos
+        overflow = pos >= max_keys
+        return seq, qrow, valid_row, tl.where(overflow, max_keys - 1, pos), overflow
 
     @triton.jit
-    def _store_output(o_ptr, acc, l, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+    def _store_output(o_ptr, acc, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh,
+                      HEAD_DIM: tl.constexpr):
         """The end of every path (unsplit kernel and split merge alike): acc / l in fp32, rounded once to the
-        output dtype."""
+        output dtype; NaN for a row past the key bound (``overflow``)."""
+        l = tl.where(overflow, float("nan"), l)
         tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & (d < HEAD_DIM)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_tiles", "max_keys"])  # per-step counts: one build for every value
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, bt_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles,
-                          scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                          max_keys, scale, stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                           BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
@@ -289,7 +296,8 @@ if triton is not None:
         # The last tile first: in a causal prefill it visits the most key blocks (load balance only).
         tile = n_tiles - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
-        seq, qrow, valid_row, pos = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, TILE, GROUP, ROW_POS, DECODE)
+        seq, qrow, valid_row, pos, overflow = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys, TILE, GROUP,
+                                                         ROW_POS, DECODE)
         r = tl.arange(0, TILE)
         head = kvh * GROUP + r % GROUP
         d = tl.arange(0, BLOCK_D)
@@ -319,10 +327,11 @@ if triton is not None:
                                          stride_vh, stride_bt, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV,
                                          NATIVE_EXP)
                 m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, c0 <= pos, NATIVE_EXP)
-            _store_output(o_ptr, acc, l, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
+            _store_output(o_ptr, acc, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
 
-    @triton.jit
-    def _combine_kernel(o_ptr, pos_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles, n_chunks, stride_ot, stride_oh,
+    @triton.jit(do_not_specialize=["n_tiles", "max_keys", "n_chunks"])
+    def _combine_kernel(o_ptr, pos_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles, max_keys, n_chunks, stride_ot,
+                        stride_oh,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
                         CHUNK_N: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
                         NATIVE_EXP: tl.constexpr):
@@ -330,12 +339,13 @@ if triton is not None:
         unsplit kernel merges them in registers."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
-        seq, qrow, valid_row, pos = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, TILE, GROUP, ROW_POS, DECODE)
+        seq, qrow, valid_row, pos, overflow = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys, TILE, GROUP,
+                                                         ROW_POS, DECODE)
         r = tl.arange(0, TILE)
         head = kvh * GROUP + r % GROUP
         d = tl.arange(0, BLOCK_D)
         slot = (tile.to(tl.int64) * tl.num_programs(1) + kvh) * TILE + r
-        chunk_stride = tl.num_programs(1).to(tl.int64) * n_tiles * TILE  # n_tiles may arrive as a constexpr 1
+        chunk_stride = tl.num_programs(1).to(tl.int64) * n_tiles * TILE
         stored = valid_row & (pos >= 0)  # a row with no key (a decode slot of length 0) stored no state
         m = tl.load(m_ptr + slot, mask=stored, other=float("-inf"))
         l = tl.load(l_ptr + slot, mask=stored, other=0.0)
@@ -347,7 +357,7 @@ if triton is not None:
             l_c = tl.load(l_ptr + at, mask=active, other=0.0)
             acc_c = tl.load(acc_ptr + at[:, None] * BLOCK_D + d[None, :], mask=active[:, None], other=0.0)
             m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, active, NATIVE_EXP)
-        _store_output(o_ptr, acc, l, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
+        _store_output(o_ptr, acc, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
 
 
 def _tiles(seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, per_tile: int) -> torch.Tensor:
@@ -381,13 +391,15 @@ def _check_exp(exp: str, q: torch.Tensor) -> None:
 
 
 def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_mode, max_keys, config=TILE_CONFIG,
-            row_pos=False, split=None, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP):
+            row_pos=False, split=None, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP, out=None):
     """Run the Triton kernel(s).
 
     tiles: from ``_tiles`` (CPU, or already on q's device from a cached plan), or None for a decode step (row
-    i is the one query of sequence i);
+    i is the one query of sequence i, and q_positions holds each sequence's key count: its seq_lens);
     q_positions: [T] on q's device, or None with ``row_pos`` (rows are whole sequences from position 0).
-    max_keys: a bound on the keys any row sees (host int, sets the chunk count of the split grid).
+    max_keys: a bound on the keys any row sees (host int, sets the chunk count of the split grid); a row
+    past it is NaN, and no key past it is read.
+    out: [T, H, D] of q's dtype with unit stride along D to write into (vLLM's output buffer), or None.
     split: one program per (tile, KV head, chunk) and a second launch that merges the chunks (True), one
     program per (tile, KV head) merging in registers (False), or chosen by occupancy (None): the same bits
     either way. ``block_n`` / ``chunk_n`` other than BLOCK_N / CHUNK_N: benchmarks only (another algorithm).
@@ -401,7 +413,11 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     if group > tile:  # a tile holds tile // group tokens; the rows past tokens * group stay masked
         raise ValueError(f"strict attention holds at most {tile} query heads per KV head, not {group}")
     q = q.contiguous()
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"strict attention: out {tuple(out.shape)} {out.dtype} stride {out.stride()} cannot hold "
+                         f"q {tuple(q.shape)} {q.dtype} (same shape and dtype, unit stride along head_dim)")
     positions = None if q_positions is None else q_positions.to(torch.int32).contiguous()
     decode = tiles is None
     if decode:
@@ -423,14 +439,14 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     else:
         m = l = acc = out  # not read
     _attention_kernel[(n_tiles, kvh, chunks if split else 1)](
-        q, k_cache, v_cache, out, positions, block_table, tiles, m, l, acc, n_tiles, float(scale),
+        q, k_cache, v_cache, out, positions, block_table, tiles, m, l, acc, n_tiles, max_keys, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
         KV=kv_mode, SPLIT=split, **shared, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if split:
-        _combine_kernel[(n_tiles, kvh)](out, positions, tiles, m, l, acc, n_tiles, chunks, out.stride(0),
+        _combine_kernel[(n_tiles, kvh)](out, positions, tiles, m, l, acc, n_tiles, max_keys, chunks, out.stride(0),
                                         out.stride(1), **shared, num_warps=4, enable_fp_fusion=False)
     return out
 
@@ -440,7 +456,7 @@ def _kv_mode(k_cache: torch.Tensor) -> int:
 
 
 def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None, exp=DEFAULT_EXP,
-                  max_keys=None):
+                  max_keys=None, out=None):
     group = q.shape[1] // k_cache.shape[2]
     seqs, counts = torch.unique_consecutive(q_seq.cpu().long(), return_counts=True)
     config = config or TILE_CONFIG
@@ -449,7 +465,7 @@ def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, c
     if max_keys is None:
         max_keys = int(q_positions.max()) + 1
     return _launch(q, k_cache, v_cache, table, tiles, q_positions.to(q.device), scale, kv_mode=_kv_mode(k_cache),
-                   max_keys=max_keys, config=config, exp=exp)
+                   max_keys=max_keys, config=config, exp=exp, out=out)
 
 
 # Launch plans of the contiguous layouts, kept on the device per shape: a training step or a forward at a
@@ -476,7 +492,8 @@ def _as_pages(x):
     return x.contiguous().unsqueeze(1)
 
 
-def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP, max_keys=None):
+def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP, max_keys=None,
+                    out=None):
     """Strict attention over a paged KV cache (inference engines; prefill and decode alike).
 
     Args:
@@ -489,15 +506,21 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale,
         exp: "portable" or "native" (module docstring).
         max_keys: host int >= every q_positions[i] + 1 (an engine's longest sequence), or None to read the
             bound from q_positions (a device synchronization on a GPU). It sizes the chunk grid only: any
-            bound gives the same bits.
-    Returns: [T, H, D] in q.dtype. Plans its tiles on the host from q_seq: not capturable in a CUDA graph;
-    ``paged_decode`` is.
-    Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
+            bound gives the same bits. A row past it: NaN on the GPU (no key past the bound is read),
+            ValueError on the CPU.
+        out: [T, H, D] of q's dtype to write into (an engine's output buffer: no copy), or None.
+    Returns: ``out`` or a new [T, H, D] in q.dtype. Plans its tiles on the host from q_seq: not capturable in a
+    CUDA graph; ``paged_decode`` is.
+    Raises: ValueError for an unknown ``exp``, "native" on the CPU backend, or an ``out`` that cannot hold the
+    result.
     """
     _check_exp(exp, q)
     if use_triton(q):
-        return _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=exp, max_keys=max_keys)
-    out = torch.empty_like(q)
+        return _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=exp, max_keys=max_keys,
+                             out=out)
+    if max_keys is not None and q_positions.numel() and int(q_positions.max()) >= max_keys:
+        raise ValueError(f"paged attention: a query at position {int(q_positions.max())}, past max_keys {max_keys}")
+    out = _cpu_output(q, out)
     bs = k_cache.shape[1]
     for seq in torch.unique_consecutive(q_seq).tolist():
         rows = (q_seq == seq).nonzero()[:, 0]
@@ -509,7 +532,16 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale,
     return out
 
 
-def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len, exp=DEFAULT_EXP):
+def _cpu_output(q, out):
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"strict attention: out {tuple(out.shape)} {out.dtype} cannot hold q {tuple(q.shape)} "
+                         f"{q.dtype}")
+    return out
+
+
+def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len, exp=DEFAULT_EXP, out=None):
     """One decode step over a paged KV cache: the row of sequence i is its query at position seq_lens[i] - 1.
     The same bits as ``paged_attention`` (and a prefill) for that row, without any host synchronization, so
     a CUDA graph can capture it (vLLM replays decode steps as graphs).
@@ -519,20 +551,25 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
         seq_lens: [B] int on q's device, keys per sequence (the current token included).
         max_seq_len: host int >= every seq_lens[i] (as FlashAttention's max_seqlen_k), in a captured graph
             for every replay: sets the chunk grid (CHUNK_N keys per program when the (sequence, KV head)
-            programs alone would leave SMs idle). A longer sequence fails a device-side assert (a
-            RuntimeError on the CPU, a CUDA error at the next synchronization on a GPU). scale: float.
+            programs alone would leave SMs idle). A longer sequence gives a NaN row on the GPU (checked in
+            the kernel: no key past the bound is read, and no extra launch as a device-side assert would
+            cost in every layer of every step) and a ValueError on the CPU. scale: float.
         exp: "portable" or "native" (module docstring).
-    Returns: [B, H, D] in q.dtype. Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
+        out: [B, H, D] of q's dtype to write into (an engine's output buffer: no copy), or None.
+    Returns: ``out`` or a new [B, H, D] in q.dtype.
+    Raises: ValueError for an unknown ``exp``, "native" on the CPU backend, or an ``out`` that cannot hold the
+    result.
     """
     _check_exp(exp, q)
-    if seq_lens.numel():  # without a host read: a sequence past the chunk grid would lose keys in the split path
-        torch._assert_async(seq_lens.max() <= max_seq_len, "paged_decode: a sequence longer than max_seq_len")
-    positions = seq_lens - 1
     if not use_triton(q):
-        return paged_attention(q, k_cache, v_cache, block_table, positions, torch.arange(q.shape[0]), scale)
+        if seq_lens.numel() and int(seq_lens.max()) > max_seq_len:
+            raise ValueError(f"paged_decode: a sequence of {int(seq_lens.max())} keys, longer than max_seq_len "
+                             f"{max_seq_len}")
+        return paged_attention(q, k_cache, v_cache, block_table, seq_lens - 1, torch.arange(q.shape[0]), scale,
+                               out=out)
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
-    return _launch(q, k_cache, v_cache, table, None, positions, scale, kv_mode=_kv_mode(k_cache),
-                   max_keys=int(max_seq_len), exp=exp)
+    return _launch(q, k_cache, v_cache, table, None, seq_lens, scale, kv_mode=_kv_mode(k_cache),
+                   max_keys=int(max_seq_len), exp=exp, out=out)
 
 
 def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP):

@@ -128,7 +128,7 @@ if triton is not None:
                 acc = tl.dot(a, b, acc)
         return acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # the batch size: one build for every M
     def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr = 1,
@@ -232,7 +232,7 @@ if triton is not None:
         tl.debug_barrier()  # every thread's part of the slot written before any thread reads it
         return tl.load(_slot(scratch_ptr, slot, BLOCK_M, BLOCK_N))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "programs"])
     def _matmul_tma_kernel(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                            SEGMENTS: tl.constexpr = 1):
@@ -269,7 +269,7 @@ if triton is not None:
             y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_desc.dtype))
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _matmul_tma_split_kernel(x_desc, w_desc, p_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr):
         """Program (tile, s): K segment s of one output tile from zero, by the TMA unit, its fp32 accumulator

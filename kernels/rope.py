@@ -75,6 +75,9 @@ def reference(x, positions, cos, sin):
 
 
 def _cpu(x, positions, cos, sin):
+    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
+        raise IndexError(f"strict rope: positions {int(positions.min())}..{int(positions.max())} outside the "
+                         f"{cos.shape[0]} rows of the rope tables")
     half = x.shape[-1] // 2
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
     xf = x.float()
@@ -88,15 +91,16 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, H, stride_xt, stride_xh, stride_yt, stride_yh,
+    def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, H, rows, stride_xt, stride_xh, stride_yt, stride_yh,
                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
         mask = (heads[:, None] < H) & (d[None, :] < HALF)
         pos = tl.load(pos_ptr + t).to(tl.int64)
-        c = tl.load(cos_ptr + pos * HALF + d, mask=d < HALF, other=0.0)[None, :]
-        s = tl.load(sin_ptr + pos * HALF + d, mask=d < HALF, other=0.0)[None, :]
+        in_table = (d < HALF) & (pos >= 0) & (pos < rows)  # a position outside the tables: NaN, never read
+        c = tl.load(cos_ptr + pos * HALF + d, mask=in_table, other=float("nan"))[None, :]
+        s = tl.load(sin_ptr + pos * HALF + d, mask=in_table, other=float("nan"))[None, :]
         base = x_ptr + t * stride_xt + heads[:, None] * stride_xh + d[None, :]
         x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -111,9 +115,9 @@ def _triton(x, positions, cos, sin):
     y = torch.empty_like(x)
     block_h = min(16, triton.next_power_of_2(h))
     _rope_kernel[(t, cdiv(h, block_h))](x, positions.contiguous(), cos.contiguous(), sin.contiguous(), y, h,
-                                               x.stride(0), x.stride(1), y.stride(0), y.stride(1), HALF=d // 2,
-                                               BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d // 2),
-                                               enable_fp_fusion=False)
+                                        cos.shape[0], x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+                                        HALF=d // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d // 2),
+                                        enable_fp_fusion=False)
     return y
 
 
@@ -136,7 +140,9 @@ class _Rope(torch.autograd.Function):
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [tokens, heads, head_dim] by the angles of ``positions`` [tokens] (int) from rope_tables.
 
-    The whole head_dim rotates (rotary_dim == head_dim, as in Qwen3 and Llama).
+    The whole head_dim rotates (rotary_dim == head_dim, as in Qwen3 and Llama). A position outside the
+    tables' rows: NaN rows on the GPU (checked in the kernel, with no extra launch or host read), IndexError
+    on the CPU.
     Raises ValueError on shape mismatches.
     """
     if x.dim() != 3 or positions.shape != (x.shape[0],) or cos.shape[1] * 2 != x.shape[-1]:

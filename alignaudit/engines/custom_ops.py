@@ -18,10 +18,9 @@ import alignaudit_kernels as K
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
     """x [tokens, heads, head_dim] rotated by the angles of ``positions`` [tokens] (int) from the tables of
     ``rows`` positions; ``llama3`` [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]
-    for llama3 rope scaling, or [] for none. A position >= rows fails a device-side assert (a RuntimeError on
-    the CPU, a CUDA error at the next synchronization on a GPU) instead of reading past the tables."""
-    if positions.numel():
-        torch._assert_async(positions.max() < rows, "strict rope: a position past the rope tables")
+    for llama3 rope scaling, or [] for none. A position >= rows never reads past the tables: an IndexError on
+    the CPU, NaN rows on a GPU (alignaudit_kernels.apply_rope checks in the kernel; a device-side assert cost
+    three launches per call, in every layer of every vLLM step)."""
     scaling = (llama3[0], llama3[1], llama3[2], int(llama3[3])) if llama3 else None
     cos, sin = K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
     return K.apply_rope(x, positions, cos, sin)

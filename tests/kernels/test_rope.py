@@ -6,12 +6,13 @@ The backend is --kernel-device's (tests/kernels/conftest.py); each invariance ha
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import alignaudit_kernels as K
-from alignaudit_kernels import rope
+from alignaudit_kernels import primitives, rope
 from helpers import (
     EXAMPLES,
     assert_bitwise_equal,
@@ -52,3 +53,19 @@ def test_rope_negative_control_bf16_tables():
     pos = torch.arange(512)
     hf_style = rope.reference(x, pos, cos.bfloat16(), sin.bfloat16())
     assert not torch.equal(hf_style, K.apply_rope(x, pos, cos, sin))
+
+
+def test_rope_never_reads_outside_its_tables(device):
+    """A position outside the tables (1024 rows here) is refused on the CPU and gives NaN rows in the Triton
+    kernel, which checks it with no extra launch (vLLM calls rope in every layer of every step); the rows
+    of the other tokens keep their bits."""
+    cos, sin = rope.rope_tables(100, 32, 1e6, device)
+    x = randn(3, 2, 32, dtype=torch.float32, device=device, seed=3)
+    positions = torch.tensor([5, 1024, -1], device=device)
+    if primitives.use_triton(x):
+        out = K.apply_rope(x, positions, cos, sin)
+        assert torch.isnan(out[1:]).all()
+        assert_bitwise_equal("rope of the token inside", out[0], K.apply_rope(x[:1], positions[:1], cos, sin)[0])
+    else:
+        with pytest.raises(IndexError, match="positions -1..1024 outside the 1024 rows"):
+            K.apply_rope(x, positions, cos, sin)

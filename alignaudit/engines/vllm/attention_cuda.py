@@ -31,6 +31,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 
 import alignaudit_kernels as K
 from alignaudit.engines.vllm.attention_cpu import configured_exp, request_of_rows, token_positions
+from alignaudit_kernels.attention import BLOCK_N, CHUNK_N
 
 
 @dataclass
@@ -71,6 +72,11 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.decode_bound = int(vllm_config.model_config.max_model_len)
+        if torch.device(device).type == "cuda":
+            spec = kv_cache_spec
+            warm_up(vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config), spec.num_kv_heads,
+                    spec.head_size, spec.block_size, vllm_config.model_config.dtype, spec.dtype,
+                    torch.device(device), configured_exp(), self.decode_bound)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> StrictAttentionMetadata:
         m = common_attn_metadata
@@ -91,6 +97,36 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
         return meta
 
 
+def warm_up(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
+            cache_dtype: torch.dtype, device: torch.device, exp: str, decode_bound: int) -> None:
+    """Run ``strict_attention`` once for each kind of step, on zeros in a small cache of FlashAttention's layout:
+    a prefill within one key chunk (the unsplit kernel), one over two chunks (split-KV kernel and merge) and a
+    decode step. Triton builds a kernel variant at its first launch, and vLLM's start never runs strict
+    attention for a prefill (its profile run passes no metadata, its graph capture decodes only), so without
+    this the first batches of generation paid those builds (docs/benchmarks.md, 2026-12-04 third session).
+    Nothing computed here is kept. dtype: the queries' (the model's), cache_dtype: the KV cache's.
+    """
+    keys = CHUNK_N + BLOCK_N  # two key chunks
+    blocks = -(-keys // block_size)
+    kv_cache = torch.zeros(blocks, block_size, num_kv_heads, 2 * head_size, dtype=cache_dtype,
+                           device=device).transpose(1, 2)
+    table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+    q = torch.zeros(keys, num_heads, head_size, dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    scale = head_size ** -0.5
+
+    def step(rows: int, decode: bool) -> StrictAttentionMetadata:
+        count = torch.tensor([min(keys, decode_bound) if decode else rows], dtype=torch.int32, device=device)
+        return StrictAttentionMetadata(
+            num_actual_tokens=rows, max_query_len=rows, max_seq_len=int(count), query_start_loc=None, seq_lens=count,
+            block_table=table, slot_mapping=None, decode=decode, decode_bound=decode_bound,
+            positions=None if decode else torch.arange(rows, device=device),
+            q_seq=None if decode else torch.zeros(rows, dtype=torch.int64))
+
+    for rows, decode in ((BLOCK_N, False), (keys, False), (1, True)):
+        strict_attention(step(rows, decode), q[:rows], kv_cache, head_size, scale, exp, out[:rows])
+
+
 def strict_attention(meta: StrictAttentionMetadata, query: torch.Tensor, kv_cache: torch.Tensor, head_size: int,
                      scale: float, exp: str, output: torch.Tensor) -> torch.Tensor:
     """Attention of one layer for one step into ``output`` [tokens, heads, head_size] (rows past the
@@ -98,12 +134,12 @@ def strict_attention(meta: StrictAttentionMetadata, query: torch.Tensor, kv_cach
     key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)  # [blocks, block_size, kv_heads, D]
     if meta.decode:
         b = meta.seq_lens.shape[0]
-        output[:b] = K.paged_decode(query[:b], key_cache, value_cache, meta.block_table, meta.seq_lens, scale,
-                                    meta.decode_bound, exp=exp)
+        K.paged_decode(query[:b], key_cache, value_cache, meta.block_table, meta.seq_lens, scale, meta.decode_bound,
+                       exp=exp, out=output[:b].view(query[:b].shape))
     else:
         n = meta.num_actual_tokens
-        output[:n] = K.paged_attention(query[:n], key_cache, value_cache, meta.block_table, meta.positions,
-                                       meta.q_seq, scale, exp=exp, max_keys=meta.max_seq_len)
+        K.paged_attention(query[:n], key_cache, value_cache, meta.block_table, meta.positions, meta.q_seq, scale,
+                          exp=exp, max_keys=meta.max_seq_len, out=output[:n].view(query[:n].shape))
     return output
 
 

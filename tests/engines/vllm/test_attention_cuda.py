@@ -26,7 +26,12 @@ pytest.importorskip("vllm")
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
 import alignaudit_kernels as K  # noqa: E402
-from alignaudit.engines.vllm.attention_cuda import StrictAttentionMetadataBuilder, strict_attention  # noqa: E402
+from alignaudit.engines.vllm.attention_cuda import (  # noqa: E402
+    StrictAttentionMetadataBuilder,
+    strict_attention,
+    warm_up,
+)
+from alignaudit_kernels.attention import CHUNK_N  # noqa: E402
 from helpers import assert_bitwise_equal  # noqa: E402
 
 HEADS, KV_HEADS, D, BLOCK = 4, 2, 32, 16
@@ -118,3 +123,23 @@ def test_builder_refuses_what_it_does_not_compute(world):
     common.causal = False
     with pytest.raises(NotImplementedError, match="causal"):
         builder.build(0, common)
+
+
+def test_warm_up_runs_each_kind_of_step_once(monkeypatch):
+    """The engine-start warm-up (each Triton variant built before the first batch, on the GPU) goes through
+    strict_attention with a prefill inside one key chunk, one over two chunks (the split-KV kernel) and a
+    decode step bounded by max_model_len, each giving finite rows."""
+    calls = []
+
+    def spy(kind, kernel):
+        def call(q, *args, **kwargs):
+            out = kernel(q, *args, **kwargs)
+            bound = kwargs.get("max_keys", args[5] if kind == "decode" else None)
+            calls.append((kind, q.shape[0], -(-bound // CHUNK_N), bool(torch.isfinite(out).all())))
+            return out
+        return call
+
+    monkeypatch.setattr(K, "paged_attention", spy("prefill", K.paged_attention))
+    monkeypatch.setattr(K, "paged_decode", spy("decode", K.paged_decode))
+    warm_up(HEADS, KV_HEADS, D, BLOCK, torch.bfloat16, torch.bfloat16, torch.device("cpu"), "portable", 832)
+    assert calls == [("prefill", 64, 1, True), ("prefill", 576, 2, True), ("decode", 1, 2, True)]
