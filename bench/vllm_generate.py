@@ -32,6 +32,7 @@ CONFIGS = {  # name -> environment added for that process
     "default": {},
     "batch-invariant": {"VLLM_BATCH_INVARIANT": "1"},
     "strict": {"ALIGNAUDIT_STRICT": "all"},
+    "strict-native-exp": {"ALIGNAUDIT_STRICT": "all", "ALIGNAUDIT_STRICT_EXP": "native"},
     "strict+batch-invariant": {"ALIGNAUDIT_STRICT": "all", "VLLM_BATCH_INVARIANT": "1"},
 }
 

@@ -379,6 +379,10 @@ def _tiles(seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, per_t
 # Every path uses 64-row tiles: on an H200 a 16-row tile (mma.sync rather than wgmma) gave decode rows 1-2
 # ULP away from the same rows of a 64-row prefill tile (bf16 and fp32, 2026-11-30).
 TILE_CONFIG = (TILE_ROWS, 4, 2)
+# Decode steps pipeline one more key block: 3% faster at the generation shape of bench/vllm_generate.py (64
+# sequences at 640 keys, pages of 16) on an H200, with the bits of every other configuration swept there
+# (stages only schedule loads; docs/benchmarks.md 2026-12-04 third session).
+DECODE_CONFIG = (TILE_ROWS, 4, 3)
 SPLIT_BELOW_PROGRAMS_PER_SM = 32  # fewer (tile, KV head) programs than this per SM: one program per chunk
 KV_GATHER, KV_PAGE_ALIGNED, KV_DIRECT = 0, 1, 2
 
@@ -569,7 +573,7 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
                                out=out)
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     return _launch(q, k_cache, v_cache, table, None, seq_lens, scale, kv_mode=_kv_mode(k_cache),
-                   max_keys=int(max_seq_len), exp=exp, out=out)
+                   max_keys=int(max_seq_len), exp=exp, out=out, config=DECODE_CONFIG)
 
 
 def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP):

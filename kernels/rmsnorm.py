@@ -9,7 +9,8 @@ Contract (both backends):
     reduction     sum of s^2 over the hidden axis. CPU: kernels/primitives.fixed_sum (blocks of 32,
                   pairwise tree in a block, blocks left to right). GPU: one program per row, the whole
                   row in registers, tl.sum's fixed tree for that row length and dtype, read from an
-                  aligned buffer (primitives.reduction_input). Neither depends on the number of rows
+                  aligned buffer (primitives.reduction_input, or in place where a strided view of heads
+                  loads as such a buffer: _strided_heads). Neither depends on the number of rows
     primitives    rsqrt = 1/sqrt (correctly rounded sqrt and division); mean = sum / H (one division)
     order         ((s * inv) * w): the normalized value is not rounded before the weight multiply
                   (unlike HF's Qwen3RMSNorm, which rounds it to the storage dtype first)
@@ -54,12 +55,13 @@ if triton is not None:
     from alignaudit_kernels.primitives import rsqrt_t
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, stride_x, stride_r, stride_y, stride_s,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, heads, stride_x, stride_xh, stride_r, stride_y,
+                        stride_s, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        # x row ``row`` is head row % heads of token row // heads (heads == 1: rows of a 2-D x)
+        x = tl.load(x_ptr + (row // heads) * stride_x + (row % heads) * stride_xh + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -71,20 +73,38 @@ if triton is not None:
         tl.store(y_ptr + row * stride_y + cols, ((xf * inv) * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _triton(x2, weight, eps, residual2):
-    m, h = x2.shape
-    y = torch.empty_like(x2)
+def _triton(x2, weight, eps, residual2, heads=None):
+    """x2 [rows, H], or with ``heads`` a [tokens, heads, H] view whose rows are read in place."""
+    h = x2.shape[-1]
+    m = x2.shape[0] * (heads or 1)
+    y = torch.empty(m, h, dtype=x2.dtype, device=x2.device)
     s = torch.empty_like(x2) if residual2 is not None else x2
     block = triton.next_power_of_2(h)
-    _rmsnorm_kernel[(m,)](x2, residual2 if residual2 is not None else x2, weight, y, s, h, eps,
-                          x2.stride(0), residual2.stride(0) if residual2 is not None else 0, y.stride(0), s.stride(0),
+    _rmsnorm_kernel[(m,)](x2, residual2 if residual2 is not None else x2, weight, y, s, h, eps, heads or 1,
+                          x2.stride(0), x2.stride(1) if heads else 0,
+                          residual2.stride(0) if residual2 is not None else 0, y.stride(0), s.stride(0),
                           HAS_RESIDUAL=residual2 is not None, BLOCK_H=block,
                           num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
     return y, s
 
 
+def _strided_heads(x: torch.Tensor, residual) -> torch.Tensor | None:
+    """x [tokens, heads, H] as the view the kernel reads in place, where its loads are those of a
+    contiguous aligned buffer (unit stride along H, 16-byte aligned start, strides divisible by 16, as H is:
+    Triton specializes pointers and strides on exactly that, and the load width sets tl.sum's order); else
+    None (the rows are copied). What it saves: vLLM's Qwen3 q_norm and k_norm get per-head views of the
+    fused qkv output, which a reshape to rows would copy in every layer of every step."""
+    if residual is not None or x.dim() != 3 or x.is_contiguous() or not use_triton(x):
+        return None
+    aligned = x.data_ptr() % 16 == 0 and x.stride(2) == 1 and x.shape[2] % 16 == 0
+    return x if aligned and x.stride(0) % 16 == 0 and x.stride(1) % 16 == 0 else None
+
+
 def _forward(x, weight, eps, residual):
     h = x.shape[-1]
+    heads = _strided_heads(x, residual)
+    if heads is not None:
+        return _triton(heads, weight, float(eps), None, heads=heads.shape[1])[0].view(x.shape), x
     x2 = reduction_input(x.reshape(-1, h))
     r2 = reduction_input(residual.reshape(-1, h)) if residual is not None else None
     if r2 is not None and r2.dtype != x2.dtype:

@@ -58,3 +58,18 @@ def test_rmsnorm_negative_control_engines_round_differently():
     hf = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     torch_norm = torch.nn.functional.rms_norm(x, (256,), w, 1e-6)
     assert not torch.equal(hf, torch_norm)
+
+
+def test_rmsnorm_reads_per_head_views_in_place_with_the_bits_of_their_copy(device, dtype):
+    """vLLM's Qwen3 normalizes q and k per head on views of the fused qkv output ([tokens, heads, head_dim],
+    rows not contiguous): the Triton kernel reads such a view in place, with the bits of the same rows copied
+    to a contiguous buffer (its loads, and so tl.sum's order, are the same); the CPU backend copies."""
+    heads, kv_heads, d = 4, 2, 128
+    qkv = randn(37, (heads + 2 * kv_heads) * d, dtype=dtype, device=device, seed=12)
+    w = randn(d, dtype=dtype, device=device, seed=13, scale=0.5) + 1
+    q = qkv[:, : heads * d].view(37, heads, d)
+    k = qkv[:, heads * d: (heads + kv_heads) * d].view(37, kv_heads, d)
+    for name, x in (("q", q), ("k", k)):
+        assert (rmsnorm._strided_heads(x, None) is x) == rmsnorm.use_triton(x)
+        assert_bitwise_equal(f"rms_norm of {name} heads in place", K.rms_norm(x, w, 1e-6),
+                             K.rms_norm(x.contiguous(), w, 1e-6))
