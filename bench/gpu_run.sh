@@ -259,7 +259,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
     grpo8) grpo grpo8 --model Qwen3-8B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4 \
              --train-opt micro_batch_size=${GRPO8_MB:-8} --strict --steps ${GRPO8_STEPS:-30} ;;
     vllm-bench) timeout 560 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256 \
-                  --configs ${BENCH_CONFIGS:-default,batch-invariant,strict} --profile "${BENCH_PROFILE:-}" \
+                  --configs ${BENCH_CONFIGS:-default,batch-invariant,strict,strict-native-exp} --profile "${BENCH_PROFILE:-}" \
                   --json "$out/vllm-generate.json" 2>&1 | log | tail -${BENCH_TAIL:-12} ;;
     linear19) timeout 300 python3 bench/kernels_gpu.py --sections matmul --layers qkv,o,gate_up,down \
                 --ms ${LIN_MS:-32,64,128,256,4096} --json "$out/linear19.json" 2>&1 | log | tail -22 ;;

@@ -1,4 +1,5 @@
-"""vLLM generation throughput, side by side in one run: default, VLLM_BATCH_INVARIANT=1, alignaudit strict.
+"""vLLM generation throughput, side by side in one run: default, VLLM_BATCH_INVARIANT=1, alignaudit strict
+(portable and native exp).
 
 Each configuration runs in its own process (the environment variables act at import and at engine start):
 the same model config with vLLM's dummy weights (load_format="dummy": the shape is what costs, not the
@@ -149,7 +150,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--batches", type=int, default=4, help="timed batches of new prompts; the rate is the last's")
-    parser.add_argument("--configs", default="default,batch-invariant,strict")
+    parser.add_argument("--configs", default="default,batch-invariant,strict,strict-native-exp")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", default="", help="comma list of configurations to run once more under "
                         "torch.profiler (GPU kernel time by kernel, printed after the timings)")
