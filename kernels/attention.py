@@ -417,11 +417,7 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     if group > tile:  # a tile holds tile // group tokens; the rows past tokens * group stay masked
         raise ValueError(f"strict attention holds at most {tile} query heads per KV head, not {group}")
     q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"strict attention: out {tuple(out.shape)} {out.dtype} stride {out.stride()} cannot hold "
-                         f"q {tuple(q.shape)} {q.dtype} (same shape and dtype, unit stride along head_dim)")
+    out = _check_out(q, out)
     positions = None if q_positions is None else q_positions.to(torch.int32).contiguous()
     decode = tiles is None
     if decode:
@@ -509,10 +505,11 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale,
             CPU tensor costs no device synchronization. scale: float.
         exp: "portable" or "native" (module docstring).
         max_keys: host int >= every q_positions[i] + 1 (an engine's longest sequence), or None to read the
-            bound from q_positions (a device synchronization on a GPU). It sizes the chunk grid only: any
-            bound gives the same bits. A row past it: NaN on the GPU (no key past the bound is read),
-            ValueError on the CPU.
-        out: [T, H, D] of q's dtype to write into (an engine's output buffer: no copy), or None.
+            bound from q_positions (a device synchronization on a GPU). It sizes the chunk grid only: every
+            bound at or above the longest row's keys gives the same bits. A row past it: NaN on the GPU (no
+            key past the bound is read), ValueError on the CPU.
+        out: [T, H, D] of q's dtype, unit stride along D, to write into (an engine's output buffer: no copy),
+            or None.
     Returns: ``out`` or a new [T, H, D] in q.dtype. Plans its tiles on the host from q_seq: not capturable in a
     CUDA graph; ``paged_decode`` is.
     Raises: ValueError for an unknown ``exp``, "native" on the CPU backend, or an ``out`` that cannot hold the
@@ -524,7 +521,7 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale,
                              out=out)
     if max_keys is not None and q_positions.numel() and int(q_positions.max()) >= max_keys:
         raise ValueError(f"paged attention: a query at position {int(q_positions.max())}, past max_keys {max_keys}")
-    out = _cpu_output(q, out)
+    out = _check_out(q, out)
     bs = k_cache.shape[1]
     for seq in torch.unique_consecutive(q_seq).tolist():
         rows = (q_seq == seq).nonzero()[:, 0]
@@ -536,12 +533,14 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale,
     return out
 
 
-def _cpu_output(q, out):
+def _check_out(q, out):
+    """``out`` if it can hold the result for q (same shape and dtype, unit stride along head_dim: what the
+    Triton kernel writes through), else ValueError; a new tensor for None."""
     if out is None:
         return torch.empty_like(q)
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"strict attention: out {tuple(out.shape)} {out.dtype} cannot hold q {tuple(q.shape)} "
-                         f"{q.dtype}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"strict attention: out {tuple(out.shape)} {out.dtype} stride {out.stride()} cannot hold "
+                         f"q {tuple(q.shape)} {q.dtype} (same shape and dtype, unit stride along head_dim)")
     return out
 
 
@@ -559,7 +558,8 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
             the kernel: no key past the bound is read, and no extra launch as a device-side assert would
             cost in every layer of every step) and a ValueError on the CPU. scale: float.
         exp: "portable" or "native" (module docstring).
-        out: [B, H, D] of q's dtype to write into (an engine's output buffer: no copy), or None.
+        out: [B, H, D] of q's dtype, unit stride along D, to write into (an engine's output buffer: no copy),
+            or None.
     Returns: ``out`` or a new [B, H, D] in q.dtype.
     Raises: ValueError for an unknown ``exp``, "native" on the CPU backend, or an ``out`` that cannot hold the
     result.

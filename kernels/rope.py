@@ -134,15 +134,17 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         positions, cos, sin = ctx.saved_tensors
-        return reference(g.float(), positions, cos.float(), -sin.float()).to(g.dtype), None, None, None
+        inside = (positions >= 0) & (positions < cos.shape[0])  # as the forward: outside the tables, NaN
+        gx = reference(g.float(), positions.clamp(0, cos.shape[0] - 1), cos.float(), -sin.float())
+        return torch.where(inside[:, None, None], gx, float("nan")).to(g.dtype), None, None, None
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [tokens, heads, head_dim] by the angles of ``positions`` [tokens] (int) from rope_tables.
 
     The whole head_dim rotates (rotary_dim == head_dim, as in Qwen3 and Llama). A position outside the
-    tables' rows: NaN rows on the GPU (checked in the kernel, with no extra launch or host read), IndexError
-    on the CPU.
+    tables' rows: NaN rows on the GPU (checked in the kernel, with no extra launch or host read; the gradient
+    of those rows is NaN too), IndexError on the CPU.
     Raises ValueError on shape mismatches.
     """
     if x.dim() != 3 or positions.shape != (x.shape[0],) or cos.shape[1] * 2 != x.shape[-1]:

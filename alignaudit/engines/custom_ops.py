@@ -16,11 +16,13 @@ import alignaudit_kernels as K
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
-    """x [tokens, heads, head_dim] rotated by the angles of ``positions`` [tokens] (int) from the tables of
-    ``rows`` positions; ``llama3`` [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]
-    for llama3 rope scaling, or [] for none. A position >= rows never reads past the tables: an IndexError on
-    the CPU, NaN rows on a GPU (alignaudit_kernels.apply_rope checks in the kernel; a device-side assert cost
-    three launches per call, in every layer of every vLLM step)."""
+    """x [tokens, heads, head_dim] rotated by the angles of ``positions`` [tokens] (int) from tables of at least
+    ``rows`` positions (rope_tables rounds up to whole TABLE_ROWS; a table row does not depend on the table's
+    length, so a position in that margin rotates correctly); ``llama3`` [factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings] for llama3 rope scaling, or [] for none. A position
+    past the tables is never read: an IndexError on the CPU, NaN rows on a GPU (alignaudit_kernels.apply_rope
+    checks in the kernel; a device-side assert cost three launches per call, in every layer of every vLLM
+    step)."""
     scaling = (llama3[0], llama3[1], llama3[2], int(llama3[3])) if llama3 else None
     cos, sin = K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
     return K.apply_rope(x, positions, cos, sin)

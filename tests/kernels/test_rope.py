@@ -57,8 +57,8 @@ def test_rope_negative_control_bf16_tables():
 
 def test_rope_never_reads_outside_its_tables(device):
     """A position outside the tables (1024 rows here) is refused on the CPU and gives NaN rows in the Triton
-    kernel, which checks it with no extra launch (vLLM calls rope in every layer of every step); the rows
-    of the other tokens keep their bits."""
+    kernel, which checks it with no extra launch (vLLM calls rope in every layer of every step), and NaN
+    gradient rows; the rows of the other tokens keep their bits."""
     cos, sin = rope.rope_tables(100, 32, 1e6, device)
     x = randn(3, 2, 32, dtype=torch.float32, device=device, seed=3)
     positions = torch.tensor([5, 1024, -1], device=device)
@@ -66,6 +66,9 @@ def test_rope_never_reads_outside_its_tables(device):
         out = K.apply_rope(x, positions, cos, sin)
         assert torch.isnan(out[1:]).all()
         assert_bitwise_equal("rope of the token inside", out[0], K.apply_rope(x[:1], positions[:1], cos, sin)[0])
+        leaf = x.clone().requires_grad_()
+        K.apply_rope(leaf, positions, cos, sin).sum().backward()  # nothing wraps or asserts in the backward
+        assert torch.isnan(leaf.grad[1:]).all() and torch.isfinite(leaf.grad[0]).all()
     else:
         with pytest.raises(IndexError, match="positions -1..1024 outside the 1024 rows"):
             K.apply_rope(x, positions, cos, sin)

@@ -31,7 +31,8 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 
 import alignaudit_kernels as K
 from alignaudit.engines.vllm.attention_cpu import configured_exp, request_of_rows, token_positions
-from alignaudit_kernels.attention import BLOCK_N, CHUNK_N
+from alignaudit_kernels.attention import BLOCK_N, CHUNK_N, SPLIT_BELOW_PROGRAMS_PER_SM
+from alignaudit_kernels.primitives import sm_count
 
 
 @dataclass
@@ -100,31 +101,46 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
 def warm_up(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
             cache_dtype: torch.dtype, device: torch.device, exp: str, decode_bound: int) -> None:
     """Run ``strict_attention`` once for each kind of step, on zeros in a small cache of FlashAttention's layout:
-    a prefill within one key chunk (the unsplit kernel), one over two chunks (split-KV kernel and merge) and a
-    decode step. Triton builds a kernel variant at its first launch, and vLLM's start never runs strict
-    attention for a prefill (its profile run passes no metadata, its graph capture decodes only), so without
-    this the first batches of generation paid those builds (docs/benchmarks.md, 2026-12-04 third session).
+    a prefill within one key chunk (the unsplit kernel), one over two chunks (split-KV kernel and merge; where
+    max_model_len ``decode_bound`` exceeds one chunk), a decode step of one sequence (split-KV where the bound
+    exceeds a chunk) and one of as many sequences as fill the SMs without it. Triton builds a kernel variant at its
+    first launch, and vLLM's start never runs strict attention for a prefill (its profile run passes no
+    metadata, its graph capture decodes only), so without this the first batches of generation paid those
+    builds (docs/benchmarks.md, 2026-12-04 third session).
     Nothing computed here is kept. dtype: the queries' (the model's), cache_dtype: the KV cache's.
+    The block table is as wide as vLLM's (cdiv(max_model_len, block_size) pages a request): Triton specializes
+    its row stride on divisibility by 16, so a table of another width could build other variants.
     """
-    keys = CHUNK_N + BLOCK_N  # two key chunks
+    width = -(-decode_bound // block_size)
+    keys = min(CHUNK_N + BLOCK_N, decode_bound)  # two key chunks, where max_model_len allows them
     blocks = -(-keys // block_size)
     kv_cache = torch.zeros(blocks, block_size, num_kv_heads, 2 * head_size, dtype=cache_dtype,
                            device=device).transpose(1, 2)
-    table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
-    q = torch.zeros(keys, num_heads, head_size, dtype=dtype, device=device)
+    table = torch.zeros(1, width, dtype=torch.int32, device=device)
+    table[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device=device)
+    # a decode batch of this many sequences fills the SMs without split-KV (attention._launch's choice)
+    unsplit = -(-SPLIT_BELOW_PROGRAMS_PER_SM * (sm_count(device) if device.type == "cuda" else 1) // num_kv_heads)
+    q = torch.zeros(max(keys, unsplit), num_heads, head_size, dtype=dtype, device=device)
     out = torch.empty_like(q)
     scale = head_size ** -0.5
 
-    def step(rows: int, decode: bool) -> StrictAttentionMetadata:
-        count = torch.tensor([min(keys, decode_bound) if decode else rows], dtype=torch.int32, device=device)
+    def prefill(rows: int) -> StrictAttentionMetadata:
+        count = torch.tensor([rows], dtype=torch.int32, device=device)
         return StrictAttentionMetadata(
-            num_actual_tokens=rows, max_query_len=rows, max_seq_len=int(count), query_start_loc=None, seq_lens=count,
-            block_table=table, slot_mapping=None, decode=decode, decode_bound=decode_bound,
-            positions=None if decode else torch.arange(rows, device=device),
-            q_seq=None if decode else torch.zeros(rows, dtype=torch.int64))
+            num_actual_tokens=rows, max_query_len=rows, max_seq_len=rows, query_start_loc=None, seq_lens=count,
+            block_table=table, slot_mapping=None, decode=False, decode_bound=decode_bound,
+            positions=torch.arange(rows, device=device), q_seq=torch.zeros(rows, dtype=torch.int64))
 
-    for rows, decode in ((BLOCK_N, False), (keys, False), (1, True)):
-        strict_attention(step(rows, decode), q[:rows], kv_cache, head_size, scale, exp, out[:rows])
+    def decode(sequences: int) -> StrictAttentionMetadata:
+        return StrictAttentionMetadata(
+            num_actual_tokens=sequences, max_query_len=1, max_seq_len=keys, query_start_loc=None,
+            seq_lens=torch.full((sequences,), keys, dtype=torch.int32, device=device),
+            block_table=table.repeat(sequences, 1), slot_mapping=None, decode=True, decode_bound=decode_bound)
+
+    steps = ((min(BLOCK_N, keys), prefill(min(BLOCK_N, keys))), (keys, prefill(keys)), (1, decode(1)),
+             (unsplit, decode(unsplit)))
+    for rows, meta in steps:
+        strict_attention(meta, q[:rows], kv_cache, head_size, scale, exp, out[:rows])
 
 
 def strict_attention(meta: StrictAttentionMetadata, query: torch.Tensor, kv_cache: torch.Tensor, head_size: int,

@@ -31,7 +31,7 @@ from alignaudit.engines.vllm.attention_cuda import (  # noqa: E402
     strict_attention,
     warm_up,
 )
-from alignaudit_kernels.attention import CHUNK_N  # noqa: E402
+from alignaudit_kernels.attention import CHUNK_N, SPLIT_BELOW_PROGRAMS_PER_SM  # noqa: E402
 from helpers import assert_bitwise_equal  # noqa: E402
 
 HEADS, KV_HEADS, D, BLOCK = 4, 2, 32, 16
@@ -128,18 +128,31 @@ def test_builder_refuses_what_it_does_not_compute(world):
 def test_warm_up_runs_each_kind_of_step_once(monkeypatch):
     """The engine-start warm-up (each Triton variant built before the first batch, on the GPU) goes through
     strict_attention with a prefill inside one key chunk, one over two chunks (the split-KV kernel) and a
-    decode step bounded by max_model_len, each giving finite rows."""
+    decode step bounded by max_model_len (one sequence: split-KV; enough to fill the SMs: not), each giving
+    finite rows, over a block table as wide as vLLM's
+    (Triton specializes its row stride: 256 pages at max_model_len 4096 is another variant than 52 at 832)."""
     calls = []
 
     def spy(kind, kernel):
         def call(q, *args, **kwargs):
             out = kernel(q, *args, **kwargs)
             bound = kwargs.get("max_keys", args[5] if kind == "decode" else None)
-            calls.append((kind, q.shape[0], -(-bound // CHUNK_N), bool(torch.isfinite(out).all())))
+            calls.append((kind, q.shape[0], -(-bound // CHUNK_N), args[2].stride(0),
+                          bool(torch.isfinite(out).all())))
             return out
         return call
 
+    unsplit = SPLIT_BELOW_PROGRAMS_PER_SM // KV_HEADS  # decode sequences that fill one "SM" (the CPU's count)
     monkeypatch.setattr(K, "paged_attention", spy("prefill", K.paged_attention))
     monkeypatch.setattr(K, "paged_decode", spy("decode", K.paged_decode))
-    warm_up(HEADS, KV_HEADS, D, BLOCK, torch.bfloat16, torch.bfloat16, torch.device("cpu"), "portable", 832)
-    assert calls == [("prefill", 64, 1, True), ("prefill", 576, 2, True), ("decode", 1, 2, True)]
+    for max_model_len, pages in ((832, 52), (4096, 256)):
+        calls.clear()
+        warm_up(HEADS, KV_HEADS, D, BLOCK, torch.bfloat16, torch.bfloat16, torch.device("cpu"), "portable",
+                max_model_len)
+        chunks = -(-max_model_len // CHUNK_N)
+        assert calls == [("prefill", 64, 1, pages, True), ("prefill", 576, 2, pages, True),
+                         ("decode", 1, chunks, pages, True), ("decode", unsplit, chunks, pages, True)]
+    calls.clear()  # max_model_len within one chunk: no two-chunk prefill can occur, none is run
+    warm_up(HEADS, KV_HEADS, D, BLOCK, torch.bfloat16, torch.bfloat16, torch.device("cpu"), "portable", 300)
+    assert calls == [("prefill", 64, 1, 19, True), ("prefill", 300, 1, 19, True), ("decode", 1, 1, 19, True),
+                     ("decode", unsplit, 1, 19, True)]
