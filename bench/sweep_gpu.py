@@ -297,7 +297,7 @@ def sweep_decode_generation(rows):
     values = torch.randn_like(keys)
     lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
     cuq = torch.arange(b + 1, device="cuda", dtype=torch.int32)
-    reference, same = None, {}
+    reference, same, first = None, {}, len(rows)
     for block in (16, 64):
         pages = ctx // block
         order = torch.randperm(b * pages, device="cuda")
@@ -321,7 +321,7 @@ def sweep_decode_generation(rows):
                 strict = graph_ms(run)
                 rows.append({"op": f"decode b={b} ctx={ctx} pages of {block}", "M": f"split {split}",
                              "config": list(config), "default_ms": base, "strict_ms": strict, "ratio": base / strict})
-    for r in rows[-16:]:
+    for r in rows[first:]:
         print(f"{r['op']:34s} {r['M']:12s} {str(r['config']):14s} FA3 {r['default_ms']:.4f} ms  strict "
               f"{r['strict_ms']:.4f} ms  ratio {r['ratio']:.2f}", flush=True)
     print("decode at the generation shape, same bits as block 16 (64, 4, 2) split:", same, flush=True)
