@@ -102,9 +102,9 @@ def _strided_heads(x: torch.Tensor, residual) -> torch.Tensor | None:
 
 def _forward(x, weight, eps, residual):
     h = x.shape[-1]
-    heads = _strided_heads(x, residual)
-    if heads is not None:
-        return _triton(heads, weight, float(eps), None, heads=heads.shape[1])[0].view(x.shape), x
+    view = _strided_heads(x, residual)
+    if view is not None:
+        return _triton(view, weight, float(eps), None, heads=view.shape[1])[0].view(x.shape), x
     x2 = reduction_input(x.reshape(-1, h))
     r2 = reduction_input(residual.reshape(-1, h)) if residual is not None else None
     if r2 is not None and r2.dtype != x2.dtype:

@@ -137,9 +137,8 @@ def warm_up(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, 
             seq_lens=torch.full((sequences,), keys, dtype=torch.int32, device=device),
             block_table=table.repeat(sequences, 1), slot_mapping=None, decode=True, decode_bound=decode_bound)
 
-    steps = ((min(BLOCK_N, keys), prefill(min(BLOCK_N, keys))), (keys, prefill(keys)), (1, decode(1)),
-             (unsplit, decode(unsplit)))
-    for rows, meta in steps:
+    for meta in (prefill(min(BLOCK_N, keys)), prefill(keys), decode(1), decode(unsplit)):
+        rows = meta.num_actual_tokens
         strict_attention(meta, q[:rows], kv_cache, head_size, scale, exp, out[:rows])
 
 
