@@ -158,6 +158,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.batches < 1:
         parser.error("--batches must be at least 1 (the rate is the last batch's)")
+    unknown = [name for name in args.configs.split(",") if name not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     if args.worker:
         args.model = config_dir(args.model)
         print("RESULT " + json.dumps(worker(args)), flush=True)
