@@ -2,7 +2,7 @@
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
 #   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch compile-probe forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
-#                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench \
+#                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench vllm-warmup \
 #                    ipc rl-bench train-profile grpo17 grpo8 linear19 attention19 sweep19 decode-gen19 targets19
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects; TESTS_N=N: N pytest-xdist workers on
 # the one GPU, with pytest-xdist and execnet carried as wheels in .whl/extra/); sweep: launch-
@@ -32,7 +32,8 @@
 # tensor_parallel_size=2" vllm-q8;
 # vllm-moe the Qwen3-MoE fixture and the Qwen3-30B-A3B shape cut to MOE_LAYERS (4) layers, strict; vllm-rl17
 # alignaudit rl on the Qwen3-1.7B shape, megatron trains, vllm rolls out; vllm-bench generation tokens/s
-# (bench/vllm_generate.py, BENCH_CONFIGS). vllm-q8-prompt / vllm-q8-default: one of vllm-q8's three. synth: build the
+# (bench/vllm_generate.py, BENCH_CONFIGS); vllm-warmup: strict generation at max_model_len WARMUP_MAX_LEN (4096)
+# with 600 sequences (decode unsplit), to read that no strict kernel builds inside a timed batch. vllm-q8-prompt / vllm-q8-default: one of vllm-q8's three. synth: build the
 # random checkpoints of SYNTH (comma-separated presets) once, before stages run side by side (the cache is not
 # safe for two writers). CMP_OPTS: options added to every compare and to vllm-rl17 (e.g. --infer-opt
 # gpu_memory_utilization=0.2 --infer-opt kv_cache_memory_bytes=4294967296, for two stages side by side on one GPU);
@@ -261,6 +262,9 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
     vllm-bench) timeout 560 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256 \
                   --configs ${BENCH_CONFIGS:-default,batch-invariant,strict,strict-native-exp} --profile "${BENCH_PROFILE:-}" \
                   --json "$out/vllm-generate.json" 2>&1 | log | tail -${BENCH_TAIL:-12} ;;
+    vllm-warmup) timeout 400 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 600 --prompt-len 128 --new-tokens 32 \
+                   --max-model-len ${WARMUP_MAX_LEN:-4096} --batches 2 --configs strict \
+                   --json "$out/vllm-warmup.json" 2>&1 | log | tail -4 ;;
     linear19) timeout 300 python3 bench/kernels_gpu.py --sections matmul --layers qkv,o,gate_up,down \
                 --ms ${LIN_MS:-32,64,128,256,4096} --json "$out/linear19.json" 2>&1 | log | tail -22 ;;
     attention19) timeout 200 python3 bench/kernels_gpu.py --sections attention-fa3 --json "$out/attention19.json" 2>&1 \

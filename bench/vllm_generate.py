@@ -64,7 +64,7 @@ def worker(args) -> dict:
         vllm_plugin.register()
     started = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
-              max_model_len=args.prompt_len + args.new_tokens + 64, max_num_seqs=args.prompts,
+              max_model_len=args.max_model_len or args.prompt_len + args.new_tokens + 64, max_num_seqs=args.prompts,
               gpu_memory_utilization=0.85)
     startup = time.perf_counter() - started
     g = torch.Generator().manual_seed(0)
@@ -150,6 +150,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--batches", type=int, default=4, help="timed batches of new prompts; the rate is the last's")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="vLLM's max_model_len (default: prompt + new tokens + 64); it sets the width of the block "
+                             "table, which Triton specializes on: the strict warm-up must cover it")
     parser.add_argument("--configs", default="default,batch-invariant,strict,strict-native-exp")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", default="", help="comma list of configurations to run once more under "
@@ -170,7 +173,7 @@ def main() -> None:
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **CONFIGS[name]}
         cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
                "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-               "--batches", str(args.batches)]
+               "--batches", str(args.batches), "--max-model-len", str(args.max_model_len)]
         if name in args.profile.split(","):
             cmd += ["--profile", name]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
