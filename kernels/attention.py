@@ -30,7 +30,9 @@ kernels/primitives.fixed_sum (blocks of 32, pairwise tree, blocks left to right)
 on tensor cores (fp32 inputs use IEEE products, not TF32), row sums by tl.sum; one kernel for prefill and
 decode, reading K/V through a block table, with a tile of 64 query rows (floor(64 / group) tokens x the
 group's heads; rows past that masked, so any group size up to 64 works), so a row's arithmetic does not
-depend on how many tokens share its tile. The key blocks that every row of a
+depend on how many tokens share its tile. A decode tile holds one token: its heads sit 64 / USED rows apart
+(USED: the group size rounded up to a power of two) and only their scores are exponentiated (``_rows``);
+P's row sums and P.V still run over the whole tile, so the bits are a prefill's. The key blocks that every row of a
 tile sees whole are visited without masks, the others with them: the same steps with every mask true,
 so a row gets the same bits whichever loop visits a block (tests/kernels/ checks prefill against
 decode on the GPU). Contiguous K/V (training engines) are read in place as one-token pages.
@@ -195,28 +197,68 @@ if triton is not None:
             return tl.dot(p, vb, input_precision="ieee")
         return tl.dot(p.to(vb.dtype), vb)
 
+    # A decode tile holds one token: its GROUP query heads at rows 0, TILE // USED, 2 * TILE // USED, ... (one
+    # per warp for GROUP = 4 at 4 warps: in the wgmma accumulator's layout the rows between them live in the
+    # same warp, so the sums below reduce across lanes of one warp, not across warps).
     @triton.jit
-    def _block_step(q, kb, vb, m, l, acc, pos, j0, scale, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                    NATIVE_EXP: tl.constexpr, MASKED: tl.constexpr):
+    def _rows(x, TILE: tl.constexpr, USED: tl.constexpr):
+        """Rows 0, TILE // USED, 2 * TILE // USED, ... of x [TILE, N] as [USED, N]: a sum with zeros, so every
+        value is kept exactly (NaN and infinities included; -0.0 becomes +0.0, which no later step tells
+        apart: it only enters differences and maxima)."""
+        x3 = tl.reshape(x, [USED, TILE // USED, x.shape[1]])
+        first = tl.arange(0, TILE // USED)[None, :, None] == 0
+        return tl.sum(tl.where(first, x3, tl.zeros_like(x3)), axis=1)
+
+    @triton.jit
+    def _entries(x, TILE: tl.constexpr, USED: tl.constexpr):
+        """Entries 0, TILE // USED, ... of x [TILE] as [USED], exactly (as _rows)."""
+        x2 = tl.reshape(x, [USED, TILE // USED])
+        return tl.sum(tl.where(tl.arange(0, TILE // USED)[None, :] == 0, x2, tl.zeros_like(x2)), axis=1)
+
+    @triton.jit
+    def _spread_rows(x, TILE: tl.constexpr, USED: tl.constexpr):
+        """x [USED, N] -> [TILE, N], row r holding row r // (TILE // USED)."""
+        return tl.reshape(tl.broadcast_to(x[:, None, :], [USED, TILE // USED, x.shape[1]]), [TILE, x.shape[1]])
+
+    @triton.jit
+    def _spread_entries(x, TILE: tl.constexpr, USED: tl.constexpr):
+        """x [USED] -> [TILE], entry r holding entry r // (TILE // USED)."""
+        return tl.reshape(tl.broadcast_to(x[:, None], [USED, TILE // USED]), [TILE])
+
+    @triton.jit
+    def _block_step(q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                    NATIVE_EXP: tl.constexpr, MASKED: tl.constexpr, TILE: tl.constexpr, USED: tl.constexpr):
         """One key block of the online softmax. MASKED: keys past a row's position count as -inf and a
-        row with no key in the block keeps its state; unmasked: the same steps with every mask true."""
+        row with no key in the block keeps its state; unmasked: the same steps with every mask true.
+        USED < TILE (decode: only rows 0 .. USED - 1 can hold a query): m and l hold those rows only, and
+        only their scores are exponentiated; the scores, the row sums of P and the product with V are
+        computed over the whole tile, as a prefill tile computes them, so every row gets a prefill's bits.
+        pos [TILE], row_pos: pos of the USED rows; acc [TILE, BLOCK_D]."""
+        s = _scores(q, kb, scale, IEEE)
+        if USED < TILE:
+            s = _rows(s, TILE, USED)
         if MASKED:
             key = j0 + tl.arange(0, BLOCK_N)
-            s = tl.where(key[None, :] <= pos[:, None], _scores(q, kb, scale, IEEE), float("-inf"))
-            active = j0 <= pos
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = _exp(m - m_new, NATIVE_EXP)
-            p = _exp(s - m_new[:, None], NATIVE_EXP)
-            l = tl.where(active, l * alpha + tl.sum(p, axis=1), l)
-            acc = tl.where(active[:, None], acc * alpha[:, None] + _weighted_values(p, vb, IEEE), acc)
-            m = tl.where(active, m_new, m)
+            s = tl.where(key[None, :] <= row_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = _exp(m - m_new, NATIVE_EXP)
+        p = _exp(s - m_new[:, None], NATIVE_EXP)
+        if USED < TILE:
+            p = _spread_rows(p, TILE, USED)
+            p_sum = _entries(tl.sum(p, axis=1), TILE, USED)
+            acc_alpha = _spread_entries(alpha, TILE, USED)
         else:
-            s = _scores(q, kb, scale, IEEE)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = _exp(m - m_new, NATIVE_EXP)
-            p = _exp(s - m_new[:, None], NATIVE_EXP)
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _weighted_values(p, vb, IEEE)
+            p_sum = tl.sum(p, axis=1)
+            acc_alpha = alpha
+        l_new = l * alpha + p_sum
+        acc_new = acc * acc_alpha[:, None] + _weighted_values(p, vb, IEEE)
+        if MASKED:
+            l = tl.where(j0 <= row_pos, l_new, l)
+            acc = tl.where((j0 <= pos)[:, None], acc_new, acc)
+            m = tl.where(j0 <= row_pos, m_new, m)
+        else:
+            l = l_new
+            acc = acc_new
             m = m_new
         return m, l, acc
 
@@ -224,23 +266,37 @@ if triton is not None:
     def _chunk(q, pos, first, last, c0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask, scale,
                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               CHUNK_N: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, NATIVE_EXP: tl.constexpr):
+               CHUNK_N: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, NATIVE_EXP: tl.constexpr,
+               USED: tl.constexpr):
         """The softmax state (m, l, acc) of the tile's rows over keys c0 .. c0 + CHUNK_N - 1, from a fresh
-        state. Key blocks that every row sees whole are visited without masks (same bits, see above)."""
-        m = tl.full((TILE,), float("-inf"), tl.float32)
-        l = tl.zeros((TILE,), tl.float32)
+        state. Key blocks that every row sees whole are visited without masks (same bits, see above).
+        USED < TILE: see _block_step; m and l come back spread over the tile (rows past USED: copies)."""
+        m = tl.full((USED,), float("-inf"), tl.float32)
+        l = tl.zeros((USED,), tl.float32)
+        if USED < TILE:
+            row_pos = _entries(pos, TILE, USED)
+        else:
+            row_pos = pos
         acc = tl.zeros((TILE, BLOCK_D), tl.float32)
         end = tl.minimum(c0 + CHUNK_N, last + 1)
         whole = tl.minimum(tl.maximum((first + 1) // BLOCK_N * BLOCK_N, c0), end)
         for j0 in range(c0, whole, BLOCK_N):
             kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
                                stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, False)
-            m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, False)
+            m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, False,
+                                    TILE, USED)
         for j0 in range(whole, end, BLOCK_N):
             kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
                                stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, True)
-            m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, True)
-        return m, l, acc
+            m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, True,
+                                    TILE, USED)
+        if USED < TILE:
+            m_tile = _spread_entries(m, TILE, USED)
+            l_tile = _spread_entries(l, TILE, USED)
+        else:
+            m_tile = m
+            l_tile = l
+        return m_tile, l_tile, acc
 
     @triton.jit
     def _merge(m, l, acc, m_c, l_c, acc_c, active, NATIVE_EXP: tl.constexpr):
@@ -254,16 +310,21 @@ if triton is not None:
 
     @triton.jit
     def _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys, TILE: tl.constexpr, GROUP: tl.constexpr,
-                   ROW_POS: tl.constexpr, DECODE: tl.constexpr):
-        """The tile's sequence, and per row: query token row, validity, position (-1 past the tile) and
-        overflow: a position at or past ``max_keys``, clamped to max_keys - 1 so no key past the bound is
-        read (the caller stores NaN for those rows). DECODE: pos_ptr holds each sequence's key count."""
-        tok = tl.arange(0, TILE) // GROUP
+                   ROW_POS: tl.constexpr, DECODE: tl.constexpr, USED: tl.constexpr):
+        """The tile's sequence, and per row: query token row, query head within the KV head's group, validity,
+        position (-1 past the tile) and overflow: a position at or past ``max_keys``, clamped to max_keys - 1
+        so no key past the bound is read (the caller stores NaN for those rows). DECODE: pos_ptr holds each
+        sequence's key count, and the token's heads sit every TILE // USED rows (see _rows)."""
+        r = tl.arange(0, TILE)
         if DECODE:  # one query token per sequence: tile i is row i of sequence i
+            tok = r % (TILE // USED)
+            group_head = r // (TILE // USED)
             seq = tile.to(tl.int64)
-            valid_row = tok < 1
+            valid_row = (tok < 1) & (group_head < GROUP)
             qrow = seq + tok
         else:
+            tok = r // GROUP
+            group_head = r % GROUP
             seq = tl.load(tiles_ptr + tile).to(tl.int64)
             valid_row = tok < tl.load(tiles_ptr + 2 * n_tiles + tile)
             qrow = tl.load(tiles_ptr + n_tiles + tile).to(tl.int64) + tok
@@ -274,7 +335,7 @@ if triton is not None:
         else:
             pos = tl.load(pos_ptr + qrow, mask=valid_row, other=-1)
         overflow = pos >= max_keys
-        return seq, qrow, valid_row, tl.where(overflow, max_keys - 1, pos), overflow
+        return seq, qrow, group_head, valid_row, tl.where(overflow, max_keys - 1, pos), overflow
 
     @triton.jit
     def _store_output(o_ptr, acc, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh,
@@ -292,14 +353,14 @@ if triton is not None:
                           BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
                           IEEE: tl.constexpr, KV: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
-                          SPLIT: tl.constexpr, NATIVE_EXP: tl.constexpr):
+                          SPLIT: tl.constexpr, NATIVE_EXP: tl.constexpr, USED: tl.constexpr):
         # The last tile first: in a causal prefill it visits the most key blocks (load balance only).
         tile = n_tiles - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
-        seq, qrow, valid_row, pos, overflow = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys, TILE, GROUP,
-                                                         ROW_POS, DECODE)
+        seq, qrow, group_head, valid_row, pos, overflow = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys,
+                                                                     TILE, GROUP, ROW_POS, DECODE, USED)
         r = tl.arange(0, TILE)
-        head = kvh * GROUP + r % GROUP
+        head = kvh * GROUP + group_head
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
         q = tl.load(q_ptr + qrow[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -311,7 +372,7 @@ if triton is not None:
             c = tl.program_id(2)
             m, l, acc = _chunk(q, pos, first, last, c * CHUNK_N, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask,
                                scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                               BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP)
+                               BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP, USED)
             slot = ((c.to(tl.int64) * n_tiles + tile) * tl.num_programs(1) + kvh) * TILE + r
             keep = valid_row & (c * CHUNK_N <= pos)
             tl.store(m_ptr + slot, m, mask=keep)
@@ -320,12 +381,12 @@ if triton is not None:
         else:
             m, l, acc = _chunk(q, pos, first, last, 0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask,
                                scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                               BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP)
+                               BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP, USED)
             for c0 in range(CHUNK_N, last + 1, CHUNK_N):
                 m_c, l_c, acc_c = _chunk(q, pos, first, last, c0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d,
                                          dmask, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                                          stride_vh, stride_bt, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV,
-                                         NATIVE_EXP)
+                                         NATIVE_EXP, USED)
                 m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, c0 <= pos, NATIVE_EXP)
             _store_output(o_ptr, acc, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
 
@@ -334,15 +395,15 @@ if triton is not None:
                         stride_oh,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
                         CHUNK_N: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
-                        NATIVE_EXP: tl.constexpr):
+                        NATIVE_EXP: tl.constexpr, USED: tl.constexpr):
         """The split path's second launch: the chunk states of each row merged left to right, as the
         unsplit kernel merges them in registers."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
-        seq, qrow, valid_row, pos, overflow = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys, TILE, GROUP,
-                                                         ROW_POS, DECODE)
+        seq, qrow, group_head, valid_row, pos, overflow = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys,
+                                                                     TILE, GROUP, ROW_POS, DECODE, USED)
         r = tl.arange(0, TILE)
-        head = kvh * GROUP + r % GROUP
+        head = kvh * GROUP + group_head
         d = tl.arange(0, BLOCK_D)
         slot = (tile.to(tl.int64) * tl.num_programs(1) + kvh) * TILE + r
         chunk_stride = tl.num_programs(1).to(tl.int64) * n_tiles * TILE
@@ -431,7 +492,7 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
         split = chunks > 1 and n_tiles * kvh < SPLIT_BELOW_PROGRAMS_PER_SM * (sm_count(q.device) if q.is_cuda else 1)
     block_d = max(16, triton.next_power_of_2(d))
     shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=chunk_n, ROW_POS=row_pos,
-                  DECODE=decode, NATIVE_EXP=exp == "native")
+                  DECODE=decode, NATIVE_EXP=exp == "native", USED=_used_rows(decode, group, tile))
     if split:
         m = torch.empty(chunks, n_tiles, kvh, tile, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
@@ -449,6 +510,12 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
         _combine_kernel[(n_tiles, kvh)](out, positions, tiles, m, l, acc, n_tiles, max_keys, chunks, out.stride(0),
                                         out.stride(1), **shared, num_warps=4, enable_fp_fusion=False)
     return out
+
+
+def _used_rows(decode: bool, group: int, tile: int) -> int:
+    """Rows of a tile that can hold a query: a decode tile holds one token, its ``group`` heads (rounded up
+    to a power of two); any other tile, all of them."""
+    return min(tile, triton.next_power_of_2(group)) if decode else tile
 
 
 def _kv_mode(k_cache: torch.Tensor) -> int:

@@ -103,16 +103,23 @@ def test_batched_causal_attention_equals_prefill_and_decode(device):
 @pytest.mark.skipif(INTERPRET, reason="bf16 at real head shapes: a GPU check (the interpreter handles fp32 only)")
 @pytest.mark.parametrize("h, kvh", [(8, 8), (16, 8), (32, 8), (40, 8), (28, 4), (64, 8)])
 def test_decode_rows_equal_prefill_at_real_head_shapes(device, h, kvh):
-    """HF's generate decodes with a cache of exactly p + 1 keys; the trainer prefills the whole sequence.
-    head_dim 128 at GQA group sizes 1, 2, 4, 5 (Qwen3-14B: 40 over 8), 7 (Qwen2.5-7B: 28 over 4) and 8; on the
-    GPU a tile of 64 rows holds floor(64 / group) tokens, the rest of it masked. Positions around key-block
-    edges."""
+    """HF's generate decodes with a cache of exactly p + 1 keys; vLLM's decode step reads a paged cache (one
+    query row per sequence: paged_decode); the trainer prefills the whole sequence. head_dim 128 at GQA group
+    sizes 1, 2, 4, 5 (Qwen3-14B: 40 over 8), 7 (Qwen2.5-7B: 28 over 4) and 8; on the GPU a prefill tile of 64
+    rows holds floor(64 / group) tokens, the rest of it masked, and a decode tile one token's heads, spread
+    over its rows (attention._rows). Positions around key-block edges."""
     d, t = 128, 300
     q, k, v, cu = ragged([t], h, kvh, d, torch.bfloat16, device, seed=21)
     prefill = K.varlen_attention(q, k, v, cu, d ** -0.5)
-    for p in (0, 1, 63, 64, 65, 127, 128, 255, 256, 299):
+    positions = (0, 1, 63, 64, 65, 127, 128, 255, 256, 299)
+    for p in positions:
         one = K.causal_attention(q[p: p + 1], k[: p + 1], v[: p + 1], torch.tensor([p], device=device), d ** -0.5)
         assert_bitwise_equal(f"decode row {p} vs prefill row", one[0], prefill[p])
+    cache_k, cache_v, table = paged(k, v, block_size=16, seed=22, device=device)
+    rows = torch.tensor(positions)
+    step = K.paged_decode(q[rows], cache_k, cache_v, table.repeat(len(positions), 1), (rows + 1).to(device),
+                          d ** -0.5, t)
+    assert_bitwise_equal("paged_decode rows vs prefill rows", step, prefill[rows])
 
 
 @pytest.mark.parametrize("h, kvh", [(4, 2), (10, 2), (14, 2)])
