@@ -32,8 +32,8 @@ decode, reading K/V through a block table, with a tile of 64 query rows (floor(6
 group's heads; rows past that masked, so any group size up to 64 works), so a row's arithmetic does not
 depend on how many tokens share its tile. A decode tile holds one token: its heads sit 64 / USED rows apart
 (USED: the group size rounded up to a power of two) and only their scores are exponentiated (``_rows``);
-P's row sums and P.V still run over the whole tile, so the bits are a prefill's. The key blocks that every row of a
-tile sees whole are visited without masks, the others with them: the same steps with every mask true,
+P's row sums and P.V still run over the whole tile, so the bits are a prefill's. The key blocks that every
+row of a tile sees whole are visited without masks, the others with them: the same steps with every mask true,
 so a row gets the same bits whichever loop visits a block (tests/kernels/ checks prefill against
 decode on the GPU). Contiguous K/V (training engines) are read in place as one-token pages.
 
@@ -230,10 +230,10 @@ if triton is not None:
                     NATIVE_EXP: tl.constexpr, MASKED: tl.constexpr, TILE: tl.constexpr, USED: tl.constexpr):
         """One key block of the online softmax. MASKED: keys past a row's position count as -inf and a
         row with no key in the block keeps its state; unmasked: the same steps with every mask true.
-        USED < TILE (decode: only rows 0 .. USED - 1 can hold a query): m and l hold those rows only, and
-        only their scores are exponentiated; the scores, the row sums of P and the product with V are
-        computed over the whole tile, as a prefill tile computes them, so every row gets a prefill's bits.
-        pos [TILE], row_pos: pos of the USED rows; acc [TILE, BLOCK_D]."""
+        USED < TILE (decode: only the USED rows that _rows takes can hold a query): m and l hold those rows
+        only, and only their scores are exponentiated; the scores, the row sums of P and the product with V
+        are computed over the whole tile, as a prefill tile computes them, so every row gets a prefill's
+        bits. pos [TILE], row_pos: pos of the USED rows; acc [TILE, BLOCK_D]."""
         s = _scores(q, kb, scale, IEEE)
         if USED < TILE:
             s = _rows(s, TILE, USED)
