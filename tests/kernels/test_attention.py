@@ -214,6 +214,32 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
             K.paged_decode(q[:2], ck, cv, table, too_long, scale, 599)
 
 
+@pytest.mark.parametrize("group", [3, 33])
+def test_decode_tile_rows_at_group_sizes_that_are_not_powers_of_two(device, group):
+    """A decode tile places a token's heads USED rows apart (USED: the group rounded up to a power of two, 4 for
+    3; 64 for 33: the whole tile, no rows taken out), so some of the rows it exponentiates hold no head. Exact
+    inputs: every dot is exact, so the interpreter checks the placement too. Decode rows, split and unsplit,
+    equal the prefill's; an empty slot and a row past the key bound are NaN beside rows that keep their bits."""
+    kvh, d, n = 2, 32, 130
+    q, k, v, cu = exact_attention_inputs([n], group * kvh, kvh, d, device)
+    prefill = K.varlen_attention(q, k, v, cu, d ** -0.5)
+    cache_k, cache_v, table = paged(k, v, 16, seed=group, device=device)
+    rows = torch.tensor([0, 63, 64, 129])
+    table = table.repeat(len(rows), 1).int()
+    step = K.paged_decode(q[rows], cache_k, cache_v, table, (rows + 1).to(device), d ** -0.5, n)
+    assert_bitwise_equal(f"group {group}: paged_decode vs prefill", step, prefill[rows])
+    if primitives.use_triton(q):
+        for split in (False, True):
+            out = attention._launch(q[rows], cache_k, cache_v, table, None, (rows + 1).int().to(device), d ** -0.5,
+                                    kv_mode=attention.KV_GATHER, max_keys=n, split=split)
+            assert_bitwise_equal(f"group {group}: decode (split {split}) vs prefill", out, prefill[rows])
+        lens = torch.tensor([0, 130, 131, 64], dtype=torch.int32, device=device)  # empty, last, past the bound, 64
+        out = attention._launch(q[[0, 129, 129, 63]], cache_k, cache_v, table, None, lens, d ** -0.5,
+                                kv_mode=attention.KV_GATHER, max_keys=n)
+        assert torch.isnan(out[0]).all() and torch.isnan(out[2]).all()
+        assert_bitwise_equal(f"group {group}: neighbours of NaN rows", out[[1, 3]], prefill[[129, 63]])
+
+
 def test_linear_recomputes_for_the_same_tensor_objects(device):
     """No result is cached by tensor identity: the same x and weight objects, changed in place, give the new
     product (a stray lru_cache on the large-batch GPU path once returned the old one and kept every input
