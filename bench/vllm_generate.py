@@ -161,6 +161,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.batches < 1:
         parser.error("--batches must be at least 1 (the rate is the last batch's)")
+    if args.max_model_len and args.max_model_len < args.prompt_len + args.new_tokens:
+        parser.error(f"--max-model-len {args.max_model_len} cannot hold a prompt of {args.prompt_len} tokens and "
+                     f"{args.new_tokens} new ones; give at least {args.prompt_len + args.new_tokens}, or 0 for the "
+                     "default")
     unknown = [name for name in args.configs.split(",") if name not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
