@@ -617,7 +617,8 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
     a CUDA graph can capture it (vLLM replays decode steps as graphs).
 
     Args:
-        q: [B, H, D] one query row per sequence. k_cache, v_cache, block_table: as ``paged_attention``.
+        q: [B, H, D] one query row per sequence. k_cache, v_cache, block_table: as ``paged_attention`` (a
+            table whose rows are not contiguous is copied first).
         seq_lens: [B] int on q's device, keys per sequence (the current token included).
         max_seq_len: host int >= every seq_lens[i] (as FlashAttention's max_seqlen_k), in a captured graph
             for every replay: sets the chunk grid (CHUNK_N keys per program when the (sequence, KV head)
@@ -638,7 +639,9 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
                              f"{max_seq_len}")
         return paged_attention(q, k_cache, v_cache, block_table, seq_lens - 1, torch.arange(q.shape[0]), scale,
                                out=out)
-    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    table = block_table.to(torch.int32)
+    if table.stride(1) != 1:  # the kernel steps along a row by one entry (vLLM's tables: always so, no copy)
+        table = table.contiguous()
     return _launch(q, k_cache, v_cache, table, None, seq_lens, scale, kv_mode=_kv_mode(k_cache),
                    max_keys=int(max_seq_len), exp=exp, out=out, config=DECODE_CONFIG)
 

@@ -218,8 +218,9 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
 def test_decode_tile_rows_at_group_sizes_that_are_not_powers_of_two(device, group):
     """A decode tile places a token's heads USED rows apart (USED: the group rounded up to a power of two, 4 for
     3; 64 for 33: the whole tile, no rows taken out), so some of the rows it exponentiates hold no head. Exact
-    inputs: every dot is exact, so the interpreter checks the placement too. Decode rows, split and unsplit,
-    equal the prefill's; an empty slot and a row past the key bound are NaN beside rows that keep their bits."""
+    inputs: every dot is exact, so the interpreter checks the placement too. Decode rows, split and unsplit
+    (and through a block table whose rows are not contiguous), equal the prefill's; an empty slot and a row past
+    the key bound are NaN beside rows that keep their bits."""
     kvh, d, n = 2, 32, 130
     q, k, v, cu = exact_attention_inputs([n], group * kvh, kvh, d, device)
     prefill = K.varlen_attention(q, k, v, cu, d ** -0.5)
@@ -228,6 +229,9 @@ def test_decode_tile_rows_at_group_sizes_that_are_not_powers_of_two(device, grou
     table = table.repeat(len(rows), 1).int()
     step = K.paged_decode(q[rows], cache_k, cache_v, table, (rows + 1).to(device), d ** -0.5, n)
     assert_bitwise_equal(f"group {group}: paged_decode vs prefill", step, prefill[rows])
+    column_major = table.t().contiguous().t()  # the same table, rows not contiguous
+    step = K.paged_decode(q[rows], cache_k, cache_v, column_major, (rows + 1).to(device), d ** -0.5, n)
+    assert_bitwise_equal(f"group {group}: paged_decode with a column-major table", step, prefill[rows])
     if primitives.use_triton(q):
         for split in (False, True):
             out = attention._launch(q[rows], cache_k, cache_v, table, None, (rows + 1).int().to(device), d ** -0.5,
