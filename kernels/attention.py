@@ -518,6 +518,18 @@ def _used_rows(decode: bool, group: int, tile: int) -> int:
     return min(tile, triton.next_power_of_2(group)) if decode else tile
 
 
+def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError unless k_cache and v_cache are [blocks, block_size, KVH, D] alike, with q's head_dim D and a KVH
+    that divides q's heads, and, on the Triton backends, unit stride along D (the kernel steps by one element
+    there; blocks, slots and heads may have any strides)."""
+    if k_cache.shape != v_cache.shape or k_cache.shape[-1] != q.shape[-1] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"strict attention: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must "
+                         f"be [blocks, block_size, kv_heads, {q.shape[-1]}] alike, kv_heads dividing q's {q.shape[1]}")
+    if use_triton(q) and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
+        raise ValueError(f"strict attention: k_cache and v_cache need unit stride along head_dim (strides "
+                         f"{k_cache.stride()} and {v_cache.stride()}); lay the cache out with head_dim innermost")
+
+
 def _kv_mode(k_cache: torch.Tensor) -> int:
     return KV_PAGE_ALIGNED if k_cache.shape[1] % BLOCK_N == 0 else KV_GATHER
 
@@ -579,10 +591,11 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale,
             or None.
     Returns: ``out`` or a new [T, H, D] in q.dtype. Plans its tiles on the host from q_seq: not capturable in a
     CUDA graph; ``paged_decode`` is.
-    Raises: ValueError for an unknown ``exp``, "native" on the CPU backend, or an ``out`` that cannot hold the
-    result.
+    Raises: ValueError for an unknown ``exp``, "native" on the CPU backend, an ``out`` that cannot hold the
+    result, or caches that the kernel cannot read as given (``_check_caches``).
     """
     _check_exp(exp, q)
+    _check_caches(q, k_cache, v_cache)
     if use_triton(q):
         return _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=exp, max_keys=max_keys,
                              out=out)
@@ -629,10 +642,11 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
         out: [B, H, D] of q's dtype, unit stride along D, to write into (an engine's output buffer: no copy),
             or None.
     Returns: ``out`` or a new [B, H, D] in q.dtype.
-    Raises: ValueError for an unknown ``exp``, "native" on the CPU backend, or an ``out`` that cannot hold the
-    result.
+    Raises: ValueError for an unknown ``exp``, "native" on the CPU backend, an ``out`` that cannot hold the
+    result, or caches that the kernel cannot read as given (``_check_caches``).
     """
     _check_exp(exp, q)
+    _check_caches(q, k_cache, v_cache)
     if not use_triton(q):
         if seq_lens.numel() and int(seq_lens.max()) > max_seq_len:
             raise ValueError(f"paged_decode: a sequence of {int(seq_lens.max())} keys, longer than max_seq_len "

@@ -244,6 +244,27 @@ def test_decode_tile_rows_at_group_sizes_that_are_not_powers_of_two(device, grou
         assert_bitwise_equal(f"group {group}: neighbours of NaN rows", out[[1, 3]], prefill[[129, 63]])
 
 
+def test_paged_attention_refuses_caches_it_cannot_read(device):
+    """Caches that differ in shape, a head count that does not divide q's, or (on the Triton backends, which step
+    by one element along head_dim) a head_dim stride other than 1: a ValueError before any kernel runs. The CPU
+    backend reads a strided cache as given."""
+    q = randn(2, 4, 32, dtype=torch.float32, device=device, seed=50)
+    cache = randn(3, 16, 2, 32, dtype=torch.float32, device=device, seed=51)
+    table = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    lens = torch.tensor([5, 9], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="alike"):
+        K.paged_decode(q, cache, cache[..., :16], table, lens, 0.1, 16)
+    with pytest.raises(ValueError, match="alike"):
+        K.paged_attention(q[:, :3], cache, cache, table, lens - 1, torch.arange(2), 0.1)
+    strided = randn(3, 16, 2, 64, dtype=torch.float32, device=device, seed=52)[..., ::2]
+    if primitives.use_triton(q):
+        with pytest.raises(ValueError, match="unit stride along head_dim"):
+            K.paged_decode(q, strided, strided, table, lens, 0.1, 16)
+    else:
+        assert_bitwise_equal("strided cache on the CPU", K.paged_decode(q, strided, strided, table, lens, 0.1, 16),
+                             K.paged_decode(q, strided.contiguous(), strided.contiguous(), table, lens, 0.1, 16))
+
+
 def test_linear_recomputes_for_the_same_tensor_objects(device):
     """No result is cached by tensor identity: the same x and weight objects, changed in place, give the new
     product (a stray lru_cache on the large-batch GPU path once returned the old one and kept every input
