@@ -33,7 +33,8 @@
 # vllm-moe the Qwen3-MoE fixture and the Qwen3-30B-A3B shape cut to MOE_LAYERS (4) layers, strict; vllm-rl17
 # alignaudit rl on the Qwen3-1.7B shape, megatron trains, vllm rolls out; vllm-bench generation tokens/s
 # (bench/vllm_generate.py, BENCH_CONFIGS); vllm-warmup: strict generation at max_model_len WARMUP_MAX_LEN (4096)
-# with 600 sequences (decode unsplit), to read that no strict kernel builds inside a timed batch. vllm-q8-prompt / vllm-q8-default: one of vllm-q8's three. synth: build the
+# with 600 sequences (decode unsplit), to read that no strict kernel builds inside a timed batch.
+# vllm-q8-prompt / vllm-q8-default: one of vllm-q8's three. synth: build the
 # random checkpoints of SYNTH (comma-separated presets) once, before stages run side by side (the cache is not
 # safe for two writers). CMP_OPTS: options added to every compare and to vllm-rl17 (e.g. --infer-opt
 # gpu_memory_utilization=0.2 --infer-opt kv_cache_memory_bytes=4294967296, for two stages side by side on one GPU);

@@ -92,6 +92,7 @@ def worker(args) -> dict:
             "strict_builds_at_start": sum(builds[0].values()),
             "strict_builds_per_batch": [{k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
                                         for before, after in zip(builds, builds[1:])],
+            "max_model_len": config.model_config.max_model_len,  # read back: what the engine was built with
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
             "attention_impl": sorted(llm.apply_model(attention_impls)[0]),
             **({"profile": profile} if profile else {})}
