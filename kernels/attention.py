@@ -646,13 +646,13 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
     result, or caches that the kernel cannot read as given (``_check_caches``).
     """
     _check_exp(exp, q)
-    _check_caches(q, k_cache, v_cache)
     if not use_triton(q):
         if seq_lens.numel() and int(seq_lens.max()) > max_seq_len:
             raise ValueError(f"paged_decode: a sequence of {int(seq_lens.max())} keys, longer than max_seq_len "
                              f"{max_seq_len}")
         return paged_attention(q, k_cache, v_cache, block_table, seq_lens - 1, torch.arange(q.shape[0]), scale,
-                               out=out)
+                               out=out)  # checks the caches
+    _check_caches(q, k_cache, v_cache)
     table = block_table.to(torch.int32)
     if table.stride(1) != 1:  # the kernel steps along a row by one entry (vLLM's tables: always so, no copy)
         table = table.contiguous()
