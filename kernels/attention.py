@@ -44,11 +44,10 @@ Layouts: q [tokens, heads, head_dim]; K/V either contiguous per sequence [tokens
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from alignaudit_kernels.primitives import (
+    cached_tensors,
     cdiv,
     compiling_inference,
     exp,
@@ -549,7 +548,7 @@ def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, c
 
 # Launch plans of the contiguous layouts, kept on the device per shape: a training step or a forward at a
 # fixed batch shape plans once, and later calls pay no host work or host-to-device copy for it.
-@functools.lru_cache(maxsize=64)
+@cached_tensors(maxsize=64)
 def _varlen_plan(bounds: tuple[int, ...], per_tile: int, device: torch.device):
     """(tiles, block table, longest sequence) of a ragged prefill with cu_seqlens ``bounds``."""
     starts = torch.tensor(bounds[:-1])
@@ -558,7 +557,7 @@ def _varlen_plan(bounds: tuple[int, ...], per_tile: int, device: torch.device):
     return tiles, starts.to(device=device, dtype=torch.int32)[:, None], int(lengths.max())
 
 
-@functools.lru_cache(maxsize=64)
+@cached_tensors(maxsize=64)
 def _batch_plan(b: int, tq: int, tk: int, per_tile: int, device: torch.device):
     """(tiles, block table) of ``b`` sequences of ``tq`` query rows over ``tk`` contiguous keys each."""
     runs = torch.arange(b)

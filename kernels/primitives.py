@@ -225,6 +225,25 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def cached_tensors(maxsize: int):
+    """``functools.lru_cache`` for functions that build tensors kept for the life of the process (rope tables,
+    launch plans), which build them outside ``torch.inference_mode``.
+
+    Why: a tensor made inside inference mode is an inference tensor for good; one engine's first call inside
+    ``torch.inference_mode`` (vLLM runs its forward there) would hand every later caller, a trainer in the same
+    process included, tensors that autograd refuses to save for backward ("Inference tensors cannot be saved
+    for backward"). Built outside it, the same tensors serve both, with the same values.
+    """
+    def wrap(build):
+        @functools.lru_cache(maxsize=maxsize)
+        @functools.wraps(build)
+        def cached(*args, **kwargs):
+            with torch.inference_mode(False):
+                return build(*args, **kwargs)
+        return cached
+    return wrap
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (launch planning only, never the arithmetic)."""

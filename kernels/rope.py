@@ -18,11 +18,17 @@ No reduction. Backward: the inverse rotation in fp32.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from alignaudit_kernels.primitives import cdiv, compiling_inference, no_gradient, opaque_op, triton, use_triton
+from alignaudit_kernels.primitives import (
+    cached_tensors,
+    cdiv,
+    compiling_inference,
+    no_gradient,
+    opaque_op,
+    triton,
+    use_triton,
+)
 
 TABLE_ROWS = 1024  # tables grow in whole multiples of this many positions
 
@@ -43,7 +49,7 @@ def inverse_frequencies(rotary_dim: int, theta: float, llama3: tuple | None = No
                        torch.where(wavelength > original / low, inv_freq / factor, mid))
 
 
-@functools.lru_cache(maxsize=16)
+@cached_tensors(maxsize=16)
 def _tables_cpu(rows: int, rotary_dim: int, theta: float, llama3: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = inverse_frequencies(rotary_dim, theta, llama3)
     angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv_freq[None, :]
@@ -51,7 +57,7 @@ def _tables_cpu(rows: int, rotary_dim: int, theta: float, llama3: tuple | None) 
 
 
 @torch.compiler.disable  # traced by torch.compile, the tables could round otherwise: always built eagerly
-@functools.lru_cache(maxsize=16)
+@cached_tensors(maxsize=16)
 def rope_tables(max_positions: int, rotary_dim: int, theta: float, device: str = "cpu",
                 llama3: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each fp32 [>= max_positions, rotary_dim // 2], on ``device`` (copied from the CPU tables).

@@ -272,3 +272,18 @@ def assert_within(name, got, ref64, bound):
     err = (got.double().cpu() - ref64.cpu()).abs()
     worst = float((err - bound.cpu()).max())
     assert worst <= 0, f"{name}: error exceeds bound by {worst:.3e} (max error {float(err.max()):.3e})"
+
+
+def vllm_packs_cpu_weights() -> bool:
+    """Whether vLLM's CPU GEMM dispatch on this machine computes with a packed copy of a bf16 weight (oneDNN
+    on AVX-512; on an AVX2 machine it falls back to torch's linear over the live weight, so nothing can go
+    stale). Checked on the installed vLLM: the weight is changed in place after dispatch."""
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    layer.weight.data.mul_(2)
+    return not torch.equal(layer.cpu_linear(x, layer.weight, None), torch.nn.functional.linear(x, layer.weight))

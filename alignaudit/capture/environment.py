@@ -43,18 +43,51 @@ def hardware(device: str) -> dict[str, str | int]:
 
 
 def numerics_flags() -> dict:
-    """torch backend switches and environment variables that affect floating-point results."""
-    flags = {
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    """torch backend switches and environment variables that affect floating-point results.
+
+    TF32 and reduced-precision matmul switches are read through torch's per-backend ``fp32_precision`` API
+    (torch >= 2.9: "ieee", "tf32" or "none" = inherit): the legacy getters (``torch.backends.cudnn.allow_tf32``,
+    ``torch.backends.cuda.matmul.allow_tf32``, ``torch.get_float32_matmul_precision()``) raise RuntimeError once a
+    library set the flags through the new API per backend (vLLM's VLLM_BATCH_INVARIANT=1 does, in
+    vllm/model_executor/determinism/batch_invariant.py init_batch_invariance). Each legacy value is recorded
+    where torch can still give it, else as the text "unreadable: ..." (never a guess).
+    """
+    flags: dict = {
+        "fp32_precision": _fp32_precision(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "cuda_matmul_allow_bf16_reduced_precision_reduction":
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "mkldnn_enabled": torch.backends.mkldnn.enabled,
     }
+    for key, read in (("float32_matmul_precision", torch.get_float32_matmul_precision),
+                      ("cuda_matmul_allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32),
+                      ("cudnn_allow_tf32", lambda: torch.backends.cudnn.allow_tf32)):
+        try:
+            flags[key] = read()
+        except RuntimeError as e:  # torch refuses a legacy read of flags set per backend
+            flags[key] = f"unreadable: {str(e).split('.')[0]}"
     flags["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(NUMERICS_ENV_PREFIXES)}
     return flags
+
+
+# (attribute path under torch.backends, key): the fp32 precision of each backend that has the setting
+FP32_PRECISION_BACKENDS = (("", "all"), ("cuda.matmul", "cuda_matmul"), ("cudnn", "cudnn"),
+                           ("cudnn.conv", "cudnn_conv"), ("cudnn.rnn", "cudnn_rnn"), ("mkldnn", "mkldnn"),
+                           ("mkldnn.matmul", "mkldnn_matmul"), ("mkldnn.conv", "mkldnn_conv"),
+                           ("mkldnn.rnn", "mkldnn_rnn"))
+
+
+def _fp32_precision() -> dict[str, str]:
+    """torch.backends.<path>.fp32_precision of each backend this torch has (torch >= 2.9; {} before)."""
+    found = {}
+    for path, key in FP32_PRECISION_BACKENDS:
+        owner = torch.backends
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part, None)
+        value = getattr(owner, "fp32_precision", None)
+        if isinstance(value, str):
+            found[key] = value
+    return found
 
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile")

@@ -150,3 +150,29 @@ def test_an_op_removed_from_the_index_is_missing_not_skipped(tmp_path):
     summary["index_sha256"] = hashlib.sha256(index.read_bytes()).hexdigest()
     with pytest.raises(InputError, match="op layers.0.input_norm is missing"):
         OpStore(tmp_path, summary)
+
+
+def test_numerics_flags_read_tf32_switches_set_per_backend_as_vllm_batch_invariance_sets_them():
+    """vLLM's VLLM_BATCH_INVARIANT=1 sets TF32 per backend through torch's new API (init_batch_invariance:
+    cuda.matmul, cudnn.conv, cudnn.rnn to "ieee"); torch then refuses the legacy reads (allow_tf32,
+    get_float32_matmul_precision) with RuntimeError, which crashed every strict capture on the H200. The record
+    reads the per-backend values and marks a refused legacy read, instead of raising."""
+    from alignaudit.capture.environment import numerics_flags
+
+    backends = torch.backends
+    saved = [(backends.cuda.matmul, backends.cuda.matmul.fp32_precision),
+             (backends.cudnn.conv, backends.cudnn.conv.fp32_precision),
+             (backends.cudnn.rnn, backends.cudnn.rnn.fp32_precision)]
+    try:
+        backends.cuda.matmul.fp32_precision = "ieee"
+        backends.cudnn.conv.fp32_precision = "tf32"  # conv and rnn apart: the legacy cuDNN read must refuse
+        backends.cudnn.rnn.fp32_precision = "ieee"
+        with pytest.raises(RuntimeError):
+            backends.cudnn.allow_tf32  # noqa: B018  (the read that crashed)
+        flags = numerics_flags()
+    finally:
+        for owner, value in saved:
+            owner.fp32_precision = value
+    assert flags["fp32_precision"]["cuda_matmul"] == "ieee"
+    assert flags["fp32_precision"]["cudnn_conv"] == "tf32" and flags["fp32_precision"]["cudnn_rnn"] == "ieee"
+    assert flags["cudnn_allow_tf32"].startswith("unreadable: PyTorch is checking whether allow_tf32")

@@ -31,7 +31,7 @@ import pytest
 
 from alignaudit.commands import cli
 from alignaudit.errors import EXIT_ENGINE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
-from helpers import importance_by_hand, one_line_error, run_in_process
+from helpers import importance_by_hand, one_line_error, run_in_process, vllm_packs_cpu_weights
 
 pytestmark = [pytest.mark.engines, pytest.mark.long]
 
@@ -234,25 +234,10 @@ def test_the_same_seed_gives_the_same_run(runs):
     assert a["weights_digest"].iloc[-1] == b["weights_digest"].iloc[-1]
 
 
-def _vllm_packs_cpu_weights() -> bool:
-    """Whether vLLM's CPU GEMM dispatch on this machine computes with a packed copy of a bf16 weight (oneDNN
-    on AVX-512; on an AVX2 machine it falls back to torch's linear over the live weight, so nothing can go
-    stale). Checked on the installed vLLM: the weight is changed in place after dispatch."""
-    import torch
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16), requires_grad=False)
-    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-    x = torch.randn(4, 64).to(torch.bfloat16)
-    layer.weight.data.mul_(2)
-    return not torch.equal(layer.cpu_linear(x, layer.weight, None), torch.nn.functional.linear(x, layer.weight))
-
-
 def test_a_stale_weight_sync_is_caught(tmp_path, capsys, monkeypatch):
     """Fault injection: vLLM's packed CPU GEMMs are not rebuilt after load_weights. The parameters (and so
     their checksums) hold the new weights, but the engine computes with the old ones: the probe catches it."""
-    if not _vllm_packs_cpu_weights():
+    if not vllm_packs_cpu_weights():
         pytest.skip("vLLM's CPU GEMM computes with the live weight on this CPU (no packed copy to go stale)")
     out = tmp_path / "stale"
     env = {**os.environ, "ALIGNAUDIT_FAULT": "stale-packed-weights"}
