@@ -42,8 +42,6 @@ pytestmark = [pytest.mark.engines, pytest.mark.long]
     (["--infer-opt", "logprobs_mode=processed_logprobs"], "so they need --mode rollout"),
     (["--infer-opt", "pipeline_parallel_size=2"], "alignaudit runs vLLM on one process"),
     (["--infer-opt", "repetition_penalty=1.2"], "is a sampling setting and has no effect on teacher-forced"),
-    (["--mode", "rollout", "--strict", "--infer-opt", "logprobs_mode=processed_logprobs"],
-     "--strict logprobs covers vLLM's raw_logprobs"),
     (["--infer-opt", "quantization=fp8"], "vllm quantization=\"fp8\": vLLM's CPU wheel has no fp8 kernels"),
     (["--mode", "rollout", "--infer-opt", "kv_cache_dtype=fp8"], "vllm kv_cache_dtype=\"fp8\": vLLM's CPU wheel"),
     # TransformerConfig itself runs in the option-check worker, before either engine: a value it overrides
@@ -149,6 +147,21 @@ def test_processed_logprobs_are_replayed_by_the_trainer_and_eos_is_not_masked(tm
     assert replay["temperature"] == 0.7 and replay["prompt_lengths"] == [31, 7, 98, 44]
     raw = tokens[~tokens["generated"]]  # prompt tokens stay raw logprobs on both sides
     assert raw["diff"].abs().max() < 1e-4
+
+
+def test_strict_processed_logprobs_are_the_trainers_bits(tmp_path):
+    """As TRL, verl and NeMo-RL run vLLM (logprobs_mode=processed_logprobs), with temperature, top-k and top-p all
+    applied: the strict plugin computes them with the functions the trainer replays them with and the strict
+    log-softmax, so every generated token is bitwise equal (vLLM's own log_softmax differed by up to 7 ULP)."""
+    out = tmp_path / "run"
+    assert cli.main(["compare", "--mode", "rollout", "--strict", "--temperature", "0.7", "--top-k", "40",
+                     "--top-p", "0.9", "--infer-opt", "logprobs_mode=processed_logprobs", "--max-new-tokens", "16",
+                     "--out", str(out)]) == EXIT_OK
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["generated"]["tokens_compared"] == 4 * 16 and summary["generated"]["mismatches"] == 0
+    assert summary["mismatches"] == 0
+    replay = json.loads((out / "train" / "manifest.json").read_text())["replay"]
+    assert (replay["temperature"], replay["top_k"], replay["top_p"]) == (0.7, 40, 0.9)
 
 
 @pytest.mark.parametrize("dtype", ["fp32"])

@@ -42,9 +42,8 @@ VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
 
 def check_options(settings, mode: str, role: str) -> None:
     """Refuse an EngineArgs/SamplingParams setting that alignaudit sets itself, that has no effect on what is
-    measured, or that makes the values something other than logprobs (the tables above); and, on the rollout
-    side, strict logprobs with processed logprobs (vLLM computes those inside its top-k/top-p sampler, which the
-    strict path does not replace). ``mode``: "prompt" or "rollout"; ``role``: "train" or "infer".
+    measured, or that makes the values something other than logprobs (the tables above). Strict processed
+    logprobs are the plugin's (its "logprobs" op). ``mode``: "prompt" or "rollout"; ``role``: "train" or "infer".
 
     Raises:
         InputError: the setting, the reason and the fix.
@@ -60,11 +59,6 @@ def check_options(settings, mode: str, role: str) -> None:
         if reason:
             raise InputError(f"vllm {key}={json.dumps(value)}: {reason}; drop {flag} {key}")
     _check_quantization(settings, flag)
-    if role == "infer" and settings.options.get("logprobs_mode") == "processed_logprobs" \
-            and "logprobs" in settings.strict_ops:
-        raise InputError("--strict logprobs covers vLLM's raw_logprobs (Sampler.compute_logprobs); with "
-                         "logprobs_mode=processed_logprobs vLLM computes them inside its top-k/top-p sampler, which "
-                         "the strict path does not replace: drop logprobs from --strict or the option")
 
 
 def _check_quantization(settings, flag: str) -> None:

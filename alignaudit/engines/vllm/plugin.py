@@ -16,7 +16,10 @@ as "rmsnorm,rope"); then it replaces, for every model vLLM loads (all patches li
                Llama3RotaryEmbedding with its scaling read from the module)
     silu       SiluAndMul.forward with alignaudit_kernels.silu_and_mul
     logprobs   Sampler.compute_logprobs with alignaudit_kernels.log_softmax (prompt and sample logprobs), and
-               model runner V2's compute_token_logprobs (its fused kernel) with token_logprobs / log_softmax
+               model runner V2's compute_token_logprobs (its fused kernel) with token_logprobs / log_softmax;
+               processed logprobs (logprobs_mode=processed_logprobs, as TRL, verl and NeMo-RL run vLLM): the
+               temperature, top-k and top-p through alignaudit.engines.sampling (the functions a trainer
+               replays them with), then the strict log-softmax (refused under model runner V2)
     attention  the CPU_ATTN backend (CPU) or the FLASH_ATTN backend (CUDA) with strict paged attention
                (alignaudit.engines.vllm.attention_cpu, vllm_cuda_attention); exp from ALIGNAUDIT_STRICT_EXP
 The kernels are torch.library custom ops while torch.compile traces them (alignaudit_kernels::*, and
@@ -231,14 +234,72 @@ def _silu() -> None:
 
 
 def _logprobs() -> None:
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
 
     _patch(Sampler, "compute_logprobs", staticmethod(lambda logits: K.log_softmax(logits)))
+    _patch(Sampler, "apply_temperature", staticmethod(_apply_temperature))
+    for name in ("forward_native", "forward_cpu"):  # what TopKTopPSampler.__init__ binds in processed modes
+        if name in TopKTopPSampler.__dict__:
+            _patch(TopKTopPSampler, name, _processed(TopKTopPSampler.__dict__[name]))
     try:  # model runner V2 (vllm/v1/worker/gpu/): its own fused max + logsumexp kernel, called by module name
         from vllm.v1.worker.gpu.sample import logprob as runner_v2
+        from vllm.v1.worker.gpu.sample.sampler import Sampler as SamplerV2
     except ImportError:
         return
     _patch(runner_v2, "compute_token_logprobs", _token_logprobs_columns)
+    _patch(SamplerV2, "__init__", _refuse_processed(SamplerV2.__init__))
+
+
+def _apply_temperature(logits: torch.Tensor, temp: torch.Tensor, all_random: bool) -> torch.Tensor:
+    """Sampler.apply_temperature, through the function the trainer replays it with (engines/sampling.py):
+    fp32 [B, V] / temp [B]; greedy rows (temperature ~0) divided by 1, as vLLM does."""
+    from vllm.v1.sample.sampler import _SAMPLING_EPS
+
+    from alignaudit.engines.sampling import scale_by_temperature
+
+    if not all_random:
+        temp = torch.where(temp < _SAMPLING_EPS, 1.0, temp)
+    return scale_by_temperature(logits, temp)
+
+
+PROCESSED_MODES = ("processed_logprobs", "processed_logits")
+
+
+def _processed(forward):
+    """TopKTopPSampler.forward_native / forward_cpu with strict processed logprobs: top-k and top-p through the
+    function the trainer replays them with (alignaudit.engines.sampling.truncate, each row alone where top-p
+    applies), the logprobs through the strict log-softmax; vLLM's own sampler then draws from the truncated
+    logits (called with no top-k/top-p left to apply). Other logprob modes run vLLM's forward unchanged."""
+    from alignaudit.engines.sampling import truncate
+
+    def strict_forward(self, logits, generators, k, p):
+        mode = self.logprobs_mode
+        if mode not in PROCESSED_MODES:
+            return forward(self, logits, generators, k, p)
+        logits = truncate(logits.float(), k, p)
+        processed = K.log_softmax(logits) if mode == "processed_logprobs" else logits
+        self.logprobs_mode = "raw_logprobs"  # vLLM's forward returns no processed values of its own then
+        try:
+            sampled, _ = forward(self, logits, generators, None, None)
+        finally:
+            self.logprobs_mode = mode
+        return sampled, processed
+
+    return strict_forward
+
+
+def _refuse_processed(init):
+    """Model runner V2's Sampler.__init__, refusing processed logprobs: its fused Triton sampling kernels apply
+    temperature, top-k and top-p, which the strict path does not replace."""
+    def strict_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.logprobs_mode in PROCESSED_MODES:
+            raise NotImplementedError(f"alignaudit strict logprobs: vLLM's model runner V2 computes "
+                                      f"{self.logprobs_mode} in its own sampling kernels; use the default model "
+                                      "runner (VLLM_USE_V2_MODEL_RUNNER=0) or raw_logprobs")
+
+    return strict_init
 
 
 def _token_logprobs_columns(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
