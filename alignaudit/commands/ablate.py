@@ -27,7 +27,7 @@ from alignaudit.capture.directory import read_capture
 from alignaudit.capture.ops import Selection
 from alignaudit.capture.rundir import ABLATE_JSON, ABLATE_PARQUET, CONFIGS, RUN
 from alignaudit.commands.pipeline import diff_captures, write_json
-from alignaudit.comparison.integrity import seal
+from alignaudit.comparison.integrity import marks_failure, seal
 from alignaudit.inputs.request import EngineRun, Request
 from alignaudit.inputs.strict_ops import STRICT_OPS, format_strict
 
@@ -102,6 +102,7 @@ def _notes(request: Request, capture_ops: bool) -> list[str]:
     return notes
 
 
+@marks_failure
 def ablate(request: Request, out: Path, factors: tuple[str, ...],
            capture_ops: bool = True, on_stage=None) -> pd.DataFrame:
     """Run every configuration of ``factors`` on ``request`` (its engines' own strict setting is ignored) and

@@ -321,7 +321,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_che
 def load_batch(spec, args: PromptArgs, seed: int, engines, new_tokens: int = 0):
     """The TokenBatch, leaving room for ``new_tokens`` (rollout) and, with vLLM, one sampled token.
 
-    Raises InputError for --prompt-len without --random-prompts.
+    Raises InputError for --prompt-len without --random-prompts (a --prompt-len below 2 is refused by load_prompts).
     """
     from alignaudit.engines import kind_of
     from alignaudit.inputs.prompts import load_prompts
@@ -329,7 +329,8 @@ def load_batch(spec, args: PromptArgs, seed: int, engines, new_tokens: int = 0):
     if args.prompt_len is not None and args.random_prompts is None:
         raise errors.InputError("--prompt-len applies to --random-prompts N; give both or neither")
     reserve = max(new_tokens, 1 if any(kind_of(e).reserves_a_token for e in engines) else 0)
-    return load_prompts(spec, args.prompts, args.random_prompts, args.prompt_len or 64, seed, reserve=reserve)
+    prompt_len = 64 if args.prompt_len is None else args.prompt_len
+    return load_prompts(spec, args.prompts, args.random_prompts, prompt_len, seed, reserve=reserve)
 
 
 def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, sampling_args: SamplingArgs | None = None,

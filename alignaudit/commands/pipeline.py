@@ -20,7 +20,7 @@ from alignaudit.capture.directory import Capture
 from alignaudit.capture.op_store import OpStore
 from alignaudit.capture.ops import LOGPROBS, OpGraph, Selection
 from alignaudit.capture.rundir import BISECT, DIFF_OUTPUTS, OPS_FILES, RUN, SEQUENCES, SUMMARY, TOKENS, UNREPLAYED
-from alignaudit.comparison.integrity import capture_record, manifest_sha256, seal
+from alignaudit.comparison.integrity import capture_record, manifest_sha256, marks_failure, seal
 from alignaudit.comparison.op_diff import DIFFERS, compare_op, first_divergence, routing_agreement
 from alignaudit.comparison.repeat import summarize_repeats
 from alignaudit.comparison.token_diff import align_tokens, compare_tokens, per_sequence, summarize
@@ -116,6 +116,7 @@ def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2,
     return tokens, sequences, summary
 
 
+@marks_failure
 def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None) -> dict:
     """Capture ``request.train`` and ``request.infer`` on the same token ids, then diff them into ``out``.
 
@@ -216,6 +217,7 @@ FILE_SETTINGS = {"dtype": None, "device": None, "seed": None, "options": {}, "st
                  "strict_exp": None}
 
 
+@marks_failure
 def rescore(spec: ModelSpec, rollouts, train: EngineRun, out: Path, clip_eps: float = 0.2, stream_log: bool = False,
             on_stage=None) -> dict:
     """``alignaudit rescore``: the training engine scores the token ids of rollouts an RL framework recorded
@@ -332,6 +334,7 @@ def write_ops(records: list[dict], path: Path) -> None:
     table.to_parquet(path, index=False)
 
 
+@marks_failure
 def bisect(request: Request, out: Path, selection: Selection, mode: str = "both", stream_log: bool = False,
            on_stage=None) -> dict:
     """Capture canonical ops of both engines and compare them op by op.

@@ -197,7 +197,8 @@ def rejudge(run_dir: Path, stored: dict) -> dict:
 def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
     """Judge a ``diff.compare_tokens`` table.
 
-    A NaN logprob on either side makes the verdict an engine error (``error`` set, exit code 3).
+    A NaN logprob, or one above 0 (+inf included), on either side makes the verdict an engine error (``error``
+    set, exit code 3): equal bits of a value that is no log-probability are not alignment.
 
     Raises:
         InputError: no tokens compared.
@@ -213,6 +214,11 @@ def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
             row = tokens[nan].iloc[0]
             errors.append(f"{side[3:]} engine produced NaN logprobs ({int(nan.sum())} of {n} tokens, first at seq "
                           f"{row['seq']} pos {row['pos']})")
+        positive = tokens[side].to_numpy(dtype=np.float64) > 0
+        if positive.any():
+            row = tokens[positive].iloc[0]
+            errors.append(f"{side[3:]} side holds logprobs above 0, which no log-probability is ({int(positive.sum())} "
+                          f"of {n} tokens, first {row[side]!r} at seq {row['seq']} pos {row['pos']})")
     mismatches = int((~tokens["bitwise_equal"].to_numpy(dtype=bool)).sum())
     finite = tokens["ulp"].to_numpy() >= 0
     ulp_max = int(tokens["ulp"].to_numpy()[finite].max()) if finite.any() else None
@@ -221,11 +227,12 @@ def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
     nonfinite = int((~finite).sum())
     reasons = [f"{nonfinite} tokens differ by an infinity (no ULP distance)"] if nonfinite else []
     reasons += _rule_reasons(rule, n, mismatches, ulp_max, max_abs)
-    error = "; ".join(errors) + "; the gate cannot judge NaN" if errors else None
+    error = "; ".join(errors) + ("; the gate cannot judge NaN" if any(nan_tokens.values()) else "") if errors else None
     passed = not reasons and not error
     sequences = _sequences(tokens)
-    cases = [_case(f"sequence {r['seq']}", r["nan_tokens"], r["mismatches"] and _first_message(r), passed, error)
-             for r in sequences]
+    above = tokens[(tokens["lp_train"] > 0) | (tokens["lp_infer"] > 0)].groupby("seq").size().to_dict()
+    cases = [_case(f"sequence {r['seq']}", r["nan_tokens"], r["mismatches"] and _first_message(r), passed, error,
+                   above.get(r["seq"], 0)) for r in sequences]
     return Verdict(passed, rule.describe(), n, mismatches, ulp_max, max_abs, reasons, sequences, run, error,
                    nan_tokens, cases)
 
@@ -270,6 +277,10 @@ def judge_steps(run, rule: Rule, name: str = "") -> Verdict:
     nan = steps[steps["nan_tokens"] > 0]
     errors = [f"NaN logprobs at {len(nan)} steps (first: step {int(nan['step'].iloc[0])}); the gate cannot judge NaN"
               ] if len(nan) else []
+    positive = steps[steps["positive_tokens"] > 0]
+    if len(positive):
+        errors.append(f"logprobs above 0, which no log-probability is, at {len(positive)} steps (first: step "
+                      f"{int(positive['step'].iloc[0])})")
     broken = steps[~np.isfinite(steps["loss"].astype(float)) | ~np.isfinite(steps["grad_norm"].astype(float))]
     if len(broken):  # the update then wrote non-finite weights: what later steps compare is not a model
         errors.append(f"a non-finite loss or grad norm at {len(broken)} steps (first: step "
@@ -287,7 +298,8 @@ def judge_steps(run, rule: Rule, name: str = "") -> Verdict:
         if not row["train_forward_equal"]:
             problems.append("training forward != rescoring")
         # a sync or forward problem is among the verdict's reasons, so the case fails whatever the token rule
-        cases.append(_case(f"step {row['step']}", row["nan_tokens"], "; ".join(problems) or None, passed, error))
+        cases.append(_case(f"step {row['step']}", row["nan_tokens"], "; ".join(problems) or None, passed, error,
+                           row["positive_tokens"]))
     notes = [] if run.token_rows else ["no per-token rows (--no-token-rows): the counts are steps.parquet's, not "
                                        "recomputed from both engines' logprobs"]
     step_rows = steps[["step", "tokens", "mismatches", "ulp_max", "sync_bit_equal", "nan_tokens"]].to_dict("records")
@@ -320,11 +332,14 @@ def _rule_reasons(rule: Rule, n: int, mismatches: int, ulp_max: int | None, max_
     return reasons
 
 
-def _case(name: str, nan_tokens: int, message: str | None, passed: bool, error: str | None) -> dict:
-    """A JUnit case: error with NaN; failure with a message when the verdict failed; a note when a relaxed
-    rule passed despite it; pass otherwise."""
+def _case(name: str, nan_tokens: int, message: str | None, passed: bool, error: str | None,
+          positive_tokens: int = 0) -> dict:
+    """A JUnit case: error with NaN or logprobs above 0; failure with a message when the verdict failed; a note
+    when a relaxed rule passed despite it; pass otherwise."""
     if nan_tokens:
         return {"name": name, "status": "error", "message": f"{nan_tokens} NaN logprobs", "detail": error}
+    if positive_tokens:
+        return {"name": name, "status": "error", "message": f"{positive_tokens} logprobs above 0", "detail": error}
     if message:
         return {"name": name, "status": "note" if passed else "fail", "message": message}
     return {"name": name, "status": "pass", "message": None}
@@ -365,7 +380,8 @@ def junit_xml(verdict: Verdict, name: str = "alignaudit.gate") -> str:
         case = ET.SubElement(suite, "testcase", classname=name, name=c["name"])
         if c["status"] == "error":
             errors += 1
-            ET.SubElement(case, "error", message=c["message"], type="NaNLogprob").text = c.get("detail")
+            kind = "NaNLogprob" if "NaN" in c["message"] else "NotALogprob"
+            ET.SubElement(case, "error", message=c["message"], type=kind).text = c.get("detail")
         elif c["status"] == "fail":
             failures += 1
             ET.SubElement(case, "failure", message=c["message"], type="LogprobMismatch").text = (

@@ -108,6 +108,44 @@ def seal(record: dict, out: Path, outputs: tuple[str, ...]) -> dict:
     return sealed
 
 
+def marks_failure(run):
+    """Decorate a command's run function (compare, rescore, bisect, ablate, rl: its argument ``out`` the run
+    directory): if it raises after writing run.json with ``"status": "running"``, run.json says ``"failed"`` (or
+    ``"interrupted"`` for Ctrl-C) with the error's first line, and the error goes on. A run is never left
+    looking as if it were still running; readers refuse any status but complete."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(run)
+
+    @functools.wraps(run)
+    def wrapper(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except BaseException as error:
+            out = signature.bind_partial(*args, **kwargs).arguments.get("out")
+            if out is not None:
+                record_failure(Path(out) / RUN, error)
+            raise
+
+    return wrapper
+
+
+def record_failure(path: Path, error: BaseException) -> None:
+    """Mark a run record still ``running`` as ``failed`` / ``interrupted`` (``marks_failure``); any other
+    record, or none, is left as it is."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(record, dict) or record.get("status") != "running":
+        return
+    status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+    text = (str(error).strip().splitlines() or [""])[0]
+    record.update(status=status, error=f"{type(error).__name__}: {text}"[:500])
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
 def check_record(path: Path, record: dict) -> None:
     """A finished record's seal. Raises InputError when run.json changed after the run finished."""
     if record.get(RECORD_SHA256) != record_digest(record):
@@ -261,8 +299,9 @@ def _check_vocab(run_dir: Path, summary: dict, stored, fresh, train: Capture, in
                              f"captures' rows give {expected[key]!r}; run it again")
 
 
-STEP_COLUMNS = ("step", "tokens", "mismatches", "nan_tokens", "ulp_max", "max_abs_diff", "sync_bit_equal",
-                "sync_tensors_differing", "sync_stale_packed", "sync_replicas_diverged", "train_forward_equal")
+STEP_COLUMNS = ("step", "tokens", "mismatches", "nan_tokens", "positive_tokens", "ulp_max", "max_abs_diff",
+                "sync_bit_equal", "sync_tensors_differing", "sync_stale_packed", "sync_replicas_diverged",
+                "train_forward_equal")
 
 
 @dataclass
@@ -316,7 +355,8 @@ def load_rl_run(run_dir: Path) -> RLRun:
         s = summarize_tokens(compare_tokens(table[["seq", "pos", "token_id", "generated", "lp_train", "lp_infer"]]),
                              record.get("clip_eps", 0.2))
         seen = {"tokens": s["tokens_compared"], "mismatches": s["mismatches"], "ulp_max": s["ulp_max"],
-                "nan_tokens": s["nan_tokens"]["train"] + s["nan_tokens"]["infer"]}
+                "nan_tokens": s["nan_tokens"]["train"] + s["nan_tokens"]["infer"],
+                "positive_tokens": s["positive_tokens"]["train"] + s["positive_tokens"]["infer"]}
         for key, value in seen.items():
             recorded = None if pd.isna(row[key]) else int(row[key])
             if recorded != value:

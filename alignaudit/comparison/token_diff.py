@@ -12,7 +12,9 @@ RL impact metrics, for d = lp_train - lp_infer per token (computed in float64):
     KL (k3)                  mean(r - 1 - d), an unbiased, non-negative estimate of KL(infer || train)
                              from rollout samples (J. Schulman, "Approximating KL Divergence", 2020)
     mean signed diff         mean(d): a bias indicator (the other metrics are symmetric in sign)
-NaN and Inf logprobs are counted per side (``nan_tokens``, ``inf_tokens``), never averaged in.
+NaN and Inf logprobs are counted per side (``nan_tokens``, ``inf_tokens``), never averaged in; so are values above
+0, +inf included (``positive_tokens``): no log-probability is positive, so such a value is an engine's or a file's
+error, which the gate never counts as aligned however equal its bits.
 Importance-sampling diagnostics (truncated and masked IS at token, sequence and geometric level, ESS, KL, log-
 perplexity) under ``importance``, with the thresholds they used: alignaudit.comparison.importance.
 """
@@ -131,6 +133,7 @@ def summarize_tokens(tokens: pd.DataFrame, clip_eps: float, importance: ISThresh
         "inf_mismatches": int((cls == numerics.PairClass.INF_MISMATCH).sum()),
         "nan_tokens": _special_counts(tokens, np.isnan),
         "inf_tokens": _special_counts(tokens, np.isinf),
+        "positive_tokens": _special_counts(tokens, lambda lp: lp > 0),
         "max_abs_diff": _max(np.abs(d)),
         "mean_abs_diff": _mean(np.abs(d)),
         "mean_diff": _mean(d),
@@ -162,7 +165,7 @@ def ulp_histogram(ulp: np.ndarray) -> dict[str, int]:
 
 
 def _special_counts(tokens: pd.DataFrame, test) -> dict[str, int]:
-    """Tokens whose logprob is NaN (or Inf) on the train side, the infer side, and both."""
+    """Tokens whose logprob passes ``test`` (NaN, Inf, > 0) on the train side, the infer side, and both."""
     t, i = test(tokens["lp_train"].to_numpy()), test(tokens["lp_infer"].to_numpy())
     return {"train": int(t.sum()), "infer": int(i.sum()), "both": int((t & i).sum())}
 

@@ -13,13 +13,16 @@ from alignaudit.inputs.capabilities import refuse_moe
 
 
 def check_runs(train, infer, mode: str) -> None:
-    """Refuse settings of either engine that would not take effect as recorded (each engine's options module).
+    """Refuse settings of either engine that would not take effect as recorded (each engine's options module),
+    and in rollout mode an inference engine that cannot sample.
 
     Args:
         train, infer: alignaudit.inputs.request.EngineRun (options, strict ops, device). mode: "prompt" or "rollout".
     Raises:
         InputError: the first refused setting: engine, name, reason, fix.
     """
+    if mode == "rollout" and not kind_of(infer.engine).rolls_out:
+        raise InputError(f"{infer.engine} cannot sample rollouts; use --infer vllm or --infer hf with --mode rollout")
     for role, run in (("train", train), ("infer", infer)):
         kind_of(run.engine).check_settings(run.settings, mode, role)
 

@@ -55,7 +55,7 @@ from alignaudit.capture.rundir import (
     TRAIN_LOG,
 )
 from alignaudit.comparison.importance import FIELDS
-from alignaudit.comparison.integrity import seal
+from alignaudit.comparison.integrity import marks_failure, seal
 from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
 from alignaudit.errors import EngineError, InputError
 from alignaudit.inputs.request import Request
@@ -117,6 +117,7 @@ class RLSettings:
                              f"term is 0 at every step; drop --kl-coef for the sync control")
 
 
+@marks_failure
 def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=None,
            memory: MemoryPlan | None = None) -> pd.DataFrame:
     """Run the loop into ``out`` (see the module docstring); returns the steps table. ``memory``: the
@@ -257,6 +258,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "mismatches": summary["mismatches"],
         "mismatch_fraction": summary["mismatch_fraction"],
         "nan_tokens": summary["nan_tokens"]["train"] + summary["nan_tokens"]["infer"],
+        "positive_tokens": summary["positive_tokens"]["train"] + summary["positive_tokens"]["infer"],
         "ulp_max": summary["ulp_max"],
         "max_abs_diff": summary["max_abs_diff"],
         "mean_diff": summary["mean_diff"],

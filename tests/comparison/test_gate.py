@@ -528,3 +528,29 @@ def test_nan_logprobs_are_counted_and_fail_the_gate_as_an_engine_error(tmp_path,
     assert not np.isnan(table[table["seq"] == 1]["logprob"].iloc[1:]).any()
     tokens = pd.read_parquet(out / "tokens.parquet")
     assert len(tokens[tokens["seq"] == 0]) == 11
+
+
+def test_values_that_are_no_logprobs_never_pass_however_equal_their_bits(runs, tmp_path, capsys):
+    """+inf at one token and 0.5 at another, with the same bits on both sides (engines, or files, that wrote
+    something other than log-probabilities): the tokens are bitwise equal, yet diff's summary counts them per side
+    and gate on that diff exits 3 naming them."""
+    def corrupt(t):
+        t = t.copy()
+        t.loc[(t["seq"] == 1) & (t["pos"] == 2), "logprob"] = np.inf
+        t.loc[(t["seq"] == 2) & (t["pos"] == 5), "logprob"] = 0.5
+        return t
+
+    for side in ("train", "infer"):
+        shutil.copytree(runs / "strict" / side, tmp_path / side)
+        rewrite_table(tmp_path / side, corrupt)
+    out = tmp_path / "d"
+    assert cli.main(["diff", str(tmp_path / "train"), str(tmp_path / "infer"), "--out", str(out)]) == EXIT_OK
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["positive_tokens"] == {"train": 2, "infer": 2, "both": 2} and summary["mismatches"] == 0
+    capsys.readouterr()
+    err = one_line_error(capsys, ["gate", str(out)], EXIT_ENGINE)
+    assert "train side holds logprobs above 0, which no log-probability is (2 of 176 tokens" in err
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["verdict"] == "error" and verdict["mismatches"] == 0
+    kinds = {e.get("type") for e in ET.fromstring((out / "junit.xml").read_text()).iter("error")}
+    assert kinds == {"NotALogprob"}

@@ -161,7 +161,7 @@ def steps_table() -> pd.DataFrame:
     mismatches = np.array([0, 3, 0, 7, 1])
     return pd.DataFrame({
         "step": step, "tokens": 256, "mismatches": mismatches, "mismatch_fraction": mismatches / 256,
-        "nan_tokens": 0, "ulp_max": [0, 2, 0, 9, 1], "max_abs_diff": [0.0, 1e-6, 0.0, 4e-6, 5e-7],
+        "nan_tokens": 0, "positive_tokens": 0, "ulp_max": [0, 2, 0, 9, 1], "max_abs_diff": [0.0, 1e-6, 0.0, 4e-6, 5e-7],
         "mean_diff": 0.0, "ratio_min": 1.0, "ratio_max": 1.0, "clip_fraction": 0.0, "token_mult_prob_error": 1.0,
         "kl_k3": 0.0, "reward_mean": 0.5 + 0.01 * step, "loss": 0.0, "grad_norm": 1.0 / step,
         "train_clip_fraction": 0.0, "train_forward_equal": True, "sync_bit_equal": [True, True, False, True, True],
