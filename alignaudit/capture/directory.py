@@ -144,9 +144,9 @@ def read_capture(directory: Path) -> Capture:
         raise InputError(f"{directory} has no {MANIFEST}: the capture is incomplete or was interrupted; run it again")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text
         raise InputError(f"{manifest_path} is corrupt ({e}); run the capture again") from e
-    if manifest.get("format") != FORMAT or manifest.get("status") != "complete":
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("status") != "complete":
         raise InputError(f"{manifest_path} is not a complete {FORMAT} manifest; run the capture again")
     if manifest.get("version") != VERSION:
         raise InputError(f"{directory} has capture format version {manifest.get('version')}; "

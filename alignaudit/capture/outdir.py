@@ -123,7 +123,7 @@ def read_marker(out: Path) -> list[str]:
         record = json.loads((Path(out) / MARKER).read_text())
         entries = record.get("entries", [])
         return [e for e in entries if isinstance(e, str) and "/" not in e and e not in ("", ".", "..")]
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, ValueError, AttributeError):
         return []
 
 

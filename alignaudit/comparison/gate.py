@@ -108,8 +108,9 @@ def read_baseline(path: Path) -> dict:
     try:
         data = json.loads(Path(path).read_text())
         values = {k: data[k] for k in ("mismatches", "ulp_max", "max_abs_diff")}
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise InputError(f"--baseline {path}: not a readable alignaudit verdict.json or summary.json ({e})") from e
+    except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        reason = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)
+        raise InputError(f"--baseline {path}: not a readable alignaudit verdict.json or summary.json ({reason})") from e
     for key, value in values.items():
         whole = key != "max_abs_diff"
         ok = (value is None and key != "mismatches") or (

@@ -187,7 +187,7 @@ def read_run_record(run_dir: Path, commands: tuple[str, ...] = ("compare",)) -> 
                          f"{commands[0]}`")
     try:
         record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text
         raise InputError(f"{path} is unreadable ({e}); run the comparison again") from e
     if not isinstance(record, dict) or record.get("command") not in commands:
         raise InputError(f"{path} is not a record of `alignaudit {' or '.join(commands)}`")
@@ -243,7 +243,12 @@ def _check_results(run_dir: Path, train: Capture, infer: Capture) -> None:
     if not same:
         raise InputError(f"{run_dir / 'tokens.parquet'} does not hold the comparison of the run's captures; run it "
                          "again")
-    summary = json_.loads((run_dir / SUMMARY).read_text())
+    try:
+        summary = json_.loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{run_dir / SUMMARY} is unreadable ({type(e).__name__}); run the comparison again") from e
+    if not isinstance(summary, dict):
+        raise InputError(f"{run_dir / SUMMARY} is not the summary the run wrote; run the comparison again")
     expected = summarize_tokens(fresh, 0.2)
     for key in ("tokens_compared", "mismatches", "ulp_max", "max_abs_diff"):
         if summary.get(key) != expected[key]:

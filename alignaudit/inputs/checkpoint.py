@@ -86,7 +86,7 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
                          "point --model at a Hugging Face checkpoint directory")
     try:
         raw = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text
         raise InputError(f"cannot read {config_file}: {e}") from e
     if not isinstance(raw, dict):
         raise InputError(f"{config_file} is not a JSON object; it must be a Hugging Face config")
@@ -299,7 +299,7 @@ def checkpoint_sha256(spec: ModelSpec) -> str:
     cache_file = cache_root() / "checkpoint-sha256.json"
     try:
         cache = json.loads(cache_file.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):
         cache = {}
     if key in cache:
         return cache[key]

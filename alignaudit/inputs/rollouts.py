@@ -8,8 +8,12 @@ One row per rollout, JSON lines or parquet, the same columns either way:
     temperature, top_k, top_p, logprobs_mode   optional, the same in every row: how the engine sampled, and
                     whether its logprobs are "raw" (vLLM's default) or "processed" (after the sampling
                     transform; the trainer then replays it)
-Refused with one line naming the row and the fix: a missing column, lengths that disagree, a NaN or infinite
-logprob, token ids outside the vocabulary, settings that differ between rows, and verl's rollout_data_dir dumps
+The format is told by the content (parquet's PAR1 magic, else UTF-8 JSON lines), not the name. Refused with one
+line naming the row and the fix: a file of another format (gzip, torch.save / pickle, UTF-16), a missing column,
+lengths that disagree, a NaN, infinite, beyond-fp32 or positive logprob (a file of values all >= 0 is named as
+negative log-likelihoods), token ids outside the vocabulary, settings that differ between rows or are no valid
+value (temperature >= 0, > 0 for processed logprobs; top_k an integer >= -1, -1 read as vLLM's "disabled" = 0;
+top_p in (0, 1]), and verl's rollout_data_dir dumps
 (JSON lines of decoded text, "input" and "output", and scores, written by RayPPOTrainer._dump_generations in
 verl/trainer/ppo/ray_trainer.py: no token ids and no rollout logprobs, so nothing to rescore).
 """
@@ -88,27 +92,48 @@ def read_rollouts(path: Path | str, vocab_size: int) -> Rollouts:
         if bad:
             raise InputError(f"{path}: row {i}: logprob {bad[0]} is {values[bad[0]]}; a rollout engine's logprob of a "
                              "token it sampled is finite: the file is damaged")
+        beyond = [j for j, v in enumerate(values) if abs(v) > FP32_MAX]
+        if beyond:
+            raise InputError(f"{path}: row {i}: logprob {beyond[0]} is {values[beyond[0]]}, outside fp32's range "
+                             "(engines record fp32 logprobs): the file is damaged")
         sequences.append(tuple(ids))
         lengths.append(n)
         logprobs.append(torch.tensor(values, dtype=torch.float32))
+    _check_signs(path, logprobs)
     sampling = _sampling(path, rows)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return Rollouts(TokenBatch(tuple(sequences), source=f"rollouts:{path.name}"), lengths, logprobs, sampling,
                     {"path": str(path.resolve()), "sha256": digest, "format": fmt})
 
 
-def _read_rows(path: Path) -> tuple[list[dict], str]:
-    if path.suffix == ".parquet":
-        import pandas as pd
+FORMATS = ("rescore reads JSON lines (UTF-8 text, one rollout object per line) or parquet, with token_ids, "
+           "prompt_length and logprobs per rollout (docs/cli.md 'rescore')")
+FP32_MAX = float(torch.finfo(torch.float32).max)
 
-        try:
-            table = pd.read_parquet(path)
-        except Exception as e:  # pyarrow raises several types for damaged files
-            raise InputError(f"{path} is not a readable parquet file ({type(e).__name__}); write it again") from e
-        rows = [{k: _plain(v) for k, v in row.items()} for row in table.to_dict("records")]
-        return rows, "parquet"
+
+def _read_rows(path: Path) -> tuple[list[dict], str]:
+    """The file's rows and its format ("parquet" or "jsonl"), told by its content, not its name.
+
+    Raises:
+        InputError: a file of another format (gzip, a torch.save or pickle file, UTF-16 or other non-UTF-8
+            text), naming what it is and the formats rescore reads.
+    """
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head == b"PAR1":
+        return _parquet_rows(path), "parquet"
+    if path.suffix == ".parquet":
+        raise InputError(f"{path} is not a parquet file (no PAR1 magic); {FORMATS}")
+    what = _binary_kind(head)
+    if what:
+        raise InputError(f"{path} is {what}; {FORMATS}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (byte {e.start} is {path.read_bytes()[e.start]:#04x}); "
+                         f"{FORMATS}") from None
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -119,6 +144,44 @@ def _read_rows(path: Path) -> tuple[list[dict], str]:
             raise InputError(f"{path}:{number} is not a JSON object; one rollout object per line")
         rows.append(row)
     return rows, "jsonl"
+
+
+def _binary_kind(head: bytes) -> str | None:
+    """What a file whose first bytes are ``head`` is, where it is a binary format rescore does not read."""
+    if head[:2] == b"\x1f\x8b":
+        return "gzip-compressed (decompress it first)"
+    if head[:2] == b"PK":
+        return "a zip archive (torch.save writes one: slime's --save-debug-rollout-data files are)"
+    if head[:1] == b"\x80":
+        return "a pickle (torch.save's legacy format, or verl's RolloutSkip DataProto dump)"
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return "UTF-16 text (write it as UTF-8)"
+    return None
+
+
+def _parquet_rows(path: Path) -> list[dict]:
+    import pandas as pd
+
+    try:
+        table = pd.read_parquet(path)
+    except Exception as e:  # pyarrow raises several types for damaged files
+        raise InputError(f"{path} is not a readable parquet file ({type(e).__name__}); write it again") from e
+    return [{k: _plain(v) for k, v in row.items()} for row in table.to_dict("records")]
+
+
+def _check_signs(path: Path, logprobs: list[torch.Tensor]) -> None:
+    """Refuse logprobs above 0: no log-probability is. A file whose values are all >= 0 with some > 0 holds
+    negative log-likelihoods (a loss dump), which the message says."""
+    values = torch.cat(logprobs)
+    if not bool((values > 0).any()):
+        return
+    if bool((values >= 0).all()):
+        raise InputError(f"{path}: every logprob is >= 0: these are negative log-likelihoods (-logprob), not "
+                         "logprobs; negate them")
+    row = next(i for i, lp in enumerate(logprobs) if bool((lp > 0).any()))
+    j = int(torch.nonzero(logprobs[row] > 0)[0])
+    raise InputError(f"{path}: row {row}: logprob {j} is {float(logprobs[row][j])!r}, above 0, which no "
+                     "log-probability is: the file is damaged")
 
 
 def _plain(value):
@@ -161,7 +224,25 @@ def _sampling(path: Path, rows: list[dict]) -> dict:
     if found.get("logprobs_mode", "raw") not in LOGPROBS_MODES:
         raise InputError(f"{path}: logprobs_mode {found['logprobs_mode']!r}: choose raw or processed")
     missing = [k for k in REPLAYED if k not in found]
-    if found.get("logprobs_mode") == "processed" and missing:
+    processed = found.get("logprobs_mode") == "processed"
+    if processed and missing:
         raise InputError(f"{path}: the logprobs are processed but the file gives no {', '.join(missing)}; the trainer "
                          "must replay the sampling transform they were processed with")
+    _check_setting(path, found, "temperature", lambda v: _number(v) and (v > 0 if processed else v >= 0),
+                   "a number > 0 (processed logprobs at temperature 0 are vLLM's greedy path, its raw logprobs: "
+                   "write logprobs_mode raw)" if processed else "a number >= 0")
+    _check_setting(path, found, "top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1,
+                   "an integer: 0 or -1 (vLLM's 'disabled') or k >= 1")
+    _check_setting(path, found, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]")
+    if found.get("top_k") == -1:
+        found["top_k"] = 0  # vLLM's "disabled" (SamplingParams.top_k -1), the replay's 0
     return found
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_setting(path: Path, found: dict, key: str, valid, expected: str) -> None:
+    if key in found and not valid(found[key]):
+        raise InputError(f"{path}: {key} {found[key]!r}: {expected}")

@@ -82,6 +82,8 @@ def test_rescore_gives_compare_numbers_for_the_sampled_tokens_and_gate_judges_it
     (lambda r: r.__setitem__("prompt_length", len(r["token_ids"])), "prompt_length"),
     (lambda r: r["token_ids"].__setitem__(0, 10**6), "outside the model's vocabulary"),
     (lambda r: r.update(logprobs_mode="processed"), "logprobs_mode differs between rollouts"),
+    (lambda r: r["logprobs"].__setitem__(1, -1e39), "row 0: logprob 1 is -1e+39, outside fp32's range"),
+    (lambda r: r["logprobs"].__setitem__(3, 0.25), "row 0: logprob 3 is 0.25, above 0"),
 ])
 def test_a_damaged_rollout_file_is_refused_before_any_engine(rollout_run, tmp_path, capsys, edit, message):
     rows = rollout_rows(rollout_run)
@@ -102,3 +104,78 @@ def test_dumps_without_token_ids_or_logprobs_are_refused_with_the_reason(tmp_pat
         capsys, ["rescore", str(processed), "--out", str(tmp_path / "o")], EXIT_USAGE)
     assert "rescore scores with a training engine" in one_line_error(
         capsys, ["rescore", str(processed), "--train", "vllm", "--out", str(tmp_path / "o")], EXIT_USAGE)
+
+
+SETTINGS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+@pytest.mark.parametrize("mode, settings, message", [
+    ("raw", {"temperature": "hot"}, "temperature 'hot': a number >= 0"),
+    ("raw", {"temperature": -1}, "temperature -1: a number >= 0"),
+    ("processed", {"temperature": 0}, "temperature 0: a number > 0 (processed logprobs at temperature 0"),
+    ("processed", {"temperature": "0.7"}, "temperature '0.7': a number > 0"),
+    ("processed", {"top_p": 0}, "top_p 0: a number in (0, 1]"),
+    ("processed", {"top_p": 2}, "top_p 2: a number in (0, 1]"),
+    ("processed", {"top_k": -2}, "top_k -2: an integer"),
+    ("processed", {"top_k": 1.5}, "top_k 1.5: an integer"),
+])
+def test_sampling_settings_that_are_no_valid_value_are_refused(tmp_path, capsys, mode, settings, message):
+    """Checked before the trainer starts (it crashed on them, leaving the run marked running), and never recorded
+    as the setting the rollouts were sampled with."""
+    row = {"token_ids": [1, 2, 3, 4], "prompt_length": 2, "logprobs": [-1.0, -2.0], "logprobs_mode": mode,
+           **SETTINGS, **settings}
+    path = write_jsonl(tmp_path / "r.jsonl", [row])
+    out = tmp_path / "never"
+    assert message in one_line_error(capsys, ["rescore", str(path), "--out", str(out)], EXIT_USAGE)
+    assert not out.exists()
+
+
+def test_a_negated_file_is_named_as_negative_log_likelihoods(rollout_run, tmp_path, capsys):
+    rows = rollout_rows(rollout_run)
+    for row in rows:
+        row["logprobs"] = [-v for v in row["logprobs"]]
+    path = write_jsonl(tmp_path / "nll.jsonl", rows)
+    assert "these are negative log-likelihoods (-logprob), not logprobs; negate them" in one_line_error(
+        capsys, ["rescore", str(path), "--out", str(tmp_path / "never")], EXIT_USAGE)
+
+
+def test_files_of_other_formats_get_one_line_naming_what_rescore_reads(rollout_run, tmp_path, capsys):
+    """slime's and verl's dumps (torch.save, pickle), gzip'd or UTF-16 JSON lines: exit 2, the formats named; a
+    parquet file named .jsonl is read as the parquet it is (the content decides, not the name)."""
+    import gzip
+    import pickle
+
+    import torch
+
+    from alignaudit.inputs.rollouts import read_rollouts
+
+    rows = rollout_rows(rollout_run)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    files = {
+        "gz.jsonl": (gzip.compress(text.encode()), "is gzip-compressed"),
+        "utf16.jsonl": (text.encode("utf-16"), "is UTF-16 text"),
+        "latin1.jsonl": (text.replace("token_ids", "t\xf6ken_ids").encode("latin-1"), "is not UTF-8 text"),
+        "pickled.pkl": (pickle.dumps({"samples": rows}), "is a pickle"),
+    }
+    torch.save({"rollout_id": 0, "samples": rows}, tmp_path / "slime.pt")
+    files["slime.pt"] = ((tmp_path / "slime.pt").read_bytes(), "is a zip archive (torch.save writes one")
+    for name, (content, what) in files.items():
+        (tmp_path / name).write_bytes(content)
+        err = one_line_error(capsys, ["rescore", str(tmp_path / name), "--out", str(tmp_path / "never")], EXIT_USAGE)
+        assert what in err and "rescore reads JSON lines (UTF-8 text" in err, (name, err)
+    assert not (tmp_path / "never").exists()
+    pd.DataFrame(rows).to_parquet(tmp_path / "named.jsonl")
+    read = read_rollouts(tmp_path / "named.jsonl", 512)
+    assert read.source["format"] == "parquet" and len(read.logprobs) == len(rows)
+    latin = tmp_path / "baseline.json"
+    latin.write_bytes('{"mismatches": 0, "n\xf6": 1}'.encode("latin-1"))
+    assert "not UTF-8 text" in one_line_error(capsys, ["gate", str(rollout_run), "--baseline", str(latin)],
+                                              EXIT_USAGE)
+
+
+def test_vllm_disabled_top_k_is_read_as_disabled(tmp_path):
+    from alignaudit.inputs.rollouts import read_rollouts
+
+    row = {"token_ids": [1, 2, 3], "prompt_length": 2, "logprobs": [-0.5], "logprobs_mode": "processed",
+           "temperature": 0.7, "top_k": -1, "top_p": 1.0}
+    assert read_rollouts(write_jsonl(tmp_path / "r.jsonl", [row]), 512).sampling["top_k"] == 0
