@@ -45,9 +45,12 @@ chromium:
 
 # ruff (pyproject.toml [tool.ruff]: line length, import order, pyflakes) before the suite; the import
 # contracts are tests/test_imports.py.
+# The tests marked `isa` pin facts that move with the CPU's vector ISA: they run a second time with PyTorch's portable
+# (non-vector) kernels, ATEN_CPU_CAPABILITY=default, so a change that holds on one ISA only shows here.
 test: setup chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m isa $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) alignaudit-runs .pytest_cache

@@ -39,12 +39,14 @@ def diff(tmp_path_factory, captures):
     return run
 
 
-@pytest.mark.parametrize("a, b", [("megatron", "hf"), ("vllm", "hf"), ("megatron", "vllm")])
+@pytest.mark.parametrize("a, b", [pytest.param("megatron", "hf", marks=pytest.mark.isa), ("vllm", "hf"),
+                                  ("megatron", "vllm")])
 def test_fp32_engines_agree_to_1e4_but_not_bitwise(captures, diff, a, b):
     s = diff(captures.get(a, "fp32"), captures.get(b, "fp32"))
     assert s["tokens_compared"] == 176
     assert s["max_abs_diff"] < 1e-4, "fp32 engines this far apart means a weight or layout conversion is wrong"
-    assert s["mismatches"] > 100 and 0 < s["ulp_max"] <= 64
+    # the count moves with the CPU's vector ISA (megatron vs hf: 146 here, 8 on an Intel AVX-512/AMX CPU)
+    assert s["mismatches"] > 0 and 0 < s["ulp_max"] <= 64
     assert s["nan_mismatches"] == s["inf_mismatches"] == 0
 
 

@@ -33,13 +33,16 @@ def diff(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("train, infer", PAIRS)
+@pytest.mark.parametrize("train, infer", [pytest.param(*p, marks=pytest.mark.isa) if "vllm" not in p else p
+                                          for p in PAIRS])
 def test_prompt_mode_strict_is_bitwise_equal_and_stock_is_not(captures, diff, train, infer, dtype):
     strict = diff(captures.get(train, dtype, strict="all"), captures.get(infer, dtype, strict="all"))
     assert strict["tokens_compared"] == 176 and strict["mismatches"] == 0 and strict["ulp_max"] == 0
     assert strict["rl"]["ratio_min"] == strict["rl"]["ratio_max"] == 1.0
     stock = diff(captures.get(train, dtype), captures.get(infer, dtype))
-    assert stock["mismatches"] > 100
+    # how many differ depends on the CPU's vector ISA (fp32 megatron vs hf: > 100 of 176 on AVX2 and AMD AVX-512,
+    # 8 on an Intel AVX-512/AMX CPU; docs/findings.md "Facts that move with the CPU"); that some do, on none
+    assert stock["mismatches"] > 0
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
