@@ -26,7 +26,7 @@ import pandas as pd
 import pytest
 
 from alignaudit.commands import cli
-from alignaudit.errors import EXIT_OK, EXIT_USAGE
+from alignaudit.errors import EXIT_OK, EXIT_USAGE, InputError
 from helpers import FIXTURE, needs_chromium, one_line_error, open_in_chromium
 
 pytestmark = pytest.mark.engines
@@ -201,3 +201,21 @@ def bisect_dir(tmp_path):
         out / "ops-natural.parquet")
     write_json(out / "run.json", seal({"command": "bisect"}, out, ("ops-natural.parquet",)))
     return out
+
+
+def test_runs_side_by_side_are_compared_by_prompt_digest_not_file_name(tmp_path):
+    """Two runs of the same token ids, read from prompt files of different names, count the same tokens: side by
+    side they go; the same file name over other ids does not."""
+    from types import SimpleNamespace
+
+    from alignaudit.reports.html.side_by_side import RunColumn, check_comparable, workload
+
+    def column(name, source, digest):
+        record = {"mode": "prompt", "prompts": {"source": source, "digest": digest},
+                  "model": {"name": "qwen3-tiny", "checkpoint_sha256": "ab" * 32}}
+        run = SimpleNamespace(record=record, captures={}, path=tmp_path / name)
+        return RunColumn(run, {}, [], {}, workload(run))
+
+    check_comparable([column("a", "prompts-a.jsonl", "d1" * 32), column("b", "renamed.jsonl", "d1" * 32)])
+    with pytest.raises(InputError, match=r"the runs differ in prompts \(a: same.jsonl, digest d1d1"):
+        check_comparable([column("a", "same.jsonl", "d1" * 32), column("b", "same.jsonl", "e2" * 32)])

@@ -52,12 +52,25 @@ def workload(run: RunDir) -> dict[str, str]:
     """What a run measured, beyond its stack: the checkpoint (name, sha256 of config and weights: the checked train
     capture's manifest), the mode and the prompts (source, digest) as run.json records them; a diff run's record
     has neither, so the infer capture's manifest (whose digest, in rollout mode, covers the sampled tokens too)."""
+    model, prompts, mode = _workload_records(run)
+    return {"model checkpoint": f"{model.get('name', '?')} (sha256 {str(model.get('checkpoint_sha256', '?'))[:12]})",
+            "prompts": f"{prompts.get('source') or '?'}, digest {str(prompts.get('digest', '?'))[:12]}",
+            "mode": mode}
+
+
+def workload_identity(run: RunDir) -> dict[str, str]:
+    """What must be equal for two runs to count the same tokens (WORKLOAD's fields): the checkpoint's sha256, the
+    prompts' digest (of the token ids, whatever file or name they came from) and the mode."""
+    model, prompts, mode = _workload_records(run)
+    return {"model checkpoint": str(model.get("checkpoint_sha256")), "prompts": str(prompts.get("digest")),
+            "mode": mode}
+
+
+def _workload_records(run: RunDir) -> tuple[dict, dict, str]:
     record, m, infer = run.record or {}, _manifest(run), _manifest(run, "infer")
     model = m.get("model") or record.get("model") or {}
     prompts = record.get("prompts") or infer.get("prompts") or {}
-    return {"model checkpoint": f"{model.get('name', '?')} (sha256 {str(model.get('checkpoint_sha256', '?'))[:12]})",
-            "prompts": f"{prompts.get('source') or '?'}, digest {str(prompts.get('digest', '?'))[:12]}",
-            "mode": str(record.get("mode") or infer.get("mode") or "prompt")}
+    return model, prompts, str(record.get("mode") or infer.get("mode") or "prompt")
 
 
 def load_column(run_dir: Path | str) -> RunColumn:
@@ -89,7 +102,7 @@ def check_comparable(columns: list[RunColumn]) -> None:
     """
     for field in WORKLOAD:
         values = [c.workload[field] for c in columns]
-        if len(set(values)) > 1:
+        if len({workload_identity(c.run)[field] for c in columns}) > 1:
             shown = "; ".join(f"{c.run.path.name}: {v}" for c, v in zip(columns, values))
             raise InputError(f"the runs differ in {field} ({shown}), so their numbers count different tokens; put "
                              f"side by side runs of the same model, prompts and mode, or report each alone")
