@@ -40,6 +40,12 @@ def _settings(dtype: str, device: str, ops: str, exp: str, seed: int = 0):
                           strict_exp=check_strict_exp(exp, strict, device))
 
 
+def _check_number(name: str, value, expected: str = "a number") -> None:
+    """Refuse a value that is not a real number (bool, str, None, ...). Raises InputError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"{name} {value!r}: {expected}")
+
+
 def _spec(model: str | Path, random_weights: bool, seed: int = 0):
     from alignaudit.inputs.checkpoint import resolve_model
 
@@ -97,6 +103,9 @@ def token_logprobs(model, sequences: list[list[int]] | list[torch.Tensor]) -> li
                          f"{type(model).__name__}")
     vocab = model.vocab_size if megatron else model.config.vocab_size
     limit = model.max_sequence_length if megatron else model.config.max_position_embeddings
+    if isinstance(sequences, (str, bytes)) or not isinstance(sequences, (list, tuple)):
+        raise InputError(f"sequences: a list of token-id sequences (lists of int or 1-D integer tensors), not "
+                         f"{type(sequences).__name__}")
     seqs = [_token_ids(i, s, vocab, limit) for i, s in enumerate(sequences)]
     if not seqs:
         raise InputError("token_logprobs needs at least one sequence")
@@ -121,7 +130,12 @@ def token_logprobs(model, sequences: list[list[int]] | list[torch.Tensor]) -> li
 
 def _token_ids(i: int, sequence, vocab: int, limit: int) -> torch.Tensor:
     """Sequence ``i`` as a 1-D int64 tensor. Raises InputError for what the model cannot score."""
-    ids = torch.as_tensor(sequence)
+    if isinstance(sequence, (str, bytes)):
+        raise InputError(f"sequence {i} is text; give token ids (tokenize it first)")
+    try:
+        ids = torch.as_tensor(sequence)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise InputError(f"sequence {i}: not a list of token ids ({str(e).splitlines()[0]})") from None
     if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise InputError(f"sequence {i}: token ids must be one list (or 1-D tensor) of integers, not "
                          f"{ids.dtype} of shape {tuple(ids.shape)}")
@@ -209,6 +223,13 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
                         ("random_prompts", random_prompts), ("prompt_len", prompt_len)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise InputError(f"{name} {value!r}: an integer")
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("clip_eps", clip_eps)):
+        _check_number(name, value)
+    if out is not None and not isinstance(out, (str, Path)):
+        raise InputError(f"out {out!r}: a directory path (str or pathlib.Path)")
+    for name, value in (("force", force), ("random_weights", random_weights)):
+        if not isinstance(value, bool):
+            raise InputError(f"{name} {value!r}: True or False")
     try:
         options = [[f"{k}={json.dumps(v)}" for k, v in (opts or {}).items()] for opts in (train_options, infer_options)]
     except TypeError as e:
@@ -237,7 +258,7 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
 
         check_full_vocab(request.train, request.infer, request.mode, replay_routing)
         request = replace(request, full_vocab=True)
-    path = out_dir(OutputArgs(Path(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
+    path = out_dir(OutputArgs(str(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
     try:
         summary = run_compare(request, path)
     finally:
@@ -265,8 +286,7 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None
     from alignaudit.commands.options import check_clip_eps
     from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
 
-    if isinstance(clip_eps, bool) or not isinstance(clip_eps, (int, float)):
-        raise InputError(f"clip_eps {clip_eps!r}: a number in (0, 1)")
+    _check_number("clip_eps", clip_eps, "a number in (0, 1)")
     check_clip_eps(clip_eps)
     train, rollout = _rows(train_logprobs, mask, "train_logprobs"), _rows(rollout_logprobs, mask, "rollout_logprobs")
     if len(train) != len(rollout) or any(a.shape != b.shape for a, b in zip(train, rollout)):
@@ -283,8 +303,9 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None
 
 
 def _rows(logprobs, mask, name: str) -> list[torch.Tensor]:
-    """One fp32 CPU tensor per sequence from a list of 1-D tensors or a [B, T] tensor with ``mask``."""
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+    """One fp32 CPU tensor per sequence from a list of 1-D tensors or a [B, T] tensor with ``mask``; each checked by
+    ``_fp32``."""
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.is_meta):
         raise InputError(f"mask must be a bool tensor (True = a token to compare), not "
                          f"{getattr(mask, 'dtype', type(mask).__name__)}")
     if isinstance(logprobs, torch.Tensor):
@@ -295,16 +316,47 @@ def _rows(logprobs, mask, name: str) -> list[torch.Tensor]:
             mask = torch.ones_like(logprobs, dtype=torch.bool)
         if mask.shape != logprobs.shape:
             raise InputError(f"mask {tuple(mask.shape)} and {name} {tuple(logprobs.shape)} differ in shape")
-        return [row[m].detach().float().cpu() for row, m in zip(logprobs, mask.bool())]
+        values = _fp32(logprobs, name)
+        return [row[m] for row, m in zip(values, mask.cpu(), strict=True)]
     if mask is not None:
         raise InputError(f"mask applies to [B, T] tensors; {name} is a list of sequences")
-    if not isinstance(logprobs, (list, tuple)):
+    if isinstance(logprobs, (str, bytes)) or not isinstance(logprobs, (list, tuple)):
         raise InputError(f"{name}: a list of 1-D tensors (one per sequence) or a [B, T] tensor, not "
                          f"{type(logprobs).__name__}")
-    rows = [torch.as_tensor(row).detach().float().cpu() for row in logprobs]
-    if any(row.dim() != 1 for row in rows):
-        raise InputError(f"{name}: each sequence's logprobs must be 1-D; give a [B, T] tensor with a mask instead")
+    rows = []
+    for i, row in enumerate(logprobs):
+        if isinstance(row, (str, bytes)):
+            raise InputError(f"{name}[{i}] is text; give numbers")
+        try:
+            tensor = row if isinstance(row, torch.Tensor) else torch.as_tensor(row)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InputError(f"{name}[{i}]: not a sequence of numbers ({str(e).splitlines()[0]})") from None
+        if tensor.dim() != 1:
+            raise InputError(f"{name}: each sequence's logprobs must be 1-D; give a [B, T] tensor with a mask instead")
+        rows.append(_fp32(tensor, f"{name}[{i}]"))
     return rows
+
+
+def _fp32(values: torch.Tensor, name: str) -> torch.Tensor:
+    """``values`` as fp32 on the CPU, refusing what fp32 would change: alignaudit compares fp32 bit patterns (what
+    engines record), into which bf16 and fp16 convert exactly; float64 only where every value converts exactly.
+
+    Raises:
+        InputError: a meta tensor, a non-floating dtype (int, bool, complex), or float64 values fp32 cannot hold.
+    """
+    if values.is_meta:
+        raise InputError(f"{name} is a meta tensor (no values); give the logprobs themselves")
+    if not values.is_floating_point():
+        raise InputError(f"{name} has dtype {values.dtype}; logprobs are floating point (fp32 as engines record them)")
+    values = values.detach().cpu()
+    converted = values.float()
+    if values.dtype == torch.float64:
+        same = (converted.double() == values) | (values.isnan() & converted.isnan())
+        if not bool(same.all()):
+            raise InputError(f"{name} holds float64 logprobs that fp32 cannot hold exactly; alignaudit compares the "
+                             "fp32 values engines record: pass those (or .float() both sides yourself, knowing it "
+                             "rounds)")
+    return converted
 
 
 @dataclass
@@ -364,6 +416,9 @@ def verify_weight_sync(trainer: dict[str, torch.Tensor], rollout) -> WeightSync:
         if not isinstance(side, dict) or not all(isinstance(t, torch.Tensor) for t in side.values()):
             raise InputError(f"{name}: a dict of HF name -> tensor (e.g. dict(model.named_parameters())), or for the "
                              f"rollout side the running vLLM LLM, not {type(side).__name__}")
+        meta = [k for k, t in side.items() if t.is_meta]
+        if meta:
+            raise InputError(f"{name}: {meta[0]} is a meta tensor (no values to compare); give the weights themselves")
     if not trainer:
         raise InputError("trainer holds no weights: an empty sync would pass unchecked; give the tensors sent")
     missing = sorted(set(trainer) - set(rollout)) + sorted(set(rollout) - set(trainer))

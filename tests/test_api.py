@@ -133,3 +133,39 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
         with pytest.raises(InputError, match=message):
             api.compare(out=tmp_path / "never", **kwargs)
     assert not (tmp_path / "never").exists()
+
+
+def test_wrong_types_get_the_documented_error_not_a_raw_one(tmp_path, monkeypatch):
+    """Every argument the API takes is checked for type and meaning and refused with InputError (the CLI's rule):
+    none reaches torch or the engines as a TypeError, and no value is silently changed on its way in."""
+    hf = api.strict_hf_model("qwen3-tiny", device="cpu")
+    for sequences, message in ((None, "sequences: a list of token-id sequences"),
+                               ("some text", r"1-D integer tensors\), not str"),
+                               (["text"], "sequence 0 is text"), ([[1, 2**70]], "sequence 0: not a list of token ids")):
+        with pytest.raises(InputError, match=message):
+            api.token_logprobs(hf, sequences)
+    lp = [torch.tensor([-1.0, -2.0])]
+    for train, rollout, message in (
+            ([torch.tensor([-1.0, -2.0], dtype=torch.float64)], [torch.tensor([-1.0, -2.0 + 1e-12],
+                                                                          dtype=torch.float64)],
+             "float64 logprobs that fp32 cannot hold exactly"),
+            ([torch.tensor([1, 2])], lp, "has dtype torch.int64"), ([torch.tensor([True, False])], lp, "torch.bool"),
+            ([torch.tensor([-1 + 1j, -2j])], lp, "torch.complex64"), (["ab"], lp, r"train_logprobs\[0\] is text"),
+            ("ab", lp, "not str"), ([torch.empty(2, device="meta")], lp, "is a meta tensor")):
+        with pytest.raises(InputError, match=message):
+            api.mismatch_metrics(train, rollout)
+    exact = [torch.tensor([-1.0, -0.5], dtype=torch.float64)]  # fp64 values fp32 holds exactly: taken as they are
+    assert api.mismatch_metrics(exact, [torch.tensor([-1.0, -0.5])])["mismatches"] == 0
+    assert api.mismatch_metrics([lp[0].bfloat16()], lp)["mismatches"] == 0  # bf16 -> fp32 is exact
+    with pytest.raises(InputError, match="clip_eps 'abc': a number"):
+        api.mismatch_metrics(lp, lp, clip_eps="abc")
+    with pytest.raises(InputError, match="meta tensor"):
+        api.verify_weight_sync({"w": torch.empty(2, device="meta")}, {"w": torch.zeros(2)})
+    monkeypatch.chdir(tmp_path)
+    for kwargs, message in (({"temperature": "0.7", "mode": "rollout"}, "temperature '0.7': a number"),
+                            ({"clip_eps": "abc"}, "clip_eps 'abc': a number"), ({"out": 123}, "out 123: a directory"),
+                            ({"out": ""}, "--out is empty"), ({"force": "yes"}, "force 'yes': True or False"),
+                            ({"random_prompts": 2, "prompt_len": 0}, "--prompt-len >= 2")):
+        with pytest.raises(InputError, match=message):
+            api.compare(**kwargs)
+    assert list(tmp_path.iterdir()) == []  # compare(out="") took over the current directory before
