@@ -34,7 +34,9 @@
 # alignaudit rl on the Qwen3-1.7B shape, megatron trains, vllm rolls out; vllm-bench generation tokens/s
 # (bench/vllm_generate.py, BENCH_CONFIGS); vllm-warmup: strict generation at max_model_len WARMUP_MAX_LEN (4096)
 # with 600 sequences (decode unsplit), to read that no strict kernel builds inside a timed batch.
-# vllm-q8-prompt / vllm-q8-default: one of vllm-q8's three. synth: build the
+# vllm-q8-prompt / vllm-q8-default: one of vllm-q8's three. [24]: vllm-q8-bi the strict rollout under VLLM_BATCH_INVARIANT=1,
+# and its infer capture diffed against vllm-q8-rollout's (the same bits?); vllm-q8-bi-default the default stack under it;
+# vllm-q8-processed strict and default rollouts with logprobs_mode=processed_logprobs at temperature 0.7, top-k 50, top-p 0.9. synth: build the
 # random checkpoints of SYNTH (comma-separated presets) once, before stages run side by side (the cache is not
 # safe for two writers). CMP_OPTS: options added to every compare and to vllm-rl17 (e.g. --infer-opt
 # gpu_memory_utilization=0.2 --infer-opt kv_cache_memory_bytes=4294967296, for two stages side by side on one GPU);
@@ -228,6 +230,19 @@ for stage in "$@"; do
                        --prompt-len 256 --train megatron --infer vllm --infer-opt quantization=fp8 --layers 0 --device cuda \
                        --out /tmp/runs/fp8-bisect --force 2>&1 | log | tail -30 ;;
     vllm-q8-prompt) cmp vq8-strict $Q8 --train megatron --infer vllm --strict ${VQ8_OPTS:-} ;;
+    vllm-q8-bi) VLLM_BATCH_INVARIANT=1 cmp vq8-bi-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout \
+                  --max-new-tokens 64
+                [ -d /tmp/runs/vq8-strict-rollout ] || cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict \
+                  --mode rollout --max-new-tokens 64
+                timeout 120 python3 -m alignaudit diff /tmp/runs/vq8-bi-strict-rollout/infer /tmp/runs/vq8-strict-rollout/infer \
+                  --out /tmp/runs/vq8-bi-vs-plain --force 2>&1 | log | grep -E "IDENTICAL|differ|tokens compared|rror" | head -4 ;;
+    vllm-q8-bi-default) VLLM_BATCH_INVARIANT=1 cmp vq8-bi-default-rollout $Q8 --train megatron --infer vllm --mode rollout \
+                          --max-new-tokens 64 ;;
+    vllm-q8-processed) for how in ${PROCESSED_HOW:-strict default}; do
+                         VLLM_USE_V2_MODEL_RUNNER=${PROCESSED_V2:-0} cmp vq8-processed-$how $Q8 --train megatron --infer vllm $([ $how = strict ] && echo --strict) \
+                           --mode rollout --max-new-tokens 64 --temperature 0.7 --top-k 50 --top-p 0.9 \
+                           --infer-opt logprobs_mode=processed_logprobs
+                       done ;;
     vllm-q8-default) cmp vq8-default $Q8 --train megatron --infer vllm ${VQ8_OPTS:-} ;;
     vllm-q8-rollout) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 ${VQ8_OPTS:-} ;;
     vllm-q8-hf) cmp vq8-strict-hf-rollout $Q8 --train hf --infer vllm --strict --mode rollout --max-new-tokens 64 ;;

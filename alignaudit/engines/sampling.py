@@ -40,7 +40,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     x = scale_by_temperature(rows, per_row(temperature, torch.float32))
     x = truncate(x, per_row(top_k, torch.long) if top_k else None,
                  per_row(top_p, torch.float32) if top_p < 1 else None)
-    return x.view(logits.shape)
+    return x.reshape(logits.shape)
 
 
 def scale_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ def scale_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> tor
     Sampler.apply_temperature: ``logits.div_(temp.unsqueeze(1))``). ``temperature``: fp32 [rows], on the logits'
     device. A tensor divisor on purpose: CUDA divides by a Python scalar as a multiply by its reciprocal
     (aten's div_true_kernel_cuda), which rounds differently."""
-    return logits.float() / temperature.to(device=logits.device, dtype=torch.float32)[:, None]
+    return logits.float().contiguous() / temperature.to(device=logits.device, dtype=torch.float32)[:, None]
 
 
 def truncate(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

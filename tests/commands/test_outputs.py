@@ -179,7 +179,8 @@ def test_ctrl_c_says_interrupted_and_keeps_what_was_written(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: the whole foreground group
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.startswith("interrupted") and "Traceback" not in err
-    assert json.loads((tmp_path / "o" / "run.json").read_text())["status"] == "running"
+    record = json.loads((tmp_path / "o" / "run.json").read_text())  # never left looking as if it still ran
+    assert record["status"] == "interrupted" and record["error"].startswith("KeyboardInterrupt")
 
 
 def test_an_interrupt_python_could_not_raise_is_delivered_again():
@@ -257,7 +258,8 @@ def test_a_failed_command_releases_its_lock(tmp_path, capsys):
     err = one_line_error(capsys, ["compare", "--train", "hf", "--infer", "hf", "--train-opt",
                                   "attn_implementation=flash_attention_2", "--out", str(d)], EXIT_USAGE)
     assert "cannot load" in err and (d / outdir.LOCK).exists() and not outdir._held
-    assert json.loads((d / "run.json").read_text())["status"] == "running"
+    record = json.loads((d / "run.json").read_text())
+    assert record["status"] == "failed" and "cannot load" in record["error"]
     with pytest.raises(InputError, match="--out is empty"):
         outdir.prepare("", False, ())
 

@@ -378,8 +378,10 @@ class MegatronEngine(Engine):
         from alignaudit.engines.sampling import process_logits
 
         logits = self.gpt(inputs, positions, mask)  # [batch, n, V]
-        # vocab_parallel_cross_entropy works in place on fp32 logits: give it a copy, keep ours.
-        loss = self.gpt.compute_language_model_loss(labels, logits.transpose(0, 1).clone())
+        # vocab_parallel_cross_entropy works in place on fp32 logits: give it a copy, keep ours; a contiguous one,
+        # as megatron-core 0.19's views it as [-1, V] (clone() keeps the transpose's strides: it failed on the H200).
+        loss = self.gpt.compute_language_model_loss(labels, logits.transpose(0, 1).clone(
+            memory_format=torch.contiguous_format))
         for j, (r, length) in enumerate(zip(rows, lengths)):
             replay = self.replay_rows(r, length)
             if replay is None:
