@@ -172,13 +172,24 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
             device: DeviceOpt = "auto",
             train_opt: Annotated[Optional[list[str]], typer.Option(
                 "--train-opt", metavar="KEY=VALUE", help="Training-engine setting (repeatable).")] = None,
-            strict: StrictOpt = None, clip_eps: ClipEpsOpt = 0.2) -> None:
+            strict: StrictOpt = None, clip_eps: ClipEpsOpt = 0.2,
+            logprobs_mode: Annotated[Optional[str], typer.Option(
+                "--logprobs-mode", metavar="MODE", help="raw or processed, for a file that does not record it "
+                "(NeMo-RL's and slime's dumps do not).")] = None,
+            temperature: Annotated[Optional[float], typer.Option(
+                "--temperature", metavar="T", help="The rollout's temperature, for a file that does not record it.")]
+            = None,
+            top_k: Annotated[Optional[int], typer.Option("--top-k", metavar="K", help="Likewise its top-k.")] = None,
+            top_p: Annotated[Optional[float], typer.Option("--top-p", metavar="P", help="Likewise its top-p.")]
+            = None) -> None:
     """Score rollouts your RL framework recorded with the training engine, and compare its logprobs of the
     sampled tokens with the rollout engine's, as `compare --mode rollout` does.
 
     FILE holds, per rollout, the token ids (prompt then sampled tokens), the prompt length and the rollout
     engine's logprob of each sampled token; optionally temperature, top_k, top_p and logprobs_mode (raw or
-    processed: processed logprobs are scored under the same sampling transform). docs/cli.md "rescore" has
+    processed: processed logprobs are scored under the same sampling transform). NeMo-RL's train_data_step*.jsonl
+    and slime's --save-debug-rollout-data .pt files are read as they are written; they record no sampling
+    settings, which --logprobs-mode, --temperature, --top-k and --top-p then give. docs/cli.md "rescore" has
     the schema. The run directory is `alignaudit gate`'s and `alignaudit report`'s input.
 
     Examples:
@@ -186,6 +197,8 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
     ```
     alignaudit rescore rollouts.jsonl --model /ckpt/step-100 --train megatron --out runs/step-100
     alignaudit gate runs/step-100
+    alignaudit rescore logs/exp_001/train_data_step3.jsonl --logprobs-mode processed --temperature 1.0 \
+        --top-k -1 --top-p 1.0 --model /ckpt/step-3 --out runs/nemo-step-3
     ```
     """
     from alignaudit.capture.rundir import RESCORE_OUTPUTS, SUMMARY
@@ -201,7 +214,8 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
     spec = resolve_model_arg(model)
     pair = PairArgs(train=train, infer=train, dtype=dtype, device=device, train_opt=train_opt, strict=strict)
     run = engine_runs(pair, model.seed, spec)[0]
-    rollouts = read_rollouts(rollouts_file, spec.vocab_size)
+    given = {"logprobs_mode": logprobs_mode, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+    rollouts = read_rollouts(rollouts_file, spec.vocab_size, given)
     out = out_dir(output, "rescore", RESCORE_OUTPUTS, (Path(rollouts_file),))
     with console.status("") as status:
         summary = run_rescore(spec, rollouts, run, out, clip_eps, stream_log=output.verbose, on_stage=status.update)

@@ -8,7 +8,8 @@ One row per rollout, JSON lines or parquet, the same columns either way:
     temperature, top_k, top_p, logprobs_mode   optional, the same in every row: how the engine sampled, and
                     whether its logprobs are "raw" (vLLM's default) or "processed" (after the sampling
                     transform; the trainer then replays it)
-The format is told by the content (parquet's PAR1 magic, else UTF-8 JSON lines), not the name. Refused with one
+The format is told by the content (parquet's PAR1 magic, torch.save's zip: slime, else UTF-8 JSON lines, NeMo-RL's
+by their keys), not the name; the frameworks' dumps: alignaudit.inputs.framework_dumps. Refused with one
 line naming the row and the fix: a file of another format (gzip, torch.save / pickle, UTF-16), a missing column,
 lengths that disagree, a NaN, infinite, beyond-fp32 or positive logprob (a file of values all >= 0 is named as
 negative log-likelihoods), token ids outside the vocabulary, settings that differ between rows or are no valid
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from alignaudit.errors import InputError
+from alignaudit.inputs.framework_dumps import is_nemo_rl, nemo_rl_rows, slime_rows
 from alignaudit.inputs.prompts import TokenBatch
 
 COLUMNS = ("token_ids", "prompt_length", "logprobs")
@@ -60,8 +62,10 @@ class Rollouts:
         return self.sampling.get("logprobs_mode") == "processed"
 
 
-def read_rollouts(path: Path | str, vocab_size: int) -> Rollouts:
-    """Read and check a rollout file (the module docstring's schema); ``vocab_size``: the model's.
+def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None) -> Rollouts:
+    """Read and check a rollout file (the module docstring's schema); ``vocab_size``: the model's. ``given``: SAMPLING
+    settings from the command line (rescore --temperature ...), for files that do not record them; one the file
+    records with another value is refused.
 
     Raises:
         InputError: an unreadable or damaged file (one line naming the row, the column and the fix).
@@ -100,19 +104,20 @@ def read_rollouts(path: Path | str, vocab_size: int) -> Rollouts:
         lengths.append(n)
         logprobs.append(torch.tensor(values, dtype=torch.float32))
     _check_signs(path, logprobs)
-    sampling = _sampling(path, rows)
+    sampling = _sampling(path, rows, given or {})
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return Rollouts(TokenBatch(tuple(sequences), source=f"rollouts:{path.name}"), lengths, logprobs, sampling,
                     {"path": str(path.resolve()), "sha256": digest, "format": fmt})
 
 
 FORMATS = ("rescore reads JSON lines (UTF-8 text, one rollout object per line) or parquet, with token_ids, "
-           "prompt_length and logprobs per rollout (docs/cli.md 'rescore')")
+           "prompt_length and logprobs per rollout, NeMo-RL's train_data_step*.jsonl and slime's "
+           "--save-debug-rollout-data .pt files (docs/cli.md 'rescore')")
 FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _read_rows(path: Path) -> tuple[list[dict], str]:
-    """The file's rows and its format ("parquet" or "jsonl"), told by its content, not its name.
+    """The file's rows and its format ("parquet", "jsonl", "nemo-rl" or "slime"), told by its content, not its name.
 
     Raises:
         InputError: a file of another format (gzip, a torch.save or pickle file, UTF-16 or other non-UTF-8
@@ -124,6 +129,8 @@ def _read_rows(path: Path) -> tuple[list[dict], str]:
         return _parquet_rows(path), "parquet"
     if path.suffix == ".parquet":
         raise InputError(f"{path} is not a parquet file (no PAR1 magic); {FORMATS}")
+    if head[:2] == b"PK":  # a zip archive: torch.save's format, as slime writes its debug rollout files
+        return slime_rows(path), "slime"
     what = _binary_kind(head)
     if what:
         raise InputError(f"{path} is {what}; {FORMATS}")
@@ -143,6 +150,8 @@ def _read_rows(path: Path) -> tuple[list[dict], str]:
         if not isinstance(row, dict):
             raise InputError(f"{path}:{number} is not a JSON object; one rollout object per line")
         rows.append(row)
+    if rows and is_nemo_rl(rows[0]):
+        return nemo_rl_rows(path, rows), "nemo-rl"
     return rows, "jsonl"
 
 
@@ -150,10 +159,9 @@ def _binary_kind(head: bytes) -> str | None:
     """What a file whose first bytes are ``head`` is, where it is a binary format rescore does not read."""
     if head[:2] == b"\x1f\x8b":
         return "gzip-compressed (decompress it first)"
-    if head[:2] == b"PK":
-        return "a zip archive (torch.save writes one: slime's --save-debug-rollout-data files are)"
     if head[:1] == b"\x80":
-        return "a pickle (torch.save's legacy format, or verl's RolloutSkip DataProto dump)"
+        return ("a pickle (torch.save's legacy format, or verl's RolloutSkip dump of a DataProto, whose unpickling "
+                "needs verl, tensordict and ray; write its prompts, responses and rollout_log_probs as JSON lines)")
     if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
         return "UTF-16 text (write it as UTF-8)"
     return None
@@ -210,8 +218,8 @@ def _floats(path: Path, i: int, values) -> list[float]:
     return [float("nan") if v is None else float(v) for v in values]
 
 
-def _sampling(path: Path, rows: list[dict]) -> dict:
-    """The SAMPLING settings the file gives, the same in every row."""
+def _sampling(path: Path, rows: list[dict], given: dict) -> dict:
+    """The SAMPLING settings the file gives, the same in every row, with ``given`` for those it does not."""
     found = {}
     for key in SAMPLING:
         values = {json.dumps(row.get(key)) for row in rows}
@@ -221,6 +229,11 @@ def _sampling(path: Path, rows: list[dict]) -> dict:
         value = rows[0].get(key)
         if value is not None:
             found[key] = value
+        if given.get(key) is not None:
+            if value is not None and value != given[key]:
+                raise InputError(f"{path} records {key} {value!r}, and --{key.replace('_', '-')} {given[key]!r} was "
+                                 "given; drop the option (the file says how its rollouts were sampled)")
+            found[key] = given[key]
     if found.get("logprobs_mode", "raw") not in LOGPROBS_MODES:
         raise InputError(f"{path}: logprobs_mode {found['logprobs_mode']!r}: choose raw or processed")
     missing = [k for k in REPLAYED if k not in found]

@@ -44,11 +44,48 @@ def write_jsonl(path, rows):
     return path
 
 
+def write_nemo_rl(path, rows):
+    """The rollouts as NeMo-RL's GRPO writes train_data_step{N}.jsonl (nemo_rl/algorithms/grpo.py; Logger.
+    log_batched_dict_as_jsonl: one line per sample, each value a batch of one, token rows right-padded to the
+    step's longest, logprobs at the position of their token, 0 elsewhere)."""
+    width = max(len(r["token_ids"]) for r in rows)
+    lines = []
+    for i, r in enumerate(rows):
+        n, p = len(r["token_ids"]), r["prompt_length"]
+        pad = [0] * (width - n)
+        lines.append({"content": [f"prompt {i}", f"response {i}"], "rewards": [0.5], "input_lengths": [n],
+                      "token_ids": [r["token_ids"] + pad], "token_loss_mask": [[0] * p + [1] * (n - p) + pad],
+                      "sample_loss_mask": [1.0], "advantages": [[0.0] * width],
+                      "generation_logprobs": [[0.0] * p + r["logprobs"] + [0.0] * len(pad)],
+                      "prev_logprobs": [[0.0] * width], "idx": i})
+    path.parent.mkdir(parents=True)
+    return write_jsonl(path, lines)
+
+
+def write_slime(path, rows):
+    """The rollouts as slime's --save-debug-rollout-data writes them (slime/observability/rollout_data_utils.py:
+    torch.save of {"rollout_id", "samples": [Sample.to_dict()]}; slime/utils/types.py Sample)."""
+    import torch
+
+    samples = [{"group_index": i // 2, "index": i, "rollout_id": None, "prompt": f"prompt {i}",
+                "tokens": r["token_ids"], "multimodal_inputs": None, "response": f"response {i}",
+                "response_length": len(r["logprobs"]), "label": None, "reward": 0.5,
+                "loss_mask": [1] * len(r["logprobs"]), "weight_versions": ["1"],
+                "rollout_log_probs": r["logprobs"], "rollout_routed_experts": None, "remove_sample": False,
+                "status": "completed", "metadata": {}, "spec_info": {}, "prefix_cache_info": {}}
+               for i, r in enumerate(rows)]
+    path.parent.mkdir(parents=True)
+    torch.save({"rollout_id": 0, "samples": samples}, path)
+    return path
+
+
 def test_rescore_gives_compare_numbers_for_the_sampled_tokens_and_gate_judges_it(rollout_run, tmp_path):
     compared = json.loads((rollout_run / "summary.json").read_text())["generated"]
     rows = rollout_rows(rollout_run)
     assert len(rows) == 4 and all(len(r["logprobs"]) == 8 for r in rows)
-    files = {"jsonl": write_jsonl(tmp_path / "rollouts.jsonl", rows), "parquet": tmp_path / "rollouts.parquet"}
+    files = {"jsonl": write_jsonl(tmp_path / "rollouts.jsonl", rows), "parquet": tmp_path / "rollouts.parquet",
+             "nemo-rl": write_nemo_rl(tmp_path / "logs" / "exp_001" / "train_data_step1.jsonl", rows),
+             "slime": write_slime(tmp_path / "rollout_data" / "0.pt", rows)}
     pd.DataFrame(rows).to_parquet(files["parquet"])
     expected = pd.read_parquet(rollout_run / "tokens.parquet")
     expected = expected[expected["generated"]].reset_index(drop=True)
@@ -140,8 +177,9 @@ def test_a_negated_file_is_named_as_negative_log_likelihoods(rollout_run, tmp_pa
 
 
 def test_files_of_other_formats_get_one_line_naming_what_rescore_reads(rollout_run, tmp_path, capsys):
-    """slime's and verl's dumps (torch.save, pickle), gzip'd or UTF-16 JSON lines: exit 2, the formats named; a
-    parquet file named .jsonl is read as the parquet it is (the content decides, not the name)."""
+    """verl's RolloutSkip dump (a pickle), gzip'd, UTF-16 or Latin-1 JSON lines, a torch.save file that is not
+    slime's: exit 2, the formats named; a parquet file named .jsonl is read as the parquet it is (the content
+    decides, not the name)."""
     import gzip
     import pickle
 
@@ -157,12 +195,14 @@ def test_files_of_other_formats_get_one_line_naming_what_rescore_reads(rollout_r
         "latin1.jsonl": (text.replace("token_ids", "t\xf6ken_ids").encode("latin-1"), "is not UTF-8 text"),
         "pickled.pkl": (pickle.dumps({"samples": rows}), "is a pickle"),
     }
-    torch.save({"rollout_id": 0, "samples": rows}, tmp_path / "slime.pt")
-    files["slime.pt"] = ((tmp_path / "slime.pt").read_bytes(), "is a zip archive (torch.save writes one")
     for name, (content, what) in files.items():
         (tmp_path / name).write_bytes(content)
         err = one_line_error(capsys, ["rescore", str(tmp_path / name), "--out", str(tmp_path / "never")], EXIT_USAGE)
         assert what in err and "rescore reads JSON lines (UTF-8 text" in err, (name, err)
+    torch.save({"model": torch.zeros(2)}, tmp_path / "weights.pt")  # a torch.save file that is no slime dump
+    err = one_line_error(capsys, ["rescore", str(tmp_path / "weights.pt"), "--out", str(tmp_path / "never")],
+                         EXIT_USAGE)
+    assert "holds no slime samples" in err
     assert not (tmp_path / "never").exists()
     pd.DataFrame(rows).to_parquet(tmp_path / "named.jsonl")
     read = read_rollouts(tmp_path / "named.jsonl", 512)
@@ -179,3 +219,27 @@ def test_vllm_disabled_top_k_is_read_as_disabled(tmp_path):
     row = {"token_ids": [1, 2, 3], "prompt_length": 2, "logprobs": [-0.5], "logprobs_mode": "processed",
            "temperature": 0.7, "top_k": -1, "top_p": 1.0}
     assert read_rollouts(write_jsonl(tmp_path / "r.jsonl", [row]), 512).sampling["top_k"] == 0
+
+
+def test_framework_dumps_they_cannot_be_rescored_from_are_refused_with_the_reason(tmp_path, capsys):
+    """Multi-turn loss masks (tool tokens between generated spans, never sampled by the engine), a slime sample
+    without rollout logprobs, and a sampling setting given twice with two values."""
+    row = {"token_ids": [1, 2, 3, 4, 5, 6], "prompt_length": 2, "logprobs": [-1.0, -2.0, -0.5, -0.1]}
+    nemo = write_nemo_rl(tmp_path / "n" / "train_data_step1.jsonl", [row])
+    line = json.loads(nemo.read_text())
+    line["token_loss_mask"] = [[0, 0, 1, 0, 1, 1]]
+    nemo.write_text(json.dumps(line) + "\n")
+    assert "the loss mask has holes (multi-turn" in one_line_error(
+        capsys, ["rescore", str(nemo), "--out", str(tmp_path / "never")], EXIT_USAGE)
+    slime = write_slime(tmp_path / "s" / "0.pt", [row])
+    import torch
+
+    data = torch.load(slime, weights_only=True)
+    data["samples"][0]["rollout_log_probs"] = None
+    torch.save(data, slime)
+    assert "sample 0 has no rollout_log_probs" in one_line_error(
+        capsys, ["rescore", str(slime), "--out", str(tmp_path / "never")], EXIT_USAGE)
+    plain = write_jsonl(tmp_path / "r.jsonl", [{**row, "temperature": 0.7}])
+    assert "records temperature 0.7, and --temperature 1.0 was given" in one_line_error(
+        capsys, ["rescore", str(plain), "--temperature", "1.0", "--out", str(tmp_path / "never")], EXIT_USAGE)
+    assert not (tmp_path / "never").exists()
