@@ -1,0 +1,186 @@
+"""TRL's GRPOTrainer with alignaudit's strict path on both sides: ``StrictGRPOTrainer`` (docs/frameworks.md "TRL").
+
+    from alignaudit.integrations.trl import StrictGRPOTrainer
+    trainer = StrictGRPOTrainer(model="Qwen/Qwen3-1.7B", reward_funcs=..., args=GRPOConfig(use_vllm=True,
+                                vllm_mode="colocate", ...), train_dataset=..., fail_closed=True)
+
+What it changes against TRL's GRPOTrainer (TRL 1.16, trl/trainer/grpo_trainer.py), each because TRL's own path
+would make the trainer's logprob of a sampled token another number than vLLM's:
+    vLLM      TRL builds its colocated LLM itself, after ALIGNAUDIT_STRICT names the strict ops, so the strict
+              plugin (alignaudit.engines.vllm.plugin) patches it, processed logprobs included (TRL runs vLLM with
+              logprobs_mode="processed_logprobs"); VLLM_USE_V2_MODEL_RUNNER=0 unless set, since the plugin makes
+              processed logprobs strict under model runner V1 only.
+    policy    the transformers model with the strict module swap (alignaudit.api.strict_hf_model); a model given
+              as an object must already be strict.
+    logprobs  TRL scores tokens with its fused, chunked LM head (trl/trainer/utils.py add_fused_lm_head), whose
+              tiles and reductions are its own; here the fused call (``fused_lm_head=True``, the contract TRL's
+              GRPOTrainer calls) runs the strict LM head, the sampling transform vLLM applied (temperature, top-k,
+              top-p: alignaudit.engines.sampling, the functions the plugin uses) and the strict token logprob,
+              with gradients.
+    positions TRL passes no position_ids; its prompts are left-padded, so each row's positions come from the
+              attention mask (cumulative sum - 1), the positions vLLM computed the prompt at.
+    the hook  ``compute_loss`` (transformers.Trainer's documented override point, which TRL's step calls after
+              the rollout and the trainer's old logprobs exist and before the loss and its backward) compares
+              the trainer's old logprobs with vLLM's for every completion token (alignaudit.api.mismatch_metrics),
+              logs ``alignaudit/mismatches``, ``alignaudit/tokens``, ``alignaudit/ulp_max`` and
+              ``alignaudit/max_abs_diff`` beside TRL's own metrics, and with ``fail_closed=True`` raises
+              ``AlignmentError`` before the backward pass of the first micro-batch whose logprobs differ.
+Refused at construction, with the reason: vLLM off or in server mode, TRL's importance-sampling correction off (its
+logp difference and the old logprobs the hook compares are computed only with it), min_p, a repetition penalty,
+generation_kwargs, the LM head cast to fp32 (vLLM projects in the model's dtype), and vLLM's model runner V2 chosen
+explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import FusedCausalLMOutput
+
+import alignaudit_kernels as K
+from alignaudit import api
+from alignaudit.errors import EXIT_MISMATCH, AlignAuditError, InputError
+from alignaudit.inputs.strict_ops import ENV, EXP_ENV, format_strict, parse_strict
+
+HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", torch.bfloat16: "bf16",
+             torch.float16: "fp16", torch.float32: "fp32"}
+
+
+class AlignmentError(AlignAuditError):
+    """The trainer's logprob of a sampled token differs from the rollout engine's (``fail_closed``)."""
+
+    exit_code = EXIT_MISMATCH
+
+
+class StrictGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose colocated vLLM and policy both compute with alignaudit's strict kernels, so TRL's own
+    ``sampling/sampling_logp_difference`` is 0 and its importance ratio 1 at every token (the module docstring).
+
+    Args:
+        model: an HF checkpoint directory, a hub id in the local cache or a fixture name (built strict here with
+            ``args.model_init_kwargs["dtype"]``, default bf16, on the trainer's device), or a model already made
+            strict by ``alignaudit.api.strict_hf_model``. Every other positional and keyword argument is
+            GRPOTrainer's.
+        strict: the strict ops, "all" or a comma list of alignaudit.inputs.strict_ops.STRICT_OPS.
+        exp: strict attention's exp, "portable" or "native" (CUDA).
+        fail_closed: raise AlignmentError before the backward pass when any completion token's logprob differs.
+    Raises:
+        InputError: a setting under which the two sides cannot agree, or a model that is not strict (module
+            docstring), before TRL builds anything.
+    """
+
+    def __init__(self, model, *args, strict: str = "all", exp: str = "portable", fail_closed: bool = False,
+                 **kwargs):
+        config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        _check_config(config)
+        if not isinstance(fail_closed, bool):
+            raise InputError(f"fail_closed {fail_closed!r}: True or False")
+        ops = parse_strict(strict, option="strict")
+        if not ops:
+            raise InputError(f"strict {strict!r} selects no strict op; pass 'all' or a comma list")
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
+            raise InputError("VLLM_USE_V2_MODEL_RUNNER is set: vLLM's model runner V2 applies temperature, top-k and "
+                             "top-p in fused kernels the strict plugin does not replace; unset it")
+        path = isinstance(model, str) or hasattr(model, "__fspath__")
+        dtype = HF_DTYPES.get((config.model_init_kwargs or {}).get("dtype", "bfloat16"))
+        if path and dtype is None:
+            raise InputError(f"model_init_kwargs dtype {config.model_init_kwargs['dtype']!r}: bfloat16, float16 or "
+                             "float32 (the strict model is built in it)")
+        if not path and not any(type(m).__module__ == "alignaudit.engines.hf.strict" for m in model.modules()):
+            raise InputError(f"model: a checkpoint path or a model from alignaudit.api.strict_hf_model, not a "
+                             f"{type(model).__name__} without the strict module swap")
+        if path:
+            device = "cpu" if config.use_cpu or not torch.cuda.is_available() else "cuda"
+            model = api.strict_hf_model(str(model), ops=format_strict(ops), dtype=dtype, device=device, exp=exp)
+        os.environ[ENV], os.environ[EXP_ENV] = format_strict(ops), exp  # read by the plugin when TRL builds vLLM
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        super().__init__(model, *args, **kwargs)
+        self.fail_closed = fail_closed
+        self.strict_ops = ops
+        _strict_fused_head(self.model, self.temperature, self.top_k, self.top_p)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The in-loop hook (module docstring), then GRPOTrainer's loss."""
+        self._check_alignment(inputs)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    def _check_alignment(self, inputs: dict) -> None:
+        old, sampled = inputs.get("old_per_token_logps"), inputs.get("sampling_per_token_logps")
+        if old is None or sampled is None:
+            raise AlignmentError("TRL gave no old and sampling logprobs for this micro-batch; the hook cannot compare "
+                                 "them (vllm_importance_sampling_correction must stay on)")
+        mask = inputs["completion_mask"].bool()
+        if inputs.get("tool_mask") is not None:
+            mask &= inputs["tool_mask"].bool()
+        metrics = api.mismatch_metrics(old.detach().float(), sampled.detach().float(), mask=mask)
+        mode = "train" if self.model.training else "eval"
+        for key in ("tokens_compared", "mismatches", "ulp_max", "max_abs_diff"):
+            value = metrics[key]
+            self._metrics[mode][f"alignaudit/{key}"].append(float("nan") if value is None else float(value))
+        if self.fail_closed and metrics["mismatches"]:
+            raise AlignmentError(f"{metrics['mismatches']} of {metrics['tokens_compared']} completion tokens' trainer "
+                                 f"logprobs differ from vLLM's (max ULP {metrics['ulp_max']}, max |d| "
+                                 f"{metrics['max_abs_diff']}); stopped before the backward pass (fail_closed)")
+
+
+def _check_config(config) -> None:
+    """Refuse the GRPOConfig settings under which vLLM's and the trainer's logprobs cannot agree (module docstring).
+    Raises InputError naming the setting."""
+    if not isinstance(config, GRPOConfig):
+        raise InputError(f"args: a trl.GRPOConfig, not {type(config).__name__}")
+    refusals = [
+        (not config.use_vllm, "use_vllm=False: the rollout engine is then the policy itself; use_vllm=True"),
+        (config.use_vllm and config.vllm_mode != "colocate", f"vllm_mode={config.vllm_mode!r}: a vLLM server "
+         "runs elsewhere, where this trainer cannot turn the strict plugin on; use 'colocate' (or start the server "
+         "with ALIGNAUDIT_STRICT=all and check it with alignaudit rescore)"),
+        (not config.vllm_importance_sampling_correction, "vllm_importance_sampling_correction=False: TRL then "
+         "computes neither its logp difference nor the old logprobs the hook compares"),
+        (config.min_p not in (None, 0.0), f"min_p={config.min_p}: vLLM applies it before its processed "
+         "logprobs, and the strict replay does not"),
+        (config.repetition_penalty != 1.0, f"repetition_penalty={config.repetition_penalty}: likewise"),
+        (config.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True: vLLM projects in the model's dtype"),
+        (bool(config.generation_kwargs), f"generation_kwargs={config.generation_kwargs!r}: they reach vLLM's "
+         "SamplingParams, where they can change the distribution the trainer replays"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise InputError(f"StrictGRPOTrainer: {why}")
+
+
+def _strict_fused_head(model, temperature: float, top_k: int, top_p: float) -> None:
+    """Make ``model(..., labels=..., fused_lm_head=True)`` (TRL's call for per-token logprobs) compute them strictly:
+    positions from the attention mask, the strict LM head over the labelled positions, vLLM's sampling transform,
+    the strict token logprob. Calls without ``fused_lm_head`` run the model's own forward."""
+    import types
+
+    from alignaudit.engines.sampling import process_logits
+
+    forward = type(model).forward
+
+    def fused(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            return forward(self, *args, labels=labels, **kwargs)
+        if args or shift_labels is not None:
+            raise InputError("the strict fused head takes input_ids and attention_mask by keyword, unshifted labels")
+        mask_in = kwargs.get("attention_mask")
+        if mask_in is not None and kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = (mask_in.long().cumsum(-1) - 1).clamp(min=0)  # left padding: vLLM's positions
+        kwargs["use_cache"] = False
+        hidden = self.model(**kwargs).last_hidden_state[:, :-1]  # [b, t - 1, H]
+        targets = labels[:, 1:]
+        scored = targets != -100
+        logits = self.lm_head(hidden[scored])  # [n, V], strict linear
+        processed = process_logits(logits, temperature, top_k or 0, 1.0 if top_p is None else top_p)
+        values = K.token_logprobs(processed, targets[scored])  # fp32 [n], vLLM's processed logprob bits
+        log_probs = values.new_zeros(scored.shape).masked_scatter(scored, values)
+        logp = torch.log_softmax(processed.detach(), dim=-1)
+        entropy = torch.where(logp.isinf(), 0.0, -logp.exp() * logp).sum(-1)
+        entropies = entropy.new_zeros(scored.shape).masked_scatter(scored, entropy)
+        count = scored.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropies,
+                                   label_mask=scored)
+
+    model.forward = types.MethodType(fused, model)

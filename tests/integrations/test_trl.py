@@ -1,0 +1,131 @@
+"""TRL's GRPOTrainer with alignaudit's integration (alignaudit.integrations.trl), judged by TRL's own metrics.
+
+Chain: TRL 1.16 runs GRPO on the fixture with its colocated vLLM (the CPU wheel) rolling out and the policy
+training, 2 steps with a weight sync between them, temperature 0.7, top-k 20, top-p 0.9 (so vLLM's processed
+logprobs carry the whole sampling transform). With StrictGRPOTrainer, TRL's logged
+``sampling/sampling_logp_difference/{mean,max}`` is exactly 0 and its importance ratio exactly 1 at both steps, and
+alignaudit's hook counts 0 mismatching tokens of 32; with TRL's own GRPOTrainer on the same settings the
+difference is > 0 at both steps (the negative control).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from helpers import FIXTURE
+
+pytestmark = [pytest.mark.engines, pytest.mark.long]
+trl = pytest.importorskip("trl")
+
+RUN = """
+import json, os, sys
+for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[3],
+             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
+    os.environ[k] = v
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+fixture, strict, out = sys.argv[1], sys.argv[2] == "strict", sys.argv[4]
+data = Dataset.from_dict({"prompt": ["The quick brown fox", "Numerics of RL:", "One two three",
+                                     "A short prompt about logprobs"] * 2})
+
+def reward(completions, **kwargs):
+    return [len(c) / 10.0 for c in completions]
+
+config = GRPOConfig(output_dir=out, use_vllm=True, vllm_mode="colocate", num_generations=4,
+                    per_device_train_batch_size=4, max_completion_length=8, max_steps=2, learning_rate=1e-3,
+                    logging_steps=1, report_to=[],
+                    use_cpu=True, temperature=0.7, top_k=20, top_p=0.9, seed=0, vllm_max_model_length=128,
+                    save_strategy="no", model_init_kwargs={"dtype": "bfloat16"})
+if strict:
+    from alignaudit.integrations.trl import StrictGRPOTrainer
+    trainer = StrictGRPOTrainer(model=fixture, reward_funcs=reward, args=config, train_dataset=data, fail_closed=True)
+else:
+    from alignaudit import api
+    api.keep_vllm_weights()  # vLLM's CPU backend otherwise frees the weights TRL's sync writes into
+    trainer = GRPOTrainer(model=fixture, reward_funcs=reward, args=config, train_dataset=data)
+trainer.train()
+print("RESULT", json.dumps([l for l in trainer.state.log_history if "sampling/sampling_logp_difference/max" in l]))
+"""
+
+
+def _grpo(tmp_path, how: str) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if k != "ALIGNAUDIT_STRICT"}
+    proc = subprocess.run([sys.executable, "-c", RUN, str(FIXTURE), how, port, str(tmp_path / how)],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    steps = json.loads(lines[-1][len("RESULT "):])
+    assert [s["step"] for s in steps] == [1, 2]
+    return steps
+
+
+def test_strict_trl_grpo_logs_zero_logp_difference_and_default_does_not(tmp_path):
+    for step in _grpo(tmp_path, "strict"):
+        assert step["sampling/sampling_logp_difference/mean"] == 0.0
+        assert step["sampling/sampling_logp_difference/max"] == 0.0
+        for name in ("min", "mean", "max"):
+            assert step[f"sampling/importance_sampling_ratio/{name}"] == 1.0
+        assert (step["alignaudit/tokens_compared"], step["alignaudit/mismatches"]) == (32.0, 0.0)
+        assert step["alignaudit/ulp_max"] == 0.0 and step["grad_norm"] > 0
+    for step in _grpo(tmp_path, "default"):
+        assert step["sampling/sampling_logp_difference/max"] > 0
+        assert "alignaudit/mismatches" not in step
+
+
+def test_settings_the_two_sides_cannot_agree_under_are_refused_before_anything_starts(tmp_path):
+    from trl import GRPOConfig
+
+    from alignaudit.errors import InputError
+    from alignaudit.integrations.trl import StrictGRPOTrainer
+
+    base = {"output_dir": str(tmp_path), "use_vllm": True, "vllm_mode": "colocate", "report_to": [], "use_cpu": True}
+    for change, message in (({"use_vllm": False}, "use_vllm=False"), ({"vllm_mode": "server"}, "vllm_mode='server'"),
+                            ({"vllm_importance_sampling_correction": False}, "vllm_importance_sampling_correction"),
+                            ({"min_p": 0.1}, "min_p=0.1"), ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
+                            ({"cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32"),
+                            ({"generation_kwargs": {"seed": 1}}, "generation_kwargs")):
+        with pytest.raises(InputError, match=message):
+            StrictGRPOTrainer(model=str(FIXTURE), reward_funcs=[], args=GRPOConfig(**{**base, **change}))
+    with pytest.raises(InputError, match="without the strict module swap"):
+        from transformers import AutoModelForCausalLM
+
+        StrictGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(FIXTURE), reward_funcs=[],
+                          args=GRPOConfig(**base))
+    assert "ALIGNAUDIT_STRICT" not in os.environ or os.environ["ALIGNAUDIT_STRICT"] == ""
+
+
+def test_fail_closed_stops_before_the_backward_pass():
+    """The hook on a micro-batch whose rollout logprob is one ULP off at one completion token: counted, logged, and
+    with fail_closed raised (compute_loss calls it before GRPOTrainer's loss, so no backward runs)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    import torch
+
+    from alignaudit.integrations.trl import AlignmentError, StrictGRPOTrainer
+
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, 0.0]])
+    sampled = old.clone()
+    sampled[1, 1] = torch.nextafter(sampled[1, 1], torch.tensor(0.0))
+    inputs = {"old_per_token_logps": old, "sampling_per_token_logps": sampled,
+              "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    for fail_closed in (False, True):
+        me = SimpleNamespace(fail_closed=fail_closed, _metrics={"train": defaultdict(list)},
+                             model=SimpleNamespace(training=True))
+        if fail_closed:
+            with pytest.raises(AlignmentError, match="1 of 5 completion tokens' trainer logprobs differ"):
+                StrictGRPOTrainer._check_alignment(me, inputs)
+        else:
+            StrictGRPOTrainer._check_alignment(me, inputs)
+        assert me._metrics["train"]["alignaudit/mismatches"] == [1.0]
+        assert me._metrics["train"]["alignaudit/ulp_max"] == [1.0]
