@@ -20,7 +20,7 @@ import pytest
 
 from helpers import FIXTURE
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 START = """
 import os, sys, torch
