@@ -69,6 +69,7 @@ def test_bf16_megatron_vs_hf_forced_lists_every_norm_and_nothing_else(megatron_h
     assert ops["logits"]["status"] == EQUAL and ops["logprobs"]["ulp_max"] == 1
 
 
+@pytest.mark.isa
 def test_bf16_vllm_vs_hf_rope_first_then_attention_without_custom_ops(captures):
     hf = captures.get("hf", "bf16", ops=True)
     natural = diff_ops(hf, captures.get("vllm", "bf16", ops=True))
@@ -82,6 +83,7 @@ def test_bf16_vllm_vs_hf_rope_first_then_attention_without_custom_ops(captures):
     assert first_divergence(diff_ops(hf, native))["op"] == "layers.0.attn"
 
 
+@pytest.mark.isa
 def test_fp32_vllm_vs_hf_projection_or_rope_first(captures):
     """Which of vLLM's two own kernels in layer 0 parts first from torch's depends on the CPU: the q projection
     (oneDNN GEMM vs torch.nn.functional.linear) on AVX2 and AMD AVX-512, the rotary embedding (vLLM's C++ kernel)

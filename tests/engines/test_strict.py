@@ -33,8 +33,8 @@ def diff(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("train, infer", [pytest.param(*p, marks=pytest.mark.isa) if "vllm" not in p else p
-                                          for p in PAIRS])
+@pytest.mark.parametrize("train, infer", PAIRS)
+@pytest.mark.isa
 def test_prompt_mode_strict_is_bitwise_equal_and_stock_is_not(captures, diff, train, infer, dtype):
     strict = diff(captures.get(train, dtype, strict="all"), captures.get(infer, dtype, strict="all"))
     assert strict["tokens_compared"] == 176 and strict["mismatches"] == 0 and strict["ulp_max"] == 0
