@@ -106,6 +106,15 @@ TopKOpt = Annotated[int, typer.Option("--top-k", metavar="K", help="Rollout: sam
                                       "(0 = off); replayed by the trainer with processed logprobs.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", metavar="P", help="Rollout: nucleus sampling (1.0 = off); replayed "
                                         "by the trainer with processed logprobs.")]
+GroupSizeOpt = Annotated[int, typer.Option("--group-size", metavar="G", help="Rollout: completions per prompt, sampled "
+                                           "as one request (vLLM's n), as GRPO frameworks sample a group.")]
+StopAtEosOpt = Annotated[bool, typer.Option("--stop-at-eos", metavar="", help="Rollout: EOS ends a completion "
+                                            "(default: EOS is ignored, every completion has --max-new-tokens "
+                                            "tokens).")]
+PromptLogprobsOpt = Annotated[bool, typer.Option("--prompt-logprobs/--no-prompt-logprobs", metavar="",
+                                                 help="Rollout: the rollout engine records the prompt's logprobs too "
+                                                 "(default); --no-prompt-logprobs records the sampled tokens' only, "
+                                                 "as frameworks do, and vLLM then reads its prefix cache.")]
 
 
 @dataclass
@@ -152,6 +161,9 @@ class SamplingArgs:
     temperature: TemperatureOpt = 1.0
     top_k: TopKOpt = 0
     top_p: TopPOpt = 1.0
+    group_size: GroupSizeOpt = 1
+    stop_at_eos: StopAtEosOpt = False
+    prompt_logprobs: PromptLogprobsOpt = True
 
 
 @dataclass
@@ -258,7 +270,8 @@ def check_clip_eps(eps: float) -> float:
 
 
 SAMPLING_FLAGS = {"--max-new-tokens": "max_new_tokens", "--temperature": "temperature", "--top-k": "top_k",
-                  "--top-p": "top_p"}
+                  "--top-p": "top_p", "--group-size": "group_size", "--stop-at-eos": "stop_at_eos",
+                  "--no-prompt-logprobs": "prompt_logprobs"}
 
 
 def sampling(args: SamplingArgs, seed: int):
@@ -278,7 +291,13 @@ def sampling(args: SamplingArgs, seed: int):
         raise errors.InputError("rollout mode needs --max-new-tokens >= 1 and --temperature > 0")
     if args.top_k < 0 or not 0 < args.top_p <= 1:
         raise errors.InputError("--top-k must be >= 0 (0 = off) and --top-p in (0, 1] (1 = off)")
-    return Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed)
+    if isinstance(args.group_size, bool) or not isinstance(args.group_size, int) or args.group_size < 1:
+        raise errors.InputError(f"--group-size {args.group_size!r}: completions per prompt, an integer >= 1")
+    for name in ("stop_at_eos", "prompt_logprobs"):
+        if not isinstance(getattr(args, name), bool):
+            raise errors.InputError(f"{name} {getattr(args, name)!r}: True or False")
+    return Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed, args.group_size,
+                    args.stop_at_eos, args.prompt_logprobs)
 
 
 def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_check=None):
@@ -347,6 +366,10 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
     rollout = sampling(sampling_args, model.seed) if sampling_args is not None else None
     spec = resolve_model_arg(model)
     train, infer = engine_runs(pair, model.seed, spec, "rollout" if rollout else "prompt", extra_check)
+    if rollout is not None:
+        from alignaudit.engines import kind_of
+
+        kind_of(infer.engine).check_rollout(infer.settings, rollout)
     batch = load_batch(spec, prompts, model.seed, (pair.train, pair.infer), rollout.max_new_tokens if rollout else 0)
     return Request(spec, batch, train, infer, rollout, clip_eps, importance=thresholds)
 

@@ -91,6 +91,16 @@ class EngineKind:
             InputError: the engine, the option, the reason and the fix.
         """
 
+    def check_rollout(self, settings, sampling) -> None:
+        """Refuse a rollout shape this engine does not sample (alignaudit.inputs.request.Sampling: group_size,
+        stop_at_eos, prompt_logprobs); by default, all but the plain one (one completion per request, EOS ignored,
+        prompt logprobs recorded). Raises InputError naming the setting."""
+        for shaped, flag in ((sampling.group_size != 1, "--group-size"), (sampling.stop_at_eos, "--stop-at-eos"),
+                             (not sampling.prompt_logprobs, "--no-prompt-logprobs")):
+            if shaped:
+                raise InputError(f"{flag}: {self.name} rollouts are sampled one completion per request, EOS ignored, "
+                                 "prompt logprobs recorded; use --infer vllm for framework-shaped rollouts")
+
     def routing_observable(self, settings) -> bool:
         """Whether an MoE model's routing decisions can be read without changing what the engine computes."""
         return True

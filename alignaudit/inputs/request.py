@@ -102,9 +102,16 @@ class Sampling:
     rollout temperature before the log-softmax; some apply the same top-k/top-p truncation).
 
     Attributes:
-        max_new_tokens: tokens sampled per prompt (EOS never stops a sequence and is never masked).
+        max_new_tokens: tokens sampled per completion (at most, with ``stop_at_eos``).
         temperature: > 0. top_k: 0 = off. top_p: 1.0 = off.
         seed: request i is seeded with seed + i.
+        group_size: completions per prompt, sampled as one request (vLLM's ``n``), as GRPO frameworks sample a
+            group; the rollout's sequences are prompt 0's completions, then prompt 1's, ...
+        stop_at_eos: EOS ends a completion (as frameworks sample); False: EOS neither stops nor is masked, so
+            every completion has max_new_tokens tokens.
+        prompt_logprobs: the rollout engine also records the prompt's logprobs (teacher-forced). False: the
+            logprobs of the sampled tokens only, as frameworks ask for them; vLLM then reads its prefix cache,
+            which it skips for a request that asks for prompt logprobs.
     """
 
     max_new_tokens: int = 32
@@ -112,6 +119,9 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    group_size: int = 1
+    stop_at_eos: bool = False
+    prompt_logprobs: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)

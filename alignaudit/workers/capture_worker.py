@@ -93,7 +93,7 @@ def _rank_main(rank: int, request: dict, tp: int) -> None:
 
 
 def run_rank(request: dict, rank: int) -> None:
-    from alignaudit.capture.directory import logprob_table, write_capture
+    from alignaudit.capture.directory import SCORED_GENERATED, logprob_table, write_capture
     from alignaudit.capture.environment import hardware, numerics_flags, package_versions
     from alignaudit.engines import load_engine_class
     from alignaudit.inputs.checkpoint import ModelSpec
@@ -124,8 +124,9 @@ def run_rank(request: dict, rank: int) -> None:
             else None
         engine.vocab_sink = rows.write if rows is not None else (lambda seq, r: None)
     if rollout:
-        prompt_lengths = [len(s) for s in batch.sequences]
-        batch, logprobs = engine.rollout(batch, Sampling(**rollout))
+        sampling = Sampling(**rollout)
+        prompt_lengths = [len(s) for s in batch.sequences for _ in range(sampling.group_size)]
+        batch, logprobs = engine.rollout(batch, sampling)
     else:
         logprobs = engine.prompt_logprobs(batch)
     engine.vocab_sink = None  # rows of the first run only (--repeat runs again without them)
@@ -179,7 +180,11 @@ def run_rank(request: dict, rank: int) -> None:
             "substituted_ops": len(tap.substituted),
         }
     engine.close()
-    write_capture(out, manifest, logprob_table(batch, logprobs, prompt_lengths))
+    table = logprob_table(batch, logprobs, prompt_lengths)
+    if rollout and not rollout.get("prompt_logprobs", True):  # the sampled tokens' logprobs only
+        table["scored"] = table["generated"]
+        manifest["scored"] = SCORED_GENERATED
+    write_capture(out, manifest, table)
 
 
 def replayed_routing(path: Path, spec, batch) -> dict:

@@ -35,6 +35,13 @@ class VllmKind(EngineKind):
 
         check_options(settings, mode, role)
 
+    def check_rollout(self, settings, sampling) -> None:
+        """Every rollout shape runs; vLLM's prefix cache (enable_prefix_caching) only where no prompt logprobs are
+        asked for, since vLLM never reads it for a request that asks for them (skip_reading_prefix_cache)."""
+        if settings.options.get("enable_prefix_caching") and sampling.prompt_logprobs:
+            raise InputError("vllm enable_prefix_caching=true has no effect while prompt logprobs are recorded: vLLM "
+                             "never reads the prefix cache for such a request; add --no-prompt-logprobs")
+
     def routing_observable(self, settings) -> bool:
         """In eager mode, or with the strict MoE layer (its router is an opaque custom op, alignaudit::moe_route,
         that reports its decisions even in a compiled model)."""

@@ -86,6 +86,7 @@ class VllmEngine(Engine):
         self.linear_methods: list[str] = []  # quant_method classes of the linear layers, read back from the model
         self.capture_overrides: dict = {}  # settings op capture changed against the ones asked for
         self.startup_s = None  # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
+        self.prefix_cache_hits = None  # prompt tokens read from the prefix cache in the last rollout (vLLM's count)
 
     @classmethod
     def prepare_for_weight_updates(cls) -> None:
@@ -225,18 +226,27 @@ class VllmEngine(Engine):
 
     @torch.no_grad()
     def rollout(self, batch, sampling):
-        """vLLM samples ``sampling.max_new_tokens`` per prompt with EOS ignored (``ignore_eos``: EOS neither
-        stops nor is masked; ``min_tokens`` would mask it) and records each sampled token's logprob. With
+        """vLLM samples up to ``sampling.max_new_tokens`` per completion, ``sampling.group_size`` completions per
+        prompt as one request (``n``), EOS ignored (``ignore_eos``: EOS neither stops nor is masked; ``min_tokens``
+        would mask it) unless ``sampling.stop_at_eos``, and records each sampled token's logprob; the prompt's too
+        (teacher-forced) unless ``sampling.prompt_logprobs`` is False, when those positions are NaN and vLLM reads
+        its prefix cache (``prefix_cache_hits``: the cached prompt tokens vLLM reported, read back). With
         ``vocab_sink`` set (rl --full-vocab), ``vocab_sink(i, rows)`` gets request i's sampler rows, float32
-        [max_new_tokens, V], row j the one its j-th sampled token's logprob was gathered from (vocab.DecodeRows)."""
+        [max_new_tokens, V], row j the one its j-th sampled token's logprob was gathered from (vocab.DecodeRows).
+
+        Returns the sequences (prompt 0's completions, then prompt 1's, ...) and their logprobs [len - 1]."""
         from vllm import SamplingParams
 
+        group = sampling.group_size
+        if group != 1 and self.vocab_sink is not None:
+            raise InputError("full-vocabulary rows of grouped rollouts are not built yet; drop --group-size")
         self._start(max(len(s) for s in batch.sequences) + sampling.max_new_tokens,
-                    batch.num_tokens + len(batch.sequences) * sampling.max_new_tokens)
-        params = [SamplingParams(**{**self.sampling_options, "max_tokens": sampling.max_new_tokens,
-                                    "ignore_eos": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
-                                    "top_p": sampling.top_p, "seed": sampling.seed + i, "logprobs": 0,
-                                    "prompt_logprobs": 0, "detokenize": False})
+                    group * (batch.num_tokens + len(batch.sequences) * sampling.max_new_tokens))
+        params = [SamplingParams(**{**self.sampling_options, "max_tokens": sampling.max_new_tokens, "n": group,
+                                    "ignore_eos": not sampling.stop_at_eos, "temperature": sampling.temperature,
+                                    "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed + i,
+                                    "logprobs": 0, "prompt_logprobs": 0 if sampling.prompt_logprobs else None,
+                                    "detokenize": False})
                   for i in range(len(batch.sequences))]
         rows = None
         if self.vocab_sink is not None:
@@ -248,17 +258,22 @@ class VllmEngine(Engine):
         finally:
             if rows is not None:
                 rows.hooks.close()
-        sequences, logprobs = [], []
-        for i, (out, prompt) in enumerate(zip(outputs, batch.sequences)):
-            done = out.outputs[0]
-            generated = list(done.token_ids)
-            if rows is not None:
-                self.vocab_sink(i, rows.take(out.request_id, len(generated)))
-            prompt_lp = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]
-            sampled_lp = [e[t].logprob for e, t in zip(done.logprobs, generated)]
-            sequences.append(tuple(prompt) + tuple(generated))
-            logprobs.append(torch.tensor(prompt_lp + sampled_lp, dtype=torch.float32))
-        return TokenBatch(tuple(sequences), batch.texts, batch.source), logprobs
+        sequences, logprobs, self.prefix_cache_hits = [], [], 0
+        for i, (out, prompt) in enumerate(zip(outputs, batch.sequences, strict=True)):
+            if len(out.outputs) != group:
+                raise EngineError(f"vLLM returned {len(out.outputs)} completions for prompt {i}, not {group}")
+            self.prefix_cache_hits += int(out.num_cached_tokens or 0)
+            prompt_lp = ([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+                         if sampling.prompt_logprobs else [float("nan")] * (len(prompt) - 1))
+            for done in out.outputs:
+                generated = list(done.token_ids)
+                if rows is not None:
+                    self.vocab_sink(i, rows.take(out.request_id, len(generated)))
+                sampled_lp = [e[t].logprob for e, t in zip(done.logprobs, generated, strict=True)]
+                sequences.append(tuple(prompt) + tuple(generated))
+                logprobs.append(torch.tensor(prompt_lp + sampled_lp, dtype=torch.float32))
+        texts = tuple(t for t in batch.texts for _ in range(group))
+        return TokenBatch(tuple(sequences), texts, batch.source), logprobs
 
     @torch.no_grad()
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
@@ -302,7 +317,8 @@ class VllmEngine(Engine):
         exps = sorted({exp for exp in self.attention_impls.values() if exp})
         record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict,
                   "attention_exp": ",".join(exps) or None, "attention_impl": sorted(self.attention_impls),
-                  "linear_methods": list(self.linear_methods), "capture_overrides": dict(self.capture_overrides)}
+                  "linear_methods": list(self.linear_methods), "capture_overrides": dict(self.capture_overrides),
+                  "prefix_cache_hits": self.prefix_cache_hits}
         if self.llm is not None:
             config = self.llm.llm_engine.vllm_config
             record["resolved"] = {

@@ -18,14 +18,15 @@ from alignaudit.errors import InputError
 VLLM_SET_BY_ALIGNAUDIT: dict[str, str] = {
     "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
     "max_tokens": "--max-new-tokens", "min_tokens": "--max-new-tokens (EOS is ignored, never masked)",
-    "ignore_eos": "--max-new-tokens (EOS is always ignored)", "logprobs": "alignaudit (the sampled token's logprob)",
-    "prompt_logprobs": "alignaudit (one per prompt token)", "n": "--prompts (one completion per prompt)",
+    "ignore_eos": "--stop-at-eos", "logprobs": "alignaudit (the sampled token's logprob)",
+    "prompt_logprobs": "--prompt-logprobs / --no-prompt-logprobs", "n": "--group-size",
     "detokenize": "alignaudit (token ids only)", "dtype": "--dtype / --infer-dtype", "model": "--model",
 }
 VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
     "enable_prefix_caching": lambda v, mode: (
-        "has no effect here: vLLM never reads the prefix cache for a request that asks for prompt logprobs "
-        "(skip_reading_prefix_cache), and every alignaudit request does") if v else None,
+        "has no effect in prompt mode: vLLM never reads the prefix cache for a request that asks for prompt "
+        "logprobs (skip_reading_prefix_cache); in rollout mode it takes --no-prompt-logprobs")
+    if v and mode == "prompt" else None,
     "skip_reading_prefix_cache": lambda v, mode: (
         "reading the prefix cache with prompt logprobs crashes vLLM 0.32 "
         "(KeyError in the scheduler)") if v is False else None,

@@ -1,0 +1,65 @@
+"""Rollouts shaped as RL frameworks sample them, through vLLM (the CPU wheel) on the fixture.
+
+Chain: GRPO frameworks sample a group as one request with n = G, stop at EOS, and ask for the sampled tokens'
+logprobs only, so vLLM reads its prefix cache. Under --strict those shapes change no bit: the trainer's logprob of
+every sampled token equals vLLM's, with 2 prompts of 300 tokens x 4 completions, prefix-cache hits read back from
+vLLM (> 0), and completions that end at EOS; the default stack differs on the same shape (the negative control).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from alignaudit.commands import cli
+from alignaudit.errors import EXIT_OK, EXIT_USAGE
+from helpers import one_line_error
+
+pytestmark = pytest.mark.engines
+
+SHAPE = ["compare", "--mode", "rollout", "--random-prompts", "2", "--prompt-len", "300", "--group-size", "4",
+         "--stop-at-eos", "--no-prompt-logprobs", "--max-new-tokens", "8"]
+EOS = 0  # fixtures/qwen3-tiny/config.json eos_token_id
+
+
+def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path):
+    for how, extra in (("strict", ["--strict"]), ("default", [])):
+        out = tmp_path / how
+        assert cli.main([*SHAPE, *extra, "--out", str(out)]) == EXIT_OK
+        summary = json.loads((out / "summary.json").read_text())
+        infer = json.loads((out / "infer" / "manifest.json").read_text())
+        table = pd.read_parquet(out / "infer" / "logprobs.parquet")
+        generated = table[table["generated"]]
+        assert infer["scored"] == "generated" and table["scored"].equals(table["generated"])
+        assert infer["rollout"]["group_size"] == 4 and infer["rollout"]["prompt_lengths"] == [300] * 8
+        assert infer["engine_settings"]["prefix_cache_hits"] > 0
+        assert infer["engine_settings"]["resolved"]["enable_prefix_caching"] is True
+        ids = table.groupby("seq")["token_id"].apply(list).tolist()
+        assert all(ids[g * 4][:300] == ids[g * 4 + j][:300] for g in range(2) for j in range(4))  # one prompt a group
+        lengths = generated.groupby("seq").size()
+        assert len(lengths) == 8 and lengths.max() <= 8
+        for seq, n in lengths.items():  # a completion shorter than --max-new-tokens ended at EOS
+            assert n == 8 or generated[generated["seq"] == seq]["token_id"].iloc[-1] == EOS
+        assert summary["tokens_compared"] == summary["generated"]["tokens_compared"] == len(generated)
+        if how == "strict":
+            assert summary["mismatches"] == 0 and summary["ulp_max"] == 0
+        else:
+            assert summary["mismatches"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "rollout", "--infer", "hf", "--group-size", "2"], "--group-size: hf rollouts are sampled one"),
+    (["--mode", "rollout", "--infer", "hf", "--stop-at-eos"], "--stop-at-eos: hf rollouts"),
+    (["--group-size", "2"], "--group-size applies to rollouts"),
+    (["--mode", "rollout", "--group-size", "0"], "--group-size 0: completions per prompt"),
+    (["--mode", "rollout", "--infer-opt", "enable_prefix_caching=true"],
+     "has no effect while prompt logprobs are recorded"),
+    (["--infer-opt", "enable_prefix_caching=true"], "has no effect in prompt mode"),
+    (["--mode", "rollout", "--infer-opt", "n=4"], "vllm n is set by alignaudit; use --group-size"),
+])
+def test_rollout_shapes_an_engine_cannot_sample_are_refused(tmp_path, capsys, argv, message):
+    out = tmp_path / "never"
+    assert message in one_line_error(capsys, ["compare", *argv, "--out", str(out)], EXIT_USAGE)
+    assert not out.exists()
