@@ -328,7 +328,8 @@ def _rows(logprobs, mask, name: str) -> list[torch.Tensor]:
         if isinstance(row, (str, bytes)):
             raise InputError(f"{name}[{i}] is text; give numbers")
         try:
-            tensor = row if isinstance(row, torch.Tensor) else torch.as_tensor(row)
+            # Python floats are float64: kept as such, so _fp32 refuses what fp32 would round
+            tensor = row if isinstance(row, torch.Tensor) else torch.as_tensor(row, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError) as e:
             raise InputError(f"{name}[{i}]: not a sequence of numbers ({str(e).splitlines()[0]})") from None
         if tensor.dim() != 1:

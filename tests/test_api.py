@@ -154,6 +154,9 @@ def test_wrong_types_get_the_documented_error_not_a_raw_one(tmp_path, monkeypatc
             ("ab", lp, "not str"), ([torch.empty(2, device="meta")], lp, "is a meta tensor")):
         with pytest.raises(InputError, match=message):
             api.mismatch_metrics(train, rollout)
+    with pytest.raises(InputError, match="float64 logprobs that fp32 cannot hold exactly"):
+        api.mismatch_metrics([[-1.0, -2.0 + 1e-12]], [[-1.0, -2.0]])  # Python floats are float64 too
+    assert api.mismatch_metrics([[-1.0, -0.5]], [torch.tensor([-1.0, -0.5])])["mismatches"] == 0
     exact = [torch.tensor([-1.0, -0.5], dtype=torch.float64)]  # fp64 values fp32 holds exactly: taken as they are
     assert api.mismatch_metrics(exact, [torch.tensor([-1.0, -0.5])])["mismatches"] == 0
     assert api.mismatch_metrics([lp[0].bfloat16()], lp)["mismatches"] == 0  # bf16 -> fp32 is exact
