@@ -173,7 +173,8 @@ def _strict_fused_head(model, temperature: float, top_k: int, top_p: float) -> N
         targets = labels[:, 1:]
         scored = targets != -100
         logits = self.lm_head(hidden[scored])  # [n, V], strict linear
-        processed = process_logits(logits, temperature, top_k or 0, 1.0 if top_p is None else top_p)
+        # vLLM reads top_k 0 and -1 (TRL may pass either) as off, top_p None as 1
+        processed = process_logits(logits, temperature, max(top_k or 0, 0), 1.0 if top_p is None else top_p)
         values = K.token_logprobs(processed, targets[scored])  # fp32 [n], vLLM's processed logprob bits
         log_probs = values.new_zeros(scored.shape).masked_scatter(scored, values)
         logp = torch.log_softmax(processed.detach(), dim=-1)
