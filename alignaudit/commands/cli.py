@@ -340,6 +340,10 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
                     **({"infer_opt": opt} if rollout else {"train_opt": opt}))
     spec = resolve_model_arg(model)
     run = engine_runs(pair, model.seed, spec, sample.mode)[1 if rollout else 0]
+    if rollout is not None:
+        from alignaudit.engines.checks import check_rollout
+
+        check_rollout(run, rollout)
     selection = None if no_ops else parse_selection(layers, ops, OpGraph.of(spec))
     if selection is not None:
         _refuse_parallel_capture([run], forced=reference is not None)
@@ -376,7 +380,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
                                                                            f"{done}/{total} sequences"))
     ops_info = result.manifest.get("ops")
     batch = result.token_batch()  # with the sampled tokens in rollout mode
-    scored = batch.num_tokens - len(batch.sequences)
+    scored = int(result.logprobs["scored"].sum())  # read back: a rollout without prompt logprobs scores fewer
     console.print(f"capture of {escape(run.label())}: {len(batch.sequences)} sequences, {batch.num_tokens} token ids "
                   f"({scored} scored)" + (f", {ops_info['ops']} ops ({ops_info['bytes'] / 2**20:.1f} MiB)"
                                           if ops_info else "")

@@ -367,9 +367,9 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
     spec = resolve_model_arg(model)
     train, infer = engine_runs(pair, model.seed, spec, "rollout" if rollout else "prompt", extra_check)
     if rollout is not None:
-        from alignaudit.engines import kind_of
+        from alignaudit.engines.checks import check_rollout
 
-        kind_of(infer.engine).check_rollout(infer.settings, rollout)
+        check_rollout(infer, rollout)
     batch = load_batch(spec, prompts, model.seed, (pair.train, pair.infer), rollout.max_new_tokens if rollout else 0)
     return Request(spec, batch, train, infer, rollout, clip_eps, importance=thresholds)
 

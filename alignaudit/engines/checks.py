@@ -27,6 +27,12 @@ def check_runs(train, infer, mode: str) -> None:
         kind_of(run.engine).check_settings(run.settings, mode, role)
 
 
+def check_rollout(infer, sampling) -> None:
+    """Refuse a rollout shape (group size, EOS, prompt logprobs) the rollout engine ``infer`` does not sample, or an
+    option that has no effect under it (engine kinds' check_rollout). Raises InputError."""
+    kind_of(infer.engine).check_rollout(infer.settings, sampling)
+
+
 def tensor_parallel_size(run) -> int:
     """The tensor-parallel size an EngineRun asks for (1 unless the engine's own option says otherwise)."""
     return kind_of(run.engine).tensor_parallel_size(run.settings)

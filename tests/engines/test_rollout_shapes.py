@@ -63,3 +63,11 @@ def test_rollout_shapes_an_engine_cannot_sample_are_refused(tmp_path, capsys, ar
     out = tmp_path / "never"
     assert message in one_line_error(capsys, ["compare", *argv, "--out", str(out)], EXIT_USAGE)
     assert not out.exists()
+
+
+def test_capture_refuses_a_rollout_shape_its_engine_does_not_sample(tmp_path, capsys):
+    """capture validates apart from compare: the same refusal, not a shape silently dropped (it ran 4 sequences)."""
+    out = tmp_path / "never"
+    argv = ["capture", "--engine", "hf", "--mode", "rollout", "--group-size", "2", "--out", str(out)]
+    assert "--group-size: hf rollouts are sampled one" in one_line_error(capsys, argv, EXIT_USAGE)
+    assert not out.exists()
