@@ -296,7 +296,7 @@ def _refuse_processed(init):
         init(self, *args, **kwargs)
         if self.logprobs_mode in PROCESSED_MODES:
             raise NotImplementedError(f"alignaudit strict logprobs: vLLM's model runner V2 computes "
-                                      f"{self.logprobs_mode} in its own sampling kernels; use the default model "
+                                      f"{self.logprobs_mode} in its own sampling kernels; use model runner V1 "
                                       "runner (VLLM_USE_V2_MODEL_RUNNER=0) or raw_logprobs")
 
     return strict_init
