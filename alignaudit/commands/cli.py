@@ -389,12 +389,8 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
 
 
 def _refuse_for_rollout(engine: str, layers, ops, no_ops: bool, reference, tokens_from) -> None:
-    """What capture --mode rollout does not do, refused before any engine starts. Raises InputError."""
-    from alignaudit.engines import kind_of, names_where
-
-    if not kind_of(engine).rolls_out:
-        samplers = names_where(lambda k: k.rolls_out)
-        raise errors.InputError(f"{engine} does not sample rollouts; capture --mode rollout with --engine {samplers}")
+    """What capture --mode rollout does not do, refused before any engine starts (an engine that does not sample:
+    engines.checks.check_runs). Raises InputError."""
     if reference is not None or tokens_from is not None:
         raise errors.InputError(f"{'--reference' if reference is not None else '--tokens-from'} scores given tokens; "
                                 "a rollout samples its own: drop --mode rollout or the option")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from alignaudit.engines import kind_of
+from alignaudit.engines import kind_of, names_where
 from alignaudit.errors import InputError
 from alignaudit.inputs.capabilities import refuse_moe
 
@@ -22,7 +22,8 @@ def check_runs(train, infer, mode: str) -> None:
         InputError: the first refused setting: engine, name, reason, fix.
     """
     if mode == "rollout" and not kind_of(infer.engine).rolls_out:
-        raise InputError(f"{infer.engine} cannot sample rollouts; use --infer vllm or --infer hf with --mode rollout")
+        raise InputError(f"{infer.engine} does not sample rollouts; --mode rollout needs an engine that does: "
+                         f"{names_where(lambda k: k.rolls_out)}")
     for role, run in (("train", train), ("infer", infer)):
         kind_of(run.engine).check_settings(run.settings, mode, role)
 

@@ -58,6 +58,7 @@ def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path):
      "has no effect while prompt logprobs are recorded"),
     (["--infer-opt", "enable_prefix_caching=true"], "has no effect in prompt mode"),
     (["--mode", "rollout", "--infer-opt", "n=4"], "vllm n is set by alignaudit; use --group-size"),
+    (["--mode", "rollout", "--infer", "megatron"], "megatron does not sample rollouts; --mode rollout needs an engine"),
 ])
 def test_rollout_shapes_an_engine_cannot_sample_are_refused(tmp_path, capsys, argv, message):
     out = tmp_path / "never"
