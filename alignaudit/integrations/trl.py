@@ -161,8 +161,10 @@ def _strict_fused_head(model, temperature: float, top_k: int, top_p: float) -> N
     forward = type(model).forward
 
     def fused(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
-        if not fused_lm_head:
-            return forward(self, *args, labels=labels, **kwargs)
+        if not fused_lm_head:  # the model's own forward, every argument passed on
+            extra = {k: v for k, v in (("labels", labels), ("shift_labels", shift_labels),
+                                       ("num_items_in_batch", num_items_in_batch)) if v is not None}
+            return forward(self, *args, **kwargs, **extra)
         if args or shift_labels is not None:
             raise InputError("the strict fused head takes input_ids and attention_mask by keyword, unshifted labels")
         mask_in = kwargs.get("attention_mask")
