@@ -341,9 +341,9 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     spec = resolve_model_arg(model)
     run = engine_runs(pair, model.seed, spec, sample.mode)[1 if rollout else 0]
     if rollout is not None:
-        from alignaudit.engines.checks import check_rollout
+        from alignaudit.engines.checks import rollout_shape
 
-        check_rollout(run, rollout)
+        rollout = rollout_shape(run, rollout)
     selection = None if no_ops else parse_selection(layers, ops, OpGraph.of(spec))
     if selection is not None:
         _refuse_parallel_capture([run], forced=reference is not None)

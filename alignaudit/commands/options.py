@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,13 +109,22 @@ TopPOpt = Annotated[float, typer.Option("--top-p", metavar="P", help="Rollout: n
                                         "by the trainer with processed logprobs.")]
 GroupSizeOpt = Annotated[int, typer.Option("--group-size", metavar="G", help="Rollout: completions per prompt, sampled "
                                            "as one request (vLLM's n), as GRPO frameworks sample a group.")]
-StopAtEosOpt = Annotated[bool, typer.Option("--stop-at-eos", metavar="", help="Rollout: EOS ends a completion "
-                                            "(default: EOS is ignored, every completion has --max-new-tokens "
-                                            "tokens).")]
-PromptLogprobsOpt = Annotated[bool, typer.Option("--prompt-logprobs/--no-prompt-logprobs", metavar="",
-                                                 help="Rollout: the rollout engine records the prompt's logprobs too "
-                                                 "(default); --no-prompt-logprobs records the sampled tokens' only, "
-                                                 "as frameworks do, and vLLM then reads its prefix cache.")]
+StopAtEosOpt = Annotated[Optional[bool], typer.Option("--stop-at-eos/--ignore-eos", metavar="", help="Rollout: "
+                                                      "EOS ends a completion, as frameworks sample (vLLM's default), "
+                                                      "or is ignored, so every completion has --max-new-tokens "
+                                                      "tokens (hf's default, the only shape it samples).",
+                                                      show_default=False)]
+PromptLogprobsOpt = Annotated[Optional[bool], typer.Option("--prompt-logprobs/--no-prompt-logprobs", metavar="",
+                                                           help="Rollout: the rollout engine records the prompt's "
+                                                           "logprobs too (hf's default), or the sampled tokens' only, "
+                                                           "as frameworks do (vLLM's default; vLLM then reads its "
+                                                           "prefix cache).", show_default=False)]
+EngineModeOpt = Annotated[str, typer.Option("--engine-mode", metavar="MODE", help="Rollout: offline (every request "
+                                            "into vLLM's LLM at once) or async (vLLM's AsyncLLM, its engine core in "
+                                            "a process of its own, requests arriving one every --arrival-gap "
+                                            "seconds while earlier ones decode).")]
+ArrivalGapOpt = Annotated[float, typer.Option("--arrival-gap", metavar="S", help="Rollout, --engine-mode async: "
+                                              "seconds between two requests' arrivals.")]
 
 
 @dataclass
@@ -162,8 +172,10 @@ class SamplingArgs:
     top_k: TopKOpt = 0
     top_p: TopPOpt = 1.0
     group_size: GroupSizeOpt = 1
-    stop_at_eos: StopAtEosOpt = False
-    prompt_logprobs: PromptLogprobsOpt = True
+    stop_at_eos: StopAtEosOpt = None
+    prompt_logprobs: PromptLogprobsOpt = None
+    engine_mode: EngineModeOpt = "offline"
+    arrival_gap: ArrivalGapOpt = 0.02
 
 
 @dataclass
@@ -270,13 +282,14 @@ def check_clip_eps(eps: float) -> float:
 
 
 SAMPLING_FLAGS = {"--max-new-tokens": "max_new_tokens", "--temperature": "temperature", "--top-k": "top_k",
-                  "--top-p": "top_p", "--group-size": "group_size", "--stop-at-eos": "stop_at_eos",
-                  "--no-prompt-logprobs": "prompt_logprobs"}
+                  "--top-p": "top_p", "--group-size": "group_size", "--stop-at-eos/--ignore-eos": "stop_at_eos",
+                  "--prompt-logprobs/--no-prompt-logprobs": "prompt_logprobs", "--engine-mode": "engine_mode",
+                  "--arrival-gap": "arrival_gap"}
 
 
 def sampling(args: SamplingArgs, seed: int):
     """The rollout Sampling of ``args``, or None in prompt mode. Raises InputError for a bad mode or value."""
-    from alignaudit.inputs.request import Sampling
+    from alignaudit.inputs.request import ENGINE_MODES, Sampling
 
     if args.mode not in ("prompt", "rollout"):
         raise errors.InputError(f"unknown --mode {args.mode!r}; choose prompt or rollout")
@@ -294,10 +307,18 @@ def sampling(args: SamplingArgs, seed: int):
     if isinstance(args.group_size, bool) or not isinstance(args.group_size, int) or args.group_size < 1:
         raise errors.InputError(f"--group-size {args.group_size!r}: completions per prompt, an integer >= 1")
     for name in ("stop_at_eos", "prompt_logprobs"):
-        if not isinstance(getattr(args, name), bool):
-            raise errors.InputError(f"{name} {getattr(args, name)!r}: True or False")
+        if getattr(args, name) is not None and not isinstance(getattr(args, name), bool):
+            raise errors.InputError(f"{name} {getattr(args, name)!r}: True, False or None (the engine's default)")
+    if args.engine_mode not in ENGINE_MODES:
+        raise errors.InputError(f"--engine-mode {args.engine_mode!r}: choose one of {', '.join(ENGINE_MODES)}")
+    gap = args.arrival_gap
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not (0 <= gap < math.inf):
+        raise errors.InputError(f"--arrival-gap {gap!r}: seconds between arrivals, a finite number >= 0")
+    if args.engine_mode != "async" and gap != SamplingArgs.arrival_gap:
+        raise errors.InputError("--arrival-gap spaces the arrivals of --engine-mode async and would not take effect "
+                                f"in {args.engine_mode} mode; add --engine-mode async or drop --arrival-gap")
     return Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed, args.group_size,
-                    args.stop_at_eos, args.prompt_logprobs)
+                    args.stop_at_eos, args.prompt_logprobs, args.engine_mode, float(gap))
 
 
 def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_check=None):
@@ -367,9 +388,9 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
     spec = resolve_model_arg(model)
     train, infer = engine_runs(pair, model.seed, spec, "rollout" if rollout else "prompt", extra_check)
     if rollout is not None:
-        from alignaudit.engines.checks import check_rollout
+        from alignaudit.engines.checks import rollout_shape
 
-        check_rollout(infer, rollout)
+        rollout = rollout_shape(infer, rollout)
     batch = load_batch(spec, prompts, model.seed, (pair.train, pair.infer), rollout.max_new_tokens if rollout else 0)
     return Request(spec, batch, train, infer, rollout, clip_eps, importance=thresholds)
 

@@ -28,10 +28,11 @@ def check_runs(train, infer, mode: str) -> None:
         kind_of(run.engine).check_settings(run.settings, mode, role)
 
 
-def check_rollout(infer, sampling) -> None:
-    """Refuse a rollout shape (group size, EOS, prompt logprobs) the rollout engine ``infer`` does not sample, or an
-    option that has no effect under it (engine kinds' check_rollout). Raises InputError."""
-    kind_of(infer.engine).check_rollout(infer.settings, sampling)
+def rollout_shape(infer, sampling):
+    """``sampling`` (alignaudit.inputs.request.Sampling) with the rollout engine's defaults in place of the shape
+    fields left None (EOS, prompt logprobs), after refusing a shape the rollout engine ``infer`` does not sample or
+    an option that has no effect under it (engine kinds' rollout_shape). Raises InputError."""
+    return kind_of(infer.engine).rollout_shape(infer.settings, sampling)
 
 
 def tensor_parallel_size(run) -> int:

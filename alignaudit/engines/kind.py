@@ -91,15 +91,29 @@ class EngineKind:
             InputError: the engine, the option, the reason and the fix.
         """
 
-    def check_rollout(self, settings, sampling) -> None:
-        """Refuse a rollout shape this engine does not sample (alignaudit.inputs.request.Sampling: group_size,
-        stop_at_eos, prompt_logprobs); by default, all but the plain one (one completion per request, EOS ignored,
-        prompt logprobs recorded). Raises InputError naming the setting."""
-        for shaped, flag in ((sampling.group_size != 1, "--group-size"), (sampling.stop_at_eos, "--stop-at-eos"),
-                             (not sampling.prompt_logprobs, "--no-prompt-logprobs")):
-            if shaped:
+    rollout_defaults = {"stop_at_eos": False, "prompt_logprobs": True}
+    """The rollout shape this engine samples when none is asked for (Sampling fields left None)."""
+
+    def rollout_shape(self, settings, sampling):
+        """``sampling`` with this engine's rollout_defaults in place of fields left None, after refusing a shape
+        this engine does not sample (alignaudit.inputs.request.Sampling: group_size, stop_at_eos, prompt_logprobs,
+        engine_mode); by default, all but the plain one (one completion per request, EOS ignored, prompt logprobs
+        recorded, every request at once). Raises InputError naming the setting."""
+        shaped = ((sampling.group_size != 1, "--group-size"), (sampling.stop_at_eos is True, "--stop-at-eos"),
+                  (sampling.prompt_logprobs is False, "--no-prompt-logprobs"),
+                  (sampling.engine_mode != "offline", "--engine-mode"))
+        for given, flag in shaped:
+            if given:
                 raise InputError(f"{flag}: {self.name} rollouts are sampled one completion per request, EOS ignored, "
-                                 "prompt logprobs recorded; use --infer vllm for framework-shaped rollouts")
+                                 "prompt logprobs recorded, every request at once; use --infer vllm for "
+                                 "framework-shaped rollouts")
+        return self._with_defaults(sampling)
+
+    def _with_defaults(self, sampling):
+        import dataclasses
+
+        return dataclasses.replace(sampling, **{name: value for name, value in self.rollout_defaults.items()
+                                                if getattr(sampling, name) is None})
 
     def routing_observable(self, settings) -> bool:
         """Whether an MoE model's routing decisions can be read without changing what the engine computes."""

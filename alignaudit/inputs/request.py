@@ -108,10 +108,15 @@ class Sampling:
         group_size: completions per prompt, sampled as one request (vLLM's ``n``), as GRPO frameworks sample a
             group; the rollout's sequences are prompt 0's completions, then prompt 1's, ...
         stop_at_eos: EOS ends a completion (as frameworks sample); False: EOS neither stops nor is masked, so
-            every completion has max_new_tokens tokens.
+            every completion has max_new_tokens tokens. None: the rollout engine's default (resolve_shape).
         prompt_logprobs: the rollout engine also records the prompt's logprobs (teacher-forced). False: the
             logprobs of the sampled tokens only, as frameworks ask for them; vLLM then reads its prefix cache,
-            which it skips for a request that asks for prompt logprobs.
+            which it skips for a request that asks for prompt logprobs. None: the rollout engine's default.
+        engine_mode: "offline": every request goes into the engine at once (vLLM's ``LLM``); "async": through
+            the engine's asynchronous front end (vLLM's ``AsyncLLM``, the engine core in a process of its own, as
+            verl, NeMo-RL and servers run it), request i arriving ``i * arrival_gap_s`` seconds after the first,
+            so that requests join a batch that is already decoding.
+        arrival_gap_s: seconds between two arrivals in async mode (>= 0).
     """
 
     max_new_tokens: int = 32
@@ -120,11 +125,16 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
     group_size: int = 1
-    stop_at_eos: bool = False
-    prompt_logprobs: bool = True
+    stop_at_eos: bool | None = False
+    prompt_logprobs: bool | None = True
+    engine_mode: str = "offline"
+    arrival_gap_s: float = 0.02
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+ENGINE_MODES = ("offline", "async")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """Rollouts shaped as RL frameworks sample them, through vLLM (the CPU wheel) on the fixture.
 
 Chain: GRPO frameworks sample a group as one request with n = G, stop at EOS, and ask for the sampled tokens'
-logprobs only, so vLLM reads its prefix cache. Under --strict those shapes change no bit: the trainer's logprob of
-every sampled token equals vLLM's, with 2 prompts of 300 tokens x 4 completions, prefix-cache hits read back from
-vLLM (> 0), and completions that end at EOS; the default stack differs on the same shape (the negative control).
+logprobs only, so vLLM reads its prefix cache; vLLM's rollouts take that shape by default. Under --strict those
+shapes change no bit: the trainer's logprob of every sampled token equals vLLM's, with 2 prompts of 300 tokens x 4
+completions, prefix-cache hits read back from vLLM (> 0), and completions that end at EOS; the default stack
+differs on the same shape (the negative control). Through vLLM's AsyncLLM, requests arriving while others decode,
+the strict rollout is the offline one bit for bit: same tokens, same logprobs.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from helpers import one_line_error
 pytestmark = pytest.mark.engines
 
 SHAPE = ["compare", "--mode", "rollout", "--random-prompts", "2", "--prompt-len", "300", "--group-size", "4",
-         "--stop-at-eos", "--no-prompt-logprobs", "--max-new-tokens", "8"]
+         "--max-new-tokens", "8"]  # EOS stops, no prompt logprobs: vLLM's default shape
 EOS = 0  # fixtures/qwen3-tiny/config.json eos_token_id
 
 
 def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path):
-    for how, extra in (("strict", ["--strict"]), ("default", [])):
+    for how, extra in (("strict", ["--strict"]), ("default", []),
+                       ("async", ["--strict", "--engine-mode", "async", "--arrival-gap", "0.03"])):
         out = tmp_path / how
         assert cli.main([*SHAPE, *extra, "--out", str(out)]) == EXIT_OK
         summary = json.loads((out / "summary.json").read_text())
@@ -34,6 +37,7 @@ def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path):
         generated = table[table["generated"]]
         assert infer["scored"] == "generated" and table["scored"].equals(table["generated"])
         assert infer["rollout"]["group_size"] == 4 and infer["rollout"]["prompt_lengths"] == [300] * 8
+        assert infer["rollout"]["stop_at_eos"] is True and infer["rollout"]["prompt_logprobs"] is False
         assert infer["engine_settings"]["prefix_cache_hits"] > 0
         assert infer["engine_settings"]["resolved"]["enable_prefix_caching"] is True
         ids = table.groupby("seq")["token_id"].apply(list).tolist()
@@ -43,18 +47,32 @@ def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path):
         for seq, n in lengths.items():  # a completion shorter than --max-new-tokens ended at EOS
             assert n == 8 or generated[generated["seq"] == seq]["token_id"].iloc[-1] == EOS
         assert summary["tokens_compared"] == summary["generated"]["tokens_compared"] == len(generated)
-        if how == "strict":
-            assert summary["mismatches"] == 0 and summary["ulp_max"] == 0
-        else:
+        if how == "default":
             assert summary["mismatches"] > 0
+        else:
+            assert summary["mismatches"] == 0 and summary["ulp_max"] == 0
+        if how == "async":
+            arrivals = infer["engine_settings"]["arrivals"]
+            assert infer["engine_settings"]["engine_mode"] == "async" and arrivals["requests"] == 2
+            assert arrivals["arrived_while_running"] == 1 and arrivals["max_running"] == 2  # the second joined a run
+            offline = pd.read_parquet(tmp_path / "strict" / "infer" / "logprobs.parquet")
+            assert table["token_id"].equals(offline["token_id"])
+            assert (table["logprob"].to_numpy().view("int32") == offline["logprob"].to_numpy().view("int32")).all()
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "rollout", "--infer", "hf", "--group-size", "2"], "--group-size: hf rollouts are sampled one"),
     (["--mode", "rollout", "--infer", "hf", "--stop-at-eos"], "--stop-at-eos: hf rollouts"),
+    (["--mode", "rollout", "--infer", "hf", "--engine-mode", "async"], "--engine-mode: hf rollouts"),
+    (["--mode", "rollout", "--engine-mode", "sync"], "--engine-mode 'sync': choose one of offline, async"),
+    (["--mode", "rollout", "--arrival-gap", "0.1"], "--arrival-gap spaces the arrivals of --engine-mode async"),
+    (["--mode", "rollout", "--engine-mode", "async", "--arrival-gap", "-1"], "--arrival-gap -1.0: seconds"),
+    (["--mode", "rollout", "--engine-mode", "async", "--infer-opt", "worker_extension_cls=x.Y"],
+     "worker_extension_cls is set by alignaudit in --engine-mode async"),
+    (["--engine-mode", "async"], "--engine-mode applies to rollouts"),
     (["--group-size", "2"], "--group-size applies to rollouts"),
     (["--mode", "rollout", "--group-size", "0"], "--group-size 0: completions per prompt"),
-    (["--mode", "rollout", "--infer-opt", "enable_prefix_caching=true"],
+    (["--mode", "rollout", "--prompt-logprobs", "--infer-opt", "enable_prefix_caching=true"],
      "has no effect while prompt logprobs are recorded"),
     (["--infer-opt", "enable_prefix_caching=true"], "has no effect in prompt mode"),
     (["--mode", "rollout", "--infer-opt", "n=4"], "vllm n is set by alignaudit; use --group-size"),

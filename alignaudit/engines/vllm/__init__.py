@@ -35,12 +35,27 @@ class VllmKind(EngineKind):
 
         check_options(settings, mode, role)
 
-    def check_rollout(self, settings, sampling) -> None:
-        """Every rollout shape runs; vLLM's prefix cache (enable_prefix_caching) only where no prompt logprobs are
-        asked for, since vLLM never reads it for a request that asks for them (skip_reading_prefix_cache)."""
+    rollout_defaults = {"stop_at_eos": True, "prompt_logprobs": False}
+    """As RL frameworks sample: EOS ends a completion, logprobs of the sampled tokens only (so the prefix cache is
+    read)."""
+
+    def rollout_shape(self, settings, sampling):
+        """Every rollout shape runs, with these refusals: vLLM's prefix cache (enable_prefix_caching) where prompt
+        logprobs are asked for, since vLLM never reads it for such a request (skip_reading_prefix_cache); in async
+        mode, a worker_extension_cls of the user's (alignaudit's own reads back the kernels vLLM computes with) and
+        tensor parallelism (not run yet)."""
+        sampling = self._with_defaults(sampling)
         if settings.options.get("enable_prefix_caching") and sampling.prompt_logprobs:
             raise InputError("vllm enable_prefix_caching=true has no effect while prompt logprobs are recorded: vLLM "
-                             "never reads the prefix cache for such a request; add --no-prompt-logprobs")
+                             "never reads the prefix cache for such a request; drop --prompt-logprobs")
+        if sampling.engine_mode == "async":
+            if "worker_extension_cls" in settings.options:
+                raise InputError("vllm worker_extension_cls is set by alignaudit in --engine-mode async (its "
+                                 "extension reads back the kernels vLLM computes with); drop --infer-opt "
+                                 "worker_extension_cls")
+            if self.tensor_parallel_size(settings) != 1:
+                raise InputError("--engine-mode async at tensor_parallel_size > 1 has not been run; drop one")
+        return sampling
 
     def routing_observable(self, settings) -> bool:
         """In eager mode, or with the strict MoE layer (its router is an opaque custom op, alignaudit::moe_route,

@@ -1,4 +1,5 @@
-"""vLLM engine: the offline ``LLM`` API with token-id prompts, as an RL rollout worker uses it.
+"""vLLM engine: the offline ``LLM`` API with token-id prompts, as an RL rollout worker uses it; rollouts of
+``engine_mode="async"`` go through ``AsyncLLM`` instead (async_rollout.py).
 
 Logprobs: vLLM's ``prompt_logprobs`` (0 alternatives, so each entry holds the prompt token itself), under
 the engine's logprobs mode (default ``raw_logprobs``: log_softmax of the raw logits in fp32,
@@ -87,6 +88,8 @@ class VllmEngine(Engine):
         self.capture_overrides: dict = {}  # settings op capture changed against the ones asked for
         self.startup_s = None  # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
         self.prefix_cache_hits = None  # prompt tokens read from the prefix cache in the last rollout (vLLM's count)
+        self.engine_mode = "offline"  # set by the first rollout's Sampling; "async": self.llm is an AsyncRollout
+        self.arrivals = None  # async mode: how the last rollout's requests arrived (async_rollout.Arrivals)
 
     @classmethod
     def prepare_for_weight_updates(cls) -> None:
@@ -107,6 +110,7 @@ class VllmEngine(Engine):
         """New weights (HF names) into the running engine, as RL frameworks push them (weights.py)."""
         from alignaudit.engines.vllm.weights import load_into_vllm
 
+        self._in_process("a weight update")
         load_into_vllm(self.llm, tensors)
 
     def stale_packed_layers(self) -> list[str]:
@@ -120,6 +124,12 @@ class VllmEngine(Engine):
         from alignaudit.engines.vllm.weights import vllm_to_hf
 
         return vllm_to_hf(self.llm.apply_model(lambda m: m)[0], self.spec)
+
+    def _in_process(self, what: str) -> None:
+        """Raises InputError in async mode, whose model lives in vLLM's engine process, out of this one's reach."""
+        if self.engine_mode == "async":
+            raise InputError(f"{what} reaches vLLM's model in this process; in --engine-mode async it runs in vLLM's "
+                             "engine process (not built yet); use --engine-mode offline")
 
     def _start(self, max_len: int, total_tokens: int, max_seqs: int | None = None) -> None:
         """Build the LLM once, sized for the longest sequence and the whole batch."""
@@ -176,7 +186,13 @@ class VllmEngine(Engine):
             vllm_plugin.register()  # also loaded through the entry point; registering twice is a no-op
         started = time.perf_counter()
         try:
-            self.llm = LLM(**kwargs)
+            if self.engine_mode == "async":
+                from alignaudit.engines.vllm.async_rollout import AsyncRollout
+
+                self.llm = AsyncRollout(kwargs)
+                self.llm_kwargs = self.llm.kwargs
+            else:
+                self.llm = LLM(**kwargs)
         except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             raise InputError(f"vLLM rejected the engine settings: {first_lines(e)}") from e
         self.startup_s = round(time.perf_counter() - started, 3)
@@ -189,8 +205,12 @@ class VllmEngine(Engine):
         from alignaudit.engines.vllm.attention_cpu import attention_impls
         from alignaudit.engines.vllm.weights import linear_methods
 
-        self.attention_impls = self.llm.apply_model(attention_impls)[0]
-        self.linear_methods = self.llm.apply_model(linear_methods)[0]
+        if self.engine_mode == "async":
+            kernels = self.llm.kernels()
+            self.attention_impls, self.linear_methods = kernels["attention_impls"], kernels["linear_methods"]
+        else:
+            self.attention_impls = self.llm.apply_model(attention_impls)[0]
+            self.linear_methods = self.llm.apply_model(linear_methods)[0]
         quantized = [m for m in self.linear_methods if not m.startswith("Unquantized")]
         if "linear" in self.settings.strict_ops and quantized:
             raise EngineError(f"strict linear was asked for, but vLLM computes products with {', '.join(quantized)}, "
@@ -221,6 +241,9 @@ class VllmEngine(Engine):
     def _generate(self, batch: TokenBatch, params):
         from vllm.inputs import TokensPrompt
 
+        if self.engine_mode == "async":
+            outputs, self.arrivals = self.llm.generate(batch.sequences, params, self.arrival_gap_s, self.progress)
+            return outputs
         return self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params,
                                  use_tqdm=self._progress_bar())
 
@@ -240,6 +263,15 @@ class VllmEngine(Engine):
         group = sampling.group_size
         if group != 1 and self.vocab_sink is not None:
             raise InputError("full-vocabulary rows of grouped rollouts are not built yet; drop --group-size")
+        if self.llm is not None and sampling.engine_mode != self.engine_mode:
+            raise InputError(f"this vLLM engine runs {self.engine_mode}; a rollout of engine_mode "
+                             f"{sampling.engine_mode} needs another engine")
+        if sampling.engine_mode == "async" and self.vocab_sink is not None:
+            raise InputError("full-vocabulary rows of async rollouts are not built (the sampler runs in vLLM's engine "
+                             "process); drop --engine-mode async")
+        self.engine_mode = sampling.engine_mode
+        if self.engine_mode == "async":
+            self.arrival_gap_s = sampling.arrival_gap_s
         self._start(max(len(s) for s in batch.sequences) + sampling.max_new_tokens,
                     group * (batch.num_tokens + len(batch.sequences) * sampling.max_new_tokens))
         params = [SamplingParams(**{**self.sampling_options, "max_tokens": sampling.max_new_tokens, "n": group,
@@ -305,6 +337,13 @@ class VllmEngine(Engine):
             results.append(torch.tensor([e[t].logprob for e, t in zip(entries, seq[1:])], dtype=torch.float32))
         return results
 
+    def close(self) -> None:
+        """Remove hooks; an async engine's core process is shut down."""
+        super().close()
+        if self.engine_mode == "async" and self.llm is not None:
+            self.llm.close()
+            self.llm = None
+
     def vocab_row_formula(self) -> str:
         from alignaudit.engines.vllm.vocab import formula
 
@@ -318,9 +357,10 @@ class VllmEngine(Engine):
         record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict,
                   "attention_exp": ",".join(exps) or None, "attention_impl": sorted(self.attention_impls),
                   "linear_methods": list(self.linear_methods), "capture_overrides": dict(self.capture_overrides),
-                  "prefix_cache_hits": self.prefix_cache_hits}
+                  "prefix_cache_hits": self.prefix_cache_hits, "engine_mode": self.engine_mode,
+                  "arrivals": self.arrivals.to_dict() if self.arrivals else None}
         if self.llm is not None:
-            config = self.llm.llm_engine.vllm_config
+            config = self.llm.vllm_config if self.engine_mode == "async" else self.llm.llm_engine.vllm_config
             record["resolved"] = {
                 "enforce_eager": config.model_config.enforce_eager,
                 "compilation_mode": str(getattr(config.compilation_config, "mode", None)),

@@ -1,0 +1,23 @@
+"""Methods vLLM mixes into its workers (``EngineArgs.worker_extension_cls``), so that alignaudit can ask an engine
+whose model runs in another process (vLLM's ``AsyncLLM``: the engine core and its worker are processes of their
+own) what it computes with, by name through ``collective_rpc``: no function is pickled across processes, so
+vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION stays off. RL frameworks reach their rollout workers the same way
+(verl's and TRL's vLLM worker extensions).
+"""
+
+from __future__ import annotations
+
+EXTENSION = "alignaudit.engines.vllm.worker_extension.KernelReadback"
+
+
+class KernelReadback:
+    """Mixed into vLLM's worker class: ``self`` is the worker (vllm/v1/worker/worker_base.py, ``get_model``)."""
+
+    def alignaudit_kernels(self) -> dict:
+        """``{"attention_impls": {impl class: strict exp or None}, "linear_methods": [quant_method class, ...]}``
+        of the loaded model (attention_cpu.attention_impls, weights.linear_methods), read back in the worker."""
+        from alignaudit.engines.vllm.attention_cpu import attention_impls
+        from alignaudit.engines.vllm.weights import linear_methods
+
+        model = self.get_model()
+        return {"attention_impls": attention_impls(model), "linear_methods": linear_methods(model)}
