@@ -53,6 +53,10 @@
 # candidates (bench/sweep_gpu.py --sections issue19); decode-gen19 paged decode at vllm-bench's decode shape vs FA3
 # (pages of 16 and 64, split, stages, warps; needs CUDA vLLM); targets19 the [19] target table from the stages' JSON in $OUT
 # (forward.json from forward, vllm-generate.json from vllm-bench; BENCH_PROFILE: configurations profiled there).
+# [25]: vllm-q8-shaped the Qwen3-8B shape rolled out as frameworks do: 8 prompts sharing a 384-token prefix
+# (SHAPED_PROMPTS, made here) x n = 8, EOS and 2000 stop token ids ending completions, no prompt logprobs (prefix cache
+# read), --engine-mode async with arrivals 50 ms apart; strict then default (SHAPED_HOW); vllm-rl17-shaped alignaudit
+# rl at the Qwen3-1.7B shape with the same shape (offline engine) and --sleep-level 1, RL_STEPS (20) steps --strict.
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
 started=$SECONDS  # the device call began just before (CALL_S: grpo's deadline)
@@ -106,6 +110,27 @@ for side in ("train", "infer"):
 PY
 }
 Q8="--model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512"
+SHAPED_PROMPTS=/tmp/shared-prefix.jsonl
+STOPS="stop_token_ids=$(python3 -c 'print(list(range(1000, 3000)))' | tr -d ' ')"
+shaped_prompts() {  # $1 vocabulary size: 8 prompts of 512 ids sharing their first 384 (a system prompt), seeded
+  python3 - "$1" > $SHAPED_PROMPTS <<'PY'
+import json, random, sys
+rng = random.Random(0); vocab = int(sys.argv[1]); prefix = [rng.randrange(vocab) for _ in range(384)]
+for _ in range(8):
+    print(json.dumps({"token_ids": prefix + [rng.randrange(vocab) for _ in range(128)]}))
+PY
+}
+shaped_summary() {  # $1 run directory: how the rollout was shaped, read back from the infer capture
+  python3 - "$1" <<'PY' 2>&1 | log
+import json, sys, pathlib, pandas as pd
+run = pathlib.Path(sys.argv[1]); m = json.loads((run / "infer" / "manifest.json").read_text()); e = m["engine_settings"]
+t = pd.read_parquet(run / "infer" / "logprobs.parquet"); g = t[t.generated].groupby("seq").size()
+print("   shape", {k: m["rollout"][k] for k in ("group_size", "stop_at_eos", "prompt_logprobs", "engine_mode", "arrival_gap_s")},
+      "prefix_cache_hits", e.get("prefix_cache_hits"), "arrivals", e.get("arrivals"), "sequences", len(g),
+      "ended early", int((g < m["rollout"]["max_new_tokens"]).sum()), "completion len min/mean", int(g.min()), round(float(g.mean()), 1),
+      "prefix caching", e.get("resolved", {}).get("enable_prefix_caching"), "graphs", e.get("resolved", {}).get("cudagraph_mode"))
+PY
+}
 G17="--model Qwen3-1.7B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4"
 grpo() {  # $1 name, rest: rl options; megatron trains, CUDA vLLM rolls out; steps.parquet, plot, run.json and a summary
   local name=$1; shift
@@ -243,6 +268,19 @@ for stage in "$@"; do
                            --mode rollout --max-new-tokens 64 --temperature 0.7 --top-k 50 --top-p 0.9 \
                            --infer-opt logprobs_mode=processed_logprobs
                        done ;;
+    vllm-q8-shaped) shaped_prompts 151936
+                    for how in ${SHAPED_HOW:-strict default}; do
+                      cmp vq8-shaped-$how --model Qwen3-8B --random-weights --prompts $SHAPED_PROMPTS --train megatron --infer vllm \
+                        $([ $how = strict ] && echo --strict) --mode rollout --max-new-tokens 128 --group-size 8 \
+                        --engine-mode async --arrival-gap 0.05 --infer-opt "$STOPS"
+                      shaped_summary /tmp/runs/vq8-shaped-$how
+                    done ;;
+    vllm-rl17-shaped) shaped_prompts 151936
+                      timeout ${RL_TIMEOUT:-500} python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --prompts $SHAPED_PROMPTS \
+                        --train megatron --infer vllm --device cuda --strict --steps ${RL_STEPS:-20} --group-size 8 --max-new-tokens 64 \
+                        --sleep-level 1 --infer-opt "$STOPS" --lr 1e-6 --no-token-rows --out /dev/shm/vrl17s --force 2>&1 | log | tail -4
+                      cp /dev/shm/vrl17s/steps.parquet "$out/vrl17s-steps.parquet" 2>/dev/null
+                      python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17s/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','completions_ended_early','completion_len_mean','prefix_cache_hits','sleep_freed_gib','wake_taken_gib','seconds','rollout_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
     vllm-q8-default) cmp vq8-default $Q8 --train megatron --infer vllm ${VQ8_OPTS:-} ;;
     vllm-q8-rollout) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 ${VQ8_OPTS:-} ;;
     vllm-q8-hf) cmp vq8-strict-hf-rollout $Q8 --train hf --infer vllm --strict --mode rollout --max-new-tokens 64 ;;

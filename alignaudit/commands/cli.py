@@ -32,6 +32,7 @@ from alignaudit.commands.options import (
     PairArgs,
     PromptArgs,
     SamplingArgs,
+    StopAtEosOpt,
     StrictOpt,
     TemperatureOpt,
     TopKOpt,
@@ -554,6 +555,11 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
        temperature: TemperatureOpt = 1.0,
        top_k: TopKOpt = 0,
        top_p: TopPOpt = 1.0,
+       stop_at_eos: StopAtEosOpt = None,
+       sleep_level: Annotated[int, typer.Option("--sleep-level", metavar="L", help="vLLM on CUDA: sleep after each "
+                                                "rollout and wake before the sync, as colocated frameworks free the "
+                                                "GPU for the trainer; 1: weights to host memory, KV cache freed "
+                                                "(steps.parquet sleep_freed_gib). 0: never sleeps.")] = 0,
        clip_eps: ClipEpsOpt = 0.2,
        reward: Annotated[str, typer.Option("--reward", metavar="NAME", help="rotating-hash (a score per token id "
                                            "from a table that changes every 10 steps), "
@@ -612,7 +618,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
 
     settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows, reward=reward,
                           kl_coef=kl_coef, log_to=parse_sinks(log_to), full_vocab=full_vocab,
-                          keep_vocab_rows=keep_vocab_rows)
+                          keep_vocab_rows=keep_vocab_rows, sleep_level=sleep_level)
     settings.check()
     from alignaudit.engines import kind_of, names_where
 
@@ -622,8 +628,13 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                                 f"--infer {run.infer}")
     from alignaudit.engines.checks import check_rl_full_vocab, refuse_parallel
 
-    request = build_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p),
+    # a group as one request (vLLM's n) where the engine samples groups; its full-vocabulary rows are per request
+    per_request = group_size if kind_of(run.infer).samples_groups and not full_vocab else 1
+    request = build_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p,
+                                                              per_request, stop_at_eos),
                             clip_eps, importance, extra_check=check_rl_full_vocab if full_vocab else None)
+    if sleep_level:
+        request = _with_sleep_mode(request)
     refuse_moe(request.spec, "alignaudit rl")
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
@@ -650,6 +661,25 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                   f"bit-equal[/]; reward {table['reward_mean'].iloc[0]:.3f} -> {table['reward_mean'].iloc[-1]:.3f}",
                   highlight=False)
     _results(out / STEPS, out / PLOT, out / RUN, *_report(out))
+
+
+def _with_sleep_mode(request):
+    """``request`` with vLLM's ``enable_sleep_mode=true`` among the rollout engine's options (rl --sleep-level),
+    after refusing an engine or device that cannot sleep. Raises InputError."""
+    from alignaudit.engines import kind_of, names_where
+
+    infer = request.infer
+    if not kind_of(infer.engine).sleeps:
+        raise errors.InputError(f"--sleep-level: {infer.engine} does not sleep; use --infer "
+                                f"{names_where(lambda k: k.sleeps)} or drop --sleep-level")
+    if infer.settings.device != "cuda":
+        raise errors.InputError("--sleep-level needs --device cuda: vLLM's sleep mode frees GPU memory through its "
+                                "CUDA allocator, and its CPU worker ignores sleep; drop --sleep-level")
+    if "enable_sleep_mode" in infer.settings.options:
+        raise errors.InputError("vllm enable_sleep_mode is set by alignaudit with --sleep-level; drop it from "
+                                "--infer-opt")
+    settings = dataclasses.replace(infer.settings, options={**infer.settings.options, "enable_sleep_mode": True})
+    return dataclasses.replace(request, infer=dataclasses.replace(infer, settings=settings))
 
 
 @app.command()

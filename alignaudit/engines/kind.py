@@ -33,6 +33,9 @@ class EngineKind:
         offloads_optimizer: its trainer can keep part of the optimizer state in host memory (rl's memory plan).
         gives_vocab_rows: its adapter gives full-vocabulary log-softmax rows (``compare --full-vocab``,
             Engine.vocab_row_formula says how it computes them).
+        samples_groups: it samples a group of completions as one request (Sampling.group_size; vLLM's ``n``);
+            otherwise rl submits each prompt once per completion.
+        sleeps: its rollout engine can sleep between rl steps (rl --sleep-level), freeing its accelerator memory.
     """
 
     name = ""
@@ -49,6 +52,8 @@ class EngineKind:
     eager_for_op_capture = False
     offloads_optimizer = False
     gives_vocab_rows = False
+    samples_groups = False
+    sleeps = False
 
     def check_installed(self) -> None:
         """Raises EngineError with the install command when the engine's package is missing."""

@@ -3,7 +3,11 @@
 Each step (both engines stay up in one long-lived worker each, alignaudit.workers.rl_session):
     1. rollout   the inference engine samples ``group_size`` completions per prompt (request i seeded with
                  seed + i, the same at every step, so that with unchanged weights every step repeats) and
-                 records each sampled token's logprob while decoding;
+                 records each sampled token's logprob while decoding; shaped as frameworks sample (vLLM: a
+                 group is one request with n = G, EOS ends a completion unless --ignore-eos, no prompt
+                 logprobs, so the G completions read the prompt's KV blocks from the prefix cache);
+                 with ``sleep_level``, the engine then sleeps (its weights to host memory, its KV cache
+                 freed) while the trainer works, and wakes before the sync;
     2. rescore   the trainer computes the same tokens' logprobs (old_logprobs), eval mode, no gradient;
     3. compare   every generated token, trainer vs rollout: bitwise, ULP, RL metrics (comparison/token_diff.py);
                  with ``full_vocab``, also each token's whole fp32 log-softmax row on both sides (the trainer's from
@@ -92,6 +96,7 @@ class RLSettings:
     log_to: tuple[str, ...] = ()
     full_vocab: bool = False
     keep_vocab_rows: bool = False
+    sleep_level: int = 0
 
     def check(self) -> None:
         """Raises InputError for a setting the loop cannot run with (a --log-to library not installed included)."""
@@ -103,6 +108,9 @@ class RLSettings:
                              "--keep-vocab-rows")
         if self.steps < 1:
             raise InputError(f"--steps {self.steps}: run at least one step")
+        if self.sleep_level not in (0, 1):
+            raise InputError(f"--sleep-level {self.sleep_level}: 1 (weights to host memory, KV cache freed) or 0 (no "
+                             "sleep); level 2 (weights discarded) is not built yet")
         if self.group_size < 2:
             raise InputError(f"--group-size {self.group_size}: GRPO normalizes rewards within a group; use 2 or more")
         if self.reward not in REWARDS:
@@ -143,10 +151,11 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         trainer = _session(sessions, request, "trainer", out / TRAIN_LOG, lr=rl.lr, clip_grad=rl.clip_grad,
                            offload_fraction=memory.offload_fraction if memory else 0.0, kl_coef=rl.kl_coef)
         rollout = _session(sessions, request, "rollout", out / INFER_LOG)
-        prompts = [list(p) for p in request.batch.sequences for _ in range(rl.group_size)]
-        new = request.rollout.max_new_tokens
-        rollout.call("start", max_len=max(len(p) for p in prompts) + new, max_seqs=len(prompts),
-                     total_tokens=sum(len(p) for p in prompts) + len(prompts) * new)
+        # one request per prompt with n = G where the engine samples groups, else the prompt G times
+        prompts = [list(p) for p in request.batch.sequences for _ in range(rl.group_size // request.rollout.group_size)]
+        new, group = request.rollout.max_new_tokens, request.rollout.group_size
+        rollout.call("start", max_len=max(len(p) for p in prompts) + new, max_seqs=len(prompts) * group,
+                     total_tokens=group * (sum(len(p) for p in prompts) + len(prompts) * new))
         record["engines"] = {"train": trainer.call("settings")["settings"],
                              "infer": rollout.call("settings")["settings"]}
         how = transport(request)
@@ -217,7 +226,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
 
     t0 = time.perf_counter()
     sampling = request.rollout.to_dict()
-    prompt_lengths = [len(p) for p in prompts]
+    prompt_lengths = [len(p) for p in prompts for _ in range(request.rollout.group_size)]  # per returned sequence
     rows = {side: str(out / STEP_VOCAB_DIR / STEP_VOCAB_ROWS.format(step=step, side=side))
             for side in ("train", "infer")}
 
@@ -226,6 +235,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
             return None
         return {"path": rows[side], "tensor": STEP_VOCAB_TENSOR, "prompt_lengths": prompt_lengths}
     rolled = rollout.call("rollout", prompts=prompts, sampling=sampling, vocab_rows=spec("infer"))
+    sleep = rollout.call("sleep", level=rl.sleep_level) if rl.sleep_level else None
     t1 = time.perf_counter()
     sequences = rolled["sequences"]
     replay = None
@@ -246,6 +256,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
     update = trainer.call("train_step", sequences=sequences, prompt_lengths=prompt_lengths, advantages=advantages,
                           rollout_logprobs=rollout_gen, clip_eps=request.clip_eps, replay=replay)
     t3 = time.perf_counter()
+    wake = rollout.call("wake_up") if rl.sleep_level else None
     sync = _sync(trainer, rollout, out, how)
     t4 = time.perf_counter()
     forward = np.array([x for seq in update["forward_logprobs"] for x in seq], dtype=np.float32)
@@ -272,6 +283,8 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         **importance_columns(summary["importance"]),
         **vocab,
         "reward_mean": float(np.mean(rewards)),
+        **_shape_columns(sequences, prompt_lengths, request.rollout.max_new_tokens, rolled["prefix_cache_hits"]),
+        **_sleep_columns(sleep, wake),
         "loss": update["loss"],
         **({"kl_ref": update["kl_ref"]} if update["kl_ref"] is not None else {}),
         "grad_norm": update["grad_norm"],
@@ -293,6 +306,25 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "optimizer_s": update["optimizer_s"],
         "sync_s": round(t4 - t3, 3),
     }
+
+
+def _shape_columns(sequences: list, prompt_lengths: list, max_new_tokens: int, prefix_cache_hits) -> dict:
+    """The rollout's shape, measured: completion lengths (tokens), how many completions ended before
+    ``max_new_tokens`` (at EOS or a stop token), and the prompt tokens the engine read from its prefix cache (vLLM's
+    count; None where the engine reports none)."""
+    lengths = [len(s) - p for s, p in zip(sequences, prompt_lengths, strict=True)]
+    return {"completion_len_mean": float(np.mean(lengths)), "completion_len_min": int(min(lengths)),
+            "completions_ended_early": sum(n < max_new_tokens for n in lengths),
+            "prefix_cache_hits": prefix_cache_hits}
+
+
+def _sleep_columns(sleep: dict | None, wake: dict | None) -> dict:
+    """What sleeping gave back and waking took (GiB of device memory, measured by the rollout worker), and how long
+    each took; nothing when the engine does not sleep."""
+    if sleep is None:
+        return {}
+    return {"sleep_freed_gib": sleep["freed_bytes"] / 2**30, "sleep_s": sleep["seconds"],
+            "wake_taken_gib": wake["taken_bytes"] / 2**30, "wake_s": wake["seconds"]}
 
 
 def _vocab(step: int, tokens: pd.DataFrame, rows: dict, vocab_size: int, keep: bool) -> tuple[pd.DataFrame, dict]:

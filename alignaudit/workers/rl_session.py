@@ -149,7 +149,12 @@ class Worker:
             batch = TokenBatch(tuple(tuple(s) for s in args["prompts"]))
             with _RowFile(self.engine, args.get("vocab_rows"), [0] * len(batch.sequences)):
                 full, logprobs = self.engine.rollout(batch, Sampling(**args["sampling"]))
-            return {"sequences": [list(s) for s in full.sequences], "logprobs": [lp.tolist() for lp in logprobs]}
+            return {"sequences": [list(s) for s in full.sequences], "logprobs": [lp.tolist() for lp in logprobs],
+                    "prefix_cache_hits": getattr(self.engine, "prefix_cache_hits", None)}
+        if command == "sleep":
+            return self.engine.sleep(args["level"])
+        if command == "wake_up":
+            return self.engine.wake_up()
         if command == "score":
             batch = TokenBatch(tuple(tuple(s) for s in args["sequences"]))
             rows = args.get("vocab_rows")

@@ -233,10 +233,10 @@ def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp
 def test_a_rollout_audited_across_containers_capture_rollout_then_tokens_from_then_diff_and_gate(tmp_path, capsys):
     """The rollout engine samples in its own container (capture --mode rollout), the trainer scores those token
     ids in another (capture --tokens-from), diff compares them anywhere and gate judges the diff: strict on both
-    sides, every token, the 32 sampled ones included, bitwise equal."""
+    sides, every token (the prompts' too: --prompt-logprobs), the 32 sampled ones included, bitwise equal."""
     rollout, train, diff = tmp_path / "rollout", tmp_path / "train", tmp_path / "d"
     assert cli.main(["capture", "--engine", "vllm", "--strict", "--mode", "rollout", "--max-new-tokens", "8",
-                     "--out", str(rollout)]) == EXIT_OK
+                     "--prompt-logprobs", "--ignore-eos", "--out", str(rollout)]) == EXIT_OK
     manifest = json.loads((rollout / "manifest.json").read_text())
     assert manifest["mode"] == "rollout" and manifest["rollout"]["max_new_tokens"] == 8
     assert cli.main(["capture", "--engine", "megatron", "--strict", "--no-ops", "--tokens-from", str(rollout),

@@ -135,7 +135,7 @@ def test_processed_logprobs_are_replayed_by_the_trainer_and_eos_is_not_masked(tm
     out = tmp_path / "run"
     assert cli.main(["compare", "--mode", "rollout", "--train", train, "--infer", "vllm", "--dtype", "fp32",
                      "--temperature", "0.7", "--infer-opt", "logprobs_mode=processed_logprobs",
-                     "--max-new-tokens", "16",
+                     "--max-new-tokens", "16", "--ignore-eos", "--prompt-logprobs",
                      "--out", str(out)]) == EXIT_OK
     tokens = pd.read_parquet(out / "tokens.parquet")
     generated = tokens[tokens["generated"]]

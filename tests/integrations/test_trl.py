@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,44 +23,12 @@ from helpers import FIXTURE
 pytestmark = [pytest.mark.engines, pytest.mark.long]
 trl = pytest.importorskip("trl")
 
-RUN = """
-import json, os, sys
-for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[3],
-             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
-    os.environ[k] = v
-from datasets import Dataset
-from trl import GRPOConfig, GRPOTrainer
-
-fixture, strict, out = sys.argv[1], sys.argv[2] == "strict", sys.argv[4]
-data = Dataset.from_dict({"prompt": ["The quick brown fox", "Numerics of RL:", "One two three",
-                                     "A short prompt about logprobs"] * 2})
-
-def reward(completions, **kwargs):
-    return [len(c) / 10.0 for c in completions]
-
-config = GRPOConfig(output_dir=out, use_vllm=True, vllm_mode="colocate", num_generations=4,
-                    per_device_train_batch_size=4, max_completion_length=8, max_steps=2, learning_rate=1e-3,
-                    logging_steps=1, report_to=[],
-                    use_cpu=True, temperature=0.7, top_k=20, top_p=0.9, seed=0, vllm_max_model_length=128,
-                    save_strategy="no", model_init_kwargs={"dtype": "bfloat16"})
-if strict:
-    from alignaudit.integrations.trl import StrictGRPOTrainer
-    trainer = StrictGRPOTrainer(model=fixture, reward_funcs=reward, args=config, train_dataset=data, fail_closed=True)
-else:
-    from alignaudit import api
-    api.keep_vllm_weights()  # vLLM's CPU backend otherwise frees the weights TRL's sync writes into
-    trainer = GRPOTrainer(model=fixture, reward_funcs=reward, args=config, train_dataset=data)
-trainer.train()
-print("RESULT", json.dumps([l for l in trainer.state.log_history if "sampling/sampling_logp_difference/max" in l]))
-"""
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "trl_grpo.py"
 
 
 def _grpo(tmp_path, how: str) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     env = {k: v for k, v in os.environ.items() if k != "ALIGNAUDIT_STRICT"}
-    proc = subprocess.run([sys.executable, "-c", RUN, str(FIXTURE), how, port, str(tmp_path / how)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(FIXTURE), how, str(tmp_path / how)],
                           capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]

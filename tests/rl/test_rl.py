@@ -9,7 +9,8 @@ Chain of reasoning:
 3. Therefore every step of a strict run must show 0 mismatching tokens while the weights change (a new
    weights digest every step); the default stack must mismatch at every step (negative control).
 4. With lr 0 the weights never change and every step repeats the same rollout (same seeds): every
-   statistic must be identical at every step, so any drift would be a sync or state bug.
+   statistic must be identical at every step, so any drift would be a sync or state bug. That run samples as
+   frameworks do, rl's default: a group as one request (n = G), EOS ending completions.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ IS_HAND = dict(tis=1.0001, mask_low=0.9999, mask_high=1.001)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
-    vocab = ["--full-vocab", "--keep-vocab-rows"]
+    vocab = ["--full-vocab", "--keep-vocab-rows", "--ignore-eos"]  # fixed lengths: 4 x 4 x 16 tokens a step
     for name, args in (("strict", ["--strict", "--steps", "3", "--lr", "1e-3", "--kl-coef", "0.04", *vocab]),
                        ("default", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "tensorboard", *vocab]),
-                       ("again", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "wandb", "--full-vocab"]),
+                       ("again", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "wandb", "--full-vocab",
+                                  "--ignore-eos"]),
                        ("control", ["--steps", "3", "--lr", "0"])):
         printed = io.StringIO()  # not a terminal, as a CI log: the progress bar draws once, the step lines stay
         with contextlib.redirect_stdout(printed):
@@ -94,6 +96,9 @@ def test_strict_steps_stay_bitwise_aligned_while_the_weights_change(runs, tmp_pa
     assert s["kl_ref"].iloc[0] == 0.0 and (s["kl_ref"].iloc[1:] > 0).all()
     assert "kl_ref" not in steps(runs, "default")
     record = json.loads((runs / "strict" / "run.json").read_text())
+    # --full-vocab: one request per completion (rows are per request); --ignore-eos: every completion 16 tokens
+    assert (record["rollout"]["group_size"], record["rollout"]["stop_at_eos"]) == (1, False)
+    assert (s["completions_ended_early"] == 0).all() and (s["completion_len_min"] == 16).all()
     assert (record["status"] == "complete" and record["initial_sync"]["bit_equal"]
             and record["initial_sync"]["tensors"] == 25)
     assert record["engines"]["train"]["optimizer"] == "alignaudit.rl.optim.MixedPrecisionAdam"
@@ -206,6 +211,15 @@ def test_lr_zero_repeats_every_step_exactly(runs):
     assert first["weights_digest"] == record["initial_sync"]["weights_digest"]  # the weights never moved
     assert first["weights_changed"] == 0 and first["max_abs_dw"] == 0.0
     assert record["weight_sync"]["transport"] == "file" and record["initial_sync"]["changed"] == 0
+    shape = record["rollout"]
+    assert (shape["group_size"], shape["stop_at_eos"], shape["prompt_logprobs"]) == (4, True, False)  # n = G, EOS
+    tokens = pd.read_parquet(runs / "control" / "tokens" / "step-00001.parquet")
+    lengths = tokens.groupby("seq").size()
+    assert len(lengths) == 16 and first["tokens"] == len(tokens) == lengths.sum()
+    assert first["completion_len_mean"] == lengths.mean() and first["completion_len_min"] == lengths.min()
+    ended = lengths[lengths < 16].index
+    assert first["completions_ended_early"] == len(ended) > 0  # seeded: EOS ended some completions
+    assert (tokens.groupby("seq")["token_id"].last().loc[ended] == 0).all()  # each at EOS (the fixture's id 0)
 
 
 def test_the_steps_reach_tensorboard_and_wandb(runs):

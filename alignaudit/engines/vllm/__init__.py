@@ -22,6 +22,8 @@ class VllmKind(EngineKind):
     hooks_reach_ranks = False
     reserves_a_token = True
     eager_for_op_capture = True
+    samples_groups = True
+    sleeps = True  # on CUDA (vLLM's CuMemAllocator); its CPU worker ignores sleep (vllm/v1/worker/cpu_worker.py)
 
     def check_tensor_parallel(self, spec, tp: int) -> None:
         """vLLM pads the vocabulary and replicates KV heads, so the KV heads need only split or replicate evenly."""

@@ -337,6 +337,28 @@ class VllmEngine(Engine):
             results.append(torch.tensor([e[t].logprob for e, t in zip(entries, seq[1:])], dtype=torch.float32))
         return results
 
+    def sleep(self, level: int) -> dict:
+        """vLLM's sleep mode (``LLM.sleep``; the engine must have been built with ``enable_sleep_mode``): level 1
+        moves the weights to host memory and discards the KV cache (and with it the prefix cache). Returns
+        ``{"freed_bytes": device memory free after minus before (torch.cuda.mem_get_info), "seconds"}``: what
+        sleeping gave back, measured."""
+        return self._measured(lambda: self.llm.sleep(level=level), sign=1)
+
+    def wake_up(self) -> dict:
+        """``LLM.wake_up()``: weights back on the device, the KV cache reallocated. Returns ``{"taken_bytes",
+        "seconds"}`` as sleep does."""
+        return self._measured(self.llm.wake_up, sign=-1)
+
+    def _measured(self, action, sign: int) -> dict:
+        self._in_process("sleep and wake_up")
+        torch.cuda.synchronize()
+        before, started = torch.cuda.mem_get_info()[0], time.perf_counter()
+        action()
+        torch.cuda.synchronize()
+        change = sign * (torch.cuda.mem_get_info()[0] - before)
+        return {"freed_bytes" if sign > 0 else "taken_bytes": change,
+                "seconds": round(time.perf_counter() - started, 3)}
+
     def close(self) -> None:
         """Remove hooks; an async engine's core process is shut down."""
         super().close()

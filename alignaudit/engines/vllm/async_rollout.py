@@ -111,5 +111,12 @@ class AsyncRollout:
         return outputs, Arrivals.of(gap_s, sent, done)
 
     def close(self) -> None:
-        self.engine.shutdown()
+        """Shut the engine down inside its loop: from outside, vLLM only schedules the closing of its ZMQ sockets on
+        the loop (BackgroundResources, vllm/v1/engine/core_client.py), and a socket left open makes the ZMQ context's
+        garbage collection block forever (seen: a worker hung in zmq Context.term)."""
+        async def stop():
+            self.engine.shutdown()
+            await asyncio.sleep(0)  # let the cancelled output tasks finish
+
+        self.loop.run_until_complete(stop())
         self.loop.close()
