@@ -56,7 +56,9 @@
 # [25]: vllm-q8-shaped the Qwen3-8B shape rolled out as frameworks do: 8 prompts sharing a 384-token prefix
 # (SHAPED_PROMPTS, made here) x n = 8, EOS and 2000 stop token ids ending completions, no prompt logprobs (prefix cache
 # read), --engine-mode async with arrivals 50 ms apart; strict then default (SHAPED_HOW); vllm-rl17-shaped alignaudit
-# rl at the Qwen3-1.7B shape with the same shape (offline engine) and --sleep-level 1, RL_STEPS (20) steps --strict.
+# rl at the Qwen3-1.7B shape with the same shape (offline engine) and --sleep-level 1, RL_STEPS (20) steps --strict;
+# trl: TRL's GRPOTrainer with CUDA vLLM colocated on the fixture (bench/trl_grpo.py), strict then default (TRL_HOW),
+# TRL_STEPS (3) steps; needs trl, accelerate, datasets, dill, multiprocess, xxhash carried in .whl/extra/.
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
 started=$SECONDS  # the device call began just before (CALL_S: grpo's deadline)
@@ -281,6 +283,10 @@ for stage in "$@"; do
                         --sleep-level 1 --infer-opt "$STOPS" --lr 1e-6 --no-token-rows --out /dev/shm/vrl17s --force 2>&1 | log | tail -4
                       cp /dev/shm/vrl17s/steps.parquet "$out/vrl17s-steps.parquet" 2>/dev/null
                       python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17s/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','completions_ended_early','completion_len_mean','prefix_cache_hits','sleep_freed_gib','wake_taken_gib','seconds','rollout_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
+    trl) for how in ${TRL_HOW:-strict default}; do
+           timeout ${TRL_TIMEOUT:-240} python3 bench/trl_grpo.py fixtures/qwen3-tiny $how /tmp/trl-$how --device cuda --steps ${TRL_STEPS:-3} 2>&1 \
+             | log | grep -E "^RESULT|Error|rror:" | tail -4
+         done ;;
     vllm-q8-default) cmp vq8-default $Q8 --train megatron --infer vllm ${VQ8_OPTS:-} ;;
     vllm-q8-rollout) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 ${VQ8_OPTS:-} ;;
     vllm-q8-hf) cmp vq8-strict-hf-rollout $Q8 --train hf --infer vllm --strict --mode rollout --max-new-tokens 64 ;;

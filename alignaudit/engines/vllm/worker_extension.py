@@ -7,6 +7,14 @@ vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION stays off. RL frameworks reach their ro
 
 from __future__ import annotations
 
+from alignaudit.engines.vllm import plugin
+
+# vLLM loads general plugins from installed entry points only, so in a process of vLLM's own (AsyncLLM's engine
+# core) run from a source checkout the strict ops would be missing: found on the H200, where the read-back check
+# caught FlashAttentionImpl under --strict. vLLM imports this module there (WorkerWrapperBase.init_worker) before it
+# builds the model, so the ops of ALIGNAUDIT_STRICT are registered here too (idempotent; nothing without it).
+plugin.register()
+
 EXTENSION = "alignaudit.engines.vllm.worker_extension.KernelReadback"
 
 
