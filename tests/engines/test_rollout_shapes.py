@@ -5,7 +5,9 @@ logprobs only, so vLLM reads its prefix cache; vLLM's rollouts take that shape b
 shapes change no bit: the trainer's logprob of every sampled token equals vLLM's, with 2 prompts of 300 tokens x 4
 completions, prefix-cache hits read back from vLLM (> 0), and completions that end at EOS; the default stack
 differs on the same shape (the negative control). Through vLLM's AsyncLLM, requests arriving while others decode,
-the strict rollout is the offline one bit for bit: same tokens, same logprobs.
+the strict rollout is the offline one bit for bit: same tokens, same logprobs; and that with vLLM loading no plugin
+from entry points (VLLM_PLUGINS=none, as from a source checkout, where the H200 run found the strict ops missing in
+the engine-core process: alignaudit's worker extension registers them there).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ SHAPE = ["compare", "--mode", "rollout", "--random-prompts", "2", "--prompt-len"
 EOS = 0  # fixtures/qwen3-tiny/config.json eos_token_id
 
 
-def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path):
+def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path, monkeypatch):
     for how, extra in (("strict", ["--strict"]), ("default", []),
                        ("async", ["--strict", "--engine-mode", "async", "--arrival-gap", "0.03"])):
         out = tmp_path / how
+        if how == "async":
+            monkeypatch.setenv("VLLM_PLUGINS", "none")  # no entry-point plugin in vLLM's processes
         assert cli.main([*SHAPE, *extra, "--out", str(out)]) == EXIT_OK
         summary = json.loads((out / "summary.json").read_text())
         infer = json.loads((out / "infer" / "manifest.json").read_text())
@@ -54,6 +58,7 @@ def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path):
         if how == "async":
             arrivals = infer["engine_settings"]["arrivals"]
             assert infer["engine_settings"]["engine_mode"] == "async" and arrivals["requests"] == 2
+            assert infer["engine_settings"]["attention_impl"] == ["StrictCPUAttentionImpl"]
             assert arrivals["arrived_while_running"] == 1 and arrivals["max_running"] == 2  # the second joined a run
             offline = pd.read_parquet(tmp_path / "strict" / "infer" / "logprobs.parquet")
             assert table["token_id"].equals(offline["token_id"])
