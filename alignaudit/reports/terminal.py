@@ -9,23 +9,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from alignaudit.comparison.numerics import hex_bits
-from alignaudit.reports.views import summary_sections, ulp_buckets
+from alignaudit.reports.views import side_label, summary_sections, ulp_buckets
 
 
 def _num(x, fmt: str = ".3e") -> str:
     return "-" if x is None else format(x, fmt)
-
-
-def _side_label(side: dict) -> str:
-    """``engine (dtype, device, strict ..., TP=n, options)``; what a side's record lacks (a rollout file's dtype and
-    device) is left out."""
-    opts = " ".join(f"{k}={v}" for k, v in side.get("options", {}).items())
-    parts = [side.get("dtype"), side.get("device"), f"strict {side['strict']}" if side.get("strict") else None,
-             f"{side['strict_exp']} exp" if side.get("strict_exp") not in (None, "portable") else None,
-             "fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else None,
-             f"TP={side['tensor_parallel_size']}" if side.get("tensor_parallel_size", 1) != 1 else None, opts]
-    shown = ", ".join(str(part) for part in parts if part)
-    return escape(f"{side['engine']} ({shown})" if shown else side["engine"])
 
 
 SEQUENCE_ROWS = 20
@@ -52,7 +40,7 @@ def render_comparison(console: Console, summary: dict, tokens: pd.DataFrame | No
     sequences.parquet) and the worst tokens of a logprob comparison."""
     sides = summary.get("sides", {})
     train, infer = sides.get("train"), sides.get("infer")
-    title = (f"{escape(summary.get('model', ''))}: {_side_label(train)} vs {_side_label(infer)}"
+    title = (f"{escape(summary.get('model', ''))}: {escape(side_label(train))} vs {escape(side_label(infer))}"
              if train and infer else "")
     n, bad = summary["tokens_compared"], summary["mismatches"]
     table = Table(title=f"Logprob alignment  {title}", show_header=False, title_justify="left")

@@ -262,6 +262,31 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
     return out
 
 
+def side_label(side: dict) -> str:
+    """``engine (dtype, device, strict ..., TP=n, options)`` of one side of a comparison (its run.json record), plain
+    text; what a side's record lacks (a rollout file's dtype and device) is left out, and a long option is shortened
+    (option_text)."""
+    parts = [side.get("dtype"), side.get("device"), f"strict {side['strict']}" if side.get("strict") else None,
+             f"{side['strict_exp']} exp" if side.get("strict_exp") not in (None, "portable") else None,
+             "fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else None,
+             f"TP={side['tensor_parallel_size']}" if side.get("tensor_parallel_size", 1) != 1 else None,
+             *(option_text(k, v) for k, v in (side.get("options") or {}).items())]
+    shown = ", ".join(str(part) for part in parts if part)
+    engine = side.get("engine", "?")
+    return f"{engine} ({shown})" if shown else engine
+
+
+def option_text(key: str, value, limit: int = 60) -> str:
+    """``key=value``; a list longer than ``limit`` characters as its ends and length (``stop_token_ids=[1000, ...,
+    2999] (2000 items)``), any other long value cut at ``limit`` with an ellipsis. The whole value stays in run.json."""
+    text = f"{key}={value}"
+    if len(text) <= limit:
+        return text
+    if isinstance(value, (list, tuple)) and value:
+        return f"{key}=[{value[0]}, ..., {value[-1]}] ({len(value)} items)"
+    return text[:limit - 1] + "…"
+
+
 def bucket_label(k: int) -> str:
     """The label of log2 bucket ``k`` (ULP distances 2^(k-1) to 2^k - 1): "0", "1", "2-3", ..., "4096-8191",
     then "[2^13, 2^14)" and so on."""

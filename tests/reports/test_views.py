@@ -126,3 +126,15 @@ def test_rl_page_groups_every_importance_column_into_named_panels():
     assert sorted(c for cols in is_panels for c in cols) == sorted(f"is_{f}" for f in FIELDS)
     assert len(is_panels) == 8
     assert "|p_train - p_rollout| max / mean" in titles and titles[-1] == "something_new"
+
+
+def test_a_long_engine_option_is_shortened_in_labels_but_not_lost():
+    """2000 stop token ids (the H200 shaped rollout) once filled 30 lines of the terminal title; the label shows the
+    list's ends and length, and a short option whole."""
+    from alignaudit.reports.views import side_label
+
+    side = {"engine": "vllm", "dtype": "bf16", "device": "cuda", "strict": "all", "tensor_parallel_size": 2,
+            "options": {"stop_token_ids": list(range(1000, 3000)), "enforce_eager": True, "note": "x" * 100}}
+    assert side_label(side) == ("vllm (bf16, cuda, strict all, TP=2, stop_token_ids=[1000, ..., 2999] (2000 items), "
+                                f"enforce_eager=True, note={'x' * 54}…)")
+    assert side_label({"engine": "hf"}) == "hf"

@@ -15,8 +15,8 @@ from pathlib import Path
 from alignaudit import __version__
 from alignaudit.capture.rundir import REPORT
 from alignaudit.errors import InputError
-from alignaudit.reports.html.compare import side_label
 from alignaudit.reports.html.page import Page, esc
+from alignaudit.reports.views import side_label
 
 TITLES = {"compare": "logprob comparison", "bisect": "ops (bisect)", "rl": "RL steps", "ablate": "ablation"}
 

@@ -12,7 +12,7 @@ from alignaudit.capture.rundir import SEQUENCES, SUMMARY, TOKENS
 from alignaudit.comparison.token_diff import worst_sequences
 from alignaudit.reports.html.page import Column, Page, esc, fmt, key_values, table
 from alignaudit.reports.html.runs import RunDir, read_json, read_table
-from alignaudit.reports.views import Section, prompt_ends, summary_sections, ulp_buckets
+from alignaudit.reports.views import Section, prompt_ends, side_label, summary_sections, ulp_buckets
 
 LINE_SEQUENCES = 20  # sequences drawn along their positions (the worst ones)
 LINE_POINTS = 2000  # longer sequences are drawn as the max |d| per bin of positions
@@ -21,20 +21,6 @@ WORST_TOKENS = 20
 TOKEN_COLUMNS = ("seq", "pos", "token_id", "lp_train", "lp_infer", "diff", "bitwise_equal", "ulp", "pair_class")
 SEQUENCE_COLUMNS = ("seq", "tokens", "mismatches", "first_mismatch_pos", "nan_tokens", "ulp_max", "max_abs_diff")
 SUMMARY_FIELDS = ("tokens_compared", "mismatches", "ulp_histogram")
-
-
-def side_label(side: dict) -> str:
-    """``engine (dtype, device, strict ..., options)`` of one side of a comparison."""
-    extra = [side.get("dtype"), side.get("device")]
-    if side.get("strict"):
-        extra.append(f"strict {side['strict']}")
-    if side.get("strict_exp") not in (None, "portable"):
-        extra.append(f"{side['strict_exp']} exp")
-    if side.get("lm_head_dtype") == "fp32":
-        extra.append("fp32 lm_head")
-    extra += [f"{k}={v}" for k, v in (side.get("options") or {}).items()]
-    shown = ", ".join(str(e) for e in extra if e)
-    return f"{side.get('engine', '?')} ({shown})" if shown else side.get("engine", "?")
 
 
 def gate_section(page: Page, verdict: dict) -> None:

@@ -23,10 +23,10 @@ from pathlib import Path
 from alignaudit import __version__
 from alignaudit.capture.rundir import SUMMARY, TOKENS
 from alignaudit.errors import InputError
-from alignaudit.reports.html.compare import SUMMARY_FIELDS, TOKEN_COLUMNS, side_label
+from alignaudit.reports.html.compare import SUMMARY_FIELDS, TOKEN_COLUMNS
 from alignaudit.reports.html.page import Page, esc
 from alignaudit.reports.html.runs import RunDir, detect, read_json, read_table
-from alignaudit.reports.views import bucket_label, number, readable, ulp_buckets
+from alignaudit.reports.views import bucket_label, number, readable, side_label, ulp_buckets
 
 # what a run measured beyond its stack (workload()); runs side by side must agree on these
 WORKLOAD = ("model checkpoint", "mode", "prompts")
