@@ -561,7 +561,10 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                                                 "GPU for the trainer; 1: weights to host memory, KV cache freed "
                                                 "(steps.parquet sleep_freed_gib). 0: never sleeps.")] = 0,
        clip_eps: ClipEpsOpt = 0.2,
-       reward: Annotated[str, typer.Option("--reward", metavar="NAME", help="rotating-hash (a score per token id "
+       reward: Annotated[str, typer.Option("--reward", metavar="NAME", help="task (the addition task of "
+                                           "--model qwen3-tiny-trained: 1 for a correct answer ending at EOS, "
+                                           "0.1 for a wrong number; rl asks the task's own questions), "
+                                           "rotating-hash (a score per token id "
                                            "from a table that changes every 10 steps), "
                                            "token-hash (one fixed table) or even (the fraction of even token ids); "
                                            "each collapses a policy in time; --kl-coef keeps the gradient "
@@ -635,6 +638,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                             clip_eps, importance, extra_check=check_rl_full_vocab if full_vocab else None)
     if sleep_level:
         request = _with_sleep_mode(request)
+    if reward == "task":
+        request = _task_request(request, prompts, model.seed)
     refuse_moe(request.spec, "alignaudit rl")
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
@@ -661,6 +666,25 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                   f"bit-equal[/]; reward {table['reward_mean'].iloc[0]:.3f} -> {table['reward_mean'].iloc[-1]:.3f}",
                   highlight=False)
     _results(out / STEPS, out / PLOT, out / RUN, *_report(out))
+
+
+def _task_request(request, prompts: PromptArgs, seed: int):
+    """rl --reward task: the task's own questions (alignaudit.rl.task.questions, seeded by --seed) unless prompts
+    were given, each checked to be a question; refused where completions cannot end at EOS (the answer ends there).
+    Raises InputError."""
+    from alignaudit.inputs.prompts import text_batch
+    from alignaudit.rl.task import DEFAULT_QUESTIONS, TaskReward, questions
+
+    if not request.rollout.stop_at_eos:
+        raise errors.InputError(f"--reward task scores answers that end at EOS; the rollout ignores EOS "
+                                f"({request.infer.engine} with --ignore-eos, or an engine that cannot stop at it): "
+                                "drop --ignore-eos or use --infer vllm")
+    if prompts.prompts is None and prompts.random_prompts is None:
+        source = f"task(addition, {DEFAULT_QUESTIONS} questions, seed {seed})"
+        request = request.with_batch(text_batch(request.spec, questions(DEFAULT_QUESTIONS, seed), source,
+                                                reserve=request.rollout.max_new_tokens))
+    TaskReward(request.spec.path).check_prompts(request.batch.sequences)
+    return request
 
 
 def _with_sleep_mode(request):

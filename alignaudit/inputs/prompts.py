@@ -91,6 +91,14 @@ def load_prompts(
     return batch
 
 
+def text_batch(spec: ModelSpec, texts: list[str], source: str, reserve: int = 0) -> TokenBatch:
+    """``texts`` tokenized with the checkpoint's tokenizer as every text prompt is, then validated (validate_batch).
+    Raises InputError (no tokenizer; a sequence too short or too long)."""
+    batch = _tokenize(spec, texts, source)
+    validate_batch(spec, batch, reserve)
+    return batch
+
+
 def validate_batch(spec: ModelSpec, batch: TokenBatch, reserve: int = 0) -> None:
     """Check ids and lengths against the model. Raises InputError naming the sequence and the fix."""
     if not batch.sequences:

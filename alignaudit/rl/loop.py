@@ -68,6 +68,8 @@ from alignaudit.rl.grpo import REWARDS, group_advantages
 from alignaudit.rl.memory import MemoryPlan
 from alignaudit.workers.rl_session import Session
 
+REWARD_NAMES = (*REWARDS, "task")
+
 DIGESTS = {"file": "sha256 of the sorted {name: sha256 of the tensor's bytes} (trainer side)",
            "cuda_ipc": "weight_transfer.fingerprint of the rollout engine's weights after loading (GPU)"}
 
@@ -79,7 +81,8 @@ class RLSettings:
     Attributes:
         steps: GRPO steps (>= 1). lr: Adam learning rate (>= 0; 0 = the sync control). group_size:
         completions per prompt (>= 2). clip_grad: max global grad norm. token_rows: write per-token rows.
-        reward: a name in grpo.REWARDS. kl_coef: weight of the k3 KL to the starting weights (grpo.kl_k3; 0: none).
+        reward: a name in grpo.REWARDS, or "task" (alignaudit.rl.task: the addition task's correctness).
+        kl_coef: weight of the k3 KL to the starting weights (grpo.kl_k3; 0: none).
         log_to: where else every step row goes (alignaudit.rl.export.SINKS: "tensorboard", "wandb").
         full_vocab: per step, the full-vocabulary divergence of the trainer's rescoring rows from the rollout
         engine's decode rows at every generated token (comparison.vocab.step_columns). keep_vocab_rows: keep those
@@ -113,8 +116,8 @@ class RLSettings:
                              "sleep); level 2 (weights discarded) is not built yet")
         if self.group_size < 2:
             raise InputError(f"--group-size {self.group_size}: GRPO normalizes rewards within a group; use 2 or more")
-        if self.reward not in REWARDS:
-            raise InputError(f"--reward {self.reward}: not a reward; choose one of {', '.join(REWARDS)}")
+        if self.reward not in REWARD_NAMES:
+            raise InputError(f"--reward {self.reward}: not a reward; choose one of {', '.join(REWARD_NAMES)}")
         if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
             raise InputError(f"--kl-coef {self.kl_coef}: the KL weight must be finite and >= 0 (0: no KL term)")
         if not (self.lr >= 0 and math.isfinite(self.lr)):
@@ -250,7 +253,8 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         vocab["vocab_s"] = round(time.perf_counter() - t2, 3)  # reading and measuring the rows, apart from update_s
         t2 = time.perf_counter()
     summary = summarize_tokens(tokens, request.clip_eps, request.importance)
-    rewards = [REWARDS[rl.reward](s[p:], step) for s, p in zip(sequences, prompt_lengths)]
+    reward = reward_function(rl.reward, request.spec)
+    rewards = [reward(s[:p], s[p:], step) for s, p in zip(sequences, prompt_lengths, strict=True)]
     advantages = group_advantages(rewards, rl.group_size)
     rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths)]
     update = trainer.call("train_step", sequences=sequences, prompt_lengths=prompt_lengths, advantages=advantages,
@@ -306,6 +310,17 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         "optimizer_s": update["optimizer_s"],
         "sync_s": round(t4 - t3, 3),
     }
+
+
+def reward_function(name: str, spec):
+    """``(prompt ids, completion ids, step) -> reward`` of ``name``: grpo.REWARDS (from the completion alone) or
+    "task" (alignaudit.rl.task.TaskReward with ``spec``'s tokenizer)."""
+    if name == "task":
+        from alignaudit.rl.task import TaskReward
+
+        return TaskReward(spec.path)
+    by_completion = REWARDS[name]
+    return lambda prompt, completion, step: by_completion(completion, step)
 
 
 def _shape_columns(sequences: list, prompt_lengths: list, max_new_tokens: int, prefix_cache_hits) -> dict:

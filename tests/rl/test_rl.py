@@ -297,6 +297,12 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
      "rl --full-vocab with megatron at tensor parallel size > 1 is not implemented"),
     (["--full-vocab", "--infer-opt", "logprobs_mode=processed_logprobs"],
      "rl --full-vocab with logprobs_mode=processed_logprobs is not built yet"),
+    (["--sleep-level", "1"], "--sleep-level needs --device cuda: vLLM's sleep mode frees GPU memory"),
+    (["--sleep-level", "1", "--infer", "hf"], "--sleep-level: hf does not sleep; use --infer vllm"),
+    (["--sleep-level", "2"], "--sleep-level 2: 1 (weights to host memory, KV cache freed) or 0"),
+    (["--reward", "task", "--ignore-eos"], "--reward task scores answers that end at EOS"),
+    (["--reward", "task", "--infer", "hf"], "--reward task scores answers that end at EOS"),
+    (["--reward", "task", "--random-prompts", "2"], "--reward task scores addition questions such as '37+45='"),
 ])
 def test_bad_input_is_refused_before_any_engine(capsys, tmp_path, argv, message):
     out = tmp_path / "o"
