@@ -289,7 +289,7 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None
     _check_number("clip_eps", clip_eps, "a number in (0, 1)")
     check_clip_eps(clip_eps)
     train, rollout = _rows(train_logprobs, mask, "train_logprobs"), _rows(rollout_logprobs, mask, "rollout_logprobs")
-    if len(train) != len(rollout) or any(a.shape != b.shape for a, b in zip(train, rollout)):
+    if len(train) != len(rollout) or any(a.shape != b.shape for a, b in zip(train, rollout, strict=True)):
         raise InputError(f"train_logprobs and rollout_logprobs disagree: {[len(a) for a in train]} tokens per "
                          f"sequence vs {[len(b) for b in rollout]}")
     seq = [torch.full((len(a),), i) for i, a in enumerate(train)]

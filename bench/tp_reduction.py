@@ -94,7 +94,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default="bench-tp-reduction.json")
     args = parser.parse_args()
-    rendezvous = tempfile.NamedTemporaryFile(prefix="tp-bench-", delete=False).name
+    fd, rendezvous = tempfile.mkstemp(prefix="tp-bench-")
+    os.close(fd)
     os.unlink(rendezvous)
     torch.multiprocessing.spawn(rank_main, args=(args, rendezvous), nprocs=args.world, join=True)
 

@@ -21,6 +21,7 @@ holding a config.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -91,7 +92,7 @@ def worker(args) -> dict:
             "first_batch_tokens_per_s": round(generated / batch_seconds[0], 1), "startup_s": round(startup, 1),
             "strict_builds_at_start": sum(builds[0].values()),
             "strict_builds_per_batch": [{k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
-                                        for before, after in zip(builds, builds[1:])],
+                                        for before, after in itertools.pairwise(builds)],
             "max_model_len": config.model_config.max_model_len,  # read back: what the engine was built with
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
             "attention_impl": sorted(llm.apply_model(attention_impls)[0]),

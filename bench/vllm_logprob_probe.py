@@ -53,8 +53,9 @@ def main() -> None:
     # in one call over every scheduled prompt row (sum of the lengths): take each request's rows from either.
     whole = [c for c in captured if c.shape[0] == sum(len(p) for p in prompts)]
     start = 0
-    for out, ids in zip(outs, prompts):
-        vllm_lp = torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])], dtype=torch.float32)
+    for out, ids in zip(outs, prompts, strict=True):
+        vllm_lp = torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)],
+                               dtype=torch.float32)
         own = [c for c in captured if c.shape[0] == len(ids) - 1]
         rows = own[0] if own else whole[0][start:start + len(ids) - 1]
         start += len(ids)

@@ -708,7 +708,7 @@ def _reference_gradients(q, k, v, g, scale, q_positions):
         with torch.enable_grad():
             qs, ks, vs = (t[rows].detach().float().requires_grad_() for t in (q, k, v))
             out = batched_reference(qs, ks, vs, scale, positions[rows])
-            for grad, part in zip(grads, torch.autograd.grad(out, (qs, ks, vs), g[rows].float())):
+            for grad, part in zip(grads, torch.autograd.grad(out, (qs, ks, vs), g[rows].float()), strict=True):
                 grad[rows] = part
     return grads
 
@@ -739,7 +739,7 @@ def _contiguous_forward(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP):
     bounds = cu_seqlens.tolist()
     if not use_triton(q):
         out = torch.empty_like(q)
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             out[a:b] = _cpu_attend(q[a:b], k[a:b], v[a:b], torch.arange(b - a), scale)
         return out
     return _launch_varlen(q, k, v, cu_seqlens, scale, exp=exp)
@@ -767,14 +767,14 @@ class _VarlenAttention(torch.autograd.Function):
         q, k, v, cu_seqlens = ctx.saved_tensors
         bounds = cu_seqlens.tolist()
         starts: dict[int, list[int]] = {}
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             starts.setdefault(b - a, []).append(a)
         grads = [torch.zeros_like(t) for t in (q, k, v)]
         for length, firsts in starts.items():
             rows = (torch.tensor(firsts)[:, None] + torch.arange(length)[None, :]).to(q.device)  # [n, length]
             positions = torch.arange(length, device=q.device).expand(len(firsts), length)
             parts = _reference_gradients(q[rows], k[rows], v[rows], g[rows], ctx.scale, positions)
-            for grad, part in zip(grads, parts):
+            for grad, part in zip(grads, parts, strict=True):
                 grad[rows] = part
         return (*grads, None, None, None)
 

@@ -93,7 +93,7 @@ def vocab_reference(a32, b32, k: int = 5) -> dict:
     top_b = np.argsort(-b32, axis=-1, kind="stable")[:, :k]
     return {"kl_train_infer": kl_pq, "kl_infer_train": kl_qp, "tv": 0.5 * np.abs(p - q).sum(-1),
             "top1_agree": top_a[:, 0] == top_b[:, 0],
-            "topk_overlap": np.array([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b)])}
+            "topk_overlap": np.array([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b, strict=True)])}
 
 
 def saved_vocab_rows(capture, seq: int) -> torch.Tensor:

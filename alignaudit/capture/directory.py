@@ -49,7 +49,7 @@ def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor],
     import numpy as np
 
     frames = []
-    for seq_index, (ids, lp) in enumerate(zip(batch.sequences, logprobs)):
+    for seq_index, (ids, lp) in enumerate(zip(batch.sequences, logprobs, strict=True)):
         if lp.shape != (len(ids) - 1,):
             raise ValueError(f"sequence {seq_index}: expected {len(ids) - 1} logprobs, got {tuple(lp.shape)}")
         values = np.concatenate([[np.nan], lp.to(torch.float32).numpy()]).astype(np.float32)
@@ -67,7 +67,7 @@ def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor],
 def rollout_file_table(batch: TokenBatch, prompt_lengths: list[int], logprobs: list[torch.Tensor]) -> pd.DataFrame:
     """The logprob table of a rollout file's capture: ``logprobs[i]`` (fp32 [len - prompt_lengths[i]]) at the
     sampled positions, scored and generated there only (NaN filler elsewhere)."""
-    full = [torch.cat([torch.full((n - 1,), float("nan")), lp]) for n, lp in zip(prompt_lengths, logprobs)]
+    full = [torch.cat([torch.full((n - 1,), float("nan")), lp]) for n, lp in zip(prompt_lengths, logprobs, strict=True)]
     table = logprob_table(batch, full, prompt_lengths)
     table["scored"] = table["generated"]
     return table

@@ -112,13 +112,14 @@ def _worst(x: torch.Tensor, y: torch.Tensor, ulp: torch.Tensor, cls: torch.Tenso
     for seq, n, inner in coords:
         size = n * max(1, int(torch.tensor(inner).prod()) if len(inner) else 1)
         if offset < size:
+            worst_seq = seq
             per_token = size // n
             pos, rest = divmod(offset, per_token)
             index = list(torch.unravel_index(torch.tensor(rest), tuple(inner))) if len(inner) else []
             break
         offset -= size
     return {
-        "seq": seq, "pos": pos, "index": [int(i) for i in index],
+        "seq": worst_seq, "pos": pos, "index": [int(i) for i in index],
         "train": float(x[flat]), "infer": float(y[flat]),
         "train_hex": numerics.hex_bits(x[flat]), "infer_hex": numerics.hex_bits(y[flat]),
         "ulp": int(ulp[flat]),

@@ -139,7 +139,7 @@ class Engine(ABC):
         engine's own config classes, nothing heavier, so the parent can check both sides before either
         engine starts (alignaudit.workers.spawn.check_options)."""
 
-    @classmethod
+    @classmethod  # noqa: B027 (nothing to check by default)
     def check_config(cls, spec: ModelSpec, settings: EngineSettings, role: str, mode: str) -> None:
         """Build the engine's own configuration for ``spec`` and ``settings`` (``role`` train or infer,
         ``mode`` prompt or rollout) without loading anything, so a combination the engine rejects is an
@@ -160,7 +160,7 @@ class Engine(ABC):
             from alignaudit.engines.taps import RowSpan
 
             self.tap.spans = [RowSpan(seq=r, pos_start=0, length=n, batch_row=j)
-                              for j, (r, n) in enumerate(zip(rows, lengths))]
+                              for j, (r, n) in enumerate(zip(rows, lengths, strict=True))]
 
     @abstractmethod
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
@@ -182,7 +182,7 @@ class Engine(ABC):
         done = 0
         for rows in groups:
             seqs = [batch.sequences[r] for r in rows]
-            for r, lp in zip(rows, self.micro_batch_logprobs(rows, seqs)):
+            for r, lp in zip(rows, self.micro_batch_logprobs(rows, seqs), strict=True):
                 results[r] = lp if lp.requires_grad else lp.cpu()
             done += len(rows)
             self.progress(done, len(batch.sequences))
@@ -223,12 +223,12 @@ class Engine(ABC):
         """
         raise InputError(f"{self.name} cannot sample rollouts; use --infer vllm or --infer hf with --mode rollout")
 
-    @classmethod
+    @classmethod  # noqa: B027 (nothing to prepare by default)
     def prepare_for_weight_updates(cls) -> None:
         """Called before the engine is built in a process that will load new weights into it (rl's workers).
         Nothing to do unless the engine frees, once loaded, what a later load needs."""
 
-    def start(self, max_len: int, total_tokens: int, max_seqs: int | None = None) -> None:
+    def start(self, max_len: int, total_tokens: int, max_seqs: int | None = None) -> None:  # noqa: B027 (no sizing by default)
         """Size a long-lived engine (rl) for sequences of up to ``max_len`` tokens, ``total_tokens`` per call and
         ``max_seqs`` sequences at once. Engines that need no sizing are ready when built."""
 

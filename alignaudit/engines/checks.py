@@ -77,7 +77,7 @@ def check_moe(spec, runs) -> None:
     run: a message names that side's option flag). Raises InputError."""
     if any(tensor_parallel_size(run) != 1 for run in runs):
         refuse_moe(spec, "tensor parallelism")
-    for run, flag in zip(runs, ("--train-opt", "--infer-opt")):
+    for run, flag in zip(runs, ("--train-opt", "--infer-opt"), strict=True):
         kind_of(run.engine).check_moe(spec, run.settings, flag)
 
 

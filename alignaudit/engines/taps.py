@@ -126,7 +126,7 @@ class Blocks(View):
     def split(self, rows, spec):
         flat = rows.reshape(rows.shape[0], -1)
         return tuple(canonical(p, OP_DEFS[n].layout, spec)
-                     for n, p in zip(self.names, flat.split(self._sizes(spec), -1)))
+                     for n, p in zip(self.names, flat.split(self._sizes(spec), -1), strict=True))
 
     def join(self, parts, like, spec):
         return torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=-1).reshape(like.shape)
@@ -219,7 +219,7 @@ class Tap:
         for span in self.spans if spans is None else spans:
             rows = take_rows(x, span, axes)
             parts = view.split(rows, self.spec)
-            for op, want, part in zip(ids, record, parts):
+            for op, want, part in zip(ids, record, parts, strict=True):
                 if want:
                     self.recorder.record(op, span.seq, span.pos_start, part)
             if not any(substitute):

@@ -163,7 +163,7 @@ def _file_batch(spec: ModelSpec, path: Path) -> TokenBatch:
             texts.append(record["text"])
         else:
             raise InputError(f'{path}:{n}: expected {{"text": "..."}} or {{"token_ids": [...]}}')
-    pending = [t for t, s in zip(texts, sequences) if s is None]
+    pending = [t for t, s in zip(texts, sequences, strict=True) if s is None]
     if pending:
         tokenized = iter(_tokenize(spec, pending, source=str(path)).sequences)
         sequences = [s if s is not None else next(tokenized) for s in sequences]

@@ -256,7 +256,7 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
     reward = reward_function(rl.reward, request.spec)
     rewards = [reward(s[:p], s[p:], step) for s, p in zip(sequences, prompt_lengths, strict=True)]
     advantages = group_advantages(rewards, rl.group_size)
-    rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths)]
+    rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths, strict=True)]
     update = trainer.call("train_step", sequences=sequences, prompt_lengths=prompt_lengths, advantages=advantages,
                           rollout_logprobs=rollout_gen, clip_eps=request.clip_eps, replay=replay)
     t3 = time.perf_counter()
@@ -379,7 +379,7 @@ def importance_columns(importance: dict) -> dict:
 def _generated_tokens(step: int, sequences: list, prompt_lengths: list, train: list, infer: list) -> pd.DataFrame:
     """One row per generated token: the compare_tokens columns, with ``step``."""
     rows = {"seq": [], "pos": [], "token_id": [], "lp_train": [], "lp_infer": []}
-    for i, (seq, p, lt, li) in enumerate(zip(sequences, prompt_lengths, train, infer)):
+    for i, (seq, p, lt, li) in enumerate(zip(sequences, prompt_lengths, train, infer, strict=True)):
         for pos in range(p, len(seq)):
             rows["seq"].append(i)
             rows["pos"].append(pos)

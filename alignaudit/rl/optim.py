@@ -46,7 +46,7 @@ class MixedPrecisionAdam:
     @torch.no_grad()
     def step(self) -> float:
         """One update; returns the global grad norm before clipping (fp32, as a Python float)."""
-        for main, p in zip(self.main, self.params):
+        for main, p in zip(self.main, self.params, strict=True):
             grad = getattr(p, "main_grad", None)
             grad = p.grad if grad is None else grad
             main.grad = torch.zeros_like(main) if grad is None else grad.float().clone()
@@ -56,7 +56,7 @@ class MixedPrecisionAdam:
             for m in self.main:
                 m.grad.mul_(scale)
         self.adam.step()
-        for main, p in zip(self.main, self.params):
+        for main, p in zip(self.main, self.params, strict=True):
             p.data.copy_(main.data)
         return float(norm)
 
@@ -68,7 +68,7 @@ class MixedPrecisionAdam:
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in self.main]))
         rank = torch.distributed.get_rank(self.tp_group)
         squares = torch.zeros((), dtype=torch.float32, device=self.main[0].device)
-        for main, p in zip(self.main, self.params):
+        for main, p in zip(self.main, self.params, strict=True):
             if getattr(p, "tensor_model_parallel", False) or rank == 0:
                 squares = squares + main.grad.square().sum()
         torch.distributed.all_reduce(squares, group=self.tp_group)

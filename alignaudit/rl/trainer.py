@@ -73,12 +73,12 @@ class Trainer:
         engine.replay = replay
         engine.model.train()
         self.training.zero_grad()
-        total = sum(len(s) - p for s, p in zip(batch.sequences, prompt_lengths))
+        total = sum(len(s) - p for s, p in zip(batch.sequences, prompt_lengths, strict=True))
         loss_sum, taken, kl_sum, forward = 0.0, 0.0, 0.0, [None] * len(batch.sequences)
         for rows in micro_batches(batch, engine.micro_batch_size):
             seqs = [batch.sequences[r] for r in rows]
             lps = engine.micro_batch_logprobs(rows, seqs)
-            new = torch.cat([lp[prompt_lengths[r] - 1:] for r, lp in zip(rows, lps)])
+            new = torch.cat([lp[prompt_lengths[r] - 1:] for r, lp in zip(rows, lps, strict=True)])
             old = torch.tensor([x for r in rows for x in rollout_logprobs[r]], dtype=torch.float32, device=new.device)
             adv = torch.tensor([advantages[r] for r in rows for _ in rollout_logprobs[r]], dtype=torch.float32,
                                device=new.device)
@@ -90,7 +90,7 @@ class Trainer:
             (loss * (len(new) / total)).backward()
             loss_sum += float(loss) * len(new) / total
             taken += stats["clip_fraction"] * len(new) / total
-            for r, lp in zip(rows, lps):
+            for r, lp in zip(rows, lps, strict=True):
                 forward[r] = lp[prompt_lengths[r] - 1:].detach().cpu().tolist()
         self.training.finalize_grads()
         on_cuda = engine.settings.device == "cuda"
@@ -116,10 +116,10 @@ class Trainer:
             lps = self.score(batch, replay)
         finally:
             self._swap(params)
-        return [lp[p - 1:] for lp, p in zip(lps, prompt_lengths)]
+        return [lp[p - 1:] for lp, p in zip(lps, prompt_lengths, strict=True)]
 
     def _swap(self, params: list) -> None:
-        for param, ref in zip(params, self.reference):
+        for param, ref in zip(params, self.reference, strict=True):
             held = param.detach().clone()
             param.data.copy_(ref)
             ref.copy_(held)

@@ -96,7 +96,7 @@ def differing(held: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> l
     compared = [n for n in both if n not in mismatched]
     if compared:
         flags = torch.stack([(bits(held[n]) != bits(sent[n])).any() for n in compared]).tolist()
-        mismatched += [n for n, bad in zip(compared, flags) if bad]
+        mismatched += [n for n, bad in zip(compared, flags, strict=True) if bad]
     return sorted(out + mismatched)
 
 
@@ -120,7 +120,7 @@ def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
         sums.append(total)
     values = torch.stack(sums).tolist() if sums else []
     h = hashlib.sha256()
-    for name, value in zip(sorted(tensors), values):
+    for name, value in zip(sorted(tensors), values, strict=True):
         t = tensors[name]
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{value}\n".encode())
     return h.hexdigest()

@@ -65,7 +65,8 @@ def start_ranks(target, request: dict, tp: int, nprocs: int, join: bool):
 
     from alignaudit.engines.megatron.adapter import RENDEZVOUS_ENV
 
-    os.environ[RENDEZVOUS_ENV] = tempfile.NamedTemporaryFile(prefix="alignaudit-pg-", delete=False).name
+    fd, os.environ[RENDEZVOUS_ENV] = tempfile.mkstemp(prefix="alignaudit-pg-")
+    os.close(fd)
     sys.stdout.flush()  # a forked rank would write out a copy of anything still buffered
     sys.stderr.flush()
     return mp.start_processes(target, args=(request, tp), nprocs=nprocs, join=join,

@@ -180,9 +180,9 @@ class ForkedWorker:
         finally:
             for fd in theirs:
                 os.close(fd)
-        self.stdout = open(read, encoding=None, errors="replace")
+        self.stdout = open(read, encoding=None, errors="replace")  # noqa: SIM115 (the worker's life; closed in wait)
         if stdin:
-            self.stdin = open(parent_in, "w")
+            self.stdin = open(parent_in, "w")  # noqa: SIM115 (the worker's life)
         self.pid = self._reply()["pid"]
 
     def _reply(self) -> dict:
@@ -246,7 +246,7 @@ def serve(engines: list[str], fd: int) -> None:
         pid = os.fork()
         if pid == 0:
             sock.close()
-            _child(request, dict(zip(request["fds"], fds)))
+            _child(request, dict(zip(request["fds"], fds, strict=True)))
         for fd in fds:
             os.close(fd)
         sock.send(json.dumps({"pid": pid}).encode())

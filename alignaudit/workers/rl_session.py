@@ -54,7 +54,7 @@ class Session:
         self.request, self.log = request, Path(log)
         path = self.log.with_suffix(".request.json")
         path.write_text(json.dumps(request, indent=2) + "\n")
-        self._log = open(self.log, "w")
+        self._log = open(self.log, "w")  # noqa: SIM115 (the session's life; closed in close)
         self.proc = spawn.start_session([str(path)], {**os.environ, "PYTHONUNBUFFERED": "1"}, self._log)
 
     def call(self, command: str, **args) -> dict:

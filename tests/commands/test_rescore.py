@@ -32,7 +32,7 @@ def rollout_rows(run) -> list[dict]:
     table = pd.read_parquet(run / "infer" / "logprobs.parquet")
     lengths = json.loads((run / "infer" / "manifest.json").read_text())["rollout"]["prompt_lengths"]
     rows = []
-    for (seq, group), n in zip(table.groupby("seq"), lengths):
+    for (_seq, group), n in zip(table.groupby("seq"), lengths, strict=True):
         group = group.sort_values("pos")
         rows.append({"token_ids": group["token_id"].tolist(), "prompt_length": n,
                      "logprobs": group["logprob"][group["generated"]].astype(float).tolist()})

@@ -79,9 +79,9 @@ def test_kl_chi2_and_perplexity_by_hand():
     logs = [math.log(r) for r in RATIOS]
     assert out["kl_k1"] == pytest.approx(-sum(logs) / 5, rel=1e-12)  # verl's kl: mean(lp_rollout - lp_train)
     assert out["kl_k1"] == pytest.approx(-math.log(0.9) / 5, rel=1e-12)
-    assert out["kl_k3"] == pytest.approx(sum(r - 1 - x for r, x in zip(RATIOS, logs)) / 5, rel=1e-12)
-    assert out["kl_k3_train_rollout"] == pytest.approx(sum(1 / r - 1 + x for r, x in zip(RATIOS, logs)) / 5,
-                                                       rel=1e-12)
+    assert out["kl_k3"] == pytest.approx(sum(r - 1 - x for r, x in zip(RATIOS, logs, strict=True)) / 5, rel=1e-12)
+    reverse = sum(1 / r - 1 + x for r, x in zip(RATIOS, logs, strict=True)) / 5
+    assert out["kl_k3_train_rollout"] == pytest.approx(reverse, rel=1e-12)
     assert out["chi2_token"] == pytest.approx(sum(r * r for r in RATIOS) / 5 - 1, rel=1e-12)
     assert out["chi2_seq"] == pytest.approx((0.75 ** 2 + 1.2 ** 2) / 2 - 1, rel=1e-9)
     assert out["rollout_log_ppl"] == 1.0

@@ -137,7 +137,7 @@ def test_replayed_router_weights():
     logits, weights, ids = router(x)
     target = {"ids": ids}
     replay = replayed_router_forward(router, target)
-    for got, want in zip(replay(x), (logits, weights, ids)):
+    for got, want in zip(replay(x), (logits, weights, ids), strict=True):
         assert torch.equal(got, want)
     target["ids"] = torch.tensor([[0, 7], [1, 2], [3, 4], [5, 6], [6, 0]])
     _, replayed_weights, replayed_ids = replay(x)

@@ -51,7 +51,7 @@ def test_attention_prefill_equals_decode_over_shuffled_pages(device, dtype):
     q, k, v, cu = ragged(lengths, h, kvh, d, dtype, device, seed=1)
     scale = d ** -0.5
     prefill = K.varlen_attention(q, k, v, cu, scale)
-    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         alone = K.varlen_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), scale)
         assert_bitwise_equal(f"seq {s} alone vs in batch", alone, prefill[a:b])
         cache_k, cache_v, table = paged(k[a:b], v[a:b], block_size=16, seed=s, device=device)
@@ -71,7 +71,7 @@ def test_paged_prefill_of_a_batch_equals_decode(device):
     lengths = [40, 90]
     q, k, v, cu = ragged(lengths, h, kvh, d, dtype, device, seed=3)
     caches = [paged(k[a:b], v[a:b], 32, seed=i, device=device)
-              for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+              for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))]
     # one cache holding both sequences: concatenate pages and offset the second table
     ck = torch.cat([c[0] for c in caches])
     cv = torch.cat([c[1] for c in caches])
@@ -177,7 +177,7 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
         whole = attention._launch_varlen(q, k, v, cu, scale, chunk_n=1024)
         assert torch.equal(whole[:512], unsplit[:512]) and not torch.equal(whole[512:600], unsplit[512:600])
     caches = [paged(k[a:b], v[a:b], 16, seed=i, device=device)
-              for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+              for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))]
     pages = caches[0][0].shape[0]
     ck, cv = torch.cat([caches[0][0], caches[1][0]]), torch.cat([caches[0][1], caches[1][1]])
     table = torch.zeros(2, caches[0][2].shape[1], dtype=torch.int32, device=device)
@@ -316,7 +316,7 @@ def test_strict_ops_compile_into_one_graph_with_eager_bits(device):
     with torch.no_grad():
         eager = forward(x, r, w, q, k)
         compiled = torch.compile(forward, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-        for i, (a, b) in enumerate(zip(eager, compiled(x, r, w, q, k))):
+        for i, (a, b) in enumerate(zip(eager, compiled(x, r, w, q, k), strict=True)):
             assert_bitwise_equal(f"output {i}", b, a)
 
 

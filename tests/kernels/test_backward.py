@@ -28,7 +28,7 @@ def test_backward_matches_fp64_autograd(device):
         g = torch.randn(out.shape, generator=gen(99)).to(device)
         out.backward(g.to(out.dtype))
         ref_fn(*theirs).backward(g.double().cpu())
-        for a, b in zip(ours, theirs):
+        for a, b in zip(ours, theirs, strict=True):
             err = float((a.grad.double().cpu() - b.grad).abs().max() / (b.grad.abs().max() + 1e-12))
             assert err < tol, f"{name}: relative gradient error {err:.2e}"
 
@@ -93,7 +93,7 @@ def test_linear_backward_is_torchs_own_in_bf16(device):
         matmul.linear_backward(g, x, w, has_bias=True)
     assert seen.dtypes == {(torch.bfloat16, torch.bfloat16)}, seen.dtypes
     ours, torchs = grads(K.linear), grads(torch.nn.functional.linear)
-    for name, a, t in zip(("dx", "dw", "db"), ours, torchs):
+    for name, a, t in zip(("dx", "dw", "db"), ours, torchs, strict=True):
         assert a.dtype == torch.bfloat16, name
         if name == "db":  # summed in fp32 here; torch sums bf16 in its own order: to rounding
             torch.testing.assert_close(a, t, rtol=1e-2, atol=1e-2)
@@ -114,7 +114,7 @@ def test_attention_backward_gives_the_same_gradients_one_sequence_at_a_time(monk
 
     batched = grads()
     monkeypatch.setattr(attention, "REFERENCE_GRAD_ELEMENTS", 1)
-    for name, a, b in zip("qkv", batched, grads()):
+    for name, a, b in zip("qkv", batched, grads(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
 
 

@@ -101,6 +101,6 @@ def test_compiled_strict_ops_give_the_eager_gradients(name, fn, shapes):
         out = (torch.compile(fn, backend="aot_eager") if compiled else fn)(*leaves)
         (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
         grads.append([x.grad for x in leaves])
-    for i, (eager, compiled) in enumerate(zip(*grads)):
+    for i, (eager, compiled) in enumerate(zip(*grads, strict=True)):
         assert eager.abs().sum() > 0
         assert_bitwise_equal(f"{name}: compiled gradient of input {i}", compiled, eager)

@@ -236,5 +236,5 @@ def test_cpu_kernels_do_not_depend_on_thread_count(device):
         many = (K.linear(x, w), K.rms_norm(x, w[0], 1e-6), K.log_softmax(x))
     finally:
         torch.set_num_threads(threads)
-    for name, a, b in zip(("linear", "rms_norm", "log_softmax"), one, many):
+    for name, a, b in zip(("linear", "rms_norm", "log_softmax"), one, many, strict=True):
         assert_bitwise_equal(name, a, b)

@@ -69,7 +69,8 @@ def test_reductions_do_not_depend_on_the_callers_buffer(device, dtype):
     x, r = randn(8, h, dtype=dtype, device=device, seed=15), randn(8, h, dtype=dtype, device=device, seed=16)
     w = randn(h, dtype=dtype, device=device, seed=17, scale=0.2) + 1
     assert_bitwise_equal("misaligned rms_norm input", K.rms_norm(misaligned(x), w, 1e-6), K.rms_norm(x, w, 1e-6))
-    for a, b in zip(K.rms_norm(misaligned(x), w, 1e-6, residual=misaligned(r)), K.rms_norm(x, w, 1e-6, residual=r)):
+    unaligned, aligned = K.rms_norm(misaligned(x), w, 1e-6, residual=misaligned(r)), K.rms_norm(x, w, 1e-6, residual=r)
+    for a, b in zip(unaligned, aligned, strict=True):
         assert_bitwise_equal("misaligned fused add + rms_norm", a, b)
 
 

@@ -202,7 +202,7 @@ def test_rl_and_ablate_reports_plot_every_series(tmp_path):
     assert cli.main(["report", str(ablate)]) == EXIT_OK
     probe, dom, console = open_in_chromium(ablate / "report.html", tmp_path, clicks=[("ablate", "mismatches")])
     assert console == [] and probe["plots"]["plot-ablate"]["rendered"]
-    bars = {t["name"]: dict(zip(t["x"], t["y"])) for t in probe["plots"]["plot-ablate"]["traces"]}
+    bars = {t["name"]: dict(zip(t["x"], t["y"], strict=True)) for t in probe["plots"]["plot-ablate"]["traces"]}
     for r in matrix.itertuples():
         assert bars[r.kind][r.factor] == r.mismatches
     assert [int(r["mismatches"]) for r in probe["tables"]["ablate"]] == sorted(matrix["mismatches"], reverse=True)

@@ -118,12 +118,12 @@ def test_rollout_page_marks_where_each_prompt_ends(runs, tmp_path):
         seq = int(trace["name"].split()[1])
         mark = marks[f"prompt end seq {seq}"]
         assert mark["x0"] == mark["x1"] == lengths[seq] - 0.5
-        symbols = dict(zip(trace["x"], trace["symbol"]))
+        symbols = dict(zip(trace["x"], trace["symbol"], strict=True))
         assert {symbols[p] for p in symbols if p < lengths[seq]} == {"circle-open"}
         assert {symbols[p] for p in symbols if p >= lengths[seq]} == {"circle"}
     assert 'id="generated"' in dom  # the generated tokens' own section
     tokens = pd.read_parquet(runs["rollout"] / "tokens.parquet")
-    generated = set(zip(tokens.loc[tokens["generated"], "seq"], tokens.loc[tokens["generated"], "pos"]))
+    generated = set(zip(tokens.loc[tokens["generated"], "seq"], tokens.loc[tokens["generated"], "pos"], strict=True))
     for row in probe["tables"]["worst-tokens"]:
         assert row["where"] == ("generated" if (int(row["seq"]), int(row["pos"])) in generated else "prompt")
 

@@ -69,6 +69,6 @@ def test_plain_training_steps_the_given_adam_and_refuses_an_offload():
     training.finalize_grads()
     grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
     assert training.step() == pytest.approx(float(torch.linalg.vector_norm(grads)), rel=1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(ValueError, match="optimizer offload is megatron.core's"):
         PlainTraining(engine, lr=0.0, clip_grad=1.0, offload_fraction=0.5, adam=MixedPrecisionAdam)

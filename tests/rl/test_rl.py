@@ -65,7 +65,7 @@ def test_every_step_prints_one_whole_line_outside_a_terminal(runs):
         s = steps(runs, name)
         lines = [line for line in (runs / f"{name}.stdout").read_text().splitlines() if line.startswith("step ")]
         assert len(lines) == len(s), (name, lines)
-        for line, row in zip(lines, s.itertuples()):
+        for line, row in zip(lines, s.itertuples(), strict=True):
             assert line.startswith(f"step {row.step}: {row.mismatches}/{row.tokens} tokens differ, max |d| "), line
             assert f", clip {row.clip_fraction:.3f}, sync ok, reward {row.reward_mean:.3f}, " in line, line
             assert (f", vocab KL {row.vocab_kl_train_infer_mean:.2e}, top-1 {row.vocab_top1_agreement:.3f}, "
@@ -155,7 +155,7 @@ def _by_hand(a32, b32):
     p, q = np.exp(la), np.exp(lb)
     top_a = np.argsort(-a32, axis=1, kind="stable")[:, :5]
     top_b = np.argsort(-b32, axis=1, kind="stable")[:, :5]
-    overlap = np.array([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b)])
+    overlap = np.array([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b, strict=True)])
     return {"vocab_kl_train_infer": (p * (la - lb)).sum(axis=1), "vocab_kl_infer_train": (q * (lb - la)).sum(axis=1),
             "vocab_tv": 0.5 * np.abs(p - q).sum(axis=1), "vocab_top1_agree": a32.argmax(1) == b32.argmax(1),
             "vocab_topk_overlap": overlap}

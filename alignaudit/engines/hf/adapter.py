@@ -87,10 +87,10 @@ class HFEngine(Engine):
         lp = self.token_logprobs(logits[:, :-1], ids[:, 1:])
         if self.vocab_sink is not None:
             vocab = self.log_softmax_rows(logits[:, :-1])
-            for j, (r, s) in enumerate(zip(rows, seqs)):
+            for j, (r, s) in enumerate(zip(rows, seqs, strict=True)):
                 self.vocab_sink(r, vocab[j, : len(s) - 1])
         results = []
-        for j, (r, s) in enumerate(zip(rows, seqs)):
+        for j, (r, s) in enumerate(zip(rows, seqs, strict=True)):
             seq_lp = lp[j, : len(s) - 1]
             replay = self.replay_rows(r, len(s))
             if replay is not None:
@@ -114,7 +114,7 @@ class HFEngine(Engine):
         check_routing(routing, len(gates), self.spec.experts_per_token, self.spec.num_experts, lengths)
         self.routing_replay = routing
         self._replay_targets = [{} for _ in gates]
-        for gate, target in zip(gates, self._replay_targets):
+        for gate, target in zip(gates, self._replay_targets, strict=True):
             gate.forward = replayed_router_forward(gate, target)
 
     @torch.no_grad()

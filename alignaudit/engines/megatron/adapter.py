@@ -63,8 +63,7 @@ def init_parallel(device: str, tp: int) -> int:
     if device == "cuda":
         torch.cuda.set_device(rank)
     if not torch.distributed.is_initialized():
-        rendezvous = os.environ.get(RENDEZVOUS_ENV) or tempfile.NamedTemporaryFile(prefix="alignaudit-pg-",
-                                                                                   delete=False).name
+        rendezvous = os.environ.get(RENDEZVOUS_ENV) or _fresh_file("alignaudit-pg-")
         torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}",
                                              rank=rank, world_size=tp)
     if not parallel_state.model_parallel_is_initialized():
@@ -294,7 +293,7 @@ class MegatronEngine(Engine):
         if seen is not None:
             if len(seen) != 1:
                 raise RuntimeError(f"full-vocabulary rows: the loss ran {len(seen)} times in one forward, not once")
-            for j, (r, s) in enumerate(zip(rows, seqs)):
+            for j, (r, s) in enumerate(zip(rows, seqs, strict=True)):
                 self.vocab_sink(r, seen[0][j, : len(s) - 1])
         return [-loss[j, : len(s) - 1].float() for j, s in enumerate(seqs)]
 
@@ -382,7 +381,7 @@ class MegatronEngine(Engine):
         # as megatron-core 0.19's views it as [-1, V] (clone() keeps the transpose's strides: it failed on the H200).
         loss = self.gpt.compute_language_model_loss(labels, logits.transpose(0, 1).clone(
             memory_format=torch.contiguous_format))
-        for j, (r, length) in enumerate(zip(rows, lengths)):
+        for j, (r, length) in enumerate(zip(rows, lengths, strict=True)):
             replay = self.replay_rows(r, length)
             if replay is None:
                 continue
@@ -442,3 +441,10 @@ class MegatronEngine(Engine):
             "routing_replay": ROUTING_REPLAYED if self.routing_replay is not None else None,
             "transformer_config": config,
         }
+
+
+def _fresh_file(prefix: str) -> str:
+    """The path of a new empty file (torch.distributed's file rendezvous), its descriptor closed."""
+    fd, path = tempfile.mkstemp(prefix=prefix)
+    os.close(fd)
+    return path

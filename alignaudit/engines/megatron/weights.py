@@ -178,7 +178,7 @@ def megatron_to_hf(gpt, spec: ModelSpec, diverged: list[str] | None = None) -> d
                 parts = split_qkv_grouped(tensor, spec.num_heads, spec.num_query_groups, spec.head_dim, dim=0)
             else:  # linear_fc1: [gate | up]
                 parts = tuple(tensor.chunk(2, dim=0))
-            for source, part in zip(sources, parts):
+            for source, part in zip(sources, parts, strict=True):
                 out[source.format(i=i, j=j)] = part.detach()
     return out
 

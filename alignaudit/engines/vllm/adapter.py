@@ -229,7 +229,7 @@ class VllmEngine(Engine):
 
         class Progress(tqdm.tqdm):
             def __init__(self, *args, **kwargs):
-                super().__init__(*args, **{**kwargs, "file": open(os.devnull, "w")})
+                super().__init__(*args, **{**kwargs, "file": open(os.devnull, "w")})  # noqa: SIM115 (the bar's life)
 
             def update(self, n=1):
                 result = super().update(n)
@@ -332,9 +332,10 @@ class VllmEngine(Engine):
         if rows is not None:
             rows.finish(self.vocab_sink)
         results = []
-        for out, seq in zip(outputs, batch.sequences):
+        for out, seq in zip(outputs, batch.sequences, strict=True):
             entries = out.prompt_logprobs[1:]  # position 0 has no logprob
-            results.append(torch.tensor([e[t].logprob for e, t in zip(entries, seq[1:])], dtype=torch.float32))
+            results.append(torch.tensor([e[t].logprob for e, t in zip(entries, seq[1:], strict=True)],
+                                        dtype=torch.float32))
         return results
 
     def sleep(self, level: int) -> dict:

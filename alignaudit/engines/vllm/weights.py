@@ -41,10 +41,10 @@ def vllm_to_hf(model, spec: ModelSpec) -> dict[str, torch.Tensor]:
         if param.numel() == 0:
             raise ValueError(f"vLLM freed {name} after packing it; call keep_vllm_cpu_weights before the engine starts")
         if ".qkv_proj." in name:
-            for part, t in zip(("q_proj", "k_proj", "v_proj"), split_blocks(param, [q, kv, kv], dim=0)):
+            for part, t in zip(("q_proj", "k_proj", "v_proj"), split_blocks(param, [q, kv, kv], dim=0), strict=True):
                 out[name.replace("qkv_proj", part)] = t.detach()
         elif ".gate_up_proj." in name:
-            for part, t in zip(("gate_proj", "up_proj"), param.chunk(2, dim=0)):
+            for part, t in zip(("gate_proj", "up_proj"), param.chunk(2, dim=0), strict=True):
                 out[name.replace("gate_up_proj", part)] = t.detach()
         else:
             out[name] = param.detach()

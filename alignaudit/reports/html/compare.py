@@ -162,7 +162,8 @@ def positions_figure(tokens: pd.DataFrame, sequences: pd.DataFrame):
             where = ["prompt" if p < ends[seq] else "generated" for p in pos]
         else:
             where = [""] * len(pos)
-        fig.add_trace(go.Scatter(x=pos, y=[None if v != v else v for v in y], customdata=list(zip(ulp, where)),
+        fig.add_trace(go.Scatter(x=pos, y=[None if v != v else v for v in y],
+                                 customdata=list(zip(ulp, where, strict=True)),
                                  mode="lines+markers", marker=marker, line=dict(color=color, width=1.5),
                                  name=f"seq {seq}", connectgaps=False,
                                  hovertemplate=f"seq {seq}, pos %{{x}} %{{customdata[1]}}<br>|d| %{{y:.3e}}<br>"
@@ -258,7 +259,7 @@ def worst_tokens_table(page: Page, tokens: pd.DataFrame, run: RunDir) -> list[di
     tokenizer, why = load_tokenizer(model_path(run))
     rollout = "generated" in tokens and bool(tokens["generated"].any())
     ids = token_ids(run, tokens) if tokenizer is not None else {}
-    gen = (set(zip(tokens.loc[tokens["generated"], "seq"], tokens.loc[tokens["generated"], "pos"]))
+    gen = (set(zip(tokens.loc[tokens["generated"], "seq"], tokens.loc[tokens["generated"], "pos"], strict=True))
            if rollout else set())
     for r in rows:
         r["where"] = "generated" if (r["seq"], r["pos"]) in gen else "prompt"

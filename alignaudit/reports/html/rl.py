@@ -86,7 +86,7 @@ def steps_figure(steps: pd.DataFrame):
                         vertical_spacing=min(0.3 / rows, 0.08),
                         horizontal_spacing=0.08)
     x = steps["step"].tolist()
-    for k, (title, columns, log) in enumerate(chosen):
+    for k, (_title, columns, log) in enumerate(chosen):
         row, col = k // 2 + 1, k % 2 + 1
         for column in columns:
             y = steps[column].astype(float)

@@ -103,7 +103,7 @@ def check_comparable(columns: list[RunColumn]) -> None:
     for field in WORKLOAD:
         values = [c.workload[field] for c in columns]
         if len({workload_identity(c.run)[field] for c in columns}) > 1:
-            shown = "; ".join(f"{c.run.path.name}: {v}" for c, v in zip(columns, values))
+            shown = "; ".join(f"{c.run.path.name}: {v}" for c, v in zip(columns, values, strict=True))
             raise InputError(f"the runs differ in {field} ({shown}), so their numbers count different tokens; put "
                              f"side by side runs of the same model, prompts and mode, or report each alone")
 

@@ -54,7 +54,7 @@ def world():
     key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)
     table = torch.zeros(len(seqs) + 1, max(pages), dtype=torch.int32)  # one padded request row
     first = 0
-    for i, ((q, k, v), n_pages) in enumerate(zip(seqs, pages)):
+    for i, ((q, k, v), n_pages) in enumerate(zip(seqs, pages, strict=True)):
         table[i, :n_pages] = order[first:first + n_pages].int()
         first += n_pages
         for p in range(len(q)):
@@ -88,7 +88,7 @@ def expected(world, rows):
 
 def test_mixed_batch_rows_get_the_prefill_bits(world):
     q_lens, seq_lens = (7, 7, 1), (7, 12, 9)  # prefill from 0; second chunk (5 computed); decode at 8
-    rows = [(s, p) for s, (q, n) in enumerate(zip(q_lens, seq_lens)) for p in range(n - q, n)]
+    rows = [(s, p) for s, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True)) for p in range(n - q, n)]
     meta = build(world, q_lens, seq_lens, pad_tokens=2)
     assert not meta.decode and meta.num_actual_tokens == 15 and meta.q_seq.tolist() == [0] * 7 + [1] * 7 + [2]
     assert meta.positions.tolist() == list(range(7)) + list(range(5, 12)) + [8]
