@@ -8,7 +8,6 @@ traceback.
 from __future__ import annotations
 
 import dataclasses
-import signal
 import sys
 import traceback
 from pathlib import Path
@@ -20,6 +19,7 @@ from rich.markup import escape
 
 from alignaudit import __version__, errors
 from alignaudit.capture import outdir
+from alignaudit.commands import interrupts
 from alignaudit.commands.options import (
     ClipEpsOpt,
     DeviceOpt,
@@ -45,7 +45,6 @@ from alignaudit.commands.options import (
     out_dir,
     resolve_model_arg,
 )
-from alignaudit.inputs.capabilities import refuse_moe
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -623,26 +622,10 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                           kl_coef=kl_coef, log_to=parse_sinks(log_to), full_vocab=full_vocab,
                           keep_vocab_rows=keep_vocab_rows, sleep_level=sleep_level)
     settings.check()
-    from alignaudit.engines import kind_of, names_where
+    from alignaudit.rl.request import rl_request
 
-    if not kind_of(run.train).trains or not kind_of(run.infer).rolls_out:
-        trainers, rollers = names_where(lambda k: k.trains), names_where(lambda k: k.rolls_out)
-        raise errors.InputError(f"rl trains with {trainers} and rolls out with {rollers}; got --train {run.train} "
-                                f"--infer {run.infer}")
-    from alignaudit.engines.checks import check_rl_full_vocab, refuse_parallel
-
-    # a group as one request (vLLM's n) where the engine samples groups; its full-vocabulary rows are per request
-    per_request = group_size if kind_of(run.infer).samples_groups and not full_vocab else 1
-    request = build_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p,
-                                                              per_request, stop_at_eos),
-                            clip_eps, importance, extra_check=check_rl_full_vocab if full_vocab else None)
-    if sleep_level:
-        request = _with_sleep_mode(request)
-    if reward == "task":
-        request = _task_request(request, prompts, model.seed)
-    refuse_moe(request.spec, "alignaudit rl")
-    refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
-                    "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
+    request = rl_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p,
+                                                           stop_at_eos=stop_at_eos), clip_eps, importance, settings)
     from alignaudit.rl.memory import rl_plan
 
     memory = rl_plan(request, group_size, kl_coef > 0)  # refuses a model that cannot fit, before any engine starts
@@ -666,44 +649,6 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                   f"bit-equal[/]; reward {table['reward_mean'].iloc[0]:.3f} -> {table['reward_mean'].iloc[-1]:.3f}",
                   highlight=False)
     _results(out / STEPS, out / PLOT, out / RUN, *_report(out))
-
-
-def _task_request(request, prompts: PromptArgs, seed: int):
-    """rl --reward task: the task's own questions (alignaudit.rl.task.questions, seeded by --seed) unless prompts
-    were given, each checked to be a question; refused where completions cannot end at EOS (the answer ends there).
-    Raises InputError."""
-    from alignaudit.inputs.prompts import text_batch
-    from alignaudit.rl.task import DEFAULT_QUESTIONS, TaskReward, questions
-
-    if not request.rollout.stop_at_eos:
-        raise errors.InputError(f"--reward task scores answers that end at EOS; the rollout ignores EOS "
-                                f"({request.infer.engine} with --ignore-eos, or an engine that cannot stop at it): "
-                                "drop --ignore-eos or use --infer vllm")
-    if prompts.prompts is None and prompts.random_prompts is None:
-        source = f"task(addition, {DEFAULT_QUESTIONS} questions, seed {seed})"
-        request = request.with_batch(text_batch(request.spec, questions(DEFAULT_QUESTIONS, seed), source,
-                                                reserve=request.rollout.max_new_tokens))
-    TaskReward(request.spec.path).check_prompts(request.batch.sequences)
-    return request
-
-
-def _with_sleep_mode(request):
-    """``request`` with vLLM's ``enable_sleep_mode=true`` among the rollout engine's options (rl --sleep-level),
-    after refusing an engine or device that cannot sleep. Raises InputError."""
-    from alignaudit.engines import kind_of, names_where
-
-    infer = request.infer
-    if not kind_of(infer.engine).sleeps:
-        raise errors.InputError(f"--sleep-level: {infer.engine} does not sleep; use --infer "
-                                f"{names_where(lambda k: k.sleeps)} or drop --sleep-level")
-    if infer.settings.device != "cuda":
-        raise errors.InputError("--sleep-level needs --device cuda: vLLM's sleep mode frees GPU memory through its "
-                                "CUDA allocator, and its CPU worker ignores sleep; drop --sleep-level")
-    if "enable_sleep_mode" in infer.settings.options:
-        raise errors.InputError("vllm enable_sleep_mode is set by alignaudit with --sleep-level; drop it from "
-                                "--infer-opt")
-    settings = dataclasses.replace(infer.settings, options={**infer.settings.options, "enable_sleep_mode": True})
-    return dataclasses.replace(request, infer=dataclasses.replace(infer, settings=settings))
 
 
 @app.command()
@@ -880,14 +825,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _optional_values(sys.argv[1:] if argv is None else list(argv), {"--strict": "all"})
     debug = "--debug" in args
     outdir.command_name = next((a for a in args if not a.startswith("-")), "?")
-    # Ctrl-C and SIGTERM unwind (stopping engine workers); typer turns the KeyboardInterrupt into a silent
-    # exit code 130, so the handler leaves a flag to say why.
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
-    previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable
-    _signalled.clear()
     try:
-        result = app(args=args, standalone_mode=False, prog_name="alignaudit")
-        if _signalled:
+        with interrupts.unwinding():  # Ctrl-C and SIGTERM unwind, stopping engine workers (commands/interrupts.py)
+            result = app(args=args, standalone_mode=False, prog_name="alignaudit")
+        if interrupts.signalled:
             return _interrupted()
         return result if isinstance(result, int) else errors.EXIT_OK
     except errors.AlignAuditError as e:
@@ -896,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
         err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return e.exit_code
     except typer.Exit as e:
-        return _interrupted() if _signalled else e.exit_code
+        return _interrupted() if interrupts.signalled else e.exit_code
     except (typer.Abort, KeyboardInterrupt):
         return _interrupted()
     except Exception as e:
@@ -909,54 +850,11 @@ def main(argv: list[str] | None = None) -> int:
         return _unexpected(e, debug)
     finally:
         outdir.release_all()
-        sys.unraisablehook = previous_hook
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-EXIT_INTERRUPTED = 130
 
 
 def _interrupted() -> int:
     err_console.print("interrupted; the files written so far are kept", highlight=False, soft_wrap=True)
-    return EXIT_INTERRUPTED
-
-
-_signalled: list[int] = []
-_in_unraisable_hook: list[bool] = [False]
-
-
-def _terminate(signum, frame):
-    _signalled.append(signum)
-    if _in_unraisable_hook[0]:  # raised inside the hook it would be swallowed again, with a traceback
-        _deliver_later(signum)
-        return
-    raise KeyboardInterrupt
-
-
-def _deliver_later(signum: int) -> None:
-    """Deliver ``signum`` to the main thread again from a short timer thread, once it has left the hook."""
-    import _thread
-    import threading
-
-    timer = threading.Timer(0.01, _thread.interrupt_main, (signum,))
-    timer.daemon = True
-    timer.start()
-
-
-def _unraisable(info) -> None:
-    """Our interrupt, raised where Python cannot propagate it (e.g. an at-fork callback while a worker
-    starts), would be printed as "Exception ignored" with a traceback and lost. Deliver it again instead,
-    after the hook has returned (a signal handled inside the hook is passed on the same way); report anything
-    else as Python does."""
-    _in_unraisable_hook[0] = True
-    try:
-        if issubclass(info.exc_type, KeyboardInterrupt) and _signalled:
-            _deliver_later(_signalled[-1])
-        else:
-            sys.__unraisablehook__(info)
-    finally:
-        _in_unraisable_hook[0] = False
+    return interrupts.EXIT_INTERRUPTED
 
 
 def _optional_values(args: list[str], defaults: dict[str, str]) -> list[str]:

@@ -188,41 +188,41 @@ def test_an_interrupt_python_could_not_raise_is_delivered_again():
     command; it used to print "Exception ignored ... Traceback" before "interrupted"."""
     import types
 
-    from alignaudit.commands import cli
+    from alignaudit.commands import interrupts
 
-    previous = signal.signal(signal.SIGINT, cli._terminate)
-    cli._signalled[:] = [signal.SIGINT]
+    previous = signal.signal(signal.SIGINT, interrupts.terminate)
+    interrupts.signalled[:] = [signal.SIGINT]
     try:
         with pytest.raises(KeyboardInterrupt):
-            cli._unraisable(types.SimpleNamespace(exc_type=KeyboardInterrupt))
+            interrupts.unraisable(types.SimpleNamespace(exc_type=KeyboardInterrupt))
             for _ in range(1000):
                 time.sleep(0.001)
-        assert cli._signalled == [signal.SIGINT, signal.SIGINT]
+        assert interrupts.signalled == [signal.SIGINT, signal.SIGINT]
     finally:
         signal.signal(signal.SIGINT, previous)
-        cli._signalled.clear()
+        interrupts.signalled.clear()
 
 
 def test_an_interrupt_handled_inside_the_unraisable_hook_is_delivered_after_it():
     """The re-delivered interrupt (or a second Ctrl-C) can be handled while the hook still runs; raised there it
     was swallowed again with "Exception ignored in sys.unraisablehook" and a traceback (seen once in a full
     test run). The handler passes it on instead, and it arrives after the hook."""
-    from alignaudit.commands import cli
+    from alignaudit.commands import interrupts
 
-    previous = signal.signal(signal.SIGINT, cli._terminate)
-    cli._signalled.clear()
+    previous = signal.signal(signal.SIGINT, interrupts.terminate)
+    interrupts.signalled.clear()
     try:
-        cli._in_unraisable_hook[0] = True
-        cli._terminate(signal.SIGINT, None)  # inside the hook: must not raise
-        cli._in_unraisable_hook[0] = False
+        interrupts._in_unraisable_hook[0] = True
+        interrupts.terminate(signal.SIGINT, None)  # inside the hook: must not raise
+        interrupts._in_unraisable_hook[0] = False
         with pytest.raises(KeyboardInterrupt):
             for _ in range(1000):
                 time.sleep(0.001)
-        assert cli._signalled == [signal.SIGINT, signal.SIGINT]
+        assert interrupts.signalled == [signal.SIGINT, signal.SIGINT]
     finally:
-        cli._in_unraisable_hook[0] = False
+        interrupts._in_unraisable_hook[0] = False
         signal.signal(signal.SIGINT, previous)
-        cli._signalled.clear()
+        interrupts.signalled.clear()
 
 
 def test_a_closed_output_pipe_is_not_an_alignment_failure(tmp_path):

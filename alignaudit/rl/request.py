@@ -1,0 +1,80 @@
+"""rl's Request: compare's (commands.options.build_request) with what the loop adds, each refused before any engine
+starts where it cannot take effect: engines that train and roll out, a group as one request where the rollout engine
+samples groups (vLLM's n), vLLM's sleep mode (--sleep-level), the task's own questions (--reward task), and the
+sizes and models the loop does not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from alignaudit.errors import InputError
+
+
+def rl_request(model, prompts, run, sampling, clip_eps: float, importance, settings):
+    """The Request of ``alignaudit rl`` (commands.options argument groups; ``settings`` an rl.loop.RLSettings, already
+    checked). ``sampling.group_size`` is set here: G where the rollout engine samples a group as one request (and
+    --full-vocab is off: its rows are per request), else 1 (the loop then submits each prompt G times).
+
+    Raises:
+        InputError: a setting the loop or the engines cannot run with, with the fix.
+    """
+    from alignaudit.commands.options import build_request
+    from alignaudit.engines import kind_of, names_where
+    from alignaudit.engines.checks import check_rl_full_vocab, refuse_parallel
+    from alignaudit.inputs.capabilities import refuse_moe
+
+    if not kind_of(run.train).trains or not kind_of(run.infer).rolls_out:
+        trainers, rollers = names_where(lambda k: k.trains), names_where(lambda k: k.rolls_out)
+        raise InputError(f"rl trains with {trainers} and rolls out with {rollers}; got --train {run.train} "
+                         f"--infer {run.infer}")
+    grouped = kind_of(run.infer).samples_groups and not settings.full_vocab
+    sampling = dataclasses.replace(sampling, group_size=settings.group_size if grouped else 1)
+    request = build_request(model, prompts, run, sampling, clip_eps, importance,
+                            extra_check=check_rl_full_vocab if settings.full_vocab else None)
+    if settings.sleep_level:
+        request = _with_sleep_mode(request)
+    if settings.reward == "task":
+        request = _task_prompts(request, prompts, model.seed)
+    refuse_moe(request.spec, "alignaudit rl")
+    refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
+                    "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
+    return request
+
+
+def _task_prompts(request, prompts, seed: int):
+    """rl --reward task: the task's own questions (alignaudit.rl.task.questions, seeded by --seed) unless prompts
+    were given (``prompts``: commands.options.PromptArgs), each checked to be a question; refused where completions
+    cannot end at EOS (the answer ends there). Raises InputError."""
+    from alignaudit.inputs.prompts import text_batch
+    from alignaudit.rl.task import DEFAULT_QUESTIONS, TaskReward, questions
+
+    if not request.rollout.stop_at_eos:
+        raise InputError(f"--reward task scores answers that end at EOS; the rollout ignores EOS "
+                         f"({request.infer.engine} with --ignore-eos, or an engine that cannot stop at it): "
+                         "drop --ignore-eos or use --infer vllm")
+    if prompts.prompts is None and prompts.random_prompts is None:
+        source = f"task(addition, {DEFAULT_QUESTIONS} questions, seed {seed})"
+        request = request.with_batch(text_batch(request.spec, questions(DEFAULT_QUESTIONS, seed), source,
+                                                reserve=request.rollout.max_new_tokens))
+    TaskReward(request.spec.path).check_prompts(request.batch.sequences)
+    return request
+
+
+def _with_sleep_mode(request):
+    """``request`` with vLLM's ``enable_sleep_mode=true`` among the rollout engine's options (rl --sleep-level),
+    after refusing an engine or device that cannot sleep. Raises InputError."""
+    from alignaudit.engines import kind_of, names_where
+
+    infer = request.infer
+    if not kind_of(infer.engine).sleeps:
+        raise InputError(f"--sleep-level: {infer.engine} does not sleep; use --infer "
+                         f"{names_where(lambda k: k.sleeps)} or drop --sleep-level")
+    if infer.settings.device != "cuda":
+        raise InputError("--sleep-level needs --device cuda: vLLM's sleep mode frees GPU memory through its "
+                         "CUDA allocator, and its CPU worker ignores sleep; drop --sleep-level")
+    if "enable_sleep_mode" in infer.settings.options:
+        raise InputError("vllm enable_sleep_mode is set by alignaudit with --sleep-level; drop it from "
+                         "--infer-opt")
+    settings = dataclasses.replace(infer.settings, options={**infer.settings.options, "enable_sleep_mode": True})
+    return dataclasses.replace(request, infer=dataclasses.replace(infer, settings=settings))
