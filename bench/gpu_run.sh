@@ -59,6 +59,9 @@
 # rl at the Qwen3-1.7B shape with the same shape (offline engine) and --sleep-level 1, RL_STEPS (20) steps --strict;
 # trl: TRL's GRPOTrainer with CUDA vLLM colocated on the fixture (bench/trl_grpo.py), strict then default (TRL_HOW),
 # TRL_STEPS (3) steps; needs trl, accelerate, datasets, dill, multiprocess, xxhash carried in .whl/extra/.
+# [26]: task-model trains a TASK_SHAPE (Qwen3-0.6B) model on the addition task (fixtures/train_task_fixture.py on the
+# GPU, TASK_STEPS 300, TASK_LR 3e-4) into /tmp/task-model, its training.json into $OUT; task-rl then runs alignaudit
+# rl --reward task on it, TASK_RL_STEPS (200) steps, strict or default (TASK_HOW), EOS on, 8 questions x 8.
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
 started=$SECONDS  # the device call began just before (CALL_S: grpo's deadline)
@@ -287,6 +290,13 @@ for stage in "$@"; do
            timeout ${TRL_TIMEOUT:-240} python3 bench/trl_grpo.py fixtures/qwen3-tiny $how /tmp/trl-$how --device cuda --steps ${TRL_STEPS:-3} 2>&1 \
              | log | grep -E "^RESULT|Error|rror:" | tail -4
          done ;;
+    task-model) timeout ${TASK_TIMEOUT:-400} python3 fixtures/train_task_fixture.py --shape ${TASK_SHAPE:-Qwen3-0.6B} --device cuda \
+                  --steps ${TASK_STEPS:-300} --lr ${TASK_LR:-3e-4} --out /tmp/task-model 2>&1 | log | tail -20
+                cp /tmp/task-model/training.json "$out/task-model-training.json" 2>/dev/null ;;
+    task-rl) for how in ${TASK_HOW:-strict default}; do
+               grpo task-$how --model /tmp/task-model --reward task --steps ${TASK_RL_STEPS:-200} --group-size 8 \
+                 --max-new-tokens 8 $([ $how = strict ] && echo --strict)
+             done ;;
     vllm-q8-default) cmp vq8-default $Q8 --train megatron --infer vllm ${VQ8_OPTS:-} ;;
     vllm-q8-rollout) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 ${VQ8_OPTS:-} ;;
     vllm-q8-hf) cmp vq8-strict-hf-rollout $Q8 --train hf --infer vllm --strict --mode rollout --max-new-tokens 64 ;;

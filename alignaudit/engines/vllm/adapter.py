@@ -90,6 +90,7 @@ class VllmEngine(Engine):
         self.prefix_cache_hits = None  # prompt tokens read from the prefix cache in the last rollout (vLLM's count)
         self.engine_mode = "offline"  # set by the first rollout's Sampling; "async": self.llm is an AsyncRollout
         self.arrivals = None  # async mode: how the last rollout's requests arrived (async_rollout.Arrivals)
+        self.arrival_gap_s = 0.0  # async mode: seconds between two arrivals (Sampling.arrival_gap_s)
 
     @classmethod
     def prepare_for_weight_updates(cls) -> None:
