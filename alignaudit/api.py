@@ -184,6 +184,8 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
             prompt_len: int | None = None, dtype: str = "bf16", device: str = "auto",
             train_options: dict[str, Any] | None = None, infer_options: dict[str, Any] | None = None,
             max_new_tokens: int = 32, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+            group_size: int = 1, stop_at_eos: bool | None = None, prompt_logprobs: bool | None = None,
+            engine_mode: str = "offline", arrival_gap: float = 0.02,
             random_weights: bool = False, seed: int = 0, clip_eps: float = 0.2, out: str | Path | None = None,
             force: bool = False, replay_routing: bool = False, full_vocab: bool = False) -> Comparison:
     """Run ``alignaudit compare`` from Python: the same validation, engines (each in its own worker process),
@@ -192,6 +194,10 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
     comma list; ``train_options`` / ``infer_options`` the ``--train-opt`` / ``--infer-opt`` settings;
     ``replay_routing`` is ``--replay-routing`` (summary["routing_replay"]).
     ``full_vocab`` is ``--full-vocab`` (the summary's ``vocab`` record and the tokens' ``vocab_*`` columns).
+    The rollout shape (mode "rollout"): ``group_size`` (``--group-size``), ``stop_at_eos`` and ``prompt_logprobs``
+    (None: the rollout engine's default, vLLM's being EOS on and no prompt logprobs; ``--stop-at-eos/--ignore-eos``,
+    ``--prompt-logprobs/--no-prompt-logprobs``), ``engine_mode`` "offline" or "async" and ``arrival_gap`` seconds
+    (``--engine-mode``, ``--arrival-gap``); the shape resolved is run.json's ``rollout``.
 
     Raises:
         InputError: any bad argument, before any engine starts. EngineError: an engine failed.
@@ -236,7 +242,8 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
         raise InputError(f"engine options must be JSON values (numbers, strings, booleans, lists): {e}") from e
     pair = PairArgs(train=train, infer=infer, dtype=dtype, device=device, train_opt=options[0] or None,
                     infer_opt=options[1] or None, strict=strict)
-    sampling = SamplingArgs(mode, max_new_tokens, temperature, top_k, top_p)
+    sampling = SamplingArgs(mode, max_new_tokens, temperature, top_k, top_p, group_size, stop_at_eos, prompt_logprobs,
+                            engine_mode, arrival_gap)
     if not isinstance(full_vocab, bool):
         raise InputError(f"full_vocab {full_vocab!r}: True or False")
     request = build_request(ModelArgs(str(model), random_weights, seed),

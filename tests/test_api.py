@@ -86,6 +86,20 @@ def test_compare_reproduces_the_strict_claim_and_the_default_mismatch(tmp_path):
         api.compare(mode="decode", out=tmp_path / "bad")
 
 
+def test_compare_takes_the_framework_rollout_shape(tmp_path):
+    """The API's rollout arguments reach vLLM as the CLI's flags do: 2 completions a prompt as one request, through
+    AsyncLLM, EOS on and no prompt logprobs (vLLM's defaults, resolved and recorded); strict: bitwise equal."""
+    import json
+
+    run = api.compare(strict="all", mode="rollout", max_new_tokens=8, group_size=2, engine_mode="async",
+                      arrival_gap=0.01, out=tmp_path / "shaped")
+    assert run.bitwise_equal and run.tokens_compared == run.generated["tokens_compared"] > 0
+    assert len(run.sequences) == 8  # 4 prompts x 2
+    shape = json.loads((run.path / "run.json").read_text())["rollout"]
+    assert (shape["group_size"], shape["stop_at_eos"], shape["prompt_logprobs"]) == (2, True, False)
+    assert (shape["engine_mode"], shape["arrival_gap_s"]) == ("async", 0.01)
+
+
 def test_the_hook_refuses_logprobs_that_do_not_pair_up():
     a = [torch.zeros(3), torch.zeros(2)]
     with pytest.raises(InputError, match="disagree"):
@@ -129,7 +143,11 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
     for kwargs, message in (({"prompts": [[1, 2, 3]]}, "prompts: a file path"),
                             ({"train_options": ["a=1"]}, "train_options: a dict"),
                             ({"max_new_tokens": "8", "mode": "rollout"}, "max_new_tokens '8': an integer"),
-                            ({"temperature": 0.5}, "--temperature applies to rollouts")):
+                            ({"temperature": 0.5}, "--temperature applies to rollouts"),
+                            ({"group_size": 2}, "--group-size applies to rollouts"),
+                            ({"mode": "rollout", "stop_at_eos": "yes"}, "stop_at_eos 'yes': True, False or None"),
+                            ({"mode": "rollout", "engine_mode": "server"}, "--engine-mode 'server': choose one of"),
+                            ({"mode": "rollout", "infer": "hf", "group_size": 2}, "--group-size: hf rollouts")):
         with pytest.raises(InputError, match=message):
             api.compare(out=tmp_path / "never", **kwargs)
     assert not (tmp_path / "never").exists()
