@@ -184,8 +184,8 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
             prompt_len: int | None = None, dtype: str = "bf16", device: str = "auto",
             train_options: dict[str, Any] | None = None, infer_options: dict[str, Any] | None = None,
             max_new_tokens: int = 32, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-            group_size: int = 1, stop_at_eos: bool | None = None, prompt_logprobs: bool | None = None,
-            engine_mode: str = "offline", arrival_gap: float = 0.02,
+            group_size: int | None = None, stop_at_eos: bool | None = None, prompt_logprobs: bool | None = None,
+            engine_mode: str | None = None, arrival_gap: float | None = None,
             random_weights: bool = False, seed: int = 0, clip_eps: float = 0.2, out: str | Path | None = None,
             force: bool = False, replay_routing: bool = False, full_vocab: bool = False) -> Comparison:
     """Run ``alignaudit compare`` from Python: the same validation, engines (each in its own worker process),
@@ -197,7 +197,8 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
     The rollout shape (mode "rollout"): ``group_size`` (``--group-size``), ``stop_at_eos`` and ``prompt_logprobs``
     (None: the rollout engine's default, vLLM's being EOS on and no prompt logprobs; ``--stop-at-eos/--ignore-eos``,
     ``--prompt-logprobs/--no-prompt-logprobs``), ``engine_mode`` "offline" or "async" and ``arrival_gap`` seconds
-    (``--engine-mode``, ``--arrival-gap``); the shape resolved is run.json's ``rollout``.
+    (``--engine-mode``, ``--arrival-gap``; 0.02 in async mode). None leaves a setting unset: one given where it would
+    not take effect (prompt mode, an offline arrival gap) is refused. The shape resolved is run.json's ``rollout``.
 
     Raises:
         InputError: any bad argument, before any engine starts. EngineError: an engine failed.

@@ -107,9 +107,11 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     """Run the same token ids through a training and an inference engine and compare per-token logprobs.
 
     Prompt mode (default): every prompt token after the first gets a teacher-forced logprob from each
-    engine (fp32). Rollout mode, the RL path: the inference engine samples --max-new-tokens per prompt
-    (seeded; EOS neither stops nor is masked) and records each sampled token's logprob while decoding;
-    the training engine rescores prompt + completion in one pass. Reports bitwise mismatches, ULP
+    engine (fp32). Rollout mode, the RL path: the inference engine samples up to --max-new-tokens per prompt
+    (seeded; with vLLM shaped as RL frameworks sample: EOS ends a completion, sampled tokens' logprobs only, so
+    the prefix cache is read; --ignore-eos, --prompt-logprobs, --group-size, --engine-mode async change that) and
+    records each sampled token's logprob while decoding; the training engine rescores prompt + completion in one
+    pass. Reports bitwise mismatches, ULP
     distances and the RL impact (importance ratio, clip fraction, token_mult_prob_error, probability
     differences, KL, mean signed difference) and the importance-sampling diagnostics of RL frameworks (truncated
     and masked IS at token, sequence and geometric level at --tis-threshold, --mask-low/--mask-high and

@@ -107,8 +107,9 @@ TopKOpt = Annotated[int, typer.Option("--top-k", metavar="K", help="Rollout: sam
                                       "(0 = off); replayed by the trainer with processed logprobs.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", metavar="P", help="Rollout: nucleus sampling (1.0 = off); replayed "
                                         "by the trainer with processed logprobs.")]
-GroupSizeOpt = Annotated[int, typer.Option("--group-size", metavar="G", help="Rollout: completions per prompt, sampled "
-                                           "as one request (vLLM's n), as GRPO frameworks sample a group.")]
+GroupSizeOpt = Annotated[Optional[int], typer.Option("--group-size", metavar="G", help="Rollout: completions per "
+                                                     "prompt, sampled as one request (vLLM's n), as GRPO frameworks "
+                                                     "sample a group (default 1).", show_default=False)]
 StopAtEosOpt = Annotated[Optional[bool], typer.Option("--stop-at-eos/--ignore-eos", metavar="", help="Rollout: "
                                                       "EOS ends a completion, as frameworks sample (vLLM's default), "
                                                       "or is ignored, so every completion has --max-new-tokens "
@@ -119,12 +120,14 @@ PromptLogprobsOpt = Annotated[Optional[bool], typer.Option("--prompt-logprobs/--
                                                            "logprobs too (hf's default), or the sampled tokens' only, "
                                                            "as frameworks do (vLLM's default; vLLM then reads its "
                                                            "prefix cache).", show_default=False)]
-EngineModeOpt = Annotated[str, typer.Option("--engine-mode", metavar="MODE", help="Rollout: offline (every request "
-                                            "into vLLM's LLM at once) or async (vLLM's AsyncLLM, its engine core in "
-                                            "a process of its own, requests arriving one every --arrival-gap "
-                                            "seconds while earlier ones decode).")]
-ArrivalGapOpt = Annotated[float, typer.Option("--arrival-gap", metavar="S", help="Rollout, --engine-mode async: "
-                                              "seconds between two requests' arrivals.")]
+EngineModeOpt = Annotated[Optional[str], typer.Option("--engine-mode", metavar="MODE", help="Rollout: offline (every "
+                                                      "request into vLLM's LLM at once; the default) or async "
+                                                      "(vLLM's AsyncLLM, its engine core in a process of its own, "
+                                                      "requests arriving one every --arrival-gap seconds while "
+                                                      "earlier ones decode).", show_default=False)]
+ArrivalGapOpt = Annotated[Optional[float], typer.Option("--arrival-gap", metavar="S", help="Rollout, --engine-mode "
+                                                        "async: seconds between two requests' arrivals (default "
+                                                        "0.02).", show_default=False)]
 
 
 @dataclass
@@ -171,11 +174,11 @@ class SamplingArgs:
     temperature: TemperatureOpt = 1.0
     top_k: TopKOpt = 0
     top_p: TopPOpt = 1.0
-    group_size: GroupSizeOpt = 1
+    group_size: GroupSizeOpt = None
     stop_at_eos: StopAtEosOpt = None
     prompt_logprobs: PromptLogprobsOpt = None
-    engine_mode: EngineModeOpt = "offline"
-    arrival_gap: ArrivalGapOpt = 0.02
+    engine_mode: EngineModeOpt = None
+    arrival_gap: ArrivalGapOpt = None
 
 
 @dataclass
@@ -289,7 +292,7 @@ SAMPLING_FLAGS = {"--max-new-tokens": "max_new_tokens", "--temperature": "temper
 
 def sampling(args: SamplingArgs, seed: int):
     """The rollout Sampling of ``args``, or None in prompt mode. Raises InputError for a bad mode or value."""
-    from alignaudit.inputs.request import ENGINE_MODES, Sampling
+    from alignaudit.inputs.request import DEFAULT_ARRIVAL_GAP_S, ENGINE_MODES, Sampling
 
     if args.mode not in ("prompt", "rollout"):
         raise errors.InputError(f"unknown --mode {args.mode!r}; choose prompt or rollout")
@@ -304,21 +307,26 @@ def sampling(args: SamplingArgs, seed: int):
         raise errors.InputError("rollout mode needs --max-new-tokens >= 1 and --temperature > 0")
     if args.top_k < 0 or not 0 < args.top_p <= 1:
         raise errors.InputError("--top-k must be >= 0 (0 = off) and --top-p in (0, 1] (1 = off)")
-    if isinstance(args.group_size, bool) or not isinstance(args.group_size, int) or args.group_size < 1:
-        raise errors.InputError(f"--group-size {args.group_size!r}: completions per prompt, an integer >= 1")
+    group = 1 if args.group_size is None else args.group_size
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise errors.InputError(f"--group-size {group!r}: completions per prompt, an integer >= 1")
     for name in ("stop_at_eos", "prompt_logprobs"):
         if getattr(args, name) is not None and not isinstance(getattr(args, name), bool):
             raise errors.InputError(f"{name} {getattr(args, name)!r}: True, False or None (the engine's default)")
-    if args.engine_mode not in ENGINE_MODES:
-        raise errors.InputError(f"--engine-mode {args.engine_mode!r}: choose one of {', '.join(ENGINE_MODES)}")
+    engine_mode = "offline" if args.engine_mode is None else args.engine_mode
+    if engine_mode not in ENGINE_MODES:
+        raise errors.InputError(f"--engine-mode {engine_mode!r}: choose one of {', '.join(ENGINE_MODES)}")
     gap = args.arrival_gap
-    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not (0 <= gap < math.inf):
+    if engine_mode != "async":
+        if gap is not None:
+            raise errors.InputError("--arrival-gap spaces the arrivals of --engine-mode async and would not take "
+                                    f"effect in {engine_mode} mode; add --engine-mode async or drop --arrival-gap")
+    elif gap is None:
+        gap = DEFAULT_ARRIVAL_GAP_S
+    elif isinstance(gap, bool) or not isinstance(gap, (int, float)) or not (0 <= gap < math.inf):
         raise errors.InputError(f"--arrival-gap {gap!r}: seconds between arrivals, a finite number >= 0")
-    if args.engine_mode != "async" and gap != SamplingArgs.arrival_gap:
-        raise errors.InputError("--arrival-gap spaces the arrivals of --engine-mode async and would not take effect "
-                                f"in {args.engine_mode} mode; add --engine-mode async or drop --arrival-gap")
-    return Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed, args.group_size,
-                    args.stop_at_eos, args.prompt_logprobs, args.engine_mode, float(gap))
+    return Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed, group,
+                    args.stop_at_eos, args.prompt_logprobs, engine_mode, None if gap is None else float(gap))
 
 
 def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_check=None):

@@ -215,8 +215,9 @@ class Engine(ABC):
         return (rows, kwargs) if rows.stop > rows.start else None
 
     def rollout(self, batch: TokenBatch, sampling) -> tuple[TokenBatch, list[torch.Tensor]]:
-        """Sample ``sampling.max_new_tokens`` after each prompt (alignaudit.inputs.request.Sampling: temperature,
-        top-k, top-p; EOS neither stops nor is masked; request i seeded with ``sampling.seed + i``).
+        """Sample up to ``sampling.max_new_tokens`` after each prompt (alignaudit.inputs.request.Sampling:
+        temperature, top-k, top-p, and the shape the engine's kind resolved: group size, EOS, prompt logprobs,
+        engine mode); request i seeded with ``sampling.seed + i``.
 
         Returns the full sequences (prompt + completion) and, per sequence, fp32 logprobs [len - 1]: the
         prompt positions teacher-forced, the generated positions as recorded while sampling (decode).

@@ -116,7 +116,8 @@ class Sampling:
             the engine's asynchronous front end (vLLM's ``AsyncLLM``, the engine core in a process of its own, as
             verl, NeMo-RL and servers run it), request i arriving ``i * arrival_gap_s`` seconds after the first,
             so that requests join a batch that is already decoding.
-        arrival_gap_s: seconds between two arrivals in async mode (>= 0).
+        arrival_gap_s: seconds between two arrivals in async mode (>= 0); None in offline mode, where requests do
+            not arrive one by one.
     """
 
     max_new_tokens: int = 32
@@ -128,13 +129,14 @@ class Sampling:
     stop_at_eos: bool | None = False
     prompt_logprobs: bool | None = True
     engine_mode: str = "offline"
-    arrival_gap_s: float = 0.02
+    arrival_gap_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 ENGINE_MODES = ("offline", "async")
+DEFAULT_ARRIVAL_GAP_S = 0.02
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,12 @@ def _task_prompts(request, prompts, seed: int):
     from alignaudit.rl.task import DEFAULT_QUESTIONS, TaskReward, questions
 
     if not request.rollout.stop_at_eos:
-        raise InputError(f"--reward task scores answers that end at EOS; the rollout ignores EOS "
-                         f"({request.infer.engine} with --ignore-eos, or an engine that cannot stop at it): "
-                         "drop --ignore-eos or use --infer vllm")
+        from alignaudit.engines import kind_of
+
+        stops = kind_of(request.infer.engine).rollout_defaults["stop_at_eos"] is not False
+        raise InputError("--reward task scores answers that end at EOS, and " + (
+            "--ignore-eos makes the rollout ignore it; drop --ignore-eos" if stops else
+            f"{request.infer.engine} rollouts ignore it; use --infer vllm"))
     if prompts.prompts is None and prompts.random_prompts is None:
         source = f"task(addition, {DEFAULT_QUESTIONS} questions, seed {seed})"
         request = request.with_batch(text_batch(request.spec, questions(DEFAULT_QUESTIONS, seed), source,

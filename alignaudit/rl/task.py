@@ -67,9 +67,11 @@ class TaskReward:
         """Refuse prompts (token id sequences) that do not end in a question."""
         for i, ids in enumerate(prompts):
             if self.operands(ids) is None:
-                raise InputError(f"--reward task scores addition questions such as '37+45='; prompt {i} "
-                                 f"({self._decode(ids)[-40:]!r}) is not one: drop --prompts / --random-prompts "
-                                 "(rl then asks the task's own questions) or choose another --reward")
+                text = self._decode(ids)[-30:]
+                shown = ascii(text) if text.isprintable() else f"token ids ending {list(ids)[-6:]}"
+                raise InputError(f"--reward task scores addition questions such as '37+45='; prompt {i} ({shown}) is "
+                                 "not one: drop --prompts / --random-prompts (rl then asks the task's own questions) "
+                                 "or choose another --reward")
 
     def __call__(self, prompt_ids, completion_ids, step: int) -> float:
         ab = self.operands(prompt_ids)

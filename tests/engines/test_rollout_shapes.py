@@ -71,6 +71,9 @@ def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path, monkeypatch):
     (["--mode", "rollout", "--infer", "hf", "--engine-mode", "async"], "--engine-mode: hf rollouts"),
     (["--mode", "rollout", "--engine-mode", "sync"], "--engine-mode 'sync': choose one of offline, async"),
     (["--mode", "rollout", "--arrival-gap", "0.1"], "--arrival-gap spaces the arrivals of --engine-mode async"),
+    (["--mode", "rollout", "--arrival-gap", "0.02"], "--arrival-gap spaces the arrivals"),  # the async default, given
+    (["--group-size", "1"], "--group-size applies to rollouts"),  # given explicitly: refused though it is the default
+    (["--mode", "rollout", "--infer-opt", "ignore_eos=true"], "use --stop-at-eos / --ignore-eos instead"),
     (["--mode", "rollout", "--engine-mode", "async", "--arrival-gap", "-1"], "--arrival-gap -1.0: seconds"),
     (["--mode", "rollout", "--engine-mode", "async", "--infer-opt", "worker_extension_cls=x.Y"],
      "worker_extension_cls is set by alignaudit in --engine-mode async"),

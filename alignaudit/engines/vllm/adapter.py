@@ -392,6 +392,7 @@ class VllmEngine(Engine):
                 "cudagraph_capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
                 "model_runner_v2": bool(getattr(config, "use_v2_model_runner", False)),
                 "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+                "block_size": config.cache_config.block_size,  # prefix-cache hits come in whole blocks
                 "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
                 "max_num_seqs": config.scheduler_config.max_num_seqs,
                 "logprobs_mode": str(config.model_config.logprobs_mode),

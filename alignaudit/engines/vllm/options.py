@@ -17,8 +17,8 @@ from alignaudit.errors import InputError
 
 VLLM_SET_BY_ALIGNAUDIT: dict[str, str] = {
     "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
-    "max_tokens": "--max-new-tokens", "min_tokens": "--max-new-tokens (EOS is ignored, never masked)",
-    "ignore_eos": "--stop-at-eos", "logprobs": "alignaudit (the sampled token's logprob)",
+    "max_tokens": "--max-new-tokens", "min_tokens": "--max-new-tokens and --ignore-eos (min_tokens would mask EOS)",
+    "ignore_eos": "--stop-at-eos / --ignore-eos", "logprobs": "alignaudit (the sampled token's logprob)",
     "prompt_logprobs": "--prompt-logprobs / --no-prompt-logprobs", "n": "--group-size",
     "detokenize": "alignaudit (token ids only)", "dtype": "--dtype / --infer-dtype", "model": "--model",
 }
