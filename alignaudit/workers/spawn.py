@@ -114,7 +114,8 @@ def check_options(runs: list, spec: ModelSpec, mode: str = "prompt") -> None:
         EngineError: the check itself crashed.
     """
     checks = [{"engine": run.engine, "settings": run.settings.to_dict(), "spec": spec.to_dict(), "role": role,
-               "mode": mode} for role, run in zip(("train", "infer"), runs, strict=True) if run.settings.options]
+               "mode": mode} for role, run in zip(("train", "infer")[:len(runs)], runs, strict=True)
+              if run.settings.options]  # one run (capture) or the pair
     if not checks:
         return
     proc = start_worker(["--check-options", json.dumps(checks)], {**os.environ, "PYTHONUNBUFFERED": "1"})
