@@ -165,9 +165,9 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         record["weight_sync"] = {"transport": how, "digest": DIGESTS[how]}
         record["initial_sync"] = _sync(trainer, rollout, out, how)
         (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
-        rows = []
+        rows, reward = [], reward_function(rl.reward, request.spec)
         for step in range(1, rl.steps + 1):
-            rows.append(_step(step, request, rl, trainer, rollout, prompts, out, how))
+            rows.append(_step(step, request, rl, reward, trainer, rollout, prompts, out, how))
             steps = pd.DataFrame(rows)
             steps.to_parquet(out / STEPS, index=False)
             if export:
@@ -223,7 +223,7 @@ def _sync(trainer: Session, rollout: Session, out: Path, how: str) -> dict:
             "replicas_diverged": diverged, "weights_digest": digest, **update}
 
 
-def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout: Session, prompts: list,
+def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session, rollout: Session, prompts: list,
           out: Path, how: str) -> dict:
     from alignaudit.engines.checks import processed_logprobs
 
@@ -253,7 +253,6 @@ def _step(step: int, request: Request, rl: RLSettings, trainer: Session, rollout
         vocab["vocab_s"] = round(time.perf_counter() - t2, 3)  # reading and measuring the rows, apart from update_s
         t2 = time.perf_counter()
     summary = summarize_tokens(tokens, request.clip_eps, request.importance)
-    reward = reward_function(rl.reward, request.spec)
     rewards = [reward(s[:p], s[p:], step) for s, p in zip(sequences, prompt_lengths, strict=True)]
     advantages = group_advantages(rewards, rl.group_size)
     rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths, strict=True)]

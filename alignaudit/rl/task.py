@@ -11,9 +11,9 @@ A question is ``"{a}+{b}="`` with a, b in [0, 100) (fixtures/corpus.txt's tokeni
 
 from __future__ import annotations
 
+import json
 import random
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from alignaudit.errors import InputError
@@ -43,21 +43,30 @@ def questions(n: int, seed: int) -> list[str]:
     return [question(*operands(rng)) for _ in range(n)]
 
 
-@dataclass(frozen=True)
 class TaskReward:
     """The task's reward of a completion, from token ids, with the model's own tokenizer.
 
     Args:
-        tokenizer_dir: a checkpoint directory with tokenizer.json and config.json (its ``eos_token_id``: an id or a
-            list of ids, each ending a completion).
+        model_dir: a checkpoint directory with a tokenizer (read from disk by reports.token_text.load_tokenizer)
+            and config.json (its ``eos_token_id``: an id or a list of ids, each ending a completion); both read once.
     Raises:
-        InputError: (``check_prompts``) a prompt that is not a question; a checkpoint without a tokenizer.
+        InputError: a checkpoint without a readable tokenizer; (``check_prompts``) a prompt that is not a question.
     """
 
-    tokenizer_dir: str
+    def __init__(self, model_dir: str):
+        from alignaudit.reports.token_text import load_tokenizer
+
+        self.tokenizer, why = load_tokenizer(model_dir)
+        if self.tokenizer is None:
+            raise InputError(f"--reward task decodes completions with the model's tokenizer, and {why}; use a "
+                             "checkpoint with one, e.g. --model qwen3-tiny-trained")
+        eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
+        self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     def _decode(self, ids) -> str:
-        return _tokenizer(self.tokenizer_dir).decode(list(ids))
+        from alignaudit.reports.token_text import decode
+
+        return decode(self.tokenizer, ids)
 
     def operands(self, prompt_ids) -> tuple[int, int] | None:
         match = QUESTION.search(self._decode(prompt_ids))
@@ -76,33 +85,9 @@ class TaskReward:
     def __call__(self, prompt_ids, completion_ids, step: int) -> float:
         ab = self.operands(prompt_ids)
         ids = list(completion_ids)
-        if ab is None or not ids or ids[-1] not in _eos_ids(self.tokenizer_dir):
+        if ab is None or not ids or ids[-1] not in self.eos_ids:
             return 0.0
         text = self._decode(ids[:-1])
         if text == answer(*ab):
             return 1.0
         return FORMAT_REWARD if re.fullmatch(r"\d{1,3}", text) else 0.0
-
-
-_TOKENIZERS: dict = {}
-
-
-def _eos_ids(directory: str) -> frozenset[int]:
-    """The checkpoint's EOS token ids (config.json ``eos_token_id``: one id or a list)."""
-    import json
-
-    eos = json.loads((Path(directory) / "config.json").read_text()).get("eos_token_id")
-    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
-
-
-def _tokenizer(directory: str):
-    """The ``tokenizers`` Tokenizer of ``directory``/tokenizer.json (cached per directory)."""
-    if directory not in _TOKENIZERS:
-        from tokenizers import Tokenizer
-
-        path = Path(directory) / "tokenizer.json"
-        if not path.exists():
-            raise InputError(f"--reward task decodes completions with the model's tokenizer; {directory} has no "
-                             "tokenizer.json (use a checkpoint with one, e.g. --model qwen3-tiny-trained)")
-        _TOKENIZERS[directory] = Tokenizer.from_file(str(path))
-    return _TOKENIZERS[directory]

@@ -203,15 +203,10 @@ class VllmEngine(Engine):
         """Read back which attention implementation and which linear method every layer computes with; strict
         attention (linear) asked for and any layer on another one (vLLM selected a backend the plugin does not
         replace, or a quantized method) is an error."""
-        from alignaudit.engines.vllm.attention_cpu import attention_impls
-        from alignaudit.engines.vllm.weights import linear_methods
+        from alignaudit.engines.vllm.weights import kernels_of
 
-        if self.engine_mode == "async":
-            kernels = self.llm.kernels()
-            self.attention_impls, self.linear_methods = kernels["attention_impls"], kernels["linear_methods"]
-        else:
-            self.attention_impls = self.llm.apply_model(attention_impls)[0]
-            self.linear_methods = self.llm.apply_model(linear_methods)[0]
+        kernels = self.llm.kernels() if self.engine_mode == "async" else self.llm.apply_model(kernels_of)[0]
+        self.attention_impls, self.linear_methods = kernels["attention_impls"], kernels["linear_methods"]
         quantized = [m for m in self.linear_methods if not m.startswith("Unquantized")]
         if "linear" in self.settings.strict_ops and quantized:
             raise EngineError(f"strict linear was asked for, but vLLM computes products with {', '.join(quantized)}, "

@@ -75,7 +75,7 @@ class AsyncRollout:
         return self.engine.vllm_config
 
     def kernels(self) -> dict:
-        """The attention implementations and linear methods the worker computes with (worker_extension)."""
+        """weights.kernels_of the model in vLLM's worker process (worker_extension)."""
         return self.loop.run_until_complete(self.engine.collective_rpc("alignaudit_kernels"))[0]
 
     def generate(self, sequences, params: list, gap_s: float, progress) -> tuple[list, Arrivals]:

@@ -116,6 +116,14 @@ def load_into_vllm(llm, tensors: dict[str, torch.Tensor]) -> None:
     llm.reset_prefix_cache()
 
 
+def kernels_of(model: torch.nn.Module) -> dict:
+    """``{"attention_impls": {impl class: strict exp or None}, "linear_methods": [quant_method class, ...]}`` of a
+    loaded vLLM model (attention_cpu.attention_impls, linear_methods): what computes, read back."""
+    from alignaudit.engines.vllm.attention_cpu import attention_impls
+
+    return {"attention_impls": attention_impls(model), "linear_methods": linear_methods(model)}
+
+
 def linear_methods(model: torch.nn.Module) -> list[str]:
     """Class names of the ``quant_method`` of every linear and embedding layer of a loaded vLLM model, sorted
     (``UnquantizedLinearMethod``, ``Fp8LinearMethod``, ...): which kernels compute the products, read back rather

@@ -22,10 +22,7 @@ class KernelReadback:
     """Mixed into vLLM's worker class: ``self`` is the worker (vllm/v1/worker/worker_base.py, ``get_model``)."""
 
     def alignaudit_kernels(self) -> dict:
-        """``{"attention_impls": {impl class: strict exp or None}, "linear_methods": [quant_method class, ...]}``
-        of the loaded model (attention_cpu.attention_impls, weights.linear_methods), read back in the worker."""
-        from alignaudit.engines.vllm.attention_cpu import attention_impls
-        from alignaudit.engines.vllm.weights import linear_methods
+        """weights.kernels_of the loaded model, read back in the worker."""
+        from alignaudit.engines.vllm.weights import kernels_of
 
-        model = self.get_model()
-        return {"attention_impls": attention_impls(model), "linear_methods": linear_methods(model)}
+        return kernels_of(self.get_model())
