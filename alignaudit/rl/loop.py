@@ -238,7 +238,8 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
             return None
         return {"path": rows[side], "tensor": STEP_VOCAB_TENSOR, "prompt_lengths": prompt_lengths}
     rolled = rollout.call("rollout", prompts=prompts, sampling=sampling, vocab_rows=spec("infer"))
-    sleep = rollout.call("sleep", level=rl.sleep_level) if rl.sleep_level else None
+    rollout_s = time.perf_counter() - t0
+    sleep = rollout.call("sleep", level=rl.sleep_level) if rl.sleep_level else None  # timed apart: sleep_s
     t1 = time.perf_counter()
     sequences = rolled["sequences"]
     replay = None
@@ -259,7 +260,8 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
     update = trainer.call("train_step", sequences=sequences, prompt_lengths=prompt_lengths, advantages=advantages,
                           rollout_logprobs=rollout_gen, clip_eps=request.clip_eps, replay=replay)
     t3 = time.perf_counter()
-    wake = rollout.call("wake_up") if rl.sleep_level else None
+    wake = rollout.call("wake_up") if rl.sleep_level else None  # timed apart: wake_s
+    sync_started = time.perf_counter()
     sync = _sync(trainer, rollout, out, how)
     t4 = time.perf_counter()
     forward = np.array([x for seq in update["forward_logprobs"] for x in seq], dtype=np.float32)
@@ -303,11 +305,11 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
         "weights_changed_fraction": sync["changed"] / sync["elements"] if sync["elements"] else 0.0,
         "max_abs_dw": sync["max_abs_dw"],
         "seconds": round(t4 - t0, 3),
-        "rollout_s": round(t1 - t0, 3),
+        "rollout_s": round(rollout_s, 3),
         "rescore_s": round(t2 - t1, 3),
         "update_s": round(t3 - t2, 3),
         "optimizer_s": update["optimizer_s"],
-        "sync_s": round(t4 - t3, 3),
+        "sync_s": round(t4 - sync_started, 3),
     }
 
 
