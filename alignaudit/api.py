@@ -27,7 +27,7 @@ from alignaudit.errors import InputError
 
 def _settings(dtype: str, device: str, ops: str, exp: str, seed: int = 0):
     """EngineSettings for a strict model built in this process, validated as the CLI validates them."""
-    from alignaudit.commands.options import check_dtype, resolve_device
+    from alignaudit.commands.requests import check_dtype, resolve_device
     from alignaudit.inputs.request import EngineSettings
     from alignaudit.inputs.strict_ops import check_strict_exp, format_strict, parse_strict
 
@@ -207,7 +207,8 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
 
     from alignaudit.capture import outdir
     from alignaudit.capture.rundir import COMPARE_OUTPUTS, SEQUENCES, TOKENS
-    from alignaudit.commands.options import (
+    from alignaudit.commands.pipeline import compare as run_compare
+    from alignaudit.commands.requests import (
         ModelArgs,
         OutputArgs,
         PairArgs,
@@ -216,7 +217,6 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
         build_request,
         out_dir,
     )
-    from alignaudit.commands.pipeline import compare as run_compare
 
     if mode not in ("prompt", "rollout"):
         raise InputError(f"mode {mode!r}: choose prompt or rollout")
@@ -245,27 +245,9 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
                     infer_opt=options[1] or None, strict=strict)
     sampling = SamplingArgs(mode, max_new_tokens, temperature, top_k, top_p, group_size, stop_at_eos, prompt_logprobs,
                             engine_mode, arrival_gap)
-    if not isinstance(full_vocab, bool):
-        raise InputError(f"full_vocab {full_vocab!r}: True or False")
     request = build_request(ModelArgs(str(model), random_weights, seed),
                             PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
-                            pair, sampling, clip_eps)
-    if not isinstance(replay_routing, bool):
-        raise InputError(f"replay_routing {replay_routing!r}: True or False")
-    if replay_routing:
-        import dataclasses
-
-        from alignaudit.engines.checks import check_routing_replay
-
-        check_routing_replay(request.spec, request.train, request.infer, request.mode, request.repeat)
-        request = dataclasses.replace(request, replay_routing=True)
-    if full_vocab:
-        from dataclasses import replace
-
-        from alignaudit.engines.checks import check_full_vocab
-
-        check_full_vocab(request.train, request.infer, request.mode, replay_routing)
-        request = replace(request, full_vocab=True)
+                            pair, sampling, clip_eps, replay_routing=replay_routing, full_vocab=full_vocab)
     path = out_dir(OutputArgs(str(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
     try:
         summary = run_compare(request, path)
@@ -291,7 +273,7 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None
     Raises:
         InputError: shapes or lengths that disagree, or no token to compare.
     """
-    from alignaudit.commands.options import check_clip_eps
+    from alignaudit.commands.requests import check_clip_eps
     from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
 
     _check_number("clip_eps", clip_eps, "a number in (0, 1)")

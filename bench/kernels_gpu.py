@@ -8,7 +8,7 @@ kernels are also timed as CUDA-graph replays (triton.testing.do_bench_cudagraph,
 without Python launch overhead, the way vLLM runs decode; no L2 flush between replays, so weights that fit
 in L2 stay there for both sides). Attention is timed both ways too (the strict prefill's launch plan is
 cached on the device after the warm-up call, so the replay needs no host work), each with the portable and
-the native exp (kernels/attention.py). The decode default is SDPA over the same keys laid out contiguously.
+the native exp (kernels/attention/). The decode default is SDPA over the same keys laid out contiguously.
 Section attention-fa3 (needs CUDA vLLM) measures the same kernels against vLLM's FlashAttention-3, issue
 [19]'s reference. Memory-bound
 kernels also

@@ -307,21 +307,16 @@ WIDE_N = 16384
 # The TMA kernel's (tile, persistent) by batch-size class (above TINY_M; up to SMALL_M or above it) and by
 # whether the product is "narrow": K-segmented (two accumulators live, 128x256 spills) or stored as an fp32
 # partial (128x256 with an fp32 output tile exceeds shared memory). The fastest on an H200 in
-# bench/sweep_gpu.py --sections segments,small-m (2026-11-30, docs/benchmarks.md); every one gave the
-# pointer kernel's bits there. Six stages in the small class (2026-11-30 afternoon: at M = 256 o/down
-# 0.68/0.69 -> 0.78/0.84 of cuBLAS, qkv 0.81 -> 0.85; segmented at M = 32-64 0.03-0.04 slower).
+# bench/sweep_gpu.py --sections segments,small-m, each giving the pointer kernel's bits there (the measurements:
+# docs/benchmarks.md, "Tile choices of kernels/matmul.py").
 TMA_PLANS = {("small", False): ((128, 128, 64, 8, 6), True), ("small", True): ((64, 128, 64, 4, 6), False),
              ("large", False): ((128, 256, 64, 8, 3), True), ("large", True): ((128, 128, 64, 8, 4), True)}
-# A third class, TINY_M < rows <= MEDIUM_M (decode batches of 17-128 sequences), on by default since the GPU
-# kernel tests passed with it (H200, 2026-12-02: 88 passed, 0 failed; ALIGNAUDIT_MATMUL_MEDIUM=0 turns it off,
-# the same bits either way): at those sizes the small-class plans' 128-row tiles
-# leave most SMs idle (qkv at 32 rows: 48 programs on 132 SMs). Unsegmented products run 64x128 TMA tiles,
-# persistent; K-segmented ones one program per (column tile, segment) over a single row tile (64 rows up to
-# 64, 128 up to 128) and the tree launch (_triton_tma_split). Picked from bench/sweep_gpu.py --sections
-# issue19 (H200, 2026-12-02, docs/benchmarks.md), where each gave the pointer kernel's bits at every Qwen3-8B
-# layer and M = 32, 64, 128: CUDA-graph ratio to cuBLAS at M = 32/64/128 qkv 0.51/0.61/0.69 -> 0.78/0.82/0.83,
-# gate_up 0.58/0.64/0.88 -> 0.81/0.90/0.90, o 0.48/0.40/0.67 -> 0.91/0.83/0.87, down 0.55/0.61/0.65 ->
-# 1.00/1.04/0.95.
+# A third class, TINY_M < rows <= MEDIUM_M (decode batches of 17-128 sequences; ALIGNAUDIT_MATMUL_MEDIUM=0 turns
+# it off, the same bits either way): at those sizes the small-class plans' 128-row tiles leave most SMs idle (qkv
+# at 32 rows: 48 programs on 132 SMs). Unsegmented products run 64x128 TMA tiles, persistent; K-segmented ones one
+# program per (column tile, segment) over a single row tile (64 rows up to 64, 128 up to 128) and the tree launch
+# (_triton_tma_split). Picked from bench/sweep_gpu.py --sections issue19, where each gave the pointer kernel's bits
+# at every Qwen3-8B layer and M = 32, 64, 128 (docs/benchmarks.md, "Tile choices of kernels/matmul.py").
 MEDIUM_M = 128
 MEDIUM_TILE = ((64, 128, 64, 4, 6), True)
 MEDIUM_SPLIT_TILES = ((64, (64, 128, 64, 4, 6)), (MEDIUM_M, (128, 128, 64, 8, 6)))  # (up to rows, tile)

@@ -59,7 +59,7 @@ class CaptureCache:
 
 def assert_bitwise_equal(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
     """Assert identical bit patterns; on failure report count, max ULP, max |diff| and first indices."""
-    from alignaudit.comparison import numerics
+    from alignaudit import numerics
 
     assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
     same = numerics.bitwise_equal(a, b)

@@ -5,10 +5,11 @@ flow, and each may reach only what comes before it:
     inputs       what a run is asked to do (request, checkpoint, prompts, checks before any engine starts)
     capture      the capture format: the only thing both the engine side and the comparison side import
     engines      one folder per engine (adapter, taps, weights, options, strict wiring) over engines/base
-    workers      the processes engines run in (one-shot captures, the rl session)
+    training     the trainer an engine becomes in an rl worker: GRPO loss, optimizer, weight transfer
+    workers      the processes engines run in (one-shot captures, the rl session's worker and its parent handle)
     comparison   pure: never reaches an engine, a worker, the strict wiring, a command or vllm/megatron
     reports      terminal and HTML: never reach an engine either
-    commands     the CLI and the pipelines it runs (and rl/, the GRPO loop)
+    commands     the CLI and the pipelines it runs (and rl/, the GRPO loop beside them)
 
     kernels (alignaudit_kernels)  import nothing of alignaudit
     engines                       never reach a report, a command or the comparison
@@ -25,16 +26,19 @@ import pytest
 from helpers import ROOT
 
 PACKAGES = {"alignaudit": ROOT / "alignaudit", "alignaudit_kernels": ROOT / "kernels"}
-ENGINE_SIDE = ("alignaudit.engines", "alignaudit.workers", "alignaudit.commands", "alignaudit.rl", "vllm", "megatron")
+ENGINE_SIDE = ("alignaudit.engines", "alignaudit.training", "alignaudit.workers", "alignaudit.commands",
+               "alignaudit.rl", "vllm", "megatron")
+ABOVE_WORKERS = ("alignaudit.commands", "alignaudit.rl", "alignaudit.comparison", "alignaudit.reports",
+                 "alignaudit.api", "alignaudit.integrations")
 # folder -> the folders (and engine packages) it must never reach, directly or through another module
 FORBIDDEN = {
     "alignaudit.inputs": ENGINE_SIDE + ("alignaudit.capture", "alignaudit.comparison", "alignaudit.reports"),
     "alignaudit.capture": ENGINE_SIDE + ("alignaudit.comparison", "alignaudit.reports"),
     "alignaudit.comparison": ENGINE_SIDE + ("alignaudit.reports",),
     "alignaudit.reports": ENGINE_SIDE,
-    "alignaudit.engines": ("alignaudit.workers", "alignaudit.commands", "alignaudit.rl", "alignaudit.comparison",
-                           "alignaudit.reports"),
-    "alignaudit.workers": ("alignaudit.commands", "alignaudit.reports"),
+    "alignaudit.engines": ("alignaudit.training", "alignaudit.workers") + ABOVE_WORKERS,
+    "alignaudit.training": ("alignaudit.workers",) + ABOVE_WORKERS,
+    "alignaudit.workers": ABOVE_WORKERS,
 }
 
 
@@ -130,3 +134,22 @@ def test_an_engine_folder_reaches_no_other_engine_folder(graph):
 
 def test_no_import_cycles(graph):
     assert not [m for m in graph if m in _reach(graph, m)]
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """pyproject.toml lists packages by name (kernels/ and fixtures/ install under other names): a folder added
+    without its entry would be missing from a non-editable install only."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {name.rpartition(".")[0] for name, file in _modules().items() if file.name != "__init__.py"}
+    packages = {name for name, file in _modules().items() if file.name == "__init__.py"}
+    assert folders - packages == set(), "a folder of modules without __init__.py"
+    assert packages - listed == set()
+
+
+def test_the_api_and_the_request_builder_reach_no_typer(graph):
+    """The Python API gets the CLI's checks from the typer-free request builder, not from the CLI's options."""
+    for module in ("alignaudit.api", "alignaudit.commands.requests", "alignaudit.rl.request"):
+        assert "typer" not in _reach(graph, module), module
+    assert "typer" in _reach(graph, "alignaudit.commands.options")  # the reader sees typer where it is

@@ -71,7 +71,8 @@ def test_a_forked_rl_session_answers_as_a_fresh_one(tiny_spec, monkeypatch, tmp_
     forked: the same settings record (less its start-up seconds), the same refusal of an unknown command (type and
     message, through stdin and stdout), exit code 0 after ``close``; the forked one's stderr goes to its log."""
     from alignaudit.inputs.request import EngineSettings as Settings
-    from alignaudit.workers.rl_session import Session
+    from alignaudit.workers.rl_session import Worker
+    from alignaudit.workers.session import Session
 
     fresh_session = spawn.start_session
     while isinstance(getattr(fresh_session, "__self__", None), preloaded.Preloaded):
@@ -92,7 +93,9 @@ def test_a_forked_rl_session_answers_as_a_fresh_one(tiny_spec, monkeypatch, tmp_
             refusals.append(str(refused.value))
             session.close()
         assert records[0] == records[1] and records[0]["engine"] == "hf"
-        assert refusals[0] == refusals[1] == "unknown session command 'no-such-command'"
+        known = ", ".join(Worker.COMMANDS)
+        assert "export" in known and "load_weights" in known
+        assert refusals[0] == refusals[1] == f"unknown session command 'no-such-command'; known: {known}"
         assert isinstance(procs[0], subprocess.Popen) and isinstance(procs[1], preloaded.ForkedWorker)
         assert [p.returncode for p in procs] == [0, 0]
         assert "InputError" in (tmp_path / "forked.log").read_text()  # the worker's traceback, on its stderr

@@ -29,8 +29,7 @@ from alignaudit.engines.checks import check_full_vocab, check_routing_replay, pr
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec, checkpoint_sha256
 from alignaudit.inputs.prompts import TokenBatch
-from alignaudit.inputs.request import EngineRun, ISThresholds, Request
-from alignaudit.inputs.rollouts import REPLAYED
+from alignaudit.inputs.request import EngineRun, ISThresholds, Replay, Request
 from alignaudit.workers.spawn import run_capture
 
 MODES = ("natural", "forced", "both")
@@ -45,7 +44,7 @@ def write_json(path: Path, record: dict) -> None:
 
 def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
             stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None,
-            rollout: dict | None = None, replay: dict | None = None, repeat: int = 1, full_vocab: bool = False,
+            rollout: dict | None = None, replay: Replay | None = None, repeat: int = 1, full_vocab: bool = False,
             on_progress=None, routing_from: Path | None = None) -> Capture:
     """Run one engine on ``batch`` in a worker process; the capture lands in ``out``.
 
@@ -53,9 +52,9 @@ def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role:
     and token ids) runs in forced mode: each op's inputs are the reference engine's values. ``rollout``
     (Sampling.to_dict()) samples completions; ``replay`` makes a trainer score the generated tokens under
     the sampling transform. ``repeat`` > 1 (prompt mode) runs the engine again on the same token ids, also
-    among random filler sequences (alignaudit.comparison.repeat). ``on_progress(done, total)`` receives sequence counts.
+    among random filler sequences (alignaudit.workers.repeats). ``on_progress(done, total)`` receives sequence counts.
     ``routing_from``: a capture with the ``routing`` op whose experts the engine's MoE router replays.
-    among random filler sequences (alignaudit.comparison.repeat). ``full_vocab`` (prompt mode) also writes every
+    among random filler sequences (alignaudit.workers.repeats). ``full_vocab`` (prompt mode) also writes every
     scored position's full log-softmax row (alignaudit.capture.vocab_rows). ``on_progress(done, total)`` receives
     sequence counts.
     """
@@ -151,8 +150,7 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
         batch = infer_capture.token_batch()
         replay = None
         if processed_logprobs(request.infer):  # the rollout recorded processed logprobs: the trainer replays
-            replay = {k: rollout[k] for k in ("temperature", "top_k", "top_p")}
-            replay["prompt_lengths"] = infer_capture.manifest["rollout"]["prompt_lengths"]
+            replay = Replay.of(rollout, infer_capture.manifest["rollout"]["prompt_lengths"])
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
                                 replay=replay, on_progress=stage(request.train, "training"))
     else:
@@ -233,7 +231,7 @@ def rescore(spec: ModelSpec, rollouts, train: EngineRun, out: Path, clip_eps: fl
 
     replay = None
     if rollouts.processed:
-        replay = {**{k: rollouts.sampling[k] for k in REPLAYED}, "prompt_lengths": rollouts.prompt_lengths}
+        replay = Replay.of(rollouts.sampling, rollouts.prompt_lengths)
     sampling = dict(rollouts.sampling)
     record = {"command": "rescore", "mode": "rollout", "rollout": sampling, "model": spec.to_dict(),
               "prompts": {"source": rollouts.batch.source, "sequences": len(rollouts.batch.sequences),

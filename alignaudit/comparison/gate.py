@@ -24,8 +24,8 @@ import pandas as pd
 import torch
 
 from alignaudit.capture.rundir import JUDGED
-from alignaudit.comparison.numerics import hex_bits
 from alignaudit.errors import EXIT_ENGINE, InputError
+from alignaudit.numerics import hex_bits
 
 
 @dataclass(frozen=True)

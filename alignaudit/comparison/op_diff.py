@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from alignaudit import numerics
 from alignaudit.capture.ops import split_op_id
-from alignaudit.comparison import numerics
-from alignaudit.comparison.numerics import PairClass
+from alignaudit.numerics import PairClass
 
 EQUAL, DIFFERS, MISSING, SHAPE = "equal", "differs", "missing", "shape mismatch"
 

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from alignaudit.comparison import numerics
+from alignaudit import numerics
 from alignaudit.comparison.importance import summarize_importance
 from alignaudit.errors import InputError
 from alignaudit.inputs.request import ISThresholds

@@ -19,7 +19,7 @@ import torch
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
-from alignaudit.inputs.request import EngineSettings
+from alignaudit.inputs.request import EngineSettings, Replay
 
 
 def applied_exp(model: torch.nn.Module) -> str | None:
@@ -120,9 +120,9 @@ class Engine(ABC):
         self.tap = None
         self.hooks = None
         self.progress = lambda done, total: None  # the worker points this at its progress lines
-        # Trainer side of a processed-logprobs rollout: {"temperature", "top_k", "top_p", "prompt_lengths"};
-        # generated tokens are then scored under the sampling transform (alignaudit.engines.sampling).
-        self.replay: dict | None = None
+        # Trainer side of a processed-logprobs rollout: generated tokens are scored under the sampling transform
+        # (alignaudit.inputs.request.Replay, alignaudit.engines.sampling).
+        self.replay: Replay | None = None
         # compare --replay-routing: layer -> sequence -> the rollout engine's experts, int64 [tokens, top_k]
         # (alignaudit.engines.routing_replay); the trainer's router takes them instead of its own top-k.
         self.routing_replay: dict[int, dict[int, torch.Tensor]] | None = None
@@ -210,9 +210,8 @@ class Engine(ABC):
             return None
         from alignaudit.engines.sampling import generated_rows
 
-        rows = generated_rows(self.replay["prompt_lengths"][row], length)
-        kwargs = {k: self.replay[k] for k in ("temperature", "top_k", "top_p")}
-        return (rows, kwargs) if rows.stop > rows.start else None
+        rows = generated_rows(self.replay.prompt_lengths[row], length)
+        return (rows, self.replay.transform()) if rows.stop > rows.start else None
 
     def rollout(self, batch: TokenBatch, sampling) -> tuple[TokenBatch, list[torch.Tensor]]:
         """Sample up to ``sampling.max_new_tokens`` after each prompt (alignaudit.inputs.request.Sampling:

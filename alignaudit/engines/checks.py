@@ -174,3 +174,18 @@ def check_rl_full_vocab(train, infer) -> None:
     refuse_parallel((train, infer), "rl --full-vocab", "vLLM's ranks run in processes of its own that alignaudit's "
                     "row hooks do not reach, and Megatron's rows would need its sharded vocabulary gathered; drop "
                     "the tensor-parallel option or --full-vocab")
+
+
+def check_parallel_op_capture(runs, forced: bool) -> None:
+    """Op capture at tensor parallel size > 1: Megatron in natural mode only (its ranks gather sharded ops);
+    not vLLM, whose ranks run in worker processes its hooks cannot reach.
+
+    Raises:
+        InputError: a run at tensor-parallel size > 1 that op capture cannot reach, naming the fix.
+    """
+    unreachable = [r for r in runs if not kind_of(r.engine).hooks_reach_ranks]
+    refuse_parallel(unreachable, "op capture", "vLLM's ranks run in worker processes that alignaudit's hooks cannot "
+                    "reach; capture vLLM at size 1 (under --strict, the same bits)")
+    if forced:
+        refuse_parallel(runs, "forced-mode op capture", "sharded ops would need the reference split per rank; "
+                        "use --mode natural")

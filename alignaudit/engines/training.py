@@ -1,9 +1,9 @@
 """What an engine adds to become a trainer: gradients that are ready to step, and the optimizer that steps them.
 
 ``Engine.training(lr, clip_grad, offload_fraction, adam)`` returns one of these; the RL trainer
-(alignaudit.rl.trainer) calls ``zero_grad`` before a batch, ``finalize_grads`` after its backward passes and
+(alignaudit.training.trainer) calls ``zero_grad`` before a batch, ``finalize_grads`` after its backward passes and
 ``step`` once. ``adam`` is the caller's optimizer class for parameters the engine has no optimizer of its own for
-(alignaudit.rl.optim.MixedPrecisionAdam: ``adam(params, lr, clip_grad, tp_group=None)``, ``step()`` returning the
+(alignaudit.training.optim.MixedPrecisionAdam: ``adam(params, lr, clip_grad, tp_group=None)``, ``step()`` returning the
 grad norm); engines may not import rl/, so it is passed in.
 """
 

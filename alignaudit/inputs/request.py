@@ -1,7 +1,7 @@
 """What a run is asked to do, as one object: the model, the token ids, both engines, sampling.
 
 Every command (compare, gate, bisect, rl, ablate) builds one ``Request`` from its options, validated before
-any engine starts (alignaudit.commands.options.build_request), and the pipeline functions take it whole, so no
+any engine starts (alignaudit.commands.requests.build_request), and the pipeline functions take it whole, so no
 command re-lists or hard-codes another's settings.
 """
 
@@ -135,6 +135,45 @@ class Sampling:
         return asdict(self)
 
 
+REPLAYED = ("temperature", "top_k", "top_p")  # the sampling transform a trainer replays for processed logprobs
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The rollout's sampling transform, replayed by the trainer where the rollout engine recorded processed
+    logprobs (vLLM's ``processed_logprobs``; alignaudit.engines.sampling): each generated token is scored under the
+    same temperature, top-k and top-p. Built where the rollout is known (compare, rescore, capture --tokens-from,
+    rl), sent to the trainer's worker as ``to_dict()`` and recorded in its manifest as such.
+
+    Attributes:
+        temperature: > 0. top_k: 0 = off. top_p: 1.0 = off (as Sampling).
+        prompt_lengths: per sequence of the scored batch, its prompt's tokens: the generated rows start there.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    prompt_lengths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, sampling: dict, prompt_lengths) -> Replay:
+        """From a sampling record (Sampling.to_dict(), a capture's ``rollout``, a rollout file's sampling) and the
+        prompt lengths. Raises KeyError for a record without temperature, top_k or top_p."""
+        return cls(*(sampling[k] for k in REPLAYED), tuple(prompt_lengths))
+
+    @classmethod
+    def from_dict(cls, record: dict | None) -> Replay | None:
+        """``to_dict()``'s record back (None: nothing replayed)."""
+        return None if record is None else cls.of(record, record["prompt_lengths"])
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "prompt_lengths": list(self.prompt_lengths)}
+
+    def transform(self) -> dict:
+        """The keyword arguments of alignaudit.engines.sampling's transform: temperature, top_k, top_p."""
+        return {k: getattr(self, k) for k in REPLAYED}
+
+
 ENGINE_MODES = ("offline", "async")
 DEFAULT_ARRIVAL_GAP_S = 0.02
 
@@ -189,7 +228,7 @@ class Request:
         rollout: None for prompt mode (teacher-forced prompts), else the sampling settings.
         clip_eps: PPO clip epsilon for the clip-fraction metric.
         importance: the thresholds of the importance-sampling diagnostics (summary.json's ``importance``).
-        repeat: prompt mode: runs of each engine on the same token ids (alignaudit.comparison.repeat); 1 = once.
+        repeat: prompt mode: runs of each engine on the same token ids (alignaudit.workers.repeats); 1 = once.
         replay_routing: mixture-of-experts models, prompt mode: the train engine's router replays the infer
             engine's experts (alignaudit.engines.routing_replay), and the comparison is made with and without.
         full_vocab: prompt mode: each engine also records every scored position's full log-softmax row, and the

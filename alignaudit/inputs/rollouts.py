@@ -32,10 +32,10 @@ import torch
 from alignaudit.errors import InputError
 from alignaudit.inputs.framework_dumps import is_nemo_rl, nemo_rl_rows, slime_rows
 from alignaudit.inputs.prompts import TokenBatch
+from alignaudit.inputs.request import REPLAYED
 
 COLUMNS = ("token_ids", "prompt_length", "logprobs")
 SAMPLING = ("temperature", "top_k", "top_p", "logprobs_mode")
-REPLAYED = ("temperature", "top_k", "top_p")  # what a trainer replays for processed logprobs
 LOGPROBS_MODES = ("raw", "processed")
 
 

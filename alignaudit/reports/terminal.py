@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from alignaudit.comparison.numerics import hex_bits
+from alignaudit.numerics import hex_bits
 from alignaudit.reports.views import side_label, summary_sections, ulp_buckets
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-# pair_class values of tokens.parquet (alignaudit.comparison.numerics.PairClass; docs/output.md)
+# pair_class values of tokens.parquet (alignaudit.numerics.PairClass; docs/output.md)
 FINITE_DIFF, NAN_MISMATCH, INF_MISMATCH = 1, 2, 3
 
 WORDS = {"kl": "KL", "tv": "TV", "ulp": "ULP", "nan": "NaN", "inf": "Inf", "ess": "ESS", "eps": "eps", "is": "IS",
@@ -133,8 +133,14 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
     Raises:
         KeyError: the summary lacks tokens_compared or mismatches (callers check SUMMARY_FIELDS first).
     """
+    sections = (_alignment_section(summary, buckets, histogram), _rl_section(summary.get("rl")),
+                _importance_section(summary, brief), _vocab_section(summary), _routing_section(summary),
+                _repeats_section(summary), _generated_section(summary))
+    return [s for s in sections if s is not None]
+
+
+def _alignment_section(summary: dict, buckets: list[dict] | None, histogram: bool) -> Section:
     n, bad = summary["tokens_compared"], summary["mismatches"]
-    out = []
     a = Section("Alignment", "alignment")
     sequences = summary.get("sequences")
     a.add("tokens compared", f"{n}", "tokens_compared")
@@ -172,9 +178,10 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
             a.add("NaN / Inf logprobs", "none", "")
     if summary.get("nan_mismatches") or summary.get("inf_mismatches"):
         a.add("NaN / Inf mismatches", f"{summary.get('nan_mismatches')} / {summary.get('inf_mismatches')}", "")
-    out.append(a)
+    return a
 
-    rl = summary.get("rl")
+
+def _rl_section(rl: dict | None) -> Section | None:
     if rl:
         s = Section("RL impact", "rl-impact")
         known = ("clip_eps", "ratio_min", "ratio_max", "clip_fraction", "token_mult_prob_error", "prob_diff_max",
@@ -195,23 +202,33 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
             s.add("|p_train - p_infer| max / mean", f"{number(rl['prob_diff_max'])} / "
                   f"{number(rl.get('prob_diff_mean'))}", "rl.prob_diff_max")
         generic_rows(s, rl, "rl", known)
-        out.append(s)
-    importance = summary.get("importance") or (rl or {}).get("importance")
+        return s
+    return None
+
+
+def _importance_section(summary: dict, brief: bool) -> Section | None:
+    importance = summary.get("importance") or (summary.get("rl") or {}).get("importance")
     if isinstance(importance, dict) and importance:
         if brief:
-            out.append(brief_importance(importance))
-        else:
-            s = Section("Importance weights", "importance")
-            generic_rows(s, importance, "importance")
-            out.append(s)
+            return brief_importance(importance)
+        s = Section("Importance weights", "importance")
+        generic_rows(s, importance, "importance")
+        return s
+    return None
+
+
+def _vocab_section(summary: dict) -> Section | None:
     vocab = summary.get("vocab")
     if isinstance(vocab, dict) and vocab:
         s = Section("Distribution (full vocabulary)", "distribution")
         generic_rows(s, vocab, "vocab")
-        out.append(s)
-    elif summary.get("vocab_note"):  # one capture holds rows, the other not: say why nothing is compared
-        out.append(Section("Distribution (full vocabulary)", "distribution",
-                           note=f"not compared: {summary['vocab_note']}"))
+        return s
+    if summary.get("vocab_note"):  # one capture holds rows, the other not: say why nothing is compared
+        return Section("Distribution (full vocabulary)", "distribution", note=f"not compared: {summary['vocab_note']}")
+    return None
+
+
+def _routing_section(summary: dict) -> Section | None:
     replay = summary.get("routing_replay")
     if summary.get("routing") or replay:
         s = Section("Routing (MoE)", "routing")
@@ -231,10 +248,13 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
                   "routing_replay.ulp_max_after")
             s.add("train logprobs the replay changed", str(replay["tokens_changed_by_replay"]),
                   "routing_replay.tokens_changed_by_replay")
-        out.append(s)
-    elif summary.get("routing_note"):
-        s = Section("Routing (MoE)", "routing", note=f"not read: {summary['routing_note']}")
-        out.append(s)
+        return s
+    if summary.get("routing_note"):
+        return Section("Routing (MoE)", "routing", note=f"not read: {summary['routing_note']}")
+    return None
+
+
+def _repeats_section(summary: dict) -> Section | None:
     if summary.get("repeats"):
         s = Section("Repeats (each engine against its first run)", "repeats")
         for role, r in summary["repeats"].items():
@@ -245,7 +265,11 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
                 s.add(f"{role} repeat {p.get('repeat')} ({p.get('kind')}, batch of {p.get('batch_size')})",
                       f"{p.get('mismatches')} of {p.get('tokens')} tokens differ, max ULP {number(p.get('ulp_max'))}",
                       "")
-        out.append(s)
+        return s
+    return None
+
+
+def _generated_section(summary: dict) -> Section | None:
     g = summary.get("generated")
     if g:
         s = Section("Generated tokens only (rollout)", "generated")
@@ -258,8 +282,8 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
         if grl:
             s.add("importance ratio min .. max", _ratio_range(grl), "generated.rl.ratio_max")
             s.add("KL k3 (infer || train), mean", number(grl.get("kl_k3_mean")), "generated.rl.kl_k3_mean")
-        out.append(s)
-    return out
+        return s
+    return None
 
 
 def side_label(side: dict) -> str:

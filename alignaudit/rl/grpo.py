@@ -1,4 +1,5 @@
-"""GRPO's pieces, pure: verifiable toy rewards, group-normalized advantages, the clipped policy loss.
+"""GRPO's pieces on the loop's side, pure: verifiable toy rewards and group-normalized advantages (the loss the
+trainer computes is alignaudit.training.losses).
 
 Rewards (``REWARDS``), computed from a completion's token ids and the step alone (deterministic, verifiable,
 no model), each between 0 and 1:
@@ -8,7 +9,7 @@ no model), each between 0 and 1:
                    climbs toward that period's high-scoring tokens; across periods the targets are unrelated,
                    so the reward keeps moving. It delays the collapse onto one completion, it does not prevent
                    it (fixture, lr 1e-3: first zero gradient at step 36 instead of 19); the KL term does
-                   (``kl_k3``). The default.
+                   (``kl_k3``, alignaudit.training.losses). The default.
     token-hash     one fixed table: Knuth's multiplicative hash, (id * 2654435761 mod 2**32) / 2**32 (Knuth,
                    TAOCP vol. 3, 6.4). On random weights it collapses
                    the policy: Qwen3-1.7B shape, lr 1e-6, 8 prompts x 4 completions x 64 tokens, the
@@ -20,13 +21,6 @@ no model), each between 0 and 1:
 Advantages (``group_advantages``): GRPO (Shao et al. 2024, "DeepSeekMath", section 4.1.2): each of the G
 completions of one prompt gets (r_i - mean(r)) / (std(r) + eps) over its group (population std, eps 1e-6);
 a group whose rewards are all equal gets 0.
-
-Loss (``clipped_policy_loss``): the PPO clipped surrogate (Schulman et al. 2017) per generated token, with
-the importance ratio r = exp(lp_train - lp_rollout) of the trainer's logprobs (with gradient) against the
-rollout engine's recorded logprobs, averaged over all generated tokens of the batch ("token-mean", as verl's
-default loss_agg_mode); no KL penalty by default (beta = 0, as DAPO); with beta > 0 the trainer adds beta times
-the mean ``kl_k3`` to the starting weights (GRPO's own form). On policy and aligned, r is exactly 1 and the
-loss gradient is the plain policy gradient; any train/rollout mismatch shows up as r != 1 here first.
 """
 
 from __future__ import annotations
@@ -78,33 +72,3 @@ def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-6) -
     r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
     mean, std = r.mean(dim=1, keepdim=True), r.std(dim=1, unbiased=False, keepdim=True)
     return ((r - mean) / (std + eps)).view(-1).tolist()
-
-
-def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(policy || reference) on tokens sampled from the policy: exp(r) - r - 1 with
-    r = lp_ref - lp (Schulman 2020, "Approximating KL divergence"; GRPO's KL term, Shao et al. 2024 eq. 4;
-    verl's ``low_var_kl``). fp32 [T] in, [T] out, >= 0, differentiable in ``logprobs``. Its gradient is
-    non-zero wherever the policy's logprob differs from the reference's, also when every completion of a
-    group got the same reward, which is what keeps a long run from stalling once the policy has collapsed."""
-    r = reference_logprobs - logprobs
-    return torch.exp(r) - r - 1
-
-
-def clipped_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        clip_eps: float) -> tuple[torch.Tensor, dict]:
-    """The clipped surrogate over generated tokens.
-
-    Args:
-        logprobs: fp32 [T], the trainer's logprobs of the T generated tokens of the batch (with gradient).
-        rollout_logprobs: fp32 [T], the rollout engine's logprobs of the same tokens.
-        advantages: fp32 [T], each token's completion advantage.
-        clip_eps: PPO epsilon (the ratio is clipped to [1 - eps, 1 + eps]).
-    Returns:
-        (scalar loss, {"clip_fraction": fraction of tokens where the clipped term was taken}).
-    """
-    ratio = torch.exp(logprobs - rollout_logprobs)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
-    loss = -torch.minimum(unclipped, clipped).mean()
-    taken = (clipped < unclipped).float().mean()
-    return loss, {"clip_fraction": float(taken)}

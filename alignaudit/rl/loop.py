@@ -19,7 +19,7 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.worker
     5. update    the trainer's forward with gradient, the clipped loss with ratio exp(lp_train - lp_rollout),
                  gradient clipping, one optimizer step;
     6. sync      the trainer's weights in HF names into the running inference engine (model.load_weights),
-                 through a file (CPU) or CUDA IPC handles (CUDA; alignaudit.rl.weight_transfer); first
+                 through a file (CPU) or CUDA IPC handles (CUDA; alignaudit.training.weight_transfer); first
                  what the update changed against the weights the engine held (elements, max |delta w|),
                  then the check: on the CPU the sha256 of every tensor on both sides and a probe of every
                  packed vLLM GEMM against one packed afresh from the loaded weight; on CUDA every held
@@ -62,11 +62,11 @@ from alignaudit.comparison.importance import FIELDS
 from alignaudit.comparison.integrity import marks_failure, seal
 from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
 from alignaudit.errors import EngineError, InputError
-from alignaudit.inputs.request import Request
+from alignaudit.inputs.request import Replay, Request
 from alignaudit.rl.export import StepExport
 from alignaudit.rl.grpo import REWARDS, group_advantages
 from alignaudit.rl.memory import MemoryPlan
-from alignaudit.workers.rl_session import Session
+from alignaudit.workers.session import Session
 
 REWARD_NAMES = (*REWARDS, "task")
 
@@ -82,7 +82,7 @@ class RLSettings:
         steps: GRPO steps (>= 1). lr: Adam learning rate (>= 0; 0 = the sync control). group_size:
         completions per prompt (>= 2). clip_grad: max global grad norm. token_rows: write per-token rows.
         reward: a name in grpo.REWARDS, or "task" (alignaudit.rl.task: the addition task's correctness).
-        kl_coef: weight of the k3 KL to the starting weights (grpo.kl_k3; 0: none).
+        kl_coef: weight of the k3 KL to the starting weights (alignaudit.training.losses.kl_k3; 0: none).
         log_to: where else every step row goes (alignaudit.rl.export.SINKS: "tensorboard", "wandb").
         full_vocab: per step, the full-vocabulary divergence of the trainer's rescoring rows from the rollout
         engine's decode rows at every generated token (comparison.vocab.step_columns). keep_vocab_rows: keep those
@@ -201,7 +201,7 @@ def _session(sessions: list, request: Request, role: str, log: Path, **extra) ->
 
 def transport(request: Request) -> str:
     """``cuda_ipc`` when trainer and rollout engine both run on CUDA (one GPU: the device machine's
-    CUDA_VISIBLE_DEVICES), else ``file`` (alignaudit.rl.weight_transfer)."""
+    CUDA_VISIBLE_DEVICES), else ``file`` (alignaudit.training.weight_transfer)."""
     return "cuda_ipc" if request.train.settings.device == request.infer.settings.device == "cuda" else "file"
 
 
@@ -244,7 +244,7 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
     sequences = rolled["sequences"]
     replay = None
     if processed_logprobs(request.infer):
-        replay = {**{k: sampling[k] for k in ("temperature", "top_k", "top_p")}, "prompt_lengths": prompt_lengths}
+        replay = Replay.of(sampling, prompt_lengths).to_dict()
     scored = trainer.call("score", sequences=sequences, replay=replay, vocab_rows=spec("train"))["logprobs"]
     t2 = time.perf_counter()
     tokens = _generated_tokens(step, sequences, prompt_lengths, scored, rolled["logprobs"])

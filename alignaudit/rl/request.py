@@ -1,4 +1,4 @@
-"""rl's Request: compare's (commands.options.build_request) with what the loop adds, each refused before any engine
+"""rl's Request: compare's (commands.requests.build_request) with what the loop adds, each refused before any engine
 starts where it cannot take effect: engines that train and roll out, a group as one request where the rollout engine
 samples groups (vLLM's n), vLLM's sleep mode (--sleep-level), the task's own questions (--reward task), and the
 sizes and models the loop does not run.
@@ -12,14 +12,14 @@ from alignaudit.errors import InputError
 
 
 def rl_request(model, prompts, run, sampling, clip_eps: float, importance, settings):
-    """The Request of ``alignaudit rl`` (commands.options argument groups; ``settings`` an rl.loop.RLSettings, already
+    """The Request of ``alignaudit rl`` (commands.requests argument groups; ``settings`` an rl.loop.RLSettings, already
     checked). ``sampling.group_size`` is set here: G where the rollout engine samples a group as one request (and
     --full-vocab is off: its rows are per request), else 1 (the loop then submits each prompt G times).
 
     Raises:
         InputError: a setting the loop or the engines cannot run with, with the fix.
     """
-    from alignaudit.commands.options import build_request
+    from alignaudit.commands.requests import build_request
     from alignaudit.engines import kind_of, names_where
     from alignaudit.engines.checks import check_rl_full_vocab, refuse_parallel
     from alignaudit.inputs.capabilities import refuse_moe
@@ -44,7 +44,7 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
 
 def _task_prompts(request, prompts, seed: int):
     """rl --reward task: the task's own questions (alignaudit.rl.task.questions, seeded by --seed) unless prompts
-    were given (``prompts``: commands.options.PromptArgs), each checked to be a question; refused where completions
+    were given (``prompts``: commands.requests.PromptArgs), each checked to be a question; refused where completions
     cannot end at EOS (the answer ends there). Raises InputError."""
     from alignaudit.inputs.prompts import text_batch
     from alignaudit.rl.task import DEFAULT_QUESTIONS, TaskReward, questions

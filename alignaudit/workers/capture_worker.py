@@ -99,7 +99,7 @@ def run_rank(request: dict, rank: int) -> None:
     from alignaudit.engines import load_engine_class
     from alignaudit.inputs.checkpoint import ModelSpec
     from alignaudit.inputs.prompts import TokenBatch
-    from alignaudit.inputs.request import EngineSettings, Sampling
+    from alignaudit.inputs.request import EngineSettings, Replay, Sampling
 
     spec = ModelSpec(**request["spec"])
     settings = EngineSettings(**request["settings"])
@@ -115,8 +115,8 @@ def run_rank(request: dict, rank: int) -> None:
         engine.replay_routing(replayed_routing(Path(request["routing_from"]), spec, batch),
                               [len(s) for s in batch.sequences])
     rollout = request.get("rollout")
-    engine.replay = request.get("replay")
-    prompt_lengths = engine.replay["prompt_lengths"] if engine.replay else None
+    engine.replay = Replay.from_dict(request.get("replay"))
+    prompt_lengths = list(engine.replay.prompt_lengths) if engine.replay else None
     rows = None
     if request.get("full_vocab"):  # prompt mode only (engines.checks.check_full_vocab refuses the rest)
         from alignaudit.capture.vocab_rows import VocabRowWriter
@@ -133,7 +133,7 @@ def run_rank(request: dict, rank: int) -> None:
     engine.vocab_sink = None  # rows of the first run only (--repeat runs again without them)
     repeats = None
     if request.get("repeat", 1) > 1:  # compare --repeat: the same engine again, op capture done
-        from alignaudit.comparison.repeat import run_repeats
+        from alignaudit.workers.repeats import run_repeats
 
         if engine.hooks is not None:
             engine.hooks.close()
@@ -149,7 +149,7 @@ def run_rank(request: dict, rank: int) -> None:
         "engine_settings": engine.settings_record(),
         "mode": "rollout" if rollout else "prompt",
         "rollout": {**rollout, "prompt_lengths": prompt_lengths} if rollout else None,
-        "replay": engine.replay,
+        "replay": engine.replay.to_dict() if engine.replay else None,
         "routing_from": request.get("routing_from"),
         "prompts": {
             "source": batch.source,

@@ -17,7 +17,7 @@ from alignaudit.capture.rundir import LOGPROBS, MANIFEST, OPS_DIR, REQUEST, VOCA
 from alignaudit.engines import check_installed
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
-from alignaudit.inputs.request import EngineSettings
+from alignaudit.inputs.request import EngineSettings, Replay
 from alignaudit.workers.capture_worker import ERROR_MARKER, PROGRESS_MARKER
 
 
@@ -33,7 +33,7 @@ def run_capture(
     stream_log: bool = False,
     ops: dict | None = None,
     rollout: dict | None = None,
-    replay: dict | None = None,
+    replay: Replay | None = None,
     routing_from: Path | None = None,
     repeat: int = 1,
     full_vocab: bool = False,
@@ -43,12 +43,12 @@ def run_capture(
 
     The request and the worker's combined stdout/stderr (``worker.log``) stay in ``out`` for reproduction.
     ``ops`` turns on per-op capture: ``{"selection": Selection.to_dict(), "reference": capture dir or None}``.
-    ``rollout`` samples completions instead (alignaudit.inputs.request.Sampling.to_dict()); ``replay`` (temperature,
-    top_k, top_p, prompt_lengths) scores generated tokens under the sampling transform. ``on_progress(done,
+    ``rollout`` samples completions instead (alignaudit.inputs.request.Sampling.to_dict()); ``replay``
+    (alignaudit.inputs.request.Replay) scores generated tokens under the sampling transform. ``on_progress(done,
     total)`` receives the worker's progress lines (sequences done), which are kept out of the log.
     ``routing_from`` (a capture holding the ``routing`` op of every MoE layer, on the same token ids) makes the
     engine's router replay that capture's experts (compare --replay-routing).
-    ``repeat`` > 1 (prompt mode) runs the engine that many times in the worker (alignaudit.comparison.repeat).
+    ``repeat`` > 1 (prompt mode) runs the engine that many times in the worker (alignaudit.workers.repeats).
     ``full_vocab`` (prompt mode) also writes every scored position's full log-softmax row (capture/vocab_rows.py).
 
     Raises:
@@ -71,7 +71,7 @@ def run_capture(
         "checkpoint_sha256": checkpoint_sha256,
         "ops": ops,
         "rollout": rollout,
-        "replay": replay,
+        "replay": replay.to_dict() if replay is not None else None,
         "routing_from": str(Path(routing_from).resolve()) if routing_from else None,
         "repeat": repeat,
         "full_vocab": full_vocab,

@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alignaudit.comparison import numerics
-from alignaudit.comparison.numerics import PairClass
+from alignaudit import numerics
+from alignaudit.numerics import PairClass
 
 FORMATS = {  # mantissa bits, exponent bias
     torch.bfloat16: (7, 127),

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from alignaudit.comparison.repeat import compare_repeat, repeat_batches
 from alignaudit.errors import EXIT_OK
 from alignaudit.inputs.prompts import TokenBatch
+from alignaudit.workers.repeats import compare_repeat, repeat_batches
 from helpers import one_line_error, run_in_process
 
 pytestmark = pytest.mark.engines

@@ -109,7 +109,7 @@ def test_megatron_applies_llama3_scaling_in_its_default_path(tmp_path_factory):
 
 
 def test_fixtures_by_name_and_inputs_that_are_not_models(capsys, tmp_path):
-    from alignaudit.commands.options import ModelArgs, resolve_model_arg
+    from alignaudit.commands.requests import ModelArgs, resolve_model_arg
 
     assert resolve_model_arg(ModelArgs(model="llama-tiny")).architecture == "LlamaForCausalLM"
     err = one_line_error(capsys, ["compare", "--model", "Llama-3.2-2B", "--random-weights",

@@ -170,10 +170,10 @@ def test_replay_at_temperature_one_changes_no_bit(tmp_path, tiny_spec, captures,
     (in fp32 this caught Megatron's cross-entropy working in place on the logits the replay reads)."""
     from alignaudit.commands.pipeline import EngineRun, capture
     from alignaudit.inputs.prompts import load_prompts
-    from alignaudit.inputs.request import EngineSettings
+    from alignaudit.inputs.request import EngineSettings, Replay
 
     batch = load_prompts(tiny_spec)
-    replay = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "prompt_lengths": [10, 3, 50, 20]}
+    replay = Replay(1.0, 0, 1.0, (10, 3, 50, 20))
     for engine in ("megatron", "hf"):
         run = EngineRun(engine, EngineSettings(dtype=dtype))
         plain = captures.get(engine, dtype)  # the same settings and prompts as run, shared with test_engines

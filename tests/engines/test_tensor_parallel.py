@@ -124,10 +124,10 @@ def test_replay_truncates_the_whole_vocabulary_at_tp2(tmp_path, tiny_spec):
 
     from alignaudit.commands.pipeline import EngineRun, capture
     from alignaudit.inputs.prompts import load_prompts
-    from alignaudit.inputs.request import EngineSettings
+    from alignaudit.inputs.request import EngineSettings, Replay
 
     batch = load_prompts(tiny_spec)
-    replay = {"temperature": 0.7, "top_k": 5, "top_p": 1.0, "prompt_lengths": [10, 3, 50, 20]}
+    replay = Replay(0.7, 5, 1.0, (10, 3, 50, 20))
     logprobs = {}
     for tp in (1, 2):
         run = EngineRun("megatron", EngineSettings(dtype="fp32", options={"tensor_model_parallel_size": tp}))

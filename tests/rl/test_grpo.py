@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from alignaudit.errors import EXIT_USAGE
-from alignaudit.rl.grpo import REWARDS, ROTATION, kl_k3, token_score
+from alignaudit.rl.grpo import REWARDS, ROTATION, token_score
+from alignaudit.training.losses import kl_k3
 from helpers import one_line_error
 
 
@@ -57,13 +58,13 @@ def test_plain_training_steps_the_given_adam_and_refuses_an_offload():
     from types import SimpleNamespace
 
     from alignaudit.engines.training import PlainTraining
-    from alignaudit.rl.optim import MixedPrecisionAdam
+    from alignaudit.training.optim import MixedPrecisionAdam
 
     model = torch.nn.Linear(4, 3).to(torch.bfloat16)
     engine = SimpleNamespace(name="hf", settings=SimpleNamespace(device="cpu"), model=model)
     before = [p.detach().clone() for p in model.parameters()]
     training = PlainTraining(engine, lr=0.0, clip_grad=1.0, offload_fraction=0.0, adam=MixedPrecisionAdam)
-    assert training.name == "alignaudit.rl.optim.MixedPrecisionAdam"
+    assert training.name == "alignaudit.training.optim.MixedPrecisionAdam"
     training.zero_grad()
     model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum().backward()
     training.finalize_grads()

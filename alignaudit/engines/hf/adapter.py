@@ -204,7 +204,7 @@ class HFEngine(Engine):
             "dtype": str(self.model.dtype),
             "logprob_formula": "alignaudit_kernels.token_logprobs" if "logprobs" in self.settings.strict_ops
             else "log_softmax(logits.float(), -1).gather(next_token)",
-            "replay": self.replay,
+            "replay": self.replay.to_dict() if self.replay is not None else None,
             "routing_replay": ROUTING_REPLAYED if self.routing_replay is not None else None,
             "strict": self.settings.strict,
             "strict_modules": len(self.strict_modules),

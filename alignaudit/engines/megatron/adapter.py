@@ -437,7 +437,7 @@ class MegatronEngine(Engine):
             "module_mode": "train" if self.model.training else "eval",
             "weights": {"checkpoint_tensors": self.spec.tensors, "megatron_parameters_loaded": self.loaded_tensors},
             "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)",
-            "replay": self.replay,
+            "replay": self.replay.to_dict() if self.replay is not None else None,
             "routing_replay": ROUTING_REPLAYED if self.routing_replay is not None else None,
             "transformer_config": config,
         }

@@ -27,7 +27,7 @@ class MixedPrecisionAdam:
         lr: learning rate (>= 0). clip_grad: max global grad norm (<= 0: no clipping).
     """
 
-    name = "alignaudit.rl.optim.MixedPrecisionAdam"
+    name = "alignaudit.training.optim.MixedPrecisionAdam"
 
     def __init__(self, params, lr: float, clip_grad: float = 1.0, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, tp_group=None):

@@ -5,12 +5,12 @@ adds what a trainer does between rollouts:
     score        old_logprobs of the rollout's tokens: the engine's own logprob function, eval mode, no
                  gradient (the function an RL trainer uses, the one ``compare`` measures)
     train_step   the same forward with gradient, the clipped GRPO loss over generated tokens, one optimizer
-                 step (alignaudit.rl.optim); micro-batches accumulate gradients, the loss is normalized by
+                 step (alignaudit.training.optim); micro-batches accumulate gradients, the loss is normalized by
                  the batch's generated-token count
     weights      the model's weights in HF names and dtype (engines/vllm/weights.py), for the rollout engine
 The engine makes itself trainable (``Engine.training``: Megatron inside megatron.core's DistributedDataParallel
 with megatron.core's optimizer on CUDA, alignaudit.engines.megatron.training; otherwise alignaudit's
-MixedPrecisionAdam, alignaudit.rl.optim).
+MixedPrecisionAdam, alignaudit.training.optim).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import time
 import torch
 
 from alignaudit.inputs.prompts import TokenBatch
-from alignaudit.rl.grpo import clipped_policy_loss, kl_k3
+from alignaudit.inputs.request import Replay
+from alignaudit.training.losses import clipped_policy_loss, kl_k3
 
 
 class Trainer:
@@ -30,14 +31,14 @@ class Trainer:
         engine: a built MegatronEngine or HFEngine. lr: Adam learning rate. clip_grad: max grad norm.
         offload_fraction: of the optimizer state, the fraction megatron.core keeps and updates in host memory
             (alignaudit.rl.memory; CUDA Megatron only, 0 elsewhere).
-        kl_coef: weight of the k3 KL term against the reference policy (the weights at the start; grpo.kl_k3);
+        kl_coef: weight of the k3 KL term against the reference policy (the weights at the start; losses.kl_k3);
             > 0 keeps one copy of the starting weights on the model's device. 0: no reference, no KL term.
     Raises:
         ValueError: offload_fraction > 0 for a trainer that is not Megatron on CUDA (the engine's training()).
     """
 
     def __init__(self, engine, lr: float, clip_grad: float, offload_fraction: float = 0.0, kl_coef: float = 0.0):
-        from alignaudit.rl.optim import MixedPrecisionAdam
+        from alignaudit.training.optim import MixedPrecisionAdam
 
         self.engine = engine
         self.kl_coef = kl_coef
@@ -45,14 +46,14 @@ class Trainer:
         self.training = engine.training(lr, clip_grad, offload_fraction, MixedPrecisionAdam)
         self.optimizer_name = self.training.name
 
-    def score(self, batch: TokenBatch, replay: dict | None) -> list[torch.Tensor]:
+    def score(self, batch: TokenBatch, replay: Replay | None) -> list[torch.Tensor]:
         """fp32 logprobs [len - 1] per sequence, in eval mode without gradient."""
         self.engine.replay = replay
         self.engine.model.eval()
         return self.engine.prompt_logprobs(batch)
 
     def train_step(self, batch: TokenBatch, prompt_lengths: list[int], advantages: list[float],
-                   rollout_logprobs: list[list[float]], clip_eps: float, replay: dict | None) -> dict:
+                   rollout_logprobs: list[list[float]], clip_eps: float, replay: Replay | None) -> dict:
         """One GRPO update on the generated tokens of ``batch``.
 
         Args:
@@ -106,7 +107,7 @@ class Trainer:
                 "kl_ref": kl_sum / total if reference is not None else None, "optimizer_s": round(optimizer_s, 3)}
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: TokenBatch, prompt_lengths: list[int], replay: dict | None) -> list:
+    def _reference_logprobs(self, batch: TokenBatch, prompt_lengths: list[int], replay: Replay | None) -> list:
         """The reference policy's fp32 logprobs of each sequence's generated tokens: the starting weights
         swapped into the model one parameter at a time (exact copies, so the model's own weights come back bit
         for bit), the engine's eval-mode logprob function, the weights swapped back."""

@@ -1,0 +1,188 @@
+"""How the Triton kernels run: query tiles, launch configurations, KV-cache read modes, the split-KV choice and
+the launch plans of the contiguous layouts, kept on the device per shape."""
+
+from __future__ import annotations
+
+import torch
+
+from alignaudit_kernels.attention.algorithm import BLOCK_N, CHUNK_N, DEFAULT_EXP, TILE_ROWS
+from alignaudit_kernels.primitives import (
+    cached_tensors,
+    cdiv,
+    rocm,
+    sm_count,
+    triton,
+    use_triton,
+)
+
+if triton is not None:
+    from alignaudit_kernels.attention.triton_kernels import _attention_kernel, _combine_kernel
+
+
+def _tiles(seqs: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, per_tile: int) -> torch.Tensor:
+    """Split runs of consecutive query rows (one run per sequence) into tiles of ``per_tile`` tokens.
+
+    seqs/starts/counts [runs] (CPU int): sequence index, first row and row count of each run.
+    Returns int32 [4, tiles] (CPU): sequence, first row, row count, and index of the first row within its run.
+    """
+    n_tiles = (counts + per_tile - 1) // per_tile
+    first_tile = torch.cumsum(n_tiles, 0) - n_tiles
+    offset = (torch.arange(int(n_tiles.sum())) - first_tile.repeat_interleave(n_tiles)) * per_tile
+    rows = torch.minimum(torch.full_like(offset, per_tile), counts.repeat_interleave(n_tiles) - offset)
+    return torch.stack([seqs.repeat_interleave(n_tiles), starts.repeat_interleave(n_tiles) + offset, rows,
+                        offset]).int()
+
+
+# Launch configurations (query rows per tile, warps, stages). The rows of a tile only decide which queries
+# a program handles; the key block BLOCK_N and the key chunk CHUNK_N are the algorithm and never change.
+# Every path uses 64-row tiles: on an H200 a 16-row tile (mma.sync rather than wgmma) gave decode rows 1-2
+# ULP away from the same rows of a 64-row prefill tile (bf16 and fp32, 2026-11-30).
+TILE_CONFIG = (TILE_ROWS, 4, 2)
+
+
+# Decode steps pipeline one more key block: 3% faster at the generation shape of bench/vllm_generate.py (64
+# sequences at 640 keys, pages of 16) on an H200, with the bits of every other configuration swept there
+# (stages only schedule loads; docs/benchmarks.md 2026-12-04 third session).
+DECODE_CONFIG = (TILE_ROWS, 4, 3)
+
+
+SPLIT_BELOW_PROGRAMS_PER_SM = 32  # fewer (tile, KV head) programs than this per SM: one program per chunk
+
+
+KV_GATHER, KV_PAGE_ALIGNED, KV_DIRECT = 0, 1, 2
+
+
+def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_mode, max_keys, config=TILE_CONFIG,
+            row_pos=False, split=None, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP, out=None):
+    """Run the Triton kernel(s).
+
+    tiles: from ``_tiles`` (CPU, or already on q's device from a cached plan), or None for a decode step (row
+    i is the one query of sequence i, and q_positions holds each sequence's key count: its seq_lens);
+    q_positions: [T] on q's device, or None with ``row_pos`` (rows are whole sequences from position 0).
+    max_keys: a bound on the keys any row sees (host int, sets the chunk count of the split grid); a row
+    past it is NaN, and no key past it is read.
+    out: [T, H, D] of q's dtype with unit stride along D to write into (vLLM's output buffer), or None.
+    split: one program per (tile, KV head, chunk) and a second launch that merges the chunks (True), one
+    program per (tile, KV head) merging in registers (False), or chosen by occupancy (None): the same bits
+    either way. ``block_n`` / ``chunk_n`` other than BLOCK_N / CHUNK_N: benchmarks only (another algorithm).
+    """
+    t, h, d = q.shape
+    kvh = k_cache.shape[2]
+    group = h // kvh
+    tile, warps, stages = config
+    if rocm() and q.dtype == torch.float32:
+        stages = 1  # fp32 at head dim 128, 4 warps, 2 stages aborts LLVM's AMDGPU register allocator (triton 3.8)
+    if group > tile:  # a tile holds tile // group tokens; the rows past tokens * group stay masked
+        raise ValueError(f"strict attention holds at most {tile} query heads per KV head, not {group}")
+    q = q.contiguous()
+    out = _check_out(q, out)
+    positions = None if q_positions is None else q_positions.to(torch.int32).contiguous()
+    decode = tiles is None
+    if decode:
+        n_tiles, tiles = t, positions
+    else:
+        tiles = tiles.to(q.device, non_blocking=True).contiguous()
+        n_tiles = tiles.shape[1]
+    positions = tiles if positions is None else positions
+    chunks = cdiv(max_keys, chunk_n)
+    if split is None:
+        split = chunks > 1 and n_tiles * kvh < SPLIT_BELOW_PROGRAMS_PER_SM * (sm_count(q.device) if q.is_cuda else 1)
+    block_d = max(16, triton.next_power_of_2(d))
+    shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=chunk_n, ROW_POS=row_pos,
+                  DECODE=decode, NATIVE_EXP=exp == "native", USED=_used_rows(decode, group, tile))
+    if split:
+        m = torch.empty(chunks, n_tiles, kvh, tile, dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty(chunks, n_tiles, kvh, tile, block_d, dtype=torch.float32, device=q.device)
+    else:
+        m = l = acc = out  # not read
+    _attention_kernel[(n_tiles, kvh, chunks if split else 1)](
+        q, k_cache, v_cache, out, positions, block_table, tiles, m, l, acc, n_tiles, max_keys, float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        KV=kv_mode, SPLIT=split, **shared, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    if split:
+        _combine_kernel[(n_tiles, kvh)](out, positions, tiles, m, l, acc, n_tiles, max_keys, chunks, out.stride(0),
+                                        out.stride(1), **shared, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def _used_rows(decode: bool, group: int, tile: int) -> int:
+    """Rows of a tile that can hold a query: a decode tile holds one token, its ``group`` heads (rounded up
+    to a power of two); any other tile, all of them."""
+    return min(tile, triton.next_power_of_2(group)) if decode else tile
+
+
+def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError unless k_cache and v_cache are [blocks, block_size, KVH, D] alike, with q's head_dim D and a KVH
+    that divides q's heads, and, on the Triton backends, unit stride along D (the kernel steps by one element
+    there; blocks, slots and heads may have any strides)."""
+    if k_cache.shape != v_cache.shape or k_cache.shape[-1] != q.shape[-1] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"strict attention: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must "
+                         f"be [blocks, block_size, kv_heads, {q.shape[-1]}] alike, kv_heads dividing q's {q.shape[1]}")
+    if use_triton(q) and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
+        raise ValueError(f"strict attention: k_cache and v_cache need unit stride along head_dim (strides "
+                         f"{k_cache.stride()} and {v_cache.stride()}); lay the cache out with head_dim innermost")
+
+
+def _kv_mode(k_cache: torch.Tensor) -> int:
+    return KV_PAGE_ALIGNED if k_cache.shape[1] % BLOCK_N == 0 else KV_GATHER
+
+
+def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None, exp=DEFAULT_EXP,
+                  max_keys=None, out=None):
+    group = q.shape[1] // k_cache.shape[2]
+    seqs, counts = torch.unique_consecutive(q_seq.cpu().long(), return_counts=True)
+    config = config or TILE_CONFIG
+    tiles = _tiles(seqs, torch.cumsum(counts, 0) - counts, counts, config[0] // group)
+    table = block_table.to(device=q.device, dtype=torch.int32).contiguous()
+    if max_keys is None:
+        max_keys = int(q_positions.max()) + 1
+    return _launch(q, k_cache, v_cache, table, tiles, q_positions.to(q.device), scale, kv_mode=_kv_mode(k_cache),
+                   max_keys=max_keys, config=config, exp=exp, out=out)
+
+
+# Launch plans of the contiguous layouts, kept on the device per shape: a training step or a forward at a
+# fixed batch shape plans once, and later calls pay no host work or host-to-device copy for it.
+@cached_tensors(maxsize=64)
+def _varlen_plan(bounds: tuple[int, ...], per_tile: int, device: torch.device):
+    """(tiles, block table, longest sequence) of a ragged prefill with cu_seqlens ``bounds``."""
+    starts = torch.tensor(bounds[:-1])
+    lengths = torch.tensor(bounds[1:]) - starts
+    tiles = _tiles(torch.arange(len(bounds) - 1), starts, lengths, per_tile).to(device)
+    return tiles, starts.to(device=device, dtype=torch.int32)[:, None], int(lengths.max())
+
+
+@cached_tensors(maxsize=64)
+def _batch_plan(b: int, tq: int, tk: int, per_tile: int, device: torch.device):
+    """(tiles, block table) of ``b`` sequences of ``tq`` query rows over ``tk`` contiguous keys each."""
+    runs = torch.arange(b)
+    tiles = _tiles(runs, runs * tq, torch.full((b,), tq), per_tile).to(device)
+    return tiles, (torch.arange(b, device=device, dtype=torch.int32) * tk)[:, None]
+
+
+def _as_pages(x):
+    """[T, KVH, D] -> a paged view [T, 1, KVH, D] (one token per page) without copying."""
+    return x.contiguous().unsqueeze(1)
+
+
+def _check_out(q, out):
+    """``out`` if it can hold the result for q (same shape and dtype, unit stride along head_dim: what the
+    Triton kernel writes through), else ValueError; a new tensor for None."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"strict attention: out {tuple(out.shape)} {out.dtype} stride {out.stride()} cannot hold "
+                         f"q {tuple(q.shape)} {q.dtype} (same shape and dtype, unit stride along head_dim)")
+    return out
+
+
+def _launch_varlen(q, k, v, cu_seqlens, scale, config=TILE_CONFIG, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP,
+                   split=None):
+    """GPU prefill of whole sequences. Each sequence's keys are consecutive rows of k/v: one-token pages,
+    the first page at the sequence's start, so nothing is copied."""
+    tiles, table, max_keys = _varlen_plan(tuple(cu_seqlens.tolist()), config[0] // (q.shape[1] // k.shape[1]), q.device)
+    return _launch(q, _as_pages(k), _as_pages(v), table, tiles, None, scale, kv_mode=KV_DIRECT, row_pos=True,
+                   max_keys=max_keys, config=config, block_n=block_n, chunk_n=chunk_n, exp=exp, split=split)
