@@ -394,7 +394,7 @@ def verify_weight_sync(trainer: dict[str, torch.Tensor], rollout) -> WeightSync:
         InputError: empty or non-tensor sides; a vLLM whose CPU backend freed its linear weights after packing them
             (nothing to read back: call ``keep_vllm_weights()`` before building the LLM).
     """
-    from alignaudit.engines.base import checksums
+    from alignaudit.engines.weight_transfer import checksums
 
     stale: list[str] = []
     engine = _is_vllm(rollout)

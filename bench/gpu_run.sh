@@ -56,7 +56,8 @@
 # [25]: vllm-q8-shaped the Qwen3-8B shape rolled out as frameworks do: 8 prompts sharing a 384-token prefix
 # (SHAPED_PROMPTS, made here) x n = 8, EOS and 2000 stop token ids ending completions, no prompt logprobs (prefix cache
 # read), --engine-mode async with arrivals 50 ms apart; strict then default (SHAPED_HOW); vllm-rl17-shaped alignaudit
-# rl at the Qwen3-1.7B shape with the same shape (offline engine) and --sleep-level 1, RL_STEPS (20) steps --strict;
+# rl at the Qwen3-1.7B shape with the same shape (RL_ENGINE_MODE: async, arrivals 50 ms apart, by default; offline) and
+# --sleep-level 1, RL_STEPS (20) steps --strict;
 # trl: TRL's GRPOTrainer with CUDA vLLM colocated on the fixture (bench/trl_grpo.py), strict then default (TRL_HOW),
 # TRL_STEPS (3) steps; needs trl, accelerate, datasets, dill, multiprocess, xxhash carried in .whl/extra/.
 # [26]: task-model trains a TASK_SHAPE (Qwen3-0.6B) model on the addition task (fixtures/train_task_fixture.py on the
@@ -283,9 +284,10 @@ for stage in "$@"; do
     vllm-rl17-shaped) shaped_prompts 151936
                       timeout ${RL_TIMEOUT:-500} python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --prompts $SHAPED_PROMPTS \
                         --train megatron --infer vllm --device cuda --strict --steps ${RL_STEPS:-20} --group-size 8 --max-new-tokens 64 \
-                        --sleep-level 1 --infer-opt "$STOPS" --lr 1e-6 --no-token-rows --out /dev/shm/vrl17s --force 2>&1 | log | tail -4
+                        --sleep-level 1 --engine-mode ${RL_ENGINE_MODE:-async} $([ "${RL_ENGINE_MODE:-async}" = async ] && echo --arrival-gap 0.05) \
+                        --infer-opt "$STOPS" --lr 1e-6 --no-token-rows --out /dev/shm/vrl17s --force 2>&1 | log | tail -4
                       cp /dev/shm/vrl17s/steps.parquet "$out/vrl17s-steps.parquet" 2>/dev/null
-                      python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17s/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','completions_ended_early','completion_len_mean','prefix_cache_hits','sleep_freed_gib','wake_taken_gib','seconds','rollout_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
+                      python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17s/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','completions_ended_early','completion_len_mean','prefix_cache_hits','arrived_while_running','max_running_requests','sleep_freed_gib','wake_taken_gib','seconds','rollout_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
     trl) for how in ${TRL_HOW:-strict default}; do
            timeout ${TRL_TIMEOUT:-240} python3 bench/trl_grpo.py fixtures/qwen3-tiny $how /tmp/trl-$how --device cuda --steps ${TRL_STEPS:-3} 2>&1 \
              | log | grep -E "^RESULT|Error|rror:" | tail -4

@@ -9,7 +9,16 @@ import typer
 from rich.markup import escape
 
 from alignaudit.commands.console import console, results, write_page
-from alignaudit.commands.options import ClipEpsOpt, MaxNewTokensOpt, StopAtEosOpt, TemperatureOpt, TopKOpt, TopPOpt
+from alignaudit.commands.options import (
+    ArrivalGapOpt,
+    ClipEpsOpt,
+    EngineModeOpt,
+    MaxNewTokensOpt,
+    StopAtEosOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+)
 from alignaudit.commands.requests import ISArgs, ModelArgs, OutputArgs, PairArgs, PromptArgs, SamplingArgs, out_dir
 
 
@@ -24,6 +33,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
        top_k: TopKOpt = 0,
        top_p: TopPOpt = 1.0,
        stop_at_eos: StopAtEosOpt = None,
+       engine_mode: EngineModeOpt = None,
+       arrival_gap: ArrivalGapOpt = None,
        sleep_level: Annotated[int, typer.Option("--sleep-level", metavar="L", help="vLLM on CUDA: sleep after each "
                                                 "rollout and wake before the sync, as colocated frameworks free the "
                                                 "GPU for the trainer; 1: weights to host memory, KV cache freed "
@@ -94,7 +105,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     from alignaudit.rl.request import rl_request
 
     request = rl_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p,
-                                                           stop_at_eos=stop_at_eos), clip_eps, importance, settings)
+                                                           stop_at_eos=stop_at_eos, engine_mode=engine_mode,
+                                                           arrival_gap=arrival_gap), clip_eps, importance, settings)
     from alignaudit.rl.memory import rl_plan
 
     memory = rl_plan(request, group_size, kl_coef > 0)  # refuses a model that cannot fit, before any engine starts

@@ -8,7 +8,6 @@ imports stay inside each adapter module, so the rest of alignaudit imports on an
 from __future__ import annotations
 
 import difflib
-import hashlib
 import types
 import typing
 from abc import ABC, abstractmethod
@@ -16,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from alignaudit.engines.weight_transfer import checksums, load_and_check
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
@@ -228,9 +228,16 @@ class Engine(ABC):
         """Called before the engine is built in a process that will load new weights into it (rl's workers).
         Nothing to do unless the engine frees, once loaded, what a later load needs."""
 
-    def start(self, max_len: int, total_tokens: int, max_seqs: int | None = None) -> None:  # noqa: B027 (no sizing by default)
+    def start(self, max_len: int, total_tokens: int, max_seqs: int | None = None, engine_mode: str = "offline") -> None:
         """Size a long-lived engine (rl) for sequences of up to ``max_len`` tokens, ``total_tokens`` per call and
-        ``max_seqs`` sequences at once. Engines that need no sizing are ready when built."""
+        ``max_seqs`` sequences at once, and build it for ``engine_mode`` (Sampling.engine_mode). Engines that need
+        no sizing are ready when built.
+
+        Raises:
+            InputError: an engine_mode other than "offline" for an engine without an asynchronous front end.
+        """
+        if engine_mode != "offline":
+            raise InputError(f"{self.name} has no asynchronous front end; use --engine-mode offline")
 
     def training(self, lr: float, clip_grad: float, offload_fraction: float, adam):
         """This engine's model made trainable (alignaudit.engines.training): its gradients and optimizer. ``adam``:
@@ -245,6 +252,23 @@ class Engine(ABC):
         replicated parameters whose tensor-parallel copies differ (engines with no ranks of their own add none).
         """
         raise NotImplementedError(f"{self.name} does not give its weights in HF names")
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """New weights (HF names) into the running engine (rl's weight sync)."""
+        raise NotImplementedError(f"{self.name} does not load weights while running")
+
+    def stale_packed_layers(self) -> list[str]:
+        """Layers whose packed GEMM does not compute with their current weight; [] for engines that pack none."""
+        return []
+
+    def weight_checksums(self) -> dict[str, str]:
+        """sha256 of every weight the engine computes with, in HF names (weight_transfer.checksums)."""
+        return checksums(self.hf_weights())
+
+    def sync_weights(self, transport: str, path: str | None = None, handles: str | None = None) -> dict:
+        """The trainer's weights into this engine, measured and checked (weight_transfer.load_and_check: the reply
+        rl's loop reads). Engines whose model runs in another process (vLLM in async mode) run it there."""
+        return load_and_check(self.hf_weights, self.load_weights, self.stale_packed_layers, transport, path, handles)
 
     @abstractmethod
     def settings_record(self) -> dict:
@@ -311,8 +335,3 @@ def right_padded(sequences: list[tuple[int, ...]], pad_id: int = 0) -> tuple[tor
         valid[row, : len(seq)] = True
     return ids, valid
 
-
-def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """``{hf_name: sha256 of the tensor's bytes (dtype and layout as stored, contiguous)}``."""
-    return {name: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
-            for name, t in sorted(tensors.items())}

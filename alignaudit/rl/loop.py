@@ -19,7 +19,7 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.worker
     5. update    the trainer's forward with gradient, the clipped loss with ratio exp(lp_train - lp_rollout),
                  gradient clipping, one optimizer step;
     6. sync      the trainer's weights in HF names into the running inference engine (model.load_weights),
-                 through a file (CPU) or CUDA IPC handles (CUDA; alignaudit.training.weight_transfer); first
+                 through a file (CPU) or CUDA IPC handles (CUDA; alignaudit.engines.weight_transfer); first
                  what the update changed against the weights the engine held (elements, max |delta w|),
                  then the check: on the CPU the sha256 of every tensor on both sides and a probe of every
                  packed vLLM GEMM against one packed afresh from the loaded weight; on CUDA every held
@@ -158,7 +158,8 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         prompts = [list(p) for p in request.batch.sequences for _ in range(rl.group_size // request.rollout.group_size)]
         new, group = request.rollout.max_new_tokens, request.rollout.group_size
         rollout.call("start", max_len=max(len(p) for p in prompts) + new, max_seqs=len(prompts) * group,
-                     total_tokens=group * (sum(len(p) for p in prompts) + len(prompts) * new))
+                     total_tokens=group * (sum(len(p) for p in prompts) + len(prompts) * new),
+                     engine_mode=request.rollout.engine_mode)
         record["engines"] = {"train": trainer.call("settings")["settings"],
                              "infer": rollout.call("settings")["settings"]}
         how = transport(request)
@@ -201,7 +202,7 @@ def _session(sessions: list, request: Request, role: str, log: Path, **extra) ->
 
 def transport(request: Request) -> str:
     """``cuda_ipc`` when trainer and rollout engine both run on CUDA (one GPU: the device machine's
-    CUDA_VISIBLE_DEVICES), else ``file`` (alignaudit.training.weight_transfer)."""
+    CUDA_VISIBLE_DEVICES), else ``file`` (alignaudit.engines.weight_transfer)."""
     return "cuda_ipc" if request.train.settings.device == request.infer.settings.device == "cuda" else "file"
 
 
@@ -288,7 +289,8 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
         **importance_columns(summary["importance"]),
         **vocab,
         "reward_mean": float(np.mean(rewards)),
-        **_shape_columns(sequences, prompt_lengths, request.rollout.max_new_tokens, rolled["prefix_cache_hits"]),
+        **_shape_columns(sequences, prompt_lengths, request.rollout.max_new_tokens, rolled["prefix_cache_hits"],
+                         rolled.get("arrivals")),
         **_sleep_columns(sleep, wake),
         "loss": update["loss"],
         **({"kl_ref": update["kl_ref"]} if update["kl_ref"] is not None else {}),
@@ -324,14 +326,19 @@ def reward_function(name: str, spec):
     return lambda prompt, completion, step: by_completion(completion, step)
 
 
-def _shape_columns(sequences: list, prompt_lengths: list, max_new_tokens: int, prefix_cache_hits) -> dict:
+def _shape_columns(sequences: list, prompt_lengths: list, max_new_tokens: int, prefix_cache_hits,
+                   arrivals: dict | None) -> dict:
     """The rollout's shape, measured: completion lengths (tokens), how many completions ended before
-    ``max_new_tokens`` (at EOS or a stop token), and the prompt tokens the engine read from its prefix cache (vLLM's
-    count; None where the engine reports none)."""
+    ``max_new_tokens`` (at EOS or a stop token), the prompt tokens the engine read from its prefix cache (vLLM's
+    count; None where the engine reports none) and, in --engine-mode async, how the requests arrived
+    (async_rollout.Arrivals: those submitted while an earlier one was still running, the most running at once;
+    None offline)."""
     lengths = [len(s) - p for s, p in zip(sequences, prompt_lengths, strict=True)]
     return {"completion_len_mean": float(np.mean(lengths)), "completion_len_min": int(min(lengths)),
             "completions_ended_early": sum(n < max_new_tokens for n in lengths),
-            "prefix_cache_hits": prefix_cache_hits}
+            "prefix_cache_hits": prefix_cache_hits,
+            "arrived_while_running": arrivals["arrived_while_running"] if arrivals else None,
+            "max_running_requests": arrivals["max_running"] if arrivals else None}
 
 
 def _sleep_columns(sleep: dict | None, wake: dict | None) -> dict:

@@ -32,6 +32,9 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
     sampling = dataclasses.replace(sampling, group_size=settings.group_size if grouped else 1)
     request = build_request(model, prompts, run, sampling, clip_eps, importance,
                             extra_check=check_rl_full_vocab if settings.full_vocab else None)
+    if settings.full_vocab and request.rollout.engine_mode == "async":
+        raise InputError("rl --full-vocab with --engine-mode async is not built (the sampler's rows stay in vLLM's "
+                         "engine process); drop one of them")
     if settings.sleep_level:
         request = _with_sleep_mode(request)
     if settings.reward == "task":

@@ -6,7 +6,7 @@ The parent (alignaudit.workers.session.Session) writes one JSON command per line
 one reply line, marked with ``REPLY_MARKER``, from its stdout; anything else the worker prints goes to its log file
 (stderr goes there directly). Tokens and logprobs travel as JSON (an fp32 value survives the trip through a Python float
 exactly); weights travel as a safetensors file the parent names (CPU) or as CUDA IPC handles of the
-trainer's own tensors (alignaudit.training.weight_transfer). A library error comes back as
+trainer's own tensors (alignaudit.engines.weight_transfer). A library error comes back as
 ``{"error": {"type", "message"}}`` and is re-raised in the parent with its type; a worker that dies is an
 EngineError carrying the last lines of its log.
 
@@ -33,12 +33,11 @@ from pathlib import Path
 import torch
 
 from alignaudit import errors
-from alignaudit.engines import load_engine_class
-from alignaudit.engines.base import checksums
+from alignaudit.engines import load_engine_class, weight_transfer
+from alignaudit.engines.weight_transfer import checksums
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
 from alignaudit.inputs.request import EngineSettings, Replay, Sampling
-from alignaudit.training import weight_transfer
 from alignaudit.training.trainer import Trainer
 from alignaudit.workers.capture_worker import ranks_to_spawn, start_ranks
 from alignaudit.workers.session import REPLY_MARKER
@@ -79,7 +78,8 @@ class Worker:
         return getattr(self, self.COMMANDS[command])(args)
 
     def _start(self, args: dict) -> dict:
-        self.engine.start(args["max_len"], args["total_tokens"], args.get("max_seqs"))
+        self.engine.start(args["max_len"], args["total_tokens"], args.get("max_seqs"),
+                          args.get("engine_mode", "offline"))
         return {}
 
     def _settings(self, args: dict) -> dict:
@@ -94,7 +94,8 @@ class Worker:
         with _RowFile(self.engine, args.get("vocab_rows"), [0] * len(batch.sequences)):
             full, logprobs = self.engine.rollout(batch, Sampling(**args["sampling"]))
         return {"sequences": [list(s) for s in full.sequences], "logprobs": [lp.tolist() for lp in logprobs],
-                "prefix_cache_hits": getattr(self.engine, "prefix_cache_hits", None)}
+                "prefix_cache_hits": getattr(self.engine, "prefix_cache_hits", None),
+                "arrivals": arrivals.to_dict() if (arrivals := getattr(self.engine, "arrivals", None)) else None}
 
     def _sleep(self, args: dict) -> dict:
         return self.engine.sleep(args["level"])
@@ -113,7 +114,7 @@ class Worker:
         return self.trainer.train_step(_batch(args.pop("sequences")), replay=replay, **args)
 
     def _checksums(self, args: dict) -> dict:
-        return {"checksums": checksums(self.engine.hf_weights())}
+        return {"checksums": self.engine.weight_checksums()}
 
     def _export(self, args: dict) -> dict:
         """The trainer's weights for the rollout engine (collective at tensor-parallel size > 1: every rank
@@ -136,31 +137,9 @@ class Worker:
         return {**reply, "checksums": checksums(tensors)}
 
     def _load_weights(self, args: dict) -> dict:
-        """The trainer's weights into the running rollout engine (engine.load_weights), measured against the
-        weights it held before (weight_transfer.update_stats) and checked after: ``file``: every held
-        tensor's sha256 (the parent compares them with the trainer's) and the packed-GEMM probe;
-        ``cuda_ipc``: every held tensor against the trainer's own memory, bit for bit on the GPU, and a
-        device fingerprint of what is held."""
-
-        if args["transport"] == "cuda_ipc":
-            new = weight_transfer.receive(args["handles"])
-        else:
-            from safetensors.torch import load_file
-
-            new = load_file(args["path"])
-        reply = {"update": weight_transfer.update_stats(self.engine.hf_weights(), new)}
-        self.engine.load_weights(new)
-        held = self.engine.hf_weights()
-        if args["transport"] == "cuda_ipc":
-            reply["differing"], reply["tensors"] = weight_transfer.differing(held, new), len(held)
-            reply["digest"] = weight_transfer.fingerprint(held)
-            del new, held
-            torch.cuda.synchronize()
-            torch.cuda.ipc_collect()  # release the trainer's blocks this process no longer maps
-        else:
-            reply["checksums"] = checksums(held)
-        reply["stale"] = self.engine.stale_packed_layers() if hasattr(self.engine, "stale_packed_layers") else []
-        return reply
+        """The trainer's weights into the running rollout engine, measured against the weights it held before and
+        checked after (Engine.sync_weights; weight_transfer.load_and_check gives the reply)."""
+        return self.engine.sync_weights(args["transport"], args.get("path"), args.get("handles"))
 
 
 def _batch(sequences: list[list[int]]) -> TokenBatch:

@@ -76,7 +76,7 @@ def _launches(target_name: str, every: bool) -> list[dict]:
     spec, artifact, units, has_tma = TARGETS[target_name]
     driver.set_active(CompileOnlyDriver(GPUTarget(*spec)))
     modules = {name: importlib.import_module(f"alignaudit_kernels.{name}") for name in MODULES}
-    for module in modules.values():
+    for module in (m for name in MODULES for m in _module_files(name).values()):  # a package's modules too
         if hasattr(module, "use_triton"):
             module.use_triton = lambda x: True
         if hasattr(module, "sm_count"):
@@ -196,7 +196,7 @@ def _attention(attention, dtype, heads: int, kv_heads: int, d: int, exp: str, ev
     scale = d ** -0.5
     for length in ((64, 4096) if every_path else (4096,)):  # 64 rows, 4096 keys: split; 4096 rows: not
         q, kv = _empty(length, heads, d, dtype=dtype), _empty(length, kv_heads, d, dtype=dtype)
-        attention._contiguous_forward(q, kv, kv, torch.tensor([0, length]), scale, exp=exp)
+        attention.functions._contiguous_forward(q, kv, kv, torch.tensor([0, length]), scale, exp=exp)
     if not every_path:
         if decode:
             pages = _empty(256, attention.BLOCK_N * 2, kv_heads, d, dtype=dtype)
@@ -205,7 +205,7 @@ def _attention(attention, dtype, heads: int, kv_heads: int, d: int, exp: str, ev
                                    torch.full((2,), 100, dtype=torch.int32), scale, max_seq_len=2048, exp=exp)
         return
     kv = _empty(2, 128, kv_heads, d, dtype=dtype)
-    attention._causal_forward(_empty(2, 128, heads, d, dtype=dtype), kv, kv, torch.arange(128).expand(2, 128),
+    attention.functions._causal_forward(_empty(2, 128, heads, d, dtype=dtype), kv, kv, torch.arange(128).expand(2, 128),
                               scale, exp)
     for block_size in (16, attention.BLOCK_N * 2):  # KV_GATHER, KV_PAGE_ALIGNED
         pages = _empty(256, block_size, kv_heads, d, dtype=dtype)
@@ -222,19 +222,29 @@ def _attention(attention, dtype, heads: int, kv_heads: int, d: int, exp: str, ev
 def launched_kernels() -> set[str]:
     """Every Triton kernel a host wrapper in alignaudit_kernels launches: the JITFunctions whose name is
     followed by a launch grid (``name[...](``) in their module's source."""
-    import importlib
     import re
 
     from triton.runtime.jit import JITFunction
 
     names = set()
     for name in MODULES:
-        module = importlib.import_module(f"alignaudit_kernels.{name}")
-        source = Path(module.__file__).read_text()
-        for launched in re.findall(r"\b(_\w+_kernel)\[", source):
-            if isinstance(getattr(module, launched, None), JITFunction):
-                names.add(launched)
+        for file, module in _module_files(name).items():
+            for launched in re.findall(r"\b(_\w+_kernel)\[", file.read_text()):
+                if isinstance(getattr(module, launched, None), JITFunction):
+                    names.add(launched)
     return names
+
+
+def _module_files(name: str) -> dict:
+    """{source file: imported module} of alignaudit_kernels.NAME: the module, or each module of a package
+    (attention/)."""
+    import importlib
+
+    package = importlib.import_module(f"alignaudit_kernels.{name}")
+    if not package.__file__.endswith("__init__.py"):
+        return {Path(package.__file__): package}
+    return {file: importlib.import_module(f"alignaudit_kernels.{name}.{file.stem}") if file.stem != "__init__"
+            else package for file in sorted(Path(package.__file__).parent.glob("*.py"))}
 
 
 def main() -> None:

@@ -283,6 +283,28 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
     assert note in (out / "summary.md").read_text() and note in (out / "report.html").read_text()
 
 
+def test_async_rollouts_sync_inside_vllms_engine_process(tmp_path):
+    """rl --engine-mode async: the rollout engine is vLLM's AsyncLLM (its model in a process of its own), the requests
+    of a step arriving --arrival-gap seconds apart, groups as one request (n = G), EOS on; the weight sync and its check
+    run in vLLM's worker process (worker_extension: alignaudit_sync_weights, alignaudit_checksums). Strict: every
+    generated token bit-equal and every sync bit-equal while the weights change. Default: vLLM's CPU linear layers keep
+    their weights in the engine process (or the first load would have nowhere to write) and the sync stays bit-equal
+    (the packed GEMMs rebuilt: sync_stale_packed 0), while the tokens mismatch."""
+    runs = {}
+    for name, extra in (("strict", ["--strict"]), ("default", [])):
+        out = tmp_path / name
+        assert cli.main(["rl", *extra, "--steps", "2", "--lr", "1e-3", "--engine-mode", "async", "--arrival-gap",
+                         "0.01", "--no-token-rows", "--out", str(out)]) == EXIT_OK, name
+        runs[name] = pd.read_parquet(out / "steps.parquet"), json.loads((out / "run.json").read_text())
+    for name, (s, record) in runs.items():
+        assert record["engines"]["infer"]["engine_mode"] == "async" and record["initial_sync"]["bit_equal"], name
+        assert s["sync_bit_equal"].all() and (s["sync_stale_packed"] == 0).all(), name
+        assert (s["weights_changed"] > 0).all() and s["weights_digest"].nunique() == 2, name
+        assert (s["max_running_requests"] >= 1).all() and s["arrived_while_running"].notna().all(), name
+    strict, default = runs["strict"][0], runs["default"][0]
+    assert (strict["mismatches"] == 0).all() and (default["mismatches"] > 0).all()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "--steps 0: run at least one step"),
     (["--group-size", "1"], "use 2 or more"),
@@ -303,6 +325,9 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
     (["--reward", "task", "--ignore-eos"], "--reward task scores answers that end at EOS"),
     (["--reward", "task", "--infer", "hf"], "--reward task scores answers that end at EOS"),
     (["--reward", "task", "--random-prompts", "2"], "--reward task scores addition questions such as '37+45='"),
+    (["--full-vocab", "--engine-mode", "async"], "rl --full-vocab with --engine-mode async is not built"),
+    (["--engine-mode", "async", "--infer", "hf"], "--engine-mode"),
+    (["--arrival-gap", "0.1"], "--arrival-gap spaces the arrivals of --engine-mode async"),
 ])
 def test_bad_input_is_refused_before_any_engine(capsys, tmp_path, argv, message):
     out = tmp_path / "o"

@@ -1,4 +1,4 @@
-"""The RL weight sync's measurements and checks (alignaudit.training.weight_transfer), on known bit patterns;
+"""The RL weight sync's measurements and checks (alignaudit.engines.weight_transfer), on known bit patterns;
 the CUDA IPC transport between two real processes where a GPU is present."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from alignaudit.training import weight_transfer as wt
+from alignaudit.engines import weight_transfer as wt
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -85,7 +85,7 @@ def test_share_refuses_host_tensors():
 
 CONSUMER = """
 import sys, torch
-from alignaudit.training import weight_transfer as wt
+from alignaudit.engines import weight_transfer as wt
 received = wt.receive(sys.stdin.read())
 expected = {"a": torch.arange(12, device="cuda", dtype=torch.float32).view(3, 4).to(torch.bfloat16),
             "b": torch.arange(6, device="cuda", dtype=torch.float32)[::2]}

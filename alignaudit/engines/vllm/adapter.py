@@ -96,15 +96,20 @@ class VllmEngine(Engine):
     def prepare_for_weight_updates(cls) -> None:
         """vLLM's CPU backend frees linear weights once it has packed them: keep them (weights.py)."""
         from alignaudit.engines.vllm.weights import keep_vllm_cpu_weights
+        from alignaudit.engines.vllm.worker_extension import KEEP_WEIGHTS_ENV
 
         keep_vllm_cpu_weights()
+        os.environ[KEEP_WEIGHTS_ENV] = "1"  # and in vLLM's engine process, in async mode (worker_extension)
 
-    def start(self, max_len: int, total_tokens: int, max_seqs: int | None = None) -> None:
-        """Build the LLM once, sized for the longest sequence and the whole batch (later calls: no-op).
+    def start(self, max_len: int, total_tokens: int, max_seqs: int | None = None, engine_mode: str = "offline") -> None:
+        """Build the LLM (``engine_mode`` "async": an AsyncLLM) once, sized for the longest sequence and the whole
+        batch (later calls: no-op).
         ``max_seqs``: the most sequences one call will run (rl's rollout batch); on CUDA it becomes vLLM's
         ``max_num_seqs`` unless given as an engine option, so vLLM captures CUDA graphs for the batch sizes
         it can meet (up to twice it) instead of up to 512: at the Qwen3-1.7B shape 51 sizes x 2 modes took
         33 s of a 72 s start for a batch of 32 (H200, 2026-12-01). Every sequence still runs in one batch."""
+        if self.llm is None:
+            self.engine_mode = engine_mode
         self._start(max_len, total_tokens, max_seqs)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -113,6 +118,21 @@ class VllmEngine(Engine):
 
         self._in_process("a weight update")
         load_into_vllm(self.llm, tensors)
+
+    def sync_weights(self, transport: str, path: str | None = None, handles: str | None = None) -> dict:
+        """Engine.sync_weights; in async mode inside vLLM's worker process, where the model lives
+        (worker_extension.KernelReadback.alignaudit_sync_weights), then the prefix cache dropped as after a load."""
+        if self.engine_mode != "async":
+            return super().sync_weights(transport, path, handles)
+        reply = self.llm.rpc("alignaudit_sync_weights", transport, path, handles, self.spec.to_dict())
+        self.llm.reset_prefix_cache()
+        return reply
+
+    def weight_checksums(self) -> dict[str, str]:
+        """Engine.weight_checksums; in async mode computed in vLLM's worker process."""
+        if self.engine_mode != "async":
+            return super().weight_checksums()
+        return self.llm.rpc("alignaudit_checksums", self.spec.to_dict())
 
     def stale_packed_layers(self) -> list[str]:
         """Layers whose packed CPU GEMM does not compute with their current weight (weights.py)."""
@@ -347,7 +367,6 @@ class VllmEngine(Engine):
         return self._measured(self.llm.wake_up, sign=-1)
 
     def _measured(self, action, sign: int) -> dict:
-        self._in_process("sleep and wake_up")
         torch.cuda.synchronize()
         before, started = torch.cuda.mem_get_info()[0], time.perf_counter()
         action()

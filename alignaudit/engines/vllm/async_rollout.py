@@ -74,9 +74,23 @@ class AsyncRollout:
     def vllm_config(self):
         return self.engine.vllm_config
 
+    def rpc(self, method: str, *args):
+        """A method of worker_extension.KernelReadback, by name, run in vLLM's worker process; its result."""
+        return self.loop.run_until_complete(self.engine.collective_rpc(method, args=args))[0]
+
     def kernels(self) -> dict:
         """weights.kernels_of the model in vLLM's worker process (worker_extension)."""
-        return self.loop.run_until_complete(self.engine.collective_rpc("alignaudit_kernels"))[0]
+        return self.rpc("alignaudit_kernels")
+
+    def reset_prefix_cache(self) -> None:
+        self.loop.run_until_complete(self.engine.reset_prefix_cache())
+
+    def sleep(self, level: int) -> None:
+        """AsyncLLM.sleep: as LLM.sleep, for the engine core in its own process."""
+        self.loop.run_until_complete(self.engine.sleep(level))
+
+    def wake_up(self) -> None:
+        self.loop.run_until_complete(self.engine.wake_up())
 
     def generate(self, sequences, params: list, gap_s: float, progress) -> tuple[list, Arrivals]:
         """Submit ``sequences[i]`` (token ids) with ``params[i]`` (SamplingParams, set to FINAL_ONLY here) at

@@ -101,19 +101,20 @@ def stale_packed_layers(model) -> list[str]:
 
 
 def load_into_vllm(llm, tensors: dict[str, torch.Tensor]) -> None:
-    """Push HF-named tensors into the running engine: ``model.load_weights`` (as RL frameworks do), then
-    vLLM's post-load step (on CPU: pack the new weights for oneDNN again), then drop cached prefixes."""
+    """Push HF-named tensors into the running engine (``load_into_model`` on its model), then drop cached prefixes."""
+    config = llm.llm_engine.vllm_config
+    llm.apply_model(lambda model: load_into_model(model, config, tensors))
+    llm.reset_prefix_cache()
+
+
+def load_into_model(model, vllm_config, tensors: dict[str, torch.Tensor]) -> None:
+    """``model.load_weights`` (as RL frameworks do), then vLLM's post-load step (on CPU: pack the new weights for
+    oneDNN again), in the process that holds the model (``vllm_config``: the engine's VllmConfig)."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    config = llm.llm_engine.vllm_config
-
-    def load(model):
-        model.load_weights(iter(tensors.items()))
-        if os.environ.get(FAULT) != "stale-packed-weights":
-            process_weights_after_loading(model, config.model_config, next(model.parameters()).device)
-
-    llm.apply_model(load)
-    llm.reset_prefix_cache()
+    model.load_weights(iter(tensors.items()))
+    if os.environ.get(FAULT) != "stale-packed-weights":
+        process_weights_after_loading(model, vllm_config.model_config, next(model.parameters()).device)
 
 
 def kernels_of(model: torch.nn.Module) -> dict:

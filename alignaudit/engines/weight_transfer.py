@@ -124,3 +124,43 @@ def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
         t = tensors[name]
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{value}\n".encode())
     return h.hexdigest()
+
+
+def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{hf_name: sha256 of the tensor's bytes (dtype and layout as stored, contiguous)}``."""
+    return {name: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+            for name, t in sorted(tensors.items())}
+
+
+def load_and_check(held, load, stale, transport: str, path: str | None, handles: str | None) -> dict:
+    """The rollout side of one weight sync, wherever the model lives (the rl worker, or vLLM's own worker process in
+    --engine-mode async): the trainer's weights read from ``path`` (``file``: a safetensors file) or opened from
+    ``handles`` (``cuda_ipc``: ``share``'s payload), measured against the weights held before (``update_stats``),
+    loaded, then checked.
+
+    Args:
+        held: () -> the weights the engine computes with, in HF names. load: (tensors) -> None, the engine's load.
+        stale: () -> the layers whose packed GEMM does not compute with their weight ([] where nothing is packed).
+    Returns:
+        {"update", "stale"} and, for ``file``, "checksums" (every held tensor's sha256; the parent compares them
+        with the trainer's); for ``cuda_ipc``, "differing" (held tensors whose bits differ from the trainer's own
+        memory), "tensors" and "digest" (``fingerprint`` of what is held).
+    """
+    if transport == "cuda_ipc":
+        new = receive(handles)
+    else:
+        from safetensors.torch import load_file
+
+        new = load_file(path)
+    reply = {"update": update_stats(held(), new)}
+    load(new)
+    now = held()
+    if transport == "cuda_ipc":
+        reply["differing"], reply["tensors"], reply["digest"] = differing(now, new), len(now), fingerprint(now)
+        del new, now
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()  # release the trainer's blocks this process no longer maps
+    else:
+        reply["checksums"] = checksums(now)
+    reply["stale"] = stale()
+    return reply
