@@ -10,7 +10,8 @@
     vllm_weights(llm)                     the weights a running vLLM holds, in HF names
 
 Every argument either takes effect or raises alignaudit.errors.InputError (one line naming it and the fix)
-before any engine starts; the checks are the CLI's.
+before any engine starts; the checks are the CLI's own, from the typer-free request builder both call
+(alignaudit.commands.requests).
 """
 
 from __future__ import annotations

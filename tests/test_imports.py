@@ -153,3 +153,9 @@ def test_the_api_and_the_request_builder_reach_no_typer(graph):
     for module in ("alignaudit.api", "alignaudit.commands.requests", "alignaudit.rl.request"):
         assert "typer" not in _reach(graph, module), module
     assert "typer" in _reach(graph, "alignaudit.commands.options")  # the reader sees typer where it is
+
+
+def test_no_module_is_over_600_lines():
+    """One job per file: a module past 600 lines is doing several (split it, as kernels/attention/ was)."""
+    long = {name: n for name, file in _modules().items() if (n := len(file.read_text().splitlines())) > 600}
+    assert long == {}

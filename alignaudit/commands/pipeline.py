@@ -25,7 +25,7 @@ from alignaudit.comparison.op_diff import DIFFERS, compare_op, first_divergence,
 from alignaudit.comparison.repeat import summarize_repeats
 from alignaudit.comparison.token_diff import align_tokens, compare_tokens, per_sequence, summarize
 from alignaudit.comparison.vocab import vocab_columns
-from alignaudit.engines.checks import check_full_vocab, check_routing_replay, processed_logprobs, routing_observable
+from alignaudit.engines.checks import processed_logprobs, routing_observable
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec, checkpoint_sha256
 from alignaudit.inputs.prompts import TokenBatch
@@ -117,19 +117,17 @@ def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2,
 
 @marks_failure
 def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None) -> dict:
-    """Capture ``request.train`` and ``request.infer`` on the same token ids, then diff them into ``out``.
+    """Capture ``request.train`` and ``request.infer`` on the same token ids, then diff them into ``out``. The request
+    is trusted as built (alignaudit.commands.requests.build_request checked every setting before any engine started).
 
     Prompt mode: both engines score the prompts teacher-forced. Rollout mode: the inference engine samples
     completions and records their logprobs while decoding; the training engine then scores prompt +
     completion in one pass; when the rollout engine records processed logprobs (vLLM
     ``logprobs_mode=processed_logprobs``), the trainer scores the generated tokens under the same sampling
-    transform (temperature, top-k, top-p), as RL trainers do. ``request.full_vocab`` (prompt mode; checked here
-    too, engines.checks.check_full_vocab) has both engines record their full log-softmax rows, and the diff adds
-    the per-position divergence of the two distributions (alignaudit.comparison.vocab).
-    ``on_stage(text)`` receives progress lines.
+    transform (temperature, top-k, top-p), as RL trainers do. ``request.full_vocab`` (prompt mode) has both engines
+    record their full log-softmax rows, and the diff adds the per-position divergence of the two distributions
+    (alignaudit.comparison.vocab). ``on_stage(text)`` receives progress lines.
     """
-    if request.full_vocab:
-        check_full_vocab(request.train, request.infer, request.mode)
     record = {**request.record("compare"), "status": "running"}
     write_json(out / RUN, record)
 
@@ -171,7 +169,6 @@ def _compare_replayed(request: Request, out: Path, record: dict, stream_log: boo
     twice, on its own routing (``train-unreplayed/``) and replaying the infer engine's (``train/``, the run's
     train side); both compared with the infer capture, the second written as the run's comparison and the first
     summarized in summary["routing_replay"] (routing_replay_record)."""
-    check_routing_replay(request.spec, request.train, request.infer, request.mode, request.repeat)
     kw = {"stream_log": stream_log, "ops": ROUTING}
     infer_capture = capture(request.spec, request.batch, request.infer, out / "infer", role="infer",
                             on_progress=stage(request.infer, "inference"), **kw)
