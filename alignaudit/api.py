@@ -184,17 +184,22 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
             mode: str = "prompt", prompts: str | Path | None = None, random_prompts: int | None = None,
             prompt_len: int | None = None, dtype: str = "bf16", device: str = "auto",
             train_options: dict[str, Any] | None = None, infer_options: dict[str, Any] | None = None,
-            max_new_tokens: int = 32, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+            max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
+            top_p: float | None = None,
             group_size: int | None = None, stop_at_eos: bool | None = None, prompt_logprobs: bool | None = None,
             engine_mode: str | None = None, arrival_gap: float | None = None,
             random_weights: bool = False, seed: int = 0, clip_eps: float = 0.2, out: str | Path | None = None,
-            force: bool = False, replay_routing: bool = False, full_vocab: bool = False) -> Comparison:
+            force: bool = False, replay_routing: bool = False, full_vocab: bool = False, repeat: int = 1
+            ) -> Comparison:
     """Run ``alignaudit compare`` from Python: the same validation, engines (each in its own worker process),
     outputs and sealed run.json, into ``out`` (default: a new alignaudit-runs/compare-<time> directory; an
     existing non-empty one needs ``force``). Arguments are the CLI's options (docs/cli.md): ``strict`` "all" or a
     comma list; ``train_options`` / ``infer_options`` the ``--train-opt`` / ``--infer-opt`` settings;
     ``replay_routing`` is ``--replay-routing`` (summary["routing_replay"]).
-    ``full_vocab`` is ``--full-vocab`` (the summary's ``vocab`` record and the tokens' ``vocab_*`` columns).
+    ``full_vocab`` is ``--full-vocab`` (the summary's ``vocab`` record and the tokens' ``vocab_*`` columns);
+    ``repeat`` is ``--repeat`` (prompt mode: runs per engine on the same token ids, summary["repeats"]).
+    ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``: None is 32, 1.0, 0 (off), 1.0 (off) in rollout mode; a
+    value given in prompt mode is refused, the default's too.
     The rollout shape (mode "rollout"): ``group_size`` (``--group-size``), ``stop_at_eos`` and ``prompt_logprobs``
     (None: the rollout engine's default, vLLM's being EOS on and no prompt logprobs; ``--stop-at-eos/--ignore-eos``,
     ``--prompt-logprobs/--no-prompt-logprobs``), ``engine_mode`` "offline" or "async" and ``arrival_gap`` seconds
@@ -232,7 +237,8 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise InputError(f"{name} {value!r}: an integer")
     for name, value in (("temperature", temperature), ("top_p", top_p), ("clip_eps", clip_eps)):
-        _check_number(name, value)
+        if value is not None or name == "clip_eps":
+            _check_number(name, value)
     if out is not None and not isinstance(out, (str, Path)):
         raise InputError(f"out {out!r}: a directory path (str or pathlib.Path)")
     for name, value in (("force", force), ("random_weights", random_weights)):
@@ -248,7 +254,8 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
                             engine_mode, arrival_gap)
     request = build_request(ModelArgs(str(model), random_weights, seed),
                             PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
-                            pair, sampling, clip_eps, replay_routing=replay_routing, full_vocab=full_vocab)
+                            pair, sampling, clip_eps, replay_routing=replay_routing, full_vocab=full_vocab,
+                            repeat=repeat)
     path = out_dir(OutputArgs(str(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
     try:
         summary = run_compare(request, path)

@@ -144,6 +144,13 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
                             ({"train_options": ["a=1"]}, "train_options: a dict"),
                             ({"max_new_tokens": "8", "mode": "rollout"}, "max_new_tokens '8': an integer"),
                             ({"temperature": 0.5}, "--temperature applies to rollouts"),
+                            # the rollout defaults given in prompt mode: refused too (they would not take effect)
+                            ({"max_new_tokens": 32}, "--max-new-tokens applies to rollouts"),
+                            ({"top_k": 0}, "--top-k applies to rollouts"),
+                            ({"mode": "rollout", "temperature": float("nan")}, "--temperature nan: rollout mode"),
+                            ({"mode": "rollout", "max_new_tokens": 0}, "--max-new-tokens 0: rollout mode samples"),
+                            ({"repeat": 2, "mode": "rollout"}, "--repeat reruns teacher-forced prompts"),
+                            ({"repeat": True}, "--repeat True: give the number of runs per engine"),
                             ({"group_size": 2}, "--group-size applies to rollouts"),
                             ({"mode": "rollout", "stop_at_eos": "yes"}, "stop_at_eos 'yes': True, False or None"),
                             ({"mode": "rollout", "engine_mode": "server"}, "--engine-mode 'server': choose one of"),

@@ -41,9 +41,10 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """Numerical alignment auditor for RL: training-engine vs rollout-engine logprobs, down to the ULP."""
 
 
-# in the order `alignaudit --help` lists them
-COMMANDS = (compare_commands.compare, compare_commands.rescore, compare_commands.bisect, capture_command.capture,
-            compare_commands.diff, compare_commands.gate, rl_command.rl, compare_commands.ablate,
+# in the order `alignaudit --help` lists them: compare and what digs into it, RL, the two halves of a compare, the
+# verdict and the page
+COMMANDS = (compare_commands.compare, compare_commands.bisect, compare_commands.ablate, compare_commands.rescore,
+            rl_command.rl, capture_command.capture, compare_commands.diff, compare_commands.gate,
             compare_commands.report)
 for _command in COMMANDS:
     app.command()(grouped(_command))

@@ -304,11 +304,11 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
     style = "bold green" if verdict.passed else "bold red"
     console.print(f"[{style}]gate {verdict.label.upper()}[/] ({escape(verdict.rule)}): "
                   f"{verdict.mismatches} of {verdict.tokens_compared} tokens differ, max ULP {verdict.ulp_max}",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)  # one line, whatever the width: CI logs grep it
     for reason in verdict.reasons:
-        console.print(f"  {escape(reason)}", highlight=False)
+        console.print(f"  {escape(reason)}", highlight=False, soft_wrap=True)
     for note in verdict.notes:
-        console.print(f"  not judged: {escape(note)}", highlight=False)
+        console.print(f"  not judged: {escape(note)}", highlight=False, soft_wrap=True)
     if Path(targets[0]).resolve().parent == Path(run_dir).resolve():  # the verdict went into the run: so does the page
         results(*targets, *write_page(Path(run_dir)))
     if verdict.error:

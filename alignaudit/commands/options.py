@@ -10,6 +10,7 @@ command line (each field's typer option is ``OPTION_TYPES[field]``), then hands 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -19,13 +20,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from alignaudit.commands.requests import GROUPS
+from alignaudit.commands.requests import GROUPS, ROLLOUT_DEFAULTS
 
 ModelOpt = Annotated[str, typer.Option(
     "--model", "-m", metavar="MODEL",
     help="Checkpoint directory, hub id in the local HF cache, or preset name with --random-weights "
          "(Qwen3-0.6B ... Qwen3-32B, Qwen2.5-0.5B/1.5B/7B, Llama-3.2-1B/3B, Llama-3.1-8B, Qwen3-30B-A3B), or an "
-         "embedded fixture: qwen3-tiny (the default), qwen2-tiny, llama-tiny, qwen3-moe-tiny.")]
+         "embedded fixture: qwen3-tiny (the default), qwen3-tiny-trained (rl --reward task), qwen2-tiny, llama-tiny, "
+         "qwen3-moe-tiny.")]
 RandomWeightsOpt = Annotated[bool, typer.Option("--random-weights", metavar="",
                                                 help="Synthesize a preset's checkpoint with random weights "
                                                 "(once, cached).")]
@@ -91,7 +93,8 @@ GeoMaskHighOpt = Annotated[float, typer.Option("--geo-mask-high", metavar="H",
 ModeOpt = Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
                                       "(the inference engine samples, the training engine rescores).")]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", metavar="N",
-                                              help="Rollout: tokens sampled per prompt.")]
+                                              help="Rollout: tokens sampled per completion (at most, where EOS "
+                                              "ends it).")]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", metavar="T",
                                                help="Rollout: sampling temperature (> 0). With --infer-opt "
                                                "logprobs_mode=processed_logprobs the trainer replays it.")]
@@ -121,6 +124,15 @@ ArrivalGapOpt = Annotated[Optional[float], typer.Option("--arrival-gap", metavar
                                                         "async: seconds between two requests' arrivals (default "
                                                         "0.02).", show_default=False)]
 
+def _unset_by_default(option, default) -> type:
+    """``option`` as a request group's field takes it: Optional, None when not given (so that a value given in prompt
+    mode is refused even where it equals the default), the rollout default named in the help instead."""
+    kind, info = typing.get_args(option)
+    info = copy.copy(info)
+    info.help, info.show_default = f"{info.help} Default {default:g} in rollout mode.", False
+    return Annotated[Optional[kind], info]
+
+
 # field of a request group -> its typer option
 OPTION_TYPES = {
     "model": ModelOpt,
@@ -141,10 +153,8 @@ OPTION_TYPES = {
     "strict_exp": StrictExpOpt,
     "lm_head_dtype": LmHeadOpt,
     "mode": ModeOpt,
-    "max_new_tokens": MaxNewTokensOpt,
-    "temperature": TemperatureOpt,
-    "top_k": TopKOpt,
-    "top_p": TopPOpt,
+    **{field: _unset_by_default(option, ROLLOUT_DEFAULTS[field]) for field, option in (
+        ("max_new_tokens", MaxNewTokensOpt), ("temperature", TemperatureOpt), ("top_k", TopKOpt), ("top_p", TopPOpt))},
     "group_size": GroupSizeOpt,
     "stop_at_eos": StopAtEosOpt,
     "prompt_logprobs": PromptLogprobsOpt,

@@ -75,10 +75,11 @@ class PairArgs:
 class SamplingArgs:
     """Prompt or rollout mode, and how the rollout samples."""
     mode: str = "prompt"
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    # None: not given (ROLLOUT_DEFAULTS in rollout mode); any value in prompt mode is refused, the default's too
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
     group_size: int | None = None
     stop_at_eos: bool | None = None
     prompt_logprobs: bool | None = None
@@ -148,6 +149,7 @@ def check_clip_eps(eps: float) -> float:
     return eps
 
 
+ROLLOUT_DEFAULTS = {"max_new_tokens": 32, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 SAMPLING_FLAGS = {"--max-new-tokens": "max_new_tokens", "--temperature": "temperature", "--top-k": "top_k",
                   "--top-p": "top_p", "--group-size": "group_size", "--stop-at-eos/--ignore-eos": "stop_at_eos",
                   "--prompt-logprobs/--no-prompt-logprobs": "prompt_logprobs", "--engine-mode": "engine_mode",
@@ -167,10 +169,7 @@ def sampling(args: SamplingArgs, seed: int):
             raise errors.InputError(f"{given[0]} applies to rollouts and would not take effect in prompt mode; add "
                                     f"--mode rollout or drop {given[0]}")
         return None
-    if args.max_new_tokens < 1 or not args.temperature > 0:
-        raise errors.InputError("rollout mode needs --max-new-tokens >= 1 and --temperature > 0")
-    if args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise errors.InputError("--top-k must be >= 0 (0 = off) and --top-p in (0, 1] (1 = off)")
+    new, temperature, top_k, top_p = _sampled(args)
     group = 1 if args.group_size is None else args.group_size
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise errors.InputError(f"--group-size {group!r}: completions per prompt, an integer >= 1")
@@ -189,8 +188,24 @@ def sampling(args: SamplingArgs, seed: int):
         gap = DEFAULT_ARRIVAL_GAP_S
     elif isinstance(gap, bool) or not isinstance(gap, (int, float)) or not (0 <= gap < math.inf):
         raise errors.InputError(f"--arrival-gap {gap!r}: seconds between arrivals, a finite number >= 0")
-    return Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed, group,
+    return Sampling(new, temperature, top_k, top_p, seed, group,
                     args.stop_at_eos, args.prompt_logprobs, engine_mode, None if gap is None else float(gap))
+
+
+def _sampled(args: SamplingArgs) -> tuple[int, float, int, float]:
+    """(max_new_tokens, temperature, top_k, top_p) of a rollout, ROLLOUT_DEFAULTS where not given. Raises InputError
+    naming the value out of range."""
+    new, temperature, top_k, top_p = (ROLLOUT_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)
+                                      for k in ROLLOUT_DEFAULTS)
+    if new < 1:
+        raise errors.InputError(f"--max-new-tokens {new}: rollout mode samples 1 or more tokens per completion")
+    if not temperature > 0:
+        raise errors.InputError(f"--temperature {temperature}: rollout mode needs a temperature > 0")
+    if top_k < 0:
+        raise errors.InputError(f"--top-k {top_k}: 0 (off) or more")
+    if not 0 < top_p <= 1:
+        raise errors.InputError(f"--top-p {top_p}: in (0, 1] (1 = off)")
+    return new, temperature, top_k, top_p
 
 
 def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_check=None):

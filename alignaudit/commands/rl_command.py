@@ -113,7 +113,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     out = out_dir(output, "rl", RL_OUTPUTS)
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[last]}"))
-    with Progress(*columns, console=console, transient=False) as progress:
+    # transient: the step lines above the bar stay; the bar's last frame is not printed again (cut to the width)
+    with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("rl", total=steps, last="starting engines")
 
         def on_step(row: dict) -> None:  # a line per step above the bar (a log or CI keeps each one whole)
@@ -128,7 +129,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     style = "bold green" if bad == 0 and unsynced == 0 else "bold red"
     console.print(f"[{style}]{bad} of {len(table)} steps with mismatching tokens; {unsynced} weight syncs not "
                   f"bit-equal[/]; reward {table['reward_mean'].iloc[0]:.3f} -> {table['reward_mean'].iloc[-1]:.3f}",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
     results(out / STEPS, out / PLOT, out / RUN, *write_page(out))
 
 

@@ -178,6 +178,10 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
     finally:
         for session in sessions:
             session.close()
+        # the file transport's last export: the trainer's whole weights (16 GB at the Qwen3-8B shape), not a record
+        (out / SYNC_DIR / SYNC_WEIGHTS).unlink(missing_ok=True)
+        if (out / SYNC_DIR).is_dir() and not any((out / SYNC_DIR).iterdir()):
+            (out / SYNC_DIR).rmdir()
         if export:
             export.close()
         if rl.full_vocab and not rl.keep_vocab_rows:

@@ -85,6 +85,7 @@ def test_self_consistency_same_engine_both_sides(tmp_path):
     (["--strict", "all,bogus"], "--strict: unknown op(s) bogus"),
     (["--temperature", "0.5"], "--temperature applies to rollouts and would not take effect in prompt mode"),
     (["--max-new-tokens", "8"], "--max-new-tokens applies to rollouts"),
+    (["--max-new-tokens", "32"], "--max-new-tokens applies to rollouts"),  # the rollout default, given: refused too
     (["--strict-exp", "native"], "add attention to --strict"),
     (["--strict", "rmsnorm", "--strict-exp", "native"], "add attention to --strict"),
     (["--strict", "--strict-exp", "native", "--device", "cpu"], "use --device cuda"),

@@ -303,6 +303,7 @@ def test_async_rollouts_sync_inside_vllms_engine_process(tmp_path):
         assert (s["max_running_requests"] >= 1).all() and s["arrived_while_running"].notna().all(), name
     strict, default = runs["strict"][0], runs["default"][0]
     assert (strict["mismatches"] == 0).all() and (default["mismatches"] > 0).all()
+    assert not (tmp_path / "strict" / "sync").exists()  # the file transport's weights are not left behind
 
 
 @pytest.mark.parametrize("argv, message", [
