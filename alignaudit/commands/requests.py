@@ -118,10 +118,14 @@ GROUPS = (ModelArgs, PromptArgs, PairArgs, SamplingArgs, OutputArgs, ISArgs)
 
 
 def resolve_model_arg(args: ModelArgs):
+    """The ModelSpec of --model (alignaudit.inputs.checkpoint.resolve_model). Raises InputError for a model it
+    cannot find or read."""
     return resolve_model(args.model, random_weights=args.random_weights, seed=args.seed)
 
 
 def resolve_device(device: str) -> str:
+    """"cpu" or "cuda" for --device (auto: cuda where torch sees a GPU). Raises InputError for another name, for
+    ROCm spellings (torch calls those GPUs cuda), and for cuda without a GPU."""
     import torch
 
     if device == "auto":
@@ -136,6 +140,7 @@ def resolve_device(device: str) -> str:
 
 
 def check_dtype(dtype: str) -> str:
+    """``dtype`` if it is one of alignaudit.inputs.request.DTYPES (bf16, fp16, fp32), else InputError."""
     from alignaudit.inputs.request import DTYPES
 
     if dtype not in DTYPES:
@@ -144,6 +149,7 @@ def check_dtype(dtype: str) -> str:
 
 
 def check_clip_eps(eps: float) -> float:
+    """``eps`` if it lies in (0, 1) (the PPO clip range [1 - eps, 1 + eps]), else InputError."""
     if not 0 < eps < 1:
         raise errors.InputError(f"--clip-eps {eps}: the PPO clip epsilon must lie in (0, 1), e.g. 0.2")
     return eps

@@ -54,7 +54,6 @@ class Worker:
                 "load_weights": "_load_weights", "checksums": "_checksums"}
 
     def __init__(self, request: dict, rank: int = 0):
-
         started = time.perf_counter()
         self.role, self.rank = request["role"], rank
         self.spec = ModelSpec(**request["spec"])
