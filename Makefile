@@ -14,7 +14,8 @@ PYTEST_ARGS ?=
 # 2 cores, 2026-12-04 (fba5a70): 668 and 670 s of tests from fresh clones, 726 s with empty compile caches;
 # (c495bc3, AMD AVX-512): 610 s, then 53 s for the `isa` tests again under ATEN_CPU_CAPABILITY=default;
 # (47ffd68, the same CPU, fresh clone): 686 s (643 tests: async and framework-shaped rollouts, the trained fixture's
-# 20 rl steps, the API's rollout shape), then 62 s.
+# 20 rl steps, the API's rollout shape), then 62 s; (dad44be, the same CPU, fresh clone): 682 s (652 tests: the
+# layering refactor, rl --engine-mode async's two runs), then 62 s.
 # PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 
