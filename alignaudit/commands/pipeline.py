@@ -23,6 +23,7 @@ from alignaudit.capture.rundir import BISECT, DIFF_OUTPUTS, OPS_FILES, RUN, SEQU
 from alignaudit.comparison.integrity import capture_record, manifest_sha256, marks_failure, seal
 from alignaudit.comparison.op_diff import DIFFERS, compare_op, first_divergence, routing_agreement
 from alignaudit.comparison.repeat import summarize_repeats
+from alignaudit.comparison.summary import Summary
 from alignaudit.comparison.token_diff import align_tokens, compare_tokens, per_sequence, summarize
 from alignaudit.comparison.vocab import vocab_columns
 from alignaudit.engines.checks import processed_logprobs, routing_observable
@@ -68,7 +69,7 @@ def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role:
 
 
 def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2,
-                  routing_note: str | None = None, importance: ISThresholds | None = None) -> dict:
+                  routing_note: str | None = None, importance: ISThresholds | None = None) -> Summary:
     """Compare two captures (checked by alignaudit.comparison.integrity first); write tokens.parquet, sequences.parquet
     and summary.json. ``routing_note``: why a mixture-of-experts comparison holds no routing (the captures
     were made without it). ``importance``: the IS diagnostics' thresholds (default ISThresholds())."""

@@ -27,6 +27,7 @@ import torch
 
 from alignaudit import numerics
 from alignaudit.comparison.importance import summarize_importance
+from alignaudit.comparison.summary import Summary, TokenSummary
 from alignaudit.errors import InputError
 from alignaudit.inputs.request import ISThresholds
 
@@ -91,11 +92,12 @@ WORST_SEQUENCES = 20
 
 
 def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2, sequences: pd.DataFrame | None = None,
-              importance: ISThresholds | None = None) -> dict:
-    """Summary record of a ``compare_tokens`` table: counts, ULP distribution, RL impact, IS diagnostics at
-    ``importance``'s thresholds, and the ``WORST_SEQUENCES`` worst sequences (``sequences``, the ``per_sequence``
-    table, has them all); with rollout tokens, the same record for the generated tokens alone under ``generated``;
-    with full-vocabulary columns (alignaudit.comparison.vocab.vocab_columns), their record under ``vocab``."""
+              importance: ISThresholds | None = None) -> Summary:
+    """Summary record (alignaudit.comparison.summary.Summary) of a ``compare_tokens`` table: counts, ULP
+    distribution, RL impact, IS diagnostics at ``importance``'s thresholds, and the ``WORST_SEQUENCES`` worst sequences
+    (``sequences``, the ``per_sequence`` table, has them all); with rollout tokens, the same record for the generated
+    tokens alone under ``generated``; with full-vocabulary columns (alignaudit.comparison.vocab.vocab_columns), their
+    record under ``vocab``."""
     summary = summarize_tokens(tokens, clip_eps, importance)
     sequences = per_sequence(tokens) if sequences is None else sequences
     summary["worst_sequences"] = _records(worst_sequences(sequences, WORST_SEQUENCES))
@@ -108,7 +110,7 @@ def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2, sequences: pd.DataFra
     return summary
 
 
-def summarize_tokens(tokens: pd.DataFrame, clip_eps: float, importance: ISThresholds | None = None) -> dict:
+def summarize_tokens(tokens: pd.DataFrame, clip_eps: float, importance: ISThresholds | None = None) -> TokenSummary:
     """Counts, ULP distribution, NaN/Inf counts, RL impact and (``importance``: importance.summarize_importance at
     these thresholds, default ISThresholds()) IS diagnostics of a ``compare_tokens`` table (no per-sequence
     view). Raises InputError for an empty table or invalid thresholds."""
