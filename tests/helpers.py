@@ -287,3 +287,19 @@ def vllm_packs_cpu_weights() -> bool:
     x = torch.randn(4, 64).to(torch.bfloat16)
     layer.weight.data.mul_(2)
     return not torch.equal(layer.cpu_linear(x, layer.weight, None), torch.nn.functional.linear(x, layer.weight))
+
+
+def tokens_of(train, infer, generated=None):
+    """A compare_tokens table of two sequences (the first half of the rows, then the rest) with these logprobs
+    (cast to fp32) and generated flags (default: none generated)."""
+    import numpy as np
+    import pandas as pd
+
+    from alignaudit.comparison.token_diff import compare_tokens
+
+    n = len(train)
+    return compare_tokens(pd.DataFrame({
+        "seq": np.repeat([0, 1], [n // 2, n - n // 2]), "pos": np.r_[np.arange(1, n // 2 + 1),
+                                                                     np.arange(1, n - n // 2 + 1)],
+        "token_id": np.arange(n) % 7, "generated": np.zeros(n, bool) if generated is None else generated,
+        "lp_train": train.astype(np.float32), "lp_infer": infer.astype(np.float32)}))

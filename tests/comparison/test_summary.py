@@ -7,25 +7,15 @@ import ast
 import typing
 
 import numpy as np
-import pandas as pd
 
 from alignaudit.comparison.summary import RLImpact, SideCounts, Summary, TokenSummary
-from alignaudit.comparison.token_diff import compare_tokens, summarize
-from helpers import ROOT
-
-
-def _tokens(generated: np.ndarray) -> pd.DataFrame:
-    n = len(generated)
-    return compare_tokens(pd.DataFrame({
-        "seq": np.repeat([0, 1], n // 2).astype(np.int32), "pos": np.tile(np.arange(1, n // 2 + 1), 2),
-        "token_id": np.zeros(n, dtype=np.int32), "generated": generated,
-        "lp_train": np.linspace(-3, -1, n).astype(np.float32),
-        "lp_infer": np.linspace(-3.5, -0.5, n).astype(np.float32),
-    }))
+from alignaudit.comparison.token_diff import summarize
+from helpers import ROOT, tokens_of
 
 
 def test_summarize_writes_exactly_the_schema():
-    summary = summarize(_tokens(np.array([False, True, True, False, True, True])))
+    summary = summarize(tokens_of(np.linspace(-3, -1, 6), np.linspace(-3.5, -0.5, 6),
+                                  np.array([False, True, True, False, True, True])))
     required = set(TokenSummary.__annotations__)
     assert set(summary) == required | {"worst_sequences", "generated"}
     assert set(summary) <= set(Summary.__annotations__) and Summary.__required_keys__ == frozenset(required)

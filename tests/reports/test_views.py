@@ -12,18 +12,10 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from alignaudit.comparison.token_diff import compare_tokens, summarize
+from alignaudit.comparison.token_diff import summarize
 from alignaudit.reports.terminal import render_comparison
 from alignaudit.reports.views import bucket_label, bucket_of, prompt_ends, readable, summary_sections, ulp_buckets
-
-
-def tokens_of(train: np.ndarray, infer: np.ndarray, generated=None) -> pd.DataFrame:
-    n = len(train)
-    return compare_tokens(pd.DataFrame({
-        "seq": np.repeat([0, 1], [n // 2, n - n // 2]), "pos": np.r_[np.arange(1, n // 2 + 1),
-                                                                     np.arange(1, n - n // 2 + 1)],
-        "token_id": np.arange(n) % 7, "generated": np.zeros(n, bool) if generated is None else generated,
-        "lp_train": train.astype(np.float32), "lp_infer": infer.astype(np.float32)}))
+from helpers import tokens_of
 
 
 def test_bucket_of_is_the_bit_length():
@@ -112,7 +104,6 @@ def test_terminal_summary_is_grouped(mismatch):
 def test_rl_page_groups_every_importance_column_into_named_panels():
     """An rl step record's 31 is_* columns (comparison/importance.FIELDS) land in 8 named panels, not one panel
     each; a column no panel names still gets its own (nothing the steps hold is left out)."""
-    import pandas as pd
 
     from alignaudit.comparison.importance import FIELDS
     from alignaudit.reports.html.rl import panels
