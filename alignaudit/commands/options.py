@@ -48,9 +48,10 @@ ForceOpt = Annotated[bool, typer.Option("--force", metavar="",
                                              "there are replaced, nothing else is touched.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Stream the engine workers' logs.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", metavar="", help="Show tracebacks on errors.")]
-TrainOpt = Annotated[str, typer.Option("--train", metavar="ENGINE", help="Training engine: megatron, hf or vllm.")]
+TrainOpt = Annotated[str, typer.Option("--train", metavar="ENGINE", help="Training engine: megatron, hf or vllm "
+                                       "(rl trains with megatron or hf).")]
 InferOpt = Annotated[str, typer.Option("--infer", metavar="ENGINE",
-                                       help="Inference (rollout) engine: vllm, hf or megatron.")]
+                                       help="Inference (rollout) engine: vllm, hf or megatron (rollouts: vllm or hf).")]
 TrainDtypeOpt = Annotated[Optional[str], typer.Option("--train-dtype", metavar="DTYPE",
                                                       help="Override --dtype for the training engine.")]
 InferDtypeOpt = Annotated[Optional[str], typer.Option("--infer-dtype", metavar="DTYPE",

@@ -90,6 +90,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     alignaudit rl --steps 5 --lr 0                     # control: weights fixed, sync still runs
     alignaudit rl --train hf --infer hf --steps 20 --strict
     alignaudit rl --steps 50 --log-to tensorboard      # tensorboard --logdir RUN/tensorboard
+    alignaudit rl --steps 20 --strict --engine-mode async   # vLLM's AsyncLLM, requests arriving 20 ms apart
     ```
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
