@@ -40,7 +40,7 @@
 # random checkpoints of SYNTH (comma-separated presets) once, before stages run side by side (the cache is not
 # safe for two writers). CMP_OPTS: options added to every compare and to vllm-rl17 (e.g. --infer-opt
 # gpu_memory_utilization=0.2 --infer-opt kv_cache_memory_bytes=4294967296, for two stages side by side on one GPU);
-# CMP_TIMEOUT: seconds per compare (420).
+# CMP_TIMEOUT: seconds per compare (420). CMP_OPTS reaches grpo's runs (grpo17, grpo8, task-rl) and vllm-rl17-shaped too.
 # [18]: ipc the CUDA IPC weight-transfer test; rl-bench seconds per RL step and stage, strict vs default, Qwen3-1.7B shape,
 # 8 prompts x 4 completions x 64 tokens (bench/rl_steps.py; RLB_STEPS); grpo17 the same shape for GRPO_STEPS (200) steps
 # (GRPO_OPTS: --strict by default, GRPO_TAG names the run); grpo8 the Qwen3-8B shape (GRPO8_STEPS, GRPO8_MB micro-batch);
@@ -145,7 +145,7 @@ grpo() {  # $1 name, rest: rl options; megatron trains, CUDA vLLM rolls out; ste
   local left=$(( ${CALL_S:-590} - (SECONDS - ${started:-0}) - 25 )) limit=${GRPO_TIMEOUT:-570}
   (( left < limit )) && limit=$left
   timeout $limit python3 -m alignaudit rl --train megatron --infer vllm --device cuda --lr ${GRPO_LR:-1e-6} \
-    --no-token-rows --out /dev/shm/$name --force "$@" 2>&1 | log | tail -4
+    --no-token-rows --out /dev/shm/$name --force "$@" ${CMP_OPTS:-} 2>&1 | log | tail -4
   for f in steps.parquet steps.png run.json; do cp /dev/shm/$name/$f "$out/$name-$f" 2>/dev/null; done
   python3 - /dev/shm/$name <<'PY' 2>&1 | log
 import json, sys, pathlib, pandas as pd
@@ -285,7 +285,7 @@ for stage in "$@"; do
                       timeout ${RL_TIMEOUT:-500} python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --prompts $SHAPED_PROMPTS \
                         --train megatron --infer vllm --device cuda --strict --steps ${RL_STEPS:-20} --group-size 8 --max-new-tokens 64 \
                         --sleep-level 1 --engine-mode ${RL_ENGINE_MODE:-async} $([ "${RL_ENGINE_MODE:-async}" = async ] && echo --arrival-gap 0.05) \
-                        --infer-opt "$STOPS" --lr 1e-6 --no-token-rows --out /dev/shm/vrl17s --force 2>&1 | log | tail -4
+                        --infer-opt "$STOPS" --lr 1e-6 --no-token-rows --out /dev/shm/vrl17s --force ${CMP_OPTS:-} 2>&1 | log | tail -4
                       cp /dev/shm/vrl17s/steps.parquet "$out/vrl17s-steps.parquet" 2>/dev/null
                       python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17s/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','completions_ended_early','completion_len_mean','prefix_cache_hits','arrived_while_running','max_running_requests','sleep_freed_gib','wake_taken_gib','seconds','rollout_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
     trl) for how in ${TRL_HOW:-strict default}; do
