@@ -6,10 +6,14 @@
 
 What it changes against TRL's GRPOTrainer (TRL 1.16, trl/trainer/grpo_trainer.py), each because TRL's own path
 would make the trainer's logprob of a sampled token another number than vLLM's:
-    vLLM      TRL builds its colocated LLM itself, after ALIGNAUDIT_STRICT names the strict ops, so the strict
-              plugin (alignaudit.engines.vllm.plugin) patches it, processed logprobs included (TRL runs vLLM with
-              logprobs_mode="processed_logprobs"); VLLM_USE_V2_MODEL_RUNNER=0 unless set, since the plugin makes
-              processed logprobs strict under model runner V1 only.
+    vLLM      TRL builds its colocated LLM itself, in this process (distributed_executor_backend
+              "external_launcher"); the strict plugin (alignaudit.engines.vllm.plugin) is registered here first,
+              not left to vLLM's entry-point loading (absent where alignaudit runs from a source tree, or where
+              VLLM_PLUGINS leaves it out), so it patches that LLM, processed logprobs included (TRL runs vLLM
+              with logprobs_mode="processed_logprobs"); VLLM_USE_V2_MODEL_RUNNER=0 unless set, since the plugin
+              makes processed logprobs strict under model runner V1 only. Once TRL has built it, what computes is
+              read back (the plugin's applied ops, every layer's attention implementation and linear method) and
+              anything not strict stops the constructor (EngineError).
     policy    the transformers model with the strict module swap (alignaudit.api.strict_hf_model); a model given
               as an object must already be strict.
     logprobs  TRL scores tokens with its fused, chunked LM head (trl/trainer/utils.py add_fused_lm_head), whose
@@ -25,10 +29,10 @@ would make the trainer's logprob of a sampled token another number than vLLM's:
               logs ``alignaudit/mismatches``, ``alignaudit/tokens``, ``alignaudit/ulp_max`` and
               ``alignaudit/max_abs_diff`` beside TRL's own metrics, and with ``fail_closed=True`` raises
               ``AlignmentError`` before the backward pass of the first micro-batch whose logprobs differ.
-Refused at construction, with the reason: vLLM off or in server mode, TRL's importance-sampling correction off (its
-logp difference and the old logprobs the hook compares are computed only with it), min_p, a repetition penalty,
-generation_kwargs, the LM head cast to fp32 (vLLM projects in the model's dtype), and vLLM's model runner V2 chosen
-explicitly.
+Refused at construction, with the reason (InputError, before TRL builds anything): vLLM off or in server mode,
+TRL's importance-sampling correction off (its logp difference and the old logprobs the hook compares are computed
+only with it), min_p, a repetition penalty, generation_kwargs, the LM head cast to fp32 (vLLM projects in the
+model's dtype), and vLLM's model runner V2 chosen explicitly.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 import alignaudit_kernels as K
 from alignaudit import api
-from alignaudit.errors import EXIT_MISMATCH, AlignAuditError, InputError
+from alignaudit.engines.vllm import plugin as vllm_plugin
+from alignaudit.errors import EXIT_MISMATCH, AlignAuditError, EngineError, InputError
 from alignaudit.inputs.strict_ops import ENV, EXP_ENV, format_strict, parse_strict
 
 HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", torch.bfloat16: "bf16",
@@ -69,6 +74,7 @@ class StrictGRPOTrainer(GRPOTrainer):
     Raises:
         InputError: a setting under which the two sides cannot agree, or a model that is not strict (module
             docstring), before TRL builds anything.
+        EngineError: TRL's vLLM, once built, does not compute with the strict kernels (read back).
     """
 
     def __init__(self, model, *args, strict: str = "all", exp: str = "portable", fail_closed: bool = False,
@@ -96,7 +102,9 @@ class StrictGRPOTrainer(GRPOTrainer):
             model = api.strict_hf_model(str(model), ops=format_strict(ops), dtype=dtype, device=device, exp=exp)
         os.environ[ENV], os.environ[EXP_ENV] = format_strict(ops), exp  # read by the plugin when TRL builds vLLM
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        vllm_plugin.register()
         super().__init__(model, *args, **kwargs)
+        _check_vllm_is_strict(getattr(getattr(self, "vllm_generation", None), "llm", None), ops)
         self.fail_closed = fail_closed
         self.strict_ops = ops
         _strict_fused_head(self.model, self.temperature, self.top_k, self.top_p)
@@ -148,6 +156,23 @@ def _check_config(config) -> None:
     for refused, why in refusals:
         if refused:
             raise InputError(f"StrictGRPOTrainer: {why}")
+
+
+def _check_vllm_is_strict(llm, ops: frozenset[str]) -> None:
+    """Read back that TRL's colocated vLLM computes with the strict kernels: every op in ``ops`` applied by the
+    plugin in this process, and (alignaudit.engines.vllm.weights.check_strict_kernels) every layer's attention
+    implementation and linear method the plugin's. Raises EngineError otherwise, or when TRL keeps its LLM
+    elsewhere than ``GRPOTrainer.vllm_generation.llm`` (TRL 1.16)."""
+    from alignaudit.engines.vllm.weights import check_strict_kernels, kernels_of
+
+    if llm is None:
+        raise EngineError("StrictGRPOTrainer: TRL's colocated vLLM is not at trainer.vllm_generation.llm (TRL 1.16's "
+                          "place), so the strict kernels in it cannot be checked; use TRL 1.16")
+    missing = ops - vllm_plugin.active_ops()
+    if missing:
+        raise EngineError(f"StrictGRPOTrainer: the strict plugin did not patch {', '.join(sorted(missing))} in the "
+                          "process running TRL's vLLM")
+    check_strict_kernels(llm.apply_model(kernels_of)[0], ops)
 
 
 def _strict_fused_head(model, temperature: float, top_k: int, top_p: float) -> None:

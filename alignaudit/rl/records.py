@@ -70,3 +70,60 @@ def plot_steps(steps: pd.DataFrame, path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# (column, panel title, log scale): what the strict-vs-default picture shows, per step, for every run
+RUNS_PANELS = (
+    ("reward_mean", "reward (mean over the step's completions)", False),
+    ("mismatch_fraction", "mismatching tokens (fraction)", False),
+    ("max_abs_diff", "max |lp_train - lp_rollout|", True),
+    ("kl_k3", "KL k3 (rollout || train), per token", True),
+    ("is_geo_mask_fraction", "sequences the geometric mask [0.999, 1.001] drops", False),
+    ("ratio_max", "importance ratio: max (solid) and min (dashed)", False),
+)
+
+
+def plot_runs(runs: dict[str, pd.DataFrame], path: Path, title: str = "") -> None:
+    """Several rl runs' steps.parquet tables overlaid, one line per run, in six panels (``RUNS_PANELS``): the
+    reward; the mismatching-token fraction; max |d logprob| and the k3 KL (log scale; a run that is 0 at every
+    step is named in the panel instead, since 0 has no place on a log axis); the share of sequences the
+    geometric-mean sequence mask would drop; the importance ratio's max and min. Made for a strict and a
+    default run from one checkpoint (docs/findings.md, issue [26]).
+
+    Raises:
+        KeyError: a table without one of the columns (steps.parquet of an older alignaudit)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (column, label, log) in zip(axes.flat, RUNS_PANELS, strict=True):
+        zero_runs = []
+        for i, (name, steps) in enumerate(runs.items()):
+            color = colors[i % len(colors)]
+            shown = steps[steps[column] > 0] if log else steps
+            if log and not len(shown):
+                zero_runs.append(name)
+                continue
+            ax.plot(shown["step"], shown[column], color=color, label=name, linewidth=1)
+            if column == "ratio_max":
+                ax.plot(steps["step"], steps["ratio_min"], color=color, linestyle="--", linewidth=1)
+        if log and len(zero_runs) < len(runs):
+            ax.set_yscale("log")
+        if zero_runs:
+            ax.text(0.5, 0.06, f"{', '.join(zero_runs)}: 0 at every step", transform=ax.transAxes, ha="center",
+                    va="center")
+        ax.set_title(label, fontsize=9)
+        ax.legend(loc="best", fontsize=8)
+    for ax in axes[2]:
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    synced = {name: "yes" if bool(steps["sync_bit_equal"].all()) else "NO" for name, steps in runs.items()}
+    fig.suptitle(f"{title}\nweight sync bit-equal at every step: "
+                 f"{', '.join(f'{name} {s}' for name, s in synced.items())}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -27,7 +27,11 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "trl_grpo.py"
 
 
 def _grpo(tmp_path, how: str) -> list[dict]:
+    # strict: VLLM_PLUGINS leaves the entry point out, so only StrictGRPOTrainer's own registration makes vLLM strict
+    # (on the H200 alignaudit ran from a source tree, with no entry point, and TRL's vLLM computed non-strict)
     env = {k: v for k, v in os.environ.items() if k != "ALIGNAUDIT_STRICT"}
+    if how == "strict":
+        env["VLLM_PLUGINS"] = "none"
     proc = subprocess.run([sys.executable, str(SCRIPT), str(FIXTURE), how, str(tmp_path / how)],
                           capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -97,3 +101,16 @@ def test_fail_closed_stops_before_the_backward_pass():
             StrictGRPOTrainer._check_alignment(me, inputs)
         assert me._metrics["train"]["alignaudit/mismatches"] == [1.0]
         assert me._metrics["train"]["alignaudit/ulp_max"] == [1.0]
+
+
+def test_a_vllm_that_is_not_strict_stops_the_constructor():
+    """What StrictGRPOTrainer reads back once TRL has built its vLLM: no LLM where TRL 1.16 keeps it, and ops the
+    plugin did not patch in this process, are EngineErrors (the layers' kernels: tests/engines/vllm/
+    test_read_back.py)."""
+    from alignaudit.errors import EngineError
+    from alignaudit.integrations.trl import _check_vllm_is_strict
+
+    with pytest.raises(EngineError, match="not at trainer.vllm_generation.llm"):
+        _check_vllm_is_strict(None, frozenset({"rmsnorm"}))
+    with pytest.raises(EngineError, match="did not patch not-an-op"):
+        _check_vllm_is_strict(object(), frozenset({"not-an-op"}))

@@ -223,19 +223,11 @@ class VllmEngine(Engine):
         """Read back which attention implementation and which linear method every layer computes with; strict
         attention (linear) asked for and any layer on another one (vLLM selected a backend the plugin does not
         replace, or a quantized method) is an error."""
-        from alignaudit.engines.vllm.weights import kernels_of
+        from alignaudit.engines.vllm.weights import check_strict_kernels, kernels_of
 
         kernels = self.llm.kernels() if self.engine_mode == "async" else self.llm.apply_model(kernels_of)[0]
         self.attention_impls, self.linear_methods = kernels["attention_impls"], kernels["linear_methods"]
-        quantized = [m for m in self.linear_methods if not m.startswith("Unquantized")]
-        if "linear" in self.settings.strict_ops and quantized:
-            raise EngineError(f"strict linear was asked for, but vLLM computes products with {', '.join(quantized)}, "
-                              "which the strict plugin does not replace; drop quantization")
-        if "attention" in self.settings.strict_ops and None in self.attention_impls.values():
-            others = sorted(name for name, exp in self.attention_impls.items() if exp is None)
-            raise EngineError(f"strict attention was asked for, but vLLM computes attention with {', '.join(others)}: "
-                              "it selected a backend the strict plugin does not replace (CPU_ATTN on CPU, FLASH_ATTN "
-                              "on CUDA); drop attention_backend / VLLM_ATTENTION_BACKEND")
+        check_strict_kernels(kernels, self.settings.strict_ops)
 
     def _progress_bar(self):
         """A ``use_tqdm`` callable for ``LLM.generate`` that reports finished requests as progress lines."""

@@ -75,6 +75,11 @@ def register() -> None:
     _say(f"alignaudit strict ops active in vLLM: {', '.join(sorted(_applied))}")
 
 
+def active_ops() -> frozenset[str]:
+    """The strict ops ``register`` has applied in this process (vLLM's classes patched here)."""
+    return frozenset(_applied)
+
+
 def _say(text: str) -> None:
     """One INFO line in vLLM's log; on stderr where vLLM has not configured its logging yet (vLLM 0.32 does so
     when the engine's arguments are made, after alignaudit's engine registers the plugin)."""

@@ -125,6 +125,28 @@ def kernels_of(model: torch.nn.Module) -> dict:
     return {"attention_impls": attention_impls(model), "linear_methods": linear_methods(model)}
 
 
+def check_strict_kernels(kernels: dict, strict_ops: frozenset[str]) -> None:
+    """Refuse a vLLM that does not compute with the strict kernels asked for, from ``kernels_of``'s read-back.
+
+    Raises:
+        EngineError: strict linear asked for and a layer on a quantized method (the plugin replaces
+            UnquantizedLinearMethod only); strict attention asked for and a layer on an attention implementation
+            the plugin did not replace (vLLM selected another backend, or the plugin was not registered in the
+            process that built the model).
+    """
+    from alignaudit.errors import EngineError
+
+    quantized = [m for m in kernels["linear_methods"] if not m.startswith("Unquantized")]
+    if "linear" in strict_ops and quantized:
+        raise EngineError(f"strict linear was asked for, but vLLM computes products with {', '.join(quantized)}, "
+                          "which the strict plugin does not replace; drop quantization")
+    others = sorted(name for name, exp in kernels["attention_impls"].items() if exp is None)
+    if "attention" in strict_ops and others:
+        raise EngineError(f"strict attention was asked for, but vLLM computes attention with {', '.join(others)}: "
+                          "it selected a backend the strict plugin does not replace (CPU_ATTN on CPU, FLASH_ATTN "
+                          "on CUDA); drop attention_backend / VLLM_ATTENTION_BACKEND")
+
+
 def linear_methods(model: torch.nn.Module) -> list[str]:
     """Class names of the ``quant_method`` of every linear and embedding layer of a loaded vLLM model, sorted
     (``UnquantizedLinearMethod``, ``Fp8LinearMethod``, ...): which kernels compute the products, read back rather
