@@ -71,6 +71,23 @@ def test_fp8_rollouts_are_refused_under_the_strict_op_that_would_not_cover_them(
     check_options(EngineSettings(device="cuda", options=options), "rollout", "infer")
 
 
+def test_strict_processed_logprobs_under_model_runner_v2_are_refused_before_any_engine(monkeypatch):
+    """vLLM 0.26 on CUDA picked model runner V2 for the fixture, whose fused sampling kernels the plugin does not
+    replace (2026-12-05, docs/findings.md): asked for explicitly, refused up front; otherwise the engine runs V1."""
+    from alignaudit.engines.vllm.options import check_options
+    from alignaudit.errors import InputError
+    from alignaudit.inputs.request import EngineSettings
+
+    processed = {"logprobs_mode": "processed_logprobs"}
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(InputError, match="unset VLLM_USE_V2_MODEL_RUNNER"):
+        check_options(EngineSettings(device="cuda", strict="all", options=processed), "rollout", "infer")
+    check_options(EngineSettings(device="cuda", strict="rmsnorm,rope", options=processed), "rollout", "infer")
+    check_options(EngineSettings(device="cuda", strict="all"), "rollout", "infer")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    check_options(EngineSettings(device="cuda", strict="all", options=processed), "rollout", "infer")
+
+
 def _model(tmp_path, edit_config=None, edit_weights=None):
     from safetensors.torch import load_file, save_file
 

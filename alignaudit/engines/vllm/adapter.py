@@ -205,6 +205,10 @@ class VllmEngine(Engine):
             from alignaudit.engines.vllm import plugin as vllm_plugin
 
             vllm_plugin.register()  # also loaded through the entry point; registering twice is a no-op
+            if "logprobs" in self.settings.strict_ops and kwargs.get("logprobs_mode") in vllm_plugin.PROCESSED_MODES:
+                # the plugin makes processed logprobs strict under model runner V1 only (vllm_options refuses V2
+                # asked for): vLLM 0.26 on CUDA otherwise picks V2 for some models, whose sampler then refuses
+                os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         started = time.perf_counter()
         try:
             if self.engine_mode == "async":

@@ -11,6 +11,7 @@ docs/cli.md lists the same tables for users.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Callable
 
 from alignaudit.errors import InputError
@@ -44,7 +45,8 @@ VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
 def check_options(settings, mode: str, role: str) -> None:
     """Refuse an EngineArgs/SamplingParams setting that alignaudit sets itself, that has no effect on what is
     measured, or that makes the values something other than logprobs (the tables above). Strict processed
-    logprobs are the plugin's (its "logprobs" op). ``mode``: "prompt" or "rollout"; ``role``: "train" or "infer".
+    logprobs are the plugin's (its "logprobs" op), under model runner V1 only: with VLLM_USE_V2_MODEL_RUNNER set
+    they are refused. ``mode``: "prompt" or "rollout"; ``role``: "train" or "infer".
 
     Raises:
         InputError: the setting, the reason and the fix.
@@ -59,6 +61,12 @@ def check_options(settings, mode: str, role: str) -> None:
             reason = "the training side scores teacher-forced tokens, whose logprobs vLLM always computes raw"
         if reason:
             raise InputError(f"vllm {key}={json.dumps(value)}: {reason}; drop {flag} {key}")
+    runner_v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() not in ("0", "false")
+    if runner_v2 and "logprobs" in settings.strict_ops and str(settings.options.get("logprobs_mode")).startswith(
+            "processed"):
+        raise InputError("vllm logprobs_mode=processed_logprobs with VLLM_USE_V2_MODEL_RUNNER set: model runner V2 "
+                         "applies temperature, top-k and top-p in its own sampling kernels, which strict logprobs do "
+                         "not replace; unset VLLM_USE_V2_MODEL_RUNNER (alignaudit then runs model runner V1)")
     _check_quantization(settings, flag)
 
 
