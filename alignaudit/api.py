@@ -8,6 +8,7 @@
     verify_weight_sync(trainer, rollout)  the weights sent against what the rollout engine computes with -> WeightSync
     load_vllm_weights(llm, weights)       a weight sync into a running vLLM, its post-load repacking included
     vllm_weights(llm)                     the weights a running vLLM holds, in HF names
+    verify_strict_vllm(llm)               that a running vLLM computes with the strict kernels, read back
 
 Every argument either takes effect or raises alignaudit.errors.InputError (one line naming it and the fix)
 before any engine starts; the checks are the CLI's own, from the typer-free request builder both call
@@ -453,6 +454,32 @@ def load_vllm_weights(llm, weights: dict[str, torch.Tensor]) -> None:
     if not isinstance(weights, dict) or not weights or not all(isinstance(t, torch.Tensor) for t in weights.values()):
         raise InputError("weights: a non-empty dict of HF name -> tensor")
     load_into_vllm(llm, weights)
+
+
+def verify_strict_vllm(llm, ops: str = "all") -> dict:
+    """Read back that the vLLM ``llm`` (an offline ``LLM``, its model in this process or in vLLM's worker) computes
+    with alignaudit's strict kernels: every op of ``ops`` patched by the strict plugin in the process that holds the
+    model, every attention layer on the strict implementation, every linear layer on the method the plugin replaces.
+    For a vLLM your framework builds (with ALIGNAUDIT_STRICT set), after it is built and before its rollouts count.
+
+    Returns:
+        what was read back: ``{"attention_impls": {class: strict exp or None}, "linear_methods": [...],
+        "strict_ops": [...]}`` (alignaudit.engines.vllm.weights.kernels_of).
+    Raises:
+        InputError: ``llm`` is not a vLLM LLM, or ``ops`` names no strict op.
+        EngineError: what computes is not strict (the first layer or op that is not, named).
+    """
+    from alignaudit.engines.vllm.weights import check_strict_kernels, kernels_of
+    from alignaudit.inputs.strict_ops import parse_strict
+
+    if not _is_vllm(llm):
+        raise InputError(f"llm: a vLLM LLM, not {type(llm).__name__}")
+    wanted = parse_strict(ops, option="ops")
+    if not wanted:
+        raise InputError(f"ops {ops!r} selects no strict op; pass 'all' or a comma list")
+    kernels = llm.apply_model(kernels_of)[0]
+    check_strict_kernels(kernels, wanted)
+    return kernels
 
 
 def _is_vllm(obj) -> bool:

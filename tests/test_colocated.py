@@ -38,6 +38,8 @@ prompts = [[5, 17, 99, 3, 250, 11], [7, 300, 42]]
 
 STRICT = START + """
 llm = start(sys.argv[1])
+kernels = api.verify_strict_vllm(llm)  # read back where the model computes
+assert kernels["strict_ops"] == ["attention", "linear", "logprobs", "rmsnorm", "rope", "silu"], kernels
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                     SamplingParams(max_tokens=8, logprobs=0, temperature=1.0, seed=3, ignore_eos=True))
 policy = api.strict_hf_model(sys.argv[1], device="cpu")
@@ -58,8 +60,14 @@ print("ok", total)
 """
 
 SYNC = START + """
+from alignaudit.errors import EngineError
 api.keep_vllm_weights()
 llm = start(sys.argv[1])
+try:  # no ALIGNAUDIT_STRICT: the read-back says so
+    api.verify_strict_vllm(llm)
+    raise SystemExit("a default vLLM passed the strict read-back")
+except EngineError as e:
+    assert "the strict plugin did not patch it" in str(e), e
 packs = sys.argv[2] == "1"
 weights = {k: v.clone() for k, v in api.vllm_weights(llm).items()}
 assert api.verify_weight_sync(weights, llm).equal

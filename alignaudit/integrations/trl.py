@@ -159,20 +159,13 @@ def _check_config(config) -> None:
 
 
 def _check_vllm_is_strict(llm, ops: frozenset[str]) -> None:
-    """Read back that TRL's colocated vLLM computes with the strict kernels: every op in ``ops`` applied by the
-    plugin in this process, and (alignaudit.engines.vllm.weights.check_strict_kernels) every layer's attention
-    implementation and linear method the plugin's. Raises EngineError otherwise, or when TRL keeps its LLM
-    elsewhere than ``GRPOTrainer.vllm_generation.llm`` (TRL 1.16)."""
-    from alignaudit.engines.vllm.weights import check_strict_kernels, kernels_of
-
+    """Read back that TRL's colocated vLLM computes with the strict kernels (alignaudit.api.verify_strict_vllm).
+    Raises EngineError when it does not, or when TRL keeps its LLM elsewhere than
+    ``GRPOTrainer.vllm_generation.llm`` (TRL 1.16)."""
     if llm is None:
         raise EngineError("StrictGRPOTrainer: TRL's colocated vLLM is not at trainer.vllm_generation.llm (TRL 1.16's "
                           "place), so the strict kernels in it cannot be checked; use TRL 1.16")
-    missing = ops - vllm_plugin.active_ops()
-    if missing:
-        raise EngineError(f"StrictGRPOTrainer: the strict plugin did not patch {', '.join(sorted(missing))} in the "
-                          "process running TRL's vLLM")
-    check_strict_kernels(llm.apply_model(kernels_of)[0], ops)
+    api.verify_strict_vllm(llm, format_strict(ops))
 
 
 def _strict_fused_head(model, temperature: float, top_k: int, top_p: float) -> None:

@@ -85,6 +85,7 @@ class VllmEngine(Engine):
         self.llm_kwargs: dict = {}
         self.attention_impls: dict[str, str | None] = {}  # impl class -> strict exp, read back from the model
         self.linear_methods: list[str] = []  # quant_method classes of the linear layers, read back from the model
+        self.plugin_ops: list[str] = []  # the ops the strict plugin patched in the process holding the model
         self.capture_overrides: dict = {}  # settings op capture changed against the ones asked for
         self.startup_s = None  # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
         self.prefix_cache_hits = None  # prompt tokens read from the prefix cache in the last rollout (vLLM's count)
@@ -231,6 +232,7 @@ class VllmEngine(Engine):
 
         kernels = self.llm.kernels() if self.engine_mode == "async" else self.llm.apply_model(kernels_of)[0]
         self.attention_impls, self.linear_methods = kernels["attention_impls"], kernels["linear_methods"]
+        self.plugin_ops = kernels["strict_ops"]
         check_strict_kernels(kernels, self.settings.strict_ops)
 
     def _progress_bar(self):
@@ -390,7 +392,8 @@ class VllmEngine(Engine):
         exps = sorted({exp for exp in self.attention_impls.values() if exp})
         record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict,
                   "attention_exp": ",".join(exps) or None, "attention_impl": sorted(self.attention_impls),
-                  "linear_methods": list(self.linear_methods), "capture_overrides": dict(self.capture_overrides),
+                  "linear_methods": list(self.linear_methods), "plugin_ops": list(self.plugin_ops),
+                  "capture_overrides": dict(self.capture_overrides),
                   "prefix_cache_hits": self.prefix_cache_hits, "engine_mode": self.engine_mode,
                   "arrivals": self.arrivals.to_dict() if self.arrivals else None}
         if self.llm is not None:

@@ -118,24 +118,34 @@ def load_into_model(model, vllm_config, tensors: dict[str, torch.Tensor]) -> Non
 
 
 def kernels_of(model: torch.nn.Module) -> dict:
-    """``{"attention_impls": {impl class: strict exp or None}, "linear_methods": [quant_method class, ...]}`` of a
-    loaded vLLM model (attention_cpu.attention_impls, linear_methods): what computes, read back."""
+    """``{"attention_impls": {impl class: strict exp or None}, "linear_methods": [quant_method class, ...],
+    "strict_ops": [op, ...]}`` of a loaded vLLM model (attention_cpu.attention_impls, linear_methods, and the ops the
+    strict plugin patched in the process that holds the model): what computes, read back where it computes (called
+    through ``LLM.apply_model`` or the worker extension)."""
     from alignaudit.engines.vllm.attention_cpu import attention_impls
+    from alignaudit.engines.vllm.plugin import active_ops
 
-    return {"attention_impls": attention_impls(model), "linear_methods": linear_methods(model)}
+    return {"attention_impls": attention_impls(model), "linear_methods": linear_methods(model),
+            "strict_ops": sorted(active_ops())}
 
 
 def check_strict_kernels(kernels: dict, strict_ops: frozenset[str]) -> None:
     """Refuse a vLLM that does not compute with the strict kernels asked for, from ``kernels_of``'s read-back.
 
     Raises:
-        EngineError: strict linear asked for and a layer on a quantized method (the plugin replaces
+        EngineError: an op asked for that the plugin did not patch in the model's process; strict linear asked
+            for and a layer on a quantized method (the plugin replaces
             UnquantizedLinearMethod only); strict attention asked for and a layer on an attention implementation
             the plugin did not replace (vLLM selected another backend, or the plugin was not registered in the
             process that built the model).
     """
     from alignaudit.errors import EngineError
 
+    missing = sorted(set(strict_ops) - set(kernels["strict_ops"]))
+    if missing:
+        raise EngineError(f"strict {', '.join(missing)} was asked for, but the strict plugin did not patch it in the "
+                          "process that runs vLLM's model: register it there (alignaudit.engines.vllm.plugin."
+                          "register() with ALIGNAUDIT_STRICT set, or install alignaudit for vLLM's entry point)")
     quantized = [m for m in kernels["linear_methods"] if not m.startswith("Unquantized")]
     if "linear" in strict_ops and quantized:
         raise EngineError(f"strict linear was asked for, but vLLM computes products with {', '.join(quantized)}, "

@@ -9,7 +9,8 @@ from alignaudit.engines.vllm.weights import check_strict_kernels
 from alignaudit.errors import EngineError
 
 STRICT = {"attention_impls": {"StrictCPUAttentionImpl": "portable"},
-          "linear_methods": ["UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"]}
+          "linear_methods": ["UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"],
+          "strict_ops": ["attention", "linear", "logprobs", "rmsnorm", "rope", "silu"]}
 
 
 def test_strict_layers_pass_and_others_name_what_computes():
@@ -22,3 +23,10 @@ def test_strict_layers_pass_and_others_name_what_computes():
     with pytest.raises(EngineError, match="computes products with Fp8LinearMethod, "):
         check_strict_kernels(fp8, frozenset({"linear"}))
     check_strict_kernels(fp8, frozenset({"attention"}))
+
+
+def test_ops_the_plugin_did_not_patch_where_the_model_runs_are_named():
+    partial = {**STRICT, "strict_ops": ["attention", "linear"]}
+    check_strict_kernels(partial, frozenset({"attention"}))
+    with pytest.raises(EngineError, match="strict logprobs, rmsnorm was asked for, but the strict plugin did not"):
+        check_strict_kernels(partial, frozenset({"attention", "rmsnorm", "logprobs"}))
