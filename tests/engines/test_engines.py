@@ -67,6 +67,7 @@ def test_vllm_compilation_changes_bf16_logprobs(captures, diff):
     for run in (compiled, eager):  # what computes the products and holds the cache, read back from vLLM
         settings = run.manifest["engine_settings"]
         assert settings["linear_methods"] == ["UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"]
+        assert settings["plugin_ops"] == []  # no strict op asked for, none patched in vLLM's process
         assert settings["resolved"]["quantization"] is None and settings["resolved"]["kv_cache_dtype"] == "auto"
     s = diff(compiled, eager)
     assert s["mismatches"] == s["tokens_compared"]

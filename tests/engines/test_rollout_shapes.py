@@ -19,6 +19,7 @@ import pytest
 
 from alignaudit.commands import cli
 from alignaudit.errors import EXIT_OK, EXIT_USAGE
+from alignaudit.inputs.strict_ops import STRICT_OPS
 from helpers import one_line_error
 
 pytestmark = pytest.mark.engines
@@ -59,6 +60,7 @@ def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path, monkeypatch):
             arrivals = infer["engine_settings"]["arrivals"]
             assert infer["engine_settings"]["engine_mode"] == "async" and arrivals["requests"] == 2
             assert infer["engine_settings"]["attention_impl"] == ["StrictCPUAttentionImpl"]
+            assert infer["engine_settings"]["plugin_ops"] == sorted(STRICT_OPS)  # in vLLM's engine-core process
             assert arrivals["arrived_while_running"] == 1 and arrivals["max_running"] == 2  # the second joined a run
             offline = pd.read_parquet(tmp_path / "strict" / "infer" / "logprobs.parquet")
             assert table["token_id"].equals(offline["token_id"])
