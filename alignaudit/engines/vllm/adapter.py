@@ -225,9 +225,10 @@ class VllmEngine(Engine):
         self._check_attention()
 
     def _check_attention(self) -> None:
-        """Read back which attention implementation and which linear method every layer computes with; strict
-        attention (linear) asked for and any layer on another one (vLLM selected a backend the plugin does not
-        replace, or a quantized method) is an error."""
+        """Read back, in the process holding the model, which ops the strict plugin patched there and which
+        attention implementation and linear method every layer computes with; a strict op not patched, or strict
+        attention (linear) asked for and a layer on another one (vLLM selected a backend the plugin does not
+        replace, or a quantized method), is an error (weights.check_strict_kernels)."""
         from alignaudit.engines.vllm.weights import check_strict_kernels, kernels_of
 
         kernels = self.llm.kernels() if self.engine_mode == "async" else self.llm.apply_model(kernels_of)[0]
