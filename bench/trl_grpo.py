@@ -3,7 +3,8 @@ or TRL's own, and TRL's logged ``sampling/sampling_logp_difference`` and importa
 
     python bench/trl_grpo.py MODEL strict|default OUT [--device cpu|cuda] [--steps N]
 
-Prints ``RESULT [log rows with the sampling difference]`` last (tests/integrations/test_trl.py reads it). Settings:
+Prints ``KERNELS {what TRL's vLLM computes with, read back}`` before training and ``RESULT [log rows with the
+sampling difference]`` last (tests/integrations/test_trl.py reads both). Settings:
 4 generations per prompt, 8 prompts, 8 completion tokens, temperature 0.7, top-k 20, top-p 0.9 (so vLLM's processed
 logprobs carry the whole sampling transform), learning rate 1e-3 (the weights change, so every sync matters).
 """
@@ -54,6 +55,10 @@ def main() -> None:
 
         api.keep_vllm_weights()  # vLLM's CPU backend otherwise frees the weights TRL's sync writes into
         trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=data)
+    from alignaudit.engines.vllm.weights import kernels_of
+
+    # what TRL's vLLM computes with, read back where its model runs (StrictGRPOTrainer refuses anything not strict)
+    print("KERNELS", json.dumps(trainer.vllm_generation.llm.apply_model(kernels_of)[0]), flush=True)
     trainer.train()
     rows = [row for row in trainer.state.log_history if "sampling/sampling_logp_difference/max" in row]
     print("RESULT", json.dumps(rows))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from alignaudit.inputs.strict_ops import STRICT_OPS
 from helpers import FIXTURE
 
 pytestmark = [pytest.mark.engines, pytest.mark.long]
@@ -38,6 +39,8 @@ def _grpo(tmp_path, how: str) -> list[dict]:
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     steps = json.loads(lines[-1][len("RESULT "):])
     assert [s["step"] for s in steps] == [1, 2]
+    kernels = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("KERNELS "))[8:])
+    assert kernels["strict_ops"] == (sorted(STRICT_OPS) if how == "strict" else []), kernels
     return steps
 
 
