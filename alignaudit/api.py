@@ -17,6 +17,8 @@ before any engine starts; the checks are the CLI's own, from the typer-free requ
 
 from __future__ import annotations
 
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -253,18 +255,44 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
                     infer_opt=options[1] or None, strict=strict)
     sampling = SamplingArgs(mode, max_new_tokens, temperature, top_k, top_p, group_size, stop_at_eos, prompt_logprobs,
                             engine_mode, arrival_gap)
-    request = build_request(ModelArgs(str(model), random_weights, seed),
-                            PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
-                            pair, sampling, clip_eps, replay_routing=replay_routing, full_vocab=full_vocab,
-                            repeat=repeat)
-    path = out_dir(OutputArgs(str(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
+    with _argument_names():
+        request = build_request(ModelArgs(str(model), random_weights, seed),
+                                PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
+                                pair, sampling, clip_eps, replay_routing=replay_routing, full_vocab=full_vocab,
+                                repeat=repeat)
+        path = out_dir(OutputArgs(str(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
     try:
-        summary = run_compare(request, path)
+        with _argument_names():
+            summary = run_compare(request, path)
     finally:
         outdir.release(path)
     return Comparison(path, summary["tokens_compared"], summary["mismatches"], summary["ulp_max"],
                       summary["max_abs_diff"], summary.get("generated"), summary,
                       pd.read_parquet(path / TOKENS), pd.read_parquet(path / SEQUENCES))
+
+
+# CLI flags whose compare() argument is not the flag's own name with underscores
+_FLAG_ARGUMENTS = {"--train-opt": "train_options", "--infer-opt": "infer_options", "--ignore-eos": "stop_at_eos=False",
+                   "--no-prompt-logprobs": "prompt_logprobs=False"}
+
+
+@contextmanager
+def _argument_names():
+    """Re-raise the request builder's InputError (written for the CLI) with compare()'s argument names in place of
+    the CLI's flags: ``--max-new-tokens`` -> ``max_new_tokens``, ``--infer-opt`` -> ``infer_options``."""
+    import inspect
+
+    try:
+        yield
+    except InputError as e:
+        names = set(inspect.signature(compare).parameters)
+
+        def spell(match: re.Match) -> str:
+            flag = match.group(0)
+            name = flag[2:].replace("-", "_")
+            return _FLAG_ARGUMENTS.get(flag, name if name in names else flag)
+
+        raise InputError(re.sub(r"--[a-z][a-z0-9-]*", spell, str(e))) from e
 
 
 def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None = None,

@@ -143,18 +143,18 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
     for kwargs, message in (({"prompts": [[1, 2, 3]]}, "prompts: a file path"),
                             ({"train_options": ["a=1"]}, "train_options: a dict"),
                             ({"max_new_tokens": "8", "mode": "rollout"}, "max_new_tokens '8': an integer"),
-                            ({"temperature": 0.5}, "--temperature applies to rollouts"),
+                            ({"temperature": 0.5}, "^temperature applies to rollouts"),
                             # the rollout defaults given in prompt mode: refused too (they would not take effect)
-                            ({"max_new_tokens": 32}, "--max-new-tokens applies to rollouts"),
-                            ({"top_k": 0}, "--top-k applies to rollouts"),
-                            ({"mode": "rollout", "temperature": float("nan")}, "--temperature nan: rollout mode"),
-                            ({"mode": "rollout", "max_new_tokens": 0}, "--max-new-tokens 0: rollout mode samples"),
-                            ({"repeat": 2, "mode": "rollout"}, "--repeat reruns teacher-forced prompts"),
-                            ({"repeat": True}, "--repeat True: give the number of runs per engine"),
-                            ({"group_size": 2}, "--group-size applies to rollouts"),
+                            ({"max_new_tokens": 32}, "^max_new_tokens applies to rollouts"),
+                            ({"top_k": 0}, "^top_k applies to rollouts"),
+                            ({"mode": "rollout", "temperature": float("nan")}, "^temperature nan: rollout mode"),
+                            ({"mode": "rollout", "max_new_tokens": 0}, "^max_new_tokens 0: rollout mode samples"),
+                            ({"repeat": 2, "mode": "rollout"}, "^repeat reruns teacher-forced prompts"),
+                            ({"repeat": True}, "^repeat True: give the number of runs per engine"),
+                            ({"group_size": 2}, "^group_size applies to rollouts"),
                             ({"mode": "rollout", "stop_at_eos": "yes"}, "stop_at_eos 'yes': True, False or None"),
-                            ({"mode": "rollout", "engine_mode": "server"}, "--engine-mode 'server': choose one of"),
-                            ({"mode": "rollout", "infer": "hf", "group_size": 2}, "--group-size: hf rollouts")):
+                            ({"mode": "rollout", "engine_mode": "server"}, "^engine_mode 'server': choose one of"),
+                            ({"mode": "rollout", "infer": "hf", "group_size": 2}, "^group_size: hf rollouts")):
         with pytest.raises(InputError, match=message):
             api.compare(out=tmp_path / "never", **kwargs)
     assert not (tmp_path / "never").exists()
@@ -192,8 +192,8 @@ def test_wrong_types_get_the_documented_error_not_a_raw_one(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     for kwargs, message in (({"temperature": "0.7", "mode": "rollout"}, "temperature '0.7': a number"),
                             ({"clip_eps": "abc"}, "clip_eps 'abc': a number"), ({"out": 123}, "out 123: a directory"),
-                            ({"out": ""}, "--out is empty"), ({"force": "yes"}, "force 'yes': True or False"),
-                            ({"random_prompts": 2, "prompt_len": 0}, "--prompt-len >= 2")):
+                            ({"out": ""}, "^out is empty"), ({"force": "yes"}, "force 'yes': True or False"),
+                            ({"random_prompts": 2, "prompt_len": 0}, "prompt_len >= 2")):
         with pytest.raises(InputError, match=message):
             api.compare(**kwargs)
     assert list(tmp_path.iterdir()) == []  # compare(out="") took over the current directory before
