@@ -485,16 +485,18 @@ def load_vllm_weights(llm, weights: dict[str, torch.Tensor]) -> None:
 
 
 def verify_strict_vllm(llm, ops: str = "all") -> dict:
-    """Read back that the vLLM ``llm`` (an offline ``LLM``, its model in this process or in vLLM's worker) computes
-    with alignaudit's strict kernels: every op of ``ops`` patched by the strict plugin in the process that holds the
-    model, every attention layer on the strict implementation, every linear layer on the method the plugin replaces.
-    For a vLLM your framework builds (with ALIGNAUDIT_STRICT set), after it is built and before its rollouts count.
+    """Read back that the vLLM ``llm`` (an offline ``LLM``) computes with alignaudit's strict kernels: every op of
+    ``ops`` applied by the strict plugin when the model was built (in the process that holds it; an op registered
+    later does not count, since the model's attention backend and CPU weight layout are fixed as it is built), every
+    attention layer on the strict implementation, every linear layer on the method the plugin replaces. For a vLLM
+    your framework builds (with ALIGNAUDIT_STRICT set), after it is built and before its rollouts count.
 
     Returns:
         what was read back: ``{"attention_impls": {class: strict exp or None}, "linear_methods": [...],
         "strict_ops": [...]}`` (alignaudit.engines.vllm.weights.kernels_of).
     Raises:
-        InputError: ``llm`` is not a vLLM LLM, or ``ops`` names no strict op.
+        InputError: ``llm`` is not a vLLM LLM, ``ops`` names no strict op, or the model sits in vLLM's engine-core
+            process without VLLM_ALLOW_INSECURE_SERIALIZATION (the function cannot be sent there).
         EngineError: what computes is not strict (the first layer or op that is not, named).
     """
     from alignaudit.engines.vllm.weights import check_strict_kernels, kernels_of
@@ -505,7 +507,14 @@ def verify_strict_vllm(llm, ops: str = "all") -> dict:
     wanted = parse_strict(ops, option="ops")
     if not wanted:
         raise InputError(f"ops {ops!r} selects no strict op; pass 'all' or a comma list")
-    kernels = llm.apply_model(kernels_of)[0]
+    try:
+        kernels = llm.apply_model(kernels_of)[0]
+    except TypeError as e:  # vLLM's msgspec encoder, sending the function to the engine-core process
+        if "serializ" not in str(e):
+            raise
+        raise InputError("llm runs its model in vLLM's engine-core process, where LLM.apply_model cannot send the "
+                         "read-back function; build it with VLLM_ENABLE_V1_MULTIPROCESSING=0 (as TRL's colocate mode "
+                         "does) or set VLLM_ALLOW_INSECURE_SERIALIZATION=1") from e
     check_strict_kernels(kernels, wanted)
     return kernels
 

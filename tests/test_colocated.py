@@ -67,7 +67,7 @@ try:  # no ALIGNAUDIT_STRICT: the read-back says so
     api.verify_strict_vllm(llm)
     raise SystemExit("a default vLLM passed the strict read-back")
 except EngineError as e:
-    assert "the strict plugin did not patch it" in str(e), e
+    assert "not applied when vLLM built this model: attention, linear" in str(e), e
 packs = sys.argv[2] == "1"
 weights = {k: v.clone() for k, v in api.vllm_weights(llm).items()}
 assert api.verify_weight_sync(weights, llm).equal
@@ -80,6 +80,15 @@ assert not api.verify_weight_sync(new, weights).covers_engine_copies
 api.load_vllm_weights(llm, new)
 after = api.verify_weight_sync(new, llm)
 assert after.equal and after.stale_packed == [], after
+# registering the plugin after the model was built does not make it strict: still refused (last: it patches vLLM)
+os.environ["ALIGNAUDIT_STRICT"] = "all"
+from alignaudit.engines.vllm import plugin
+plugin.register()
+try:
+    api.verify_strict_vllm(llm, "linear,rmsnorm,rope,silu,logprobs")
+    raise SystemExit("a model built before the plugin passed the strict read-back")
+except EngineError as e:
+    assert "not applied when vLLM built this model" in str(e), e
 print("ok", ",".join(trl.stale_packed))
 """
 

@@ -69,15 +69,43 @@ def register() -> None:
     # compiled earlier without them would be loaded and run instead. Bypass the cache unless told otherwise.
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
 
+    _mark_built_models()
     for op in sorted(todo):
         PATCHES[op]()
         _applied.add(op)
     _say(f"alignaudit strict ops active in vLLM: {', '.join(sorted(_applied))}")
 
 
-def active_ops() -> frozenset[str]:
-    """The strict ops ``register`` has applied in this process (vLLM's classes patched here)."""
-    return frozenset(_applied)
+# The attribute BaseModelLoader.load_model sets on every model it builds once the plugin is registered: the ops
+# applied at that moment. Ops patched later do not reach a model already built (its attention backend is chosen,
+# and on the CPU its linear weights packed, while it is built), so this, not the process's set, is what counts.
+MODEL_MARK = "alignaudit_strict_ops"
+
+
+def _mark_built_models() -> None:
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    if (BaseModelLoader, "load_model") in _originals:
+        return
+    load = BaseModelLoader.load_model
+
+    def load_model(self, *args, **kwargs):
+        model = load(self, *args, **kwargs)
+        setattr(model, MODEL_MARK, tuple(sorted(_applied)))
+        return model
+
+    _patch(BaseModelLoader, "load_model", load_model)
+
+
+def built_with(model: torch.nn.Module) -> tuple[str, ...]:
+    """The strict ops applied when ``model`` (a loaded vLLM model, or a wrapper holding it) was built; () for a model
+    built before the plugin was registered in its process, or by a loader that overrides
+    ``BaseModelLoader.load_model`` (tensorizer, ...): counted as not strict."""
+    for module in (model, *model.modules()):
+        mark = getattr(module, MODEL_MARK, None)
+        if mark is not None:
+            return mark
+    return ()
 
 
 def _say(text: str) -> None:

@@ -120,20 +120,20 @@ def load_into_model(model, vllm_config, tensors: dict[str, torch.Tensor]) -> Non
 def kernels_of(model: torch.nn.Module) -> dict:
     """``{"attention_impls": {impl class: strict exp or None}, "linear_methods": [quant_method class, ...],
     "strict_ops": [op, ...]}`` of a loaded vLLM model (attention_cpu.attention_impls, linear_methods, and the ops the
-    strict plugin patched in the process that holds the model): what computes, read back where it computes (called
-    through ``LLM.apply_model`` or the worker extension)."""
+    strict plugin had applied when this model was built: plugin.built_with): what computes, read back where it
+    computes (called through ``LLM.apply_model`` or the worker extension)."""
     from alignaudit.engines.vllm.attention_cpu import attention_impls
-    from alignaudit.engines.vllm.plugin import active_ops
+    from alignaudit.engines.vllm.plugin import built_with
 
     return {"attention_impls": attention_impls(model), "linear_methods": linear_methods(model),
-            "strict_ops": sorted(active_ops())}
+            "strict_ops": sorted(built_with(model))}
 
 
 def check_strict_kernels(kernels: dict, strict_ops: frozenset[str]) -> None:
     """Refuse a vLLM that does not compute with the strict kernels asked for, from ``kernels_of``'s read-back.
 
     Raises:
-        EngineError: an op asked for that the plugin did not patch in the model's process; strict linear asked
+        EngineError: an op asked for that the plugin had not applied when the model was built; strict linear asked
             for and a layer on a quantized method (the plugin replaces
             UnquantizedLinearMethod only); strict attention asked for and a layer on an attention implementation
             the plugin did not replace (vLLM selected another backend, or the plugin was not registered in the
@@ -143,9 +143,10 @@ def check_strict_kernels(kernels: dict, strict_ops: frozenset[str]) -> None:
 
     missing = sorted(set(strict_ops) - set(kernels["strict_ops"]))
     if missing:
-        raise EngineError(f"strict {', '.join(missing)} was asked for, but the strict plugin did not patch it in the "
-                          "process that runs vLLM's model: register it there (alignaudit.engines.vllm.plugin."
-                          "register() with ALIGNAUDIT_STRICT set, or install alignaudit for vLLM's entry point)")
+        raise EngineError(f"strict ops asked for but not applied when vLLM built this model: {', '.join(missing)}; "
+                          "set ALIGNAUDIT_STRICT before building the LLM (vLLM loads the plugin through alignaudit's "
+                          "entry point; from a source checkout, or with VLLM_PLUGINS leaving it out, call "
+                          "alignaudit.engines.vllm.plugin.register() first)")
     quantized = [m for m in kernels["linear_methods"] if not m.startswith("Unquantized")]
     if "linear" in strict_ops and quantized:
         raise EngineError(f"strict linear was asked for, but vLLM computes products with {', '.join(quantized)}, "
