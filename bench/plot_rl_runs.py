@@ -1,32 +1,63 @@
-"""Two or more rl runs' steps.parquet overlaid in one PNG (alignaudit.rl.records.plot_runs), e.g. the strict and
-the default run of one checkpoint that bench/gpu_run.sh task-rl brings back:
+"""Two or more rl runs overlaid in one PNG (alignaudit.rl.records.plot_runs), e.g. the strict and the default run of
+one checkpoint that bench/gpu_run.sh task-rl brings back:
 
-    python bench/plot_rl_runs.py strict=task-strict-steps.parquet default=task-default-steps.parquet \
-        --out docs/img/rl-gpu-task-strict-vs-default-200.png --title "..."
+    python bench/plot_rl_runs.py strict=RUN_DIR default=RUN_DIR --out docs/img/rl-....png --title "..."
+
+Each RUN_DIR holds an rl run's steps.parquet and run.json. Runs of different checkpoints (model config), prompts
+(digest), rollout settings or rl settings other than the strict ops are refused: the picture would compare unlike
+runs. Bad input: one line and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pandas as pd
 
-from alignaudit.rl.records import plot_runs
+from alignaudit.rl.records import RUNS_PANELS, plot_runs
+
+NEEDED = {column for column, _, _ in RUNS_PANELS} | {"step", "ratio_min", "sync_bit_equal"}
+
+
+def same_experiment(record: dict) -> dict:
+    """What two runs overlaid must share: the model's config, the prompts, the rollout and the rl settings."""
+    model = {k: v for k, v in record["model"].items() if k not in ("name", "path")}
+    return {"model": model, "prompts": record["prompts"]["digest"], "rollout": record["rollout"], "rl": record["rl"]}
+
+
+def read_run(parser, name: str, directory: Path) -> tuple[pd.DataFrame, dict]:
+    steps, record = directory / "steps.parquet", directory / "run.json"
+    if not steps.is_file() or not record.is_file():
+        parser.error(f"{name}={directory}: not an rl run directory (steps.parquet and run.json)")
+    table = pd.read_parquet(steps)
+    missing = sorted(NEEDED - set(table))
+    if missing:
+        parser.error(f"{name}={directory}: steps.parquet lacks {', '.join(missing)} (an older alignaudit's run?)")
+    return table, json.loads(record.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("runs", nargs="+", metavar="NAME=STEPS_PARQUET")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("runs", nargs="+", metavar="NAME=RUN_DIR")
+    parser.add_argument("--out", type=Path, required=True, help="the PNG to write (its folder must exist)")
     parser.add_argument("--title", default="")
     args = parser.parse_args()
-    runs = {}
+    if args.out.suffix != ".png" or not args.out.parent.is_dir():
+        parser.error(f"--out {args.out}: a .png path in an existing folder")
+    runs, experiments = {}, {}
     for item in args.runs:
         name, sep, path = item.partition("=")
-        if not sep:
-            parser.error(f"{item}: write NAME=STEPS_PARQUET, e.g. strict=run/steps.parquet")
-        runs[name] = pd.read_parquet(path)
+        if not sep or not name or name in runs:
+            parser.error(f"{item}: write NAME=RUN_DIR with a name of its own per run, e.g. strict=runs/rl-strict")
+        runs[name], record = read_run(parser, name, Path(path))
+        experiments[name] = same_experiment(record)
+    first = next(iter(experiments))
+    for name, experiment in experiments.items():
+        differing = [key for key in experiment if experiment[key] != experiments[first][key]]
+        if differing:
+            parser.error(f"{name} and {first} differ in {', '.join(differing)}: not one experiment to overlay")
     plot_runs(runs, args.out, args.title)
     print(args.out)
 

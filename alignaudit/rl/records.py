@@ -114,16 +114,16 @@ def plot_runs(runs: dict[str, pd.DataFrame], path: Path, title: str = "") -> Non
         if log and len(zero_runs) < len(runs):
             ax.set_yscale("log")
         if zero_runs:
-            ax.text(0.5, 0.06, f"{', '.join(zero_runs)}: 0 at every step", transform=ax.transAxes, ha="center",
-                    va="center")
+            ax.text(0.02, 0.04, f"{', '.join(zero_runs)}: 0 at every step", transform=ax.transAxes, ha="left",
+                    va="bottom", bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"})
         ax.set_title(label, fontsize=9)
         ax.legend(loc="best", fontsize=8)
     for ax in axes[2]:
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     synced = {name: "yes" if bool(steps["sync_bit_equal"].all()) else "NO" for name, steps in runs.items()}
-    fig.suptitle(f"{title}\nweight sync bit-equal at every step: "
-                 f"{', '.join(f'{name} {s}' for name, s in synced.items())}", fontsize=10)
+    sync = f"weight sync bit-equal at every step: {', '.join(f'{name} {s}' for name, s in synced.items())}"
+    fig.suptitle(f"{title}\n{sync}" if title else sync, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
