@@ -26,6 +26,19 @@ STRICT_OPS = ("linear", "rmsnorm", "rope", "silu", "attention", "logprobs")
 STRICT_EXPS = ("portable", "native")  # alignaudit_kernels.attention.EXP_CHOICES, the default first
 ENV = "ALIGNAUDIT_STRICT"
 EXP_ENV = "ALIGNAUDIT_STRICT_EXP"  # the exp of strict attention inside vLLM (its plugin reads it)
+RUNNER_V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch to its model runner V2 (vllm/envs.py)
+
+
+def runner_v2_asked() -> bool:
+    """Whether VLLM_USE_V2_MODEL_RUNNER asks for vLLM's model runner V2 (set, and not 0 or false), whose fused
+    sampling kernels the strict plugin does not replace: processed logprobs are strict under model runner V1 only."""
+    return os.environ.get(RUNNER_V2_ENV, "0").lower() not in ("0", "false")
+
+
+def prefer_runner_v1() -> None:
+    """Model runner V1 for the vLLM built next in this process (and the processes it starts), unless
+    VLLM_USE_V2_MODEL_RUNNER is set (callers refuse V2 asked for with strict processed logprobs)."""
+    os.environ.setdefault(RUNNER_V2_ENV, "0")
 
 
 def check_strict_exp(exp: str, ops: frozenset[str], device: str) -> str:

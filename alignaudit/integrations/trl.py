@@ -47,7 +47,7 @@ import alignaudit_kernels as K
 from alignaudit import api
 from alignaudit.engines.vllm import plugin as vllm_plugin
 from alignaudit.errors import EXIT_MISMATCH, AlignAuditError, EngineError, InputError
-from alignaudit.inputs.strict_ops import ENV, EXP_ENV, format_strict, parse_strict
+from alignaudit.inputs.strict_ops import ENV, EXP_ENV, format_strict, parse_strict, prefer_runner_v1, runner_v2_asked
 
 HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", torch.bfloat16: "bf16",
              torch.float16: "fp16", torch.float32: "fp32"}
@@ -86,7 +86,7 @@ class StrictGRPOTrainer(GRPOTrainer):
         ops = parse_strict(strict, option="strict")
         if not ops:
             raise InputError(f"strict {strict!r} selects no strict op; pass 'all' or a comma list")
-        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
+        if runner_v2_asked():
             raise InputError("VLLM_USE_V2_MODEL_RUNNER is set: vLLM's model runner V2 applies temperature, top-k and "
                              "top-p in fused kernels the strict plugin does not replace; unset it")
         path = isinstance(model, str) or hasattr(model, "__fspath__")
@@ -101,7 +101,7 @@ class StrictGRPOTrainer(GRPOTrainer):
             device = "cpu" if config.use_cpu or not torch.cuda.is_available() else "cuda"
             model = api.strict_hf_model(str(model), ops=format_strict(ops), dtype=dtype, device=device, exp=exp)
         os.environ[ENV], os.environ[EXP_ENV] = format_strict(ops), exp  # read by the plugin when TRL builds vLLM
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        prefer_runner_v1()
         vllm_plugin.register()
         super().__init__(model, *args, **kwargs)
         _check_vllm_is_strict(getattr(getattr(self, "vllm_generation", None), "llm", None), ops)

@@ -204,12 +204,12 @@ class VllmEngine(Engine):
         self.llm_kwargs = kwargs
         if self.settings.strict_ops:
             from alignaudit.engines.vllm import plugin as vllm_plugin
+            from alignaudit.inputs.strict_ops import prefer_runner_v1
 
             vllm_plugin.register()  # also loaded through the entry point; registering twice is a no-op
             if "logprobs" in self.settings.strict_ops and kwargs.get("logprobs_mode") in vllm_plugin.PROCESSED_MODES:
-                # the plugin makes processed logprobs strict under model runner V1 only (vllm_options refuses V2
-                # asked for): vLLM 0.26 on CUDA otherwise picks V2 for some models, whose sampler then refuses
-                os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+                # vllm options refuse V2 asked for; vLLM 0.26 on CUDA otherwise picks V2 for some models
+                prefer_runner_v1()
         started = time.perf_counter()
         try:
             if self.engine_mode == "async":
@@ -222,9 +222,9 @@ class VllmEngine(Engine):
         except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             raise InputError(f"vLLM rejected the engine settings: {first_lines(e)}") from e
         self.startup_s = round(time.perf_counter() - started, 3)
-        self._check_attention()
+        self._check_kernels()
 
-    def _check_attention(self) -> None:
+    def _check_kernels(self) -> None:
         """Read back, in the process holding the model, which ops the strict plugin patched there and which
         attention implementation and linear method every layer computes with; a strict op not patched, or strict
         attention (linear) asked for and a layer on another one (vLLM selected a backend the plugin does not

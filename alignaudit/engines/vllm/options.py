@@ -11,10 +11,10 @@ docs/cli.md lists the same tables for users.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Callable
 
 from alignaudit.errors import InputError
+from alignaudit.inputs.strict_ops import runner_v2_asked
 
 VLLM_SET_BY_ALIGNAUDIT: dict[str, str] = {
     "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
@@ -61,9 +61,8 @@ def check_options(settings, mode: str, role: str) -> None:
             reason = "the training side scores teacher-forced tokens, whose logprobs vLLM always computes raw"
         if reason:
             raise InputError(f"vllm {key}={json.dumps(value)}: {reason}; drop {flag} {key}")
-    runner_v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() not in ("0", "false")
-    if runner_v2 and "logprobs" in settings.strict_ops and str(settings.options.get("logprobs_mode")).startswith(
-            "processed"):
+    processed = str(settings.options.get("logprobs_mode")).startswith("processed")
+    if runner_v2_asked() and "logprobs" in settings.strict_ops and processed:
         raise InputError("vllm logprobs_mode=processed_logprobs with VLLM_USE_V2_MODEL_RUNNER set: model runner V2 "
                          "applies temperature, top-k and top-p in its own sampling kernels, which strict logprobs do "
                          "not replace; unset VLLM_USE_V2_MODEL_RUNNER (alignaudit then runs model runner V1)")
