@@ -160,8 +160,10 @@ def test_processed_logprobs_are_replayed_by_the_trainer_and_eos_is_not_masked(tm
     assert generated["diff"].abs().max() < 1e-4 and abs(generated["diff"].mean()) < 1e-6
     summary = json.loads((out / "summary.json").read_text())
     assert abs(summary["generated"]["mean_diff"]) < 1e-6
-    replay = json.loads((out / "train" / "manifest.json").read_text())["replay"]
+    manifest = json.loads((out / "train" / "manifest.json").read_text())
+    replay = manifest["replay"]
     assert replay["temperature"] == 0.7 and replay["prompt_lengths"] == [31, 7, 98, 44]
+    assert "generated tokens" in manifest["engine_settings"]["logprob_formula"]
     raw = tokens[~tokens["generated"]]  # prompt tokens stay raw logprobs on both sides
     assert raw["diff"].abs().max() < 1e-4
 
@@ -177,8 +179,11 @@ def test_strict_processed_logprobs_are_the_trainers_bits(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["generated"]["tokens_compared"] == 4 * 16 and summary["generated"]["mismatches"] == 0
     assert summary["mismatches"] == 0
-    replay = json.loads((out / "train" / "manifest.json").read_text())["replay"]
+    manifest = json.loads((out / "train" / "manifest.json").read_text())
+    replay = manifest["replay"]
     assert (replay["temperature"], replay["top_k"], replay["top_p"]) == (0.7, 40, 0.9)
+    assert manifest["engine_settings"]["logprob_formula"].endswith(
+        "; generated tokens: -vocab_parallel_cross_entropy(process_logits(logits, **replay), labels)")
 
 
 @pytest.mark.parametrize("dtype", ["fp32"])

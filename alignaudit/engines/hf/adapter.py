@@ -202,8 +202,10 @@ class HFEngine(Engine):
             "micro_batch_size": self.micro_batch_size,
             "micro_batches": getattr(self, "micro_batches_run", None),
             "dtype": str(self.model.dtype),
-            "logprob_formula": "alignaudit_kernels.token_logprobs" if "logprobs" in self.settings.strict_ops
-            else "log_softmax(logits.float(), -1).gather(next_token)",
+            "logprob_formula": ("alignaudit_kernels.token_logprobs" if "logprobs" in self.settings.strict_ops
+                                else "log_softmax(logits.float(), -1).gather(next_token)")
+                               + ("; generated tokens: the same of process_logits(logits, **replay)"
+                                  if self.replay is not None else ""),
             "replay": self.replay.to_dict() if self.replay is not None else None,
             "routing_replay": ROUTING_REPLAYED if self.routing_replay is not None else None,
             "strict": self.settings.strict,

@@ -436,7 +436,9 @@ class MegatronEngine(Engine):
             "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32" else str(self.config.params_dtype),
             "module_mode": "train" if self.model.training else "eval",
             "weights": {"checkpoint_tensors": self.spec.tensors, "megatron_parameters_loaded": self.loaded_tensors},
-            "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)",
+            "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)" + (
+                "; generated tokens: -vocab_parallel_cross_entropy(process_logits(logits, **replay), labels)"
+                if self.replay is not None else ""),
             "replay": self.replay.to_dict() if self.replay is not None else None,
             "routing_replay": ROUTING_REPLAYED if self.routing_replay is not None else None,
             "transformer_config": config,
