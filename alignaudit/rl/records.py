@@ -84,11 +84,24 @@ RUNS_PANELS = (
 
 
 def plot_runs(runs: dict[str, pd.DataFrame], path: Path, title: str = "") -> None:
+    """``runs_figure(runs, title)`` saved as a PNG at ``path`` (1100 x 1000 pixels).
+
+    Raises:
+        KeyError: as runs_figure."""
+    import matplotlib.pyplot as plt
+
+    fig = runs_figure(runs, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def runs_figure(runs: dict[str, pd.DataFrame], title: str = ""):
     """Several rl runs' steps.parquet tables overlaid, one line per run, in six panels (``RUNS_PANELS``): the
     reward; the mismatching-token fraction; max |d logprob| and the k3 KL (log scale; a run that is 0 at every
     step is named in the panel instead, since 0 has no place on a log axis); the share of sequences the
     geometric-mean sequence mask would drop; the importance ratio's max and min. Made for a strict and a
-    default run from one checkpoint (docs/findings.md, issue [26]).
+    default run from one checkpoint (docs/findings.md, issue [26]). Returns the matplotlib Figure (Agg backend);
+    the caller closes it.
 
     Raises:
         KeyError: a table without one of the columns (steps.parquet of an older alignaudit)."""
@@ -125,5 +138,4 @@ def plot_runs(runs: dict[str, pd.DataFrame], path: Path, title: str = "") -> Non
     sync = f"weight sync bit-equal at every step: {', '.join(f'{name} {s}' for name, s in synced.items())}"
     fig.suptitle(f"{title}\n{sync}" if title else sync, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from alignaudit.rl.records import RUNS_PANELS, plot_runs
+from alignaudit.rl.records import RUNS_PANELS, plot_runs, runs_figure
 
 
 def steps_table(mismatching: bool) -> pd.DataFrame:
@@ -24,6 +24,31 @@ def test_plot_runs_overlays_a_strict_and_a_default_run(tmp_path):
     path = tmp_path / "runs.png"
     plot_runs({"strict": steps_table(False), "default": steps_table(True)}, path, "title")
     assert Image.open(path).size == (1100, 1000)  # figsize 11 x 10 at 100 dpi
+
+
+def test_runs_figure_draws_each_runs_values_and_names_runs_at_zero():
+    import matplotlib.pyplot as plt
+
+    strict, default = steps_table(False), steps_table(True)
+    default.loc[2, "sync_bit_equal"] = False
+    fig = runs_figure({"strict": strict, "default": default}, "title")
+    try:
+        panels = dict(zip((column for column, _, _ in RUNS_PANELS), fig.axes, strict=False))
+        for column, ax in panels.items():
+            lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+            assert lines["default"].get_ydata().tolist() == default[column].tolist()
+            notes = [t.get_text() for t in ax.texts]
+            if column in ("max_abs_diff", "kl_k3"):  # log axes: strict's zeros are named, not drawn
+                assert "strict" not in lines and notes == ["strict: 0 at every step"]
+                assert ax.get_yscale() == "log"
+            else:
+                assert lines["strict"].get_ydata().tolist() == strict[column].tolist() and notes == []
+        dashed = [line for line in panels["ratio_max"].get_lines() if line.get_linestyle() == "--"]
+        assert sorted(line.get_ydata().tolist() for line in dashed) == sorted(
+            [default["ratio_min"].tolist(), strict["ratio_min"].tolist()])
+        assert fig._suptitle.get_text() == "title\nweight sync bit-equal at every step: strict yes, default NO"
+    finally:
+        plt.close(fig)
 
 
 def test_plot_runs_needs_every_panels_column(tmp_path):
