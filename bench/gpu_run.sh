@@ -47,7 +47,8 @@
 # train-profile: where one strict and one default update of that shape spend their time (bench/train_step_profile.py);
 # GRPO_LR (1e-6), GRPO_KL (grpo17's --kl-coef, 0.04; grpo8 runs without), GRPO_TIMEOUT (570 s; never past CALL_S,
 # 590 s after the script started, less 25 s for the summary; lower CALL_S by what the call ran before the script,
-# e.g. the vLLM install: about 30 s).
+# e.g. the vLLM install: about 30 s); the run itself stops (rl --max-seconds) GRPO_CLOSE_S (60) seconds before that
+# limit, after a whole step, so that it closes sealed.
 # [19]: linear19 strict linear vs cuBLAS for qkv, o, gate_up, down at LIN_MS (32,64,128,256,4096), graph replays;
 # attention19 strict prefill and paged decode vs vLLM's FlashAttention-3 (needs CUDA vLLM); sweep19 the linear
 # candidates (bench/sweep_gpu.py --sections issue19); decode-gen19 paged decode at vllm-bench's decode shape vs FA3
@@ -144,8 +145,12 @@ grpo() {  # $1 name, rest: rl options; megatron trains, CUDA vLLM rolls out; ste
   # a device call's limit that cut the summary off left only /dev/shm to copy from (2026-12-01)
   local left=$(( ${CALL_S:-590} - (SECONDS - ${started:-0}) - 25 )) limit=${GRPO_TIMEOUT:-570}
   (( left < limit )) && limit=$left
+  local stop=$(( limit - ${GRPO_CLOSE_S:-60} )); (( stop < limit / 2 )) && stop=$(( limit / 2 ))
+  # rl stops itself GRPO_CLOSE_S (60) seconds before the limit, after a whole step, and closes sealed; timeout is the
+  # backstop (2026-12-05: cut by it while closing after its last step, the grpo8 run's record said interrupted)
   timeout $limit python3 -m alignaudit rl --train megatron --infer vllm --device cuda --lr ${GRPO_LR:-1e-6} \
-    --no-token-rows --out /dev/shm/$name --force "$@" ${CMP_OPTS:-} 2>&1 | log | tail -4
+    --max-seconds $stop --no-token-rows --out /dev/shm/$name --force "$@" ${CMP_OPTS:-} \
+    2>&1 | log | tail -5
   for f in steps.parquet steps.png run.json; do cp /dev/shm/$name/$f "$out/$name-$f" 2>/dev/null; done
   python3 - /dev/shm/$name <<'PY' 2>&1 | log
 import json, sys, pathlib, pandas as pd
@@ -153,7 +158,7 @@ run = pathlib.Path(sys.argv[1])
 t = pd.read_parquet(run / "steps.parquet")
 r = json.loads((run / "run.json").read_text())
 late = t.iloc[1:] if len(t) > 1 else t
-print("  ", run.name, "status", r["status"], "steps", len(t), "steps with mismatches", int((t.mismatches > 0).sum()),
+print("  ", run.name, "status", r["status"], "stopped", r.get("stopped"), "steps", len(t), "steps with mismatches", int((t.mismatches > 0).sum()),
       "tokens/step", int(t.tokens.iloc[0]), "syncs bit-equal", bool(t.sync_bit_equal.all()), "forward==rescore",
       bool(t.train_forward_equal.all()), "distinct digests", t.weights_digest.nunique())
 print("   grad_norm min", t.grad_norm.min(), "weights_changed min", int(t.weights_changed.min()), "max", int(t.weights_changed.max()),

@@ -69,7 +69,12 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                                                 "parent and deleted after the step.")] = False,
        keep_vocab_rows: Annotated[bool, typer.Option("--keep-vocab-rows", help="With --full-vocab: keep every "
                                                      "step's rows in RUN/vocab/step-N-{train,infer}.safetensors "
-                                                     "(the disk cost above, per step).")] = False) -> None:
+                                                     "(the disk cost above, per step).")] = False,
+       max_seconds: Annotated[float, typer.Option("--max-seconds", metavar="S", help="Stop after the step during "
+                                                  "which S seconds (engine start-up included) have passed, and "
+                                                  "close the run as a finished one of fewer steps (run.json "
+                                                  "stopped, steps_run); for a job's time limit, leave room for "
+                                                  "the engines' shutdown. 0: every step.")] = 0.0) -> None:
     """N GRPO steps with the train/rollout alignment checked at every step.
 
     Each step the inference engine samples --group-size completions per prompt (seeded; the same seeds
@@ -101,7 +106,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
 
     settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows, reward=reward,
                           kl_coef=kl_coef, log_to=parse_sinks(log_to), full_vocab=full_vocab,
-                          keep_vocab_rows=keep_vocab_rows, sleep_level=sleep_level)
+                          keep_vocab_rows=keep_vocab_rows, sleep_level=sleep_level, max_seconds=max_seconds)
     settings.check()
     from alignaudit.rl.request import rl_request
 
@@ -131,6 +136,9 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     console.print(f"[{style}]{bad} of {len(table)} steps with mismatching tokens; {unsynced} weight syncs not "
                   f"bit-equal[/]; reward {table['reward_mean'].iloc[0]:.3f} -> {table['reward_mean'].iloc[-1]:.3f}",
                   highlight=False, soft_wrap=True)
+    if len(table) < steps:
+        console.print(f"stopped after step {len(table)} of {steps}: --max-seconds {max_seconds:g} had passed",
+                      highlight=False)
     results(out / STEPS, out / PLOT, out / RUN, *write_page(out))
 
 

@@ -303,6 +303,9 @@ def judge_steps(run, rule: Rule, name: str = "") -> Verdict:
                            row["positive_tokens"]))
     notes = [] if run.token_rows else ["no per-token rows (--no-token-rows): the counts are steps.parquet's, not "
                                        "recomputed from both engines' logprobs"]
+    if run.record.get("stopped"):
+        notes.append(f"steps {len(steps) + 1}..{run.record['rl']['steps']} (--max-seconds stopped the run after step "
+                     f"{len(steps)})")
     step_rows = steps[["step", "tokens", "mismatches", "ulp_max", "sync_bit_equal", "nan_tokens"]].to_dict("records")
     return Verdict(passed, rule.describe() + "; every weight sync bit-equal", n, mismatches, ulp_max, max_abs,
                    reasons, [], name, error, {}, cases, [{k: _plain(v) for k, v in r.items()} for r in step_rows],

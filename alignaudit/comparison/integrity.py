@@ -340,8 +340,14 @@ def load_rl_run(run_dir: Path) -> RLRun:
     missing = [c for c in STEP_COLUMNS if c not in steps]
     if missing:
         raise InputError(f"{path} lacks columns {missing}; the run was made by another alignaudit")
-    expected = list(range(1, int((record.get("rl") or {}).get("steps", 0)) + 1))
-    if steps["step"].tolist() != expected or not expected:
+    asked = int((record.get("rl") or {}).get("steps", 0))
+    stopped = record.get("stopped")  # rl --max-seconds: a finished run of fewer steps than asked
+    ran = int(stopped["after_step"]) if stopped else asked
+    if not 1 <= ran <= asked or record.get("steps_run", ran) != ran:
+        raise InputError(f"{run_dir / RUN}: steps asked {asked}, run {record.get('steps_run')}, stopped {stopped}: "
+                         "they disagree; the run directory was altered")
+    expected = list(range(1, ran + 1))
+    if steps["step"].tolist() != expected:
         raise InputError(f"{path} does not hold steps 1..{len(expected)} in order; the run directory was altered")
     for role, side in (("train", "train"), ("rollout", "infer")):  # what run.json asked vs what each engine reported
         reported = (record.get("engines") or {}).get(side) or {}

@@ -87,6 +87,10 @@ class RLSettings:
         full_vocab: per step, the full-vocabulary divergence of the trainer's rescoring rows from the rollout
         engine's decode rows at every generated token (comparison.vocab.step_columns). keep_vocab_rows: keep those
         rows in vocab/ (4 x V bytes per generated token per side; otherwise deleted after each step).
+        sleep_level: vLLM's sleep level between steps (0: none). max_seconds: stop after the step during which
+        this many seconds (wall clock, from run_rl's start, the engines' start-up included) have passed, and close
+        the run as a finished one, run.json ``stopped`` saying so (0: run every step); the engines' shutdown comes
+        after it, so a hard deadline needs that margin too.
     """
 
     steps: int = 10
@@ -100,6 +104,7 @@ class RLSettings:
     full_vocab: bool = False
     keep_vocab_rows: bool = False
     sleep_level: int = 0
+    max_seconds: float = 0.0
 
     def check(self) -> None:
         """Raises InputError for a setting the loop cannot run with (a --log-to library not installed included)."""
@@ -123,6 +128,8 @@ class RLSettings:
         if not (self.lr >= 0 and math.isfinite(self.lr)):
             raise InputError(f"--lr {self.lr}: the learning rate must be finite and >= 0 (0 keeps the weights: the "
                              f"sync control)")
+        if not (self.max_seconds >= 0 and math.isfinite(self.max_seconds)):
+            raise InputError(f"--max-seconds {self.max_seconds:g}: a time in seconds, finite and >= 0 (0: no limit)")
         if self.kl_coef > 0 and self.lr == 0:
             raise InputError(f"--kl-coef {self.kl_coef} with --lr 0: the weights never leave the reference, so the KL "
                              f"term is 0 at every step; drop --kl-coef for the sync control")
@@ -138,6 +145,7 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         InputError: a setting the engines refuse. EngineError: an engine worker died (completed steps stay
             on disk).
     """
+    started = time.monotonic()
     record = {**request.record("rl"), "rl": asdict(rl), "status": "running",
               "memory_plan": memory.record() if memory else None}
     (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -175,6 +183,12 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
                 export.log(rows[-1])
             if on_step:
                 on_step(rows[-1])
+            elapsed = time.monotonic() - started
+            if rl.max_seconds and step < rl.steps and elapsed >= rl.max_seconds:
+                record["stopped"] = {"by": "max_seconds", "after_step": step, "elapsed_s": round(elapsed, 3)}
+                break
+        record["steps_run"] = len(rows)  # written with the seal: a failed run's steps are steps.parquet's rows
+        record.setdefault("stopped", None)
     finally:
         for session in sessions:
             session.close()

@@ -42,17 +42,33 @@ IS_OPTIONS = ["--tis-threshold", "1.0001", "--mask-low", "0.9999", "--mask-high"
 IS_HAND = dict(tis=1.0001, mask_low=0.9999, mask_high=1.001)
 
 
+class TenSecondsACall:
+    """rl.loop's clock for --max-seconds: 0 at the run's start, then 10 s more at every reading (one after each
+    step)."""
+
+    def __init__(self):
+        self.now = -10.0
+
+    def monotonic(self) -> float:
+        self.now += 10.0
+        return self.now
+
+    perf_counter = staticmethod(time.perf_counter)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     vocab = ["--full-vocab", "--keep-vocab-rows", "--ignore-eos"]  # fixed lengths: 4 x 4 x 16 tokens a step
     for name, args in (("strict", ["--strict", "--steps", "3", "--lr", "1e-3", "--kl-coef", "0.04", *vocab]),
                        ("default", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "tensorboard", *vocab]),
-                       ("again", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "wandb", "--full-vocab",
-                                  "--ignore-eos"]),
+                       # 3 steps asked, stopped by --max-seconds after step 2 (20 s on TenSecondsACall): "default" again
+                       ("again", ["--steps", "3", "--max-seconds", "15", "--lr", "1e-3", *IS_OPTIONS, "--log-to",
+                                  "wandb", "--full-vocab", "--ignore-eos"]),
                        ("control", ["--steps", "3", "--lr", "0"])):
         printed = io.StringIO()  # not a terminal, as a CI log: the progress bar draws once, the step lines stay
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), pytest.MonkeyPatch.context() as patch:
+            patch.setattr("alignaudit.rl.loop.time", TenSecondsACall())
             assert cli.main(["rl", *args, "--out", str(root / name)]) == EXIT_OK, name
         (root / f"{name}.stdout").write_text(printed.getvalue())
     return root
@@ -248,6 +264,27 @@ def test_the_same_seed_gives_the_same_run(runs):
     assert a["weights_digest"].iloc[-1] == b["weights_digest"].iloc[-1]
 
 
+def test_max_seconds_ends_a_run_early_as_a_finished_run_that_says_so(runs, tmp_path):
+    """--max-seconds 15 with 3 steps asked, on a clock that reads 10 s more after every step: the run stops after
+    step 2 (20 s), is sealed complete with steps_run 2 and the reason, and every rendering of the verdict names the
+    steps not run; the run that asked for no limit records none."""
+    record = json.loads((runs / "again" / "run.json").read_text())
+    assert record["status"] == "complete" and record["rl"]["steps"] == 3 and record["rl"]["max_seconds"] == 15
+    assert record["steps_run"] == 2 and record["stopped"] == {"by": "max_seconds", "after_step": 2, "elapsed_s": 20.0}
+    assert steps(runs, "again")["step"].tolist() == [1, 2]
+    assert "stopped after step 2 of 3: --max-seconds 15 had passed" in (runs / "again.stdout").read_text()
+    default = json.loads((runs / "default" / "run.json").read_text())
+    assert default["stopped"] is None and default["steps_run"] == 2 and default["rl"]["max_seconds"] == 0
+    run = tmp_path / "again"
+    __import__("shutil").copytree(runs / "again", run)
+    assert cli.main(["gate", str(run), "--json", str(tmp_path / "v.json")]) == EXIT_MISMATCH  # the default stack
+    note = "steps 3..3 (--max-seconds stopped the run after step 2)"
+    assert note in json.loads((tmp_path / "v.json").read_text())["notes"]
+    from alignaudit.reports.html import write_report
+
+    assert "Stopped after step 2 of 3 asked: --max-seconds 15 had passed (20 s)." in write_report(run).read_text()
+
+
 def test_a_stale_weight_sync_is_caught(tmp_path, capsys, monkeypatch):
     """Fault injection: vLLM's packed CPU GEMMs are not rebuilt after load_weights. The parameters (and so
     their checksums) hold the new weights, but the engine computes with the old ones: the probe catches it."""
@@ -308,6 +345,8 @@ def test_async_rollouts_sync_inside_vllms_engine_process(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "--steps 0: run at least one step"),
+    (["--max-seconds", "-1"], "--max-seconds -1: a time in seconds, finite and >= 0 (0: no limit)"),
+    (["--max-seconds", "nan"], "--max-seconds nan: a time in seconds"),
     (["--group-size", "1"], "use 2 or more"),
     (["--lr", "-1"], "the learning rate must be finite and >= 0"),
     (["--train", "vllm"], "rl trains with hf or megatron and rolls out with hf or vllm"),
@@ -425,6 +464,9 @@ def _edit_steps(run, **changes):
      "packed GEMMs computed with stale weights after the sync at 1 of 3 steps (first: step 3)"),
     (lambda r: _edit_steps(r, vocab_kl_train_infer_mean=(2, 1e-3)), EXIT_USAGE,
      "step 2: vocab_kl_train_infer_mean 0.001 in steps.parquet, 0.0 from the step's token rows"),
+    (lambda r: _resealed(r, lambda rec: rec.update(stopped={"by": "max_seconds", "after_step": 2, "elapsed_s": 1.0},
+                                                   steps_run=2)), EXIT_USAGE, "does not hold steps 1..2 in order"),
+    (lambda r: _resealed(r, lambda rec: rec.update(steps_run=2)), EXIT_USAGE, "steps asked 3, run 2, stopped None"),
     (lambda r: _edit_steps(r, sync_replicas_diverged=(1, 2)), EXIT_MISMATCH,
      "replicated parameters differed between tensor-parallel ranks at 1 of 3 steps (first: step 1)"),
 ])
