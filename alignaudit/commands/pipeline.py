@@ -235,7 +235,7 @@ def rescore(spec: ModelSpec, rollouts, train: EngineRun, out: Path, clip_eps: fl
               "prompts": {"source": rollouts.batch.source, "sequences": len(rollouts.batch.sequences),
                           "tokens": rollouts.batch.num_tokens, "digest": rollouts.batch.digest()},
               "train": train.record(), "infer": {"engine": "rollout-file", **FILE_SETTINGS}, "clip_eps": clip_eps,
-              "source": rollouts.source, "status": "running"}
+              "source": rollouts.source, "rollout_assumed": list(rollouts.assumed), "status": "running"}
     write_json(out / RUN, record)
     batch = rollouts.batch
     manifest = {"engine": "rollout-file", "role": "infer", "model": {**spec.to_dict(),

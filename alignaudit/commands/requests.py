@@ -148,6 +148,16 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
+SEED_MAX = 2**32 - 1  # vLLM's bound (its engine config refuses others), numpy's too
+
+
+def check_seed(seed: int) -> int:
+    """``seed`` if it lies in [0, 2**32 - 1], else InputError (vLLM would refuse it only once its engine starts)."""
+    if not 0 <= seed <= SEED_MAX:
+        raise errors.InputError(f"--seed {seed}: a seed lies in [0, {SEED_MAX}]")
+    return seed
+
+
 def check_clip_eps(eps: float) -> float:
     """``eps`` if it lies in (0, 1) (the PPO clip range [1 - eps, 1 + eps]), else InputError."""
     if not 0 < eps < 1:
@@ -279,6 +289,7 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
         if not isinstance(value, bool):
             raise errors.InputError(f"{flag} {value!r}: True or False")
     check_clip_eps(clip_eps)
+    check_seed(model.seed)
     thresholds = (importance or ISArgs()).thresholds()
     rollout = sampling(sampling_args, model.seed) if sampling_args is not None else None
     spec = resolve_model_arg(model)

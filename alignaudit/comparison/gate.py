@@ -283,9 +283,9 @@ def judge_steps(run, rule: Rule, name: str = "") -> Verdict:
         errors.append(f"logprobs above 0, which no log-probability is, at {len(positive)} steps (first: step "
                       f"{int(positive['step'].iloc[0])})")
     broken = steps[~np.isfinite(steps["loss"].astype(float)) | ~np.isfinite(steps["grad_norm"].astype(float))]
-    if len(broken):  # the update then wrote non-finite weights: what later steps compare is not a model
+    if len(broken):  # an update from a non-finite loss or gradient: what later steps compare may not be a model
         errors.append(f"a non-finite loss or grad norm at {len(broken)} steps (first: step "
-                      f"{int(broken['step'].iloc[0])}); the weights the trainer wrote are not finite")
+                      f"{int(broken['step'].iloc[0])}); the updates from them are not trustworthy")
     error = "; ".join(errors) or None
     passed = not reasons and not error
     cases = []

@@ -46,8 +46,10 @@ class Rollouts:
     Attributes:
         batch: every rollout's token ids (prompt then sampled tokens). prompt_lengths: per rollout.
         logprobs: per rollout, fp32 [number of sampled tokens], the rollout engine's values.
-        sampling: the optional settings (SAMPLING keys present in the file), one value each.
+        sampling: the optional settings (SAMPLING keys present in the file or given), one value each;
+            logprobs_mode always ("raw" where neither says: vLLM's default, and then ``assumed``).
         source: {"path", "sha256", "format"} of the file.
+        assumed: the sampling keys neither the file nor the command line gave (recorded as such in run.json).
     """
 
     batch: TokenBatch
@@ -55,6 +57,7 @@ class Rollouts:
     logprobs: list[torch.Tensor]
     sampling: dict
     source: dict
+    assumed: tuple[str, ...] = ()
 
     @property
     def processed(self) -> bool:
@@ -72,7 +75,8 @@ def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None) 
     """
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"{path}: no such file; give a JSONL or parquet file of rollouts")
+        what = "a directory" if path.is_dir() else "no such file"
+        raise InputError(f"{path}: {what}; give a JSONL or parquet file of rollouts")
     rows, fmt = _read_rows(path)
     if not rows:
         raise InputError(f"{path} holds no rollouts")
@@ -104,10 +108,13 @@ def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None) 
         lengths.append(n)
         logprobs.append(torch.tensor(values, dtype=torch.float32))
     _check_signs(path, logprobs)
-    sampling = _sampling(path, rows, given or {})
+    given = given or {}
+    assumed = () if rows[0].get("logprobs_mode") is not None or given.get("logprobs_mode") is not None else (
+        "logprobs_mode",)
+    sampling = _sampling(path, rows, given)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return Rollouts(TokenBatch(tuple(sequences), source=f"rollouts:{path.name}"), lengths, logprobs, sampling,
-                    {"path": str(path.resolve()), "sha256": digest, "format": fmt})
+                    {"path": str(path.resolve()), "sha256": digest, "format": fmt}, assumed)
 
 
 FORMATS = ("rescore reads JSON lines (UTF-8 text, one rollout object per line) or parquet, with token_ids, "
@@ -146,7 +153,7 @@ def _read_rows(path: Path) -> tuple[list[dict], str]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{number} is not JSON ({e.msg}); one rollout object per line") from e
+            raise InputError(f"{path}:{number} is not JSON ({e.msg}); {FORMATS}") from e
         if not isinstance(row, dict):
             raise InputError(f"{path}:{number} is not a JSON object; one rollout object per line")
         rows.append(row)
@@ -238,6 +245,12 @@ def _sampling(path: Path, rows: list[dict], given: dict) -> dict:
         raise InputError(f"{path}: logprobs_mode {found['logprobs_mode']!r}: choose raw or processed")
     missing = [k for k in REPLAYED if k not in found]
     processed = found.get("logprobs_mode") == "processed"
+    unused = [f"--{k.replace('_', '-')}" for k in REPLAYED if given.get(k) is not None]
+    if unused and not processed:
+        raise InputError(f"{' '.join(unused)} given for raw logprobs: only processed logprobs are scored under the "
+                         "sampling transform, so it would change nothing; drop it, or give --logprobs-mode processed "
+                         "if the engine recorded processed logprobs")
+    found.setdefault("logprobs_mode", "raw")  # vLLM's default; Rollouts.assumed says where neither file nor option did
     if processed and missing:
         raise InputError(f"{path}: the logprobs are processed but the file gives no {', '.join(missing)}; the trainer "
                          "must replay the sampling transform they were processed with")

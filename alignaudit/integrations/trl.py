@@ -148,7 +148,8 @@ def _check_config(config) -> None:
          "computes neither its logp difference nor the old logprobs the hook compares"),
         (config.min_p not in (None, 0.0), f"min_p={config.min_p}: vLLM applies it before its processed "
          "logprobs, and the strict replay does not"),
-        (config.repetition_penalty != 1.0, f"repetition_penalty={config.repetition_penalty}: likewise"),
+        (config.repetition_penalty != 1.0, f"repetition_penalty={config.repetition_penalty}: vLLM applies it "
+         "before its processed logprobs, and the strict replay does not; use 1.0"),
         (config.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True: vLLM projects in the model's dtype"),
         (bool(config.generation_kwargs), f"generation_kwargs={config.generation_kwargs!r}: they reach vLLM's "
          "SamplingParams, where they can change the distribution the trainer replays"),

@@ -168,7 +168,7 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         rollout.call("start", max_len=max(len(p) for p in prompts) + new, max_seqs=len(prompts) * group,
                      total_tokens=group * (sum(len(p) for p in prompts) + len(prompts) * new),
                      engine_mode=request.rollout.engine_mode)
-        record["engines"] = {"train": trainer.call("settings")["settings"],
+        record["engines"] = {"train": trainer.call("settings", replay=_replay(request, prompts))["settings"],
                              "infer": rollout.call("settings")["settings"]}
         how = transport(request)
         record["weight_sync"] = {"transport": how, "digest": DIGESTS[how]}
@@ -242,13 +242,26 @@ def _sync(trainer: Session, rollout: Session, out: Path, how: str) -> dict:
             "replicas_diverged": diverged, "weights_digest": digest, **update}
 
 
-def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session, rollout: Session, prompts: list,
-          out: Path, how: str) -> dict:
+def _prompt_lengths(request: Request, prompts: list) -> list[int]:
+    """Per sequence the rollout returns (a prompt's G completions in turn), its prompt's length."""
+    return [len(p) for p in prompts for _ in range(request.rollout.group_size)]
+
+
+def _replay(request: Request, prompts: list) -> dict | None:
+    """The sampling transform the trainer replays at every step's score and update, where the rollout engine
+    records processed logprobs (Replay.to_dict; the prompts are the same every step), else None."""
     from alignaudit.engines.checks import processed_logprobs
 
+    if not processed_logprobs(request.infer):
+        return None
+    return Replay.of(request.rollout.to_dict(), _prompt_lengths(request, prompts)).to_dict()
+
+
+def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session, rollout: Session, prompts: list,
+          out: Path, how: str) -> dict:
     t0 = time.perf_counter()
     sampling = request.rollout.to_dict()
-    prompt_lengths = [len(p) for p in prompts for _ in range(request.rollout.group_size)]  # per returned sequence
+    prompt_lengths = _prompt_lengths(request, prompts)
     rows = {side: str(out / STEP_VOCAB_DIR / STEP_VOCAB_ROWS.format(step=step, side=side))
             for side in ("train", "infer")}
 
@@ -261,9 +274,7 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
     sleep = rollout.call("sleep", level=rl.sleep_level) if rl.sleep_level else None  # timed apart: sleep_s
     t1 = time.perf_counter()
     sequences = rolled["sequences"]
-    replay = None
-    if processed_logprobs(request.infer):
-        replay = Replay.of(sampling, prompt_lengths).to_dict()
+    replay = _replay(request, prompts)
     scored = trainer.call("score", sequences=sequences, replay=replay, vocab_rows=spec("train"))["logprobs"]
     t2 = time.perf_counter()
     tokens = _generated_tokens(step, sequences, prompt_lengths, scored, rolled["logprobs"])

@@ -32,6 +32,7 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
     sampling = dataclasses.replace(sampling, group_size=settings.group_size if grouped else 1)
     request = build_request(model, prompts, run, sampling, clip_eps, importance,
                             extra_check=check_rl_full_vocab if settings.full_vocab else None)
+    _refuse_truncated_reference(request, settings.kl_coef)
     if settings.full_vocab and request.rollout.engine_mode == "async":
         raise InputError("rl --full-vocab with --engine-mode async is not built (the sampler's rows stay in vLLM's "
                          "engine process); drop one of them")
@@ -43,6 +44,21 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
     return request
+
+
+def _refuse_truncated_reference(request, kl_coef: float) -> None:
+    """--kl-coef with processed logprobs under top-k / top-p: the trainer replays the truncation for the policy and
+    the reference alike, and a sampled token outside the reference's kept set has reference logprob -inf, so the
+    k3 KL (exp(ref - lp) - (ref - lp) - 1) is +inf at that token and the loss with it (seen on the fixture: loss
+    and kl_ref inf from step 2). Raises InputError before any engine starts."""
+    from alignaudit.engines.checks import processed_logprobs
+
+    rollout = request.rollout
+    if kl_coef > 0 and processed_logprobs(request.infer) and (rollout.top_k > 0 or rollout.top_p < 1):
+        raise InputError(f"--kl-coef {kl_coef:g} with processed logprobs and --top-k {rollout.top_k} / --top-p "
+                         f"{rollout.top_p:g}: the reference's truncation gives -inf logprobs to tokens the policy "
+                         "sampled, so the KL term is infinite; drop --kl-coef, the truncation, or "
+                         "logprobs_mode=processed_logprobs")
 
 
 def _task_prompts(request, prompts, seed: int):

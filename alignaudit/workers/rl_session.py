@@ -82,7 +82,12 @@ class Worker:
         return {}
 
     def _settings(self, args: dict) -> dict:
-        record = {"engine": self.engine.name, **self.engine.settings_record(), "worker_startup_s": self.startup_s}
+        # the trainer's record as it scores: with the replay every step's score and update get (processed logprobs)
+        held, self.engine.replay = self.engine.replay, Replay.from_dict(args.get("replay"))
+        try:
+            record = {"engine": self.engine.name, **self.engine.settings_record(), "worker_startup_s": self.startup_s}
+        finally:
+            self.engine.replay = held
         if self.trainer is not None:
             record["optimizer"] = self.trainer.optimizer_name
             record["host_threads"] = torch.get_num_threads()  # what a host-side (offloaded, CPU) Adam runs on

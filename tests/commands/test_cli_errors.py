@@ -46,6 +46,8 @@ def test_broken_checkpoints_fail_before_any_engine(capsys, tmp_path, edit, messa
 
 @pytest.mark.parametrize("argv, message", [
     (["--clip-eps", "-1"], "must lie in (0, 1)"),
+    (["--seed", "-1"], "--seed -1: a seed lies in [0, 4294967295]"),
+    (["--seed", str(2**32)], "--seed 4294967296: a seed lies in [0, 4294967295]"),
     (["--tis-threshold", "0"], "--tis-threshold 0.0: the truncation C must be a finite number > 0"),
     (["--mask-low", "1.5", "--mask-high", "1.5"],
      "--mask-low 1.5 --mask-high 1.5: the kept range needs 0 <= low < high"),

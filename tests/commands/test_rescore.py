@@ -104,6 +104,8 @@ def test_rescore_gives_compare_numbers_for_the_sampled_tokens_and_gate_judges_it
         record = json.loads((out / "run.json").read_text())
         assert record["command"] == "rescore" and record["source"]["format"] == kind
         assert record["infer"]["engine"] == "rollout-file" and record["infer"]["dtype"] is None
+        assert record["rollout"]["logprobs_mode"] == "raw"
+        assert record["rollout_assumed"] == ([] if "logprobs_mode" in rows[0] else ["logprobs_mode"]), kind
         assert cli.main(["gate", str(out), "--json", str(tmp_path / f"verdict-{kind}.json")]) == EXIT_MISMATCH
         verdict = json.loads((tmp_path / f"verdict-{kind}.json").read_text())
         assert verdict["tokens_compared"] == 32 and verdict["mismatches"] == summary["mismatches"]
@@ -211,6 +213,30 @@ def test_files_of_other_formats_get_one_line_naming_what_rescore_reads(rollout_r
     latin.write_bytes('{"mismatches": 0, "n\xf6": 1}'.encode("latin-1"))
     assert "not UTF-8 text" in one_line_error(capsys, ["gate", str(rollout_run), "--baseline", str(latin)],
                                               EXIT_USAGE)
+
+
+def test_sampling_options_for_raw_logprobs_are_refused_and_an_unstated_mode_is_recorded_as_assumed(tmp_path, capsys):
+    """--temperature / --top-k / --top-p change only what processed logprobs are scored under: with raw ones they
+    are refused, not recorded as applied; a file and command line that do not say the mode get raw (vLLM's default),
+    named as assumed."""
+    from alignaudit.inputs.rollouts import read_rollouts
+
+    row = {"token_ids": [1, 2, 3], "prompt_length": 2, "logprobs": [-0.5]}
+    path = write_jsonl(tmp_path / "r.jsonl", [row])
+    for extra in (["--temperature", "0.7"], ["--logprobs-mode", "raw", "--top-k", "5", "--top-p", "0.9"]):
+        err = one_line_error(capsys, ["rescore", str(path), *extra, "--out", str(tmp_path / "never")], EXIT_USAGE)
+        assert "given for raw logprobs: only processed logprobs are scored under the sampling transform" in err
+    assert not (tmp_path / "never").exists()
+    unstated = read_rollouts(path, 512)
+    assert unstated.sampling == {"logprobs_mode": "raw"} and unstated.assumed == ("logprobs_mode",)
+    stated = read_rollouts(path, 512, {"logprobs_mode": "raw"})
+    assert stated.sampling == {"logprobs_mode": "raw"} and stated.assumed == ()
+    (tmp_path / "dir.jsonl").mkdir()
+    text = tmp_path / "notes.pt"
+    text.write_text("hello\n")
+    for bad, what in ((tmp_path / "dir.jsonl", "dir.jsonl: a directory; give a JSONL or parquet file"),
+                      (text, "notes.pt:1 is not JSON (Expecting value); rescore reads JSON lines")):
+        assert what in one_line_error(capsys, ["rescore", str(bad), "--out", str(tmp_path / "never")], EXIT_USAGE)
 
 
 def test_vllm_disabled_top_k_is_read_as_disabled(tmp_path):

@@ -30,6 +30,8 @@ def test_kl_k3_is_zero_at_the_reference_and_exp_r_minus_r_minus_1_elsewhere():
     (["--kl-coef", "inf"], "--kl-coef inf: the KL weight must be finite and >= 0"),
     (["--lr", "inf"], "--lr inf: the learning rate must be finite and >= 0"),
     (["--kl-coef", "0.04", "--lr", "0"], "--kl-coef 0.04 with --lr 0: the weights never leave the reference"),
+    (["--kl-coef", "0.04", "--top-p", "0.95", "--infer-opt", "logprobs_mode=processed_logprobs"],
+     "--kl-coef 0.04 with processed logprobs and --top-k 0 / --top-p 0.95: the reference's truncation gives -inf"),
 ])
 def test_rl_refuses_bad_rl_settings_before_any_engine(capsys, tmp_path, argv, message):
     out = tmp_path / "r"

@@ -65,7 +65,8 @@ def runs(tmp_path_factory):
                        # 3 steps asked, stopped by --max-seconds after step 2 (20 s on TenSecondsACall): "default" again
                        ("again", ["--steps", "3", "--max-seconds", "15", "--lr", "1e-3", *IS_OPTIONS, "--log-to",
                                   "wandb", "--full-vocab", "--ignore-eos"]),
-                       ("control", ["--steps", "3", "--lr", "0"])):
+                       # processed logprobs at temperature 1 (no truncation): raw sampling, replayed by the trainer
+                       ("control", ["--steps", "3", "--lr", "0", "--infer-opt", "logprobs_mode=processed_logprobs"])):
         printed = io.StringIO()  # not a terminal, as a CI log: the progress bar draws once, the step lines stay
         with contextlib.redirect_stdout(printed), pytest.MonkeyPatch.context() as patch:
             patch.setattr("alignaudit.rl.loop.time", TenSecondsACall())
@@ -229,6 +230,11 @@ def test_lr_zero_repeats_every_step_exactly(runs):
     assert record["weight_sync"]["transport"] == "file" and record["initial_sync"]["changed"] == 0
     shape = record["rollout"]
     assert (shape["group_size"], shape["stop_at_eos"], shape["prompt_logprobs"]) == (4, True, False)  # n = G, EOS
+    trainer = record["engines"]["train"]  # recorded as it scores every step: with the replay of processed logprobs
+    assert (trainer["replay"]["temperature"], trainer["replay"]["top_k"], trainer["replay"]["top_p"]) == (1.0, 0, 1.0)
+    assert "; generated tokens: " in trainer["logprob_formula"]
+    plain = json.loads((runs / "default" / "run.json").read_text())["engines"]["train"]
+    assert plain["replay"] is None and "generated tokens" not in plain["logprob_formula"]
     tokens = pd.read_parquet(runs / "control" / "tokens" / "step-00001.parquet")
     lengths = tokens.groupby("seq").size()
     assert len(lengths) == 16 and first["tokens"] == len(tokens) == lengths.sum()
