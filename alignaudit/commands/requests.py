@@ -118,8 +118,9 @@ GROUPS = (ModelArgs, PromptArgs, PairArgs, SamplingArgs, OutputArgs, ISArgs)
 
 
 def resolve_model_arg(args: ModelArgs):
-    """The ModelSpec of --model (alignaudit.inputs.checkpoint.resolve_model). Raises InputError for a model it
-    cannot find or read."""
+    """The ModelSpec of --model (alignaudit.inputs.checkpoint.resolve_model), after check_seed (every command
+    resolves its model first). Raises InputError for a bad --seed or a model it cannot find or read."""
+    check_seed(args.seed)
     return resolve_model(args.model, random_weights=args.random_weights, seed=args.seed)
 
 
@@ -289,7 +290,6 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
         if not isinstance(value, bool):
             raise errors.InputError(f"{flag} {value!r}: True or False")
     check_clip_eps(clip_eps)
-    check_seed(model.seed)
     thresholds = (importance or ISArgs()).thresholds()
     rollout = sampling(sampling_args, model.seed) if sampling_args is not None else None
     spec = resolve_model_arg(model)

@@ -69,6 +69,13 @@ def test_input_errors_before_any_engine(capsys, tmp_path, argv, message):
     assert message in one_line_error(capsys, argv, EXIT_USAGE)
 
 
+@pytest.mark.parametrize("command", [["rl"], ["capture", "--engine", "hf"], ["rescore", "rollouts.jsonl"],
+                                     ["bisect"], ["ablate"]])
+def test_a_seed_vllm_would_refuse_is_refused_by_every_command_before_any_engine(capsys, tmp_path, command):
+    err = one_line_error(capsys, [*command, "--seed", "-3", "--out", str(tmp_path / "o")], EXIT_USAGE)
+    assert "--seed -3: a seed lies in [0, 4294967295]" in err and not (tmp_path / "o").exists()
+
+
 def test_bad_engine_settings_are_input_errors(capsys, tmp_path):
     base = ["compare", "--train", "hf", "--infer", "hf"]
     err = one_line_error(capsys, [*base, "--train-opt", "micro_batch_size=abc",
