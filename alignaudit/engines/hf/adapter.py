@@ -204,7 +204,7 @@ class HFEngine(Engine):
             "dtype": str(self.model.dtype),
             "logprob_formula": ("alignaudit_kernels.token_logprobs" if "logprobs" in self.settings.strict_ops
                                 else "log_softmax(logits.float(), -1).gather(next_token)")
-                               + ("; generated tokens: the same of process_logits(logits, **replay)"
+                               + ("; generated tokens: the same formula on process_logits(logits, **replay)"
                                   if self.replay is not None else ""),
             "replay": self.replay.to_dict() if self.replay is not None else None,
             "routing_replay": ROUTING_REPLAYED if self.routing_replay is not None else None,
