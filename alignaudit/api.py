@@ -41,7 +41,7 @@ def _settings(dtype: str, device: str, ops: str, exp: str, seed: int = 0):
         raise InputError(f"ops {ops!r} selects no strict op, so the model would not be strict; pass 'all' or a comma "
                          "list of alignaudit.inputs.strict_ops.STRICT_OPS")
     return EngineSettings(check_dtype(dtype), device, seed, {}, strict=format_strict(strict),
-                          strict_exp=check_strict_exp(exp, strict, device))
+                          strict_exp=check_strict_exp(exp, strict, device, ("exp", "ops", "device='cuda'")))
 
 
 def _check_number(name: str, value, expected: str = "a number") -> None:

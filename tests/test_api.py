@@ -134,6 +134,10 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
         api.strict_hf_model("qwen3-tiny", ops="all,bogus", device="cpu")
     with pytest.raises(InputError, match="not a comma-separated string"):
         api.strict_hf_model("qwen3-tiny", ops=["linear"], device="cpu")
+    with pytest.raises(InputError, match=r"^exp native is the GPU's exp2 .* use device='cuda', or drop exp$"):
+        api.strict_hf_model("qwen3-tiny", exp="native", device="cpu")  # the API's own names, not the CLI's flags
+    with pytest.raises(InputError, match="^exp native sets the exp of strict attention, .*: add attention to ops$"):
+        api.strict_hf_model("qwen3-tiny", ops="linear", exp="native", device="cpu")
     with pytest.raises(InputError, match="an empty sync would pass unchecked"):
         api.verify_weight_sync({}, {})
     with pytest.raises(InputError, match="a dict of HF name -> tensor"):

@@ -41,23 +41,26 @@ def prefer_runner_v1() -> None:
     os.environ.setdefault(RUNNER_V2_ENV, "0")
 
 
-def check_strict_exp(exp: str, ops: frozenset[str], device: str) -> str:
+def check_strict_exp(exp: str, ops: frozenset[str], device: str,
+                     names: tuple[str, str, str] = ("--strict-exp", "--strict", "--device cuda")) -> str:
     """Validate ``--strict-exp`` before any engine starts and return it. "native" (the GPU's exp2 instruction
     inside strict attention; alignaudit_kernels.attention) needs strict attention and CUDA; every engine's
-    strict attention takes it there (vLLM's through ALIGNAUDIT_STRICT_EXP).
+    strict attention takes it there (vLLM's through ALIGNAUDIT_STRICT_EXP). ``names``: how the caller's user
+    spells the exp, the ops and a CUDA device (the CLI's flags by default; alignaudit.api passes its arguments).
 
     Raises:
         InputError: an unknown value, or "native" where it would not take effect.
     """
+    option, ops_option, cuda = names
     if exp not in STRICT_EXPS:
-        raise InputError(f"--strict-exp {exp!r}: choose {' or '.join(STRICT_EXPS)}")
+        raise InputError(f"{option} {exp!r}: choose {' or '.join(STRICT_EXPS)}")
     if exp == "native":
         if "attention" not in ops:
-            raise InputError("--strict-exp native sets the exp of strict attention, which this run does not compute: "
-                             "add attention to --strict (or give --strict alone)")
+            raise InputError(f"{option} native sets the exp of strict attention, which this run does not compute: "
+                             f"add attention to {ops_option}")
         if device != "cuda":
-            raise InputError("--strict-exp native is the GPU's exp2 instruction; on the CPU strict attention computes "
-                             "the portable exp only: use --device cuda, or drop --strict-exp")
+            raise InputError(f"{option} native is the GPU's exp2 instruction; on the CPU strict attention computes "
+                             f"the portable exp only: use {cuda}, or drop {option}")
     return exp
 
 
