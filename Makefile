@@ -16,7 +16,8 @@ PYTEST_ARGS ?=
 # (47ffd68, the same CPU, fresh clone): 686 s (643 tests: async and framework-shaped rollouts, the trained fixture's
 # 20 rl steps, the API's rollout shape), then 62 s; (dad44be, the same CPU, fresh clone): 682 s (652 tests: the
 # layering refactor, rl --engine-mode async's two runs), then 62 s; (38115a6, the same CPU, fresh clone): 709 s
-# (660 tests: the strict read-back of TRL's and users' vLLM, plot_runs), then 61 s.
+# (660 tests: the strict read-back of TRL's and users' vLLM, plot_runs), then 61 s; (9d89f00, the same CPU, fresh
+# clone, run a second time): 735 s (675 tests: rl --max-seconds, refusals per command), then 53 s.
 # PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 
