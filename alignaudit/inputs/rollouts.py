@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from alignaudit.errors import InputError
-from alignaudit.inputs.framework_dumps import is_nemo_rl, nemo_rl_rows, slime_rows
+from alignaudit.inputs.framework_dumps import NEMO_RL_KEYS, is_nemo_rl, nemo_rl_rows, slime_rows
 from alignaudit.inputs.prompts import TokenBatch
 from alignaudit.inputs.request import REPLAYED
 
@@ -159,6 +159,10 @@ def _read_rows(path: Path) -> tuple[list[dict], str]:
         rows.append(row)
     if rows and is_nemo_rl(rows[0]):
         return nemo_rl_rows(path, rows), "nemo-rl"
+    if rows and {"input_lengths", "token_loss_mask"} <= set(rows[0]):  # NeMo-RL's, without a key it needs
+        missing = [key for key in NEMO_RL_KEYS if key not in rows[0]]
+        raise InputError(f"{path}:1 looks like NeMo-RL's train_data_step (input_lengths, token_loss_mask) but has no "
+                         f"{', '.join(missing)}; rescore reads NeMo-RL's lines with {', '.join(NEMO_RL_KEYS)}")
     return rows, "jsonl"
 
 

@@ -234,8 +234,14 @@ def test_sampling_options_for_raw_logprobs_are_refused_and_an_unstated_mode_is_r
     (tmp_path / "dir.jsonl").mkdir()
     text = tmp_path / "notes.pt"
     text.write_text("hello\n")
+    nemo = write_nemo_rl(tmp_path / "nemo" / "train_data_step1.jsonl", [{**row, "logprobs": [-0.5]}])
+    line = json.loads(nemo.read_text())
+    del line["generation_logprobs"]  # NeMo-RL writes it only where the rollout engine returned logprobs
+    nemo.write_text(json.dumps(line) + "\n")
     for bad, what in ((tmp_path / "dir.jsonl", "dir.jsonl: a directory; give a JSONL or parquet file"),
-                      (text, "notes.pt:1 is not JSON (Expecting value); rescore reads JSON lines")):
+                      (text, "notes.pt:1 is not JSON (Expecting value); rescore reads JSON lines"),
+                      (nemo, "train_data_step1.jsonl:1 looks like NeMo-RL's train_data_step (input_lengths, "
+                             "token_loss_mask) but has no generation_logprobs; rescore reads NeMo-RL's lines with")):
         assert what in one_line_error(capsys, ["rescore", str(bad), "--out", str(tmp_path / "never")], EXIT_USAGE)
 
 
