@@ -108,10 +108,9 @@ def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None) 
         lengths.append(n)
         logprobs.append(torch.tensor(values, dtype=torch.float32))
     _check_signs(path, logprobs)
-    given = given or {}
-    assumed = () if rows[0].get("logprobs_mode") is not None or given.get("logprobs_mode") is not None else (
-        "logprobs_mode",)
-    sampling = _sampling(path, rows, given)
+    sampling = _sampling(path, rows, given or {})
+    assumed = () if "logprobs_mode" in sampling else ("logprobs_mode",)
+    sampling.setdefault("logprobs_mode", "raw")  # vLLM's default, named in ``assumed``
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return Rollouts(TokenBatch(tuple(sequences), source=f"rollouts:{path.name}"), lengths, logprobs, sampling,
                     {"path": str(path.resolve()), "sha256": digest, "format": fmt}, assumed)
@@ -254,7 +253,6 @@ def _sampling(path: Path, rows: list[dict], given: dict) -> dict:
         raise InputError(f"{' '.join(unused)} given for raw logprobs: only processed logprobs are scored under the "
                          "sampling transform, so it would change nothing; drop it, or give --logprobs-mode processed "
                          "if the engine recorded processed logprobs")
-    found.setdefault("logprobs_mode", "raw")  # vLLM's default; Rollouts.assumed says where neither file nor option did
     if processed and missing:
         raise InputError(f"{path}: the logprobs are processed but the file gives no {', '.join(missing)}; the trainer "
                          "must replay the sampling transform they were processed with")

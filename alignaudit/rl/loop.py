@@ -168,7 +168,8 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         rollout.call("start", max_len=max(len(p) for p in prompts) + new, max_seqs=len(prompts) * group,
                      total_tokens=group * (sum(len(p) for p in prompts) + len(prompts) * new),
                      engine_mode=request.rollout.engine_mode)
-        record["engines"] = {"train": trainer.call("settings", replay=_replay(request, prompts))["settings"],
+        replay = _replay(request, prompts)
+        record["engines"] = {"train": trainer.call("settings", replay=replay)["settings"],
                              "infer": rollout.call("settings")["settings"]}
         how = transport(request)
         record["weight_sync"] = {"transport": how, "digest": DIGESTS[how]}
@@ -176,7 +177,7 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
         rows, reward = [], reward_function(rl.reward, request.spec)
         for step in range(1, rl.steps + 1):
-            rows.append(_step(step, request, rl, reward, trainer, rollout, prompts, out, how))
+            rows.append(_step(step, request, rl, reward, trainer, rollout, prompts, replay, out, how))
             steps = pd.DataFrame(rows)
             steps.to_parquet(out / STEPS, index=False)
             if export:
@@ -249,7 +250,8 @@ def _prompt_lengths(request: Request, prompts: list) -> list[int]:
 
 def _replay(request: Request, prompts: list) -> dict | None:
     """The sampling transform the trainer replays at every step's score and update, where the rollout engine
-    records processed logprobs (Replay.to_dict; the prompts are the same every step), else None."""
+    records processed logprobs (Replay.to_dict; computed once a run, the prompts being the same every step), else
+    None."""
     from alignaudit.engines.checks import processed_logprobs
 
     if not processed_logprobs(request.infer):
@@ -258,7 +260,7 @@ def _replay(request: Request, prompts: list) -> dict | None:
 
 
 def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session, rollout: Session, prompts: list,
-          out: Path, how: str) -> dict:
+          replay: dict | None, out: Path, how: str) -> dict:
     t0 = time.perf_counter()
     sampling = request.rollout.to_dict()
     prompt_lengths = _prompt_lengths(request, prompts)
@@ -274,7 +276,6 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
     sleep = rollout.call("sleep", level=rl.sleep_level) if rl.sleep_level else None  # timed apart: sleep_s
     t1 = time.perf_counter()
     sequences = rolled["sequences"]
-    replay = _replay(request, prompts)
     scored = trainer.call("score", sequences=sequences, replay=replay, vocab_rows=spec("train"))["logprobs"]
     t2 = time.perf_counter()
     tokens = _generated_tokens(step, sequences, prompt_lengths, scored, rolled["logprobs"])
