@@ -18,11 +18,14 @@ Forward only (the strict path of rollout and rescoring; training the router is o
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from alignaudit_kernels.grouped_linear import block_m_for, grouped_linear, plan_experts
 from alignaudit_kernels.matmul import linear
-from alignaudit_kernels.primitives import exp, fixed_sum
-from alignaudit_kernels.silu import silu_mul
+from alignaudit_kernels.primitives import exp, fixed_sum, use_triton
+from alignaudit_kernels.silu import silu_and_mul, silu_mul
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool):
@@ -48,8 +51,34 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: b
     return logits, chosen, (z / fixed_sum(z)[:, None]).gather(1, chosen)
 
 
+DISPATCHES = ("gathered", "grouped", "every_expert")
+DISPATCH_ENV = "ALIGNAUDIT_MOE_DISPATCH"
+
+
+def asked_dispatch() -> str:
+    """ALIGNAUDIT_MOE_DISPATCH: "auto" (unset) or one of DISPATCHES.
+
+    Raises:
+        ValueError: any other value, naming the ones there are.
+    """
+    asked = os.environ.get(DISPATCH_ENV, "auto")
+    if asked != "auto" and asked not in DISPATCHES:
+        raise ValueError(f"{DISPATCH_ENV}={asked!r}: use one of auto, {', '.join(DISPATCHES)}")
+    return asked
+
+
+def dispatch_for(x: torch.Tensor) -> str:
+    """The dispatch ``combine_experts`` uses when none is given: ``asked_dispatch()``, where auto means
+    "every_expert" while a CUDA graph is being captured (the capturable path run on the H200) and "gathered"
+    otherwise. Raises ValueError as asked_dispatch."""
+    asked = asked_dispatch()
+    if asked != "auto":
+        return asked
+    return "every_expert" if x.is_cuda and torch.cuda.is_current_stream_capturing() else "gathered"
+
+
 def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up, down,
-                    every_expert: bool | None = None) -> torch.Tensor:
+                    dispatch: str | None = None) -> torch.Tensor:
     """The experts' SwiGLU outputs for routed tokens, combined in the routing order (module docstring).
 
     Args:
@@ -57,31 +86,55 @@ def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
         gate_up: [E, 2I, H], each expert's gate rows then up rows (transformers' and vLLM's fused layout), or a
             sequence of E [2I, H] tensors (Megatron's SequentialMLP experts).
         down: [E, H, I], or a sequence of E [H, I] tensors.
-        every_expert: every expert computes every token, each token keeping its chosen experts' rows (no host
-            read of the routing, so a CUDA graph can capture it; E / top_k times the work). None: only while a
-            CUDA graph is being captured (torch.cuda.is_current_stream_capturing).
+        dispatch: how tokens reach their experts; every one gives the same bits, since the strict linear is
+            row-invariant (tests/kernels/test_moe_kernel.py):
+            "gathered"      each chosen expert on its tokens, found by reading the routing on the host;
+            "grouped"       the pairs sorted by expert on the device and one grouped launch per product
+                            (kernels/grouped_linear.py; Triton, stacked weights): no host read, CUDA graphs
+                            can capture it;
+            "every_expert"  every expert computes every token, each token keeping its chosen experts' rows
+                            (no host read either; E / top_k times the work).
+            None: ``dispatch_for``.
     Returns:
         [T, H] in x.dtype: round(((w_0 * y_0) + w_1 * y_1) + ...), fp32 products and sums, rounded once.
+    Raises:
+        ValueError: an unknown dispatch, or "grouped" without the Triton backend or with a sequence of weights.
     """
     t, h = x.shape
     top_k = chosen.shape[1]
     width = gate_up[0].shape[0] // 2
-    expert_out = torch.zeros(t, top_k, h, dtype=x.dtype, device=x.device)
-    if every_expert is None:
-        every_expert = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if every_expert:
-        # linear is row-invariant: a token's rows have the bits of the gathered path below
+    dispatch = dispatch or dispatch_for(x)
+    if dispatch == "grouped":
+        expert_out = _grouped(x, chosen, gate_up, down).view(t, top_k, h)
+    elif dispatch == "every_expert":
+        # linear is row-invariant: a token's rows have the bits of the gathered path
+        expert_out = torch.zeros(t, top_k, h, dtype=x.dtype, device=x.device)
         for e in range(len(gate_up)):
             y = _expert(x, gate_up[e], down[e], width)
             expert_out = torch.where((chosen == e)[..., None], y[:, None, :], expert_out)
-    else:
+    elif dispatch == "gathered":
+        expert_out = torch.zeros(t, top_k, h, dtype=x.dtype, device=x.device)
         for e in torch.unique(chosen).tolist():
             token, slot = (chosen == e).nonzero(as_tuple=True)
             expert_out[token, slot] = _expert(x[token], gate_up[e], down[e], width)
+    else:
+        raise ValueError(f"dispatch {dispatch!r}: use one of {', '.join(DISPATCHES)}")
     acc = weights[:, :1] * expert_out[:, 0].float()
     for r in range(1, top_k):
         acc = acc + weights[:, r: r + 1] * expert_out[:, r].float()
     return acc.to(x.dtype)
+
+
+def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """[T * top_k, H]: row t * top_k + r is expert chosen[t, r]'s SwiGLU output for token t (grouped_linear)."""
+    if not (use_triton(x) and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        raise ValueError("the grouped MoE dispatch needs the Triton backend (CUDA, or TRITON_INTERPRET=1) and "
+                         "stacked expert weights [E, 2I, H], [E, H, I]")
+    experts = gate_up.shape[0]
+    plan = plan_experts(chosen, experts, block_m_for(chosen.numel(), experts, x.dtype))
+    hidden = silu_and_mul(grouped_linear(x, gate_up, plan, gather=True))
+    sorted_out = grouped_linear(hidden, down, plan, gather=False)
+    return torch.empty_like(sorted_out).index_copy_(0, plan.pair, sorted_out)
 
 
 def _expert(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, width: int) -> torch.Tensor:

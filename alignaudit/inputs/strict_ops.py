@@ -41,6 +41,24 @@ def prefer_runner_v1() -> None:
     os.environ.setdefault(RUNNER_V2_ENV, "0")
 
 
+def check_moe_dispatch(device: str) -> None:
+    """Validate ALIGNAUDIT_MOE_DISPATCH (how the strict MoE layer sends tokens to experts,
+    alignaudit_kernels.moe.DISPATCHES) before any engine starts: a known value, and "grouped" (a Triton kernel)
+    on CUDA only. The run's environment record keeps the variable (alignaudit.capture.environment).
+
+    Raises:
+        InputError: naming the value and the ones that run here.
+    """
+    from alignaudit_kernels.moe import DISPATCH_ENV, asked_dispatch
+
+    try:
+        asked = asked_dispatch()
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if asked == "grouped" and device != "cuda":
+        raise InputError(f"{DISPATCH_ENV}=grouped is a Triton kernel and runs with --device cuda only; unset it")
+
+
 def check_strict_exp(exp: str, ops: frozenset[str], device: str,
                      names: tuple[str, str, str] = ("--strict-exp", "--strict", "--device cuda")) -> str:
     """Validate ``--strict-exp`` before any engine starts and return it. "native" (the GPU's exp2 instruction

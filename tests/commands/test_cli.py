@@ -231,6 +231,20 @@ def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp
     assert "would not use --strict-exp" in err
 
 
+def test_moe_dispatch_variable_is_refused_before_any_engine(capsys, tmp_path, monkeypatch):
+    """ALIGNAUDIT_MOE_DISPATCH reaches the strict MoE layer in every engine's process: an unknown value, or the
+    grouped (Triton) dispatch on a CPU run, is refused by name before an engine starts."""
+    monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "fused")
+    err = one_line_error(capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "a")],
+                         EXIT_USAGE)
+    assert "ALIGNAUDIT_MOE_DISPATCH='fused': use one of auto, gathered, grouped, every_expert" in err
+    monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "grouped")
+    err = one_line_error(capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "b")],
+                         EXIT_USAGE)
+    assert "ALIGNAUDIT_MOE_DISPATCH=grouped is a Triton kernel and runs with --device cuda only" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_a_rollout_audited_across_containers_capture_rollout_then_tokens_from_then_diff_and_gate(tmp_path, capsys):
     """The rollout engine samples in its own container (capture --mode rollout), the trainer scores those token
     ids in another (capture --tokens-from), diff compares them anywhere and gate judges the diff: strict on both

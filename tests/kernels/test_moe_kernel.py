@@ -1,5 +1,5 @@
-"""Strict kernels, the strict MoE layer: a token's bits independent of the batch, the every-expert (CUDA-graph
-capturable) path equal to the gathered one, tie-breaking.
+"""Strict kernels, the strict MoE layer: a token's bits independent of the batch, the capturable dispatches
+(grouped, every expert) equal to the gathered one, the grouped dispatch's plan, tie-breaking.
 
 The backend is --kernel-device's (tests/kernels/conftest.py); each invariance has its negative control.
 """
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import alignaudit_kernels as K
-from alignaudit_kernels import moe
+from alignaudit_kernels import grouped_linear, moe
+from alignaudit_kernels.grouped_linear import plan_experts
 from helpers import (
+    INTERPRET,
     assert_bitwise_equal,
     assert_within,
     gen,
@@ -49,30 +51,104 @@ def test_moe_token_bits_do_not_depend_on_the_batch(device, dtype, normalize):
     assert_within("moe", full, ref, 8 * ulp_of(ref, dtype) + 0.02 * ref.abs().max())
 
 
-@needs_hardware_dot
-def test_moe_every_expert_path_has_the_gathered_bits_and_a_cuda_graph_captures_it(device, dtype, monkeypatch):
-    """The dispatch a CUDA graph can capture (every expert on every token) gives the gathered path's bits; on
-    CUDA a captured graph of the whole layer, replayed on new tokens, gives the eager layer's bits."""
+def skewed_routing(t, e, device, seed):
+    """Top-2: three quarters of the tokens send slot 0 to expert 0 (several row tiles), no token picks expert 1,
+    the other slots spread over experts 2..e-1 (a few rows each); a token's two experts differ. Random weights."""
+    first = [0 if j < 3 * t // 4 else 2 + j % (e - 2) for j in range(t)]
+    second = [2 + (j + (2 + j % (e - 2) == f)) % (e - 2) for j, f in enumerate(first)]
+    chosen = torch.tensor([first, second]).T.contiguous()
+    return chosen.to(device), torch.rand(t, 2, generator=gen(seed)).to(device)
+
+
+def test_expert_plan_sorts_pairs_by_expert_and_owns_each_tile(device):
+    """The plan of a known routing: pairs in expert order (stable), each expert's rows, and every row tile
+    owned by one expert; the launched tile count depends on shapes alone, the surplus tiles owned by none."""
+    chosen = torch.tensor([[2, 0], [0, 3], [2, 3], [0, 2], [3, 0]], device=device)
+    plan = plan_experts(chosen, num_experts=5, block_m=2)
+    assert plan.pair.tolist() == [1, 2, 6, 9, 0, 4, 7, 3, 5, 8]  # expert 0: pairs 1, 2, 6, 9; 2: 0, 4, 7; 3: 3, 5, 8
+    assert plan.token.tolist() == [0, 1, 3, 4, 0, 2, 3, 1, 2, 4]
+    assert plan.starts.tolist() == [0, 4, 4, 7, 10, 10]
+    assert plan.tiles == grouped_linear.tile_bound(10, 5, 2) == 7  # used: 2 + 2 + 2 = 6
+    assert plan.tile_expert.tolist() == [0, 0, 2, 2, 3, 3, 5]
+    assert plan.tile_row.tolist()[:6] == [0, 2, 4, 6, 7, 9]
+    for pairs, experts, block in ((1, 128, 16), (64, 128, 16), (4096, 8, 64), (7, 3, 1)):
+        worst = torch.zeros(pairs, 1, dtype=torch.int64)
+        worst[: min(experts, pairs), 0] = torch.arange(min(experts, pairs))  # as many experts as possible, uneven
+        used = int(((plan_experts(worst, experts, block).starts.diff() + block - 1) // block).sum())
+        assert used <= grouped_linear.tile_bound(pairs, experts, block)
+
+
+@pytest.mark.parametrize("dispatch", ["grouped", "every_expert"])
+def test_moe_dispatches_give_the_gathered_bits(device, dtype, dispatch, monkeypatch):
+    """Every dispatch gives the gathered path's bits, on a routing where one expert spans several row tiles,
+    one has no tokens and the rest a few. Neither capturable dispatch reads the routing on the host.
+    Under the interpreter the rows and columns sit at the same places in their tiles as in the gathered
+    path's per-expert products (64-row tiles, I = 64), because its numpy dot depends on the place."""
+    if dispatch == "grouped" and device == "cpu" and not INTERPRET:
+        pytest.skip("the grouped dispatch is a Triton kernel (refused on the CPU backend: the test below)")
+    if dispatch == "every_expert" and INTERPRET:
+        pytest.skip("every_expert computes each token at its batch row: a place-dependent numpy dot differs")
+    e, h, i, k, t = 6, 64, 64, 2, 180
+    _, gate_up, down = moe_weights(e, h, i, dtype, device, seed=51)
+    x = randn(t, h, dtype=dtype, device=device, seed=54)
+    chosen, weights = skewed_routing(t, e, device, seed=56)
+    gathered = moe.combine_experts(x, chosen, weights, gate_up, down, dispatch="gathered")
+    with monkeypatch.context() as m:  # no host read of the routing
+        for owner, name in ((torch, "unique"), (torch.Tensor, "tolist"), (torch.Tensor, "nonzero"),
+                            (torch.Tensor, "item")):
+            m.setattr(owner, name, lambda *a, _n=name, **kw: pytest.fail(f"{dispatch} read the routing: {_n}"))
+        other = moe.combine_experts(x, chosen, weights, gate_up, down, dispatch=dispatch)
+    assert_bitwise_equal(dispatch, other, gathered)
+    if device == "cuda":  # tiles are free there: an unaligned shape too
+        x2, w2 = x[:37], weights[:37]
+        _, gate_up2, down2 = moe_weights(e, h, 48, dtype, device, seed=57)
+        assert_bitwise_equal(f"{dispatch}, I 48", moe.combine_experts(x2, chosen[:37], w2, gate_up2, down2, dispatch=dispatch),
+                             moe.combine_experts(x2, chosen[:37], w2, gate_up2, down2, dispatch="gathered"))
+
+
+@pytest.mark.parametrize("dispatch", ["grouped", "every_expert"])
+def test_moe_capturable_dispatch_in_a_cuda_graph(device, dtype, dispatch):
+    """On CUDA a captured graph of the whole layer, replayed on new tokens, gives the eager layer's bits."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
     e, h, i, k, t = 8, 64, 32, 2, 24
     router, gate_up, down = moe_weights(e, h, i, dtype, device, seed=51)
-    x = randn(t, h, dtype=dtype, device=device, seed=54)
-    _, chosen, weights = moe.route(x, router, k, True)
-    gathered = moe.combine_experts(x, chosen, weights, gate_up, down, every_expert=False)
-    with monkeypatch.context() as m:  # the capturable path never reads the routing on the host
-        m.setattr(torch, "unique", lambda *a, **k: pytest.fail("every_expert read the routing with torch.unique"))
-        every = moe.combine_experts(x, chosen, weights, gate_up, down, every_expert=True)
-    assert_bitwise_equal("every expert", every, gathered)
-    if device != "cuda":
-        return
-    static = x.clone()
-    K.mixture_of_experts(static, router, gate_up, down, k, True)  # warm-up: Triton compiles outside the capture
+    static = randn(t, h, dtype=dtype, device=device, seed=54)
+
+    def layer(x):
+        _, chosen, weights = moe.route(x, router, k, True)
+        return moe.combine_experts(x, chosen, weights, gate_up, down, dispatch=dispatch)
+
+    layer(static)  # warm-up: Triton compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = K.mixture_of_experts(static, router, gate_up, down, k, True)[0]
+        captured = layer(static)
     fresh = randn(t, h, dtype=dtype, device=device, seed=55)
     static.copy_(fresh)
     graph.replay()
     assert_bitwise_equal("graph replay", captured, K.mixture_of_experts(fresh, router, gate_up, down, k, True)[0])
+
+
+def test_moe_dispatch_choice_and_refusals(device, monkeypatch):
+    """The default dispatch is the gathered one outside a graph capture; ALIGNAUDIT_MOE_DISPATCH picks another
+    and a wrong value is refused by name; the grouped dispatch refuses the CPU backend and per-expert lists."""
+    x = torch.zeros(2, 8, device=device)
+    assert moe.dispatch_for(x) == "gathered"
+    monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "grouped")
+    assert moe.dispatch_for(x) == "grouped"
+    monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "fused")
+    with pytest.raises(ValueError, match="ALIGNAUDIT_MOE_DISPATCH=.fused.: use one of auto, gathered, grouped"):
+        moe.dispatch_for(x)
+    monkeypatch.delenv("ALIGNAUDIT_MOE_DISPATCH")
+    _, gate_up, down = moe_weights(4, 8, 8, torch.float32, device, seed=1)
+    chosen, weights = torch.tensor([[0], [3]], device=device), torch.ones(2, 1, device=device)
+    with pytest.raises(ValueError, match="dispatch 'fused': use one of gathered, grouped, every_expert"):
+        moe.combine_experts(x, chosen, weights, gate_up, down, dispatch="fused")
+    if device == "cpu" and not INTERPRET:
+        with pytest.raises(ValueError, match="grouped MoE dispatch needs the Triton backend"):
+            moe.combine_experts(x, chosen, weights, gate_up, down, dispatch="grouped")
+    with pytest.raises(ValueError, match="stacked expert weights"):
+        moe.combine_experts(x, chosen, weights, list(gate_up), list(down), dispatch="grouped")
 
 
 def test_moe_ties_go_to_the_lower_expert_and_weights_are_probabilities(device):

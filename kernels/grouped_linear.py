@@ -1,0 +1,156 @@
+"""Grouped strict linear for mixture-of-experts dispatch: the (token, slot) pairs sorted by expert, each expert's
+rows times that expert's weight, in one launch, with every routing-dependent quantity on the device.
+
+Why: the gathered dispatch (kernels/moe.py) reads the routing on the host (``torch.unique(...).tolist()``,
+``nonzero``), which synchronizes every layer and which a CUDA graph cannot capture; computing every expert for
+every token is capturable but does E / top_k times the work. This is the layout of vLLM's fused MoE
+(``moe_align_block_size``: rows sorted by expert, each row tile owned by one expert; vllm/model_executor/layers/
+fused_moe/), with the arithmetic of alignaudit_kernels.linear:
+
+    plan       pairs p = t * top_k + r of ``chosen`` [T, top_k], sorted by expert (stable, so within an expert in
+               increasing p: the order ``(chosen == e).nonzero()`` gives the gathered dispatch); expert e owns
+               the sorted rows [start_e, start_e+1) and cdiv(count_e, BLOCK_M) row tiles; a fixed number of
+               tiles (an upper bound of that sum, from T, top_k, E and BLOCK_M alone) is launched and the tiles
+               past the sum return at once. torch.sort, searchsorted and cumsum: no host read.
+    product    each output tile by matmul._segment, the K loop of the pointer kernel (K increasing, tl.dot into
+               one fp32 accumulator, IEEE products for fp32), on the expert's weight; rounded once to x.dtype.
+               A row's bits are the strict linear's for that row: on Hopper the tensor cores' K order does not
+               depend on the tile or the row's place in it (bench/sweep_gpu.py, docs/benchmarks.md), and the
+               GPU kernel tests compare this path with the gathered one row for row.
+
+Triton only (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); the CPU backend keeps the gathered
+dispatch, which never runs in a CUDA graph. Forward only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from alignaudit_kernels.matmul import tile_for
+from alignaudit_kernels.primitives import cdiv, triton
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Where each expert's rows sit once the (token, slot) pairs are sorted by expert. All tensors int64 on
+    the routing's device; P = T * top_k pairs, G = ``tiles`` launched row tiles.
+
+    pair: [P] the flat pair index t * top_k + r of sorted row i (stable: increasing within an expert).
+    token: [P] the token of sorted row i (pair // top_k): the row of x that sorted row i reads.
+    starts: [E + 1] sorted rows [starts[e], starts[e + 1]) belong to expert e.
+    tile_expert: [G] the expert owning row tile g; E for the tiles past the last expert's (they do nothing).
+    tile_row: [G] the first sorted row of tile g.
+    block_m: rows per tile. tiles: G, fixed by (P, E, block_m), never by the routing.
+    """
+
+    pair: torch.Tensor
+    token: torch.Tensor
+    starts: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row: torch.Tensor
+    block_m: int
+    tiles: int
+
+
+def tile_bound(pairs: int, experts: int, block_m: int) -> int:
+    """The most row tiles ``pairs`` rows over ``experts`` experts can need: sum_e cdiv(c_e, B) over the
+    non-empty experts (at most min(E, P) of them) is at most (P + min(E, P) * (B - 1)) // B."""
+    return (pairs + min(experts, pairs) * (block_m - 1)) // block_m
+
+
+def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
+    """The device-side dispatch plan of ``chosen`` [T, top_k] (int expert ids in [0, num_experts)) for row
+    tiles of ``block_m`` rows. Capturable by a CUDA graph: no host read of ``chosen``.
+
+    Raises:
+        ValueError: ``chosen`` not 2-D, or block_m < 1.
+    """
+    if chosen.dim() != 2 or block_m < 1:
+        raise ValueError(f"plan_experts: chosen must be [T, top_k] and block_m >= 1, got {tuple(chosen.shape)}, "
+                         f"{block_m}")
+    top_k = chosen.shape[1]
+    device = chosen.device
+    sorted_expert, pair = torch.sort(chosen.reshape(-1).to(torch.int64), stable=True)
+    starts = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=device))
+    counts = starts[1:] - starts[:-1]
+    tiles_of = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles_of, 0)
+    tiles = tile_bound(pair.numel(), num_experts, block_m)
+    g = torch.arange(tiles, device=device)
+    tile_expert = torch.searchsorted(tile_end, g, right=True)
+    owner = tile_expert.clamp(max=num_experts - 1)
+    tile_row = starts[owner] + (g - (tile_end[owner] - tiles_of[owner])) * block_m
+    return ExpertPlan(pair, torch.div(pair, top_k, rounding_mode="floor"), starts, tile_expert, tile_row, block_m,
+                      tiles)
+
+
+def block_m_for(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
+    """The row-tile height of a layer's grouped products: linear's tile height (tile_for) for the mean rows
+    per expert. One plan serves the layer's products, so the height does not depend on their widths."""
+    return tile_for(cdiv(pairs, num_experts), 0, dtype)[0]
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gather: bool) -> torch.Tensor:
+    """Sorted row i of the result is ``linear(src_i, weight[e_i])`` for the expert e_i owning it.
+
+    Args:
+        x: [R, K] bf16/fp16/fp32. With ``gather``, the tokens (sorted row i reads x[plan.token[i]]); without,
+            already in sorted order (R = P: the previous grouped product's output).
+        weight: [E, N, K] in x.dtype, each expert's matrix with unit stride along K.
+        plan: plan_experts of the routing, with block_m = the tile height used here.
+    Returns:
+        [P, N] in x.dtype, in sorted-row order.
+    Raises:
+        ValueError: shapes or dtypes that do not match, or the Triton backend unavailable.
+    """
+    if triton is None:
+        raise ValueError("grouped_linear needs Triton (a CUDA tensor, or TRITON_INTERPRET=1)")
+    experts, n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != weight.dtype or plan.starts.numel() != experts + 1:
+        raise ValueError(f"grouped_linear: x {x.dtype}{tuple(x.shape)}, weight {weight.dtype}{tuple(weight.shape)}, "
+                         f"plan over {plan.starts.numel() - 1} experts")
+    pairs = plan.pair.numel()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(2) == 1 else weight.contiguous()
+    y = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+    if plan.tiles == 0:
+        return y
+    _, bn, bk, warps, stages = tile_for(cdiv(pairs, experts), n, x.dtype)
+    tiles_n = cdiv(n, bn)
+    _grouped_kernel[(plan.tiles * tiles_n,)](
+        x, weight, y, plan.token if gather else plan.pair, plan.starts, plan.tile_expert, plan.tile_row,
+        x.shape[0], n, k, experts, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0),
+        GATHER=gather, IEEE=x.dtype == torch.float32, BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages)
+    return y
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from alignaudit_kernels.matmul import _segment
+
+    @triton.jit(do_not_specialize=["rows_x"])
+    def _grouped_kernel(x_ptr, w_ptr, y_ptr, src_ptr, starts_ptr, tile_expert_ptr, tile_row_ptr, rows_x, N, K,
+                        E, stride_xm, stride_we, stride_wn, stride_ym, GATHER: tl.constexpr, IEEE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (g, j): row tile g (one expert's rows) times that expert's column tile j."""
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        g = tl.program_id(0) // tiles_n
+        pid_n = tl.program_id(0) % tiles_n
+        e = tl.load(tile_expert_ptr + g)
+        if e < E:
+            rows = tl.load(tile_row_ptr + g) + tl.arange(0, BLOCK_M)
+            live = rows < tl.load(starts_ptr + e + 1)
+            if GATHER:
+                src = tl.load(src_ptr + rows, mask=live, other=0)
+            else:
+                src = rows
+            src = tl.where(live, src, rows_x).to(tl.int64)  # row rows_x is past x: _segment's mask zero-fills it
+            rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+            acc = _segment(x_ptr, w_ptr + e.to(tl.int64) * stride_we, src, rn, 0, K, rows_x, N, stride_xm, stride_wn,
+                           IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+            tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=live[:, None] & (rn[None, :] < N))
