@@ -29,7 +29,13 @@ from alignaudit.engines.checks import (
 from alignaudit.inputs.capabilities import check_engine_features
 from alignaudit.inputs.checkpoint import resolve_model
 from alignaudit.inputs.prompts import load_prompts
-from alignaudit.inputs.strict_ops import check_moe_dispatch, check_platform, check_strict_exp, format_strict, parse_strict
+from alignaudit.inputs.strict_ops import (
+    check_moe_dispatch,
+    check_platform,
+    check_strict_exp,
+    format_strict,
+    parse_strict,
+)
 
 if TYPE_CHECKING:
     from alignaudit.inputs.request import ISThresholds, Request
