@@ -3,7 +3,8 @@
 #   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch compile-probe forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
 #                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench vllm-warmup \
-#                    ipc rl-bench train-profile grpo17 grpo8 linear19 attention19 sweep19 decode-gen19 targets19
+#                    ipc rl-bench train-profile grpo17 grpo8 linear19 attention19 sweep19 decode-gen19 targets19 \
+#                    moe-bench vllm-moe-graphs
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects; TESTS_N=N: N pytest-xdist workers on
 # the one GPU, with pytest-xdist and execnet carried as wheels in .whl/extra/); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
@@ -41,6 +42,11 @@
 # safe for two writers). CMP_OPTS: options added to every compare and to vllm-rl17 (e.g. --infer-opt
 # gpu_memory_utilization=0.2 --infer-opt kv_cache_memory_bytes=4294967296, for two stages side by side on one GPU);
 # CMP_TIMEOUT: seconds per compare (420). CMP_OPTS reaches grpo's runs (grpo17, grpo8, task-rl) and vllm-rl17-shaped too.
+# [27] MoE: moe-bench the strict MoE expert work by dispatch (gathered, grouped, every_expert; eager and graph replays;
+# bits against gathered) vs vLLM's fused_experts at the Qwen3-30B-A3B layer shape, MOE_TOKENS (8,64,512,4096) tokens
+# (bench/moe_gpu.py; vLLM's column needs the bundle packed with --moe); vllm-moe-graphs the vllm-moe compares in rollout
+# mode with vLLM's CUDA graphs on (FULL_AND_PIECEWISE), the refusal taken out by bench/moe_graphs.py, once per
+# dispatch in MOEG_HOW (grouped auto).
 # [18]: ipc the CUDA IPC weight-transfer test; rl-bench seconds per RL step and stage, strict vs default, Qwen3-1.7B shape,
 # 8 prompts x 4 completions x 64 tokens (bench/rl_steps.py; RLB_STEPS); grpo17 the same shape for GRPO_STEPS (200) steps
 # (GRPO_OPTS: --strict by default, GRPO_TAG names the run); grpo8 the Qwen3-8B shape (GRPO8_STEPS, GRPO8_MB micro-batch);
@@ -98,7 +104,7 @@ q8() {  # $1 name, rest: extra compare options
 }
 cmp() {  # $1 name, rest: compare options (model, engines, mode); summary, engine records and the verdict lines
   local name=$1; shift
-  timeout ${CMP_TIMEOUT:-420} python3 -m alignaudit compare --device cuda --out /tmp/runs/$name --force "$@" ${CMP_OPTS:-} 2>&1 | log \
+  timeout ${CMP_TIMEOUT:-420} ${CMP_CMD:-python3 -m alignaudit} compare --device cuda --out /tmp/runs/$name --force "$@" ${CMP_OPTS:-} 2>&1 | log \
     | grep -E "IDENTICAL|differ|mismatch|tokens compared|generated|rerouted|rror|Traceback" | tail -8
   cp /tmp/runs/$name/summary.json "$out/$name-summary.json" 2>/dev/null
   python3 - /tmp/runs/$name <<'PY' 2>&1 | log
@@ -322,6 +328,20 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
               cmp vq30-strict --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron --infer vllm --strict
               cmp vq30-strict-rollout --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron --infer vllm \
                 --strict --mode rollout --max-new-tokens 64 ;;
+    moe-bench) timeout ${MOEB_TIMEOUT:-400} python3 bench/moe_gpu.py --tokens ${MOE_TOKENS:-8,64,512,4096} \
+                 --json "$out/moe-bench.json" 2>&1 | log | tail -8 ;;
+    vllm-moe-graphs) python3 -c "
+import copy; from pathlib import Path; from alignaudit.arch import PRESETS; from alignaudit.inputs.synth import synthesize_checkpoint
+c = copy.deepcopy(PRESETS['Qwen3-30B-A3B'].config); c['num_hidden_layers'] = ${MOE_LAYERS:-4}
+synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
+              for how in ${MOEG_HOW:-grouped auto}; do
+                export ALIGNAUDIT_MOE_DISPATCH=$how CMP_CMD="python3 bench/moe_graphs.py"
+                cmp vmoeg-$how-rollout --model qwen3-moe-tiny --train megatron --infer vllm --strict --mode rollout \
+                  --max-new-tokens 32
+                cmp vq30g-$how-rollout --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron \
+                  --infer vllm --strict --mode rollout --max-new-tokens 64
+                unset ALIGNAUDIT_MOE_DISPATCH CMP_CMD
+              done ;;
     vllm-rl17) timeout 560 python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --random-prompts 2 --prompt-len 64 \
                  --train megatron --infer vllm --device cuda --strict --steps ${RL_STEPS:-20} --group-size 4 --max-new-tokens 32 \
                  --no-token-rows --out /dev/shm/vrl17 --force ${CMP_OPTS:-} 2>&1 | log | tail -4

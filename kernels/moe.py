@@ -90,15 +90,15 @@ def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
             row-invariant (tests/kernels/test_moe_kernel.py):
             "gathered"      each chosen expert on its tokens, found by reading the routing on the host;
             "grouped"       the pairs sorted by expert on the device and one grouped launch per product
-                            (kernels/grouped_linear.py; Triton, stacked weights): no host read, CUDA graphs
-                            can capture it;
+                            (kernels/grouped_linear.py; Triton; a sequence of weights is stacked first): no
+                            host read, CUDA graphs can capture it;
             "every_expert"  every expert computes every token, each token keeping its chosen experts' rows
                             (no host read either; E / top_k times the work).
             None: ``dispatch_for``.
     Returns:
         [T, H] in x.dtype: round(((w_0 * y_0) + w_1 * y_1) + ...), fp32 products and sums, rounded once.
     Raises:
-        ValueError: an unknown dispatch, or "grouped" without the Triton backend or with a sequence of weights.
+        ValueError: an unknown dispatch, or "grouped" without the Triton backend.
     """
     t, h = x.shape
     top_k = chosen.shape[1]
@@ -127,14 +127,20 @@ def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
 
 def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_up, down) -> torch.Tensor:
     """[T * top_k, H]: row t * top_k + r is expert chosen[t, r]'s SwiGLU output for token t (grouped_linear)."""
-    if not (use_triton(x) and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
-        raise ValueError("the grouped MoE dispatch needs the Triton backend (CUDA, or TRITON_INTERPRET=1) and "
-                         "stacked expert weights [E, 2I, H], [E, H, I]")
+    if not use_triton(x):
+        raise ValueError("the grouped MoE dispatch needs the Triton backend (CUDA, or TRITON_INTERPRET=1)")
+    gate_up, down = _stacked(gate_up), _stacked(down)
     experts = gate_up.shape[0]
     plan = plan_experts(chosen, experts, block_m_for(chosen.numel(), experts, x.dtype))
     hidden = silu_and_mul(grouped_linear(x, gate_up, plan, gather=True))
     sorted_out = grouped_linear(hidden, down, plan, gather=False)
     return torch.empty_like(sorted_out).index_copy_(0, plan.pair, sorted_out)
+
+
+def _stacked(weights) -> torch.Tensor:
+    """[E, N, K]: a stacked tensor as it is, a sequence of E [N, K] tensors (Megatron's experts) stacked: a copy
+    of every expert's weight at each call, the price of asking Megatron for the grouped dispatch."""
+    return weights if isinstance(weights, torch.Tensor) else torch.stack(list(weights))
 
 
 def _expert(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, width: int) -> torch.Tensor:
