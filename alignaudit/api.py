@@ -33,9 +33,10 @@ def _settings(dtype: str, device: str, ops: str, exp: str, seed: int = 0):
     """EngineSettings for a strict model built in this process, validated as the CLI validates them."""
     from alignaudit.commands.requests import check_dtype, resolve_device
     from alignaudit.inputs.request import EngineSettings
-    from alignaudit.inputs.strict_ops import check_strict_exp, format_strict, parse_strict
+    from alignaudit.inputs.strict_ops import check_kernel_switches, check_strict_exp, format_strict, parse_strict
 
     device = resolve_device(device)
+    check_kernel_switches(device)
     strict = parse_strict(ops, option="ops")
     if not strict:
         raise InputError(f"ops {ops!r} selects no strict op, so the model would not be strict; pass 'all' or a comma "

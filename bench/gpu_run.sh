@@ -4,7 +4,7 @@
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
 #                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench vllm-warmup \
 #                    ipc rl-bench train-profile grpo17 grpo8 linear19 attention19 sweep19 decode-gen19 targets19 \
-#                    moe-bench vllm-moe-graphs
+#                    moe-bench vllm-moe-graphs bench-attention-backward
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects; TESTS_N=N: N pytest-xdist workers on
 # the one GPU, with pytest-xdist and execnet carried as wheels in .whl/extra/); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
@@ -46,7 +46,8 @@
 # bits against gathered) vs vLLM's fused_experts at the Qwen3-30B-A3B layer shape, MOE_TOKENS (8,64,512,4096) tokens
 # (bench/moe_gpu.py; vLLM's column needs the bundle packed with --moe); vllm-moe-graphs the vllm-moe compares in rollout
 # mode with vLLM's CUDA graphs on (FULL_AND_PIECEWISE), the refusal taken out by bench/moe_graphs.py, once per
-# dispatch in MOEG_HOW (grouped auto).
+# dispatch in MOEG_HOW (grouped auto). bench-attention-backward: the strict attention's backward (reference, sdpa) vs
+# torch's flash backward at 1k/4k/8k (bench/kernels_gpu.py --sections attention-backward).
 # [18]: ipc the CUDA IPC weight-transfer test; rl-bench seconds per RL step and stage, strict vs default, Qwen3-1.7B shape,
 # 8 prompts x 4 completions x 64 tokens (bench/rl_steps.py; RLB_STEPS); grpo17 the same shape for GRPO_STEPS (200) steps
 # (GRPO_OPTS: --strict by default, GRPO_TAG names the run); grpo8 the Qwen3-8B shape (GRPO8_STEPS, GRPO8_MB micro-batch);
@@ -202,6 +203,8 @@ for stage in "$@"; do
     q8-native) q8 q8-strict-native --strict --strict-exp native
                grep -h '"attention_exp"' /tmp/runs/q8-strict-native/*/manifest.json ;;
     launch) timeout 120 python3 bench/launch_overhead.py 2>&1 | log | tail -8 ;;
+    bench-attention-backward) timeout 300 python3 bench/kernels_gpu.py --sections attention-backward \
+                                --json "$out/bench-attention-backward.json" 2>&1 | log | tail -8 ;;
     bench-attention) timeout 200 python3 bench/kernels_gpu.py --quick --sections attention --json "$out/bench-attention.json" 2>&1 | log | tail -14 ;;
     bench-quick) timeout 200 python3 bench/kernels_gpu.py --quick --json "$out/bench.json" 2>&1 | log | tail -40 ;;
     compile-probe) for m in "" --mask; do timeout 200 python3 bench/compile_probe.py $m 2>&1 | log | grep -v Warn | tail -25; done ;;

@@ -1,6 +1,6 @@
 """Strict kernels vs the default (cuBLAS, torch SDPA flash, torch ops) on one GPU, measured side by side.
 
-    python3 bench/kernels_gpu.py [--quick] [--sections matmul,memory,attention] [--json OUT.json]
+    python3 bench/kernels_gpu.py [--quick] [--sections matmul,memory,attention,attention-backward] [--json OUT.json]
 
 Every number is the median of triton.testing.do_bench over fresh random bf16 inputs (never zeros), and
 every row prints strict / default as a throughput ratio (>1: strict is faster). Matmul and the memory-bound
@@ -143,6 +143,44 @@ def bench_attention(lengths, decode_batches):
     return rows
 
 
+def bench_attention_backward(lengths, tokens=16384):
+    """The strict attention's backward (torch_reference.attention_gradients, each ALIGNAUDIT_ATTENTION_BACKWARD)
+    against torch's SDPA backward alone (flash, the forward run once outside the timing): sequences of each
+    length filling ``tokens`` tokens, GQA 32/8, d 128, bf16. Ratio: SDPA backward ms / strict backward ms (the
+    strict side recomputes its forward inside, as a flash backward does not)."""
+    import os
+
+    from alignaudit_kernels.attention import torch_reference
+
+    rows = []
+    h, kvh, d = 32, 8, 128
+    for n in lengths:
+        b = max(1, tokens // n)
+        q = torch.randn(b, n, h, d, dtype=DT, device="cuda")
+        k = torch.randn(b, n, kvh, d, dtype=DT, device="cuda")
+        v = torch.randn(b, n, kvh, d, dtype=DT, device="cuda")
+        g = torch.randn_like(q)
+        positions = torch.arange(n, device="cuda").expand(b, n)
+        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+        gt = g.transpose(1, 2)
+        flash = lambda out=out, gt=gt, ins=(qt, kt, vt): torch.autograd.grad(out, ins, gt, retain_graph=True)  # noqa: E731
+        for how in torch_reference.BACKWARDS:
+            os.environ[torch_reference.BACKWARD_ENV] = how
+            try:
+                strict = lambda: torch_reference.attention_gradients(q, k, v, g, d ** -0.5, positions)  # noqa: E731
+                base, mine = ms(flash), ms(strict)
+                rows.append({"op": f"attention backward {b}x{n} ({how})", "default_ms": base, "strict_ms": mine,
+                             "ratio": base / mine})
+            except torch.OutOfMemoryError as e:
+                rows.append({"op": f"attention backward {b}x{n} ({how})", "default_ms": float("nan"),
+                             "strict_ms": float("nan"), "ratio": float("nan"), "graph_error": str(e)[:60]})
+            finally:
+                os.environ.pop(torch_reference.BACKWARD_ENV)
+                torch.cuda.empty_cache()
+    return rows
+
+
 def bench_attention_fa3(lengths, decode_batches):
     """Against vLLM's FlashAttention-3 (vllm.vllm_flash_attn.flash_attn_varlen_func, fa_version=3), the
     attention vLLM runs by default on Hopper: causal varlen prefill of one sequence, and paged decode over
@@ -206,7 +244,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sections", default="matmul,memory,attention",
-                        help="comma list of matmul, memory, attention, attention-fa3 (needs CUDA vLLM)")
+                        help="comma list of matmul, memory, attention, attention-fa3 (needs CUDA vLLM), "
+                             "attention-backward")
     parser.add_argument("--ms", help="comma list of matmul batch sizes (M), instead of the --quick or full set")
     parser.add_argument("--layers", default=",".join(LINEARS), help=f"comma list of {', '.join(LINEARS)}")
     args = parser.parse_args()
@@ -225,6 +264,8 @@ def main() -> None:
                                 (1, 16, 256) if args.quick else (1, 4, 16, 64, 256))
     if "attention-fa3" in sections:
         rows += bench_attention_fa3((1024, 4096), (1, 32, 256))
+    if "attention-backward" in sections:
+        rows += bench_attention_backward((1024, 4096, 8192))
     print(f"{'op':44s} {'M':>6s} {'default ms':>11s} {'strict ms':>10s} {'ratio':>6s} {'graph':>6s}  extra")
     for r in rows:
         extra = f"{r['strict_tflops']:.0f} TFLOP/s" + (

@@ -30,7 +30,7 @@ from alignaudit.inputs.capabilities import check_engine_features
 from alignaudit.inputs.checkpoint import resolve_model
 from alignaudit.inputs.prompts import load_prompts
 from alignaudit.inputs.strict_ops import (
-    check_moe_dispatch,
+    check_kernel_switches,
     check_platform,
     check_strict_exp,
     format_strict,
@@ -244,7 +244,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_che
     strict_ops = parse_strict(pair.strict)
     ops = format_strict(strict_ops)
     exp = check_strict_exp(pair.strict_exp, strict_ops, dev)
-    check_moe_dispatch(dev)
+    check_kernel_switches(dev)
     if dev == "cuda" and (warning := check_platform(strict_ops)):
         print(warning, file=sys.stderr)
     if pair.lm_head_dtype not in ("model", "fp32"):

@@ -41,21 +41,25 @@ def prefer_runner_v1() -> None:
     os.environ.setdefault(RUNNER_V2_ENV, "0")
 
 
-def check_moe_dispatch(device: str) -> None:
-    """Validate ALIGNAUDIT_MOE_DISPATCH (how the strict MoE layer sends tokens to experts,
-    alignaudit_kernels.moe.DISPATCHES) before any engine starts: a known value, and "grouped" (a Triton kernel)
-    on CUDA only. The run's environment record keeps the variable (alignaudit.capture.environment).
+def check_kernel_switches(device: str) -> None:
+    """Validate the strict kernels' environment switches before any engine starts (every engine's process
+    inherits them; the run's environment record keeps them, alignaudit.capture.environment):
+    ALIGNAUDIT_MOE_DISPATCH (how the strict MoE layer sends tokens to experts, alignaudit_kernels.moe.DISPATCHES;
+    "grouped", a Triton kernel, on CUDA only) and ALIGNAUDIT_ATTENTION_BACKWARD (the strict attention's backward,
+    alignaudit_kernels.attention.torch_reference.BACKWARDS).
 
     Raises:
-        InputError: naming the value and the ones that run here.
+        InputError: naming the variable, its value and the values that run here.
     """
+    from alignaudit_kernels.attention.torch_reference import asked_backward
     from alignaudit_kernels.moe import DISPATCH_ENV, asked_dispatch
 
     try:
-        asked = asked_dispatch()
+        dispatch = asked_dispatch()
+        asked_backward()
     except ValueError as e:
         raise InputError(str(e)) from None
-    if asked == "grouped" and device != "cuda":
+    if dispatch == "grouped" and device != "cuda":
         raise InputError(f"{DISPATCH_ENV}=grouped is a Triton kernel and runs with --device cuda only; unset it")
 
 

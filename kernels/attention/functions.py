@@ -1,5 +1,5 @@
 """The entry points of strict attention (paged prefill and decode for inference engines, contiguous batches
-for training engines) and their autograd through the reference."""
+for training engines) and their autograd (torch_reference.attention_gradients)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from alignaudit_kernels.attention.launch import (
     _launch_varlen,
     _triton_paged,
 )
-from alignaudit_kernels.attention.torch_reference import _reference_gradients
+from alignaudit_kernels.attention.torch_reference import attention_gradients
 from alignaudit_kernels.primitives import (
     compiling_inference,
     no_gradient,
@@ -113,7 +113,7 @@ def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP):
     q [B, Tq, H, D] (or [Tq, H, D] for one sequence) at absolute positions ``q_positions`` [B, Tq] (int;
     [Tq] for one sequence); k/v [B, Tk, KVH, D] hold positions 0..Tk-1 of each sequence. Returns q's shape
     in q.dtype, each row equal bit for bit to the same row of a prefill or a decode. Differentiable:
-    backward through the plain-torch reference in fp32, as varlen_attention (an HF trainer's forward).
+    backward by torch_reference.attention_gradients, as varlen_attention (an HF trainer's forward).
     exp: "portable" or "native" (module docstring).
     Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
     """
@@ -134,9 +134,9 @@ class _CausalAttention(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v, positions = ctx.saved_tensors
         if q.dim() == 3:
-            grads = _reference_gradients(q[None], k[None], v[None], g[None], ctx.scale, positions.reshape(1, -1))
+            grads = attention_gradients(q[None], k[None], v[None], g[None], ctx.scale, positions.reshape(1, -1))
             return (*(t[0] for t in grads), None, None, None)
-        return (*_reference_gradients(q, k, v, g, ctx.scale, positions.reshape(q.shape[:2])), None, None, None)
+        return (*attention_gradients(q, k, v, g, ctx.scale, positions.reshape(q.shape[:2])), None, None, None)
 
 
 def _causal_forward(q, k, v, q_positions, scale, exp):
@@ -180,7 +180,7 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        """Sequences of one length go through the reference together, gathered into [n, length, heads, D]."""
+        """Sequences of one length go through attention_gradients together, gathered into [n, length, heads, D]."""
         q, k, v, cu_seqlens = ctx.saved_tensors
         bounds = cu_seqlens.tolist()
         starts: dict[int, list[int]] = {}
@@ -190,7 +190,7 @@ class _VarlenAttention(torch.autograd.Function):
         for length, firsts in starts.items():
             rows = (torch.tensor(firsts)[:, None] + torch.arange(length)[None, :]).to(q.device)  # [n, length]
             positions = torch.arange(length, device=q.device).expand(len(firsts), length)
-            parts = _reference_gradients(q[rows], k[rows], v[rows], g[rows], ctx.scale, positions)
+            parts = attention_gradients(q[rows], k[rows], v[rows], g[rows], ctx.scale, positions)
             for grad, part in zip(grads, parts, strict=True):
                 grad[rows] = part
         return (*grads, None, None, None)
@@ -200,7 +200,7 @@ def varlen_attention(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP):
     """Strict causal attention for a ragged batch of whole sequences (training engines, prefill).
 
     q [T, H, D], k/v [T, KVH, D], cu_seqlens [B + 1] (int, sequence i is rows cu[i]:cu[i+1], positions
-    0..len-1). Returns [T, H, D] in q.dtype; differentiable (backward through the reference).
+    0..len-1). Returns [T, H, D] in q.dtype; differentiable (torch_reference.attention_gradients).
     exp: "portable" or "native" (module docstring).
     Raises: ValueError when H is not a multiple of KVH, for an unknown ``exp``, or "native" on the CPU backend.
     """

@@ -1,6 +1,18 @@
-"""Plain-torch causal attention: the accuracy reference and the backward of the strict kernels (fp32)."""
+"""Plain-torch causal attention: the accuracy reference and the backward of the strict kernels.
+
+The backward is correct and deterministic, not strict (nothing compares gradient bits across engines); it is
+chosen by ALIGNAUDIT_ATTENTION_BACKWARD, read at each call:
+    reference  (default) autograd through ``batched_reference`` in fp32, gradients rounded once to the inputs'
+               dtype: more exact than a trainer's default, and it holds B * H * Tq * Tk fp32 scores per chunk
+    sdpa       torch's scaled_dot_product_attention forward and backward in the inputs' dtype (on CUDA its
+               FlashAttention-2 kernel for the plain causal mask, a memory-efficient kernel for others: the
+               precision of a default trainer's attention backward, no T x T tensor); K and V expanded to the
+               query heads, the group's gradients summed in fp32
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -44,3 +56,47 @@ def _reference_gradients(q, k, v, g, scale, q_positions):
             for grad, part in zip(grads, torch.autograd.grad(out, (qs, ks, vs), g[rows].float()), strict=True):
                 grad[rows] = part
     return grads
+
+
+BACKWARDS = ("reference", "sdpa")
+BACKWARD_ENV = "ALIGNAUDIT_ATTENTION_BACKWARD"
+
+
+def asked_backward() -> str:
+    """ALIGNAUDIT_ATTENTION_BACKWARD: one of BACKWARDS ("reference" when unset).
+
+    Raises:
+        ValueError: any other value, naming the ones there are.
+    """
+    asked = os.environ.get(BACKWARD_ENV, BACKWARDS[0])
+    if asked not in BACKWARDS:
+        raise ValueError(f"{BACKWARD_ENV}={asked!r}: use one of {', '.join(BACKWARDS)}")
+    return asked
+
+
+def attention_gradients(q, k, v, g, scale, q_positions):
+    """Gradients of q [B, Tq, H, D], k and v [B, Tk, KVH, D] of causal attention with queries at ``q_positions``
+    [B, Tq] (keys at 0..Tk-1), given g (q's shape): by the backward ALIGNAUDIT_ATTENTION_BACKWARD asks (module
+    docstring). Returns (dq, dk, dv) in the inputs' dtypes. Raises ValueError as ``asked_backward``."""
+    if asked_backward() == "sdpa":
+        return _sdpa_gradients(q, k, v, g, scale, q_positions)
+    return _reference_gradients(q, k, v, g, scale, q_positions)
+
+
+def _sdpa_gradients(q, k, v, g, scale, q_positions):
+    """``attention_gradients`` by torch's SDPA: is_causal where every row's queries sit at 0..Tk-1 (Tq = Tk; the
+    flash kernel's mask), otherwise a boolean mask of the keys at or before each query's position."""
+    b, tq, h, _ = q.shape
+    tk, kvh = k.shape[1], k.shape[2]
+    positions = q_positions.to(q.device)
+    keys = torch.arange(tk, device=q.device)
+    plain = tq == tk and bool(torch.equal(positions, keys.expand(b, tk)))
+    mask = None if plain else (keys[None, None, None, :] <= positions[:, None, :, None])
+    with torch.enable_grad():
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        expand = [t.transpose(1, 2).repeat_interleave(h // kvh, 1) for t in (ks, vs)]  # [B, H, Tk, D]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qs.transpose(1, 2), *expand, attn_mask=mask, is_causal=plain, scale=scale)
+        dq, dk_heads, dv_heads = torch.autograd.grad(out, (qs, *expand), g.transpose(1, 2).to(out.dtype))
+    group = [t.float().unflatten(1, (kvh, h // kvh)).sum(2).transpose(1, 2).to(k.dtype) for t in (dk_heads, dv_heads)]
+    return dq, *group

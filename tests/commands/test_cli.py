@@ -231,9 +231,9 @@ def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp
     assert "would not use --strict-exp" in err
 
 
-def test_moe_dispatch_variable_is_refused_before_any_engine(capsys, tmp_path, monkeypatch):
-    """ALIGNAUDIT_MOE_DISPATCH reaches the strict MoE layer in every engine's process: an unknown value, or the
-    grouped (Triton) dispatch on a CPU run, is refused by name before an engine starts."""
+def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeypatch):
+    """ALIGNAUDIT_MOE_DISPATCH and ALIGNAUDIT_ATTENTION_BACKWARD reach the strict kernels in every engine's process:
+    an unknown value, or the grouped (Triton) dispatch on a CPU run, is refused by name before an engine starts."""
     monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "fused")
     err = one_line_error(capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "a")],
                          EXIT_USAGE)
@@ -242,7 +242,11 @@ def test_moe_dispatch_variable_is_refused_before_any_engine(capsys, tmp_path, mo
     err = one_line_error(capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "b")],
                          EXIT_USAGE)
     assert "ALIGNAUDIT_MOE_DISPATCH=grouped is a Triton kernel and runs with --device cuda only" in err
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    monkeypatch.delenv("ALIGNAUDIT_MOE_DISPATCH")
+    monkeypatch.setenv("ALIGNAUDIT_ATTENTION_BACKWARD", "flash")
+    err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "c")], EXIT_USAGE)
+    assert "ALIGNAUDIT_ATTENTION_BACKWARD='flash': use one of reference, sdpa" in err
+    assert not any((tmp_path / name).exists() for name in "abc")
 
 
 def test_a_rollout_audited_across_containers_capture_rollout_then_tokens_from_then_diff_and_gate(tmp_path, capsys):

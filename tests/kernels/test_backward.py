@@ -6,6 +6,7 @@ The backend is --kernel-device's (tests/kernels/conftest.py); each invariance ha
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import alignaudit_kernels as K
@@ -117,6 +118,34 @@ def test_attention_backward_gives_the_same_gradients_one_sequence_at_a_time(monk
     monkeypatch.setattr(torch_reference, "REFERENCE_GRAD_ELEMENTS", 1)
     for name, a, b in zip("qkv", batched, grads(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
+
+
+def test_attention_backward_by_sdpa_agrees_with_the_reference(monkeypatch, device):
+    """ALIGNAUDIT_ATTENTION_BACKWARD=sdpa: torch's SDPA backward (is_causal for queries at 0..T-1, a mask for
+    shifted ones, K/V expanded over GQA 4/2 and their gradients summed) gives the fp32 reference's gradients to
+    fp32 rounding, for varlen (two lengths) and for left-shifted causal batches; the reference is not called."""
+    def grads(fn, *inputs):
+        ins = [t.clone().to(device).requires_grad_() for t in inputs]
+        fn(*ins).pow(2).sum().backward()
+        return [t.grad.cpu() for t in ins]
+
+    q, k, v = (torch.randn(13, h, 8, generator=gen(60 + i)) for i, h in enumerate((4, 2, 2)))
+    cu = torch.tensor([0, 4, 9, 13]).to(device)
+    varlen = lambda q, k, v: K.varlen_attention(q, k, v, cu, 0.3)  # noqa: E731
+    qb, kb, vb = (t[:12].reshape(2, 6, *t.shape[1:]) for t in (q, k, v))
+    shifted = torch.stack([torch.arange(6), torch.arange(6) - 2]).to(device)  # the second row left-padded by 2
+    shifted[1, :2] = 0
+    causal = lambda q, k, v: K.causal_attention(q, k, v, shifted, 0.3)  # noqa: E731
+    expected = {"varlen": grads(varlen, q, k, v), "causal": grads(causal, qb, kb, vb)}
+    monkeypatch.setenv("ALIGNAUDIT_ATTENTION_BACKWARD", "sdpa")
+    monkeypatch.setattr(torch_reference, "_reference_gradients", lambda *a: pytest.fail("the reference ran"))
+    got = {"varlen": grads(varlen, q, k, v), "causal": grads(causal, qb, kb, vb)}
+    for case in expected:
+        for name, a, b in zip("qkv", got[case], expected[case], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{case} d{name}")
+    monkeypatch.setenv("ALIGNAUDIT_ATTENTION_BACKWARD", "flash")
+    with pytest.raises(ValueError, match="ALIGNAUDIT_ATTENTION_BACKWARD='flash': use one of reference, sdpa"):
+        grads(varlen, q, k, v)
 
 
 def test_entry_points_compute_the_same_bits_with_and_without_autograd(monkeypatch, device, dtype):
