@@ -46,7 +46,7 @@
 # bits against gathered) vs vLLM's fused_experts at the Qwen3-30B-A3B layer shape, MOE_TOKENS (8,64,512,4096) tokens
 # (bench/moe_gpu.py; vLLM's column needs the bundle packed with --moe); vllm-moe-graphs the vllm-moe compares in rollout
 # mode with vLLM's CUDA graphs on (FULL_AND_PIECEWISE), the refusal taken out by bench/moe_graphs.py, once per
-# dispatch in MOEG_HOW (grouped auto). bench-attention-backward: the strict attention's backward (reference, sdpa) vs
+# dispatch in MOEG_HOW (grouped auto). bench-attention-backward: the strict attention's backward (ALIGNAUDIT_BACKWARD reference, fused) vs
 # torch's flash backward at 1k/4k/8k (bench/kernels_gpu.py --sections attention-backward).
 # [18]: ipc the CUDA IPC weight-transfer test; rl-bench seconds per RL step and stage, strict vs default, Qwen3-1.7B shape,
 # 8 prompts x 4 completions x 64 tokens (bench/rl_steps.py; RLB_STEPS); grpo17 the same shape for GRPO_STEPS (200) steps

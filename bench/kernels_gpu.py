@@ -144,12 +144,13 @@ def bench_attention(lengths, decode_batches):
 
 
 def bench_attention_backward(lengths, tokens=16384):
-    """The strict attention's backward (torch_reference.attention_gradients, each ALIGNAUDIT_ATTENTION_BACKWARD)
+    """The strict attention's backward (torch_reference.attention_gradients, each ALIGNAUDIT_BACKWARD)
     against torch's SDPA backward alone (flash, the forward run once outside the timing): sequences of each
     length filling ``tokens`` tokens, GQA 32/8, d 128, bf16. Ratio: SDPA backward ms / strict backward ms (the
     strict side recomputes its forward inside, as a flash backward does not)."""
     import os
 
+    from alignaudit_kernels import gradients
     from alignaudit_kernels.attention import torch_reference
 
     rows = []
@@ -165,8 +166,8 @@ def bench_attention_backward(lengths, tokens=16384):
         out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
         gt = g.transpose(1, 2)
         flash = lambda out=out, gt=gt, ins=(qt, kt, vt): torch.autograd.grad(out, ins, gt, retain_graph=True)  # noqa: E731
-        for how in torch_reference.BACKWARDS:
-            os.environ[torch_reference.BACKWARD_ENV] = how
+        for how in gradients.BACKWARDS:
+            os.environ[gradients.BACKWARD_ENV] = how
             try:
                 strict = lambda: torch_reference.attention_gradients(q, k, v, g, d ** -0.5, positions)  # noqa: E731
                 base, mine = ms(flash), ms(strict)
@@ -176,7 +177,7 @@ def bench_attention_backward(lengths, tokens=16384):
                 rows.append({"op": f"attention backward {b}x{n} ({how})", "default_ms": float("nan"),
                              "strict_ms": float("nan"), "ratio": float("nan"), "graph_error": str(e)[:60]})
             finally:
-                os.environ.pop(torch_reference.BACKWARD_ENV)
+                os.environ.pop(gradients.BACKWARD_ENV)
                 torch.cuda.empty_cache()
     return rows
 

@@ -45,13 +45,13 @@ def check_kernel_switches(device: str) -> None:
     """Validate the strict kernels' environment switches before any engine starts (every engine's process
     inherits them; the run's environment record keeps them, alignaudit.capture.environment):
     ALIGNAUDIT_MOE_DISPATCH (how the strict MoE layer sends tokens to experts, alignaudit_kernels.moe.DISPATCHES;
-    "grouped", a Triton kernel, on CUDA only) and ALIGNAUDIT_ATTENTION_BACKWARD (the strict attention's backward,
-    alignaudit_kernels.attention.torch_reference.BACKWARDS).
+    "grouped", a Triton kernel, on CUDA only) and ALIGNAUDIT_BACKWARD (the strict ops' backward,
+    alignaudit_kernels.gradients.BACKWARDS).
 
     Raises:
         InputError: naming the variable, its value and the values that run here.
     """
-    from alignaudit_kernels.attention.torch_reference import asked_backward
+    from alignaudit_kernels.gradients import asked_backward
     from alignaudit_kernels.moe import DISPATCH_ENV, asked_dispatch
 
     try:

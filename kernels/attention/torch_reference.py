@@ -1,10 +1,9 @@
 """Plain-torch causal attention: the accuracy reference and the backward of the strict kernels.
 
-The backward is correct and deterministic, not strict (nothing compares gradient bits across engines); it is
-chosen by ALIGNAUDIT_ATTENTION_BACKWARD, read at each call:
+The backward is correct and deterministic, not strict; ALIGNAUDIT_BACKWARD chooses it (kernels/gradients.py):
     reference  (default) autograd through ``batched_reference`` in fp32, gradients rounded once to the inputs'
                dtype: more exact than a trainer's default, and it holds B * H * Tq * Tk fp32 scores per chunk
-    sdpa       torch's scaled_dot_product_attention forward and backward in the inputs' dtype (on CUDA its
+    fused      torch's scaled_dot_product_attention forward and backward in the inputs' dtype (on CUDA its
                FlashAttention-2 kernel for the plain causal mask, a memory-efficient kernel for others: the
                precision of a default trainer's attention backward, no T x T tensor); K and V expanded to the
                query heads, the group's gradients summed in fp32
@@ -12,9 +11,9 @@ chosen by ALIGNAUDIT_ATTENTION_BACKWARD, read at each call:
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from alignaudit_kernels.gradients import asked_backward
 
 
 def reference(q, k, v, scale, q_positions=None):
@@ -58,27 +57,11 @@ def _reference_gradients(q, k, v, g, scale, q_positions):
     return grads
 
 
-BACKWARDS = ("reference", "sdpa")
-BACKWARD_ENV = "ALIGNAUDIT_ATTENTION_BACKWARD"
-
-
-def asked_backward() -> str:
-    """ALIGNAUDIT_ATTENTION_BACKWARD: one of BACKWARDS ("reference" when unset).
-
-    Raises:
-        ValueError: any other value, naming the ones there are.
-    """
-    asked = os.environ.get(BACKWARD_ENV, BACKWARDS[0])
-    if asked not in BACKWARDS:
-        raise ValueError(f"{BACKWARD_ENV}={asked!r}: use one of {', '.join(BACKWARDS)}")
-    return asked
-
-
 def attention_gradients(q, k, v, g, scale, q_positions):
     """Gradients of q [B, Tq, H, D], k and v [B, Tk, KVH, D] of causal attention with queries at ``q_positions``
-    [B, Tq] (keys at 0..Tk-1), given g (q's shape): by the backward ALIGNAUDIT_ATTENTION_BACKWARD asks (module
-    docstring). Returns (dq, dk, dv) in the inputs' dtypes. Raises ValueError as ``asked_backward``."""
-    if asked_backward() == "sdpa":
+    [B, Tq] (keys at 0..Tk-1), given g (q's shape): by the backward ALIGNAUDIT_BACKWARD asks (module docstring).
+    Returns (dq, dk, dv) in the inputs' dtypes. Raises ValueError as gradients.asked_backward."""
+    if asked_backward() == "fused":
         return _sdpa_gradients(q, k, v, g, scale, q_positions)
     return _reference_gradients(q, k, v, g, scale, q_positions)
 

@@ -232,7 +232,7 @@ def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp
 
 
 def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeypatch):
-    """ALIGNAUDIT_MOE_DISPATCH and ALIGNAUDIT_ATTENTION_BACKWARD reach the strict kernels in every engine's process:
+    """ALIGNAUDIT_MOE_DISPATCH and ALIGNAUDIT_BACKWARD reach the strict kernels in every engine's process:
     an unknown value, or the grouped (Triton) dispatch on a CPU run, is refused by name before an engine starts."""
     monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "fused")
     err = one_line_error(capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "a")],
@@ -243,9 +243,9 @@ def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeyp
                          EXIT_USAGE)
     assert "ALIGNAUDIT_MOE_DISPATCH=grouped is a Triton kernel and runs with --device cuda only" in err
     monkeypatch.delenv("ALIGNAUDIT_MOE_DISPATCH")
-    monkeypatch.setenv("ALIGNAUDIT_ATTENTION_BACKWARD", "flash")
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "flash")
     err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "c")], EXIT_USAGE)
-    assert "ALIGNAUDIT_ATTENTION_BACKWARD='flash': use one of reference, sdpa" in err
+    assert "ALIGNAUDIT_BACKWARD='flash': use one of reference, fused" in err
     assert not any((tmp_path / name).exists() for name in "abc")
 
 

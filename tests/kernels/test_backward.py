@@ -121,7 +121,7 @@ def test_attention_backward_gives_the_same_gradients_one_sequence_at_a_time(monk
 
 
 def test_attention_backward_by_sdpa_agrees_with_the_reference(monkeypatch, device):
-    """ALIGNAUDIT_ATTENTION_BACKWARD=sdpa: torch's SDPA backward (is_causal for queries at 0..T-1, a mask for
+    """ALIGNAUDIT_BACKWARD=fused: torch's SDPA backward (is_causal for queries at 0..T-1, a mask for
     shifted ones, K/V expanded over GQA 4/2 and their gradients summed) gives the fp32 reference's gradients to
     fp32 rounding, for varlen (two lengths) and for left-shifted causal batches; the reference is not called."""
     def grads(fn, *inputs):
@@ -137,14 +137,14 @@ def test_attention_backward_by_sdpa_agrees_with_the_reference(monkeypatch, devic
     shifted[1, :2] = 0
     causal = lambda q, k, v: K.causal_attention(q, k, v, shifted, 0.3)  # noqa: E731
     expected = {"varlen": grads(varlen, q, k, v), "causal": grads(causal, qb, kb, vb)}
-    monkeypatch.setenv("ALIGNAUDIT_ATTENTION_BACKWARD", "sdpa")
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
     monkeypatch.setattr(torch_reference, "_reference_gradients", lambda *a: pytest.fail("the reference ran"))
     got = {"varlen": grads(varlen, q, k, v), "causal": grads(causal, qb, kb, vb)}
     for case in expected:
         for name, a, b in zip("qkv", got[case], expected[case], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{case} d{name}")
-    monkeypatch.setenv("ALIGNAUDIT_ATTENTION_BACKWARD", "flash")
-    with pytest.raises(ValueError, match="ALIGNAUDIT_ATTENTION_BACKWARD='flash': use one of reference, sdpa"):
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "flash")
+    with pytest.raises(ValueError, match="ALIGNAUDIT_BACKWARD='flash': use one of reference, fused"):
         grads(varlen, q, k, v)
 
 

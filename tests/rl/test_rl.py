@@ -119,6 +119,7 @@ def test_strict_steps_stay_bitwise_aligned_while_the_weights_change(runs, tmp_pa
     assert (record["status"] == "complete" and record["initial_sync"]["bit_equal"]
             and record["initial_sync"]["tensors"] == 25)
     assert record["engines"]["train"]["optimizer"] == "alignaudit.training.optim.MixedPrecisionAdam"
+    assert record["engines"]["train"]["strict_backward"] == "reference"  # ALIGNAUDIT_BACKWARD unset
     assert len(pd.read_parquet(runs / "strict" / "tokens" / "step-00002.parquet")) == 256
     assert (runs / "strict" / "steps.png").stat().st_size > 10_000
     assert "0 of 3 steps with mismatching tokens" in (runs / "strict" / "report.html").read_text()
@@ -235,6 +236,7 @@ def test_lr_zero_repeats_every_step_exactly(runs):
     assert "; generated tokens: " in trainer["logprob_formula"]
     plain = json.loads((runs / "default" / "run.json").read_text())["engines"]["train"]
     assert plain["replay"] is None and "generated tokens" not in plain["logprob_formula"]
+    assert "strict_backward" not in plain  # no strict op: the variable changes nothing there
     tokens = pd.read_parquet(runs / "control" / "tokens" / "step-00001.parquet")
     lengths = tokens.groupby("seq").size()
     assert len(lengths) == 16 and first["tokens"] == len(tokens) == lengths.sum()
@@ -308,7 +310,11 @@ def test_a_stale_weight_sync_is_caught(tmp_path, capsys, monkeypatch):
     assert gate.returncode == EXIT_MISMATCH and "weight sync was not bit-equal at 2 of 2 steps" in gate.stdout
 
 
-def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
+def test_hf_trainer_with_vllm_rollout_strict(tmp_path, monkeypatch):
+    """HF trains strict beside strict vLLM, its strict ops' gradients by ALIGNAUDIT_BACKWARD=fused (attention through
+    torch's SDPA backward; the megatron runs above keep the reference): the trainer's process reads the variable
+    and run.json records it; gradients finite and non-zero, every token bitwise equal."""
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
     out = tmp_path / "hf"
     assert cli.main(["rl", "--train", "hf", "--infer", "vllm", "--strict", "--steps", "2", "--lr", "1e-3",
                      "--no-token-rows", "--full-vocab", "--out", str(out)]) == EXIT_OK
@@ -318,6 +324,7 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path):
     assert (s["vocab_kl_train_infer_max"] == 0).all() and (s["vocab_tv_max"] == 0).all()
     assert (s["vocab_top1_agreement"] == 1).all() and not (out / "vocab").exists()
     assert (s["nan_tokens"] == 0).all() and (s["grad_norm"] > 0).all()  # HF's strict backward once gave NaN
+    assert json.loads((out / "run.json").read_text())["engines"]["train"]["strict_backward"] == "fused"
     assert not (out / "tokens").exists()
     # without per-token rows the counts are steps.parquet's alone: every rendering of the verdict says so
     assert cli.main(["gate", str(out)]) == EXIT_OK
