@@ -9,14 +9,17 @@ fused_moe/), with the arithmetic of alignaudit_kernels.linear:
 
     plan       pairs p = t * top_k + r of ``chosen`` [T, top_k], sorted by expert (stable, so within an expert in
                increasing p: the order ``(chosen == e).nonzero()`` gives the gathered dispatch); expert e owns
-               the sorted rows [start_e, start_e+1) and cdiv(count_e, BLOCK_M) row tiles; a fixed number of
+               the sorted rows [start_e, start_{e+1}) and cdiv(count_e, BLOCK_M) row tiles; a fixed number of
                tiles (an upper bound of that sum, from T, top_k, E and BLOCK_M alone) is launched and the tiles
                past the sum return at once. torch.sort, searchsorted and cumsum: no host read.
     product    each output tile by matmul._segment, the K loop of the pointer kernel (K increasing, tl.dot into
-               one fp32 accumulator, IEEE products for fp32), on the expert's weight; rounded once to x.dtype.
-               A row's bits are the strict linear's for that row: on Hopper the tensor cores' K order does not
-               depend on the tile or the row's place in it (bench/sweep_gpu.py, docs/benchmarks.md), and the
-               GPU kernel tests compare this path with the gathered one row for row.
+               one fp32 accumulator, IEEE products for fp32), on the expert's weight, at one of linear's tiles
+               (tile_for); rounded once to x.dtype. A row's bits should be the strict linear's for that row: on
+               an H200 the tensor cores' K order did not depend on the tile or the row's place in it for linear
+               (bench/sweep_gpu.py, docs/benchmarks.md). Checked bit for bit against the gathered dispatch under
+               the Triton interpreter; tests/kernels/test_moe_kernel.py checks it on a GPU (not yet run there).
+    ids        an expert id outside [0, E) is never covered by a tile: its rows come out NaN (the gathered
+               dispatch raises IndexError; reading the ids on the host would end capturability).
 
 Triton only (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); the CPU backend keeps the gathered
 dispatch, which never runs in a CUDA graph. Forward only.
@@ -42,7 +45,7 @@ class ExpertPlan:
     starts: [E + 1] sorted rows [starts[e], starts[e + 1]) belong to expert e.
     tile_expert: [G] the expert owning row tile g; E for the tiles past the last expert's (they do nothing).
     tile_row: [G] the first sorted row of tile g.
-    block_m: rows per tile. tiles: G, fixed by (P, E, block_m), never by the routing.
+    block_m: rows per tile. tiles: G, fixed by (P, E, block_m), never by the routing. top_k: slots per token.
     """
 
     pair: torch.Tensor
@@ -52,6 +55,7 @@ class ExpertPlan:
     tile_row: torch.Tensor
     block_m: int
     tiles: int
+    top_k: int
 
 
 def tile_bound(pairs: int, experts: int, block_m: int) -> int:
@@ -65,11 +69,11 @@ def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> Expert
     tiles of ``block_m`` rows. Capturable by a CUDA graph: no host read of ``chosen``.
 
     Raises:
-        ValueError: ``chosen`` not 2-D, or block_m < 1.
+        ValueError: ``chosen`` not 2-D, or block_m not a power of two (a Triton block).
     """
-    if chosen.dim() != 2 or block_m < 1:
-        raise ValueError(f"plan_experts: chosen must be [T, top_k] and block_m >= 1, got {tuple(chosen.shape)}, "
-                         f"{block_m}")
+    if chosen.dim() != 2 or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"plan_experts: chosen must be [T, top_k] and block_m a power of two, got "
+                         f"{tuple(chosen.shape)}, {block_m}")
     top_k = chosen.shape[1]
     device = chosen.device
     sorted_expert, pair = torch.sort(chosen.reshape(-1).to(torch.int64), stable=True)
@@ -83,7 +87,7 @@ def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> Expert
     owner = tile_expert.clamp(max=num_experts - 1)
     tile_row = starts[owner] + (g - (tile_end[owner] - tiles_of[owner])) * block_m
     return ExpertPlan(pair, torch.div(pair, top_k, rounding_mode="floor"), starts, tile_expert, tile_row, block_m,
-                      tiles)
+                      tiles, top_k)
 
 
 def block_m_for(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
@@ -96,12 +100,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
     """Sorted row i of the result is ``linear(src_i, weight[e_i])`` for the expert e_i owning it.
 
     Args:
-        x: [R, K] bf16/fp16/fp32. With ``gather``, the tokens (sorted row i reads x[plan.token[i]]); without,
-            already in sorted order (R = P: the previous grouped product's output).
+        x: [R, K] bf16/fp16/fp32. With ``gather``, the T tokens of the routing (sorted row i reads
+            x[plan.token[i]]); without, already in sorted order (R = P: the previous grouped product's output).
         weight: [E, N, K] in x.dtype, each expert's matrix with unit stride along K.
         plan: plan_experts of the routing, with block_m = the tile height used here.
     Returns:
-        [P, N] in x.dtype, in sorted-row order.
+        [P, N] in x.dtype, in sorted-row order; NaN rows for expert ids outside [0, E) (module docstring).
     Raises:
         ValueError: shapes or dtypes that do not match, or the Triton backend unavailable.
     """
@@ -112,12 +116,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
         raise ValueError(f"grouped_linear: x {x.dtype}{tuple(x.shape)}, weight {weight.dtype}{tuple(weight.shape)}, "
                          f"plan over {plan.starts.numel() - 1} experts")
     pairs = plan.pair.numel()
+    if x.shape[0] * (plan.top_k if gather else 1) != pairs:
+        raise ValueError(f"grouped_linear: x has {x.shape[0]} rows for a plan of {pairs} pairs (top_k {plan.top_k}, "
+                         f"gather={gather})")
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(2) == 1 else weight.contiguous()
-    y = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
+    y = torch.full((pairs, n), float("nan"), dtype=x.dtype, device=x.device)  # rows no tile covers stay NaN
     if plan.tiles == 0:
         return y
-    _, bn, bk, warps, stages = tile_for(cdiv(pairs, experts), n, x.dtype)
+    _, bn, bk, warps, stages = tile_for(cdiv(pairs, experts), 0, x.dtype)  # block_m_for's tile, as swept
     tiles_n = cdiv(n, bn)
     _grouped_kernel[(plan.tiles * tiles_n,)](
         x, weight, y, plan.token if gather else plan.pair, plan.starts, plan.tile_expert, plan.tile_row,

@@ -115,6 +115,8 @@ def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     elif dispatch == "gathered":
         expert_out = torch.zeros(t, top_k, h, dtype=x.dtype, device=x.device)
         for e in torch.unique(chosen).tolist():
+            if not 0 <= e < len(gate_up):  # a negative index would pick an expert from the end
+                raise IndexError(f"expert id {e} outside [0, {len(gate_up)})")
             token, slot = (chosen == e).nonzero(as_tuple=True)
             expert_out[token, slot] = _expert(x[token], gate_up[e], down[e], width)
     else:

@@ -3,10 +3,12 @@
 The backward is correct and deterministic, not strict; ALIGNAUDIT_BACKWARD chooses it (kernels/gradients.py):
     reference  (default) autograd through ``batched_reference`` in fp32, gradients rounded once to the inputs'
                dtype: more exact than a trainer's default, and it holds B * H * Tq * Tk fp32 scores per chunk
-    fused      torch's scaled_dot_product_attention forward and backward in the inputs' dtype (on CUDA its
-               FlashAttention-2 kernel for the plain causal mask, a memory-efficient kernel for others: the
-               precision of a default trainer's attention backward, no T x T tensor); K and V expanded to the
-               query heads, the group's gradients summed in fp32
+    fused      torch's scaled_dot_product_attention forward and backward in the inputs' dtype (on CUDA in bf16/fp16
+               its FlashAttention-2 kernel for the plain causal mask, a memory-efficient kernel for shifted
+               positions, whose boolean [B, 1, Tq, Tk] mask is the only T x T tensor: the precision of a default
+               trainer's attention backward, no fp32 scores); K and V expanded to the query heads, the group's
+               gradients summed in fp32. A query with no visible key (a position below 0: its forward row is
+               NaN) goes through the reference instead, whose gradients carry that NaN as the forward did
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def attention_gradients(q, k, v, g, scale, q_positions):
     """Gradients of q [B, Tq, H, D], k and v [B, Tk, KVH, D] of causal attention with queries at ``q_positions``
     [B, Tq] (keys at 0..Tk-1), given g (q's shape): by the backward ALIGNAUDIT_BACKWARD asks (module docstring).
     Returns (dq, dk, dv) in the inputs' dtypes. Raises ValueError as gradients.asked_backward."""
-    if asked_backward() == "fused":
+    if asked_backward() == "fused" and not bool((q_positions < 0).any()):
         return _sdpa_gradients(q, k, v, g, scale, q_positions)
     return _reference_gradients(q, k, v, g, scale, q_positions)
 

@@ -143,6 +143,16 @@ def test_attention_backward_by_sdpa_agrees_with_the_reference(monkeypatch, devic
     for case in expected:
         for name, a, b in zip("qkv", got[case], expected[case], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{case} d{name}")
+    # a query with no visible key (position -1): NaN forward row; its gradients carry NaN as the reference's do
+    monkeypatch.undo()
+    hidden = shifted.clone()
+    hidden[1, 0] = -1
+    hole = lambda q, k, v: K.causal_attention(q, k, v, hidden, 0.3)  # noqa: E731
+    expected = grads(hole, qb, kb, vb)
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
+    for name, a, b in zip("qkv", grads(hole, qb, kb, vb), expected, strict=True):
+        assert b.isnan().any() or name != "v"
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True, msg=f"no visible key, d{name}")
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "flash")
     with pytest.raises(ValueError, match="ALIGNAUDIT_BACKWARD='flash': use one of reference, fused"):
         grads(varlen, q, k, v)

@@ -71,6 +71,8 @@ def test_expert_plan_sorts_pairs_by_expert_and_owns_each_tile(device):
     assert plan.tiles == grouped_linear.tile_bound(10, 5, 2) == 7  # used: 2 + 2 + 2 = 6
     assert plan.tile_expert.tolist() == [0, 0, 2, 2, 3, 3, 5]
     assert plan.tile_row.tolist()[:6] == [0, 2, 4, 6, 7, 9]
+    with pytest.raises(ValueError, match="block_m a power of two"):
+        plan_experts(chosen, num_experts=5, block_m=3)
     for pairs, experts, block in ((1, 128, 16), (64, 128, 16), (4096, 8, 64), (7, 3, 1)):
         worst = torch.zeros(pairs, 1, dtype=torch.int64)
         worst[: min(experts, pairs), 0] = torch.arange(min(experts, pairs))  # as many experts as possible, uneven
@@ -105,6 +107,28 @@ def test_moe_dispatches_give_the_gathered_bits(device, dtype, dispatch, monkeypa
         args = (x[:37], chosen[:37], weights[:37], *moe_weights(e, h, 48, dtype, device, seed=57)[1:])
         assert_bitwise_equal(f"{dispatch}, I 48", moe.combine_experts(*args, dispatch=dispatch),
                              moe.combine_experts(*args, dispatch="gathered"))
+
+
+def test_grouped_dispatch_marks_what_it_cannot_place(device):
+    """Without a host read the grouped dispatch cannot refuse an expert id outside [0, E) as the gathered one does
+    (IndexError): that token's output is NaN, the others' are as gathered. Rows that do not match the plan are
+    refused."""
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("the grouped dispatch is a Triton kernel")
+    _, gate_up, down = moe_weights(3, 64, 64, torch.float32, device, seed=61)
+    x = randn(4, 64, dtype=torch.float32, device=device, seed=62)
+    chosen = torch.tensor([[0, 3], [1, 2], [2, 0], [-1, 1]], device=device)
+    weights = torch.full((4, 2), 0.5, device=device)
+    with pytest.raises(IndexError, match="expert id -1 outside"):
+        moe.combine_experts(x, chosen, weights, gate_up, down, dispatch="gathered")
+    out = moe.combine_experts(x, chosen, weights, gate_up, down, dispatch="grouped")
+    assert out[[0, 3]].isnan().all() and not out[[1, 2]].isnan().any()
+    good = chosen[1:3]
+    assert_bitwise_equal("placeable tokens", out[1:3],
+                         moe.combine_experts(x[1:3], good, weights[1:3], gate_up, down, dispatch="gathered"))
+    plan = plan_experts(good, 3, 64)
+    with pytest.raises(ValueError, match="x has 4 rows for a plan of 4 pairs"):
+        grouped_linear.grouped_linear(x, gate_up, plan, gather=True)
 
 
 @pytest.mark.parametrize("dispatch", ["grouped", "every_expert"])
