@@ -34,17 +34,18 @@ def is_nemo_rl(row: dict) -> bool:
     return all(key in row for key in NEMO_RL_KEYS)
 
 
-def nemo_rl_rows(path: Path, rows: list[dict]) -> list[dict]:
-    """NeMo-RL train_data_step rows as rollout rows. Raises InputError naming the line and the problem."""
+def nemo_rl_rows(path: Path, rows: list[dict], where: list[str]) -> list[dict]:
+    """NeMo-RL train_data_step rows as rollout rows; ``where``: each row's line ("line N"). Raises InputError naming
+    the line and the problem."""
     out = []
     for i, row in enumerate(rows):
         ids, length = _one(row["token_ids"]), _one(row["input_lengths"])
         mask, logprobs = _one(row["token_loss_mask"]), _one(row["generation_logprobs"])
         if not all(isinstance(v, list) for v in (ids, mask, logprobs)) or isinstance(length, bool) \
                 or not isinstance(length, int) or not 1 < length <= min(len(ids), len(mask), len(logprobs)):
-            raise InputError(f"{path}: line {i + 1} is not a NeMo-RL train_data_step sample (token_ids, "
+            raise InputError(f"{path}: {where[i]} is not a NeMo-RL train_data_step sample (token_ids, "
                              "token_loss_mask and generation_logprobs as lists at least input_lengths long)")
-        start = _response_start(path, f"line {i + 1}", mask[:length])
+        start = _response_start(path, where[i], mask[:length])
         out.append({"token_ids": ids[:length], "prompt_length": start, "logprobs": logprobs[start:length]})
     return out
 

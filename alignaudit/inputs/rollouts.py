@@ -77,7 +77,7 @@ def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None) 
     if not path.is_file():
         what = "a directory" if path.is_dir() else "no such file"
         raise InputError(f"{path}: {what}; give a JSONL or parquet file of rollouts")
-    rows, fmt = _read_rows(path)
+    rows, fmt, where = _read_rows(path)
     if not rows:
         raise InputError(f"{path} holds no rollouts")
     if {"input", "output"} <= set(rows[0]) and "token_ids" not in rows[0]:
@@ -87,27 +87,28 @@ def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None) 
     for i, row in enumerate(rows):
         missing = [c for c in COLUMNS if row.get(c) is None]
         if missing:
-            raise InputError(f"{path}: row {i} has no {', '.join(missing)}; every rollout needs {', '.join(COLUMNS)}")
-        ids, n, lps = _ids(path, i, row["token_ids"], vocab_size), row["prompt_length"], row["logprobs"]
+            raise InputError(f"{path}: {where[i]} has no {', '.join(missing)}; every rollout needs "
+                             f"{', '.join(COLUMNS)}")
+        ids, n, lps = _ids(path, where[i], row["token_ids"], vocab_size), row["prompt_length"], row["logprobs"]
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < len(ids):
-            raise InputError(f"{path}: row {i}: prompt_length {n!r} must be an integer in [1, {len(ids) - 1}] (the "
-                             "prompt's tokens, with at least one sampled token after them)")
-        values = _floats(path, i, lps)
+            raise InputError(f"{path}: {where[i]}: prompt_length {n!r} must be an integer in [1, {len(ids) - 1}] "
+                             "(the prompt's tokens, with at least one sampled token after them)")
+        values = _floats(path, where[i], lps)
         if len(values) != len(ids) - n:
-            raise InputError(f"{path}: row {i} has {len(values)} logprobs for {len(ids) - n} sampled tokens "
+            raise InputError(f"{path}: {where[i]} has {len(values)} logprobs for {len(ids) - n} sampled tokens "
                              f"({len(ids)} token_ids, prompt_length {n}); give one logprob per sampled token")
         bad = [j for j, v in enumerate(values) if not math.isfinite(v)]
         if bad:
-            raise InputError(f"{path}: row {i}: logprob {bad[0]} is {values[bad[0]]}; a rollout engine's logprob of a "
-                             "token it sampled is finite: the file is damaged")
+            raise InputError(f"{path}: {where[i]}: logprob {bad[0]} is {values[bad[0]]}; a rollout engine's logprob "
+                             "of a token it sampled is finite: the file is damaged")
         beyond = [j for j, v in enumerate(values) if abs(v) > FP32_MAX]
         if beyond:
-            raise InputError(f"{path}: row {i}: logprob {beyond[0]} is {values[beyond[0]]}, outside fp32's range "
-                             "(engines record fp32 logprobs): the file is damaged")
+            raise InputError(f"{path}: {where[i]}: logprob {beyond[0]} is {values[beyond[0]]}, outside fp32's "
+                             "range (engines record fp32 logprobs): the file is damaged")
         sequences.append(tuple(ids))
         lengths.append(n)
         logprobs.append(torch.tensor(values, dtype=torch.float32))
-    _check_signs(path, logprobs)
+    _check_signs(path, logprobs, where)
     sampling = _sampling(path, rows, given or {})
     assumed = () if "logprobs_mode" in sampling else ("logprobs_mode",)
     sampling.setdefault("logprobs_mode", "raw")  # vLLM's default, named in ``assumed``
@@ -122,8 +123,10 @@ FORMATS = ("rescore reads JSON lines (UTF-8 text, one rollout object per line) o
 FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def _read_rows(path: Path) -> tuple[list[dict], str]:
-    """The file's rows and its format ("parquet", "jsonl", "nemo-rl" or "slime"), told by its content, not its name.
+def _read_rows(path: Path) -> tuple[list[dict], str, list[str]]:
+    """The file's rows, its format ("parquet", "jsonl", "nemo-rl" or "slime"), told by its content, not its name,
+    and where each row sits, as errors name it: "line N" of a text file (1-based, as editors count; blank lines
+    skipped), "row N" of a parquet table and "sample N" of slime's list (0-based, as pandas and Python index).
 
     Raises:
         InputError: a file of another format (gzip, a torch.save or pickle file, UTF-16 or other non-UTF-8
@@ -132,11 +135,13 @@ def _read_rows(path: Path) -> tuple[list[dict], str]:
     with path.open("rb") as f:
         head = f.read(4)
     if head == b"PAR1":
-        return _parquet_rows(path), "parquet"
+        rows = _parquet_rows(path)
+        return rows, "parquet", [f"row {i}" for i in range(len(rows))]
     if path.suffix == ".parquet":
         raise InputError(f"{path} is not a parquet file (no PAR1 magic); {FORMATS}")
     if head[:2] == b"PK":  # a zip archive: torch.save's format, as slime writes its debug rollout files
-        return slime_rows(path), "slime"
+        rows = slime_rows(path)
+        return rows, "slime", [f"sample {i}" for i in range(len(rows))]
     what = _binary_kind(head)
     if what:
         raise InputError(f"{path} is {what}; {FORMATS}")
@@ -145,7 +150,7 @@ def _read_rows(path: Path) -> tuple[list[dict], str]:
     except UnicodeDecodeError as e:
         raise InputError(f"{path} is not UTF-8 text (byte {e.start} is {path.read_bytes()[e.start]:#04x}); "
                          f"{FORMATS}") from None
-    rows = []
+    rows, where = [], []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -156,13 +161,14 @@ def _read_rows(path: Path) -> tuple[list[dict], str]:
         if not isinstance(row, dict):
             raise InputError(f"{path}:{number} is not a JSON object; one rollout object per line")
         rows.append(row)
+        where.append(f"line {number}")
     if rows and is_nemo_rl(rows[0]):
-        return nemo_rl_rows(path, rows), "nemo-rl"
+        return nemo_rl_rows(path, rows, where), "nemo-rl", where
     if rows and {"input_lengths", "token_loss_mask"} <= set(rows[0]):  # NeMo-RL's, without a key it needs
         missing = [key for key in NEMO_RL_KEYS if key not in rows[0]]
         raise InputError(f"{path}:1 looks like NeMo-RL's train_data_step (input_lengths, token_loss_mask) but has no "
                          f"{', '.join(missing)}; rescore reads NeMo-RL's lines with {', '.join(NEMO_RL_KEYS)}")
-    return rows, "jsonl"
+    return rows, "jsonl", where
 
 
 def _binary_kind(head: bytes) -> str | None:
@@ -187,7 +193,7 @@ def _parquet_rows(path: Path) -> list[dict]:
     return [{k: _plain(v) for k, v in row.items()} for row in table.to_dict("records")]
 
 
-def _check_signs(path: Path, logprobs: list[torch.Tensor]) -> None:
+def _check_signs(path: Path, logprobs: list[torch.Tensor], where: list[str]) -> None:
     """Refuse logprobs above 0: no log-probability is. A file whose values are all >= 0 with some > 0 holds
     negative log-likelihoods (a loss dump), which the message says."""
     values = torch.cat(logprobs)
@@ -198,7 +204,7 @@ def _check_signs(path: Path, logprobs: list[torch.Tensor]) -> None:
                          "logprobs; negate them")
     row = next(i for i, lp in enumerate(logprobs) if bool((lp > 0).any()))
     j = int(torch.nonzero(logprobs[row] > 0)[0])
-    raise InputError(f"{path}: row {row}: logprob {j} is {float(logprobs[row][j])!r}, above 0, which no "
+    raise InputError(f"{path}: {where[row]}: logprob {j} is {float(logprobs[row][j])!r}, above 0, which no "
                      "log-probability is: the file is damaged")
 
 
@@ -211,20 +217,20 @@ def _plain(value):
     return value
 
 
-def _ids(path: Path, i: int, ids, vocab_size: int) -> list[int]:
+def _ids(path: Path, where: str, ids, vocab_size: int) -> list[int]:
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise InputError(f"{path}: row {i}: token_ids must be a list of integers")
+        raise InputError(f"{path}: {where}: token_ids must be a list of integers")
     outside = [t for t in ids if not 0 <= t < vocab_size]
     if outside:
-        raise InputError(f"{path}: row {i}: token id {outside[0]} is outside the model's vocabulary of {vocab_size}; "
+        raise InputError(f"{path}: {where}: token id {outside[0]} is outside the model's vocabulary of {vocab_size}; "
                          "rescore with the model the rollouts were sampled from")
     return ids
 
 
-def _floats(path: Path, i: int, values) -> list[float]:
+def _floats(path: Path, where: str, values) -> list[float]:
     if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                for v in values if v is not None):
-        raise InputError(f"{path}: row {i}: logprobs must be a list of numbers")
+        raise InputError(f"{path}: {where}: logprobs must be a list of numbers")
     return [float("nan") if v is None else float(v) for v in values]
 
 

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from alignaudit.commands import cli
-from alignaudit.errors import EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
+from alignaudit.errors import EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, InputError
 from helpers import one_line_error
 
 pytestmark = pytest.mark.engines
@@ -114,15 +114,31 @@ def test_rescore_gives_compare_numbers_for_the_sampled_tokens_and_gate_judges_it
     assert "megatron (bf16, cpu) vs rollout-file" in page and "32 of 32 tokens differ" in page
 
 
+def test_errors_name_where_the_rollout_sits_in_its_file(rollout_run, tmp_path):
+    """A JSON lines file is named by its 1-based line (a blank line counted, as an editor counts), a parquet table
+    by its 0-based row (as pandas indexes it)."""
+    from alignaudit.inputs.rollouts import read_rollouts
+
+    rows = rollout_rows(rollout_run)
+    rows[1]["logprobs"][0] = 0.5
+    text = tmp_path / "gap.jsonl"
+    text.write_text(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:]))
+    with pytest.raises(InputError, match=r"gap.jsonl: line 3: logprob 0 is 0.5, above 0"):
+        read_rollouts(text, 512)
+    pd.DataFrame(rows).to_parquet(tmp_path / "table.parquet")
+    with pytest.raises(InputError, match=r"table.parquet: row 1: logprob 0 is 0.5, above 0"):
+        read_rollouts(tmp_path / "table.parquet", 512)
+
+
 @pytest.mark.parametrize("edit, message", [
-    (lambda r: r.pop("logprobs"), "row 0 has no logprobs"),
-    (lambda r: r["logprobs"].pop(), "row 0 has 7 logprobs for 8 sampled tokens"),
-    (lambda r: r["logprobs"].__setitem__(2, float("nan")), "row 0: logprob 2 is nan"),
+    (lambda r: r.pop("logprobs"), "line 1 has no logprobs"),
+    (lambda r: r["logprobs"].pop(), "line 1 has 7 logprobs for 8 sampled tokens"),
+    (lambda r: r["logprobs"].__setitem__(2, float("nan")), "line 1: logprob 2 is nan"),
     (lambda r: r.__setitem__("prompt_length", len(r["token_ids"])), "prompt_length"),
     (lambda r: r["token_ids"].__setitem__(0, 10**6), "outside the model's vocabulary"),
     (lambda r: r.update(logprobs_mode="processed"), "logprobs_mode differs between rollouts"),
-    (lambda r: r["logprobs"].__setitem__(1, -1e39), "row 0: logprob 1 is -1e+39, outside fp32's range"),
-    (lambda r: r["logprobs"].__setitem__(3, 0.25), "row 0: logprob 3 is 0.25, above 0"),
+    (lambda r: r["logprobs"].__setitem__(1, -1e39), "line 1: logprob 1 is -1e+39, outside fp32's range"),
+    (lambda r: r["logprobs"].__setitem__(3, 0.25), "line 1: logprob 3 is 0.25, above 0"),
 ])
 def test_a_damaged_rollout_file_is_refused_before_any_engine(rollout_run, tmp_path, capsys, edit, message):
     rows = rollout_rows(rollout_run)
