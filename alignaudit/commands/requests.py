@@ -35,6 +35,7 @@ from alignaudit.inputs.strict_ops import (
     check_strict_exp,
     format_strict,
     parse_strict,
+    refuse_unused_kernel_switches,
 )
 
 if TYPE_CHECKING:
@@ -231,11 +232,12 @@ def _sampled(args: SamplingArgs) -> tuple[int, float, int, float]:
     return new, temperature, top_k, top_p
 
 
-def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_check=None):
+def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_check=None, trains: bool = False):
     """The two EngineRuns of a comparison, validated before anything starts: engines installed, dtypes,
     device, strict ops, every setting against what the engine implements (alignaudit.inputs.capabilities),
     ``extra_check(train, infer)`` (a command's own refusal, e.g. rl --full-vocab), and the engines' own
-    configuration classes in a short worker (alignaudit.workers.spawn.check_options), last: it takes seconds."""
+    configuration classes in a short worker (alignaudit.workers.spawn.check_options), last: it takes seconds.
+    ``trains``: the command updates the trainer's weights (rl), so the strict ops' backward switch applies."""
     from alignaudit.inputs.request import EngineRun, EngineSettings, parse_options
     from alignaudit.workers.spawn import check_options
 
@@ -245,6 +247,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_che
     ops = format_strict(strict_ops)
     exp = check_strict_exp(pair.strict_exp, strict_ops, dev)
     check_kernel_switches(dev)
+    refuse_unused_kernel_switches(strict_ops, bool(spec.num_experts), trains)
     if dev == "cuda" and (warning := check_platform(strict_ops)):
         print(warning, file=sys.stderr)
     if pair.lm_head_dtype not in ("model", "fp32"):
@@ -279,10 +282,11 @@ def load_batch(spec, args: PromptArgs, seed: int, engines, new_tokens: int = 0):
 
 def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, sampling_args: SamplingArgs | None = None,
                   clip_eps: float = 0.2, importance: ISArgs | None = None, extra_check=None, *, repeat: int = 1,
-                  replay_routing: bool = False, full_vocab: bool = False) -> Request:
+                  replay_routing: bool = False, full_vocab: bool = False, trains: bool = False) -> Request:
     """Validate every option and build the Request (no engine starts here). ``extra_check``: see engine_runs.
     ``repeat`` (compare --repeat: runs per engine, prompt mode), ``replay_routing`` (--replay-routing) and
-    ``full_vocab`` (--full-vocab) are checked against the engines and the mode (engines.checks).
+    ``full_vocab`` (--full-vocab) are checked against the engines and the mode (engines.checks); ``trains``: see
+    engine_runs.
 
     Raises:
         InputError: any bad input, with the fix. EngineError: an engine is not installed.
@@ -301,7 +305,7 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
     rollout = sampling(sampling_args, model.seed) if sampling_args is not None else None
     spec = resolve_model_arg(model)
     mode = "rollout" if rollout else "prompt"
-    train, infer = engine_runs(pair, model.seed, spec, mode, extra_check)
+    train, infer = engine_runs(pair, model.seed, spec, mode, extra_check, trains)
     if rollout is not None:
         rollout = rollout_shape(infer, rollout)
     if replay_routing:

@@ -63,6 +63,26 @@ def check_kernel_switches(device: str) -> None:
         raise InputError(f"{DISPATCH_ENV}=grouped is a Triton kernel and runs with --device cuda only; unset it")
 
 
+def refuse_unused_kernel_switches(strict_ops: frozenset[str], moe: bool, trains: bool) -> None:
+    """Refuse a kernel switch (check_kernel_switches) set for a run where it changes nothing: ALIGNAUDIT_BACKWARD
+    other than reference where nothing trains or no op is strict, ALIGNAUDIT_MOE_DISPATCH other than auto where
+    no strict MoE layer runs (a mixture-of-experts model under --strict with linear).
+
+    Raises:
+        InputError: naming the variable, why it would not take effect, and the fix (unset it).
+    """
+    from alignaudit_kernels.gradients import BACKWARD_ENV, asked_backward
+    from alignaudit_kernels.moe import DISPATCH_ENV, asked_dispatch
+
+    backward, dispatch = asked_backward(), asked_dispatch()
+    if backward != "reference" and not (trains and strict_ops):
+        where = "this command computes no gradient (only alignaudit rl trains)" if not trains else "no op is strict"
+        raise InputError(f"{BACKWARD_ENV}={backward} sets the strict ops' backward, and {where}; unset it")
+    if dispatch != "auto" and not (moe and "linear" in strict_ops):
+        raise InputError(f"{DISPATCH_ENV}={dispatch} sets the strict MoE layer's dispatch, which runs only for a "
+                         "mixture-of-experts model under --strict with linear; unset it")
+
+
 def check_strict_exp(exp: str, ops: frozenset[str], device: str,
                      names: tuple[str, str, str] = ("--strict-exp", "--strict", "--device cuda")) -> str:
     """Validate ``--strict-exp`` before any engine starts and return it. "native" (the GPU's exp2 instruction

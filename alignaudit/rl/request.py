@@ -31,7 +31,7 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
     grouped = kind_of(run.infer).samples_groups and not settings.full_vocab
     sampling = dataclasses.replace(sampling, group_size=settings.group_size if grouped else 1)
     request = build_request(model, prompts, run, sampling, clip_eps, importance,
-                            extra_check=check_rl_full_vocab if settings.full_vocab else None)
+                            extra_check=check_rl_full_vocab if settings.full_vocab else None, trains=True)
     _refuse_truncated_reference(request, settings.kl_coef)
     if settings.full_vocab and request.rollout.engine_mode == "async":
         raise InputError("rl --full-vocab with --engine-mode async is not built (the sampler's rows stay in vLLM's "

@@ -232,8 +232,9 @@ def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp
 
 
 def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeypatch):
-    """ALIGNAUDIT_MOE_DISPATCH and ALIGNAUDIT_BACKWARD reach the strict kernels in every engine's process:
-    an unknown value, or the grouped (Triton) dispatch on a CPU run, is refused by name before an engine starts."""
+    """ALIGNAUDIT_MOE_DISPATCH and ALIGNAUDIT_BACKWARD reach the strict kernels in every engine's process: an unknown
+    value, the grouped (Triton) dispatch on a CPU run, or a value where it would change nothing, is refused by name
+    before an engine starts."""
     monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "fused")
     err = one_line_error(capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "a")],
                          EXIT_USAGE)
@@ -246,7 +247,15 @@ def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeyp
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "flash")
     err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "c")], EXIT_USAGE)
     assert "ALIGNAUDIT_BACKWARD='flash': use one of reference, fused" in err
-    assert not any((tmp_path / name).exists() for name in "abc")
+    # known values where they would change nothing: compare computes no gradient; a dense model has no MoE layer
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
+    err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "d")], EXIT_USAGE)
+    assert "ALIGNAUDIT_BACKWARD=fused sets the strict ops' backward, and this command computes no gradient" in err
+    monkeypatch.delenv("ALIGNAUDIT_BACKWARD")
+    monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "gathered")
+    err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "e")], EXIT_USAGE)
+    assert "ALIGNAUDIT_MOE_DISPATCH=gathered sets the strict MoE layer's dispatch, which runs only for a " in err
+    assert not any((tmp_path / name).exists() for name in "abcde")
 
 
 def test_a_rollout_audited_across_containers_capture_rollout_then_tokens_from_then_diff_and_gate(tmp_path, capsys):
