@@ -1,17 +1,20 @@
 """Seconds per RL step, strict vs default, measured side by side in one run.
 
-    .venv/bin/python bench/rl_steps.py [--steps 10] [--train megatron] [--infer vllm] [-- extra rl options]
+    .venv/bin/python bench/rl_steps.py [--steps 10] [--train megatron] [--infer vllm] [--configs strict,default]
+                                       [-- extra rl options]
 
-Runs `alignaudit rl` twice on the same model and prompts (default: the fixture), once with every op strict
-and once on the default stack, and reads each step's stage timings from steps.parquet. Step 1 is left out
-(it includes one-time warm-up). Prints the median seconds per step and per stage for each and the ratio
-strict / default; writes bench-rl-steps.json.
+Runs `alignaudit rl` once per configuration on the same model and prompts (default: the fixture), and reads each
+step's stage timings from steps.parquet: "strict" (every op strict), "strict-fused" (the same with
+ALIGNAUDIT_BACKWARD=fused, set for that run only: the strict ops' fused backward, kernels/gradients.py) and
+"default" (the default stack). Step 1 is left out (it includes one-time warm-up). Prints the median seconds per
+step and per stage for each and each one's ratio to default; writes bench-rl-steps.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from alignaudit.commands import cli  # noqa: E402
 
 STAGES = ["seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s"]
+CONFIGS = {"strict": (["--strict"], {}), "strict-fused": (["--strict"], {"ALIGNAUDIT_BACKWARD": "fused"}),
+           "default": ([], {})}
 
 
 def main() -> None:
@@ -30,23 +35,36 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--train", default="megatron")
     parser.add_argument("--infer", default="vllm")
+    parser.add_argument("--configs", default="strict,default", help=f"comma list of {', '.join(CONFIGS)}")
     parser.add_argument("extra", nargs="*", help="more `alignaudit rl` options, after --")
     args = parser.parse_args()
+    names = args.configs.split(",")
+    if "default" not in names or not set(names) <= set(CONFIGS):
+        raise SystemExit(f"--configs {args.configs!r}: a comma list of {', '.join(CONFIGS)} with default in it")
     medians = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, strict in (("strict", ["--strict"]), ("default", [])):
+        for name in names:
+            flags, env = CONFIGS[name]
             out = Path(tmp) / name
-            code = cli.main(["rl", "--train", args.train, "--infer", args.infer, "--steps", str(args.steps),
-                             "--no-token-rows", *strict, *args.extra, "--out", str(out)])
+            os.environ.update(env)  # the engines' worker processes, started by this run, inherit it
+            try:
+                code = cli.main(["rl", "--train", args.train, "--infer", args.infer, "--steps", str(args.steps),
+                                 "--no-token-rows", *flags, *args.extra, "--out", str(out)])
+            finally:
+                for key in env:
+                    os.environ.pop(key)
             if code != 0:
                 raise SystemExit(f"alignaudit rl ({name}) exited with {code}")
             steps = pd.read_parquet(out / "steps.parquet").iloc[1:]
             medians[name] = {stage: float(steps[stage].median()) for stage in STAGES}
             medians[name]["mismatching_steps"] = int((steps["mismatches"] > 0).sum())
-    print(f"{'stage':<12}{'strict s':>10}{'default s':>11}{'strict/default':>16}")
+    others = [n for n in names if n != "default"]
+    print(f"{'stage':<12}" + "".join(f"{n + ' s':>16}{n + '/default':>22}" for n in others) + f"{'default s':>11}")
     for stage in STAGES:
-        s, d = medians["strict"][stage], medians["default"][stage]
-        print(f"{stage:<12}{s:>10.3f}{d:>11.3f}{s / d if d else float('nan'):>16.2f}")
+        d = medians["default"][stage]
+        cells = "".join(f"{medians[n][stage]:>16.3f}{medians[n][stage] / d if d else float('nan'):>22.2f}"
+                        for n in others)
+        print(f"{stage:<12}{cells}{d:>11.3f}")
     record = {"train": args.train, "infer": args.infer, "steps": args.steps, "median_seconds": medians}
     Path("bench-rl-steps.json").write_text(json.dumps(record, indent=2) + "\n")
 
