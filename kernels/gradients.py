@@ -55,9 +55,10 @@ def rms_norm_grad(s: torch.Tensor, weight: torch.Tensor, eps: float, gy: torch.T
     programs = cdiv(rows, GRAD_ROWS)
     partial = torch.empty(programs, h, dtype=torch.float32, device=s.device)
     if programs:
+        block = triton.next_power_of_2(h)
         _rms_norm_grad_kernel[(programs,)](s2, weight.contiguous(), g2, ds, partial, rows, h, s2.stride(0),
-                                           g2.stride(0), float(eps), ROWS=GRAD_ROWS,
-                                           BLOCK_H=triton.next_power_of_2(h))
+                                           g2.stride(0), float(eps), ROWS=GRAD_ROWS, BLOCK_H=block,
+                                           num_warps=min(16, max(1, block // 256)))  # the forward's rule
     return ds.view(s.shape), partial.sum(0)
 
 

@@ -39,7 +39,7 @@ TARGETS = {
     "sm90": (("cuda", 90, 32), "cubin", 132, True),
     "gfx942": (("hip", "gfx942", 64), "hsaco", 304, False),
 }
-MODULES = ("attention", "logprobs", "matmul", "rmsnorm", "rope", "silu")
+MODULES = ("attention", "gradients", "grouped_linear", "logprobs", "matmul", "rmsnorm", "rope", "silu")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
@@ -127,8 +127,9 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
     Qwen3-8B shape: hidden 4096, 32 query heads over 8 KV heads, head dim 128, MLP 12288, vocabulary 151936),
     each host-side branch of the products (decode tile, K split plus tree kernel, large tile or Hopper's TMA
     kernel, a row-parallel fp32 partial), prefill and split decode attention; for AMD also the fp32 attention
-    with its own launch (attention._launch). ``every``: each branch of each host wrapper, also in fp16 and
-    fp32 and at the Qwen2.5-0.5B (896, 14 over 2, head dim 64) and Qwen3-14B (40 over 8) shapes."""
+    with its own launch (attention._launch); the fused backward kernels and the grouped MoE products.
+    ``every``: each branch of each host wrapper, also in fp16 and fp32 and at the Qwen2.5-0.5B (896, 14 over 2,
+    head dim 64) and Qwen3-14B (40 over 8) shapes."""
     matmul, attention, logprobs = m["matmul"], m["attention"], m["logprobs"]
     if not every:
         w = _empty(4096, 4096)
@@ -142,6 +143,8 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         logprobs._log_softmax(logits)
         logprobs._token_logprobs(logits, torch.zeros(4, dtype=torch.int64))
         _attention(attention, BF16, 32, 8, 128, "portable", every_path=False)
+        _gradients(m["gradients"], BF16)
+        _grouped(m["grouped_linear"], BF16, tokens=64)
         if amd:
             _attention(attention, FP32, 32, 8, 128, "portable", every_path=False, decode=False)
         return
@@ -173,6 +176,30 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
     _attention(attention, BF16, 40, 8, 128, "portable", every_path=False)
     for dtype in (FP16, FP32):
         _attention(attention, dtype, 32, 8, 128, "portable", every_path=False)
+    for dtype in (BF16, FP16, FP32):
+        _gradients(m["gradients"], dtype)
+        for tokens in (2, 64, 4096):  # the grouped products' tile classes (tiny, small, large)
+            _grouped(m["grouped_linear"], dtype, tokens)
+
+
+def _gradients(gradients, dtype) -> None:
+    """The fused backward kernels (ALIGNAUDIT_BACKWARD=fused) at the Qwen3-8B shape."""
+    rows = _empty(16, 4096, dtype=dtype)
+    gradients.rms_norm_grad(rows, _empty(4096, dtype=dtype), 1e-6, rows)
+    gradients.silu_mul_grad(*(_empty(16, 12288, dtype=dtype) for _ in range(3)))
+    cos = sin = _empty(64, 64, dtype=FP32)
+    gradients.rope_grad(_empty(16, 32, 128, dtype=dtype), torch.arange(16), cos, sin)
+
+
+def _grouped(grouped_linear, dtype, tokens: int) -> None:
+    """The grouped MoE products (ALIGNAUDIT_MOE_DISPATCH=grouped) at the Qwen3-30B-A3B layer (hidden 2048, 128
+    experts of width 768, top-8): gate_up gathering the tokens, down over the sorted rows."""
+    chosen = torch.randint(0, 128, (tokens, 8))
+    plan = grouped_linear.plan_experts(chosen, 128, grouped_linear.block_m_for(chosen.numel(), 128, dtype))
+    grouped_linear.grouped_linear(_empty(tokens, 2048, dtype=dtype), _empty(128, 1536, 2048, dtype=dtype), plan,
+                                  gather=True)
+    grouped_linear.grouped_linear(_empty(tokens * 8, 768, dtype=dtype), _empty(128, 2048, 768, dtype=dtype), plan,
+                                  gather=False)
 
 
 def _medium_class(matmul, w) -> None:
