@@ -28,21 +28,31 @@ import torch
 
 from alignaudit.errors import InputError
 
+API_NAMES = ("ops", "device='cuda'")  # how this module's user spells the strict ops and a CUDA device
 
-def _settings(dtype: str, device: str, ops: str, exp: str, seed: int = 0):
-    """EngineSettings for a strict model built in this process, validated as the CLI validates them."""
+
+def _settings(dtype: str, device: str, ops: str, exp: str, spec, seed: int = 0):
+    """EngineSettings for a strict model of ``spec`` built in this process for the caller's trainer, validated
+    as the CLI validates them (the kernel switches as for a run that trains)."""
     from alignaudit.commands.requests import check_dtype, resolve_device
     from alignaudit.inputs.request import EngineSettings
-    from alignaudit.inputs.strict_ops import check_kernel_switches, check_strict_exp, format_strict, parse_strict
+    from alignaudit.inputs.strict_ops import (
+        check_kernel_switches,
+        check_strict_exp,
+        format_strict,
+        parse_strict,
+        refuse_unused_kernel_switches,
+    )
 
     device = resolve_device(device)
-    check_kernel_switches(device)
+    check_kernel_switches(device, API_NAMES)
     strict = parse_strict(ops, option="ops")
     if not strict:
         raise InputError(f"ops {ops!r} selects no strict op, so the model would not be strict; pass 'all' or a comma "
                          "list of alignaudit.inputs.strict_ops.STRICT_OPS")
+    refuse_unused_kernel_switches(strict, bool(spec.num_experts), True, device, API_NAMES)
     return EngineSettings(check_dtype(dtype), device, seed, {}, strict=format_strict(strict),
-                          strict_exp=check_strict_exp(exp, strict, device, ("exp", "ops", "device='cuda'")))
+                          strict_exp=check_strict_exp(exp, strict, device, ("exp", *API_NAMES)))
 
 
 def _check_number(name: str, value, expected: str = "a number") -> None:
@@ -77,7 +87,7 @@ def strict_megatron_model(model: str | Path = "qwen3-tiny", ops: str = "all", dt
     from alignaudit.engines import load_engine_class
 
     spec = _spec(model, random_weights)
-    engine = load_engine_class("megatron")(spec, _settings(dtype, device, ops, exp))
+    engine = load_engine_class("megatron")(spec, _settings(dtype, device, ops, exp, spec))
     return engine.gpt
 
 
@@ -89,7 +99,7 @@ def strict_hf_model(model: str | Path = "qwen3-tiny", ops: str = "all", dtype: s
     from alignaudit.engines import load_engine_class
 
     spec = _spec(model, random_weights)
-    return load_engine_class("hf")(spec, _settings(dtype, device, ops, exp)).model
+    return load_engine_class("hf")(spec, _settings(dtype, device, ops, exp, spec)).model
 
 
 def token_logprobs(model, sequences: list[list[int]] | list[torch.Tensor]) -> list[torch.Tensor]:

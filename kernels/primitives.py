@@ -1,8 +1,9 @@
 """The math primitives every strict kernel uses: exp, log, rsqrt, and a fixed-order sum.
 
 One algorithm each, written twice with the same steps: in torch (the CPU backend) and as Triton device
-functions (the GPU backend; exp_t drops two steps that change no result, its docstring says why). Only IEEE-754 operations that are correctly rounded everywhere are used
-(+, -, *, /, sqrt, floor, comparisons, exact bit manipulation), each rounding separately: no library
+functions (the GPU backend; exp_t drops two steps that change no result, its docstring says why). Only
+IEEE-754 operations that are correctly rounded everywhere are used (+, -, *, /, sqrt, floor, comparisons,
+exact bit manipulation), each rounding separately: no library
 exp/log (glibc, Sleef and CUDA's differ in the last bit, and torch's CPU loops use Sleef for full vectors
 but the scalar libm for the tail, so ``torch.exp`` can depend on an element's position in the tensor),
 and no fused multiply-add (Triton kernels are compiled with ``enable_fp_fusion=False``).

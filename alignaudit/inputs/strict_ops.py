@@ -41,12 +41,17 @@ def prefer_runner_v1() -> None:
     os.environ.setdefault(RUNNER_V2_ENV, "0")
 
 
-def check_kernel_switches(device: str) -> None:
+KERNEL_SWITCH_NAMES = ("--strict", "--device cuda")  # how the CLI's user spells the strict ops and a CUDA device
+BACKWARD_CHANGES = {"attention"}  # strict ops whose backward ALIGNAUDIT_BACKWARD=fused changes on every backend
+BACKWARD_CHANGES_CUDA = {"attention", "rmsnorm", "silu", "rope"}  # ... and on CUDA (Triton kernels)
+
+
+def check_kernel_switches(device: str, names: tuple[str, str] = KERNEL_SWITCH_NAMES) -> None:
     """Validate the strict kernels' environment switches before any engine starts (every engine's process
-    inherits them; the run's environment record keeps them, alignaudit.capture.environment):
-    ALIGNAUDIT_MOE_DISPATCH (how the strict MoE layer sends tokens to experts, alignaudit_kernels.moe.DISPATCHES;
-    "grouped", a Triton kernel, on CUDA only) and ALIGNAUDIT_BACKWARD (the strict ops' backward,
-    alignaudit_kernels.gradients.BACKWARDS).
+    inherits them; a capture records them in its manifest's ``numerics.env``): ALIGNAUDIT_MOE_DISPATCH (how the
+    strict MoE layer sends tokens to experts, alignaudit_kernels.moe.DISPATCHES; "grouped", a Triton kernel, on
+    CUDA only) and ALIGNAUDIT_BACKWARD (the strict ops' backward, alignaudit_kernels.gradients.BACKWARDS).
+    ``names``: how the caller's user spells the strict ops and a CUDA device (the CLI's flags by default).
 
     Raises:
         InputError: naming the variable, its value and the values that run here.
@@ -60,27 +65,35 @@ def check_kernel_switches(device: str) -> None:
     except ValueError as e:
         raise InputError(str(e)) from None
     if dispatch == "grouped" and device != "cuda":
-        raise InputError(f"{DISPATCH_ENV}=grouped is a Triton kernel and runs with --device cuda only; unset it")
+        raise InputError(f"{DISPATCH_ENV}=grouped is a Triton kernel and runs on CUDA only ({names[1]}); unset it")
 
 
-def refuse_unused_kernel_switches(strict_ops: frozenset[str], moe: bool, trains: bool) -> None:
-    """Refuse a kernel switch (check_kernel_switches) set for a run where it changes nothing: ALIGNAUDIT_BACKWARD
-    other than reference where nothing trains or no op is strict, ALIGNAUDIT_MOE_DISPATCH other than auto where
-    no strict MoE layer runs (a mixture-of-experts model under --strict with linear).
+def refuse_unused_kernel_switches(strict_ops: frozenset[str], moe: bool, trains: bool, device: str,
+                                  names: tuple[str, str] = KERNEL_SWITCH_NAMES) -> None:
+    """Refuse a kernel switch (check_kernel_switches) set to other than its default where it changes nothing:
+    ALIGNAUDIT_BACKWARD where nothing trains, or where no strict op's backward changes with it (attention; on
+    CUDA also rmsnorm, silu and rope: BACKWARD_CHANGES, BACKWARD_CHANGES_CUDA); ALIGNAUDIT_MOE_DISPATCH where no
+    strict MoE layer runs (a mixture-of-experts model with linear strict). ``names`` as check_kernel_switches.
 
     Raises:
-        InputError: naming the variable, why it would not take effect, and the fix (unset it).
+        InputError: naming the variable, why it would not take effect, and the fix.
     """
     from alignaudit_kernels.gradients import BACKWARD_ENV, asked_backward
     from alignaudit_kernels.moe import DISPATCH_ENV, asked_dispatch
 
+    strict = names[0]
     backward, dispatch = asked_backward(), asked_dispatch()
-    if backward != "reference" and not (trains and strict_ops):
-        where = "this command computes no gradient (only alignaudit rl trains)" if not trains else "no op is strict"
-        raise InputError(f"{BACKWARD_ENV}={backward} sets the strict ops' backward, and {where}; unset it")
+    if backward != "reference":
+        if not trains:
+            raise InputError(f"{BACKWARD_ENV}={backward} sets the strict ops' backward, and this command computes no "
+                             "gradient (only alignaudit rl trains); unset it")
+        if not strict_ops & (BACKWARD_CHANGES_CUDA if device == "cuda" else BACKWARD_CHANGES):
+            raise InputError(f"{BACKWARD_ENV}={backward} changes the backward of strict attention (and on CUDA of "
+                             f"rmsnorm, silu and rope), none of which {strict} makes strict here; add attention to "
+                             f"{strict} or unset it")
     if dispatch != "auto" and not (moe and "linear" in strict_ops):
         raise InputError(f"{DISPATCH_ENV}={dispatch} sets the strict MoE layer's dispatch, which runs only for a "
-                         "mixture-of-experts model under --strict with linear; unset it")
+                         f"mixture-of-experts model with linear in {strict}; unset it")
 
 
 def check_strict_exp(exp: str, ops: frozenset[str], device: str,

@@ -242,7 +242,7 @@ def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeyp
     monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "grouped")
     err = one_line_error(capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "b")],
                          EXIT_USAGE)
-    assert "ALIGNAUDIT_MOE_DISPATCH=grouped is a Triton kernel and runs with --device cuda only" in err
+    assert "ALIGNAUDIT_MOE_DISPATCH=grouped is a Triton kernel and runs on CUDA only (--device cuda)" in err
     monkeypatch.delenv("ALIGNAUDIT_MOE_DISPATCH")
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "flash")
     err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "c")], EXIT_USAGE)
@@ -255,7 +255,22 @@ def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeyp
     monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "gathered")
     err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "e")], EXIT_USAGE)
     assert "ALIGNAUDIT_MOE_DISPATCH=gathered sets the strict MoE layer's dispatch, which runs only for a " in err
-    assert not any((tmp_path / name).exists() for name in "abcde")
+    # the Python API builds models for the caller's trainer: the same rules, in its argument names
+    from alignaudit import api
+
+    with pytest.raises(InputError, match="mixture-of-experts model with linear in ops; unset it"):
+        api.strict_hf_model("qwen3-tiny", device="cpu")
+    monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "grouped")
+    with pytest.raises(InputError, match=r"runs on CUDA only \(device='cuda'\)"):
+        api.strict_hf_model("qwen3-moe-tiny", device="cpu")
+    monkeypatch.delenv("ALIGNAUDIT_MOE_DISPATCH")
+    # rl trains, but on the CPU the fused backward changes only strict attention's
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
+    err = one_line_error(capsys, ["rl", "--strict", "linear,rmsnorm", "--out", str(tmp_path / "f")], EXIT_USAGE)
+    assert "none of which --strict makes strict here; add attention to --strict or unset it" in err
+    with pytest.raises(InputError, match="none of which ops makes strict here"):
+        api.strict_megatron_model(ops="linear", device="cpu")
+    assert not any((tmp_path / name).exists() for name in "abcdef")
 
 
 def test_a_rollout_audited_across_containers_capture_rollout_then_tokens_from_then_diff_and_gate(tmp_path, capsys):
