@@ -41,16 +41,14 @@ def _settings(dtype: str, device: str, ops: str, exp: str, spec, seed: int = 0):
         check_strict_exp,
         format_strict,
         parse_strict,
-        refuse_unused_kernel_switches,
     )
 
     device = resolve_device(device)
-    check_kernel_switches(device, API_NAMES)
     strict = parse_strict(ops, option="ops")
     if not strict:
         raise InputError(f"ops {ops!r} selects no strict op, so the model would not be strict; pass 'all' or a comma "
                          "list of alignaudit.inputs.strict_ops.STRICT_OPS")
-    refuse_unused_kernel_switches(strict, bool(spec.num_experts), True, device, API_NAMES)
+    check_kernel_switches(strict, bool(spec.num_experts), True, device, API_NAMES)
     return EngineSettings(check_dtype(dtype), device, seed, {}, strict=format_strict(strict),
                           strict_exp=check_strict_exp(exp, strict, device, ("exp", *API_NAMES)))
 

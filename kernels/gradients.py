@@ -20,11 +20,9 @@ Their speed on a GPU is bench/gpu_run.sh's to measure (rl-bench, train-profile),
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from alignaudit_kernels.primitives import cdiv, triton
+from alignaudit_kernels.primitives import cdiv, env_choice, triton
 
 BACKWARDS = ("reference", "fused")
 BACKWARD_ENV = "ALIGNAUDIT_BACKWARD"
@@ -38,10 +36,7 @@ def asked_backward() -> str:
     Raises:
         ValueError: any other value, naming the ones there are.
     """
-    asked = os.environ.get(BACKWARD_ENV, BACKWARDS[0])
-    if asked not in BACKWARDS:
-        raise ValueError(f"{BACKWARD_ENV}={asked!r}: use one of {', '.join(BACKWARDS)}")
-    return asked
+    return env_choice(BACKWARD_ENV, BACKWARDS)
 
 
 def rms_norm_grad(s: torch.Tensor, weight: torch.Tensor, eps: float, gy: torch.Tensor):

@@ -18,13 +18,11 @@ Forward only (the strict path of rollout and rescoring; training the router is o
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from alignaudit_kernels.grouped_linear import block_m_for, grouped_linear, plan_experts
 from alignaudit_kernels.matmul import linear
-from alignaudit_kernels.primitives import exp, fixed_sum, use_triton
+from alignaudit_kernels.primitives import env_choice, exp, fixed_sum, use_triton
 from alignaudit_kernels.silu import silu_and_mul, silu_mul
 
 
@@ -61,10 +59,7 @@ def asked_dispatch() -> str:
     Raises:
         ValueError: any other value, naming the ones there are.
     """
-    asked = os.environ.get(DISPATCH_ENV, "auto")
-    if asked != "auto" and asked not in DISPATCHES:
-        raise ValueError(f"{DISPATCH_ENV}={asked!r}: use one of auto, {', '.join(DISPATCHES)}")
-    return asked
+    return env_choice(DISPATCH_ENV, ("auto", *DISPATCHES))
 
 
 def dispatch_for(x: torch.Tensor) -> str:

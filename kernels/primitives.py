@@ -185,6 +185,18 @@ def rocm() -> bool:
     return torch.version.hip is not None
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The value of environment variable ``name``, one of ``choices`` (the first when it is unset).
+
+    Raises:
+        ValueError: any other value (an empty one included), naming the variable and the choices.
+    """
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: use one of {', '.join(choices)}")
+    return value
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """The Triton backend for CUDA tensors, and for CPU tensors under TRITON_INTERPRET=1 (the tests'
     interpreter runs); the CPU backend otherwise."""

@@ -35,7 +35,6 @@ from alignaudit.inputs.strict_ops import (
     check_strict_exp,
     format_strict,
     parse_strict,
-    refuse_unused_kernel_switches,
 )
 
 if TYPE_CHECKING:
@@ -246,8 +245,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_che
     strict_ops = parse_strict(pair.strict)
     ops = format_strict(strict_ops)
     exp = check_strict_exp(pair.strict_exp, strict_ops, dev)
-    check_kernel_switches(dev)
-    refuse_unused_kernel_switches(strict_ops, bool(spec.num_experts), trains, dev)
+    check_kernel_switches(strict_ops, bool(spec.num_experts), trains, dev)
     if dev == "cuda" and (warning := check_platform(strict_ops)):
         print(warning, file=sys.stderr)
     if pair.lm_head_dtype not in ("model", "fp32"):

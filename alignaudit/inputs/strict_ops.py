@@ -46,43 +46,32 @@ BACKWARD_CHANGES = {"attention"}  # strict ops whose backward ALIGNAUDIT_BACKWAR
 BACKWARD_CHANGES_CUDA = {"attention", "rmsnorm", "silu", "rope"}  # ... and on CUDA (Triton kernels)
 
 
-def check_kernel_switches(device: str, names: tuple[str, str] = KERNEL_SWITCH_NAMES) -> None:
+def check_kernel_switches(strict_ops: frozenset[str], moe: bool, trains: bool, device: str,
+                          names: tuple[str, str] = KERNEL_SWITCH_NAMES) -> None:
     """Validate the strict kernels' environment switches before any engine starts (every engine's process
     inherits them; a capture records them in its manifest's ``numerics.env``): ALIGNAUDIT_MOE_DISPATCH (how the
     strict MoE layer sends tokens to experts, alignaudit_kernels.moe.DISPATCHES; "grouped", a Triton kernel, on
-    CUDA only) and ALIGNAUDIT_BACKWARD (the strict ops' backward, alignaudit_kernels.gradients.BACKWARDS).
-    ``names``: how the caller's user spells the strict ops and a CUDA device (the CLI's flags by default).
+    CUDA only) and ALIGNAUDIT_BACKWARD (the strict ops' backward, alignaudit_kernels.gradients.BACKWARDS). A value
+    other than the default is refused where it changes nothing: ALIGNAUDIT_BACKWARD where nothing trains
+    (``trains``), or where no strict op's backward changes with it (attention; on CUDA also rmsnorm, silu and rope:
+    BACKWARD_CHANGES, BACKWARD_CHANGES_CUDA); ALIGNAUDIT_MOE_DISPATCH where no strict MoE layer runs (a
+    mixture-of-experts model, ``moe``, with linear strict). ``names``: how the caller's user spells the strict ops
+    and a CUDA device (the CLI's flags by default).
 
     Raises:
-        InputError: naming the variable, its value and the values that run here.
-    """
-    from alignaudit_kernels.gradients import asked_backward
-    from alignaudit_kernels.moe import DISPATCH_ENV, asked_dispatch
-
-    try:
-        dispatch = asked_dispatch()
-        asked_backward()
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    if dispatch == "grouped" and device != "cuda":
-        raise InputError(f"{DISPATCH_ENV}=grouped is a Triton kernel and runs on CUDA only ({names[1]}); unset it")
-
-
-def refuse_unused_kernel_switches(strict_ops: frozenset[str], moe: bool, trains: bool, device: str,
-                                  names: tuple[str, str] = KERNEL_SWITCH_NAMES) -> None:
-    """Refuse a kernel switch (check_kernel_switches) set to other than its default where it changes nothing:
-    ALIGNAUDIT_BACKWARD where nothing trains, or where no strict op's backward changes with it (attention; on
-    CUDA also rmsnorm, silu and rope: BACKWARD_CHANGES, BACKWARD_CHANGES_CUDA); ALIGNAUDIT_MOE_DISPATCH where no
-    strict MoE layer runs (a mixture-of-experts model with linear strict). ``names`` as check_kernel_switches.
-
-    Raises:
-        InputError: naming the variable, why it would not take effect, and the fix.
+        InputError: naming the variable, its value, and the values that run here or why it would not take effect.
     """
     from alignaudit_kernels.gradients import BACKWARD_ENV, asked_backward
     from alignaudit_kernels.moe import DISPATCH_ENV, asked_dispatch
 
-    strict = names[0]
-    backward, dispatch = asked_backward(), asked_dispatch()
+    strict, cuda = names
+    try:
+        dispatch = asked_dispatch()
+        backward = asked_backward()
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if dispatch == "grouped" and device != "cuda":
+        raise InputError(f"{DISPATCH_ENV}=grouped is a Triton kernel and runs on CUDA only ({cuda}); unset it")
     if backward != "reference":
         if not trains:
             raise InputError(f"{BACKWARD_ENV}={backward} sets the strict ops' backward, and this command computes no "
