@@ -197,6 +197,8 @@ for stage in "$@"; do
     sweep) timeout 300 python3 bench/sweep_gpu.py --json "$out/sweep.json" 2>&1 | log | tail -25 ;;
     sweep-medium) timeout 300 python3 bench/sweep_gpu.py --sections medium-m --json "$out/sweep-medium.json" 2>&1 | log | tail -25 ;;
     sweep-segments) timeout 300 python3 bench/sweep_gpu.py --sections segments,small-m --json "$out/sweep-segments.json" 2>&1 | log | tail -25 ;;
+    sweep-attention-tma) timeout ${SAT_TIMEOUT:-300} python3 bench/sweep_gpu.py --sections attention-tma \
+        --json "$out/sweep-attention-tma.json" 2>&1 | log | grep -v Warn | tail -40 ;;
     sweep-attention) timeout 240 python3 bench/sweep_gpu.py --sections attention --json "$out/sweep-attention.json" 2>&1 | log | tail -30 ;;
     bench) timeout 300 python3 bench/kernels_gpu.py --json "$out/bench.json" 2>&1 | log | tail -45 ;;
     q8) q8 q8-default; q8 q8-strict --strict ;;

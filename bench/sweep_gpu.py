@@ -12,7 +12,8 @@ candidates for a third batch-size class; added 2026-11-30, not yet run), attenti
 the portable and the native exp; prefill and decode), issue19 (issue [19]'s linears at M = 32-256 and 4096 by
 narrower TMA tiles and one program per tile and K segment; run 2026-12-02, where the medium class came from),
 decode-generation (paged decode at vllm_generate's decode shape against FlashAttention-3: page size, split,
-pipelining stages, warps).
+pipelining stages, warps), attention-tma (training's prefill against FlashAttention-3: K/V by the TMA unit,
+warp specialization, 64- or 128-row tiles, stages).
 Tiles and key blocks were swept on 2026-11-29 (docs/benchmarks.md): all within 10%.
 """
 
@@ -328,18 +329,55 @@ def sweep_decode_generation(rows):
     return {"decode_generation_same_bits": same}
 
 
+PREFILL_CANDIDATES = [((64, 4, 2), False, False), ((64, 4, 2), True, False), ((64, 4, 3), True, False),
+                      ((128, 8, 2), True, False), ((128, 8, 3), True, False), ((64, 4, 2), True, True),
+                      ((64, 4, 3), True, True), ((128, 8, 2), True, True), ((128, 4, 2), True, True)]
+
+
+def sweep_attention_tma(rows):
+    """Training's prefill (whole sequences, contiguous K/V) at 1k, 4k and 8k tokens, GQA 32/8, head_dim 128,
+    against FlashAttention-3 (needs CUDA vLLM): the whole key blocks read by the TMA unit or not, that loop
+    warp-specialized or not, tiles of 64 or 128 rows (two 64-row wgmma tiles), stages 2-3; each checked
+    against the default launch's bits. A candidate that fails to compile is printed and skipped."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    h, kvh, d = 32, 8, 128
+    scale = d ** -0.5
+    same, first = [], len(rows)
+    for n in (1024, 4096, 8192):
+        q = torch.randn(n, h, d, dtype=DT, device="cuda")
+        k = torch.randn(n, kvh, d, dtype=DT, device="cuda")
+        v = torch.randn(n, kvh, d, dtype=DT, device="cuda")
+        cu = torch.tensor([0, n])
+        cu32 = cu.to(device="cuda", dtype=torch.int32)
+        base = ms(lambda: flash_attn_varlen_func(q, k, v, max_seqlen_q=n, cu_seqlens_q=cu32, max_seqlen_k=n,
+                                                 cu_seqlens_k=cu32, softmax_scale=scale, causal=True, fa_version=3))
+        expected = attention._launch_varlen(q, k, v, cu, scale)
+        for config, tma, ws in PREFILL_CANDIDATES:
+            def run(config=config, tma=tma, ws=ws):
+                return attention._launch_varlen(q, k, v, cu, scale, config=config, tma=tma, ws=ws)
+            try_config(rows, same, run, expected, ms, op=f"prefill {n} vs FA3", M=f"tma {tma} ws {ws}",
+                       config=list(config), default_ms=base)
+    for r in rows[first:]:
+        print(f"{r['op']:20s} {r['M']:18s} {str(r['config']):12s} FA3 {r['default_ms']:.4f} ms  strict "
+              f"{r['strict_ms']:.4f} ms  of FA3 {r['ratio']:.3f}", flush=True)
+    print(f"attention-tma: every candidate gives the default's bits {all(same)} ({len(same)} checks, "
+          f"{same.count(False)} unequal)", flush=True)
+    return {"attention_tma_bitwise_equal": all(same), "attention_tma_checks": len(same)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sections", default="matmul,tma,attention",
                         help="comma list of matmul, tma, segments, small-m, medium-m, attention, issue19, "
-                        "decode-generation (needs CUDA vLLM)")
+                        "decode-generation, attention-tma (both need CUDA vLLM)")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
     sections = {"matmul": sweep_matmul, "tma": sweep_matmul_tma, "segments": sweep_segments, "small-m": sweep_small_m,
                 "medium-m": sweep_medium_m, "attention": sweep_attention, "issue19": sweep_issue19,
-                "decode-generation": sweep_decode_generation}
+                "decode-generation": sweep_decode_generation, "attention-tma": sweep_attention_tma}
     checks = {}
     for name in args.sections.split(","):
         checks.update(sections[name](rows))

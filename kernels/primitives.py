@@ -295,6 +295,13 @@ if triton is not None:
         changes no result the range checks keep (x in [EXP_LO, EXP_HI] gives n in [-150, 128]; outside, the
         checks replace y), and floor(n * 0.5) of an integral n is its arithmetic shift right by one. Equal to
         ``exp`` bit for bit on all 2^32 fp32 inputs (under the Triton interpreter, 2026-12-05)."""
+        return tl.where(x > 88.72283935546875, float("inf"), exp_t_up_to_overflow(x))
+
+    @triton.jit
+    def exp_t_up_to_overflow(x):
+        """``exp_t`` without its overflow check: the same bits for every x <= EXP_HI and NaN (the check replaces
+        nothing there), two instructions fewer. For softmax's differences from a running maximum, which are
+        <= 0 or NaN (attention's scores and rescaling factors); any x > EXP_HI gives garbage."""
         n = tl.floor(x * 1.44269504088896341 + 0.5)
         r = (x - n * 0.693145751953125) - n * 1.428606765330187e-06
         p = r * (1.0 / 5040) + (1.0 / 720)
@@ -307,7 +314,6 @@ if triton is not None:
         whole = n.to(tl.int32)  # outside [EXP_LO, EXP_HI] (and NaN) any value: the checks below replace y
         half = whole >> 1
         y = (p * pow2_t(half)) * pow2_t(whole - half)
-        y = tl.where(x > 88.72283935546875, float("inf"), y)
         y = tl.where(x < -103.97207708, 0.0, y)
         return tl.where(x != x, x, y)
 

@@ -3,6 +3,8 @@ the launch plans of the contiguous layouts, kept on the device per shape."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from alignaudit_kernels.attention.algorithm import BLOCK_N, CHUNK_N, DEFAULT_EXP, TILE_ROWS
@@ -53,7 +55,8 @@ KV_GATHER, KV_PAGE_ALIGNED, KV_DIRECT = 0, 1, 2
 
 
 def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_mode, max_keys, config=TILE_CONFIG,
-            row_pos=False, split=None, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP, out=None):
+            row_pos=False, split=None, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP, out=None, tma=False,
+            ws=False):
     """Run the Triton kernel(s).
 
     tiles: from ``_tiles`` (CPU, or already on q's device from a cached plan), or None for a decode step (row
@@ -65,6 +68,9 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     split: one program per (tile, KV head, chunk) and a second launch that merges the chunks (True), one
     program per (tile, KV head) merging in registers (False), or chosen by occupancy (None): the same bits
     either way. ``block_n`` / ``chunk_n`` other than BLOCK_N / CHUNK_N: benchmarks only (another algorithm).
+    tma / ws: the whole key blocks of a KV_DIRECT launch read by the TMA unit, and that loop warp-specialized
+    (``_chunk``): the same bits, a candidate for speed (bench/sweep_gpu.py --sections attention-tma); ValueError
+    where the layout cannot take descriptors.
     """
     t, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -90,23 +96,60 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     block_d = max(16, triton.next_power_of_2(d))
     shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=chunk_n, ROW_POS=row_pos,
                   DECODE=decode, NATIVE_EXP=exp == "native", USED=_used_rows(decode, group, tile))
+    if ws and not tma:
+        raise ValueError("strict attention: warp specialization applies to the TMA loop only (pass tma=True)")
+    if tma:
+        _check_descriptors(k_cache, v_cache, kv_mode, block_d)
     if split:
         m = torch.empty(chunks, n_tiles, kvh, tile, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
         acc = torch.empty(chunks, n_tiles, kvh, tile, block_d, dtype=torch.float32, device=q.device)
     else:
         m = l = acc = out  # not read
-    _attention_kernel[(n_tiles, kvh, chunks if split else 1)](
-        q, k_cache, v_cache, out, positions, block_table, tiles, m, l, acc, n_tiles, max_keys, float(scale),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        KV=kv_mode, SPLIT=split, **shared, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    with _descriptor_scratch(tma, q.device):
+        _attention_kernel[(n_tiles, kvh, chunks if split else 1)](
+            q, k_cache, v_cache, out, positions, block_table, tiles, m, l, acc, n_tiles, max_keys, k_cache.shape[0],
+            float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+            KV=kv_mode, SPLIT=split, **shared, TMA=tma, WS=ws, num_warps=warps, num_stages=stages,
+            enable_fp_fusion=False)
     if split:
         _combine_kernel[(n_tiles, kvh)](out, positions, tiles, m, l, acc, n_tiles, max_keys, chunks, out.stride(0),
                                         out.stride(1), **shared, num_warps=4, enable_fp_fusion=False)
     return out
+
+
+def _check_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_mode: int, block_d: int) -> None:
+    """ValueError unless K and V can be read as [rows, KV heads x head_dim] matrices by the TMA unit: contiguous
+    one-token pages (KV_DIRECT), a power-of-two head_dim (the block is the head, nothing of the next head
+    read), 16-byte aligned bases and row strides (CUDA's cuTensorMapEncodeTiled rules)."""
+    d = k_cache.shape[-1]
+    for name, x in (("k", k_cache), ("v", v_cache)):
+        row_bytes = x.stride(0) * x.element_size()
+        if kv_mode != KV_DIRECT or d != block_d or x.stride(2) != d or x.data_ptr() % 16 or row_bytes % 16:
+            raise ValueError(f"strict attention: TMA reads need contiguous pages of one token, a power-of-two "
+                             f"head_dim and 16-byte aligned rows ({name}: shape {tuple(x.shape)}, strides "
+                             f"{x.stride()}, head_dim {d})")
+
+
+@contextlib.contextmanager
+def _descriptor_scratch(needed: bool, device: torch.device):
+    """Device-side tensor descriptors need a little global memory per program at launch; Triton takes it from
+    the allocator in its context variable (triton.runtime._allocation, set by triton.set_allocator). Set a
+    torch one for this launch only, so the caller's setting is untouched."""
+    if not needed:
+        yield
+        return
+    from triton.runtime import _allocation
+
+    token = _allocation._allocator.set(
+        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
 
 
 def _used_rows(decode: bool, group: int, tile: int) -> int:
@@ -180,9 +223,10 @@ def _check_out(q, out):
 
 
 def _launch_varlen(q, k, v, cu_seqlens, scale, config=TILE_CONFIG, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP,
-                   split=None):
+                   split=None, tma=False, ws=False):
     """GPU prefill of whole sequences. Each sequence's keys are consecutive rows of k/v: one-token pages,
     the first page at the sequence's start, so nothing is copied."""
     tiles, table, max_keys = _varlen_plan(tuple(cu_seqlens.tolist()), config[0] // (q.shape[1] // k.shape[1]), q.device)
     return _launch(q, _as_pages(k), _as_pages(v), table, tiles, None, scale, kv_mode=KV_DIRECT, row_pos=True,
-                   max_keys=max_keys, config=config, block_n=block_n, chunk_n=chunk_n, exp=exp, split=split)
+                   max_keys=max_keys, config=config, block_n=block_n, chunk_n=chunk_n, exp=exp, split=split, tma=tma,
+                   ws=ws)

@@ -10,7 +10,7 @@ from alignaudit_kernels.primitives import (
 if triton is not None:
     import triton.language as tl
 
-    from alignaudit_kernels.primitives import exp_t
+    from alignaudit_kernels.primitives import exp_t_up_to_overflow
 
     @triton.jit
     def _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask,
@@ -37,9 +37,11 @@ if triton is not None:
 
     @triton.jit
     def _exp(x, NATIVE_EXP: tl.constexpr):
+        """exp of a difference from a running maximum (<= 0 or NaN), so the portable exp's overflow check is left
+        out (primitives.exp_t_up_to_overflow: the same bits there)."""
         if NATIVE_EXP:  # the GPU's exp2 instruction (MUFU.EX2 on NVIDIA): bits fixed per architecture
             return tl.exp(x)
-        return exp_t(x)
+        return exp_t_up_to_overflow(x)
 
     @triton.jit
     def _scores(q, kb, scale, IEEE: tl.constexpr):
@@ -122,13 +124,19 @@ if triton is not None:
 
     @triton.jit
     def _chunk(q, pos, first, last, c0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask, scale,
-               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, k_desc, v_desc,
                BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                CHUNK_N: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, NATIVE_EXP: tl.constexpr,
-               USED: tl.constexpr):
+               USED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
         """The softmax state (m, l, acc) of the tile's rows over keys c0 .. c0 + CHUNK_N - 1, from a fresh
         state. Key blocks that every row sees whole are visited without masks (same bits, see above).
-        USED < TILE: see _block_step; m and l come back spread over the tile (rows past USED: copies)."""
+        USED < TILE: see _block_step; m and l come back spread over the tile (rows past USED: copies).
+        TMA (KV_DIRECT only): the whole blocks' K and V come through the tensor descriptors k_desc / v_desc
+        ([rows, KV heads x HEAD_DIM], blocks [BLOCK_N, BLOCK_D]): the same values as the pointer loads, as
+        every key of a whole block belongs to the tile's sequence; WS: that loop warp-specialized (the
+        compiler's partition into a loading and computing warps; scheduling only). The masked blocks keep
+        pointer loads, which give zeros past the sequence (a descriptor would read the next sequence's rows,
+        and an infinity there times a zero weight would be NaN)."""
         m = tl.full((USED,), float("-inf"), tl.float32)
         l = tl.zeros((USED,), tl.float32)
         if USED < TILE:
@@ -138,11 +146,21 @@ if triton is not None:
         acc = tl.zeros((TILE, BLOCK_D), tl.float32)
         end = tl.minimum(c0 + CHUNK_N, last + 1)
         whole = tl.minimum(tl.maximum((first + 1) // BLOCK_N * BLOCK_N, c0), end)
-        for j0 in range(c0, whole, BLOCK_N):
-            kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
-                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, False)
-            m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, False,
-                                    TILE, USED)
+        if TMA:
+            row0 = first_page.to(tl.int32)
+            col = kvh * BLOCK_D
+            for j0 in tl.range(c0, whole, BLOCK_N, warp_specialize=WS):
+                kb = k_desc.load([row0 + j0, col])
+                vb = v_desc.load([row0 + j0, col])
+                m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP,
+                                        False, TILE, USED)
+        else:
+            for j0 in range(c0, whole, BLOCK_N):
+                kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb,
+                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE,
+                                   BLOCK_N, KV, False)
+                m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP,
+                                        False, TILE, USED)
         for j0 in range(whole, end, BLOCK_N):
             kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
                                stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, True)
@@ -206,12 +224,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_tiles", "max_keys"])  # per-step counts: one build for every value
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, bt_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles,
-                          max_keys, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                          max_keys, kv_rows, scale, stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                           BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
                           IEEE: tl.constexpr, KV: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
-                          SPLIT: tl.constexpr, NATIVE_EXP: tl.constexpr, USED: tl.constexpr):
+                          SPLIT: tl.constexpr, NATIVE_EXP: tl.constexpr, USED: tl.constexpr, TMA: tl.constexpr,
+                          WS: tl.constexpr):
         # The last tile first: in a causal prefill it visits the most key blocks (load balance only).
         tile = n_tiles - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
@@ -226,11 +245,21 @@ if triton is not None:
         last = tl.max(pos, axis=0)
         first = tl.min(tl.where(valid_row, pos, last), axis=0)
         first_page = tl.load(bt_ptr + seq * stride_bt).to(tl.int64)
+        if TMA:  # KV_DIRECT, BLOCK_D == HEAD_DIM: K and V as [rows, KV heads x HEAD_DIM] matrices
+            width = tl.num_programs(1) * BLOCK_D
+            k_desc = tl.make_tensor_descriptor(k_ptr, shape=[kv_rows, width], strides=[stride_kb, 1],
+                                               block_shape=[BLOCK_N, BLOCK_D])
+            v_desc = tl.make_tensor_descriptor(v_ptr, shape=[kv_rows, width], strides=[stride_vb, 1],
+                                               block_shape=[BLOCK_N, BLOCK_D])
+        else:
+            k_desc = None
+            v_desc = None
         if SPLIT:  # this program: one chunk, its state to the scratch buffers for _combine_kernel
             c = tl.program_id(2)
             m, l, acc = _chunk(q, pos, first, last, c * CHUNK_N, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask,
                                scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                               BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP, USED)
+                               k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP, USED,
+                               TMA, WS)
             slot = ((c.to(tl.int64) * n_tiles + tile) * tl.num_programs(1) + kvh) * TILE + r
             keep = valid_row & (c * CHUNK_N <= pos)
             tl.store(m_ptr + slot, m, mask=keep)
@@ -239,12 +268,13 @@ if triton is not None:
         else:
             m, l, acc = _chunk(q, pos, first, last, 0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask,
                                scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                               BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP, USED)
+                               k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP, USED,
+                               TMA, WS)
             for c0 in range(CHUNK_N, last + 1, CHUNK_N):
                 m_c, l_c, acc_c = _chunk(q, pos, first, last, c0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d,
                                          dmask, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                                         stride_vh, stride_bt, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV,
-                                         NATIVE_EXP, USED)
+                                         stride_vh, stride_bt, k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N,
+                                         CHUNK_N, IEEE, KV, NATIVE_EXP, USED, TMA, WS)
                 m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, c0 <= pos, NATIVE_EXP)
             _store_output(o_ptr, acc, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
 

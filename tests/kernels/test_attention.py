@@ -173,6 +173,10 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
     if triton_backend:
         assert_bitwise_equal("unsplit prefill", attention._launch_varlen(q, k, v, cu, scale, split=False), unsplit)
         assert_bitwise_equal("split prefill", attention._launch_varlen(q, k, v, cu, scale, split=True), unsplit)
+        if device != "cuda" or torch.cuda.get_device_capability()[0] >= 9:  # K/V by the TMA unit: same bits
+            for ws in (False, True) if device == "cuda" else (False,):
+                assert_bitwise_equal(f"TMA prefill, warp-specialized {ws}",
+                                     attention._launch_varlen(q, k, v, cu, scale, tma=True, ws=ws), unsplit)
     if device == "cuda":  # negative control: one chunk for all 600 keys is another algorithm past key 511
         whole = attention._launch_varlen(q, k, v, cu, scale, chunk_n=1024)
         assert torch.equal(whole[:512], unsplit[:512]) and not torch.equal(whole[512:600], unsplit[512:600])
@@ -263,6 +267,18 @@ def test_paged_attention_refuses_caches_it_cannot_read(device):
     else:
         assert_bitwise_equal("strided cache on the CPU", K.paged_decode(q, strided, strided, table, lens, 0.1, 16),
                              K.paged_decode(q, strided.contiguous(), strided.contiguous(), table, lens, 0.1, 16))
+
+
+def test_tma_reads_are_refused_where_descriptors_cannot_read_the_layout(device):
+    """The TMA candidate (bench/sweep_gpu.py attention-tma) needs one-token contiguous pages and a power-of-two
+    head_dim, and warp specialization applies to its loop only: ValueError before any kernel runs."""
+    q = randn(8, 4, 24, dtype=torch.float32, device=device, seed=53)
+    k = randn(8, 2, 24, dtype=torch.float32, device=device, seed=54)
+    cu = torch.tensor([0, 8])
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        attention._launch_varlen(q, k, k, cu, 0.2, tma=True)
+    with pytest.raises(ValueError, match="TMA loop only"):
+        attention._launch_varlen(q, k, k, cu, 0.2, ws=True)
 
 
 def test_linear_recomputes_for_the_same_tensor_objects(device):

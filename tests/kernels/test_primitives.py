@@ -61,10 +61,11 @@ def test_triton_primitives_match_the_cpu_bit_for_bit(request):
     import triton.language as tl
 
     @triton.jit
-    def apply(x_ptr, e_ptr, l_ptr, r_ptr, n, BLOCK: tl.constexpr):
+    def apply(x_ptr, e_ptr, l_ptr, r_ptr, u_ptr, n, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + i, mask=i < n, other=1.0)
         tl.store(e_ptr + i, primitives.exp_t(x), mask=i < n)
+        tl.store(u_ptr + i, primitives.exp_t_up_to_overflow(x), mask=i < n)
         tl.store(l_ptr + i, primitives.log_t(tl.abs(x)), mask=i < n)
         tl.store(r_ptr + i, primitives.rsqrt_t(tl.abs(x)), mask=i < n)
 
@@ -78,9 +79,12 @@ def test_triton_primitives_match_the_cpu_bit_for_bit(request):
                    edges])
     dev = "cuda" if request.config.getoption("--kernel-device") == "cuda" else "cpu"
     xd = x.to(dev)
-    outs = [torch.empty_like(xd) for _ in range(3)]
+    outs = [torch.empty_like(xd) for _ in range(4)]
     apply[(triton.cdiv(x.numel(), 1024),)](xd, *outs, x.numel(), BLOCK=1024, enable_fp_fusion=False)
     assert_bitwise_equal("exp", outs[0].cpu(), primitives.exp(x))
+    kept = ~(x > primitives.EXP_HI)  # NaN included
+    assert kept.sum() < x.numel() - 5  # the edges above EXP_HI are left out, and only they
+    assert_bitwise_equal("exp up to overflow", outs[3].cpu()[kept], primitives.exp(x)[kept])
     finite = slice(0, x.numel() - edges.numel())
     assert_bitwise_equal("log", outs[1].cpu()[finite], primitives.log(x.abs())[finite])
     assert_bitwise_equal("rsqrt", outs[2].cpu()[finite], primitives.rsqrt(x.abs())[finite])
