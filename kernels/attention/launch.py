@@ -113,8 +113,8 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-            KV=kv_mode, SPLIT=split, **shared, TMA=tma, WS=ws, num_warps=warps, num_stages=stages,
-            enable_fp_fusion=False)
+            KV=kv_mode, SPLIT=split, **shared, TMA=tma, WS=ws, ONE_CHUNK=row_pos and chunks == 1, num_warps=warps,
+            num_stages=stages, enable_fp_fusion=False)
     if split:
         _combine_kernel[(n_tiles, kvh)](out, positions, tiles, m, l, acc, n_tiles, max_keys, chunks, out.stride(0),
                                         out.stride(1), **shared, num_warps=4, enable_fp_fusion=False)

@@ -230,7 +230,7 @@ if triton is not None:
                           BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
                           IEEE: tl.constexpr, KV: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
                           SPLIT: tl.constexpr, NATIVE_EXP: tl.constexpr, USED: tl.constexpr, TMA: tl.constexpr,
-                          WS: tl.constexpr):
+                          WS: tl.constexpr, ONE_CHUNK: tl.constexpr):
         # The last tile first: in a causal prefill it visits the most key blocks (load balance only).
         tile = n_tiles - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
@@ -270,12 +270,15 @@ if triton is not None:
                                scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                                k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP, USED,
                                TMA, WS)
-            for c0 in range(CHUNK_N, last + 1, CHUNK_N):
-                m_c, l_c, acc_c = _chunk(q, pos, first, last, c0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d,
-                                         dmask, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                                         stride_vh, stride_bt, k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N,
-                                         CHUNK_N, IEEE, KV, NATIVE_EXP, USED, TMA, WS)
-                m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, c0 <= pos, NATIVE_EXP)
+            # ONE_CHUNK: no row sees a key past the first chunk, and the kernel is built without the merge (its
+            # second state spills 232 bytes a thread at sm_90 otherwise: Triton 3.8's cross-compiled cubin)
+            if not ONE_CHUNK:
+                for c0 in range(CHUNK_N, last + 1, CHUNK_N):
+                    m_c, l_c, acc_c = _chunk(q, pos, first, last, c0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d,
+                                             dmask, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                             stride_vh, stride_bt, k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N,
+                                             CHUNK_N, IEEE, KV, NATIVE_EXP, USED, TMA, WS)
+                    m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, c0 <= pos, NATIVE_EXP)
             _store_output(o_ptr, acc, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
 
     @triton.jit(do_not_specialize=["n_tiles", "max_keys", "n_chunks"])
