@@ -335,7 +335,8 @@ PREFILL_CANDIDATES = [((64, 4, 2), False, False), ((64, 4, 2), True, False), ((6
 
 
 def sweep_attention_tma(rows):
-    """Training's prefill (whole sequences, contiguous K/V) at 1k, 4k and 8k tokens, GQA 32/8, head_dim 128,
+    """Training's prefill (whole sequences, contiguous K/V) at 1k, 4k and 8k tokens and RL batches of 32 x 128
+    and 8 x 512, GQA 32/8, head_dim 128,
     against FlashAttention-3 (needs CUDA vLLM): the whole key blocks read by the TMA unit or not, that loop
     warp-specialized or not, tiles of 64 or 128 rows (two 64-row wgmma tiles), stages 2-3; each checked
     against the default launch's bits. A candidate that fails to compile is printed and skipped."""
@@ -344,19 +345,20 @@ def sweep_attention_tma(rows):
     h, kvh, d = 32, 8, 128
     scale = d ** -0.5
     same, first = [], len(rows)
-    for n in (1024, 4096, 8192):
-        q = torch.randn(n, h, d, dtype=DT, device="cuda")
-        k = torch.randn(n, kvh, d, dtype=DT, device="cuda")
-        v = torch.randn(n, kvh, d, dtype=DT, device="cuda")
-        cu = torch.tensor([0, n])
+    for count, n in ((1, 1024), (1, 4096), (1, 8192), (32, 128), (8, 512)):  # RL batches: one key chunk, no merge
+        q = torch.randn(count * n, h, d, dtype=DT, device="cuda")
+        k = torch.randn(count * n, kvh, d, dtype=DT, device="cuda")
+        v = torch.randn(count * n, kvh, d, dtype=DT, device="cuda")
+        cu = torch.arange(count + 1) * n
         cu32 = cu.to(device="cuda", dtype=torch.int32)
         base = ms(lambda: flash_attn_varlen_func(q, k, v, max_seqlen_q=n, cu_seqlens_q=cu32, max_seqlen_k=n,
                                                  cu_seqlens_k=cu32, softmax_scale=scale, causal=True, fa_version=3))
+        label = f"{count} x {n}" if count > 1 else n
         expected = attention._launch_varlen(q, k, v, cu, scale)
         for config, tma, ws in PREFILL_CANDIDATES:
             def run(config=config, tma=tma, ws=ws):
                 return attention._launch_varlen(q, k, v, cu, scale, config=config, tma=tma, ws=ws)
-            try_config(rows, same, run, expected, ms, op=f"prefill {n} vs FA3", M=f"tma {tma} ws {ws}",
+            try_config(rows, same, run, expected, ms, op=f"prefill {label} vs FA3", M=f"tma {tma} ws {ws}",
                        config=list(config), default_ms=base)
     for r in rows[first:]:
         print(f"{r['op']:20s} {r['M']:18s} {str(r['config']):12s} FA3 {r['default_ms']:.4f} ms  strict "
