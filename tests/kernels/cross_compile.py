@@ -17,8 +17,9 @@ queries answered for the target: SM/CU count, TMA on Hopper only) and every ``ke
 is compiled (``JITFunction.run`` with ``warmup=True``: compile, do not launch) instead of launched. The
 kernels' outputs are never computed, so this checks that each kernel builds for the target, not its bits.
 Prints, per launch configuration, a line before building it (``building``: what a compiler abort leaves as
-the last line) and one after (kernel, constexprs, warps, stages, what the compiler produced or its error),
-then a summary line; exits 1 if any configuration failed to build.
+the last line) and one after (kernel, constexprs, warps, stages, what the compiler produced or its error,
+registers a thread and spill bytes), then a summary line (naming the configurations that spill); exits 1 if
+any configuration failed to build.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def _launches(target_name: str, every: bool) -> list[dict]:
             kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
             record["built"] = sorted(kernel.asm)
             record["ok"] = artifact in kernel.asm and len(kernel.asm[artifact]) > 0
+            record.update(_resources(kernel.asm))
         except Exception as error:  # one failing configuration must not hide the others
             record["ok"] = False
             record["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:400]
@@ -116,6 +118,30 @@ def _launches(target_name: str, every: bool) -> list[dict]:
     finally:
         JITFunction.run = real_run
     return records
+
+
+def _resources(asm: dict) -> dict:
+    """Registers a thread and spill bytes of one built kernel (a spill is local memory traffic in the loop),
+    read from what the compiler produced: ``cuobjdump -res-usage`` of the cubin (REG, STACK: the per-thread
+    stack, which only spills use here), or the AMDGCN assembly's NumVgprs and ScratchSize comments. Empty where
+    neither can be read (no cuobjdump beside Triton's ptxas)."""
+    import re
+    import subprocess
+    import tempfile
+
+    if "amdgcn" in asm:
+        text = asm["amdgcn"]
+        regs, scratch = re.search(r"; NumVgprs: (\d+)", text), re.search(r"; ScratchSize: (\d+)", text)
+        return {"registers": int(regs[1]), "spill_bytes": int(scratch[1])} if regs and scratch else {}
+    tool = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if "cubin" not in asm or not tool.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return {"registers": int(found[1]), "spill_bytes": int(found[2])} if found else {}
 
 
 def _empty(*shape, dtype=BF16):
@@ -286,6 +312,8 @@ def main() -> None:
     print(json.dumps({"summary": target, "configurations": len(records), "failed": len(failed),
                       "kernels": sorted({r["kernel"] for r in records if r["ok"]}),
                       "launched_in_source": sorted(launched_kernels()),
+                      "spilling": sorted({f"{r['kernel']} ({r['num_warps']} warps, {r['spill_bytes']} bytes)"
+                                          for r in records if r.get("spill_bytes")}),
                       "seconds": round(time.perf_counter() - started, 1)}))
     sys.exit(1 if failed else 0)
 
