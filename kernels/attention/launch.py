@@ -73,6 +73,10 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     where the layout cannot take descriptors.
     """
     t, h, d = q.shape
+    if ws and not tma:
+        raise ValueError("strict attention: warp specialization applies to the TMA loop only (pass tma=True)")
+    if tma:
+        _check_descriptors(k_cache, v_cache, kv_mode)
     kvh = k_cache.shape[2]
     group = h // kvh
     tile, warps, stages = config
@@ -96,10 +100,6 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     block_d = max(16, triton.next_power_of_2(d))
     shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=chunk_n, ROW_POS=row_pos,
                   DECODE=decode, NATIVE_EXP=exp == "native", USED=_used_rows(decode, group, tile))
-    if ws and not tma:
-        raise ValueError("strict attention: warp specialization applies to the TMA loop only (pass tma=True)")
-    if tma:
-        _check_descriptors(k_cache, v_cache, kv_mode, block_d)
     if split:
         m = torch.empty(chunks, n_tiles, kvh, tile, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
@@ -121,17 +121,18 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     return out
 
 
-def _check_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_mode: int, block_d: int) -> None:
+def _check_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_mode: int) -> None:
     """ValueError unless K and V can be read as [rows, KV heads x head_dim] matrices by the TMA unit: contiguous
     one-token pages (KV_DIRECT), a power-of-two head_dim (the block is the head, nothing of the next head
     read), 16-byte aligned bases and row strides (CUDA's cuTensorMapEncodeTiled rules)."""
     d = k_cache.shape[-1]
     for name, x in (("k", k_cache), ("v", v_cache)):
         row_bytes = x.stride(0) * x.element_size()
-        if kv_mode != KV_DIRECT or d != block_d or x.stride(2) != d or x.data_ptr() % 16 or row_bytes % 16:
+        if (kv_mode != KV_DIRECT or x.shape[1] != 1 or d < 16 or d & (d - 1) or x.stride(2) != d
+                or x.data_ptr() % 16 or row_bytes % 16):
             raise ValueError(f"strict attention: TMA reads need contiguous pages of one token, a power-of-two "
-                             f"head_dim and 16-byte aligned rows ({name}: shape {tuple(x.shape)}, strides "
-                             f"{x.stride()}, head_dim {d})")
+                             f"head_dim of at least 16 and 16-byte aligned rows ({name}: shape {tuple(x.shape)}, "
+                             f"strides {x.stride()}, head_dim {d})")
 
 
 @contextlib.contextmanager

@@ -222,7 +222,7 @@ if triton is not None:
         tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & (d < HEAD_DIM)[None, :])
 
-    @triton.jit(do_not_specialize=["n_tiles", "max_keys"])  # per-step counts: one build for every value
+    @triton.jit(do_not_specialize=["n_tiles", "max_keys", "kv_rows"])  # per-step counts: one build for every value
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, bt_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles,
                           max_keys, kv_rows, scale, stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,

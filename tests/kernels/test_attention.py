@@ -174,9 +174,11 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
         assert_bitwise_equal("unsplit prefill", attention._launch_varlen(q, k, v, cu, scale, split=False), unsplit)
         assert_bitwise_equal("split prefill", attention._launch_varlen(q, k, v, cu, scale, split=True), unsplit)
         if device != "cuda" or torch.cuda.get_device_capability()[0] >= 9:  # K/V by the TMA unit: same bits
-            for ws in (False, True) if device == "cuda" else (False,):
+            for ws in (False, True) if device == "cuda" else (False,):  # Hopper's warp specialization: 8 warps
+                config = (2 * attention.TILE_ROWS, 8, 2) if ws else attention.TILE_CONFIG
                 assert_bitwise_equal(f"TMA prefill, warp-specialized {ws}",
-                                     attention._launch_varlen(q, k, v, cu, scale, tma=True, ws=ws), unsplit)
+                                     attention._launch_varlen(q, k, v, cu, scale, config=config, tma=True, ws=ws),
+                                     unsplit)
     if device == "cuda":  # negative control: one chunk for all 600 keys is another algorithm past key 511
         whole = attention._launch_varlen(q, k, v, cu, scale, chunk_n=1024)
         assert torch.equal(whole[:512], unsplit[:512]) and not torch.equal(whole[512:600], unsplit[512:600])
@@ -279,6 +281,11 @@ def test_tma_reads_are_refused_where_descriptors_cannot_read_the_layout(device):
         attention._launch_varlen(q, k, k, cu, 0.2, tma=True)
     with pytest.raises(ValueError, match="TMA loop only"):
         attention._launch_varlen(q, k, k, cu, 0.2, ws=True)
+    q, pages = q[..., :16], randn(2, 4, 2, 16, dtype=torch.float32, device=device, seed=55)  # pages of 4 tokens
+    with pytest.raises(ValueError, match="pages of one token"):
+        attention._launch(q, pages, pages, torch.tensor([[0, 1]], dtype=torch.int32, device=device),
+                          torch.tensor([0, 8], dtype=torch.int32), None, 0.2, kv_mode=attention.KV_DIRECT,
+                          max_keys=8, row_pos=True, tma=True)
 
 
 def test_linear_recomputes_for_the_same_tensor_objects(device):
