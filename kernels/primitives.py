@@ -294,7 +294,9 @@ if triton is not None:
         each instead of twice; tests/kernels/cross_compile.py builds it): ``exp`` clamps n to [-252, 254], which
         changes no result the range checks keep (x in [EXP_LO, EXP_HI] gives n in [-150, 128]; outside, the
         checks replace y), and floor(n * 0.5) of an integral n is its arithmetic shift right by one. Equal to
-        ``exp`` bit for bit on all 2^32 fp32 inputs (under the Triton interpreter, 2026-12-05)."""
+        ``exp`` bit for bit on all 2^32 fp32 inputs (under the Triton interpreter, 2026-12-05; its overflow check
+        has since moved out of exp_t_up_to_overflow: the three checks act on disjoint inputs, so their order
+        changes nothing)."""
         return tl.where(x > 88.72283935546875, float("inf"), exp_t_up_to_overflow(x))
 
     @triton.jit
@@ -311,7 +313,7 @@ if triton is not None:
         p = p * r + 0.5
         p = p * r + 1.0
         p = p * r + 1.0
-        whole = n.to(tl.int32)  # outside [EXP_LO, EXP_HI] (and NaN) any value: the checks below replace y
+        whole = n.to(tl.int32)  # outside [EXP_LO, EXP_HI] (and NaN) any value: the checks replace y
         half = whole >> 1
         y = (p * pow2_t(half)) * pow2_t(whole - half)
         y = tl.where(x < -103.97207708, 0.0, y)
