@@ -190,7 +190,7 @@ class _VarlenAttention(torch.autograd.Function):
         for length, firsts in starts.items():
             rows = (torch.tensor(firsts)[:, None] + torch.arange(length)[None, :]).to(q.device)  # [n, length]
             positions = torch.arange(length, device=q.device).expand(len(firsts), length)
-            parts = attention_gradients(q[rows], k[rows], v[rows], g[rows], ctx.scale, positions)
+            parts = attention_gradients(q[rows], k[rows], v[rows], g[rows], ctx.scale, positions, from_zero=True)
             for grad, part in zip(grads, parts, strict=True):
                 grad[rows] = part
         return (*grads, None, None, None)

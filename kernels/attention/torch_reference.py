@@ -59,23 +59,25 @@ def _reference_gradients(q, k, v, g, scale, q_positions):
     return grads
 
 
-def attention_gradients(q, k, v, g, scale, q_positions):
+def attention_gradients(q, k, v, g, scale, q_positions, from_zero=False):
     """Gradients of q [B, Tq, H, D], k and v [B, Tk, KVH, D] of causal attention with queries at ``q_positions``
     [B, Tq] (keys at 0..Tk-1), given g (q's shape): by the backward ALIGNAUDIT_BACKWARD asks (module docstring).
-    Returns (dq, dk, dv) in the inputs' dtypes. Raises ValueError as gradients.asked_backward."""
-    if asked_backward() == "fused" and not bool((q_positions < 0).any()):
-        return _sdpa_gradients(q, k, v, g, scale, q_positions)
+    from_zero: the caller guarantees every row's positions are 0..Tk-1 (whole sequences), so the fused path skips
+    its two checks of the positions, each a GPU synchronization when they live there. Returns (dq, dk, dv) in the
+    inputs' dtypes. Raises ValueError as gradients.asked_backward."""
+    if asked_backward() == "fused" and (from_zero or not bool((q_positions < 0).any())):
+        return _sdpa_gradients(q, k, v, g, scale, q_positions, from_zero)
     return _reference_gradients(q, k, v, g, scale, q_positions)
 
 
-def _sdpa_gradients(q, k, v, g, scale, q_positions):
+def _sdpa_gradients(q, k, v, g, scale, q_positions, from_zero=False):
     """``attention_gradients`` by torch's SDPA: is_causal where every row's queries sit at 0..Tk-1 (Tq = Tk; the
     flash kernel's mask), otherwise a boolean mask of the keys at or before each query's position."""
     b, tq, h, _ = q.shape
     tk, kvh = k.shape[1], k.shape[2]
     positions = q_positions.to(q.device)
     keys = torch.arange(tk, device=q.device)
-    plain = tq == tk and bool(torch.equal(positions, keys.expand(b, tk)))
+    plain = tq == tk and (from_zero or bool(torch.equal(positions, keys.expand(b, tk))))
     mask = None if plain else (keys[None, None, None, :] <= positions[:, None, :, None])
     with torch.enable_grad():
         qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))

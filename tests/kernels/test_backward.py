@@ -139,7 +139,10 @@ def test_attention_backward_by_sdpa_agrees_with_the_reference(monkeypatch, devic
     expected = {"varlen": grads(varlen, q, k, v), "causal": grads(causal, qb, kb, vb)}
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
     monkeypatch.setattr(torch_reference, "_reference_gradients", lambda *a: pytest.fail("the reference ran"))
-    got = {"varlen": grads(varlen, q, k, v), "causal": grads(causal, qb, kb, vb)}
+    with monkeypatch.context() as patch:  # whole sequences: no check of the positions (a GPU sync each, per layer)
+        patch.setattr(torch, "equal", lambda *a: pytest.fail("varlen's positions were checked"))
+        got = {"varlen": grads(varlen, q, k, v)}
+    got["causal"] = grads(causal, qb, kb, vb)
     for case in expected:
         for name, a, b in zip("qkv", got[case], expected[case], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{case} d{name}")
