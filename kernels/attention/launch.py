@@ -106,6 +106,8 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
         acc = torch.empty(chunks, n_tiles, kvh, tile, block_d, dtype=torch.float32, device=q.device)
     else:
         m = l = acc = out  # not read
+    # ONE_CHUNK only for whole-sequence prefill, whose max_keys is exact per call: a paged launch's bound grows during
+    # generation, and crossing CHUNK_N there would build a second kernel inside a timed step
     with _descriptor_scratch(tma, q.device):
         _attention_kernel[(n_tiles, kvh, chunks if split else 1)](
             q, k_cache, v_cache, out, positions, block_table, tiles, m, l, acc, n_tiles, max_keys, k_cache.shape[0],

@@ -25,7 +25,10 @@ any configuration failed to build.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -125,15 +128,13 @@ def _resources(asm: dict) -> dict:
     read from what the compiler produced: ``cuobjdump -res-usage`` of the cubin (REG, STACK: the per-thread
     stack, which only spills use here), or the AMDGCN assembly's NumVgprs and ScratchSize comments. Empty where
     neither can be read (no cuobjdump beside Triton's ptxas)."""
-    import re
-    import subprocess
-    import tempfile
+    import triton
 
     if "amdgcn" in asm:
         text = asm["amdgcn"]
         regs, scratch = re.search(r"; NumVgprs: (\d+)", text), re.search(r"; ScratchSize: (\d+)", text)
         return {"registers": int(regs[1]), "spill_bytes": int(scratch[1])} if regs and scratch else {}
-    tool = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if "cubin" not in asm or not tool.exists():
         return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
