@@ -144,14 +144,16 @@ def bench_attention(lengths, decode_batches):
 
 
 def bench_attention_backward(lengths, tokens=16384):
-    """The strict attention's backward (torch_reference.attention_gradients, each ALIGNAUDIT_BACKWARD)
-    against torch's SDPA backward alone (flash, the forward run once outside the timing): sequences of each
-    length filling ``tokens`` tokens, GQA 32/8, d 128, bf16. Ratio: SDPA backward ms / strict backward ms (the
-    strict side recomputes its forward inside, as a flash backward does not)."""
+    """The strict attention's backward against torch's SDPA backward alone (flash, the forward run once outside the
+    timing; also under torch's deterministic mode, which the strict backward runs in): sequences of each length
+    filling ``tokens`` tokens, GQA 32/8, d 128, bf16. Rows: torch_reference.attention_gradients at each
+    ALIGNAUDIT_BACKWARD (they recompute their forward inside), and varlen_attention's own backward with
+    ALIGNAUDIT_BACKWARD=fused (FlashAttention-2's varlen backward fed the strict forward's output and log-sum-exp:
+    what a Megatron step runs). Ratio: SDPA backward ms (not deterministic) / the row's ms."""
     import os
 
     from alignaudit_kernels import gradients
-    from alignaudit_kernels.attention import torch_reference
+    from alignaudit_kernels.attention import flash_gradients, torch_reference
 
     rows = []
     h, kvh, d = 32, 8, 128
@@ -166,11 +168,23 @@ def bench_attention_backward(lengths, tokens=16384):
         out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
         gt = g.transpose(1, 2)
         flash = lambda out=out, gt=gt, ins=(qt, kt, vt): torch.autograd.grad(out, ins, gt, retain_graph=True)  # noqa: E731
-        for how in gradients.BACKWARDS:
-            os.environ[gradients.BACKWARD_ENV] = how
+        base = ms(flash)
+        with flash_gradients.deterministic_algorithms():
+            deterministic = ms(flash)
+        rows.append({"op": f"attention backward {b}x{n} (SDPA flash, deterministic mode)", "default_ms": base,
+                     "strict_ms": deterministic, "ratio": base / deterministic})
+        for how in (*gradients.BACKWARDS, "fused, varlen"):
+            os.environ[gradients.BACKWARD_ENV] = how.split(",")[0]
             try:
-                strict = lambda: torch_reference.attention_gradients(q, k, v, g, d ** -0.5, positions)  # noqa: E731
-                base, mine = ms(flash), ms(strict)
+                if how == "fused, varlen":
+                    ins = [t.flatten(0, 1).detach().requires_grad_() for t in (q, k, v)]
+                    cu = torch.arange(0, b * n + 1, n)
+                    strict_out = K.varlen_attention(*ins, cu, d ** -0.5)
+                    gf = g.flatten(0, 1)
+                    strict = lambda o=strict_out, ins=ins, gf=gf: torch.autograd.grad(o, ins, gf, retain_graph=True)  # noqa: E731
+                else:
+                    strict = lambda: torch_reference.attention_gradients(q, k, v, g, d ** -0.5, positions)  # noqa: E731
+                mine = ms(strict)
                 rows.append({"op": f"attention backward {b}x{n} ({how})", "default_ms": base, "strict_ms": mine,
                              "ratio": base / mine})
             except torch.OutOfMemoryError as e:

@@ -7,6 +7,7 @@ import torch
 
 from alignaudit_kernels.attention.algorithm import DEFAULT_EXP, _check_exp
 from alignaudit_kernels.attention.cpu import _cpu_attend
+from alignaudit_kernels.attention.flash_gradients import flash_backward_available, varlen_flash_gradients
 from alignaudit_kernels.attention.launch import (
     DECODE_CONFIG,
     KV_DIRECT,
@@ -21,6 +22,7 @@ from alignaudit_kernels.attention.launch import (
     _triton_paged,
 )
 from alignaudit_kernels.attention.torch_reference import attention_gradients
+from alignaudit_kernels.gradients import asked_backward
 from alignaudit_kernels.primitives import (
     compiling_inference,
     no_gradient,
@@ -160,29 +162,40 @@ def _causal_attention_op(q, k, v, q_positions, scale, exp):
     return causal_attention(q, k, v, q_positions, scale, exp)
 
 
-def _contiguous_forward(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP):
-    """Ragged batch of whole sequences (prefill from position 0), K/V contiguous [T, KVH, D]."""
+def _contiguous_forward(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP, lse=None):
+    """Ragged batch of whole sequences (prefill from position 0), K/V contiguous [T, KVH, D]. lse: fp32 [H, T] to
+    fill with each row's log-sum-exp (Triton backend only)."""
     bounds = cu_seqlens.tolist()
     if not use_triton(q):
         out = torch.empty_like(q)
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             out[a:b] = _cpu_attend(q[a:b], k[a:b], v[a:b], torch.arange(b - a), scale)
         return out
-    return _launch_varlen(q, k, v, cu_seqlens, scale, exp=exp)
+    return _launch_varlen(q, k, v, cu_seqlens, scale, exp=exp, lse=lse)
 
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, scale, exp):
-        ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.scale = scale
+        if use_triton(q) and flash_backward_available(q) and asked_backward() == "fused":
+            lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+            out = _contiguous_forward(q, k, v, cu_seqlens, scale, exp, lse=lse)
+            ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
+            return out
+        ctx.save_for_backward(q, k, v, cu_seqlens)
         return _contiguous_forward(q, k, v, cu_seqlens, scale, exp)
 
     @staticmethod
     def backward(ctx, g):
-        """Sequences of one length go through attention_gradients together, gathered into [n, length, heads, D]."""
-        q, k, v, cu_seqlens = ctx.saved_tensors
+        """FlashAttention-2's varlen backward where the fused backward is asked and takes the inputs
+        (flash_gradients); otherwise sequences of one length go through attention_gradients together, gathered into
+        [n, length, heads, D]."""
+        q, k, v, cu_seqlens, *forward = ctx.saved_tensors
         bounds = cu_seqlens.tolist()
+        if flash_backward_available(q) and asked_backward() == "fused":
+            longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+            return (*varlen_flash_gradients(q, k, v, g, cu_seqlens, longest, ctx.scale, *forward), None, None, None)
         starts: dict[int, list[int]] = {}
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             starts.setdefault(b - a, []).append(a)

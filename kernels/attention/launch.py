@@ -56,7 +56,7 @@ KV_GATHER, KV_PAGE_ALIGNED, KV_DIRECT = 0, 1, 2
 
 def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_mode, max_keys, config=TILE_CONFIG,
             row_pos=False, split=None, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP, out=None, tma=False,
-            ws=False):
+            ws=False, lse=None):
     """Run the Triton kernel(s).
 
     tiles: from ``_tiles`` (CPU, or already on q's device from a cached plan), or None for a decode step (row
@@ -71,6 +71,8 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     tma / ws: the whole key blocks of a KV_DIRECT launch read by the TMA unit, and that loop warp-specialized
     (``_chunk``): the same bits, a candidate for speed (bench/sweep_gpu.py --sections attention-tma); ValueError
     where the layout cannot take descriptors.
+    lse: fp32 [H, T] with unit stride along T, filled with each row's log-sum-exp m + log(l) (flash_gradients),
+    or None; the output's bits are the same either way.
     """
     t, h, d = q.shape
     if ws and not tma:
@@ -100,6 +102,10 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     block_d = max(16, triton.next_power_of_2(d))
     shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=chunk_n, ROW_POS=row_pos,
                   DECODE=decode, NATIVE_EXP=exp == "native", USED=_used_rows(decode, group, tile))
+    if lse is not None and (lse.shape != (h, t) or lse.dtype != torch.float32 or lse.stride(1) != 1):
+        raise ValueError(f"strict attention: lse {tuple(lse.shape)} {lse.dtype} stride {lse.stride()} must be fp32 "
+                         f"[{h}, {t}] with unit stride along the rows")
+    lse_args = (out, 0, False) if lse is None else (lse, lse.stride(0), True)  # (pointer, head stride, LSE)
     if split:
         m = torch.empty(chunks, n_tiles, kvh, tile, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
@@ -110,16 +116,17 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     # generation, and crossing CHUNK_N there would build a second kernel inside a timed step
     with _descriptor_scratch(tma, q.device):
         _attention_kernel[(n_tiles, kvh, chunks if split else 1)](
-            q, k_cache, v_cache, out, positions, block_table, tiles, m, l, acc, n_tiles, max_keys, k_cache.shape[0],
-            float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            q, k_cache, v_cache, out, lse_args[0], positions, block_table, tiles, m, l, acc, n_tiles, max_keys,
+            k_cache.shape[0], float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_args[1],
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-            KV=kv_mode, SPLIT=split, **shared, TMA=tma, WS=ws, ONE_CHUNK=row_pos and chunks == 1, num_warps=warps,
-            num_stages=stages, enable_fp_fusion=False)
+            KV=kv_mode, SPLIT=split, **shared, TMA=tma, WS=ws, ONE_CHUNK=row_pos and chunks == 1,
+            LSE=lse_args[2] and not split, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if split:
-        _combine_kernel[(n_tiles, kvh)](out, positions, tiles, m, l, acc, n_tiles, max_keys, chunks, out.stride(0),
-                                        out.stride(1), **shared, num_warps=4, enable_fp_fusion=False)
+        _combine_kernel[(n_tiles, kvh)](out, lse_args[0], positions, tiles, m, l, acc, n_tiles, max_keys, chunks,
+                                        out.stride(0), out.stride(1), lse_args[1], **shared, LSE=lse_args[2],
+                                        num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -226,10 +233,10 @@ def _check_out(q, out):
 
 
 def _launch_varlen(q, k, v, cu_seqlens, scale, config=TILE_CONFIG, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP,
-                   split=None, tma=False, ws=False):
+                   split=None, tma=False, ws=False, lse=None):
     """GPU prefill of whole sequences. Each sequence's keys are consecutive rows of k/v: one-token pages,
-    the first page at the sequence's start, so nothing is copied."""
+    the first page at the sequence's start, so nothing is copied. lse: as ``_launch``."""
     tiles, table, max_keys = _varlen_plan(tuple(cu_seqlens.tolist()), config[0] // (q.shape[1] // k.shape[1]), q.device)
     return _launch(q, _as_pages(k), _as_pages(v), table, tiles, None, scale, kv_mode=KV_DIRECT, row_pos=True,
                    max_keys=max_keys, config=config, block_n=block_n, chunk_n=chunk_n, exp=exp, split=split, tma=tma,
-                   ws=ws)
+                   ws=ws, lse=lse)

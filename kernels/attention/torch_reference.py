@@ -6,15 +6,20 @@ The backward is correct and deterministic, not strict; ALIGNAUDIT_BACKWARD choos
     fused      torch's scaled_dot_product_attention forward and backward in the inputs' dtype (on CUDA in bf16/fp16
                its FlashAttention-2 kernel for the plain causal mask, a memory-efficient kernel for shifted
                positions, whose boolean [B, 1, Tq, Tk] mask is the only T x T tensor: the precision of a default
-               trainer's attention backward, no fp32 scores); K and V expanded to the query heads, the group's
-               gradients summed in fp32. A query with no visible key (a position below 0: its forward row is
-               NaN) goes through the reference instead, whose gradients carry that NaN as the forward did
+               trainer's attention backward, no fp32 scores; under torch's deterministic mode); K and V expanded
+               to the query heads, the group's gradients summed in fp32. A query with no visible key (a position
+               below 0: its forward row is NaN) goes through the reference instead, whose gradients carry that NaN
+               as the forward did. varlen_attention on CUDA takes FlashAttention-2's varlen backward directly
+               (flash_gradients)
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from alignaudit_kernels.attention.flash_gradients import deterministic_algorithms
 from alignaudit_kernels.gradients import asked_backward
 
 
@@ -72,14 +77,17 @@ def attention_gradients(q, k, v, g, scale, q_positions, from_zero=False):
 
 def _sdpa_gradients(q, k, v, g, scale, q_positions, from_zero=False):
     """``attention_gradients`` by torch's SDPA: is_causal where every row's queries sit at 0..Tk-1 (Tq = Tk; the
-    flash kernel's mask), otherwise a boolean mask of the keys at or before each query's position."""
+    flash kernel's mask), otherwise a boolean mask of the keys at or before each query's position. On CUDA under
+    torch's deterministic mode (flash_gradients.deterministic_algorithms: its flash and memory-efficient backwards
+    otherwise add partial gradients with atomics)."""
     b, tq, h, _ = q.shape
     tk, kvh = k.shape[1], k.shape[2]
     positions = q_positions.to(q.device)
     keys = torch.arange(tk, device=q.device)
     plain = tq == tk and (from_zero or bool(torch.equal(positions, keys.expand(b, tk))))
     mask = None if plain else (keys[None, None, None, :] <= positions[:, None, :, None])
-    with torch.enable_grad():
+    deterministic = deterministic_algorithms() if q.is_cuda else contextlib.nullcontext()
+    with torch.enable_grad(), deterministic:
         qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
         expand = [t.transpose(1, 2).repeat_interleave(h // kvh, 1) for t in (ks, vs)]  # [B, H, Tk, D]
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -214,23 +214,27 @@ if triton is not None:
         return seq, qrow, group_head, valid_row, tl.where(overflow, max_keys - 1, pos), overflow
 
     @triton.jit
-    def _store_output(o_ptr, acc, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh,
-                      HEAD_DIM: tl.constexpr):
+    def _store_output(o_ptr, lse_ptr, acc, m, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, stride_lh,
+                      HEAD_DIM: tl.constexpr, LSE: tl.constexpr):
         """The end of every path (unsplit kernel and split merge alike): acc / l in fp32, rounded once to the
-        output dtype; NaN for a row past the key bound (``overflow``)."""
+        output dtype; NaN for a row past the key bound (``overflow``). LSE: also m + log(l) (fp32, the device's
+        log: for the fused backward, not a strict value) at lse_ptr[head * stride_lh + row]."""
         l = tl.where(overflow, float("nan"), l)
         tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & (d < HEAD_DIM)[None, :])
+        if LSE:
+            lse = m + tl.log(tl.where(valid_row, l, 1.0))  # rows past the tile: log(1), not log(0), never stored
+            tl.store(lse_ptr + head.to(tl.int64) * stride_lh + qrow, lse, mask=valid_row)
 
     @triton.jit(do_not_specialize=["n_tiles", "max_keys", "kv_rows"])  # per-step counts: one build for every value
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, bt_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles,
-                          max_keys, kv_rows, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, pos_ptr, bt_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr,
+                          n_tiles, max_keys, kv_rows, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lh,
                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                           BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
                           IEEE: tl.constexpr, KV: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
                           SPLIT: tl.constexpr, NATIVE_EXP: tl.constexpr, USED: tl.constexpr, TMA: tl.constexpr,
-                          WS: tl.constexpr, ONE_CHUNK: tl.constexpr):
+                          WS: tl.constexpr, ONE_CHUNK: tl.constexpr, LSE: tl.constexpr):
         # The last tile first: in a causal prefill it visits the most key blocks (load balance only).
         tile = n_tiles - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
@@ -279,14 +283,15 @@ if triton is not None:
                                              stride_vh, stride_bt, k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N,
                                              CHUNK_N, IEEE, KV, NATIVE_EXP, USED, TMA, WS)
                     m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, c0 <= pos, NATIVE_EXP)
-            _store_output(o_ptr, acc, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
+            _store_output(o_ptr, lse_ptr, acc, m, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh,
+                          stride_lh, HEAD_DIM, LSE)
 
     @triton.jit(do_not_specialize=["n_tiles", "max_keys", "n_chunks"])
-    def _combine_kernel(o_ptr, pos_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles, max_keys, n_chunks, stride_ot,
-                        stride_oh,
+    def _combine_kernel(o_ptr, lse_ptr, pos_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles, max_keys, n_chunks,
+                        stride_ot, stride_oh, stride_lh,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
                         CHUNK_N: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
-                        NATIVE_EXP: tl.constexpr, USED: tl.constexpr):
+                        NATIVE_EXP: tl.constexpr, USED: tl.constexpr, LSE: tl.constexpr):
         """The split path's second launch: the chunk states of each row merged left to right, as the
         unsplit kernel merges them in registers."""
         tile = tl.program_id(0)
@@ -309,4 +314,5 @@ if triton is not None:
             l_c = tl.load(l_ptr + at, mask=active, other=0.0)
             acc_c = tl.load(acc_ptr + at[:, None] * BLOCK_D + d[None, :], mask=active[:, None], other=0.0)
             m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, active, NATIVE_EXP)
-        _store_output(o_ptr, acc, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, HEAD_DIM)
+        _store_output(o_ptr, lse_ptr, acc, m, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, stride_lh,
+                      HEAD_DIM, LSE)

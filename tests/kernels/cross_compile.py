@@ -251,6 +251,9 @@ def _attention(attention, dtype, heads: int, kv_heads: int, d: int, exp: str, ev
     for length in ((64, 4096) if every_path else (4096,)):  # 64 rows, 4096 keys: split; 4096 rows: not
         q, kv = _empty(length, heads, d, dtype=dtype), _empty(length, kv_heads, d, dtype=dtype)
         attention.functions._contiguous_forward(q, kv, kv, torch.tensor([0, length]), scale, exp=exp)
+        if dtype != FP32:  # the fused backward's forward keeps each row's log-sum-exp (FlashAttention-2: bf16/fp16)
+            attention.functions._contiguous_forward(q, kv, kv, torch.tensor([0, length]), scale, exp=exp,
+                                                    lse=_empty(heads, length, dtype=FP32))
     if not every_path:
         if decode:
             pages = _empty(256, attention.BLOCK_N * 2, kv_heads, d, dtype=dtype)

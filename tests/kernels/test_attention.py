@@ -220,6 +220,35 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
             K.paged_decode(q[:2], ck, cv, table, too_long, scale, 599)
 
 
+def test_prefill_log_sum_exp_for_the_fused_backward(device):
+    """_launch_varlen(lse=...) fills lse[h, t] with the row's log-sum-exp of its scaled scores over its keys (what
+    FlashAttention-2's backward re-exponentiates against: attention/flash_gradients.py), split and unsplit, across
+    the 512-key chunk edge, without changing one output bit; a buffer of another layout is refused."""
+    lengths = [600, 70]
+    if INTERPRET:
+        q, k, v, cu = exact_attention_inputs(lengths, 4, 2, 32, device)
+    else:
+        q, k, v, cu = ragged(lengths, 32, 8, 128, torch.bfloat16, device, seed=35)
+    if not primitives.use_triton(q):
+        pytest.skip("the CPU backend keeps no log-sum-exp (no backward there reads one)")
+    (t, h, d), kvh = q.shape, k.shape[1]
+    scale = d ** -0.5
+    expected = torch.empty(h, t, dtype=torch.float64)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        keys = k[a:b].double().cpu().repeat_interleave(h // kvh, 1)
+        s = torch.einsum("qhd,khd->hqk", q[a:b].double().cpu(), keys) * scale
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        expected[:, a:b] = torch.logsumexp(s, -1)
+    plain = attention._launch_varlen(q, k, v, cu, scale)
+    for split in (False, True):
+        lse = torch.full((h, t), float("nan"), device=device)
+        assert_bitwise_equal(f"output with lse, split {split}",
+                             attention._launch_varlen(q, k, v, cu, scale, split=split, lse=lse), plain)
+        torch.testing.assert_close(lse.cpu().double(), expected, rtol=1e-5, atol=1e-4, msg=f"lse, split {split}")
+    with pytest.raises(ValueError, match=rf"lse \({t}, {h}\) torch.float32 .* must be fp32 \[{h}, {t}\]"):
+        attention._launch_varlen(q, k, v, cu, scale, lse=torch.empty(t, h, device=device))
+
+
 @pytest.mark.parametrize("group", [3, 33])
 def test_decode_tile_rows_at_group_sizes_that_are_not_powers_of_two(device, group):
     """A decode tile places a token's heads USED rows apart (USED: the group rounded up to a power of two, 4 for

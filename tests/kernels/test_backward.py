@@ -161,6 +161,73 @@ def test_attention_backward_by_sdpa_agrees_with_the_reference(monkeypatch, devic
         grads(varlen, q, k, v)
 
 
+def test_deterministic_mode_is_set_for_the_backward_only_and_restored():
+    """flash_gradients.deterministic_algorithms turns torch's deterministic mode on (FlashAttention-2's backward
+    reads it) and its NaN fill of new memory off for the block, and restores the caller's three settings after,
+    an exception included."""
+    from alignaudit_kernels.attention.flash_gradients import deterministic_algorithms
+
+    def settings():
+        return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.utils.deterministic.fill_uninitialized_memory)
+
+    before = settings()
+    try:
+        for mode, warn_only in ((False, False), (True, True)):
+            torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+            with deterministic_algorithms():
+                assert settings() == (True, False, False)
+            assert settings() == (mode, warn_only, True)
+            with pytest.raises(RuntimeError, match="inside"), deterministic_algorithms():
+                raise RuntimeError("inside")
+            assert settings() == (mode, warn_only, True)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_fused_varlen_backward_is_flashattention2s_deterministic_and_close_to_the_reference(monkeypatch, device):
+    """On CUDA in bf16, ALIGNAUDIT_BACKWARD=fused takes varlen_attention's gradients from one FlashAttention-2 varlen
+    backward fed the strict forward's output and log-sum-exp (attention/flash_gradients.py): the same bits in three
+    runs (its deterministic mode), no per-length regrouping (attention_gradients never called), and no further from
+    the fp32 reference than the grouped SDPA path (GQA expanded) is, nor than the flash backward with its own
+    recomputed forward."""
+    if device != "cuda":
+        pytest.skip("FlashAttention-2 is torch's CUDA kernel")
+    from alignaudit_kernels.attention import flash_gradients, functions
+
+    lengths, h, kvh, d = [1500, 700, 64, 333], 32, 8, 128
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    t = int(cu[-1])
+    q, k, v = (randn(t, n, d, dtype=torch.bfloat16, device=device, seed=70 + i) for i, n in enumerate((h, kvh, kvh)))
+    g = randn(t, h, d, dtype=torch.bfloat16, device=device, seed=73)
+
+    def grads():
+        ins = [x.clone().requires_grad_() for x in (q, k, v)]
+        K.varlen_attention(*ins, cu, d ** -0.5).backward(g)
+        return [x.grad.float() for x in ins]
+
+    reference = grads()
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
+    with monkeypatch.context() as patch:
+        patch.setattr(functions, "flash_backward_available", lambda q: False)
+        grouped = grads()  # the SDPA path, one batch per length
+    calls = []
+    real = functions.varlen_flash_gradients
+    monkeypatch.setattr(functions, "varlen_flash_gradients", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(functions, "attention_gradients", lambda *a, **kw: pytest.fail("regrouped by length"))
+    runs = [grads() for _ in range(3)]
+    assert len(calls) == 3 and all(lse is not None and lse.shape == (h, t) for lse in calls)
+    for run in runs[1:]:
+        for name, a, b in zip("qkv", run, runs[0], strict=True):
+            assert_bitwise_equal(f"d{name}, run to run", a, b)
+    recomputed = flash_gradients.varlen_flash_gradients(q, k, v, g, cu, max(lengths), d ** -0.5)
+    for name, flash, other, again, ref in zip("qkv", runs[0], grouped, recomputed, reference, strict=True):
+        error = ((flash - ref).norm() / ref.norm()).item()
+        assert error < 2 * ((other - ref).norm() / ref.norm()).item() + 1e-4, f"d{name}: {error} vs the SDPA path"
+        assert error < 2 * ((again.float() - ref).norm() / ref.norm()).item() + 1e-4, f"d{name}: {error} vs recomputed"
+        assert error < 1e-2, f"d{name}: relative error {error}"
+
+
 def test_entry_points_compute_the_same_bits_with_and_without_autograd(monkeypatch, device, dtype):
     """An entry point called where no gradient can be recorded skips its torch.autograd.Function
     (primitives.no_gradient; the Functions' apply is made to fail meanwhile): same output bits as the
