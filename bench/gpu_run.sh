@@ -4,7 +4,9 @@
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
 #                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench vllm-warmup \
 #                    ipc rl-bench train-profile grpo17 grpo8 linear19 attention19 sweep19 decode-gen19 targets19 \
-#                    moe-bench vllm-moe-graphs bench-attention-backward
+#                    moe-bench vllm-moe-graphs bench-attention-backward determinism
+# determinism: distinct bit patterns of dq/dk/dv over 8 runs of one input, torch's SDPA flash backward with and without
+# its deterministic mode and the fused varlen backward (bench/attention_determinism.py);
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects; TESTS_N=N: N pytest-xdist workers on
 # the one GPU, with pytest-xdist and execnet carried as wheels in .whl/extra/); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
@@ -206,6 +208,7 @@ for stage in "$@"; do
     q8-native) q8 q8-strict-native --strict --strict-exp native
                grep -h '"attention_exp"' /tmp/runs/q8-strict-native/*/manifest.json ;;
     launch) timeout 120 python3 bench/launch_overhead.py 2>&1 | log | tail -8 ;;
+    determinism) timeout 200 python3 bench/attention_determinism.py --json "$out/determinism.json" 2>&1 | log | tail -5 ;;
     bench-attention-backward) timeout 300 python3 bench/kernels_gpu.py --sections attention-backward \
                                 --json "$out/bench-attention-backward.json" 2>&1 | log | tail -8 ;;
     bench-attention) timeout 200 python3 bench/kernels_gpu.py --quick --sections attention --json "$out/bench-attention.json" 2>&1 | log | tail -14 ;;
