@@ -166,6 +166,25 @@ def _row_starts_once(attention_mask, b: int, t: int, keys: int) -> list[int] | N
     return starts
 
 
+def _whole_sequences(q, k, v, starts: list[int] | None, scale: float, exp: str) -> torch.Tensor:
+    """Strict attention of a batch with no cached keys (a training or scoring forward), q [b, t, H, D] and k/v
+    [b, t, KVH, D], as one ragged prefill (varlen_attention): row r's sequence is its tokens from its first real one
+    (``starts[r]``, 0 without left padding). Each row's bits are those of causal_attention over that run (one
+    algorithm per row, kernels/attention), in one launch where left-padded rows took one each, and its fused backward
+    is FlashAttention-2's varlen one (kernels/attention/flash_gradients.py). A left pad's output row is zeros."""
+    b, t, h, d = q.shape
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v)]
+    if starts is None:
+        cu = torch.arange(0, b * t + 1, t)
+        return K.varlen_attention(*flat, cu, scale, exp=exp).view(b, t, h, d)
+    runs = [(r * t + s, (r + 1) * t) for r, s in enumerate(starts) if s < t]
+    cu = torch.tensor([0, *torch.tensor([end - first for first, end in runs]).cumsum(0).tolist()])
+    rows = torch.cat([torch.arange(first, end) for first, end in runs]).to(q.device)
+    out = q.new_zeros(b * t, h, d)
+    out[rows] = K.varlen_attention(*(x[rows] for x in flat), cu, scale, exp=exp)
+    return out.view(b, t, h, d)
+
+
 class StrictAttention(torch.nn.Module):
     """Stands in for <P>Attention (QK-norm where the module has q_norm/k_norm); ``strict_rope`` /
     ``strict_attention`` say which parts are strict, ``strict_exp`` the exp of the strict attention."""
@@ -203,7 +222,9 @@ class StrictAttention(torch.nn.Module):
                     index = mask_checked_index(index, attention_mask, t, keys)
             else:
                 starts = _row_starts_once(attention_mask, b, t, keys)
-            if starts is None:
+            if keys == t and not torch.compiler.is_compiling():
+                out = _whole_sequences(q, k, v, starts, self.scaling, self.strict_exp)
+            elif starts is None:
                 out = K.causal_attention(q, k, v, index.expand(b, t), self.scaling, exp=self.strict_exp)
             else:  # left padding: each row attends its own run of keys, its pads' queries stay zero
                 out = torch.zeros_like(q)
