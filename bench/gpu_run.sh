@@ -47,8 +47,8 @@
 # [27] MoE: moe-bench the strict MoE expert work by dispatch (gathered, grouped, every_expert; eager and graph replays;
 # bits against gathered) vs vLLM's fused_experts at the Qwen3-30B-A3B layer shape, MOE_TOKENS (8,64,512,4096) tokens
 # (bench/moe_gpu.py; vLLM's column needs the bundle packed with --moe); vllm-moe-graphs the vllm-moe compares in rollout
-# mode with vLLM's CUDA graphs on (FULL_AND_PIECEWISE), the refusal taken out by bench/moe_graphs.py, once per
-# dispatch in MOEG_HOW (grouped auto). bench-attention-backward: the strict attention's backward (ALIGNAUDIT_BACKWARD reference, fused) vs
+# mode with vLLM's CUDA graphs on (FULL_AND_PIECEWISE), once per dispatch in MOEG_HOW (auto, the grouped one on CUDA;
+# every_expert also captures). bench-attention-backward: the strict attention's backward (ALIGNAUDIT_BACKWARD reference, fused) vs
 # torch's flash backward at 1k/4k/8k (bench/kernels_gpu.py --sections attention-backward).
 # [18]: ipc the CUDA IPC weight-transfer test; rl-bench seconds per RL step and stage, strict vs default, Qwen3-1.7B shape,
 # 8 prompts x 4 completions x 64 tokens (bench/rl_steps.py; RLB_STEPS; RLB_CONFIGS: strict,strict-fused,default adds the
@@ -343,13 +343,13 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
 import copy; from pathlib import Path; from alignaudit.arch import PRESETS; from alignaudit.inputs.synth import synthesize_checkpoint
 c = copy.deepcopy(PRESETS['Qwen3-30B-A3B'].config); c['num_hidden_layers'] = ${MOE_LAYERS:-4}
 synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
-              for how in ${MOEG_HOW:-grouped auto}; do
-                export ALIGNAUDIT_MOE_DISPATCH=$how CMP_CMD="python3 bench/moe_graphs.py"
+              for how in ${MOEG_HOW:-auto}; do
+                export ALIGNAUDIT_MOE_DISPATCH=$how
                 cmp vmoeg-$how-rollout --model qwen3-moe-tiny --train megatron --infer vllm --strict --mode rollout \
                   --max-new-tokens 32
                 cmp vq30g-$how-rollout --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron \
                   --infer vllm --strict --mode rollout --max-new-tokens 64
-                unset ALIGNAUDIT_MOE_DISPATCH CMP_CMD
+                unset ALIGNAUDIT_MOE_DISPATCH
               done ;;
     vllm-rl17) timeout 560 python3 -m alignaudit rl --model Qwen3-1.7B --random-weights --random-prompts 2 --prompt-len 64 \
                  --train megatron --infer vllm --device cuda --strict --steps ${RL_STEPS:-20} --group-size 4 --max-new-tokens 32 \

@@ -17,12 +17,13 @@ fused_moe/), with the arithmetic of alignaudit_kernels.linear:
                (tile_for); rounded once to x.dtype. A row's bits should be the strict linear's for that row: on
                an H200 the tensor cores' K order did not depend on the tile or the row's place in it for linear
                (bench/sweep_gpu.py, docs/benchmarks.md). Checked bit for bit against the gathered dispatch under
-               the Triton interpreter; tests/kernels/test_moe_kernel.py checks it on a GPU (not yet run there).
+               the Triton interpreter and on an H200 (tests/kernels/test_moe_kernel.py: bf16/fp16/fp32, and
+               replayed from a captured CUDA graph; 2026-12-05).
     ids        an expert id outside [0, E) is never covered by a tile: its rows come out NaN (the gathered
                dispatch raises IndexError; reading the ids on the host would end capturability).
 
-Triton only (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); the CPU backend keeps the gathered
-dispatch, which never runs in a CUDA graph. Forward only.
+Triton only (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), where it is the default dispatch; the CPU
+backend keeps the gathered dispatch, which never runs in a CUDA graph. Forward only.
 """
 
 from __future__ import annotations

@@ -63,13 +63,14 @@ def asked_dispatch() -> str:
 
 
 def dispatch_for(x: torch.Tensor) -> str:
-    """The dispatch ``combine_experts`` uses when none is given: ``asked_dispatch()``, where auto means
-    "every_expert" while a CUDA graph is being captured (the capturable path run on the H200) and "gathered"
-    otherwise. Raises ValueError as asked_dispatch."""
+    """The dispatch ``combine_experts`` uses when none is given: ``asked_dispatch()``, where auto means "grouped" on
+    the Triton backend (no host read, so vLLM's CUDA graphs capture it; 10 to 60 times faster than gathered's host
+    reads on an H200, docs/benchmarks.md 2026-12-05) and "gathered" on the CPU backend. Raises ValueError as
+    asked_dispatch."""
     asked = asked_dispatch()
     if asked != "auto":
         return asked
-    return "every_expert" if x.is_cuda and torch.cuda.is_current_stream_capturing() else "gathered"
+    return "grouped" if use_triton(x) else "gathered"
 
 
 def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up, down,

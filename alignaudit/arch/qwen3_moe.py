@@ -8,9 +8,9 @@ difference in a router logit can change which experts a token goes to.
 
 What runs today: every engine's own (default) MoE, compared at the logprob level (compare, capture/diff,
 gate) and op by op (bisect: router logits, routing, MoE output; alignaudit.capture.ops.MOE_OPS), and under --strict
-the strict MoE layer (alignaudit_kernels.route + combine_experts) in megatron, hf and vLLM (its CPU backend).
-rl, tensor parallelism and strict vLLM on a GPU are refused for MoE models before any engine starts
-(alignaudit.inputs.capabilities.MOE_REFUSED).
+the strict MoE layer (alignaudit_kernels.route + combine_experts) in megatron, hf and vLLM (its CPU backend, and
+CUDA eager or inside its CUDA graphs). rl and tensor parallelism are refused for MoE models before any engine
+starts (alignaudit.inputs.capabilities.MOE_REFUSED).
 """
 
 from __future__ import annotations

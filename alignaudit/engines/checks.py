@@ -73,12 +73,9 @@ def check_parallel(spec, runs, device: str) -> None:
 
 
 def check_moe(spec, runs) -> None:
-    """Refuse what a mixture-of-experts ``spec`` cannot run with these engine runs (the train run, then the infer
-    run: a message names that side's option flag). Raises InputError."""
+    """Refuse what a mixture-of-experts ``spec`` cannot run with these engine runs. Raises InputError."""
     if any(tensor_parallel_size(run) != 1 for run in runs):
         refuse_moe(spec, "tensor parallelism")
-    for run, flag in zip(runs, ("--train-opt", "--infer-opt"), strict=True):
-        kind_of(run.engine).check_moe(spec, run.settings, flag)
 
 
 def processed_logprobs(run) -> bool:

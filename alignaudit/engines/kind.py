@@ -133,7 +133,3 @@ class EngineKind:
         """Whether, as the rollout engine, it records logprobs after temperature, top-k and top-p (which the
         training side must then replay)."""
         return False
-
-    def check_moe(self, spec, settings, flag: str) -> None:
-        """Refuse what this engine does not run for a mixture-of-experts ``spec``; ``flag`` is the option flag
-        of its side. Raises InputError."""

@@ -70,8 +70,6 @@ def check_engine_features(spec, engines: tuple[str, ...]) -> None:
 MOE_REFUSED: dict[str, str] = {
     "alignaudit rl": "the weight sync maps dense MLPs only; run rl on a dense model",
     "tensor parallelism": "expert weights are not sharded by alignaudit; run MoE models at tensor parallel size 1",
-    "strict vLLM on CUDA with CUDA graphs": "its expert dispatch failed inside vLLM's graph capture (H200, vLLM "
-    "0.26.0; eager: 0 mismatches, docs/findings.md)",
 }
 
 

@@ -121,30 +121,28 @@ def test_what_moe_does_not_run_yet_is_refused_before_any_engine(capsys, tmp_path
     assert message in err and not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("engine, device, strict, options, refused", [
-    ("vllm", "cuda", "all", {}, True),
-    ("vllm", "cuda", "linear", {"enforce_eager": False}, True),
-    ("vllm", "cuda", "all", {"enforce_eager": True}, False),
-    ("vllm", "cuda", "rmsnorm,rope", {}, False),  # vLLM's own fused MoE kernel: graphs are fine
-    ("vllm", "cpu", "all", {}, False),
-    ("megatron", "cuda", "all", {}, False),
+@pytest.mark.parametrize("engine, strict, options", [
+    ("vllm", "all", {}),  # graphs on: the grouped dispatch, 0 mismatches under FULL_AND_PIECEWISE on the H200
+    ("vllm", "linear", {"enforce_eager": False}),
+    ("vllm", "all", {"enforce_eager": True}),
+    ("megatron", "all", {}),
 ])
-def test_strict_moe_in_cuda_vllm_graphs_is_refused_until_run(engine, device, strict, options, refused):
-    """Strict MoE inside CUDA vLLM ran eager only (findings.md "CUDA vLLM"); graphs are refused with the fix."""
+def test_strict_moe_in_cuda_vllm_graphs_is_no_longer_refused(engine, strict, options):
+    """Strict MoE inside CUDA vLLM's graphs ran with 0 mismatching tokens once the grouped dispatch became the
+    default on CUDA (docs/benchmarks.md 2026-12-05, sixth session), so nothing about it is refused; tensor
+    parallelism still is."""
     from alignaudit.engines.checks import check_moe
     from alignaudit.errors import InputError
 
-    run = EngineRun(engine, EngineSettings("bf16", device, 0, options, strict=strict))
-    other = EngineRun("hf", EngineSettings("bf16", device, 0, {}, strict=strict))
-    dense = load_spec(ROOT / "fixtures" / "qwen3-tiny")
-    for runs, flag in (([other, run], "--infer-opt"), ([run, other], "--train-opt")):
-        check_moe(dense, runs)
-        if not refused:
-            check_moe(load_spec(MOE), runs)
-            continue
-        with pytest.raises(InputError, match="strict vLLM on CUDA with CUDA graphs for Qwen3MoeForCausalLM .*; add "
-                                             f"{flag} enforce_eager=true$"):
-            check_moe(load_spec(MOE), runs)
+    run = EngineRun(engine, EngineSettings("bf16", "cuda", 0, options, strict=strict))
+    other = EngineRun("hf", EngineSettings("bf16", "cuda", 0, {}, strict=strict))
+    for runs in ([other, run], [run, other]):
+        check_moe(load_spec(MOE), runs)
+    from alignaudit.engines import kind_of
+
+    split = EngineRun(engine, EngineSettings("bf16", "cuda", 0, {kind_of(engine).tp_option: 2}, strict=strict))
+    with pytest.raises(InputError, match="tensor parallelism for Qwen3MoeForCausalLM"):
+        check_moe(load_spec(MOE), [other, split])
 
 
 @pytest.mark.parametrize("field, value, message", [

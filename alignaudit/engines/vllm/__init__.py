@@ -67,12 +67,5 @@ class VllmKind(EngineKind):
     def records_processed_logprobs(self, settings) -> bool:
         return settings.options.get("logprobs_mode") == "processed_logprobs"
 
-    def check_moe(self, spec, settings, flag: str) -> None:
-        """Strict MoE inside CUDA vLLM runs eager only (``enforce_eager=true``): not yet run in CUDA graphs."""
-        if settings.device == "cuda" and "linear" in settings.strict_ops and not settings.options.get("enforce_eager"):
-            from alignaudit.inputs.capabilities import refuse_moe
-
-            refuse_moe(spec, "strict vLLM on CUDA with CUDA graphs", fix=f"add {flag} enforce_eager=true")
-
 
 KIND = VllmKind()
