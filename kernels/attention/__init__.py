@@ -39,11 +39,14 @@ decode on the GPU). Contiguous K/V (training engines) are read in place as one-t
 
 Layouts: q [tokens, heads, head_dim]; K/V either contiguous per sequence [tokens, kv_heads, head_dim]
 (training engines) or a paged cache [num_blocks, block_size, kv_heads, head_dim] with a block table
-[sequences, max_blocks] (vLLM). Backward: through the plain-torch reference, in fp32.
+[sequences, max_blocks] (vLLM). Backward (ALIGNAUDIT_BACKWARD): through the plain-torch reference in fp32, or fused:
+FlashAttention-2's varlen backward fed the forward's log-sum-exp (``flash_gradients``) or torch's SDPA, both under
+torch's deterministic mode.
 
 The package, one job per module: ``algorithm`` (the fixed sizes and exp choices), ``torch_reference`` (plain
-torch: the reference and the backward), ``cpu`` (the CPU backend), ``triton_kernels`` (the GPU kernels), ``launch``
-(tiles, configurations, plans), ``functions`` (the entry points below).
+torch: the reference and the backward), ``flash_gradients`` (the fused backward by FlashAttention-2), ``cpu`` (the
+CPU backend), ``triton_kernels`` (the GPU kernels), ``launch`` (tiles, configurations, plans), ``functions`` (the
+entry points below).
 """
 
 from alignaudit_kernels.attention.algorithm import BLOCK_N, CHUNK_N, DEFAULT_EXP, EXP_CHOICES, TILE_ROWS

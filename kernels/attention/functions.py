@@ -178,7 +178,7 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, scale, exp):
         ctx.scale = scale
-        if use_triton(q) and flash_backward_available(q) and asked_backward() == "fused":
+        if flash_backward_available(q) and asked_backward() == "fused":  # keep what FlashAttention-2's backward reads
             lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
             out = _contiguous_forward(q, k, v, cu_seqlens, scale, exp, lse=lse)
             ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
