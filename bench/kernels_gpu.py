@@ -149,7 +149,8 @@ def bench_attention_backward(lengths, tokens=16384):
     filling ``tokens`` tokens, GQA 32/8, d 128, bf16. Rows: torch_reference.attention_gradients at each
     ALIGNAUDIT_BACKWARD (they recompute their forward inside), and varlen_attention's own backward with
     ALIGNAUDIT_BACKWARD=fused (FlashAttention-2's varlen backward fed the strict forward's output and log-sum-exp:
-    what a Megatron step runs). Ratio: SDPA backward ms (not deterministic) / the row's ms."""
+    what a Megatron step runs), and the cuDNN candidate (flash_gradients.equal_length_cudnn_gradients, the same
+    inputs). Ratio: SDPA backward ms (not deterministic) / the row's ms."""
     import os
 
     from alignaudit_kernels import gradients
@@ -173,10 +174,17 @@ def bench_attention_backward(lengths, tokens=16384):
             deterministic = ms(flash)
         rows.append({"op": f"attention backward {b}x{n} (SDPA flash, deterministic mode)", "default_ms": base,
                      "strict_ms": deterministic, "ratio": base / deterministic})
-        for how in (*gradients.BACKWARDS, "fused, varlen"):
+        for how in (*gradients.BACKWARDS, "fused, varlen", "fused, cuDNN candidate"):
             os.environ[gradients.BACKWARD_ENV] = how.split(",")[0]
             try:
-                if how == "fused, varlen":
+                if how == "fused, cuDNN candidate":
+                    flat = [t.flatten(0, 1) for t in (q, k, v, g)]
+                    lse = torch.empty(h, b * n, device="cuda")
+                    cu = torch.arange(0, b * n + 1, n)
+                    strict_out = K.attention._launch_varlen(*flat[:3], cu, d ** -0.5, lse=lse)
+                    strict = lambda flat=flat, o=strict_out, lse=lse: flash_gradients.equal_length_cudnn_gradients(  # noqa: E731
+                        *flat, o, lse, n, d ** -0.5)
+                elif how == "fused, varlen":
                     ins = [t.flatten(0, 1).detach().requires_grad_() for t in (q, k, v)]
                     cu = torch.arange(0, b * n + 1, n)
                     strict_out = K.varlen_attention(*ins, cu, d ** -0.5)
@@ -187,9 +195,9 @@ def bench_attention_backward(lengths, tokens=16384):
                 mine = ms(strict)
                 rows.append({"op": f"attention backward {b}x{n} ({how})", "default_ms": base, "strict_ms": mine,
                              "ratio": base / mine})
-            except torch.OutOfMemoryError as e:
+            except (torch.OutOfMemoryError, RuntimeError) as e:  # the candidate may be refused by torch's cuDNN
                 rows.append({"op": f"attention backward {b}x{n} ({how})", "default_ms": float("nan"),
-                             "strict_ms": float("nan"), "ratio": float("nan"), "graph_error": str(e)[:60]})
+                             "strict_ms": float("nan"), "ratio": float("nan"), "graph_error": str(e)[:200]})
             finally:
                 os.environ.pop(gradients.BACKWARD_ENV)
                 torch.cuda.empty_cache()

@@ -71,3 +71,25 @@ def varlen_flash_gradients(q, k, v, g, cu_seqlens, max_len: int, scale: float, o
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             g.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, seed, offset, scale=scale)
     return dq, dk, dv
+
+
+def equal_length_cudnn_gradients(q, k, v, g, out, lse, length: int, scale: float):
+    """A candidate, not yet measured (bench/kernels_gpu.py --sections attention-backward times it): the same
+    gradients as ``varlen_flash_gradients`` for a batch of B sequences of ``length`` tokens each, by cuDNN's SDPA
+    backward (``aten._scaled_dot_product_cudnn_attention_backward``, torch's fastest attention backward on an H200:
+    docs/benchmarks.md 2026-12-05 sixth session), deterministic under the same mode. q, g, out [B * length, H, D],
+    k, v [B * length, KVH, D] are read as [B, heads, length, D] views; lse [H, B * length] fp32 is laid out as
+    cuDNN's softmax statistics [B, H, length, 1]. Returns (dq, dk, dv) in the inputs' shapes.
+    Raises RuntimeError where torch's cuDNN attention does not take these inputs (e.g. no cuDNN frontend build)."""
+    b = q.shape[0] // length
+
+    def heads_major(x):
+        return x.view(b, length, x.shape[1], x.shape[2]).transpose(1, 2)
+
+    stats = lse.view(lse.shape[0], b, length).permute(1, 0, 2).contiguous()[..., None]
+    unused = torch.empty((), dtype=torch.long, device=q.device)  # no dropout: the Philox state is never read
+    with deterministic_algorithms():
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            heads_major(g), heads_major(q), heads_major(k), heads_major(v), heads_major(out), stats, unused, unused,
+            None, None, None, length, length, 0.0, True, scale=scale)
+    return tuple(x.transpose(1, 2).reshape(b * length, x.shape[1], x.shape[3]) for x in grads)

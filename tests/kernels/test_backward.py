@@ -228,6 +228,31 @@ def test_fused_varlen_backward_is_flashattention2s_deterministic_and_close_to_th
         assert error < 1e-2, f"d{name}: relative error {error}"
 
 
+def test_cudnn_backward_candidate_is_deterministic_and_agrees_with_flashattention2(device):
+    """flash_gradients.equal_length_cudnn_gradients (not yet wired in: a candidate for speed) on three sequences of
+    1024 tokens, fed the strict forward's output and lse: the same bits in three runs, and within bf16 rounding of
+    the FlashAttention-2 varlen backward on the same inputs (relative error under 1e-2 per gradient)."""
+    if device != "cuda":
+        pytest.skip("cuDNN attention is torch's CUDA kernel")
+    from alignaudit_kernels.attention import flash_gradients
+
+    b, n, h, kvh, d = 3, 1024, 32, 8, 128
+    q, k, v, g = (randn(b * n, x, d, dtype=torch.bfloat16, device=device, seed=80 + i)
+                  for i, x in enumerate((h, kvh, kvh, h)))
+    cu = torch.arange(0, b * n + 1, n)
+    lse = torch.empty(h, b * n, device=device)
+    out = attention._launch_varlen(q, k, v, cu, d ** -0.5, lse=lse)
+    runs = [flash_gradients.equal_length_cudnn_gradients(q, k, v, g, out, lse, n, d ** -0.5) for _ in range(3)]
+    for run in runs[1:]:
+        for name, a, c in zip("qkv", run, runs[0], strict=True):
+            assert_bitwise_equal(f"cuDNN d{name}, run to run", a, c)
+    flash = flash_gradients.varlen_flash_gradients(q, k, v, g, cu, n, d ** -0.5, out, lse)
+    for name, a, f in zip("qkv", runs[0], flash, strict=True):
+        assert a.shape == f.shape, f"d{name}: {tuple(a.shape)} vs {tuple(f.shape)}"
+        error = ((a.float() - f.float()).norm() / f.float().norm()).item()
+        assert error < 1e-2, f"d{name}: cuDNN vs FlashAttention-2, relative difference {error}"
+
+
 def test_entry_points_compute_the_same_bits_with_and_without_autograd(monkeypatch, device, dtype):
     """An entry point called where no gradient can be recorded skips its torch.autograd.Function
     (primitives.no_gradient; the Functions' apply is made to fail meanwhile): same output bits as the
