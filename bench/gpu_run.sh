@@ -46,7 +46,7 @@
 # CMP_TIMEOUT: seconds per compare (420). CMP_OPTS reaches grpo's runs (grpo17, grpo8, task-rl) and vllm-rl17-shaped too.
 # [27] MoE: moe-bench the strict MoE expert work by dispatch (gathered, grouped, every_expert; eager and graph replays;
 # bits against gathered) vs vLLM's fused_experts at the Qwen3-30B-A3B layer shape, MOE_TOKENS (8,64,512,4096) tokens
-# (bench/moe_gpu.py; vLLM's column needs the bundle packed with --moe); vllm-moe-graphs the vllm-moe compares in rollout
+# (bench/moe_gpu.py; vLLM's column needs the bundle packed with --moe; MOEB_OPTS=--tiles also sweeps the grouped tiles); vllm-moe-graphs the vllm-moe compares in rollout
 # mode with vLLM's CUDA graphs on (FULL_AND_PIECEWISE), once per dispatch in MOEG_HOW (auto, the grouped one on CUDA;
 # every_expert also captures). bench-attention-backward: the strict attention's backward (ALIGNAUDIT_BACKWARD reference, fused) vs
 # torch's flash backward at 1k/4k/8k (bench/kernels_gpu.py --sections attention-backward).
@@ -337,7 +337,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
               cmp vq30-strict --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron --infer vllm --strict
               cmp vq30-strict-rollout --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron --infer vllm \
                 --strict --mode rollout --max-new-tokens 64 ;;
-    moe-bench) timeout ${MOEB_TIMEOUT:-400} python3 bench/moe_gpu.py --tokens ${MOE_TOKENS:-8,64,512,4096} \
+    moe-bench) timeout ${MOEB_TIMEOUT:-400} python3 bench/moe_gpu.py --tokens ${MOE_TOKENS:-8,64,512,4096} ${MOEB_OPTS:-} \
                  --json "$out/moe-bench.json" 2>&1 | log | tail -8 ;;
     vllm-moe-graphs) python3 -c "
 import copy; from pathlib import Path; from alignaudit.arch import PRESETS; from alignaudit.inputs.synth import synthesize_checkpoint

@@ -1,6 +1,6 @@
 """Strict MoE expert work vs vLLM's fused MoE on one GPU, at the Qwen3-30B-A3B layer shape (issue [27]).
 
-    python3 bench/moe_gpu.py [--tokens 8,64,512,4096] [--json OUT.json]
+    python3 bench/moe_gpu.py [--tokens 8,64,512,4096] [--tiles] [--json OUT.json]
 
 For each token count, one strict routing (alignaudit_kernels.route on random bf16 tokens and router) and then
 the expert part of the layer (alignaudit_kernels.combine_experts) by each dispatch: "gathered" eager (it reads the
@@ -10,6 +10,8 @@ Triton MoE, needs the bundle packed with --moe) on the same routing and weights,
 largest difference from the strict output (a sanity check of the call: same layout, [gate | up]). The ratio
 strict grouped / vLLM (graph replays) is the target's (<= 1.3). The floor: the touched experts' weight bytes over
 the device-to-device copy bandwidth measured in the same run. Timings: bench/timing.py (medians, ms).
+--tiles: also the grouped products at each of grouped_linear.SWEEP_TILES (graph replays, bits against the default
+tile's), the data for choosing the tile from the rows an expert gets.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from alignaudit_kernels import moe  # noqa: E402
+from alignaudit_kernels import grouped_linear, moe  # noqa: E402
 from bench.timing import graph_ms, ms  # noqa: E402
 
 DT = torch.bfloat16
@@ -46,7 +48,20 @@ def vllm_fused_experts():
     return fused_experts
 
 
-def one_size(tokens: int, weights, bandwidth: float, fused) -> dict:
+def tile_sweep(x, chosen, gate_up, down) -> dict:
+    """Graph-replay ms and bit equality with the default tile of the grouped products at each SWEEP_TILES tile."""
+    default = moe._grouped(x, chosen, gate_up, down)
+    swept = {}
+    for tile in grouped_linear.SWEEP_TILES:
+        run = lambda tile=tile: moe._grouped(x, chosen, gate_up, down, tile=tile)  # noqa: E731
+        try:
+            swept[str(tile)] = {"bit_equal": bool(torch.equal(run(), default)), "graph_ms": round(graph_ms(run), 4)}
+        except Exception as e:  # noqa: BLE001 - a tile that does not build is a row of the sweep, not its end
+            swept[str(tile)] = {"error": f"{type(e).__name__}: {e}"[:200]}
+    return swept
+
+
+def one_size(tokens: int, weights, bandwidth: float, fused, tiles: bool = False) -> dict:
     router, gate_up, down = weights
     x = torch.randn(tokens, SHAPE["hidden"], device="cuda").to(DT)
     _, chosen, routing_weights = moe.route(x, router, SHAPE["top_k"], True)
@@ -66,6 +81,9 @@ def one_size(tokens: int, weights, bandwidth: float, fused) -> dict:
         row[f"{dispatch}_bit_equal"] = bool(torch.equal(run(dispatch)(), gathered))
         row[f"{dispatch}_ms"] = ms(run(dispatch))
         row[f"{dispatch}_graph_ms"] = graph_ms(run(dispatch))
+    if tiles:
+        row["grouped_default_tile"] = str(grouped_linear.tile_for(-(-chosen.numel() // SHAPE["experts"]), 0, DT))
+        row["tiles"] = tile_sweep(x, chosen, gate_up, down)
     if isinstance(fused, str):
         row["vllm"] = fused
         return row
@@ -85,6 +103,7 @@ def one_size(tokens: int, weights, bandwidth: float, fused) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="8,64,512,4096")
+    ap.add_argument("--tiles", action="store_true", help="also sweep the grouped products' launch tiles")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     e, h, i = SHAPE["experts"], SHAPE["hidden"], SHAPE["width"]
@@ -96,7 +115,7 @@ def main() -> None:
     fused = vllm_fused_experts()
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        rows.append(one_size(tokens, weights, bandwidth, fused))
+        rows.append(one_size(tokens, weights, bandwidth, fused, args.tiles))
         print(json.dumps(rows[-1]), flush=True)
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE,
               "copy_gbps": round(bandwidth, 1), "rows": rows}

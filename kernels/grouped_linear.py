@@ -35,6 +35,11 @@ import torch
 from alignaudit_kernels.matmul import tile_for
 from alignaudit_kernels.primitives import cdiv, triton
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): launch tiles other than linear's choice, each with the same K loop, that
+# bench/moe_gpu.py --tiles times and tests/kernels/test_moe_kernel.py checks bit for bit on a GPU (bf16/fp16)
+SWEEP_TILES = ((16, 32, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3),
+               (128, 256, 64, 8, 3))
+
 
 @dataclass(frozen=True)
 class ExpertPlan:
@@ -97,7 +102,7 @@ def block_m_for(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
     return tile_for(cdiv(pairs, num_experts), 0, dtype)[0]
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gather: bool) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gather: bool, tile=None) -> torch.Tensor:
     """Sorted row i of the result is ``linear(src_i, weight[e_i])`` for the expert e_i owning it.
 
     Args:
@@ -105,10 +110,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
             x[plan.token[i]]); without, already in sorted order (R = P: the previous grouped product's output).
         weight: [E, N, K] in x.dtype, each expert's matrix with unit stride along K.
         plan: plan_experts of the routing, with block_m = the tile height used here.
+        tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to launch with instead of linear's tile for the mean rows
+            per expert (benchmarks: bench/moe_gpu.py --tiles); BLOCK_M must be plan.block_m. The K loop is the
+            same at every tile, so on a GPU whose tensor cores keep their K order across tiles the bits are too.
     Returns:
         [P, N] in x.dtype, in sorted-row order; NaN rows for expert ids outside [0, E) (module docstring).
     Raises:
-        ValueError: shapes or dtypes that do not match, or the Triton backend unavailable.
+        ValueError: shapes or dtypes that do not match, a tile whose height is not the plan's, or the Triton backend
+            unavailable.
     """
     if triton is None:
         raise ValueError("grouped_linear needs Triton (a CUDA tensor, or TRITON_INTERPRET=1)")
@@ -122,10 +131,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
                          f"gather={gather})")
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(2) == 1 else weight.contiguous()
+    bm, bn, bk, warps, stages = tile or (plan.block_m, *tile_for(cdiv(pairs, experts), 0, x.dtype)[1:])  # as swept
+    if bm != plan.block_m:
+        raise ValueError(f"grouped_linear: a tile of {bm} rows for a plan of {plan.block_m}-row tiles")
     y = torch.full((pairs, n), float("nan"), dtype=x.dtype, device=x.device)  # rows no tile covers stay NaN
     if plan.tiles == 0:
         return y
-    _, bn, bk, warps, stages = tile_for(cdiv(pairs, experts), 0, x.dtype)  # block_m_for's tile, as swept
     tiles_n = cdiv(n, bn)
     _grouped_kernel[(plan.tiles * tiles_n,)](
         x, weight, y, plan.token if gather else plan.pair, plan.starts, plan.tile_expert, plan.tile_row,

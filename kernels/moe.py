@@ -123,15 +123,16 @@ def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     return acc.to(x.dtype)
 
 
-def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_up, down) -> torch.Tensor:
-    """[T * top_k, H]: row t * top_k + r is expert chosen[t, r]'s SwiGLU output for token t (grouped_linear)."""
+def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_up, down, tile=None) -> torch.Tensor:
+    """[T * top_k, H]: row t * top_k + r is expert chosen[t, r]'s SwiGLU output for token t (grouped_linear; ``tile``:
+    its launch tile for both products, benchmarks only)."""
     if not use_triton(x):
         raise ValueError("the grouped MoE dispatch needs the Triton backend (CUDA, or TRITON_INTERPRET=1)")
     gate_up, down = _stacked(gate_up), _stacked(down)
     experts = gate_up.shape[0]
-    plan = plan_experts(chosen, experts, block_m_for(chosen.numel(), experts, x.dtype))
-    hidden = silu_and_mul(grouped_linear(x, gate_up, plan, gather=True))
-    sorted_out = grouped_linear(hidden, down, plan, gather=False)
+    plan = plan_experts(chosen, experts, tile[0] if tile else block_m_for(chosen.numel(), experts, x.dtype))
+    hidden = silu_and_mul(grouped_linear(x, gate_up, plan, gather=True, tile=tile))
+    sorted_out = grouped_linear(hidden, down, plan, gather=False, tile=tile)
     return torch.empty_like(sorted_out).index_copy_(0, plan.pair, sorted_out)
 
 

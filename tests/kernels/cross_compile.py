@@ -207,6 +207,8 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         _gradients(m["gradients"], dtype)
         for tokens in (2, 64, 4096):  # the grouped products' tile classes (tiny, small, large)
             _grouped(m["grouped_linear"], dtype, tokens)
+    for tile in m["grouped_linear"].SWEEP_TILES:  # the tiles bench/moe_gpu.py --tiles times
+        _grouped(m["grouped_linear"], BF16, 4096, tile)
 
 
 def _gradients(gradients, dtype) -> None:
@@ -218,15 +220,16 @@ def _gradients(gradients, dtype) -> None:
     gradients.rope_grad(_empty(16, 32, 128, dtype=dtype), torch.arange(16), cos, sin)
 
 
-def _grouped(grouped_linear, dtype, tokens: int) -> None:
-    """The grouped MoE products (ALIGNAUDIT_MOE_DISPATCH=grouped) at the Qwen3-30B-A3B layer (hidden 2048, 128
-    experts of width 768, top-8): gate_up gathering the tokens, down over the sorted rows."""
+def _grouped(grouped_linear, dtype, tokens: int, tile=None) -> None:
+    """The grouped MoE products (the default dispatch on CUDA) at the Qwen3-30B-A3B layer (hidden 2048, 128 experts
+    of width 768, top-8): gate_up gathering the tokens, down over the sorted rows; at linear's tile, or ``tile``."""
     chosen = torch.randint(0, 128, (tokens, 8))
-    plan = grouped_linear.plan_experts(chosen, 128, grouped_linear.block_m_for(chosen.numel(), 128, dtype))
+    block_m = tile[0] if tile else grouped_linear.block_m_for(chosen.numel(), 128, dtype)
+    plan = grouped_linear.plan_experts(chosen, 128, block_m)
     grouped_linear.grouped_linear(_empty(tokens, 2048, dtype=dtype), _empty(128, 1536, 2048, dtype=dtype), plan,
-                                  gather=True)
+                                  gather=True, tile=tile)
     grouped_linear.grouped_linear(_empty(tokens * 8, 768, dtype=dtype), _empty(128, 2048, 768, dtype=dtype), plan,
-                                  gather=False)
+                                  gather=False, tile=tile)
 
 
 def _medium_class(matmul, w) -> None:

@@ -107,6 +107,10 @@ def test_moe_dispatches_give_the_gathered_bits(device, dtype, dispatch, monkeypa
         args = (x[:37], chosen[:37], weights[:37], *moe_weights(e, h, 48, dtype, device, seed=57)[1:])
         assert_bitwise_equal(f"{dispatch}, I 48", moe.combine_experts(*args, dispatch=dispatch),
                              moe.combine_experts(*args, dispatch="gathered"))
+    if device == "cuda" and dispatch == "grouped" and dtype != torch.float32:  # bench/moe_gpu.py --tiles' candidates
+        default = moe._grouped(x, chosen, gate_up, down)
+        for tile in grouped_linear.SWEEP_TILES:
+            assert_bitwise_equal(f"grouped at tile {tile}", moe._grouped(x, chosen, gate_up, down, tile=tile), default)
 
 
 def test_grouped_dispatch_marks_what_it_cannot_place(device):
@@ -129,6 +133,8 @@ def test_grouped_dispatch_marks_what_it_cannot_place(device):
     plan = plan_experts(good, 3, 64)
     with pytest.raises(ValueError, match="x has 4 rows for a plan of 4 pairs"):
         grouped_linear.grouped_linear(x, gate_up, plan, gather=True)
+    with pytest.raises(ValueError, match="a tile of 16 rows for a plan of 64-row tiles"):
+        grouped_linear.grouped_linear(x[1:3], gate_up, plan, gather=True, tile=(16, 32, 128, 4, 3))
 
 
 @pytest.mark.parametrize("dispatch", ["grouped", "every_expert"])
