@@ -1,6 +1,7 @@
 """Is an attention backward deterministic on this GPU? Runs it N times on the same inputs and counts the distinct
-bit patterns of dq, dk and dv: torch's SDPA backward (flash) as a trainer runs it, the same under torch's
-deterministic mode, and alignaudit's fused varlen backward (ALIGNAUDIT_BACKWARD=fused,
+bit patterns of dq, dk and dv: torch's SDPA backward as a trainer runs it (its default backend: cuDNN's on an H200),
+SDPA with forward and backward under torch's deterministic mode (which excludes cuDNN's SDPA: FlashAttention-2's
+deterministic backward there), and alignaudit's fused varlen backward (ALIGNAUDIT_BACKWARD=fused,
 kernels/attention/flash_gradients.py). One distinct pattern: the same bits every run.
 
     python3 bench/attention_determinism.py [--runs 8] [--lengths 4096,1500,700] [--json OUT.json]
@@ -68,7 +69,7 @@ def main() -> None:
 
     result = {"lengths": lengths, "runs": args.runs, "device": torch.cuda.get_device_name(),
               "torch": torch.__version__}
-    for name, backward in (("sdpa flash", sdpa), ("sdpa flash, deterministic mode", sdpa_deterministic),
+    for name, backward in (("sdpa, default backend", sdpa), ("sdpa, deterministic mode", sdpa_deterministic),
                            ("alignaudit fused varlen", fused)):
         result[name] = distinct_patterns(backward, args.runs)
         print(f"{name:32s} distinct bit patterns over {args.runs} runs: {result[name]}", flush=True)

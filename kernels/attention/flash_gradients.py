@@ -18,6 +18,7 @@ would fill every output and workspace), the caller's settings restored after.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -26,28 +27,44 @@ FLASH_MAX_HEAD_DIM = 256
 
 
 def flash_backward_available(q: torch.Tensor) -> bool:
-    """Whether torch's FlashAttention-2 kernels take q [T, H, D]: a CUDA (not ROCm) tensor in fp16/bf16 with D a
-    multiple of 8 up to 256 (flash_api.cpp's checks), on a torch that has the op."""
+    """Whether torch's FlashAttention-2 kernels take q [T, H, D]: a CUDA (not ROCm) tensor on an Ampere or newer GPU
+    (compute capability 8+), in fp16/bf16, with D a multiple of 8 up to 256 (flash_api.cpp's checks), on a torch that
+    has the op."""
     d = q.shape[-1]
     return (q.is_cuda and torch.version.hip is None and q.dtype in FLASH_DTYPES and d % 8 == 0
-            and d <= FLASH_MAX_HEAD_DIM and hasattr(torch.ops.aten, "_flash_attention_backward"))
+            and d <= FLASH_MAX_HEAD_DIM and torch.cuda.get_device_capability(q.device)[0] >= 8
+            and hasattr(torch.ops.aten, "_flash_attention_backward"))
+
+
+_MODE_LOCK = threading.Lock()
+_mode_users = 0  # blocks inside deterministic_algorithms() now, in any thread
+_saved_mode: tuple[bool, bool, bool] | None = None  # the settings the first of them found
 
 
 @contextlib.contextmanager
 def deterministic_algorithms():
-    """torch.use_deterministic_algorithms(True) for the block (it is process-wide: an op another thread launches
-    meanwhile runs under it too), with ``torch.utils.deterministic.fill_uninitialized_memory`` off; both
-    restored after."""
-    mode = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = False
+    """torch.use_deterministic_algorithms(True) for the block, with ``torch.utils.deterministic.
+    fill_uninitialized_memory`` off. Both are process-wide: an op another thread launches meanwhile runs under them
+    too. Blocks may overlap (autograd runs a backward per device thread): the first to enter saves the settings it
+    finds, the mode stays on while any block is inside, and the last to leave restores them."""
+    global _mode_users, _saved_mode
+    with _MODE_LOCK:
+        if _mode_users == 0:
+            _saved_mode = (torch.are_deterministic_algorithms_enabled(),
+                           torch.is_deterministic_algorithms_warn_only_enabled(),
+                           torch.utils.deterministic.fill_uninitialized_memory)
+            torch.use_deterministic_algorithms(True)
+            torch.utils.deterministic.fill_uninitialized_memory = False
+        _mode_users += 1
     try:
         yield
     finally:
-        torch.utils.deterministic.fill_uninitialized_memory = fill
-        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        with _MODE_LOCK:
+            _mode_users -= 1
+            if _mode_users == 0:
+                mode, warn_only, fill = _saved_mode
+                torch.utils.deterministic.fill_uninitialized_memory = fill
+                torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 def varlen_flash_gradients(q, k, v, g, cu_seqlens, max_len: int, scale: float, out=None, lse=None):
@@ -72,24 +89,3 @@ def varlen_flash_gradients(q, k, v, g, cu_seqlens, max_len: int, scale: float, o
             g.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, seed, offset, scale=scale)
     return dq, dk, dv
 
-
-def equal_length_cudnn_gradients(q, k, v, g, out, lse, length: int, scale: float):
-    """A candidate, not yet measured (bench/kernels_gpu.py --sections attention-backward times it): the same
-    gradients as ``varlen_flash_gradients`` for a batch of B sequences of ``length`` tokens each, by cuDNN's SDPA
-    backward (``aten._scaled_dot_product_cudnn_attention_backward``, torch's fastest attention backward on an H200:
-    docs/benchmarks.md 2026-12-05 sixth session), deterministic under the same mode. q, g, out [B * length, H, D],
-    k, v [B * length, KVH, D] are read as [B, heads, length, D] views; lse [H, B * length] fp32 is laid out as
-    cuDNN's softmax statistics [B, H, length, 1]. Returns (dq, dk, dv) in the inputs' shapes.
-    Raises RuntimeError where torch's cuDNN attention does not take these inputs (e.g. no cuDNN frontend build)."""
-    b = q.shape[0] // length
-
-    def heads_major(x):
-        return x.view(b, length, x.shape[1], x.shape[2]).transpose(1, 2)
-
-    stats = lse.view(lse.shape[0], b, length).permute(1, 0, 2).contiguous()[..., None]
-    unused = torch.empty((), dtype=torch.long, device=q.device)  # no dropout: the Philox state is never read
-    with deterministic_algorithms():
-        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            heads_major(g), heads_major(q), heads_major(k), heads_major(v), heads_major(out), stats, unused, unused,
-            None, None, None, length, length, 0.0, True, scale=scale)
-    return tuple(x.transpose(1, 2).reshape(b * length, x.shape[1], x.shape[3]) for x in grads)

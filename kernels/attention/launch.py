@@ -102,9 +102,10 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     block_d = max(16, triton.next_power_of_2(d))
     shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=chunk_n, ROW_POS=row_pos,
                   DECODE=decode, NATIVE_EXP=exp == "native", USED=_used_rows(decode, group, tile))
-    if lse is not None and (lse.shape != (h, t) or lse.dtype != torch.float32 or lse.stride(1) != 1):
+    if lse is not None and (lse.shape != (h, t) or lse.dtype != torch.float32 or lse.stride(1) != 1
+                            or (h > 1 and lse.stride(0) < t)):
         raise ValueError(f"strict attention: lse {tuple(lse.shape)} {lse.dtype} stride {lse.stride()} must be fp32 "
-                         f"[{h}, {t}] with unit stride along the rows")
+                         f"[{h}, {t}] with unit stride along the rows and heads that do not overlap")
     lse_args = (out, 0, False) if lse is None else (lse, lse.stride(0), True)  # (pointer, head stride, LSE)
     if split:
         m = torch.empty(chunks, n_tiles, kvh, tile, dtype=torch.float32, device=q.device)

@@ -50,7 +50,7 @@ def _reference_gradients(q, k, v, g, scale, q_positions):
     their dtypes; as many sequences at a time as keep the fp32 scores within REFERENCE_GRAD_ELEMENTS (it built
     one autograd graph per sequence and layer: about 900 a training step at the Qwen3-1.7B shape, 32 sequences x
     28 layers)."""
-    per_sequence = q.shape[2] * q.shape[1] * k.shape[1]
+    per_sequence = max(1, q.shape[2] * q.shape[1] * k.shape[1])  # 0 for sequences of no tokens
     chunk = max(1, REFERENCE_GRAD_ELEMENTS // per_sequence)
     grads = [torch.empty_like(t) for t in (q, k, v)]
     positions = q_positions.to(q.device)

@@ -247,6 +247,8 @@ def test_prefill_log_sum_exp_for_the_fused_backward(device):
         torch.testing.assert_close(lse.cpu().double(), expected, rtol=1e-5, atol=1e-4, msg=f"lse, split {split}")
     with pytest.raises(ValueError, match=rf"lse \({t}, {h}\) torch.float32 .* must be fp32 \[{h}, {t}\]"):
         attention._launch_varlen(q, k, v, cu, scale, lse=torch.empty(t, h, device=device))
+    with pytest.raises(ValueError, match="heads that do not overlap"):  # every head would write the same row
+        attention._launch_varlen(q, k, v, cu, scale, lse=torch.empty(1, t, device=device).expand(h, t))
 
 
 @pytest.mark.parametrize("group", [3, 33])
