@@ -178,7 +178,7 @@ def _whole_sequences(q, k, v, starts: list[int] | None, scale: float, exp: str) 
         cu = torch.arange(0, b * t + 1, t)
         return K.varlen_attention(*flat, cu, scale, exp=exp).view(b, t, h, d)
     runs = [(r * t + s, (r + 1) * t) for r, s in enumerate(starts) if s < t]
-    cu = torch.tensor([0, *torch.tensor([end - first for first, end in runs]).cumsum(0).tolist()])
+    cu = torch.tensor([0, *(end - first for first, end in runs)]).cumsum(0)
     rows = torch.cat([torch.arange(first, end) for first, end in runs]).to(q.device)
     out = q.new_zeros(b * t, h, d)
     out[rows] = K.varlen_attention(*(x[rows] for x in flat), cu, scale, exp=exp)
