@@ -64,6 +64,8 @@
 # candidates (bench/sweep_gpu.py --sections issue19); decode-gen19 paged decode at vllm-bench's decode shape vs FA3
 # (pages of 16 and 64, split, stages, warps; needs CUDA vLLM); targets19 the [19] target table from the stages' JSON in $OUT
 # (forward.json from forward, vllm-generate.json from vllm-bench; BENCH_PROFILE: configurations profiled there).
+# vllm-bench's shape: VB_MODEL (Qwen3-8B), VB_PROMPTS (64), VB_PROMPT_LEN (512), VB_NEW (256); the RL rollout shape is
+# VB_MODEL=Qwen3-1.7B VB_PROMPTS=32 VB_PROMPT_LEN=64 VB_NEW=64.
 # [25]: vllm-q8-shaped the Qwen3-8B shape rolled out as frameworks do: 8 prompts sharing a 384-token prefix
 # (SHAPED_PROMPTS, made here) x n = 8, EOS and 2000 stop token ids ending completions, no prompt logprobs (prefix cache
 # read), --engine-mode async with arrivals 50 ms apart; strict then default (SHAPED_HOW); vllm-rl17-shaped alignaudit
@@ -365,7 +367,8 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
     grpo17) grpo grpo17-${GRPO_TAG:-strict} $G17 ${GRPO_OPTS:---strict} --steps ${GRPO_STEPS:-200} --kl-coef ${GRPO_KL:-0.04} ;;
     grpo8) grpo grpo8 --model Qwen3-8B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4 \
              --train-opt micro_batch_size=${GRPO8_MB:-8} --strict --steps ${GRPO8_STEPS:-30} ;;
-    vllm-bench) timeout 560 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256 \
+    vllm-bench) timeout 560 python3 bench/vllm_generate.py --model ${VB_MODEL:-Qwen3-8B} --prompts ${VB_PROMPTS:-64} \
+                  --prompt-len ${VB_PROMPT_LEN:-512} --new-tokens ${VB_NEW:-256} \
                   --configs ${BENCH_CONFIGS:-default,batch-invariant,strict,strict-native-exp} --profile "${BENCH_PROFILE:-}" \
                   --json "$out/vllm-generate.json" 2>&1 | log | tail -${BENCH_TAIL:-12} ;;
     vllm-warmup) timeout 400 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 600 --prompt-len 128 --new-tokens 32 \
