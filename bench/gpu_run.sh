@@ -363,7 +363,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
                 ${RLB_OPTS:-} 2>&1 | log | tail -12
               cp bench-rl-steps.json "$out/" 2>/dev/null ;;
     train-profile) timeout ${TP_TIMEOUT:-300} python3 bench/train_step_profile.py --model Qwen3-1.7B --json "$out/train-profile.json" \
-                     2>&1 | log | tail -44 ;;
+                     2>&1 | log | tail -70 ;;
     grpo17) grpo grpo17-${GRPO_TAG:-strict} $G17 ${GRPO_OPTS:---strict} --steps ${GRPO_STEPS:-200} --kl-coef ${GRPO_KL:-0.04} ;;
     grpo8) grpo grpo8 --model Qwen3-8B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4 \
              --train-opt micro_batch_size=${GRPO8_MB:-8} --strict --steps ${GRPO8_STEPS:-30} ;;

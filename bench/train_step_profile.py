@@ -7,7 +7,9 @@ For each of strict and default, in its own process (megatron.core's parallel sta
 trainer of `alignaudit rl` (alignaudit.workers.rl_session.Worker, megatron, random weights) on one batch of random
 token ids, the shape `alignaudit rl` feeds it (sequences x (prompt + new tokens)); two warm-up updates, three
 timed (the median of ``train_step``'s wall seconds and of its optimizer step), then one under torch.profiler:
-the kernels and ops with the most self time, and how many kernels the update launched. Prints the median
+the kernels and ops with the most self time, how many kernels the update launched, and on CUDA the host side:
+the GPU's busy and idle seconds in the profiled update, the calls that wait for the GPU, the host ops with the
+most self CPU time. Prints the median
 update seconds of both and the ratio strict / default; --json writes every number.
 """
 
@@ -59,7 +61,7 @@ def profile_one(args) -> dict:
     timed = [update() for _ in range(3)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
-        update()
+        profiled_wall_s, _ = update()
     events = prof.key_averages()
     on_device = args.device == "cuda"
     key = "self_device_time_total" if on_device else "self_cpu_time_total"
@@ -73,6 +75,30 @@ def profile_one(args) -> dict:
         "kernels_launched": len(kernels),
         "kernel_s": round(sum(e.device_time_total for e in kernels) / 1e6, 3) if kernels else None,
         "top": [{"name": e.key[:90], "calls": e.count, "self_ms": round(getattr(e, key, 0) / 1e3, 2)} for e in rows],
+        **(host_side(prof, events, kernels, profiled_wall_s) if on_device else {}),
+    }
+
+
+SYNCHRONIZING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
+def host_side(prof, events, kernels, wall_s: float) -> dict:
+    """Where an update's wall time is not kernel time: the GPU's busy seconds (the union of kernel intervals, so
+    overlapping kernels count once), the idle rest, the calls that make the host wait for the GPU, and the host ops
+    with the most self CPU time (kernels have none: these are Python-side torch ops and launches)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy_us, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy_us += stop - max(start, end)
+            end = stop
+    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {
+        "profiled_wall_s": round(wall_s, 4), "gpu_busy_s": round(busy_us / 1e6, 4),
+        "gpu_idle_s": round(wall_s - busy_us / 1e6, 4),
+        "synchronizing_calls": {e.key: e.count for e in events if e.key in SYNCHRONIZING},
+        "host_top": [{"name": e.key[:90], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+                     for e in host[:TOP]],
     }
 
 
@@ -102,6 +128,11 @@ def main() -> None:
               f"{r['kernels_launched']} kernels, {r['kernel_s']} s of kernel time, {r['tokens']} tokens")
         for row in r["top"]:
             print(f"   {row['self_ms']:>9.2f} ms {row['calls']:>6}x  {row['name']}")
+        if "gpu_busy_s" in r:
+            print(f"   profiled update {r['profiled_wall_s']} s: GPU busy {r['gpu_busy_s']} s, idle {r['gpu_idle_s']} s; "
+                  f"synchronizing calls {r['synchronizing_calls']}; host self time:")
+            for row in r["host_top"][:10]:
+                print(f"   {row['self_cpu_ms']:>9.2f} ms {row['calls']:>6}x  {row['name']}")
     s, d = results["strict"]["update_s"], results["default"]["update_s"]
     print(f"update: strict {s:.3f} s, default {d:.3f} s, strict/default {s / d:.2f}")
     if args.json:
