@@ -82,7 +82,7 @@ def one_size(tokens: int, weights, bandwidth: float, fused, tiles: bool = False)
         row[f"{dispatch}_ms"] = ms(run(dispatch))
         row[f"{dispatch}_graph_ms"] = graph_ms(run(dispatch))
     if tiles:
-        row["grouped_default_tile"] = str(grouped_linear.tile_for(-(-chosen.numel() // SHAPE["experts"]), 0, DT))
+        row["grouped_default_tile"] = str(grouped_linear.grouped_tile(chosen.numel(), SHAPE["experts"], DT))
         row["tiles"] = tile_sweep(x, chosen, gate_up, down)
     if isinstance(fused, str):
         row["vllm"] = fused

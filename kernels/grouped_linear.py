@@ -14,7 +14,7 @@ fused_moe/), with the arithmetic of alignaudit_kernels.linear:
                past the sum return at once. torch.sort, searchsorted and cumsum: no host read.
     product    each output tile by matmul._segment, the K loop of the pointer kernel (K increasing, tl.dot into
                one fp32 accumulator, IEEE products for fp32), on the expert's weight, at one of linear's tiles
-               (tile_for); rounded once to x.dtype. A row's bits should be the strict linear's for that row: on
+               chosen by the mean rows per expert (grouped_tile); rounded once to x.dtype. A row's bits should be the strict linear's for that row: on
                an H200 the tensor cores' K order did not depend on the tile or the row's place in it for linear
                (bench/sweep_gpu.py, docs/benchmarks.md). Checked bit for bit against the gathered dispatch under
                the Triton interpreter and on an H200 (tests/kernels/test_moe_kernel.py: bf16/fp16/fp32, and
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alignaudit_kernels.matmul import tile_for
+from alignaudit_kernels.matmul import TILES, tile_for
 from alignaudit_kernels.primitives import cdiv, triton
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): launch tiles other than linear's choice, each with the same K loop, that
@@ -96,10 +96,24 @@ def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> Expert
                       tiles, top_k)
 
 
+# Mean rows per expert from which the grouped products launch 128 x 128 tiles (TILES' "small_wide"). bench/moe_gpu.py
+# --tiles, Qwen3-30B-A3B layer, graph replays, H100 2026-12-05 (docs/benchmarks.md): at 256 rows an expert 128x128x64
+# (8 warps) 1.262 ms against linear's 64x64x64 1.673 (vLLM's fused MoE 0.977); at 32 rows 64x64x64 stays the
+# fastest (0.562 against 0.570), at 4 and 0.5 rows linear's 16-row tile. Every swept tile gave the same bits.
+TALL_ROWS = 128
+
+
+def grouped_tile(pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a layer's grouped products, from the mean rows per expert:
+    TILES' "small_wide" from TALL_ROWS rows, linear's tile (tile_for) below. One plan serves the layer's
+    products, so the tile does not depend on their widths."""
+    rows = cdiv(pairs, num_experts)
+    return TILES[dtype]["small_wide"] if rows >= TALL_ROWS else tile_for(rows, 0, dtype)
+
+
 def block_m_for(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
-    """The row-tile height of a layer's grouped products: linear's tile height (tile_for) for the mean rows
-    per expert. One plan serves the layer's products, so the height does not depend on their widths."""
-    return tile_for(cdiv(pairs, num_experts), 0, dtype)[0]
+    """The row-tile height of a layer's grouped products (grouped_tile's BLOCK_M)."""
+    return grouped_tile(pairs, num_experts, dtype)[0]
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gather: bool, tile=None) -> torch.Tensor:
@@ -110,8 +124,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
             x[plan.token[i]]); without, already in sorted order (R = P: the previous grouped product's output).
         weight: [E, N, K] in x.dtype, each expert's matrix with unit stride along K.
         plan: plan_experts of the routing, with block_m = the tile height used here.
-        tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to launch with instead of linear's tile for the mean rows
-            per expert (benchmarks: bench/moe_gpu.py --tiles); BLOCK_M must be plan.block_m. The K loop is the
+        tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to launch with instead of grouped_tile's (benchmarks:
+            bench/moe_gpu.py --tiles); BLOCK_M must be plan.block_m. The K loop is the
             same at every tile, so on a GPU whose tensor cores keep their K order across tiles the bits are too.
     Returns:
         [P, N] in x.dtype, in sorted-row order; NaN rows for expert ids outside [0, E) (module docstring).
@@ -131,9 +145,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
                          f"gather={gather})")
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(2) == 1 else weight.contiguous()
-    bm, bn, bk, warps, stages = tile or (plan.block_m, *tile_for(cdiv(pairs, experts), 0, x.dtype)[1:])  # as swept
+    bm, bn, bk, warps, stages = tile or grouped_tile(pairs, experts, x.dtype)
     if bm != plan.block_m:
-        raise ValueError(f"grouped_linear: a tile of {bm} rows for a plan of {plan.block_m}-row tiles")
+        raise ValueError(f"grouped_linear: a tile of {bm} rows for a plan of {plan.block_m}-row tiles"
+                         + ("" if tile else "; plan with block_m_for(pairs, experts, dtype)"))
     y = torch.full((pairs, n), float("nan"), dtype=x.dtype, device=x.device)  # rows no tile covers stay NaN
     if plan.tiles == 0:
         return y

@@ -43,7 +43,7 @@ TARGETS = {
     "sm90": (("cuda", 90, 32), "cubin", 132, True),
     "gfx942": (("hip", "gfx942", 64), "hsaco", 304, False),
 }
-MODULES = ("attention", "gradients", "grouped_linear", "logprobs", "matmul", "rmsnorm", "rope", "silu")
+MODULES = ("attention", "gradients", "grouped_linear", "logprobs", "matmul", "moe", "rmsnorm", "rope", "silu")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
@@ -154,7 +154,8 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
     Qwen3-8B shape: hidden 4096, 32 query heads over 8 KV heads, head dim 128, MLP 12288, vocabulary 151936),
     each host-side branch of the products (decode tile, K split plus tree kernel, large tile or Hopper's TMA
     kernel, a row-parallel fp32 partial), prefill and split decode attention; for AMD also the fp32 attention
-    with its own launch (attention._launch); the fused backward kernels and the grouped MoE products.
+    with its own launch (attention._launch); the fused backward kernels, the grouped MoE products and the MoE
+    combine.
     ``every``: each branch of each host wrapper, also in fp16 and fp32 and at the Qwen2.5-0.5B (896, 14 over 2,
     head dim 64) and Qwen3-14B (40 over 8) shapes."""
     matmul, attention, logprobs = m["matmul"], m["attention"], m["logprobs"]
@@ -172,6 +173,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         _attention(attention, BF16, 32, 8, 128, "portable", every_path=False)
         _gradients(m["gradients"], BF16)
         _grouped(m["grouped_linear"], BF16, tokens=64)
+        m["moe"]._weighted_sum_triton(_empty(64, 8, 2048), _empty(64, 8, dtype=FP32))
         if amd:
             _attention(attention, FP32, 32, 8, 128, "portable", every_path=False, decode=False)
         return
@@ -205,8 +207,9 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         _attention(attention, dtype, 32, 8, 128, "portable", every_path=False)
     for dtype in (BF16, FP16, FP32):
         _gradients(m["gradients"], dtype)
-        for tokens in (2, 64, 4096):  # the grouped products' tile classes (tiny, small, large)
+        for tokens in (2, 64, 4096):  # the grouped products' tile classes (tiny, small, tall: grouped_tile)
             _grouped(m["grouped_linear"], dtype, tokens)
+        m["moe"]._weighted_sum_triton(_empty(64, 8, 2048, dtype=dtype), _empty(64, 8, dtype=FP32))
     for tile in m["grouped_linear"].SWEEP_TILES:  # the tiles bench/moe_gpu.py --tiles times
         _grouped(m["grouped_linear"], BF16, 4096, tile)
 
@@ -222,7 +225,7 @@ def _gradients(gradients, dtype) -> None:
 
 def _grouped(grouped_linear, dtype, tokens: int, tile=None) -> None:
     """The grouped MoE products (the default dispatch on CUDA) at the Qwen3-30B-A3B layer (hidden 2048, 128 experts
-    of width 768, top-8): gate_up gathering the tokens, down over the sorted rows; at linear's tile, or ``tile``."""
+    of width 768, top-8): gate_up gathering the tokens, down over the sorted rows; at grouped_tile's tile, or ``tile``."""
     chosen = torch.randint(0, 128, (tokens, 8))
     block_m = tile[0] if tile else grouped_linear.block_m_for(chosen.numel(), 128, dtype)
     plan = grouped_linear.plan_experts(chosen, 128, block_m)

@@ -113,6 +113,23 @@ def test_moe_dispatches_give_the_gathered_bits(device, dtype, dispatch, monkeypa
             assert_bitwise_equal(f"grouped at tile {tile}", moe._grouped(x, chosen, gate_up, down, tile=tile), default)
 
 
+def test_weighted_sum_launch_gives_the_torch_combines_bits(device, dtype):
+    """The combine's one Triton launch gives ``weighted_sum``'s bits (the same fp32 products and sums in slot
+    order, rounded once), at top_k 8 over rows whose magnitudes span 2^-12..2^12 and 1100 columns (across the
+    launch's 1024-column block): data on which summing the slots in reverse order changes the bits (checked)."""
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("the one-launch combine is a Triton kernel (the CPU backend runs weighted_sum itself)")
+    t, k, h = 37, 8, 1100
+    scale = (2.0 ** torch.arange(-12, 13, 3.0))[:k, None]
+    y = (randn(t, k, h, dtype=torch.float32, device="cpu", seed=71) * scale).to(dtype).to(device)
+    w = torch.rand(t, k, generator=gen(72)).to(device)
+    want = moe.weighted_sum(y, w)
+    assert want.dtype == dtype and want.shape == (t, h)
+    assert_bitwise_equal("one-launch combine", moe._weighted_sum_triton(y, w), want)
+    assert not torch.equal(moe.weighted_sum(y.flip(1), w.flip(1)), want), "the data cannot tell the slot order"
+    assert moe._weighted_sum_triton(y[:0], w[:0]).shape == (0, h)
+
+
 def test_grouped_dispatch_marks_what_it_cannot_place(device):
     """Without a host read the grouped dispatch cannot refuse an expert id outside [0, E) as the gathered one does
     (IndexError): that token's output is NaN, the others' are as gathered. Rows that do not match the plan are
