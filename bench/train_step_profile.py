@@ -129,7 +129,8 @@ def main() -> None:
         for row in r["top"]:
             print(f"   {row['self_ms']:>9.2f} ms {row['calls']:>6}x  {row['name']}")
         if "gpu_busy_s" in r:
-            print(f"   profiled update {r['profiled_wall_s']} s: GPU busy {r['gpu_busy_s']} s, idle {r['gpu_idle_s']} s; "
+            print(f"   profiled update {r['profiled_wall_s']} s: GPU busy {r['gpu_busy_s']} s, "
+                  f"idle {r['gpu_idle_s']} s; "
                   f"synchronizing calls {r['synchronizing_calls']}; host self time:")
             for row in r["host_top"][:10]:
                 print(f"   {row['self_cpu_ms']:>9.2f} ms {row['calls']:>6}x  {row['name']}")

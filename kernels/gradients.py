@@ -2,11 +2,14 @@
 bits across engines; only the forward's are).
 
 ALIGNAUDIT_BACKWARD, read at each backward call, chooses:
-    reference  (default) autograd through each op's plain-torch reference in fp32, gradients rounded once to the
-               inputs' dtypes; attention through batched_reference (B x H x T x T fp32 scores per chunk)
+    auto       (default) fused for CUDA tensors, reference for the others (``backward_on``)
+    reference  autograd through each op's plain-torch reference in fp32, gradients rounded once to the inputs'
+               dtypes; attention through batched_reference (B x H x T x T fp32 scores per chunk)
     fused      on the Triton backend, one kernel per elementwise op (below) instead of the ten or so torch launches
                of autograd through its reference; attention by torch's scaled_dot_product_attention forward and
-               backward in the inputs' dtype (attention/torch_reference.py), on every backend
+               backward in the inputs' dtype (attention/torch_reference.py), on every backend; on CUDA in bf16/fp16
+               FlashAttention-2's varlen backward fed the strict forward's log-sum-exp (attention/flash_gradients.py),
+               every attention backward under torch's deterministic mode
 
 The fused kernels compute in fp32 from the saved inputs (loads upcast, one rounding per stored gradient):
     rms_norm     y = x * r * w, r = 1 / sqrt(mean(x^2) + eps):  dx = r * (g * w) - x * r^3 * sum(g * w * x) / H;
@@ -15,7 +18,9 @@ The fused kernels compute in fp32 from the saved inputs (loads upcast, one round
     silu_mul     s = 1 / (1 + exp(-a)):  da = g * u * s * (1 + a * (1 - s)),  du = g * a * s
     rope         the rotation by -angle:  dx1 = g1 * c + g2 * s,  dx2 = g2 * c - g1 * s;  NaN at positions
                  outside the tables, as the forward
-Their speed on a GPU is bench/gpu_run.sh's to measure (rl-bench, train-profile), before this becomes the default.
+Why fused is CUDA's default (docs/benchmarks.md, 2026-12-05): one update at the Qwen3-1.7B shape 1.13x of the
+default stack's on an H200 (reference 1.52x), 0.97x on an H100; `alignaudit rl --reward task`, 200 steps on an H100
+with it: 0 mismatching tokens at every step and the reward 0.239 -> 0.887, as with the reference backward on an H200.
 """
 
 from __future__ import annotations
@@ -24,19 +29,29 @@ import torch
 
 from alignaudit_kernels.primitives import cdiv, env_choice, triton
 
-BACKWARDS = ("reference", "fused")
+BACKWARDS = ("auto", "reference", "fused")
 BACKWARD_ENV = "ALIGNAUDIT_BACKWARD"
 GRAD_ROWS = 32  # rows per program of the RMSNorm gradient: the weight gradient's partial sums
 ELEMENTS = 1024  # elements per program of the SiLU-mul gradient
 
 
 def asked_backward() -> str:
-    """ALIGNAUDIT_BACKWARD: one of BACKWARDS ("reference" when unset).
+    """ALIGNAUDIT_BACKWARD: one of BACKWARDS ("auto" when unset).
 
     Raises:
         ValueError: any other value, naming the ones there are.
     """
     return env_choice(BACKWARD_ENV, BACKWARDS)
+
+
+def backward_on(cuda: bool) -> str:
+    """The backward the strict ops run ("reference" or "fused") for tensors on CUDA (``cuda``) or elsewhere:
+    ``asked_backward()``, where auto means fused on CUDA and reference elsewhere. Raises ValueError as
+    asked_backward."""
+    asked = asked_backward()
+    if asked == "auto":
+        return "fused" if cuda else "reference"
+    return asked
 
 
 def rms_norm_grad(s: torch.Tensor, weight: torch.Tensor, eps: float, gy: torch.Tensor):

@@ -14,11 +14,12 @@ fused_moe/), with the arithmetic of alignaudit_kernels.linear:
                past the sum return at once. torch.sort, searchsorted and cumsum: no host read.
     product    each output tile by matmul._segment, the K loop of the pointer kernel (K increasing, tl.dot into
                one fp32 accumulator, IEEE products for fp32), on the expert's weight, at one of linear's tiles
-               chosen by the mean rows per expert (grouped_tile); rounded once to x.dtype. A row's bits should be the strict linear's for that row: on
-               an H200 the tensor cores' K order did not depend on the tile or the row's place in it for linear
-               (bench/sweep_gpu.py, docs/benchmarks.md). Checked bit for bit against the gathered dispatch under
-               the Triton interpreter and on an H200 (tests/kernels/test_moe_kernel.py: bf16/fp16/fp32, and
-               replayed from a captured CUDA graph; 2026-12-05).
+               chosen by the mean rows per expert (grouped_tile); rounded once to x.dtype. A row's bits should be
+               the strict linear's for that row: on an H200 the tensor cores' K order did not depend on the tile
+               or the row's place in it for linear (bench/sweep_gpu.py, docs/benchmarks.md). Checked bit for bit
+               against the gathered dispatch under the Triton interpreter and on an H200
+               (tests/kernels/test_moe_kernel.py: bf16/fp16/fp32, and replayed from a captured CUDA graph;
+               2026-12-05), every SWEEP_TILES tile on an H100 (bench/moe_gpu.py --tiles, 2026-12-05).
     ids        an expert id outside [0, E) is never covered by a tile: its rows come out NaN (the gathered
                dispatch raises IndexError; reading the ids on the host would end capturability).
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.gradients import asked_backward, rms_norm_grad
+from alignaudit_kernels.gradients import backward_on, rms_norm_grad
 from alignaudit_kernels.primitives import (
     compiling_inference,
     fixed_sum,
@@ -117,7 +117,7 @@ def _forward(x, weight, eps, residual):
 def _backward(s, weight, eps, gy):
     """Gradient of y = rmsnorm(s) * w with respect to s and w, in fp32: through the reference, or fused
     (kernels/gradients.py, ALIGNAUDIT_BACKWARD)."""
-    if use_triton(s) and asked_backward() == "fused":
+    if use_triton(s) and backward_on(s.is_cuda) == "fused":
         return rms_norm_grad(s, weight, eps, gy)
     with torch.enable_grad():
         sf = s.detach().float().requires_grad_()

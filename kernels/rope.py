@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.gradients import asked_backward, rope_grad
+from alignaudit_kernels.gradients import backward_on, rope_grad
 from alignaudit_kernels.primitives import (
     cached_tensors,
     cdiv,
@@ -141,7 +141,7 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         positions, cos, sin = ctx.saved_tensors
-        if use_triton(g) and asked_backward() == "fused":  # kernels/gradients.py
+        if use_triton(g) and backward_on(g.is_cuda) == "fused":  # kernels/gradients.py
             return rope_grad(g, positions, cos, sin), None, None, None
         inside = (positions >= 0) & (positions < cos.shape[0])  # as the forward: outside the tables, NaN
         gx = reference(g.float(), positions.clamp(0, cos.shape[0] - 1), cos.float(), -sin.float())

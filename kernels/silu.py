@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.gradients import asked_backward, silu_mul_grad
+from alignaudit_kernels.gradients import backward_on, silu_mul_grad
 from alignaudit_kernels.primitives import cdiv, compiling_inference, exp, no_gradient, opaque_op, triton, use_triton
 
 
@@ -65,7 +65,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         gate, up = ctx.saved_tensors
-        if use_triton(gate) and asked_backward() == "fused":  # kernels/gradients.py
+        if use_triton(gate) and backward_on(gate.is_cuda) == "fused":  # kernels/gradients.py
             return silu_mul_grad(gate, up, g)
         with torch.enable_grad():
             gf, uf = gate.detach().float().requires_grad_(), up.detach().float().requires_grad_()

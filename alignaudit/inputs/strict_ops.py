@@ -72,7 +72,7 @@ def check_kernel_switches(strict_ops: frozenset[str], moe: bool, trains: bool, d
         raise InputError(str(e)) from None
     if dispatch == "grouped" and device != "cuda":
         raise InputError(f"{DISPATCH_ENV}=grouped is a Triton kernel and runs on CUDA only ({cuda}); unset it")
-    if backward != "reference":
+    if backward != "auto":
         if not trains:
             raise InputError(f"{BACKWARD_ENV}={backward} sets the strict ops' backward, and this command computes no "
                              "gradient (only alignaudit rl trains); unset it")

@@ -92,9 +92,9 @@ class Worker:
             record["optimizer"] = self.trainer.optimizer_name
             record["host_threads"] = torch.get_num_threads()  # what a host-side (offloaded, CPU) Adam runs on
             if self.engine.settings.strict_ops:  # ALIGNAUDIT_BACKWARD: how the strict ops' gradients are computed
-                from alignaudit_kernels.gradients import asked_backward
+                from alignaudit_kernels.gradients import backward_on
 
-                record["strict_backward"] = asked_backward()
+                record["strict_backward"] = backward_on(self.engine.settings.device == "cuda")
         return {"settings": record}
 
     def _rollout(self, args: dict) -> dict:

@@ -22,7 +22,7 @@ from alignaudit_kernels.attention.launch import (
     _triton_paged,
 )
 from alignaudit_kernels.attention.torch_reference import attention_gradients
-from alignaudit_kernels.gradients import asked_backward
+from alignaudit_kernels.gradients import backward_on
 from alignaudit_kernels.primitives import (
     compiling_inference,
     no_gradient,
@@ -178,7 +178,8 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, scale, exp):
         ctx.scale = scale
-        if flash_backward_available(q) and asked_backward() == "fused":  # keep what FlashAttention-2's backward reads
+        # keep what FlashAttention-2's backward reads
+        if flash_backward_available(q) and backward_on(q.is_cuda) == "fused":
             lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
             out = _contiguous_forward(q, k, v, cu_seqlens, scale, exp, lse=lse)
             ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
@@ -193,7 +194,7 @@ class _VarlenAttention(torch.autograd.Function):
         [n, length, heads, D]."""
         q, k, v, cu_seqlens, *forward = ctx.saved_tensors
         bounds = cu_seqlens.tolist()
-        if flash_backward_available(q) and asked_backward() == "fused":
+        if flash_backward_available(q) and backward_on(q.is_cuda) == "fused":
             longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
             return (*varlen_flash_gradients(q, k, v, g, cu_seqlens, longest, ctx.scale, *forward), None, None, None)
         starts: dict[int, list[int]] = {}

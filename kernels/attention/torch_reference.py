@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from alignaudit_kernels.attention.flash_gradients import deterministic_algorithms
-from alignaudit_kernels.gradients import asked_backward
+from alignaudit_kernels.gradients import backward_on
 
 
 def reference(q, k, v, scale, q_positions=None):
@@ -69,8 +69,8 @@ def attention_gradients(q, k, v, g, scale, q_positions, from_zero=False):
     [B, Tq] (keys at 0..Tk-1), given g (q's shape): by the backward ALIGNAUDIT_BACKWARD asks (module docstring).
     from_zero: the caller guarantees every row's positions are 0..Tk-1 (whole sequences), so the fused path skips
     its two checks of the positions, each a GPU synchronization when they live there. Returns (dq, dk, dv) in the
-    inputs' dtypes. Raises ValueError as gradients.asked_backward."""
-    if asked_backward() == "fused" and (from_zero or not bool((q_positions < 0).any())):
+    inputs' dtypes. Raises ValueError as gradients.backward_on."""
+    if backward_on(q.is_cuda) == "fused" and (from_zero or not bool((q_positions < 0).any())):
         return _sdpa_gradients(q, k, v, g, scale, q_positions, from_zero)
     return _reference_gradients(q, k, v, g, scale, q_positions)
 

@@ -246,11 +246,14 @@ def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeyp
     monkeypatch.delenv("ALIGNAUDIT_MOE_DISPATCH")
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "flash")
     err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "c")], EXIT_USAGE)
-    assert "ALIGNAUDIT_BACKWARD='flash': use one of reference, fused" in err
+    assert "ALIGNAUDIT_BACKWARD='flash': use one of auto, reference, fused" in err
     # known values where they would change nothing: compare computes no gradient; a dense model has no MoE layer
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
     err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "d")], EXIT_USAGE)
     assert "ALIGNAUDIT_BACKWARD=fused sets the strict ops' backward, and this command computes no gradient" in err
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "reference")  # set, not the default (auto): refused the same way
+    err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "d")], EXIT_USAGE)
+    assert "ALIGNAUDIT_BACKWARD=reference sets the strict ops' backward, and this command computes no gradient" in err
     monkeypatch.delenv("ALIGNAUDIT_BACKWARD")
     monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "gathered")
     err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "e")], EXIT_USAGE)

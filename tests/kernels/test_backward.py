@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import alignaudit_kernels as K
-from alignaudit_kernels import attention, logprobs, matmul, rmsnorm, rope, silu
+from alignaudit_kernels import attention, gradients, logprobs, matmul, rmsnorm, rope, silu
 from alignaudit_kernels.attention import torch_reference
 from helpers import (
     assert_bitwise_equal,
@@ -128,6 +128,7 @@ def test_attention_backward_gives_the_same_gradients_one_sequence_at_a_time(monk
         K.causal_attention(*ins, pos.to(device), 0.3).pow(2).sum().backward()
         return [t.grad.cpu() for t in ins]
 
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "reference")  # CUDA's default is fused
     batched = grads()
     monkeypatch.setattr(torch_reference, "REFERENCE_GRAD_ELEMENTS", 1)
     for name, a, b in zip("qkv", batched, grads(), strict=True):
@@ -150,6 +151,7 @@ def test_attention_backward_by_sdpa_agrees_with_the_reference(monkeypatch, devic
     shifted = torch.stack([torch.arange(6), torch.arange(6) - 2]).to(device)  # the second row left-padded by 2
     shifted[1, :2] = 0
     causal = lambda q, k, v: K.causal_attention(q, k, v, shifted, 0.3)  # noqa: E731
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "reference")  # CUDA's default is fused
     expected = {"varlen": grads(varlen, q, k, v), "causal": grads(causal, qb, kb, vb)}
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
     monkeypatch.setattr(torch_reference, "_reference_gradients", lambda *a: pytest.fail("the reference ran"))
@@ -165,14 +167,28 @@ def test_attention_backward_by_sdpa_agrees_with_the_reference(monkeypatch, devic
     hidden = shifted.clone()
     hidden[1, 0] = -1
     hole = lambda q, k, v: K.causal_attention(q, k, v, hidden, 0.3)  # noqa: E731
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "reference")
     expected = grads(hole, qb, kb, vb)
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
     for name, a, b in zip("qkv", grads(hole, qb, kb, vb), expected, strict=True):
         assert b.isnan().any() or name != "v"
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True, msg=f"no visible key, d{name}")
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "flash")
-    with pytest.raises(ValueError, match="ALIGNAUDIT_BACKWARD='flash': use one of reference, fused"):
+    with pytest.raises(ValueError, match="ALIGNAUDIT_BACKWARD='flash': use one of auto, reference, fused"):
         grads(varlen, q, k, v)
+
+
+def test_the_backward_by_default_is_fused_on_cuda_and_the_reference_elsewhere(monkeypatch):
+    """ALIGNAUDIT_BACKWARD unset (auto): fused for CUDA tensors, reference for the others; a value set is taken as
+    it is on either; an unknown one is refused naming the values."""
+    monkeypatch.delenv("ALIGNAUDIT_BACKWARD", raising=False)
+    assert (gradients.backward_on(True), gradients.backward_on(False)) == ("fused", "reference")
+    for value in ("reference", "fused"):
+        monkeypatch.setenv("ALIGNAUDIT_BACKWARD", value)
+        assert gradients.backward_on(True) == gradients.backward_on(False) == value
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "")
+    with pytest.raises(ValueError, match="ALIGNAUDIT_BACKWARD='': use one of auto, reference, fused"):
+        gradients.backward_on(True)
 
 
 def test_deterministic_mode_is_set_for_the_backward_only_and_restored():
@@ -257,6 +273,7 @@ def test_fused_varlen_backward_is_flashattention2s_deterministic_and_close_to_th
         K.varlen_attention(*ins, cu, d ** -0.5).backward(g)
         return [x.grad.float() for x in ins]
 
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "reference")
     reference = grads()
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
     with monkeypatch.context() as patch:
