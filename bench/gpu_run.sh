@@ -335,7 +335,7 @@ for stage in "$@"; do
               python3 -c "
 import copy; from pathlib import Path; from alignaudit.arch import PRESETS; from alignaudit.inputs.synth import synthesize_checkpoint
 c = copy.deepcopy(PRESETS['Qwen3-30B-A3B'].config); c['num_hidden_layers'] = ${MOE_LAYERS:-4}
-synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
+synthesize_checkpoint(c, Path('/tmp/q30a3b')); print('Qwen3-30B-A3B shape at /tmp/q30a3b:', c['num_hidden_layers'], 'layers')" 2>&1 | log | tail -3
               cmp vq30-strict --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron --infer vllm --strict
               cmp vq30-strict-rollout --model /tmp/q30a3b --random-prompts 2 --prompt-len 512 --train megatron --infer vllm \
                 --strict --mode rollout --max-new-tokens 64 ;;
@@ -344,7 +344,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
     vllm-moe-graphs) python3 -c "
 import copy; from pathlib import Path; from alignaudit.arch import PRESETS; from alignaudit.inputs.synth import synthesize_checkpoint
 c = copy.deepcopy(PRESETS['Qwen3-30B-A3B'].config); c['num_hidden_layers'] = ${MOE_LAYERS:-4}
-synthesize_checkpoint(c, Path('/tmp/q30a3b'))" 2>&1 | log | tail -3
+synthesize_checkpoint(c, Path('/tmp/q30a3b')); print('Qwen3-30B-A3B shape at /tmp/q30a3b:', c['num_hidden_layers'], 'layers')" 2>&1 | log | tail -3
               for how in ${MOEG_HOW:-auto}; do
                 export ALIGNAUDIT_MOE_DISPATCH=$how
                 cmp vmoeg-$how-rollout --model qwen3-moe-tiny --train megatron --infer vllm --strict --mode rollout \
