@@ -29,5 +29,31 @@ def kernel_table(prof, top: int | None = 14) -> dict:
             kernels[name] = (count + 1, us + e.time_range.elapsed_us())
     total = sum(us for _, us in kernels.values())
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]  # [:None] keeps all
-    return {"gpu_kernel_ms": round(total / 1e3, 1),
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"gpu_kernel_ms": round(total / 1e3, 1), "kernels_launched": len(spans), "timeline": gpu_timeline(spans),
             "top": [{"kernel": k, "calls": c, "ms": round(us / 1e3, 1)} for k, (c, us) in ranked]}
+
+
+# Gaps between GPU work by length, us: within a CUDA graph or a queue of launches a kernel follows the last in a
+# few us; tens of us is a launch the host issued late; hundreds, a host that waited (a synchronization, Python).
+GAP_CLASSES = ((10.0, "under_10us"), (100.0, "10_to_100us"), (float("inf"), "over_100us"))
+
+
+def gpu_timeline(spans: list[tuple[float, float]]) -> dict:
+    """The GPU's busy time (the union of the (start, end) us intervals, overlapping kernels counted once) and its
+    idle gaps between the first start and the last end, counted and summed by GAP_CLASSES; milliseconds."""
+    busy, end = 0.0, None
+    gaps = {name: [0, 0.0] for _, name in GAP_CLASSES}
+    for start, stop in sorted(spans):
+        if end is not None and start > end:
+            gap = start - end
+            name = next(name for bound, name in GAP_CLASSES if gap < bound)
+            gaps[name][0] += 1
+            gaps[name][1] += gap
+        if end is None or stop > end:
+            busy += stop - max(start, end if end is not None else start)
+            end = stop
+    span = (end - min(s for s, _ in spans)) if spans else 0.0
+    return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
+            "gaps": {name: {"count": n, "ms": round(us / 1e3, 3)} for name, (n, us) in gaps.items()}}

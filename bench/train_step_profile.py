@@ -86,16 +86,14 @@ def host_side(prof, events, kernels, wall_s: float) -> dict:
     """Where an update's wall time is not kernel time: the GPU's busy seconds (the union of kernel intervals, so
     overlapping kernels count once), the idle rest, the calls that make the host wait for the GPU, and the host ops
     with the most self CPU time (kernels have none: these are Python-side torch ops and launches)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy_us, end = 0.0, float("-inf")
-    for start, stop in spans:
-        if stop > end:
-            busy_us += stop - max(start, end)
-            end = stop
+    from bench.timing import gpu_timeline
+
+    timeline = gpu_timeline([(e.time_range.start, e.time_range.end) for e in kernels])
+    busy_s = timeline["busy_ms"] / 1e3
     host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total, reverse=True)
     return {
-        "profiled_wall_s": round(wall_s, 4), "gpu_busy_s": round(busy_us / 1e6, 4),
-        "gpu_idle_s": round(wall_s - busy_us / 1e6, 4),
+        "profiled_wall_s": round(wall_s, 4), "gpu_busy_s": round(busy_s, 4), "gpu_idle_s": round(wall_s - busy_s, 4),
+        "gaps": timeline["gaps"],
         "synchronizing_calls": {e.key: e.count for e in events if e.key in SYNCHRONIZING},
         "host_top": [{"name": e.key[:90], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
                      for e in host[:TOP]],
@@ -130,7 +128,7 @@ def main() -> None:
             print(f"   {row['self_ms']:>9.2f} ms {row['calls']:>6}x  {row['name']}")
         if "gpu_busy_s" in r:
             print(f"   profiled update {r['profiled_wall_s']} s: GPU busy {r['gpu_busy_s']} s, "
-                  f"idle {r['gpu_idle_s']} s; "
+                  f"idle {r['gpu_idle_s']} s (gaps {r['gaps']}); "
                   f"synchronizing calls {r['synchronizing_calls']}; host self time:")
             for row in r["host_top"][:10]:
                 print(f"   {row['self_cpu_ms']:>9.2f} ms {row['calls']:>6}x  {row['name']}")

@@ -130,7 +130,8 @@ def new_prompts(generator, args) -> list:
 
 def profile_generate(llm, prompts, params, top: int = 14) -> dict:
     """The same generate again under torch.profiler (after the timed one): GPU kernel time by kernel name,
-    CUDA-graph replays included, the largest ``top`` and the total; where a configuration's time goes."""
+    CUDA-graph replays included, the largest ``top`` and the total, the number of kernels, and the GPU's busy time
+    and idle gaps by length (bench/timing.gpu_timeline); where a configuration's time goes."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -196,9 +197,11 @@ def main() -> None:
                   f"{r['output_tokens_per_s'] / base:.3f}x of default")
     for name, r in results.items():
         if "profile" in r:
-            print(f"{name}: GPU kernel time {r['profile']['gpu_kernel_ms']} ms in one profiled generate "
-                  f"({r['profile'].get('profiled_wall_s')} s wall under the profiler); largest:")
-            for t in r["profile"]["top"]:
+            p = r["profile"]
+            print(f"{name}: GPU kernel time {p['gpu_kernel_ms']} ms in one profiled generate "
+                  f"({p.get('profiled_wall_s')} s wall under the profiler; {p['kernels_launched']} kernels; "
+                  f"timeline {p['timeline']}); largest:")
+            for t in p["top"]:
                 print(f"   {t['ms']:9.1f} ms {t['calls']:7d} calls  {t['kernel']}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
