@@ -57,3 +57,16 @@ def gpu_timeline(spans: list[tuple[float, float]]) -> dict:
     span = (end - min(s for s, _ in spans)) if spans else 0.0
     return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
             "gaps": {name: {"count": n, "ms": round(us / 1e3, 3)} for name, (n, us) in gaps.items()}}
+
+
+SYNCHRONIZING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
+def host_table(events, top: int = 14) -> dict:
+    """From ``prof.key_averages()``: how often the host waited for the GPU (the SYNCHRONIZING calls: stream, device
+    and event synchronizations, and the device-to-host reads behind ``.item()``), and the ``top`` host ops by self
+    CPU time in milliseconds (kernels have none: these are torch ops, Python-side launches, CUDA runtime calls)."""
+    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {"synchronizing_calls": {e.key: e.count for e in events if e.key in SYNCHRONIZING},
+            "host_top": [{"name": e.key[:90], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+                         for e in host[:top]]}

@@ -79,24 +79,17 @@ def profile_one(args) -> dict:
     }
 
 
-SYNCHRONIZING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
-
-
 def host_side(prof, events, kernels, wall_s: float) -> dict:
-    """Where an update's wall time is not kernel time: the GPU's busy seconds (the union of kernel intervals, so
-    overlapping kernels count once), the idle rest, the calls that make the host wait for the GPU, and the host ops
-    with the most self CPU time (kernels have none: these are Python-side torch ops and launches)."""
-    from bench.timing import gpu_timeline
+    """Where an update's wall time is not kernel time: the GPU's busy seconds (bench/timing.gpu_timeline), the idle
+    rest and its gaps by length, and bench/timing.host_table (the calls that wait for the GPU, the host ops with the
+    most self CPU time)."""
+    from bench.timing import gpu_timeline, host_table
 
     timeline = gpu_timeline([(e.time_range.start, e.time_range.end) for e in kernels])
     busy_s = timeline["busy_ms"] / 1e3
-    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total, reverse=True)
     return {
         "profiled_wall_s": round(wall_s, 4), "gpu_busy_s": round(busy_s, 4), "gpu_idle_s": round(wall_s - busy_s, 4),
-        "gaps": timeline["gaps"],
-        "synchronizing_calls": {e.key: e.count for e in events if e.key in SYNCHRONIZING},
-        "host_top": [{"name": e.key[:90], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
-                     for e in host[:TOP]],
+        "gaps": timeline["gaps"], **host_table(events, TOP),
     }
 
 

@@ -135,19 +135,20 @@ def new_prompts(generator, args) -> list:
 def profile_generate(llm, prompts, params, top: int = 14) -> dict:
     """The same generate again under torch.profiler (after the timed one): GPU kernel time by kernel name,
     CUDA-graph replays included, the largest ``top`` and the total, the number of kernels, and the GPU's busy time
-    and idle gaps by length (bench/timing.gpu_timeline); where a configuration's time goes."""
+    and idle gaps by length (bench/timing.gpu_timeline), the host's waits and busiest ops (bench/timing.host_table);
+    where a configuration's time goes."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.timing import kernel_table
+    from bench.timing import host_table, kernel_table
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    return {**kernel_table(prof, top), "profiled_wall_s": round(wall, 3)}
+    return {**kernel_table(prof, top), **host_table(prof.key_averages(), top), "profiled_wall_s": round(wall, 3)}
 
 
 def main() -> None:
@@ -208,6 +209,9 @@ def main() -> None:
                   f"timeline {p['timeline']}); largest:")
             for t in p["top"]:
                 print(f"   {t['ms']:9.1f} ms {t['calls']:7d} calls  {t['kernel']}")
+            print(f"   host: synchronizing calls {p['synchronizing_calls']}; self CPU time:")
+            for t in p["host_top"][:8]:
+                print(f"   {t['self_cpu_ms']:9.1f} ms {t['calls']:7d} calls  {t['name']}")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
 
