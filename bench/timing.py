@@ -31,7 +31,7 @@ def kernel_table(prof, top: int | None = 14) -> dict:
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]  # [:None] keeps all
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
              if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"gpu_kernel_ms": round(total / 1e3, 1), "kernels_launched": len(spans), "timeline": gpu_timeline(spans),
+    return {"gpu_kernel_ms": round(total / 1e3, 1), "gpu_events": len(spans), "timeline": gpu_timeline(spans),
             "top": [{"kernel": k, "calls": c, "ms": round(us / 1e3, 1)} for k, (c, us) in ranked]}
 
 
@@ -41,10 +41,12 @@ GAP_CLASSES = ((10.0, "under_10us"), (100.0, "10_to_100us"), (float("inf"), "ove
 
 
 def gpu_timeline(spans: list[tuple[float, float]]) -> dict:
-    """The GPU's busy time (the union of the (start, end) us intervals, overlapping kernels counted once) and its
-    idle gaps between the first start and the last end, counted and summed by GAP_CLASSES; milliseconds."""
+    """The GPU's busy time (the union of the (start, end) us intervals of its events, overlapping ones counted once)
+    and its idle gaps between the first start and the last end (not before or after them), counted and summed by
+    GAP_CLASSES; milliseconds. Events of no duration are left out (they would split a gap in two)."""
     busy, end = 0.0, None
     gaps = {name: [0, 0.0] for _, name in GAP_CLASSES}
+    spans = [(start, stop) for start, stop in spans if stop > start]
     for start, stop in sorted(spans):
         if end is not None and start > end:
             gap = start - end

@@ -134,7 +134,8 @@ def new_prompts(generator, args) -> list:
 
 def profile_generate(llm, prompts, params, top: int = 14) -> dict:
     """The same generate again under torch.profiler (after the timed one): GPU kernel time by kernel name,
-    CUDA-graph replays included, the largest ``top`` and the total, the number of kernels, and the GPU's busy time
+    CUDA-graph replays included, the largest ``top`` and the total, the number of GPU events (kernels, copies,
+    memsets), and the GPU's busy time
     and idle gaps by length (bench/timing.gpu_timeline), the host's waits and busiest ops (bench/timing.host_table);
     where a configuration's time goes."""
     import torch
@@ -205,7 +206,7 @@ def main() -> None:
         if "profile" in r:
             p = r["profile"]
             print(f"{name}: GPU kernel time {p['gpu_kernel_ms']} ms in one profiled generate "
-                  f"({p.get('profiled_wall_s')} s wall under the profiler; {p['kernels_launched']} kernels; "
+                  f"({p.get('profiled_wall_s')} s wall under the profiler; {p['gpu_events']} GPU events; "
                   f"timeline {p['timeline']}); largest:")
             for t in p["top"]:
                 print(f"   {t['ms']:9.1f} ms {t['calls']:7d} calls  {t['kernel']}")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alignaudit_kernels.matmul import TILES, tile_for
+from alignaudit_kernels.matmul import TILES, fixed_tiles, tile_for
 from alignaudit_kernels.primitives import cdiv, triton
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): launch tiles other than linear's choice, each with the same K loop, that
@@ -100,16 +100,18 @@ def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> Expert
 # Mean rows per expert from which the grouped products launch 128 x 128 tiles (TILES' "small_wide"). bench/moe_gpu.py
 # --tiles, Qwen3-30B-A3B layer, graph replays, H100 2026-12-05 (docs/benchmarks.md): at 256 rows an expert 128x128x64
 # (8 warps) 1.262 ms against linear's 64x64x64 1.673 (vLLM's fused MoE 0.977); at 32 rows 64x64x64 stays the
-# fastest (0.562 against 0.570), at 4 and 0.5 rows linear's 16-row tile. Every swept tile gave the same bits.
+# fastest (0.562 against 0.570), at 4 and 0.5 rows linear's 16-row tile. Every swept tile gave the same bits. 128 lies
+# between the measured 32 and 256 (not itself measured), and nothing above 256 rows an expert was.
 TALL_ROWS = 128
 
 
 def grouped_tile(pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a layer's grouped products, from the mean rows per expert:
-    TILES' "small_wide" from TALL_ROWS rows, linear's tile (tile_for) below. One plan serves the layer's
-    products, so the tile does not depend on their widths."""
+    TILES' "small_wide" from TALL_ROWS rows, linear's tile (tile_for) below, and linear's one tile at every size
+    under ALIGNAUDIT_MATMUL_TILES=fixed. One plan serves the layer's products, so the tile does not depend on
+    their widths."""
     rows = cdiv(pairs, num_experts)
-    return TILES[dtype]["small_wide"] if rows >= TALL_ROWS else tile_for(rows, 0, dtype)
+    return TILES[dtype]["small_wide"] if rows >= TALL_ROWS and not fixed_tiles() else tile_for(rows, 0, dtype)
 
 
 def block_m_for(pairs: int, num_experts: int, dtype: torch.dtype) -> int:

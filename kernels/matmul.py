@@ -327,10 +327,15 @@ def medium_class_enabled() -> bool:
     return os.environ.get("ALIGNAUDIT_MATMUL_MEDIUM", "1") == "1"
 
 
+def fixed_tiles() -> bool:
+    """ALIGNAUDIT_MATMUL_TILES=fixed: one pointer-kernel tile for every batch size (TILES' comment)."""
+    return os.environ.get("ALIGNAUDIT_MATMUL_TILES", "by_m") == "fixed"
+
+
 def tile_for(m: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """The launch tile for an [m, K] x [K, n] product (see TILES)."""
     tiles = TILES[dtype]
-    if os.environ.get("ALIGNAUDIT_MATMUL_TILES", "by_m") == "fixed" or m > SMALL_M:
+    if fixed_tiles() or m > SMALL_M:
         return tiles["large"]
     if m <= TINY_M:
         return tiles["tiny"]
@@ -400,7 +405,7 @@ def _tma_available(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """The TMA path needs a Hopper-or-newer GPU, bf16/fp16 without bias, and 16-byte aligned rows."""
     return (bias is None and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
             and os.environ.get("ALIGNAUDIT_MATMUL_TMA", "1") != "0"
-            and os.environ.get("ALIGNAUDIT_MATMUL_TILES", "by_m") != "fixed" and _compute_capability(x2.device)[0] >= 9
+            and not fixed_tiles() and _compute_capability(x2.device)[0] >= 9
             and x2.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0
             and x2.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 

@@ -22,7 +22,7 @@ import torch
 
 from alignaudit_kernels.grouped_linear import block_m_for, grouped_linear, plan_experts
 from alignaudit_kernels.matmul import linear
-from alignaudit_kernels.primitives import cdiv, env_choice, exp, fixed_sum, triton, use_triton
+from alignaudit_kernels.primitives import cdiv, env_choice, exp, fixed_sum, no_gradient, triton, use_triton
 from alignaudit_kernels.silu import silu_and_mul, silu_mul
 
 
@@ -94,11 +94,13 @@ def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
     Returns:
         [T, H] in x.dtype: round(((w_0 * y_0) + w_1 * y_1) + ...), fp32 products and sums, rounded once.
     Raises:
-        ValueError: an unknown dispatch, or "grouped" without the Triton backend.
+        ValueError: weights not fp32, an unknown dispatch, or "grouped" without the Triton backend.
     """
     t, h = x.shape
     top_k = chosen.shape[1]
     width = gate_up[0].shape[0] // 2
+    if weights.dtype != torch.float32:  # a wider dtype would promote the combine past fp32, a narrower round first
+        raise ValueError(f"combine_experts: routing weights in {weights.dtype}; route() gives them in float32")
     dispatch = dispatch or dispatch_for(x)
     if dispatch == "grouped":
         expert_out = _grouped(x, chosen, gate_up, down).view(t, top_k, h)
@@ -117,7 +119,14 @@ def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
             expert_out[token, slot] = _expert(x[token], gate_up[e], down[e], width)
     else:
         raise ValueError(f"dispatch {dispatch!r}: use one of {', '.join(DISPATCHES)}")
-    return (_weighted_sum_triton if use_triton(x) else weighted_sum)(expert_out, weights)
+    return combine(expert_out, weights)
+
+
+def combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``weighted_sum``'s result: by one Triton launch where the Triton backend runs and no gradient is recorded
+    (rollout, rescoring), by ``weighted_sum`` itself otherwise (autograd records it); the same bits either way."""
+    one_launch = use_triton(expert_out) and no_gradient(expert_out, weights)
+    return (_weighted_sum_triton if one_launch else weighted_sum)(expert_out, weights)
 
 
 def weighted_sum(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -132,10 +141,11 @@ def weighted_sum(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
 
 def _weighted_sum_triton(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``weighted_sum`` in one Triton launch, the same operations in the same order (compiled without FMA
-    contraction): 2 * top_k - 1 torch launches over [T, H] fp32 were 0.7 of the grouped MoE layer's 2.4 ms at 4096
-    tokens (bench/moe_gpu.py, H100, 2026-12-05). Bits: tests/kernels/test_moe_kernel.py."""
+    contraction; forward only, no autograd): its 3 * top_k torch launches over [T, H] (upcasts, products, sums, the
+    rounding) were 0.7 of the grouped MoE layer's 2.4 ms at 4096 tokens (bench/moe_gpu.py, H100, 2026-12-05).
+    weights must be fp32. Bits: tests/kernels/test_moe_kernel.py."""
     t, top_k, h = expert_out.shape
-    expert_out, weights = expert_out.contiguous(), weights.float().contiguous()
+    expert_out, weights = expert_out.contiguous(), weights.contiguous()
     out = torch.empty(t, h, dtype=expert_out.dtype, device=expert_out.device)
     block = 1024
     if t:

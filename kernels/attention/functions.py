@@ -178,8 +178,9 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, scale, exp):
         ctx.scale = scale
-        # keep what FlashAttention-2's backward reads
-        if flash_backward_available(q) and backward_on(q.is_cuda) == "fused":
+        # FlashAttention-2's backward reads the forward's output and lse: the choice is made here, once, for both
+        ctx.flash = flash_backward_available(q) and backward_on(q.is_cuda) == "fused"
+        if ctx.flash:
             lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
             out = _contiguous_forward(q, k, v, cu_seqlens, scale, exp, lse=lse)
             ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
@@ -194,7 +195,7 @@ class _VarlenAttention(torch.autograd.Function):
         [n, length, heads, D]."""
         q, k, v, cu_seqlens, *forward = ctx.saved_tensors
         bounds = cu_seqlens.tolist()
-        if flash_backward_available(q) and backward_on(q.is_cuda) == "fused":
+        if ctx.flash:
             longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
             return (*varlen_flash_gradients(q, k, v, g, cu_seqlens, longest, ctx.scale, *forward), None, None, None)
         starts: dict[int, list[int]] = {}

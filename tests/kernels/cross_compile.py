@@ -207,7 +207,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         _attention(attention, dtype, 32, 8, 128, "portable", every_path=False)
     for dtype in (BF16, FP16, FP32):
         _gradients(m["gradients"], dtype)
-        for tokens in (2, 64, 4096):  # the grouped products' tile classes (tiny, small, tall: grouped_tile)
+        for tokens in (2, 512, 4096):  # the grouped products' tile classes (tiny, small, tall: grouped_tile)
             _grouped(m["grouped_linear"], dtype, tokens)
         m["moe"]._weighted_sum_triton(_empty(64, 8, 2048, dtype=dtype), _empty(64, 8, dtype=FP32))
     for tile in m["grouped_linear"].SWEEP_TILES:  # the tiles bench/moe_gpu.py --tiles times

@@ -115,8 +115,9 @@ def test_moe_dispatches_give_the_gathered_bits(device, dtype, dispatch, monkeypa
 
 def test_weighted_sum_launch_gives_the_torch_combines_bits(device, dtype):
     """The combine's one Triton launch gives ``weighted_sum``'s bits (the same fp32 products and sums in slot
-    order, rounded once), at top_k 8 over rows whose magnitudes span 2^-12..2^12 and 1100 columns (across the
-    launch's 1024-column block): data on which summing the slots in reverse order changes the bits (checked)."""
+    order, rounded once), at top_k 8 over rows whose magnitudes span 2^-12..2^9 and 1100 columns (across the
+    launch's 1024-column block): data on which summing the slots in reverse order changes the bits (checked).
+    Where a gradient is recorded, combine takes weighted_sum itself: the weights get their gradient."""
     if device == "cpu" and not INTERPRET:
         pytest.skip("the one-launch combine is a Triton kernel (the CPU backend runs weighted_sum itself)")
     t, k, h = 37, 8, 1100
@@ -128,6 +129,14 @@ def test_weighted_sum_launch_gives_the_torch_combines_bits(device, dtype):
     assert_bitwise_equal("one-launch combine", moe._weighted_sum_triton(y, w), want)
     assert not torch.equal(moe.weighted_sum(y.flip(1), w.flip(1)), want), "the data cannot tell the slot order"
     assert moe._weighted_sum_triton(y[:0], w[:0]).shape == (0, h)
+    assert_bitwise_equal("combine, no gradient", moe.combine(y, w), want)
+    leaf = w.clone().requires_grad_()
+    out = moe.combine(y, leaf)
+    assert out.requires_grad
+    out.float().sum().backward()
+    torch.testing.assert_close(leaf.grad, y.float().sum(-1), rtol=1e-5, atol=1e-3)  # d(sum out) / dw_r = sum_h y_r
+    with pytest.raises(ValueError, match="routing weights in torch.float64; route"):
+        moe.combine_experts(y[:, 0], torch.zeros(t, k, dtype=torch.long, device=device), w.double(), y, y)
 
 
 def test_grouped_dispatch_marks_what_it_cannot_place(device):
