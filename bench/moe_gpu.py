@@ -11,7 +11,8 @@ largest difference from the strict output (a sanity check of the call: same layo
 strict grouped / vLLM (graph replays) is the target's (<= 1.3). The floor: the touched experts' weight bytes over
 the device-to-device copy bandwidth measured in the same run. Timings: bench/timing.py (medians, ms).
 --tiles: also the grouped products at each of grouped_linear.SWEEP_TILES (graph replays, bits against the default
-tile's), the data for choosing the tile from the rows an expert gets.
+tile's), the data for choosing the tile from the rows an expert gets. Every size also times the grouped dispatch's
+plan by plan_experts (torch) and by plan_experts_triton (one launch), graph replays, and checks them equal.
 """
 
 from __future__ import annotations
@@ -61,6 +62,24 @@ def tile_sweep(x, chosen, gate_up, down) -> dict:
     return swept
 
 
+def plan_rows(chosen) -> dict:
+    """The grouped dispatch's plan by plan_experts (torch) and by plan_experts_triton (one launch): graph-replay ms
+    of each and whether every field is equal (a candidate that fails to build is a row, not the bench's end)."""
+    block_m = grouped_linear.block_m_for(chosen.numel(), SHAPE["experts"], DT)
+    row = {}
+    try:
+        planned = [plan(chosen, SHAPE["experts"], block_m)
+                   for plan in (grouped_linear.plan_experts, grouped_linear.plan_experts_triton)]
+        row["plan_one_launch_equal"] = all(torch.equal(getattr(planned[0], f), getattr(planned[1], f))
+                                           for f in ("pair", "token", "starts", "tile_expert", "tile_row"))
+        for name, plan in (("plan", grouped_linear.plan_experts),
+                           ("plan_one_launch", grouped_linear.plan_experts_triton)):
+            row[f"{name}_graph_ms"] = round(graph_ms(lambda plan=plan: plan(chosen, SHAPE["experts"], block_m)), 4)
+    except Exception as e:  # noqa: BLE001 - recorded in the row
+        row["plan_one_launch"] = f"{type(e).__name__}: {e}"[:300]
+    return row
+
+
 def one_size(tokens: int, weights, bandwidth: float, fused, tiles: bool = False) -> dict:
     router, gate_up, down = weights
     x = torch.randn(tokens, SHAPE["hidden"], device="cuda").to(DT)
@@ -81,6 +100,7 @@ def one_size(tokens: int, weights, bandwidth: float, fused, tiles: bool = False)
         row[f"{dispatch}_bit_equal"] = bool(torch.equal(run(dispatch)(), gathered))
         row[f"{dispatch}_ms"] = ms(run(dispatch))
         row[f"{dispatch}_graph_ms"] = graph_ms(run(dispatch))
+    row.update(plan_rows(chosen))
     if tiles:
         row["grouped_default_tile"] = str(grouped_linear.grouped_tile(chosen.numel(), SHAPE["experts"], DT))
         row["tiles"] = tile_sweep(x, chosen, gate_up, down)

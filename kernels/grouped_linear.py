@@ -97,6 +97,35 @@ def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> Expert
                       tiles, top_k)
 
 
+def plan_experts_triton(chosen: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
+    """``plan_experts`` in one Triton launch instead of about fifteen torch launches (sort, searchsorted, cumsum,
+    gathers): a candidate for the decode-sized batches where those launches cost more than the products
+    (bench/moe_gpu.py times both; not yet the default). Program e < E counts every expert's pairs with
+    tl.histogram, places expert e's pairs at starts[e] + their rank by increasing pair index (a prefix sum of a
+    mask, chunk by chunk), and writes its row tiles; program E places pairs whose id is outside [0, E) after
+    starts[E] (their rows are never covered: NaN, as plan_experts leaves them) and writes the tiles past the last
+    expert's as plan_experts does. For ids in [0, E) every field equals plan_experts' (tests/kernels/
+    test_moe_kernel.py); for others ``starts[0]`` is 0 where plan_experts counts the negative ids before it.
+
+    Raises:
+        ValueError: as plan_experts, or without the Triton backend.
+    """
+    if chosen.dim() != 2 or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"plan_experts_triton: chosen must be [T, top_k] and block_m a power of two, got "
+                         f"{tuple(chosen.shape)}, {block_m}")
+    if triton is None:
+        raise ValueError("plan_experts_triton needs Triton (a CUDA tensor, or TRITON_INTERPRET=1)")
+    top_k = chosen.shape[1]
+    ids = chosen.reshape(-1).to(torch.int64).contiguous()
+    pairs = ids.numel()
+    tiles = tile_bound(pairs, num_experts, block_m)
+    new = lambda n: torch.empty(n, dtype=torch.int64, device=chosen.device)  # noqa: E731
+    pair, token, starts, tile_expert, tile_row = new(pairs), new(pairs), new(num_experts + 1), new(tiles), new(tiles)
+    _plan_kernel[(num_experts + 1,)](ids, pair, token, starts, tile_expert, tile_row, pairs, num_experts, top_k, tiles,
+                                     BINS=triton.next_power_of_2(num_experts), BLOCK_M=block_m, BLOCK=1024)
+    return ExpertPlan(pair, token, starts, tile_expert, tile_row, block_m, tiles, top_k)
+
+
 # Mean rows per expert from which the grouped products launch 128 x 128 tiles (TILES' "small_wide"). bench/moe_gpu.py
 # --tiles, Qwen3-30B-A3B layer, graph replays, H100 2026-12-05 (docs/benchmarks.md): at 256 rows an expert 128x128x64
 # (8 warps) 1.262 ms against linear's 64x64x64 1.673 (vLLM's fused MoE 0.977); at 32 rows 64x64x64 stays the
@@ -191,3 +220,51 @@ if triton is not None:
                            IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
             tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=live[:, None] & (rn[None, :] < N))
+
+
+    @triton.jit
+    def _plan_kernel(ids_ptr, pair_ptr, token_ptr, starts_ptr, tile_expert_ptr, tile_row_ptr, P, E, top_k, G,
+                     BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+        """Program e < E: expert e's pairs and row tiles; program E: the pairs of no expert and the spare tiles."""
+        e = tl.program_id(0)
+        bins = tl.arange(0, BINS)
+        hist = tl.zeros([BINS], dtype=tl.int32)
+        for start in range(0, P, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+            valid = (offs < P) & (x >= 0) & (x < E)
+            hist += tl.histogram(tl.where(valid, x, 0).to(tl.int32), BINS, mask=valid)
+        tiles_of = (hist + BLOCK_M - 1) // BLOCK_M
+        below = bins < e
+        first = tl.sum(tl.where(below, hist, 0), axis=0)  # sorted row where expert e's pairs start
+        first_tile = tl.sum(tl.where(below, tiles_of, 0), axis=0)
+        mine = tl.sum(tl.where(bins == e, hist, 0), axis=0)
+        tl.store(starts_ptr + e, first.to(tl.int64))
+        placed = first
+        for start in range(0, P, BLOCK):  # each pair of the program's kind at its place, in increasing pair order
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(ids_ptr + offs, mask=offs < P, other=0)
+            if e < E:
+                take = (offs < P) & (x == e)
+            else:
+                take = (offs < P) & ((x < 0) | (x >= E))
+            rank = tl.cumsum(take.to(tl.int32), axis=0) - 1
+            where = (placed + rank).to(tl.int64)
+            tl.store(pair_ptr + where, offs.to(tl.int64), mask=take)
+            tl.store(token_ptr + where, (offs // top_k).to(tl.int64), mask=take)
+            placed += tl.sum(take.to(tl.int32), axis=0)
+        if e < E:
+            own = (mine + BLOCK_M - 1) // BLOCK_M
+            for t0 in range(0, own, BLOCK):
+                j = t0 + tl.arange(0, BLOCK)
+                tl.store(tile_expert_ptr + first_tile + j, tl.full([BLOCK], 0, tl.int64) + e, mask=j < own)
+                tl.store(tile_row_ptr + first_tile + j, (first + j * BLOCK_M).to(tl.int64), mask=j < own)
+        else:  # past the last expert's tiles: owner E, rows as plan_experts computes them (never read)
+            last = bins == E - 1
+            last_first = tl.sum(tl.where(bins < E - 1, hist, 0), axis=0)
+            last_tiles = tl.sum(tl.where(last, tiles_of, 0), axis=0)
+            for t0 in range(first_tile, G, BLOCK):
+                g = t0 + tl.arange(0, BLOCK)
+                tl.store(tile_expert_ptr + g, tl.full([BLOCK], 0, tl.int64) + E, mask=g < G)
+                tl.store(tile_row_ptr + g, (last_first + (g - first_tile + last_tiles) * BLOCK_M).to(tl.int64),
+                         mask=g < G)

@@ -174,6 +174,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         _gradients(m["gradients"], BF16)
         _grouped(m["grouped_linear"], BF16, tokens=64)
         m["moe"]._weighted_sum_triton(_empty(64, 8, 2048), _empty(64, 8, dtype=FP32))
+        m["grouped_linear"].plan_experts_triton(torch.randint(0, 128, (64, 8)), 128, 16)
         if amd:
             _attention(attention, FP32, 32, 8, 128, "portable", every_path=False, decode=False)
         return

@@ -80,6 +80,34 @@ def test_expert_plan_sorts_pairs_by_expert_and_owns_each_tile(device):
         assert used <= grouped_linear.tile_bound(pairs, experts, block)
 
 
+def test_one_launch_plan_equals_the_torch_plan(device):
+    """plan_experts_triton gives plan_experts' every field for ids in [0, E): the known routing above, a skewed one
+    (an expert spanning several tiles, an empty one), random top-8 routings over 128 experts across the kernel's
+    1024-pair chunks, E not a power of two, tiles of 1 to 64 rows, no tokens. Ids outside [0, E) go after starts[E],
+    in pair order, never covered by a tile."""
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("plan_experts_triton is a Triton kernel")
+    fields = ("pair", "token", "starts", "tile_expert", "tile_row")
+    routings = [(torch.tensor([[2, 0], [0, 3], [2, 3], [0, 2], [3, 0]]), 5, 2),
+                (skewed_routing(180, 6, "cpu", seed=56)[0], 6, 64), (torch.zeros(0, 8, dtype=torch.int64), 128, 16)]
+    for t, block in ((3, 16), (150, 64), (300, 16)):
+        routings.append((torch.randint(0, 128, (t, 8), generator=gen(t)), 128, block))
+    routings.append((torch.randint(0, 7, (40, 3), generator=gen(9)), 7, 1))
+    for chosen, experts, block in routings:
+        chosen = chosen.to(device)
+        want, got = plan_experts(chosen, experts, block), grouped_linear.plan_experts_triton(chosen, experts, block)
+        assert (got.block_m, got.tiles, got.top_k) == (want.block_m, want.tiles, want.top_k)
+        for name in fields:
+            assert torch.equal(getattr(got, name), getattr(want, name)), (tuple(chosen.shape), experts, block, name)
+    chosen = torch.tensor([[1, -1], [4, 0], [1, 9]], device=device)  # -1, 4 and 9 outside [0, 4)
+    plan = grouped_linear.plan_experts_triton(chosen, 4, 2)
+    assert plan.starts.tolist() == [0, 1, 3, 3, 3]
+    assert plan.pair.tolist() == [3, 0, 4, 1, 2, 5]  # expert 0; expert 1 (pairs 0, 4); then -1, 4, 9 in pair order
+    assert plan.tile_expert.tolist()[:2] == [0, 1] and set(plan.tile_expert.tolist()[2:]) == {4}
+    with pytest.raises(ValueError, match="block_m a power of two"):
+        grouped_linear.plan_experts_triton(chosen, 4, 3)
+
+
 @pytest.mark.parametrize("dispatch", ["grouped", "every_expert"])
 def test_moe_dispatches_give_the_gathered_bits(device, dtype, dispatch, monkeypatch):
     """Every dispatch gives the gathered path's bits, on a routing where one expert spans several row tiles,
