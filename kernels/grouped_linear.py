@@ -148,8 +148,10 @@ def block_m_for(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
     return grouped_tile(pairs, num_experts, dtype)[0]
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gather: bool, tile=None) -> torch.Tensor:
-    """Sorted row i of the result is ``linear(src_i, weight[e_i])`` for the expert e_i owning it.
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gather: bool, tile=None,
+                   scatter: bool = False) -> torch.Tensor:
+    """Sorted row i of the result is ``linear(src_i, weight[e_i])`` for the expert e_i owning it (with ``scatter``,
+    row plan.pair[i] of the result: the routing's pair order).
 
     Args:
         x: [R, K] bf16/fp16/fp32. With ``gather``, the T tokens of the routing (sorted row i reads
@@ -159,8 +161,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
         tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to launch with instead of grouped_tile's (benchmarks:
             bench/moe_gpu.py --tiles); BLOCK_M must be plan.block_m. The K loop is the
             same at every tile, so on a GPU whose tensor cores keep their K order across tiles the bits are too.
+        scatter: store each row at its pair's place (row t * top_k + r) instead of its sorted place: what
+            ``torch.empty_like(y).index_copy_(0, plan.pair, y)`` of the sorted result gives, in the same launch.
     Returns:
-        [P, N] in x.dtype, in sorted-row order; NaN rows for expert ids outside [0, E) (module docstring).
+        [P, N] in x.dtype, in sorted-row order (pair order with ``scatter``); NaN rows for expert ids outside
+        [0, E) (module docstring).
     Raises:
         ValueError: shapes or dtypes that do not match, a tile whose height is not the plan's, or the Triton backend
             unavailable.
@@ -186,9 +191,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
         return y
     tiles_n = cdiv(n, bn)
     _grouped_kernel[(plan.tiles * tiles_n,)](
-        x, weight, y, plan.token if gather else plan.pair, plan.starts, plan.tile_expert, plan.tile_row,
+        x, weight, y, plan.token, plan.pair, plan.starts, plan.tile_expert, plan.tile_row,
         x.shape[0], n, k, experts, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0),
-        GATHER=gather, IEEE=x.dtype == torch.float32, BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_K=bk,
+        GATHER=gather, SCATTER=scatter, IEEE=x.dtype == torch.float32, BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages)
     return y
 
@@ -199,9 +204,10 @@ if triton is not None:
     from alignaudit_kernels.matmul import _segment
 
     @triton.jit(do_not_specialize=["rows_x"])
-    def _grouped_kernel(x_ptr, w_ptr, y_ptr, src_ptr, starts_ptr, tile_expert_ptr, tile_row_ptr, rows_x, N, K,
-                        E, stride_xm, stride_we, stride_wn, stride_ym, GATHER: tl.constexpr, IEEE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _grouped_kernel(x_ptr, w_ptr, y_ptr, token_ptr, pair_ptr, starts_ptr, tile_expert_ptr, tile_row_ptr, rows_x,
+                        N, K, E, stride_xm, stride_we, stride_wn, stride_ym, GATHER: tl.constexpr,
+                        SCATTER: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
         """Program (g, j): row tile g (one expert's rows) times that expert's column tile j."""
         tiles_n = tl.cdiv(N, BLOCK_N)
         g = tl.program_id(0) // tiles_n
@@ -211,14 +217,18 @@ if triton is not None:
             rows = tl.load(tile_row_ptr + g) + tl.arange(0, BLOCK_M)
             live = rows < tl.load(starts_ptr + e + 1)
             if GATHER:
-                src = tl.load(src_ptr + rows, mask=live, other=0)
+                src = tl.load(token_ptr + rows, mask=live, other=0)
             else:
                 src = rows
             src = tl.where(live, src, rows_x).to(tl.int64)  # row rows_x is past x: _segment's mask zero-fills it
             rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
             acc = _segment(x_ptr, w_ptr + e.to(tl.int64) * stride_we, src, rn, 0, K, rows_x, N, stride_xm, stride_wn,
                            IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-            tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+            if SCATTER:
+                dst = tl.load(pair_ptr + rows, mask=live, other=0).to(tl.int64)
+            else:
+                dst = rows.to(tl.int64)
+            tl.store(y_ptr + dst[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=live[:, None] & (rn[None, :] < N))
 
 

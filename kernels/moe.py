@@ -179,8 +179,7 @@ def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_up, down, tile=None) ->
     experts = gate_up.shape[0]
     plan = plan_experts(chosen, experts, tile[0] if tile else block_m_for(chosen.numel(), experts, x.dtype))
     hidden = silu_and_mul(grouped_linear(x, gate_up, plan, gather=True, tile=tile))
-    sorted_out = grouped_linear(hidden, down, plan, gather=False, tile=tile)
-    return torch.empty_like(sorted_out).index_copy_(0, plan.pair, sorted_out)
+    return grouped_linear(hidden, down, plan, gather=False, tile=tile, scatter=True)  # rows back in pair order
 
 
 def _stacked(weights) -> torch.Tensor:

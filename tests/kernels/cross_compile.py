@@ -226,15 +226,15 @@ def _gradients(gradients, dtype) -> None:
 
 def _grouped(grouped_linear, dtype, tokens: int, tile=None) -> None:
     """The grouped MoE products (the default dispatch on CUDA) at the Qwen3-30B-A3B layer (hidden 2048, 128 experts
-    of width 768, top-8): gate_up gathering the tokens, down over the sorted rows; at grouped_tile's tile, or
-    ``tile``."""
+    of width 768, top-8): gate_up gathering the tokens, down over the sorted rows stored back in pair order; at
+    grouped_tile's tile, or ``tile``."""
     chosen = torch.randint(0, 128, (tokens, 8))
     block_m = tile[0] if tile else grouped_linear.block_m_for(chosen.numel(), 128, dtype)
     plan = grouped_linear.plan_experts(chosen, 128, block_m)
     grouped_linear.grouped_linear(_empty(tokens, 2048, dtype=dtype), _empty(128, 1536, 2048, dtype=dtype), plan,
                                   gather=True, tile=tile)
     grouped_linear.grouped_linear(_empty(tokens * 8, 768, dtype=dtype), _empty(128, 2048, 768, dtype=dtype), plan,
-                                  gather=False, tile=tile)
+                                  gather=False, tile=tile, scatter=True)
 
 
 def _medium_class(matmul, w) -> None:

@@ -170,7 +170,7 @@ def test_weighted_sum_launch_gives_the_torch_combines_bits(device, dtype):
 def test_grouped_dispatch_marks_what_it_cannot_place(device):
     """Without a host read the grouped dispatch cannot refuse an expert id outside [0, E) as the gathered one does
     (IndexError): that token's output is NaN, the others' are as gathered. Rows that do not match the plan are
-    refused."""
+    refused. A product stored in pair order (scatter) equals the sorted one moved by index_copy."""
     if device == "cpu" and not INTERPRET:
         pytest.skip("the grouped dispatch is a Triton kernel")
     _, gate_up, down = moe_weights(3, 64, 64, torch.float32, device, seed=61)
@@ -184,6 +184,12 @@ def test_grouped_dispatch_marks_what_it_cannot_place(device):
     good = chosen[1:3]
     assert_bitwise_equal("placeable tokens", out[1:3],
                          moe.combine_experts(x[1:3], good, weights[1:3], gate_up, down, dispatch="gathered"))
+    whole = plan_experts(chosen.clamp(max=2), 3, 64)  # -1 still outside: its pair's row is NaN either way
+    in_sorted_order = grouped_linear.grouped_linear(x, gate_up, whole, gather=True)
+    moved = torch.empty_like(in_sorted_order).index_copy_(0, whole.pair, in_sorted_order)
+    scattered = grouped_linear.grouped_linear(x, gate_up, whole, gather=True, scatter=True)
+    assert torch.equal(scattered.isnan(), moved.isnan()) and bool(scattered.isnan().any())
+    assert_bitwise_equal("scatter = index_copy", scattered.nan_to_num(), moved.nan_to_num())
     plan = plan_experts(good, 3, 64)
     with pytest.raises(ValueError, match="x has 4 rows for a plan of 4 pairs"):
         grouped_linear.grouped_linear(x, gate_up, plan, gather=True)
