@@ -178,6 +178,10 @@ try:
     import triton.language as tl
 except ImportError:  # a CPU-only install without Triton: the CPU backend still works
     triton = None
+try:  # PTX griddepcontrol (programmatic dependent launch): pdl_launch
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 def rocm() -> bool:
@@ -257,6 +261,30 @@ def cached_tensors(maxsize: int):
     return wrap
 
 
+PDL_ENV = "ALIGNAUDIT_PDL"
+
+
+def pdl_launch(x: torch.Tensor) -> dict:
+    """The launch arguments of programmatic dependent launch (PDL) for a strict kernel whose inputs live with
+    ``x``: {"PDL": True, "launch_pdl": True} where ALIGNAUDIT_PDL=1 asks for it and x is on an sm_90-or-newer
+    NVIDIA GPU, {"PDL": False} otherwise (the default: ALIGNAUDIT_PDL unset or 0). With it the GPU may start
+    the kernel while the previous one on the stream finishes (inside a CUDA graph too); the kernel's first step,
+    ``pdl_start``, waits until that one has completed and its writes are visible (PTX griddepcontrol.wait), so
+    no value and no bit changes, only launch latency between kernels (a candidate: bench/gpu_run.sh vllm-bench).
+
+    Raises:
+        ValueError: ALIGNAUDIT_PDL other than 0 or 1.
+    """
+    on = env_choice(PDL_ENV, ("0", "1")) == "1" and x.is_cuda and not rocm() and gdc_wait is not None
+    return {"PDL": True, "launch_pdl": True} if on and capability(x.device)[0] >= 9 else {"PDL": False}
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device (launch planning only)."""
+    return torch.cuda.get_device_capability(device)
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (launch planning only, never the arithmetic)."""
@@ -281,6 +309,14 @@ def reduction_input(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
     return out.copy_(x)
 
 if triton is not None:
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """A strict kernel's first step under programmatic dependent launch (pdl_launch): wait for the previous
+        kernel's completion and writes, then let the next kernel start launching. Nothing when PDL is False."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def pow2_t(n):

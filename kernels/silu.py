@@ -11,7 +11,16 @@ from __future__ import annotations
 import torch
 
 from alignaudit_kernels.gradients import backward_on, silu_mul_grad
-from alignaudit_kernels.primitives import cdiv, compiling_inference, exp, no_gradient, opaque_op, triton, use_triton
+from alignaudit_kernels.primitives import (
+    cdiv,
+    compiling_inference,
+    exp,
+    no_gradient,
+    opaque_op,
+    pdl_launch,
+    triton,
+    use_triton,
+)
 
 
 def reference(gate, up):
@@ -26,10 +35,12 @@ def _cpu(gate, up):
 if triton is not None:
     import triton.language as tl
 
-    from alignaudit_kernels.primitives import exp_t
+    from alignaudit_kernels.primitives import exp_t, pdl_start
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, stride_g, stride_u, stride_y, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, stride_g, stride_u, stride_y, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -44,7 +55,8 @@ def _triton(gate, up):
     y = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
     block = 1024
     _silu_mul_kernel[(rows, cdiv(cols, block))](gate, up, y, cols, gate.stride(0), up.stride(0), y.stride(0),
-                                                       BLOCK=block, num_warps=4, enable_fp_fusion=False)
+                                                       BLOCK=block, num_warps=4, enable_fp_fusion=False,
+                                                       **pdl_launch(gate))
     return y
 
 

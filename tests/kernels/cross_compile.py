@@ -7,9 +7,10 @@ host wrappers choose, without running any of them.
 
 Without --all the launch configurations every kernel runs in for bf16 models (tests/kernels/test_kernels_compile.py,
 in `make test`: about half a minute a target); with --all every branch of every host wrapper, fp16 and fp32
-included (96 configurations for gfx942, 92 for sm90 on 2026-12-04; about 4 minutes a target on 2 CPU cores with a cold
-Triton cache: the attention kernel takes 5-16 s to build for either target, its fp32 IEEE form 77-91 s for
-sm90).
+included, and for sm90 the bf16 model's launches again with programmatic dependent launch (ALIGNAUDIT_PDL=1)
+(96 configurations for gfx942, 92 for sm90 on 2026-12-04, 174 on 2026-12-05; about 4 minutes a target on 2 CPU
+cores with a cold Triton cache: the attention kernel takes 5-16 s to build for either target, its fp32 IEEE form
+77-91 s for sm90).
 
 How: Triton's compiler needs no GPU, only a target. A stand-in driver (``CompileOnlyDriver``) tells Triton
 the target; the kernels' own host wrappers run on CPU tensors (their Triton branch forced on, their device
@@ -118,6 +119,11 @@ def _launches(target_name: str, every: bool) -> list[dict]:
     JITFunction.run = compile_only
     try:
         _drive(modules, every, amd=spec[0] == "hip")
+        if every and spec[0] == "cuda":  # the bf16 model's launches again under programmatic dependent launch
+            for module in (m for name in MODULES for m in _module_files(name).values()):
+                if hasattr(module, "pdl_launch"):
+                    module.pdl_launch = lambda x: {"PDL": True, "launch_pdl": True}
+            _drive(modules, False, amd=False)
     finally:
         JITFunction.run = real_run
     return records

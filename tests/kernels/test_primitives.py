@@ -19,6 +19,7 @@ from helpers import (
     assert_bitwise_equal,
     assert_within,
     gen,
+    randn,
     ulp_of,
 )
 
@@ -120,3 +121,48 @@ def test_unit_sum_is_exact_up_to_its_truncation():
     assert primitives.unit_sum(x).isnan().tolist() == [False, False, True, False]
     with pytest.raises(ValueError, match="at most"):
         primitives.unit_sum_scale(2 ** 20 + 1)
+
+
+def test_programmatic_dependent_launch_keeps_every_bit(device, monkeypatch):
+    """ALIGNAUDIT_PDL=1 launches the strict kernels with programmatic dependent launch on sm_90+ GPUs (each kernel
+    first waits for the previous one's writes): the decode path's ops give the bits they give without it, eagerly
+    and replayed from a CUDA graph. Elsewhere it asks for nothing; a value other than 0 or 1 is refused."""
+    import alignaudit_kernels as K
+
+    monkeypatch.setenv(primitives.PDL_ENV, "2")
+    with pytest.raises(ValueError, match="ALIGNAUDIT_PDL='2': use one of 0, 1"):
+        primitives.pdl_launch(torch.zeros(1))
+    monkeypatch.setenv(primitives.PDL_ENV, "1")
+    if device != "cuda" or primitives.capability(torch.device("cuda"))[0] < 9:
+        assert primitives.pdl_launch(torch.zeros(1)) == {"PDL": False}
+        return
+    x = randn(32, 2048, dtype=torch.bfloat16, device=device, seed=80)
+    w = randn(6144, 2048, dtype=torch.bfloat16, device=device, seed=81, scale=2048 ** -0.5)
+    norm = randn(2048, dtype=torch.bfloat16, device=device, seed=82)
+    cos, sin = K.rope.rope_tables(128, 128, 1e6, device)
+    positions = torch.arange(32, device=device)
+    cu = torch.tensor([0, 20, 32], device=device)
+
+    def decode_step():
+        h = K.rms_norm(x, norm, 1e-6)
+        qkv = K.linear(h, w)
+        q = K.apply_rope(qkv[:, :2048].reshape(32, 16, 128), positions, cos, sin)
+        k = K.apply_rope(qkv[:, 2048:3072].reshape(32, 8, 128), positions, cos, sin)
+        attn = K.varlen_attention(q, k, qkv[:, 3072:4096].reshape(32, 8, 128), cu, 128 ** -0.5)
+        mlp = K.silu_mul(qkv[:, :3072], qkv[:, 3072:])
+        return [qkv, attn, K.linear(mlp, w[:2048, :3072].contiguous(), k_segments=4), K.log_softmax(qkv)]
+
+    with torch.no_grad():
+        monkeypatch.setenv(primitives.PDL_ENV, "0")
+        plain = decode_step()
+        monkeypatch.setenv(primitives.PDL_ENV, "1")
+        assert primitives.pdl_launch(x) == {"PDL": True, "launch_pdl": True}
+        eager = decode_step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = decode_step()
+        graph.replay()
+        torch.cuda.synchronize()
+    for i, (a, b, c) in enumerate(zip(plain, eager, captured, strict=True)):
+        assert_bitwise_equal(f"output {i}, PDL eager", b, a)
+        assert_bitwise_equal(f"output {i}, PDL in a CUDA graph", c, a)
