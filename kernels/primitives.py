@@ -264,18 +264,30 @@ def cached_tensors(maxsize: int):
 PDL_ENV = "ALIGNAUDIT_PDL"
 
 
-def pdl_launch(x: torch.Tensor) -> dict:
-    """The launch arguments of programmatic dependent launch (PDL) for a strict kernel whose inputs live with
-    ``x``: {"PDL": True, "launch_pdl": True} where ALIGNAUDIT_PDL=1 asks for it and x is on an sm_90-or-newer
-    NVIDIA GPU, {"PDL": False} otherwise (the default: ALIGNAUDIT_PDL unset or 0). With it the GPU may start
-    the kernel while the previous one on the stream finishes (inside a CUDA graph too); the kernel's first step,
-    ``pdl_start``, waits until that one has completed and its writes are visible (PTX griddepcontrol.wait), so
-    no value and no bit changes, only launch latency between kernels (a candidate: bench/gpu_run.sh vllm-bench).
+@functools.lru_cache(maxsize=1)
+def pdl_asked() -> bool:
+    """ALIGNAUDIT_PDL == "1", read once per process (at the first strict launch: every launch asks, and an
+    environment read would cost a microsecond each; ``pdl_asked.cache_clear()`` reads it again).
 
     Raises:
         ValueError: ALIGNAUDIT_PDL other than 0 or 1.
     """
-    on = env_choice(PDL_ENV, ("0", "1")) == "1" and x.is_cuda and not rocm() and gdc_wait is not None
+    return env_choice(PDL_ENV, ("0", "1")) == "1"
+
+
+def pdl_launch(x: torch.Tensor) -> dict:
+    """The launch arguments of programmatic dependent launch (PDL) for a strict kernel whose inputs live with
+    ``x``: {"PDL": True, "launch_pdl": True} where ALIGNAUDIT_PDL=1 asks for it (``pdl_asked``) and x is on an
+    sm_90-or-newer NVIDIA GPU, {"PDL": False} otherwise (the default: ALIGNAUDIT_PDL unset or 0). With it the GPU
+    may start the kernel while the previous one on the stream finishes (inside a CUDA graph too); the kernel's
+    first step, ``pdl_start``, waits until that one has completed and its writes are visible (PTX
+    griddepcontrol.wait), so no value and no bit changes, only launch latency between kernels (a candidate:
+    bench/gpu_run.sh vllm-bench).
+
+    Raises:
+        ValueError: as pdl_asked.
+    """
+    on = x.is_cuda and pdl_asked() and gdc_wait is not None and not rocm()
     return {"PDL": True, "launch_pdl": True} if on and capability(x.device)[0] >= 9 else {"PDL": False}
 
 
