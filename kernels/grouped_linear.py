@@ -71,6 +71,12 @@ def tile_bound(pairs: int, experts: int, block_m: int) -> int:
     return (pairs + min(experts, pairs) * (block_m - 1)) // block_m
 
 
+def _check_plan(chosen: torch.Tensor, block_m: int, name: str) -> None:
+    if chosen.dim() != 2 or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"{name}: chosen must be [T, top_k] and block_m a power of two, got "
+                         f"{tuple(chosen.shape)}, {block_m}")
+
+
 def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
     """The device-side dispatch plan of ``chosen`` [T, top_k] (int expert ids in [0, num_experts)) for row
     tiles of ``block_m`` rows. Capturable by a CUDA graph: no host read of ``chosen``.
@@ -78,9 +84,7 @@ def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> Expert
     Raises:
         ValueError: ``chosen`` not 2-D, or block_m not a power of two (a Triton block).
     """
-    if chosen.dim() != 2 or block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"plan_experts: chosen must be [T, top_k] and block_m a power of two, got "
-                         f"{tuple(chosen.shape)}, {block_m}")
+    _check_plan(chosen, block_m, "plan_experts")
     top_k = chosen.shape[1]
     device = chosen.device
     sorted_expert, pair = torch.sort(chosen.reshape(-1).to(torch.int64), stable=True)
@@ -110,9 +114,7 @@ def plan_experts_triton(chosen: torch.Tensor, num_experts: int, block_m: int) ->
     Raises:
         ValueError: as plan_experts, or without the Triton backend.
     """
-    if chosen.dim() != 2 or block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"plan_experts_triton: chosen must be [T, top_k] and block_m a power of two, got "
-                         f"{tuple(chosen.shape)}, {block_m}")
+    _check_plan(chosen, block_m, "plan_experts_triton")
     if triton is None:
         raise ValueError("plan_experts_triton needs Triton (a CUDA tensor, or TRITON_INTERPRET=1)")
     top_k = chosen.shape[1]

@@ -30,7 +30,6 @@ Backward: plain torch matmuls in fp32 (correct, not strict).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -38,6 +37,7 @@ import torch
 from alignaudit_kernels.primitives import (
     BLOCK,
     block_sums,
+    capability,
     cdiv,
     compiling_inference,
     no_gradient,
@@ -414,14 +414,9 @@ def _tma_available(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """The TMA path needs a Hopper-or-newer GPU, bf16/fp16 without bias, and 16-byte aligned rows."""
     return (bias is None and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
             and os.environ.get("ALIGNAUDIT_MATMUL_TMA", "1") != "0"
-            and not fixed_tiles() and _compute_capability(x2.device)[0] >= 9
+            and not fixed_tiles() and capability(x2.device)[0] >= 9
             and x2.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0
             and x2.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _compute_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True, segments: int = 1,

@@ -22,6 +22,8 @@ import threading
 
 import torch
 
+from alignaudit_kernels.primitives import capability, rocm
+
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
 
@@ -31,8 +33,8 @@ def flash_backward_available(q: torch.Tensor) -> bool:
     (compute capability 8+), in fp16/bf16, with D a multiple of 8 up to 256 (flash_api.cpp's checks), on a torch that
     has the op."""
     d = q.shape[-1]
-    return (q.is_cuda and torch.version.hip is None and q.dtype in FLASH_DTYPES and d % 8 == 0
-            and d <= FLASH_MAX_HEAD_DIM and torch.cuda.get_device_capability(q.device)[0] >= 8
+    return (q.is_cuda and not rocm() and q.dtype in FLASH_DTYPES and d % 8 == 0
+            and d <= FLASH_MAX_HEAD_DIM and capability(q.device)[0] >= 8
             and hasattr(torch.ops.aten, "_flash_attention_backward"))
 
 
@@ -88,4 +90,3 @@ def varlen_flash_gradients(q, k, v, g, cu_seqlens, max_len: int, scale: float, o
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             g.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, seed, offset, scale=scale)
     return dq, dk, dv
-
