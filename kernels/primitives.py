@@ -285,10 +285,16 @@ def pdl_launch(x: torch.Tensor) -> dict:
     bench/gpu_run.sh vllm-bench).
 
     Raises:
-        ValueError: as pdl_asked.
+        ValueError: as pdl_asked, or ALIGNAUDIT_PDL=1 for a CUDA tensor on a GPU or Triton without programmatic
+            dependent launch (ROCm, compute capability below 9, no griddepcontrol in Triton): refused at the first
+            launch rather than ignored (the CLI refuses it off CUDA before any engine starts).
     """
-    on = x.is_cuda and pdl_asked() and gdc_wait is not None and not rocm()
-    return {"PDL": True, "launch_pdl": True} if on and capability(x.device)[0] >= 9 else {"PDL": False}
+    if not (x.is_cuda and pdl_asked()):
+        return {"PDL": False}
+    if rocm() or gdc_wait is None or capability(x.device)[0] < 9:
+        raise ValueError(f"{PDL_ENV}=1 needs an NVIDIA GPU of compute capability 9 or newer and a Triton with "
+                         f"griddepcontrol; this is {torch.cuda.get_device_name(x.device)}; unset it")
+    return {"PDL": True, "launch_pdl": True}
 
 
 @functools.lru_cache(maxsize=None)

@@ -126,7 +126,8 @@ def test_unit_sum_is_exact_up_to_its_truncation():
 def test_programmatic_dependent_launch_keeps_every_bit(device, monkeypatch):
     """ALIGNAUDIT_PDL=1 launches the strict kernels with programmatic dependent launch on sm_90+ GPUs (each kernel
     first waits for the previous one's writes): the decode path's ops give the bits they give without it, eagerly
-    and replayed from a CUDA graph. Elsewhere it asks for nothing; a value other than 0 or 1 is refused."""
+    and replayed from a CUDA graph. For CPU tensors it asks for nothing; an older GPU, or a value other than 0 or 1,
+    is refused."""
     try:
         _pdl_keeps_every_bit(device, monkeypatch)
     finally:  # the switch is read once per process: the next test reads its own environment again
@@ -145,8 +146,11 @@ def _pdl_keeps_every_bit(device, monkeypatch):
         primitives.pdl_asked()
     asked("1")
     assert primitives.pdl_asked()
+    assert primitives.pdl_launch(torch.zeros(1)) == {"PDL": False}  # a CPU tensor: the CPU backend, no launch
+    if device == "cuda" and primitives.capability(torch.device("cuda"))[0] < 9:
+        with pytest.raises(ValueError, match="ALIGNAUDIT_PDL=1 needs an NVIDIA GPU of compute capability 9"):
+            primitives.pdl_launch(torch.zeros(1, device=device))
     if device != "cuda" or primitives.capability(torch.device("cuda"))[0] < 9:
-        assert primitives.pdl_launch(torch.zeros(1)) == {"PDL": False}
         return
     x = randn(32, 2048, dtype=torch.bfloat16, device=device, seed=80)
     w = randn(6144, 2048, dtype=torch.bfloat16, device=device, seed=81, scale=2048 ** -0.5)
