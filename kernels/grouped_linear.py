@@ -11,7 +11,8 @@ fused_moe/), with the arithmetic of alignaudit_kernels.linear:
                increasing p: the order ``(chosen == e).nonzero()`` gives the gathered dispatch); expert e owns
                the sorted rows [start_e, start_{e+1}) and cdiv(count_e, BLOCK_M) row tiles; a fixed number of
                tiles (an upper bound of that sum, from T, top_k, E and BLOCK_M alone) is launched and the tiles
-               past the sum return at once. torch.sort, searchsorted and cumsum: no host read.
+               past the sum return at once. One Triton launch (plan_experts_triton: a histogram, a prefix sum of
+               a mask); plan_experts computes the same plan with torch.sort, searchsorted and cumsum. No host read.
     product    each output tile by matmul._segment, the K loop of the pointer kernel (K increasing, tl.dot into
                one fp32 accumulator, IEEE products for fp32), on the expert's weight, at one of linear's tiles
                chosen by the mean rows per expert (grouped_tile); rounded once to x.dtype. A row's bits should be
@@ -103,8 +104,10 @@ def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> Expert
 
 def plan_experts_triton(chosen: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
     """``plan_experts`` in one Triton launch instead of about fifteen torch launches (sort, searchsorted, cumsum,
-    gathers): a candidate for the decode-sized batches where those launches cost more than the products
-    (bench/moe_gpu.py times both; not yet the default). Program e < E counts every expert's pairs with
+    gathers): the grouped dispatch's plan (moe._grouped). In graph replays at the Qwen3-30B-A3B layer on an H100
+    it took 0.0044 / 0.0047 / 0.0098 / 0.0598 ms at 8 / 64 / 512 / 4096 tokens against plan_experts' 0.0415 /
+    0.0618 / 0.0701 / 0.103, every field equal (bench/moe_gpu.py, docs/benchmarks.md 2026-12-05 eighth session).
+    Program e < E counts every expert's pairs with
     tl.histogram, places expert e's pairs at starts[e] + their rank by increasing pair index (a prefix sum of a
     mask, chunk by chunk), and writes its row tiles; program E places pairs whose id is outside [0, E) after
     starts[E] (their rows are never covered: NaN, as plan_experts leaves them) and writes the tiles past the last
@@ -159,7 +162,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
         x: [R, K] bf16/fp16/fp32. With ``gather``, the T tokens of the routing (sorted row i reads
             x[plan.token[i]]); without, already in sorted order (R = P: the previous grouped product's output).
         weight: [E, N, K] in x.dtype, each expert's matrix with unit stride along K.
-        plan: plan_experts of the routing, with block_m = the tile height used here.
+        plan: plan_experts (or plan_experts_triton) of the routing, with block_m = the tile height used here.
         tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) to launch with instead of grouped_tile's (benchmarks:
             bench/moe_gpu.py --tiles); BLOCK_M must be plan.block_m. The K loop is the
             same at every tile, so on a GPU whose tensor cores keep their K order across tiles the bits are too.

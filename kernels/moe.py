@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.grouped_linear import block_m_for, grouped_linear, plan_experts
+from alignaudit_kernels.grouped_linear import block_m_for, grouped_linear, plan_experts_triton
 from alignaudit_kernels.matmul import linear
 from alignaudit_kernels.primitives import cdiv, env_choice, exp, fixed_sum, no_gradient, triton, use_triton
 from alignaudit_kernels.silu import silu_and_mul, silu_mul
@@ -177,7 +177,7 @@ def _grouped(x: torch.Tensor, chosen: torch.Tensor, gate_up, down, tile=None) ->
         raise ValueError("the grouped MoE dispatch needs the Triton backend (CUDA, or TRITON_INTERPRET=1)")
     gate_up, down = _stacked(gate_up), _stacked(down)
     experts = gate_up.shape[0]
-    plan = plan_experts(chosen, experts, tile[0] if tile else block_m_for(chosen.numel(), experts, x.dtype))
+    plan = plan_experts_triton(chosen, experts, tile[0] if tile else block_m_for(chosen.numel(), experts, x.dtype))
     hidden = silu_and_mul(grouped_linear(x, gate_up, plan, gather=True, tile=tile))
     return grouped_linear(hidden, down, plan, gather=False, tile=tile, scatter=True)  # rows back in pair order
 
