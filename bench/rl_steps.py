@@ -6,8 +6,7 @@
 Runs `alignaudit rl` once per configuration on the same model and prompts (default: the fixture), and reads each
 step's stage timings from steps.parquet: "strict" (every op strict, the backward ALIGNAUDIT_BACKWARD's default:
 fused on CUDA), "strict-fused" and "strict-reference" (the same with ALIGNAUDIT_BACKWARD set for that run only,
-kernels/gradients.py), "strict-pdl" (with ALIGNAUDIT_PDL=1: programmatic dependent launch) and "default" (the
-default stack). Step 1 is left out (it includes one-time warm-up).
+kernels/gradients.py) and "default" (the default stack). Step 1 is left out (it includes one-time warm-up).
 Prints the median seconds per step and per stage for each and each one's ratio to default; writes
 bench-rl-steps.json.
 """
@@ -30,7 +29,6 @@ from alignaudit.commands import cli  # noqa: E402
 STAGES = ["seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s"]
 CONFIGS = {"strict": (["--strict"], {}), "strict-fused": (["--strict"], {"ALIGNAUDIT_BACKWARD": "fused"}),
            "strict-reference": (["--strict"], {"ALIGNAUDIT_BACKWARD": "reference"}),
-           "strict-pdl": (["--strict"], {"ALIGNAUDIT_PDL": "1"}),
            "default": ([], {})}
 
 

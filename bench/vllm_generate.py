@@ -38,7 +38,6 @@ CONFIGS = {  # name -> environment added for that process
     "batch-invariant": {"VLLM_BATCH_INVARIANT": "1"},
     "strict": {"ALIGNAUDIT_STRICT": "all"},
     "strict-native-exp": {"ALIGNAUDIT_STRICT": "all", "ALIGNAUDIT_STRICT_EXP": "native"},
-    "strict-pdl": {"ALIGNAUDIT_STRICT": "all", "ALIGNAUDIT_PDL": "1"},  # programmatic dependent launch (candidate)
     "strict+batch-invariant": {"ALIGNAUDIT_STRICT": "all", "VLLM_BATCH_INVARIANT": "1"},
 }
 

@@ -42,7 +42,6 @@ from alignaudit_kernels.primitives import (
     compiling_inference,
     no_gradient,
     opaque_op,
-    pdl_launch,
     sm_count,
     triton,
     use_triton,
@@ -100,8 +99,6 @@ def _cpu(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segm
 if triton is not None:
     import triton.language as tl
 
-    from alignaudit_kernels.primitives import pdl_start
-
     @triton.jit
     def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         # Tile order: groups of GROUP_M row-tiles sweep the columns together (L2 reuse of W); the order in
@@ -135,11 +132,10 @@ if triton is not None:
     def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr = 1,
-                       SPLIT_K: tl.constexpr = False, PDL: tl.constexpr = False):
+                       SPLIT_K: tl.constexpr = False):
         """y = x @ w^T (+ b) for one output tile. SEGMENTS > 1: K as a tree of segments, inside the program;
         SPLIT_K: program (tile, s) stores segment s's fp32 accumulator at y + s * stride_ys instead (no bias),
         and _segment_tree_kernel adds the segments afterwards."""
-        pdl_start(PDL)
         pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -186,10 +182,9 @@ if triton is not None:
 
     @triton.jit
     def _segment_tree_kernel(p_ptr, b_ptr, y_ptr, total, N, HAS_BIAS: tl.constexpr, SEGMENTS: tl.constexpr,
-                             BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                             BLOCK: tl.constexpr):
         """y = the SEGMENTS fp32 partials p [SEGMENTS, total] added by tree_sum's tree ((p0 + p1) + (p2 + p3))
         ..., + bias (fp32, column = index % N), stored in y's dtype: the end of _matmul_kernel's tree."""
-        pdl_start(PDL)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < total
         acc = _segment_pair(p_ptr, 0, total, offs, mask)
@@ -240,14 +235,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "programs"])
     def _matmul_tma_kernel(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                           SEGMENTS: tl.constexpr = 1, PDL: tl.constexpr = False):
+                           SEGMENTS: tl.constexpr = 1):
         """The same arithmetic as _matmul_kernel (bf16/fp16, no bias), with tiles moved by the TMA unit
         (out-of-range rows and K zero-filled, as the masked loads do) and ``programs`` persistent programs
         walking the tiles in the same grouped order. With SEGMENTS > 1 each segment is a whole number of
         BLOCK_K steps (the caller checks), so no load crosses a segment boundary, and the tree's finished
         left halves wait in two fp32 scratch tiles per program (scratch_ptr, [programs, 2, BLOCK_M, BLOCK_N]),
         so that at most two accumulators are live (three spilled registers at the large tiles)."""
-        pdl_start(PDL)
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         seg = K // SEGMENTS
         slot = tl.program_id(0).to(tl.int64) * 2
@@ -277,13 +271,11 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _matmul_tma_split_kernel(x_desc, w_desc, p_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr,
-                                 PDL: tl.constexpr = False):
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr):
         """Program (tile, s): K segment s of one output tile from zero, by the TMA unit, its fp32 accumulator
         stored as p[s] (p_desc over [SEGMENTS, M, N]); _segment_tree_kernel adds the tree afterwards. The
         segment loop is _tma_segment's, so the bits are the in-kernel tree's (as _split_k's for the pointer
         kernel), with SEGMENTS times the programs of one per tile."""
-        pdl_start(PDL)
         pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         s = tl.program_id(1)
         seg = K // SEGMENTS
@@ -378,7 +370,7 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     _matmul_kernel[grid](x2, weight, bias if bias is not None else x2, y, m, n, k, x2.stride(0), weight.stride(0),
                          y.stride(0), 0, HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SEGMENTS=segments, num_warps=warps,
-                         num_stages=stages, **pdl_launch(x2))
+                         num_stages=stages)
     return y
 
 
@@ -401,12 +393,11 @@ def _split_k(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     grid = (cdiv(m, bm) * cdiv(n, bn), segments)
     _matmul_kernel[grid](x2, weight, x2, parts, m, n, k, x2.stride(0), weight.stride(0), n, m * n,
                          HAS_BIAS=False, IEEE=x2.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                         GROUP_M=8, SEGMENTS=segments, SPLIT_K=True, num_warps=warps, num_stages=stages,
-                         **pdl_launch(x2))
+                         GROUP_M=8, SEGMENTS=segments, SPLIT_K=True, num_warps=warps, num_stages=stages)
     y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     _segment_tree_kernel[(cdiv(m * n, SPLIT_K_BLOCK),)](
         parts, bias if bias is not None else parts, y, m * n, n, HAS_BIAS=bias is not None, SEGMENTS=segments,
-        BLOCK=SPLIT_K_BLOCK, **pdl_launch(x2))
+        BLOCK=SPLIT_K_BLOCK)
     return y
 
 
@@ -438,7 +429,7 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
     _matmul_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(y, [bm, bn]), scratch, m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages, **pdl_launch(x2))
+        GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -456,10 +447,10 @@ def _triton_tma_split(x2: torch.Tensor, weight: torch.Tensor, tile, segments: in
     _matmul_tma_split_kernel[(cdiv(m, bm) * cdiv(n, bn), segments)](
         TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(parts, [1, bm, bn]), m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        SEGMENTS=segments, num_warps=warps, num_stages=stages, **pdl_launch(x2))
+        SEGMENTS=segments, num_warps=warps, num_stages=stages)
     y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     _segment_tree_kernel[(cdiv(m * n, SPLIT_K_BLOCK),)](parts, parts, y, m * n, n, HAS_BIAS=False,
-                                                        SEGMENTS=segments, BLOCK=SPLIT_K_BLOCK, **pdl_launch(x2))
+                                                        SEGMENTS=segments, BLOCK=SPLIT_K_BLOCK)
     return y
 
 

@@ -178,10 +178,6 @@ try:
     import triton.language as tl
 except ImportError:  # a CPU-only install without Triton: the CPU backend still works
     triton = None
-try:  # PTX griddepcontrol (programmatic dependent launch): pdl_launch
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:
-    gdc_launch_dependents = gdc_wait = None
 
 
 def rocm() -> bool:
@@ -261,42 +257,6 @@ def cached_tensors(maxsize: int):
     return wrap
 
 
-PDL_ENV = "ALIGNAUDIT_PDL"
-
-
-@functools.lru_cache(maxsize=1)
-def pdl_asked() -> bool:
-    """ALIGNAUDIT_PDL == "1", read once per process (at the first strict launch: every launch asks, and an
-    environment read would cost a microsecond each; ``pdl_asked.cache_clear()`` reads it again).
-
-    Raises:
-        ValueError: ALIGNAUDIT_PDL other than 0 or 1.
-    """
-    return env_choice(PDL_ENV, ("0", "1")) == "1"
-
-
-def pdl_launch(x: torch.Tensor) -> dict:
-    """The launch arguments of programmatic dependent launch (PDL) for a strict kernel whose inputs live with
-    ``x``: {"PDL": True, "launch_pdl": True} where ALIGNAUDIT_PDL=1 asks for it (``pdl_asked``) and x is on an
-    sm_90-or-newer NVIDIA GPU, {"PDL": False} otherwise (the default: ALIGNAUDIT_PDL unset or 0). With it the GPU
-    may start the kernel while the previous one on the stream finishes (inside a CUDA graph too); the kernel's
-    first step, ``pdl_start``, waits until that one has completed and its writes are visible (PTX
-    griddepcontrol.wait), so no value and no bit changes, only launch latency between kernels (a candidate:
-    bench/gpu_run.sh vllm-bench).
-
-    Raises:
-        ValueError: as pdl_asked, or ALIGNAUDIT_PDL=1 for a CUDA tensor on a GPU or Triton without programmatic
-            dependent launch (ROCm, compute capability below 9, no griddepcontrol in Triton): refused at the first
-            launch rather than ignored (the CLI refuses it off CUDA before any engine starts).
-    """
-    if not (x.is_cuda and pdl_asked()):
-        return {"PDL": False}
-    if rocm() or gdc_wait is None or capability(x.device)[0] < 9:
-        raise ValueError(f"{PDL_ENV}=1 needs an NVIDIA GPU of compute capability 9 or newer and a Triton with "
-                         f"griddepcontrol; this is {torch.cuda.get_device_name(x.device)}; unset it")
-    return {"PDL": True, "launch_pdl": True}
-
-
 @functools.lru_cache(maxsize=None)
 def capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) compute capability of a CUDA device (launch planning only)."""
@@ -327,14 +287,6 @@ def reduction_input(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
     return out.copy_(x)
 
 if triton is not None:
-
-    @triton.jit
-    def pdl_start(PDL: tl.constexpr):
-        """A strict kernel's first step under programmatic dependent launch (pdl_launch): wait for the previous
-        kernel's completion and writes, then let the next kernel start launching. Nothing when PDL is False."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
 
     @triton.jit
     def pow2_t(n):

@@ -27,7 +27,6 @@ from alignaudit_kernels.primitives import (
     fixed_sum,
     no_gradient,
     opaque_op,
-    pdl_launch,
     reduction_input,
     rsqrt,
     triton,
@@ -54,12 +53,11 @@ def _cpu(x2, weight, eps, residual2):
 if triton is not None:
     import triton.language as tl
 
-    from alignaudit_kernels.primitives import pdl_start, rsqrt_t
+    from alignaudit_kernels.primitives import rsqrt_t
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, heads, stride_x, stride_xh, stride_r, stride_y,
-                        stride_s, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-        pdl_start(PDL)
+                        stride_s, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
@@ -87,7 +85,7 @@ def _triton(x2, weight, eps, residual2, heads=None):
                           x2.stride(0), x2.stride(1) if heads else 0,
                           residual2.stride(0) if residual2 is not None else 0, y.stride(0), s.stride(0),
                           HAS_RESIDUAL=residual2 is not None, BLOCK_H=block,
-                          num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False, **pdl_launch(x2))
+                          num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
     return y, s
 
 

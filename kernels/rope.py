@@ -27,7 +27,6 @@ from alignaudit_kernels.primitives import (
     compiling_inference,
     no_gradient,
     opaque_op,
-    pdl_launch,
     triton,
     use_triton,
 )
@@ -98,12 +97,9 @@ def _cpu(x, positions, cos, sin):
 if triton is not None:
     import triton.language as tl
 
-    from alignaudit_kernels.primitives import pdl_start
-
     @triton.jit
     def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, H, rows, stride_xt, stride_xh, stride_yt, stride_yh,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-        pdl_start(PDL)
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
@@ -128,7 +124,7 @@ def _triton(x, positions, cos, sin):
     _rope_kernel[(t, cdiv(h, block_h))](x, positions.contiguous(), cos.contiguous(), sin.contiguous(), y, h,
                                         cos.shape[0], x.stride(0), x.stride(1), y.stride(0), y.stride(1),
                                         HALF=d // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d // 2),
-                                        enable_fp_fusion=False, **pdl_launch(x))
+                                        enable_fp_fusion=False)
     return y
 
 

@@ -11,16 +11,7 @@ from __future__ import annotations
 import torch
 
 from alignaudit_kernels.gradients import backward_on, silu_mul_grad
-from alignaudit_kernels.primitives import (
-    cdiv,
-    compiling_inference,
-    exp,
-    no_gradient,
-    opaque_op,
-    pdl_launch,
-    triton,
-    use_triton,
-)
+from alignaudit_kernels.primitives import cdiv, compiling_inference, exp, no_gradient, opaque_op, triton, use_triton
 
 
 def reference(gate, up):
@@ -35,12 +26,10 @@ def _cpu(gate, up):
 if triton is not None:
     import triton.language as tl
 
-    from alignaudit_kernels.primitives import exp_t, pdl_start
+    from alignaudit_kernels.primitives import exp_t
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, stride_g, stride_u, stride_y, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = False):
-        pdl_start(PDL)
+    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n_cols, stride_g, stride_u, stride_y, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -55,8 +44,7 @@ def _triton(gate, up):
     y = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
     block = 1024
     _silu_mul_kernel[(rows, cdiv(cols, block))](gate, up, y, cols, gate.stride(0), up.stride(0), y.stride(0),
-                                                       BLOCK=block, num_warps=4, enable_fp_fusion=False,
-                                                       **pdl_launch(gate))
+                                                       BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return y
 
 

@@ -55,27 +55,21 @@ def check_kernel_switches(strict_ops: frozenset[str], moe: bool, trains: bool, d
     other than the default is refused where it changes nothing: ALIGNAUDIT_BACKWARD where nothing trains
     (``trains``), or where no strict op's backward changes with it (attention; on CUDA also rmsnorm, silu and rope:
     BACKWARD_CHANGES, BACKWARD_CHANGES_CUDA); ALIGNAUDIT_MOE_DISPATCH where no strict MoE layer runs (a
-    mixture-of-experts model, ``moe``, with linear strict). ALIGNAUDIT_PDL=1 (programmatic dependent launch of the
-    strict kernels, alignaudit_kernels.primitives.pdl_launch) is refused off CUDA and where no strict op runs.
-    ``names``: how the caller's user spells the strict ops and a CUDA device (the CLI's flags by default).
+    mixture-of-experts model, ``moe``, with linear strict). ``names``: how the caller's user spells the strict ops
+    and a CUDA device (the CLI's flags by default).
 
     Raises:
         InputError: naming the variable, its value, and the values that run here or why it would not take effect.
     """
     from alignaudit_kernels.gradients import BACKWARD_ENV, asked_backward
     from alignaudit_kernels.moe import DISPATCH_ENV, asked_dispatch
-    from alignaudit_kernels.primitives import PDL_ENV, env_choice
 
     strict, cuda = names
     try:
         dispatch = asked_dispatch()
         backward = asked_backward()
-        pdl = env_choice(PDL_ENV, ("0", "1"))
     except ValueError as e:
         raise InputError(str(e)) from None
-    if pdl == "1" and (device != "cuda" or not strict_ops):
-        raise InputError(f"{PDL_ENV}=1 launches the strict kernels with programmatic dependent launch, on CUDA "
-                         f"({cuda}) with {strict} only; unset it")
     if dispatch == "grouped" and device != "cuda":
         raise InputError(f"{DISPATCH_ENV}=grouped is a Triton kernel and runs on CUDA only ({cuda}); unset it")
     if backward != "auto":

@@ -11,7 +11,6 @@ from alignaudit_kernels.attention.algorithm import BLOCK_N, CHUNK_N, DEFAULT_EXP
 from alignaudit_kernels.primitives import (
     cached_tensors,
     cdiv,
-    pdl_launch,
     rocm,
     sm_count,
     triton,
@@ -124,12 +123,11 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
             KV=kv_mode, SPLIT=split, **shared, TMA=tma, WS=ws, ONE_CHUNK=row_pos and chunks == 1,
-            LSE=lse_args[2] and not split, num_warps=warps, num_stages=stages, enable_fp_fusion=False,
-            **pdl_launch(q))
+            LSE=lse_args[2] and not split, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if split:
         _combine_kernel[(n_tiles, kvh)](out, lse_args[0], positions, tiles, m, l, acc, n_tiles, max_keys, chunks,
                                         out.stride(0), out.stride(1), lse_args[1], **shared, LSE=lse_args[2],
-                                        num_warps=4, enable_fp_fusion=False, **pdl_launch(q))
+                                        num_warps=4, enable_fp_fusion=False)
     return out
 
 

@@ -10,7 +10,7 @@ from alignaudit_kernels.primitives import (
 if triton is not None:
     import triton.language as tl
 
-    from alignaudit_kernels.primitives import exp_t_up_to_overflow, pdl_start
+    from alignaudit_kernels.primitives import exp_t_up_to_overflow
 
     @triton.jit
     def _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask,
@@ -234,8 +234,7 @@ if triton is not None:
                           BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
                           IEEE: tl.constexpr, KV: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
                           SPLIT: tl.constexpr, NATIVE_EXP: tl.constexpr, USED: tl.constexpr, TMA: tl.constexpr,
-                          WS: tl.constexpr, ONE_CHUNK: tl.constexpr, LSE: tl.constexpr, PDL: tl.constexpr = False):
-        pdl_start(PDL)
+                          WS: tl.constexpr, ONE_CHUNK: tl.constexpr, LSE: tl.constexpr):
         # The last tile first: in a causal prefill it visits the most key blocks (load balance only).
         tile = n_tiles - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
@@ -292,10 +291,9 @@ if triton is not None:
                         stride_ot, stride_oh, stride_lh,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
                         CHUNK_N: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
-                        NATIVE_EXP: tl.constexpr, USED: tl.constexpr, LSE: tl.constexpr, PDL: tl.constexpr = False):
+                        NATIVE_EXP: tl.constexpr, USED: tl.constexpr, LSE: tl.constexpr):
         """The split path's second launch: the chunk states of each row merged left to right, as the
         unsplit kernel merges them in registers."""
-        pdl_start(PDL)
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         seq, qrow, group_head, valid_row, pos, overflow = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys,

@@ -255,13 +255,6 @@ def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeyp
     err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "d")], EXIT_USAGE)
     assert "ALIGNAUDIT_BACKWARD=reference sets the strict ops' backward, and this command computes no gradient" in err
     monkeypatch.delenv("ALIGNAUDIT_BACKWARD")
-    monkeypatch.setenv("ALIGNAUDIT_PDL", "2")
-    err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "g")], EXIT_USAGE)
-    assert "ALIGNAUDIT_PDL='2': use one of 0, 1" in err
-    monkeypatch.setenv("ALIGNAUDIT_PDL", "1")  # programmatic dependent launch: CUDA kernels only
-    err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "h")], EXIT_USAGE)
-    assert "ALIGNAUDIT_PDL=1 launches the strict kernels with programmatic dependent launch, on CUDA" in err
-    monkeypatch.delenv("ALIGNAUDIT_PDL")
     monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "gathered")
     err = one_line_error(capsys, ["compare", "--strict", "--out", str(tmp_path / "e")], EXIT_USAGE)
     assert "ALIGNAUDIT_MOE_DISPATCH=gathered sets the strict MoE layer's dispatch, which runs only for a " in err
@@ -280,7 +273,7 @@ def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeyp
     assert "none of which --strict makes strict here; add attention to --strict or unset it" in err
     with pytest.raises(InputError, match="none of which ops makes strict here"):
         api.strict_megatron_model(ops="linear", device="cpu")
-    assert not any((tmp_path / name).exists() for name in "abcdefgh")
+    assert not any((tmp_path / name).exists() for name in "abcdef")
 
 
 def test_a_rollout_audited_across_containers_capture_rollout_then_tokens_from_then_diff_and_gate(tmp_path, capsys):

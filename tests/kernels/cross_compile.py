@@ -7,10 +7,9 @@ host wrappers choose, without running any of them.
 
 Without --all the launch configurations every kernel runs in for bf16 models (tests/kernels/test_kernels_compile.py,
 in `make test`: about half a minute a target); with --all every branch of every host wrapper, fp16 and fp32
-included, and for sm90 the bf16 model's launches again with programmatic dependent launch (ALIGNAUDIT_PDL=1)
-(96 configurations for gfx942, 92 for sm90 on 2026-12-04, 174 on 2026-12-05; about 4 minutes a target on 2 CPU
-cores with a cold Triton cache: the attention kernel takes 5-16 s to build for either target, its fp32 IEEE form
-77-91 s for sm90).
+included (96 configurations for gfx942, 92 for sm90 on 2026-12-04; about 4 minutes a target on 2 CPU cores with a cold
+Triton cache: the attention kernel takes 5-16 s to build for either target, its fp32 IEEE form 77-91 s for
+sm90).
 
 How: Triton's compiler needs no GPU, only a target. A stand-in driver (``CompileOnlyDriver``) tells Triton
 the target; the kernels' own host wrappers run on CPU tensors (their Triton branch forced on, their device
@@ -119,11 +118,6 @@ def _launches(target_name: str, every: bool) -> list[dict]:
     JITFunction.run = compile_only
     try:
         _drive(modules, every, amd=spec[0] == "hip")
-        if every and spec[0] == "cuda":  # the bf16 model's launches again under programmatic dependent launch
-            for module in (m for name in MODULES for m in _module_files(name).values()):
-                if hasattr(module, "pdl_launch"):
-                    module.pdl_launch = lambda x: {"PDL": True, "launch_pdl": True}
-            _drive(modules, False, amd=False)
     finally:
         JITFunction.run = real_run
     return records
@@ -180,7 +174,6 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         _gradients(m["gradients"], BF16)
         _grouped(m["grouped_linear"], BF16, tokens=64)
         m["moe"]._weighted_sum_triton(_empty(64, 8, 2048), _empty(64, 8, dtype=FP32))
-        m["grouped_linear"].plan_experts_triton(torch.randint(0, 128, (64, 8)), 128, 16)
         if amd:
             _attention(attention, FP32, 32, 8, 128, "portable", every_path=False, decode=False)
         return
@@ -232,11 +225,11 @@ def _gradients(gradients, dtype) -> None:
 
 def _grouped(grouped_linear, dtype, tokens: int, tile=None) -> None:
     """The grouped MoE products (the default dispatch on CUDA) at the Qwen3-30B-A3B layer (hidden 2048, 128 experts
-    of width 768, top-8): gate_up gathering the tokens, down over the sorted rows stored back in pair order; at
-    grouped_tile's tile, or ``tile``."""
+    of width 768, top-8): the one-launch plan, gate_up gathering the tokens, down over the sorted rows stored back in
+    pair order; at grouped_tile's tile, or ``tile``."""
     chosen = torch.randint(0, 128, (tokens, 8))
     block_m = tile[0] if tile else grouped_linear.block_m_for(chosen.numel(), 128, dtype)
-    plan = grouped_linear.plan_experts(chosen, 128, block_m)
+    plan = grouped_linear.plan_experts_triton(chosen, 128, block_m)
     grouped_linear.grouped_linear(_empty(tokens, 2048, dtype=dtype), _empty(128, 1536, 2048, dtype=dtype), plan,
                                   gather=True, tile=tile)
     grouped_linear.grouped_linear(_empty(tokens * 8, 768, dtype=dtype), _empty(128, 2048, 768, dtype=dtype), plan,

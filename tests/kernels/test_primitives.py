@@ -19,7 +19,6 @@ from helpers import (
     assert_bitwise_equal,
     assert_within,
     gen,
-    randn,
     ulp_of,
 )
 
@@ -121,67 +120,3 @@ def test_unit_sum_is_exact_up_to_its_truncation():
     assert primitives.unit_sum(x).isnan().tolist() == [False, False, True, False]
     with pytest.raises(ValueError, match="at most"):
         primitives.unit_sum_scale(2 ** 20 + 1)
-
-
-def test_programmatic_dependent_launch_keeps_every_bit(device, monkeypatch):
-    """ALIGNAUDIT_PDL=1 launches the strict kernels with programmatic dependent launch on sm_90+ GPUs (each kernel
-    first waits for the previous one's writes): the decode path's ops give the bits they give without it, eagerly
-    and replayed from a CUDA graph. For CPU tensors it asks for nothing; an older GPU, or a value other than 0 or 1,
-    is refused."""
-    try:
-        _pdl_keeps_every_bit(device, monkeypatch)
-    finally:  # the switch is read once per process: the next test reads its own environment again
-        primitives.pdl_asked.cache_clear()
-
-
-def _pdl_keeps_every_bit(device, monkeypatch):
-    import alignaudit_kernels as K
-
-    def asked(value):
-        monkeypatch.setenv(primitives.PDL_ENV, value)
-        primitives.pdl_asked.cache_clear()
-
-    asked("2")
-    with pytest.raises(ValueError, match="ALIGNAUDIT_PDL='2': use one of 0, 1"):
-        primitives.pdl_asked()
-    asked("1")
-    assert primitives.pdl_asked()
-    assert primitives.pdl_launch(torch.zeros(1)) == {"PDL": False}  # a CPU tensor: the CPU backend, no launch
-    if device == "cuda" and primitives.capability(torch.device("cuda"))[0] < 9:
-        with pytest.raises(ValueError, match="ALIGNAUDIT_PDL=1 needs an NVIDIA GPU of compute capability 9"):
-            primitives.pdl_launch(torch.zeros(1, device=device))
-    if device != "cuda" or primitives.capability(torch.device("cuda"))[0] < 9:
-        return
-    x = randn(32, 2048, dtype=torch.bfloat16, device=device, seed=80)
-    w = randn(6144, 2048, dtype=torch.bfloat16, device=device, seed=81, scale=2048 ** -0.5)
-    down = randn(2048, 3072, dtype=torch.bfloat16, device=device, seed=85, scale=3072 ** -0.5)
-    norm = randn(2048, dtype=torch.bfloat16, device=device, seed=82)
-    cos, sin = K.rope.rope_tables(128, 128, 1e6, device)
-    positions = torch.arange(32, device=device)
-    # a paged cache of 32 sequences of 1 to 64 keys (pages of 16), as vLLM's decode reads it
-    k_cache, v_cache = (randn(128, 16, 8, 128, dtype=torch.bfloat16, device=device, seed=s) for s in (83, 84))
-    table = torch.arange(128, device=device, dtype=torch.int32).view(32, 4)
-    seq_lens = (torch.arange(32, device=device, dtype=torch.int32) * 2) + 1
-
-    def decode_step():
-        h = K.rms_norm(x, norm, 1e-6)
-        qkv = K.linear(h, w)
-        q = K.apply_rope(qkv[:, :2048].reshape(32, 16, 128), positions, cos, sin)
-        attn = K.paged_decode(q, k_cache, v_cache, table, seq_lens, 128 ** -0.5, 64)
-        mlp = K.silu_mul(qkv[:, :3072], qkv[:, 3072:])
-        return [qkv, q, attn, K.linear(mlp, down, k_segments=4), K.log_softmax(qkv)]
-
-    with torch.no_grad():
-        asked("0")
-        plain = decode_step()
-        asked("1")
-        assert primitives.pdl_launch(x) == {"PDL": True, "launch_pdl": True}
-        eager = decode_step()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = decode_step()
-        graph.replay()
-        torch.cuda.synchronize()
-    for i, (a, b, c) in enumerate(zip(plain, eager, captured, strict=True)):
-        assert_bitwise_equal(f"output {i}, PDL eager", b, a)
-        assert_bitwise_equal(f"output {i}, PDL in a CUDA graph", c, a)
