@@ -16,6 +16,7 @@ from alignaudit_kernels.attention.launch import (
     _batch_plan,
     _check_caches,
     _check_out,
+    _check_tiles,
     _kv_mode,
     _launch,
     _launch_varlen,
@@ -32,7 +33,7 @@ from alignaudit_kernels.primitives import (
 
 
 def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP, max_keys=None,
-                    out=None):
+                    out=None, tiles=None):
     """Strict attention over a paged KV cache (inference engines; prefill and decode alike).
 
     Args:
@@ -49,16 +50,21 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale,
             key past the bound is read), ValueError on the CPU.
         out: [T, H, D] of q's dtype, unit stride along D, to write into (an engine's output buffer: no copy),
             or None.
+        tiles: the Triton backends' query tiles for these rows (``paged_tiles(q_seq, H // KVH, q.device)``, planned
+            once per engine step for all its layers), or None to plan them here; the same bits either way. The
+            CPU backend plans per sequence from q_seq and does not read them.
     Returns: ``out`` or a new [T, H, D] in q.dtype. Plans its tiles on the host from q_seq: not capturable in a
     CUDA graph; ``paged_decode`` is.
     Raises: ValueError for an unknown ``exp``, "native" on the CPU backend, an ``out`` that cannot hold the
-    result, or caches that the kernel cannot read as given (``_check_caches``).
+    result, caches that the kernel cannot read as given (``_check_caches``), or ``tiles`` planned for another
+    number of query heads per KV head.
     """
     _check_exp(exp, q)
     _check_caches(q, k_cache, v_cache)
+    _check_tiles(tiles, q, k_cache)
     if use_triton(q):
         return _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=exp, max_keys=max_keys,
-                             out=out)
+                             out=out, tiles=tiles)
     if max_keys is not None and q_positions.numel() and int(q_positions.max()) >= max_keys:
         raise ValueError(f"paged attention: a query at position {int(q_positions.max())}, past max_keys {max_keys}")
     out = _check_out(q, out)

@@ -4,6 +4,7 @@ the launch plans of the contiguous layouts, kept on the device per shape."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -185,17 +186,50 @@ def _kv_mode(k_cache: torch.Tensor) -> int:
     return KV_PAGE_ALIGNED if k_cache.shape[1] % BLOCK_N == 0 else KV_GATHER
 
 
-def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, config=None, exp=DEFAULT_EXP,
-                  max_keys=None, out=None):
-    group = q.shape[1] // k_cache.shape[2]
+@dataclass(frozen=True)
+class QueryTiles:
+    """The query tiles of a paged_attention call: which rows each GPU program computes.
+
+    Attributes:
+        tiles: int32 [4, tiles] on the queries' device (``_tiles``: sequence, first row, row count, row in its run).
+        group: the query heads per KV head it was planned for (a tile holds TILE_ROWS // group tokens).
+    """
+
+    tiles: torch.Tensor
+    group: int
+
+
+def paged_tiles(q_seq: torch.Tensor, group: int, device: torch.device) -> QueryTiles:
+    """The query tiles of ``paged_attention`` over rows whose sequences are ``q_seq`` [T] (int, rows of one
+    sequence consecutive; read on the host: a CPU tensor costs no synchronization), for ``group`` query heads per
+    KV head, copied to ``device``. An engine plans once per step and passes the plan to every layer's call
+    (``paged_attention(tiles=...)``): the same tiles each layer would plan, without each layer's host work and
+    host-to-device copy. On CUDA the copy leaves from pinned memory, so the host does not wait for it."""
     seqs, counts = torch.unique_consecutive(q_seq.cpu().long(), return_counts=True)
-    config = config or TILE_CONFIG
-    tiles = _tiles(seqs, torch.cumsum(counts, 0) - counts, counts, config[0] // group)
+    tiles = _tiles(seqs, torch.cumsum(counts, 0) - counts, counts, TILE_CONFIG[0] // group)
+    if torch.device(device).type == "cuda":
+        tiles = tiles.pin_memory()
+    return QueryTiles(tiles.to(device, non_blocking=True), group)
+
+
+def _check_tiles(tiles: QueryTiles | None, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """ValueError for query tiles planned for another number of query heads per KV head than q's over k_cache's."""
+    group = q.shape[1] // k_cache.shape[2]
+    if tiles is not None and tiles.group != group:
+        raise ValueError(f"strict attention: query tiles planned for {tiles.group} query heads per KV head, "
+                         f"used for {group}; plan them with paged_tiles for this layer's heads")
+
+
+def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP, max_keys=None,
+                  out=None, tiles: QueryTiles | None = None):
+    group = q.shape[1] // k_cache.shape[2]
+    if tiles is None:
+        tiles = paged_tiles(q_seq, group, q.device)
     table = block_table.to(device=q.device, dtype=torch.int32).contiguous()
     if max_keys is None:
         max_keys = int(q_positions.max()) + 1
-    return _launch(q, k_cache, v_cache, table, tiles, q_positions.to(q.device), scale, kv_mode=_kv_mode(k_cache),
-                   max_keys=max_keys, config=config, exp=exp, out=out)
+    return _launch(q, k_cache, v_cache, table, tiles.tiles, q_positions.to(q.device), scale,
+                   kv_mode=_kv_mode(k_cache), max_keys=max_keys, exp=exp, out=out)
 
 
 # Launch plans of the contiguous layouts, kept on the device per shape: a training step or a forward at a

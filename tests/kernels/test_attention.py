@@ -302,6 +302,33 @@ def test_paged_attention_refuses_caches_it_cannot_read(device):
                              K.paged_decode(q, strided.contiguous(), strided.contiguous(), table, lens, 0.1, 16))
 
 
+def test_query_tiles_planned_once_give_the_bits_of_each_call_planning_its_own(device):
+    """An engine plans a step's query tiles once (paged_tiles) and every layer's paged_attention reads them: the
+    bits of a call that plans its own. Tiles planned for another query-head group are refused on every backend.
+    Negative control (Triton backends, which read the tiles): tiles that leave out the last rows leave them
+    uncomputed."""
+    h, kvh, d = 4, 2, 32
+    lengths = [70, 5, 30]
+    q, k, v, cu = ragged(lengths, h, kvh, d, torch.float32, device, seed=60)
+    cache_k, cache_v, table = paged(k, v, block_size=16, seed=61, device=device)  # one page run for the three
+    positions = torch.cat([torch.arange(n) + a for n, a in zip(lengths, cu[:-1].tolist(), strict=True)])
+    q_seq = torch.zeros(sum(lengths), dtype=torch.int64)  # one sequence's rows at positions 0..104 of its pages
+    own = K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq, 0.125)
+    tiles = attention.paged_tiles(q_seq, h // kvh, q.device)
+    assert tiles.group == 2 and tiles.tiles.dtype == torch.int32 and tiles.tiles.device == q.device
+    assert_bitwise_equal("planned once", K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq,
+                                                           0.125, tiles=tiles), own)
+    with pytest.raises(ValueError, match="planned for 4 query heads per KV head, used for 2"):
+        K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq, 0.125,
+                          tiles=attention.paged_tiles(q_seq, 4, q.device))
+    if primitives.use_triton(q):
+        short = attention.paged_tiles(q_seq[:-5], h // kvh, q.device)
+        out = K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq, 0.125, tiles=short,
+                                out=torch.full_like(q, float("nan")))
+        assert_bitwise_equal("rows the short tiles cover", out[:-5], own[:-5])
+        assert out[-5:].isnan().all()
+
+
 def test_tma_reads_are_refused_where_descriptors_cannot_read_the_layout(device):
     """The TMA candidate (bench/sweep_gpu.py attention-tma) needs one-token contiguous pages and a power-of-two
     head_dim, and warp specialization applies to its loop only: ValueError before any kernel runs."""

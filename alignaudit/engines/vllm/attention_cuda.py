@@ -10,8 +10,9 @@ head_size columns, values in the rest; vllm/v1/attention/backends/flash_attn.py)
         persistent buffers (seq_lens, block_table) and the host constant max_model_len, so a CUDA graph
         captures it (vLLM's FULL graphs for uniform decode batches, padded requests have seq_lens 0);
     any other batch (prefill, chunked prefill, prefill mixed with decode): alignaudit_kernels.paged_attention
-        with a plan the metadata builder makes once per step (each query row's request on the host, its
-        position on the device, vLLM's max_seq_len as the bound on keys), so no layer reads the device.
+        with a plan made once per step (each query row's request on the host, its position on the device,
+        vLLM's max_seq_len as the bound on keys: the metadata builder; the query tiles: the step's first
+        layer), so no layer reads the device and only the first plans on the host.
 
 Both give a query row the bits of a prefill of the same tokens (kernels/attention.py), which is what the
 strict attention of Megatron and HF computes. CUDA graphs: the builder declares UNIFORM_SINGLE_TOKEN_DECODE,
@@ -31,7 +32,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 
 import alignaudit_kernels as K
 from alignaudit.engines.vllm.attention_cpu import configured_exp, request_of_rows, token_positions
-from alignaudit_kernels.attention import BLOCK_N, CHUNK_N, SPLIT_BELOW_PROGRAMS_PER_SM
+from alignaudit_kernels.attention import BLOCK_N, CHUNK_N, SPLIT_BELOW_PROGRAMS_PER_SM, QueryTiles, paged_tiles
 from alignaudit_kernels.primitives import sm_count
 
 
@@ -46,8 +47,10 @@ class StrictAttentionMetadata:
             persistent device buffers (int32), R the (padded) request count.
         decode: every request has one query row: the paged_decode path.
         decode_bound: max_model_len, the key bound of every decode step (constant, so a graph may hold it).
-        positions [num_actual_tokens] (device, int64) and q_seq [num_actual_tokens] (CPU, int64): the
+        positions [num_actual_tokens] (device, int32) and q_seq [num_actual_tokens] (CPU, int64): the
             position and the request of each query row; None for a decode batch.
+        tiles: the query tiles of q_seq (alignaudit_kernels.attention.paged_tiles), planned by the step's first
+            layer and reused by the others; None until then, and for a decode batch.
     """
 
     num_actual_tokens: int
@@ -61,6 +64,7 @@ class StrictAttentionMetadata:
     decode_bound: int
     positions: torch.Tensor | None = None
     q_seq: torch.Tensor | None = None
+    tiles: QueryTiles | None = None
     causal: bool = True
     use_cascade: bool = False
 
@@ -93,8 +97,10 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
         if not meta.decode:
             meta.q_seq = request_of_rows(m.query_start_loc_cpu, m.num_reqs)
             meta.num_actual_tokens = int(meta.q_seq.shape[0])
-            rows_seq = meta.q_seq.to(self.device, non_blocking=True)
-            meta.positions = token_positions(m.query_start_loc[: m.num_reqs + 1], m.seq_lens[: m.num_reqs], rows_seq)
+            rows_seq = meta.q_seq.pin_memory() if torch.device(self.device).type == "cuda" else meta.q_seq
+            rows_seq = rows_seq.to(self.device, non_blocking=True)  # pinned: the host does not wait for the copy
+            meta.positions = token_positions(m.query_start_loc[: m.num_reqs + 1], m.seq_lens[: m.num_reqs],
+                                             rows_seq).to(torch.int32)  # the kernel's type: no cast in each layer
         return meta
 
 
@@ -129,7 +135,7 @@ def warm_up(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, 
         return StrictAttentionMetadata(
             num_actual_tokens=rows, max_query_len=rows, max_seq_len=rows, query_start_loc=None, seq_lens=count,
             block_table=table, slot_mapping=None, decode=False, decode_bound=decode_bound,
-            positions=torch.arange(rows, device=device), q_seq=torch.zeros(rows, dtype=torch.int64))
+            positions=torch.arange(rows, dtype=torch.int32, device=device), q_seq=torch.zeros(rows, dtype=torch.int64))
 
     def decode(sequences: int) -> StrictAttentionMetadata:
         return StrictAttentionMetadata(
@@ -153,8 +159,11 @@ def strict_attention(meta: StrictAttentionMetadata, query: torch.Tensor, kv_cach
                        exp=exp, out=output[:b].view(query[:b].shape))
     else:
         n = meta.num_actual_tokens
+        group = query.shape[1] // key_cache.shape[2]
+        if meta.tiles is None or meta.tiles.group != group:  # the step's first layer plans for all of them
+            meta.tiles = paged_tiles(meta.q_seq, group, query.device)
         K.paged_attention(query[:n], key_cache, value_cache, meta.block_table, meta.positions, meta.q_seq, scale,
-                          exp=exp, max_keys=meta.max_seq_len, out=output[:n].view(query[:n].shape))
+                          exp=exp, max_keys=meta.max_seq_len, out=output[:n].view(query[:n].shape), tiles=meta.tiles)
     return output
 
 

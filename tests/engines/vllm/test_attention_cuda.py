@@ -9,7 +9,7 @@ reshape_and_cache_flash, a copy): the metadata builder on vLLM's CommonAttention
 Chain of reasoning:
 1. A mixed batch (a prefill from position 0, a chunked prefill's second chunk, a decode token), planned by
    the builder, gives every query row the bits of a whole-sequence prefill (varlen_attention, Megatron's
-   strict attention) at its position.
+   strict attention) at its position; the step's first layer plans the query tiles and later layers reuse them.
 2. A decode batch, padded as vLLM pads a CUDA graph's batch (a request with seq_lens 0), takes the
    paged_decode path and gives the same bits; the padded row does not disturb the others.
 Negative control: the same plan with the context lengths dropped (positions from 0) differs.
@@ -31,7 +31,7 @@ from alignaudit.engines.vllm.attention_cuda import (  # noqa: E402
     strict_attention,
     warm_up,
 )
-from alignaudit_kernels.attention import CHUNK_N, SPLIT_BELOW_PROGRAMS_PER_SM  # noqa: E402
+from alignaudit_kernels.attention import CHUNK_N, SPLIT_BELOW_PROGRAMS_PER_SM, paged_tiles  # noqa: E402
 from helpers import assert_bitwise_equal  # noqa: E402
 
 HEADS, KV_HEADS, D, BLOCK = 4, 2, 32, 16
@@ -92,9 +92,14 @@ def test_mixed_batch_rows_get_the_prefill_bits(world):
     meta = build(world, q_lens, seq_lens, pad_tokens=2)
     assert not meta.decode and meta.num_actual_tokens == 15 and meta.q_seq.tolist() == [0] * 7 + [1] * 7 + [2]
     assert meta.positions.tolist() == list(range(7)) + list(range(5, 12)) + [8]
+    assert meta.positions.dtype == torch.int32 and meta.tiles is None
     out = run(world, meta, rows)
     assert_bitwise_equal("mixed batch rows", out[:15], expected(world, rows))
     assert out[15:].isnan().all()  # vLLM's padding rows are left alone
+    planned = meta.tiles  # the step's first layer planned its query tiles for every layer
+    assert planned.group == HEADS // KV_HEADS and torch.equal(planned.tiles, paged_tiles(meta.q_seq, 2, "cpu").tiles)
+    assert_bitwise_equal("a later layer of the step", run(world, meta, rows)[:15], expected(world, rows))
+    assert meta.tiles is planned
 
     shifted = build(world, q_lens, tuple(q_lens))  # context dropped: every request from position 0
     assert not torch.equal(run(world, shifted, rows)[:15].view(torch.int16), expected(world, rows).view(torch.int16))
