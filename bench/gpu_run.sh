@@ -10,7 +10,7 @@
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects; TESTS_N=N: N pytest-xdist workers on
 # the one GPU, with pytest-xdist and execnet carried as wheels in .whl/extra/); sweep: launch-
 # configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
-# attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py);
+# attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py; LAUNCH_TOKENS=2048: an eager prefill's);
 # compile-probe: the fixture's strict forward under Inductor, the whole traceback of a failure (bench/compile_probe.py);
 # forward: the whole Qwen3-8B-shape forward, eager and compiled, and where one forward's GPU time goes by kernel
 # (--profile; its JSON kept in /tmp/keep for targets19 in a later call) (forward-native: --strict-exp native); q8: Qwen3-8B-shape compare (random
@@ -209,7 +209,7 @@ for stage in "$@"; do
     q8-strict) q8 q8-strict --strict ;;
     q8-native) q8 q8-strict-native --strict --strict-exp native
                grep -h '"attention_exp"' /tmp/runs/q8-strict-native/*/manifest.json ;;
-    launch) timeout 120 python3 bench/launch_overhead.py 2>&1 | log | tail -8 ;;
+    launch) timeout 120 python3 bench/launch_overhead.py --tokens ${LAUNCH_TOKENS:-1} 2>&1 | log | tail -10 ;;
     determinism) timeout 200 python3 bench/attention_determinism.py --json "$out/determinism.json" 2>&1 | log | tail -5 ;;
     bench-attention-backward) timeout 300 python3 bench/kernels_gpu.py --sections attention-backward \
                                 --json "$out/bench-attention-backward.json" 2>&1 | log | tail -8 ;;

@@ -1,14 +1,17 @@
-"""Host time per call of each strict op against its default, at decode shapes, side by side in one run.
+"""Host time per call of each strict op against its default, at decode or prefill shapes, side by side in one run.
 
-    python3 bench/launch_overhead.py [--device cuda] [--calls 200]
+    python3 bench/launch_overhead.py [--device cuda] [--calls 200] [--tokens 1]
 
 Host time: the wall time of ``calls`` back-to-back calls, before synchronizing, over ``calls``; at these
 shapes the GPU finishes each kernel sooner than the host launches the next, so this is the Python, autograd
 and launcher cost of one call (what an eager decode step pays per op, and what CUDA graphs remove). The
 GPU time of the same call as a CUDA-graph replay is printed beside it. "kernel launch only" calls the strict
 linear's launcher directly (no argument checks, no autograd.Function): the rest of its host time is Triton's.
-Qwen3-8B shapes, one token (M = 1).
-On the CPU (--device cpu) both columns are the whole call and only show that the script runs.
+Qwen3-8B shapes, one token (M = 1), or ``--tokens`` T rows (an eager prefill step, as vLLM runs one beyond its
+CUDA-graph sizes: 2048 at the RL rollout shape of 32 x 64-token prompts). Above one token the host time holds while
+the launch queue has room (calls well under a thousand launches), and the prefill's paged attention is added: the
+strict one planning its query tiles in the call, and reading tiles planned once (as every layer after a step's
+first does in vLLM). On the CPU (--device cpu) both columns are the whole call and only show that the script runs.
 """
 
 from __future__ import annotations
@@ -46,16 +49,16 @@ def graph_us(fn, device: str) -> float | None:
     return graph_ms(fn, rep=50) * 1e3
 
 
-def pairs(device: str) -> dict:
+def pairs(device: str, tokens: int = 1) -> dict:
     dt = torch.bfloat16
-    x = torch.randn(1, 4096, dtype=dt, device=device)
+    x = torch.randn(tokens, 4096, dtype=dt, device=device)
     w = torch.randn(6144, 4096, dtype=dt, device=device) * 0.02
     nw = torch.randn(4096, dtype=dt, device=device)
-    q = torch.randn(1, 32, 128, dtype=dt, device=device)
-    pos = torch.zeros(1, dtype=torch.long, device=device)
+    q = torch.randn(tokens, 32, 128, dtype=dt, device=device)
+    pos = torch.zeros(tokens, dtype=torch.long, device=device)
     cos, sin = K.rope_tables(4096, 128, 1e6, device)
-    gate, up = torch.randn(1, 12288, dtype=dt, device=device), torch.randn(1, 12288, dtype=dt, device=device)
-    logits = torch.randn(1, 151936, dtype=dt, device=device)
+    gate, up = (torch.randn(tokens, 12288, dtype=dt, device=device) for _ in range(2))
+    logits = torch.randn(1, 151936, dtype=dt, device=device)  # one row: a sampler's per step
     target = torch.zeros(1, dtype=torch.long, device=device)
     ctx = 4096
     kc = torch.randn(ctx // 16, 16, 8, 128, dtype=dt, device=device)
@@ -68,7 +71,7 @@ def pairs(device: str) -> dict:
         c, s = cos[pos][:, None].to(dt), sin[pos][:, None].to(dt)
         return torch.cat([q[..., :64] * c - q[..., 64:] * s, q[..., 64:] * c + q[..., :64] * s], -1)
 
-    return {
+    ops = {
         "linear 4096x6144": (lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w)),
         "linear 4096x6144, kernel launch only": (lambda: torch.nn.functional.linear(x, w),
                                                  lambda: K.matmul._triton(x, w, None) if K.primitives.use_triton(x)
@@ -80,20 +83,42 @@ def pairs(device: str) -> dict:
         "silu_mul 12288": (lambda: torch.nn.functional.silu(gate) * up, lambda: K.silu_mul(gate, up)),
         "token_logprobs 151936": (lambda: torch.log_softmax(logits.float(), -1).gather(1, target[:, None]),
                                   lambda: K.token_logprobs(logits, target)),
-        "decode attention ctx 4096": (lambda: sdpa(q.transpose(0, 1)[None], kd, kd, enable_gqa=True),
-                                      lambda: K.paged_decode(q, kc, kc, table, lens, 128 ** -0.5, ctx)),
     }
+    if tokens == 1:
+        ops["decode attention ctx 4096"] = (lambda: sdpa(q.transpose(0, 1)[None], kd, kd, enable_gqa=True),
+                                            lambda: K.paged_decode(q, kc, kc, table, lens, 128 ** -0.5, ctx))
+        return ops
+    # a prefill of 32 sequences sharing the rows (vLLM's paged call over one step's requests), keys in pages of 16
+    per = -(-tokens // 32)
+    q_seq = torch.arange(tokens) // per
+    positions = (torch.arange(tokens) % per).to(device=device, dtype=torch.int32)
+    pages = torch.arange(32 * -(-per // 16), dtype=torch.int32, device=device).view(32, -1)
+    cache = torch.randn(pages.numel(), 16, 8, 128, dtype=dt, device=device)
+    k = cache.flatten(0, 1)[:tokens]
+    tiles = K.attention.paged_tiles(q_seq, 4, torch.device(device))
+
+    def varlen():  # the default's host side of one attention call: torch's SDPA over the rows as one sequence
+        return torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                                k.transpose(0, 1)[None], is_causal=True,
+                                                                enable_gqa=True)
+
+    paged = lambda **kw: K.paged_attention(q, cache, cache, pages, positions, q_seq, 128 ** -0.5,  # noqa: E731
+                                           max_keys=per, **kw)
+    ops[f"prefill attention {tokens} rows"] = (varlen, paged)
+    ops[f"prefill attention {tokens} rows, tiles planned once"] = (varlen, lambda: paged(tiles=tiles))
+    return ops
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=1, help="rows of each call (1: a decode step)")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"{'op':28s} {'default host us':>16s} {'strict host us':>15s} {'strict/default':>15s} "
           f"{'default graph us':>17s} {'strict graph us':>16s}")
-    for name, (default, strict) in pairs(args.device).items():
+    for name, (default, strict) in pairs(args.device, args.tokens).items():
         d, s = host_us(default, args.calls, args.device), host_us(strict, args.calls, args.device)
         gd, gs = graph_us(default, args.device), graph_us(strict, args.device)
         graphs = f"{gd:17.1f} {gs:16.1f}" if gd is not None else ""
