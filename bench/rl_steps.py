@@ -1,14 +1,16 @@
 """Seconds per RL step, strict vs default, measured side by side in one run.
 
     .venv/bin/python bench/rl_steps.py [--steps 10] [--train megatron] [--infer vllm] [--configs strict,default]
-                                       [-- extra rl options]
+                                       [--rounds 1] [-- extra rl options]
 
 Runs `alignaudit rl` once per configuration on the same model and prompts (default: the fixture), and reads each
 step's stage timings from steps.parquet: "strict" (every op strict, the backward ALIGNAUDIT_BACKWARD's default:
 fused on CUDA), "strict-fused" and "strict-reference" (the same with ALIGNAUDIT_BACKWARD set for that run only,
 kernels/gradients.py) and "default" (the default stack). Step 1 is left out (it includes one-time warm-up).
 Prints the median seconds per step and per stage for each and each one's ratio to default; writes
-bench-rl-steps.json.
+bench-rl-steps.json. ``--rounds`` N runs the configurations in turn N times and takes the medians over the steps of
+all rounds (each round's step ratio printed too): the rollout and the weight sync are host-bound at this shape, and
+one run's host can move them (on H100s, the same code gave 1.08 and 1.32; docs/benchmarks.md, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -38,28 +40,27 @@ def main() -> None:
     parser.add_argument("--train", default="megatron")
     parser.add_argument("--infer", default="vllm")
     parser.add_argument("--configs", default="strict,default", help=f"comma list of {', '.join(CONFIGS)}")
+    parser.add_argument("--rounds", type=int, default=1, help="times each configuration runs, in turn")
     parser.add_argument("extra", nargs="*", help="more `alignaudit rl` options, after --")
     args = parser.parse_args()
     names = args.configs.split(",")
     if "default" not in names or not set(names) <= set(CONFIGS):
         raise SystemExit(f"--configs {args.configs!r}: a comma list of {', '.join(CONFIGS)} with default in it")
-    medians = {}
+    runs = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            flags, env = CONFIGS[name]
-            out = Path(tmp) / name
-            os.environ.update(env)  # the engines' worker processes, started by this run, inherit it
-            try:
-                code = cli.main(["rl", "--train", args.train, "--infer", args.infer, "--steps", str(args.steps),
-                                 "--no-token-rows", *flags, *args.extra, "--out", str(out)])
-            finally:
-                for key in env:
-                    os.environ.pop(key)
-            if code != 0:
-                raise SystemExit(f"alignaudit rl ({name}) exited with {code}")
-            steps = pd.read_parquet(out / "steps.parquet").iloc[1:]
-            medians[name] = {stage: float(steps[stage].median()) for stage in STAGES}
-            medians[name]["mismatching_steps"] = int((steps["mismatches"] > 0).sum())
+        for i in range(args.rounds):
+            for name in names:
+                runs[name].append(run_once(name, args, Path(tmp) / f"{name}-{i}"))
+            if args.rounds > 1:
+                ratio = {n: runs[n][-1]["seconds"].median() / runs["default"][-1]["seconds"].median()
+                         for n in names if n != "default"}
+                print(f"round {i + 1}: step / default " + ", ".join(f"{n} {r:.2f}" for n, r in ratio.items()),
+                      flush=True)
+    medians = {}
+    for name, frames in runs.items():
+        steps = pd.concat(frames)
+        medians[name] = {stage: float(steps[stage].median()) for stage in STAGES}
+        medians[name]["mismatching_steps"] = int((steps["mismatches"] > 0).sum())
     others = [n for n in names if n != "default"]
     print(f"{'stage':<12}" + "".join(f"{n + ' s':>16}{n + '/default':>22}" for n in others) + f"{'default s':>11}")
     for stage in STAGES:
@@ -67,8 +68,24 @@ def main() -> None:
         cells = "".join(f"{medians[n][stage]:>16.3f}{medians[n][stage] / d if d else float('nan'):>22.2f}"
                         for n in others)
         print(f"{stage:<12}{cells}{d:>11.3f}")
-    record = {"train": args.train, "infer": args.infer, "steps": args.steps, "median_seconds": medians}
+    record = {"train": args.train, "infer": args.infer, "steps": args.steps, "rounds": args.rounds,
+              "median_seconds": medians}
     Path("bench-rl-steps.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def run_once(name: str, args, out: Path) -> pd.DataFrame:
+    """`alignaudit rl` in configuration ``name`` into ``out``: its steps after the first (steps.parquet rows)."""
+    flags, env = CONFIGS[name]
+    os.environ.update(env)  # the engines' worker processes, started by this run, inherit it
+    try:
+        code = cli.main(["rl", "--train", args.train, "--infer", args.infer, "--steps", str(args.steps),
+                         "--no-token-rows", *flags, *args.extra, "--out", str(out)])
+    finally:
+        for key in env:
+            os.environ.pop(key)
+    if code != 0:
+        raise SystemExit(f"alignaudit rl ({name}) exited with {code}")
+    return pd.read_parquet(out / "steps.parquet").iloc[1:]
 
 
 if __name__ == "__main__":
