@@ -65,9 +65,11 @@ SYNCHRONIZING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSyn
 
 
 def host_table(events, top: int = 14) -> dict:
-    """From ``prof.key_averages()``: how often the host waited for the GPU (the SYNCHRONIZING calls: stream, device
-    and event synchronizations, and the device-to-host reads behind ``.item()``), and the ``top`` host ops by self
-    CPU time in milliseconds (kernels have none: these are torch ops, Python-side launches, CUDA runtime calls)."""
+    """From ``prof.key_averages()``: how often the host may have waited for the GPU (the SYNCHRONIZING calls: stream,
+    device and event synchronizations, and ``aten::_local_scalar_dense``, the read behind ``.item()`` and ``int()`` of
+    a tensor, which waits for the GPU on a CUDA tensor and not on a CPU one: its count holds both), and the ``top``
+    host ops by self CPU time in milliseconds (kernels have none: these are torch ops, Python-side launches, CUDA
+    runtime calls)."""
     host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total, reverse=True)
     return {"synchronizing_calls": {e.key: e.count for e in events if e.key in SYNCHRONIZING},
             "host_top": [{"name": e.key[:90], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
