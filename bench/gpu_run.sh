@@ -362,7 +362,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b')); print('Qwen3-30B-A3B shape at /tm
     rl-bench) timeout ${RLB_TIMEOUT:-420} python3 bench/rl_steps.py --steps ${RLB_STEPS:-6} --configs ${RLB_CONFIGS:-strict,default} --rounds ${RLB_ROUNDS:-1} -- $G17 --device cuda --lr 1e-6 \
                 ${RLB_OPTS:-} 2>&1 | log | tail -12
               cp bench-rl-steps.json "$out/" 2>/dev/null ;;
-    train-profile) timeout ${TP_TIMEOUT:-300} python3 bench/train_step_profile.py --model Qwen3-1.7B --json "$out/train-profile.json" \
+    train-profile) timeout ${TP_TIMEOUT:-500} python3 bench/train_step_profile.py --model Qwen3-1.7B --json "$out/train-profile.json" \
                      2>&1 | log | tail -70 ;;
     grpo17) grpo grpo17-${GRPO_TAG:-strict} $G17 ${GRPO_OPTS:---strict} --steps ${GRPO_STEPS:-200} --kl-coef ${GRPO_KL:-0.04} ;;
     grpo8) grpo grpo8 --model Qwen3-8B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4 \

@@ -53,11 +53,11 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale,
         tiles: the Triton backends' query tiles for these rows (``paged_tiles(q_seq, H // KVH, q.device)``, planned
             once per engine step for all its layers), or None to plan them here; the same bits either way. The
             CPU backend plans per sequence from q_seq and does not read them.
-    Returns: ``out`` or a new [T, H, D] in q.dtype. Plans its tiles on the host from q_seq: not capturable in a
-    CUDA graph; ``paged_decode`` is.
+    Returns: ``out`` or a new [T, H, D] in q.dtype. Without ``tiles`` (or ``max_keys``) it plans on the host from
+    q_seq (or reads q_positions): not capturable in a CUDA graph; ``paged_decode`` is.
     Raises: ValueError for an unknown ``exp``, "native" on the CPU backend, an ``out`` that cannot hold the
     result, caches that the kernel cannot read as given (``_check_caches``), or ``tiles`` planned for another
-    number of query heads per KV head.
+    number of rows or of query heads per KV head.
     """
     _check_exp(exp, q)
     _check_caches(q, k_cache, v_cache)

@@ -193,10 +193,12 @@ class QueryTiles:
     Attributes:
         tiles: int32 [4, tiles] on the queries' device (``_tiles``: sequence, first row, row count, row in its run).
         group: the query heads per KV head it was planned for (a tile holds TILE_ROWS // group tokens).
+        rows: the query rows it covers (the kernel reads and writes the rows its tiles name, unchecked).
     """
 
     tiles: torch.Tensor
     group: int
+    rows: int
 
 
 def paged_tiles(q_seq: torch.Tensor, group: int, device: torch.device) -> QueryTiles:
@@ -209,15 +211,19 @@ def paged_tiles(q_seq: torch.Tensor, group: int, device: torch.device) -> QueryT
     tiles = _tiles(seqs, torch.cumsum(counts, 0) - counts, counts, TILE_CONFIG[0] // group)
     if torch.device(device).type == "cuda":
         tiles = tiles.pin_memory()
-    return QueryTiles(tiles.to(device, non_blocking=True), group)
+    return QueryTiles(tiles.to(device, non_blocking=True), group, q_seq.shape[0])
 
 
 def _check_tiles(tiles: QueryTiles | None, q: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """ValueError for query tiles planned for another number of query heads per KV head than q's over k_cache's."""
+    """ValueError for query tiles planned for another number of query rows than q's, or of query heads per KV head
+    than q's over k_cache's."""
+    if tiles is None:
+        return
     group = q.shape[1] // k_cache.shape[2]
-    if tiles is not None and tiles.group != group:
-        raise ValueError(f"strict attention: query tiles planned for {tiles.group} query heads per KV head, "
-                         f"used for {group}; plan them with paged_tiles for this layer's heads")
+    if tiles.rows != q.shape[0] or tiles.group != group:
+        raise ValueError(f"strict attention: query tiles planned for {tiles.rows} rows at {tiles.group} query heads "
+                         f"per KV head, used for {q.shape[0]} rows at {group}; plan them with paged_tiles for these "
+                         "rows and this layer's heads")
 
 
 def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP, max_keys=None,

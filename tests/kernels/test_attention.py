@@ -304,9 +304,9 @@ def test_paged_attention_refuses_caches_it_cannot_read(device):
 
 def test_query_tiles_planned_once_give_the_bits_of_each_call_planning_its_own(device):
     """An engine plans a step's query tiles once (paged_tiles) and every layer's paged_attention reads them: the
-    bits of a call that plans its own. Tiles planned for another query-head group are refused on every backend.
-    Negative control (Triton backends, which read the tiles): tiles that leave out the last rows leave them
-    uncomputed."""
+    bits of a call that plans its own. Tiles planned for another query-head group or another number of rows are
+    refused on every backend. Negative control (Triton backends, which read the tiles): tiles that assign the last
+    rows to a second sequence, whose block-table row names other pages, change those rows and only those."""
     h, kvh, d = 4, 2, 32
     lengths = [70, 5, 30]
     q, k, v, cu = ragged(lengths, h, kvh, d, torch.float32, device, seed=60)
@@ -318,15 +318,17 @@ def test_query_tiles_planned_once_give_the_bits_of_each_call_planning_its_own(de
     assert tiles.group == 2 and tiles.tiles.dtype == torch.int32 and tiles.tiles.device == q.device
     assert_bitwise_equal("planned once", K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq,
                                                            0.125, tiles=tiles), own)
-    with pytest.raises(ValueError, match="planned for 4 query heads per KV head, used for 2"):
-        K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq, 0.125,
-                          tiles=attention.paged_tiles(q_seq, 4, q.device))
+    for other, planned in ((attention.paged_tiles(q_seq, 4, q.device), "105 rows at 4"),
+                           (attention.paged_tiles(q_seq[:-5], 2, q.device), "100 rows at 2"),
+                           (attention.paged_tiles(torch.zeros(140, dtype=torch.int64), 2, q.device), "140 rows at 2")):
+        with pytest.raises(ValueError, match=f"planned for {planned} query heads per KV head, used for 105 rows at 2"):
+            K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq, 0.125, tiles=other)
     if primitives.use_triton(q):
-        short = attention.paged_tiles(q_seq[:-5], h // kvh, q.device)
-        out = K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq, 0.125, tiles=short,
-                                out=torch.full_like(q, float("nan")))
-        assert_bitwise_equal("rows the short tiles cover", out[:-5], own[:-5])
-        assert out[-5:].isnan().all()
+        cut = attention.paged_tiles((torch.arange(sum(lengths)) >= 70).long(), h // kvh, q.device)
+        two_tables = torch.cat([table, table.roll(1, dims=1)])  # sequence 1: the same pages in another order
+        moved = K.paged_attention(q, cache_k, cache_v, two_tables, positions.to(device), q_seq, 0.125, tiles=cut)
+        assert_bitwise_equal("rows the tiles keep in sequence 0", moved[:70], own[:70])
+        assert not torch.equal(moved[70:], own[70:])
 
 
 def test_tma_reads_are_refused_where_descriptors_cannot_read_the_layout(device):

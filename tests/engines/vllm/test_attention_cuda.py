@@ -31,7 +31,7 @@ from alignaudit.engines.vllm.attention_cuda import (  # noqa: E402
     strict_attention,
     warm_up,
 )
-from alignaudit_kernels.attention import CHUNK_N, SPLIT_BELOW_PROGRAMS_PER_SM, paged_tiles  # noqa: E402
+from alignaudit_kernels.attention import CHUNK_N, SPLIT_BELOW_PROGRAMS_PER_SM  # noqa: E402
 from helpers import assert_bitwise_equal  # noqa: E402
 
 HEADS, KV_HEADS, D, BLOCK = 4, 2, 32, 16
@@ -97,9 +97,13 @@ def test_mixed_batch_rows_get_the_prefill_bits(world):
     assert_bitwise_equal("mixed batch rows", out[:15], expected(world, rows))
     assert out[15:].isnan().all()  # vLLM's padding rows are left alone
     planned = meta.tiles  # the step's first layer planned its query tiles for every layer
-    assert planned.group == HEADS // KV_HEADS and torch.equal(planned.tiles, paged_tiles(meta.q_seq, 2, "cpu").tiles)
-    assert_bitwise_equal("a later layer of the step", run(world, meta, rows)[:15], expected(world, rows))
-    assert meta.tiles is planned
+    assert (planned.group, planned.rows) == (HEADS // KV_HEADS, 15)
+    assert torch.equal(planned.tiles[0], torch.tensor([0, 1, 2], dtype=torch.int32))  # a tile per request's rows
+    run(world, meta, rows)
+    assert meta.tiles is planned  # a later layer reuses them
+    wide = torch.zeros(len(rows) + 2, 2 * HEADS, D, dtype=torch.bfloat16)  # a layer of another head group re-plans
+    strict_attention(meta, wide, world.kv_cache, D, SCALE, "portable", torch.empty_like(wide))
+    assert meta.tiles is not planned and meta.tiles.group == 2 * HEADS // KV_HEADS
 
     shifted = build(world, q_lens, tuple(q_lens))  # context dropped: every request from position 0
     assert not torch.equal(run(world, shifted, rows)[:15].view(torch.int16), expected(world, rows).view(torch.int16))
