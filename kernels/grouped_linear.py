@@ -107,11 +107,12 @@ def plan_experts_triton(chosen: torch.Tensor, num_experts: int, block_m: int) ->
     gathers): the grouped dispatch's plan (moe._grouped). In graph replays at the Qwen3-30B-A3B layer on an H100
     it took 0.0044 / 0.0047 / 0.0098 / 0.0598 ms at 8 / 64 / 512 / 4096 tokens against plan_experts' 0.0415 /
     0.0618 / 0.0701 / 0.103, every field equal (bench/moe_gpu.py, docs/benchmarks.md 2026-12-05 eighth session).
-    Program e < E counts every expert's pairs with tl.histogram, places expert e's pairs at starts[e] + their rank by increasing pair index (a prefix sum of a
-    mask, chunk by chunk), and writes its row tiles; program E places pairs whose id is outside [0, E) after
-    starts[E] (their rows are never covered: NaN, as plan_experts leaves them) and writes the tiles past the last
-    expert's as plan_experts does. For ids in [0, E) every field equals plan_experts' (tests/kernels/
-    test_moe_kernel.py); for others ``starts[0]`` is 0 where plan_experts counts the negative ids before it.
+    Program e < E counts every expert's pairs with tl.histogram, places expert e's pairs at starts[e] + their rank
+    by increasing pair index (a prefix sum of a mask, chunk by chunk), and writes its row tiles; program E places
+    pairs whose id is outside [0, E) after starts[E] (their rows are never covered: NaN, as plan_experts leaves
+    them) and writes the tiles past the last expert's as plan_experts does. For ids in [0, E) every field equals
+    plan_experts' (tests/kernels/ test_moe_kernel.py); for others ``starts[0]`` is 0 where plan_experts counts the
+    negative ids before it.
 
     Raises:
         ValueError: as plan_experts, or without the Triton backend.
