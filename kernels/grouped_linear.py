@@ -111,7 +111,7 @@ def plan_experts_triton(chosen: torch.Tensor, num_experts: int, block_m: int) ->
     by increasing pair index (a prefix sum of a mask, chunk by chunk), and writes its row tiles; program E places
     pairs whose id is outside [0, E) after starts[E] (their rows are never covered: NaN, as plan_experts leaves
     them) and writes the tiles past the last expert's as plan_experts does. For ids in [0, E) every field equals
-    plan_experts' (tests/kernels/ test_moe_kernel.py); for others ``starts[0]`` is 0 where plan_experts counts the
+    plan_experts' (tests/kernels/test_moe_kernel.py); for others ``starts[0]`` is 0 where plan_experts counts the
     negative ids before it.
 
     Raises:
