@@ -13,6 +13,11 @@ last_batch_tokens_per_s: at the RL rollout shape one batch of four ran 15% slowe
 batch_seconds lists them all.
 Prints one line per configuration and the ratios to the default; --json writes the records.
 
+--capture-size N sets vLLM's max_cudagraph_capture_size for every configuration of the run (its default is 512 and,
+below that, what max_num_seqs allows): a prefill step of up to N rows then replays piecewise graphs, where a larger
+one runs eagerly. The strict ops are opaque custom ops, so an eager step costs strict far more host time than
+the default's compiled code (docs/findings.md, 2026-12-05); this measures how much of that graphs remove.
+
     python bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256
     python bench/vllm_generate.py --configs default,strict --json out.json
 
@@ -67,9 +72,10 @@ def worker(args) -> dict:
 
         vllm_plugin.register()
     started = time.perf_counter()
+    capture = {"compilation_config": {"max_cudagraph_capture_size": args.capture_size}} if args.capture_size else {}
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
               max_model_len=args.max_model_len or args.prompt_len + args.new_tokens + 64, max_num_seqs=args.prompts,
-              gpu_memory_utilization=0.85)
+              gpu_memory_utilization=0.85, **capture)
     startup = time.perf_counter() - started
     g = torch.Generator().manual_seed(0)
     prompts = new_prompts(g, args)
@@ -99,6 +105,7 @@ def worker(args) -> dict:
                                         for before, after in itertools.pairwise(builds)],
             "max_model_len": config.model_config.max_model_len,  # read back: what the engine was built with
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+            "max_cudagraph_capture_size": config.compilation_config.max_cudagraph_capture_size,  # read back
             "attention_impl": sorted(llm.apply_model(attention_impls)[0]),
             **({"profile": profile} if profile else {})}
 
@@ -152,6 +159,36 @@ def profile_generate(llm, prompts, params, top: int = 14) -> dict:
     return {**kernel_table(prof, top), **host_table(prof.key_averages(), top), "profiled_wall_s": round(wall, 3)}
 
 
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """parser.error (exit 2) for a setting the run cannot honour."""
+    if args.batches < 1:
+        parser.error("--batches must be at least 1 (the rate is the median batch's after the first)")
+    if args.capture_size < 0:
+        parser.error("--capture-size must be 0 (vLLM's default) or a number of rows")
+    if args.max_model_len and args.max_model_len < args.prompt_len + args.new_tokens:
+        parser.error(f"--max-model-len {args.max_model_len} cannot hold a prompt of {args.prompt_len} tokens and "
+                     f"{args.new_tokens} new ones; give at least {args.prompt_len + args.new_tokens}, or 0 for the "
+                     "default")
+    unknown = [name for name in args.configs.split(",") if name not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+
+
+def print_profiles(results: dict) -> None:
+    """The profiled configurations' GPU kernel time, timeline and host side."""
+    for name, r in results.items():
+        if "profile" in r:
+            p = r["profile"]
+            print(f"{name}: GPU kernel time {p['gpu_kernel_ms']} ms in one profiled generate "
+                  f"({p.get('profiled_wall_s')} s wall under the profiler; {p['gpu_events']} GPU events; "
+                  f"timeline {p['timeline']}); largest:")
+            for t in p["top"]:
+                print(f"   {t['ms']:9.1f} ms {t['calls']:7d} calls  {t['kernel']}")
+            print(f"   host: synchronizing calls {p['synchronizing_calls']}; self CPU time:")
+            for t in p["host_top"][:8]:
+                print(f"   {t['self_cpu_ms']:9.1f} ms {t['calls']:7d} calls  {t['name']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="Qwen3-8B")
@@ -164,20 +201,14 @@ def main() -> None:
                         help="vLLM's max_model_len (default: prompt + new tokens + 64); it sets the width of the block "
                              "table, which Triton specializes on: the strict warm-up must cover it")
     parser.add_argument("--configs", default="default,batch-invariant,strict,strict-native-exp")
+    parser.add_argument("--capture-size", type=int, default=0,
+                        help="vLLM's max_cudagraph_capture_size for every configuration (0: vLLM's default)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", default="", help="comma list of configurations to run once more under "
                         "torch.profiler (GPU kernel time by kernel, printed after the timings)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.batches < 1:
-        parser.error("--batches must be at least 1 (the rate is the median batch's after the first)")
-    if args.max_model_len and args.max_model_len < args.prompt_len + args.new_tokens:
-        parser.error(f"--max-model-len {args.max_model_len} cannot hold a prompt of {args.prompt_len} tokens and "
-                     f"{args.new_tokens} new ones; give at least {args.prompt_len + args.new_tokens}, or 0 for the "
-                     "default")
-    unknown = [name for name in args.configs.split(",") if name not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    check_args(parser, args)
     if args.worker:
         args.model = config_dir(args.model)
         print("RESULT " + json.dumps(worker(args)), flush=True)
@@ -187,7 +218,8 @@ def main() -> None:
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **CONFIGS[name]}
         cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
                "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-               "--batches", str(args.batches), "--max-model-len", str(args.max_model_len)]
+               "--batches", str(args.batches), "--max-model-len", str(args.max_model_len),
+               "--capture-size", str(args.capture_size)]
         if name in args.profile.split(","):
             cmd += ["--profile", name]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -202,17 +234,7 @@ def main() -> None:
         if base:
             print(f"{name:24s} {r['output_tokens_per_s']:9.1f} tokens/s  "
                   f"{r['output_tokens_per_s'] / base:.3f}x of default")
-    for name, r in results.items():
-        if "profile" in r:
-            p = r["profile"]
-            print(f"{name}: GPU kernel time {p['gpu_kernel_ms']} ms in one profiled generate "
-                  f"({p.get('profiled_wall_s')} s wall under the profiler; {p['gpu_events']} GPU events; "
-                  f"timeline {p['timeline']}); largest:")
-            for t in p["top"]:
-                print(f"   {t['ms']:9.1f} ms {t['calls']:7d} calls  {t['kernel']}")
-            print(f"   host: synchronizing calls {p['synchronizing_calls']}; self CPU time:")
-            for t in p["host_top"][:8]:
-                print(f"   {t['self_cpu_ms']:9.1f} ms {t['calls']:7d} calls  {t['name']}")
+    print_profiles(results)
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
 
