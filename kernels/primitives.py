@@ -257,6 +257,15 @@ def cached_tensors(maxsize: int):
     return wrap
 
 
+def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor ``x`` on ``device``, copied without the host waiting for it: from pinned memory to a CUDA device
+    (a copy from pageable memory may wait for the stream; torch's caching host allocator keeps the pinned copy until
+    the transfer is done), as it is elsewhere."""
+    if torch.device(device).type == "cuda":
+        x = x.pin_memory()
+    return x.to(device, non_blocking=True)
+
+
 @functools.lru_cache(maxsize=None)
 def capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) compute capability of a CUDA device (launch planning only)."""

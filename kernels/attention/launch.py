@@ -14,6 +14,7 @@ from alignaudit_kernels.primitives import (
     cdiv,
     rocm,
     sm_count,
+    to_device,
     triton,
     use_triton,
 )
@@ -209,9 +210,7 @@ def paged_tiles(q_seq: torch.Tensor, group: int, device: torch.device) -> QueryT
     host-to-device copy. On CUDA the copy leaves from pinned memory, so the host does not wait for it."""
     seqs, counts = torch.unique_consecutive(q_seq.cpu().long(), return_counts=True)
     tiles = _tiles(seqs, torch.cumsum(counts, 0) - counts, counts, TILE_CONFIG[0] // group)
-    if torch.device(device).type == "cuda":
-        tiles = tiles.pin_memory()
-    return QueryTiles(tiles.to(device, non_blocking=True), group, q_seq.shape[0])
+    return QueryTiles(to_device(tiles, device), group, q_seq.shape[0])
 
 
 def _check_tiles(tiles: QueryTiles | None, q: torch.Tensor, k_cache: torch.Tensor) -> None:

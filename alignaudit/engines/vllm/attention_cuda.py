@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 import alignaudit_kernels as K
 from alignaudit.engines.vllm.attention_cpu import configured_exp, request_of_rows, token_positions
 from alignaudit_kernels.attention import BLOCK_N, CHUNK_N, SPLIT_BELOW_PROGRAMS_PER_SM, QueryTiles, paged_tiles
-from alignaudit_kernels.primitives import sm_count
+from alignaudit_kernels.primitives import sm_count, to_device
 
 
 @dataclass
@@ -97,8 +97,7 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
         if not meta.decode:
             meta.q_seq = request_of_rows(m.query_start_loc_cpu, m.num_reqs)
             meta.num_actual_tokens = int(meta.q_seq.shape[0])
-            rows_seq = meta.q_seq.pin_memory() if torch.device(self.device).type == "cuda" else meta.q_seq
-            rows_seq = rows_seq.to(self.device, non_blocking=True)  # pinned: the host does not wait for the copy
+            rows_seq = to_device(meta.q_seq, self.device)
             meta.positions = token_positions(m.query_start_loc[: m.num_reqs + 1], m.seq_lens[: m.num_reqs],
                                              rows_seq).to(torch.int32)  # the kernel's type: no cast in each layer
         return meta
