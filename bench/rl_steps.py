@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="times each configuration runs, in turn")
     parser.add_argument("extra", nargs="*", help="more `alignaudit rl` options, after --")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1 (each round runs every configuration once)")
     names = args.configs.split(",")
     if "default" not in names or not set(names) <= set(CONFIGS):
         raise SystemExit(f"--configs {args.configs!r}: a comma list of {', '.join(CONFIGS)} with default in it")

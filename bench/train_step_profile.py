@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--mode", choices=["strict", "default"], help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1 (each round runs every configuration once)")
     if args.mode:
         print(json.dumps(profile_one(args)))
         return
