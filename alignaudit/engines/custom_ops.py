@@ -1,6 +1,8 @@
 """Strict kernels as torch.library custom ops (namespace ``alignaudit``) where vLLM needs more than the
 kernel functions, which become opaque ops of their own under torch.compile (alignaudit_kernels.primitives.
 opaque_op): rope (with the tables built eagerly), the row-parallel partial product, the MoE router and experts.
+rope and linear_partial run where no gradient is recorded and are registered as ``opaque_op`` registers (less
+host time a call); the MoE ops, which trainers call with gradients recorded, stay ``torch.library.custom_op``s.
 
 torch.compile treats a custom op as opaque: it neither fuses its arithmetic with neighbouring ops nor
 contracts its multiplies and adds into FMAs, so a compiled engine (vLLM's default) computes exactly what
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 import alignaudit_kernels as K
+from alignaudit_kernels.primitives import opaque_op
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
@@ -28,26 +31,19 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, ll
     return K.apply_rope(x, positions, cos, sin)
 
 
-@torch.library.custom_op("alignaudit::rope", mutates_args=())
+@opaque_op("rope", "(Tensor x, Tensor positions, float theta, int rows, float[] llama3) -> Tensor",
+           lambda x, positions, theta, rows, llama3: x.new_empty(x.shape), namespace="alignaudit")
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
     """``rotate`` as one opaque op (vLLM, and torch.compile of the other engines): the tables are built
     eagerly (a compiled torch.cos could round otherwise), with no host read of positions."""
     return rotate(x, positions, theta, rows, llama3)
 
 
-@rope.register_fake
-def _(x, positions, theta, rows, llama3):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("alignaudit::linear_partial", mutates_args=())
+@opaque_op("linear_partial", "(Tensor x, Tensor weight, int k_segments) -> Tensor",
+           lambda x, weight, k_segments: x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32),
+           namespace="alignaudit")
 def linear_partial(x: torch.Tensor, weight: torch.Tensor, k_segments: int) -> torch.Tensor:
     return K.linear_partial(x, weight, k_segments)
-
-
-@linear_partial.register_fake
-def _(x, weight, k_segments):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
 # layer -> fn(logits, chosen): called by moe_route with each routing decision it makes. An opaque op runs

@@ -104,3 +104,49 @@ def test_compiled_strict_ops_give_the_eager_gradients(name, fn, shapes):
     for i, (eager, compiled) in enumerate(zip(*grads, strict=True)):
         assert eager.abs().sum() > 0
         assert_bitwise_equal(f"{name}: compiled gradient of input {i}", compiled, eager)
+
+
+def _opaque_op_cases():
+    """(op, arguments) for every opaque op a compiled engine calls, on small CPU inputs."""
+    from alignaudit.engines import custom_ops
+
+    g = torch.Generator().manual_seed(3)
+    bf = torch.bfloat16
+
+    def rand(*shape, dtype=bf):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    ops = torch.ops.alignaudit_kernels
+    cos, sin = K.rope_tables(16, 8, 1e4, "cpu")
+    return {
+        "linear": (ops.linear.default, (rand(3, 8), rand(5, 8), None, 1)),
+        "rms_norm": (ops.rms_norm.default, (rand(3, 8), rand(8), 1e-6)),
+        "add_rms_norm": (ops.add_rms_norm.default, (rand(3, 8), rand(8), 1e-6, rand(3, 8))),
+        "apply_rope": (ops.apply_rope.default, (rand(3, 2, 8), torch.arange(3), cos, sin)),
+        "silu_mul": (ops.silu_mul.default, (rand(3, 8), rand(3, 8))),
+        "log_softmax": (ops.log_softmax.default, (rand(2, 10),)),
+        "token_logprobs": (ops.token_logprobs.default, (rand(2, 10), torch.tensor([1, 7]))),
+        "causal_attention": (ops.causal_attention.default,
+                             (rand(1, 4, 2, 8), rand(1, 4, 1, 8), rand(1, 4, 1, 8), torch.arange(4)[None], 0.35,
+                              "portable")),
+        "rope": (custom_ops.rope, (rand(3, 2, 8), torch.arange(3), 1e4, 16, [])),
+        "linear_partial": (custom_ops.linear_partial, (rand(3, 8), rand(5, 8), 2)),
+    }
+
+
+OPAQUE_OPS = _opaque_op_cases()
+
+
+@pytest.mark.parametrize("name", sorted(OPAQUE_OPS))
+def test_opaque_ops_return_fresh_tensors_without_custom_op_dispatch(name):
+    """Each opaque op is registered by Library.define + impl (primitives.opaque_op: less host time a call than
+    torch.library.custom_op, whose run-time aliasing check it gives up), so this test is that check: no output
+    shares storage with an input."""
+    from torch._library.custom_ops import OPDEFS
+
+    op, args = OPAQUE_OPS[name]
+    assert op.name() not in OPDEFS, f"{op.name()} is a torch.library.custom_op"
+    out = op(*args)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    assert outs and all(o.untyped_storage().data_ptr() not in inputs for o in outs), f"{name} returned an input"
