@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import cdiv, env_choice, triton
+from alignaudit_kernels.primitives import cdiv, env_choice, next_power_of_2, triton
 
 BACKWARDS = ("auto", "reference", "fused")
 BACKWARD_ENV = "ALIGNAUDIT_BACKWARD"
@@ -65,7 +65,7 @@ def rms_norm_grad(s: torch.Tensor, weight: torch.Tensor, eps: float, gy: torch.T
     programs = cdiv(rows, GRAD_ROWS)
     partial = torch.empty(programs, h, dtype=torch.float32, device=s.device)
     if programs:
-        block = triton.next_power_of_2(h)
+        block = next_power_of_2(h)
         _rms_norm_grad_kernel[(programs,)](s2, weight.contiguous(), g2, ds, partial, rows, h, s2.stride(0),
                                            g2.stride(0), float(eps), ROWS=GRAD_ROWS, BLOCK_H=block,
                                            num_warps=min(16, max(1, block // 256)))  # the forward's rule
@@ -89,11 +89,11 @@ def rope_grad(g: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     g = g.contiguous()
     out = torch.empty_like(g)
     half = d // 2
-    block_heads = min(triton.next_power_of_2(heads), max(1, 4096 // triton.next_power_of_2(half)))
+    block_heads = min(next_power_of_2(heads), max(1, 4096 // next_power_of_2(half)))
     if t:
         _rope_grad_kernel[(t, cdiv(heads, block_heads))](
             g, positions.contiguous(), cos, sin, out, heads, cos.shape[0], cos.stride(0), HALF=half,
-            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HEADS=block_heads)
+            BLOCK_HALF=next_power_of_2(half), BLOCK_HEADS=block_heads)
     return out
 
 

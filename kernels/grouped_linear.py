@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from alignaudit_kernels.matmul import TILES, fixed_tiles, tile_for
-from alignaudit_kernels.primitives import cdiv, triton
+from alignaudit_kernels.primitives import cdiv, next_power_of_2, triton
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): launch tiles other than linear's choice, each with the same K loop, that
 # bench/moe_gpu.py --tiles times and tests/kernels/test_moe_kernel.py checks bit for bit on a GPU (bf16/fp16)
@@ -127,7 +127,7 @@ def plan_experts_triton(chosen: torch.Tensor, num_experts: int, block_m: int) ->
     new = lambda n: torch.empty(n, dtype=torch.int64, device=chosen.device)  # noqa: E731
     pair, token, starts, tile_expert, tile_row = new(pairs), new(pairs), new(num_experts + 1), new(tiles), new(tiles)
     _plan_kernel[(num_experts + 1,)](ids, pair, token, starts, tile_expert, tile_row, pairs, num_experts, top_k, tiles,
-                                     BINS=triton.next_power_of_2(num_experts), BLOCK_M=block_m, BLOCK=1024)
+                                     BINS=next_power_of_2(num_experts), BLOCK_M=block_m, BLOCK=1024)
     return ExpertPlan(pair, token, starts, tile_expert, tile_row, block_m, tiles, top_k)
 
 

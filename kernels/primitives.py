@@ -256,6 +256,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), for block sizes chosen on the host: plain integer arithmetic, as
+    ``cdiv``. triton.next_power_of_2 gives the same values but is a constexpr function since Triton 3.5, whose
+    Python call unwraps its arguments: 2.4 us a call against 0.035 on this repository's 2-core AMD EPYC."""
+    return 1 if n < 1 else 1 << (n - 1).bit_length()
+
+
 def cached_tensors(maxsize: int):
     """``functools.lru_cache`` for functions that build tensors kept for the life of the process (rope tables,
     launch plans), which build them outside ``torch.inference_mode``.

@@ -25,6 +25,7 @@ from alignaudit_kernels.gradients import backward_on, rms_norm_grad
 from alignaudit_kernels.primitives import (
     compiling_inference,
     fixed_sum,
+    next_power_of_2,
     no_gradient,
     opaque_op,
     reduction_input,
@@ -80,7 +81,7 @@ def _triton(x2, weight, eps, residual2, heads=None):
     m = x2.shape[0] * (heads or 1)
     y = torch.empty(m, h, dtype=x2.dtype, device=x2.device)
     s = torch.empty_like(x2) if residual2 is not None else x2
-    block = triton.next_power_of_2(h)
+    block = next_power_of_2(h)
     _rmsnorm_kernel[(m,)](x2, residual2 if residual2 is not None else x2, weight, y, s, h, eps, heads or 1,
                           x2.stride(0), x2.stride(1) if heads else 0,
                           residual2.stride(0) if residual2 is not None else 0, y.stride(0), s.stride(0),

@@ -25,6 +25,7 @@ from alignaudit_kernels.primitives import (
     cached_tensors,
     cdiv,
     compiling_inference,
+    next_power_of_2,
     no_gradient,
     opaque_op,
     triton,
@@ -120,10 +121,10 @@ def _triton(x, positions, cos, sin):
     t, h, d = x.shape
     x = x.contiguous()
     y = torch.empty_like(x)
-    block_h = min(16, triton.next_power_of_2(h))
+    block_h = min(16, next_power_of_2(h))
     _rope_kernel[(t, cdiv(h, block_h))](x, positions.contiguous(), cos.contiguous(), sin.contiguous(), y, h,
                                         cos.shape[0], x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-                                        HALF=d // 2, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d // 2),
+                                        HALF=d // 2, BLOCK_H=block_h, BLOCK_D=next_power_of_2(d // 2),
                                         enable_fp_fusion=False)
     return y
 

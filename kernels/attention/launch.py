@@ -12,6 +12,7 @@ from alignaudit_kernels.attention.algorithm import BLOCK_N, CHUNK_N, DEFAULT_EXP
 from alignaudit_kernels.primitives import (
     cached_tensors,
     cdiv,
+    next_power_of_2,
     rocm,
     sm_count,
     to_device,
@@ -101,7 +102,7 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     chunks = cdiv(max_keys, chunk_n)
     if split is None:
         split = chunks > 1 and n_tiles * kvh < SPLIT_BELOW_PROGRAMS_PER_SM * (sm_count(q.device) if q.is_cuda else 1)
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=chunk_n, ROW_POS=row_pos,
                   DECODE=decode, NATIVE_EXP=exp == "native", USED=_used_rows(decode, group, tile))
     if lse is not None and (lse.shape != (h, t) or lse.dtype != torch.float32 or lse.stride(1) != 1
@@ -168,7 +169,7 @@ def _descriptor_scratch(needed: bool, device: torch.device):
 def _used_rows(decode: bool, group: int, tile: int) -> int:
     """Rows of a tile that can hold a query: a decode tile holds one token, its ``group`` heads (rounded up
     to a power of two); any other tile, all of them."""
-    return min(tile, triton.next_power_of_2(group)) if decode else tile
+    return min(tile, next_power_of_2(group)) if decode else tile
 
 
 def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
