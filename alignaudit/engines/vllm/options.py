@@ -67,6 +67,34 @@ def check_options(settings, mode: str, role: str) -> None:
                          "applies temperature, top-k and top-p in its own sampling kernels, which strict logprobs do "
                          "not replace; unset VLLM_USE_V2_MODEL_RUNNER (alignaudit then runs model runner V1)")
     _check_quantization(settings, flag)
+    _check_graph_settings(settings, flag)
+
+
+GRAPH_SETTINGS = ("max_cudagraph_capture_size", "cudagraph_capture_sizes", "cudagraph_mode")
+
+
+def _check_graph_settings(settings, flag: str) -> None:
+    """CUDA-graph settings (EngineArgs' ``max_cudagraph_capture_size`` and ``cudagraph_capture_sizes``, or those and
+    ``cudagraph_mode`` inside ``compilation_config``) take effect only where vLLM captures graphs: not on the CPU
+    (vLLM 0.32's CPU platform resolves ``cudagraph_mode`` to NONE and captures no sizes, read back on the fixture)
+    and not with ``enforce_eager=true``. Elsewhere they are read back into engine_settings.resolved.
+
+    Raises:
+        InputError: naming the setting, the reason and the fix.
+    """
+    compilation = settings.options.get("compilation_config")
+    given = [key for key in GRAPH_SETTINGS if key in settings.options]
+    if isinstance(compilation, dict):
+        given += [f"compilation_config.{key}" for key in GRAPH_SETTINGS if key in compilation]
+    if not given:
+        return
+    if settings.device == "cpu":
+        raise InputError(f"vllm {given[0]}: vLLM on the CPU captures no CUDA graphs (cudagraph_mode resolves to "
+                         f"NONE), so it would have no effect; run it with --device cuda or drop {flag} "
+                         f"{given[0].split('.')[0]}")
+    if settings.options.get("enforce_eager") is True:
+        raise InputError(f"vllm {given[0]} with enforce_eager=true: an eager engine captures no CUDA graphs; drop "
+                         f"{flag} {given[0].split('.')[0]} or enforce_eager")
 
 
 def _check_quantization(settings, flag: str) -> None:
