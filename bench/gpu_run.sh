@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything alignaudit runs on one CUDA machine, in named stages, each with its own time limit:
-#   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention bench bench-quick bench-attention launch compile-probe forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
+#   bench/gpu_run.sh tests sweep sweep-segments sweep-medium sweep-attention sweep-rmsnorm-rows bench bench-quick bench-attention launch compile-probe forward forward-native q8 q8-strict q8-native q8-bisect q8-bisect-strict \
 #                    tp-bench q8-tp2 q8-tp2-bisect q8-tp2-rollout rl17 decode-diag families q14 moe repeat \
 #                    vllm-fixture vllm-q8 vllm-q8-hf vllm-q8-native vllm-q8-bisect vllm-moe vllm-rl17 vllm-bench vllm-warmup \
 #                    ipc rl-bench train-profile grpo17 grpo8 linear19 attention19 sweep19 decode-gen19 targets19 \
@@ -9,7 +9,8 @@
 # its deterministic mode and the fused varlen backward (bench/attention_determinism.py);
 # tests: the strict-kernel tests on the GPU (TESTS_K=EXPR: those pytest -k selects; TESTS_N=N: N pytest-xdist workers on
 # the one GPU, with pytest-xdist and execnet carried as wheels in .whl/extra/); sweep: launch-
-# configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section); bench: kernels vs defaults (bench-attention:
+# configuration sweep (sweep-segments: the K-segmented products and the TMA kernel at M = 256; sweep-medium: every layer at M = 32-128; sweep-attention: its attention section; sweep-rmsnorm-rows: the per-head q/k
+# norms by rows a program); bench: kernels vs defaults (bench-attention:
 # attention only); launch: host time per strict op call at decode shapes (bench/launch_overhead.py; LAUNCH_TOKENS=2048: an eager prefill's);
 # compile-probe: the fixture's strict forward under Inductor, the whole traceback of a failure (bench/compile_probe.py);
 # forward: the whole Qwen3-8B-shape forward, eager and compiled, and where one forward's GPU time goes by kernel
@@ -203,6 +204,8 @@ for stage in "$@"; do
     sweep-segments) timeout 300 python3 bench/sweep_gpu.py --sections segments,small-m --json "$out/sweep-segments.json" 2>&1 | log | tail -25 ;;
     sweep-attention-tma) timeout ${SAT_TIMEOUT:-300} python3 bench/sweep_gpu.py --sections attention-tma \
         --json "$out/sweep-attention-tma.json" 2>&1 | log | grep -v Warn | tail -40 ;;
+    sweep-rmsnorm-rows) timeout 240 python3 bench/sweep_gpu.py --sections rmsnorm-rows \
+        --json "$out/sweep-rmsnorm-rows.json" 2>&1 | log | grep -v Warn | tail -35 ;;
     sweep-attention) timeout 240 python3 bench/sweep_gpu.py --sections attention --json "$out/sweep-attention.json" 2>&1 | log | tail -30 ;;
     bench) timeout 300 python3 bench/kernels_gpu.py --json "$out/bench.json" 2>&1 | log | tail -45 ;;
     q8) q8 q8-default; q8 q8-strict --strict ;;

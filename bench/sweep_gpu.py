@@ -13,7 +13,8 @@ the portable and the native exp; prefill and decode), issue19 (issue [19]'s line
 narrower TMA tiles and one program per tile and K segment; run 2026-12-02, where the medium class came from),
 decode-generation (paged decode at vllm_generate's decode shape against FlashAttention-3: page size, split,
 pipelining stages, warps), attention-tma (training's prefill against FlashAttention-3: K/V by the TMA unit,
-warp specialization, 64- or 128-row tiles, stages).
+warp specialization, 64- or 128-row tiles, stages), rmsnorm-rows (Qwen3's per-head q/k norms by rows a
+program: the one-row kernel against the multi-row candidate).
 Tiles and key blocks were swept on 2026-11-29 (docs/benchmarks.md): all within 10%.
 """
 
@@ -381,18 +382,60 @@ def sweep_attention_tma(rows):
     return {"attention_tma_bitwise_equal": all(same), "attention_tma_checks": len(same)}
 
 
+RMSNORM_ROWS = (2, 4, 8, 16, 32)  # rows a program of the candidate rmsnorm._rmsnorm_rows_kernel
+
+
+def sweep_rmsnorm_rows(rows):
+    """Qwen3's per-head q/k norms (head_dim 128, read in place from the fused qkv output as vLLM's and the HF
+    forward's are) by rows a program: the one-row kernel (the default, a 1-warp program per row) against the
+    multi-row candidate, as CUDA-graph replays beside torch's rms_norm on the same view. Each candidate is checked
+    for what a default must keep: the rows of a 7-token batch equal to the same rows of the whole batch (batch
+    invariance); whether its bits equal the one-row kernel's is reported, not required (another tl.sum layout)."""
+    from alignaudit_kernels import rmsnorm
+
+    d, eps = 128, 1e-6
+    w = torch.randn(d, dtype=DT, device="cuda") * 0.2 + 1
+    invariant, as_default, first = [], [], len(rows)
+    for tokens, heads, label in ((4096, 32, "Qwen3-8B q, 4096 tokens"), (4096, 8, "Qwen3-8B k, 4096 tokens"),
+                                 (2048, 16, "Qwen3-1.7B q, 2048 tokens (RL prefill)"),
+                                 (64, 32, "Qwen3-8B q, 64 tokens (decode)")):
+        qkv = torch.randn(tokens, 48 * d, dtype=DT, device="cuda")  # Qwen3-8B's [q | k | v]: 32 + 8 + 8 heads
+        x = qkv[:, : heads * d].view(tokens, heads, d)
+        base = graph_ms(lambda: torch.nn.functional.rms_norm(x, (d,), w, eps))
+        default = rmsnorm._triton(x, w, eps, None, heads=heads)[0]
+        one_row = graph_ms(lambda: rmsnorm._triton(x, w, eps, None, heads=heads))
+        rows.append({"op": f"q/k rmsnorm {label}", "M": 1, "config": "one row a program (default)",
+                     "default_ms": base, "strict_ms": one_row, "ratio": base / one_row})
+        for count in RMSNORM_ROWS:
+            def run(count=count):
+                return rmsnorm._triton(x, w, eps, None, heads=heads, rows=count)[0]
+            whole = run()
+            part = rmsnorm._triton(x[:7], w, eps, None, heads=heads, rows=count)[0]
+            invariant.append(torch.equal(part, whole[: 7 * heads]))
+            as_default.append(torch.equal(whole, default))
+            try_config(rows, [], run, None, graph_ms, op=f"q/k rmsnorm {label}", M=count,
+                       config=f"{count} rows a program", default_ms=base)
+    for r in rows[first:]:
+        print(f"{r['op']:44s} {str(r['config']):28s} torch {r['default_ms']:.4f} ms  strict {r['strict_ms']:.4f} ms  "
+              f"ratio {r['ratio']:.2f}", flush=True)
+    print(f"rmsnorm-rows: batch invariant {all(invariant)} ({invariant.count(False)} of {len(invariant)} unequal); "
+          f"the one-row kernel's bits {as_default.count(True)} of {len(as_default)}", flush=True)
+    return {"rmsnorm_rows_batch_invariant": all(invariant), "rmsnorm_rows_as_default": as_default.count(True)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sections", default="matmul,tma,attention",
                         help="comma list of matmul, tma, segments, small-m, medium-m, attention, issue19, "
-                        "decode-generation (needs CUDA vLLM), attention-tma")
+                        "decode-generation (needs CUDA vLLM), attention-tma, rmsnorm-rows")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
     sections = {"matmul": sweep_matmul, "tma": sweep_matmul_tma, "segments": sweep_segments, "small-m": sweep_small_m,
                 "medium-m": sweep_medium_m, "attention": sweep_attention, "issue19": sweep_issue19,
-                "decode-generation": sweep_decode_generation, "attention-tma": sweep_attention_tma}
+                "decode-generation": sweep_decode_generation, "attention-tma": sweep_attention_tma,
+                "rmsnorm-rows": sweep_rmsnorm_rows}
     checks = {}
     for name in args.sections.split(","):
         checks.update(sections[name](rows))

@@ -23,6 +23,7 @@ import torch
 
 from alignaudit_kernels.gradients import backward_on, rms_norm_grad
 from alignaudit_kernels.primitives import (
+    cdiv,
     compiling_inference,
     fixed_sum,
     next_power_of_2,
@@ -75,18 +76,56 @@ if triton is not None:
         tl.store(y_ptr + row * stride_y + cols, ((xf * inv) * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _triton(x2, weight, eps, residual2, heads=None):
-    """x2 [rows, H], or with ``heads`` a [tokens, heads, H] view whose rows are read in place."""
+    @triton.jit
+    def _rmsnorm_rows_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, M, H, eps, heads, stride_x, stride_xh, stride_r,
+                             stride_y, stride_s, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_H: tl.constexpr):
+        """_rmsnorm_kernel over ROWS rows a program (a [ROWS, BLOCK_H] block, each row's sum by tl.sum along
+        axis 1): a candidate for narrow rows (Qwen3's per-head q/k norms, H = 128), where one 1-warp program a
+        row leaves the GPU mostly idle. Launched with the one-row kernel's warps for each row, a thread holds
+        as many elements of a row as there, so the layout gives each row the one-row kernel's lanes and warps
+        (at H = 128 and sm_90: 4 elements a thread, 32 lanes; cross-compiled TTGIR) and its tl.sum tree
+        should be that kernel's; whether the bits are is bench/sweep_gpu.py rmsnorm-rows' check on a GPU.
+        Either way a row's bits depend on (H, ROWS) only, never on M or the row's place."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_H)
+        mask = (rows[:, None] < M) & (cols[None, :] < H)
+        base = (rows // heads) * stride_x + (rows % heads) * stride_xh
+        x = tl.load(x_ptr + base[:, None] + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(s_ptr + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+        xf = x.to(tl.float32)
+        mean = tl.div_rn(tl.sum(xf * xf, axis=1), H.to(tl.float32))
+        inv = rsqrt_t(mean + eps)
+        w = tl.load(w_ptr + cols[None, :], mask=cols[None, :] < H, other=0.0).to(tl.float32)  # x's layout
+        y = (xf * inv[:, None]) * w
+        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _triton(x2, weight, eps, residual2, heads=None, rows=1):
+    """x2 [rows, H], or with ``heads`` a [tokens, heads, H] view whose rows are read in place. ``rows`` > 1: the
+    candidate _rmsnorm_rows_kernel with that many rows a program (bench/sweep_gpu.py --sections rmsnorm-rows;
+    not a default: on the GPU its bits are not the one-row kernel's)."""
     h = x2.shape[-1]
     m = x2.shape[0] * (heads or 1)
     y = torch.empty(m, h, dtype=x2.dtype, device=x2.device)
     s = torch.empty_like(x2) if residual2 is not None else x2
     block = next_power_of_2(h)
-    _rmsnorm_kernel[(m,)](x2, residual2 if residual2 is not None else x2, weight, y, s, h, eps, heads or 1,
-                          x2.stride(0), x2.stride(1) if heads else 0,
-                          residual2.stride(0) if residual2 is not None else 0, y.stride(0), s.stride(0),
-                          HAS_RESIDUAL=residual2 is not None, BLOCK_H=block,
-                          num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
+    args = (x2, residual2 if residual2 is not None else x2, weight, y, s)
+    strides = (x2.stride(0), x2.stride(1) if heads else 0, residual2.stride(0) if residual2 is not None else 0,
+               y.stride(0), s.stride(0))
+    warps = min(16, max(1, block // 256))  # a row's warps: so many elements a thread, so tl.sum's tree
+    if rows > 1:
+        if rows * warps > 32:
+            raise ValueError(f"strict rms_norm: {rows} rows of {warps} warps exceed a program's 32 warps")
+        _rmsnorm_rows_kernel[(cdiv(m, rows),)](*args, m, h, eps, heads or 1, *strides,
+                                               HAS_RESIDUAL=residual2 is not None, ROWS=rows, BLOCK_H=block,
+                                               num_warps=rows * warps, enable_fp_fusion=False)
+        return y, s
+    _rmsnorm_kernel[(m,)](*args, h, eps, heads or 1, *strides, HAS_RESIDUAL=residual2 is not None, BLOCK_H=block,
+                          num_warps=warps, enable_fp_fusion=False)
     return y, s
 
 

@@ -4,6 +4,7 @@ host wrappers choose, without running any of them.
     python tests/kernels/cross_compile.py sm90 [--all]      # NVIDIA Hopper (H100/H200): PTX and a cubin per kernel
     python tests/kernels/cross_compile.py gfx942 [--all]   # AMD MI300X (CDNA3, 64-wide wavefronts): AMDGCN, HSA code
                                                            # object
+    python tests/kernels/cross_compile.py sm90 --rmsnorm-rows  # the multi-row RMSNorm's arithmetic vs the one-row's
 
 Without --all the launch configurations every kernel runs in for bf16 models (tests/kernels/test_kernels_compile.py,
 in `make test`: about half a minute a target); with --all every branch of every host wrapper, fp16 and fp32
@@ -166,6 +167,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
             matmul._triton(_empty(rows, 4096), w, None, segments=segments, out_dtype=out)
         _medium_class(matmul, w)
         m["rmsnorm"]._triton(_empty(16, 4096), _empty(4096), 1e-6, _empty(16, 4096))
+        m["rmsnorm"]._triton(_empty(16 * 32, 128), _empty(128), 1e-6, None, rows=8)  # the multi-row candidate
         m["rope"]._triton(_empty(16, 32, 128), torch.arange(16), _empty(64, 64, dtype=FP32), _empty(64, 64, dtype=FP32))
         m["silu"]._triton(_empty(16, 12288), _empty(16, 12288))
         logits = _empty(4, 151936)
@@ -190,9 +192,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         matmul._triton(_empty(512, 4096, dtype=dtype), _empty(4096, 4096, dtype=dtype), None)
         matmul._triton(_empty(8, 4096, dtype=dtype), _empty(4096, 4096, dtype=dtype), None, segments=4)
     for dtype in (BF16, FP32):
-        for h, residual in ((4096, False), (4096, True), (896, False)):  # BLOCK_H and warps by hidden size
-            m["rmsnorm"]._triton(_empty(16, h, dtype=dtype), _empty(h, dtype=dtype), 1e-6,
-                                 _empty(16, h, dtype=dtype) if residual else None)
+        _rmsnorm(m["rmsnorm"], dtype)
         for heads, d in ((32, 128), (14, 64)):
             cos = sin = _empty(64, d // 2, dtype=FP32)
             m["rope"]._triton(_empty(16, heads, d, dtype=dtype), torch.arange(16), cos, sin)
@@ -213,6 +213,14 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         m["moe"]._weighted_sum_triton(_empty(64, 8, 2048, dtype=dtype), _empty(64, 8, dtype=FP32))
     for tile in m["grouped_linear"].SWEEP_TILES:  # the tiles bench/moe_gpu.py --tiles times
         _grouped(m["grouped_linear"], BF16, 4096, tile)
+
+
+def _rmsnorm(rmsnorm, dtype) -> None:
+    for h, residual in ((4096, False), (4096, True), (896, False)):  # BLOCK_H and warps by hidden size
+        rmsnorm._triton(_empty(16, h, dtype=dtype), _empty(h, dtype=dtype), 1e-6,
+                        _empty(16, h, dtype=dtype) if residual else None)
+    for rows in (2, 4, 8, 16, 32):  # the multi-row candidate as bench/sweep_gpu.py rmsnorm-rows times it
+        rmsnorm._triton(_empty(16 * 32, 128, dtype=dtype), _empty(128, dtype=dtype), 1e-6, None, rows=rows)
 
 
 def _gradients(gradients, dtype) -> None:
@@ -312,10 +320,77 @@ def _module_files(name: str) -> dict:
             else package for file in sorted(Path(package.__file__).parent.glob("*.py"))}
 
 
+FLOAT_OP = re.compile(r"\s+(?:add|sub|mul|div|sqrt|rcp|fma|shfl|cvt\.f32|cvt\.rn\.(?:bf16|f16)\.f32)\.")
+
+
+def float_dataflow(ptx: str) -> list[str]:
+    """The PTX's floating-point instructions (arithmetic, conversions, warp shuffles) in program order, registers
+    renamed by first use: two kernels with equal lists compute each value by the same operations on the same
+    operands (ptxas does not reassociate .rn arithmetic)."""
+    names: dict[str, str] = {}
+    rename = lambda m: names.setdefault(m.group(0), f"r{len(names)}")  # noqa: E731
+    return [re.sub(r"%\w+", rename, line.strip()) for line in ptx.splitlines()
+            if FLOAT_OP.match(line) and not re.search(r"\.[su](?:32|64)\b", line)]
+
+
+def rmsnorm_rows_arithmetic(target_name: str) -> list[dict]:
+    """For each row width (head_dim 64 and 128; hidden 896 and 4096 at 2 rows) and rows a program: whether the
+    multi-row RMSNorm candidate (rmsnorm._rmsnorm_rows_kernel) builds to the one-row kernel's arithmetic, bf16 with
+    and without the residual add. ``same_reduction``: equal ``float_dataflow`` up to the last division (the residual
+    add and its rounding, the squares, the sum's tree, the mean, 1 / sqrt): what could change a row's bits.
+    ``same_operations``: the same rounding operations, by kind and count, in the whole kernel; after the reduction
+    they are elementwise (x * inv, then * w, then the rounding: in any layout the same bits). Upcasts to fp32 are
+    exact and not counted: the weight may be loaded and upcast in another layout, fewer elements a thread, before
+    the reduction ends, and moved to x's."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    from alignaudit_kernels import rmsnorm
+
+    driver.set_active(CompileOnlyDriver(GPUTarget(*TARGETS[target_name][0])))
+    rmsnorm.use_triton = lambda x: True
+    real_run, built = JITFunction.run, []
+    JITFunction.run = lambda self, *a, grid, warmup, **k: built.append(real_run(self, *a, grid=grid, warmup=True, **k))
+
+    def split(flow: list[str]) -> tuple[list[str], list[str]]:
+        last = max(i for i, line in enumerate(flow) if line.startswith("div.rn.f32"))
+        ops = (line.split()[0] for line in flow)
+        return flow[: last + 1], sorted(op for op in ops if not op.startswith("cvt.f32."))
+
+    results = []
+    try:
+        for h, rows_choices in ((64, (8, 32)), (128, (2, 4, 8, 16, 32)), (896, (2, 8)), (4096, (2,))):
+            for residual in (False, True):
+                for rows in rows_choices:
+                    built.clear()
+                    for r in (1, rows):
+                        rmsnorm._triton(_empty(64, h), _empty(h), 1e-6, _empty(64, h) if residual else None, rows=r)
+                    (one, one_rest), (many, many_rest) = (split(float_dataflow(k.asm["ptx"])) for k in built)
+                    results.append({"h": h, "residual": residual, "rows": rows, "reduction_operations": len(one),
+                                    "same_reduction": one == many, "same_operations": one_rest == many_rest})
+        # the control: 8 rows on 4 warps (two rows a warp, 16 lanes a row, 8 elements a thread) is another tree
+        built.clear()
+        x, w = _empty(64, 128), _empty(128)
+        rmsnorm._triton(x, w, 1e-6, None)
+        rmsnorm._rmsnorm_rows_kernel[(8,)](x, x, w, x, x, 64, 128, 1e-6, 1, 128, 0, 0, 128, 128, HAS_RESIDUAL=False,
+                                          ROWS=8, BLOCK_H=128, num_warps=4, enable_fp_fusion=False)
+        (one, _), (many, _) = (split(float_dataflow(k.asm["ptx"])) for k in built)
+        results.append({"h": 128, "control": "8 rows on 4 warps", "same_reduction": one == many})
+    finally:
+        JITFunction.run = real_run
+    return results
+
+
 def main() -> None:
     target = sys.argv[1] if len(sys.argv) > 1 else ""
+    if target in TARGETS and sys.argv[2:] == ["--rmsnorm-rows"]:
+        for result in rmsnorm_rows_arithmetic(target):
+            print(json.dumps(result), flush=True)
+        return
     if target not in TARGETS or sys.argv[2:] not in ([], ["--all"]):
-        raise SystemExit(f"usage: python tests/kernels/cross_compile.py {{{','.join(TARGETS)}}} [--all]")
+        raise SystemExit(f"usage: python tests/kernels/cross_compile.py {{{','.join(TARGETS)}}} "
+                         "[--all | --rmsnorm-rows]")
     started = time.perf_counter()
     records = _launches(target, every=sys.argv[2:] == ["--all"])
     failed = [r for r in records if not r["ok"]]

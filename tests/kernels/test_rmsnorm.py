@@ -6,6 +6,7 @@ The backend is --kernel-device's (tests/kernels/conftest.py); each invariance ha
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -73,3 +74,39 @@ def test_rmsnorm_reads_per_head_views_in_place_with_the_bits_of_their_copy(devic
         assert (rmsnorm._strided_heads(x, None) is x) == rmsnorm.use_triton(x)
         assert_bitwise_equal(f"rms_norm of {name} heads in place", K.rms_norm(x, w, 1e-6),
                              K.rms_norm(x.contiguous(), w, 1e-6))
+
+
+ROWS_CANDIDATES = (2, 8, 32)  # rows a program of the candidate _rmsnorm_rows_kernel (bench/sweep_gpu.py rmsnorm-rows)
+
+
+def test_rmsnorm_rows_candidate_is_batch_invariant_and_reads_head_views_in_place(device, dtype):
+    """The multi-row candidate keeps what the one-row kernel guarantees, for each rows-a-program value: a row's
+    bits alone, at every place of every batch size (masked tail programs included), and in a per-head view of a
+    fused qkv output read in place equal to its contiguous copy; the residual stream rounded once; RMSNorm's
+    value within the one-row kernel's bound; and the one-row kernel's bits. On the GPU this is what allows it to
+    become the default."""
+    if not rmsnorm.use_triton(torch.empty(0, device=device)):
+        pytest.skip("the candidate is a Triton kernel (interpret or cuda)")
+    d = 128
+    w = randn(d, dtype=dtype, device=device, seed=20, scale=0.5) + 1
+    row = randn(2, d, dtype=dtype, device=device, seed=21)
+    qkv = randn(37, 8 * d, dtype=dtype, device=device, seed=22)
+    q = qkv[:, : 4 * d].view(37, 4, d)
+    for rows in ROWS_CANDIDATES:
+        def norm(batch, rows=rows):
+            y, s = rmsnorm._triton(batch[:, 0].contiguous(), w, 1e-6, batch[:, 1].contiguous(), rows=rows)
+            return torch.stack([y, s], 1)
+
+        alone, outs = rows_everywhere(norm, row, lambda b: randn(b, 2, d, dtype=dtype, device=device, seed=30 + b),
+                                      device)
+        for where, out in outs:
+            assert_bitwise_equal(f"{rows} rows a program: row at {where}", out, alone)
+        assert_bitwise_equal("residual stream", alone[1], (row[0].float() + row[1].float()).to(dtype))
+        ref = rmsnorm.reference(alone[1].double(), w.double(), 1e-6)
+        assert_within(f"{rows} rows a program", alone[0], ref, 1.01 * ulp_of(ref, dtype) + 8 * 2**-23 * ref.abs())
+        in_place = rmsnorm._triton(q, w, 1e-6, None, heads=4, rows=rows)[0]
+        assert_bitwise_equal(f"{rows} rows a program, q heads in place", in_place,
+                             rmsnorm._triton(q.reshape(-1, d).contiguous(), w, 1e-6, None, rows=rows)[0])
+        # built to the one-row kernel's arithmetic (test_kernels_compile.py): its bits, which would let it
+        # become the default without changing any result
+        assert_bitwise_equal(f"{rows} rows a program vs one", in_place, rmsnorm._triton(q, w, 1e-6, None, heads=4)[0])
