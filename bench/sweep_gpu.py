@@ -390,7 +390,8 @@ def sweep_rmsnorm_rows(rows):
     forward's are) by rows a program: the one-row kernel (the default, a 1-warp program per row) against the
     multi-row candidate, as CUDA-graph replays beside torch's rms_norm on the same view. Each candidate is checked
     for what a default must keep: the rows of a 7-token batch equal to the same rows of the whole batch (batch
-    invariance); whether its bits equal the one-row kernel's is reported, not required (another tl.sum layout)."""
+    invariance); and whether its bits equal the one-row kernel's (expected: for sm_90 it builds to that kernel's
+    arithmetic, tests/kernels/test_kernels_compile.py), the condition for a default that changes no result."""
     from alignaudit_kernels import rmsnorm
 
     d, eps = 128, 1e-6

@@ -232,9 +232,10 @@ def opaque_op(name: str, schema: str, fake, namespace: str = "alignaudit_kernels
     device), not ``torch.library.custom_op``: that wrapper adds Python dispatch around each call (an
     aliasing check, its autograd layer): 4.2 us a call against 1.9 under torch.inference_mode, as vLLM runs
     its forward, and 10.1 against 1.9 under torch.no_grad (bench/wrapper_overhead.py, a 2-core AMD EPYC,
-    torch 2.13 CPU, 2026-12-05). vLLM registers its own ops this way
-    for the same reason (``direct_register_custom_op`` in vllm/utils/torch_utils.py). No autograd kernel:
-    the strict kernels call their op only where no gradient is recorded (``compiling_inference``).
+    torch 2.13 CPU, 2026-12-05). vLLM registers its own ops this way for the same reason
+    (``direct_register_custom_op`` in vllm/utils/torch_utils.py). No autograd kernel: the strict kernels call
+    their op only where no gradient is recorded (``compiling_inference``); tests/kernels/test_compile.py checks
+    that no op returns an input, the check custom_op made at run time.
     https://pytorch.org/docs/stable/library.html
     """
     library = _LIBRARIES.get(namespace)
