@@ -231,7 +231,7 @@ def opaque_op(name: str, schema: str, fake, namespace: str = "alignaudit_kernels
     Registered by ``torch.library.Library.define`` and ``impl`` under CompositeExplicitAutograd (every
     device), not ``torch.library.custom_op``: that wrapper adds Python dispatch around each call (an
     aliasing check, its autograd layer): 4.2 us a call against 1.9 under torch.inference_mode, as vLLM runs
-    its forward, and 10.1 against 1.9 under torch.no_grad (bench/wrapper_overhead.py, a 2-core AMD EPYC,
+    its forward, and 10.1 against 1.9 under torch.no_grad (bench/wrapper_overhead.py, a 2-core Intel Xeon,
     torch 2.13 CPU, 2026-12-05). vLLM registers its own ops this way for the same reason
     (``direct_register_custom_op`` in vllm/utils/torch_utils.py). No autograd kernel: the strict kernels call
     their op only where no gradient is recorded (``compiling_inference``); tests/kernels/test_compile.py checks
@@ -260,7 +260,7 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (n >= 1), for block sizes chosen on the host: plain integer arithmetic, as
     ``cdiv``. triton.next_power_of_2 gives the same values but is a constexpr function since Triton 3.5, whose
-    Python call unwraps its arguments: 2.4 us a call against 0.035 on this repository's 2-core AMD EPYC."""
+    Python call unwraps its arguments: 2.4 us a call against 0.035 on a 2-core Intel Xeon (2026-12-05)."""
     return 1 if n < 1 else 1 << (n - 1).bit_length()
 
 
