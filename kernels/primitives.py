@@ -234,8 +234,9 @@ def opaque_op(name: str, schema: str, fake, namespace: str = "alignaudit_kernels
     its forward, and 10.1 against 1.9 under torch.no_grad (bench/wrapper_overhead.py, a 2-core Intel Xeon,
     torch 2.13 CPU, 2026-12-05). vLLM registers its own ops this way for the same reason
     (``direct_register_custom_op`` in vllm/utils/torch_utils.py). No autograd kernel: the strict kernels call
-    their op only where no gradient is recorded (``compiling_inference``); tests/kernels/test_compile.py checks
-    that no op returns an input, the check custom_op made at run time.
+    their op only where no gradient is recorded (``compiling_inference``), and a call that would record one
+    raises RuntimeError (without it, autograd's fallback would hand back an output whose backward only warns);
+    tests/kernels/test_compile.py checks that no op returns an input, the check custom_op made at run time.
     https://pytorch.org/docs/stable/library.html
     """
     library = _LIBRARIES.get(namespace)
@@ -243,11 +244,23 @@ def opaque_op(name: str, schema: str, fake, namespace: str = "alignaudit_kernels
         library = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
 
     def register(fn):
-        library.define(f"{name}{schema}")
-        library.impl(name, fn, "CompositeExplicitAutograd")
+        @functools.wraps(fn)
+        def forward_only(*args):
+            if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                raise RuntimeError(f"{namespace}::{name} is forward only: call it without gradients (torch.no_grad) "
+                                   f"or call its kernel function, which has a backward")
+            return fn(*args)
+
+        library.define(f"{name}{schema}", tags=(torch.Tag.pt2_compliant_tag,))
+        library.impl(name, forward_only, "CompositeExplicitAutograd")
         torch.library.register_fake(f"{namespace}::{name}", fake, lib=library)
-        return getattr(getattr(torch.ops, namespace), name).default
+        op = getattr(getattr(torch.ops, namespace), name).default
+        OPAQUE_OPS.append(op)
+        return op
     return register
+
+
+OPAQUE_OPS: list = []  # every op opaque_op registered, in registration order (tests/kernels/test_compile.py)
 
 
 def cdiv(a: int, b: int) -> int:

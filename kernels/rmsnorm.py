@@ -84,9 +84,10 @@ if triton is not None:
         axis 1): a candidate for narrow rows (Qwen3's per-head q/k norms, H = 128), where one 1-warp program a
         row leaves the GPU mostly idle. Launched with the one-row kernel's warps for each row, a thread holds
         as many elements of a row as there, so the layout gives each row the one-row kernel's lanes and warps
-        (at H = 128 and sm_90: 4 elements a thread, 32 lanes; cross-compiled TTGIR) and its tl.sum tree
-        should be that kernel's; whether the bits are is bench/sweep_gpu.py rmsnorm-rows' check on a GPU.
-        Either way a row's bits depend on (H, ROWS) only, never on M or the row's place."""
+        (at H = 128 and sm_90: 4 elements a thread, 32 lanes) and, cross-compiled, the same arithmetic
+        (tests/kernels/test_kernels_compile.py); that the bits are equal is for a GPU run to confirm
+        (tests/kernels/test_rmsnorm.py on CUDA, bench/sweep_gpu.py rmsnorm-rows). Either way a row's bits depend
+        on (H, ROWS) only, never on M or the row's place."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_H)
         mask = (rows[:, None] < M) & (cols[None, :] < H)
@@ -105,9 +106,10 @@ if triton is not None:
 
 
 def _triton(x2, weight, eps, residual2, heads=None, rows=1):
-    """x2 [rows, H], or with ``heads`` a [tokens, heads, H] view whose rows are read in place. ``rows`` > 1: the
-    candidate _rmsnorm_rows_kernel with that many rows a program (bench/sweep_gpu.py --sections rmsnorm-rows;
-    not a default: on the GPU its bits are not the one-row kernel's)."""
+    """x2 [rows, H], or with ``heads`` a [tokens, heads, H] view whose rows are read in place. ``rows`` > 1 (a power
+    of two): the candidate _rmsnorm_rows_kernel with that many rows a program (bench/sweep_gpu.py --sections
+    rmsnorm-rows); not a default until a GPU run confirms its bits equal the one-row kernel's and its speed.
+    Raises ValueError for a ``rows`` that is not a power of two or needs more than a program's 32 warps."""
     h = x2.shape[-1]
     m = x2.shape[0] * (heads or 1)
     y = torch.empty(m, h, dtype=x2.dtype, device=x2.device)
@@ -118,8 +120,9 @@ def _triton(x2, weight, eps, residual2, heads=None, rows=1):
                y.stride(0), s.stride(0))
     warps = min(16, max(1, block // 256))  # a row's warps: so many elements a thread, so tl.sum's tree
     if rows > 1:
-        if rows * warps > 32:
-            raise ValueError(f"strict rms_norm: {rows} rows of {warps} warps exceed a program's 32 warps")
+        if rows & (rows - 1) or rows * warps > 32:
+            raise ValueError(f"strict rms_norm: rows={rows} must be a power of two whose rows, {warps} warps each, "
+                             f"fit a program's 32 warps")
         _rmsnorm_rows_kernel[(cdiv(m, rows),)](*args, m, h, eps, heads or 1, *strides,
                                                HAS_RESIDUAL=residual2 is not None, ROWS=rows, BLOCK_H=block,
                                                num_warps=rows * warps, enable_fp_fusion=False)

@@ -2,7 +2,9 @@
 kernel functions, which become opaque ops of their own under torch.compile (alignaudit_kernels.primitives.
 opaque_op): rope (with the tables built eagerly), the row-parallel partial product, the MoE router and experts.
 rope and linear_partial run where no gradient is recorded and are registered as ``opaque_op`` registers (less
-host time a call); the MoE ops, which trainers call with gradients recorded, stay ``torch.library.custom_op``s.
+host time a call; a call that would record a gradient is refused). The MoE ops stay ``torch.library.custom_op``s:
+trainers call them with gradients recorded, which opaque_op refuses at the call, while custom_op raises only if a
+backward reaches the op itself.
 
 torch.compile treats a custom op as opaque: it neither fuses its arithmetic with neighbouring ops nor
 contracts its multiplies and adds into FMAs, so a compiled engine (vLLM's default) computes exactly what

@@ -46,8 +46,10 @@ pytestmark = [pytest.mark.engines, pytest.mark.long]
     (["--mode", "rollout", "--infer-opt", "kv_cache_dtype=fp8"], "vllm kv_cache_dtype=\"fp8\": vLLM's CPU wheel"),
     (["--infer-opt", "max_cudagraph_capture_size=64"],
      "vllm max_cudagraph_capture_size: vLLM on the CPU captures no CUDA graphs"),
-    (["--infer-opt", 'compilation_config={"cudagraph_capture_sizes": [1, 2]}'],
-     "vllm compilation_config.cudagraph_capture_sizes: vLLM on the CPU captures no CUDA graphs"),
+    (["--infer-opt", 'compilation_config={"mode": 3, "cudagraph_capture_sizes": [1, 2]}'],
+     "vllm compilation_config.cudagraph_capture_sizes: vLLM on the CPU captures no CUDA graphs (cudagraph_mode "
+     "resolves to NONE), so it would have no effect; run it with --device cuda or remove cudagraph_capture_sizes "
+     "from --infer-opt compilation_config"),
     # TransformerConfig itself runs in the option-check worker, before either engine: a value it overrides
     (["--train-opt", "attention_softmax_in_fp32=false", "--train-opt", "apply_query_key_layer_scaling=true"],
      "attention_softmax_in_fp32=False: TransformerConfig resolves it to True"),
@@ -76,17 +78,23 @@ def test_fp8_rollouts_are_refused_under_the_strict_op_that_would_not_cover_them(
 
 
 def test_cuda_graph_settings_are_refused_where_no_graph_is_captured():
-    """On CUDA a capture size takes effect (read back into engine_settings.resolved); with enforce_eager=true, as
-    on the CPU (test above), vLLM captures no graph, so the setting is refused."""
+    """On CUDA a capture size takes effect (read back into engine_settings.resolved); with enforce_eager, as on the
+    CPU (test above), vLLM captures no graph, so the setting is refused; a value that asks for no graph is not."""
     from alignaudit.engines.vllm.options import check_options
     from alignaudit.errors import InputError
     from alignaudit.inputs.request import EngineSettings
 
     sizes = {"max_cudagraph_capture_size": 2048}
     check_options(EngineSettings(device="cuda", strict="all", options=sizes), "rollout", "infer")
-    with pytest.raises(InputError, match="with enforce_eager=true: an eager engine captures no CUDA graphs"):
-        check_options(EngineSettings(device="cuda", options={**sizes, "enforce_eager": True}), "rollout", "infer")
+    for eager in (True, 1):
+        with pytest.raises(InputError, match="with enforce_eager: an eager engine captures no CUDA graphs; drop "
+                                             "--infer-opt max_cudagraph_capture_size or enforce_eager"):
+            check_options(EngineSettings(device="cuda", options={**sizes, "enforce_eager": eager}), "rollout", "infer")
     check_options(EngineSettings(device="cuda", options={"compilation_config": {"mode": 3}}), "rollout", "infer")
+    for no_graphs in ({"max_cudagraph_capture_size": 0}, {"cudagraph_capture_sizes": []},
+                      {"compilation_config": {"cudagraph_mode": "NONE"}}):  # asking for none is true there
+        check_options(EngineSettings(device="cpu", options=no_graphs), "rollout", "infer")
+        check_options(EngineSettings(device="cuda", options={**no_graphs, "enforce_eager": True}), "rollout", "infer")
 
 
 def test_strict_processed_logprobs_under_model_runner_v2_are_refused_before_any_engine(monkeypatch):

@@ -333,6 +333,18 @@ def float_dataflow(ptx: str) -> list[str]:
             if FLOAT_OP.match(line) and not re.search(r"\.[su](?:32|64)\b", line)]
 
 
+def row_layout(ttgir: str) -> tuple:
+    """The layout of the kernel's first load (x), along its last axis (a row): (elements a thread, lanes, warps,
+    whether that axis is the fastest). With the load's PTX vector width it fixes which elements of a row each
+    thread holds, and so which values ``float_dataflow``'s registers carry."""
+    load = re.search(r"tt\.load [^\n]*: tensor<[^\n]*, (#\w+)>", ttgir).group(1)
+    layout = re.search(rf"^{load} = #ttg\.blocked<\{{(.*)\}}>", ttgir, re.M).group(1)
+    fields = {k: [int(v) for v in vs.split(",")] for k, vs in re.findall(r"(\w+) = \[([\d, ]+)\]", layout)}
+    last = len(fields["order"]) - 1
+    return (fields["sizePerThread"][last], fields["threadsPerWarp"][last], fields["warpsPerCTA"][last],
+            fields["order"][0] == last)
+
+
 def rmsnorm_rows_arithmetic(target_name: str) -> list[dict]:
     """For each row width (head_dim 64 and 128; hidden 896 and 4096 at 2 rows) and rows a program: whether the
     multi-row RMSNorm candidate (rmsnorm._rmsnorm_rows_kernel) builds to the one-row kernel's arithmetic, bf16 with
@@ -341,7 +353,11 @@ def rmsnorm_rows_arithmetic(target_name: str) -> list[dict]:
     ``same_operations``: the same rounding operations, by kind and count, in the whole kernel; after the reduction
     they are elementwise (x * inv, then * w, then the rounding: in any layout the same bits). Upcasts to fp32 are
     exact and not counted: the weight may be loaded and upcast in another layout, fewer elements a thread, before
-    the reduction ends, and moved to x's."""
+    the reduction ends, and moved to x's. ``same_row_layout``: x's layout along a row (``row_layout``) and its first
+    PTX load's vector width are the same, so a thread's registers hold the same elements of its row: without it
+    equal dataflows could add other elements in another order (a strided, unvectorized load). The dataflow does not
+    see loads, stores and moves, so shared-memory exchanges between a row's warps (hidden 896 and 4096) are compared
+    only through the layout; the bits themselves are the GPU run's to confirm."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -367,8 +383,11 @@ def rmsnorm_rows_arithmetic(target_name: str) -> list[dict]:
                     for r in (1, rows):
                         rmsnorm._triton(_empty(64, h), _empty(h), 1e-6, _empty(64, h) if residual else None, rows=r)
                     (one, one_rest), (many, many_rest) = (split(float_dataflow(k.asm["ptx"])) for k in built)
+                    layouts = [(row_layout(k.asm["ttgir"]), re.search(r"ld\.global\S*", k.asm["ptx"]).group(0))
+                               for k in built]
                     results.append({"h": h, "residual": residual, "rows": rows, "reduction_operations": len(one),
-                                    "same_reduction": one == many, "same_operations": one_rest == many_rest})
+                                    "same_reduction": one == many, "same_operations": one_rest == many_rest,
+                                    "same_row_layout": layouts[0] == layouts[1], "row_layout": layouts[1]})
         # the control: 8 rows on 4 warps (two rows a warp, 16 lanes a row, 8 elements a thread) is another tree
         built.clear()
         x, w = _empty(64, 128), _empty(128)
@@ -376,7 +395,8 @@ def rmsnorm_rows_arithmetic(target_name: str) -> list[dict]:
         rmsnorm._rmsnorm_rows_kernel[(8,)](x, x, w, x, x, 64, 128, 1e-6, 1, 128, 0, 0, 128, 128, HAS_RESIDUAL=False,
                                           ROWS=8, BLOCK_H=128, num_warps=4, enable_fp_fusion=False)
         (one, _), (many, _) = (split(float_dataflow(k.asm["ptx"])) for k in built)
-        results.append({"h": 128, "control": "8 rows on 4 warps", "same_reduction": one == many})
+        results.append({"h": 128, "control": "8 rows on 4 warps", "same_reduction": one == many,
+                        "same_row_layout": row_layout(built[0].asm["ttgir"]) == row_layout(built[1].asm["ttgir"])})
     finally:
         JITFunction.run = real_run
     return results

@@ -134,19 +134,32 @@ def _opaque_op_cases():
     }
 
 
-OPAQUE_OPS = _opaque_op_cases()
+OPAQUE_CASES = _opaque_op_cases()
 
 
-@pytest.mark.parametrize("name", sorted(OPAQUE_OPS))
-def test_opaque_ops_return_fresh_tensors_without_custom_op_dispatch(name):
+def test_every_opaque_op_is_checked():
+    from alignaudit_kernels.primitives import OPAQUE_OPS
+
+    assert sorted(op.name().split("::")[1] for op in OPAQUE_OPS) == sorted(OPAQUE_CASES)
+
+
+@pytest.mark.parametrize("name", sorted(OPAQUE_CASES))
+def test_opaque_ops_return_fresh_tensors_and_refuse_gradients(name):
     """Each opaque op is registered by Library.define + impl (primitives.opaque_op: less host time a call than
     torch.library.custom_op, whose run-time aliasing check it gives up), so this test is that check: no output
-    shares storage with an input."""
+    shares storage with an input or with another output. Called where autograd would record a gradient, the op
+    refuses (it has no backward), on this backend as on every other."""
     from torch._library.custom_ops import OPDEFS
 
-    op, args = OPAQUE_OPS[name]
+    op, args = OPAQUE_CASES[name]
     assert op.name() not in OPDEFS, f"{op.name()} is a torch.library.custom_op"
-    out = op(*args)
+    with torch.no_grad():
+        out = op(*args)
     outs = out if isinstance(out, (tuple, list)) else (out,)
+    storages = [o.untyped_storage().data_ptr() for o in outs]
     inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-    assert outs and all(o.untyped_storage().data_ptr() not in inputs for o in outs), f"{name} returned an input"
+    assert len(set(storages)) == len(storages) and not inputs & set(storages), f"{name} returned an alias"
+    floating = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    tracked = [a.detach().requires_grad_() if i == floating[0] else a for i, a in enumerate(args)]
+    with pytest.raises(RuntimeError, match=f"{op.name()} is forward only"):
+        op(*tracked)

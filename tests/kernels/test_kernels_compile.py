@@ -57,13 +57,15 @@ def _build_both(flags: list[str]) -> None:
 
 def test_multi_row_rmsnorm_builds_to_the_one_row_kernels_arithmetic_for_hopper():
     """The multi-row RMSNorm candidate (rmsnorm._rmsnorm_rows_kernel, a row's warps as the one-row kernel's)
-    compiles for sm_90 to the one-row kernel's floating-point dataflow up to the row's 1 / sqrt (the residual add,
-    the squares, the sum's tree) and to the same rounding operations after it, at head dims 64 and 128 and hidden
-    sizes 896 and 4096, with and without the residual: the same bits by construction, which a GPU run confirms
-    (bench/sweep_gpu.py rmsnorm-rows). The control, 8 rows on 4 warps, builds another sum tree and is told apart."""
+    compiles for sm_90 to the one-row kernel's layout along a row (elements a thread, lanes, warps, load width),
+    its floating-point dataflow up to the row's 1 / sqrt (the residual add, the squares, the sum's tree) and the
+    same rounding operations after it, at head dims 64 and 128 and hidden sizes 896 and 4096, with and without the
+    residual: evidence for the same bits, which only a GPU run confirms (tests/kernels/test_rmsnorm.py on CUDA,
+    bench/sweep_gpu.py rmsnorm-rows). The control, 8 rows on 4 warps, builds another layout and tree."""
     out = subprocess.run([sys.executable, str(SCRIPT), "sm90", "--rmsnorm-rows"], capture_output=True, text=True,
                          timeout=600, check=True).stdout
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     built, controls = [r for r in results if "control" not in r], [r for r in results if "control" in r]
-    assert len(built) == 20 and all(r["same_reduction"] and r["same_operations"] for r in built), built
-    assert controls and not any(r["same_reduction"] for r in controls), controls
+    assert len(built) == 20 and all(r["same_reduction"] and r["same_operations"] and r["same_row_layout"]
+                                    for r in built), built
+    assert controls and not any(r["same_reduction"] or r["same_row_layout"] for r in controls), controls

@@ -70,31 +70,43 @@ def check_options(settings, mode: str, role: str) -> None:
     _check_graph_settings(settings, flag)
 
 
-GRAPH_SETTINGS = ("max_cudagraph_capture_size", "cudagraph_capture_sizes", "cudagraph_mode")
+ENGINE_GRAPH_SETTINGS = ("max_cudagraph_capture_size", "cudagraph_capture_sizes")  # EngineArgs fields
+COMPILATION_GRAPH_SETTINGS = (*ENGINE_GRAPH_SETTINGS, "cudagraph_mode")  # the same, and the mode, in compilation_config
+
+
+def _asks_for_graphs(key: str, value) -> bool:
+    """Whether a CUDA-graph setting asks for graphs: not cudagraph_mode NONE, an empty size list or size 0."""
+    if key == "cudagraph_mode":
+        return str(value).upper() not in ("NONE", "0")
+    return bool(value)
 
 
 def _check_graph_settings(settings, flag: str) -> None:
     """CUDA-graph settings (EngineArgs' ``max_cudagraph_capture_size`` and ``cudagraph_capture_sizes``, or those and
     ``cudagraph_mode`` inside ``compilation_config``) take effect only where vLLM captures graphs: not on the CPU
     (vLLM 0.32's CPU platform resolves ``cudagraph_mode`` to NONE and captures no sizes, read back on the fixture)
-    and not with ``enforce_eager=true``. Elsewhere they are read back into engine_settings.resolved.
+    and not with ``enforce_eager``. A value asking for no graph (NONE, [], 0) is accepted there. Elsewhere the
+    settings are read back into engine_settings.resolved (cudagraph_mode, cudagraph_capture_sizes), which also shows
+    combinations vLLM itself resolves to fewer graphs (vllm/config/vllm.py).
 
     Raises:
         InputError: naming the setting, the reason and the fix.
     """
     compilation = settings.options.get("compilation_config")
-    given = [key for key in GRAPH_SETTINGS if key in settings.options]
+    given = [(key, f"drop {flag} {key}") for key in ENGINE_GRAPH_SETTINGS
+             if _asks_for_graphs(key, settings.options.get(key))]
     if isinstance(compilation, dict):
-        given += [f"compilation_config.{key}" for key in GRAPH_SETTINGS if key in compilation]
+        given += [(f"compilation_config.{key}", f"remove {key} from {flag} compilation_config")
+                  for key in COMPILATION_GRAPH_SETTINGS if _asks_for_graphs(key, compilation.get(key))]
     if not given:
         return
+    name, fix = given[0]
     if settings.device == "cpu":
-        raise InputError(f"vllm {given[0]}: vLLM on the CPU captures no CUDA graphs (cudagraph_mode resolves to "
-                         f"NONE), so it would have no effect; run it with --device cuda or drop {flag} "
-                         f"{given[0].split('.')[0]}")
-    if settings.options.get("enforce_eager") is True:
-        raise InputError(f"vllm {given[0]} with enforce_eager=true: an eager engine captures no CUDA graphs; drop "
-                         f"{flag} {given[0].split('.')[0]} or enforce_eager")
+        raise InputError(f"vllm {name}: vLLM on the CPU captures no CUDA graphs (cudagraph_mode resolves to NONE), "
+                         f"so it would have no effect; run it with --device cuda or {fix}")
+    if settings.options.get("enforce_eager"):
+        raise InputError(f"vllm {name} with enforce_eager: an eager engine captures no CUDA graphs; {fix} or "
+                         f"enforce_eager")
 
 
 def _check_quantization(settings, flag: str) -> None:
