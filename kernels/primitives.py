@@ -230,9 +230,9 @@ def opaque_op(name: str, schema: str, fake, namespace: str = "alignaudit_kernels
 
     Registered by ``torch.library.Library.define`` and ``impl`` under CompositeExplicitAutograd (every
     device), not ``torch.library.custom_op``: that wrapper adds Python dispatch around each call (an
-    aliasing check, its autograd layer): 4.2 us a call against 1.9 under torch.inference_mode, as vLLM runs
-    its forward, and 10.1 against 1.9 under torch.no_grad (bench/wrapper_overhead.py, a 2-core Intel Xeon,
-    torch 2.13 CPU, 2026-12-05). vLLM registers its own ops this way for the same reason
+    aliasing check, its autograd layer): 1.9-5.1 us more a call under torch.inference_mode, as vLLM runs
+    its forward, and 8.6-14.2 us more under torch.no_grad (bench/wrapper_overhead.py side by side, six runs on a 2-core
+    Intel Xeon, torch 2.13 CPU, 2026-12-05). vLLM registers its own ops this way for the same reason
     (``direct_register_custom_op`` in vllm/utils/torch_utils.py). No autograd kernel: the strict kernels call
     their op only where no gradient is recorded (``compiling_inference``), and a call that would record one
     raises RuntimeError (without it, autograd's fallback would hand back an output whose backward only warns);
