@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.primitives import cdiv, env_choice, next_power_of_2, triton
+from alignaudit_kernels.primitives import cdiv, env_choice, next_power_of_2, row_warps, triton
 
 BACKWARDS = ("auto", "reference", "fused")
 BACKWARD_ENV = "ALIGNAUDIT_BACKWARD"
@@ -68,7 +68,7 @@ def rms_norm_grad(s: torch.Tensor, weight: torch.Tensor, eps: float, gy: torch.T
         block = next_power_of_2(h)
         _rms_norm_grad_kernel[(programs,)](s2, weight.contiguous(), g2, ds, partial, rows, h, s2.stride(0),
                                            g2.stride(0), float(eps), ROWS=GRAD_ROWS, BLOCK_H=block,
-                                           num_warps=min(16, max(1, block // 256)))  # the forward's rule
+                                           num_warps=row_warps(block))  # the forward's rule
     return ds.view(s.shape), partial.sum(0)
 
 

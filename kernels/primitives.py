@@ -277,6 +277,13 @@ def next_power_of_2(n: int) -> int:
     return 1 if n < 1 else 1 << (n - 1).bit_length()
 
 
+def row_warps(block: int) -> int:
+    """The warps of a program that holds one row of ``block`` elements (a power of two): one per 256 elements, 1 to
+    16. It fixes how many of a row's elements a thread holds, and so tl.sum's tree over the row: RMSNorm's kernels
+    (forward, the multi-row candidate, the fused gradient) share it."""
+    return min(16, max(1, block // 256))
+
+
 def cached_tensors(maxsize: int):
     """``functools.lru_cache`` for functions that build tensors kept for the life of the process (rope tables,
     launch plans), which build them outside ``torch.inference_mode``.

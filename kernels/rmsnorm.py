@@ -30,6 +30,7 @@ from alignaudit_kernels.primitives import (
     no_gradient,
     opaque_op,
     reduction_input,
+    row_warps,
     rsqrt,
     triton,
     use_triton,
@@ -118,7 +119,7 @@ def _triton(x2, weight, eps, residual2, heads=None, rows=1):
     args = (x2, residual2 if residual2 is not None else x2, weight, y, s)
     strides = (x2.stride(0), x2.stride(1) if heads else 0, residual2.stride(0) if residual2 is not None else 0,
                y.stride(0), s.stride(0))
-    warps = min(16, max(1, block // 256))  # a row's warps: so many elements a thread, so tl.sum's tree
+    warps = row_warps(block)
     if rows > 1:
         if rows & (rows - 1) or rows * warps > 32:
             raise ValueError(f"strict rms_norm: rows={rows} must be a power of two whose rows, {warps} warps each, "
