@@ -13,11 +13,11 @@ from alignaudit_kernels.logprobs import log_softmax, token_logprobs, token_logpr
 from alignaudit_kernels.matmul import ROW_PARALLEL_SEGMENTS, combine_partials, linear, linear_partial
 from alignaudit_kernels.moe import combine_experts, mixture_of_experts, route
 from alignaudit_kernels.rmsnorm import rms_norm
-from alignaudit_kernels.rope import apply_rope, inverse_frequencies, rope_tables
+from alignaudit_kernels.rope import apply_rope, apply_rope_qk, inverse_frequencies, rope_tables
 from alignaudit_kernels.silu import silu_and_mul, silu_mul
 
 __all__ = [
-    "ROW_PARALLEL_SEGMENTS", "apply_rope", "causal_attention", "combine_experts", "combine_partials",
+    "ROW_PARALLEL_SEGMENTS", "apply_rope", "apply_rope_qk", "causal_attention", "combine_experts", "combine_partials",
     "inverse_frequencies", "linear", "linear_partial", "log_softmax", "mixture_of_experts", "paged_attention",
     "paged_decode", "rms_norm", "rope_tables", "route",
     "silu_and_mul", "silu_mul", "token_logprobs", "token_logprobs_vocab_parallel", "varlen_attention",

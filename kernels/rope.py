@@ -99,13 +99,11 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, H, rows, stride_xt, stride_xh, stride_yt, stride_yh,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    def _rotate_heads(x_ptr, y_ptr, t, pos, cos_ptr, sin_ptr, block, H, rows, stride_xt, stride_xh, stride_yt,
+                      stride_yh, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        heads = block * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
         mask = (heads[:, None] < H) & (d[None, :] < HALF)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
         in_table = (d < HALF) & (pos >= 0) & (pos < rows)  # a position outside the tables: NaN, never read
         c = tl.load(cos_ptr + pos * HALF + d, mask=in_table, other=float("nan"))[None, :]
         s = tl.load(sin_ptr + pos * HALF + d, mask=in_table, other=float("nan"))[None, :]
@@ -116,17 +114,38 @@ if triton is not None:
         tl.store(out, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, yq_ptr, yk_ptr, HQ, HK, rows, stride_qt, stride_qh,
+                     stride_kt, stride_kh, stride_yqt, stride_yqh, stride_ykt, stride_ykh,
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        # grid (tokens, q's head blocks + k's): one launch rotates q and k (HK = 0: q alone); every element's
+        # arithmetic is _rotate_heads', whichever tensor it belongs to
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        block = tl.program_id(1)
+        q_blocks = tl.cdiv(HQ, BLOCK_H)
+        if block < q_blocks:
+            _rotate_heads(q_ptr, yq_ptr, t, pos, cos_ptr, sin_ptr, block, HQ, rows, stride_qt, stride_qh,
+                          stride_yqt, stride_yqh, HALF, BLOCK_H, BLOCK_D)
+        else:
+            _rotate_heads(k_ptr, yk_ptr, t, pos, cos_ptr, sin_ptr, block - q_blocks, HK, rows, stride_kt,
+                          stride_kh, stride_ykt, stride_ykh, HALF, BLOCK_H, BLOCK_D)
 
-def _triton(x, positions, cos, sin):
-    t, h, d = x.shape
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    block_h = min(16, next_power_of_2(h))
-    _rope_kernel[(t, cdiv(h, block_h))](x, positions.contiguous(), cos.contiguous(), sin.contiguous(), y, h,
-                                        cos.shape[0], x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-                                        HALF=d // 2, BLOCK_H=block_h, BLOCK_D=next_power_of_2(d // 2),
-                                        enable_fp_fusion=False)
-    return y
+
+def _triton(q, positions, cos, sin, k=None):
+    """q [T, HQ, D] (and k [T, HK, D]) rotated in one launch; returns q's result, or (q's, k's) with k."""
+    t, hq, d = q.shape
+    q = q.contiguous()
+    yq = torch.empty_like(q)
+    kk = k.contiguous() if k is not None else q
+    yk = torch.empty_like(kk) if k is not None else yq
+    hk = kk.shape[1] if k is not None else 0
+    block_h = min(16, next_power_of_2(max(hq, hk)))
+    _rope_kernel[(t, cdiv(hq, block_h) + cdiv(hk, block_h))](
+        q, kk, positions.contiguous(), cos.contiguous(), sin.contiguous(), yq, yk, hq, hk, cos.shape[0],
+        q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), yq.stride(0), yq.stride(1), yk.stride(0), yk.stride(1),
+        HALF=d // 2, BLOCK_H=block_h, BLOCK_D=next_power_of_2(d // 2), enable_fp_fusion=False)
+    return (yq, yk) if k is not None else yq
 
 
 def _forward(x, positions, cos, sin):
@@ -171,3 +190,33 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
            lambda x, positions, cos, sin: x.new_empty(x.shape))
 def _rope_op(x, positions, cos, sin):
     return _forward(x, positions, cos, sin)
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(apply_rope(q, ...), apply_rope(k, ...))`` for queries q [tokens, query heads, head_dim] and keys k
+    [tokens, KV heads, head_dim] of the same tokens, bit for bit, in one Triton launch where no gradient is
+    recorded (an attention layer's rope: one launch and one host wrapper less a layer, which an eager prefill
+    pays in every layer); with a gradient recorded, the two apply_rope calls and their backward. Same tables and
+    position checks as apply_rope. Raises ValueError on shape mismatches (tokens, head_dim, tables)."""
+    if q.dim() != 3 or k.dim() != 3 or positions.shape != (q.shape[0],) or k.shape[0] != q.shape[0] \
+            or k.shape[-1] != q.shape[-1] or cos.shape[1] * 2 != q.shape[-1]:
+        raise ValueError(f"apply_rope_qk: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
+                         f"{tuple(positions.shape)}, tables {tuple(cos.shape)}")
+    if not no_gradient(q, k, cos, sin):
+        return apply_rope(q, positions, cos, sin), apply_rope(k, positions, cos, sin)
+    if compiling_inference(q, k, cos, sin):
+        return _rope_qk_op(q, k, positions, cos, sin)
+    return _forward_qk(q, k, positions, cos, sin)
+
+
+def _forward_qk(q, k, positions, cos, sin):
+    if use_triton(q):
+        return _triton(q, positions, cos, sin, k=k)
+    return _cpu(q, positions, cos, sin), _cpu(k, positions, cos, sin)
+
+
+@opaque_op("apply_rope_qk", "(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+           lambda q, k, positions, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
+def _rope_qk_op(q, k, positions, cos, sin):
+    return _forward_qk(q, k, positions, cos, sin)

@@ -28,9 +28,13 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, ll
     past the tables is never read: an IndexError on the CPU, NaN rows on a GPU (alignaudit_kernels.apply_rope
     checks in the kernel; a device-side assert cost three launches per call, in every layer of every vLLM
     step)."""
+    return K.apply_rope(x, positions, *_tables(x, theta, rows, llama3))
+
+
+def _tables(x: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin tables (fp32 [>= rows, head_dim / 2], cached per process) for x's head_dim and device."""
     scaling = (llama3[0], llama3[1], llama3[2], int(llama3[3])) if llama3 else None
-    cos, sin = K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
-    return K.apply_rope(x, positions, cos, sin)
+    return K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
 
 
 @opaque_op("rope", "(Tensor x, Tensor positions, float theta, int rows, float[] llama3) -> Tensor",
@@ -39,6 +43,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llam
     """``rotate`` as one opaque op (vLLM, and torch.compile of the other engines): the tables are built
     eagerly (a compiled torch.cos could round otherwise), with no host read of positions."""
     return rotate(x, positions, theta, rows, llama3)
+
+
+@opaque_op("rope_qk", "(Tensor q, Tensor k, Tensor positions, float theta, int rows, float[] llama3) -> "
+           "(Tensor, Tensor)", lambda q, k, *rest: (q.new_empty(q.shape), k.new_empty(k.shape)),
+           namespace="alignaudit")
+def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float, rows: int,
+            llama3: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope`` of queries q [tokens, query heads, head_dim] and keys k [tokens, KV heads, head_dim] as one
+    opaque op and one kernel launch (alignaudit_kernels.apply_rope_qk): the bits of two ``rope`` calls, with one
+    dispatch, one table lookup and one launch less in every attention layer of an eager step."""
+    return K.apply_rope_qk(q, k, positions, *_tables(q, theta, rows, llama3))
 
 
 @opaque_op("linear_partial", "(Tensor x, Tensor weight, int k_segments) -> Tensor",

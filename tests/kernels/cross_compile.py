@@ -168,7 +168,9 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         _medium_class(matmul, w)
         m["rmsnorm"]._triton(_empty(16, 4096), _empty(4096), 1e-6, _empty(16, 4096))
         m["rmsnorm"]._triton(_empty(16 * 32, 128), _empty(128), 1e-6, None, rows=8)  # the multi-row candidate
-        m["rope"]._triton(_empty(16, 32, 128), torch.arange(16), _empty(64, 64, dtype=FP32), _empty(64, 64, dtype=FP32))
+        tables = (_empty(64, 64, dtype=FP32), _empty(64, 64, dtype=FP32))
+        m["rope"]._triton(_empty(16, 32, 128), torch.arange(16), *tables)
+        m["rope"]._triton(_empty(16, 32, 128), torch.arange(16), *tables, k=_empty(16, 8, 128))  # q and k, one launch
         m["silu"]._triton(_empty(16, 12288), _empty(16, 12288))
         logits = _empty(4, 151936)
         logprobs._log_softmax(logits)
@@ -193,9 +195,11 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         matmul._triton(_empty(8, 4096, dtype=dtype), _empty(4096, 4096, dtype=dtype), None, segments=4)
     for dtype in (BF16, FP32):
         _rmsnorm(m["rmsnorm"], dtype)
-        for heads, d in ((32, 128), (14, 64)):
+        for heads, kv_heads, d in ((32, 8, 128), (14, 2, 64)):
             cos = sin = _empty(64, d // 2, dtype=FP32)
             m["rope"]._triton(_empty(16, heads, d, dtype=dtype), torch.arange(16), cos, sin)
+            m["rope"]._triton(_empty(16, heads, d, dtype=dtype), torch.arange(16), cos, sin,
+                              k=_empty(16, kv_heads, d, dtype=dtype))
         m["silu"]._triton(_empty(16, 12288, dtype=dtype), _empty(16, 12288, dtype=dtype))
         logits = _empty(4, 151936, dtype=dtype)
         logprobs._log_softmax(logits)

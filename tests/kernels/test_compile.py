@@ -123,6 +123,7 @@ def _opaque_op_cases():
         "rms_norm": (ops.rms_norm.default, (rand(3, 8), rand(8), 1e-6)),
         "add_rms_norm": (ops.add_rms_norm.default, (rand(3, 8), rand(8), 1e-6, rand(3, 8))),
         "apply_rope": (ops.apply_rope.default, (rand(3, 2, 8), torch.arange(3), cos, sin)),
+        "apply_rope_qk": (ops.apply_rope_qk.default, (rand(3, 2, 8), rand(3, 1, 8), torch.arange(3), cos, sin)),
         "silu_mul": (ops.silu_mul.default, (rand(3, 8), rand(3, 8))),
         "log_softmax": (ops.log_softmax.default, (rand(2, 10),)),
         "token_logprobs": (ops.token_logprobs.default, (rand(2, 10), torch.tensor([1, 7]))),
@@ -130,6 +131,7 @@ def _opaque_op_cases():
                              (rand(1, 4, 2, 8), rand(1, 4, 1, 8), rand(1, 4, 1, 8), torch.arange(4)[None], 0.35,
                               "portable")),
         "rope": (custom_ops.rope, (rand(3, 2, 8), torch.arange(3), 1e4, 16, [])),
+        "rope_qk": (custom_ops.rope_qk, (rand(3, 2, 8), rand(3, 1, 8), torch.arange(3), 1e4, 16, [])),
         "linear_partial": (custom_ops.linear_partial, (rand(3, 8), rand(5, 8), 2)),
     }
 

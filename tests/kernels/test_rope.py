@@ -72,3 +72,35 @@ def test_rope_never_reads_outside_its_tables(device):
     else:
         with pytest.raises(IndexError, match="positions -1..1024 outside the 1024 rows"):
             K.apply_rope(x, positions, cos, sin)
+
+
+@pytest.mark.parametrize("heads", [(5, 3), (32, 8), (2, 4)])
+def test_rope_qk_gives_the_bits_of_two_ropes(device, dtype, heads):
+    """Queries and keys in one launch (what vLLM's attention layers call): each the bits of its own apply_rope,
+    read from views of one fused [q | k | v] buffer as vLLM's are, with head counts that are not powers of two and
+    more key heads than query heads (the second tensor's addressing is its own). Gradients, where recorded, are
+    the two apply_rope calls'."""
+    hq, hk = heads
+    qkv = randn(37, (hq + 2 * hk) * 64, dtype=dtype, device=device, seed=5)
+    q = qkv[:, : hq * 64].view(37, hq, 64)
+    k = qkv[:, hq * 64: (hq + hk) * 64].view(37, hk, 64)
+    cos, sin = rope.rope_tables(2048, 64, 1e6, device)
+    positions = torch.randint(0, 2048, (37,), generator=gen(6)).to(device)
+    rq, rk = K.apply_rope_qk(q, k, positions, cos, sin)
+    assert_bitwise_equal("rope_qk queries", rq, K.apply_rope(q, positions, cos, sin))
+    assert_bitwise_equal("rope_qk keys", rk, K.apply_rope(k, positions, cos, sin))
+    assert not torch.equal(rk, K.apply_rope(k, positions.flip(0), cos, sin))  # control: keys' own positions read
+    leaf = k.detach().clone().requires_grad_()
+    _, gk = K.apply_rope_qk(q, leaf, positions, cos, sin)
+    gk.sum().backward()
+    twin = k.detach().clone().requires_grad_()
+    K.apply_rope(twin, positions, cos, sin).sum().backward()
+    assert_bitwise_equal("rope_qk key gradient", leaf.grad, twin.grad)
+
+
+def test_rope_qk_refuses_mismatched_tokens_or_head_dims():
+    cos, sin = rope.rope_tables(64, 16, 1e4)
+    q, pos = torch.randn(4, 2, 16), torch.arange(4)
+    for k in (torch.randn(3, 1, 16), torch.randn(4, 1, 8), torch.randn(4, 16)):
+        with pytest.raises(ValueError, match="apply_rope_qk: q"):
+            K.apply_rope_qk(q, k, pos, cos, sin)

@@ -12,8 +12,9 @@ as "rmsnorm,rope"); then it replaces, for every model vLLM loads (all patches li
                kept in place on the CPU too (no grouped-GEMM prepacking)
     rmsnorm    RMSNorm.forward with alignaudit_kernels.rms_norm (fused residual add,
                rounded once to the storage dtype, then normalized)
-    rope       RotaryEmbedding.forward with alignaudit::rope (neox style, rotary_dim == head_size; plain, or
-               Llama3RotaryEmbedding with its scaling read from the module)
+    rope       RotaryEmbedding.forward with alignaudit::rope_qk (query and key in one launch; alignaudit::rope for a
+               query alone) (neox style, rotary_dim == head_size; plain, or Llama3RotaryEmbedding with its
+               scaling read from the module)
     silu       SiluAndMul.forward with alignaudit_kernels.silu_and_mul
     logprobs   Sampler.compute_logprobs with alignaudit_kernels.log_softmax (prompt and sample logprobs), and
                model runner V2's compute_token_logprobs (its fused kernel) with token_logprobs / log_softmax;
@@ -23,7 +24,7 @@ as "rmsnorm,rope"); then it replaces, for every model vLLM loads (all patches li
     attention  the CPU_ATTN backend (CPU) or the FLASH_ATTN backend (CUDA) with strict paged attention
                (alignaudit.engines.vllm.attention_cpu, vllm_cuda_attention); exp from ALIGNAUDIT_STRICT_EXP
 The kernels are torch.library custom ops while torch.compile traces them (alignaudit_kernels::*, and
-alignaudit::rope/moe_route/moe_experts), opaque to it, so compiled and eager vLLM agree.
+alignaudit::rope/rope_qk/moe_route/moe_experts), opaque to it, so compiled and eager vLLM agree.
 vLLM's compile cache is bypassed (VLLM_DISABLE_COMPILE_CACHE=1 unless set): its key does not see these
 patches, so a graph compiled without them could otherwise be loaded.
 
@@ -252,10 +253,11 @@ def _rope() -> None:
         llama3 = ([float(self.scaling_factor), float(self.low_freq_factor), float(self.high_freq_factor),
                    float(self.orig_max_position)] if type(self) is Llama3RotaryEmbedding else [])
         flat = positions.reshape(-1)
-        q = torch.ops.alignaudit.rope(query.view(flat.shape[0], -1, d), flat, theta, limit, llama3).view(query.shape)
+        q = query.view(flat.shape[0], -1, d)
         if key is None:
-            return q, None
-        return q, torch.ops.alignaudit.rope(key.view(flat.shape[0], -1, d), flat, theta, limit, llama3).view(key.shape)
+            return torch.ops.alignaudit.rope(q, flat, theta, limit, llama3).view(query.shape), None
+        q, k = torch.ops.alignaudit.rope_qk(q, key.view(flat.shape[0], -1, d), flat, theta, limit, llama3)
+        return q.view(query.shape), k.view(key.shape)
 
     _patch(RotaryEmbedding, "forward", forward)
 
