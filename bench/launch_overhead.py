@@ -14,7 +14,8 @@ strict one planning its query tiles in the call, and reading tiles planned once 
 first does in vLLM); its default is torch's SDPA over the rows as one causal sequence, a host-time anchor only
 (about 32 times the work of 32 sequences: its graph column does not compare). The strict call that plans its own
 tiles is not capturable and has no graph column. On the CPU (--device cpu) both columns are the whole call and only
-show that the script runs.
+show that the script runs. The row "rope q+k: 2 strict calls | 1" compares two strict apply_rope calls (its
+default column) with apply_rope_qk's one launch, what vLLM's strict rope calls since 7930b81.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def pairs(device: str, tokens: int = 1) -> dict:
     w = torch.randn(6144, 4096, dtype=dt, device=device) * 0.02
     nw = torch.randn(4096, dtype=dt, device=device)
     q = torch.randn(tokens, 32, 128, dtype=dt, device=device)
+    kh = torch.randn(tokens, 8, 128, dtype=dt, device=device)
     pos = torch.zeros(tokens, dtype=torch.long, device=device)
     cos, sin = K.rope_tables(4096, 128, 1e6, device)
     gate, up = (torch.randn(tokens, 12288, dtype=dt, device=device) for _ in range(2))
@@ -83,6 +85,9 @@ def pairs(device: str, tokens: int = 1) -> dict:
                                            lambda: K.linear(x, w[:4096], k_segments=K.matmul.ROW_PARALLEL_SEGMENTS)),
         "rmsnorm 4096": (lambda: torch.nn.functional.rms_norm(x, (4096,), nw, 1e-6), lambda: K.rms_norm(x, nw, 1e-6)),
         "rope 32x128": (torch_rope, lambda: K.apply_rope(q, pos, cos, sin)),
+        # not a default: the two strict calls vLLM's rope made before alignaudit::rope_qk, against the one now
+        "rope q+k: 2 strict calls | 1": (lambda: (K.apply_rope(q, pos, cos, sin), K.apply_rope(kh, pos, cos, sin)),
+                                         lambda: K.apply_rope_qk(q, kh, pos, cos, sin)),
         "silu_mul 12288": (lambda: torch.nn.functional.silu(gate) * up, lambda: K.silu_mul(gate, up)),
         "token_logprobs 151936": (lambda: torch.log_softmax(logits.float(), -1).gather(1, target[:, None]),
                                   lambda: K.token_logprobs(logits, target)),
