@@ -205,7 +205,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def compiling_inference(*tensors: torch.Tensor | None) -> bool:
     """True while torch.compile traces a call that needs no gradient. The strict kernels that model forwards
-    call (linear, rms_norm, silu_mul, apply_rope, causal_attention, log_softmax, token_logprobs) then enter
+    call (linear, rms_norm, silu_mul, apply_rope(_qk), causal_attention, log_softmax, token_logprobs) then enter
     the graph as opaque custom ops (``opaque_op``): Dynamo does not trace their Triton launch code or
     host-side planning, and they compute what they compute eagerly, bit for bit. Calls that need gradients
     keep the autograd path (the compiled strict path is forward only); varlen_attention, paged_attention and
