@@ -16,6 +16,8 @@ first does in vLLM); its default is torch's SDPA over the rows as one causal seq
 tiles is not capturable and has no graph column. On the CPU (--device cpu) both columns are the whole call and only
 show that the script runs. The row "rope q+k: 2 strict calls | 1" compares two strict apply_rope calls (its
 default column) with apply_rope_qk's one launch, what vLLM's strict rope calls since 7930b81.
+On CUDA the last rows split one strict RMSNorm call's host time into alignaudit's wrapper, Triton's Python
+launch path (JITFunction.run) and its C launcher (CompiledKernel.run): ``launch_paths``.
 """
 
 from __future__ import annotations
@@ -119,6 +121,34 @@ def pairs(device: str, tokens: int = 1) -> dict:
     return ops
 
 
+def launch_paths(device: str) -> dict:
+    """One strict RMSNorm call (4096 columns, one row) down three paths, host time only: the whole strict op
+    (K.rms_norm), Triton's ``JITFunction.run`` alone (``kernel[grid](...)``: its binder, specialization key,
+    cache lookup and checks), and the compiled kernel's C launcher alone (``CompiledKernel.run``, what the
+    JITFunction call ends in). The differences are alignaudit's wrapper and Triton's Python launch path; the
+    last is the floor of any launch. CUDA only (a no-op on the CPU)."""
+    if device != "cuda":
+        return {}
+    from alignaudit_kernels import primitives, rmsnorm
+
+    x = torch.randn(1, 4096, dtype=torch.bfloat16, device=device)
+    w, y = torch.randn(4096, dtype=x.dtype, device=device), torch.empty_like(x)
+    params = dict(x_ptr=x, r_ptr=x, w_ptr=w, y_ptr=y, s_ptr=x, H=4096, eps=1e-6, heads=1, stride_x=4096, stride_xh=0,
+                  stride_r=0, stride_y=4096, stride_s=4096, HAS_RESIDUAL=False, BLOCK_H=4096)
+    options = dict(num_warps=primitives.row_warps(4096), enable_fp_fusion=False)
+    kernel = rmsnorm._rmsnorm_kernel
+    compiled = kernel[(1,)](**params, **options)
+    values = [params[name] for name in kernel.arg_names]  # every parameter in order, constexprs too, as run() passes
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def launcher():
+        compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
+
+    return {"rmsnorm 4096: the strict op": lambda: K.rms_norm(x, w, 1e-6),
+            "rmsnorm 4096: JITFunction.run": lambda: kernel[(1,)](**params, **options),
+            "rmsnorm 4096: CompiledKernel.run": launcher}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -135,6 +165,13 @@ def main() -> None:
         gs = graph_us(strict, args.device) if capturable else (None if gd is None else float("nan"))
         graphs = f"{gd:17.1f} {gs:16.1f}" if gd is not None else ""
         print(f"{name:28s} {d:16.1f} {s:15.1f} {s / d:15.2f} {graphs}", flush=True)
+    try:
+        paths = launch_paths(args.device)
+    except Exception as e:  # noqa: BLE001 - Triton's launcher internals differ between versions: say so, go on
+        print(f"launch paths: {type(e).__name__}: {str(e)[:200]}")
+        paths = {}
+    for name, fn in paths.items():
+        print(f"{name:36s} host {host_us(fn, args.calls, args.device):8.1f} us", flush=True)
 
 
 if __name__ == "__main__":
