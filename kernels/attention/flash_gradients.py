@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from alignaudit_kernels.primitives import capability, rocm
+from alignaudit_kernels.primitives import cached_tensors, capability, rocm
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
@@ -69,18 +69,28 @@ def deterministic_algorithms():
                 torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
+@cached_tensors(maxsize=64)
+def _device_bounds(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Host cu_seqlens ``bounds`` as int32 [B + 1] on ``device``, kept per batch layout: every layer's backward reads
+    the same sequences, and a copy from pageable host memory per layer would make the host wait for the stream each
+    time (torch synchronizes a blocking host-to-device copy), draining the launch queue once a layer."""
+    return torch.tensor(bounds, dtype=torch.int32).to(device)
+
+
 def varlen_flash_gradients(q, k, v, g, cu_seqlens, max_len: int, scale: float, out=None, lse=None):
     """Gradients of causal attention over whole sequences by FlashAttention-2, deterministic.
 
     Args:
         q, g: [T, H, D]; k, v: [T, KVH, D] (KVH dividing H), one fp16/bf16 dtype, on CUDA
             (``flash_backward_available``). cu_seqlens: [B + 1] int, sequence i is rows cu[i]:cu[i+1] at
-            positions 0..len-1. max_len: the longest sequence (host int). scale: the scores' factor.
+            positions 0..len-1; on the host (as varlen_attention keeps them), copied to the device once per layout.
+            max_len: the longest sequence (host int). scale: the scores' factor.
         out, lse: the forward's output [T, H, D] and fp32 log-sum-exp [H, T]; both None to recompute them with
             torch's flash forward.
     Returns: (dq, dk, dv) in q's shapes and dtype.
     """
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu = (_device_bounds(tuple(cu_seqlens.tolist()), q.device) if cu_seqlens.device.type == "cpu"
+          else cu_seqlens.to(dtype=torch.int32))
     with deterministic_algorithms():
         if lse is None:
             out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(

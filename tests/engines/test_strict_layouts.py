@@ -74,6 +74,15 @@ for name, ((logits, loss), where) in layouts.items():
         assert torch.equal(loss[row, last].view(torch.int32), alone[i][1][0, :n - 1].view(torch.int32)), (name, i)
     print("same bits:", name)
 
+# a THD pack's layout is read once a forward, not in every layer (each read waits for the stream on a GPU)
+import alignaudit.engines.megatron.strict as strict_module
+reads, read = [], strict_module.packed_cu_seqlens
+strict_module.packed_cu_seqlens = lambda *args: reads.append(args) or read(*args)
+run(torch.cat(seqs)[None], None, None, packed_seq_params=packed)  # two forwards: logits, then the loss
+strict_module.packed_cu_seqlens = read
+assert engine.config.num_layers > 1 and len(reads) == 2, (engine.config.num_layers, len(reads))
+print("pack read once a forward")
+
 # the negative control: stock Megatron (no strict ops) does not give a left-padded sequence its bits alone
 stock = load_engine_class("megatron")(load_spec(sys.argv[1]), EngineSettings("bf16", "cpu", 0, {})).gpt
 with torch.no_grad():
@@ -120,12 +129,13 @@ print("done")
 def test_strict_gpt_model_gives_each_sequence_its_bits_alone_in_every_batch_layout():
     """StrictGPTModel, fed the layouts trainers use (right padding with a causal or a key-padding mask, left
     padding with shifted position_ids, a THD pack with cu_seqlens), gives every sequence the bits of its logits
-    and of the strict logprob head's loss alone; the stock model does not (the negative control); what strict
+    and of the strict logprob head's loss alone, a pack's layout read once a forward; the stock model does not (the negative control); what strict
     attention does not compute (holed or bidirectional masks, float masks, padded packs, context / pipeline /
     expert / sequence parallelism, shifted positions under recomputation) raises one ValueError line."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(FIXTURE)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("same bits:") == 4 and proc.stdout.count("refused:") == 12, proc.stdout
+    assert "pack read once a forward" in proc.stdout
 
 
 def test_hf_strict_attention_gives_right_and_left_padded_sequences_their_bits_alone():

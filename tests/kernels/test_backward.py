@@ -331,3 +331,47 @@ def test_entry_points_compute_the_same_bits_with_and_without_autograd(monkeypatc
         recorded = fn(arg.detach().clone().requires_grad_())
         assert plain.grad_fn is None and recorded.grad_fn is not None, name
         assert_bitwise_equal(name, plain, recorded.detach())
+
+
+def test_a_strict_layer_forward_and_backward_wait_for_nothing_after_the_first_step(monkeypatch, device):
+    """A training step calls each strict op in every layer on the same layout (host cu_seqlens, positions on the
+    device): after the first step (kernels built, launch plans and the device copy of the sequence bounds cached),
+    a layer's forward and fused backward make no call that waits for the stream. torch.cuda.set_sync_debug_mode
+    ("error") raises on one (a blocking host-to-device copy, a read of a device value); each such wait drains the
+    launch queue and leaves the GPU idle while the host refills it (the strict update's gaps over 100 us). The
+    control: a blocking copy of the bounds to the device is caught."""
+    if device != "cuda":
+        pytest.skip("waits for the stream exist on CUDA only")
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
+    t, hidden, h, kvh, d = 300 + 64 + 129, 512, 8, 2, 64
+    cu = torch.tensor([0, 300, 364, 493])
+    positions = torch.cat([torch.arange(n) for n in (300, 64, 129)]).to(device)
+    cos, sin = rope.rope_tables(1024, d, 1e6, device)
+    x0 = randn(t, hidden, dtype=torch.bfloat16, device=device, seed=80)
+    weights = [randn(*shape, dtype=torch.bfloat16, device=device, seed=81 + i) * 0.05 for i, shape in
+               enumerate(((hidden,), ((h + 2 * kvh) * d, hidden), (d,), (hidden, h * d), (2 * 4 * hidden, hidden),
+                          (hidden, 4 * hidden), (1000, hidden)))]
+    targets = torch.randint(0, 1000, (t,), generator=gen(88)).to(device)
+
+    def step():
+        x = x0.clone().requires_grad_()
+        w_norm, w_qkv, w_head, w_o, w_up, w_down, w_vocab = (w.clone().requires_grad_() for w in weights)
+        qkv = K.linear(K.rms_norm(x, w_norm, 1e-6), w_qkv)
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        q = K.apply_rope(K.rms_norm(q.view(t, h, d), w_head, 1e-6), positions, cos, sin)
+        k = K.apply_rope(K.rms_norm(k.view(t, kvh, d), w_head, 1e-6), positions, cos, sin)
+        attended = K.varlen_attention(q, k, v.reshape(t, kvh, d), cu, d ** -0.5).flatten(1)
+        y, residual = K.rms_norm(K.linear(attended, w_o, None, 4), w_norm, 1e-6, residual=x)
+        gate, up = K.linear(y, w_up).chunk(2, dim=-1)
+        out = residual + K.linear(K.silu_mul(gate, up), w_down, None, 4)
+        K.token_logprobs(K.linear(out, w_vocab), targets).sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            cu.to(device)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

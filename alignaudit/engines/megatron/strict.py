@@ -49,6 +49,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 import alignaudit_kernels as K
 from alignaudit.engines.strict_modules import RopeOp, StrictRouter
+from alignaudit_kernels.primitives import to_device
 
 
 def _tp_group(module):
@@ -171,10 +172,9 @@ class StrictCoreAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         if packed_seq_params is not None:  # THD: [tokens, heads, dim], sequences by cu_seqlens
-            cu = packed_cu_seqlens(packed_seq_params, query.shape[0])
-            lengths = cu[1:] - cu[:-1]
-            positions = torch.arange(query.shape[0]) - torch.repeat_interleave(cu[:-1], lengths)
-            limit = int(lengths.max()) if len(lengths) else 0
+            cu, positions, limit = (pack_layout(packed_seq_params, query.shape[0], query.device)
+                                    if self.cu_seqlens is None else  # StrictGPTModel.forward read it once
+                                    (self.cu_seqlens, self.position_ids, self.position_limit))
         else:  # [seq, batch, heads, dim]
             sq, b = query.shape[:2]
             positions = (torch.arange(sq, device=query.device)[:, None].expand(sq, b) if self.position_ids is None
@@ -214,6 +214,17 @@ def packed_cu_seqlens(packed_seq_params, tokens: int) -> torch.Tensor:
         raise ValueError(f"StrictGPTModel: cu_seqlens_q {cu.tolist()} do not cut the pack of {tokens} tokens into "
                          "sequences")
     return cu
+
+
+def pack_layout(packed_seq_params, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A THD pack's (host cu_seqlens int64 [sequences + 1], positions int64 [tokens] on ``device``: each token's
+    place in its sequence, the longest sequence: a host int above every position). Read once a forward
+    (StrictGPTModel.forward): the cu_seqlens' read from the device and the positions' copy to it would otherwise
+    make the host wait for the stream in every layer. Raises ValueError as ``packed_cu_seqlens``."""
+    cu = packed_cu_seqlens(packed_seq_params, tokens)
+    lengths = cu[1:] - cu[:-1]
+    positions = torch.arange(tokens) - torch.repeat_interleave(cu[:-1], lengths)
+    return cu, to_device(positions, device), int(lengths.max()) if len(lengths) else 0
 
 
 def padded_cu_seqlens(attention_mask: torch.Tensor | None, b: int, s: int) -> torch.Tensor:
@@ -394,11 +405,12 @@ class StrictGPTModel(GPTModel):
         True = masked) and position_ids (strict rope rotates at them; Megatron's own rope would not read them),
         or a THD pack ([1, tokens] with packed_seq_params). A layout the strict attention or rope would not
         compute as asked raises ValueError naming the argument, never is computed otherwise."""
-        positions, cu = None, None
+        positions, cu, limit = None, None, 0
         if kwargs.get("packed_seq_params") is not None:
             if input_ids.dim() != 2 or input_ids.shape[0] != 1:
                 raise ValueError(f"StrictGPTModel: a THD pack is input_ids [1, tokens], not {tuple(input_ids.shape)}; "
                                  "concatenate the sequences and give their cu_seqlens")
+            cu, positions, limit = pack_layout(kwargs["packed_seq_params"], input_ids.shape[1], input_ids.device)
         else:
             if "rope" in self.strict_ops:
                 positions = _position_ids(position_ids, input_ids, self.config)
@@ -408,7 +420,7 @@ class StrictGPTModel(GPTModel):
                     raise ValueError("StrictGPTModel: a left-padded row needs position_ids (0 from its first token); "
                                      "without them its tokens would be rotated at their index in the row")
                 cu = _cu_seqlens(start, end, input_ids.shape[1])
-        limit = int(positions.max()) + 1 if positions is not None else 0  # one synchronization, not one a layer
+            limit = int(positions.max()) + 1 if positions is not None else 0  # one synchronization, not one a layer
         for module in self._core_attention:
             module.position_ids, module.position_limit, module.cu_seqlens = positions, limit, cu
         try:
