@@ -14,7 +14,7 @@ narrower TMA tiles and one program per tile and K segment; run 2026-12-02, where
 decode-generation (paged decode at vllm_generate's decode shape against FlashAttention-3: page size, split,
 pipelining stages, warps), attention-tma (training's prefill against FlashAttention-3: K/V by the TMA unit,
 warp specialization, 64- or 128-row tiles, stages), rmsnorm-rows (Qwen3's per-head q/k norms by rows a
-program: the one-row kernel against the multi-row candidate).
+program: the one-row kernel against the multi-row kernel, the default for rows of <= 128 since 12-06).
 Tiles and key blocks were swept on 2026-11-29 (docs/benchmarks.md): all within 10%.
 """
 
@@ -382,7 +382,7 @@ def sweep_attention_tma(rows):
     return {"attention_tma_bitwise_equal": all(same), "attention_tma_checks": len(same)}
 
 
-RMSNORM_ROWS = (2, 4, 8, 16, 32)  # rows a program of the candidate rmsnorm._rmsnorm_rows_kernel
+RMSNORM_ROWS = (2, 4, 8, 16, 32)  # rows a program of rmsnorm._rmsnorm_rows_kernel
 
 
 def sweep_rmsnorm_rows(rows):
@@ -404,9 +404,9 @@ def sweep_rmsnorm_rows(rows):
         qkv = torch.randn(tokens, 48 * d, dtype=DT, device="cuda")  # Qwen3-8B's [q | k | v]: 32 + 8 + 8 heads
         x = qkv[:, start * d: (start + heads) * d].view(tokens, heads, d)
         base = graph_ms(lambda: torch.nn.functional.rms_norm(x, (d,), w, eps))
-        default = rmsnorm._triton(x, w, eps, None, heads=heads)[0]
-        one_row = graph_ms(lambda: rmsnorm._triton(x, w, eps, None, heads=heads))
-        rows.append({"op": f"q/k rmsnorm {label}", "M": 1, "config": "one row a program (default)",
+        default = rmsnorm._triton(x, w, eps, None, heads=heads, rows=1)[0]
+        one_row = graph_ms(lambda: rmsnorm._triton(x, w, eps, None, heads=heads, rows=1))
+        rows.append({"op": f"q/k rmsnorm {label}", "M": 1, "config": "one row a program",
                      "default_ms": base, "strict_ms": one_row, "ratio": base / one_row})
         for count in RMSNORM_ROWS:
             def run(count=count):

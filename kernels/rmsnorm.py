@@ -7,10 +7,11 @@
 Contract (both backends):
     precision     s, s^2, the sum, mean, rsqrt and both products in fp32 (w upcast to fp32)
     reduction     sum of s^2 over the hidden axis. CPU: kernels/primitives.fixed_sum (blocks of 32,
-                  pairwise tree in a block, blocks left to right). GPU: one program per row, the whole
-                  row in registers, tl.sum's fixed tree for that row length and dtype, read from an
-                  aligned buffer (primitives.reduction_input, or in place where a strided view of heads
-                  loads as such a buffer: _strided_heads). Neither depends on the number of rows
+                  pairwise tree in a block, blocks left to right). GPU: one program per row (rows of at
+                  most 128: 8 rows a program, each row on the same warps and tree), the whole row in
+                  registers, tl.sum's fixed tree for that row length and dtype, read from an aligned buffer
+                  (primitives.reduction_input, or in place where a strided view of heads loads as such a
+                  buffer: _strided_heads). Neither depends on the number of rows
     primitives    rsqrt = 1/sqrt (correctly rounded sqrt and division); mean = sum / H (one division)
     order         ((s * inv) * w): the normalized value is not rounded before the weight multiply
                   (unlike HF's Qwen3RMSNorm, which rounds it to the storage dtype first)
@@ -82,13 +83,14 @@ if triton is not None:
                              stride_y, stride_s, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
                              BLOCK_H: tl.constexpr):
         """_rmsnorm_kernel over ROWS rows a program (a [ROWS, BLOCK_H] block, each row's sum by tl.sum along
-        axis 1): a candidate for narrow rows (Qwen3's per-head q/k norms, H = 128), where one 1-warp program a
+        axis 1): the default for narrow rows (H <= 128: Qwen3's per-head q/k norms), where one 1-warp program a
         row leaves the GPU mostly idle. Launched with the one-row kernel's warps for each row, a thread holds
         as many elements of a row as there, so the layout gives each row the one-row kernel's lanes and warps
         (at H = 128 and sm_90: 4 elements a thread, 32 lanes) and, cross-compiled, the same arithmetic
-        (tests/kernels/test_kernels_compile.py); that the bits are equal is for a GPU run to confirm
-        (tests/kernels/test_rmsnorm.py on CUDA, bench/sweep_gpu.py rmsnorm-rows). Either way a row's bits depend
-        on (H, ROWS) only, never on M or the row's place."""
+        (tests/kernels/test_kernels_compile.py). On an H100 (Triton 3.6, 2026-12-06) it gave the one-row kernel's
+        bits at 2-32 rows a program, batch invariant, and at 8 rows 2.8x its speed for Qwen3-8B's q norms at
+        4096 tokens (bench/sweep_gpu.py rmsnorm-rows; docs/benchmarks.md). A row's bits depend on (H, ROWS)
+        only, never on M or the row's place."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_H)
         mask = (rows[:, None] < M) & (cols[None, :] < H)
@@ -106,10 +108,14 @@ if triton is not None:
         tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _triton(x2, weight, eps, residual2, heads=None, rows=1):
-    """x2 [rows, H], or with ``heads`` a [tokens, heads, H] view whose rows are read in place. ``rows`` > 1 (a power
-    of two): the candidate _rmsnorm_rows_kernel with that many rows a program (bench/sweep_gpu.py --sections
-    rmsnorm-rows); not a default until a GPU run confirms its bits equal the one-row kernel's and its speed.
+NARROW_ROWS = 8  # rows a program for rows of at most NARROW_H elements (the fastest of 2-32 in the 12-06 sweep)
+NARROW_H = 128
+
+
+def _triton(x2, weight, eps, residual2, heads=None, rows=None):
+    """x2 [rows, H], or with ``heads`` a [tokens, heads, H] view whose rows are read in place. ``rows``: rows a
+    program; None: NARROW_ROWS (_rmsnorm_rows_kernel) for H <= NARROW_H, else 1 (_rmsnorm_kernel, one row a
+    program: also what rows=1 asks for). Both give a row the same bits (_rmsnorm_rows_kernel's docstring).
     Raises ValueError for a ``rows`` that is not a power of two or needs more than a program's 32 warps."""
     h = x2.shape[-1]
     m = x2.shape[0] * (heads or 1)
@@ -120,6 +126,8 @@ def _triton(x2, weight, eps, residual2, heads=None, rows=1):
     strides = (x2.stride(0), x2.stride(1) if heads else 0, residual2.stride(0) if residual2 is not None else 0,
                y.stride(0), s.stride(0))
     warps = row_warps(block)
+    if rows is None:
+        rows = NARROW_ROWS if h <= NARROW_H else 1
     if rows > 1:
         if rows & (rows - 1) or rows * warps > 32:
             raise ValueError(f"strict rms_norm: rows={rows} must be a power of two whose rows, {warps} warps each, "

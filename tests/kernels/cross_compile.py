@@ -167,7 +167,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
             matmul._triton(_empty(rows, 4096), w, None, segments=segments, out_dtype=out)
         _medium_class(matmul, w)
         m["rmsnorm"]._triton(_empty(16, 4096), _empty(4096), 1e-6, _empty(16, 4096))
-        m["rmsnorm"]._triton(_empty(16 * 32, 128), _empty(128), 1e-6, None, rows=8)  # the multi-row candidate
+        m["rmsnorm"]._triton(_empty(16 * 32, 128), _empty(128), 1e-6, None)  # narrow rows: 8 rows a program
         tables = (_empty(64, 64, dtype=FP32), _empty(64, 64, dtype=FP32))
         m["rope"]._triton(_empty(16, 32, 128), torch.arange(16), *tables)
         m["rope"]._triton(_empty(16, 32, 128), torch.arange(16), *tables, k=_empty(16, 8, 128))  # q and k, one launch
@@ -223,7 +223,7 @@ def _rmsnorm(rmsnorm, dtype) -> None:
     for h, residual in ((4096, False), (4096, True), (896, False)):  # BLOCK_H and warps by hidden size
         rmsnorm._triton(_empty(16, h, dtype=dtype), _empty(h, dtype=dtype), 1e-6,
                         _empty(16, h, dtype=dtype) if residual else None)
-    for rows in (2, 4, 8, 16, 32):  # the multi-row candidate as bench/sweep_gpu.py rmsnorm-rows times it
+    for rows in (2, 4, 8, 16, 32):  # the multi-row kernel as bench/sweep_gpu.py rmsnorm-rows times it
         rmsnorm._triton(_empty(16 * 32, 128, dtype=dtype), _empty(128, dtype=dtype), 1e-6, None, rows=rows)
 
 
@@ -350,18 +350,19 @@ def row_layout(ttgir: str) -> tuple:
 
 
 def rmsnorm_rows_arithmetic(target_name: str) -> list[dict]:
-    """For each row width (head_dim 64 and 128; hidden 896 and 4096 at 2 rows) and rows a program: whether the
-    multi-row RMSNorm candidate (rmsnorm._rmsnorm_rows_kernel) builds to the one-row kernel's arithmetic, bf16 with
-    and without the residual add. ``same_reduction``: equal ``float_dataflow`` up to the last division (the residual
-    add and its rounding, the squares, the sum's tree, the mean, 1 / sqrt): what could change a row's bits.
-    ``same_operations``: the same rounding operations, by kind and count, in the whole kernel; after the reduction
-    they are elementwise (x * inv, then * w, then the rounding: in any layout the same bits). Upcasts to fp32 are
-    exact and not counted: the weight may be loaded and upcast in another layout, fewer elements a thread, before
-    the reduction ends, and moved to x's. ``same_row_layout``: x's layout along a row (``row_layout``) and its first
-    PTX load's vector width are the same, so a thread's registers hold the same elements of its row: without it
-    equal dataflows could add other elements in another order (a strided, unvectorized load). The dataflow does not
-    see loads, stores and moves, so shared-memory exchanges between a row's warps (hidden 896 and 4096) are compared
-    only through the layout; the bits themselves are the GPU run's to confirm."""
+    """For each row width (head_dim 64 and 128; hidden 896 and 4096 at 2 rows) and rows a program: whether the multi-row
+    RMSNorm kernel (rmsnorm._rmsnorm_rows_kernel, the default for rows of <= 128) builds to the one-row kernel's
+    arithmetic, bf16 with and without the residual add. ``same_reduction``: equal ``float_dataflow`` up to the last
+    division (the residual add and its rounding, the squares, the sum's tree, the mean, 1 / sqrt): what could change
+    a row's bits. ``same_operations``: the same rounding operations, by kind and count, in the whole kernel; after
+    the reduction they are elementwise (x * inv, then * w, then the rounding: in any layout the same bits). Upcasts
+    to fp32 are exact and not counted: the weight may be loaded and upcast in another layout, fewer elements a
+    thread, before the reduction ends, and moved to x's. ``same_row_layout``: x's layout along a row (``row_layout``)
+    and its first PTX load's vector width are the same, so a thread's registers hold the same elements of its row:
+    without it equal dataflows could add other elements in another order (a strided, unvectorized load). The dataflow
+    does not see loads, stores and moves, so shared-memory exchanges between a row's warps (hidden 896 and 4096) are
+    compared only through the layout; the bits themselves are the GPU run's to confirm (it did at head dim 128 on an
+    H100, 2026-12-06)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -395,7 +396,7 @@ def rmsnorm_rows_arithmetic(target_name: str) -> list[dict]:
         # the control: 8 rows on 4 warps (two rows a warp, 16 lanes a row, 8 elements a thread) is another tree
         built.clear()
         x, w = _empty(64, 128), _empty(128)
-        rmsnorm._triton(x, w, 1e-6, None)
+        rmsnorm._triton(x, w, 1e-6, None, rows=1)
         rmsnorm._rmsnorm_rows_kernel[(8,)](x, x, w, x, x, 64, 128, 1e-6, 1, 128, 0, 0, 128, 128, HAS_RESIDUAL=False,
                                           ROWS=8, BLOCK_H=128, num_warps=4, enable_fp_fusion=False)
         (one, _), (many, _) = (split(float_dataflow(k.asm["ptx"])) for k in built)

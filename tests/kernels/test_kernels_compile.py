@@ -56,12 +56,13 @@ def _build_both(flags: list[str]) -> None:
 
 
 def test_multi_row_rmsnorm_builds_to_the_one_row_kernels_arithmetic_for_hopper():
-    """The multi-row RMSNorm candidate (rmsnorm._rmsnorm_rows_kernel, a row's warps as the one-row kernel's)
-    compiles for sm_90 to the one-row kernel's layout along a row (elements a thread, lanes, warps, load width),
-    its floating-point dataflow up to the row's 1 / sqrt (the residual add, the squares, the sum's tree) and the
-    same rounding operations after it, at head dims 64 and 128 and hidden sizes 896 and 4096, with and without the
-    residual: evidence for the same bits, which only a GPU run confirms (tests/kernels/test_rmsnorm.py on CUDA,
-    bench/sweep_gpu.py rmsnorm-rows). The control, 8 rows on 4 warps, builds another layout and tree."""
+    """The multi-row RMSNorm kernel (rmsnorm._rmsnorm_rows_kernel, the default for rows of <= 128; a row's warps as the
+    one-row kernel's) compiles for sm_90 to the one-row kernel's layout along a row (elements a thread, lanes, warps,
+    load width), its floating-point dataflow up to the row's 1 / sqrt (the residual add, the squares, the sum's tree)
+    and the same rounding operations after it, at head dims 64 and 128 and hidden sizes 896 and 4096, with and
+    without the residual: evidence for the same bits, which a GPU run confirmed at head dim 128 on an H100
+    (2026-12-06; tests/kernels/test_rmsnorm.py on CUDA, bench/sweep_gpu.py rmsnorm-rows). The control, 8 rows on 4
+    warps, builds another layout and tree."""
     out = subprocess.run([sys.executable, str(SCRIPT), "sm90", "--rmsnorm-rows"], capture_output=True, text=True,
                          timeout=600, check=True).stdout
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

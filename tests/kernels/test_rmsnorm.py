@@ -76,17 +76,18 @@ def test_rmsnorm_reads_per_head_views_in_place_with_the_bits_of_their_copy(devic
                              K.rms_norm(x.contiguous(), w, 1e-6))
 
 
-ROWS_CANDIDATES = (2, 8, 32)  # rows a program of the candidate _rmsnorm_rows_kernel (bench/sweep_gpu.py rmsnorm-rows)
+ROWS_CANDIDATES = (2, 8, 32)  # rows a program of _rmsnorm_rows_kernel (8: the default for narrow rows)
 
 
-def test_rmsnorm_rows_candidate_is_batch_invariant_and_reads_head_views_in_place(device, dtype):
-    """The multi-row candidate keeps what the one-row kernel guarantees, for each rows-a-program value: a row's
+def test_rmsnorm_rows_kernel_is_batch_invariant_and_reads_head_views_in_place(device, dtype):
+    """The multi-row kernel (the default for rows of <= 128) keeps what the one-row kernel guarantees, for each
+    rows-a-program value: a row's
     bits alone, at every place of every batch size (masked tail programs included), and in a per-head view of a
     fused qkv output read in place equal to its contiguous copy; the residual stream rounded once; RMSNorm's
-    value within the one-row kernel's bound; and the one-row kernel's bits. On the GPU this is what allows it to
-    become the default."""
+    value within the one-row kernel's bound; and the one-row kernel's bits (on an H100 too, 2026-12-06), which is
+    what let it become the default."""
     if not rmsnorm.use_triton(torch.empty(0, device=device)):
-        pytest.skip("the candidate is a Triton kernel (interpret or cuda)")
+        pytest.skip("the multi-row kernel is a Triton kernel (interpret or cuda)")
     d = 128
     w = randn(d, dtype=dtype, device=device, seed=20, scale=0.5) + 1
     row = randn(2, d, dtype=dtype, device=device, seed=21)
@@ -107,6 +108,7 @@ def test_rmsnorm_rows_candidate_is_batch_invariant_and_reads_head_views_in_place
         in_place = rmsnorm._triton(q, w, 1e-6, None, heads=4, rows=rows)[0]
         assert_bitwise_equal(f"{rows} rows a program, q heads in place", in_place,
                              rmsnorm._triton(q.reshape(-1, d).contiguous(), w, 1e-6, None, rows=rows)[0])
-        # built to the one-row kernel's arithmetic (test_kernels_compile.py): its bits, which would let it
-        # become the default without changing any result
-        assert_bitwise_equal(f"{rows} rows a program vs one", in_place, rmsnorm._triton(q, w, 1e-6, None, heads=4)[0])
+        # built to the one-row kernel's arithmetic (test_kernels_compile.py): its bits, so that making it the
+        # default for narrow rows changed no result
+        assert_bitwise_equal(f"{rows} rows a program vs one", in_place,
+                             rmsnorm._triton(q, w, 1e-6, None, heads=4, rows=1)[0])
