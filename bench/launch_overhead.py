@@ -144,6 +144,7 @@ def launch_paths(device: str) -> dict:
     def launcher():
         compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
 
+    launcher()  # Triton's launcher internals differ between versions: fail here, inside main's try
     return {"rmsnorm 4096: the strict op": lambda: K.rms_norm(x, w, 1e-6),
             "rmsnorm 4096: JITFunction.run": lambda: kernel[(1,)](**params, **options),
             "rmsnorm 4096: CompiledKernel.run": launcher}

@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from alignaudit_kernels.primitives import cached_tensors, capability, rocm
+from alignaudit_kernels.primitives import cached_tensors, capability, rocm, to_device
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
@@ -73,8 +73,9 @@ def deterministic_algorithms():
 def _device_bounds(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Host cu_seqlens ``bounds`` as int32 [B + 1] on ``device``, kept per batch layout: every layer's backward reads
     the same sequences, and a copy from pageable host memory per layer would make the host wait for the stream each
-    time (torch synchronizes a blocking host-to-device copy), draining the launch queue once a layer."""
-    return torch.tensor(bounds, dtype=torch.int32).to(device)
+    time (torch synchronizes a blocking host-to-device copy), draining the launch queue once a layer. The one copy
+    is from pinned memory, in stream order (``to_device``): not even a new layout waits."""
+    return to_device(torch.tensor(bounds, dtype=torch.int32), device)
 
 
 def varlen_flash_gradients(q, k, v, g, cu_seqlens, max_len: int, scale: float, out=None, lse=None):
@@ -90,7 +91,7 @@ def varlen_flash_gradients(q, k, v, g, cu_seqlens, max_len: int, scale: float, o
     Returns: (dq, dk, dv) in q's shapes and dtype.
     """
     cu = (_device_bounds(tuple(cu_seqlens.tolist()), q.device) if cu_seqlens.device.type == "cpu"
-          else cu_seqlens.to(dtype=torch.int32))
+          else cu_seqlens.to(device=q.device, dtype=torch.int32))
     with deterministic_algorithms():
         if lse is None:
             out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(

@@ -127,11 +127,12 @@ print("done")
 
 
 def test_strict_gpt_model_gives_each_sequence_its_bits_alone_in_every_batch_layout():
-    """StrictGPTModel, fed the layouts trainers use (right padding with a causal or a key-padding mask, left
-    padding with shifted position_ids, a THD pack with cu_seqlens), gives every sequence the bits of its logits
-    and of the strict logprob head's loss alone, a pack's layout read once a forward; the stock model does not (the negative control); what strict
-    attention does not compute (holed or bidirectional masks, float masks, padded packs, context / pipeline /
-    expert / sequence parallelism, shifted positions under recomputation) raises one ValueError line."""
+    """StrictGPTModel, fed the layouts trainers use (right padding with a causal or a key-padding mask, left padding
+    with shifted position_ids, a THD pack with cu_seqlens), gives every sequence the bits of its logits and of the
+    strict logprob head's loss alone, a pack's layout read once a forward; the stock model does not (the negative
+    control); what strict attention does not compute (holed or bidirectional masks, float masks, padded packs,
+    context / pipeline / expert / sequence parallelism, shifted positions under recomputation) raises one ValueError
+    line."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(FIXTURE)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("same bits:") == 4 and proc.stdout.count("refused:") == 12, proc.stdout

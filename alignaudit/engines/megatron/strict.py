@@ -410,7 +410,8 @@ class StrictGPTModel(GPTModel):
             if input_ids.dim() != 2 or input_ids.shape[0] != 1:
                 raise ValueError(f"StrictGPTModel: a THD pack is input_ids [1, tokens], not {tuple(input_ids.shape)}; "
                                  "concatenate the sequences and give their cu_seqlens")
-            cu, positions, limit = pack_layout(kwargs["packed_seq_params"], input_ids.shape[1], input_ids.device)
+            if self._core_attention:  # strict rope or attention reads the pack (else Megatron's own attention)
+                cu, positions, limit = pack_layout(kwargs["packed_seq_params"], input_ids.shape[1], input_ids.device)
         else:
             if "rope" in self.strict_ops:
                 positions = _position_ids(position_ids, input_ids, self.config)
