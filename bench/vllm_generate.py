@@ -91,6 +91,15 @@ def worker(args) -> dict:
         batch_seconds.append(round(time.perf_counter() - t0, 3))
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         builds.append(strict_kernel_builds())
+    # the same batch shape with one new token a sequence: the prefill (and one sampling step) alone, so that the
+    # batch's time splits into prefill and decode without the profiler's host overhead
+    one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
+           for i in range(args.prompts)]
+    prefill_seconds = []
+    for _ in range(args.prefill_batches):
+        t0 = time.perf_counter()
+        llm.generate(new_prompts(g, args), one, use_tqdm=False)
+        prefill_seconds.append(round(time.perf_counter() - t0, 3))
     # one more batch under torch.profiler: after the timed ones, so it pays neither prefix-cache hits nor builds
     profile = profile_generate(llm, new_prompts(g, args), params) if args.profile else None
     config = llm.llm_engine.vllm_config
@@ -100,6 +109,8 @@ def worker(args) -> dict:
             "output_tokens_per_s": round(generated / statistics.median(batch_seconds[1:] or batch_seconds), 1),
             "last_batch_tokens_per_s": round(generated / batch_seconds[-1], 1),
             "first_batch_tokens_per_s": round(generated / batch_seconds[0], 1), "startup_s": round(startup, 1),
+            **({"prefill_batch_seconds": prefill_seconds,
+                "prefill_median_s": statistics.median(prefill_seconds)} if prefill_seconds else {}),
             "strict_builds_at_start": sum(builds[0].values()),
             "strict_builds_per_batch": [{k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
                                         for before, after in itertools.pairwise(builds)],
@@ -163,6 +174,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     """parser.error (exit 2) for a setting the run cannot honour."""
     if args.batches < 1:
         parser.error("--batches must be at least 1 (the rate is the median batch's after the first)")
+    if args.prefill_batches < 0:
+        parser.error("--prefill-batches must be 0 or more")
     if args.capture_size < 0:
         parser.error("--capture-size must be 0 (vLLM's default) or a number of rows")
     if args.max_model_len and args.max_model_len < args.prompt_len + args.new_tokens:
@@ -203,6 +216,9 @@ def main() -> None:
     parser.add_argument("--configs", default="default,batch-invariant,strict,strict-native-exp")
     parser.add_argument("--capture-size", type=int, default=0,
                         help="vLLM's max_cudagraph_capture_size for every configuration (0: vLLM's default)")
+    parser.add_argument("--prefill-batches", type=int, default=0,
+                        help="after the timed batches, this many batches of new prompts with one new token each: "
+                             "the prefill's time alone (prefill_median_s), without the profiler")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", default="", help="comma list of configurations to run once more under "
                         "torch.profiler (GPU kernel time by kernel, printed after the timings)")
@@ -219,7 +235,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
                "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
                "--batches", str(args.batches), "--max-model-len", str(args.max_model_len),
-               "--capture-size", str(args.capture_size)]
+               "--capture-size", str(args.capture_size), "--prefill-batches", str(args.prefill_batches)]
         if name in args.profile.split(","):
             cmd += ["--profile", name]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -234,6 +250,10 @@ def main() -> None:
         if base:
             print(f"{name:24s} {r['output_tokens_per_s']:9.1f} tokens/s  "
                   f"{r['output_tokens_per_s'] / base:.3f}x of default")
+        if "prefill_median_s" in r:
+            batch = statistics.median(r["batch_seconds"][1:] or r["batch_seconds"])
+            print(f"{name:24s} batch {batch:.3f} s = prefill and first token {r['prefill_median_s']:.3f} s "
+                  f"+ the rest {batch - r['prefill_median_s']:.3f} s (medians)")
     print_profiles(results)
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
