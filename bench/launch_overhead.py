@@ -15,7 +15,10 @@ first does in vLLM); its default is torch's SDPA over the rows as one causal seq
 (about 32 times the work of 32 sequences: its graph column does not compare). The strict call that plans its own
 tiles is not capturable and has no graph column. On the CPU (--device cpu) both columns are the whole call and only
 show that the script runs. The row "rope q+k: 2 strict calls | 1" compares two strict apply_rope calls (its
-default column) with apply_rope_qk's one launch, what vLLM's strict rope calls since 7930b81.
+default column) with apply_rope_qk's one launch, what vLLM's strict rope calls since 7930b81; above 16 rows on
+Hopper, "linear TMA launch: host | device descriptors" the TMA product with its tensor descriptors made on the host
+(its default column) and on the device (matmul.TMA_DESCRIPTORS), host time and graph replays (the GPU time of the
+device's descriptor work).
 On CUDA the last rows split one strict RMSNorm call's host time into alignaudit's wrapper, Triton's Python
 launch path (JITFunction.run) and its C launcher (CompiledKernel.run): ``launch_paths``.
 """
@@ -94,6 +97,13 @@ def pairs(device: str, tokens: int = 1) -> dict:
         "token_logprobs 151936": (lambda: torch.log_softmax(logits.float(), -1).gather(1, target[:, None]),
                                   lambda: K.token_logprobs(logits, target)),
     }
+    if tokens > K.matmul.TINY_M and device == "cuda" and K.matmul._tma_available(x, w, None):
+        # not a default yet: the TMA product's launch with its descriptors made on the host (its default column)
+        # against made by each program on the device (matmul.TMA_DESCRIPTORS)
+        tile, persistent = K.matmul.TMA_PLANS["large" if tokens > K.matmul.SMALL_M else "small", False]
+        ops["linear TMA launch: host | device descriptors"] = (
+            lambda: K.matmul._triton_tma(x, w, tile, persistent, descriptors="host"),
+            lambda: K.matmul._triton_tma(x, w, tile, persistent, descriptors="device"))
     if tokens == 1:
         ops["decode attention ctx 4096"] = (lambda: sdpa(q.transpose(0, 1)[None], kd, kd, enable_gqa=True),
                                             lambda: K.paged_decode(q, kc, kc, table, lens, 128 ** -0.5, ctx))

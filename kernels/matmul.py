@@ -40,6 +40,7 @@ from alignaudit_kernels.primitives import (
     capability,
     cdiv,
     compiling_inference,
+    descriptor_scratch,
     no_gradient,
     opaque_op,
     sm_count,
@@ -232,10 +233,9 @@ if triton is not None:
         tl.debug_barrier()  # every thread's part of the slot written before any thread reads it
         return tl.load(_slot(scratch_ptr, slot, BLOCK_M, BLOCK_N))
 
-    @triton.jit(do_not_specialize=["M", "programs"])
-    def _matmul_tma_kernel(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                           SEGMENTS: tl.constexpr = 1):
+    @triton.jit
+    def _tma_tiles(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTS: tl.constexpr):
         """The same arithmetic as _matmul_kernel (bf16/fp16, no bias), with tiles moved by the TMA unit
         (out-of-range rows and K zero-filled, as the masked loads do) and ``programs`` persistent programs
         walking the tiles in the same grouped order. With SEGMENTS > 1 each segment is a whole number of
@@ -268,6 +268,27 @@ if triton is not None:
                 acc = _unpark(scratch_ptr, slot, BLOCK_M, BLOCK_N) + right
             y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_desc.dtype))
 
+    @triton.jit(do_not_specialize=["M", "programs"])
+    def _matmul_tma_kernel(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                           SEGMENTS: tl.constexpr = 1):
+        """_tma_tiles with the descriptors built on the host (triton.tools.tensor_descriptor.TensorDescriptor), which
+        Triton's launcher encodes again at every launch."""
+        _tma_tiles(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                   SEGMENTS)
+
+    @triton.jit(do_not_specialize=["M", "programs"])
+    def _matmul_tma_device_kernel(x_ptr, w_ptr, y_ptr, scratch_ptr, M, N, K, programs, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                  SEGMENTS: tl.constexpr = 1):
+        """_tma_tiles with the descriptors made by each program on the device, over contiguous x [M, K], W [N, K]
+        and y [M, N]: the same tiles, boxes and zero fill, without the host's descriptor work at every launch
+        (three TensorDescriptors specialized, encoded by cuTensorMapEncodeTiled and passed by value)."""
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+        y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+        _tma_tiles(x_desc, w_desc, y_desc, scratch_ptr, M, N, K, programs, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                   SEGMENTS)
 
     @triton.jit(do_not_specialize=["M"])
     def _matmul_tma_split_kernel(x_desc, w_desc, p_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -318,6 +339,12 @@ TMA_PLANS = {("small", False): ((128, 128, 64, 8, 6), True), ("small", True): ((
 # (_triton_tma_split). Picked from bench/sweep_gpu.py --sections issue19, where each gave the pointer kernel's bits
 # at every Qwen3-8B layer and M = 32, 64, 128 (docs/benchmarks.md, "Tile choices of kernels/matmul.py").
 MEDIUM_M = 128
+# Where _triton_tma's descriptors are made: "host" (_matmul_tma_kernel: three TensorDescriptors that Triton's launcher
+# specializes and encodes on the host at every launch, tens of microseconds of host time a product) or "device"
+# (_matmul_tma_device_kernel: each program makes them in global scratch, no host work). The same tiles and boxes, so
+# the same bits expected; "host" until a GPU run shows them (tests/kernels/test_linear.py) and the host time saved
+# (bench/launch_overhead.py).
+TMA_DESCRIPTORS = "host"
 MEDIUM_TILE = ((64, 128, 64, 4, 6), True)
 MEDIUM_SPLIT_TILES = ((64, (64, 128, 64, 4, 6)), (MEDIUM_M, (128, 128, 64, 8, 6)))  # (up to rows, tile)
 
@@ -411,12 +438,15 @@ def _tma_available(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True, segments: int = 1,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, descriptors: str | None = None) -> torch.Tensor:
     """Every batch above TINY_M rows on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel) at
     ``tile``, ``persistent`` programs or one per tile; ``out_dtype`` float32 stores the unrounded accumulator
-    (a partial)."""
+    (a partial). ``descriptors``: "host" or "device" (_matmul_tma_device_kernel), default TMA_DESCRIPTORS."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    descriptors = descriptors or TMA_DESCRIPTORS
+    if descriptors not in ("host", "device"):
+        raise ValueError(f"strict linear: descriptors={descriptors!r}; use 'host' or 'device'")
     m, k = x2.shape
     n = weight.shape[0]
     x2, weight = x2.contiguous(), weight.contiguous()
@@ -426,10 +456,14 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
     programs = min(tiles, sm_count(x2.device)) if persistent else tiles
     # two fp32 scratch tiles per program for the tree's left halves; up to two segments the kernel never reads it
     scratch = torch.empty(programs * 2 * bm * bn, dtype=torch.float32, device=x2.device) if segments > 2 else y
-    _matmul_tma_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-        TensorDescriptor.from_tensor(y, [bm, bn]), scratch, m, n, k, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
+    if descriptors == "device":
+        with descriptor_scratch(True, x2.device):
+            _matmul_tma_device_kernel[(programs,)](x2, weight, y, scratch, m, n, k, programs, **meta)
+    else:
+        _matmul_tma_kernel[(programs,)](
+            TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+            TensorDescriptor.from_tensor(y, [bm, bn]), scratch, m, n, k, programs, **meta)
     return y
 
 

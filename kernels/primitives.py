@@ -33,6 +33,7 @@ Sources: W. J. Cody and W. Waite, "Software Manual for the Elementary Functions"
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -310,6 +311,25 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type == "cuda":
         x = x.pin_memory()
     return x.to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def descriptor_scratch(needed: bool, device: torch.device):
+    """Device-side tensor descriptors (``tl.make_tensor_descriptor``) need 128 bytes of global memory per descriptor
+    and program at launch; Triton's launcher takes it from the allocator in its context variable
+    (triton.runtime._allocation, which triton.set_allocator sets). Set a torch one for the launches inside this
+    block only, so that the caller's setting (vLLM's, a user's) is untouched."""
+    if not needed:
+        yield
+        return
+    from triton.runtime import _allocation
+
+    token = _allocation._allocator.set(
+        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,7 +3,6 @@ the launch plans of the contiguous layouts, kept on the device per shape."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +11,7 @@ from alignaudit_kernels.attention.algorithm import BLOCK_N, CHUNK_N, DEFAULT_EXP
 from alignaudit_kernels.primitives import (
     cached_tensors,
     cdiv,
+    descriptor_scratch,
     next_power_of_2,
     rocm,
     sm_count,
@@ -118,7 +118,7 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
         m = l = acc = out  # not read
     # ONE_CHUNK only for whole-sequence prefill, whose max_keys is exact per call: a paged launch's bound grows during
     # generation, and crossing CHUNK_N there would build a second kernel inside a timed step
-    with _descriptor_scratch(tma, q.device):
+    with descriptor_scratch(tma, q.device):
         _attention_kernel[(n_tiles, kvh, chunks if split else 1)](
             q, k_cache, v_cache, out, lse_args[0], positions, block_table, tiles, m, l, acc, n_tiles, max_keys,
             k_cache.shape[0], float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_args[1],
@@ -146,24 +146,6 @@ def _check_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_mode: in
             raise ValueError(f"strict attention: TMA reads need contiguous pages of one token, a power-of-two "
                              f"head_dim of at least 16 and 16-byte aligned rows ({name}: shape {tuple(x.shape)}, "
                              f"strides {x.stride()}, head_dim {d})")
-
-
-@contextlib.contextmanager
-def _descriptor_scratch(needed: bool, device: torch.device):
-    """Device-side tensor descriptors need a little global memory per program at launch; Triton takes it from
-    the allocator in its context variable (triton.runtime._allocation, set by triton.set_allocator). Set a
-    torch one for this launch only, so the caller's setting is untouched."""
-    if not needed:
-        yield
-        return
-    from triton.runtime import _allocation
-
-    token = _allocation._allocator.set(
-        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-    try:
-        yield
-    finally:
-        _allocation._allocator.reset(token)
 
 
 def _used_rows(decode: bool, group: int, tile: int) -> int:

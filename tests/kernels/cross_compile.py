@@ -166,6 +166,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         for rows, segments, out in ((8, 1, None), (8, 4, None), (512, 1, None), (512, 4, FP32)):
             matmul._triton(_empty(rows, 4096), w, None, segments=segments, out_dtype=out)
         _medium_class(matmul, w)
+        _device_descriptors(matmul, w, every, amd)
         m["rmsnorm"]._triton(_empty(16, 4096), _empty(4096), 1e-6, _empty(16, 4096))
         m["rmsnorm"]._triton(_empty(16 * 32, 128), _empty(128), 1e-6, None)  # narrow rows: 8 rows a program
         tables = (_empty(64, 64, dtype=FP32), _empty(64, 64, dtype=FP32))
@@ -189,6 +190,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         matmul._triton(x, _empty(4096, 4096), None, segments=4, out_dtype=FP32)  # a row-parallel partial
     matmul._triton(_empty(64, 4096), _empty(24576, 4096), None)  # small_wide (N >= WIDE_N)
     _medium_class(matmul, _empty(4096, 4096))
+    _device_descriptors(matmul, _empty(4096, 4096), every, amd)
     matmul._triton(_empty(64, 4096), _empty(4096, 4096), _empty(4096))  # a bias: never the TMA kernel
     for dtype in (FP16, FP32):
         matmul._triton(_empty(512, 4096, dtype=dtype), _empty(4096, 4096, dtype=dtype), None)
@@ -247,6 +249,17 @@ def _grouped(grouped_linear, dtype, tokens: int, tile=None) -> None:
                                   gather=True, tile=tile)
     grouped_linear.grouped_linear(_empty(tokens * 8, 768, dtype=dtype), _empty(128, 2048, 768, dtype=dtype), plan,
                                   gather=False, tile=tile, scatter=True)
+
+
+def _device_descriptors(matmul, w, every: bool, amd: bool) -> None:
+    """The TMA products with descriptors made on the device (matmul.TMA_DESCRIPTORS' candidate; Hopper only) at
+    the large class's plans, whole and in 4 segments (``every``: each class's, and 8 segments too)."""
+    if amd:
+        return
+    for (size, narrow), (tile, persistent) in matmul.TMA_PLANS.items():
+        if every or size == "large":
+            for segments in ((4, 8) if every else (4,)) if narrow else (1,):
+                matmul._triton_tma(_empty(512, 4096), w, tile, persistent, segments=segments, descriptors="device")
 
 
 def _medium_class(matmul, w) -> None:

@@ -47,7 +47,9 @@ def test_every_launch_tile_gives_the_same_bits(device, dtype):
     if matmul._tma_available(x, w, None):  # Hopper and newer: the TMA kernel, grid and persistent
         for persistent in (False, True):
             for plan, (tile, _) in matmul.TMA_PLANS.items():
-                outs[f"tma {plan} persistent={persistent}"] = matmul._triton_tma(x, w, tile, persistent)
+                for descriptors in ("host", "device"):
+                    outs[f"tma {plan} persistent={persistent} {descriptors} descriptors"] = matmul._triton_tma(
+                        x, w, tile, persistent, descriptors=descriptors)
         assert_bitwise_equal("linear() at 300 rows (TMA path) vs large tile", K.linear(x, w), outs["large"])
     for name, out in outs.items():
         assert_bitwise_equal(f"tile {name} vs large", out, outs["large"])
@@ -113,11 +115,12 @@ def test_segments_split_across_launches_give_the_in_kernel_tree(request, device,
                          matmul._triton(x, w, None, tile=tile, segments=segments, out_dtype=torch.float32))
 
 
-@pytest.mark.parametrize("segments", [2, 4, 8])
+@pytest.mark.parametrize("segments", [1, 2, 4, 8])
 def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypatch, device, dtype, segments):
     """The TMA kernel parks the tree's finished left halves in scratch tiles (two accumulators live at most):
-    grid and persistent, at its tiles, the bits of the pointer kernel's tree inside one program. The
-    interpreter runs it too (fp32, at the pointer kernel's tile: its numpy dot depends on the tile)."""
+    grid and persistent, at its tiles, with its descriptors made on the host or on the device, the bits of the
+    pointer kernel's tree inside one program. The interpreter runs it too (fp32, at the pointer kernel's tile:
+    its numpy dot depends on the tile)."""
     where = request.config.getoption("--kernel-device")
     if where == "cpu":
         pytest.skip("compares two Triton paths (interpret or cuda)")
@@ -134,8 +137,10 @@ def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypa
     expected = matmul._triton(x, w, None, tile=reference_tile, segments=segments)
     for tile in tiles:
         for persistent in (False, True):
-            assert_bitwise_equal(f"tma {tile} persistent={persistent}",
-                                 matmul._triton_tma(x, w, tile, persistent, segments=segments), expected)
+            for descriptors in ("host", "device"):
+                assert_bitwise_equal(f"tma {tile} persistent={persistent} {descriptors} descriptors",
+                                     matmul._triton_tma(x, w, tile, persistent, segments=segments,
+                                                        descriptors=descriptors), expected)
 
 
 @pytest.mark.parametrize("segments", [2, 4, 8])
