@@ -51,6 +51,8 @@
 # mode with vLLM's CUDA graphs on (FULL_AND_PIECEWISE), once per dispatch in MOEG_HOW (auto, the grouped one on CUDA;
 # every_expert also captures). bench-attention-backward: the strict attention's backward (ALIGNAUDIT_BACKWARD reference, fused) vs
 # torch's flash backward at 1k/4k/8k (bench/kernels_gpu.py --sections attention-backward).
+# top-p-probe: whether torch's softmax and cumsum give a row of 151936 fp32 logits the same bits alone and in batches
+# (bench/top_p_probe.py: could strict top-p run batched instead of a row a call?);
 # [18]: ipc the CUDA IPC weight-transfer test; rl-bench seconds per RL step and stage, strict vs default, Qwen3-1.7B shape,
 # 8 prompts x 4 completions x 64 tokens (bench/rl_steps.py; RLB_STEPS; RLB_ROUNDS; RLB_CONFIGS: strict,strict-fused,default adds the
 # fused backward side by side); grpo17 the same shape for GRPO_STEPS (200) steps
@@ -361,6 +363,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b')); print('Qwen3-30B-A3B shape at /tm
                  --no-token-rows --out /dev/shm/vrl17 --force ${CMP_OPTS:-} 2>&1 | log | tail -4
                cp /dev/shm/vrl17/steps.parquet "$out/vrl17-steps.parquet" 2>/dev/null
                python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','reward_mean','loss','grad_norm','seconds','rollout_s','rescore_s','update_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
+    top-p-probe) timeout 120 python3 bench/top_p_probe.py --json "$out/top-p-probe.json" 2>&1 | log | tail -6 ;;
     ipc) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/rl/test_weight_transfer.py -rs 2>&1 | log | tail -5 ;;
     rl-bench) timeout ${RLB_TIMEOUT:-420} python3 bench/rl_steps.py --steps ${RLB_STEPS:-6} --configs ${RLB_CONFIGS:-strict,default} --rounds ${RLB_ROUNDS:-1} -- $G17 --device cuda --lr 1e-6 \
                 ${RLB_OPTS:-} 2>&1 | log | tail -12
