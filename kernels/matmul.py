@@ -339,14 +339,14 @@ TMA_PLANS = {("small", False): ((128, 128, 64, 8, 6), True), ("small", True): ((
 # (_triton_tma_split). Picked from bench/sweep_gpu.py --sections issue19, where each gave the pointer kernel's bits
 # at every Qwen3-8B layer and M = 32, 64, 128 (docs/benchmarks.md, "Tile choices of kernels/matmul.py").
 MEDIUM_M = 128
+MEDIUM_TILE = ((64, 128, 64, 4, 6), True)
+MEDIUM_SPLIT_TILES = ((64, (64, 128, 64, 4, 6)), (MEDIUM_M, (128, 128, 64, 8, 6)))  # (up to rows, tile)
 # Where _triton_tma's descriptors are made: "host" (_matmul_tma_kernel: three TensorDescriptors that Triton's launcher
 # specializes and encodes on the host at every launch, tens of microseconds of host time a product) or "device"
 # (_matmul_tma_device_kernel: each program makes them in global scratch, no host work). The same tiles and boxes, so
 # the same bits expected; "host" until a GPU run shows them (tests/kernels/test_linear.py) and the host time saved
 # (bench/launch_overhead.py).
 TMA_DESCRIPTORS = "host"
-MEDIUM_TILE = ((64, 128, 64, 4, 6), True)
-MEDIUM_SPLIT_TILES = ((64, (64, 128, 64, 4, 6)), (MEDIUM_M, (128, 128, 64, 8, 6)))  # (up to rows, tile)
 
 
 def medium_class_enabled() -> bool:
