@@ -132,11 +132,13 @@ def pairs(device: str, tokens: int = 1) -> dict:
 
 
 def launch_paths(device: str) -> dict:
-    """One strict RMSNorm call (4096 columns, one row) down three paths, host time only: the whole strict op
+    """One strict RMSNorm call (4096 columns, one row) down four paths, host time only: the whole strict op
     (K.rms_norm), Triton's ``JITFunction.run`` alone (``kernel[grid](...)``: its binder, specialization key,
-    cache lookup and checks), and the compiled kernel's C launcher alone (``CompiledKernel.run``, what the
-    JITFunction call ends in). The differences are alignaudit's wrapper and Triton's Python launch path; the
-    last is the floor of any launch. CUDA only (a no-op on the CPU)."""
+    cache lookup and checks), Triton's binder (the arguments' specialization) and the C launcher, and the
+    compiled kernel's C launcher alone (``CompiledKernel.run``, what the JITFunction call ends in). The
+    differences are alignaudit's wrapper, the part of Triton's Python launch path a lean launcher keeping its
+    specialization could skip, and the binder; the last is the floor of any launch. CUDA only (a no-op on the
+    CPU)."""
     if device != "cuda":
         return {}
     from alignaudit_kernels import primitives, rmsnorm
@@ -154,9 +156,18 @@ def launch_paths(device: str) -> dict:
     def launcher():
         compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
 
+    binder = kernel.device_caches[torch.cuda.current_device()][-1]
+
+    def lean():  # what a launch path keeping Triton's specialization (its binder) but not the rest of run() costs
+        bound = binder(**params, **options)[0]
+        compiled.run(1, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, compiled.packed_metadata,
+                     None, None, None, *bound.values())
+
     launcher()  # Triton's launcher internals differ between versions: fail here, inside main's try
+    lean()
     return {"rmsnorm 4096: the strict op": lambda: K.rms_norm(x, w, 1e-6),
             "rmsnorm 4096: JITFunction.run": lambda: kernel[(1,)](**params, **options),
+            "rmsnorm 4096: binder + CompiledKernel.run": lean,
             "rmsnorm 4096: CompiledKernel.run": launcher}
 
 
