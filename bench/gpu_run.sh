@@ -36,7 +36,7 @@
 # tensor_parallel_size=2" vllm-q8;
 # vllm-moe the Qwen3-MoE fixture and the Qwen3-30B-A3B shape cut to MOE_LAYERS (4) layers, strict; vllm-rl17
 # alignaudit rl on the Qwen3-1.7B shape, megatron trains, vllm rolls out; vllm-bench generation tokens/s
-# (bench/vllm_generate.py, BENCH_CONFIGS; VB_CAPTURE: vLLM's max_cudagraph_capture_size for every configuration; VB_PREFILL=N: N batches more with one new token each, the prefill's time alone); vllm-warmup: strict generation at max_model_len WARMUP_MAX_LEN (4096)
+# (bench/vllm_generate.py, BENCH_CONFIGS; VB_CAPTURE: vLLM's max_cudagraph_capture_size for every configuration; VB_PREFILL=N: N batches more with one new token each, roughly the prefill's share); vllm-warmup: strict generation at max_model_len WARMUP_MAX_LEN (4096)
 # with 600 sequences (decode unsplit), to read that no strict kernel builds inside a timed batch.
 # vllm-q8-prompt / vllm-q8-default: one of vllm-q8's three. [24]: vllm-q8-bi the strict rollout under VLLM_BATCH_INVARIANT=1,
 # and its infer capture diffed against vllm-q8-rollout's (the same bits?); vllm-q8-bi-default the default stack under it;

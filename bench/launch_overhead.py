@@ -17,8 +17,8 @@ tiles is not capturable and has no graph column. On the CPU (--device cpu) both 
 show that the script runs. The row "rope q+k: 2 strict calls | 1" compares two strict apply_rope calls (its
 default column) with apply_rope_qk's one launch, what vLLM's strict rope calls since 7930b81; above 16 rows on
 Hopper, "linear TMA launch: host | device descriptors" the TMA product with its tensor descriptors made on the host
-(its default column) and on the device (matmul.TMA_DESCRIPTORS), host time and graph replays (the GPU time of the
-device's descriptor work).
+(its default column) and on the device (matmul.TMA_DESCRIPTORS), host time and graph replays (the whole kernel's
+GPU time; their difference estimates the device's descriptor work).
 On CUDA the last rows split one strict RMSNorm call's host time into alignaudit's wrapper, Triton's Python
 launch path (JITFunction.run) and its C launcher (CompiledKernel.run): ``launch_paths``.
 """
@@ -160,8 +160,7 @@ def launch_paths(device: str) -> dict:
 
     def lean():  # what a launch path keeping Triton's specialization (its binder) but not the rest of run() costs
         bound = binder(**params, **options)[0]
-        compiled.run(1, 1, 1, torch.cuda.current_stream().cuda_stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *bound.values())
+        compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *bound.values())
 
     launcher()  # Triton's launcher internals differ between versions: fail here, inside main's try
     lean()

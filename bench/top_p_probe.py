@@ -4,12 +4,15 @@
 
 alignaudit.engines.sampling.truncate runs top-p one [1, V] row per call, because the boundary depends on how the
 softmax and the cumulative sum round and that could depend on how many rows a call holds. On a GPU that costs about
-ten torch launches a row a decode step. This checks whether batching would keep the bits: each row of a batch of
-fp32 logits (sorted ascending, as truncate sorts them), softmax(dim=-1).cumsum(dim=-1) computed alone as [1, V]
-and inside batches of 2, 7, 32 and 64 rows at every place, and the top-p mask at p = 0.9 derived from each. Prints,
-per batch size, how many rows differ from the row alone (values, and masks), and the host time of the per-row loop
-against one batched call for 32 rows (the same ops as truncate's top-p). If every row matches on a GPU, truncate
-could run top-p on the whole batch there; if not, the per-row loop (or a row-per-program kernel) stays.
+ten torch launches a row a decode step. This checks whether batching would keep the bits: 64 rows of fp32 logits
+(sorted ascending, as truncate sorts them), softmax(dim=-1).cumsum(dim=-1) of each computed alone as [1, V], then
+inside batches of 2, 7, 32 and 64 consecutive rows starting at every row (so each row at every place a batch of
+that size can hold it), and the top-p mask at p = 0.9 (cumulative <= 1 - p in fp32, as truncate compares) derived
+from each. Prints, per batch size, how many of the (batch, row) pairs tested differ from the row alone (values, and
+masks), and the wall time (synchronized) of softmax + cumsum a row a call against one call for 32 rows: the part
+of truncate's top-p whose bits could depend on the batch, not its sort, mask and scatter. If every row matches on a
+GPU, truncate could run top-p on the whole batch there; if not, the per-row loop (or a row-per-program kernel)
+stays.
 """
 
 from __future__ import annotations
@@ -36,20 +39,23 @@ def probe(device: str, vocab: int, p: float = 0.9) -> dict:
     alone = torch.cat([cumulative(ordered[i:i + 1]) for i in range(ordered.shape[0])])
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
               "vocab": vocab, "batches": {}}
+    limit = 1 - torch.tensor(p, dtype=torch.float32, device=device)  # truncate's fp32 1 - p
     for n in BATCHES:
-        values = masks = 0
-        for start in range(0, ordered.shape[0] - n + 1, max(1, n // 2)):  # the rows at every place in some batch
+        values = masks = tested = 0
+        for start in range(ordered.shape[0] - n + 1):
             batched = cumulative(ordered[start:start + n])
             ref = alone[start:start + n]
             values += int((batched.view(torch.int32) != ref.view(torch.int32)).any(dim=-1).sum())
-            masks += int(((batched <= 1 - p) != (ref <= 1 - p)).any(dim=-1).sum())
-        result["batches"][n] = {"rows_with_other_values": values, "rows_with_another_mask": masks}
-    result["host_us_32_rows"] = {"per_row": host_us(lambda: [cumulative(ordered[i:i + 1]) for i in range(32)], device),
-                                 "batched": host_us(lambda: cumulative(ordered[:32]), device)}
+            masks += int(((batched <= limit) != (ref <= limit)).any(dim=-1).sum())
+            tested += n
+        result["batches"][n] = {"pairs_tested": tested, "pairs_with_other_values": values,
+                                "pairs_with_another_mask": masks}
+    result["wall_us_32_rows"] = {"per_row": wall_us(lambda: [cumulative(ordered[i:i + 1]) for i in range(32)], device),
+                                 "batched": wall_us(lambda: cumulative(ordered[:32]), device)}
     return result
 
 
-def host_us(fn, device: str, calls: int = 20) -> float:
+def wall_us(fn, device: str, calls: int = 20) -> float:
     fn()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -69,11 +75,11 @@ def main() -> None:
     args = parser.parse_args()
     result = probe(args.device, args.vocab)
     for n, r in result["batches"].items():
-        print(f"batch {n:3d}: rows whose cumulative probabilities differ from the row alone "
-              f"{r['rows_with_other_values']}, whose top-p mask differs {r['rows_with_another_mask']}")
-    t = result["host_us_32_rows"]
-    print(f"32 rows: per-row loop {t['per_row']} us, one batched call {t['batched']} us ({result['device']}, "
-          f"torch {result['torch']})")
+        print(f"batch {n:3d}: of {r['pairs_tested']} (batch, row) pairs, cumulative probabilities differ from the row "
+              f"alone in {r['pairs_with_other_values']}, the top-p mask in {r['pairs_with_another_mask']}")
+    t = result["wall_us_32_rows"]
+    print(f"32 rows, softmax + cumsum: a row a call {t['per_row']} us, one call {t['batched']} us (wall, "
+          f"{result['device']}, torch {result['torch']})")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -91,15 +91,17 @@ def worker(args) -> dict:
         batch_seconds.append(round(time.perf_counter() - t0, 3))
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         builds.append(strict_kernel_builds())
-    # the same batch shape with one new token a sequence: the prefill (and one sampling step) alone, so that the
-    # batch's time splits into prefill and decode without the profiler's host overhead
+    # the same prompts with one new token each: the prefill, one sampling step and generate's fixed cost, so that a
+    # batch's time splits roughly into that and the decode steps without the profiler's host overhead (roughly: in
+    # the full batch vLLM may schedule prefill chunks beside decode rows)
     one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
            for i in range(args.prompts)]
-    prefill_seconds = []
+    prefill_seconds, prefill_builds = [], [strict_kernel_builds()]
     for _ in range(args.prefill_batches):
         t0 = time.perf_counter()
         llm.generate(new_prompts(g, args), one, use_tqdm=False)
         prefill_seconds.append(round(time.perf_counter() - t0, 3))
+        prefill_builds.append(strict_kernel_builds())
     # one more batch under torch.profiler: after the timed ones, so it pays neither prefix-cache hits nor builds
     profile = profile_generate(llm, new_prompts(g, args), params) if args.profile else None
     config = llm.llm_engine.vllm_config
@@ -109,8 +111,11 @@ def worker(args) -> dict:
             "output_tokens_per_s": round(generated / statistics.median(batch_seconds[1:] or batch_seconds), 1),
             "last_batch_tokens_per_s": round(generated / batch_seconds[-1], 1),
             "first_batch_tokens_per_s": round(generated / batch_seconds[0], 1), "startup_s": round(startup, 1),
-            **({"prefill_batch_seconds": prefill_seconds,
-                "prefill_median_s": statistics.median(prefill_seconds)} if prefill_seconds else {}),
+            **({"one_token_batch_seconds": prefill_seconds,
+                "one_token_median_s": statistics.median(prefill_seconds[1:] or prefill_seconds),
+                "strict_builds_per_one_token_batch": [
+                    {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+                    for before, after in itertools.pairwise(prefill_builds)]} if prefill_seconds else {}),
             "strict_builds_at_start": sum(builds[0].values()),
             "strict_builds_per_batch": [{k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
                                         for before, after in itertools.pairwise(builds)],
@@ -217,8 +222,9 @@ def main() -> None:
     parser.add_argument("--capture-size", type=int, default=0,
                         help="vLLM's max_cudagraph_capture_size for every configuration (0: vLLM's default)")
     parser.add_argument("--prefill-batches", type=int, default=0,
-                        help="after the timed batches, this many batches of new prompts with one new token each: "
-                             "the prefill's time alone (prefill_median_s), without the profiler")
+                        help="after the timed batches, this many batches of new prompts with one new token each "
+                             "(one_token_median_s, the median after the first): roughly the prefill's share of a "
+                             "batch, without the profiler")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", default="", help="comma list of configurations to run once more under "
                         "torch.profiler (GPU kernel time by kernel, printed after the timings)")
@@ -250,10 +256,10 @@ def main() -> None:
         if base:
             print(f"{name:24s} {r['output_tokens_per_s']:9.1f} tokens/s  "
                   f"{r['output_tokens_per_s'] / base:.3f}x of default")
-        if "prefill_median_s" in r:
-            batch = statistics.median(r["batch_seconds"][1:] or r["batch_seconds"])
-            print(f"{name:24s} batch {batch:.3f} s = prefill and first token {r['prefill_median_s']:.3f} s "
-                  f"+ the rest {batch - r['prefill_median_s']:.3f} s (medians)")
+        if "one_token_median_s" in r:
+            batch, one = statistics.median(r["batch_seconds"][1:] or r["batch_seconds"]), r["one_token_median_s"]
+            print(f"{name:24s} batch {batch:.3f} s ~ one-token batch (prefill, a sampling step, generate's fixed "
+                  f"cost) {one:.3f} s + the rest {batch - one:.3f} s (medians after the first)")
     print_profiles(results)
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))

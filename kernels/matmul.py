@@ -241,7 +241,7 @@ if triton is not None:
         walking the tiles in the same grouped order. With SEGMENTS > 1 each segment is a whole number of
         BLOCK_K steps (the caller checks), so no load crosses a segment boundary, and the tree's finished
         left halves wait in two fp32 scratch tiles per program (scratch_ptr, [programs, 2, BLOCK_M, BLOCK_N]),
-        so that at most two accumulators are live (three spilled registers at the large tiles)."""
+        so that at most two accumulators are live."""
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         seg = K // SEGMENTS
         slot = tl.program_id(0).to(tl.int64) * 2
@@ -441,7 +441,14 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
                 out_dtype: torch.dtype | None = None, descriptors: str | None = None) -> torch.Tensor:
     """Every batch above TINY_M rows on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel) at
     ``tile``, ``persistent`` programs or one per tile; ``out_dtype`` float32 stores the unrounded accumulator
-    (a partial). ``descriptors``: "host" or "device" (_matmul_tma_device_kernel), default TMA_DESCRIPTORS."""
+    (a partial). ``descriptors``: "host" or "device" (_matmul_tma_device_kernel), default TMA_DESCRIPTORS.
+    x2 [M, K] and weight [N, K] bf16/fp16 (one dtype); the TMA unit needs 16-byte aligned bases and rows
+    (_tma_available checks it for linear's calls).
+
+    Raises:
+        ValueError: an unknown ``descriptors``; with "device", a base or row that is not 16-byte aligned (the
+            host descriptors assert it when they are made; a device-made one would read or write out of place).
+    """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     descriptors = descriptors or TMA_DESCRIPTORS
@@ -458,6 +465,9 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
     scratch = torch.empty(programs * 2 * bm * bn, dtype=torch.float32, device=x2.device) if segments > 2 else y
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
     if descriptors == "device":
+        if any(t.data_ptr() % 16 or t.shape[1] * t.element_size() % 16 for t in (x2, weight, y)):
+            raise ValueError(f"strict linear: TMA descriptors need 16-byte aligned bases and rows (x "
+                             f"{tuple(x2.shape)}, weight {tuple(weight.shape)}, out {y.dtype})")
         with descriptor_scratch(True, x2.device):
             _matmul_tma_device_kernel[(programs,)](x2, weight, y, scratch, m, n, k, programs, **meta)
     else:

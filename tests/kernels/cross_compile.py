@@ -253,13 +253,17 @@ def _grouped(grouped_linear, dtype, tokens: int, tile=None) -> None:
 
 def _device_descriptors(matmul, w, every: bool, amd: bool) -> None:
     """The TMA products with descriptors made on the device (matmul.TMA_DESCRIPTORS' candidate; Hopper only) at
-    the large class's plans, whole and in 4 segments (``every``: each class's, and 8 segments too)."""
+    the large class's plans, whole, in 4 segments and as a 4-segment fp32 partial (``every``: each class's, and 8
+    segments too)."""
     if amd:
         return
     for (size, narrow), (tile, persistent) in matmul.TMA_PLANS.items():
         if every or size == "large":
             for segments in ((4, 8) if every else (4,)) if narrow else (1,):
                 matmul._triton_tma(_empty(512, 4096), w, tile, persistent, segments=segments, descriptors="device")
+            if narrow:  # a row-parallel partial: the fp32 accumulator stored unrounded
+                matmul._triton_tma(_empty(512, 4096), w, tile, persistent, segments=4, out_dtype=FP32,
+                                   descriptors="device")
 
 
 def _medium_class(matmul, w) -> None:

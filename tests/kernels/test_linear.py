@@ -118,9 +118,10 @@ def test_segments_split_across_launches_give_the_in_kernel_tree(request, device,
 @pytest.mark.parametrize("segments", [1, 2, 4, 8])
 def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypatch, device, dtype, segments):
     """The TMA kernel parks the tree's finished left halves in scratch tiles (two accumulators live at most):
-    grid and persistent, at its tiles, with its descriptors made on the host or on the device, the bits of the
-    pointer kernel's tree inside one program. The interpreter runs it too (fp32, at the pointer kernel's tile:
-    its numpy dot depends on the tile)."""
+    grid and persistent (fewer programs than tiles, so a program walks several with the same descriptors), at its
+    tiles, with its descriptors made on the host or on the device, rounded and as an fp32 partial, the bits of the
+    pointer kernel's tree inside one program. The interpreter runs it too (fp32, at the pointer kernel's tile: its
+    numpy dot depends on the tile)."""
     where = request.config.getoption("--kernel-device")
     if where == "cpu":
         pytest.skip("compares two Triton paths (interpret or cuda)")
@@ -130,17 +131,30 @@ def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypa
         if not matmul._tma_available(x, w, None):
             pytest.skip("the TMA kernel needs Hopper or newer and bf16/fp16")
         reference_tile, tiles = matmul.TILES[dtype]["large"], [tile for tile, _ in matmul.TMA_PLANS.values()]
+        monkeypatch.setattr(matmul, "sm_count", lambda device: 2)  # persistent: 2 programs walk 3 tiles or more
     else:
         monkeypatch.setattr(matmul, "sm_count", lambda device: 3)  # persistent: 3 programs walk 30 tiles
         reference_tile = (32, 32, 16, 4, 1)
         tiles = [reference_tile]
-    expected = matmul._triton(x, w, None, tile=reference_tile, segments=segments)
-    for tile in tiles:
-        for persistent in (False, True):
-            for descriptors in ("host", "device"):
-                assert_bitwise_equal(f"tma {tile} persistent={persistent} {descriptors} descriptors",
-                                     matmul._triton_tma(x, w, tile, persistent, segments=segments,
-                                                        descriptors=descriptors), expected)
+    for out_dtype in (None, torch.float32):
+        expected = matmul._triton(x, w, None, tile=reference_tile, segments=segments, out_dtype=out_dtype)
+        for tile in tiles:
+            for persistent in (False, True):
+                for descriptors in ("host", "device"):
+                    assert_bitwise_equal(f"tma {tile} persistent={persistent} {descriptors} descriptors "
+                                         f"out={out_dtype}",
+                                         matmul._triton_tma(x, w, tile, persistent, segments=segments,
+                                                            out_dtype=out_dtype, descriptors=descriptors), expected)
+
+
+def test_device_descriptors_refuse_unaligned_rows(request, device):
+    """A device-made TMA descriptor cannot check its tensor, so _triton_tma refuses rows that are not 16 bytes."""
+    if request.config.getoption("--kernel-device") == "cpu":
+        pytest.skip("a Triton path (interpret or cuda)")
+    x, w = randn(4, 22, dtype=torch.float32, device=device, seed=1), randn(8, 22, dtype=torch.float32, device=device,
+                                                                            seed=2)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        matmul._triton_tma(x, w, (32, 32, 16, 4, 1), persistent=False, descriptors="device")
 
 
 @pytest.mark.parametrize("segments", [2, 4, 8])
