@@ -9,7 +9,8 @@ ten torch launches a row a decode step. This checks whether batching would keep 
 inside batches of 2, 7, 32 and 64 consecutive rows starting at every row (so each row at every place a batch of
 that size can hold it), and the top-p mask at p = 0.9 (cumulative <= 1 - p in fp32, as truncate compares) derived
 from each. Prints, per batch size, how many of the (batch, row) pairs tested differ from the row alone (values, and
-masks), and the wall time (synchronized) of softmax + cumsum a row a call against one call for 32 rows: the part
+masks) and from the same row in one batch of all 64 (are batches of two or more alike, where a [1, V] call takes
+another path?), and the wall time (synchronized) of softmax + cumsum a row a call against one call for 32 rows: the part
 of truncate's top-p whose bits could depend on the batch, not its sort, mask and scatter. If every row matches on a
 GPU, truncate could run top-p on the whole batch there; if not, the per-row loop (or a row-per-program kernel)
 stays.
@@ -37,19 +38,21 @@ def probe(device: str, vocab: int, p: float = 0.9) -> dict:
     logits = (torch.randn(max(BATCHES), vocab, generator=g) * 3).to(device)
     ordered = logits.sort(dim=-1, stable=True).values
     alone = torch.cat([cumulative(ordered[i:i + 1]) for i in range(ordered.shape[0])])
+    whole = cumulative(ordered)  # every row in the one batch of 64
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
               "vocab": vocab, "batches": {}}
     limit = 1 - torch.tensor(p, dtype=torch.float32, device=device)  # truncate's fp32 1 - p
     for n in BATCHES:
-        values = masks = tested = 0
+        values = masks = other_batch = tested = 0
         for start in range(ordered.shape[0] - n + 1):
             batched = cumulative(ordered[start:start + n])
             ref = alone[start:start + n]
             values += int((batched.view(torch.int32) != ref.view(torch.int32)).any(dim=-1).sum())
             masks += int(((batched <= limit) != (ref <= limit)).any(dim=-1).sum())
+            other_batch += int((batched.view(torch.int32) != whole[start:start + n].view(torch.int32)).any(-1).sum())
             tested += n
         result["batches"][n] = {"pairs_tested": tested, "pairs_with_other_values": values,
-                                "pairs_with_another_mask": masks}
+                                "pairs_with_another_mask": masks, "pairs_unlike_the_batch_of_64": other_batch}
     result["wall_us_32_rows"] = {"per_row": wall_us(lambda: [cumulative(ordered[i:i + 1]) for i in range(32)], device),
                                  "batched": wall_us(lambda: cumulative(ordered[:32]), device)}
     return result
@@ -76,7 +79,8 @@ def main() -> None:
     result = probe(args.device, args.vocab)
     for n, r in result["batches"].items():
         print(f"batch {n:3d}: of {r['pairs_tested']} (batch, row) pairs, cumulative probabilities differ from the row "
-              f"alone in {r['pairs_with_other_values']}, the top-p mask in {r['pairs_with_another_mask']}")
+              f"alone in {r['pairs_with_other_values']}, the top-p mask in {r['pairs_with_another_mask']}; from the "
+              f"same row in the batch of 64 in {r['pairs_unlike_the_batch_of_64']}")
     t = result["wall_us_32_rows"]
     print(f"32 rows, softmax + cumsum: a row a call {t['per_row']} us, one call {t['batched']} us (wall, "
           f"{result['device']}, torch {result['torch']})")
