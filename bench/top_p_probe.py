@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.launch_overhead import host_us  # noqa: E402  (calls back to back, synchronized at the end)
 
 BATCHES = (2, 7, 32, 64)
 
@@ -53,21 +57,10 @@ def probe(device: str, vocab: int, p: float = 0.9) -> dict:
             tested += n
         result["batches"][n] = {"pairs_tested": tested, "pairs_with_other_values": values,
                                 "pairs_with_another_mask": masks, "pairs_unlike_the_batch_of_64": other_batch}
-    result["wall_us_32_rows"] = {"per_row": wall_us(lambda: [cumulative(ordered[i:i + 1]) for i in range(32)], device),
-                                 "batched": wall_us(lambda: cumulative(ordered[:32]), device)}
+    per_row = host_us(lambda: [cumulative(ordered[i:i + 1]) for i in range(32)], 20, device)
+    result["wall_us_32_rows"] = {"per_row": round(per_row, 1),
+                                 "batched": round(host_us(lambda: cumulative(ordered[:32]), 20, device), 1)}
     return result
-
-
-def wall_us(fn, device: str, calls: int = 20) -> float:
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return round((time.perf_counter() - start) / calls * 1e6, 1)
 
 
 def main() -> None:
