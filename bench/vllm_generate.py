@@ -113,12 +113,9 @@ def worker(args) -> dict:
             "first_batch_tokens_per_s": round(generated / batch_seconds[0], 1), "startup_s": round(startup, 1),
             **({"one_token_batch_seconds": prefill_seconds,
                 "one_token_median_s": statistics.median(prefill_seconds[1:] or prefill_seconds),
-                "strict_builds_per_one_token_batch": [
-                    {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
-                    for before, after in itertools.pairwise(prefill_builds)]} if prefill_seconds else {}),
+                "strict_builds_per_one_token_batch": builds_between(prefill_builds)} if prefill_seconds else {}),
             "strict_builds_at_start": sum(builds[0].values()),
-            "strict_builds_per_batch": [{k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
-                                        for before, after in itertools.pairwise(builds)],
+            "strict_builds_per_batch": builds_between(builds),
             "max_model_len": config.model_config.max_model_len,  # read back: what the engine was built with
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
             "max_cudagraph_capture_size": config.compilation_config.max_cudagraph_capture_size,  # read back
@@ -144,6 +141,13 @@ def strict_kernel_builds() -> dict:
             if isinstance(fn, JITFunction) and fn.device_caches:
                 counts[name] = sum(len(entry[0]) for entry in fn.device_caches.values())
     return counts
+
+
+def builds_between(snapshots: list[dict]) -> list[dict]:
+    """For consecutive strict_kernel_builds() snapshots, the kernels that gained compiled variants in between, and
+    how many: one dict per interval."""
+    return [{k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+            for before, after in itertools.pairwise(snapshots)]
 
 
 def new_prompts(generator, args) -> list:

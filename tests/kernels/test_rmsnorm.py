@@ -81,11 +81,10 @@ ROWS_CANDIDATES = (2, 8, 32)  # rows a program of _rmsnorm_rows_kernel (8: the d
 
 def test_rmsnorm_rows_kernel_is_batch_invariant_and_reads_head_views_in_place(device, dtype):
     """The multi-row kernel (the default for rows of <= 128) keeps what the one-row kernel guarantees, for each
-    rows-a-program value: a row's
-    bits alone, at every place of every batch size (masked tail programs included), and in a per-head view of a
-    fused qkv output read in place equal to its contiguous copy; the residual stream rounded once; RMSNorm's
-    value within the one-row kernel's bound; and the one-row kernel's bits (on an H100 too, 2026-12-06), which is
-    what let it become the default."""
+    rows-a-program value: a row's bits alone, at every place of every batch size (masked tail programs included),
+    and in a per-head view of a fused qkv output read in place equal to its contiguous copy; the residual stream
+    rounded once; RMSNorm's value within the one-row kernel's bound; and the one-row kernel's bits (on an H100 too,
+    2026-12-06), which is what let it become the default."""
     if not rmsnorm.use_triton(torch.empty(0, device=device)):
         pytest.skip("the multi-row kernel is a Triton kernel (interpret or cuda)")
     d = 128
