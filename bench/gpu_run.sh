@@ -36,7 +36,7 @@
 # tensor_parallel_size=2" vllm-q8;
 # vllm-moe the Qwen3-MoE fixture and the Qwen3-30B-A3B shape cut to MOE_LAYERS (4) layers, strict; vllm-rl17
 # alignaudit rl on the Qwen3-1.7B shape, megatron trains, vllm rolls out; vllm-bench generation tokens/s
-# (bench/vllm_generate.py, BENCH_CONFIGS; VB_CAPTURE: vLLM's max_cudagraph_capture_size for every configuration; VB_PREFILL=N: N batches more with one new token each, roughly the prefill's share); vllm-warmup: strict generation at max_model_len WARMUP_MAX_LEN (4096)
+# (bench/vllm_generate.py, BENCH_CONFIGS; VB_CAPTURE: vLLM's max_cudagraph_capture_size for every configuration; VB_PREFILL=N: N batches with one new token each, roughly the prefill's share, in the fresh engine and after the timed batches; VB_PROFILE_BATCH=one-token: BENCH_PROFILE's configurations profile such a batch, not a full one); vllm-warmup: strict generation at max_model_len WARMUP_MAX_LEN (4096)
 # with 600 sequences (decode unsplit), to read that no strict kernel builds inside a timed batch.
 # vllm-q8-prompt / vllm-q8-default: one of vllm-q8's three. [24]: vllm-q8-bi the strict rollout under VLLM_BATCH_INVARIANT=1,
 # and its infer capture diffed against vllm-q8-rollout's (the same bits?); vllm-q8-bi-default the default stack under it;
@@ -375,7 +375,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b')); print('Qwen3-30B-A3B shape at /tm
              --train-opt micro_batch_size=${GRPO8_MB:-8} --strict --steps ${GRPO8_STEPS:-30} ;;
     vllm-bench) timeout 560 python3 bench/vllm_generate.py --model ${VB_MODEL:-Qwen3-8B} --prompts ${VB_PROMPTS:-64} \
                   --prompt-len ${VB_PROMPT_LEN:-512} --new-tokens ${VB_NEW:-256} --capture-size ${VB_CAPTURE:-0} --prefill-batches ${VB_PREFILL:-0} \
-                  --configs ${BENCH_CONFIGS:-default,batch-invariant,strict,strict-native-exp} --profile "${BENCH_PROFILE:-}" \
+                  --configs ${BENCH_CONFIGS:-default,batch-invariant,strict,strict-native-exp} --profile "${BENCH_PROFILE:-}" --profile-batch ${VB_PROFILE_BATCH:-full} \
                   --json "$out/vllm-generate.json" 2>&1 | log | tail -${BENCH_TAIL:-12} ;;
     vllm-warmup) timeout 400 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 600 --prompt-len 128 --new-tokens 32 \
                    --max-model-len ${WARMUP_MAX_LEN:-4096} --batches 2 --configs strict \

@@ -83,6 +83,14 @@ def worker(args) -> dict:
               for i in range(args.prompts)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     torch.cuda.synchronize()
+    # the same prompts with one new token each: the prefill, one sampling step and generate's fixed cost, so that a
+    # batch's time splits roughly into that and the decode steps without the profiler's host overhead (roughly: in
+    # the full batch vLLM may schedule prefill chunks beside decode rows); timed in the fresh engine and again after
+    # the full batches (on an H100, 2026-12-06, at the RL rollout shape with graphs up to 2048 rows, strict took
+    # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens)
+    one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
+           for i in range(args.prompts)]
+    fresh_seconds, fresh_builds = one_token_batches(llm, g, args, one)
     batch_seconds, generated, builds = [], 0, [strict_kernel_builds()]
     for i in range(args.batches):
         batch = prompts if i == 0 else new_prompts(g, args)
@@ -91,19 +99,10 @@ def worker(args) -> dict:
         batch_seconds.append(round(time.perf_counter() - t0, 3))
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         builds.append(strict_kernel_builds())
-    # the same prompts with one new token each: the prefill, one sampling step and generate's fixed cost, so that a
-    # batch's time splits roughly into that and the decode steps without the profiler's host overhead (roughly: in
-    # the full batch vLLM may schedule prefill chunks beside decode rows)
-    one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
-           for i in range(args.prompts)]
-    prefill_seconds, prefill_builds = [], [strict_kernel_builds()]
-    for _ in range(args.prefill_batches):
-        t0 = time.perf_counter()
-        llm.generate(new_prompts(g, args), one, use_tqdm=False)
-        prefill_seconds.append(round(time.perf_counter() - t0, 3))
-        prefill_builds.append(strict_kernel_builds())
+    prefill_seconds, prefill_builds = one_token_batches(llm, g, args, one)
     # one more batch under torch.profiler: after the timed ones, so it pays neither prefix-cache hits nor builds
-    profile = profile_generate(llm, new_prompts(g, args), params) if args.profile else None
+    profiled = one if args.profile_batch == "one-token" else params
+    profile = profile_generate(llm, new_prompts(g, args), profiled) if args.profile else None
     config = llm.llm_engine.vllm_config
     from alignaudit.engines.vllm.attention_cpu import attention_impls
 
@@ -113,7 +112,11 @@ def worker(args) -> dict:
             "first_batch_tokens_per_s": round(generated / batch_seconds[0], 1), "startup_s": round(startup, 1),
             **({"one_token_batch_seconds": prefill_seconds,
                 "one_token_median_s": statistics.median(prefill_seconds[1:] or prefill_seconds),
-                "strict_builds_per_one_token_batch": builds_between(prefill_builds)} if prefill_seconds else {}),
+                "strict_builds_per_one_token_batch": prefill_builds,
+                "one_token_fresh_batch_seconds": fresh_seconds,
+                "one_token_fresh_median_s": statistics.median(fresh_seconds[1:] or fresh_seconds),
+                "strict_builds_per_one_token_fresh_batch": fresh_builds} if prefill_seconds else {}),
+            **({"profiled_batch": args.profile_batch} if profile else {}),
             "strict_builds_at_start": sum(builds[0].values()),
             "strict_builds_per_batch": builds_between(builds),
             "max_model_len": config.model_config.max_model_len,  # read back: what the engine was built with
@@ -121,6 +124,18 @@ def worker(args) -> dict:
             "max_cudagraph_capture_size": config.compilation_config.max_cudagraph_capture_size,  # read back
             "attention_impl": sorted(llm.apply_model(attention_impls)[0]),
             **({"profile": profile} if profile else {})}
+
+
+def one_token_batches(llm, generator, args, one) -> tuple[list[float], list[dict]]:
+    """args.prefill_batches batches of new prompts, sampling ``one`` (one new token each): their seconds, and the
+    strict kernels built during each (builds_between)."""
+    seconds, builds = [], [strict_kernel_builds()]
+    for _ in range(args.prefill_batches):
+        t0 = time.perf_counter()
+        llm.generate(new_prompts(generator, args), one, use_tqdm=False)
+        seconds.append(round(time.perf_counter() - t0, 3))
+        builds.append(strict_kernel_builds())
+    return seconds, builds_between(builds)
 
 
 def strict_kernel_builds() -> dict:
@@ -185,6 +200,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--batches must be at least 1 (the rate is the median batch's after the first)")
     if args.prefill_batches < 0:
         parser.error("--prefill-batches must be 0 or more")
+    if args.profile_batch != "full" and not args.profile:
+        parser.error(f"--profile-batch {args.profile_batch} needs --profile (the configurations to profile)")
     if args.capture_size < 0:
         parser.error("--capture-size must be 0 (vLLM's default) or a number of rows")
     if args.max_model_len and args.max_model_len < args.prompt_len + args.new_tokens:
@@ -202,7 +219,8 @@ def print_profiles(results: dict) -> None:
         if "profile" in r:
             p = r["profile"]
             print(f"{name}: GPU kernel time {p['gpu_kernel_ms']} ms in one profiled generate "
-                  f"({p.get('profiled_wall_s')} s wall under the profiler; {p['gpu_events']} GPU events; "
+                  f"({r['profiled_batch']} batch; "
+                  f"{p.get('profiled_wall_s')} s wall under the profiler; {p['gpu_events']} GPU events; "
                   f"timeline {p['timeline']}); largest:")
             for t in p["top"]:
                 print(f"   {t['ms']:9.1f} ms {t['calls']:7d} calls  {t['kernel']}")
@@ -226,12 +244,15 @@ def main() -> None:
     parser.add_argument("--capture-size", type=int, default=0,
                         help="vLLM's max_cudagraph_capture_size for every configuration (0: vLLM's default)")
     parser.add_argument("--prefill-batches", type=int, default=0,
-                        help="after the timed batches, this many batches of new prompts with one new token each "
-                             "(one_token_median_s, the median after the first): roughly the prefill's share of a "
-                             "batch, without the profiler")
+                        help="this many batches of new prompts with one new token each, before the timed batches "
+                             "(one_token_fresh_median_s) and after them (one_token_median_s; medians after the "
+                             "first): roughly the prefill's share of a batch, without the profiler")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", default="", help="comma list of configurations to run once more under "
                         "torch.profiler (GPU kernel time by kernel, printed after the timings)")
+    parser.add_argument("--profile-batch", choices=("full", "one-token"), default="full",
+                        help="what --profile runs under the profiler after the timed batches: a full batch, or a "
+                             "batch of new prompts with one new token each (the prefill step)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     check_args(parser, args)
@@ -247,7 +268,7 @@ def main() -> None:
                "--batches", str(args.batches), "--max-model-len", str(args.max_model_len),
                "--capture-size", str(args.capture_size), "--prefill-batches", str(args.prefill_batches)]
         if name in args.profile.split(","):
-            cmd += ["--profile", name]
+            cmd += ["--profile", name, "--profile-batch", args.profile_batch]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -263,7 +284,8 @@ def main() -> None:
         if "one_token_median_s" in r:
             batch, one = statistics.median(r["batch_seconds"][1:] or r["batch_seconds"]), r["one_token_median_s"]
             print(f"{name:24s} batch {batch:.3f} s ~ one-token batch (prefill, a sampling step, generate's fixed "
-                  f"cost) {one:.3f} s + the rest {batch - one:.3f} s (medians after the first)")
+                  f"cost) {one:.3f} s + the rest {batch - one:.3f} s (medians after the first); a one-token batch "
+                  f"in the fresh engine {r['one_token_fresh_median_s']:.3f} s")
     print_profiles(results)
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
