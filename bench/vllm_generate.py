@@ -10,7 +10,7 @@ when done). The first batches include one-time work (JIT builds of launch shapes
 kernel specializes on its integer arguments; strict_builds_per_batch counts them); the rate is that of the median
 batch after the first (steady state; the last batch's alone, the rate before 2026-12-05, is kept as
 last_batch_tokens_per_s: at the RL rollout shape one batch of four ran 15% slower than the others), and
-batch_seconds lists them all.
+batch_seconds lists them all, gc_per_batch the garbage collector's seconds and collections in each (GcClock).
 Prints one line per configuration and the ratios to the default; --json writes the records.
 
 --capture-size N sets vLLM's max_cudagraph_capture_size for every configuration of the run (its default is 512 and,
@@ -28,6 +28,7 @@ holding a config.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -90,16 +91,21 @@ def worker(args) -> dict:
     # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens)
     one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
            for i in range(args.prompts)]
-    fresh_seconds, fresh_builds = one_token_batches(llm, g, args, one)
-    batch_seconds, generated, builds = [], 0, [strict_kernel_builds()]
+    gc_clock = GcClock()
+    gc.callbacks.append(gc_clock)
+    fresh_seconds, fresh_builds, fresh_gc = one_token_batches(llm, g, args, one, gc_clock)
+    batch_seconds, generated, builds, batch_gc = [], 0, [strict_kernel_builds()], []
     for i in range(args.batches):
         batch = prompts if i == 0 else new_prompts(g, args)
+        gc_clock.take()
         t0 = time.perf_counter()
         outputs = llm.generate(batch, params, use_tqdm=False)
         batch_seconds.append(round(time.perf_counter() - t0, 3))
+        batch_gc.append(gc_clock.take())
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         builds.append(strict_kernel_builds())
-    prefill_seconds, prefill_builds = one_token_batches(llm, g, args, one)
+    prefill_seconds, prefill_builds, prefill_gc = one_token_batches(llm, g, args, one, gc_clock)
+    gc.callbacks.remove(gc_clock)
     # one more batch under torch.profiler: after the timed ones, so it pays neither prefix-cache hits nor builds
     profiled = one if args.profile_batch == "one-token" else params
     profile = profile_generate(llm, new_prompts(g, args), profiled) if args.profile else None
@@ -113,9 +119,12 @@ def worker(args) -> dict:
             **({"one_token_batch_seconds": prefill_seconds,
                 "one_token_median_s": statistics.median(prefill_seconds[1:] or prefill_seconds),
                 "strict_builds_per_one_token_batch": prefill_builds,
+                "gc_per_one_token_batch": prefill_gc,
                 "one_token_fresh_batch_seconds": fresh_seconds,
                 "one_token_fresh_median_s": statistics.median(fresh_seconds[1:] or fresh_seconds),
-                "strict_builds_per_one_token_fresh_batch": fresh_builds} if prefill_seconds else {}),
+                "strict_builds_per_one_token_fresh_batch": fresh_builds,
+                "gc_per_one_token_fresh_batch": fresh_gc} if prefill_seconds else {}),
+            "gc_per_batch": batch_gc,
             **({"profiled_batch": args.profile_batch} if profile else {}),
             "strict_builds_at_start": sum(builds[0].values()),
             "strict_builds_per_batch": builds_between(builds),
@@ -126,16 +135,42 @@ def worker(args) -> dict:
             **({"profile": profile} if profile else {})}
 
 
-def one_token_batches(llm, generator, args, one) -> tuple[list[float], list[dict]]:
-    """args.prefill_batches batches of new prompts, sampling ``one`` (one new token each): their seconds, and the
-    strict kernels built during each (builds_between)."""
-    seconds, builds = [], [strict_kernel_builds()]
+class GcClock:
+    """Python's cyclic garbage collector, timed through ``gc.callbacks`` while installed: seconds spent collecting
+    and collections by generation since the last ``take()``. A full (generation 2) collection walks every tracked
+    object of the process, vLLM's and torch's included, and stops the host meanwhile; a batch that pays one is
+    slower for a reason outside the kernels. https://docs.python.org/3/library/gc.html#gc.callbacks"""
+
+    def __init__(self):
+        self.seconds, self.collections, self._start = 0.0, [0, 0, 0], None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.collections[info["generation"]] += 1
+            self._start = None
+
+    def take(self) -> dict:
+        """{"s": seconds collecting, "collections": [generation 0, 1, 2]} since the last take, then reset."""
+        taken = {"s": round(self.seconds, 4), "collections": self.collections}
+        self.seconds, self.collections = 0.0, [0, 0, 0]
+        return taken
+
+
+def one_token_batches(llm, generator, args, one, gc_clock: GcClock) -> tuple[list[float], list[dict], list[dict]]:
+    """args.prefill_batches batches of new prompts, sampling ``one`` (one new token each): their seconds, the
+    strict kernels built during each (builds_between) and the garbage collector's time in each (GcClock.take)."""
+    seconds, builds, collected = [], [strict_kernel_builds()], []
     for _ in range(args.prefill_batches):
+        gc_clock.take()
         t0 = time.perf_counter()
         llm.generate(new_prompts(generator, args), one, use_tqdm=False)
         seconds.append(round(time.perf_counter() - t0, 3))
+        collected.append(gc_clock.take())
         builds.append(strict_kernel_builds())
-    return seconds, builds_between(builds)
+    return seconds, builds_between(builds), collected
 
 
 def strict_kernel_builds() -> dict:
@@ -285,7 +320,9 @@ def main() -> None:
             batch, one = statistics.median(r["batch_seconds"][1:] or r["batch_seconds"]), r["one_token_median_s"]
             print(f"{name:24s} batch {batch:.3f} s ~ one-token batch (prefill, a sampling step, generate's fixed "
                   f"cost) {one:.3f} s + the rest {batch - one:.3f} s (medians after the first); a one-token batch "
-                  f"in the fresh engine {r['one_token_fresh_median_s']:.3f} s")
+                  f"in the fresh engine {r['one_token_fresh_median_s']:.3f} s; garbage collection in the one-token "
+                  f"batches {sum(c['s'] for c in r['gc_per_one_token_batch']):.3f} s, in the fresh ones "
+                  f"{sum(c['s'] for c in r['gc_per_one_token_fresh_batch']):.3f} s")
     print_profiles(results)
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
