@@ -10,7 +10,8 @@ when done). The first batches include one-time work (JIT builds of launch shapes
 kernel specializes on its integer arguments; strict_builds_per_batch counts them); the rate is that of the median
 batch after the first (steady state; the last batch's alone, the rate before 2026-12-05, is kept as
 last_batch_tokens_per_s: at the RL rollout shape one batch of four ran 15% slower than the others), and
-batch_seconds lists them all, gc_per_batch the garbage collector's seconds and collections in each (GcClock).
+batch_seconds lists them all, host_events_per_batch what in each could stall the host outside the kernels (the
+garbage collector's seconds and collections, CUDA allocator calls and retries: HostEvents).
 Prints one line per configuration and the ratios to the default; --json writes the records.
 
 --capture-size N sets vLLM's max_cudagraph_capture_size for every configuration of the run (its default is 512 and,
@@ -91,21 +92,21 @@ def worker(args) -> dict:
     # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens)
     one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
            for i in range(args.prompts)]
-    gc_clock = GcClock()
-    gc.callbacks.append(gc_clock)
-    fresh_seconds, fresh_builds, fresh_gc = one_token_batches(llm, g, args, one, gc_clock)
-    batch_seconds, generated, builds, batch_gc = [], 0, [strict_kernel_builds()], []
+    events = HostEvents()
+    gc.callbacks.append(events.gc_callback)
+    fresh_seconds, fresh_builds, fresh_events = one_token_batches(llm, g, args, one, events)
+    batch_seconds, generated, builds, batch_events = [], 0, [strict_kernel_builds()], []
     for i in range(args.batches):
         batch = prompts if i == 0 else new_prompts(g, args)
-        gc_clock.take()
+        events.take()
         t0 = time.perf_counter()
         outputs = llm.generate(batch, params, use_tqdm=False)
         batch_seconds.append(round(time.perf_counter() - t0, 3))
-        batch_gc.append(gc_clock.take())
+        batch_events.append(events.take())
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         builds.append(strict_kernel_builds())
-    prefill_seconds, prefill_builds, prefill_gc = one_token_batches(llm, g, args, one, gc_clock)
-    gc.callbacks.remove(gc_clock)
+    prefill_seconds, prefill_builds, prefill_events = one_token_batches(llm, g, args, one, events)
+    gc.callbacks.remove(events.gc_callback)
     # one more batch under torch.profiler: after the timed ones, so it pays neither prefix-cache hits nor builds
     profiled = one if args.profile_batch == "one-token" else params
     profile = profile_generate(llm, new_prompts(g, args), profiled) if args.profile else None
@@ -119,12 +120,12 @@ def worker(args) -> dict:
             **({"one_token_batch_seconds": prefill_seconds,
                 "one_token_median_s": statistics.median(prefill_seconds[1:] or prefill_seconds),
                 "strict_builds_per_one_token_batch": prefill_builds,
-                "gc_per_one_token_batch": prefill_gc,
+                "host_events_per_one_token_batch": prefill_events,
                 "one_token_fresh_batch_seconds": fresh_seconds,
                 "one_token_fresh_median_s": statistics.median(fresh_seconds[1:] or fresh_seconds),
                 "strict_builds_per_one_token_fresh_batch": fresh_builds,
-                "gc_per_one_token_fresh_batch": fresh_gc} if prefill_seconds else {}),
-            "gc_per_batch": batch_gc,
+                "host_events_per_one_token_fresh_batch": fresh_events} if prefill_seconds else {}),
+            "host_events_per_batch": batch_events,
             **({"profiled_batch": args.profile_batch} if profile else {}),
             "strict_builds_at_start": sum(builds[0].values()),
             "strict_builds_per_batch": builds_between(builds),
@@ -135,40 +136,55 @@ def worker(args) -> dict:
             **({"profile": profile} if profile else {})}
 
 
-class GcClock:
-    """Python's cyclic garbage collector, timed through ``gc.callbacks`` while installed: seconds spent collecting
-    and collections by generation since the last ``take()``. A full (generation 2) collection walks every tracked
-    object of the process, vLLM's and torch's included, and stops the host meanwhile; a batch that pays one is
-    slower for a reason outside the kernels. https://docs.python.org/3/library/gc.html#gc.callbacks"""
+class HostEvents:
+    """What could stall the host between two ``take()`` calls outside the kernels: Python's cyclic garbage collector
+    (seconds collecting and collections by generation, through ``gc.callbacks`` while ``gc_callback`` is installed;
+    a full collection walks every tracked object vLLM has not frozen) and the CUDA caching allocator (calls to
+    cudaMalloc and cudaFree, and retries: a cudaMalloc that failed, after which the allocator synchronizes and
+    frees its cached blocks; torch.cuda.memory_stats). https://docs.python.org/3/library/gc.html#gc.callbacks"""
+
+    ALLOCATOR = {"cuda_mallocs": "num_device_alloc", "cuda_frees": "num_device_free",
+                 "cuda_malloc_retries": "num_alloc_retries"}
 
     def __init__(self):
-        self.seconds, self.collections, self._start = 0.0, [0, 0, 0], None
+        self.gc_seconds, self.collections, self._gc_start = 0.0, [0, 0, 0], None
+        self._allocator = self._allocator_counts()
 
-    def __call__(self, phase: str, info: dict) -> None:
+    def gc_callback(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start is not None:
-            self.seconds += time.perf_counter() - self._start
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gc_seconds += time.perf_counter() - self._gc_start
             self.collections[info["generation"]] += 1
-            self._start = None
+            self._gc_start = None
+
+    @classmethod
+    def _allocator_counts(cls) -> dict:
+        import torch
+
+        stats = torch.cuda.memory_stats()
+        return {name: stats.get(key, 0) for name, key in cls.ALLOCATOR.items()}
 
     def take(self) -> dict:
-        """{"s": seconds collecting, "collections": [generation 0, 1, 2]} since the last take, then reset."""
-        taken = {"s": round(self.seconds, 4), "collections": self.collections}
-        self.seconds, self.collections = 0.0, [0, 0, 0]
+        """{"gc_s", "gc_collections" [generation 0, 1, 2], "cuda_mallocs", "cuda_frees", "cuda_malloc_retries"}
+        since the last take, then start counting again."""
+        now = self._allocator_counts()
+        taken = {"gc_s": round(self.gc_seconds, 4), "gc_collections": self.collections,
+                 **{name: now[name] - self._allocator[name] for name in now}}
+        self.gc_seconds, self.collections, self._allocator = 0.0, [0, 0, 0], now
         return taken
 
 
-def one_token_batches(llm, generator, args, one, gc_clock: GcClock) -> tuple[list[float], list[dict], list[dict]]:
+def one_token_batches(llm, generator, args, one, events: HostEvents) -> tuple[list[float], list[dict], list[dict]]:
     """args.prefill_batches batches of new prompts, sampling ``one`` (one new token each): their seconds, the
-    strict kernels built during each (builds_between) and the garbage collector's time in each (GcClock.take)."""
+    strict kernels built during each (builds_between) and the host events in each (HostEvents.take)."""
     seconds, builds, collected = [], [strict_kernel_builds()], []
     for _ in range(args.prefill_batches):
-        gc_clock.take()
+        events.take()
         t0 = time.perf_counter()
         llm.generate(new_prompts(generator, args), one, use_tqdm=False)
         seconds.append(round(time.perf_counter() - t0, 3))
-        collected.append(gc_clock.take())
+        collected.append(events.take())
         builds.append(strict_kernel_builds())
     return seconds, builds_between(builds), collected
 
@@ -320,9 +336,12 @@ def main() -> None:
             batch, one = statistics.median(r["batch_seconds"][1:] or r["batch_seconds"]), r["one_token_median_s"]
             print(f"{name:24s} batch {batch:.3f} s ~ one-token batch (prefill, a sampling step, generate's fixed "
                   f"cost) {one:.3f} s + the rest {batch - one:.3f} s (medians after the first); a one-token batch "
-                  f"in the fresh engine {r['one_token_fresh_median_s']:.3f} s; garbage collection in the one-token "
-                  f"batches {sum(c['s'] for c in r['gc_per_one_token_batch']):.3f} s, in the fresh ones "
-                  f"{sum(c['s'] for c in r['gc_per_one_token_fresh_batch']):.3f} s")
+                  f"in the fresh engine {r['one_token_fresh_median_s']:.3f} s")
+            for when, label in (("one_token_fresh_batch", "fresh"), ("one_token_batch", "after the batches")):
+                print(f"{name:24s} one-token batches, {label}: " + "; ".join(
+                    f"{s:.3f} s (gc {e['gc_s']:.3f} s, {e['gc_collections'][2]} full; cudaMalloc {e['cuda_mallocs']}, "
+                    f"cudaFree {e['cuda_frees']}, retries {e['cuda_malloc_retries']})"
+                    for s, e in zip(r[f"{when}_seconds"], r[f"host_events_per_{when}"], strict=True)))
     print_profiles(results)
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
