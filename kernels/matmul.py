@@ -36,6 +36,7 @@ import torch
 
 from alignaudit_kernels.primitives import (
     BLOCK,
+    as_rows,
     block_sums,
     capability,
     cdiv,
@@ -516,14 +517,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor, segments: int) -> None:
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int = 1) -> torch.Tensor:
     _check(x, weight, segments)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = as_rows(x)
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
     if use_triton(x):
         y = _triton(x2, weight, bias, segments=segments)
     else:
         y = _cpu(x2, weight, bias, segments)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if x2 is x else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class _Linear(torch.autograd.Function):
@@ -582,12 +583,12 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor, k_segments: int) -> to
         as ``linear``.
     """
     _check(x, weight, k_segments)
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = as_rows(x)
     if use_triton(x):
         y = _triton(x2, weight, None, segments=k_segments, out_dtype=torch.float32)
     else:
         y = _cpu_partial(x2, weight, k_segments)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if x2 is x else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def combine_partials(parts: list[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -24,6 +24,8 @@ import torch
 
 from alignaudit_kernels.gradients import backward_on, rms_norm_grad
 from alignaudit_kernels.primitives import (
+    as_rows,
+    as_shape,
     cdiv,
     compiling_inference,
     fixed_sum,
@@ -154,16 +156,15 @@ def _strided_heads(x: torch.Tensor, residual) -> torch.Tensor | None:
 
 
 def _forward(x, weight, eps, residual):
-    h = x.shape[-1]
     view = _strided_heads(x, residual)
     if view is not None:
         return _triton(view, weight, float(eps), None, heads=view.shape[1])[0].view(x.shape), x
-    x2 = reduction_input(x.reshape(-1, h))
-    r2 = reduction_input(residual.reshape(-1, h)) if residual is not None else None
+    x2 = reduction_input(as_rows(x))
+    r2 = reduction_input(as_rows(residual)) if residual is not None else None
     if r2 is not None and r2.dtype != x2.dtype:
         raise TypeError(f"strict rms_norm: residual is {r2.dtype}, x is {x2.dtype}")
     y, s = (_triton if use_triton(x) else _cpu)(x2, weight, float(eps), r2)
-    return y.reshape(x.shape), s.reshape(x.shape)
+    return as_shape(y, x.shape), as_shape(s, x.shape)
 
 
 def _backward(s, weight, eps, gy):

@@ -11,7 +11,17 @@ from __future__ import annotations
 import torch
 
 from alignaudit_kernels.gradients import backward_on, silu_mul_grad
-from alignaudit_kernels.primitives import cdiv, compiling_inference, exp, no_gradient, opaque_op, triton, use_triton
+from alignaudit_kernels.primitives import (
+    as_rows,
+    as_shape,
+    cdiv,
+    compiling_inference,
+    exp,
+    no_gradient,
+    opaque_op,
+    triton,
+    use_triton,
+)
 
 
 def reference(gate, up):
@@ -50,10 +60,10 @@ def _triton(gate, up):
 
 def _forward(gate, up):
     shape = gate.shape
-    g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+    g2, u2 = as_rows(gate), as_rows(up)
     if g2.stride(-1) != 1 or u2.stride(-1) != 1:
         g2, u2 = g2.contiguous(), u2.contiguous()
-    return (_triton if use_triton(gate) else _cpu)(g2, u2).reshape(shape)
+    return as_shape((_triton if use_triton(gate) else _cpu)(g2, u2), shape)
 
 
 class _SiluMul(torch.autograd.Function):
