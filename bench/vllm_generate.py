@@ -4,9 +4,10 @@
 Each configuration runs in its own process (the environment variables act at import and at engine start):
 the same model config with vLLM's dummy weights (load_format="dummy": the shape is what costs, not the
 values), the same token-id prompts, ``LLM.generate`` with CUDA graphs and torch.compile as vLLM defaults
-them. One warm-up request, then --batches batches of every prompt at once, each of new token ids (the same
-prompts again would hit vLLM's prefix cache and skip the prefill), each timed on the host (generate returns
-when done). The first batches include one-time work (JIT builds of launch shapes not seen before: a strict
+them. One warm-up request, then (with --prefill-batches N) N batches of prompts of their own with one new token
+each, then --batches batches of every prompt at once, each of new token ids (the same prompts again would hit
+vLLM's prefix cache and skip the prefill), each timed on the host (generate returns when done), then N one-token
+batches again. The first batches include one-time work (JIT builds of launch shapes not seen before: a strict
 kernel specializes on its integer arguments; strict_builds_per_batch counts them); the rate is that of the median
 batch after the first (steady state; the last batch's alone, the rate before 2026-12-05, is kept as
 last_batch_tokens_per_s: at the RL rollout shape one batch of four ran 15% slower than the others), and
@@ -94,7 +95,10 @@ def worker(args) -> dict:
            for i in range(args.prompts)]
     events = HostEvents()
     gc.callbacks.append(events.gc_callback)
-    fresh_seconds, fresh_builds, fresh_events = one_token_batches(llm, g, args, one, events)
+    # their own prompts, so that the timed batches get the token ids they got before these batches existed (the first
+    # timed batch no longer pays the first prefills' one-time work, though: these do)
+    fresh_seconds, fresh_builds, fresh_events = one_token_batches(llm, torch.Generator().manual_seed(1), args, one,
+                                                                  events)
     batch_seconds, generated, builds, batch_events = [], 0, [strict_kernel_builds()], []
     for i in range(args.batches):
         batch = prompts if i == 0 else new_prompts(g, args)
@@ -144,7 +148,7 @@ class HostEvents:
     frees its cached blocks; torch.cuda.memory_stats). https://docs.python.org/3/library/gc.html#gc.callbacks"""
 
     ALLOCATOR = {"cuda_mallocs": "num_device_alloc", "cuda_frees": "num_device_free",
-                 "cuda_malloc_retries": "num_alloc_retries"}
+                 "cuda_malloc_retries": "num_alloc_retries", "allocator_stream_syncs": "num_sync_all_streams"}
 
     def __init__(self):
         self.gc_seconds, self.collections, self._gc_start = 0.0, [0, 0, 0], None
@@ -162,15 +166,18 @@ class HostEvents:
     def _allocator_counts(cls) -> dict:
         import torch
 
-        stats = torch.cuda.memory_stats()
-        return {name: stats.get(key, 0) for name, key in cls.ALLOCATOR.items()}
+        stats = torch.cuda.memory_stats()  # {} before CUDA is initialized; a backend may leave keys out
+        return {name: stats.get(key) for name, key in cls.ALLOCATOR.items()}
 
     def take(self) -> dict:
-        """{"gc_s", "gc_collections" [generation 0, 1, 2], "cuda_mallocs", "cuda_frees", "cuda_malloc_retries"}
-        since the last take, then start counting again."""
+        """{"gc_s", "gc_collections" [generation 0, 1, 2], "cuda_mallocs", "cuda_frees", "cuda_malloc_retries",
+        "allocator_stream_syncs"} since the last take, then start counting again; an allocator count is None where
+        torch.cuda.memory_stats does not report it (never 0 for "not known")."""
         now = self._allocator_counts()
+        before = self._allocator
         taken = {"gc_s": round(self.gc_seconds, 4), "gc_collections": self.collections,
-                 **{name: now[name] - self._allocator[name] for name in now}}
+                 **{name: None if now[name] is None or before[name] is None else now[name] - before[name]
+                    for name in now}}
         self.gc_seconds, self.collections, self._allocator = 0.0, [0, 0, 0], now
         return taken
 
@@ -340,7 +347,8 @@ def main() -> None:
             for when, label in (("one_token_fresh_batch", "fresh"), ("one_token_batch", "after the batches")):
                 print(f"{name:24s} one-token batches, {label}: " + "; ".join(
                     f"{s:.3f} s (gc {e['gc_s']:.3f} s, {e['gc_collections'][2]} full; cudaMalloc {e['cuda_mallocs']}, "
-                    f"cudaFree {e['cuda_frees']}, retries {e['cuda_malloc_retries']})"
+                    f"cudaFree {e['cuda_frees']}, retries {e['cuda_malloc_retries']}, "
+                    f"stream syncs {e['allocator_stream_syncs']})"
                     for s, e in zip(r[f"{when}_seconds"], r[f"host_events_per_{when}"], strict=True)))
     print_profiles(results)
     if args.json:
