@@ -62,8 +62,12 @@ def truncate(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
             cumulative sum; entries whose cumulative probability is <= 1 - p go, the largest always stays
             (apply_top_k_top_p_pytorch).
     Top-k is exact whatever the batch (a sort and comparisons). Top-p's boundary depends on how the softmax and
-    the cumulative sum round, which can depend on how many rows a call holds, so it runs one [1, V] row per
-    call: the trainer's replay and the strict vLLM sampler run the same calls on the same row.
+    the cumulative sum round, which depends on how many rows a call holds, so it runs one [1, V] row per
+    call: the trainer's replay and the strict vLLM sampler run the same calls on the same row. On CUDA torch's
+    cumsum scans a one-row tensor with CUB's device-wide scan and more rows with a row kernel whose threads per row
+    depend on the row count (aten/src/ATen/native/cuda/ScanUtils.cuh, scan_dim and
+    get_log_num_threads_x_inner_scan): bench/top_p_probe.py found a row alone unlike the same row in any batch of
+    2-64, on an H200 and an H100 (torch 2.11, 2026-12-06; docs/benchmarks.md).
     """
     x = x.clone()
     vocab = x.shape[-1]
