@@ -86,9 +86,9 @@ def worker(args) -> dict:
               for i in range(args.prompts)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     torch.cuda.synchronize()
-    # the same prompts with one new token each: the prefill, one sampling step and generate's fixed cost, so that a
-    # batch's time splits roughly into that and the decode steps without the profiler's host overhead (roughly: in
-    # the full batch vLLM may schedule prefill chunks beside decode rows); timed in the fresh engine and again after
+    # batches of the same shape with one new token each: the prefill, one sampling step and generate's fixed cost, so
+    # that a batch's time splits roughly into that and the decode steps without the profiler's host overhead (roughly:
+    # in the full batch vLLM may schedule prefill chunks beside decode rows); timed in the fresh engine and again after
     # the full batches (on an H100, 2026-12-06, at the RL rollout shape with graphs up to 2048 rows, strict took
     # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens)
     one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
@@ -101,12 +101,9 @@ def worker(args) -> dict:
                                                                   events)
     batch_seconds, generated, builds, batch_events = [], 0, [strict_kernel_builds()], []
     for i in range(args.batches):
-        batch = prompts if i == 0 else new_prompts(g, args)
-        events.take()
-        t0 = time.perf_counter()
-        outputs = llm.generate(batch, params, use_tqdm=False)
-        batch_seconds.append(round(time.perf_counter() - t0, 3))
-        batch_events.append(events.take())
+        seconds, outputs, happened = timed_generate(llm, prompts if i == 0 else new_prompts(g, args), params, events)
+        batch_seconds.append(seconds)
+        batch_events.append(happened)
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         builds.append(strict_kernel_builds())
     prefill_seconds, prefill_builds, prefill_events = one_token_batches(llm, g, args, one, events)
@@ -182,16 +179,23 @@ class HostEvents:
         return taken
 
 
+def timed_generate(llm, prompts, params, events: HostEvents) -> tuple[float, list, dict]:
+    """One ``llm.generate``: its host seconds (generate returns when done), its outputs, and the host events in it."""
+    events.take()
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = round(time.perf_counter() - t0, 3)
+    return seconds, outputs, events.take()
+
+
 def one_token_batches(llm, generator, args, one, events: HostEvents) -> tuple[list[float], list[dict], list[dict]]:
     """args.prefill_batches batches of new prompts, sampling ``one`` (one new token each): their seconds, the
     strict kernels built during each (builds_between) and the host events in each (HostEvents.take)."""
     seconds, builds, collected = [], [strict_kernel_builds()], []
     for _ in range(args.prefill_batches):
-        events.take()
-        t0 = time.perf_counter()
-        llm.generate(new_prompts(generator, args), one, use_tqdm=False)
-        seconds.append(round(time.perf_counter() - t0, 3))
-        collected.append(events.take())
+        took, _, happened = timed_generate(llm, new_prompts(generator, args), one, events)
+        seconds.append(took)
+        collected.append(happened)
         builds.append(strict_kernel_builds())
     return seconds, builds_between(builds), collected
 
