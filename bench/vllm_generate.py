@@ -12,7 +12,8 @@ kernel specializes on its integer arguments; strict_builds_per_batch counts them
 batch after the first (steady state; the last batch's alone, the rate before 2026-12-05, is kept as
 last_batch_tokens_per_s: at the RL rollout shape one batch of four ran 15% slower than the others), and
 batch_seconds lists them all, host_events_per_batch what in each could stall the host outside the kernels (the
-garbage collector's seconds and collections, CUDA allocator calls and retries: HostEvents).
+garbage collector's seconds and collections, CUDA allocator calls and retries: HostEvents; the host seconds
+of the eager attention calls and their max_seq_len: AttentionTrace).
 Prints one line per configuration and the ratios to the default; --json writes the records.
 
 --capture-size N sets vLLM's max_cudagraph_capture_size for every configuration of the run (its default is 512 and,
@@ -93,7 +94,7 @@ def worker(args) -> dict:
     # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens)
     one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
            for i in range(args.prompts)]
-    events = HostEvents()
+    events = HostEvents(AttentionTrace(attention_impl_class()))
     gc.callbacks.append(events.gc_callback)
     # their own prompts, so that the timed batches get the token ids they got before these batches existed (the first
     # timed batch no longer pays the first prefills' one-time work, though: these do)
@@ -147,9 +148,10 @@ class HostEvents:
     ALLOCATOR = {"cuda_mallocs": "num_device_alloc", "cuda_frees": "num_device_free",
                  "cuda_malloc_retries": "num_alloc_retries", "allocator_stream_syncs": "num_sync_all_streams"}
 
-    def __init__(self):
+    def __init__(self, attention: AttentionTrace | None = None):
         self.gc_seconds, self.collections, self._gc_start = 0.0, [0, 0, 0], None
         self._allocator = self._allocator_counts()
+        self.attention = attention
 
     def gc_callback(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -168,15 +170,68 @@ class HostEvents:
 
     def take(self) -> dict:
         """{"gc_s", "gc_collections" [generation 0, 1, 2], "cuda_mallocs", "cuda_frees", "cuda_malloc_retries",
-        "allocator_stream_syncs"} since the last take, then start counting again; an allocator count is None where
-        torch.cuda.memory_stats does not report it (never 0 for "not known")."""
+        "allocator_stream_syncs"} (and AttentionTrace.take's keys, with a trace) since the last take, then start
+        counting again; an allocator count is None where torch.cuda.memory_stats does not report it (never 0 for
+        "not known")."""
         now = self._allocator_counts()
         before = self._allocator
         taken = {"gc_s": round(self.gc_seconds, 4), "gc_collections": self.collections,
                  **{name: None if now[name] is None or before[name] is None else now[name] - before[name]
-                    for name in now}}
+                    for name in now}, **(self.attention.take() if self.attention else {})}
         self.gc_seconds, self.collections, self._allocator = 0.0, [0, 0, 0], now
         return taken
+
+
+class AttentionTrace:
+    """Host seconds of every eager call of an attention impl's ``forward`` (vLLM runs attention outside its
+    piecewise CUDA graphs: every layer of a step that is not a FULL graph replay), by wrapping the class's method in
+    this process (the engine core runs in it: VLLM_ENABLE_V1_MULTIPROCESSING=0). No device synchronization is added:
+    a call's seconds are its host work, plus any wait for a full launch queue. Calls with metadata are split into
+    steps with a single query row per request (decode; vLLM replays FULL graphs for most of them) and the others
+    (prefill, chunked or mixed), whose max_seq_len values (the key bound the attention plans with) are kept."""
+
+    def __init__(self, impl_cls: type):
+        self.impl_cls, self.forward = impl_cls, impl_cls.forward
+        self._reset()
+        trace = self
+
+        def traced(impl, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = trace.forward(impl, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            took = time.perf_counter() - t0
+            if attn_metadata is not None:
+                kind = "decode" if attn_metadata.max_query_len == 1 else "other"
+                trace.calls[kind] += 1
+                trace.seconds[kind] += took
+                if kind == "other":
+                    trace.max_seq_lens.add(int(attn_metadata.max_seq_len))
+            return out
+
+        impl_cls.forward = traced
+
+    def _reset(self) -> None:
+        self.calls, self.seconds, self.max_seq_lens = {"decode": 0, "other": 0}, {"decode": 0.0, "other": 0.0}, set()
+
+    def take(self) -> dict:
+        """{"attention_calls" {"decode", "other"}, "attention_host_ms" {"decode", "other"}, "attention_max_seq_lens"
+        (the non-decode calls')} since the last take, then start again."""
+        taken = {"attention_calls": self.calls,
+                 "attention_host_ms": {k: round(1e3 * v, 2) for k, v in self.seconds.items()},
+                 "attention_max_seq_lens": sorted(self.max_seq_lens)}
+        self._reset()
+        return taken
+
+
+def attention_impl_class() -> type:
+    """The attention impl class this process's engine runs on CUDA: strict's (ALIGNAUDIT_STRICT) or vLLM's
+    FlashAttention (the default on Hopper; the result's attention_impl says what the model really holds)."""
+    if os.environ.get("ALIGNAUDIT_STRICT"):
+        from alignaudit.engines.vllm.attention_cuda import StrictFlashAttentionImpl
+
+        return StrictFlashAttentionImpl
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    return FlashAttentionImpl
 
 
 def timed_generate(llm, prompts, params, events: HostEvents) -> tuple[float, list, dict]:
@@ -275,6 +330,15 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
 
 
+def attention_line(events: dict) -> str:
+    """AttentionTrace's counts of one batch, in words."""
+    calls, ms = events["attention_calls"], events["attention_host_ms"]
+    if not calls["decode"] + calls["other"]:
+        return "attention not traced: no eager call of the traced impl"
+    return (f"attention host {ms['other']:.1f} ms in {calls['other']} non-decode calls (max_seq_len "
+            f"{events['attention_max_seq_lens']}), {ms['decode']:.1f} ms in {calls['decode']} decode calls")
+
+
 def print_profiles(results: dict) -> None:
     """The profiled configurations' GPU kernel time, timeline and host side."""
     for name, r in results.items():
@@ -352,7 +416,7 @@ def main() -> None:
                 print(f"{name:24s} one-token batches, {label}: " + "; ".join(
                     f"{s:.3f} s (gc {e['gc_s']:.3f} s, {e['gc_collections'][2]} full; cudaMalloc {e['cuda_mallocs']}, "
                     f"cudaFree {e['cuda_frees']}, retries {e['cuda_malloc_retries']}, "
-                    f"stream syncs {e['allocator_stream_syncs']})"
+                    f"stream syncs {e['allocator_stream_syncs']}; {attention_line(e)})"
                     for s, e in zip(r[f"{when}_seconds"], r[f"host_events_per_{when}"], strict=True)))
     print_profiles(results)
     if args.json:
