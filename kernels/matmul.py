@@ -95,7 +95,8 @@ def _cpu(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segm
     out = _cpu_partial(x2, weight, segments)
     if bias is not None:
         out = out + bias.float()
-    return out.to(x2.dtype)
+    # no no-op cast of an fp32 result: torch 2.11's compiled autograd.Function gave such a forward a zero gradient
+    return out if out.dtype == x2.dtype else out.to(x2.dtype)
 
 
 if triton is not None:
