@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -135,6 +136,8 @@ def worker(args) -> dict:
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
             "max_cudagraph_capture_size": config.compilation_config.max_cudagraph_capture_size,  # read back
             "attention_impl": sorted(llm.apply_model(attention_impls)[0]),
+            # threads that could take the GIL from the engine's loop between (or inside) its host calls
+            "python_threads": sorted(t.name for t in threading.enumerate()),
             **({"profile": profile} if profile else {})}
 
 
@@ -186,9 +189,11 @@ class AttentionTrace:
     """Host seconds of every eager call of an attention impl's ``forward`` (vLLM runs attention outside its
     piecewise CUDA graphs: every layer of a step that is not a FULL graph replay), by wrapping the class's method in
     this process (the engine core runs in it: VLLM_ENABLE_V1_MULTIPROCESSING=0). No device synchronization is added:
-    a call's seconds are its host work, plus any wait for a full launch queue. Calls with metadata are split into
-    steps with a single query row per request (decode; vLLM replays FULL graphs for most of them) and the others
-    (prefill, chunked or mixed), whose max_seq_len values (the key bound the attention plans with) are kept."""
+    a call's seconds are its host work, plus any wait for a full launch queue, for the GIL or for the device where
+    the call synchronizes. Calls with metadata are split into steps with a single query row per request (decode;
+    vLLM replays FULL graphs for most of them) and the others (prefill, chunked or mixed): of those, each step's
+    total, the slowest call with its layer (its place among its step's calls: one metadata object a step, shared by
+    every layer) and the max_seq_len values (the key bound the attention plans with) are kept."""
 
     def __init__(self, impl_cls: type):
         self.impl_cls, self.forward = impl_cls, impl_cls.forward
@@ -200,23 +205,38 @@ class AttentionTrace:
             out = trace.forward(impl, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             took = time.perf_counter() - t0
             if attn_metadata is not None:
-                kind = "decode" if attn_metadata.max_query_len == 1 else "other"
-                trace.calls[kind] += 1
-                trace.seconds[kind] += took
-                if kind == "other":
-                    trace.max_seq_lens.add(int(attn_metadata.max_seq_len))
+                trace.record(attn_metadata, took)
             return out
 
         impl_cls.forward = traced
 
+    def record(self, meta, seconds: float) -> None:
+        kind = "decode" if meta.max_query_len == 1 else "other"
+        self.calls[kind] += 1
+        self.seconds[kind] += seconds
+        if kind == "decode":
+            return
+        if meta is not self._step:
+            self._step, self._layer = meta, 0
+            self.step_ms.append(0.0)
+        self.step_ms[-1] += 1e3 * seconds
+        if 1e3 * seconds > self.slowest[0]:
+            self.slowest = (1e3 * seconds, self._layer)
+        self._layer += 1
+        self.max_seq_lens.add(int(meta.max_seq_len))
+
     def _reset(self) -> None:
         self.calls, self.seconds, self.max_seq_lens = {"decode": 0, "other": 0}, {"decode": 0.0, "other": 0.0}, set()
+        self.step_ms, self.slowest, self._step, self._layer = [], (0.0, None), None, 0
 
     def take(self) -> dict:
-        """{"attention_calls" {"decode", "other"}, "attention_host_ms" {"decode", "other"}, "attention_max_seq_lens"
-        (the non-decode calls')} since the last take, then start again."""
+        """{"attention_calls" {"decode", "other"}, "attention_host_ms" {"decode", "other"}, and of the non-decode
+        calls: "attention_step_host_ms" (one total a step), "attention_slowest"
+        {"ms", "layer"} and "attention_max_seq_lens"} since the last take, then start again."""
         taken = {"attention_calls": self.calls,
                  "attention_host_ms": {k: round(1e3 * v, 2) for k, v in self.seconds.items()},
+                 "attention_step_host_ms": [round(ms, 2) for ms in self.step_ms],
+                 "attention_slowest": {"ms": round(self.slowest[0], 3), "layer": self.slowest[1]},
                  "attention_max_seq_lens": sorted(self.max_seq_lens)}
         self._reset()
         return taken
@@ -335,8 +355,10 @@ def attention_line(events: dict) -> str:
     calls, ms = events["attention_calls"], events["attention_host_ms"]
     if not calls["decode"] + calls["other"]:
         return "attention not traced: no eager call of the traced impl"
-    return (f"attention host {ms['other']:.1f} ms in {calls['other']} non-decode calls (max_seq_len "
-            f"{events['attention_max_seq_lens']}), {ms['decode']:.1f} ms in {calls['decode']} decode calls")
+    slowest = events["attention_slowest"]
+    return (f"attention host {ms['other']:.1f} ms in {calls['other']} non-decode calls (steps "
+            f"{events['attention_step_host_ms']} ms, slowest call {slowest['ms']:.2f} ms at layer {slowest['layer']}, "
+            f"max_seq_len {events['attention_max_seq_lens']}), {ms['decode']:.1f} ms in {calls['decode']} decode calls")
 
 
 def print_profiles(results: dict) -> None:
