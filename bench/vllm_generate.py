@@ -92,7 +92,8 @@ def worker(args) -> dict:
     # that a batch's time splits roughly into that and the decode steps without the profiler's host overhead (roughly:
     # in the full batch vLLM may schedule prefill chunks beside decode rows); timed in the fresh engine and again after
     # the full batches (on an H100, 2026-12-06, at the RL rollout shape with graphs up to 2048 rows, strict took
-    # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens)
+    # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens; in the next
+    # session's run on an H100 0.027-0.033 s after them, with the slow steps elsewhere: docs/benchmarks.md)
     one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
            for i in range(args.prompts)]
     events = HostEvents(AttentionTrace(attention_impl_class()))
