@@ -57,16 +57,21 @@ from alignaudit_kernels.attention.launch import (
     KV_GATHER,
     KV_PAGE_ALIGNED,
     SPLIT_BELOW_PROGRAMS_PER_SM,
+    SPLIT_SCRATCH_BYTES,
     TILE_CONFIG,
     QueryTiles,
     _kv_mode,
     _launch,
     _launch_varlen,
+    choose_split,
     paged_tiles,
+    split_scratch,
+    split_scratch_bytes,
 )
 from alignaudit_kernels.attention.torch_reference import batched_reference, reference
 
 __all__ = ["BLOCK_N", "CHUNK_N", "DECODE_CONFIG", "DEFAULT_EXP", "EXP_CHOICES", "KV_DIRECT", "KV_GATHER",
-           "KV_PAGE_ALIGNED", "QueryTiles", "SPLIT_BELOW_PROGRAMS_PER_SM", "TILE_CONFIG", "TILE_ROWS", "_kv_mode",
-           "_launch", "_launch_varlen", "batched_reference", "causal_attention", "paged_attention", "paged_decode",
-           "paged_tiles", "reference", "varlen_attention"]
+           "KV_PAGE_ALIGNED", "QueryTiles", "SPLIT_BELOW_PROGRAMS_PER_SM", "SPLIT_SCRATCH_BYTES", "TILE_CONFIG",
+           "TILE_ROWS", "_kv_mode", "_launch", "_launch_varlen", "batched_reference", "causal_attention",
+           "choose_split", "paged_attention", "paged_decode", "paged_tiles", "reference", "split_scratch",
+           "split_scratch_bytes", "varlen_attention"]

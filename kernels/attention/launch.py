@@ -53,6 +53,36 @@ DECODE_CONFIG = (TILE_ROWS, 4, 3)
 
 SPLIT_BELOW_PROGRAMS_PER_SM = 32  # fewer (tile, KV head) programs than this per SM: one program per chunk
 
+# The most fp32 scratch a split launch may take for its chunk states (m, l and the accumulator of every stored row,
+# chunk, tile and KV head). A split's programs for chunks past a row's keys do nothing, but its scratch is sized by
+# the key bound: in vLLM that is max_model_len for every decode step (a CUDA graph holds it), and a long one made a
+# graph's scratch tens of times the step's work (Qwen3-8B, 512 sequences at max_model_len 40960: 10.9 GB before the
+# decode scratch kept only its USED rows, 0.68 GB after). Memory vLLM's profile run never sees: strict attention
+# computes nothing there. Past this, the launch runs unsplit: the same bits (module docstring), fewer programs.
+SPLIT_SCRATCH_BYTES = 256 * 2**20
+
+
+def split_scratch_bytes(chunks: int, n_tiles: int, kv_heads: int, rows: int, block_d: int) -> int:
+    """Bytes of the split path's fp32 scratch: m and l [chunks, n_tiles, kv_heads, rows] and the accumulator
+    [chunks, n_tiles, kv_heads, rows, block_d], ``rows`` the stored rows of a tile (``_used_rows``)."""
+    return 4 * chunks * n_tiles * kv_heads * rows * (block_d + 2)
+
+
+def split_scratch(chunks: int, n_tiles: int, kv_heads: int, rows: int, block_d: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split path's chunk states, uninitialized: m, l [chunks, n_tiles, kv_heads, rows] and acc [..., block_d],
+    fp32 (``split_scratch_bytes`` in all)."""
+    m = torch.empty(chunks, n_tiles, kv_heads, rows, dtype=torch.float32, device=device)
+    return m, torch.empty_like(m), torch.empty(*m.shape, block_d, dtype=torch.float32, device=device)
+
+
+def choose_split(chunks: int, n_tiles: int, kv_heads: int, rows: int, block_d: int, sms: int) -> bool:
+    """Whether a launch splits its keys into one program per chunk: where there is more than one chunk, the (tile,
+    KV head) programs alone would give each of ``sms`` SMs fewer than SPLIT_BELOW_PROGRAMS_PER_SM, and the scratch
+    stays within SPLIT_SCRATCH_BYTES. Only speed and memory depend on it, never a bit."""
+    return (chunks > 1 and n_tiles * kv_heads < SPLIT_BELOW_PROGRAMS_PER_SM * sms
+            and split_scratch_bytes(chunks, n_tiles, kv_heads, rows, block_d) <= SPLIT_SCRATCH_BYTES)
+
 
 KV_GATHER, KV_PAGE_ALIGNED, KV_DIRECT = 0, 1, 2
 
@@ -69,8 +99,9 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     past it is NaN, and no key past it is read.
     out: [T, H, D] of q's dtype with unit stride along D to write into (vLLM's output buffer), or None.
     split: one program per (tile, KV head, chunk) and a second launch that merges the chunks (True), one
-    program per (tile, KV head) merging in registers (False), or chosen by occupancy (None): the same bits
-    either way. ``block_n`` / ``chunk_n`` other than BLOCK_N / CHUNK_N: benchmarks only (another algorithm).
+    program per (tile, KV head) merging in registers (False), or chosen by occupancy and scratch (None:
+    ``choose_split``): the same bits either way. ``block_n`` / ``chunk_n`` other than BLOCK_N / CHUNK_N:
+    benchmarks only (another algorithm).
     tma / ws: the whole key blocks of a KV_DIRECT launch read by the TMA unit, and that loop warp-specialized
     (``_chunk``): the same bits, a candidate for speed (bench/sweep_gpu.py --sections attention-tma); ValueError
     where the layout cannot take descriptors.
@@ -100,20 +131,19 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
         n_tiles = tiles.shape[1]
     positions = tiles if positions is None else positions
     chunks = cdiv(max_keys, chunk_n)
-    if split is None:
-        split = chunks > 1 and n_tiles * kvh < SPLIT_BELOW_PROGRAMS_PER_SM * (sm_count(q.device) if q.is_cuda else 1)
     block_d = max(16, next_power_of_2(d))
+    used = _used_rows(decode, group, tile)
+    if split is None:
+        split = choose_split(chunks, n_tiles, kvh, used, block_d, sm_count(q.device) if q.is_cuda else 1)
     shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=chunk_n, ROW_POS=row_pos,
-                  DECODE=decode, NATIVE_EXP=exp == "native", USED=_used_rows(decode, group, tile))
+                  DECODE=decode, NATIVE_EXP=exp == "native", USED=used)
     if lse is not None and (lse.shape != (h, t) or lse.dtype != torch.float32 or lse.stride(1) != 1
                             or (h > 1 and lse.stride(0) < t)):
         raise ValueError(f"strict attention: lse {tuple(lse.shape)} {lse.dtype} stride {lse.stride()} must be fp32 "
                          f"[{h}, {t}] with unit stride along the rows and heads that do not overlap")
     lse_args = (out, 0, False) if lse is None else (lse, lse.stride(0), True)  # (pointer, head stride, LSE)
     if split:
-        m = torch.empty(chunks, n_tiles, kvh, tile, dtype=torch.float32, device=q.device)
-        l = torch.empty_like(m)
-        acc = torch.empty(chunks, n_tiles, kvh, tile, block_d, dtype=torch.float32, device=q.device)
+        m, l, acc = split_scratch(chunks, n_tiles, kvh, used, block_d, q.device)
     else:
         m = l = acc = out  # not read
     # ONE_CHUNK only for whole-sequence prefill, whose max_keys is exact per call: a paged launch's bound grows during

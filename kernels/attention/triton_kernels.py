@@ -264,7 +264,9 @@ if triton is not None:
                                scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                                k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP, USED,
                                TMA, WS)
-            slot = ((c.to(tl.int64) * n_tiles + tile) * tl.num_programs(1) + kvh) * TILE + r
+            # scratch rows: the USED rows that can hold a query (a decode tile's heads sit TILE // USED apart;
+            # every row of any other tile), so a decode step's scratch is USED / TILE of a whole tile's
+            slot = ((c.to(tl.int64) * n_tiles + tile) * tl.num_programs(1) + kvh) * USED + r // (TILE // USED)
             keep = valid_row & (c * CHUNK_N <= pos)
             tl.store(m_ptr + slot, m, mask=keep)
             tl.store(l_ptr + slot, l, mask=keep)
@@ -301,8 +303,8 @@ if triton is not None:
         r = tl.arange(0, TILE)
         head = kvh * GROUP + group_head
         d = tl.arange(0, BLOCK_D)
-        slot = (tile.to(tl.int64) * tl.num_programs(1) + kvh) * TILE + r
-        chunk_stride = tl.num_programs(1).to(tl.int64) * n_tiles * TILE
+        slot = (tile.to(tl.int64) * tl.num_programs(1) + kvh) * USED + r // (TILE // USED)  # _attention_kernel's
+        chunk_stride = tl.num_programs(1).to(tl.int64) * n_tiles * USED
         stored = valid_row & (pos >= 0)  # a row with no key (a decode slot of length 0) stored no state
         m = tl.load(m_ptr + slot, mask=stored, other=float("-inf"))
         l = tl.load(l_ptr + slot, mask=stored, other=0.0)

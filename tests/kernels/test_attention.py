@@ -251,6 +251,50 @@ def test_prefill_log_sum_exp_for_the_fused_backward(device):
         attention._launch_varlen(q, k, v, cu, scale, lse=torch.empty(1, t, device=device).expand(h, t))
 
 
+def test_split_scratch_keeps_only_rows_that_hold_queries_and_stays_bounded():
+    """The split path's fp32 scratch holds a decode tile's USED rows only (4 of 64 at 32 query heads over 8 KV
+    heads) and a launch splits only within SPLIT_SCRATCH_BYTES: in vLLM a decode step's key bound is max_model_len,
+    and at Qwen3-8B's 40960 with 512 sequences the whole-tile scratch was 10.9 GB (0.68 GB with USED rows, still
+    past the bound: unsplit). The bits do not depend on it (the split/unsplit decode tests)."""
+    used = attention.launch._used_rows(True, 4, attention.TILE_ROWS)
+    assert used == 4 and attention.launch._used_rows(False, 4, attention.TILE_ROWS) == attention.TILE_ROWS
+    chunks = -(-40960 // attention.CHUNK_N)
+    assert chunks == 80
+    assert attention.split_scratch_bytes(chunks, 512, 8, attention.TILE_ROWS, 128) == 10_905_190_400
+    assert attention.split_scratch_bytes(chunks, 512, 8, used, 128) == 681_574_400
+    sms = 132  # an H200's
+    assert attention.choose_split(chunks, 1, 8, used, 128, sms)  # one long sequence: 8 programs, 1.3 MB
+    assert attention.choose_split(8, 256, 8, used, 128, sms)  # 256 sequences at 4096 keys: 8.5 MB
+    assert not attention.choose_split(chunks, 512, 8, used, 128, sms)  # 0.68 GB: past SPLIT_SCRATCH_BYTES
+    assert not attention.choose_split(1, 1, 8, used, 128, sms)  # one chunk: nothing to split
+    assert not attention.choose_split(8, 528, 8, used, 128, sms)  # 4224 programs: 32 a SM already
+    m, l, acc = attention.split_scratch(3, 5, 2, used, 32, torch.device("cpu"))
+    assert (m.shape, acc.shape) == ((3, 5, 2, used), (3, 5, 2, used, 32))
+    assert sum(x.numel() * x.element_size() for x in (m, l, acc)) == attention.split_scratch_bytes(3, 5, 2, used, 32)
+
+
+def test_a_decode_launch_past_the_scratch_bound_runs_unsplit_with_the_same_bits(device, monkeypatch):
+    """_launch's own choice (split=None) takes the scratch bound: one decode sequence at 600 keys splits into two
+    chunks, and with SPLIT_SCRATCH_BYTES below its scratch it allocates none and gives the same bits."""
+    if not primitives.use_triton(torch.empty(0, device=device)):
+        pytest.skip("the CPU backend has no split path")
+    kvh, d, n = 2, 32, 600
+    q, k, v, cu = exact_attention_inputs([n], 4 * kvh, kvh, d, device)
+    cache_k, cache_v, table = paged(k, v, 16, seed=7, device=device)
+    lens = torch.tensor([n], dtype=torch.int32, device=device)
+    allocated = []
+    real = attention.launch.split_scratch
+    monkeypatch.setattr(attention.launch, "split_scratch", lambda *a: allocated.append(a) or real(*a))
+    outs = []
+    for bound in (attention.SPLIT_SCRATCH_BYTES, 0):
+        monkeypatch.setattr(attention.launch, "SPLIT_SCRATCH_BYTES", bound)
+        outs.append(attention._launch(q[n - 1:], cache_k, cache_v, table.int(), None, lens, d ** -0.5,
+                                      kv_mode=attention.KV_GATHER, max_keys=n))
+        assert len(allocated) == 1, allocated  # the first launch's scratch; the second allocated none
+    assert allocated[0][:4] == (2, 1, kvh, 4)  # two chunks, one tile, USED rows only
+    assert_bitwise_equal("decode past the scratch bound (unsplit) vs split", outs[1], outs[0])
+
+
 @pytest.mark.parametrize("group", [3, 33])
 def test_decode_tile_rows_at_group_sizes_that_are_not_powers_of_two(device, group):
     """A decode tile places a token's heads USED rows apart (USED: the group rounded up to a power of two, 4 for
