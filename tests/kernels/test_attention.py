@@ -346,6 +346,20 @@ def test_paged_attention_refuses_caches_it_cannot_read(device):
                              K.paged_decode(q, strided.contiguous(), strided.contiguous(), table, lens, 0.1, 16))
 
 
+def test_query_tiles_split_each_run_of_a_sequence_into_tiles_from_its_first_row():
+    """paged_tiles' plan, by hand: runs of 70, 5 and 130 rows (sequences 0, 1, 2; sequence 2 again after a run of
+    sequence 1) in tiles of 32 tokens (64 rows at 2 query heads per KV head): sequence, first row, rows, row within
+    the run. Empty rows give no tile."""
+    q_seq = torch.tensor([0] * 70 + [1] * 5 + [2] * 130 + [1] * 3)
+    tiles = attention.paged_tiles(q_seq, 2, torch.device("cpu")).tiles
+    assert tiles.tolist() == [[0, 0, 0, 1, 2, 2, 2, 2, 2, 1],
+                              [0, 32, 64, 70, 75, 107, 139, 171, 203, 205],
+                              [32, 32, 6, 5, 32, 32, 32, 32, 2, 3],
+                              [0, 32, 64, 0, 0, 32, 64, 96, 128, 0]]
+    assert tiles.dtype == torch.int32
+    assert attention.paged_tiles(torch.zeros(0, dtype=torch.int64), 2, torch.device("cpu")).tiles.shape == (4, 0)
+
+
 def test_query_tiles_planned_once_give_the_bits_of_each_call_planning_its_own(device):
     """An engine plans a step's query tiles once (paged_tiles) and every layer's paged_attention reads them: the
     bits of a call that plans its own. Tiles planned for another query-head group or another number of rows are
