@@ -25,7 +25,7 @@ Contract (both backends):
                   The tensor cores add K in steps of their instruction (16 for bf16/fp16) into the
                   accumulator, so BLOCK_K only groups steps: on an H200, BLOCK_K 64 and 128 give the same
                   bits (bench/sweep_gpu.py), and tests/kernels/ re-checks rows across every switch
-Backward: plain torch matmuls in fp32 (correct, not strict).
+Backward: plain torch matmuls in the inputs' dtype (correct, not strict: ``linear_backward``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 
 from alignaudit_kernels.primitives import (
     BLOCK,
+    as_dtype,
     as_rows,
     block_sums,
     capability,
@@ -93,10 +94,7 @@ def _cpu_segment(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _cpu(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int = 1) -> torch.Tensor:
     out = _cpu_partial(x2, weight, segments)
-    if bias is not None:
-        out = out + bias.float()
-    # no no-op cast of an fp32 result: torch 2.11's compiled autograd.Function gave such a forward a zero gradient
-    return out if out.dtype == x2.dtype else out.to(x2.dtype)
+    return as_dtype(out if bias is None else out + bias.float(), x2.dtype)
 
 
 if triton is not None:

@@ -284,6 +284,13 @@ def as_shape(y: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return y if y.shape == shape else y.reshape(shape)
 
 
+def as_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y cast to ``dtype``, with no cast where it has that dtype: torch 2.11's compiled ``autograd.Function`` gave a
+    forward ending in a no-op ``.to`` an all-zero gradient (rope on 2026-12-04, linear on 2026-12-06: fp32 CPU paths,
+    tests/kernels/test_compile.py; torch 2.13 does not)."""
+    return y if y.dtype == dtype else y.to(dtype)
+
+
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (n >= 1), for block sizes chosen on the host: plain integer arithmetic, as
     ``cdiv``. triton.next_power_of_2 gives the same values but is a constexpr function since Triton 3.5, whose

@@ -22,6 +22,7 @@ import torch
 
 from alignaudit_kernels.gradients import backward_on, rope_grad
 from alignaudit_kernels.primitives import (
+    as_dtype,
     cached_tensors,
     cdiv,
     compiling_inference,
@@ -91,8 +92,7 @@ def _cpu(x, positions, cos, sin):
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
     out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    # no no-op cast of an fp32 result: torch 2.11's compiled autograd.Function gave such a forward a zero gradient
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    return as_dtype(out, x.dtype)
 
 
 if triton is not None:
