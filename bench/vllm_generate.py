@@ -93,7 +93,7 @@ def worker(args) -> dict:
     # in the full batch vLLM may schedule prefill chunks beside decode rows); timed in the fresh engine and again after
     # the full batches (on an H100, 2026-12-06, at the RL rollout shape with graphs up to 2048 rows, strict took
     # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens; in the next
-    # session's run on an H100 0.027-0.033 s after them, with the slow steps elsewhere: docs/benchmarks.md)
+    # session's run on an H100 0.027-0.030 s after them, with the slow steps elsewhere: docs/benchmarks.md)
     one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
            for i in range(args.prompts)]
     events = HostEvents(AttentionTrace(attention_impl_class()))
@@ -151,6 +151,9 @@ class HostEvents:
 
     ALLOCATOR = {"cuda_mallocs": "num_device_alloc", "cuda_frees": "num_device_free",
                  "cuda_malloc_retries": "num_alloc_retries", "allocator_stream_syncs": "num_sync_all_streams"}
+    # the pinned host allocator (torch.cuda.host_memory_stats): strict attention copies its step plan from pinned
+    # memory, and a pinned block the pool lacks is a cudaHostAlloc
+    HOST_ALLOCATOR = {"pinned_allocs": "num_host_alloc", "pinned_alloc_us": "host_alloc_time.total"}
 
     def __init__(self, attention: AttentionTrace | None = None):
         self.gc_seconds, self.collections, self._gc_start = 0.0, [0, 0, 0], None
@@ -170,13 +173,15 @@ class HostEvents:
         import torch
 
         stats = torch.cuda.memory_stats()  # {} before CUDA is initialized; a backend may leave keys out
-        return {name: stats.get(key) for name, key in cls.ALLOCATOR.items()}
+        host = flat(torch.cuda.host_memory_stats()) if hasattr(torch.cuda, "host_memory_stats") else {}
+        return {**{name: stats.get(key) for name, key in cls.ALLOCATOR.items()},
+                **{name: host.get(key) for name, key in cls.HOST_ALLOCATOR.items()}}
 
     def take(self) -> dict:
         """{"gc_s", "gc_collections" [generation 0, 1, 2], "cuda_mallocs", "cuda_frees", "cuda_malloc_retries",
-        "allocator_stream_syncs"} (and AttentionTrace.take's keys, with a trace) since the last take, then start
-        counting again; an allocator count is None where torch.cuda.memory_stats does not report it (never 0 for
-        "not known")."""
+        "allocator_stream_syncs", "pinned_allocs", "pinned_alloc_us"} (and AttentionTrace.take's keys, with a trace)
+        since the last take, then start counting again; an allocator count is None where torch.cuda.memory_stats or
+        host_memory_stats does not report it (never 0 for "not known")."""
         now = self._allocator_counts()
         before = self._allocator
         taken = {"gc_s": round(self.gc_seconds, 4), "gc_collections": self.collections,
@@ -193,8 +198,9 @@ class AttentionTrace:
     a call's seconds are its host work, plus any wait for a full launch queue, for the GIL or for the device where
     the call synchronizes. Calls with metadata are split into steps with a single query row per request (decode;
     vLLM replays FULL graphs for most of them) and the others (prefill, chunked or mixed): of those, each step's
-    total, the slowest call with its layer (its place among its step's calls: one metadata object a step, shared by
-    every layer) and the max_seq_len values (the key bound the attention plans with) are kept."""
+    total, the slowest call with its place among the step's calls (a step: the calls that share one metadata
+    object, every layer of a KV-cache group; the first plans the step's query tiles) and the max_seq_len values (the
+    key bound the attention plans with) are kept."""
 
     def __init__(self, impl_cls: type):
         self.impl_cls, self.forward = impl_cls, impl_cls.forward
@@ -218,26 +224,26 @@ class AttentionTrace:
         if kind == "decode":
             return
         if meta is not self._step:
-            self._step, self._layer = meta, 0
+            self._step, self._call = meta, 0
             self.step_ms.append(0.0)
         self.step_ms[-1] += 1e3 * seconds
         if 1e3 * seconds > self.slowest[0]:
-            self.slowest = (1e3 * seconds, self._layer)
-        self._layer += 1
+            self.slowest = (1e3 * seconds, self._call)
+        self._call += 1
         self.max_seq_lens.add(int(meta.max_seq_len))
 
     def _reset(self) -> None:
         self.calls, self.seconds, self.max_seq_lens = {"decode": 0, "other": 0}, {"decode": 0.0, "other": 0.0}, set()
-        self.step_ms, self.slowest, self._step, self._layer = [], (0.0, None), None, 0
+        self.step_ms, self.slowest, self._step, self._call = [], (0.0, None), None, 0
 
     def take(self) -> dict:
         """{"attention_calls" {"decode", "other"}, "attention_host_ms" {"decode", "other"}, and of the non-decode
         calls: "attention_step_host_ms" (one total a step), "attention_slowest"
-        {"ms", "layer"} and "attention_max_seq_lens"} since the last take, then start again."""
+        {"ms", "call_in_step"} and "attention_max_seq_lens"} since the last take, then start again."""
         taken = {"attention_calls": self.calls,
                  "attention_host_ms": {k: round(1e3 * v, 2) for k, v in self.seconds.items()},
                  "attention_step_host_ms": [round(ms, 2) for ms in self.step_ms],
-                 "attention_slowest": {"ms": round(self.slowest[0], 3), "layer": self.slowest[1]},
+                 "attention_slowest": {"ms": round(self.slowest[0], 3), "call_in_step": self.slowest[1]},
                  "attention_max_seq_lens": sorted(self.max_seq_lens)}
         self._reset()
         return taken
@@ -253,6 +259,17 @@ def attention_impl_class() -> type:
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
     return FlashAttentionImpl
+
+
+def flat(stats: dict, prefix: str = "") -> dict:
+    """A nested statistics dict as one level, keys joined by ".": {"a": {"b": 1}} -> {"a.b": 1}."""
+    out = {}
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def timed_generate(llm, prompts, params, events: HostEvents) -> tuple[float, list, dict]:
@@ -353,13 +370,16 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
 
 def attention_line(events: dict) -> str:
     """AttentionTrace's counts of one batch, in words."""
+    if "attention_calls" not in events:
+        return "attention not traced"
     calls, ms = events["attention_calls"], events["attention_host_ms"]
     if not calls["decode"] + calls["other"]:
         return "attention not traced: no eager call of the traced impl"
     slowest = events["attention_slowest"]
-    return (f"attention host {ms['other']:.1f} ms in {calls['other']} non-decode calls (steps "
-            f"{events['attention_step_host_ms']} ms, slowest call {slowest['ms']:.2f} ms at layer {slowest['layer']}, "
-            f"max_seq_len {events['attention_max_seq_lens']}), {ms['decode']:.1f} ms in {calls['decode']} decode calls")
+    other = (f" (steps {events['attention_step_host_ms']} ms, slowest call {slowest['ms']:.2f} ms, the step's call "
+             f"{slowest['call_in_step']}, max_seq_len {events['attention_max_seq_lens']})" if calls["other"] else "")
+    return (f"attention host {ms['other']:.1f} ms in {calls['other']} non-decode calls{other}, {ms['decode']:.1f} ms "
+            f"in {calls['decode']} decode calls")
 
 
 def print_profiles(results: dict) -> None:
@@ -439,7 +459,8 @@ def main() -> None:
                 print(f"{name:24s} one-token batches, {label}: " + "; ".join(
                     f"{s:.3f} s (gc {e['gc_s']:.3f} s, {e['gc_collections'][2]} full; cudaMalloc {e['cuda_mallocs']}, "
                     f"cudaFree {e['cuda_frees']}, retries {e['cuda_malloc_retries']}, "
-                    f"stream syncs {e['allocator_stream_syncs']}; {attention_line(e)})"
+                    f"stream syncs {e['allocator_stream_syncs']}; pinned allocs {e.get('pinned_allocs')}, "
+                    f"{e.get('pinned_alloc_us')} us; {attention_line(e)})"
                     for s, e in zip(r[f"{when}_seconds"], r[f"host_events_per_{when}"], strict=True)))
     print_profiles(results)
     if args.json:

@@ -30,8 +30,9 @@ def _tiles(seqs, starts, counts, per_tile: int) -> torch.Tensor:
 
     seqs/starts/counts [runs] (CPU ints: tensors or arrays): sequence index, first row and row count of each run.
     Returns int32 [4, tiles] (CPU): sequence, first row, row count, and index of the first row within its run.
-    Planned in numpy, not in torch CPU ops: an engine plans every step on the host, and on a 2-core Xeon with both
-    cores busy the torch form took 1.9-9.6 ms for 32 runs against numpy's 47-79 us (2026-12-06; no GPU).
+    Planned in numpy, not in torch CPU ops: an engine plans every step on the host, where small torch ops wait on
+    busy cores for torch's intra-op threads. For 32 runs on a 2-core Xeon with both cores busy, the torch form took
+    1.9-9.6 ms (2 threads) or 75 us (one thread), numpy 31-79 us (2026-12-06; no GPU).
     """
     seqs, starts, counts = (np.asarray(x, dtype=np.int64) for x in (seqs, starts, counts))
     n_tiles = (counts + per_tile - 1) // per_tile

@@ -264,7 +264,7 @@ def test_split_scratch_keeps_only_rows_that_hold_queries_and_stays_bounded():
     assert attention.split_scratch_bytes(chunks, 512, 8, used, 128) == 681_574_400
     sms = 132  # an H200's
     assert attention.choose_split(chunks, 1, 8, used, 128, sms)  # one long sequence: 8 programs, 1.3 MB
-    assert attention.choose_split(8, 256, 8, used, 128, sms)  # 256 sequences at 4096 keys: 8.5 MB
+    assert attention.choose_split(8, 256, 8, used, 128, sms)  # 256 sequences at 4096 keys: 34.1 MB
     assert not attention.choose_split(chunks, 512, 8, used, 128, sms)  # 0.68 GB: past SPLIT_SCRATCH_BYTES
     assert not attention.choose_split(1, 1, 8, used, 128, sms)  # one chunk: nothing to split
     assert not attention.choose_split(8, 528, 8, used, 128, sms)  # 4224 programs: 32 a SM already
@@ -293,6 +293,25 @@ def test_a_decode_launch_past_the_scratch_bound_runs_unsplit_with_the_same_bits(
         assert len(allocated) == 1, allocated  # the first launch's scratch; the second allocated none
     assert allocated[0][:4] == (2, 1, kvh, 4)  # two chunks, one tile, USED rows only
     assert_bitwise_equal("decode past the scratch bound (unsplit) vs split", outs[1], outs[0])
+
+
+@pytest.mark.parametrize("group", [3, 5])
+def test_split_decode_over_several_chunks_at_groups_that_are_not_powers_of_two(device, group):
+    """The compact scratch's chunk stride (USED rows a tile: 4 for 3 heads, 8 for 5) over five chunks of 128 keys
+    (chunk_n: the test's, so that few keys make many chunks): split decode gives the unsplit bits for rows that end
+    in each chunk, with an empty slot beside them."""
+    if not primitives.use_triton(torch.empty(0, device=device)):
+        pytest.skip("the CPU backend has no split path")
+    kvh, d, n = 2, 32, 600
+    q, k, v, cu = exact_attention_inputs([n], group * kvh, kvh, d, device)
+    cache_k, cache_v, table = paged(k, v, 16, seed=group, device=device)
+    rows = torch.tensor([0, 127, 128, 300, 599, 5])
+    lens = torch.tensor([1, 128, 129, 301, 600, 0], dtype=torch.int32, device=device)
+    table = table.repeat(len(rows), 1).int()
+    outs = [attention._launch(q[rows], cache_k, cache_v, table, None, lens, d ** -0.5, kv_mode=attention.KV_GATHER,
+                              max_keys=n, split=split, chunk_n=128) for split in (False, True)]
+    assert torch.isnan(outs[0][5]).all()
+    assert_bitwise_equal(f"group {group}: split decode over 5 chunks vs unsplit", outs[1], outs[0])
 
 
 @pytest.mark.parametrize("group", [3, 33])
@@ -358,6 +377,16 @@ def test_query_tiles_split_each_run_of_a_sequence_into_tiles_from_its_first_row(
                               [0, 32, 64, 0, 0, 32, 64, 96, 128, 0]]
     assert tiles.dtype == torch.int32
     assert attention.paged_tiles(torch.zeros(0, dtype=torch.int64), 2, torch.device("cpu")).tiles.shape == (4, 0)
+    generator = gen(90)
+    for _ in range(100):  # random layouts against the plan written as a loop
+        counts = torch.randint(1, 200, (int(torch.randint(1, 12, (1,), generator=generator)),), generator=generator)
+        q_seq = torch.randint(0, 4, counts.shape, generator=generator).repeat_interleave(counts)
+        per_tile = int(torch.randint(1, 65, (1,), generator=generator))
+        expected, row = [], 0
+        for seq, count in zip(*torch.unique_consecutive(q_seq, return_counts=True), strict=True):
+            expected += [[int(seq), row + o, min(per_tile, int(count) - o), o] for o in range(0, int(count), per_tile)]
+            row += int(count)
+        assert attention.launch._tiles(*attention.launch.runs_of(q_seq), per_tile).t().tolist() == expected
 
 
 def test_query_tiles_planned_once_give_the_bits_of_each_call_planning_its_own(device):
