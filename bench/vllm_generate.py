@@ -203,7 +203,7 @@ class AttentionTrace:
     key bound the attention plans with) are kept."""
 
     def __init__(self, impl_cls: type):
-        self.impl_cls, self.forward = impl_cls, impl_cls.forward
+        self.forward = impl_cls.forward
         self._reset()
         trace = self
 
