@@ -6,6 +6,8 @@ The backend is --kernel-device's (tests/kernels/conftest.py); each invariance ha
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -492,10 +494,16 @@ def test_strict_ops_compile_into_one_graph_with_eager_bits(device):
 
 def test_attention_negative_control_sdpa_prefill_vs_decode(device):
     """torch SDPA gives the last token of a causal prefill other bits than decoding it alone (fp32 on this
-    CPU; on an H200 the flash and memory-efficient kernels differ for bf16 at a few thousand keys)."""
+    CPU; on an H200 the flash and memory-efficient kernels differ for bf16 at a few thousand keys). Under
+    ATEN_CPU_CAPABILITY=default on an AVX-512/AMX Xeon, torch 2.13's bf16 CPU SDPA raises "pack_vnni2 is only
+    supported when avx512 is supported" (2026-12-06): those cases count as not run, the fp32 one still differs."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     differs = []
     for dtype, n in ((torch.float32, 100), (torch.bfloat16, 100), (torch.bfloat16, 3000)):
         q, k, v = (randn(1, 4, n, 64, dtype=dtype, device=device, seed=5 + i) for i in range(3))
-        differs.append(not torch.equal(sdpa(q, k, v, is_causal=True)[:, :, -1:], sdpa(q[:, :, -1:], k, v)))
+        try:
+            differs.append(not torch.equal(sdpa(q, k, v, is_causal=True)[:, :, -1:], sdpa(q[:, :, -1:], k, v)))
+        except RuntimeError as error:
+            if "pack_vnni2" not in str(error) or os.environ.get("ATEN_CPU_CAPABILITY") != "default":
+                raise
     assert any(differs), differs
