@@ -163,7 +163,7 @@ def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | N
     infer = request.infer.settings.options
     total = torch.cuda.get_device_properties(0).total_memory
     kv = (_number(infer, "kv_cache_memory_bytes") if "kv_cache_memory_bytes" in infer
-          else kv_cache_bytes(spec, request.infer.settings.dtype, sequences * seq_len, seq_len))
+          else kv_cache_bytes(spec, request.infer.settings.dtype, sequences * seq_len, seq_len, infer))
     rollout = None
     if "gpu_memory_utilization" in infer and "kv_cache_memory_bytes" not in infer:
         rollout = _number(infer, "gpu_memory_utilization") * total

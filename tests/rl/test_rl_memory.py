@@ -76,3 +76,20 @@ def test_plans_that_cannot_fit_are_refused_with_both_estimates():
         plan(spec, 32, 128, 8, 0, H200_GPU, 64 * 10**9)
     with pytest.raises(InputError, match=r"cannot train and roll out on one GPU of 80 GB: .* need \d+ GB"):
         plan(spec, 32, 128, 8, 0, 80 * 10**9, H200_HOST)
+
+
+def test_the_rollout_kv_cache_holds_one_sequence_of_the_users_max_model_len():
+    """vLLM refuses to start with less KV cache than one max_model_len sequence needs. On an H100 (2026-12-06)
+    Qwen3-8B with --infer-opt max_model_len=32768 got the prompts' 0.32 GiB and vLLM asked for 4.5 GiB."""
+    from alignaudit.engines.vllm.adapter import kv_cache_bytes
+
+    spec = _preset_spec("Qwen3-8B")
+    per_token = 36 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head_dim x bf16 bytes
+    need, longest = 2 * (512 + 64), 512 + 64
+    # that run's vLLM log: kv_cache_memory_bytes 339738624, the prompts' 1152 tokens over model_len's 1024
+    assert kv_cache_bytes(spec, "bf16", need, longest, {}) == 2 * per_token * 1152 == 339738624
+    assert kv_cache_bytes(spec, "bf16", need, longest, {"max_model_len": 32768}) == 2 * per_token * 32768
+    assert per_token * 32768 == 4.5 * 2**30  # what vLLM asked for
+    assert kv_cache_bytes(spec, "bf16", 64 * 768, 768, {"max_model_len": "2048"}) == 2 * per_token * 64 * 768
+    with pytest.raises(InputError, match=r"max_model_len='32k': not a whole number"):
+        kv_cache_bytes(spec, "bf16", need, longest, {"max_model_len": "32k"})

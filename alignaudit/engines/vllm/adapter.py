@@ -169,7 +169,8 @@ class VllmEngine(Engine):
             "skip_tokenizer_init": not spec.has_tokenizer,
         }
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(self.engine_options):
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(spec, self.settings.dtype, total_tokens, max_len)
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(spec, self.settings.dtype, total_tokens, max_len,
+                                                             self.engine_options)
             if self.settings.device == "cuda":
                 # vLLM starts only if gpu_memory_utilization x the GPU's memory is free (request_memory,
                 # vllm/v1/worker/utils.py); with the KV cache sized above, that check is all it is used for. rl's
@@ -428,11 +429,23 @@ def model_len(spec: ModelSpec, max_len: int) -> int:
     return min(spec.max_position_embeddings, max(1024, 1 << (max_len - 1).bit_length()))
 
 
-def kv_cache_bytes(spec: ModelSpec, dtype: str, total_tokens: int, max_len: int) -> int:
+def kv_cache_bytes(spec: ModelSpec, dtype: str, total_tokens: int, max_len: int, options: dict) -> int:
     """The KV cache alignaudit gives vLLM (bytes): twice what ``total_tokens`` tokens, or one sequence of
-    max_model_len, need in ``dtype`` (K and V of every layer), at least 16 MiB."""
+    max_model_len tokens, need in ``dtype`` (K and V of every layer), at least 16 MiB. max_model_len is the user's
+    (``options["max_model_len"]``, from --infer-opt) or else ``model_len(spec, max_len)``: vLLM refuses to start
+    with less KV cache than one such sequence needs (``_check_enough_kv_cache_memory``,
+    vllm/v1/core/kv_cache_utils.py).
+
+    Raises:
+        InputError: a max_model_len option that is not a whole number.
+    """
+    max_model_len = options.get("max_model_len", model_len(spec, max_len))
+    try:
+        max_model_len = int(max_model_len)
+    except (TypeError, ValueError):
+        raise InputError(f"--infer-opt max_model_len={max_model_len!r}: not a whole number") from None
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[dtype]
-    return max(16 << 20, 2 * per_token * max(total_tokens, model_len(spec, max_len)))
+    return max(16 << 20, 2 * per_token * max(total_tokens, max_model_len))
 
 
 def _read_only(tap) -> bool:
