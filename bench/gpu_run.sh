@@ -366,7 +366,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b')); print('Qwen3-30B-A3B shape at /tm
     top-p-probe) timeout 120 python3 bench/top_p_probe.py --json "$out/top-p-probe.json" 2>&1 | log | tail -6 ;;
     ipc) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/rl/test_weight_transfer.py -rs 2>&1 | log | tail -5 ;;
     rl-bench) timeout ${RLB_TIMEOUT:-420} python3 bench/rl_steps.py --steps ${RLB_STEPS:-6} --configs ${RLB_CONFIGS:-strict,default} --rounds ${RLB_ROUNDS:-1} -- $G17 --device cuda --lr 1e-6 \
-                ${RLB_OPTS:-} 2>&1 | log | tail -12
+                ${RLB_OPTS:-} 2>&1 | log | tail -20
               cp bench-rl-steps.json "$out/" 2>/dev/null ;;
     train-profile) timeout ${TP_TIMEOUT:-500} python3 bench/train_step_profile.py --model Qwen3-1.7B --json "$out/train-profile.json" \
                      2>&1 | log | tail -70 ;;

@@ -6,11 +6,13 @@
 Runs `alignaudit rl` once per configuration on the same model and prompts (default: the fixture), and reads each
 step's stage timings from steps.parquet: "strict" (every op strict, the backward ALIGNAUDIT_BACKWARD's default:
 fused on CUDA), "strict-fused" and "strict-reference" (the same with ALIGNAUDIT_BACKWARD set for that run only,
-kernels/gradients.py) and "default" (the default stack). Step 1 is left out (it includes one-time warm-up).
-Prints the median seconds per step and per stage for each and each one's ratio to default; writes
-bench-rl-steps.json. ``--rounds`` N runs the configurations in turn N times and takes the medians over the steps of
-all rounds (each round's step ratio printed too): the rollout and the weight sync are host-bound at this shape, and
-one run's host can move them (on H100s, the same code gave 1.08 and 1.32; docs/benchmarks.md, 2026-12-05).
+kernels/gradients.py) and "default" (the default stack). Step 1 is left out of the medians (it includes one-time
+warm-up) and printed apart, stage by stage, as each run ends, with that run's medians: a call cut short keeps the
+runs it finished. Prints the median seconds per step and per stage for each and each one's ratio to default; writes
+bench-rl-steps.json (the medians, and each run's first step). ``--rounds`` N runs the configurations in turn N times
+and takes the medians over the steps of all rounds (each round's step ratio printed too): the rollout and the weight
+sync are host-bound at this shape, and one run's host can move them (on H100s, the same code gave 1.08 and 1.32;
+docs/benchmarks.md, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -49,10 +51,17 @@ def main() -> None:
     if "default" not in names or not set(names) <= set(CONFIGS):
         raise SystemExit(f"--configs {args.configs!r}: a comma list of {', '.join(CONFIGS)} with default in it")
     runs = {name: [] for name in names}
+    first_steps = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             for name in names:
-                runs[name].append(run_once(name, args, Path(tmp) / f"{name}-{i}"))
+                steps = run_once(name, args, Path(tmp) / f"{name}-{i}")
+                first_steps[name].append({stage: float(steps[stage].iloc[0]) for stage in STAGES})
+                runs[name].append(steps.iloc[1:])
+                for label, values in (("first step", first_steps[name][-1]),
+                                      ("median of the rest", runs[name][-1][STAGES].median())):
+                    print(f"{name} round {i + 1}, {label}: " + ", ".join(f"{k} {float(values[k]):.3f}" for k in STAGES),
+                          flush=True)
             if args.rounds > 1:
                 ratio = {n: runs[n][-1]["seconds"].median() / runs["default"][-1]["seconds"].median()
                          for n in names if n != "default"}
@@ -71,12 +80,12 @@ def main() -> None:
                         for n in others)
         print(f"{stage:<12}{cells}{d:>11.3f}")
     record = {"train": args.train, "infer": args.infer, "steps": args.steps, "rounds": args.rounds,
-              "median_seconds": medians}
+              "median_seconds": medians, "first_step_seconds": first_steps}
     Path("bench-rl-steps.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def run_once(name: str, args, out: Path) -> pd.DataFrame:
-    """`alignaudit rl` in configuration ``name`` into ``out``: its steps after the first (steps.parquet rows)."""
+    """`alignaudit rl` in configuration ``name`` into ``out``: its steps (steps.parquet rows, the first included)."""
     flags, env = CONFIGS[name]
     os.environ.update(env)  # the engines' worker processes, started by this run, inherit it
     try:
@@ -87,7 +96,7 @@ def run_once(name: str, args, out: Path) -> pd.DataFrame:
             os.environ.pop(key)
     if code != 0:
         raise SystemExit(f"alignaudit rl ({name}) exited with {code}")
-    return pd.read_parquet(out / "steps.parquet").iloc[1:]
+    return pd.read_parquet(out / "steps.parquet")
 
 
 if __name__ == "__main__":
