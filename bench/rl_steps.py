@@ -7,12 +7,12 @@ Runs `alignaudit rl` once per configuration on the same model and prompts (defau
 step's stage timings from steps.parquet: "strict" (every op strict, the backward ALIGNAUDIT_BACKWARD's default:
 fused on CUDA), "strict-fused" and "strict-reference" (the same with ALIGNAUDIT_BACKWARD set for that run only,
 kernels/gradients.py) and "default" (the default stack). Step 1 is left out of the medians (it includes one-time
-warm-up) and printed apart, stage by stage, as each run ends, with that run's medians: a call cut short keeps the
-runs it finished. Prints the median seconds per step and per stage for each and each one's ratio to default; writes
-bench-rl-steps.json (the medians, and each run's first step). ``--rounds`` N runs the configurations in turn N times
-and takes the medians over the steps of all rounds (each round's step ratio printed too): the rollout and the weight
-sync are host-bound at this shape, and one run's host can move them (on H100s, the same code gave 1.08 and 1.32;
-docs/benchmarks.md, 2026-12-05).
+warm-up) and printed apart, stage by stage, as each run ends, with that run's medians; bench-rl-steps.json is
+written again after each run: a call cut short keeps the runs it finished. Prints the median seconds per step and
+per stage for each and each one's ratio to default; writes bench-rl-steps.json (the medians, and each run's first
+step). ``--rounds`` N runs the configurations in turn N times and takes the medians over the steps of all rounds
+(each round's step ratio printed too): the rollout and the weight sync are host-bound at this shape, and one run's
+host can move them (on H100s, the same code gave 1.08 and 1.32; docs/benchmarks.md, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1 (each round runs every configuration once)")
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: at least 2 (step 1 is left out of the medians)")
     names = args.configs.split(",")
     if "default" not in names or not set(names) <= set(CONFIGS):
         raise SystemExit(f"--configs {args.configs!r}: a comma list of {', '.join(CONFIGS)} with default in it")
@@ -62,16 +64,12 @@ def main() -> None:
                                       ("median of the rest", runs[name][-1][STAGES].median())):
                     print(f"{name} round {i + 1}, {label}: " + ", ".join(f"{k} {float(values[k]):.3f}" for k in STAGES),
                           flush=True)
+                medians = write_record(args, runs, first_steps)
             if args.rounds > 1:
                 ratio = {n: runs[n][-1]["seconds"].median() / runs["default"][-1]["seconds"].median()
                          for n in names if n != "default"}
                 print(f"round {i + 1}: step / default " + ", ".join(f"{n} {r:.2f}" for n, r in ratio.items()),
                       flush=True)
-    medians = {}
-    for name, frames in runs.items():
-        steps = pd.concat(frames)
-        medians[name] = {stage: float(steps[stage].median()) for stage in STAGES}
-        medians[name]["mismatching_steps"] = int((steps["mismatches"] > 0).sum())
     others = [n for n in names if n != "default"]
     print(f"{'stage':<12}" + "".join(f"{n + ' s':>16}{n + '/default':>22}" for n in others) + f"{'default s':>11}")
     for stage in STAGES:
@@ -79,9 +77,21 @@ def main() -> None:
         cells = "".join(f"{medians[n][stage]:>16.3f}{medians[n][stage] / d if d else float('nan'):>22.2f}"
                         for n in others)
         print(f"{stage:<12}{cells}{d:>11.3f}")
+
+
+def write_record(args, runs: dict, first_steps: dict) -> dict:
+    """Write bench-rl-steps.json from the runs finished so far (each after its first step) and return the medians
+    per configuration and stage, with each configuration's count of steps with mismatching tokens."""
+    medians = {}
+    for name, frames in runs.items():
+        if frames:
+            steps = pd.concat(frames)
+            medians[name] = {stage: float(steps[stage].median()) for stage in STAGES}
+            medians[name]["mismatching_steps"] = int((steps["mismatches"] > 0).sum())
     record = {"train": args.train, "infer": args.infer, "steps": args.steps, "rounds": args.rounds,
               "median_seconds": medians, "first_step_seconds": first_steps}
     Path("bench-rl-steps.json").write_text(json.dumps(record, indent=2) + "\n")
+    return medians
 
 
 def run_once(name: str, args, out: Path) -> pd.DataFrame:

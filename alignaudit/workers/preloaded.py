@@ -126,12 +126,12 @@ class Preloaded:
 
 class _Server:
     def __init__(self, engines: tuple[str, ...], env: dict[str, str]):
-        from alignaudit.workers.spawn import _die_with_parent
+        from alignaudit.workers.spawn import _die_with_parent, python_module
 
         self.busy = threading.Lock()
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "alignaudit.workers.preloaded", ",".join(engines), str(theirs.fileno())],
+            [*python_module("alignaudit.workers.preloaded"), ",".join(engines), str(theirs.fileno())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
             pass_fds=(theirs.fileno(),), preexec_fn=_die_with_parent,
         )

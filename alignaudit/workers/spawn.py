@@ -131,11 +131,30 @@ def check_options(runs: list, spec: ModelSpec, mode: str = "prompt") -> None:
         raise _worker_error(engines, code, output.splitlines()[-20:], None)
 
 
+def python_module(module: str) -> list[str]:
+    """The command that runs ``python -m module`` in a fresh interpreter, without the working directory on its
+    sys.path (``-P``, Python >= 3.11) when alignaudit is installed (editable or not) and so importable without it.
+
+    Why: run from a checkout, the working directory holds kernels/, which would shadow the Hugging Face ``kernels``
+    package. transformers imports that package where it is installed (a dependency of transformers since 5.25.0)
+    and then fails on ours: "cannot import name 'CUDAProperties' from 'kernels'" (seen with transformers 5.25.0 on
+    this repository's root, 2026-12-06). Not installed (run from a checkout through PYTHONPATH or the working
+    directory), the worker needs that directory and keeps it.
+    """
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("alignaudit")
+    except PackageNotFoundError:
+        return [sys.executable, "-m", module]
+    return [sys.executable, "-P", "-m", module]
+
+
 def start_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     """``python -m alignaudit.workers.capture_worker ARGS`` in a fresh process with ``env``: its stdout and stderr
     together on one text pipe (``proc.stdout``), killed when this process dies. The test session replaces it
     with alignaudit.workers.preloaded (the same worker, forked from an interpreter that has imported the engine)."""
-    return subprocess.Popen([sys.executable, "-m", "alignaudit.workers.capture_worker", *args],
+    return subprocess.Popen([*python_module("alignaudit.workers.capture_worker"), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             preexec_fn=_die_with_parent)
 
@@ -144,7 +163,7 @@ def start_session(args: list[str], env: dict[str, str], stderr) -> subprocess.Po
     """``python -m alignaudit.workers.rl_session ARGS`` in a fresh process with ``env``: text pipes on its stdin
     (commands) and stdout (replies), its stderr into the open file ``stderr``, killed when this process dies. The
     test session replaces it too (alignaudit.workers.preloaded.Preloaded.start_session)."""
-    return subprocess.Popen([sys.executable, "-m", "alignaudit.workers.rl_session", *args], stdin=subprocess.PIPE,
+    return subprocess.Popen([*python_module("alignaudit.workers.rl_session"), *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=_die_with_parent)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from safetensors import safe_open
@@ -90,6 +91,33 @@ def test_the_rollout_kv_cache_holds_one_sequence_of_the_users_max_model_len():
     assert kv_cache_bytes(spec, "bf16", need, longest, {}) == 2 * per_token * 1152 == 339738624
     assert kv_cache_bytes(spec, "bf16", need, longest, {"max_model_len": 32768}) == 2 * per_token * 32768
     assert per_token * 32768 == 4.5 * 2**30  # what vLLM asked for
-    assert kv_cache_bytes(spec, "bf16", 64 * 768, 768, {"max_model_len": "2048"}) == 2 * per_token * 64 * 768
-    with pytest.raises(InputError, match=r"max_model_len='32k': not a whole number"):
-        kv_cache_bytes(spec, "bf16", need, longest, {"max_model_len": "32k"})
+    for given in ("32768", 32768.0):  # what --infer-opt's JSON parsing can give for it
+        assert kv_cache_bytes(spec, "bf16", need, longest, {"max_model_len": given}) == 2 * per_token * 32768
+    assert kv_cache_bytes(spec, "bf16", need, longest, {"max_model_len": None}) == 2 * per_token * 40960  # the model's
+    for bad in ("32k", True, 32768.5):
+        with pytest.raises(InputError, match=r"max_model_len=.*: not a whole number"):
+            kv_cache_bytes(spec, "bf16", need, longest, {"max_model_len": bad})
+
+
+def test_rl_memory_plan_counts_the_kv_cache_of_the_users_max_model_len(monkeypatch):
+    """rl_plan sizes the rollout engine's KV cache as the engine will (kv_cache_bytes), so a long max_model_len
+    is in the plan before any engine starts."""
+    import torch
+
+    from alignaudit.rl import memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200_GPU))
+    monkeypatch.setattr(memory, "host_memory", lambda: H200_HOST)
+
+    def rollout_bytes(infer_options):
+        request = SimpleNamespace(
+            spec=_preset_spec("Qwen3-1.7B"), batch=SimpleNamespace(sequences=[[1] * 64] * 8),
+            rollout=SimpleNamespace(max_new_tokens=64),
+            train=SimpleNamespace(engine="megatron", settings=SimpleNamespace(device="cuda", options={})),
+            infer=SimpleNamespace(engine="vllm", settings=SimpleNamespace(dtype="bf16", options=infer_options)))
+        return memory.rl_plan(request, group_size=4).rollout
+
+    per_token = 28 * 2 * 8 * 128 * 2  # Qwen3-1.7B: layers x (K, V) x KV heads x head_dim x bf16 bytes
+    # 8 prompts x 4 completions x (64 + 64) tokens = 4096 tokens; one sequence of 32768
+    assert rollout_bytes({"max_model_len": 32768}) - rollout_bytes({}) == 2 * per_token * (32768 - 4096)

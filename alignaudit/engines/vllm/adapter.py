@@ -10,8 +10,9 @@ can reach the model; alignaudit already gives vLLM a process of its own.
 
 Options: any vllm EngineArgs field (``enforce_eager``, ``enable_prefix_caching``, ``max_num_seqs``,
 ``max_num_batched_tokens``, ``logprobs_mode``, ...) goes to ``LLM(...)``; any SamplingParams field goes to
-the sampling parameters. The KV cache is bounded to what the prompts need unless ``kv_cache_memory_bytes``
-or ``gpu_memory_utilization`` is given (the CPU backend otherwise reserves most of the machine's memory).
+the sampling parameters. The KV cache is bounded to what the prompts need, and at least one max_model_len
+sequence (``kv_cache_bytes``), unless ``kv_cache_memory_bytes`` or ``gpu_memory_utilization`` is given (the CPU
+backend otherwise reserves most of the machine's memory).
 """
 
 from __future__ import annotations
@@ -430,22 +431,27 @@ def model_len(spec: ModelSpec, max_len: int) -> int:
 
 
 def kv_cache_bytes(spec: ModelSpec, dtype: str, total_tokens: int, max_len: int, options: dict) -> int:
-    """The KV cache alignaudit gives vLLM (bytes): twice what ``total_tokens`` tokens, or one sequence of
-    max_model_len tokens, need in ``dtype`` (K and V of every layer), at least 16 MiB. max_model_len is the user's
-    (``options["max_model_len"]``, from --infer-opt) or else ``model_len(spec, max_len)``: vLLM refuses to start
-    with less KV cache than one such sequence needs (``_check_enough_kv_cache_memory``,
-    vllm/v1/core/kv_cache_utils.py).
+    """The KV cache alignaudit gives vLLM (bytes): K and V of every layer in ``dtype`` for twice the larger of
+    ``total_tokens`` tokens (the whole batch) and one sequence of max_model_len tokens, at least 16 MiB.
+
+    max_model_len is the user's ``options["max_model_len"]`` (from --infer-opt; None: the model's
+    max_position_embeddings, as vLLM reads it) or else ``model_len(spec, max_len)``. vLLM refuses to start with less
+    KV cache than one such sequence needs (``_check_enough_kv_cache_memory``, vllm/v1/core/kv_cache_utils.py): on an
+    H100 (2026-12-06) Qwen3-8B at max_model_len 32768 got the batch's 0.32 GiB and vLLM asked for 4.5 GiB.
 
     Raises:
-        InputError: a max_model_len option that is not a whole number.
+        InputError: a max_model_len option that is not a whole number (a bool, a fraction, text).
     """
-    max_model_len = options.get("max_model_len", model_len(spec, max_len))
-    try:
-        max_model_len = int(max_model_len)
-    except (TypeError, ValueError):
-        raise InputError(f"--infer-opt max_model_len={max_model_len!r}: not a whole number") from None
+    value = options.get("max_model_len", model_len(spec, max_len))
+    if value is None:
+        value = spec.max_position_embeddings
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        if not (isinstance(value, float) and value.is_integer()):
+            raise InputError(f"--infer-opt max_model_len={value!r}: not a whole number")
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[dtype]
-    return max(16 << 20, 2 * per_token * max(total_tokens, max_model_len))
+    return max(16 << 20, 2 * per_token * max(total_tokens, int(value)))
 
 
 def _read_only(tap) -> bool:
