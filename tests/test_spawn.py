@@ -3,7 +3,6 @@ this checkout, its kernels/ would shadow the Hugging Face ``kernels`` package th
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import subprocess
 import sys
@@ -26,10 +25,15 @@ def test_a_worker_started_in_the_checkout_does_not_import_its_kernels_as_kernels
     assert _kernels_seen_by(spawn.python_module("probe_kernels"), tmp_path) != ours
 
 
-def test_without_an_installed_alignaudit_the_worker_keeps_the_working_directory(monkeypatch):
-    def not_installed(name):
-        raise importlib.metadata.PackageNotFoundError(name)
+def test_the_worker_keeps_the_working_directory_where_it_alone_gives_this_alignaudit(monkeypatch):
+    import alignaudit
 
-    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    plain = [sys.executable, "-m", "alignaudit.workers.capture_worker"]
     assert spawn.python_module("alignaudit.workers.capture_worker") == [
-        sys.executable, "-m", "alignaudit.workers.capture_worker"]
+        sys.executable, "-P", "-m", "alignaudit.workers.capture_worker"]  # the suite's editable install
+    # run in one checkout while installed from another: -P would import the other one in the worker
+    monkeypatch.setattr(alignaudit, "__file__", "/elsewhere/alignaudit/__init__.py")
+    assert spawn.python_module("alignaudit.workers.capture_worker") == plain
+    monkeypatch.undo()
+    monkeypatch.setattr(sys, "meta_path", [])  # not installed: nothing but the working directory finds it
+    assert spawn.python_module("alignaudit.workers.capture_worker") == plain

@@ -133,21 +133,39 @@ def check_options(runs: list, spec: ModelSpec, mode: str = "prompt") -> None:
 
 def python_module(module: str) -> list[str]:
     """The command that runs ``python -m module`` in a fresh interpreter, without the working directory on its
-    sys.path (``-P``, Python >= 3.11) when alignaudit is installed (editable or not) and so importable without it.
+    sys.path (``-P``, Python >= 3.11) where the worker then imports the same alignaudit as this process.
 
     Why: run from a checkout, the working directory holds kernels/, which would shadow the Hugging Face ``kernels``
     package. transformers imports that package where it is installed (a dependency of transformers since 5.25.0)
     and then fails on ours: "cannot import name 'CUDAProperties' from 'kernels'" (seen with transformers 5.25.0 on
-    this repository's root, 2026-12-06). Not installed (run from a checkout through PYTHONPATH or the working
-    directory), the worker needs that directory and keeps it.
+    this repository's root, 2026-12-06). Where alignaudit comes only from the working directory, or -P would give
+    the worker another alignaudit than this process's (run in one checkout, installed from another), the worker
+    keeps the working directory: it must run the code this process runs.
     """
-    from importlib.metadata import PackageNotFoundError, distribution
+    if _same_alignaudit_without_working_directory():
+        return [sys.executable, "-P", "-m", module]
+    return [sys.executable, "-m", module]
 
-    try:
-        distribution("alignaudit")
-    except PackageNotFoundError:
-        return [sys.executable, "-m", module]
-    return [sys.executable, "-P", "-m", module]
+
+def _same_alignaudit_without_working_directory() -> bool:
+    """Whether Python's import system, with sys.path less the working directory, finds this process's alignaudit
+    (an editable install's finder, or site-packages)."""
+    import importlib.machinery
+
+    import alignaudit
+
+    cwd = os.path.abspath(os.getcwd())
+    path = [p for p in sys.path if os.path.abspath(p or ".") != cwd]
+    for finder in sys.meta_path:
+        if finder is importlib.machinery.PathFinder:
+            spec = finder.find_spec("alignaudit", path)
+        elif hasattr(finder, "find_spec"):
+            spec = finder.find_spec("alignaudit", None)
+        else:
+            continue
+        if spec is not None:
+            return spec.origin is not None and Path(spec.origin).resolve() == Path(alignaudit.__file__).resolve()
+    return False
 
 
 def start_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen:
