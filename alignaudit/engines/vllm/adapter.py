@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from alignaudit.engines.base import Engine, first_lines, reject_unknown, reject_wrong_types
+from alignaudit.engines.base import Engine, first_lines, int_option, reject_unknown, reject_wrong_types
 from alignaudit.errors import EngineError, InputError
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
@@ -434,24 +434,18 @@ def kv_cache_bytes(spec: ModelSpec, dtype: str, total_tokens: int, max_len: int,
     """The KV cache alignaudit gives vLLM (bytes): K and V of every layer in ``dtype`` for twice the larger of
     ``total_tokens`` tokens (the whole batch) and one sequence of max_model_len tokens, at least 16 MiB.
 
-    max_model_len is the user's ``options["max_model_len"]`` (from --infer-opt; None: the model's
-    max_position_embeddings, as vLLM reads it) or else ``model_len(spec, max_len)``. vLLM refuses to start with less
+    max_model_len is the user's ``options["max_model_len"]`` (--infer-opt; the option check has refused any value that
+    is not an integer before an engine starts) or else ``model_len(spec, max_len)``. vLLM refuses to start with less
     KV cache than one such sequence needs (``_check_enough_kv_cache_memory``, vllm/v1/core/kv_cache_utils.py): on an
-    H100 (2026-12-06) Qwen3-8B at max_model_len 32768 got the batch's 0.32 GiB and vLLM asked for 4.5 GiB.
+    H100 (2026-12-06) Qwen3-8B at max_model_len 32768 got the batch's 0.32 GiB and vLLM asked for 4.5 GiB. A value
+    below 1 (vLLM: fit to memory) leaves the batch's size.
 
     Raises:
-        InputError: a max_model_len option that is not a whole number (a bool, a fraction, text).
+        InputError: a max_model_len option that is not an integer.
     """
-    value = options.get("max_model_len", model_len(spec, max_len))
-    if value is None:
-        value = spec.max_position_embeddings
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        if not (isinstance(value, float) and value.is_integer()):
-            raise InputError(f"--infer-opt max_model_len={value!r}: not a whole number")
+    max_model_len = int_option(options, "max_model_len", model_len(spec, max_len), minimum=-1)
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[dtype]
-    return max(16 << 20, 2 * per_token * max(total_tokens, int(value)))
+    return max(16 << 20, 2 * per_token * max(total_tokens, max_model_len))
 
 
 def _read_only(tap) -> bool:
