@@ -173,7 +173,8 @@ class HostEvents:
         import torch
 
         stats = torch.cuda.memory_stats()  # {} before CUDA is initialized; a backend may leave keys out
-        host = flat(torch.cuda.host_memory_stats()) if hasattr(torch.cuda, "host_memory_stats") else {}
+        # host_memory_stats is already flat, nested keys dotted ("host_alloc_time.total"; torch 2.11 and 2.13)
+        host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
         return {**{name: stats.get(key) for name, key in cls.ALLOCATOR.items()},
                 **{name: host.get(key) for name, key in cls.HOST_ALLOCATOR.items()}}
 
@@ -259,17 +260,6 @@ def attention_impl_class() -> type:
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
     return FlashAttentionImpl
-
-
-def flat(stats: dict, prefix: str = "") -> dict:
-    """A nested statistics dict as one level, keys joined by ".": {"a": {"b": 1}} -> {"a.b": 1}."""
-    out = {}
-    for key, value in stats.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def timed_generate(llm, prompts, params, events: HostEvents) -> tuple[float, list, dict]:
