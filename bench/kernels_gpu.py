@@ -27,6 +27,9 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()
 
 import alignaudit_kernels as K  # noqa: E402
 from bench.timing import graph_ms, ms  # noqa: E402

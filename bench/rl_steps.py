@@ -27,6 +27,9 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()
 
 from alignaudit.commands import cli  # noqa: E402
 
