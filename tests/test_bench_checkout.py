@@ -36,7 +36,7 @@ print(subprocess.run([sys.executable, "-P", "-c", "import bench.timing as t; pri
 
 def test_a_bench_script_and_its_children_import_this_checkout_but_not_its_kernels_as_kernels(tmp_path):
     script = ROOT / "bench" / "probe_not_committed.py"  # its own folder: the probe's sys.argv[1] stands in for it
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
     lines = subprocess.run([sys.executable, "-c", PROBE, str(script)], cwd=ROOT, env=env, capture_output=True,
                            text=True, check=True).stdout.splitlines()
     ours = str(ROOT / "kernels" / "__init__.py")
