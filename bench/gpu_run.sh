@@ -128,7 +128,8 @@ for side in ("train", "infer"):
     r = e.get("resolved", {})
     print("  ", side, m.get("engine"), "strict", e.get("strict"), "attention", e.get("attention_impl"), e.get("attention_exp"),
           "graphs", r.get("cudagraph_mode"), "eager", r.get("enforce_eager"), "startup_s", r.get("startup_s"),
-          "timing", m.get("timing_s"))
+          "timing", m.get("timing_s"), *(("max_model_len", r["max_model_len"], "KV cache bytes given",
+          e.get("llm", {}).get("kv_cache_memory_bytes"), "tokens", r.get("kv_cache_tokens")) if "max_model_len" in r else ()))
 PY
 }
 Q8="--model Qwen3-8B --random-weights --random-prompts 2 --prompt-len 512"

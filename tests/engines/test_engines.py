@@ -106,6 +106,13 @@ def test_manifest_records_what_reached_each_engine(captures):
     assert mc["versions"]["megatron-core"] and mc["model"]["checkpoint_sha256"]
     vc = captures.get("vllm", "bf16").manifest
     assert vc["engine_settings"]["llm"]["dtype"] == "bfloat16"
-    assert vc["engine_settings"]["llm"]["kv_cache_memory_bytes"] >= 16 << 20
+    kv_bytes, resolved = vc["engine_settings"]["llm"]["kv_cache_memory_bytes"], vc["engine_settings"]["resolved"]
+    assert kv_bytes >= 16 << 20
+    spec = vc["model"]
+    per_token = spec["num_layers"] * 2 * spec["num_kv_heads"] * spec["head_dim"] * 2  # K and V in bf16
+    # what vLLM made of the bytes alignaudit gave it, read back: whole blocks, the last partial one dropped
+    tokens = resolved["kv_cache_tokens"]
+    assert tokens * per_token <= kv_bytes < (tokens + resolved["block_size"]) * per_token
+    assert tokens >= resolved["max_model_len"] == 1024  # model_len(): at least 1024
     assert vc["prompts"]["num_tokens"] == 180 and vc["prompts"]["digest"] == mc["prompts"]["digest"]
     assert captures.get("hf", "bf16").manifest["engine_settings"]["attn_implementation"] == "eager"

@@ -409,6 +409,8 @@ class VllmEngine(Engine):
                 "model_runner_v2": bool(getattr(config, "use_v2_model_runner", False)),
                 "enable_prefix_caching": config.cache_config.enable_prefix_caching,
                 "block_size": config.cache_config.block_size,  # prefix-cache hits come in whole blocks
+                "max_model_len": config.model_config.max_model_len,
+                "kv_cache_tokens": _kv_cache_tokens(config.cache_config),
                 "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
                 "max_num_seqs": config.scheduler_config.max_num_seqs,
                 "logprobs_mode": str(config.model_config.logprobs_mode),
@@ -446,6 +448,13 @@ def kv_cache_bytes(spec: ModelSpec, dtype: str, total_tokens: int, max_len: int,
     max_model_len = int_option(options, "max_model_len", model_len(spec, max_len), minimum=-1)
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * _BYTES[dtype]
     return max(16 << 20, 2 * per_token * max(total_tokens, max_model_len))
+
+
+def _kv_cache_tokens(cache_config) -> int | None:
+    """How many tokens the KV cache vLLM allocated holds: its blocks times the block size (None before vLLM has
+    sized it, e.g. where the engine core runs in another process)."""
+    blocks = getattr(cache_config, "num_gpu_blocks", None)  # vLLM's name on every device, the CPU's too
+    return blocks * cache_config.block_size if blocks else None
 
 
 def _read_only(tap) -> bool:
