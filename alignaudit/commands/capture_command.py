@@ -85,6 +85,8 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
         from alignaudit.engines.checks import rollout_shape
 
         rollout = rollout_shape(run, rollout)
+    if no_ops and (layers or ops):
+        raise errors.InputError("--layers/--ops select ops to capture and --no-ops captures none; drop one")
     selection = None if no_ops else parse_selection(layers, ops, OpGraph.of(spec))
     if selection is not None:
         check_parallel_op_capture([run], forced=reference is not None)
@@ -113,6 +115,11 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
             raise errors.InputError(f"--reference {reference} has no per-op tensors; capture it without --no-ops")
         if ref.manifest["prompts"]["digest"] != batch.digest():
             raise errors.InputError(f"--reference {reference} was made on other token ids; use the same prompts")
+        from alignaudit.inputs.checkpoint import checkpoint_sha256
+
+        if ref.manifest["model"].get("checkpoint_sha256") != checkpoint_sha256(spec):
+            raise errors.InputError(f"--reference {reference} was captured from another checkpoint than --model "
+                                    f"{spec.name}; force the inputs of a capture of the same model")
     out = out_dir(output, f"capture-{engine}", CAPTURE_OUTPUTS, inputs)
     with console.status(f"running {run.label()}") as status:
         result = run_capture(spec, batch, run, out, stream_log=output.verbose, ops=selection, reference=reference,

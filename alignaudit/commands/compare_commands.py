@@ -292,7 +292,8 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
                               field_names(PairArgs, ModelArgs, PromptArgs, SamplingArgs, OutputArgs) + ["clip_eps"])
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise errors.InputError(f"gate RUN_DIR judges a finished run; {flags} apply only when gate runs the "
+            verb = "applies" if len(given) == 1 else "apply"
+            raise errors.InputError(f"gate RUN_DIR judges a finished run; {flags} {verb} only when gate runs the "
                                     "comparison itself (without RUN_DIR): drop them")
     rule = gating.make_rule(max_mismatch, max_ulp, max_abs, baseline)
     if run_dir is None:
@@ -404,7 +405,7 @@ def report(run_dirs: Annotated[list[Path], typer.Argument(
 
     ```
     alignaudit report alignaudit-runs/compare-20260101-120000
-    alignaudit report runs/ci --html reports/alignment.html
+    alignaudit report runs/ci --html alignment.html
     alignaudit report runs/default runs/strict --html default-vs-strict.html
     ```
     """

@@ -222,8 +222,8 @@ def _sampled(args: SamplingArgs) -> tuple[int, float, int, float]:
                                       for k in ROLLOUT_DEFAULTS)
     if new < 1:
         raise errors.InputError(f"--max-new-tokens {new}: rollout mode samples 1 or more tokens per completion")
-    if not temperature > 0:
-        raise errors.InputError(f"--temperature {temperature}: rollout mode needs a temperature > 0")
+    if not 0 < temperature < math.inf:
+        raise errors.InputError(f"--temperature {temperature}: rollout mode needs a finite temperature > 0")
     if top_k < 0:
         raise errors.InputError(f"--top-k {top_k}: 0 (off) or more")
     if not 0 < top_p <= 1:
@@ -278,6 +278,26 @@ def load_batch(spec, args: PromptArgs, seed: int, engines, new_tokens: int = 0):
     return load_prompts(spec, args.prompts, args.random_prompts, prompt_len, seed, reserve=reserve)
 
 
+def check_max_model_len(batch, runs: dict, new_tokens: int) -> None:
+    """Refuse a vLLM ``max_model_len`` option (``runs``: flag -> EngineRun) shorter than a prompt plus what vLLM
+    generates after it: ``new_tokens`` in rollout mode, one in prompt mode (prompt logprobs come with one sampled
+    token). vLLM itself refuses such a request only once it runs (VLLMValidationError "maximum context length").
+
+    Raises:
+        InputError: naming the longest prompt, the option and the fix.
+    """
+    for flag, run in runs.items():
+        limit = run.settings.options.get("max_model_len") if run.engine == "vllm" else None
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            continue  # absent, or -1 (fit to memory); other values are refused by the option check
+        reserve = max(new_tokens, 1)
+        longest = max(range(len(batch.sequences)), key=lambda i: len(batch.sequences[i]))
+        length = len(batch.sequences[longest])
+        if length + reserve > limit:
+            raise errors.InputError(f"prompt {longest} has {length} tokens plus {reserve} generated, longer than "
+                                    f"{flag} max_model_len={limit}; raise it or shorten the prompts")
+
+
 def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, sampling_args: SamplingArgs | None = None,
                   clip_eps: float = 0.2, importance: ISArgs | None = None, extra_check=None, *, repeat: int = 1,
                   replay_routing: bool = False, full_vocab: bool = False, trains: bool = False) -> Request:
@@ -311,6 +331,7 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
     if full_vocab:
         check_full_vocab(train, infer, mode, replay_routing)
     batch = load_batch(spec, prompts, model.seed, (pair.train, pair.infer), rollout.max_new_tokens if rollout else 0)
+    check_max_model_len(batch, {"--train-opt": train, "--infer-opt": infer}, rollout.max_new_tokens if rollout else 0)
     return Request(spec, batch, train, infer, rollout, clip_eps, importance=thresholds, repeat=repeat,
                    replay_routing=replay_routing, full_vocab=full_vocab)
 

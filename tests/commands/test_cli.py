@@ -90,6 +90,7 @@ def test_self_consistency_same_engine_both_sides(tmp_path):
     (["--strict", "rmsnorm", "--strict-exp", "native"], "add attention to --strict"),
     (["--strict", "--strict-exp", "native", "--device", "cpu"], "use --device cuda"),
     (["--device", "rocm"], "torch names AMD (ROCm) GPUs cuda devices; pass --device cuda"),
+    (["--mode", "rollout", "--temperature", "inf"], "--temperature inf: rollout mode needs a finite temperature > 0"),
 ])
 def test_usage_errors_are_one_line(capsys, tmp_path, argv, message):
     err = one_line_error(capsys, ["compare", "--out", str(tmp_path / "o"), *argv], EXIT_USAGE)
@@ -208,6 +209,15 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
                      "--out", str(other_ckpt)]) == EXIT_OK
     err = one_line_error(capsys, ["diff", str(b), str(other_ckpt), "--out", str(tmp_path / "d3")], EXIT_USAGE)
     assert "different checkpoints" in err
+    err = one_line_error(capsys, ["capture", "--engine", "hf", "--model", str(other_model), "--reference", str(a),
+                                  "--layers", "0", "--out", str(tmp_path / "r")], EXIT_USAGE)
+    assert "captured from another checkpoint than --model" in err  # the same token ids, another model's values
+    err = one_line_error(capsys, ["diff", str(a), f"{tmp_path}/./megatron/", "--out", str(tmp_path / "d5")], EXIT_USAGE)
+    assert "a capture compared with itself is identical" in err  # however the path is spelled
+    err = one_line_error(capsys, ["capture", "--engine", "hf", "--no-ops", "--layers", "0", "--out",
+                                  str(tmp_path / "n")], EXIT_USAGE)
+    assert "--layers/--ops select ops to capture and --no-ops captures none" in err
+    assert not any((tmp_path / name).exists() for name in ("r", "d5", "n"))
 
     (b / "manifest.json").unlink()
     err = one_line_error(capsys, ["diff", str(a), str(b), "--out", str(tmp_path / "d4")], EXIT_USAGE)

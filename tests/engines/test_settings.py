@@ -7,6 +7,7 @@ each setting that is accepted is checked for its effect on what is measured.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -50,6 +51,9 @@ pytestmark = [pytest.mark.engines, pytest.mark.long]
      "vllm compilation_config.cudagraph_capture_sizes: vLLM on the CPU captures no CUDA graphs (cudagraph_mode "
      "resolves to NONE), so it would have no effect; run it with --device cuda or remove cudagraph_capture_sizes "
      "from --infer-opt compilation_config"),
+    # vLLM would refuse it only once it ran the prompts, after the training engine (the built-in prompt 2: 98 ids)
+    (["--infer-opt", "max_model_len=10"], "prompt 2 has 98 tokens plus 1 generated, longer than --infer-opt "
+                                          "max_model_len=10; raise it or shorten the prompts"),
     # TransformerConfig itself runs in the option-check worker, before either engine: a value it overrides
     (["--train-opt", "attention_softmax_in_fp32=false", "--train-opt", "apply_query_key_layer_scaling=true"],
      "attention_softmax_in_fp32=False: TransformerConfig resolves it to True"),
@@ -75,6 +79,28 @@ def test_fp8_rollouts_are_refused_under_the_strict_op_that_would_not_cover_them(
         check_options(EngineSettings(device="cuda", strict=strict, options=options), "rollout", "infer")
     check_options(EngineSettings(device="cuda", strict="rmsnorm,rope", options=options), "rollout", "infer")
     check_options(EngineSettings(device="cuda", options=options), "rollout", "infer")
+
+
+@pytest.mark.parametrize("key, bad, good, message", [
+    ("max_model_len", [0, -5], [-1, 1, 32768], "expected an integer >= 1, or -1 (fit to memory)"),
+    ("gpu_memory_utilization", [0, 1.01, 2, float("nan"), float("inf")], [0.05, 1], "expected a fraction in (0, 1]"),
+    ("kv_cache_memory_bytes", [0, -1], [1, 1 << 30], "expected a positive number of bytes"),
+    ("max_num_seqs", [0, -3], [1, 256], "expected 1 or more"),
+    ("max_num_batched_tokens", [0], [8192], "expected 1 or more"),
+    ("max_cudagraph_capture_size", [-1], [0, 2048], "expected 0 (no graphs) or more"),
+])
+def test_vllm_sizes_out_of_range_are_refused_before_any_engine(key, bad, good, message):
+    """vLLM's config would refuse these only at engine start, after the training engine has run."""
+    from alignaudit.engines.vllm.options import check_options
+    from alignaudit.errors import InputError
+    from alignaudit.inputs.request import EngineSettings
+
+    for value in bad:
+        with pytest.raises(InputError, match=re.escape(f"{message}; fix --infer-opt {key}")):
+            check_options(EngineSettings(device="cuda", options={key: value}), "rollout", "infer")
+    for value in good:
+        check_options(EngineSettings(device="cuda", options={key: value}), "rollout", "infer")
+    check_options(EngineSettings(device="cuda", options={key: "text"}), "rollout", "infer")  # the type check's
 
 
 def test_cuda_graph_settings_are_refused_where_no_graph_is_captured():
@@ -296,6 +322,7 @@ def test_docs_list_every_setting_rule():
 
     text = (ROOT / "docs" / "cli.md").read_text()
     names = [*megatron.MEGATRON_OPTIONS, *megatron.MEGATRON_REFUSED, *vllm.VLLM_REFUSED, *vllm.VLLM_SET_BY_ALIGNAUDIT,
+             *vllm.VLLM_RANGES,
              *(f.field for f in caps.CHECKPOINT_FEATURES), *(name for name, _, _, _ in caps.ENGINE_FEATURES)]
     missing = [n for n in names if f"`{n}" not in text]
     assert not missing, f"docs/cli.md does not mention {missing}"

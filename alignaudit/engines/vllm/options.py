@@ -5,6 +5,7 @@ starts.
     VLLM_REFUSED            settings that have no effect on what alignaudit measures, or that make the values
                             something other than logprobs (each a function of the value and the mode giving the
                             reason, or None where the value is fine)
+    VLLM_RANGES             numeric settings out of the range vLLM's config accepts
 docs/cli.md lists the same tables for users.
 """
 
@@ -41,6 +42,17 @@ VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
     if isinstance(v, dict) and "head_dtype" in v else None,
 }
 
+VLLM_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    # numeric EngineArgs settings vLLM would refuse only at engine start (its config's validation), after the other
+    # engine has run: checked here first. Non-numbers are left to the type check.
+    "max_model_len": (lambda v: v == -1 or v >= 1, "an integer >= 1, or -1 (fit to memory)"),
+    "gpu_memory_utilization": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+    "kv_cache_memory_bytes": (lambda v: v >= 1, "a positive number of bytes"),
+    "max_num_seqs": (lambda v: v >= 1, "1 or more"),
+    "max_num_batched_tokens": (lambda v: v >= 1, "1 or more"),
+    "max_cudagraph_capture_size": (lambda v: v >= 0, "0 (no graphs) or more"),
+}
+
 
 def check_options(settings, mode: str, role: str) -> None:
     """Refuse an EngineArgs/SamplingParams setting that alignaudit sets itself, that has no effect on what is
@@ -61,6 +73,9 @@ def check_options(settings, mode: str, role: str) -> None:
             reason = "the training side scores teacher-forced tokens, whose logprobs vLLM always computes raw"
         if reason:
             raise InputError(f"vllm {key}={json.dumps(value)}: {reason}; drop {flag} {key}")
+        fits, expected = VLLM_RANGES.get(key, (None, ""))
+        if fits is not None and _is_number(value) and not fits(value):
+            raise InputError(f"vllm {key}={json.dumps(value)}: expected {expected}; fix {flag} {key}")
     processed = str(settings.options.get("logprobs_mode")).startswith("processed")
     if runner_v2_asked() and "logprobs" in settings.strict_ops and processed:
         raise InputError("vllm logprobs_mode=processed_logprobs with VLLM_USE_V2_MODEL_RUNNER set: model runner V2 "
@@ -68,6 +83,10 @@ def check_options(settings, mode: str, role: str) -> None:
                          "not replace; unset VLLM_USE_V2_MODEL_RUNNER (alignaudit then runs model runner V1)")
     _check_quantization(settings, flag)
     _check_graph_settings(settings, flag)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # NaN too: no range holds it
 
 
 ENGINE_GRAPH_SETTINGS = ("max_cudagraph_capture_size", "cudagraph_capture_sizes")  # EngineArgs fields
