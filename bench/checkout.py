@@ -34,8 +34,8 @@ def import_folder(root: Path = ROOT) -> Path:
     """A folder holding one symbolic link per package of ``root`` (:data:`PACKAGES`), and nothing else.
 
     It is ``<tmp>/alignaudit-imports-<uid>-<12 hex of sha256(root)>``, made on first use and reused; where that
-    folder is not this user's or holds something else, a fresh private folder (tempfile.mkdtemp) is used instead,
-    so another user's links can never be imported.
+    folder is not this user's, others may write to it, or it holds anything but these links, a fresh private folder
+    (tempfile.mkdtemp, left behind: a few links) is used instead, so nobody else's code can be imported from it.
 
     Raises:
         OSError: the links cannot be made (no writable temporary folder, or no symbolic links on this filesystem).
@@ -44,8 +44,11 @@ def import_folder(root: Path = ROOT) -> Path:
     folder = Path(tempfile.gettempdir()) / f"alignaudit-imports-{os.getuid()}-{digest}"
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
-        if folder.is_symlink() or folder.stat().st_uid != os.getuid():
+        info = folder.lstat()
+        if folder.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o022:
             raise FileExistsError(folder)
+        if {p.name for p in folder.iterdir() if not p.name.startswith(".")} - set(PACKAGES):
+            raise FileExistsError(folder)  # something besides the links
         _link_packages(folder, root)
     except (FileExistsError, IsADirectoryError, NotADirectoryError):
         folder = Path(tempfile.mkdtemp(prefix="alignaudit-imports-"))

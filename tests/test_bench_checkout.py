@@ -66,3 +66,5 @@ def test_a_folder_that_holds_something_else_is_not_used(tmp_path, monkeypatch):
     folder = checkout.import_folder(ROOT)
     assert folder != taken and folder.parent == tmp_path
     assert (folder / "alignaudit").resolve() == ROOT / "alignaudit"
+    (folder / "kernels").mkdir()  # anything besides the links: it would be importable too
+    assert checkout.import_folder(ROOT) not in (folder, taken)

@@ -70,7 +70,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     from alignaudit.capture.ops import OpGraph, parse_selection
     from alignaudit.capture.rundir import CAPTURE_OUTPUTS
     from alignaudit.commands.pipeline import capture as run_capture
-    from alignaudit.commands.requests import engine_runs, sampling
+    from alignaudit.commands.requests import check_max_model_len, engine_runs, sampling
 
     rollout = sampling(sample, model.seed)
     if rollout is not None:
@@ -96,6 +96,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
         inputs = (Path(tokens_from),)
     else:
         batch = load_batch(spec, prompts, model.seed, (engine,), rollout.max_new_tokens if rollout else 0)
+    check_max_model_len(batch, {"--opt": run}, rollout.max_new_tokens if rollout else 0)
     if full_vocab:
         from alignaudit.engines.checks import check_full_vocab
 

@@ -279,20 +279,22 @@ def load_batch(spec, args: PromptArgs, seed: int, engines, new_tokens: int = 0):
 
 
 def check_max_model_len(batch, runs: dict, new_tokens: int) -> None:
-    """Refuse a vLLM ``max_model_len`` option (``runs``: flag -> EngineRun) shorter than a prompt plus what vLLM
-    generates after it: ``new_tokens`` in rollout mode, one in prompt mode (prompt logprobs come with one sampled
-    token). vLLM itself refuses such a request only once it runs (VLLMValidationError "maximum context length").
+    """Refuse a vLLM ``max_model_len`` option (``runs``: flag -> EngineRun; "--train-opt" for the scoring side) that
+    cannot hold a prompt and what follows it: the ``new_tokens`` a rollout samples, and the one token vLLM samples
+    when it scores (prompt logprobs), which a trainer does after the sampled tokens. In prompt mode vLLM itself
+    refuses such a request only once it runs it (VLLMValidationError "maximum context length"); in a rollout it would
+    silently end completions at max_model_len (FINISHED_LENGTH_CAPPED), shorter than --max-new-tokens asks.
 
     Raises:
         InputError: naming the longest prompt, the option and the fix.
     """
+    longest = max(range(len(batch.sequences)), key=lambda i: len(batch.sequences[i]))
+    length = len(batch.sequences[longest])
     for flag, run in runs.items():
         limit = run.settings.options.get("max_model_len") if run.engine == "vllm" else None
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             continue  # absent, or -1 (fit to memory); other values are refused by the option check
-        reserve = max(new_tokens, 1)
-        longest = max(range(len(batch.sequences)), key=lambda i: len(batch.sequences[i]))
-        length = len(batch.sequences[longest])
+        reserve = new_tokens + 1 if flag == "--train-opt" and new_tokens else max(new_tokens, 1)
         if length + reserve > limit:
             raise errors.InputError(f"prompt {longest} has {length} tokens plus {reserve} generated, longer than "
                                     f"{flag} max_model_len={limit}; raise it or shorten the prompts")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def load_pair(train_dir: Path, infer_dir: Path) -> tuple[Capture, Capture]:
         InputError: the same directory twice; a capture is missing, incomplete or damaged; the two are of
             different checkpoints or different token ids.
     """
-    if Path(train_dir).resolve() == Path(infer_dir).resolve():
+    if Path(train_dir).exists() and Path(infer_dir).exists() and os.path.samefile(train_dir, infer_dir):
         raise InputError(f"both captures are {train_dir}: a capture compared with itself is identical whatever the "
                          "engine computed; give the training engine's capture and the inference engine's")
     train, infer = read_capture(train_dir), read_capture(infer_dir)

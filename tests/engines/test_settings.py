@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.engines, pytest.mark.long]
     (["--mode", "rollout", "--infer-opt", "logprobs_mode=processed_logits"],
      "processed_logits are logits, not logprobs"),
     (["--infer-opt", "logprobs_mode=processed_logprobs"], "so they need --mode rollout"),
-    (["--infer-opt", "pipeline_parallel_size=2"], "alignaudit runs vLLM on one process"),
+    (["--infer-opt", "pipeline_parallel_size=2"], "runs vLLM as one engine, split by tensor_parallel_size only"),
     (["--infer-opt", "repetition_penalty=1.2"], "is a sampling setting and has no effect on teacher-forced"),
     (["--infer-opt", "quantization=fp8"], "vllm quantization=\"fp8\": vLLM's CPU wheel has no fp8 kernels"),
     (["--mode", "rollout", "--infer-opt", "kv_cache_dtype=fp8"], "vllm kv_cache_dtype=\"fp8\": vLLM's CPU wheel"),
@@ -87,7 +87,6 @@ def test_fp8_rollouts_are_refused_under_the_strict_op_that_would_not_cover_them(
     ("kv_cache_memory_bytes", [0, -1], [1, 1 << 30], "expected a positive number of bytes"),
     ("max_num_seqs", [0, -3], [1, 256], "expected 1 or more"),
     ("max_num_batched_tokens", [0], [8192], "expected 1 or more"),
-    ("max_cudagraph_capture_size", [-1], [0, 2048], "expected 0 (no graphs) or more"),
 ])
 def test_vllm_sizes_out_of_range_are_refused_before_any_engine(key, bad, good, message):
     """vLLM's config would refuse these only at engine start, after the training engine has run."""
@@ -101,6 +100,29 @@ def test_vllm_sizes_out_of_range_are_refused_before_any_engine(key, bad, good, m
     for value in good:
         check_options(EngineSettings(device="cuda", options={key: value}), "rollout", "infer")
     check_options(EngineSettings(device="cuda", options={key: "text"}), "rollout", "infer")  # the type check's
+
+
+def test_a_vllm_max_model_len_must_hold_each_prompt_and_the_tokens_after_it():
+    """Prompt mode: the prompt and the one token vLLM samples with prompt logprobs; a rollout: the sampled tokens;
+    vLLM as the trainer of a rollout: the sampled tokens and its own one."""
+    from types import SimpleNamespace
+
+    from alignaudit.commands.requests import check_max_model_len
+    from alignaudit.errors import InputError
+    from alignaudit.inputs.request import EngineRun, EngineSettings
+
+    batch = SimpleNamespace(sequences=[[1] * 10, [1] * 30, [1] * 20])
+
+    def vllm(limit):
+        return EngineRun("vllm", EngineSettings(options={"max_model_len": limit}))
+
+    for flag, new_tokens, fits in (("--infer-opt", 0, 31), ("--infer-opt", 8, 38), ("--train-opt", 8, 39)):
+        check_max_model_len(batch, {flag: vllm(fits)}, new_tokens)
+        with pytest.raises(InputError, match=re.escape(f"prompt 1 has 30 tokens plus {fits - 30} generated, longer "
+                                                       f"than {flag} max_model_len={fits - 1}")):
+            check_max_model_len(batch, {flag: vllm(fits - 1)}, new_tokens)
+    check_max_model_len(batch, {"--infer-opt": vllm(-1)}, 8)  # fit to memory
+    check_max_model_len(batch, {"--train-opt": EngineRun("hf", EngineSettings(options={"max_model_len": 5}))}, 0)
 
 
 def test_cuda_graph_settings_are_refused_where_no_graph_is_captured():
@@ -121,6 +143,12 @@ def test_cuda_graph_settings_are_refused_where_no_graph_is_captured():
                       {"compilation_config": {"cudagraph_mode": "NONE"}}):  # asking for none is true there
         check_options(EngineSettings(device="cpu", options=no_graphs), "rollout", "infer")
         check_options(EngineSettings(device="cuda", options={**no_graphs, "enforce_eager": True}), "rollout", "infer")
+    for size in (0, -1):  # on CUDA with graphs on, vLLM asserts >= 1 at engine start
+        with pytest.raises(InputError, match=f"max_cudagraph_capture_size={size}: vLLM asserts it is >= 1"):
+            check_options(EngineSettings(device="cuda", options={"max_cudagraph_capture_size": size}), "rollout",
+                          "infer")
+        check_options(EngineSettings(device="cuda", options={"max_cudagraph_capture_size": size, "compilation_config":
+                                                             {"cudagraph_mode": "NONE"}}), "rollout", "infer")
 
 
 def test_strict_processed_logprobs_under_model_runner_v2_are_refused_before_any_engine(monkeypatch):

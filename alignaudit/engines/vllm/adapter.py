@@ -451,8 +451,12 @@ def kv_cache_bytes(spec: ModelSpec, dtype: str, total_tokens: int, max_len: int,
 
 
 def _kv_cache_tokens(cache_config) -> int | None:
-    """How many tokens the KV cache vLLM allocated holds: its blocks times the block size (None before vLLM has
-    sized it, e.g. where the engine core runs in another process)."""
+    """How many tokens the KV cache vLLM allocated holds: vLLM's ``kv_cache_size_tokens`` where it has it (0.32:
+    group-aware, right for hybrid models too, vllm/config/cache.py), else its blocks times the block size; None
+    before vLLM has sized it (e.g. where the engine core runs in another process)."""
+    tokens = getattr(cache_config, "kv_cache_size_tokens", None)
+    if tokens:
+        return int(tokens)
     blocks = getattr(cache_config, "num_gpu_blocks", None)  # vLLM's name on every device, the CPU's too
     return blocks * cache_config.block_size if blocks else None
 

@@ -24,6 +24,7 @@ VLLM_SET_BY_ALIGNAUDIT: dict[str, str] = {
     "prompt_logprobs": "--prompt-logprobs / --no-prompt-logprobs", "n": "--group-size",
     "detokenize": "alignaudit (token ids only)", "dtype": "--dtype / --infer-dtype", "model": "--model",
 }
+ONE_ENGINE = "alignaudit runs vLLM as one engine, split by tensor_parallel_size only"
 VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
     "enable_prefix_caching": lambda v, mode: (
         "has no effect in prompt mode: vLLM never reads the prefix cache for a request that asks for prompt "
@@ -36,8 +37,8 @@ VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
         f"{v} are logits, not logprobs; the other engine computes logprobs" if v in ("raw_logits", "processed_logits")
         else "processed_logprobs apply to sampled tokens only (vLLM's prompt logprobs are always raw), so they "
              "need --mode rollout" if v == "processed_logprobs" and mode == "prompt" else None),
-    "pipeline_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
-    "data_parallel_size": lambda v, mode: "alignaudit runs vLLM on one process" if v not in (None, 1) else None,
+    "pipeline_parallel_size": lambda v, mode: ONE_ENGINE if v not in (None, 1) else None,
+    "data_parallel_size": lambda v, mode: ONE_ENGINE if v not in (None, 1) else None,
     "hf_overrides": lambda v, mode: "set the lm_head dtype with --lm-head-dtype, for both engines"
     if isinstance(v, dict) and "head_dtype" in v else None,
 }
@@ -50,7 +51,6 @@ VLLM_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "kv_cache_memory_bytes": (lambda v: v >= 1, "a positive number of bytes"),
     "max_num_seqs": (lambda v: v >= 1, "1 or more"),
     "max_num_batched_tokens": (lambda v: v >= 1, "1 or more"),
-    "max_cudagraph_capture_size": (lambda v: v >= 0, "0 (no graphs) or more"),
 }
 
 
@@ -104,7 +104,8 @@ def _check_graph_settings(settings, flag: str) -> None:
     """CUDA-graph settings (EngineArgs' ``max_cudagraph_capture_size`` and ``cudagraph_capture_sizes``, or those and
     ``cudagraph_mode`` inside ``compilation_config``) take effect only where vLLM captures graphs: not on the CPU
     (vLLM 0.32's CPU platform resolves ``cudagraph_mode`` to NONE and captures no sizes, read back on the fixture)
-    and not with ``enforce_eager``. A value asking for no graph (NONE, [], 0) is accepted there. Elsewhere the
+    and not with ``enforce_eager``. A value asking for no graph (NONE, [], 0) is accepted there; on CUDA with graphs
+    on, a ``max_cudagraph_capture_size`` below 1 is refused (vLLM asserts >= 1 at engine start). Elsewhere the
     settings are read back into engine_settings.resolved (cudagraph_mode, cudagraph_capture_sizes), which also shows
     combinations vLLM itself resolves to fewer graphs (vllm/config/vllm.py).
 
@@ -112,6 +113,14 @@ def _check_graph_settings(settings, flag: str) -> None:
         InputError: naming the setting, the reason and the fix.
     """
     compilation = settings.options.get("compilation_config")
+    size = settings.options.get("max_cudagraph_capture_size")
+    mode = compilation.get("cudagraph_mode") if isinstance(compilation, dict) else None
+    graphs_off = bool(settings.options.get("enforce_eager")) or (mode is not None and not _asks_for_graphs(
+        "cudagraph_mode", mode))
+    if settings.device != "cpu" and _is_number(size) and not size >= 1 and not graphs_off:
+        raise InputError(f"vllm max_cudagraph_capture_size={json.dumps(size)}: vLLM asserts it is >= 1 while it "
+                         f"captures CUDA graphs (vllm/config/vllm.py); for no graphs pass {flag} enforce_eager=true "
+                         f"or compilation_config {{\"cudagraph_mode\": \"NONE\"}}")
     given = [(key, f"drop {flag} {key}") for key in ENGINE_GRAPH_SETTINGS
              if _asks_for_graphs(key, settings.options.get(key))]
     if isinstance(compilation, dict):
