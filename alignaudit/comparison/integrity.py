@@ -51,13 +51,13 @@ def load_pair(train_dir: Path, infer_dir: Path) -> tuple[Capture, Capture]:
     """Read two captures and check that they can be compared.
 
     Raises:
-        InputError: the same directory twice; a capture is missing, incomplete or damaged; the two are of
+        InputError: a capture is missing, incomplete or damaged; the same directory twice; the two are of
             different checkpoints or different token ids.
     """
-    if Path(train_dir).exists() and Path(infer_dir).exists() and os.path.samefile(train_dir, infer_dir):
+    train, infer = read_capture(train_dir), read_capture(infer_dir)
+    if os.path.samefile(train.path, infer.path):
         raise InputError(f"both captures are {train_dir}: a capture compared with itself is identical whatever the "
                          "engine computed; give the training engine's capture and the inference engine's")
-    train, infer = read_capture(train_dir), read_capture(infer_dir)
     sha_t = train.manifest["model"].get("checkpoint_sha256")
     sha_i = infer.manifest["model"].get("checkpoint_sha256")
     if not sha_t or not sha_i:
