@@ -6,10 +6,15 @@ Every command that writes results (compare, bisect, capture, diff, gate, rl) goe
       holds it;
     - a marker file (``.alignaudit-outputs``, JSON) lists the top-level names alignaudit may write there. It
       is extended *before* anything is written, so after a crash it still covers every partial output;
-    - ``--force`` removes only entries that the marker lists, and a listed directory only when every file in
+    - ``--force`` replaces only entries that the marker lists, and a listed directory only when every file in
       it has a name alignaudit writes (capture and op-store files) or it is one a library writes whole for
       alignaudit (rl --log-to: tensorboard/, wandb/); anything else is refused, naming the file, before anything
-      is removed;
+      is moved;
+    - the entries ``--force`` replaces are moved aside into ``.alignaudit-previous/`` (a rename, same file
+      system) and deleted only when the command completes (``release(completed=True)``). A command that fails
+      or is interrupted leaves its own outputs in place (their logs name them; ``gate`` refuses an incomplete
+      run) and keeps the earlier results in ``.alignaudit-previous/``; a later ``--force`` run keeps that folder
+      until it completes itself, so it always holds the last results of a run that did;
     - an entry the command is about to write that exists but was not written by alignaudit is refused.
 Default names (``alignaudit-runs/<command>-<time>``) are created exclusively, with a numeric suffix when
 two runs start in the same second.
@@ -25,12 +30,13 @@ import shutil
 from datetime import datetime
 from pathlib import Path
 
-from alignaudit.capture.rundir import INNER_FILES, LIBRARY_DIRS, LOCK, MARKER
+from alignaudit.capture.rundir import INNER_FILES, LIBRARY_DIRS, LOCK, MARKER, PREVIOUS
 from alignaudit.errors import InputError
 
 command_name = "?"  # set by the CLI; shown to a second run that finds the directory locked
 
 _held: dict[Path, int] = {}
+_replacing: set[Path] = set()  # directories whose PREVIOUS this process decides on when its command ends
 
 
 def default_out(command: str, root: Path = Path("alignaudit-runs")) -> Path:
@@ -51,8 +57,9 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
     """Create (or reuse) ``out`` for a command that writes the top-level entries ``names``; lock it.
 
     Args:
-        out: the directory. ``force``: reuse a non-empty directory, removing alignaudit's earlier outputs
-            there (only those, see the module docstring). ``names``: what this command may write.
+        out: the directory. ``force``: reuse a non-empty directory, replacing alignaudit's earlier outputs
+            there (only those; moved into ``PREVIOUS`` until the command completes, see the module docstring).
+            ``names``: what this command may write.
         inputs: directories the command reads (captures, run dirs); ``out`` may not be, contain, or lie in one.
 
     Raises:
@@ -72,7 +79,7 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
     except OSError as e:
         raise InputError(f"cannot create --out {out}: {e.strerror}") from e
     lock(out)
-    existing = [p for p in out.iterdir() if p.name not in (MARKER, LOCK)]
+    existing = [p for p in out.iterdir() if p.name not in (MARKER, LOCK, PREVIOUS)]
     ours = set(read_marker(out))
     if existing and not force:  # filled by another run between the first look and the lock
         raise InputError(f"--out {out} is not empty; choose another directory or pass --force to overwrite")
@@ -83,13 +90,30 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
     stale = [out / name for name in sorted(ours) if (out / name).exists() or (out / name).is_symlink()]
     for path in stale:
         _check_removable(path)
+    _set_aside(out, stale)
+    claim(out, names)
+    return out
+
+
+def _set_aside(out: Path, stale: list[Path]) -> None:
+    """Move alignaudit's earlier outputs ``stale`` into ``out/PREVIOUS``; where that folder already holds the
+    results of the last completed run (the run after it failed), ``stale`` are that failed run's outputs and are
+    deleted instead."""
+    previous = out / PREVIOUS
+    if previous.is_symlink() or (previous.exists() and not previous.is_dir()):
+        raise InputError(f"--out {out}: {PREVIOUS} is not a folder alignaudit made; move it first")
+    keep = stale and not previous.exists()
+    if keep:
+        previous.mkdir()
     for path in stale:
-        if path.is_dir() and not path.is_symlink():
+        if keep:
+            os.rename(path, previous / path.name)
+        elif path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink()
-    claim(out, names)
-    return out
+    if previous.exists():
+        _replacing.add(out.resolve())
 
 
 def check_overlap(out: Path, inputs: tuple[Path, ...]) -> None:
@@ -169,16 +193,33 @@ def lock(out: Path) -> None:
     _held[key] = fd
 
 
-def release(out: Path) -> None:
-    """Release the lock this process holds on ``out`` (a no-op without one): the Python API, which may run
-    several commands in one process, releases each when it ends."""
-    fd = _held.pop(Path(out).resolve(), None)
+def release(out: Path, *, completed: bool) -> Path | None:
+    """End this process's command in ``out``: settle the results ``--force`` set aside, then release the lock (a
+    no-op without one). The Python API, which may run several commands in one process, releases each when it ends.
+
+    Args:
+        completed: the command wrote all its results (a gate verdict of "fail" included). Then the earlier
+            results in ``out/PREVIOUS`` are deleted; otherwise they are kept.
+
+    Returns:
+        ``out/PREVIOUS`` where it still holds earlier results (the command did not complete), else None.
+    """
+    key = Path(out).resolve()
+    kept = None
+    if key in _replacing:
+        _replacing.discard(key)
+        previous = key / PREVIOUS
+        if completed:
+            shutil.rmtree(previous, ignore_errors=True)
+        elif previous.is_dir():
+            kept = Path(out) / PREVIOUS
+    fd = _held.pop(key, None)
     if fd is not None:
         os.close(fd)
+    return kept
 
 
-def release_all() -> None:
-    """Release every lock this process holds (the CLI calls this when a command ends)."""
-    while _held:
-        _, fd = _held.popitem()
-        os.close(fd)
+def release_all(*, completed: bool) -> list[Path]:
+    """``release`` every directory this process holds (the CLI calls this when a command ends); the
+    ``PREVIOUS`` folders kept."""
+    return [kept for key in sorted(_held.keys() | _replacing) if (kept := release(key, completed=completed))]

@@ -70,6 +70,7 @@ REPORT = "report.html"
 # the output-directory guard (alignaudit.capture.outdir)
 MARKER = ".alignaudit-outputs"
 LOCK = ".alignaudit.lock"
+PREVIOUS = ".alignaudit-previous"  # the results --force replaced, kept until the new run completes (capture/outdir.py)
 
 # Top-level entries each command writes in its output directory (alignaudit.capture.outdir claims them first).
 CAPTURE_OUTPUTS = (MANIFEST, MANIFEST_TMP, LOGPROBS, OPS_DIR, VOCAB_DIR, REQUEST, WORKER_LOG)

@@ -55,6 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _optional_values(sys.argv[1:] if argv is None else list(argv), {"--strict": "all"})
     debug = "--debug" in args
     outdir.command_name = next((a for a in args if not a.startswith("-")), "?")
+    code = errors.EXIT_ENGINE
+    try:
+        code = _run(args, debug)
+        return code
+    finally:
+        # a command that ended with its results written (exit 0, or 1: the gate's verdict) drops the results
+        # --force replaced; any other end keeps them (capture/outdir.py)
+        for kept in outdir.release_all(completed=code in (errors.EXIT_OK, errors.EXIT_MISMATCH)):
+            err_console.print(f"the results --force replaced are kept in {escape(str(kept))}", highlight=False,
+                              soft_wrap=True)
+
+
+def _run(args: list[str], debug: bool) -> int:
     try:
         with interrupts.unwinding():  # Ctrl-C and SIGTERM unwind, stopping engine workers (commands/interrupts.py)
             result = app(args=args, standalone_mode=False, prog_name="alignaudit")
@@ -78,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
             err_console.print(f"[bold red]error:[/] {escape(e.format_message())}", highlight=False, soft_wrap=True)
             return errors.EXIT_USAGE
         return _unexpected(e, debug)
-    finally:
-        outdir.release_all()
 
 
 def _interrupted() -> int:

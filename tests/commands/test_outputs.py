@@ -70,6 +70,54 @@ def test_force_replaces_stale_outputs_of_alignaudit_and_keeps_other_files(two_ca
     assert (out / "summary.json").is_file()
 
 
+def test_a_force_run_that_fails_keeps_the_results_it_replaced(two_captures, tmp_path, capsys):
+    """--force moves the earlier results aside and deletes them only when the new run completes: a run that fails
+    after claiming the directory leaves its own (failed) outputs, which gate refuses, and the earlier results byte
+    for byte in .alignaudit-previous/; a later failure keeps those, and the next completed run drops them."""
+    a, b = two_captures
+    d = tmp_path / "d"
+    assert cli.main(["diff", str(a), str(b), "--out", str(d)]) == EXIT_OK
+    before = {p.relative_to(d): p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != outdir.LOCK}
+    failing = ["compare", "--train", "hf", "--infer", "hf", "--train-opt", "attn_implementation=flash_attention_2",
+               "--out", str(d), "--force"]
+    capsys.readouterr()
+    for _ in range(2):  # the second failure replaces the first one's outputs and keeps the earlier results
+        err = one_line_error(capsys, failing, EXIT_USAGE)
+        assert "cannot load" in err and err.endswith(f"the results --force replaced are kept in {d / outdir.PREVIOUS}")
+        assert json.loads((d / "run.json").read_text())["status"] == "failed"
+        assert (d / "train" / "worker.log").is_file() and not (d / "summary.json").exists()
+        kept = {p.relative_to(d / outdir.PREVIOUS): p.read_bytes() for p in (d / outdir.PREVIOUS).rglob("*")
+                if p.is_file()}
+        assert kept == {name: data for name, data in before.items() if name.name != outdir.MARKER}
+    assert "did not finish (status 'failed')" in one_line_error(capsys, ["gate", str(d)], EXIT_USAGE)
+    assert cli.main(["diff", str(a), str(b), "--out", str(d), "--force"]) == EXIT_OK
+    assert not (d / outdir.PREVIOUS).exists() and not (d / "train").exists()
+    assert "kept in" not in capsys.readouterr().err
+    assert (d / "summary.json").read_bytes() == before[Path("summary.json")]
+
+
+def test_force_sets_aside_only_on_disk_moves_and_a_completed_run_drops_them(tmp_path):
+    """The library form (the Python API): release(completed=False) keeps the results moved aside and returns their
+    folder; completed=True deletes them; a PREVIOUS that is not alignaudit's folder is refused before anything
+    moves."""
+    from alignaudit.capture.rundir import CAPTURE_OUTPUTS
+
+    out = outdir.prepare(tmp_path / "c", False, CAPTURE_OUTPUTS)
+    (out / "manifest.json").write_text("first")
+    assert outdir.release(out, completed=True) is None
+    outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    assert not (out / "manifest.json").exists() and (out / outdir.PREVIOUS / "manifest.json").read_text() == "first"
+    assert outdir.release(out, completed=False) == out / outdir.PREVIOUS
+    outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    assert outdir.release(out, completed=True) is None and not (out / outdir.PREVIOUS).exists()
+    (out / "manifest.json").write_text("second")
+    (out / outdir.PREVIOUS).write_text("not a folder")
+    with pytest.raises(InputError, match="is not a folder alignaudit made"):
+        outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    outdir.release_all(completed=True)
+    assert (out / "manifest.json").read_text() == "second" and (out / outdir.PREVIOUS).read_text() == "not a folder"
+
+
 def test_empty_out_and_out_that_is_an_input_are_refused(two_captures, tmp_path, capsys):
     a, b = two_captures
     before = sorted(p.name for p in a.iterdir())
@@ -90,7 +138,7 @@ def test_a_second_run_on_a_locked_directory_says_who_holds_it(two_captures, tmp_
     try:
         proc = run_cli("diff", str(a), str(b), "--out", str(d), "--force")
     finally:
-        outdir.release_all()
+        outdir.release_all(completed=True)
     assert proc.returncode == EXIT_USAGE
     assert f"is in use by another alignaudit run (pid {os.getpid()}, `alignaudit compare`" in proc.stderr
     assert not (d / "summary.json").exists()
@@ -283,12 +331,12 @@ def test_force_reuses_an_ablate_directory_and_still_guards_foreign_files(tmp_pat
     for name in ("run.json", "summary.json", "tokens.parquet", "sequences.parquet", "bisect.json",
                  "ops-natural.parquet", "train/manifest.json", "report.html", outdir.MARKER, outdir.LOCK):
         (row / name).write_text("{}")
-    outdir.release_all()
+    outdir.release_all(completed=True)
     outdir.prepare(out, True, ABLATE_OUTPUTS)
     assert not (out / "configs").exists()
     (row / "notes.txt").parent.mkdir(parents=True)
     (row / "notes.txt").write_text("mine")
-    outdir.release_all()
+    outdir.release_all(completed=True)
     with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
         outdir.prepare(out, True, ABLATE_OUTPUTS)
 
@@ -303,11 +351,11 @@ def test_force_reuses_an_rl_directory_with_the_libraries_exports(tmp_path):
                  "wandb/offline-run-1/run-1.wandb"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("x")
-    outdir.release_all()
+    outdir.release_all(completed=True)
     outdir.prepare(out, True, RL_OUTPUTS)
     assert not (out / "tensorboard").exists() and not (out / "wandb").exists()
     (out / "tokens" / "notes.txt").parent.mkdir(parents=True)
     (out / "tokens" / "notes.txt").write_text("mine")
-    outdir.release_all()
+    outdir.release_all(completed=True)
     with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
         outdir.prepare(out, True, RL_OUTPUTS)
