@@ -37,8 +37,11 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                                help="Print the version and exit.")] = False) -> None:
+                                                help="Print the version and exit.")] = False,
+          debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors (also taken after the "
+                                                              "command's name).")] = False) -> None:
     """Numerical alignment auditor for RL: training-engine vs rollout-engine logprobs, down to the ULP."""
+    # main() reads --debug from the command line wherever it stands; this only lets it stand before the command
 
 
 # in the order `alignaudit --help` lists them: compare and what digs into it, RL, the two halves of a compare, the

@@ -69,6 +69,16 @@ def test_input_errors_before_any_engine(capsys, tmp_path, argv, message):
     assert message in one_line_error(capsys, argv, EXIT_USAGE)
 
 
+@pytest.mark.parametrize("argv", [["--debug", "diff", "nowhere-a", "nowhere-b"],
+                                  ["diff", "nowhere-a", "nowhere-b", "--debug"]])
+def test_debug_shows_the_traceback_before_or_after_the_command_name(capsys, argv):
+    assert cli.main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "Traceback" in err
+    assert err.rstrip().endswith("error: nowhere-a is not a capture directory (it does not exist)")
+    one_line_error(capsys, [a for a in argv if a != "--debug"], EXIT_USAGE)  # and none without it
+
+
 @pytest.mark.parametrize("command", [["rl"], ["capture", "--engine", "hf"], ["rescore", "rollouts.jsonl"],
                                      ["bisect"], ["ablate"]])
 def test_a_seed_vllm_would_refuse_is_refused_by_every_command_before_any_engine(capsys, tmp_path, command):
