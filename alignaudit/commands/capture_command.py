@@ -70,7 +70,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     from alignaudit.capture.ops import OpGraph, parse_selection
     from alignaudit.capture.rundir import CAPTURE_OUTPUTS
     from alignaudit.commands.pipeline import capture as run_capture
-    from alignaudit.commands.requests import check_max_model_len, engine_runs, sampling
+    from alignaudit.commands.requests import check_max_model_len, check_top_k, engine_runs, sampling
 
     rollout = sampling(sample, model.seed)
     if rollout is not None:
@@ -80,6 +80,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     pair = PairArgs(train=engine, infer=engine, dtype=dtype, device=device, strict=strict,
                     **({"infer_opt": opt} if rollout else {"train_opt": opt}))
     spec = resolve_model_arg(model)
+    check_top_k(rollout, spec)
     run = engine_runs(pair, model.seed, spec, sample.mode)[1 if rollout else 0]
     if rollout is not None:
         from alignaudit.engines.checks import rollout_shape

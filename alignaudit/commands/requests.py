@@ -231,6 +231,18 @@ def _sampled(args: SamplingArgs) -> tuple[int, float, int, float]:
     return new, temperature, top_k, top_p
 
 
+def check_top_k(rollout, spec) -> None:
+    """Refuse a ``--top-k`` (``rollout.top_k``, a Sampling or None) that keeps every token of ``spec``'s vocabulary
+    (``vocab_size`` rows of the LM head): it would sample as 0 (off) does while the run recorded a top-k.
+
+    Raises:
+        InputError: top_k >= spec.vocab_size.
+    """
+    if rollout is not None and rollout.top_k >= spec.vocab_size:
+        raise errors.InputError(f"--top-k {rollout.top_k} keeps all {spec.vocab_size} tokens of {spec.name}'s "
+                                "vocabulary, the same as 0 (off); give a smaller value or 0")
+
+
 def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_check=None, trains: bool = False):
     """The two EngineRuns of a comparison, validated before anything starts: engines installed, dtypes,
     device, strict ops, every setting against what the engine implements (alignaudit.inputs.capabilities),
@@ -324,6 +336,7 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
     thresholds = (importance or ISArgs()).thresholds()
     rollout = sampling(sampling_args, model.seed) if sampling_args is not None else None
     spec = resolve_model_arg(model)
+    check_top_k(rollout, spec)
     mode = "rollout" if rollout else "prompt"
     train, infer = engine_runs(pair, model.seed, spec, mode, extra_check, trains)
     if rollout is not None:

@@ -63,6 +63,7 @@ def test_broken_checkpoints_fail_before_any_engine(capsys, tmp_path, edit, messa
     (["--full-vocab", "--mode", "rollout"], "--full-vocab compares teacher-forced rows: in rollout mode"),
     (["--full-vocab", "--infer-opt", "tensor_parallel_size=2"],
      "--full-vocab with vllm at tensor parallel size > 1 is not implemented"),
+    (["--mode", "rollout", "--top-k", "512"], "--top-k 512 keeps all 512 tokens of qwen3-tiny's vocabulary"),
 ])
 def test_input_errors_before_any_engine(capsys, tmp_path, argv, message):
     argv = ["compare", *argv] + ([] if "--out" in argv else ["--out", str(tmp_path / "o")])
