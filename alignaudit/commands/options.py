@@ -63,7 +63,7 @@ InferSettingOpt = Annotated[Optional[list[str]], typer.Option("--infer-opt", met
                                                               help="Setting for the inference engine (repeatable).")]
 StrictOpt = Annotated[Optional[str], typer.Option(
     "--strict", metavar="[OPS]",
-    help="Strict kernels in both engines: --strict alone for every op, or a subset for ablation, e.g. "
+    help="Strict kernels in every engine the command runs: --strict alone for every op, or a subset for ablation, e.g. "
          "--strict rmsnorm,rope (ops: linear, rmsnorm, rope, silu, attention, logprobs).")]
 StrictExpOpt = Annotated[str, typer.Option(
     "--strict-exp", metavar="EXP",
@@ -93,12 +93,13 @@ GeoMaskLowOpt = Annotated[float, typer.Option("--geo-mask-low", metavar="L", hel
 GeoMaskHighOpt = Annotated[float, typer.Option("--geo-mask-high", metavar="H",
                                                help="The upper end of --geo-mask-low's range.")]
 ModeOpt = Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
-                                      "(the inference engine samples, the training engine rescores).")]
+                                      "(the inference engine samples and records its logprobs; in compare and rl the "
+                                      "training engine then rescores the same tokens).")]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", metavar="N",
                                               help="Rollout: tokens sampled per completion (at most, where EOS "
                                               "ends it).")]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", metavar="T",
-                                               help="Rollout: sampling temperature (> 0). With --infer-opt "
+                                               help="Rollout: sampling temperature (> 0). With vLLM's "
                                                "logprobs_mode=processed_logprobs the trainer replays it.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", metavar="K", help="Rollout: sample from the K most likely tokens "
                                       "(0 = off); replayed by the trainer with processed logprobs.")]

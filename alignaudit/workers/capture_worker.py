@@ -59,14 +59,12 @@ def start_ranks(target, request: dict, tp: int, nprocs: int, join: bool):
     rendezvous file in RENDEZVOUS_ENV), by ``rank_start_method``; torch.multiprocessing.start_processes' result
     (its ProcessExitedException when joined and a rank failed)."""
     import os
-    import tempfile
 
     import torch.multiprocessing as mp
 
-    from alignaudit.engines.megatron.adapter import RENDEZVOUS_ENV
+    from alignaudit.engines.megatron.adapter import RENDEZVOUS_ENV, rendezvous_file
 
-    fd, os.environ[RENDEZVOUS_ENV] = tempfile.mkstemp(prefix="alignaudit-pg-")
-    os.close(fd)
+    os.environ[RENDEZVOUS_ENV] = rendezvous_file()
     sys.stdout.flush()  # a forked rank would write out a copy of anything still buffered
     sys.stderr.flush()
     return mp.start_processes(target, args=(request, tp), nprocs=nprocs, join=join,

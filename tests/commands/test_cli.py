@@ -214,10 +214,13 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
     assert "captured from another checkpoint than --model" in err  # the same token ids, another model's values
     err = one_line_error(capsys, ["diff", str(a), f"{tmp_path}/./megatron/", "--out", str(tmp_path / "d5")], EXIT_USAGE)
     assert "a capture compared with itself is identical" in err  # however the path is spelled
+    shutil.copytree(a, tmp_path / "copy")
+    err = one_line_error(capsys, ["diff", str(a), str(tmp_path / "copy"), "--out", str(tmp_path / "d6")], EXIT_USAGE)
+    assert "hold one capture (identical manifest.json: one is a copy of the other)" in err
     err = one_line_error(capsys, ["capture", "--engine", "hf", "--no-ops", "--layers", "0", "--out",
                                   str(tmp_path / "n")], EXIT_USAGE)
     assert "--layers/--ops select ops to capture and --no-ops captures none" in err
-    assert not any((tmp_path / name).exists() for name in ("r", "d5", "n"))
+    assert not any((tmp_path / name).exists() for name in ("r", "d5", "d6", "n"))
 
     (b / "manifest.json").unlink()
     err = one_line_error(capsys, ["diff", str(a), str(b), "--out", str(tmp_path / "d4")], EXIT_USAGE)

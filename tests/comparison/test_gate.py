@@ -218,8 +218,8 @@ def _swap_in(run, source):
 
 
 def test_foreign_captures_never_pass(runs, tmp_path, capsys):
-    """A capture that is not the one the run wrote: of the other run, the train side copied over the
-    infer side, the other run's infer with its manifest digest patched into run.json."""
+    """A capture that is not the one the run wrote: of the other run, the other run's infer with its manifest digest
+    patched into run.json, its train side so patched, the run's own train side copied over the infer side."""
     run = copy_run(runs, "strict", tmp_path)
     _swap_in(run, runs / "stock" / "infer")
     assert "is not the capture this run wrote" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
@@ -227,10 +227,14 @@ def test_foreign_captures_never_pass(runs, tmp_path, capsys):
     record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
     reseal(run, record)
     assert "strict '' differs from run.json's 'all'" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
-    _swap_in(run, run / "train")
+    _swap_in(run, runs / "stock" / "train")
     record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
     reseal(run, record)
     assert "made as the train side" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
+    _swap_in(run, run / "train")
+    record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
+    reseal(run, record)
+    assert "one is a copy of the other" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
 
 
 def reseal(run, record):

@@ -145,3 +145,21 @@ def test_ranks_are_forked_on_the_cpu_and_spawned_on_cuda():
 
     assert rank_start_method({"settings": {"device": "cuda"}}) == "spawn"
     assert rank_start_method({"settings": {"device": "cpu"}}) == "fork"
+
+
+def test_the_rendezvous_file_is_removed_when_the_worker_exits(tmp_path):
+    """Megatron's ranks meet through a file (torch.distributed's file:// rendezvous) that the worker forking them
+    creates and removes when it exits. Before, each run at TP > 1 left an alignaudit-pg-* file in the temporary
+    directory (the forked ranks leave through os._exit, so torch's FileStore never deletes it; at TP=1 it does)."""
+    import os
+    import subprocess
+    import sys
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.run([sys.executable, "-P", "-m", "alignaudit", "capture", "--engine", "megatron", "--no-ops",
+                           "--opt", "tensor_model_parallel_size=2", "--out", str(tmp_path / "cap")],
+                          capture_output=True, text=True, env={**os.environ, "TMPDIR": str(temp)})
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert (tmp_path / "cap" / "logprobs.parquet").is_file()
+    assert not list(temp.glob("alignaudit-pg-*"))

@@ -20,6 +20,8 @@ field (e.g. ``attention_softmax_in_fp32=false``, ``apply_rope_fusion=true``).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import functools
 import os
@@ -63,7 +65,7 @@ def init_parallel(device: str, tp: int) -> int:
     if device == "cuda":
         torch.cuda.set_device(rank)
     if not torch.distributed.is_initialized():
-        rendezvous = os.environ.get(RENDEZVOUS_ENV) or _fresh_file("alignaudit-pg-")
+        rendezvous = os.environ.get(RENDEZVOUS_ENV) or rendezvous_file()
         torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}",
                                              rank=rank, world_size=tp)
     if not parallel_state.model_parallel_is_initialized():
@@ -445,8 +447,17 @@ class MegatronEngine(Engine):
         }
 
 
-def _fresh_file(prefix: str) -> str:
-    """The path of a new empty file (torch.distributed's file rendezvous), its descriptor closed."""
-    fd, path = tempfile.mkstemp(prefix=prefix)
+def rendezvous_file() -> str:
+    """The path of a new empty file for torch.distributed's file rendezvous (``init_method="file://..."``), removed
+    when this process exits: torch's FileStore reopens it by path for every store operation, so it must outlive the
+    process group, and it is left behind where the group is never destroyed (a worker that exits without
+    ``destroy_process_group``)."""
+    fd, path = tempfile.mkstemp(prefix="alignaudit-pg-")
     os.close(fd)
+    atexit.register(_remove_file, path)  # multiprocessing's children leave through os._exit: only the creator runs it
     return path
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
