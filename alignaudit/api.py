@@ -205,8 +205,8 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
             ) -> Comparison:
     """Run ``alignaudit compare`` from Python: the same validation, engines (each in its own worker process),
     outputs and sealed run.json, into ``out`` (default: a new alignaudit-runs/compare-<time> directory; an
-    existing non-empty one needs ``force``, whose earlier results stay in ``out/.alignaudit-previous/`` when the run
-    fails). Arguments are the CLI's options (docs/cli.md): ``strict`` "all" or a
+    existing non-empty one needs ``force``; where the run fails, the complete results it replaced stay in
+    ``out/.alignaudit-previous/``). Arguments are the CLI's options (docs/cli.md): ``strict`` "all" or a
     comma list; ``train_options`` / ``infer_options`` the ``--train-opt`` / ``--infer-opt`` settings;
     ``replay_routing`` is ``--replay-routing`` (summary["routing_replay"]).
     ``full_vocab`` is ``--full-vocab`` (the summary's ``vocab`` record and the tokens' ``vocab_*`` columns);
@@ -271,13 +271,11 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
                                 pair, sampling, clip_eps, replay_routing=replay_routing, full_vocab=full_vocab,
                                 repeat=repeat)
         path = out_dir(OutputArgs(str(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
-    completed = False
     try:
         with _argument_names():
             summary = run_compare(request, path)
-        completed = True
     finally:
-        outdir.release(path, completed=completed)  # a failed run keeps the results force=True replaced
+        outdir.release(path)  # a failed run keeps the complete results force=True replaced (out/.alignaudit-previous)
     return Comparison(path, summary["tokens_compared"], summary["mismatches"], summary["ulp_max"],
                       summary["max_abs_diff"], summary.get("generated"), summary,
                       pd.read_parquet(path / TOKENS), pd.read_parquet(path / SEQUENCES))

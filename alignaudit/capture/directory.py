@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,12 +75,13 @@ def rollout_file_table(batch: TokenBatch, prompt_lengths: list[int], logprobs: l
 
 
 def write_capture(directory: Path, manifest: dict, logprobs: pd.DataFrame) -> None:
-    """Write the parquet table, then the manifest (atomically, marked complete)."""
+    """Write the parquet table, then the manifest (atomically, marked complete), with a ``capture_id`` of its own (a
+    random UUID: a copy of the directory keeps it, a second capture never has it; comparison.integrity.load_pair)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     logprobs.to_parquet(directory / LOGPROBS, index=False)
-    record = {"format": FORMAT, "version": VERSION, **manifest, "files": {LOGPROBS: file_sha256(directory / LOGPROBS)},
-              "status": "complete"}
+    record = {"format": FORMAT, "version": VERSION, "capture_id": uuid.uuid4().hex, **manifest,
+              "files": {LOGPROBS: file_sha256(directory / LOGPROBS)}, "status": "complete"}
     tmp = directory / MANIFEST_TMP
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     os.replace(tmp, directory / MANIFEST)

@@ -10,11 +10,15 @@ Every command that writes results (compare, bisect, capture, diff, gate, rl) goe
       it has a name alignaudit writes (capture and op-store files) or it is one a library writes whole for
       alignaudit (rl --log-to: tensorboard/, wandb/); anything else is refused, naming the file, before anything
       is moved;
-    - the entries ``--force`` replaces are moved aside into ``.alignaudit-previous/`` (a rename, same file
-      system) and deleted only when the command completes (``release(completed=True)``). A command that fails
-      or is interrupted leaves its own outputs in place (their logs name them; ``gate`` refuses an incomplete
-      run) and keeps the earlier results in ``.alignaudit-previous/``; a later ``--force`` run keeps that folder
-      until it completes itself, so it always holds the last results of a run that did;
+    - the complete results ``--force`` replaces are moved aside into ``PREVIOUS`` (``.alignaudit-previous/``, with
+      a marker of its own) and dropped only when the new outputs are complete (``release``). "Complete" is read
+      from the directory, never from an exit code: run.json's ``status`` (capture: manifest.json's). A command that
+      fails or is interrupted leaves its own outputs in place (their logs name them; ``gate`` refuses them) and
+      the earlier results in ``PREVIOUS``; a later ``--force`` run deletes such incomplete outputs and keeps
+      ``PREVIOUS`` until it completes itself, so ``PREVIOUS`` holds the last complete results. Moving aside goes
+      through ``STAGING`` (renamed to ``PREVIOUS`` in one step; a leftover is moved back by the next run) and
+      dropping through ``DROPPING`` (a leftover is deleted by the next run), so an interruption at any point
+      keeps the last complete results;
     - an entry the command is about to write that exists but was not written by alignaudit is refused.
 Default names (``alignaudit-runs/<command>-<time>``) are created exclusively, with a numeric suffix when
 two runs start in the same second.
@@ -30,13 +34,24 @@ import shutil
 from datetime import datetime
 from pathlib import Path
 
-from alignaudit.capture.rundir import INNER_FILES, LIBRARY_DIRS, LOCK, MARKER, PREVIOUS
+from alignaudit.capture.rundir import (
+    DROPPING,
+    INNER_FILES,
+    LIBRARY_DIRS,
+    LOCK,
+    MANIFEST,
+    MARKER,
+    PREVIOUS,
+    RUN,
+    STAGING,
+)
 from alignaudit.errors import InputError
 
 command_name = "?"  # set by the CLI; shown to a second run that finds the directory locked
 
 _held: dict[Path, int] = {}
-_replacing: set[Path] = set()  # directories whose PREVIOUS this process decides on when its command ends
+_replacing: set[Path] = set()  # directories whose PREVIOUS this process settles when its command ends
+_ASIDE = (PREVIOUS, STAGING, DROPPING)
 
 
 def default_out(command: str, root: Path = Path("alignaudit-runs")) -> Path:
@@ -58,13 +73,15 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
 
     Args:
         out: the directory. ``force``: reuse a non-empty directory, replacing alignaudit's earlier outputs
-            there (only those; moved into ``PREVIOUS`` until the command completes, see the module docstring).
+            there (only those; complete ones are kept in ``PREVIOUS`` until the new outputs are, see the
+            module docstring).
             ``names``: what this command may write.
         inputs: directories the command reads (captures, run dirs); ``out`` may not be, contain, or lie in one.
 
     Raises:
         InputError: empty path, a file, an input overlap, unwritable, locked by another run, non-empty
-            without ``force``, or holding entries alignaudit did not write where it must write.
+            without ``force``, or holding entries alignaudit did not write where it must write (in ``PREVIOUS`` too,
+            where it must be replaced).
     """
     if str(out).strip() == "":
         raise InputError("--out is empty; give a directory name")
@@ -79,7 +96,19 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
     except OSError as e:
         raise InputError(f"cannot create --out {out}: {e.strerror}") from e
     lock(out)
-    existing = [p for p in out.iterdir() if p.name not in (MARKER, LOCK, PREVIOUS)]
+    try:
+        _replace(out, force, names)
+    except BaseException:
+        release(out)  # the Python API's process goes on: leave the directory unlocked
+        raise
+    return out
+
+
+def _replace(out: Path, force: bool, names: tuple[str, ...]) -> None:
+    """``prepare``'s work on the locked ``out``: refuse what must not go, set alignaudit's earlier outputs aside,
+    claim ``names``."""
+    _recover(out)
+    existing = [p for p in out.iterdir() if p.name not in (MARKER, LOCK, *_ASIDE)]
     ours = set(read_marker(out))
     if existing and not force:  # filled by another run between the first look and the lock
         raise InputError(f"--out {out} is not empty; choose another directory or pass --force to overwrite")
@@ -92,28 +121,87 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
         _check_removable(path)
     _set_aside(out, stale)
     claim(out, names)
-    return out
 
 
 def _set_aside(out: Path, stale: list[Path]) -> None:
-    """Move alignaudit's earlier outputs ``stale`` into ``out/PREVIOUS``; where that folder already holds the
-    results of the last completed run (the run after it failed), ``stale`` are that failed run's outputs and are
-    deleted instead."""
+    """Replace alignaudit's earlier outputs ``stale``: complete ones (``is_complete``) become ``out/PREVIOUS``,
+    dropping an older PREVIOUS; incomplete ones (a failed or interrupted run's) are deleted, and a PREVIOUS there
+    stays. Raises InputError, before anything moves, where PREVIOUS must be dropped and holds what alignaudit did
+    not write."""
     previous = out / PREVIOUS
-    if previous.is_symlink() or (previous.exists() and not previous.is_dir()):
-        raise InputError(f"--out {out}: {PREVIOUS} is not a folder alignaudit made; move it first")
-    keep = stale and not previous.exists()
-    if keep:
-        previous.mkdir()
-    for path in stale:
-        if keep:
-            os.rename(path, previous / path.name)
-        elif path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    if previous.exists():
+    has_previous = _check_previous(out)
+    if stale and not is_complete(out):
+        for path in stale:
+            _delete(path)
+    elif stale:
+        if has_previous:
+            _check_droppable(previous)
+        staging = out / STAGING
+        staging.mkdir()
+        claim(staging, tuple(path.name for path in stale))
+        for path in stale:
+            os.rename(path, staging / path.name)
+        if has_previous:
+            os.rename(previous, out / DROPPING)
+        os.rename(staging, previous)
+        _delete(out / DROPPING)
+    if previous.is_dir():
         _replacing.add(out.resolve())
+
+
+def _recover(out: Path) -> None:
+    """Finish what an interrupted run left half done: STAGING's entries go back to the top level (its move aside
+    did not complete), DROPPING is deleted (its drop had begun). Raises InputError where an entry of STAGING
+    cannot go back (its name is taken)."""
+    staging = out / STAGING
+    if staging.is_dir() and not staging.is_symlink():
+        for path in staging.iterdir():
+            if path.name not in (MARKER, LOCK) and not (out / path.name).exists():
+                os.rename(path, out / path.name)
+        left = [path.name for path in staging.iterdir() if path.name not in (MARKER, LOCK)]
+        if left:
+            raise InputError(f"--out {out}: {STAGING}/{left[0]} is left from an interrupted run and {left[0]} exists "
+                             "beside it; move one of them")
+        _delete(staging)
+    if (out / DROPPING).is_dir() and not (out / DROPPING).is_symlink():
+        _delete(out / DROPPING)
+
+
+def _check_previous(out: Path) -> bool:
+    """Whether ``out`` holds a PREVIOUS; raises InputError where that name holds something alignaudit did not make
+    (a file, a link, a folder without its marker)."""
+    previous = out / PREVIOUS
+    if not previous.exists() and not previous.is_symlink():
+        return False
+    if previous.is_symlink() or not previous.is_dir() or not (previous / MARKER).is_file():
+        raise InputError(f"--out {out}: {PREVIOUS} was not made by alignaudit; move it first")
+    return True
+
+
+def _check_droppable(previous: Path) -> None:
+    """Raise InputError naming an entry of ``previous`` alignaudit did not write (the --force rule)."""
+    listed = set(read_marker(previous))
+    for path in previous.iterdir():
+        if path.name not in (MARKER, LOCK) and path.name not in listed:
+            raise InputError(f"--force would remove {path}, which alignaudit did not write; move it first")
+        _check_removable(path)
+
+
+def is_complete(out: Path) -> bool:
+    """Whether the outputs in ``out`` are a finished command's: run.json's status is "complete" (a capture's
+    manifest.json where there is no run.json)."""
+    record = Path(out) / RUN if (Path(out) / RUN).exists() else Path(out) / MANIFEST
+    try:
+        return json.loads(record.read_text()).get("status") == "complete"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def check_overlap(out: Path, inputs: tuple[Path, ...]) -> None:
@@ -193,25 +281,21 @@ def lock(out: Path) -> None:
     _held[key] = fd
 
 
-def release(out: Path, *, completed: bool) -> Path | None:
+def release(out: Path) -> Path | None:
     """End this process's command in ``out``: settle the results ``--force`` set aside, then release the lock (a
     no-op without one). The Python API, which may run several commands in one process, releases each when it ends.
 
-    Args:
-        completed: the command wrote all its results (a gate verdict of "fail" included). Then the earlier
-            results in ``out/PREVIOUS`` are deleted; otherwise they are kept.
+    Where the outputs in ``out`` are complete (``is_complete``), ``out/PREVIOUS`` is dropped, unless it holds an
+    entry alignaudit did not write or another process has it locked (``gate`` or ``report`` of it): then it stays.
 
     Returns:
-        ``out/PREVIOUS`` where it still holds earlier results (the command did not complete), else None.
+        ``out/PREVIOUS`` where it stays, else None.
     """
     key = Path(out).resolve()
     kept = None
     if key in _replacing:
         _replacing.discard(key)
-        previous = key / PREVIOUS
-        if completed:
-            shutil.rmtree(previous, ignore_errors=True)
-        elif previous.is_dir():
+        if not (is_complete(key) and _drop(key / PREVIOUS)) and (key / PREVIOUS).is_dir():
             kept = Path(out) / PREVIOUS
     fd = _held.pop(key, None)
     if fd is not None:
@@ -219,7 +303,21 @@ def release(out: Path, *, completed: bool) -> Path | None:
     return kept
 
 
-def release_all(*, completed: bool) -> list[Path]:
-    """``release`` every directory this process holds (the CLI calls this when a command ends); the
-    ``PREVIOUS`` folders kept."""
-    return [kept for key in sorted(_held.keys() | _replacing) if (kept := release(key, completed=completed))]
+def _drop(previous: Path) -> bool:
+    """Delete ``previous`` (a PREVIOUS) through DROPPING; False where it must stay (``release``)."""
+    try:
+        _check_droppable(previous)
+        lock(previous)
+    except InputError:
+        return False
+    dropping = previous.with_name(DROPPING)
+    os.rename(previous, dropping)
+    release(previous)
+    _delete(dropping)
+    return True
+
+
+def release_all() -> list[Path]:
+    """``release`` every directory this process holds (the CLI calls this when a command ends); the ``PREVIOUS``
+    folders that stay."""
+    return [kept for key in sorted(_held.keys() | _replacing) if (kept := release(key))]

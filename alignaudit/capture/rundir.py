@@ -70,7 +70,9 @@ REPORT = "report.html"
 # the output-directory guard (alignaudit.capture.outdir)
 MARKER = ".alignaudit-outputs"
 LOCK = ".alignaudit.lock"
-PREVIOUS = ".alignaudit-previous"  # the results --force replaced, kept until the new run completes (capture/outdir.py)
+# the complete results --force replaced, kept until the new outputs are complete, and the two names it passes through
+# (capture/outdir.py)
+PREVIOUS, STAGING, DROPPING = ".alignaudit-previous", ".alignaudit-previous.staging", ".alignaudit-previous.dropping"
 
 # Top-level entries each command writes in its output directory (alignaudit.capture.outdir claims them first).
 CAPTURE_OUTPUTS = (MANIFEST, MANIFEST_TMP, LOGPROBS, OPS_DIR, VOCAB_DIR, REQUEST, WORKER_LOG)

@@ -58,15 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _optional_values(sys.argv[1:] if argv is None else list(argv), {"--strict": "all"})
     debug = "--debug" in args
     outdir.command_name = next((a for a in args if not a.startswith("-")), "?")
-    code = errors.EXIT_ENGINE
     try:
-        code = _run(args, debug)
-        return code
+        return _run(args, debug)
     finally:
-        # a command that ended with its results written (exit 0, or 1: the gate's verdict) drops the results
-        # --force replaced; any other end keeps them (capture/outdir.py)
-        for kept in outdir.release_all(completed=code in (errors.EXIT_OK, errors.EXIT_MISMATCH)):
-            err_console.print(f"the results --force replaced are kept in {escape(str(kept))}", highlight=False,
+        # a command whose outputs are incomplete keeps the complete results --force replaced (capture/outdir.py)
+        for kept in outdir.release_all():
+            err_console.print(f"the last complete results there are kept in {escape(str(kept))}", highlight=False,
                               soft_wrap=True)
 
 

@@ -93,8 +93,8 @@ GeoMaskLowOpt = Annotated[float, typer.Option("--geo-mask-low", metavar="L", hel
 GeoMaskHighOpt = Annotated[float, typer.Option("--geo-mask-high", metavar="H",
                                                help="The upper end of --geo-mask-low's range.")]
 ModeOpt = Annotated[str, typer.Option("--mode", metavar="MODE", help="prompt (teacher-forced prompts) or rollout "
-                                      "(the inference engine samples and records its logprobs; in compare and rl the "
-                                      "training engine then rescores the same tokens).")]
+                                      "(the inference engine samples and records its logprobs; where the command "
+                                      "runs a training engine too, it rescores the same tokens).")]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", metavar="N",
                                               help="Rollout: tokens sampled per completion (at most, where EOS "
                                               "ends it).")]

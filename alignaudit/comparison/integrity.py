@@ -58,10 +58,10 @@ def load_pair(train_dir: Path, infer_dir: Path) -> tuple[Capture, Capture]:
     if os.path.samefile(train.path, infer.path):
         raise InputError(f"both captures are {train_dir}: a capture compared with itself is identical whatever the "
                          "engine computed; give the training engine's capture and the inference engine's")
-    if manifest_sha256(train.path) == manifest_sha256(infer.path):  # created, timings: no two runs write the same
-        raise InputError(f"{train_dir} and {infer_dir} hold one capture (identical manifest.json: one is a copy of "
-                         "the other), identical whatever the engine computed; give the training engine's capture and "
-                         "the inference engine's")
+    if train.manifest.get("capture_id") and train.manifest.get("capture_id") == infer.manifest.get("capture_id"):
+        raise InputError(f"{train_dir} and {infer_dir} hold one capture (the same capture_id: one is a copy of the "
+                         "other), identical whatever the engine computed; give the training engine's capture and the "
+                         "inference engine's")
     sha_t = train.manifest["model"].get("checkpoint_sha256")
     sha_i = infer.manifest["model"].get("checkpoint_sha256")
     if not sha_t or not sha_i:

@@ -216,7 +216,7 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
     assert "a capture compared with itself is identical" in err  # however the path is spelled
     shutil.copytree(a, tmp_path / "copy")
     err = one_line_error(capsys, ["diff", str(a), str(tmp_path / "copy"), "--out", str(tmp_path / "d6")], EXIT_USAGE)
-    assert "hold one capture (identical manifest.json: one is a copy of the other)" in err
+    assert "hold one capture (the same capture_id: one is a copy of the other)" in err
     err = one_line_error(capsys, ["capture", "--engine", "hf", "--no-ops", "--layers", "0", "--out",
                                   str(tmp_path / "n")], EXIT_USAGE)
     assert "--layers/--ops select ops to capture and --no-ops captures none" in err

@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from alignaudit.capture import outdir
+from alignaudit.capture.rundir import PREVIOUS
 from alignaudit.commands import cli
 from alignaudit.errors import EXIT_OK, EXIT_USAGE, InputError
 from helpers import FIXTURE, one_line_error, run_cli, run_in_process
@@ -71,9 +72,10 @@ def test_force_replaces_stale_outputs_of_alignaudit_and_keeps_other_files(two_ca
 
 
 def test_a_force_run_that_fails_keeps_the_results_it_replaced(two_captures, tmp_path, capsys):
-    """--force moves the earlier results aside and deletes them only when the new run completes: a run that fails
+    """--force moves complete results aside and drops them only once the new outputs are complete: a run that fails
     after claiming the directory leaves its own (failed) outputs, which gate refuses, and the earlier results byte
-    for byte in .alignaudit-previous/; a later failure keeps those, and the next completed run drops them."""
+    for byte in .alignaudit-previous/; a second failure deletes the first one's outputs and keeps those results; the
+    next completed run drops them."""
     a, b = two_captures
     d = tmp_path / "d"
     assert cli.main(["diff", str(a), str(b), "--out", str(d)]) == EXIT_OK
@@ -81,41 +83,110 @@ def test_a_force_run_that_fails_keeps_the_results_it_replaced(two_captures, tmp_
     failing = ["compare", "--train", "hf", "--infer", "hf", "--train-opt", "attn_implementation=flash_attention_2",
                "--out", str(d), "--force"]
     capsys.readouterr()
-    for _ in range(2):  # the second failure replaces the first one's outputs and keeps the earlier results
+    for _ in range(2):
         err = one_line_error(capsys, failing, EXIT_USAGE)
-        assert "cannot load" in err and err.endswith(f"the results --force replaced are kept in {d / outdir.PREVIOUS}")
+        assert "cannot load" in err and err.endswith(f"the last complete results there are kept in {d / PREVIOUS}")
         assert json.loads((d / "run.json").read_text())["status"] == "failed"
         assert (d / "train" / "worker.log").is_file() and not (d / "summary.json").exists()
-        kept = {p.relative_to(d / outdir.PREVIOUS): p.read_bytes() for p in (d / outdir.PREVIOUS).rglob("*")
-                if p.is_file()}
-        assert kept == {name: data for name, data in before.items() if name.name != outdir.MARKER}
+        kept = {p.relative_to(d / PREVIOUS): p.read_bytes() for p in (d / PREVIOUS).rglob("*") if p.is_file()}
+        assert kept.pop(Path(outdir.MARKER)) and kept == {k: v for k, v in before.items() if k.name != outdir.MARKER}
     assert "did not finish (status 'failed')" in one_line_error(capsys, ["gate", str(d)], EXIT_USAGE)
+    assert cli.main(["gate", str(d / PREVIOUS)]) == EXIT_OK  # the kept results are a run of their own
     assert cli.main(["diff", str(a), str(b), "--out", str(d), "--force"]) == EXIT_OK
-    assert not (d / outdir.PREVIOUS).exists() and not (d / "train").exists()
+    assert not (d / PREVIOUS).exists() and not (d / "train").exists()
     assert "kept in" not in capsys.readouterr().err
     assert (d / "summary.json").read_bytes() == before[Path("summary.json")]
 
 
-def test_force_sets_aside_only_on_disk_moves_and_a_completed_run_drops_them(tmp_path):
-    """The library form (the Python API): release(completed=False) keeps the results moved aside and returns their
-    folder; completed=True deletes them; a PREVIOUS that is not alignaudit's folder is refused before anything
-    moves."""
+def _complete_capture(out: Path, text: str) -> None:
+    (out / "manifest.json").write_text(json.dumps({"status": "complete", "text": text}))
+
+
+def test_what_force_sets_aside_is_settled_from_the_directory_not_from_how_the_command_ended(tmp_path):
+    """The library form (the Python API): release() drops PREVIOUS where the outputs beside it are complete (however
+    the command ended: a closed pipe or Ctrl-C after the results were written), keeps it where they are not; a
+    --force over incomplete outputs deletes them and keeps PREVIOUS; over complete ones it makes them PREVIOUS."""
     from alignaudit.capture.rundir import CAPTURE_OUTPUTS
 
     out = outdir.prepare(tmp_path / "c", False, CAPTURE_OUTPUTS)
-    (out / "manifest.json").write_text("first")
-    assert outdir.release(out, completed=True) is None
+    _complete_capture(out, "first")
+    assert outdir.release(out) is None
     outdir.prepare(out, True, CAPTURE_OUTPUTS)
-    assert not (out / "manifest.json").exists() and (out / outdir.PREVIOUS / "manifest.json").read_text() == "first"
-    assert outdir.release(out, completed=False) == out / outdir.PREVIOUS
+    assert not (out / "manifest.json").exists()
+    (out / "logprobs.parquet").write_text("partial")  # a run that failed before its manifest
+    assert outdir.release(out) == out / PREVIOUS
+    outdir.prepare(out, True, CAPTURE_OUTPUTS)  # the failed outputs go, the complete ones stay aside
+    assert not (out / "logprobs.parquet").exists() and "first" in (out / PREVIOUS / "manifest.json").read_text()
+    _complete_capture(out, "second")
+    assert outdir.release(out) is None and not (out / PREVIOUS).exists()
     outdir.prepare(out, True, CAPTURE_OUTPUTS)
-    assert outdir.release(out, completed=True) is None and not (out / outdir.PREVIOUS).exists()
-    (out / "manifest.json").write_text("second")
-    (out / outdir.PREVIOUS).write_text("not a folder")
-    with pytest.raises(InputError, match="is not a folder alignaudit made"):
+    _complete_capture(out, "third")
+    outdir.release(out)
+    outdir.prepare(out, True, CAPTURE_OUTPUTS)  # complete outputs replace an older PREVIOUS
+    assert "third" in (out / PREVIOUS / "manifest.json").read_text()
+    assert outdir.release(out) == out / PREVIOUS
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.write_text("x"), "was not made by alignaudit"),
+    (lambda p: p.mkdir(), "was not made by alignaudit"),  # no marker inside
+    (lambda p: p.symlink_to(p.parent), "was not made by alignaudit"),
+])
+def test_a_previous_folder_alignaudit_did_not_make_is_refused(tmp_path, make, message):
+    from alignaudit.capture.rundir import CAPTURE_OUTPUTS
+
+    out = outdir.prepare(tmp_path / "c", False, CAPTURE_OUTPUTS)
+    _complete_capture(out, "mine")
+    outdir.release(out)
+    make(out / PREVIOUS)
+    with pytest.raises(InputError, match=message):
         outdir.prepare(out, True, CAPTURE_OUTPUTS)
-    outdir.release_all(completed=True)
-    assert (out / "manifest.json").read_text() == "second" and (out / outdir.PREVIOUS).read_text() == "not a folder"
+    assert "mine" in (out / "manifest.json").read_text() and not outdir._held
+
+
+def test_a_file_put_into_previous_is_never_removed(tmp_path):
+    """A file of the user's inside PREVIOUS: the completed run keeps the folder (not an error: its results are
+    written), and a --force that would replace it is refused naming the file, before anything moves."""
+    from alignaudit.capture.rundir import CAPTURE_OUTPUTS
+
+    out = outdir.prepare(tmp_path / "c", False, CAPTURE_OUTPUTS)
+    _complete_capture(out, "first")
+    outdir.release(out)
+    outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    (out / PREVIOUS / "notes.txt").write_text("mine")
+    _complete_capture(out, "second")
+    assert outdir.release(out) == out / PREVIOUS
+    with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
+        outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    assert "second" in (out / "manifest.json").read_text() and (out / PREVIOUS / "notes.txt").is_file()
+
+
+def test_an_interrupted_move_aside_is_undone_by_the_next_run(tmp_path, monkeypatch):
+    """Ctrl-C between two of --force's renames: the lock is released, and the next run moves what was staged back
+    before deciding, so the complete results end up whole in PREVIOUS."""
+    from alignaudit.capture.rundir import CAPTURE_OUTPUTS, STAGING
+
+    out = outdir.prepare(tmp_path / "c", False, CAPTURE_OUTPUTS)
+    _complete_capture(out, "first")
+    (out / "logprobs.parquet").write_text("rows")
+    outdir.release(out)
+    renames = []
+
+    def interrupted(src, dst):
+        renames.append(src)
+        if len(renames) == 2:
+            raise KeyboardInterrupt
+        os.rename(src, dst)
+
+    monkeypatch.setattr(outdir.os, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    monkeypatch.undo()
+    assert (out / STAGING).is_dir() and not outdir._held and not outdir._replacing
+    outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    assert not (out / STAGING).exists()
+    assert sorted(p.name for p in (out / PREVIOUS).iterdir()) == [outdir.MARKER, "logprobs.parquet", "manifest.json"]
+    outdir.release(out)
 
 
 def test_empty_out_and_out_that_is_an_input_are_refused(two_captures, tmp_path, capsys):
@@ -138,7 +209,7 @@ def test_a_second_run_on_a_locked_directory_says_who_holds_it(two_captures, tmp_
     try:
         proc = run_cli("diff", str(a), str(b), "--out", str(d), "--force")
     finally:
-        outdir.release_all(completed=True)
+        outdir.release_all()
     assert proc.returncode == EXIT_USAGE
     assert f"is in use by another alignaudit run (pid {os.getpid()}, `alignaudit compare`" in proc.stderr
     assert not (d / "summary.json").exists()
@@ -331,12 +402,12 @@ def test_force_reuses_an_ablate_directory_and_still_guards_foreign_files(tmp_pat
     for name in ("run.json", "summary.json", "tokens.parquet", "sequences.parquet", "bisect.json",
                  "ops-natural.parquet", "train/manifest.json", "report.html", outdir.MARKER, outdir.LOCK):
         (row / name).write_text("{}")
-    outdir.release_all(completed=True)
+    outdir.release_all()
     outdir.prepare(out, True, ABLATE_OUTPUTS)
     assert not (out / "configs").exists()
     (row / "notes.txt").parent.mkdir(parents=True)
     (row / "notes.txt").write_text("mine")
-    outdir.release_all(completed=True)
+    outdir.release_all()
     with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
         outdir.prepare(out, True, ABLATE_OUTPUTS)
 
@@ -351,11 +422,11 @@ def test_force_reuses_an_rl_directory_with_the_libraries_exports(tmp_path):
                  "wandb/offline-run-1/run-1.wandb"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("x")
-    outdir.release_all(completed=True)
+    outdir.release_all()
     outdir.prepare(out, True, RL_OUTPUTS)
     assert not (out / "tensorboard").exists() and not (out / "wandb").exists()
     (out / "tokens" / "notes.txt").parent.mkdir(parents=True)
     (out / "tokens" / "notes.txt").write_text("mine")
-    outdir.release_all(completed=True)
+    outdir.release_all()
     with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
         outdir.prepare(out, True, RL_OUTPUTS)

@@ -20,7 +20,6 @@ field (e.g. ``attention_softmax_in_fp32=false``, ``apply_rope_fusion=true``).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import functools
@@ -449,15 +448,22 @@ class MegatronEngine(Engine):
 
 def rendezvous_file() -> str:
     """The path of a new empty file for torch.distributed's file rendezvous (``init_method="file://..."``), removed
-    when this process exits: torch's FileStore reopens it by path for every store operation, so it must outlive the
-    process group, and it is left behind where the group is never destroyed (a worker that exits without
-    ``destroy_process_group``)."""
+    when this process exits, after it has joined the rank processes it started: torch's FileStore reopens the file
+    by path for every store operation, and deletes it only where every rank's store is destroyed, which forked
+    ranks (they leave through os._exit) never do.
+
+    The removal is a multiprocessing finalizer of negative priority (multiprocessing.util._exit_function runs those
+    after joining the children), and only the creating process removes the file: a child forked with os.fork that
+    runs the exit functions (alignaudit.workers.preloaded) inherits the finalizer but not the file."""
+    from multiprocessing.util import Finalize
+
     fd, path = tempfile.mkstemp(prefix="alignaudit-pg-")
     os.close(fd)
-    atexit.register(_remove_file, path)  # multiprocessing's children leave through os._exit: only the creator runs it
+    Finalize(None, _remove_file, args=(path, os.getpid()), exitpriority=-1)
     return path
 
 
-def _remove_file(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+def _remove_file(path: str, creator: int) -> None:
+    if os.getpid() == creator:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
