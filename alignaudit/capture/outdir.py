@@ -31,6 +31,7 @@ import fnmatch
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -180,11 +181,21 @@ def _check_previous(out: Path) -> bool:
 
 def _check_droppable(previous: Path) -> None:
     """Raise InputError naming an entry of ``previous`` alignaudit did not write (the --force rule)."""
+    foreign = _foreign_in_previous(previous)
+    if foreign is not None:
+        raise InputError(f"--force would remove {foreign}, which alignaudit did not write; move it first")
+
+
+def _foreign_in_previous(previous: Path) -> Path | None:
+    """The first entry of ``previous`` (a PREVIOUS) that its marker does not list, or file inside a listed folder
+    that alignaudit never writes; None where there is none."""
     listed = set(read_marker(previous))
     for path in previous.iterdir():
         if path.name not in (MARKER, LOCK) and path.name not in listed:
-            raise InputError(f"--force would remove {path}, which alignaudit did not write; move it first")
-        _check_removable(path)
+            return path
+        if (foreign := _foreign_file(path)) is not None:
+            return foreign
+    return None
 
 
 def is_complete(out: Path) -> bool:
@@ -240,13 +251,21 @@ def read_marker(out: Path) -> list[str]:
 
 
 def _check_removable(path: Path) -> None:
+    foreign = _foreign_file(path)
+    if foreign is not None:
+        raise InputError(f"--force would remove {foreign}, which alignaudit did not write; move it first")
+
+
+def _foreign_file(path: Path) -> Path | None:
+    """The first file inside ``path`` (an entry alignaudit listed) whose name alignaudit never writes there; None for
+    a file, a link or a folder a library writes whole (LIBRARY_DIRS)."""
     if not path.is_dir() or path.is_symlink() or path.name in LIBRARY_DIRS:
-        return
+        return None
     for root, _, files in os.walk(path):
         for name in files:
             if not any(fnmatch.fnmatch(name, pattern) for pattern in INNER_FILES):
-                raise InputError(f"--force would remove {Path(root) / name}, which alignaudit did not write; "
-                                 "move it first")
+                return Path(root) / name
+    return None
 
 
 def lock(out: Path) -> None:
@@ -266,13 +285,8 @@ def lock(out: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 4096).decode(errors="replace").strip()
+        who = _holder(fd)
         os.close(fd)
-        try:
-            info = json.loads(holder)
-            who = f"pid {info['pid']}, `alignaudit {info['command']}`, started {info['started']}"
-        except (json.JSONDecodeError, KeyError, TypeError):
-            who = "another process"
         raise InputError(f"{out} is in use by another alignaudit run ({who}); "
                          "wait for it or choose another --out") from None
     os.ftruncate(fd, 0)
@@ -281,43 +295,87 @@ def lock(out: Path) -> None:
     _held[key] = fd
 
 
-def release(out: Path) -> Path | None:
+@dataclass(frozen=True)
+class Kept:
+    """A PREVIOUS folder that stays when its command ends (``path``), and why (``reason``, a clause)."""
+
+    path: Path
+    reason: str
+
+
+def held_by(out: Path) -> str | None:
+    """Who holds the lock on ``out`` ("pid N, `alignaudit COMMAND`, started TIME"), or None where no process does
+    (this one's own lock included: it is not another run)."""
+    if Path(out).resolve() in _held:
+        return None
+    try:
+        fd = os.open(Path(out) / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return _holder(fd)
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    """The holder a lock file (open as ``fd``) names."""
+    text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    try:
+        info = json.loads(text)
+        return f"pid {info['pid']}, `alignaudit {info['command']}`, started {info['started']}"
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "another process"
+
+
+def release(out: Path) -> Kept | None:
     """End this process's command in ``out``: settle the results ``--force`` set aside, then release the lock (a
     no-op without one). The Python API, which may run several commands in one process, releases each when it ends.
 
     Where the outputs in ``out`` are complete (``is_complete``), ``out/PREVIOUS`` is dropped, unless it holds an
-    entry alignaudit did not write or another process has it locked (``gate`` or ``report`` of it): then it stays.
+    entry alignaudit did not write, another process has it locked (``gate`` or ``report`` of it), or it cannot be
+    renamed: then it stays.
 
     Returns:
-        ``out/PREVIOUS`` where it stays, else None.
+        The PREVIOUS that stays and why, else None.
     """
     key = Path(out).resolve()
     kept = None
     if key in _replacing:
         _replacing.discard(key)
-        if not (is_complete(key) and _drop(key / PREVIOUS)) and (key / PREVIOUS).is_dir():
-            kept = Path(out) / PREVIOUS
+        reason = _drop(key / PREVIOUS) if is_complete(key) else "the outputs beside it are incomplete"
+        if reason and (key / PREVIOUS).is_dir():
+            kept = Kept(Path(out) / PREVIOUS, reason)
     fd = _held.pop(key, None)
     if fd is not None:
         os.close(fd)
     return kept
 
 
-def _drop(previous: Path) -> bool:
-    """Delete ``previous`` (a PREVIOUS) through DROPPING; False where it must stay (``release``)."""
+def _drop(previous: Path) -> str | None:
+    """Delete ``previous`` (a PREVIOUS) through DROPPING; None once it is gone, else why it stays."""
+    foreign = _foreign_in_previous(previous)
+    if foreign is not None:
+        return f"it holds {foreign}, which alignaudit did not write"
     try:
-        _check_droppable(previous)
         lock(previous)
     except InputError:
-        return False
+        return "another alignaudit run has it locked"
     dropping = previous.with_name(DROPPING)
-    os.rename(previous, dropping)
-    release(previous)
-    _delete(dropping)
-    return True
+    try:
+        os.rename(previous, dropping)
+    except OSError as e:
+        return f"it could not be renamed ({e.strerror})"
+    finally:
+        release(previous)
+    shutil.rmtree(dropping, ignore_errors=True)  # what stays is deleted by the next run in the directory (_recover)
+    return None
 
 
-def release_all() -> list[Path]:
+def release_all() -> list[Kept]:
     """``release`` every directory this process holds (the CLI calls this when a command ends); the ``PREVIOUS``
     folders that stay."""
     return [kept for key in sorted(_held.keys() | _replacing) if (kept := release(key))]

@@ -44,7 +44,8 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
                 "elsewhere) instead of --prompts; its sampling transform is replayed where it recorded processed "
                 "logprobs.")] = None,
             strict: StrictOpt = None,
-            full_vocab: Annotated[bool, typer.Option("--full-vocab", help="Prompt mode: also write the engine's "
+            full_vocab: Annotated[bool, typer.Option(
+                "--full-vocab", metavar="", help="Prompt mode: also write the engine's "
                                                      "whole log-softmax row at every scored position (DIR/vocab); "
                                                      "`diff` of two such captures compares the distributions.")]
             = False) -> None:
@@ -70,8 +71,17 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     from alignaudit.capture.ops import OpGraph, parse_selection
     from alignaudit.capture.rundir import CAPTURE_OUTPUTS
     from alignaudit.commands.pipeline import capture as run_capture
-    from alignaudit.commands.requests import check_max_model_len, check_top_k, engine_runs, sampling
+    from alignaudit.commands.requests import (
+        check_max_model_len,
+        check_top_k,
+        engine_runs,
+        given_sampling_flags,
+        sampling,
+    )
 
+    if tokens_from is not None and sample.mode == "prompt" and (given := given_sampling_flags(sample)):
+        raise errors.InputError(f"{given[0]}: --tokens-from scores a rollout's tokens under the sampling settings its "
+                                f"capture recorded; drop {given[0]}")
     rollout = sampling(sample, model.seed)
     if rollout is not None:
         _refuse_for_rollout(engine, layers, ops, no_ops, reference, tokens_from)

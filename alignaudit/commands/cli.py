@@ -61,10 +61,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args, debug)
     finally:
-        # a command whose outputs are incomplete keeps the complete results --force replaced (capture/outdir.py)
+        _release_outputs(debug)
+
+
+def _release_outputs(debug: bool) -> None:
+    """Release the command's output directories; say where the complete results --force replaced stay, and why
+    (capture/outdir.py). A failure here is a warning: the command's results and exit code stand."""
+    try:
         for kept in outdir.release_all():
-            err_console.print(f"the last complete results there are kept in {escape(str(kept))}", highlight=False,
-                              soft_wrap=True)
+            err_console.print(f"{escape(str(kept.path))} keeps the last complete results: {escape(kept.reason)}",
+                              highlight=False, soft_wrap=True)
+    except Exception as e:  # noqa: BLE001
+        if debug:
+            traceback.print_exc()
+        err_console.print(f"[yellow]warning:[/] releasing the output directory failed: {escape(str(e))}",
+                          highlight=False, soft_wrap=True)
 
 
 def _run(args: list[str], debug: bool) -> int:

@@ -35,10 +35,11 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
                                                 "batch, later ones among random filler sequences; reports "
                                                 "mismatches between runs.")] = 1,
             replay_routing: Annotated[bool, typer.Option(
-                "--replay-routing", help="MoE models, prompt mode: the training engine's router replays the "
-                "experts the inference engine chose for each token (R3); compares with and without "
+                "--replay-routing", metavar="", help="MoE models, prompt mode: the training engine's router replays "
+                "the experts the inference engine chose for each token (R3); compares with and without "
                 "(summary routing_replay).")] = False,
-            full_vocab: Annotated[bool, typer.Option("--full-vocab", help="Prompt mode: each engine also records its "
+            full_vocab: Annotated[bool, typer.Option("--full-vocab", metavar="",
+                                                     help="Prompt mode: each engine also records its "
                                                      "whole log-softmax row at every scored position (4 x vocabulary "
                                                      "bytes each, in RUN/train/vocab, RUN/infer/vocab); adds "
                                                      "KL both ways, total variation, top-1 agreement and top-5 "

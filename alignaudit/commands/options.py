@@ -100,11 +100,12 @@ MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", metavar="N",
                                               "ends it).")]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", metavar="T",
                                                help="Rollout: sampling temperature (> 0). With vLLM's "
-                                               "logprobs_mode=processed_logprobs the trainer replays it.")]
+                                               "logprobs_mode=processed_logprobs the scoring side replays it "
+                                               "(compare's training engine, capture --tokens-from).")]
 TopKOpt = Annotated[int, typer.Option("--top-k", metavar="K", help="Rollout: sample from the K most likely tokens "
-                                      "(0 = off); replayed by the trainer with processed logprobs.")]
+                                      "(0 = off); replayed as --temperature is.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", metavar="P", help="Rollout: nucleus sampling (1.0 = off); replayed "
-                                        "by the trainer with processed logprobs.")]
+                                        "as --temperature is.")]
 GroupSizeOpt = Annotated[Optional[int], typer.Option("--group-size", metavar="G", help="Rollout: completions per "
                                                      "prompt, sampled as one request (vLLM's n), as GRPO frameworks "
                                                      "sample a group (default 1).", show_default=False)]

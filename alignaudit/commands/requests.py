@@ -186,8 +186,7 @@ def sampling(args: SamplingArgs, seed: int):
     if args.mode not in ("prompt", "rollout"):
         raise errors.InputError(f"unknown --mode {args.mode!r}; choose prompt or rollout")
     if args.mode == "prompt":
-        given = [flag for flag, field in SAMPLING_FLAGS.items()
-                 if getattr(args, field) != SamplingArgs.__dataclass_fields__[field].default]
+        given = given_sampling_flags(args)
         if given:
             raise errors.InputError(f"{given[0]} applies to rollouts and would not take effect in prompt mode; add "
                                     f"--mode rollout or drop {given[0]}")
@@ -213,6 +212,12 @@ def sampling(args: SamplingArgs, seed: int):
         raise errors.InputError(f"--arrival-gap {gap!r}: seconds between arrivals, a finite number >= 0")
     return Sampling(new, temperature, top_k, top_p, seed, group,
                     args.stop_at_eos, args.prompt_logprobs, engine_mode, None if gap is None else float(gap))
+
+
+def given_sampling_flags(args: SamplingArgs) -> list[str]:
+    """The rollout flags (SAMPLING_FLAGS) given a value, a default's included."""
+    return [flag for flag, field in SAMPLING_FLAGS.items()
+            if getattr(args, field) != SamplingArgs.__dataclass_fields__[field].default]
 
 
 def _sampled(args: SamplingArgs) -> tuple[int, float, int, float]:

@@ -59,7 +59,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                                                      "numbers to tensorboard (RUN/tensorboard/) and/or wandb "
                                                      "(offline, RUN/wandb/), comma-separated; each needs its "
                                                      "package (pip install tensorboard wandb).")] = None,
-       full_vocab: Annotated[bool, typer.Option("--full-vocab", help="Also compare, at every generated token of "
+       full_vocab: Annotated[bool, typer.Option("--full-vocab", metavar="",
+                                                help="Also compare, at every generated token of "
                                                 "every step, the trainer's whole log-softmax row with the one vLLM's "
                                                 "sampler computed while decoding: exact KL both ways, total "
                                                 "variation, top-1 agreement, top-5 overlap (steps.parquet vocab_*, "

@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from alignaudit.capture import outdir
 from alignaudit.capture.digest import file_sha256
 from alignaudit.capture.directory import Capture, read_capture
 from alignaudit.capture.rundir import (
@@ -58,10 +59,11 @@ def load_pair(train_dir: Path, infer_dir: Path) -> tuple[Capture, Capture]:
     if os.path.samefile(train.path, infer.path):
         raise InputError(f"both captures are {train_dir}: a capture compared with itself is identical whatever the "
                          "engine computed; give the training engine's capture and the inference engine's")
-    if train.manifest.get("capture_id") and train.manifest.get("capture_id") == infer.manifest.get("capture_id"):
-        raise InputError(f"{train_dir} and {infer_dir} hold one capture (the same capture_id: one is a copy of the "
-                         "other), identical whatever the engine computed; give the training engine's capture and the "
-                         "inference engine's")
+    ids = train.manifest.get("capture_id"), infer.manifest.get("capture_id")
+    # captures written before capture_id existed: a copy is the same manifest, byte for byte
+    if ids[0] == ids[1] if all(ids) else manifest_sha256(train.path) == manifest_sha256(infer.path):
+        raise InputError(f"{train_dir} and {infer_dir} hold one capture (one is a copy of the other), identical "
+                         "whatever the engine computed; give the training engine's capture and the inference engine's")
     sha_t = train.manifest["model"].get("checkpoint_sha256")
     sha_i = infer.manifest["model"].get("checkpoint_sha256")
     if not sha_t or not sha_i:
@@ -199,6 +201,8 @@ def read_run_record(run_dir: Path, commands: tuple[str, ...] = ("compare",)) -> 
         raise InputError(f"{path} is unreadable ({e}); run the comparison again") from e
     if not isinstance(record, dict) or record.get("command") not in commands:
         raise InputError(f"{path} is not a record of `alignaudit {' or '.join(commands)}`")
+    if record.get("status") == "running" and (holder := outdir.held_by(run_dir)):
+        raise InputError(f"{run_dir}: the run is still going ({holder}); wait for it to finish")
     if record.get("status") != "complete":
         raise InputError(f"{run_dir}: the run did not finish (status {record.get('status')!r}); run it again")
     check_record(path, record)

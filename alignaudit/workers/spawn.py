@@ -201,7 +201,8 @@ def _worker_error(engine: str, code: int, tail: list[str], log: Path | None) -> 
         if line.startswith(ERROR_MARKER):
             record = json.loads(line[len(ERROR_MARKER):])
             kind = getattr(errors, record["type"], errors.EngineError)
-            return kind(record["message"])
+            where = f" (worker log: {log})" if log and issubclass(kind, errors.EngineError) else ""
+            return kind(record["message"] + where)
     last = "\n  ".join(line for line in tail[-8:] if line.strip())
     where = f"; full log: {log}" if log else ""
     return errors.EngineError(f"{engine} worker crashed (exit code {code}){where}; last lines:\n  {last}")

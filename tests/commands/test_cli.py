@@ -216,7 +216,13 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
     assert "a capture compared with itself is identical" in err  # however the path is spelled
     shutil.copytree(a, tmp_path / "copy")
     err = one_line_error(capsys, ["diff", str(a), str(tmp_path / "copy"), "--out", str(tmp_path / "d6")], EXIT_USAGE)
-    assert "hold one capture (the same capture_id: one is a copy of the other)" in err
+    assert "hold one capture (one is a copy of the other)" in err
+    for capture in (a, tmp_path / "copy"):  # as captures written before capture_id: the manifests' bytes tell
+        manifest = json.loads((capture / "manifest.json").read_text())
+        del manifest["capture_id"]
+        (capture / "manifest.json").write_text(json.dumps(manifest))
+    err = one_line_error(capsys, ["diff", str(a), str(tmp_path / "copy"), "--out", str(tmp_path / "d6")], EXIT_USAGE)
+    assert "hold one capture (one is a copy of the other)" in err
     err = one_line_error(capsys, ["capture", "--engine", "hf", "--no-ops", "--layers", "0", "--out",
                                   str(tmp_path / "n")], EXIT_USAGE)
     assert "--layers/--ops select ops to capture and --no-ops captures none" in err
@@ -319,5 +325,8 @@ def test_a_rollout_audited_across_containers_capture_rollout_then_tokens_from_th
                           (["--engine", "hf", "--tokens-from", str(rollout), "--random-prompts", "2"],
                            "--tokens-from gives the token ids"),
                           (["--engine", "hf", "--model", "llama-tiny", "--tokens-from", str(rollout)],
-                           "captured from another checkpoint")):
+                           "captured from another checkpoint"),
+                          (["--engine", "megatron", "--tokens-from", str(rollout), "--top-k", "5"],
+                           "--top-k: --tokens-from scores a rollout's tokens under the sampling settings its capture "
+                           "recorded; drop --top-k")):
         assert message in one_line_error(capsys, ["capture", *argv, "--out", str(tmp_path / "bad")], EXIT_USAGE)

@@ -85,7 +85,8 @@ def test_a_force_run_that_fails_keeps_the_results_it_replaced(two_captures, tmp_
     capsys.readouterr()
     for _ in range(2):
         err = one_line_error(capsys, failing, EXIT_USAGE)
-        assert "cannot load" in err and err.endswith(f"the last complete results there are kept in {d / PREVIOUS}")
+        assert "cannot load" in err
+        assert err.endswith(f"{d / PREVIOUS} keeps the last complete results: the outputs beside it are incomplete")
         assert json.loads((d / "run.json").read_text())["status"] == "failed"
         assert (d / "train" / "worker.log").is_file() and not (d / "summary.json").exists()
         kept = {p.relative_to(d / PREVIOUS): p.read_bytes() for p in (d / PREVIOUS).rglob("*") if p.is_file()}
@@ -94,7 +95,7 @@ def test_a_force_run_that_fails_keeps_the_results_it_replaced(two_captures, tmp_
     assert cli.main(["gate", str(d / PREVIOUS)]) == EXIT_OK  # the kept results are a run of their own
     assert cli.main(["diff", str(a), str(b), "--out", str(d), "--force"]) == EXIT_OK
     assert not (d / PREVIOUS).exists() and not (d / "train").exists()
-    assert "kept in" not in capsys.readouterr().err
+    assert "keeps the last complete results" not in capsys.readouterr().err
     assert (d / "summary.json").read_bytes() == before[Path("summary.json")]
 
 
@@ -114,7 +115,7 @@ def test_what_force_sets_aside_is_settled_from_the_directory_not_from_how_the_co
     outdir.prepare(out, True, CAPTURE_OUTPUTS)
     assert not (out / "manifest.json").exists()
     (out / "logprobs.parquet").write_text("partial")  # a run that failed before its manifest
-    assert outdir.release(out) == out / PREVIOUS
+    assert outdir.release(out) == outdir.Kept(out / PREVIOUS, "the outputs beside it are incomplete")
     outdir.prepare(out, True, CAPTURE_OUTPUTS)  # the failed outputs go, the complete ones stay aside
     assert not (out / "logprobs.parquet").exists() and "first" in (out / PREVIOUS / "manifest.json").read_text()
     _complete_capture(out, "second")
@@ -124,7 +125,7 @@ def test_what_force_sets_aside_is_settled_from_the_directory_not_from_how_the_co
     outdir.release(out)
     outdir.prepare(out, True, CAPTURE_OUTPUTS)  # complete outputs replace an older PREVIOUS
     assert "third" in (out / PREVIOUS / "manifest.json").read_text()
-    assert outdir.release(out) == out / PREVIOUS
+    assert outdir.release(out).path == out / PREVIOUS
 
 
 @pytest.mark.parametrize("make, message", [
@@ -155,7 +156,7 @@ def test_a_file_put_into_previous_is_never_removed(tmp_path):
     outdir.prepare(out, True, CAPTURE_OUTPUTS)
     (out / PREVIOUS / "notes.txt").write_text("mine")
     _complete_capture(out, "second")
-    assert outdir.release(out) == out / PREVIOUS
+    assert outdir.release(out).reason == f"it holds {out / PREVIOUS / 'notes.txt'}, which alignaudit did not write"
     with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
         outdir.prepare(out, True, CAPTURE_OUTPUTS)
     assert "second" in (out / "manifest.json").read_text() and (out / PREVIOUS / "notes.txt").is_file()
@@ -187,6 +188,25 @@ def test_an_interrupted_move_aside_is_undone_by_the_next_run(tmp_path, monkeypat
     assert not (out / STAGING).exists()
     assert sorted(p.name for p in (out / PREVIOUS).iterdir()) == [outdir.MARKER, "logprobs.parquet", "manifest.json"]
     outdir.release(out)
+
+
+def test_gate_of_a_run_still_going_says_so(tmp_path, capsys):
+    """A run.json still "running" whose directory another process has locked is a run in progress: wait for it, not
+    "run it again"; unlocked, it is a run that died."""
+    import fcntl
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "run.json").write_text(json.dumps({"command": "compare", "status": "running"}))
+    assert "did not finish (status 'running'); run it again" in one_line_error(capsys, ["gate", str(d)], EXIT_USAGE)
+    fd = os.open(d / outdir.LOCK, os.O_RDWR | os.O_CREAT)  # another open file: flock sees another holder
+    try:
+        os.write(fd, json.dumps({"pid": 4242, "command": "compare", "started": "2026-12-06T16:00:00"}).encode())
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        err = one_line_error(capsys, ["gate", str(d)], EXIT_USAGE)
+    finally:
+        os.close(fd)
+    assert "the run is still going (pid 4242, `alignaudit compare`, started 2026-12-06T16:00:00); wait for it" in err
 
 
 def test_empty_out_and_out_that_is_an_input_are_refused(two_captures, tmp_path, capsys):
