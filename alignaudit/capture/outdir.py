@@ -128,7 +128,7 @@ def _set_aside(out: Path, stale: list[Path]) -> None:
     """Replace alignaudit's earlier outputs ``stale``: complete ones (``is_complete``) become ``out/PREVIOUS``,
     dropping an older PREVIOUS; incomplete ones (a failed or interrupted run's) are deleted, and a PREVIOUS there
     stays. Raises InputError, before anything moves, where PREVIOUS must be dropped and holds what alignaudit did
-    not write."""
+    not write or another run has it locked."""
     previous = out / PREVIOUS
     has_previous = _check_previous(out)
     if stale and not is_complete(out):
@@ -137,13 +137,17 @@ def _set_aside(out: Path, stale: list[Path]) -> None:
     elif stale:
         if has_previous:
             _check_droppable(previous)
-        staging = out / STAGING
-        staging.mkdir()
-        claim(staging, tuple(path.name for path in stale))
-        for path in stale:
-            os.rename(path, staging / path.name)
-        if has_previous:
-            os.rename(previous, out / DROPPING)
+            lock(previous)  # not while a gate or report of it runs
+        try:
+            staging = out / STAGING
+            staging.mkdir()
+            claim(staging, tuple(path.name for path in stale))
+            for path in stale:
+                os.rename(path, staging / path.name)
+            if has_previous:
+                os.rename(previous, out / DROPPING)
+        finally:
+            release(previous)
         os.rename(staging, previous)
         _delete(out / DROPPING)
     if previous.is_dir():

@@ -162,6 +162,29 @@ def test_a_file_put_into_previous_is_never_removed(tmp_path):
     assert "second" in (out / "manifest.json").read_text() and (out / PREVIOUS / "notes.txt").is_file()
 
 
+def test_a_previous_folder_in_use_by_another_run_is_left_alone(tmp_path):
+    """A gate or report of PREVIOUS holds its lock: the run that completes keeps the folder, saying why, and a
+    --force that would replace it is refused before anything moves."""
+    import fcntl
+
+    from alignaudit.capture.rundir import CAPTURE_OUTPUTS
+
+    out = outdir.prepare(tmp_path / "c", False, CAPTURE_OUTPUTS)
+    _complete_capture(out, "first")
+    outdir.release(out)
+    outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    fd = os.open(out / PREVIOUS / outdir.LOCK, os.O_RDWR | os.O_CREAT)  # another open file: another holder
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _complete_capture(out, "second")
+        assert outdir.release(out) == outdir.Kept(out / PREVIOUS, "another alignaudit run has it locked")
+        with pytest.raises(InputError, match="is in use by another alignaudit run"):
+            outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    finally:
+        os.close(fd)
+    assert "second" in (out / "manifest.json").read_text() and "first" in (out / PREVIOUS / "manifest.json").read_text()
+
+
 def test_an_interrupted_move_aside_is_undone_by_the_next_run(tmp_path, monkeypatch):
     """Ctrl-C between two of --force's renames: the lock is released, and the next run moves what was staged back
     before deciding, so the complete results end up whole in PREVIOUS."""
