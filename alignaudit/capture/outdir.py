@@ -80,12 +80,15 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
         inputs: directories the command reads (captures, run dirs); ``out`` may not be, contain, or lie in one.
 
     Raises:
-        InputError: empty path, a file, an input overlap, unwritable, locked by another run, non-empty
-            without ``force``, or holding entries alignaudit did not write where it must write (in ``PREVIOUS`` too,
-            where it must be replaced).
+        InputError: empty path, one starting with "-", a file, an input overlap, unwritable, locked by another
+            run, non-empty without ``force``, or holding entries alignaudit did not write where it must write (in
+            ``PREVIOUS`` too, where it must be replaced).
     """
     if str(out).strip() == "":
         raise InputError("--out is empty; give a directory name")
+    if str(out).startswith("-"):  # `--out --debug`: the option parser took the next flag as the value
+        raise InputError(f"--out {out} looks like an option, not a directory; for a directory of that name give "
+                         f"./{out}")
     out = Path(out)
     check_overlap(out, inputs)
     if out.exists() and not out.is_dir():

@@ -241,6 +241,9 @@ def test_empty_out_and_out_that_is_an_input_are_refused(two_captures, tmp_path, 
     assert sorted(p.name for p in a.iterdir()) == before
     assert "--out is empty" in one_line_error(capsys, ["diff", str(a), str(b), "--out", ""], EXIT_USAGE)
     assert "--out is empty" in one_line_error(capsys, ["compare", "--out", " "], EXIT_USAGE)
+    err = one_line_error(capsys, ["diff", str(a), str(b), "--out", "--force"], EXIT_USAGE)
+    assert "--out --force looks like an option, not a directory; for a directory of that name give ./--force" in err
+    assert not Path("--force").exists()
 
 
 def test_a_second_run_on_a_locked_directory_says_who_holds_it(two_captures, tmp_path):
