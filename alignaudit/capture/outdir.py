@@ -53,6 +53,7 @@ command_name = "?"  # set by the CLI; shown to a second run that finds the direc
 _held: dict[Path, int] = {}
 _replacing: set[Path] = set()  # directories whose PREVIOUS this process settles when its command ends
 _ASIDE = (PREVIOUS, STAGING, DROPPING)
+RESERVED = (MARKER, LOCK, *_ASIDE)  # alignaudit's own names in an output directory: never a command's output
 
 
 def default_out(command: str, root: Path = Path("alignaudit-runs")) -> Path:
@@ -102,6 +103,9 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
     lock(out)
     try:
         _replace(out, force, names)
+    except OSError as e:  # a rename or delete the file system refused (a read-only or immutable entry)
+        release(out)
+        raise InputError(f"cannot write to {out}: {e.strerror} ({e.filename}); choose a writable directory") from e
     except BaseException:
         release(out)  # the Python API's process goes on: leave the directory unlocked
         raise
@@ -133,7 +137,9 @@ def _set_aside(out: Path, stale: list[Path]) -> None:
     stays. Raises InputError, before anything moves, where PREVIOUS must be dropped and holds what alignaudit did
     not write or another run has it locked."""
     previous = out / PREVIOUS
-    has_previous = _check_previous(out)
+    has_previous = previous.is_dir()
+    if has_previous:
+        _replacing.add(out.resolve())  # from here on PREVIOUS may hold the only complete results: release says so
     if stale and not is_complete(out):
         for path in stale:
             _delete(path)
@@ -152,17 +158,18 @@ def _set_aside(out: Path, stale: list[Path]) -> None:
         finally:
             release(previous)
         os.rename(staging, previous)
-        _delete(out / DROPPING)
-    if previous.is_dir():
         _replacing.add(out.resolve())
+        _delete(out / DROPPING)
 
 
 def _recover(out: Path) -> None:
     """Finish what an interrupted run left half done: STAGING's entries go back to the top level (its move aside
-    did not complete), DROPPING is deleted (its drop had begun). Raises InputError where an entry of STAGING
-    cannot go back (its name is taken)."""
+    did not complete), DROPPING is deleted (its drop had begun). Raises InputError where one of alignaudit's
+    folder names holds what alignaudit did not make, or an entry of STAGING cannot go back (its name is taken)."""
+    for name in _ASIDE:
+        _check_aside(out / name)
     staging = out / STAGING
-    if staging.is_dir() and not staging.is_symlink():
+    if staging.is_dir():
         for path in staging.iterdir():
             if path.name not in (MARKER, LOCK) and not (out / path.name).exists():
                 os.rename(path, out / path.name)
@@ -171,19 +178,18 @@ def _recover(out: Path) -> None:
             raise InputError(f"--out {out}: {STAGING}/{left[0]} is left from an interrupted run and {left[0]} exists "
                              "beside it; move one of them")
         _delete(staging)
-    if (out / DROPPING).is_dir() and not (out / DROPPING).is_symlink():
-        _delete(out / DROPPING)
+    _delete(out / DROPPING)
 
 
-def _check_previous(out: Path) -> bool:
-    """Whether ``out`` holds a PREVIOUS; raises InputError where that name holds something alignaudit did not make
-    (a file, a link, a folder without its marker)."""
-    previous = out / PREVIOUS
-    if not previous.exists() and not previous.is_symlink():
-        return False
-    if previous.is_symlink() or not previous.is_dir() or not (previous / MARKER).is_file():
-        raise InputError(f"--out {out}: {PREVIOUS} was not made by alignaudit; move it first")
-    return True
+def _check_aside(path: Path) -> None:
+    """Raise InputError where ``path`` (PREVIOUS, STAGING or DROPPING) exists but is not a folder alignaudit made:
+    a file, a link, a folder without alignaudit's marker (an empty STAGING, made just before its marker, is ours)."""
+    if not path.exists() and not path.is_symlink():
+        return
+    ours = path.is_dir() and not path.is_symlink() and (
+        (path / MARKER).is_file() or (path.name == STAGING and not any(path.iterdir())))
+    if not ours:
+        raise InputError(f"--out {path.parent}: {path.name} was not made by alignaudit; move it first")
 
 
 def _check_droppable(previous: Path) -> None:
@@ -207,10 +213,13 @@ def _foreign_in_previous(previous: Path) -> Path | None:
 
 def is_complete(out: Path) -> bool:
     """Whether the outputs in ``out`` are a finished command's: run.json's status is "complete" (a capture's
-    manifest.json where there is no run.json)."""
-    record = Path(out) / RUN if (Path(out) / RUN).exists() else Path(out) / MANIFEST
+    manifest.json where there is no run.json); only a record the marker lists counts (a run.json of the user's
+    does not)."""
+    listed = set(read_marker(out))
+    record = next((Path(out) / name for name in (RUN, MANIFEST) if name in listed and (Path(out) / name).exists()),
+                  None)
     try:
-        return json.loads(record.read_text()).get("status") == "complete"
+        return record is not None and json.loads(record.read_text()).get("status") == "complete"
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -235,8 +244,11 @@ def claim(out: Path, names: tuple[str, ...]) -> None:
     """Add ``names`` to the marker of ``out`` (before they are written).
 
     Raises:
-        InputError: the directory is not writable.
+        InputError: the directory is not writable, or a name is one alignaudit keeps for itself (RESERVED).
     """
+    reserved = [name for name in names if name in RESERVED]
+    if reserved:
+        raise InputError(f"{reserved[0]} is a name alignaudit keeps for itself in {out}; write to another file name")
     marker = Path(out) / MARKER
     listed = sorted(set(read_marker(out)) | set(names))
     tmp = marker.with_name(MARKER + ".tmp")
@@ -252,7 +264,7 @@ def read_marker(out: Path) -> list[str]:
     try:
         record = json.loads((Path(out) / MARKER).read_text())
         entries = record.get("entries", [])
-        return [e for e in entries if isinstance(e, str) and "/" not in e and e not in ("", ".", "..")]
+        return [e for e in entries if isinstance(e, str) and "/" not in e and e not in ("", ".", "..", *RESERVED)]
     except (OSError, ValueError, AttributeError):
         return []
 
@@ -304,10 +316,12 @@ def lock(out: Path) -> None:
 
 @dataclass(frozen=True)
 class Kept:
-    """A PREVIOUS folder that stays when its command ends (``path``), and why (``reason``, a clause)."""
+    """A PREVIOUS folder that stays when its command ends (``path``); why (``reason``, a clause); whether the outputs
+    beside it are complete (``beside_complete``: then it holds older results, else the last complete ones)."""
 
     path: Path
     reason: str
+    beside_complete: bool
 
 
 def held_by(out: Path) -> str | None:
@@ -353,9 +367,10 @@ def release(out: Path) -> Kept | None:
     kept = None
     if key in _replacing:
         _replacing.discard(key)
-        reason = _drop(key / PREVIOUS) if is_complete(key) else "the outputs beside it are incomplete"
+        complete = is_complete(key)
+        reason = _drop(key / PREVIOUS) if complete else "the outputs beside it are incomplete"
         if reason and (key / PREVIOUS).is_dir():
-            kept = Kept(Path(out) / PREVIOUS, reason)
+            kept = Kept(Path(out) / PREVIOUS, reason, complete)
     fd = _held.pop(key, None)
     if fd is not None:
         os.close(fd)
@@ -367,10 +382,13 @@ def _drop(previous: Path) -> str | None:
     foreign = _foreign_in_previous(previous)
     if foreign is not None:
         return f"it holds {foreign}, which alignaudit did not write"
+    holder = held_by(previous)
+    if holder:
+        return f"another alignaudit run holds it ({holder})"
     try:
         lock(previous)
     except InputError:
-        return "another alignaudit run has it locked"
+        return "it is not writable"
     dropping = previous.with_name(DROPPING)
     try:
         os.rename(previous, dropping)

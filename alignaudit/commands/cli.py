@@ -59,23 +59,33 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in args
     outdir.command_name = next((a for a in args if not a.startswith("-")), "?")
     try:
-        return _run(args, debug)
-    finally:
+        code = _run(args, debug)
+    except BaseException:  # SystemExit (a closed pipe): still release, then go
         _release_outputs(debug)
+        raise
+    return _release_outputs(debug) or code
 
 
-def _release_outputs(debug: bool) -> None:
-    """Release the command's output directories; say where the complete results --force replaced stay, and why
-    (capture/outdir.py). A failure here is a warning: the command's results and exit code stand."""
+def _release_outputs(debug: bool) -> int | None:
+    """Release the command's output directories; say where the results --force replaced stay, and why
+    (capture/outdir.py). Ctrl-C or SIGTERM here ends as an interrupt (130); another failure is a warning: the
+    command's results and exit code stand. Returns 130 where interrupted, else None."""
     try:
-        for kept in outdir.release_all():
-            err_console.print(f"{escape(str(kept.path))} keeps the last complete results: {escape(kept.reason)}",
-                              highlight=False, soft_wrap=True)
+        with interrupts.unwinding():
+            for kept in outdir.release_all():
+                if kept.beside_complete:
+                    line = f"{escape(str(kept.path))} (the results --force replaced) stays: {escape(kept.reason)}"
+                else:
+                    line = f"{escape(str(kept.path))} keeps the last complete results: {escape(kept.reason)}"
+                err_console.print(line, highlight=False, soft_wrap=True)
+    except KeyboardInterrupt:
+        return _interrupted()
     except Exception as e:  # noqa: BLE001
         if debug:
             traceback.print_exc()
         err_console.print(f"[yellow]warning:[/] releasing the output directory failed: {escape(str(e))}",
                           highlight=False, soft_wrap=True)
+    return None
 
 
 def _run(args: list[str], debug: bool) -> int:

@@ -31,6 +31,7 @@ from alignaudit.capture.digest import file_sha256
 from alignaudit.capture.directory import Capture, read_capture
 from alignaudit.capture.rundir import (
     MANIFEST,
+    PREVIOUS,
     RESULTS,
     RUN,
     SIDES,
@@ -192,9 +193,10 @@ def read_run_record(run_dir: Path, commands: tuple[str, ...] = ("compare",)) -> 
     """
     run_dir = Path(run_dir)
     path = run_dir / RUN
+    kept = f"; the last complete results there are in {run_dir / PREVIOUS}" if (run_dir / PREVIOUS).is_dir() else ""
     if not path.is_file():
         raise InputError(f"{run_dir} is not a run directory (no {RUN}); give the --out of `alignaudit "
-                         f"{commands[0]}`")
+                         f"{commands[0]}`{kept}")
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text
@@ -204,7 +206,7 @@ def read_run_record(run_dir: Path, commands: tuple[str, ...] = ("compare",)) -> 
     if record.get("status") == "running" and (holder := outdir.held_by(run_dir)):
         raise InputError(f"{run_dir}: the run is still going ({holder}); wait for it to finish")
     if record.get("status") != "complete":
-        raise InputError(f"{run_dir}: the run did not finish (status {record.get('status')!r}); run it again")
+        raise InputError(f"{run_dir}: the run did not finish (status {record.get('status')!r}); run it again{kept}")
     check_record(path, record)
     return record
 

@@ -115,7 +115,7 @@ def test_what_force_sets_aside_is_settled_from_the_directory_not_from_how_the_co
     outdir.prepare(out, True, CAPTURE_OUTPUTS)
     assert not (out / "manifest.json").exists()
     (out / "logprobs.parquet").write_text("partial")  # a run that failed before its manifest
-    assert outdir.release(out) == outdir.Kept(out / PREVIOUS, "the outputs beside it are incomplete")
+    assert outdir.release(out) == outdir.Kept(out / PREVIOUS, "the outputs beside it are incomplete", False)
     outdir.prepare(out, True, CAPTURE_OUTPUTS)  # the failed outputs go, the complete ones stay aside
     assert not (out / "logprobs.parquet").exists() and "first" in (out / PREVIOUS / "manifest.json").read_text()
     _complete_capture(out, "second")
@@ -128,21 +128,61 @@ def test_what_force_sets_aside_is_settled_from_the_directory_not_from_how_the_co
     assert outdir.release(out).path == out / PREVIOUS
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p.write_text("x"), "was not made by alignaudit"),
-    (lambda p: p.mkdir(), "was not made by alignaudit"),  # no marker inside
-    (lambda p: p.symlink_to(p.parent), "was not made by alignaudit"),
-])
-def test_a_previous_folder_alignaudit_did_not_make_is_refused(tmp_path, make, message):
+def _user_folder(path: Path) -> None:
+    path.mkdir()
+    (path / "thesis.tex").write_text("mine")
+
+
+@pytest.mark.parametrize("name", [PREVIOUS, ".alignaudit-previous.staging", ".alignaudit-previous.dropping"])
+@pytest.mark.parametrize("make", [lambda p: p.write_text("x"), _user_folder, lambda p: p.symlink_to(p.parent)])
+def test_a_folder_of_alignaudits_names_it_did_not_make_is_refused(tmp_path, name, make):
     from alignaudit.capture.rundir import CAPTURE_OUTPUTS
 
     out = outdir.prepare(tmp_path / "c", False, CAPTURE_OUTPUTS)
     _complete_capture(out, "mine")
     outdir.release(out)
-    make(out / PREVIOUS)
-    with pytest.raises(InputError, match=message):
+    make(out / name)
+    with pytest.raises(InputError, match=f"{name} was not made by alignaudit; move it first"):
         outdir.prepare(out, True, CAPTURE_OUTPUTS)
     assert "mine" in (out / "manifest.json").read_text() and not outdir._held
+    assert (out / name).is_symlink() or (out / name).is_file() or (out / name / "thesis.tex").is_file()
+
+
+def test_completeness_is_read_from_alignaudits_own_record(tmp_path):
+    """A run.json of the user's beside a capture is not the capture's record: the complete capture is set aside
+    whole (before, it was judged incomplete and deleted); alignaudit's own names are never an output's name."""
+    from alignaudit.capture.rundir import CAPTURE_OUTPUTS
+
+    out = outdir.prepare(tmp_path / "c", False, CAPTURE_OUTPUTS)
+    _complete_capture(out, "mine")
+    outdir.release(out)
+    (out / "run.json").write_text('{"my": "notes"}')
+    outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    assert "mine" in (out / PREVIOUS / "manifest.json").read_text() and (out / "run.json").read_text()
+    for name in (PREVIOUS, outdir.MARKER, outdir.LOCK):
+        with pytest.raises(InputError, match=f"{name} is a name alignaudit keeps for itself"):
+            outdir.claim(out, (name,))
+    assert outdir.release(out).reason == "the outputs beside it are incomplete"
+
+
+def test_a_rename_the_file_system_refuses_is_an_input_error(tmp_path, monkeypatch):
+    from alignaudit.capture.rundir import CAPTURE_OUTPUTS
+
+    out = outdir.prepare(tmp_path / "c", False, CAPTURE_OUTPUTS)
+    _complete_capture(out, "mine")
+    outdir.release(out)
+
+    def refused(src, dst):
+        raise PermissionError(1, "Operation not permitted", str(src))
+
+    monkeypatch.setattr(outdir.os, "rename", refused)
+    with pytest.raises(InputError, match="cannot write to .*: Operation not permitted"):
+        outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    monkeypatch.undo()
+    assert not outdir._held
+    outdir.prepare(out, True, CAPTURE_OUTPUTS)  # the next run undoes the staging
+    assert "mine" in (out / PREVIOUS / "manifest.json").read_text()
+    outdir.release(out)
 
 
 def test_a_file_put_into_previous_is_never_removed(tmp_path):
@@ -177,7 +217,8 @@ def test_a_previous_folder_in_use_by_another_run_is_left_alone(tmp_path):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         _complete_capture(out, "second")
-        assert outdir.release(out) == outdir.Kept(out / PREVIOUS, "another alignaudit run has it locked")
+        assert outdir.release(out) == outdir.Kept(out / PREVIOUS, "another alignaudit run holds it (another process)",
+                                                  True)
         with pytest.raises(InputError, match="is in use by another alignaudit run"):
             outdir.prepare(out, True, CAPTURE_OUTPUTS)
     finally:

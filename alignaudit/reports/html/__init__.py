@@ -97,11 +97,16 @@ def write_report(run_dir: Path | str, html: Path | str | None = None) -> Path:
     from alignaudit.capture import outdir
 
     run_dir = Path(run_dir)
-    text = build_report(run_dir)
     target = Path(html) if html is not None else run_dir / REPORT
     if target.exists() and target.is_dir():
         raise InputError(f"--html {target} is a directory; give a file name such as {target / REPORT}")
     inside = target.resolve().parent == run_dir.resolve()
+    if inside and run_dir.is_dir():
+        try:
+            outdir.lock(run_dir)  # before reading: a --force run replacing these results waits, or this one does
+        except InputError as e:
+            raise InputError(f"{e}, or pass --html FILE to write the report elsewhere") from e
+    text = build_report(run_dir)
     if target.exists() and not _is_report(target) and not (inside and target.name in outdir.read_marker(run_dir)):
         raise InputError(f"--html {target} exists and is not a report alignaudit wrote; give a new file name "
                          "(an earlier report is replaced, any other file is kept)")
@@ -109,7 +114,6 @@ def write_report(run_dir: Path | str, html: Path | str | None = None) -> Path:
         raise InputError(f"--html {target}: no directory {target.parent}; create it first or give another path")
     if inside:
         try:
-            outdir.lock(run_dir)
             outdir.claim(run_dir, (target.name,))
         except InputError as e:
             raise InputError(f"{e}, or pass --html FILE to write the report elsewhere") from e
