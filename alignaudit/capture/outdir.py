@@ -116,7 +116,7 @@ def _replace(out: Path, force: bool, names: tuple[str, ...]) -> None:
     """``prepare``'s work on the locked ``out``: refuse what must not go, set alignaudit's earlier outputs aside,
     claim ``names``."""
     _recover(out)
-    existing = [p for p in out.iterdir() if p.name not in (MARKER, LOCK, *_ASIDE)]
+    existing = [p for p in out.iterdir() if p.name not in RESERVED]
     ours = set(read_marker(out))
     if existing and not force:  # filled by another run between the first look and the lock
         raise InputError(f"--out {out} is not empty; choose another directory or pass --force to overwrite")
@@ -138,9 +138,10 @@ def _set_aside(out: Path, stale: list[Path]) -> None:
     not write or another run has it locked."""
     previous = out / PREVIOUS
     has_previous = previous.is_dir()
-    if has_previous:
-        _replacing.add(out.resolve())  # from here on PREVIOUS may hold the only complete results: release says so
-    if stale and not is_complete(out):
+    complete = is_complete(out)
+    if has_previous or (stale and complete):
+        _replacing.add(out.resolve())  # PREVIOUS may hold the only complete results: release settles it and says so
+    if stale and not complete:
         for path in stale:
             _delete(path)
     elif stale:
@@ -158,7 +159,6 @@ def _set_aside(out: Path, stale: list[Path]) -> None:
         finally:
             release(previous)
         os.rename(staging, previous)
-        _replacing.add(out.resolve())
         _delete(out / DROPPING)
 
 
@@ -364,9 +364,9 @@ def release(out: Path) -> Kept | None:
         The PREVIOUS that stays and why, else None.
     """
     key = Path(out).resolve()
-    kept = None
-    if key in _replacing:
-        _replacing.discard(key)
+    kept, set_aside = None, key in _replacing
+    _replacing.discard(key)
+    if set_aside and (key / PREVIOUS).is_dir():  # a run can fail before the folder exists
         complete = is_complete(key)
         reason = _drop(key / PREVIOUS) if complete else "the outputs beside it are incomplete"
         if reason and (key / PREVIOUS).is_dir():

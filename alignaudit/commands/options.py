@@ -45,8 +45,8 @@ OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", metavar="DIR",
                                                 help="Output directory (default: alignaudit-runs/COMMAND-TIME).")]
 ForceOpt = Annotated[bool, typer.Option("--force", metavar="",
                                         help="Reuse a non-empty --out directory: alignaudit's own earlier outputs "
-                                             "there are replaced, nothing else is touched; they are kept in "
-                                             ".alignaudit-previous/ until the new run completes.")]
+                                             "there are replaced, nothing else is touched; complete ones are kept "
+                                             "in .alignaudit-previous/ until the new outputs are complete.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="Stream the engine workers' logs.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", metavar="", help="Show tracebacks on errors.")]
 TrainOpt = Annotated[str, typer.Option("--train", metavar="ENGINE", help="Training engine: megatron, hf or vllm "
