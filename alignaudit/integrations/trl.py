@@ -15,12 +15,20 @@ would make the trainer's logprob of a sampled token another number than vLLM's:
               read back (the plugin's applied ops, every layer's attention implementation and linear method) and
               anything not strict stops the constructor (EngineError).
     policy    the transformers model with the strict module swap (alignaudit.api.strict_hf_model); a model given
-              as an object must already be strict.
+              as an object must already be strict. Its parameters stay in model_init_kwargs' dtype (TRL's default
+              float32: master weights), its forward computes in vLLM's dtype (alignaudit.engines.hf.strict
+              compute_in), so a bf16 vLLM and fp32 master weights give the bits of a bf16 model, and the gradients
+              reach the fp32 parameters (TRL's autocast cannot: it leaves the norms and the embedding in fp32).
+    reference with beta > 0, TRL builds a stock reference model from the checkpoint; it gets the same module swap,
+              compute dtype and strict fused head, so TRL's KL is 0 while the policy equals it.
     logprobs  TRL scores tokens with its fused, chunked LM head (trl/trainer/utils.py add_fused_lm_head), whose
               tiles and reductions are its own; here the fused call (``fused_lm_head=True``, the contract TRL's
               GRPOTrainer calls) runs the strict LM head, the sampling transform vLLM applied (temperature, top-k,
               top-p: alignaudit.engines.sampling, the functions the plugin uses) and the strict token logprob,
-              with gradients.
+              with gradients. The objective is therefore the distribution vLLM sampled from: with top-k or top-p, a
+              token alone in its kept set has logprob 0 and no gradient (docs/frameworks.md "What the strict head
+              trains"); top_k=0 and top_p=1.0 train TRL's full-vocabulary objective, still bit for bit. The
+              entropy (TRL's metric and its entropy bonus) is that distribution's, with its gradient.
     positions TRL passes no position_ids; its prompts are left-padded, so each row's positions come from the
               attention mask (cumulative sum - 1), the positions vLLM computed the prompt at.
     the hook  ``compute_loss`` (transformers.Trainer's documented override point, which TRL's step calls after
@@ -31,12 +39,15 @@ would make the trainer's logprob of a sampled token another number than vLLM's:
               ``AlignmentError`` before the backward pass of the first micro-batch whose logprobs differ.
 Refused at construction, with the reason (InputError, before TRL builds anything): vLLM off or in server mode,
 TRL's importance-sampling correction off (its logp difference and the old logprobs the hook compares are computed
-only with it), min_p, a repetition penalty, generation_kwargs, the LM head cast to fp32 (vLLM projects in the
-model's dtype), and vLLM's model runner V2 chosen explicitly.
+only with it), min_p, a repetition penalty, generation_kwargs, structured outputs (vllm_structured_outputs_regex),
+vllm_model_impl other than vLLM's own, the LM head cast to fp32 (vLLM projects in the model's dtype), peft_config
+(LoRA) or a PEFT model, quantization_config, a model_init_kwargs dtype other than auto/float32/bfloat16/float16, and
+vLLM's model runner V2 chosen explicitly.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -53,6 +64,33 @@ HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", torch.bfl
              torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def _master_dtype(model: str, dtype) -> str:
+    """alignaudit's name of the dtype the policy's parameters are kept in: ``model_init_kwargs["dtype"]`` as TRL
+    reads it (float32 when absent, TRL's default: fp32 master weights; "auto": the checkpoint's declared dtype).
+    Raises InputError for any other value."""
+    if dtype == "auto":
+        from alignaudit.inputs.checkpoint import resolve_model
+
+        dtype = resolve_model(model).dtype
+    if not isinstance(dtype, (str, torch.dtype)) or dtype not in HF_DTYPES:
+        raise InputError(f"model_init_kwargs dtype {dtype!r}: 'auto', 'float32', 'bfloat16' or 'float16' (the "
+                         "policy's parameters are kept in it; its forward computes in vLLM's dtype)")
+    return HF_DTYPES[dtype]
+
+
+def _vllm_dtype(llm) -> torch.dtype:
+    """The dtype TRL's colocated vLLM computes in, read back (vLLM resolves "auto" by platform: an fp32 checkpoint
+    runs in bf16 or fp16, vllm/config/model.py _resolve_auto_dtype)."""
+    return llm.llm_engine.model_config.dtype
+
+
+def _llama3(model) -> tuple | None:
+    """The llama3 rope scaling the strict ``model``'s rope computes with (its RopeOp modules'), or None."""
+    from alignaudit.engines.strict_modules import RopeOp
+
+    return next((m.llama3 for m in model.modules() if isinstance(m, RopeOp)), None)
+
+
 class AlignmentError(AlignAuditError):
     """The trainer's logprob of a sampled token differs from the rollout engine's (``fail_closed``)."""
 
@@ -64,10 +102,13 @@ class StrictGRPOTrainer(GRPOTrainer):
     ``sampling/sampling_logp_difference`` is 0 and its importance ratio 1 at every token (the module docstring).
 
     Args:
-        model: an HF checkpoint directory, a hub id in the local cache or a fixture name (built strict here with
-            ``args.model_init_kwargs["dtype"]``, default bf16, on the trainer's device), or a model already made
-            strict by ``alignaudit.api.strict_hf_model``. Every other positional and keyword argument is
-            GRPOTrainer's.
+        model: an HF checkpoint directory, a hub id in the local cache or a fixture name (built strict here, its
+            parameters in ``args.model_init_kwargs["dtype"]`` as TRL reads it: float32 when absent, "auto" the
+            checkpoint's), or a model already made strict by ``alignaudit.api.strict_hf_model``. Whatever its
+            parameters' dtype, its forward computes in the dtype TRL's vLLM computes in (read back once vLLM is
+            built; alignaudit.engines.hf.strict.compute_in), so fp32 master weights train as TRL trains them.
+            Every other positional and keyword argument is GRPOTrainer's; peft_config and quantization_config are
+            refused.
         strict: the strict ops, "all" or a comma list of alignaudit.inputs.strict_ops.STRICT_OPS.
         exp: strict attention's exp, "portable" or "native" (CUDA).
         fail_closed: raise AlignmentError before the backward pass when any completion token's logprob differs.
@@ -79,8 +120,21 @@ class StrictGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model, *args, strict: str = "all", exp: str = "portable", fail_closed: bool = False,
                  **kwargs):
-        config = kwargs.get("args", args[1] if len(args) > 1 else None)
+        try:
+            given = inspect.signature(GRPOTrainer.__init__).bind(self, model, *args, **kwargs).arguments
+        except TypeError as e:
+            raise InputError(f"StrictGRPOTrainer: {e}") from None
+        config = given.get("args")
         _check_config(config)
+        for name, why in (("peft_config", "TRL then trains LoRA adapters that it merges into vLLM's weights, a sum "
+                           "the strict policy does not compute; train without peft_config"),
+                          ("quantization_config", "vLLM and the policy would each quantize and dequantize in their "
+                           "own kernels; train unquantized")):
+            if given.get(name) is not None:
+                raise InputError(f"StrictGRPOTrainer: {name} is not supported: {why}")
+        if type(model).__module__.startswith("peft."):
+            raise InputError(f"model: a {type(model).__name__} (PEFT) is not supported: its adapters are merged into "
+                             "vLLM's weights in an order the strict policy does not compute; pass the base checkpoint")
         if not isinstance(fail_closed, bool):
             raise InputError(f"fail_closed {fail_closed!r}: True or False")
         ops = parse_strict(strict, option="strict")
@@ -90,24 +144,37 @@ class StrictGRPOTrainer(GRPOTrainer):
             raise InputError("VLLM_USE_V2_MODEL_RUNNER is set: vLLM's model runner V2 applies temperature, top-k and "
                              "top-p in fused kernels the strict plugin does not replace; unset it")
         path = isinstance(model, str) or hasattr(model, "__fspath__")
-        dtype = HF_DTYPES.get((config.model_init_kwargs or {}).get("dtype", "bfloat16"))
-        if path and dtype is None:
-            raise InputError(f"model_init_kwargs dtype {config.model_init_kwargs['dtype']!r}: bfloat16, float16 or "
-                             "float32 (the strict model is built in it)")
         if not path and not any(type(m).__module__ == "alignaudit.engines.hf.strict" for m in model.modules()):
             raise InputError(f"model: a checkpoint path or a model from alignaudit.api.strict_hf_model, not a "
                              f"{type(model).__name__} without the strict module swap")
         if path:
             device = "cpu" if config.use_cpu or not torch.cuda.is_available() else "cuda"
-            model = api.strict_hf_model(str(model), ops=format_strict(ops), dtype=dtype, device=device, exp=exp)
+            master = _master_dtype(str(model), (config.model_init_kwargs or {}).get("dtype", "float32"))
+            model = api.strict_hf_model(str(model), ops=format_strict(ops), dtype=master, device=device, exp=exp)
         os.environ[ENV], os.environ[EXP_ENV] = format_strict(ops), exp  # read by the plugin when TRL builds vLLM
         prefer_runner_v1()
         vllm_plugin.register()
         super().__init__(model, *args, **kwargs)
-        _check_vllm_is_strict(getattr(getattr(self, "vllm_generation", None), "llm", None), ops)
+        llm = getattr(getattr(self, "vllm_generation", None), "llm", None)
+        _check_vllm_is_strict(llm, ops)
         self.fail_closed = fail_closed
         self.strict_ops = ops
-        _strict_fused_head(self.model, self.temperature, self.top_k, self.top_p)
+        self.compute_dtype = _vllm_dtype(llm)
+        self._strict_policy_and_reference(ops, exp)
+
+    def _strict_policy_and_reference(self, ops: frozenset[str], exp: str) -> None:
+        """The policy, and TRL's reference model where ``beta`` > 0 (TRL builds it from the checkpoint, stock), made
+        strict: the module swap on the reference in place, both computing in vLLM's dtype whatever their
+        parameters' dtype (``compute_in``), both scoring through the strict fused head."""
+        from alignaudit.engines.hf.strict import compute_in, make_strict
+
+        models = [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else [])
+        for m in models:
+            if m is not self.model:
+                make_strict(m, ops, _llama3(self.model), exp)
+            if next(m.parameters()).dtype != self.compute_dtype:
+                compute_in(m, self.compute_dtype)
+            _strict_fused_head(m, self.temperature, self.top_k, self.top_p)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The in-loop hook (module docstring), then GRPOTrainer's loss."""
@@ -153,7 +220,25 @@ def _check_config(config) -> None:
         (config.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True: vLLM projects in the model's dtype"),
         (bool(config.generation_kwargs), f"generation_kwargs={config.generation_kwargs!r}: they reach vLLM's "
          "SamplingParams, where they can change the distribution the trainer replays"),
+        (config.vllm_structured_outputs_regex is not None, f"vllm_structured_outputs_regex="
+         f"{config.vllm_structured_outputs_regex!r}: vLLM masks the tokens the regex forbids before its processed "
+         "logprobs, and the trainer does not replay the grammar; train without it"),
+        (config.vllm_model_impl not in ("auto", "vllm"), f"vllm_model_impl={config.vllm_model_impl!r}: vLLM then runs "
+         "the transformers modules, which the strict plugin does not patch; use 'vllm'"),
     ]
+    truncated = (config.top_k or 0) > 0 or (config.top_p is not None and config.top_p < 1)
+    if truncated:
+        sampling = f"top_k={config.top_k}, top_p={config.top_p}"
+        stale = config.num_iterations > 1 or (config.steps_per_generation or 1) > config.gradient_accumulation_steps
+        refusals += [
+            (config.beta != 0, f"beta={config.beta} with {sampling}: the reference model's truncated distribution can "
+             "leave out a token the policy sampled (logprob -inf, TRL's KL infinite); with beta > 0 use top_k=0 and "
+             "top_p=1.0 (the whole vocabulary at the temperature, TRL's own objective)"),
+            (stale, f"{sampling} with num_iterations={config.num_iterations}, steps_per_generation="
+             f"{config.steps_per_generation}: the policy is updated before some tokens are rescored, and its new "
+             "truncated distribution can leave out a sampled token (logprob -inf); use top_k=0 and top_p=1.0, or one "
+             "optimizer step per generation"),
+        ]
     for refused, why in refusals:
         if refused:
             raise InputError(f"StrictGRPOTrainer: {why}")
@@ -190,19 +275,28 @@ def _strict_fused_head(model, temperature: float, top_k: int, top_p: float) -> N
         if mask_in is not None and kwargs.get("position_ids") is None:
             kwargs["position_ids"] = (mask_in.long().cumsum(-1) - 1).clamp(min=0)  # left padding: vLLM's positions
         kwargs["use_cache"] = False
-        hidden = self.model(**kwargs).last_hidden_state[:, :-1]  # [b, t - 1, H]
-        targets = labels[:, 1:]
-        scored = targets != -100
-        logits = self.lm_head(hidden[scored])  # [n, V], strict linear
-        # vLLM reads top_k 0 and -1 (TRL may pass either) as off, top_p None as 1
-        processed = process_logits(logits, temperature, max(top_k or 0, 0), 1.0 if top_p is None else top_p)
-        values = K.token_logprobs(processed, targets[scored])  # fp32 [n], vLLM's processed logprob bits
-        log_probs = values.new_zeros(scored.shape).masked_scatter(scored, values)
-        logp = torch.log_softmax(processed.detach(), dim=-1)
-        entropy = torch.where(logp.isinf(), 0.0, -logp.exp() * logp).sum(-1)
-        entropies = entropy.new_zeros(scored.shape).masked_scatter(scored, entropy)
+        device = next(self.parameters()).device.type
+        with torch.autocast(device, enabled=False):  # the strict modules fix their own precision (vLLM's dtype)
+            hidden = self.model(**kwargs).last_hidden_state[:, :-1]  # [b, t - 1, H]
+            targets = labels[:, 1:]
+            scored = targets != -100
+            logits = self.lm_head(hidden[scored])  # [n, V], strict linear
+            # vLLM reads top_k 0 and -1 (TRL may pass either) as off, top_p None as 1
+            processed = process_logits(logits, temperature, max(top_k or 0, 0), 1.0 if top_p is None else top_p)
+            values = K.token_logprobs(processed, targets[scored])  # fp32 [n], vLLM's processed logprob bits
+            log_probs = values.new_zeros(scored.shape).masked_scatter(scored, values)
+            entropies = values.new_zeros(scored.shape).masked_scatter(scored, _entropy(processed))
         count = scored.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropies,
                                    label_mask=scored)
 
     model.forward = types.MethodType(fused, model)
+
+
+def _entropy(processed: torch.Tensor) -> torch.Tensor:
+    """fp32 [n]: the entropy of each row of the processed logits [n, V] (the distribution vLLM sampled from: the
+    truncated tokens at -inf contribute 0), differentiable: TRL's entropy bonus (``entropy_coef``) trains through
+    it. Written so that no NaN reaches the gradient at the truncated tokens (p = 0 there, log p = -inf)."""
+    logp = torch.log_softmax(processed.float(), dim=-1)
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, 0.0)).sum(-1)

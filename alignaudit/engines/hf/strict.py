@@ -18,6 +18,13 @@ architecture's class prefix (Qwen3, Qwen2, Llama):
                batch row: right or left padding, from the attention mask; rope at the given position_ids)
 Logprobs are not a module in HF: the engine calls alignaudit_kernels.token_logprobs when "logprobs"
 is strict.
+
+``compute_in(model, dtype)`` makes a strict model compute in ``dtype`` whatever dtype its parameters are stored in:
+each strict module rounds its parameters to ``dtype`` where it uses them (round to nearest even, ``Tensor.to``), and
+the input embedding rounds the rows it reads. That is mixed precision as trainers run it (fp32 master weights, a
+bf16 forward): the forward gets the bits of a model stored in ``dtype``, which is what vLLM holds after a weight
+sync (its loader copies the fp32 tensors into its bf16 parameters, ``Tensor.copy_``, the same rounding), and the
+gradients reach the fp32 parameters through the casts.
 """
 
 from __future__ import annotations
@@ -30,41 +37,62 @@ import alignaudit_kernels as K
 from alignaudit.engines.strict_modules import RopeOp, StrictRouter
 
 
-class StrictLinear(torch.nn.Linear):
+class StrictModule(torch.nn.Module):
+    """Base of the swapped-in classes. ``strict_compute_dtype``: the dtype the module computes in (``compute_in``);
+    None: its parameters' own."""
+
+    strict_compute_dtype: torch.dtype | None = None
+
+    def computed(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """``tensor`` (a parameter) in the compute dtype: rounded once (nearest even) where it is stored wider."""
+        dtype = self.strict_compute_dtype
+        return tensor if tensor is None or dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
+class StrictLinear(StrictModule, torch.nn.Linear):
     def forward(self, x):
-        return K.linear(x, self.weight, self.bias)
+        return K.linear(x, self.computed(self.weight), self.computed(self.bias))
 
 
-class StrictRowLinear(torch.nn.Linear):
+class StrictRowLinear(StrictModule, torch.nn.Linear):
     """A projection that is row-parallel under tensor parallelism (o_proj, down_proj): K reduced in
     alignaudit_kernels.ROW_PARALLEL_SEGMENTS segments, as every engine's strict path does."""
 
     def forward(self, x):
-        return K.linear(x, self.weight, self.bias, K.ROW_PARALLEL_SEGMENTS)
+        return K.linear(x, self.computed(self.weight), self.computed(self.bias), K.ROW_PARALLEL_SEGMENTS)
 
 
-class StrictRMSNorm(torch.nn.Module):
+class StrictEmbedding(StrictModule, torch.nn.Embedding):
+    """The input embedding under ``compute_in``: the rows read, rounded to the compute dtype (the bits of a lookup
+    in a table stored in that dtype)."""
+
+    def forward(self, ids):
+        return self.computed(torch.nn.Embedding.forward(self, ids))
+
+
+class StrictRMSNorm(StrictModule):
     """Stands in for <P>RMSNorm (attributes ``weight``, ``variance_epsilon``)."""
 
     def forward(self, x):
-        return K.rms_norm(x, self.weight, self.variance_epsilon)
+        return K.rms_norm(x, self.computed(self.weight), self.variance_epsilon)
 
 
-class StrictMLP(torch.nn.Module):
+class StrictMLP(StrictModule):
     """Stands in for <P>MLP (attributes gate_proj, up_proj, down_proj)."""
 
     def forward(self, x):
         return self.down_proj(K.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-class StrictMoeBlock(torch.nn.Module):
+class StrictMoeBlock(StrictModule):
     """Stands in for <P>SparseMoeBlock (attributes gate: the router with weight; experts: gate_up_proj
     [E, 2I, H], down_proj [E, H, I]; strict_router: a StrictRouter)."""
 
     def forward(self, hidden_states):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        _, chosen, weights = self.strict_router(x, self.gate.weight)
-        out = K.combine_experts(x, chosen, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        _, chosen, weights = self.strict_router(x, self.computed(self.gate.weight))
+        out = K.combine_experts(x, chosen, weights, self.computed(self.experts.gate_up_proj),
+                                self.computed(self.experts.down_proj))
         return out.view(hidden_states.shape)
 
 
@@ -185,7 +213,7 @@ def _whole_sequences(q, k, v, starts: list[int] | None, scale: float, exp: str) 
     return out.view(b, t, h, d)
 
 
-class StrictAttention(torch.nn.Module):
+class StrictAttention(StrictModule):
     """Stands in for <P>Attention (QK-norm where the module has q_norm/k_norm); ``strict_rope`` /
     ``strict_attention`` say which parts are strict, ``strict_exp`` the exp of the strict attention."""
 
@@ -293,3 +321,31 @@ def make_strict(model, ops: frozenset[str], llama3: tuple | None = None, exp: st
             continue
         swapped.append(name)
     return swapped
+
+
+def compute_in(model, dtype: torch.dtype) -> None:
+    """Make a model that ``make_strict`` swapped compute in ``dtype`` (the module docstring), its parameters left in
+    their own dtype: every strict module rounds its parameters where it uses them, the input embedding (swapped to
+    StrictEmbedding here) the rows it reads. Idempotent; a later call changes the dtype.
+
+    Raises:
+        alignaudit.errors.InputError: a module holding parameters that no strict module rounds (an op left
+            default: it would compute in its parameters' dtype and change the activations' dtype), naming it.
+    """
+    from alignaudit.errors import InputError
+
+    embedding = model.get_input_embeddings()
+    if not isinstance(embedding, StrictModule):
+        _swap(embedding, StrictEmbedding)
+    rounded = {id(m) for m in model.modules() if isinstance(m, StrictModule)}
+    for m in model.modules():
+        if isinstance(m, StrictMoeBlock):  # its router and experts' parameters are read (and rounded) by the block
+            rounded |= {id(m.gate), id(m.experts)}
+    for name, m in model.named_modules():
+        if id(m) not in rounded and any(True for _ in m.parameters(recurse=False)):
+            raise InputError(f"compute in {str(dtype).removeprefix('torch.')}: module {name} "
+                             f"({type(m).__name__}) is not strict and would compute in its parameters' dtype; make "
+                             "every op strict (ops='all') or keep the parameters in the compute dtype")
+    for m in model.modules():
+        if isinstance(m, StrictModule):
+            m.strict_compute_dtype = dtype
