@@ -240,6 +240,46 @@ def check_overlap(out: Path, inputs: tuple[Path, ...]) -> None:
             raise InputError(f"--out {out} overlaps the input {src}; write the results to another directory")
 
 
+def check_file_outputs(outputs: dict[str, Path | None], runs: tuple[Path, ...] = (), inputs: tuple[Path, ...] = (),
+                       own: dict[str, str] | None = None) -> None:
+    """The rule for a command's file outputs (gate's --json, --junit, --markdown; report's --html): none may overwrite
+    what it reports on. Checked before anything is read or written.
+
+    Args:
+        outputs: option name -> the file it writes (None: not written).
+        runs: the run directories the command judges or reports; nothing of theirs may be written over.
+        inputs: files the command reads (a baseline verdict).
+        own: option name -> the one top-level name in a run that option writes by default (gate's verdict.json,
+            report's report.html): the only place inside a run an output may go.
+    Raises:
+        InputError: two outputs naming one file, an output that is an input, an output inside a run other than
+            its own name there (a record such as run.json, a capture's manifest, a parquet), or a reserved name.
+    """
+    own = own or {}
+    seen: dict[Path, str] = {}
+    read = {Path(p).resolve(): Path(p) for p in inputs if p is not None}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        target = Path(path).resolve()
+        if target in seen:
+            raise InputError(f"{seen[target]} and {option} name one file, {path}; give each its own")
+        seen[target] = option
+        if target.name in RESERVED:
+            raise InputError(f"{option} {path}: {target.name} is a name alignaudit keeps for itself; write to another "
+                             "file name")
+        if target in read:
+            raise InputError(f"{option} {path} is an input of this command ({read[target]}); write it elsewhere")
+        for run in runs:
+            root = Path(run).resolve()
+            if root == target or root in target.parents:
+                if target.parent == root and target.name == own.get(option):
+                    continue
+                where = f" (or {Path(run) / own[option]})" if option in own else ""
+                raise InputError(f"{option} {path} is inside the run {run}, whose files are the evidence it reports "
+                                 f"on; write it outside the run{where}")
+
+
 def claim(out: Path, names: tuple[str, ...]) -> None:
     """Add ``names`` to the marker of ``out`` (before they are written).
 

@@ -48,7 +48,8 @@ def strict_spec(args, config, vp_stage: int | None = None):
     refusals = [
         (bool(arg("num_experts")), f"num_experts={arg('num_experts')}: the strict MoE layer is swapped in by "
          "alignaudit's StrictGPTModel, not by a spec; dense models only"),
-        (bool(arg("multi_latent_attention")), "multi_latent_attention: the strict attention is grouped-query attention"),
+        (bool(arg("multi_latent_attention")), "multi_latent_attention: the strict attention is grouped-query "
+         "attention"),
         (arg("position_embedding_type", "rope") != "none", f"position_embedding_type="
          f"{arg('position_embedding_type', 'rope')!r}: the strict core attention rotates q and k itself, and GPTModel "
          "would rotate them a second time; pass --position-embedding-type none (rope stays on, strict)"),

@@ -5,8 +5,9 @@ model_provider.py).
 Chain: a GPTModel built the way slime builds it, from strict_spec with ``position_embedding_type`` "none", and given
 the fixture's weights, computes the final hidden states of a THD pack (slime trains on packs) and of a right-padded
 batch with the bits alignaudit's own StrictGPTModel computes; GPTModel from Megatron's local spec does not on the
-padded batch (the negative control; its DotProductAttention refuses packs). Settings the spec cannot honour are refused with the reason. Real megatron-core on the fixture, in
-a subprocess (Megatron keeps process-global parallel state).
+padded batch (the negative control; its DotProductAttention refuses packs). Settings the spec cannot honour are
+refused with the reason. Real megatron-core on the fixture, in a subprocess (Megatron keeps process-global parallel
+state).
 """
 
 from __future__ import annotations

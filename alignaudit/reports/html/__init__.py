@@ -91,13 +91,15 @@ def write_report(run_dir: Path | str, html: Path | str | None = None) -> Path:
     run's lock, so ``--force`` may later replace it.
 
     Raises:
-        InputError: as build_report; or the target cannot be written, or the run is locked by a running
-            command (the message suggests --html FILE).
+        InputError: as build_report; or the target cannot be written, or is inside the run other than
+            RUN_DIR/report.html (outdir.check_file_outputs), or the run is locked by a running command (the message
+            suggests --html FILE).
     """
     from alignaudit.capture import outdir
 
     run_dir = Path(run_dir)
     target = Path(html) if html is not None else run_dir / REPORT
+    outdir.check_file_outputs({"--html": target}, runs=(run_dir,), own={"--html": REPORT})
     if target.exists() and target.is_dir():
         raise InputError(f"--html {target} is a directory; give a file name such as {target / REPORT}")
     inside = target.resolve().parent == run_dir.resolve()

@@ -301,12 +301,14 @@ def write_side_by_side(run_dirs: list[Path | str], html: Path | str | None = Non
 
     Raises:
         InputError: as build_side_by_side; or the target is a directory, an existing file alignaudit did not
-            write, or in a missing directory.
+            write, in a missing directory, or inside one of the runs (outdir.check_file_outputs).
     """
+    from alignaudit.capture import outdir
     from alignaudit.reports.html import _is_report
 
-    text = build_side_by_side(run_dirs)
     target = Path(html) if html is not None else default_target()
+    outdir.check_file_outputs({"--html": target}, runs=tuple(Path(r) for r in run_dirs))
+    text = build_side_by_side(run_dirs)
     if target.is_dir():
         raise InputError(f"--html {target} is a directory; give a file name such as {target / 'runs.html'}")
     if target.exists() and not _is_report(target):
