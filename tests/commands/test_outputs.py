@@ -517,3 +517,42 @@ def test_force_reuses_an_rl_directory_with_the_libraries_exports(tmp_path):
     outdir.release_all()
     with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
         outdir.prepare(out, True, RL_OUTPUTS)
+
+
+def test_no_output_overwrites_the_evidence_it_reports_on(two_captures, tmp_path, capsys):
+    """gate's and report's file outputs (outdir.check_file_outputs): a record of the run, a capture's file, the
+    baseline, two outputs naming one file and a reserved name are refused before anything is read or written, exit
+    2, every file of the run byte for byte as it was; the outputs' own names in the run and paths outside it work."""
+    a, b = two_captures
+    d = tmp_path / "d"
+    assert cli.main(["diff", str(a), str(b), "--out", str(d)]) == EXIT_OK
+    before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    baseline = tmp_path / "base.json"
+    assert cli.main(["gate", str(d), "--json", str(baseline), "--junit", str(tmp_path / "j.xml"),
+                     "--markdown", str(tmp_path / "s.md")]) in (0, 1)
+    base_bytes = baseline.read_bytes()
+    refused = [
+        (["gate", str(d), "--json", str(d / "run.json")], "--json", "inside the run"),
+        (["gate", str(d), "--junit", str(d / "summary.json")], "--junit", "inside the run"),
+        (["gate", str(d), "--markdown", str(d / "tokens.parquet")], "--markdown", "inside the run"),
+        (["gate", str(d), "--json", str(d / "verdict.json"), "--junit", str(d / "verdict.json")], "name one file", ""),
+        (["gate", str(d), "--json", str(tmp_path / "x.json"), "--junit", str(tmp_path / "x.json")], "name one file",
+         ""),
+        (["gate", str(d), "--baseline", str(baseline), "--json", str(baseline)], "is an input", ""),
+        (["gate", str(d), "--json", str(tmp_path / ".alignaudit.lock")], "keeps for itself", ""),
+        (["report", str(d), "--html", str(d / "run.json")], "--html", "inside the run"),
+        (["report", str(d), "--html", str(d / "sequences.parquet")], "--html", "inside the run"),
+        (["report", str(d), str(d), "--html", str(d / "report.html")], "--html", "inside the run"),
+    ]
+    for argv, *says in refused:
+        err = one_line_error(capsys, argv, EXIT_USAGE)
+        assert all(s in err for s in says), (argv, err)
+        assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before, argv
+        assert baseline.read_bytes() == base_bytes
+    for argv in (["gate", str(d), "--json", str(d / "verdict.json")],
+                 ["report", str(d), "--html", str(d / "report.html")],
+                 ["report", str(d), "--html", str(tmp_path / "page.html")]):
+        assert cli.main(argv) in (0, 1), argv
+    changed = [p.name for p, data in before.items() if p.read_bytes() != data]
+    assert set(changed) <= {outdir.MARKER, outdir.LOCK}, changed  # the marker lists the verdict files claimed
+    outdir.check_file_outputs({"--json": None, "--junit": tmp_path / "j.xml"}, runs=(d,))  # None: not written
