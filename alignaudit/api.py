@@ -318,17 +318,22 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None
             ``mask`` [B, T] (bool, True = a token to compare, e.g. the response mask).
         clip_eps: the PPO clip range the clip fraction counts against.
     Raises:
-        InputError: shapes or lengths that disagree, or no token to compare.
+        InputError: shapes or lengths that disagree, no token to compare, or a compared value above 0 (+inf
+            included: alignaudit.inputs.values.check_logprob_signs).
     """
     from alignaudit.commands.requests import check_clip_eps
     from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
 
     _check_number("clip_eps", clip_eps, "a number in (0, 1)")
     check_clip_eps(clip_eps)
+    from alignaudit.inputs.values import check_logprob_signs
+
     train, rollout = _rows(train_logprobs, mask, "train_logprobs"), _rows(rollout_logprobs, mask, "rollout_logprobs")
     if len(train) != len(rollout) or any(a.shape != b.shape for a, b in zip(train, rollout, strict=True)):
         raise InputError(f"train_logprobs and rollout_logprobs disagree: {[len(a) for a in train]} tokens per "
                          f"sequence vs {[len(b) for b in rollout]}")
+    for name, rows in (("train_logprobs", train), ("rollout_logprobs", rollout)):
+        check_logprob_signs(name, rows, [f"sequence {i}" for i in range(len(rows))])
     seq = [torch.full((len(a),), i) for i, a in enumerate(train)]
     tokens = pd.DataFrame({
         "seq": torch.cat(seq).numpy() if seq else [],

@@ -110,9 +110,17 @@ def test_the_hook_refuses_logprobs_that_do_not_pair_up():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
     other = padded.clone()
     other[1, 3] = 5.0  # a pad: not compared
-    other[0, 1] = 1.0
+    other[0, 1] = -1.0
     m = api.mismatch_metrics(padded, other, mask=mask)
     assert (m["tokens_compared"], m["mismatches"]) == (5, 1)
+    for bad in (0.5, float("inf")):  # equal on both sides, yet no log-probability: refused, never "0 mismatches"
+        with pytest.raises(InputError, match=r"train_logprobs: sequence 1: logprob 1 is .*, above 0"):
+            pair = [torch.zeros(2), torch.tensor([-1.0, bad])]
+            api.mismatch_metrics(pair, [t.clone() for t in pair])
+    with pytest.raises(InputError, match="rollout_logprobs: every logprob is >= 0: these are negative log-likelihoods"):
+        api.mismatch_metrics([torch.tensor([-0.5, -1.0])], [torch.tensor([0.5, 1.0])])
+    nan = api.mismatch_metrics([torch.tensor([float("nan"), -float("inf")])], [torch.tensor([-1.0, -1.0])])
+    assert nan["tokens_compared"] == 2  # NaN and -inf are results, counted apart, not refused
     with pytest.raises(InputError, match="differ in shape"):
         api.mismatch_metrics(padded, other, mask=mask[:, :3])
     for kwargs, message in (({"mask": mask.float()}, "mask must be a bool tensor"),

@@ -33,6 +33,7 @@ from alignaudit.errors import InputError
 from alignaudit.inputs.framework_dumps import NEMO_RL_KEYS, is_nemo_rl, nemo_rl_rows, slime_rows
 from alignaudit.inputs.prompts import TokenBatch
 from alignaudit.inputs.request import REPLAYED
+from alignaudit.inputs.values import check_logprob_signs
 
 COLUMNS = ("token_ids", "prompt_length", "logprobs")
 SAMPLING = ("temperature", "top_k", "top_p", "logprobs_mode")
@@ -108,7 +109,7 @@ def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None) 
         sequences.append(tuple(ids))
         lengths.append(n)
         logprobs.append(torch.tensor(values, dtype=torch.float32))
-    _check_signs(path, logprobs, where)
+    check_logprob_signs(str(path), logprobs, where)
     sampling = _sampling(path, rows, given or {})
     assumed = () if "logprobs_mode" in sampling else ("logprobs_mode",)
     sampling.setdefault("logprobs_mode", "raw")  # vLLM's default, named in ``assumed``
@@ -191,21 +192,6 @@ def _parquet_rows(path: Path) -> list[dict]:
     except Exception as e:  # pyarrow raises several types for damaged files
         raise InputError(f"{path} is not a readable parquet file ({type(e).__name__}); write it again") from e
     return [{k: _plain(v) for k, v in row.items()} for row in table.to_dict("records")]
-
-
-def _check_signs(path: Path, logprobs: list[torch.Tensor], where: list[str]) -> None:
-    """Refuse logprobs above 0: no log-probability is. A file whose values are all >= 0 with some > 0 holds
-    negative log-likelihoods (a loss dump), which the message says."""
-    values = torch.cat(logprobs)
-    if not bool((values > 0).any()):
-        return
-    if bool((values >= 0).all()):
-        raise InputError(f"{path}: every logprob is >= 0: these are negative log-likelihoods (-logprob), not "
-                         "logprobs; negate them")
-    row = next(i for i, lp in enumerate(logprobs) if bool((lp > 0).any()))
-    j = int(torch.nonzero(logprobs[row] > 0)[0])
-    raise InputError(f"{path}: {where[row]}: logprob {j} is {float(logprobs[row][j])!r}, above 0, which no "
-                     "log-probability is: the file is damaged")
 
 
 def _plain(value):
