@@ -12,12 +12,11 @@ import traceback
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from alignaudit import __version__, errors
 from alignaudit.capture import outdir
 from alignaudit.commands import capture_command, compare_commands, interrupts, rl_command
-from alignaudit.commands.console import console, err_console
+from alignaudit.commands.console import console, err_console, shown
 from alignaudit.commands.options import grouped
 
 app = typer.Typer(
@@ -74,16 +73,16 @@ def _release_outputs(debug: bool) -> int | None:
         with interrupts.unwinding():
             for kept in outdir.release_all():
                 if kept.beside_complete:
-                    line = f"{escape(str(kept.path))} (the results --force replaced) stays: {escape(kept.reason)}"
+                    line = f"{shown(kept.path)} (the results --force replaced) stays: {shown(kept.reason)}"
                 else:
-                    line = f"{escape(str(kept.path))} keeps the last complete results: {escape(kept.reason)}"
+                    line = f"{shown(kept.path)} keeps the last complete results: {shown(kept.reason)}"
                 err_console.print(line, highlight=False, soft_wrap=True)
     except KeyboardInterrupt:
         return _interrupted()
     except Exception as e:  # noqa: BLE001
         if debug:
             traceback.print_exc()
-        err_console.print(f"[yellow]warning:[/] releasing the output directory failed: {escape(str(e))}",
+        err_console.print(f"[yellow]warning:[/] releasing the output directory failed: {shown(e)}",
                           highlight=False, soft_wrap=True)
     return None
 
@@ -98,7 +97,7 @@ def _run(args: list[str], debug: bool) -> int:
     except errors.AlignAuditError as e:
         if debug:
             traceback.print_exc()
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {shown(e)}", highlight=False, soft_wrap=True)
         return e.exit_code
     except typer.Exit as e:
         return _interrupted() if interrupts.signalled else e.exit_code
@@ -109,7 +108,7 @@ def _run(args: list[str], debug: bool) -> int:
             if type(e).__name__ == "NoArgsIsHelpError":
                 console.print(e.ctx.get_help(), highlight=False)
                 return errors.EXIT_OK
-            err_console.print(f"[bold red]error:[/] {escape(e.format_message())}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {shown(e.format_message())}", highlight=False, soft_wrap=True)
             return errors.EXIT_USAGE
         return _unexpected(e, debug)
 
@@ -133,7 +132,7 @@ def _unexpected(e: Exception, debug: bool) -> int:
     """An unexpected bug: one line unless --debug."""
     if debug:
         traceback.print_exc()
-    err_console.print(f"[bold red]error:[/] unexpected {type(e).__name__}: {escape(str(e))} "
+    err_console.print(f"[bold red]error:[/] unexpected {type(e).__name__}: {shown(e)} "
                       "(run with --debug for the traceback)",
                       highlight=False, soft_wrap=True)
     return errors.EXIT_ENGINE

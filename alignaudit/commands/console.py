@@ -27,9 +27,18 @@ console = _Console()
 err_console = _Console(stderr=True)
 
 
+def shown(text) -> str:
+    """``text`` (a message, a path: anything a user or a file may have put characters in) as a console line shows
+    it literally: rich markup escaped (a directory named ``[bold]`` or ``[/]`` is a name, not a style, and never a
+    MarkupError), control characters as Python escapes (an ANSI sequence in a file name is shown, not run by the
+    terminal; a newline cannot split the one-line error)."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+    return escape(text)
+
+
 def results(*paths) -> None:
     """The result paths, never wrapped (they are copied and pasted)."""
-    console.print("results: " + ", ".join(str(p) for p in paths), highlight=False, soft_wrap=True)
+    console.print("results: " + ", ".join(shown(p) for p in paths), highlight=False, soft_wrap=True)
 
 
 def render_summary(out: Path, summary: dict) -> None:
@@ -49,6 +58,6 @@ def write_page(run_dir: Path) -> tuple[Path, ...]:
     try:
         return (write_report(run_dir),)
     except Exception as e:  # noqa: BLE001 - the page is an extra; the run has already succeeded
-        err_console.print(f"[yellow]warning:[/] report.html not written: {escape(str(e))} (retry with `alignaudit "
-                          f"report {escape(str(run_dir))}`)", highlight=False, soft_wrap=True)
+        err_console.print(f"[yellow]warning:[/] report.html not written: {shown(e)} (retry with `alignaudit "
+                          f"report {shown(run_dir)}`)", highlight=False, soft_wrap=True)
         return ()

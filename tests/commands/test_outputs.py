@@ -556,3 +556,17 @@ def test_no_output_overwrites_the_evidence_it_reports_on(two_captures, tmp_path,
     changed = [p.name for p, data in before.items() if p.read_bytes() != data]
     assert set(changed) <= {outdir.MARKER, outdir.LOCK}, changed  # the marker lists the verdict files claimed
     outdir.check_file_outputs({"--json": None, "--junit": tmp_path / "j.xml"}, runs=(d,))  # None: not written
+
+
+def test_paths_and_messages_are_shown_literally(two_captures, tmp_path, capsys):
+    """console.shown: a run directory named with rich markup is a name (gate passes, exit 0, and prints it), and a
+    control character a user put in a path is shown escaped in the one-line error, never sent to the terminal."""
+    a, b = two_captures
+    d = tmp_path / "run[/]x[bold]"
+    assert cli.main(["diff", str(a), str(b), "--out", str(d)]) == EXIT_OK
+    capsys.readouterr()
+    assert cli.main(["gate", str(d)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert f"results: {d / 'verdict.json'}" in out
+    err = one_line_error(capsys, ["gate", str(tmp_path / "no\x1b[31mrun\nhere")], EXIT_USAGE)
+    assert "no\\x1b[31mrun\\nhere" in err and "\x1b" not in err and "\n" not in err
