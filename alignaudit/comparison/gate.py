@@ -105,8 +105,10 @@ def read_baseline(path: Path) -> dict:
         InputError: unreadable, a field missing, or a value no regression could be measured against (NaN,
             negative, not a number).
     """
+    from alignaudit.inputs.values import parse_json
+
     try:
-        data = json.loads(Path(path).read_text())
+        data = parse_json(Path(path).read_text(), f"--baseline {path}")
         values = {k: data[k] for k in ("mismatches", "ulp_max", "max_abs_diff")}
     except (OSError, ValueError, KeyError, TypeError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
         reason = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)

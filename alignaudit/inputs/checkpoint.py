@@ -18,6 +18,7 @@ from pathlib import Path
 from alignaudit.arch import PRESETS, architecture, find_preset
 from alignaudit.errors import InputError
 from alignaudit.inputs.capabilities import check_checkpoint_config
+from alignaudit.inputs.values import parse_json
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
         raise InputError(f"model directory {path} has no config.json; "
                          "point --model at a Hugging Face checkpoint directory")
     try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text
+        raw = parse_json(config_file.read_text(), str(config_file))
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 text
         raise InputError(f"cannot read {config_file}: {e}") from e
     if not isinstance(raw, dict):
         raise InputError(f"{config_file} is not a JSON object; it must be a Hugging Face config")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec
+from alignaudit.inputs.values import parse_json
 
 BUILTIN_PROMPTS = (
     "The importance ratio between the training engine and the rollout engine should be exactly one.",
@@ -146,10 +147,7 @@ def _file_batch(spec: ModelSpec, path: Path) -> TokenBatch:
     texts: list[str | None] = []
     sequences: list[tuple[int, ...] | None] = []
     for n, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        record = parse_json(line, f"{path}:{n}")
         if isinstance(record, dict) and "token_ids" in record and "text" in record:
             raise InputError(f'{path}:{n}: give "text" or "token_ids", not both')
         if isinstance(record, dict) and isinstance(record.get("token_ids"), list):

@@ -17,6 +17,7 @@ import torch
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
+from alignaudit.inputs.values import parse_json
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -71,11 +72,20 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise InputError(f"option {pair!r} is not KEY=VALUE (e.g. --infer-opt enforce_eager=true)")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
+        options[key] = _option_value(key, value)
     return options
+
+
+def _option_value(key: str, value: str):
+    """A KEY=VALUE option's value: JSON where it parses as JSON (true, 4, [1, 2], {...}), read one way
+    (parse_json: a repeated key or an integer too long is refused); else the string itself (a path, a name)."""
+    try:
+        json.loads(value)
+    except (json.JSONDecodeError, RecursionError):
+        return value
+    except ValueError:
+        pass  # JSON with an integer too long for Python: parse_json says so
+    return parse_json(value, f"option {key}")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from alignaudit.errors import InputError
 from alignaudit.inputs.framework_dumps import NEMO_RL_KEYS, is_nemo_rl, nemo_rl_rows, slime_rows
 from alignaudit.inputs.prompts import TokenBatch
 from alignaudit.inputs.request import REPLAYED
-from alignaudit.inputs.values import check_logprob_signs
+from alignaudit.inputs.values import check_logprob_signs, parse_json
 
 COLUMNS = ("token_ids", "prompt_length", "logprobs")
 SAMPLING = ("temperature", "top_k", "top_p", "logprobs_mode")
@@ -156,9 +156,9 @@ def _read_rows(path: Path) -> tuple[list[dict], str, list[str]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{number} is not JSON ({e.msg}); {FORMATS}") from e
+            row = parse_json(line, f"{path}:{number}")
+        except InputError as e:
+            raise InputError(f"{e}; {FORMATS}") from None
         if not isinstance(row, dict):
             raise InputError(f"{path}:{number} is not a JSON object; one rollout object per line")
         rows.append(row)

@@ -29,3 +29,34 @@ def check_logprob_signs(source: str, logprobs: list[torch.Tensor], where: list[s
     j = int(torch.nonzero(logprobs[row] > 0)[0])
     raise InputError(f"{source}: {where[row]}: logprob {j} is {float(logprobs[row][j])!r}, above 0, which no "
                      "log-probability is")
+
+
+def parse_json(text: str | bytes, source: str):
+    """``text`` parsed as JSON, read one way only: an object with a repeated key is refused (json.loads would keep
+    the last value silently), and nesting too deep for the parser or an integer too long for Python (over 4300
+    digits) is an input error, not a crash.
+
+    Args:
+        source: where the text came from, for the message (``path:line``, an option).
+    Raises:
+        InputError: not JSON, a repeated key, too deep, or an integer too long; naming ``source``.
+    """
+    import json
+
+    def unique(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise InputError(f"{source}: key {key!r} appears twice in one object; which value is meant is "
+                                 "ambiguous: keep one")
+            seen.add(key)
+        return dict(pairs)
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{source}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise InputError(f"{source}: JSON nested too deeply to read") from None
+    except ValueError as e:  # an integer past sys.get_int_max_str_digits, or bytes that are not UTF-8
+        raise InputError(f"{source}: not readable JSON ({str(e).splitlines()[0]})") from None
