@@ -43,6 +43,13 @@ pytestmark = [pytest.mark.engines, pytest.mark.long]
     (["--infer-opt", "logprobs_mode=processed_logprobs"], "so they need --mode rollout"),
     (["--infer-opt", "pipeline_parallel_size=2"], "runs vLLM as one engine, split by tensor_parallel_size only"),
     (["--infer-opt", "repetition_penalty=1.2"], "is a sampling setting and has no effect on teacher-forced"),
+    # vLLM's own SamplingParams check, made in the option-check worker (it raised only after both engines started)
+    (["--mode", "rollout", "--infer-opt", "presence_penalty=5"],
+     "vllm refuses --infer-opt presence_penalty: presence_penalty must be in [-2, 2], got 5"),
+    (["--mode", "rollout", "--infer-opt", "logprobs_mode=processed_logprobs", "--infer-opt", "min_p=0.1"],
+     "vllm min_p=0.1 with logprobs_mode=processed_logprobs: vLLM applies it before its processed logprobs"),
+    (["--mode", "rollout", "--infer-opt", "logprobs_mode=processed_logprobs", "--infer-opt", 'logit_bias={"5": 2.0}'],
+     "vllm logit_bias={\"5\": 2.0} with logprobs_mode=processed_logprobs"),
     (["--infer-opt", "quantization=fp8"], "vllm quantization=\"fp8\": vLLM's CPU wheel has no fp8 kernels"),
     (["--mode", "rollout", "--infer-opt", "kv_cache_dtype=fp8"], "vllm kv_cache_dtype=\"fp8\": vLLM's CPU wheel"),
     (["--infer-opt", "max_cudagraph_capture_size=64"],
@@ -350,7 +357,7 @@ def test_docs_list_every_setting_rule():
 
     text = (ROOT / "docs" / "cli.md").read_text()
     names = [*megatron.MEGATRON_OPTIONS, *megatron.MEGATRON_REFUSED, *vllm.VLLM_REFUSED, *vllm.VLLM_SET_BY_ALIGNAUDIT,
-             *vllm.VLLM_RANGES,
+             *vllm.VLLM_RANGES, *vllm.NOT_REPLAYED,
              *(f.field for f in caps.CHECKPOINT_FEATURES), *(name for name, _, _, _ in caps.ENGINE_FEATURES)]
     missing = [n for n in names if f"`{n}" not in text]
     assert not missing, f"docs/cli.md does not mention {missing}"

@@ -60,9 +60,13 @@ class VllmEngine(Engine):
 
     @classmethod
     def check_config(cls, spec, settings, role, mode):
-        from alignaudit.engines.vllm.options import check_vllm_sampling
+        from vllm import SamplingParams
 
-        check_vllm_sampling(settings.options, set(cls._engine_fields()), mode, role)
+        from alignaudit.engines.vllm.options import check_sampling_params, check_vllm_sampling
+
+        fields = set(cls._engine_fields())
+        check_vllm_sampling(settings.options, fields, mode, role)
+        check_sampling_params(SamplingParams, settings.options, fields, role)
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)

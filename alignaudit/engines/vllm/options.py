@@ -162,15 +162,50 @@ def _check_quantization(settings, flag: str) -> None:
                          f"caches only; drop attention from --strict or {flag} kv_cache_dtype")
 
 
+# SamplingParams settings that change the distribution vLLM samples from before its processed logprobs, and their
+# neutral values: the trainer's replay (alignaudit.engines.sampling) is temperature, top-k and top-p only, so under
+# logprobs_mode=processed_logprobs the two sides would score different distributions at every token.
+NOT_REPLAYED: dict[str, tuple] = {
+    "min_p": (0, 0.0, None), "repetition_penalty": (1, 1.0, None), "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None), "logit_bias": (None, {}), "bad_words": (None, []),
+    "allowed_token_ids": (None, []), "structured_outputs": (None,), "logits_processors": (None, []),
+}
+
+
 def check_vllm_sampling(options: dict, engine_fields: set[str], mode: str, role: str) -> None:
-    """SamplingParams settings only act on sampled tokens: refused in prompt mode and on the training side.
-    Runs in the option-check worker, which imports vLLM's EngineArgs to tell the two kinds apart.
+    """SamplingParams settings only act on sampled tokens: refused in prompt mode and on the training side; under
+    processed logprobs, a setting the trainer's replay does not apply (NOT_REPLAYED) is refused too. Runs in the
+    option-check worker, which imports vLLM's EngineArgs to tell the two kinds apart.
 
     Raises:
         InputError: naming the setting.
     """
     flag = f"--{role}-opt"
-    for key in options:
+    processed = options.get("logprobs_mode") == "processed_logprobs"
+    for key, value in options.items():
         if key not in engine_fields and (mode == "prompt" or role == "train"):
             raise InputError(f"vllm {key} is a sampling setting and has no effect on teacher-forced (prompt) logprobs; "
                              f"drop {flag} {key}")
+        if processed and key in NOT_REPLAYED and value not in NOT_REPLAYED[key]:
+            raise InputError(f"vllm {key}={json.dumps(value, default=str)} with logprobs_mode=processed_logprobs: vLLM "
+                             "applies it before its processed logprobs, and the trainer replays temperature, top-k "
+                             f"and top-p only, so the two would score different distributions; drop {flag} {key}, or "
+                             "compare raw logprobs")
+
+
+def check_sampling_params(sampling_params_cls, options: dict, engine_fields: set[str], role: str) -> None:
+    """vLLM's own checks of the SamplingParams settings in ``options`` (SamplingParams.__post_init__: ranges such as
+    presence_penalty in [-2, 2], top_p in (0, 1]), made before any engine starts rather than by vLLM after the other
+    engine has run.
+
+    Raises:
+        InputError: with vLLM's reason.
+    """
+    sampling = {k: v for k, v in options.items() if k not in engine_fields}
+    if not sampling:
+        return
+    try:
+        sampling_params_cls(**sampling)
+    except Exception as e:  # noqa: BLE001 - vLLM 0.32 raises VLLMValidationError (not a ValueError), others ValueError
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"vllm refuses --{role}-opt {', '.join(sorted(sampling))}: {reason}") from None
