@@ -146,7 +146,7 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
     pair = PairArgs(train=train, infer=train, dtype=dtype, device=device, train_opt=train_opt, strict=strict)
     run = engine_runs(pair, model.seed, spec)[0]
     given = {"logprobs_mode": logprobs_mode, "temperature": temperature, "top_k": top_k, "top_p": top_p}
-    rollouts = read_rollouts(rollouts_file, spec.vocab_size, given)
+    rollouts = read_rollouts(rollouts_file, spec.vocab_size, given, spec.max_position_embeddings)
     out = out_dir(output, "rescore", RESCORE_OUTPUTS, (Path(rollouts_file),))
     with console.status("") as status:
         summary = run_rescore(spec, rollouts, run, out, clip_eps, stream_log=output.verbose, on_stage=status.update)

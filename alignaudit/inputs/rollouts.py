@@ -66,10 +66,12 @@ class Rollouts:
         return self.sampling.get("logprobs_mode") == "processed"
 
 
-def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None) -> Rollouts:
+def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None,
+                  max_positions: int | None = None) -> Rollouts:
     """Read and check a rollout file (the module docstring's schema); ``vocab_size``: the model's. ``given``: SAMPLING
     settings from the command line (rescore --temperature ...), for files that do not record them; one the file
-    records with another value is refused.
+    records with another value is refused. ``max_positions``: the model's max_position_embeddings; a rollout longer
+    is refused (the engines would rotate its tail at positions the model never saw, or refuse it late).
 
     Raises:
         InputError: an unreadable or damaged file (one line naming the row, the column and the fix).
@@ -91,6 +93,9 @@ def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None) 
             raise InputError(f"{path}: {where[i]} has no {', '.join(missing)}; every rollout needs "
                              f"{', '.join(COLUMNS)}")
         ids, n, lps = _ids(path, where[i], row["token_ids"], vocab_size), row["prompt_length"], row["logprobs"]
+        if max_positions is not None and len(ids) > max_positions:
+            raise InputError(f"{path}: {where[i]} has {len(ids)} token_ids, more than the model's {max_positions} "
+                             "positions (max_position_embeddings); rescore it with the model that generated it")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < len(ids):
             raise InputError(f"{path}: {where[i]}: prompt_length {n!r} must be an integer in [1, {len(ids) - 1}] "
                              "(the prompt's tokens, with at least one sampled token after them)")

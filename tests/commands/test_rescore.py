@@ -255,7 +255,7 @@ def test_sampling_options_for_raw_logprobs_are_refused_and_an_unstated_mode_is_r
     del line["generation_logprobs"]  # NeMo-RL writes it only where the rollout engine returned logprobs
     nemo.write_text(json.dumps(line) + "\n")
     for bad, what in ((tmp_path / "dir.jsonl", "dir.jsonl: a directory; give a JSONL or parquet file"),
-                      (text, "notes.pt:1 is not JSON (Expecting value); rescore reads JSON lines"),
+                      (text, "notes.pt:1: not valid JSON (Expecting value); rescore reads JSON lines"),
                       (nemo, "train_data_step1.jsonl:1 looks like NeMo-RL's train_data_step (input_lengths, "
                              "token_loss_mask) but has no generation_logprobs; rescore reads NeMo-RL's lines with")):
         assert what in one_line_error(capsys, ["rescore", str(bad), "--out", str(tmp_path / "never")], EXIT_USAGE)
@@ -267,6 +267,9 @@ def test_vllm_disabled_top_k_is_read_as_disabled(tmp_path):
     row = {"token_ids": [1, 2, 3], "prompt_length": 2, "logprobs": [-0.5], "logprobs_mode": "processed",
            "temperature": 0.7, "top_k": -1, "top_p": 1.0}
     assert read_rollouts(write_jsonl(tmp_path / "r.jsonl", [row]), 512).sampling["top_k"] == 0
+    long = write_jsonl(tmp_path / "long.jsonl", [row, {**row, "token_ids": [5] * 41, "logprobs": [-1.0] * 40}])
+    with pytest.raises(InputError, match=r"long.jsonl: line 2 has 41 token_ids, more than the model's 40 positions"):
+        read_rollouts(long, 512, max_positions=40)
 
 
 def test_framework_dumps_they_cannot_be_rescored_from_are_refused_with_the_reason(tmp_path, capsys):

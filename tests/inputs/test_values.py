@@ -24,8 +24,9 @@ DEEP = "[" * 100_000 + "]" * 100_000
 LONG = '{"token_ids": [' + "9" * 5000 + "]}"
 
 
-@pytest.mark.parametrize(("text", "says"), [(REPEATED, "key 'token_ids' appears twice"), (DEEP, "JSON nested too deeply"),
-                                            (LONG, "not readable JSON"), ("{", "not valid JSON")])
+@pytest.mark.parametrize(("text", "says"), [(REPEATED, "key 'token_ids' appears twice"),
+                                            (DEEP, "JSON nested too deeply"), (LONG, "not readable JSON"),
+                                            ("{", "not valid JSON")])
 def test_parse_json_refuses_what_it_cannot_read_one_way(text, says):
     with pytest.raises(InputError, match=f"^here: {says}"):
         parse_json(text, "here")
