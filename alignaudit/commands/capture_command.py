@@ -95,7 +95,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     if rollout is not None:
         from alignaudit.engines.checks import rollout_shape
 
-        rollout = rollout_shape(run, rollout)
+        rollout = rollout_shape(run, rollout, spec)
     if no_ops and (layers or ops):
         raise errors.InputError("--layers/--ops select ops to capture and --no-ops captures none; drop one")
     selection = None if no_ops else parse_selection(layers, ops, OpGraph.of(spec))

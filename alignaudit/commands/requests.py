@@ -345,7 +345,7 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
     mode = "rollout" if rollout else "prompt"
     train, infer = engine_runs(pair, model.seed, spec, mode, extra_check, trains)
     if rollout is not None:
-        rollout = rollout_shape(infer, rollout)
+        rollout = rollout_shape(infer, rollout, spec)
     if replay_routing:
         check_routing_replay(spec, train, infer, mode, repeat)
     if full_vocab:

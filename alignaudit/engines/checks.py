@@ -28,11 +28,22 @@ def check_runs(train, infer, mode: str) -> None:
         kind_of(run.engine).check_settings(run.settings, mode, role)
 
 
-def rollout_shape(infer, sampling):
+def rollout_shape(infer, sampling, spec):
     """``sampling`` (alignaudit.inputs.request.Sampling) with the rollout engine's defaults in place of the shape
     fields left None (EOS, prompt logprobs), after refusing a shape the rollout engine ``infer`` does not sample or
-    an option that has no effect under it (engine kinds' rollout_shape). Raises InputError."""
-    return kind_of(infer.engine).rollout_shape(infer.settings, sampling)
+    an option that has no effect under it (engine kinds' rollout_shape), and stop ids that would end completions at
+    an EOS of ``spec``'s checkpoint while EOS is ignored (--ignore-eos would not take effect). Raises InputError."""
+    from alignaudit.inputs.checkpoint import eos_ids
+
+    shaped = kind_of(infer.engine).rollout_shape(infer.settings, sampling)
+    stops = infer.settings.options.get("stop_token_ids")
+    if not shaped.stop_at_eos and isinstance(stops, list):
+        ended = sorted(set(stops) & eos_ids(spec.path))
+        if ended:
+            raise InputError(f"vllm stop_token_ids holds {ended[0]}, an EOS of {spec.name}: completions would end at "
+                             "EOS, which --ignore-eos asks to ignore; drop it from --infer-opt stop_token_ids or use "
+                             "--stop-at-eos")
+    return shaped
 
 
 def tensor_parallel_size(run) -> int:

@@ -218,6 +218,20 @@ def check_weights(path: Path, config: dict, arch) -> int:
     return len(shapes)
 
 
+def eos_ids(model_dir: str | Path) -> frozenset[int]:
+    """The token ids that end a completion of the checkpoint at ``model_dir``: ``eos_token_id`` (an id or a list) of
+    its config.json and of its generation_config.json where it has one (vLLM stops at both: its EOS and the
+    generation config's stop ids)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        file = Path(model_dir) / name
+        if not file.is_file():
+            continue
+        eos = parse_json(file.read_text(), str(file)).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
 def fixtures_dir() -> Path:
     """The embedded fixtures (packaged as alignaudit_fixtures; the repository's fixtures/ folder)."""
     import alignaudit_fixtures

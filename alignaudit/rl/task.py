@@ -11,12 +11,11 @@ A question is ``"{a}+{b}="`` with a, b in [0, 100) (fixtures/corpus.txt's tokeni
 
 from __future__ import annotations
 
-import json
 import random
 import re
-from pathlib import Path
 
 from alignaudit.errors import InputError
+from alignaudit.inputs.checkpoint import eos_ids
 
 QUESTION = re.compile(r"(\d{1,2})\+(\d{1,2})=$")
 FORMAT_REWARD = 0.1
@@ -60,8 +59,7 @@ class TaskReward:
         if self.tokenizer is None:
             raise InputError(f"--reward task decodes completions with the model's tokenizer, and {why}; use a "
                              "checkpoint with one, e.g. --model qwen3-tiny-trained")
-        eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
-        self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos_ids = eos_ids(model_dir)
 
     def _decode(self, ids) -> str:
         from alignaudit.reports.token_text import decode

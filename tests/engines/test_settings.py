@@ -43,6 +43,9 @@ pytestmark = [pytest.mark.engines, pytest.mark.long]
     (["--infer-opt", "logprobs_mode=processed_logprobs"], "so they need --mode rollout"),
     (["--infer-opt", "pipeline_parallel_size=2"], "runs vLLM as one engine, split by tensor_parallel_size only"),
     (["--infer-opt", "repetition_penalty=1.2"], "is a sampling setting and has no effect on teacher-forced"),
+    (["--mode", "rollout", "--ignore-eos", "--infer-opt", "stop_token_ids=[7, 0]"],
+     "vllm stop_token_ids holds 0, an EOS of qwen3-tiny: completions would end at EOS, which --ignore-eos asks to "
+     "ignore"),
     # vLLM's own SamplingParams check, made in the option-check worker (it raised only after both engines started)
     (["--mode", "rollout", "--infer-opt", "presence_penalty=5"],
      "vllm refuses --infer-opt presence_penalty: presence_penalty must be in [-2, 2], got 5"),
