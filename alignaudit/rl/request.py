@@ -95,8 +95,5 @@ def _with_sleep_mode(request):
     if infer.settings.device != "cuda":
         raise InputError("--sleep-level needs --device cuda: vLLM's sleep mode frees GPU memory through its "
                          "CUDA allocator, and its CPU worker ignores sleep; drop --sleep-level")
-    if "enable_sleep_mode" in infer.settings.options:
-        raise InputError("vllm enable_sleep_mode is set by alignaudit with --sleep-level; drop it from "
-                         "--infer-opt")
     settings = dataclasses.replace(infer.settings, options={**infer.settings.options, "enable_sleep_mode": True})
     return dataclasses.replace(request, infer=dataclasses.replace(infer, settings=settings))

@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.engines, pytest.mark.long]
     (["--mode", "rollout", "--infer-opt", "temperature=0.5"],
      "vllm temperature is set by alignaudit; use --temperature"),
     (["--mode", "rollout", "--infer-opt", "min_tokens=4"], "min_tokens would mask EOS"),
+    (["--infer-opt", "enable_sleep_mode=true"], "vllm enable_sleep_mode is set by alignaudit; use rl --sleep-level"),
     (["--infer-opt", "logprobs_mode=raw_logits"], "raw_logits are logits, not logprobs"),
     (["--mode", "rollout", "--infer-opt", "logprobs_mode=processed_logits"],
      "processed_logits are logits, not logprobs"),

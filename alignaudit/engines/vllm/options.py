@@ -23,6 +23,7 @@ VLLM_SET_BY_ALIGNAUDIT: dict[str, str] = {
     "ignore_eos": "--stop-at-eos / --ignore-eos", "logprobs": "alignaudit (the sampled token's logprob)",
     "prompt_logprobs": "--prompt-logprobs / --no-prompt-logprobs", "n": "--group-size",
     "detokenize": "alignaudit (token ids only)", "dtype": "--dtype / --infer-dtype", "model": "--model",
+    "enable_sleep_mode": "rl --sleep-level (on CUDA; nothing else puts vLLM to sleep, so it would have no effect)",
 }
 ONE_ENGINE = "alignaudit runs vLLM as one engine, split by tensor_parallel_size only"
 VLLM_REFUSED: dict[str, Callable[[Any, str], str | None]] = {
