@@ -39,6 +39,10 @@ def nemo_rl_rows(path: Path, rows: list[dict], where: list[str]) -> list[dict]:
     the line and the problem."""
     out = []
     for i, row in enumerate(rows):
+        missing = [key for key in NEMO_RL_KEYS if key not in row]
+        if missing:
+            raise InputError(f"{path}: {where[i]} has no {', '.join(missing)}, which NeMo-RL's train_data_step lines "
+                             f"hold ({', '.join(NEMO_RL_KEYS)}); the file is damaged or mixes formats")
         ids, length = _one(row["token_ids"]), _one(row["input_lengths"])
         mask, logprobs = _one(row["token_loss_mask"]), _one(row["generation_logprobs"])
         if not all(isinstance(v, list) for v in (ids, mask, logprobs)) or isinstance(length, bool) \
@@ -78,9 +82,14 @@ def slime_rows(path: Path) -> list[dict]:
         if mask is not None and (not isinstance(mask, list) or len(mask) != n):
             raise InputError(f"{path}: sample {i}: loss_mask has {len(mask) if isinstance(mask, list) else mask!r} "
                              f"entries for {n} response tokens")
-        if mask is not None:
-            _response_start(path, f"sample {i}", [0] + list(mask))  # a hole means tokens the engine did not sample
-        out.append({"token_ids": tokens, "prompt_length": len(tokens) - n, "logprobs": logprobs})
+        if not isinstance(logprobs, list) or len(logprobs) != n:
+            raise InputError(f"{path}: sample {i}: rollout_log_probs has "
+                             f"{len(logprobs) if isinstance(logprobs, list) else logprobs!r} entries for {n} response "
+                             "tokens")
+        # leading response tokens outside the loss mask were not sampled by the engine (a hole in the middle is
+        # refused): they are scored as context, their logprobs dropped
+        first = _response_start(path, f"sample {i}", [0] + list(mask)) - 1 if mask is not None else 0
+        out.append({"token_ids": tokens, "prompt_length": len(tokens) - n + first, "logprobs": logprobs[first:]})
     return out
 
 

@@ -115,6 +115,10 @@ def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None,
         lengths.append(n)
         logprobs.append(torch.tensor(values, dtype=torch.float32))
     check_logprob_signs(str(path), logprobs, where)
+    if all(not bool(lp.any()) for lp in logprobs):
+        raise InputError(f"{path}: every logprob is exactly 0.0: placeholders, not a rollout engine's logprobs (a "
+                         "framework writes 0 where the engine returned none: verl without calculate_log_probs, NeMo-RL "
+                         "without generation logprobs); record them and dump again")
     sampling = _sampling(path, rows, given or {})
     assumed = () if "logprobs_mode" in sampling else ("logprobs_mode",)
     sampling.setdefault("logprobs_mode", "raw")  # vLLM's default, named in ``assumed``

@@ -294,3 +294,29 @@ def test_framework_dumps_they_cannot_be_rescored_from_are_refused_with_the_reaso
     assert "records temperature 0.7, and --temperature 1.0 was given" in one_line_error(
         capsys, ["rescore", str(plain), "--temperature", "1.0", "--out", str(tmp_path / "never")], EXIT_USAGE)
     assert not (tmp_path / "never").exists()
+
+
+def test_framework_readers_check_every_record_and_take_what_the_masks_say(tmp_path):
+    """A later NeMo-RL line missing a key is an input error naming it (it was an unexpected KeyError, exit 3); a
+    slime sample's leading loss-mask zeros are response tokens the engine did not sample: scored as context, their
+    logprobs dropped (they were rescored as sampled); a file whose every logprob is exactly 0.0 holds placeholders."""
+    import torch
+
+    from alignaudit.inputs.rollouts import read_rollouts
+
+    row = {"token_ids": [1, 2, 3, 4, 5, 6], "prompt_length": 2, "logprobs": [-1.0, -2.0, -0.5, -0.1]}
+    nemo = write_nemo_rl(tmp_path / "n" / "train_data_step1.jsonl", [row, row])
+    lines = [json.loads(line) for line in nemo.read_text().splitlines()]
+    del lines[1]["token_loss_mask"]
+    nemo.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(InputError, match="train_data_step1.jsonl: line 2 has no token_loss_mask"):
+        read_rollouts(nemo, 512)
+    slime = write_slime(tmp_path / "s" / "0.pt", [row])
+    data = torch.load(slime, weights_only=True)
+    data["samples"][0]["loss_mask"] = [0, 0, 1, 1]
+    torch.save(data, slime)
+    read = read_rollouts(slime, 512)
+    assert read.prompt_lengths == [4] and read.logprobs[0].tolist() == [-0.5, -0.10000000149011612]
+    zeros = write_jsonl(tmp_path / "z.jsonl", [{**row, "logprobs": [0.0] * 4}, {**row, "logprobs": [-0.0] * 4}])
+    with pytest.raises(InputError, match="every logprob is exactly 0.0: placeholders"):
+        read_rollouts(zeros, 512)
