@@ -487,15 +487,31 @@ def load_vllm_weights(llm, weights: dict[str, torch.Tensor]) -> None:
     and then run vLLM's own post-load step, which repacks the CPU GEMMs (without it they keep computing with the
     old weights), and drop its cached prefixes (computed with the old weights).
 
+    Every tensor is checked before any is written (vLLM's loader writes them one by one, so a bad one found late would
+    leave the engine half-updated): its name and shape against the checkpoint vLLM was built from
+    (inputs.checkpoint.weight_shapes), a real floating dtype (not quantized, not meta).
+
     Raises:
-        InputError: ``llm`` is not a vLLM LLM running in this process, or ``weights`` not a dict of tensors.
+        InputError: ``llm`` is not a vLLM LLM running in this process, ``weights`` not a non-empty dict of tensors, or
+            a tensor that is not one of the model's (name, shape, dtype), naming it; nothing is written then.
     """
     from alignaudit.engines.vllm.weights import load_into_vllm
+    from alignaudit.inputs.checkpoint import weight_shapes
 
     if not _is_vllm(llm):
         raise InputError(f"llm: a vLLM LLM running in this process, not {type(llm).__name__}")
     if not isinstance(weights, dict) or not weights or not all(isinstance(t, torch.Tensor) for t in weights.values()):
         raise InputError("weights: a non-empty dict of HF name -> tensor")
+    shapes = weight_shapes(llm.llm_engine.model_config.model)
+    for name, tensor in weights.items():
+        if name not in shapes:
+            raise InputError(f"weights[{name!r}]: not a tensor of this model's checkpoint; nothing was loaded")
+        if tuple(tensor.shape) != shapes[name]:
+            raise InputError(f"weights[{name!r}] has shape {tuple(tensor.shape)}, the model's is {shapes[name]}; "
+                             "nothing was loaded")
+        if tensor.is_meta or tensor.is_quantized or not tensor.is_floating_point() or tensor.is_complex():
+            raise InputError(f"weights[{name!r}] is {'meta' if tensor.is_meta else tensor.dtype}; give the values in a "
+                             "floating dtype (bf16, fp16, fp32); nothing was loaded")
     load_into_vllm(llm, weights)
 
 

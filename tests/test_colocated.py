@@ -7,7 +7,8 @@ gives the bits vLLM recorded for every sampled token (both sides strict), and it
 inference mode would be inference tensors, which autograd refuses to save). Default: a weight sync done as TRL
 does it (``model.load_weights`` alone) leaves vLLM's packed CPU GEMMs with the old weights while the parameters
 hold the new ones; ``verify_weight_sync`` given the running LLM says so, and after ``load_vllm_weights`` says
-equal.
+equal. ``load_vllm_weights`` checks every tensor before writing any: a sync with one bad tensor (shape, name, dtype)
+is refused and leaves vLLM's weights as they were.
 """
 
 from __future__ import annotations
@@ -77,6 +78,21 @@ trl = api.verify_weight_sync(new, llm)
 assert trl.covers_engine_copies and trl.differing == [] and trl.missing == []
 assert trl.equal is not packs and bool(trl.stale_packed) is packs, trl
 assert not api.verify_weight_sync(new, weights).covers_engine_copies
+# a sync with one bad tensor, last, is refused before anything is written: the others (doubled) never reach vLLM
+from alignaudit.errors import InputError
+doubled = {k: (v.float() * 2).to(v.dtype) for k, v in new.items()}
+first = next(iter(new))
+for key, value, says in (("model.norm.weight", torch.zeros(3), "has shape (3,)"),
+                         ("model.nope.weight", new[first], "not a tensor of this model's checkpoint"),
+                         (first, new[first].to(torch.int32), "is torch.int32; give the values in a floating dtype")):
+    bad = {k: v for k, v in doubled.items() if k != key}
+    bad[key] = value
+    try:
+        api.load_vllm_weights(llm, bad)
+        raise SystemExit(f"not refused: {key}")
+    except InputError as e:
+        assert says in str(e) and "nothing was loaded" in str(e), e
+    assert api.verify_weight_sync(new, llm).differing == [], key
 api.load_vllm_weights(llm, new)
 after = api.verify_weight_sync(new, llm)
 assert after.equal and after.stale_packed == [], after

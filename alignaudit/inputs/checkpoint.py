@@ -218,6 +218,22 @@ def check_weights(path: Path, config: dict, arch) -> int:
     return len(shapes)
 
 
+def weight_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for every tensor the checkpoint at ``model_dir`` holds by its config.json (its
+    architecture's alignaudit.arch weight_shapes): the schema a weight sync into an engine of it must follow.
+
+    Raises:
+        InputError: no readable config.json, or an architecture alignaudit does not run.
+    """
+    config_file = Path(model_dir) / "config.json"
+    try:
+        raw = parse_json(config_file.read_text(), str(config_file))
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read {config_file}: {e}") from e
+    arch = architecture((raw.get("architectures") or [raw.get("model_type", "?")])[0])
+    return {name: tuple(shape) for name, shape, _ in arch.weight_shapes(raw)}
+
+
 def eos_ids(model_dir: str | Path) -> frozenset[int]:
     """The token ids that end a completion of the checkpoint at ``model_dir``: ``eos_token_id`` (an id or a list) of
     its config.json and of its generation_config.json where it has one (vLLM stops at both: its EOS and the
