@@ -75,7 +75,8 @@
 # rl at the Qwen3-1.7B shape with the same shape (RL_ENGINE_MODE: async, arrivals 50 ms apart, by default; offline) and
 # --sleep-level 1, RL_STEPS (20) steps --strict;
 # trl: TRL's GRPOTrainer with CUDA vLLM colocated on the fixture (bench/trl_grpo.py), strict then default (TRL_HOW),
-# TRL_STEPS (3) steps; needs trl, accelerate, datasets, dill, multiprocess, xxhash carried in .whl/extra/.
+# TRL_STEPS (3) steps, TRL_OPTS added (e.g. "--beta 0.04 --top-k 0 --top-p 1"); needs trl, accelerate, datasets, dill,
+# multiprocess, xxhash carried in .whl/extra/.
 # [26]: task-model trains a TASK_SHAPE (Qwen3-0.6B) model on the addition task (fixtures/train_task_fixture.py on the
 # GPU, TASK_STEPS 300, TASK_LR 3e-4) into /tmp/task-model, its training.json into $OUT; task-rl then runs alignaudit
 # rl --reward task on it, TASK_RL_STEPS (200) steps, strict or default (TASK_HOW), EOS on, 8 questions x 8.
@@ -317,8 +318,8 @@ for stage in "$@"; do
                       cp /dev/shm/vrl17s/steps.parquet "$out/vrl17s-steps.parquet" 2>/dev/null
                       python3 -c "import pandas as pd; t=pd.read_parquet('/dev/shm/vrl17s/steps.parquet'); print(t[['step','tokens','mismatches','ulp_max','sync_bit_equal','completions_ended_early','completion_len_mean','prefix_cache_hits','arrived_while_running','max_running_requests','sleep_freed_gib','wake_taken_gib','seconds','rollout_s','sync_s']].to_string())" 2>&1 | log | tail -22 ;;
     trl) for how in ${TRL_HOW:-strict default}; do
-           timeout ${TRL_TIMEOUT:-240} python3 bench/trl_grpo.py fixtures/qwen3-tiny $how /tmp/trl-$how --device cuda --steps ${TRL_STEPS:-3} 2>&1 \
-             | log | grep -E "^RESULT|Error|rror:" | tail -4
+           timeout ${TRL_TIMEOUT:-240} python3 bench/trl_grpo.py fixtures/qwen3-tiny $how /tmp/trl-$how --device cuda --steps ${TRL_STEPS:-3} ${TRL_OPTS:-} 2>&1 \
+             | log | grep -E "^RESULT|^MOVED|Error|rror:" | tail -4
          done ;;
     task-model) timeout ${TASK_TIMEOUT:-400} python3 fixtures/train_task_fixture.py --shape ${TASK_SHAPE:-Qwen3-0.6B} --device cuda \
                   --steps ${TASK_STEPS:-300} --lr ${TASK_LR:-3e-4} --out /tmp/task-model 2>&1 | log | tail -20
