@@ -85,6 +85,14 @@ RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, SYNC_DIR, STEP_VOCAB_DIR, TRAIN_LOG,
               "infer." + REQUEST,
               TENSORBOARD_DIR, WANDB_DIR)
 ABLATE_OUTPUTS = (RUN, CONFIGS, ABLATE_PARQUET, ABLATE_JSON)
+
+
+def rl_outputs(log_to: tuple[str, ...]) -> tuple[str, ...]:
+    """What an rl run claims in its directory: RL_OUTPUTS, the sinks' folders only where ``--log-to`` names them (a
+    claimed folder is one --force removes whole later; a run that never wrote one must not claim a user's)."""
+    sinks = {"tensorboard": TENSORBOARD_DIR, "wandb": WANDB_DIR}
+    return tuple(name for name in RL_OUTPUTS
+                 if name not in sinks.values() or any(sinks.get(sink) == name for sink in log_to))
 # the result files each command's run.json must list (alignaudit.comparison.integrity checks them)
 RESCORE_OUTPUTS = (RUN, *SIDES, TOKENS, SEQUENCES, SUMMARY)  # the rollout file's capture plays the infer side
 RESULTS = {"compare": (TOKENS, SEQUENCES, SUMMARY), "diff": (TOKENS, SEQUENCES, SUMMARY),

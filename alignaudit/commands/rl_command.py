@@ -101,7 +101,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from alignaudit.capture.rundir import PLOT, RL_OUTPUTS, RUN, STEPS
+    from alignaudit.capture.rundir import PLOT, RUN, STEPS, rl_outputs
     from alignaudit.rl.export import parse_sinks
     from alignaudit.rl.loop import RLSettings, run_rl
 
@@ -117,7 +117,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     from alignaudit.rl.memory import rl_plan
 
     memory = rl_plan(request, group_size, kl_coef > 0)  # refuses a model that cannot fit, before any engine starts
-    out = out_dir(output, "rl", RL_OUTPUTS)
+    out = out_dir(output, "rl", rl_outputs(settings.log_to))
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[last]}"))
     # transient: the step lines above the bar stay; the bar's last frame is not printed again (cut to the width)

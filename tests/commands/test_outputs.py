@@ -519,6 +519,27 @@ def test_force_reuses_an_rl_directory_with_the_libraries_exports(tmp_path):
         outdir.prepare(out, True, RL_OUTPUTS)
 
 
+def test_an_rl_run_claims_the_sinks_folders_only_when_it_logs_to_them(tmp_path):
+    """rl without --log-to never claims tensorboard/ or wandb/: a user's folder of that name made later survives the
+    next --force run (a claimed sink folder is removed whole; with RL_OUTPUTS claimed whatever --log-to said, it was),
+    and a run that would log there is refused by name."""
+    from alignaudit.capture.rundir import TENSORBOARD_DIR, WANDB_DIR, rl_outputs
+
+    assert TENSORBOARD_DIR not in rl_outputs(()) and WANDB_DIR not in rl_outputs(())
+    assert WANDB_DIR in rl_outputs(("wandb",)) and TENSORBOARD_DIR not in rl_outputs(("wandb",))
+    out = outdir.prepare(tmp_path / "rl", False, rl_outputs(()))
+    outdir.release_all()
+    (out / "wandb").mkdir()
+    (out / "wandb" / "my-run.wandb").write_text("mine")
+    outdir.prepare(out, True, rl_outputs(()))  # a run that does not log there leaves it alone
+    outdir.release_all()
+    assert (out / "wandb" / "my-run.wandb").read_text() == "mine"
+    with pytest.raises(InputError, match="wandb exists and was not written by alignaudit"):
+        outdir.prepare(out, True, rl_outputs(("wandb",)))  # one that would write there is refused, naming it
+    outdir.release_all()
+    assert (out / "wandb" / "my-run.wandb").read_text() == "mine"
+
+
 def test_no_output_overwrites_the_evidence_it_reports_on(two_captures, tmp_path, capsys):
     """gate's and report's file outputs (outdir.check_file_outputs): a record of the run, a capture's file, the
     baseline, two outputs naming one file and a reserved name are refused before anything is read or written, exit
