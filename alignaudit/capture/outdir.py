@@ -27,7 +27,6 @@ two runs start in the same second.
 from __future__ import annotations
 
 import fcntl
-import fnmatch
 import json
 import os
 import shutil
@@ -37,7 +36,6 @@ from pathlib import Path
 
 from alignaudit.capture.rundir import (
     DROPPING,
-    INNER_FILES,
     LIBRARY_DIRS,
     LOCK,
     MANIFEST,
@@ -45,6 +43,7 @@ from alignaudit.capture.rundir import (
     PREVIOUS,
     RUN,
     STAGING,
+    alignaudit_wrote,
 )
 from alignaudit.errors import InputError
 
@@ -322,8 +321,9 @@ def _foreign_file(path: Path) -> Path | None:
         return None
     for root, _, files in os.walk(path):
         for name in files:
-            if not any(fnmatch.fnmatch(name, pattern) for pattern in INNER_FILES):
-                return Path(root) / name
+            file = Path(root) / name
+            if not alignaudit_wrote((path.name, *file.relative_to(path).parts)):
+                return file
     return None
 
 

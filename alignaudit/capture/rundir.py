@@ -102,9 +102,28 @@ JUDGED = (*TOKEN_RUNS, "rl")  # the records gate judges
 
 # Directories a library writes whole for alignaudit (rl --log-to): --force removes whatever they hold.
 LIBRARY_DIRS = (TENSORBOARD_DIR, WANDB_DIR)
-# Files alignaudit writes inside the directories it creates (captures and their op stores; rl's sync/ and
-# tokens/; the comparison of each row of ablate's configs/): what --force may remove there.
-INNER_FILES = (MANIFEST, MANIFEST_TMP, LOGPROBS, REQUEST, WORKER_LOG, CHUNKS, INDEX, FINGERPRINTS, VOCAB_ROWS_GLOB,
-               SYNC_WEIGHTS,
-               "step-[0-9][0-9][0-9][0-9][0-9].parquet", RUN, SUMMARY, TOKENS, SEQUENCES, BISECT,
-               OPS_FILES["natural"], REPORT, MARKER, LOCK)
+# Files alignaudit writes inside the directories it creates (captures and their op stores; rl's sync/, tokens/ and
+# vocab/; the comparison of each row of ablate's configs/), each pattern with the folder it sits in: what --force may
+# remove there. A file of one of these names anywhere else (a user's manifest.json in a folder of their own inside
+# train/) is not alignaudit's.
+CAPTURE_DIRS = (*SIDES, UNREPLAYED, "infer-forced", "train-as-configured", "infer-as-configured")
+RUN_FILES = (RUN, SUMMARY, TOKENS, SEQUENCES, BISECT, OPS_FILES["natural"], REPORT, MARKER, LOCK)
+INNER_LAYOUT: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    ((MANIFEST, MANIFEST_TMP, LOGPROBS, REQUEST, WORKER_LOG), CAPTURE_DIRS),
+    ((INDEX, CHUNKS, FINGERPRINTS), (OPS_DIR,)),
+    ((VOCAB_ROWS_GLOB, "step-[0-9][0-9][0-9][0-9][0-9]-*.safetensors"), (VOCAB_DIR,)),
+    ((SYNC_WEIGHTS,), (SYNC_DIR,)),
+    (("step-[0-9][0-9][0-9][0-9][0-9].parquet",), (TOKENS_DIR,)),
+)
+
+
+def alignaudit_wrote(parts: tuple[str, ...]) -> bool:
+    """Whether a file at ``parts`` (its path from the output directory, the top-level entry first) has a name and a
+    place alignaudit writes: INNER_LAYOUT's names in their folders, or RUN_FILES directly in a row of configs/."""
+    import fnmatch
+
+    name, parent = parts[-1], parts[-2] if len(parts) > 1 else ""
+    if len(parts) == 3 and parts[0] == CONFIGS:
+        return any(fnmatch.fnmatch(name, pattern) for pattern in RUN_FILES)
+    return any(parent in folders and any(fnmatch.fnmatch(name, pattern) for pattern in names)
+               for names, folders in INNER_LAYOUT)

@@ -591,3 +591,33 @@ def test_paths_and_messages_are_shown_literally(two_captures, tmp_path, capsys):
     assert f"results: {d / 'verdict.json'}" in out
     err = one_line_error(capsys, ["gate", str(tmp_path / "no\x1b[31mrun\nhere")], EXIT_USAGE)
     assert "no\\x1b[31mrun\\nhere" in err and "\x1b" not in err and "\n" not in err
+
+
+def test_force_judges_files_by_their_place_not_only_their_name(tmp_path):
+    """--force removes a file inside a folder alignaudit owns only where alignaudit writes a file of that name
+    (rundir.alignaudit_wrote): a user's manifest.json in a folder of their own inside train/ is refused, naming it,
+    and stays; alignaudit's own files at their places are replaced."""
+    from alignaudit.capture.rundir import COMPARE_OUTPUTS, alignaudit_wrote
+
+    for parts in (("train", "manifest.json"), ("train", "ops", "chunk-00000.safetensors"),
+                  ("configs", "linear-alone", "run.json"), ("configs", "linear-alone", "infer", "ops", "index.parquet"),
+                  ("vocab", "step-00003-train.safetensors"), ("sync", "weights.safetensors")):
+        assert alignaudit_wrote(parts), parts
+    for parts in (("train", "mine", "manifest.json"), ("train", "run.json"), ("tokens", "manifest.json"),
+                  ("configs", "run.json"), ("train", "ops", "manifest.json")):
+        assert not alignaudit_wrote(parts), parts
+    out = outdir.prepare(tmp_path / "c", False, COMPARE_OUTPUTS)
+    (out / "train" / "ops").mkdir(parents=True)
+    (out / "train" / "manifest.json").write_text("{}")
+    (out / "train" / "ops" / "index.parquet").write_text("x")
+    outdir.release_all()
+    outdir.prepare(out, True, COMPARE_OUTPUTS)  # alignaudit's own files: replaced
+    outdir.release_all()
+    assert not (out / "train").exists()
+    (out / "train" / "mine").mkdir(parents=True)
+    (out / "train" / "mine" / "manifest.json").write_text("mine")
+    outdir.claim(out, ("train",))
+    with pytest.raises(InputError, match=r"--force would remove .*train/mine/manifest.json, which alignaudit did not"):
+        outdir.prepare(out, True, COMPARE_OUTPUTS)
+    outdir.release_all()
+    assert (out / "train" / "mine" / "manifest.json").read_text() == "mine"
