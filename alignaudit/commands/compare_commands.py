@@ -297,11 +297,10 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
             raise errors.InputError(f"gate RUN_DIR judges a finished run; {flags} {verb} only when gate runs the "
                                     "comparison itself (without RUN_DIR): drop them")
     rule = gating.make_rule(max_mismatch, max_ulp, max_abs, baseline)
-    if run_dir is not None:  # before anything is read or written (a run gate makes now writes outside this rule)
-        _check_verdict_files(Path(run_dir), json_out, junit, md_out, baseline)
+    planned = run_dir if run_dir is not None else output.out  # None: a fresh default directory, nothing in it yet
+    _check_verdict_files(planned and Path(planned), json_out, junit, md_out, baseline)  # before anything is written
     if run_dir is None:
         run_dir, _ = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS + GATE_OUTPUTS)
-        _check_verdict_files(Path(run_dir), json_out, junit, md_out, baseline)
     _claim_verdict_files(Path(run_dir), targets := (json_out or run_dir / VERDICT,
                                                     junit or run_dir / JUNIT, md_out or run_dir / SUMMARY_MD))
     verdict = gating.judge_run(Path(run_dir), rule)
@@ -423,14 +422,17 @@ def report(run_dirs: Annotated[list[Path], typer.Argument(
     results(write_report(run_dirs[0], html))
 
 
-def _check_verdict_files(run_dir: Path, json_out: Path | None, junit: Path | None, md_out: Path | None,
+def _check_verdict_files(run_dir: Path | None, json_out: Path | None, junit: Path | None, md_out: Path | None,
                          baseline: Path | None) -> None:
-    """gate's outputs under the rule of outdir.check_file_outputs (defaults in the run, options anywhere else)."""
+    """gate's outputs under the rule of outdir.check_file_outputs (defaults in the run, options anywhere else);
+    ``run_dir`` None: a run gate is about to make in a fresh directory (only the given outputs are checked)."""
     from alignaudit.capture.rundir import JUNIT, SUMMARY_MD, VERDICT
 
-    outdir.check_file_outputs({"--json": json_out or run_dir / VERDICT, "--junit": junit or run_dir / JUNIT,
-                               "--markdown": md_out or run_dir / SUMMARY_MD}, runs=(run_dir,), inputs=(baseline,),
-                              own={"--json": VERDICT, "--junit": JUNIT, "--markdown": SUMMARY_MD})
+    own = {"--json": VERDICT, "--junit": JUNIT, "--markdown": SUMMARY_MD}
+    given = {"--json": json_out, "--junit": junit, "--markdown": md_out}
+    targets = {flag: path if path is not None or run_dir is None else run_dir / own[flag]
+               for flag, path in given.items()}
+    outdir.check_file_outputs(targets, runs=(run_dir,) if run_dir is not None else (), inputs=(baseline,), own=own)
 
 
 def _claim_verdict_files(run_dir: Path, targets: tuple[Path, ...]) -> None:
