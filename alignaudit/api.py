@@ -90,14 +90,25 @@ def strict_megatron_model(model: str | Path = "qwen3-tiny", ops: str = "all", dt
 
 
 def strict_hf_model(model: str | Path = "qwen3-tiny", ops: str = "all", dtype: str = "bf16", device: str = "auto",
-                    exp: str = "portable", random_weights: bool = False):
+                    exp: str = "portable", random_weights: bool = False, compute_dtype: str | None = None):
     """A transformers model of ``model`` with the strict module swap (alignaudit.engines.hf.strict.make_strict),
     in eval mode. Logprobs: ``token_logprobs(model, ...)`` (strict, as every engine's strict path). Arguments
-    and errors as ``strict_megatron_model``."""
+    and errors as ``strict_megatron_model``, and ``compute_dtype``: "bf16", "fp16" or "fp32", the dtype the forward
+    computes in where it differs from ``dtype``, the parameters' (mixed precision: ``dtype="fp32",
+    compute_dtype="bf16"`` keeps fp32 master weights and gives the bits of the bf16 model a rollout engine holds after
+    a weight sync; alignaudit.engines.hf.strict.compute_in). InputError for another value, or with ``ops`` other than
+    all (a default op would compute in its parameters' dtype)."""
+    from alignaudit.commands.requests import check_dtype
     from alignaudit.engines import load_engine_class
+    from alignaudit.engines.hf.strict import compute_in
+    from alignaudit.inputs.request import DTYPES
 
     spec = _spec(model, random_weights)
-    return load_engine_class("hf")(spec, _settings(dtype, device, ops, exp, spec)).model
+    compute = check_dtype(compute_dtype) if compute_dtype is not None else None
+    built = load_engine_class("hf")(spec, _settings(dtype, device, ops, exp, spec)).model
+    if compute is not None and compute != check_dtype(dtype):
+        compute_in(built, DTYPES[compute])
+    return built
 
 
 def token_logprobs(model, sequences: list[list[int]] | list[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,11 +17,9 @@ import torch
 
 def check(model: str, device: str) -> bool:
     from alignaudit import api
-    from alignaudit.engines.hf.strict import compute_in
 
     random = model not in ("qwen3-tiny", "qwen3-tiny-trained", "qwen2-tiny", "llama-tiny")
-    master = api.strict_hf_model(model, dtype="fp32", device=device, random_weights=random)
-    compute_in(master, torch.bfloat16)
+    master = api.strict_hf_model(model, dtype="fp32", device=device, random_weights=random, compute_dtype="bf16")
     stored = api.strict_hf_model(model, dtype="bf16", device=device, random_weights=random)
     ids = torch.randint(0, master.config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():

@@ -84,8 +84,7 @@ def test_a_bf16_forward_of_fp32_master_weights_has_the_bf16_models_bits_and_trai
     from alignaudit.engines.hf.strict import compute_in
     from alignaudit.errors import InputError
 
-    master = api.strict_hf_model(FIXTURE, dtype="fp32", device="cpu")
-    compute_in(master, torch.bfloat16)
+    master = api.strict_hf_model(FIXTURE, dtype="fp32", device="cpu", compute_dtype="bf16")
     stored = api.strict_hf_model(FIXTURE, dtype="bf16", device="cpu")
     ids = torch.randint(0, master.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -97,6 +96,8 @@ def test_a_bf16_forward_of_fp32_master_weights_has_the_bf16_models_bits_and_trai
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.abs().sum() > 0, name
     with pytest.raises(InputError, match="is not strict and would compute in its parameters' dtype"):
         compute_in(api.strict_hf_model(FIXTURE, ops="linear", dtype="fp32", device="cpu"), torch.bfloat16)
+    with pytest.raises(InputError, match="unknown dtype 'bfloat16'"):
+        api.strict_hf_model(FIXTURE, dtype="fp32", device="cpu", compute_dtype="bfloat16")
 
 
 def test_settings_the_two_sides_cannot_agree_under_are_refused_before_anything_starts(tmp_path):
