@@ -38,6 +38,8 @@ pytestmark = [pytest.mark.engines, pytest.mark.long]
      "vllm temperature is set by alignaudit; use --temperature"),
     (["--mode", "rollout", "--infer-opt", "min_tokens=4"], "min_tokens would mask EOS"),
     (["--infer-opt", "enable_sleep_mode=true"], "vllm enable_sleep_mode is set by alignaudit; use rl --sleep-level"),
+    (["--infer", "hf", "--mode", "rollout", "--infer-opt", "micro_batch_size=4"],
+     "hf micro_batch_size: an hf rollout generates and scores one sequence at a time"),
     (["--infer-opt", "logprobs_mode=raw_logits"], "raw_logits are logits, not logprobs"),
     (["--mode", "rollout", "--infer-opt", "logprobs_mode=processed_logits"],
      "processed_logits are logits, not logprobs"),

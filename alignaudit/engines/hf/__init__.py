@@ -17,6 +17,15 @@ class HFKind(EngineKind):
     trains = True
     rolls_out = True
 
+    def rollout_shape(self, settings, sampling):
+        """As every engine's (EngineKind.rollout_shape), and micro_batch_size refused: a rollout generates and scores
+        one sequence at a time (HFEngine.rollout), so it would have no effect. Raises InputError."""
+        from alignaudit.errors import InputError
+
+        if settings.options.get("micro_batch_size", 1) != 1:
+            raise InputError("hf micro_batch_size: an hf rollout generates and scores one sequence at a time, so it "
+                             "would have no effect; drop it from --infer-opt (it applies where hf scores)")
+        return super().rollout_shape(settings, sampling)
 
     def replays_routing(self, settings) -> bool:
         """Its default MoE router (Qwen3MoeTopKRouter) replays; the strict MoE layer (--strict with linear)
