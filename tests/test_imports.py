@@ -132,6 +132,19 @@ def test_an_engine_folder_reaches_no_other_engine_folder(graph):
         assert not _violations(graph, (engine,), tuple(e for e in engines if e != engine), transitive=False)
 
 
+def test_the_framework_integrations_are_leaves(graph):
+    """alignaudit.integrations (TRL, verl, the Megatron spec for slime) sits on top: each imports its framework, so
+    no module of the library may import it (a user without TRL or verl imports alignaudit all the same), and one
+    integration never imports another."""
+    leaf = ("alignaudit.integrations",)
+    assert not {m: sorted(t for t in targets if _under(t, leaf)) for m, targets in graph.items()
+                if not _under(m, leaf) and any(_under(t, leaf) for t in targets)}
+    integrations = [m for m in graph if m.startswith("alignaudit.integrations.")]
+    assert {"alignaudit.integrations.trl", "alignaudit.integrations.verl"} <= set(integrations)
+    for module in integrations:
+        assert not _violations(graph, (module,), tuple(i for i in integrations if i != module), transitive=False)
+
+
 def test_no_import_cycles(graph):
     assert not [m for m in graph if m in _reach(graph, m)]
 
