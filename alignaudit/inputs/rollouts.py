@@ -78,6 +78,9 @@ def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None,
     """
     path = Path(path)
     if not path.is_file():
+        if path.exists() and not path.is_dir():  # a pipe (<(...)), a socket, a device: it exists, and is no file
+            raise InputError(f"{path} is not a regular file (a pipe or a device, such as <(...) gives): rescore reads "
+                             "the file more than once (its format, its rows, its digest); write it to a file first")
         what = "a directory" if path.is_dir() else "no such file"
         raise InputError(f"{path}: {what}; give a JSONL or parquet file of rollouts")
     rows, fmt, where = _read_rows(path)

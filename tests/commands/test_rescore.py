@@ -9,6 +9,7 @@ damaged file is refused with one line before any engine starts.
 from __future__ import annotations
 
 import json
+import os
 
 import pandas as pd
 import pytest
@@ -299,7 +300,8 @@ def test_framework_dumps_they_cannot_be_rescored_from_are_refused_with_the_reaso
 def test_framework_readers_check_every_record_and_take_what_the_masks_say(tmp_path):
     """A later NeMo-RL line missing a key is an input error naming it (it was an unexpected KeyError, exit 3); a
     slime sample's leading loss-mask zeros are response tokens the engine did not sample: scored as context, their
-    logprobs dropped (they were rescored as sampled); a file whose every logprob is exactly 0.0 holds placeholders."""
+    logprobs dropped (they were rescored as sampled); a pipe is named as one (it was "no such file"); a file whose
+    every logprob is exactly 0.0 holds placeholders."""
     import torch
 
     from alignaudit.inputs.rollouts import read_rollouts
@@ -317,6 +319,10 @@ def test_framework_readers_check_every_record_and_take_what_the_masks_say(tmp_pa
     torch.save(data, slime)
     read = read_rollouts(slime, 512)
     assert read.prompt_lengths == [4] and read.logprobs[0].tolist() == [-0.5, -0.10000000149011612]
+    pipe = tmp_path / "pipe.jsonl"
+    os.mkfifo(pipe)  # what <(...) hands a command: it exists, and is read once
+    with pytest.raises(InputError, match="pipe.jsonl is not a regular file .a pipe or a device"):
+        read_rollouts(pipe, 512)
     zeros = write_jsonl(tmp_path / "z.jsonl", [{**row, "logprobs": [0.0] * 4}, {**row, "logprobs": [-0.0] * 4}])
     with pytest.raises(InputError, match="every logprob is exactly 0.0: placeholders"):
         read_rollouts(zeros, 512)
