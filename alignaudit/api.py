@@ -454,10 +454,13 @@ def verify_weight_sync(trainer: dict[str, torch.Tensor], rollout) -> WeightSync:
             stale while the parameters hold the new weights; ``load_vllm_weights`` does both steps. Given a dict,
             only the dict is compared (``covers_engine_copies`` False).
     Raises:
-        InputError: empty or non-tensor sides; a vLLM whose CPU backend freed its linear weights after packing them
-            (nothing to read back: call ``keep_vllm_weights()`` before building the LLM).
+        InputError: empty or non-tensor sides, a meta, quantized, sparse or non-floating tensor (inputs.values
+            check_weight: a byte view of a quantized one crashed the process); a vLLM whose CPU backend freed its
+            linear weights after packing them (nothing to read back: call ``keep_vllm_weights()`` before building the
+            LLM).
     """
     from alignaudit.engines.weight_transfer import checksums
+    from alignaudit.inputs.values import check_weight
 
     stale: list[str] = []
     engine = _is_vllm(rollout)
@@ -470,9 +473,8 @@ def verify_weight_sync(trainer: dict[str, torch.Tensor], rollout) -> WeightSync:
         if not isinstance(side, dict) or not all(isinstance(t, torch.Tensor) for t in side.values()):
             raise InputError(f"{name}: a dict of HF name -> tensor (e.g. dict(model.named_parameters())), or for the "
                              f"rollout side the running vLLM LLM, not {type(side).__name__}")
-        meta = [k for k, t in side.items() if t.is_meta]
-        if meta:
-            raise InputError(f"{name}: {meta[0]} is a meta tensor (no values to compare); give the weights themselves")
+        for key, tensor in side.items():
+            check_weight(f"{name}[{key!r}]", tensor)
     if not trainer:
         raise InputError("trainer holds no weights: an empty sync would pass unchecked; give the tensors sent")
     missing = sorted(set(trainer) - set(rollout)) + sorted(set(rollout) - set(trainer))
@@ -508,6 +510,7 @@ def load_vllm_weights(llm, weights: dict[str, torch.Tensor]) -> None:
     """
     from alignaudit.engines.vllm.weights import load_into_vllm
     from alignaudit.inputs.checkpoint import weight_shapes
+    from alignaudit.inputs.values import check_weight
 
     if not _is_vllm(llm):
         raise InputError(f"llm: a vLLM LLM running in this process, not {type(llm).__name__}")
@@ -520,9 +523,10 @@ def load_vllm_weights(llm, weights: dict[str, torch.Tensor]) -> None:
         if tuple(tensor.shape) != shapes[name]:
             raise InputError(f"weights[{name!r}] has shape {tuple(tensor.shape)}, the model's is {shapes[name]}; "
                              "nothing was loaded")
-        if tensor.is_meta or tensor.is_quantized or not tensor.is_floating_point() or tensor.is_complex():
-            raise InputError(f"weights[{name!r}] is {'meta' if tensor.is_meta else tensor.dtype}; give the values in a "
-                             "floating dtype (bf16, fp16, fp32); nothing was loaded")
+        try:
+            check_weight(f"weights[{name!r}]", tensor)
+        except InputError as e:
+            raise InputError(f"{e}; nothing was loaded") from None
     load_into_vllm(llm, weights)
 
 

@@ -201,6 +201,11 @@ def test_wrong_types_get_the_documented_error_not_a_raw_one(tmp_path, monkeypatc
         api.mismatch_metrics(lp, lp, clip_eps="abc")
     with pytest.raises(InputError, match="meta tensor"):
         api.verify_weight_sync({"w": torch.empty(2, device="meta")}, {"w": torch.zeros(2)})
+    quantized = torch.quantize_per_tensor(torch.randn(4, 4), 0.1, 0, torch.qint8)  # a byte view of it segfaulted
+    for weight, says in ((quantized, "is quantized"), (torch.randn(4, 4).to_sparse(), "sparse"),
+                         (torch.zeros(2, dtype=torch.int32), "is torch.int32")):
+        with pytest.raises(InputError, match=rf"trainer\['w'\] {says}|trainer\['w'\] is .*{says}"):
+            api.verify_weight_sync({"w": weight}, {"w": weight})
     monkeypatch.chdir(tmp_path)
     for kwargs, message in (({"temperature": "0.7", "mode": "rollout"}, "temperature '0.7': a number"),
                             ({"clip_eps": "abc"}, "clip_eps 'abc': a number"), ({"out": 123}, "out 123: a directory"),

@@ -60,3 +60,24 @@ def parse_json(text: str | bytes, source: str):
         raise InputError(f"{source}: JSON nested too deeply to read") from None
     except ValueError as e:  # an integer past sys.get_int_max_str_digits, or bytes that are not UTF-8
         raise InputError(f"{source}: not readable JSON ({str(e).splitlines()[0]})") from None
+
+
+def check_weight(where: str, tensor) -> None:
+    """Refuse a weight an engine cannot hold as given: not a tensor, a meta tensor (no values), a quantized or sparse
+    one (torch's quantized and sparse layouts: byte views of them crash the process, and no engine loads them as
+    weights), or one of a dtype that is no real floating point.
+
+    Raises:
+        InputError: naming ``where`` (e.g. ``weights['model.norm.weight']``) and what it is.
+    """
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise InputError(f"{where} is a {type(tensor).__name__}, not a tensor")
+    if tensor.is_meta:
+        raise InputError(f"{where} is a meta tensor (no values); give the weights themselves")
+    if tensor.is_quantized or tensor.layout != torch.strided:
+        kind = "quantized" if tensor.is_quantized else f"{tensor.layout} (sparse)"
+        raise InputError(f"{where} is {kind}; give the dense weights in a floating dtype (bf16, fp16, fp32)")
+    if not tensor.is_floating_point():
+        raise InputError(f"{where} is {tensor.dtype}; give the values in a floating dtype (bf16, fp16, fp32)")
