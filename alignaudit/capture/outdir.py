@@ -147,18 +147,37 @@ def _set_aside(out: Path, stale: list[Path]) -> None:
         if has_previous:
             _check_droppable(previous)
             lock(previous)  # not while a gate or report of it runs
+        staging, moved = out / STAGING, []
         try:
-            staging = out / STAGING
             staging.mkdir()
             claim(staging, tuple(path.name for path in stale))
             for path in stale:
                 os.rename(path, staging / path.name)
+                moved.append(path)
             if has_previous:
                 os.rename(previous, out / DROPPING)
+        except OSError:
+            _undo_aside(out, moved)  # a move the file system refused: the results stay whole, where they were
+            raise
         finally:
             release(previous)
         os.rename(staging, previous)
         _delete(out / DROPPING)
+
+
+def _undo_aside(out: Path, moved: list[Path]) -> None:
+    """Put the entries ``moved`` into STAGING back where they were, and remove STAGING. Raises InputError naming
+    STAGING where the file system refuses that too (the next run finishes it: ``_recover``)."""
+    staging = out / STAGING
+    try:
+        for path in reversed(moved):
+            os.rename(staging / path.name, path)
+        _delete(staging)
+    except OSError as e:
+        left = sorted(p.name for p in staging.iterdir() if p.name not in (MARKER, LOCK)) if staging.is_dir() else []
+        raise InputError(f"--out {out}: the file system refused to move the earlier results aside ({e.strerror}), and "
+                         f"to move them back: {', '.join(left) or 'they'} stay in {staging}; the next run puts them "
+                         "back, or move them back yourself") from None
 
 
 def _recover(out: Path) -> None:

@@ -185,6 +185,31 @@ def test_a_rename_the_file_system_refuses_is_an_input_error(tmp_path, monkeypatc
     outdir.release(out)
 
 
+def test_a_move_aside_refused_halfway_leaves_the_results_whole_where_they_were(tmp_path, monkeypatch):
+    """The file system refuses the second of the moves into STAGING: the first is undone, STAGING goes, and every
+    earlier output is back at its place (before, they were split between the run directory and STAGING, unsaid)."""
+    from alignaudit.capture.rundir import CAPTURE_OUTPUTS, STAGING
+
+    out = outdir.prepare(tmp_path / "c", False, CAPTURE_OUTPUTS)
+    _complete_capture(out, "mine")
+    (out / "logprobs.parquet").write_text("rows")
+    outdir.release(out)
+    rename, calls = outdir.os.rename, []
+
+    def second_refused(src, dst):
+        calls.append(src)
+        if len(calls) == 2:
+            raise PermissionError(1, "Operation not permitted", str(src))
+        return rename(src, dst)
+
+    monkeypatch.setattr(outdir.os, "rename", second_refused)
+    with pytest.raises(InputError, match="cannot write to .*: Operation not permitted"):
+        outdir.prepare(out, True, CAPTURE_OUTPUTS)
+    monkeypatch.undo()
+    assert not (out / STAGING).exists() and "mine" in (out / "manifest.json").read_text()
+    assert (out / "logprobs.parquet").read_text() == "rows"
+
+
 def test_a_file_put_into_previous_is_never_removed(tmp_path):
     """A file of the user's inside PREVIOUS: the completed run keeps the folder (not an error: its results are
     written), and a --force that would replace it is refused naming the file, before anything moves."""
