@@ -20,6 +20,8 @@ gate verdict.json, junit.xml and summary.md beside the run it judges; report rep
 
 from __future__ import annotations
 
+import fnmatch
+
 SIDES = ("train", "infer")  # a comparison's two captures, as directory names and record roles
 
 UNREPLAYED = "train-unreplayed"  # compare --replay-routing: the train engine on its own routing
@@ -93,6 +95,8 @@ def rl_outputs(log_to: tuple[str, ...]) -> tuple[str, ...]:
     sinks = {"tensorboard": TENSORBOARD_DIR, "wandb": WANDB_DIR}
     return tuple(name for name in RL_OUTPUTS
                  if name not in sinks.values() or any(sinks.get(sink) == name for sink in log_to))
+
+
 # the result files each command's run.json must list (alignaudit.comparison.integrity checks them)
 RESCORE_OUTPUTS = (RUN, *SIDES, TOKENS, SEQUENCES, SUMMARY)  # the rollout file's capture plays the infer side
 RESULTS = {"compare": (TOKENS, SEQUENCES, SUMMARY), "diff": (TOKENS, SEQUENCES, SUMMARY),
@@ -120,8 +124,6 @@ INNER_LAYOUT: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
 def alignaudit_wrote(parts: tuple[str, ...]) -> bool:
     """Whether a file at ``parts`` (its path from the output directory, the top-level entry first) has a name and a
     place alignaudit writes: INNER_LAYOUT's names in their folders, or RUN_FILES directly in a row of configs/."""
-    import fnmatch
-
     name, parent = parts[-1], parts[-2] if len(parts) > 1 else ""
     if len(parts) == 3 and parts[0] == CONFIGS:
         return any(fnmatch.fnmatch(name, pattern) for pattern in RUN_FILES)
