@@ -174,6 +174,35 @@ def test_hf_strict_attention_gives_right_and_left_padded_sequences_their_bits_al
             model(input_ids=ids, attention_mask=ones)
 
 
+def test_hf_strict_attention_gives_packed_sequences_their_bits_alone():
+    """Sequences packed in one row by position_ids restarting at 0, as TRL's padding_free and verl's remove-padding
+    batches are fed (no KV cache: transformers then builds a block-causal mask): each gets the bits of its logits
+    alone. Before, the block-causal mask was read as left padding and the first sequence's attention was zeros.
+    Positions that do not count 0, 1, 2, ... within a sequence, with no mask to say otherwise, are refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from alignaudit.engines.hf.strict import make_strict
+    from alignaudit.inputs.strict_ops import STRICT_OPS
+
+    model = AutoModelForCausalLM.from_pretrained(str(FIXTURE), dtype=torch.bfloat16).eval()
+    make_strict(model, frozenset(STRICT_OPS))
+    lengths = (5, 4, 3)
+    seqs = [torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    bits = lambda t: t.contiguous().view(torch.int16)  # noqa: E731
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        alone = [model(input_ids=s, use_cache=False).logits[0] for s in seqs]
+        packed = model(input_ids=torch.cat(seqs, 1), position_ids=positions, use_cache=False).logits[0]
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        for s, (first, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+            assert torch.equal(bits(packed[first:end]), bits(alone[s])), s
+        from alignaudit.engines.hf.strict import packed_runs
+
+        with pytest.raises(ValueError, match="do not count 0, 1, 2"):
+            packed_runs(torch.tensor([[0, 1, 2, 0, 2, 3]]), None, 1, 6)
+
+
 def test_hf_strict_attention_under_torch_compile_keeps_right_padding_and_refuses_left_padding():
     """Compiled (one graph, the layout checked by device-side asserts over int reductions), a right-padded batch
     gets the eager bits; left padding, which needs a host-side cut per row, is refused with the mask message."""

@@ -213,6 +213,55 @@ def _whole_sequences(q, k, v, starts: list[int] | None, scale: float, exp: str) 
     return out.view(b, t, h, d)
 
 
+def packed_runs(position_ids: torch.Tensor, attention_mask, b: int, t: int) -> torch.Tensor | None:
+    """cu_seqlens (int64 [n + 1], over the b * t flattened tokens) of the sequences packed in the rows, where
+    position_ids [b, t] restart at 0 inside a row (TRL's padding_free and verl's remove-padding batches: transformers
+    then builds a block-causal mask, or, with FlashAttention-2, reads the boundaries from the positions); None where
+    no row restarts. One device synchronization.
+
+    Raises:
+        ValueError: positions that do not count 0, 1, 2, ... within each sequence, or a mask (HF's processed one, 4D)
+            other than block-causal over those sequences.
+    """
+    restart = position_ids[:, 1:] == 0
+    if not bool(restart.any()):
+        return None
+    first = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=restart.device), restart], 1)  # [b, t]
+    index = torch.arange(t, device=first.device).expand(b, t)
+    start = torch.where(first, index, 0).cummax(1).values  # each token's sequence start
+    if not torch.equal(position_ids, (index - start).to(position_ids.dtype)):
+        raise ValueError("strict attention (HF): position_ids restart at 0 inside a row but do not count 0, 1, 2, ... "
+                         "within each packed sequence")
+    if attention_mask is not None:
+        _require_4d(attention_mask)
+        sequence = first.long().cumsum(1)
+        expected = (sequence[:, :, None] == sequence[:, None, :]) & _causal(t, t, first.device)[None]
+        if not torch.equal(_attend(attention_mask, b, t, t, compiled=False), expected):
+            raise ValueError(_MASK_MESSAGE + ", or block-causal over the sequences packed by position_ids")
+    boundaries = first.flatten().nonzero().flatten().cpu()
+    return torch.cat([boundaries, torch.tensor([b * t])])
+
+
+_LAST_PACKED: list = [None, None]  # (the mask and positions of the last forward, their cu_seqlens): one check a forward
+
+
+def _packed_runs_once(attention_mask, position_ids, b: int, t: int) -> torch.Tensor | None:
+    """``packed_runs`` once per forward (every layer is handed the same mask and position objects); with a mask, a
+    layout that is not packed (a left-padded row's pads also restart at 0) gives None: the caller reads the mask as
+    one run per row. Raises ValueError as packed_runs where no mask tells another layout."""
+    last = _LAST_PACKED[0]
+    if last is not None and last[0] is attention_mask and last[1] is position_ids and last[2] == (b, t):
+        return _LAST_PACKED[1]
+    try:
+        cu = packed_runs(position_ids.expand(b, t), attention_mask, b, t)
+    except ValueError:
+        if attention_mask is None:
+            raise
+        cu = None
+    _LAST_PACKED[:] = [(attention_mask, position_ids, (b, t)), cu]
+    return cu
+
+
 class StrictAttention(StrictModule):
     """Stands in for <P>Attention (QK-norm where the module has q_norm/k_norm); ``strict_rope`` /
     ``strict_attention`` say which parts are strict, ``strict_exp`` the exp of the strict attention."""
@@ -228,6 +277,7 @@ class StrictAttention(StrictModule):
         v = self.v_proj(hidden_states).view(b, t, -1, d)
         if position_ids is None:
             position_ids = torch.arange(t, device=hidden_states.device)[None]
+        given_positions = position_ids  # the object every layer gets (a layout is read once a forward)
         position_ids = position_ids.expand(b, t)  # HF passes [1, t] for a batch without padding
         if self.strict_rope:
             past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
@@ -244,13 +294,16 @@ class StrictAttention(StrictModule):
             keys = k.shape[1]
             index = torch.arange(keys - t, keys, device=q.device)  # each query's key index
             if torch.compiler.is_compiling():
-                starts, index = None, index.expand(b, t).contiguous()
+                starts, packed, index = None, None, index.expand(b, t).contiguous()
                 if attention_mask is not None:
                     _require_4d(attention_mask)
                     index = mask_checked_index(index, attention_mask, t, keys)
             else:
-                starts = _row_starts_once(attention_mask, b, t, keys)
-            if keys == t and not torch.compiler.is_compiling():
+                starts, packed = self._layout(attention_mask, given_positions, b, t, keys)
+            if keys == t and not torch.compiler.is_compiling() and packed is not None:
+                flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v)]
+                out = K.varlen_attention(*flat, packed, self.scaling, exp=self.strict_exp).view(q.shape)
+            elif keys == t and not torch.compiler.is_compiling():
                 out = _whole_sequences(q, k, v, starts, self.scaling, self.strict_exp)
             elif starts is None:
                 out = K.causal_attention(q, k, v, index.expand(b, t), self.scaling, exp=self.strict_exp)
@@ -265,6 +318,15 @@ class StrictAttention(StrictModule):
             out, _ = interface(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
                                dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(b, t, -1)), None
+
+    @staticmethod
+    def _layout(attention_mask, position_ids, b: int, t: int, keys: int):
+        """(row starts, packed cu_seqlens) of a forward out of torch.compile: with no cache, sequences packed in the
+        rows by position_ids restarting at 0 (packed_runs; the mask block-causal over them, or absent); else one run
+        of tokens per row (row_starts). Raises ValueError for any other layout."""
+        if keys == t and (packed := _packed_runs_once(attention_mask, position_ids, b, t)) is not None:
+            return None, packed  # before row_starts, which would read a block-causal mask as left padding
+        return _row_starts_once(attention_mask, b, t, keys), None
 
 
 _SWAPPED: dict[tuple[type, type], type] = {}
