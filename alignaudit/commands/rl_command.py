@@ -40,14 +40,17 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                                                 "GPU for the trainer; 1: weights to host memory, KV cache freed "
                                                 "(steps.parquet sleep_freed_gib). 0: never sleeps.")] = 0,
        clip_eps: ClipEpsOpt = 0.2,
-       reward: Annotated[str, typer.Option("--reward", metavar="NAME", help="task (the addition task of "
-                                           "--model qwen3-tiny-trained: 1 for a correct answer ending at EOS, "
+       reward: Annotated[str, typer.Option("--reward", metavar="NAME|MODULE:FUNCTION", help="task (the addition "
+                                           "task of --model qwen3-tiny-trained: 1 for a correct answer ending at EOS, "
                                            "0.1 for a wrong number; rl asks the task's own questions), "
                                            "rotating-hash (a score per token id "
                                            "from a table that changes every 10 steps), "
                                            "token-hash (one fixed table) or even (the fraction of even token ids); "
                                            "each collapses a policy in time; --kl-coef keeps the gradient "
-                                           "non-zero (docs/rl.md).")] = "rotating-hash",
+                                           "non-zero (docs/rl.md); or your own, MODULE:FUNCTION "
+                                           "(rewards.py:my_reward), called as TRL calls a reward function: "
+                                           "f(prompts, completions, **kwargs) -> one float per completion.")
+                 ] = "rotating-hash",
        kl_coef: Annotated[float, typer.Option("--kl-coef", metavar="BETA", help="Weight of the k3 KL to the starting "
                                               "weights in the loss (GRPO's KL term; DeepSeekMath used 0.04). 0: none. "
                                               "> 0 keeps a copy of the starting weights on the trainer's device."

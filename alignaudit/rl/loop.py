@@ -66,6 +66,7 @@ from alignaudit.inputs.request import Replay, Request
 from alignaudit.rl.export import StepExport
 from alignaudit.rl.grpo import REWARDS, group_advantages
 from alignaudit.rl.memory import MemoryPlan
+from alignaudit.rl.user_reward import UserReward, is_user_reward
 from alignaudit.workers.session import Session
 
 REWARD_NAMES = (*REWARDS, "task")
@@ -81,7 +82,8 @@ class RLSettings:
     Attributes:
         steps: GRPO steps (>= 1). lr: Adam learning rate (>= 0; 0 = the sync control). group_size:
         completions per prompt (>= 2). clip_grad: max global grad norm. token_rows: write per-token rows.
-        reward: a name in grpo.REWARDS, or "task" (alignaudit.rl.task: the addition task's correctness).
+        reward: a name in grpo.REWARDS, "task" (alignaudit.rl.task: the addition task's correctness), or a user's
+        function as MODULE:FUNCTION (alignaudit.rl.user_reward: TRL's reward-function convention).
         kl_coef: weight of the k3 KL to the starting weights (alignaudit.training.losses.kl_k3; 0: none).
         log_to: where else every step row goes (alignaudit.rl.export.SINKS: "tensorboard", "wandb").
         full_vocab: per step, the full-vocabulary divergence of the trainer's rescoring rows from the rollout
@@ -121,8 +123,9 @@ class RLSettings:
                              "sleep); level 2 (weights discarded) is not built yet")
         if self.group_size < 2:
             raise InputError(f"--group-size {self.group_size}: GRPO normalizes rewards within a group; use 2 or more")
-        if self.reward not in REWARD_NAMES:
-            raise InputError(f"--reward {self.reward}: not a reward; choose one of {', '.join(REWARD_NAMES)}")
+        if self.reward not in REWARD_NAMES and not is_user_reward(self.reward):
+            raise InputError(f"--reward {self.reward}: not a reward; choose one of {', '.join(REWARD_NAMES)}, or "
+                             "your own function as MODULE:FUNCTION (rewards.py:my_reward)")
         if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
             raise InputError(f"--kl-coef {self.kl_coef}: the KL weight must be finite and >= 0 (0: no KL term)")
         if not (self.lr >= 0 and math.isfinite(self.lr)):
@@ -176,6 +179,8 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         record["initial_sync"] = _sync(trainer, rollout, out, how)
         (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
         rows, reward = [], reward_function(rl.reward, request.spec)
+        if isinstance(reward, UserReward):
+            record["reward_function"] = reward.record()
         for step in range(1, rl.steps + 1):
             rows.append(_step(step, request, rl, reward, trainer, rollout, prompts, replay, out, how))
             steps = pd.DataFrame(rows)
@@ -285,7 +290,8 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
         vocab["vocab_s"] = round(time.perf_counter() - t2, 3)  # reading and measuring the rows, apart from update_s
         t2 = time.perf_counter()
     summary = summarize_tokens(tokens, request.clip_eps, request.importance)
-    rewards = [reward(s[:p], s[p:], step) for s, p in zip(sequences, prompt_lengths, strict=True)]
+    rewards = reward([s[:p] for s, p in zip(sequences, prompt_lengths, strict=True)],
+                     [s[p:] for s, p in zip(sequences, prompt_lengths, strict=True)], step)
     advantages = group_advantages(rewards, rl.group_size)
     rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths, strict=True)]
     update = trainer.call("train_step", sequences=sequences, prompt_lengths=prompt_lengths, advantages=advantages,
@@ -346,14 +352,22 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
 
 
 def reward_function(name: str, spec):
-    """``(prompt ids, completion ids, step) -> reward`` of ``name``: grpo.REWARDS (from the completion alone) or
-    "task" (alignaudit.rl.task.TaskReward with ``spec``'s tokenizer)."""
+    """``(prompts' ids, completions' ids, step) -> one reward per completion`` of ``name``: grpo.REWARDS (from each
+    completion alone), "task" (alignaudit.rl.task.TaskReward with ``spec``'s tokenizer), or a user's MODULE:FUNCTION
+    (alignaudit.rl.user_reward.UserReward, one call a step)."""
+    if is_user_reward(name):
+        return UserReward(name, spec.path)
     if name == "task":
         from alignaudit.rl.task import TaskReward
 
-        return TaskReward(spec.path)
-    by_completion = REWARDS[name]
-    return lambda prompt, completion, step: by_completion(completion, step)
+        one = TaskReward(spec.path)
+    else:
+        by_completion = REWARDS[name]
+
+        def one(prompt, completion, step):
+            return by_completion(completion, step)
+
+    return lambda prompts, completions, step: [one(p, c, step) for p, c in zip(prompts, completions, strict=True)]
 
 
 def _shape_columns(sequences: list, prompt_lengths: list, max_new_tokens: int, prefix_cache_hits,

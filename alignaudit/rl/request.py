@@ -40,6 +40,10 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
         request = _with_sleep_mode(request)
     if settings.reward == "task":
         request = _task_prompts(request, prompts, model.seed)
+    from alignaudit.rl.user_reward import UserReward, is_user_reward
+
+    if is_user_reward(settings.reward):
+        UserReward(settings.reward, request.spec.path)  # imports it and checks its signature before any engine
     refuse_moe(request.spec, "alignaudit rl")
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")

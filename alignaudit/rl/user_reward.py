@@ -1,0 +1,119 @@
+"""A user's reward for ``alignaudit rl --reward MODULE:FUNCTION``, called as TRL calls a reward function, so that a
+TRL user's function works unchanged (trl/trainer/grpo_trainer.py, GRPOTrainer._calculate_rewards):
+
+    FUNCTION(prompts=[str], completions=[str], prompt_ids=[[int]], completion_ids=[[int]], step=int, **kwargs)
+        -> one float per completion
+
+``MODULE`` is a Python file (``rewards.py``, ``path/to/rewards.py``) or an importable module (``my_pkg.rewards``).
+prompts and completions are the token ids decoded with the checkpoint's own tokenizer, special tokens skipped (as TRL
+decodes completions). Checked before any engine starts: the module imports, FUNCTION exists, is callable and takes
+those keywords (TRL's convention: ``**kwargs`` for the ones it does not name). Checked at every step: one finite
+number per completion. run.json records the name given, the file the function is defined in and that file's
+sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from pathlib import Path
+
+from alignaudit.errors import InputError
+
+ARGUMENTS = ("prompts", "completions", "prompt_ids", "completion_ids", "step")
+
+
+def is_user_reward(name: str) -> bool:
+    """Whether ``--reward name`` names a user's function (MODULE:FUNCTION) rather than a built-in reward."""
+    return ":" in name
+
+
+class UserReward:
+    """The function ``name`` names (MODULE:FUNCTION), with the tokenizer of the checkpoint at ``model_dir``.
+
+    Raises:
+        InputError: the module cannot be imported, has no such function, the function cannot take TRL's keywords,
+            or the checkpoint has no tokenizer; each naming the fix.
+    """
+
+    def __init__(self, name: str, model_dir: str):
+        from alignaudit.reports.token_text import load_tokenizer
+
+        self.name = name
+        self.function = _load(name)
+        try:
+            inspect.signature(self.function).bind(**{key: None for key in ARGUMENTS})
+        except TypeError as e:
+            raise InputError(f"--reward {name}: {self.function.__name__} cannot take TRL's reward arguments ({e}); "
+                             "write it as def f(prompts, completions, **kwargs) -> list[float]") from None
+        except ValueError:  # a builtin without a signature: let the first call say
+            pass
+        self.tokenizer, why = load_tokenizer(model_dir)
+        if self.tokenizer is None:
+            raise InputError(f"--reward {name} is given the prompts and completions as text, and {why}; use a "
+                             "checkpoint with a tokenizer")
+        self.source = Path(inspect.getsourcefile(self.function) or "")
+        self.sha256 = hashlib.sha256(self.source.read_bytes()).hexdigest() if self.source.is_file() else None
+
+    def record(self) -> dict:
+        """What run.json keeps of it: the name given, the function's file and that file's sha256."""
+        return {"function": self.name, "file": str(self.source), "sha256": self.sha256}
+
+    def __call__(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], step: int) -> list[float]:
+        """One reward per completion, from one call of the user's function.
+
+        Raises:
+            InputError: it returned other than one finite number per completion (naming the first bad one).
+        """
+        decode = self.tokenizer.decode
+        values = self.function(prompts=[decode(p, skip_special_tokens=True) for p in prompt_ids],
+                               completions=[decode(c, skip_special_tokens=True) for c in completion_ids],
+                               prompt_ids=prompt_ids, completion_ids=completion_ids, step=step)
+        try:
+            values = list(values)
+        except TypeError:
+            raise InputError(f"--reward {self.name} returned {type(values).__name__}, not a list of rewards, one per "
+                             "completion") from None
+        if len(values) != len(completion_ids):
+            raise InputError(f"--reward {self.name} returned {len(values)} rewards for {len(completion_ids)} "
+                             "completions; return one per completion")
+        for i, value in enumerate(values):
+            number = getattr(value, "item", lambda v=value: v)()  # a numpy or torch scalar as a Python one
+            if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+                raise InputError(f"--reward {self.name} returned {value!r} for completion {i}; every reward must be a "
+                                 "finite number (GRPO normalizes them within each group)")
+        return [float(getattr(v, "item", lambda v=v: v)()) for v in values]
+
+
+def _load(name: str):
+    """The callable MODULE:FUNCTION names. Raises InputError naming what failed."""
+    module_name, _, function_name = name.rpartition(":")
+    if not module_name or not function_name:
+        raise InputError(f"--reward {name}: give MODULE:FUNCTION, e.g. rewards.py:my_reward")
+    try:
+        if module_name.endswith(".py") or Path(module_name).is_file():
+            path = Path(module_name)
+            if not path.is_file():
+                raise InputError(f"--reward {name}: no file {path}")
+            spec = importlib.util.spec_from_file_location(f"alignaudit_user_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's module may raise anything while it is imported
+        raise InputError(f"--reward {name}: importing {module_name} failed: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    function = getattr(module, function_name, None)
+    if function is None:
+        raise InputError(f"--reward {name}: {module_name} has no {function_name}")
+    if not callable(function):
+        raise InputError(f"--reward {name}: {function_name} is not a function but {type(function).__name__} "
+                         f"{function!r:.40}")
+    return function
