@@ -15,7 +15,8 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.worker
                  DecodeRows), through one file per side (capture.rundir.STEP_VOCAB_ROWS), each row checked bit for
                  bit against the logprob that side recorded for the token, then exact KL both ways, total
                  variation, top-1 / top-5 (comparison/vocab.py) per token and per step;
-    4. reward    the chosen reward per completion (grpo.REWARDS), GRPO group advantages (grpo.py);
+    4. reward    the chosen reward per completion (grpo.REWARDS, the task, or the user's MODULE:FUNCTION), GRPO
+                 group advantages (grpo.py);
     5. update    the trainer's forward with gradient, the clipped loss with ratio exp(lp_train - lp_rollout),
                  gradient clipping, one optimizer step;
     6. sync      the trainer's weights in HF names into the running inference engine (model.load_weights),
