@@ -78,7 +78,11 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                                                   "which S seconds (engine start-up included) have passed, and "
                                                   "close the run as a finished one of fewer steps (run.json "
                                                   "stopped, steps_run); for a job's time limit, leave room for "
-                                                  "the engines' shutdown. 0: every step.")] = 0.0) -> None:
+                                                  "the engines' shutdown. 0: every step.")] = 0.0,
+       prompts_per_step: Annotated[int, typer.Option("--prompts-per-step", metavar="N", help="Draw N of the prompts "
+                                                     "each step (a shuffle seeded by --seed, a new one each epoch; "
+                                                     "steps.parquet epoch, prompts_digest). 0: every prompt every "
+                                                     "step.")] = 0) -> None:
     """N GRPO steps with the train/rollout alignment checked at every step.
 
     Each step the inference engine samples --group-size completions per prompt (seeded; the same seeds
@@ -110,7 +114,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
 
     settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows, reward=reward,
                           kl_coef=kl_coef, log_to=parse_sinks(log_to), full_vocab=full_vocab,
-                          keep_vocab_rows=keep_vocab_rows, sleep_level=sleep_level, max_seconds=max_seconds)
+                          keep_vocab_rows=keep_vocab_rows, sleep_level=sleep_level, max_seconds=max_seconds,
+                          prompts_per_step=prompts_per_step)
     settings.check()
     from alignaudit.rl.request import rl_request
 

@@ -93,7 +93,8 @@ class RLSettings:
         sleep_level: vLLM's sleep level between steps (0: none). max_seconds: stop after the step during which
         this many seconds (wall clock, from run_rl's start, the engines' start-up included) have passed, and close
         the run as a finished one, run.json ``stopped`` saying so (0: run every step); the engines' shutdown comes
-        after it, so a hard deadline needs that margin too.
+        after it, so a hard deadline needs that margin too. prompts_per_step: draw this many of the prompts each step
+        (StepPrompts: a seeded shuffle, epoch after epoch; 0: every prompt every step).
     """
 
     steps: int = 10
@@ -108,6 +109,7 @@ class RLSettings:
     keep_vocab_rows: bool = False
     sleep_level: int = 0
     max_seconds: float = 0.0
+    prompts_per_step: int = 0
 
     def check(self) -> None:
         """Raises InputError for a setting the loop cannot run with (a --log-to library not installed included)."""
@@ -119,6 +121,10 @@ class RLSettings:
                              "--keep-vocab-rows")
         if self.steps < 1:
             raise InputError(f"--steps {self.steps}: run at least one step")
+        if isinstance(self.prompts_per_step, bool) or not isinstance(self.prompts_per_step, int) \
+                or self.prompts_per_step < 0:
+            raise InputError(f"--prompts-per-step {self.prompts_per_step!r}: a count of prompts >= 1 (0: all of them "
+                             "every step)")
         if self.sleep_level not in (0, 1):
             raise InputError(f"--sleep-level {self.sleep_level}: 1 (weights to host memory, KV cache freed) or 0 (no "
                              "sleep); level 2 (weights discarded) is not built yet")
@@ -166,13 +172,15 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         trainer = _session(sessions, request, "trainer", out / TRAIN_LOG, lr=rl.lr, clip_grad=rl.clip_grad,
                            offload_fraction=memory.offload_fraction if memory else 0.0, kl_coef=rl.kl_coef)
         rollout = _session(sessions, request, "rollout", out / INFER_LOG)
-        # one request per prompt with n = G where the engine samples groups, else the prompt G times
-        prompts = [list(p) for p in request.batch.sequences for _ in range(rl.group_size // request.rollout.group_size)]
+        draw = StepPrompts(request.batch.sequences, rl.prompts_per_step, request.rollout.seed)
+        repeats = rl.group_size // request.rollout.group_size  # one request per prompt with n = G, or G requests
+        longest = sorted((len(p) for p in request.batch.sequences), reverse=True)[:draw.per_step]
         new, group = request.rollout.max_new_tokens, request.rollout.group_size
-        rollout.call("start", max_len=max(len(p) for p in prompts) + new, max_seqs=len(prompts) * group,
-                     total_tokens=group * (sum(len(p) for p in prompts) + len(prompts) * new),
+        rollout.call("start", max_len=longest[0] + new, max_seqs=draw.per_step * repeats * group,
+                     total_tokens=group * repeats * (sum(longest) + draw.per_step * new),
                      engine_mode=request.rollout.engine_mode)
-        replay = _replay(request, prompts)
+        first = [list(p) for p in draw.peek() for _ in range(repeats)]
+        replay = _replay(request, first)
         record["engines"] = {"train": trainer.call("settings", replay=replay)["settings"],
                              "infer": rollout.call("settings")["settings"]}
         how = transport(request)
@@ -183,7 +191,11 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         if isinstance(reward, UserReward):
             record["reward_function"] = reward.record()
         for step in range(1, rl.steps + 1):
-            rows.append(_step(step, request, rl, reward, trainer, rollout, prompts, replay, out, how))
+            chosen, epoch = draw.next()
+            prompts = [list(p) for p in chosen for _ in range(repeats)]
+            replay = _replay(request, prompts)
+            row = _step(step, request, rl, reward, trainer, rollout, prompts, replay, out, how)
+            rows.append({**row, "epoch": epoch, "prompts_digest": prompts_digest(chosen)})
             steps = pd.DataFrame(rows)
             steps.to_parquet(out / STEPS, index=False)
             if export:
@@ -247,6 +259,55 @@ def _sync(trainer: Session, rollout: Session, out: Path, how: str) -> dict:
     return {"bit_equal": not differing and not loaded["stale"] and not diverged, "transport": how,
             "tensors": tensors, "differing": differing, "stale_packed": loaded["stale"],
             "replicas_diverged": diverged, "weights_digest": digest, **update}
+
+
+class StepPrompts:
+    """The prompts of each step: all of them every step (``per_step`` 0), or ``per_step`` of them a step in the order
+    of a shuffle seeded by ``seed`` (Python's random.Random), a new shuffle each epoch, an epoch's last step taking
+    the rest of it and the next epoch's first ones where the count does not divide them.
+
+    Raises:
+        InputError: per_step above the number of prompts.
+    """
+
+    def __init__(self, prompts, per_step: int, seed: int):
+        import random
+
+        self.prompts, self.rng = list(prompts), random.Random(seed)
+        if per_step > len(self.prompts):
+            raise InputError(f"--prompts-per-step {per_step}: there are {len(self.prompts)} prompts; draw at most "
+                             "that many a step")
+        self.per_step = per_step or len(self.prompts)
+        self.order, self.epoch = [], 0
+
+    def _refill(self) -> None:
+        if not self.order:
+            order = list(range(len(self.prompts)))
+            if self.per_step < len(self.prompts):
+                self.rng.shuffle(order)
+            self.order, self.epoch = order, self.epoch + 1
+
+    def peek(self) -> list:
+        """The next step's prompts, without drawing them (its shape sizes the engine)."""
+        self._refill()
+        return [self.prompts[i] for i in self.order[: self.per_step]]
+
+    def next(self) -> tuple[list, int]:
+        """(this step's prompts, the epoch they are drawn in, from 1)."""
+        chosen = []
+        while len(chosen) < self.per_step:
+            self._refill()
+            take = min(self.per_step - len(chosen), len(self.order))
+            chosen += [self.prompts[i] for i in self.order[:take]]
+            self.order = self.order[take:]
+        return chosen, self.epoch
+
+
+def prompts_digest(prompts) -> str:
+    """sha256 of a step's prompts (their token ids, in order): steps.parquet's ``prompts_digest``."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest()
 
 
 def _prompt_lengths(request: Request, prompts: list) -> list[int]:

@@ -44,6 +44,9 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
 
     if is_user_reward(settings.reward):
         UserReward(settings.reward, request.spec.path)  # imports it and checks its signature before any engine
+    if settings.prompts_per_step > len(request.batch.sequences):
+        raise InputError(f"--prompts-per-step {settings.prompts_per_step}: there are {len(request.batch.sequences)} "
+                         "prompts; draw at most that many a step")
     refuse_moe(request.spec, "alignaudit rl")
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")

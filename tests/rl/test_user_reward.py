@@ -64,3 +64,29 @@ def test_a_reward_that_returns_no_reward_per_completion_is_an_input_error():
         with pytest.raises(InputError, match=message):
             reward([[1, 2], [3]], [[4, 5], [6]], 1)
     assert UserReward(f"{REWARDS}:even_fraction", str(FIXTURE))([[1, 2], [3]], [[4, 5], [6]], 1) == [0.5, 1.0]
+
+
+def test_prompts_are_drawn_step_by_step_epoch_after_epoch(tmp_path, capsys):
+    """--prompts-per-step 2 of 6 random prompts over 4 strict steps: each step's prompts are 2 of them (read back from
+    the token rows), the first 3 steps cover all 6 once (epoch 1), the 4th starts epoch 2; every token bitwise equal.
+    More per step than prompts is refused before any engine starts."""
+    out = tmp_path / "rl"
+    assert cli.main(["rl", "--strict", "--steps", "4", "--lr", "1e-3", "--random-prompts", "6", "--prompt-len", "8",
+                     "--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "4", "--out",
+                     str(out)]) == EXIT_OK
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert (steps["mismatches"] == 0).all() and steps["epoch"].tolist() == [1, 1, 1, 2]
+    assert steps["prompts_digest"].nunique() == 4
+    from alignaudit.inputs.checkpoint import resolve_model
+    from alignaudit.inputs.prompts import load_prompts
+    from alignaudit.rl.loop import prompts_digest
+
+    pool = load_prompts(resolve_model("qwen3-tiny"), random_prompts=6, prompt_len=8, seed=0, reserve=4).sequences
+    by_digest = {prompts_digest([a, b]): {a, b} for a in pool for b in pool if a != b}
+    drawn = [by_digest[d] for d in steps["prompts_digest"]]  # each step: 2 distinct prompts of the 6
+    assert set().union(*drawn[:3]) == set(pool)  # epoch 1: every prompt once
+    for step in steps["step"]:  # 2 prompts x 2 completions a step
+        assert pd.read_parquet(out / "tokens" / f"step-{step:05d}.parquet")["seq"].nunique() == 4
+    err = one_line_error(capsys, ["rl", "--random-prompts", "3", "--prompts-per-step", "4", "--out",
+                                  str(tmp_path / "o")], EXIT_USAGE)
+    assert "--prompts-per-step 4: there are 3 prompts" in err
