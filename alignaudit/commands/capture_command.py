@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -91,11 +92,12 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
                     **({"infer_opt": opt} if rollout else {"train_opt": opt}))
     spec = resolve_model_arg(model)
     check_top_k(rollout, spec)
-    run = engine_runs(pair, model.seed, spec, sample.mode)[1 if rollout else 0]
-    if rollout is not None:
-        from alignaudit.engines.checks import rollout_shape
+    with _spelled_as_opt():
+        run = engine_runs(pair, model.seed, spec, sample.mode)[1 if rollout else 0]
+        if rollout is not None:
+            from alignaudit.engines.checks import rollout_shape
 
-        rollout = rollout_shape(run, rollout, spec)
+            rollout = rollout_shape(run, rollout, spec)
     if no_ops and (layers or ops):
         raise errors.InputError("--layers/--ops select ops to capture and --no-ops captures none; drop one")
     selection = None if no_ops else parse_selection(layers, ops, OpGraph.of(spec))
@@ -145,6 +147,19 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
                   f"({scored} scored)" + (f", {ops_info['ops']} ops ({ops_info['bytes'] / 2**20:.1f} MiB)"
                                           if ops_info else "")
                   + f" -> {out}", highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _spelled_as_opt():
+    """The engine checks word a refusal for a comparison's sides (--train-opt, --infer-opt); capture takes its one
+    engine's options as --opt, so its refusals say --opt."""
+    try:
+        yield
+    except errors.InputError as e:
+        text = str(e).replace("--train-opt", "--opt").replace("--infer-opt", "--opt")
+        if text == str(e):
+            raise
+        raise errors.InputError(text) from e
 
 
 def _refuse_for_rollout(engine: str, layers, ops, no_ops: bool, reference, tokens_from) -> None:

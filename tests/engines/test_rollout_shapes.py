@@ -100,3 +100,16 @@ def test_capture_refuses_a_rollout_shape_its_engine_does_not_sample(tmp_path, ca
     argv = ["capture", "--engine", "hf", "--mode", "rollout", "--group-size", "2", "--out", str(out)]
     assert "--group-size: hf rollouts are sampled one" in one_line_error(capsys, argv, EXIT_USAGE)
     assert not out.exists()
+
+
+def test_capture_refusals_name_its_own_flag(tmp_path, capsys):
+    """capture takes one engine's options as --opt: the engines' refusals, worded for compare's sides, say --opt (they
+    said --train-opt / --infer-opt, flags capture does not have)."""
+    out = tmp_path / "never"
+    for argv, says in ((["--engine", "vllm", "--opt", "enable_sleep_mode=true"], "instead of --opt enable_sleep_mode"),
+                       (["--engine", "hf", "--mode", "rollout", "--opt", "micro_batch_size=4"], "drop it from --opt"),
+                       (["--engine", "vllm", "--mode", "rollout", "--ignore-eos", "--opt", "stop_token_ids=[0]"],
+                        "drop it from --opt stop_token_ids")):
+        err = one_line_error(capsys, ["capture", *argv, "--out", str(out)], EXIT_USAGE)
+        assert says in err and "--infer-opt" not in err and "--train-opt" not in err, err
+    assert not out.exists()
