@@ -334,11 +334,10 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None
     """
     from alignaudit.commands.requests import check_clip_eps
     from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
+    from alignaudit.inputs.values import check_logprob_signs
 
     _check_number("clip_eps", clip_eps, "a number in (0, 1)")
     check_clip_eps(clip_eps)
-    from alignaudit.inputs.values import check_logprob_signs
-
     train, rollout = _rows(train_logprobs, mask, "train_logprobs"), _rows(rollout_logprobs, mask, "rollout_logprobs")
     if len(train) != len(rollout) or any(a.shape != b.shape for a, b in zip(train, rollout, strict=True)):
         raise InputError(f"train_logprobs and rollout_logprobs disagree: {[len(a) for a in train]} tokens per "

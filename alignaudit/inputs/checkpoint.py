@@ -82,20 +82,7 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
     """
     path = Path(path)
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise InputError(f"model directory {path} has no config.json; "
-                         "point --model at a Hugging Face checkpoint directory")
-    try:
-        raw = parse_json(config_file.read_text(), str(config_file))
-    except (OSError, ValueError) as e:  # ValueError: not UTF-8 text
-        raise InputError(f"cannot read {config_file}: {e}") from e
-    if not isinstance(raw, dict):
-        raise InputError(f"{config_file} is not a JSON object; it must be a Hugging Face config")
-    architectures = raw.get("architectures") or [raw.get("model_type", "?")]
-    try:
-        arch = architecture(architectures[0])
-    except InputError as e:
-        raise InputError(f"{config_file}: {e}") from None
+    raw, arch = _config_and_architecture(path)
     for field, why in arch.refused:
         if raw.get(field):
             raise InputError(f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name}: {why}")
@@ -218,19 +205,34 @@ def check_weights(path: Path, config: dict, arch) -> int:
     return len(shapes)
 
 
+def _config_and_architecture(path: Path) -> tuple[dict, object]:
+    """``path/config.json`` read (parse_json) and its alignaudit.arch architecture. Raises InputError: no such file,
+    not readable, not a JSON object, or an architecture alignaudit does not run, naming the file."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InputError(f"model directory {path} has no config.json; "
+                         "point --model at a Hugging Face checkpoint directory")
+    try:
+        raw = parse_json(config_file.read_text(), str(config_file))
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 text
+        raise InputError(f"cannot read {config_file}: {e}") from e
+    if not isinstance(raw, dict):
+        raise InputError(f"{config_file} is not a JSON object; it must be a Hugging Face config")
+    architectures = raw.get("architectures") or [raw.get("model_type", "?")]
+    try:
+        return raw, architecture(architectures[0])
+    except InputError as e:
+        raise InputError(f"{config_file}: {e}") from None
+
+
 def weight_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, for every tensor the checkpoint at ``model_dir`` holds by its config.json (its
     architecture's alignaudit.arch weight_shapes): the schema a weight sync into an engine of it must follow.
 
     Raises:
-        InputError: no readable config.json, or an architecture alignaudit does not run.
+        InputError: as load_spec's config checks (no readable config.json, an architecture alignaudit does not run).
     """
-    config_file = Path(model_dir) / "config.json"
-    try:
-        raw = parse_json(config_file.read_text(), str(config_file))
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot read {config_file}: {e}") from e
-    arch = architecture((raw.get("architectures") or [raw.get("model_type", "?")])[0])
+    raw, arch = _config_and_architecture(Path(model_dir))
     return {name: tuple(shape) for name, shape, _ in arch.weight_shapes(raw)}
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from alignaudit.errors import InputError
@@ -41,8 +43,6 @@ def parse_json(text: str | bytes, source: str):
     Raises:
         InputError: not JSON, a repeated key, too deep, or an integer too long; naming ``source``.
     """
-    import json
-
     def unique(pairs):
         seen = set()
         for key, _ in pairs:
@@ -70,8 +70,6 @@ def check_weight(where: str, tensor) -> None:
     Raises:
         InputError: naming ``where`` (e.g. ``weights['model.norm.weight']``) and what it is.
     """
-    import torch
-
     if not isinstance(tensor, torch.Tensor):
         raise InputError(f"{where} is a {type(tensor).__name__}, not a tensor")
     if tensor.is_meta:

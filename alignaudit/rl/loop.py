@@ -274,11 +274,17 @@ class StepPrompts:
         import random
 
         self.prompts, self.rng = list(prompts), random.Random(seed)
-        if per_step > len(self.prompts):
-            raise InputError(f"--prompts-per-step {per_step}: there are {len(self.prompts)} prompts; draw at most "
-                             "that many a step")
+        self.check(per_step, len(self.prompts))
         self.per_step = per_step or len(self.prompts)
         self.order, self.epoch = [], 0
+
+    @staticmethod
+    def check(per_step: int, count: int) -> None:
+        """Raises InputError where ``per_step`` exceeds the ``count`` of prompts (rl_request calls it before any
+        engine starts)."""
+        if per_step > count:
+            raise InputError(f"--prompts-per-step {per_step}: there are {count} prompts; draw at most that many a "
+                             "step")
 
     def _refill(self) -> None:
         if not self.order:

@@ -40,13 +40,12 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
         request = _with_sleep_mode(request)
     if settings.reward == "task":
         request = _task_prompts(request, prompts, model.seed)
+    from alignaudit.rl.loop import StepPrompts
     from alignaudit.rl.user_reward import UserReward, is_user_reward
 
     if is_user_reward(settings.reward):
         UserReward(settings.reward, request.spec.path)  # imports it and checks its signature before any engine
-    if settings.prompts_per_step > len(request.batch.sequences):
-        raise InputError(f"--prompts-per-step {settings.prompts_per_step}: there are {len(request.batch.sequences)} "
-                         "prompts; draw at most that many a step")
+    StepPrompts.check(settings.prompts_per_step, len(request.batch.sequences))
     refuse_moe(request.spec, "alignaudit rl")
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")

@@ -14,6 +14,7 @@ sha256.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -89,8 +90,10 @@ class UserReward:
         return [float(getattr(v, "item", lambda v=v: v)()) for v in values]
 
 
+@functools.lru_cache(maxsize=None)
 def _load(name: str):
-    """The callable MODULE:FUNCTION names. Raises InputError naming what failed."""
+    """The callable MODULE:FUNCTION names, its module imported once a process (rl checks it before any engine starts,
+    then calls it from the loop). Raises InputError naming what failed (not cached)."""
     module_name, _, function_name = name.rpartition(":")
     if not module_name or not function_name:
         raise InputError(f"--reward {name}: give MODULE:FUNCTION, e.g. rewards.py:my_reward")
