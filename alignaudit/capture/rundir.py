@@ -55,6 +55,10 @@ PLOT = "steps.png"
 TOKENS_DIR = "tokens"
 STEP_TOKENS = "step-{step:05d}.parquet"
 SYNC_DIR = "sync"
+# rl --eval-prompts / --eval-every: one row per held-out evaluation, and each one's rows, one per prompt
+EVAL = "eval.parquet"
+EVAL_DIR = "eval"
+EVAL_ROWS = "step-{step:05d}.parquet"
 SYNC_WEIGHTS = "weights.safetensors"
 # rl --full-vocab: each side's rows of the step's generated tokens, one tensor float32 [tokens, V] in the order of
 # tokens/step-N.parquet; deleted once the step's measures are computed, kept (and sealed) with --keep-vocab-rows
@@ -83,9 +87,8 @@ BISECT_OUTPUTS = (RUN, *SIDES, "infer-forced", "train-as-configured", "infer-as-
                   OPS_FILES["forced"], BISECT)
 DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, OPS_FILES["diff"])  # and RUN, written last
 GATE_OUTPUTS = (VERDICT, JUNIT, SUMMARY_MD)
-RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, SYNC_DIR, STEP_VOCAB_DIR, TRAIN_LOG, INFER_LOG, "train." + REQUEST,
-              "infer." + REQUEST,
-              TENSORBOARD_DIR, WANDB_DIR)
+RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, EVAL, EVAL_DIR, SYNC_DIR, STEP_VOCAB_DIR, TRAIN_LOG, INFER_LOG,
+              "train." + REQUEST, "infer." + REQUEST, TENSORBOARD_DIR, WANDB_DIR)
 ABLATE_OUTPUTS = (RUN, CONFIGS, ABLATE_PARQUET, ABLATE_JSON)
 
 
@@ -117,7 +120,7 @@ INNER_LAYOUT: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     ((INDEX, CHUNKS, FINGERPRINTS), (OPS_DIR,)),
     ((VOCAB_ROWS_GLOB, "step-[0-9][0-9][0-9][0-9][0-9]-*.safetensors"), (VOCAB_DIR,)),
     ((SYNC_WEIGHTS,), (SYNC_DIR,)),
-    (("step-[0-9][0-9][0-9][0-9][0-9].parquet",), (TOKENS_DIR,)),
+    (("step-[0-9][0-9][0-9][0-9][0-9].parquet",), (TOKENS_DIR, EVAL_DIR)),
 )
 
 

@@ -3,12 +3,13 @@ the loop itself: alignaudit.rl)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
 
-from alignaudit.commands.console import console, results, write_page
+from alignaudit.commands.console import console, err_console, results, write_page
 from alignaudit.commands.options import (
     ArrivalGapOpt,
     ClipEpsOpt,
@@ -82,7 +83,17 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
        prompts_per_step: Annotated[int, typer.Option("--prompts-per-step", metavar="N", help="Draw N of the prompts "
                                                      "each step (a shuffle seeded by --seed, a new one each epoch; "
                                                      "steps.parquet epoch, prompts_digest). 0: every prompt every "
-                                                     "step.")] = 0) -> None:
+                                                     "step.")] = 0,
+       eval_prompts: Annotated[Optional[Path], typer.Option("--eval-prompts", metavar="FILE", help="Held-out prompts "
+                                                            "(the format of --prompts; JSONL columns reach your "
+                                                            "reward function), answered greedily by the rollout "
+                                                            "engine and scored by --reward before the first step, "
+                                                            "every --eval-every steps and after the last "
+                                                            "(eval.parquet, eval/). --reward task without it: the "
+                                                            "task's own held-out questions.")] = None,
+       eval_every: Annotated[int, typer.Option("--eval-every", metavar="K", help="Score the held-out prompts after "
+                                               "every K steps (also before the first and after the last). 0: "
+                                               "only then, where --eval-prompts is given.")] = 0) -> None:
     """N GRPO steps with the train/rollout alignment checked at every step.
 
     Each step the inference engine samples --group-size completions per prompt (seeded; the same seeds
@@ -115,16 +126,21 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows, reward=reward,
                           kl_coef=kl_coef, log_to=parse_sinks(log_to), full_vocab=full_vocab,
                           keep_vocab_rows=keep_vocab_rows, sleep_level=sleep_level, max_seconds=max_seconds,
-                          prompts_per_step=prompts_per_step)
+                          prompts_per_step=prompts_per_step, eval_every=eval_every,
+                          eval_prompts=str(eval_prompts) if eval_prompts is not None else None)
     settings.check()
     from alignaudit.rl.request import rl_request
 
-    request = rl_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p,
+    request, held = rl_request(model, prompts, run, SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p,
                                                            stop_at_eos=stop_at_eos, engine_mode=engine_mode,
                                                            arrival_gap=arrival_gap), clip_eps, importance, settings)
     from alignaudit.rl.memory import rl_plan
 
     memory = rl_plan(request, group_size, kl_coef > 0)  # refuses a model that cannot fit, before any engine starts
+    if held and held.overlap:
+        err_console.print(f"[yellow]warning:[/] {held.overlap} of the {len(held.batch.sequences)} held-out prompts are "
+                          "also training prompts (the same token ids): their score is not a held-out one",
+                          highlight=False, soft_wrap=True)
     out = out_dir(output, "rl", rl_outputs(settings.log_to))
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[last]}"))
@@ -137,14 +153,29 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
             progress.console.print(f"step {row['step']}: {line}", highlight=False, soft_wrap=True)
             progress.update(task, advance=1, last=line)
 
+        def on_eval(row: dict) -> None:
+            progress.console.print(f"held-out after step {row['step']}: {_eval_line(row)}", highlight=False,
+                                   soft_wrap=True)
+
         table = run_rl(request, settings, out, on_step=on_step,
-                       on_stage=lambda text: progress.update(task, last=escape(text)), memory=memory)
+                       on_stage=lambda text: progress.update(task, last=escape(text)), memory=memory, held=held,
+                       on_eval=on_eval)
     bad = int((table["mismatches"] > 0).sum())
     unsynced = int((~table["sync_bit_equal"]).sum())
     style = "bold green" if bad == 0 and unsynced == 0 else "bold red"
     console.print(f"[{style}]{bad} of {len(table)} steps with mismatching tokens; {unsynced} weight syncs not "
                   f"bit-equal[/]; reward {table['reward_mean'].iloc[0]:.3f} -> {table['reward_mean'].iloc[-1]:.3f}",
                   highlight=False, soft_wrap=True)
+    if held:
+        import pandas as pd
+
+        from alignaudit.capture.rundir import EVAL
+
+        evals = pd.read_parquet(out / EVAL)
+        measure = "accuracy" if evals["accuracy"].notna().all() else "reward_mean"
+        console.print(f"held-out {measure.replace('_mean', '')} (greedy, {len(held.batch.sequences)} prompts): "
+                      f"{evals[measure].iloc[0]:.3f} before step 1 -> {evals[measure].iloc[-1]:.3f} after step "
+                      f"{evals['step'].iloc[-1]}", highlight=False, soft_wrap=True)
     if len(table) < steps:
         console.print(f"stopped after step {len(table)} of {steps}: --max-seconds {max_seconds:g} had passed",
                       highlight=False)
@@ -162,6 +193,13 @@ def _step_line(row: dict) -> str:
     return (f"{'[green]' if row['mismatches'] == 0 else '[red]'}{mism}[/], max |d| {_num(row['max_abs_diff'])}, "
             f"KL {_num(row['kl_k3'])}, {vocab}clip {_num(row['clip_fraction'], '.3f')}, {sync}, "
             f"reward {row['reward_mean']:.3f}, {row['seconds']:.1f}s")
+
+
+def _eval_line(row: dict) -> str:
+    """One held-out evaluation as rl prints it: its prompts, the greedy reward and (the task) the accuracy."""
+    accuracy = f", accuracy {row['accuracy']:.3f}" if row["accuracy"] is not None else ""
+    return (f"{row['prompts']} prompts, reward {row['reward_mean']:.3f}{accuracy}, {row['completions_ended_early']} "
+            f"ended early, {row['seconds']:.1f}s")
 
 
 def _num(x, spec: str = ".2e") -> str:

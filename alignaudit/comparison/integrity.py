@@ -30,6 +30,9 @@ from alignaudit.capture import outdir
 from alignaudit.capture.digest import file_sha256
 from alignaudit.capture.directory import Capture, read_capture
 from alignaudit.capture.rundir import (
+    EVAL,
+    EVAL_DIR,
+    EVAL_ROWS,
     MANIFEST,
     PREVIOUS,
     RESULTS,
@@ -389,7 +392,26 @@ def load_rl_run(run_dir: Path) -> RLRun:
                                  f"token rows ({name}); the run directory was altered")
         if (record.get("rl") or {}).get("full_vocab"):
             _check_step_vocab(run_dir / name, row, table)
+    if record.get("eval"):
+        _check_evals(run_dir, record, ran)
     return RLRun(run_dir, record, steps, token_rows)
+
+
+def _check_evals(run_dir: Path, record: dict, ran: int) -> None:
+    """rl's held-out evaluations: eval.parquet and each eval/step-N.parquet listed in the seal (their bytes were
+    checked with every listed file), and eval.parquet's numbers those its rows give (comparison.held_out.check_table).
+    Raises InputError."""
+    import pandas as pd
+
+    from alignaudit.comparison.held_out import check_table
+
+    def rows_of(step: int):
+        name = f"{EVAL_DIR}/{EVAL_ROWS.format(step=step)}"
+        check_outputs(run_dir, record, (name,))
+        return pd.read_parquet(run_dir / name)
+
+    check_outputs(run_dir, record, (EVAL,))
+    check_table(pd.read_parquet(run_dir / EVAL), rows_of, record, ran, run_dir / EVAL)
 
 
 def _check_step_vocab(path: Path, row: dict, table) -> None:

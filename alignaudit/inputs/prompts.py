@@ -1,7 +1,8 @@
 """Prompt sources -> TokenBatch: token ids tokenized once, so every engine gets the same ids.
 
-Sources: built-in prompts, ``--prompts FILE`` (JSONL with "text" or "token_ids" per line, or plain text,
-one prompt per non-empty line), and ``--random-prompts N --prompt-len L`` (uniform ids, seeded).
+Sources: built-in prompts, ``--prompts FILE`` (JSONL with "text" or "token_ids" per line, and any other keys as
+columns, as a Hugging Face dataset's JSONL holds them; or plain text, one prompt per non-empty line), and
+``--random-prompts N --prompt-len L`` (uniform ids, seeded).
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ class TokenBatch:
         sequences: one tuple of int token ids per sequence (each of length >= 2, so it has a logprob).
         texts: the source text of each sequence, or None for id prompts.
         source: where the prompts came from ("builtin", a file path, "random(...)").
+        columns: a JSONL file's other keys, each a tuple of one JSON value per sequence (None where a line lacks the
+            key, as ``datasets`` reads JSONL); what rl gives a user's reward function by name, as TRL passes dataset
+            columns. Not part of the engines' input: ``digest`` and ``to_dict`` leave them out.
     """
 
     sequences: tuple[tuple[int, ...], ...]
     texts: tuple[str | None, ...] = field(default=())
     source: str = ""
+    columns: dict[str, tuple] = field(default_factory=dict, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -146,8 +151,10 @@ def _file_batch(spec: ModelSpec, path: Path) -> TokenBatch:
 
     texts: list[str | None] = []
     sequences: list[tuple[int, ...] | None] = []
+    records: list[dict] = []
     for n, line in enumerate(lines, 1):
         record = parse_json(line, f"{path}:{n}")
+        records.append(record if isinstance(record, dict) else {})
         if isinstance(record, dict) and "token_ids" in record and "text" in record:
             raise InputError(f'{path}:{n}: give "text" or "token_ids", not both')
         if isinstance(record, dict) and isinstance(record.get("token_ids"), list):
@@ -165,7 +172,9 @@ def _file_batch(spec: ModelSpec, path: Path) -> TokenBatch:
     if pending:
         tokenized = iter(_tokenize(spec, pending, source=str(path)).sequences)
         sequences = [s if s is not None else next(tokenized) for s in sequences]
-    return TokenBatch(tuple(sequences), tuple(texts), source=str(path))
+    names = dict.fromkeys(k for r in records for k in r if k not in ("text", "token_ids"))  # first-seen order
+    columns = {name: tuple(r.get(name) for r in records) for name in names}
+    return TokenBatch(tuple(sequences), tuple(texts), source=str(path), columns=columns)
 
 
 def _tokenize(spec: ModelSpec, texts: list[str], source: str) -> TokenBatch:

@@ -15,8 +15,8 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.worker
                  DecodeRows), through one file per side (capture.rundir.STEP_VOCAB_ROWS), each row checked bit for
                  bit against the logprob that side recorded for the token, then exact KL both ways, total
                  variation, top-1 / top-5 (comparison/vocab.py) per token and per step;
-    4. reward    the chosen reward per completion (grpo.REWARDS, the task, or the user's MODULE:FUNCTION), GRPO
-                 group advantages (grpo.py);
+    4. reward    the chosen reward per completion (grpo.REWARDS, the task, or the user's MODULE:FUNCTION, given
+                 the prompt file's columns), GRPO group advantages (grpo.py);
     5. update    the trainer's forward with gradient, the clipped loss with ratio exp(lp_train - lp_rollout),
                  gradient clipping, one optimizer step;
     6. sync      the trainer's weights in HF names into the running inference engine (model.load_weights),
@@ -26,11 +26,14 @@ Each step (both engines stay up in one long-lived worker each, alignaudit.worker
                  packed vLLM GEMM against one packed afresh from the loaded weight; on CUDA every held
                  tensor against the trainer's own memory, bit for bit on the GPU; and (a tensor-parallel
                  trainer) every replicated parameter equal on all ranks: bit-equal only if all agree.
+    7. eval      (``held``: --eval-prompts / --eval-every) the held-out prompts answered greedily by the rollout engine
+                 and scored, before step 1, every K steps and after the last (alignaudit.rl.evaluation).
 Records (in ``out``): run.json (every setting, written first; sealed at the end with the sha256 of every
 file below, alignaudit.comparison.integrity.seal), steps.parquet (one row per step, rewritten after every step, so it is
 readable after a crash or Ctrl-C), tokens/step-NNNNN.parquet (every generated token of the step;
-``token_rows=False`` skips them), steps.png (the per-step series), worker logs; with ``log_to``, the same rows
-as TensorBoard event files (tensorboard/) and an offline W&B run (wandb/), alignaudit.rl.export.
+``token_rows=False`` skips them), eval.parquet and eval/ (the held-out evaluations), steps.png (the per-step series),
+worker logs; with ``log_to``, the same rows as TensorBoard event files (tensorboard/) and an offline W&B run (wandb/),
+alignaudit.rl.export.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ import numpy as np
 import pandas as pd
 
 from alignaudit.capture.rundir import (
+    EVAL,
+    EVAL_DIR,
     INFER_LOG,
     PLOT,
     RUN,
@@ -64,13 +69,13 @@ from alignaudit.comparison.integrity import marks_failure, seal
 from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
 from alignaudit.errors import EngineError, InputError
 from alignaudit.inputs.request import Replay, Request
+from alignaudit.rl.evaluation import Evaluations, HeldOut
 from alignaudit.rl.export import StepExport
-from alignaudit.rl.grpo import REWARDS, group_advantages
+from alignaudit.rl.grpo import group_advantages
 from alignaudit.rl.memory import MemoryPlan
+from alignaudit.rl.reward import REWARD_NAMES, reward_function
 from alignaudit.rl.user_reward import UserReward, is_user_reward
 from alignaudit.workers.session import Session
-
-REWARD_NAMES = (*REWARDS, "task")
 
 DIGESTS = {"file": "sha256 of the sorted {name: sha256 of the tensor's bytes} (trainer side)",
            "cuda_ipc": "weight_transfer.fingerprint of the rollout engine's weights after loading (GPU)"}
@@ -94,7 +99,9 @@ class RLSettings:
         this many seconds (wall clock, from run_rl's start, the engines' start-up included) have passed, and close
         the run as a finished one, run.json ``stopped`` saying so (0: run every step); the engines' shutdown comes
         after it, so a hard deadline needs that margin too. prompts_per_step: draw this many of the prompts each step
-        (StepPrompts: a seeded shuffle, epoch after epoch; 0: every prompt every step).
+        (StepPrompts: a seeded shuffle, epoch after epoch; 0: every prompt every step). eval_every: score the held-out
+        prompts after every this many steps (alignaudit.rl.evaluation; 0: before the first and after the last only,
+        where there are held-out prompts). eval_prompts: the --eval-prompts file (None: none, or the task's own).
     """
 
     steps: int = 10
@@ -110,6 +117,8 @@ class RLSettings:
     sleep_level: int = 0
     max_seconds: float = 0.0
     prompts_per_step: int = 0
+    eval_every: int = 0
+    eval_prompts: str | None = None
 
     def check(self) -> None:
         """Raises InputError for a setting the loop cannot run with (a --log-to library not installed included)."""
@@ -125,6 +134,9 @@ class RLSettings:
                 or self.prompts_per_step < 0:
             raise InputError(f"--prompts-per-step {self.prompts_per_step!r}: a count of prompts >= 1 (0: all of them "
                              "every step)")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise InputError(f"--eval-every {self.eval_every!r}: a number of steps >= 1 (0: evaluate only before the "
+                             "first step and after the last)")
         if self.sleep_level not in (0, 1):
             raise InputError(f"--sleep-level {self.sleep_level}: 1 (weights to host memory, KV cache freed) or 0 (no "
                              "sleep); level 2 (weights discarded) is not built yet")
@@ -147,9 +159,10 @@ class RLSettings:
 
 @marks_failure
 def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=None,
-           memory: MemoryPlan | None = None) -> pd.DataFrame:
+           memory: MemoryPlan | None = None, held: HeldOut | None = None, on_eval=None) -> pd.DataFrame:
     """Run the loop into ``out`` (see the module docstring); returns the steps table. ``memory``: the
-    estimate of alignaudit.rl.memory.rl_plan (CUDA), recorded, its optimizer offload given to the trainer.
+    estimate of alignaudit.rl.memory.rl_plan (CUDA), recorded, its optimizer offload given to the trainer. ``held``:
+    the held-out prompts (rl.request.rl_request), scored as alignaudit.rl.evaluation says; ``on_eval(row)`` after each.
 
     Raises:
         InputError: a setting the engines refuse. EngineError: an engine worker died (completed steps stay
@@ -157,7 +170,7 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
     """
     started = time.monotonic()
     record = {**request.record("rl"), "rl": asdict(rl), "status": "running",
-              "memory_plan": memory.record() if memory else None}
+              "memory_plan": memory.record() if memory else None, "eval": held.record() if held else None}
     (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / SYNC_DIR).mkdir(exist_ok=True)
     if rl.token_rows:
@@ -172,14 +185,11 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         trainer = _session(sessions, request, "trainer", out / TRAIN_LOG, lr=rl.lr, clip_grad=rl.clip_grad,
                            offload_fraction=memory.offload_fraction if memory else 0.0, kl_coef=rl.kl_coef)
         rollout = _session(sessions, request, "rollout", out / INFER_LOG)
-        draw = StepPrompts(request.batch.sequences, rl.prompts_per_step, request.rollout.seed)
+        draw = StepPrompts(len(request.batch.sequences), rl.prompts_per_step, request.rollout.seed)
         repeats = rl.group_size // request.rollout.group_size  # one request per prompt with n = G, or G requests
-        longest = sorted((len(p) for p in request.batch.sequences), reverse=True)[:draw.per_step]
-        new, group = request.rollout.max_new_tokens, request.rollout.group_size
-        rollout.call("start", max_len=longest[0] + new, max_seqs=draw.per_step * repeats * group,
-                     total_tokens=group * repeats * (sum(longest) + draw.per_step * new),
+        rollout.call("start", **_engine_size(request, draw.per_step, repeats, held),
                      engine_mode=request.rollout.engine_mode)
-        first = [list(p) for p in draw.peek() for _ in range(repeats)]
+        first = [list(request.batch.sequences[i]) for i in draw.peek() for _ in range(repeats)]
         replay = _replay(request, first)
         record["engines"] = {"train": trainer.call("settings", replay=replay)["settings"],
                              "infer": rollout.call("settings")["settings"]}
@@ -188,14 +198,17 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
         record["initial_sync"] = _sync(trainer, rollout, out, how)
         (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
         rows, reward = [], reward_function(rl.reward, request.spec)
-        if isinstance(reward, UserReward):
-            record["reward_function"] = reward.record()
+        if isinstance(reward.score, UserReward):
+            record["reward_function"] = reward.score.record()
+        evals = Evaluations(held, rollout, request.rollout.to_dict(), reward, out, on_eval)
+        evals.after(0, rl.steps)
         for step in range(1, rl.steps + 1):
             chosen, epoch = draw.next()
-            prompts = [list(p) for p in chosen for _ in range(repeats)]
+            prompts, columns = _step_prompts(request, chosen, repeats)
             replay = _replay(request, prompts)
-            row = _step(step, request, rl, reward, trainer, rollout, prompts, replay, out, how)
-            rows.append({**row, "epoch": epoch, "prompts_digest": prompts_digest(chosen)})
+            row = _step(step, request, rl, reward, columns, trainer, rollout, prompts, replay, out, how)
+            rows.append({**row, "epoch": epoch,
+                         "prompts_digest": prompts_digest([request.batch.sequences[i] for i in chosen])})
             steps = pd.DataFrame(rows)
             steps.to_parquet(out / STEPS, index=False)
             if export:
@@ -203,7 +216,9 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
             if on_step:
                 on_step(rows[-1])
             elapsed = time.monotonic() - started
-            if rl.max_seconds and step < rl.steps and elapsed >= rl.max_seconds:
+            stop = rl.max_seconds and step < rl.steps and elapsed >= rl.max_seconds
+            evals.after(step, step if stop else rl.steps)
+            if stop:
                 record["stopped"] = {"by": "max_seconds", "after_step": step, "elapsed_s": round(elapsed, 3)}
                 break
         record["steps_run"] = len(rows)  # written with the seal: a failed run's steps are steps.parquet's rows
@@ -223,8 +238,9 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
             (out / STEP_VOCAB_DIR).rmdir()
     from alignaudit.rl.records import plot_steps
 
-    plot_steps(steps, out / PLOT, title=f"{request.spec.name}: {request.train.label()} vs {request.infer.label()}")
-    record = seal(record, out, (STEPS, TOKENS_DIR, PLOT, STEP_VOCAB_DIR))
+    plot_steps(steps, out / PLOT, evals.table,
+               title=f"{request.spec.name}: {request.train.label()} vs {request.infer.label()}")
+    record = seal(record, out, (STEPS, TOKENS_DIR, PLOT, STEP_VOCAB_DIR, EVAL, EVAL_DIR))
     (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return steps
 
@@ -262,20 +278,21 @@ def _sync(trainer: Session, rollout: Session, out: Path, how: str) -> dict:
 
 
 class StepPrompts:
-    """The prompts of each step: all of them every step (``per_step`` 0), or ``per_step`` of them a step in the order
-    of a shuffle seeded by ``seed`` (Python's random.Random), a new shuffle each epoch, an epoch's last step taking
-    the rest of it and the next epoch's first ones where the count does not divide them.
+    """Which of ``count`` prompts each step takes (their indices): all of them every step (``per_step`` 0), or
+    ``per_step`` of them a step in the order of a shuffle seeded by ``seed`` (Python's random.Random), a new shuffle
+    each epoch, an epoch's last step taking the rest of it and the next epoch's first ones where the count does not
+    divide them.
 
     Raises:
         InputError: per_step above the number of prompts.
     """
 
-    def __init__(self, prompts, per_step: int, seed: int):
+    def __init__(self, count: int, per_step: int, seed: int):
         import random
 
-        self.prompts, self.rng = list(prompts), random.Random(seed)
-        self.check(per_step, len(self.prompts))
-        self.per_step = per_step or len(self.prompts)
+        self.count, self.rng = count, random.Random(seed)
+        self.check(per_step, count)
+        self.per_step = per_step or count
         self.order, self.epoch = [], 0
 
     @staticmethod
@@ -288,25 +305,51 @@ class StepPrompts:
 
     def _refill(self) -> None:
         if not self.order:
-            order = list(range(len(self.prompts)))
-            if self.per_step < len(self.prompts):
+            order = list(range(self.count))
+            if self.per_step < self.count:
                 self.rng.shuffle(order)
             self.order, self.epoch = order, self.epoch + 1
 
-    def peek(self) -> list:
-        """The next step's prompts, without drawing them (its shape sizes the engine)."""
+    def peek(self) -> list[int]:
+        """The next step's prompts, without drawing them."""
         self._refill()
-        return [self.prompts[i] for i in self.order[: self.per_step]]
+        return self.order[: self.per_step]
 
-    def next(self) -> tuple[list, int]:
+    def next(self) -> tuple[list[int], int]:
         """(this step's prompts, the epoch they are drawn in, from 1)."""
         chosen = []
         while len(chosen) < self.per_step:
             self._refill()
             take = min(self.per_step - len(chosen), len(self.order))
-            chosen += [self.prompts[i] for i in self.order[:take]]
+            chosen += self.order[:take]
             self.order = self.order[take:]
         return chosen, self.epoch
+
+
+def _step_prompts(request: Request, chosen: list[int], repeats: int) -> tuple[list[list[int]], dict[str, list]]:
+    """The requests of a step that drew the prompts ``chosen`` (indices into the batch), each ``repeats`` times, and
+    the prompt file's columns, one value per completion the rollout returns (a request's ``group_size`` in turn)."""
+    prompts = [list(request.batch.sequences[i]) for i in chosen for _ in range(repeats)]
+    per_prompt = repeats * request.rollout.group_size
+    columns = {name: [values[i] for i in chosen for _ in range(per_prompt)]
+               for name, values in request.batch.columns.items()}
+    return prompts, columns
+
+
+def _engine_size(request: Request, per_step: int, repeats: int, held: HeldOut | None) -> dict:
+    """The rollout engine's size (Engine.start): its longest sequence, the most sequences and tokens one call runs,
+    over every step's draw (the ``per_step`` longest prompts, ``repeats`` requests of ``group`` completions each)
+    and the held-out evaluation (one greedy completion per prompt)."""
+    new, group = request.rollout.max_new_tokens, request.rollout.group_size
+    longest = sorted((len(p) for p in request.batch.sequences), reverse=True)[:per_step]
+    size = {"max_len": longest[0] + new, "max_seqs": per_step * repeats * group,
+            "total_tokens": group * repeats * (sum(longest) + per_step * new)}
+    if held:
+        lengths = [len(p) for p in held.batch.sequences]
+        size = {"max_len": max(size["max_len"], max(lengths) + new),
+                "max_seqs": max(size["max_seqs"], len(lengths)),
+                "total_tokens": max(size["total_tokens"], sum(lengths) + len(lengths) * new)}
+    return size
 
 
 def prompts_digest(prompts) -> str:
@@ -332,8 +375,8 @@ def _replay(request: Request, prompts: list) -> dict | None:
     return Replay.of(request.rollout.to_dict(), _prompt_lengths(request, prompts)).to_dict()
 
 
-def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session, rollout: Session, prompts: list,
-          replay: dict | None, out: Path, how: str) -> dict:
+def _step(step: int, request: Request, rl: RLSettings, reward, columns: dict, trainer: Session, rollout: Session,
+          prompts: list, replay: dict | None, out: Path, how: str) -> dict:
     t0 = time.perf_counter()
     sampling = request.rollout.to_dict()
     prompt_lengths = _prompt_lengths(request, prompts)
@@ -359,7 +402,7 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
         t2 = time.perf_counter()
     summary = summarize_tokens(tokens, request.clip_eps, request.importance)
     rewards = reward([s[:p] for s, p in zip(sequences, prompt_lengths, strict=True)],
-                     [s[p:] for s, p in zip(sequences, prompt_lengths, strict=True)], step)
+                     [s[p:] for s, p in zip(sequences, prompt_lengths, strict=True)], step, columns)
     advantages = group_advantages(rewards, rl.group_size)
     rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths, strict=True)]
     update = trainer.call("train_step", sequences=sequences, prompt_lengths=prompt_lengths, advantages=advantages,
@@ -417,25 +460,6 @@ def _step(step: int, request: Request, rl: RLSettings, reward, trainer: Session,
         "optimizer_s": update["optimizer_s"],
         "sync_s": round(t4 - sync_started, 3),
     }
-
-
-def reward_function(name: str, spec):
-    """``(prompts' ids, completions' ids, step) -> one reward per completion`` of ``name``: grpo.REWARDS (from each
-    completion alone), "task" (alignaudit.rl.task.TaskReward with ``spec``'s tokenizer), or a user's MODULE:FUNCTION
-    (alignaudit.rl.user_reward.UserReward, one call a step)."""
-    if is_user_reward(name):
-        return UserReward(name, spec.path)
-    if name == "task":
-        from alignaudit.rl.task import TaskReward
-
-        one = TaskReward(spec.path)
-    else:
-        by_completion = REWARDS[name]
-
-        def one(prompt, completion, step):
-            return by_completion(completion, step)
-
-    return lambda prompts, completions, step: [one(p, c, step) for p, c in zip(prompts, completions, strict=True)]
 
 
 def _shape_columns(sequences: list, prompt_lengths: list, max_new_tokens: int, prefix_cache_hits,

@@ -7,11 +7,13 @@ from pathlib import Path
 import pandas as pd
 
 
-def plot_steps(steps: pd.DataFrame, path: Path, title: str = "") -> None:
+def plot_steps(steps: pd.DataFrame, path: Path, evals: pd.DataFrame | None = None, title: str = "") -> None:
     """Six panels over the steps: mismatching-token fraction; max |d logprob| (log scale); K3 KL and the
-    clip fraction of the ratio; reward and loss; the grad norm; the fraction of weight elements the update
-    changed (log scale; older runs without the column leave it empty). A step with no mismatch plots as 0
-    (and is absent from the log-scale panels, which say so when no step is left)."""
+    clip fraction of the ratio; reward and loss, with the held-out evaluations (``evals``, eval.parquet's table:
+    their greedy reward and, under the task, accuracy, at the step after which each ran; 0 is before the first); the
+    grad norm; the fraction of weight elements the update changed (log scale; older runs without the column leave it
+    empty). A step with no mismatch plots as 0 (and is absent from the log-scale panels, which say so when no step is
+    left)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,6 +42,11 @@ def plot_steps(steps: pd.DataFrame, path: Path, title: str = "") -> None:
     ax.legend(loc="upper left", fontsize=8)
     ax = axes[1, 1]
     ax.plot(x, steps["reward_mean"], marker=".", color="tab:green", label="reward")
+    if evals is not None and len(evals):
+        ax.plot(evals["step"], evals["reward_mean"], marker="s", color="tab:blue", label="held-out reward (greedy)")
+        if evals["accuracy"].notna().any():
+            ax.plot(evals["step"], evals["accuracy"], marker="^", linestyle="--", color="tab:cyan",
+                    label="held-out accuracy")
     ax.set_ylabel("reward (mean)")
     twin = ax.twinx()
     twin.plot(x, steps["loss"], marker=".", color="tab:gray", alpha=0.6, label="loss (right axis)")

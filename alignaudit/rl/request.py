@@ -1,20 +1,22 @@
 """rl's Request: compare's (commands.requests.build_request) with what the loop adds, each refused before any engine
 starts where it cannot take effect: engines that train and roll out, a group as one request where the rollout engine
-samples groups (vLLM's n), vLLM's sleep mode (--sleep-level), the task's own questions (--reward task), and the
-sizes and models the loop does not run.
+samples groups (vLLM's n), vLLM's sleep mode (--sleep-level), the task's own questions (--reward task), the held-out
+prompts (--eval-prompts, --eval-every), and the sizes and models the loop does not run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from alignaudit.errors import InputError
 
 
 def rl_request(model, prompts, run, sampling, clip_eps: float, importance, settings):
     """The Request of ``alignaudit rl`` (commands.requests argument groups; ``settings`` an rl.loop.RLSettings, already
-    checked). ``sampling.group_size`` is set here: G where the rollout engine samples a group as one request (and
-    --full-vocab is off: its rows are per request), else 1 (the loop then submits each prompt G times).
+    checked) and its held-out prompts (an alignaudit.rl.evaluation.HeldOut, or None). ``sampling.group_size`` is set
+    here: G where the rollout engine samples a group as one request (and --full-vocab is off: its rows are per
+    request), else 1 (the loop then submits each prompt G times).
 
     Raises:
         InputError: a setting the loop or the engines cannot run with, with the fix.
@@ -39,17 +41,42 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
     if settings.sleep_level:
         request = _with_sleep_mode(request)
     if settings.reward == "task":
-        request = _task_prompts(request, prompts, model.seed)
+        request = _task_prompts(request, prompts, model.seed, settings.prompts_per_step)
     from alignaudit.rl.loop import StepPrompts
-    from alignaudit.rl.user_reward import UserReward, is_user_reward
 
-    if is_user_reward(settings.reward):
-        UserReward(settings.reward, request.spec.path)  # imports it and checks its signature before any engine
     StepPrompts.check(settings.prompts_per_step, len(request.batch.sequences))
+    held = _held_out(request, settings, model.seed)
     refuse_moe(request.spec, "alignaudit rl")
     refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
                     "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
-    return request
+    return request, held
+
+
+def _held_out(request, settings, seed: int):
+    """The HeldOut of the run (alignaudit.rl.evaluation.held_out): the --eval-prompts file (validated as --prompts
+    is, with room for the completion), or under --reward task with --eval-every the task's EVAL_QUESTIONS held-out
+    questions seeded by --seed; under the task every prompt checked to be a question; under a user's reward the
+    prompt files' columns checked not to take the place of its arguments (importing it first). Raises InputError."""
+    from alignaudit.inputs.prompts import load_prompts, text_batch
+    from alignaudit.rl.evaluation import held_out
+    from alignaudit.rl.task import EVAL_QUESTIONS, TaskReward, questions
+    from alignaudit.rl.user_reward import UserReward, is_user_reward
+
+    task, reserve = settings.reward == "task", request.rollout.max_new_tokens
+    batch = None
+    if settings.eval_prompts is not None:
+        batch = load_prompts(request.spec, Path(settings.eval_prompts), reserve=reserve)
+    elif task and settings.eval_every:
+        batch = text_batch(request.spec, questions(EVAL_QUESTIONS, seed, "held_out"),
+                           f"task(addition, held-out set: {EVAL_QUESTIONS} questions, seed {seed})", reserve=reserve)
+    held = held_out(batch, settings.eval_every, request.batch, task)
+    if held and task:
+        TaskReward(request.spec.path).check_prompts(held.batch.sequences, held_out=True)
+    if is_user_reward(settings.reward):
+        reward = UserReward(settings.reward, request.spec.path)  # imported, and its calls checked, before any engine
+        for batch in (request.batch, *([held.batch] if held else [])):
+            reward.check_call(tuple(batch.columns), batch.source)
+    return held
 
 
 def _refuse_truncated_reference(request, kl_coef: float) -> None:
@@ -67,10 +94,11 @@ def _refuse_truncated_reference(request, kl_coef: float) -> None:
                          "logprobs_mode=processed_logprobs")
 
 
-def _task_prompts(request, prompts, seed: int):
-    """rl --reward task: the task's own questions (alignaudit.rl.task.questions, seeded by --seed) unless prompts
-    were given (``prompts``: commands.requests.PromptArgs), each checked to be a question; refused where completions
-    cannot end at EOS (the answer ends there). Raises InputError."""
+def _task_prompts(request, prompts, seed: int, per_step: int):
+    """rl --reward task: the task's own questions unless prompts were given (``prompts``: commands.requests.PromptArgs),
+    each checked to be a question; refused where completions cannot end at EOS (the answer ends there). The task's
+    own: DEFAULT_QUESTIONS of its training set (alignaudit.rl.task.questions, seeded by --seed), asked every step, or
+    with --prompts-per-step (``per_step`` > 0) the whole training set, drawn from step by step. Raises InputError."""
     from alignaudit.inputs.prompts import text_batch
     from alignaudit.rl.task import DEFAULT_QUESTIONS, TaskReward, questions
 
@@ -82,9 +110,10 @@ def _task_prompts(request, prompts, seed: int):
             "--ignore-eos makes the rollout ignore it; drop --ignore-eos" if stops else
             f"{request.infer.engine} rollouts ignore it; use --infer vllm"))
     if prompts.prompts is None and prompts.random_prompts is None:
-        source = f"task(addition, {DEFAULT_QUESTIONS} questions, seed {seed})"
-        request = request.with_batch(text_batch(request.spec, questions(DEFAULT_QUESTIONS, seed), source,
-                                                reserve=request.rollout.max_new_tokens))
+        count = 0 if per_step else DEFAULT_QUESTIONS  # 0: all of them
+        texts = questions(count, seed)
+        source = f"task(addition, training set: {len(texts)} questions, seed {seed})"
+        request = request.with_batch(text_batch(request.spec, texts, source, reserve=request.rollout.max_new_tokens))
     TaskReward(request.spec.path).check_prompts(request.batch.sequences)
     return request
 

@@ -7,10 +7,15 @@ A question is ``"{a}+{b}="`` with a, b in [0, 100) (fixtures/corpus.txt's tokeni
            0.1   a well-formed wrong answer: one to three digits, then EOS (the format term, so that a policy
                  that stops rambling is told so before it adds correctly);
            0.0   anything else (no EOS within the completion, or other tokens).
+
+The 10,000 questions are split once, for every run alike: HELD_OUT_PAIRS (1,000 of them, a sample seeded by
+SPLIT_SEED) are the held-out set rl evaluates on (``--eval-every``), the other 9,000 the training set its rollouts
+draw from; ``questions`` draws from one side only, so the two never meet.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 
@@ -19,7 +24,11 @@ from alignaudit.inputs.checkpoint import eos_ids
 
 QUESTION = re.compile(r"(\d{1,2})\+(\d{1,2})=$")
 FORMAT_REWARD = 0.1
-DEFAULT_QUESTIONS = 8
+DEFAULT_QUESTIONS = 8  # rl --reward task without --prompts-per-step: the same 8 questions every step
+EVAL_QUESTIONS = 64  # rl --reward task --eval-every K without --eval-prompts: this many held-out questions
+PAIRS = 100 * 100  # (a, b) with a, b in [0, 100), numbered a * 100 + b
+HELD_OUT_SIZE, SPLIT_SEED = 1000, 20261207
+SPLITS = ("train", "held_out")
 
 
 def question(a: int, b: int) -> str:
@@ -35,11 +44,37 @@ def operands(rng: random.Random) -> tuple[int, int]:
     return rng.randrange(100), rng.randrange(100)
 
 
-def questions(n: int, seed: int) -> list[str]:
-    """``n`` questions drawn with Python's ``random.Random(seed)`` (the trained fixture's held-out questions use
-    seeds its training script never draws from: fixtures/train_task_fixture.py)."""
-    rng = random.Random(seed)
-    return [question(*operands(rng)) for _ in range(n)]
+@functools.cache
+def held_out_pairs() -> frozenset[int]:
+    """The held-out questions' pairs (a * 100 + b): HELD_OUT_SIZE of the PAIRS, ``random.Random(SPLIT_SEED).sample``
+    (Python's Mersenne Twister, the same on every machine and Python 3 version)."""
+    return frozenset(random.Random(SPLIT_SEED).sample(range(PAIRS), HELD_OUT_SIZE))
+
+
+def split_of(a: int, b: int) -> str:
+    """"held_out" or "train": the side of the split the question a+b= is on."""
+    return "held_out" if a * 100 + b in held_out_pairs() else "train"
+
+
+def split_pairs(split: str) -> list[int]:
+    """Every pair of ``split`` ("train": 9,000, "held_out": 1,000), ascending. Raises ValueError for another name."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: one of {SPLITS}")
+    held = held_out_pairs()
+    return [p for p in range(PAIRS) if (p in held) == (split == "held_out")]
+
+
+def questions(n: int, seed: int, split: str = "train") -> list[str]:
+    """``n`` distinct questions of ``split``, a sample drawn with Python's ``random.Random(seed)``; ``n`` 0: all of
+    them, in that seed's shuffled order. (The trained fixture learned the task from every pair:
+    fixtures/train_task_fixture.py; the split is rl's, between its training and held-out questions.)
+
+    Raises:
+        InputError: more questions asked than ``split`` holds."""
+    pairs = split_pairs(split)
+    if n > len(pairs):
+        raise InputError(f"the task's {split} set holds {len(pairs)} questions; ask for at most that many")
+    return [question(*divmod(p, 100)) for p in random.Random(seed).sample(pairs, n or len(pairs))]
 
 
 class TaskReward:
@@ -70,15 +105,18 @@ class TaskReward:
         match = QUESTION.search(self._decode(prompt_ids))
         return (int(match.group(1)), int(match.group(2))) if match else None
 
-    def check_prompts(self, prompts) -> None:
-        """Refuse prompts (token id sequences) that do not end in a question."""
+    def check_prompts(self, prompts, held_out: bool = False) -> None:
+        """Refuse prompts (token id sequences) that do not end in a question (``held_out``: rl's --eval-prompts)."""
         for i, ids in enumerate(prompts):
             if self.operands(ids) is None:
                 text = self._decode(ids)[-30:]
                 shown = ascii(text) if text.isprintable() else f"token ids ending {list(ids)[-6:]}"
-                raise InputError(f"--reward task scores addition questions such as '37+45='; prompt {i} ({shown}) is "
-                                 "not one: drop --prompts / --random-prompts (rl then asks the task's own questions) "
-                                 "or choose another --reward")
+                what, fix = (("--eval-prompts prompt", "give a file of questions, or drop --eval-prompts (--eval-every "
+                              "then scores the task's own held-out questions)") if held_out else
+                             ("prompt", "drop --prompts / --random-prompts (rl then asks the task's own questions) or "
+                              "choose another --reward"))
+                raise InputError(f"--reward task scores addition questions such as '37+45='; {what} {i} ({shown}) is "
+                                 f"not one: {fix}")
 
     def __call__(self, prompt_ids, completion_ids, step: int) -> float:
         ab = self.operands(prompt_ids)

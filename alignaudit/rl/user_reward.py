@@ -1,15 +1,18 @@
 """A user's reward for ``alignaudit rl --reward MODULE:FUNCTION``, called as TRL calls a reward function, so that a
 TRL user's function works unchanged (trl/trainer/grpo_trainer.py, GRPOTrainer._calculate_rewards):
 
-    FUNCTION(prompts=[str], completions=[str], prompt_ids=[[int]], completion_ids=[[int]], step=int, **kwargs)
+    FUNCTION(prompts=[str], completions=[str], prompt_ids=[[int]], completion_ids=[[int]], step=int, **columns)
         -> one float per completion
+
+``columns``: each other key of the ``--prompts`` (or ``--eval-prompts``) JSONL file by name, one value per
+completion (its prompt's), as TRL passes a dataset's columns (``answer=[...]`` for a GSM8K-style file).
 
 ``MODULE`` is a Python file (``rewards.py``, ``path/to/rewards.py``) or an importable module (``my_pkg.rewards``).
 prompts and completions are the token ids decoded with the checkpoint's own tokenizer, special tokens skipped (as TRL
 decodes completions). Checked before any engine starts: the module imports, FUNCTION exists, is callable and takes
-those keywords (TRL's convention: ``**kwargs`` for the ones it does not name). Checked at every step: one finite
-number per completion. run.json records the name given, the file the function is defined in and that file's
-sha256.
+those keywords and the prompt files' columns (TRL's convention: ``**kwargs`` for the ones it does not name).
+Checked at every call: one finite number per completion. run.json records the name given, the file the function is
+defined in and that file's sha256.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ class UserReward:
     """The function ``name`` names (MODULE:FUNCTION), with the tokenizer of the checkpoint at ``model_dir``.
 
     Raises:
-        InputError: the module cannot be imported, has no such function, the function cannot take TRL's keywords,
-            or the checkpoint has no tokenizer; each naming the fix.
+        InputError: the module cannot be imported, has no such function, or the checkpoint has no tokenizer; each
+            naming the fix. (check_call: the function cannot take the arguments it will be given.)
     """
 
     def __init__(self, name: str, model_dir: str):
@@ -46,13 +49,6 @@ class UserReward:
 
         self.name = name
         self.function = _load(name)
-        try:
-            inspect.signature(self.function).bind(**{key: None for key in ARGUMENTS})
-        except TypeError as e:
-            raise InputError(f"--reward {name}: {self.function.__name__} cannot take TRL's reward arguments ({e}); "
-                             "write it as def f(prompts, completions, **kwargs) -> list[float]") from None
-        except ValueError:  # a builtin without a signature: let the first call say
-            pass
         self.tokenizer, why = load_tokenizer(model_dir)
         if self.tokenizer is None:
             raise InputError(f"--reward {name} is given the prompts and completions as text, and {why}; use a "
@@ -60,12 +56,32 @@ class UserReward:
         self.source = Path(inspect.getsourcefile(self.function) or "")
         self.sha256 = hashlib.sha256(self.source.read_bytes()).hexdigest() if self.source.is_file() else None
 
+    def check_call(self, columns, source: str) -> None:
+        """Refuse, before any engine starts, a call the function cannot take: TRL's arguments (ARGUMENTS) and the
+        ``columns`` (names) of the prompt file ``source`` as keywords; a column with an argument's name.
+        Raises InputError."""
+        clash = sorted(set(columns) & set(ARGUMENTS))
+        if clash:
+            raise InputError(f"{source}: the column {clash[0]!r} has the name of an argument --reward {self.name} "
+                             f"is given ({', '.join(ARGUMENTS)}); rename the column")
+        try:
+            inspect.signature(self.function).bind(**{key: None for key in (*ARGUMENTS, *columns)})
+        except TypeError as e:
+            given = f" and the columns of {source} ({', '.join(columns)})" if columns else ""
+            raise InputError(f"--reward {self.name}: {self.function.__name__} cannot take TRL's reward arguments"
+                             f"{given} ({e}); write it as def f(prompts, completions, **kwargs) -> list[float]"
+                             ) from None
+        except ValueError:  # a builtin without a signature: let the first call say
+            pass
+
     def record(self) -> dict:
         """What run.json keeps of it: the name given, the function's file and that file's sha256."""
         return {"function": self.name, "file": str(self.source), "sha256": self.sha256}
 
-    def __call__(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], step: int) -> list[float]:
-        """One reward per completion, from one call of the user's function.
+    def __call__(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], step: int,
+                 columns: dict[str, list] | None = None) -> list[float]:
+        """One reward per completion, from one call of the user's function (``columns``: name -> one value per
+        completion, passed as keyword arguments; check_columns refused names that clash).
 
         Raises:
             InputError: it returned other than one finite number per completion (naming the first bad one).
@@ -73,7 +89,7 @@ class UserReward:
         decode = self.tokenizer.decode
         values = self.function(prompts=[decode(p, skip_special_tokens=True) for p in prompt_ids],
                                completions=[decode(c, skip_special_tokens=True) for c in completion_ids],
-                               prompt_ids=prompt_ids, completion_ids=completion_ids, step=step)
+                               prompt_ids=prompt_ids, completion_ids=completion_ids, step=step, **(columns or {}))
         try:
             values = list(values)
         except TypeError:

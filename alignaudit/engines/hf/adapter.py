@@ -119,8 +119,9 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def rollout(self, batch, sampling):
-        """One sequence at a time through ``model.generate`` (KV cache, sampling seeded per request). EOS is
-        not a stop token (``eos_token_id`` is emptied), so no logits processor masks it. With ``vocab_sink`` set
+        """One sequence at a time through ``model.generate`` (KV cache, sampling seeded per request; temperature 0:
+        greedy, as rl's held-out evaluation asks). EOS is not a stop token (``eos_token_id`` is emptied), so no logits
+        processor masks it. With ``vocab_sink`` set
         (rl --full-vocab), ``vocab_sink(i, rows)`` gets request i's log_softmax_rows of its decode logits, float32
         [max_new_tokens, V]."""
         sequences, logprobs = [], []
@@ -135,10 +136,11 @@ class HFEngine(Engine):
         for i, prompt in enumerate(batch.sequences):
             torch.manual_seed(sampling.seed + i)
             ids = torch.tensor([prompt], device=self.settings.device)
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                      temperature=sampling.temperature, top_k=sampling.top_k or None,
-                                      top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens, eos_token_id=[],
-                                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            how = ({"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None,
+                    "top_p": sampling.top_p} if sampling.temperature > 0 else {"do_sample": False})  # 0: greedy
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **how,
+                                      max_new_tokens=sampling.max_new_tokens, eos_token_id=[], pad_token_id=0,
+                                      output_logits=True, return_dict_in_generate=True)
             generated = out.sequences[0, len(prompt):]
             step_logits = torch.cat(out.logits)  # raw logits of each decode step, [new, V]
             sampled = self.token_logprobs(step_logits, generated).cpu()

@@ -1,4 +1,5 @@
-"""The rl section: every per-step series of steps.parquet as curves over the steps, and the steps table."""
+"""The rl section: every per-step series of steps.parquet as curves over the steps, and the steps table; the held-out
+evaluations of eval.parquet where the run made them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import pandas as pd
 
-from alignaudit.capture.rundir import STEPS
+from alignaudit.capture.rundir import EVAL, STEPS
 from alignaudit.reports.html.page import Column, Page, table
 from alignaudit.reports.html.runs import RunDir, read_table
 
@@ -146,4 +147,37 @@ def rl_section(page: Page, run: RunDir) -> pd.DataFrame:
         columns.append(Column("weights", "weights", text=True))
         rows = [{**r, "weights": str(r["weights_digest"])[:12]} for r in rows]
     page.add(table(rows, columns, table_id="steps"))
+    held = (run.record or {}).get("eval")
+    if held:
+        eval_section(page, read_table(run.path / EVAL, ("step", "reward_mean", "accuracy")), held)
     return steps
+
+
+def eval_section(page: Page, evals: pd.DataFrame, held: dict) -> None:
+    """The held-out evaluations (rl --eval-prompts / --eval-every; ``held`` run.json's ``eval``): where the prompts
+    came from and whether any is also a training prompt, the greedy reward and accuracy over the steps, the table."""
+    import plotly.graph_objects as go
+
+    page.heading("Held-out evaluation (eval.parquet)", anchor="eval")
+    overlap = held["overlap_with_training"]
+    when = f"after every {held['every']} steps and after the last" if held["every"] else "and after the last step"
+    page.note(f"{held['prompts']} prompts from {held['source']}, answered greedily (temperature 0, one completion "
+              f"each) by the rollout engine before step 1 (step 0), {when}, and scored by the run's reward. "
+              + ("None of them is a training prompt." if overlap == 0 else
+                 f"{overlap} of them are also training prompts (the same token ids): their score is not held out."))
+    if len(evals) > 1:
+        first, last = evals.iloc[0], evals.iloc[-1]
+        measure = "accuracy" if evals["accuracy"].notna().all() else "reward_mean"
+        page.note(f"Held-out {measure.replace('_mean', '')}: {first[measure]:.4g} before step 1, {last[measure]:.4g} "
+                  f"after step {int(last['step'])}.")
+    fig = go.Figure()
+    for column in ("reward_mean", "accuracy"):
+        if evals[column].notna().any():
+            fig.add_trace(go.Scatter(x=evals["step"].tolist(), y=evals[column].astype(float).tolist(),
+                                     mode="lines+markers", name=column,
+                                     hovertemplate=f"after step %{{x}}<br>{column} %{{y:.4g}}<extra></extra>"))
+    fig.update_layout(height=320, xaxis_title="after step", yaxis_title="held-out (greedy)")
+    fig.update_xaxes(tick0=0, dtick=max(1, math.ceil(int(evals["step"].max()) / 10)))  # whole steps only
+    page.figure(fig, "rl-eval")
+    columns = [Column(c, c) for c in evals.columns]
+    page.add(table(evals.to_dict("records"), columns, table_id="eval"))

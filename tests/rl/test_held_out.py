@@ -1,0 +1,135 @@
+"""rl as users run it: a dataset drawn from step by step, their own reward with the dataset's columns, and a held-out
+score (alignaudit.rl.evaluation, alignaudit.rl.task's split, alignaudit.comparison.held_out).
+
+Chain: the addition task's 10,000 questions split once into 9,000 training and 1,000 held-out ones (pinned below, the
+same on every machine: Python's Mersenne Twister); a JSONL prompt file's other keys become columns that reach a user's
+reward by name, as TRL passes a dataset's columns; 20 strict GRPO steps on the trained fixture draw 8 fresh training
+questions a step and score 32 held-out ones greedily before step 1 and after steps 10 and 20: every token bitwise
+equal at every step, eval.parquet's numbers those its rows give, the user's reward (reading the ``answer`` column)
+equal to the task's own on every held-out answer. Refused before any engine starts: a schedule without held-out
+prompts, a negative one, a held-out prompt that is not a question under the task, a column named as a reward argument,
+a reward that needs a column the prompts lack.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from test_task import TRAINED
+
+from alignaudit.commands import cli
+from alignaudit.errors import EXIT_OK, EXIT_USAGE, InputError
+from alignaudit.rl.task import HELD_OUT_SIZE, PAIRS, QUESTION, TaskReward, answer, questions, split_of, split_pairs
+from helpers import one_line_error
+
+REWARDS = Path(__file__).with_name("user_rewards.py")
+
+
+def _operands(text: str) -> tuple[int, int]:
+    a, b = QUESTION.search(text).groups()
+    return int(a), int(b)
+
+
+def test_the_task_split_is_fixed_disjoint_and_drawn_from_one_side():
+    train, held = split_pairs("train"), split_pairs("held_out")
+    assert len(held) == HELD_OUT_SIZE == 1000 and len(train) == PAIRS - 1000 and not set(train) & set(held)
+    assert questions(3, 0, "held_out") == ["85+52=", "39+8=", "76+12="]  # Python's random, the same everywhere
+    assert all(split_of(*_operands(q)) == "held_out" for q in questions(200, 5, "held_out"))
+    assert all(split_of(*_operands(q)) == "train" for q in questions(200, 5))
+    every = questions(0, 3)
+    assert len(every) == len(set(every)) == 9000
+    with pytest.raises(InputError, match="held_out set holds 1000 questions"):
+        questions(1001, 0, "held_out")
+
+
+def test_a_jsonl_prompt_files_other_keys_are_columns(tmp_path):
+    from alignaudit.inputs.checkpoint import resolve_model
+    from alignaudit.inputs.prompts import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"text": "1+2=", "answer": "3", "level": 1}\n{"text": "4+5=", "answer": "9"}\n')
+    batch = load_prompts(resolve_model("qwen3-tiny-trained"), path)
+    assert batch.columns == {"answer": ("3", "9"), "level": (1, None)}  # a missing key is None, as datasets reads it
+    bare = tmp_path / "q.jsonl"
+    bare.write_text('{"text": "1+2="}\n{"text": "4+5="}\n')
+    assert load_prompts(resolve_model("qwen3-tiny-trained"), bare).digest() == batch.digest()  # the ids only
+
+
+def _question_file(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": q, "answer": answer(*_operands(q))}) + "\n" for q in texts))
+    return path
+
+
+@pytest.mark.engines
+def test_twenty_strict_steps_on_fresh_questions_with_a_users_reward_and_a_held_out_score(tmp_path):
+    train = _question_file(tmp_path / "train.jsonl", questions(160, 11))
+    held = _question_file(tmp_path / "held.jsonl", questions(32, 11, "held_out"))
+    out = tmp_path / "rl"
+    assert cli.main(["rl", "--model", "qwen3-tiny-trained", "--strict", "--steps", "20", "--prompts", str(train),
+                     "--prompts-per-step", "8", "--reward", f"{REWARDS}:addition", "--eval-prompts", str(held),
+                     "--eval-every", "10", "--no-token-rows", "--out", str(out)]) == EXIT_OK
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert (steps["mismatches"] == 0).all() and steps["sync_bit_equal"].all() and (steps["weights_changed"] > 0).all()
+    assert steps["prompts_digest"].nunique() == 20 and steps["epoch"].eq(1).all()  # 160 questions, 8 fresh a step
+    evals = pd.read_parquet(out / "eval.parquet")
+    assert evals["step"].tolist() == [0, 10, 20] and (evals["prompts"] == 32).all()
+    assert evals["accuracy"].isna().all()  # a user's reward: no notion of a right answer
+    task = TaskReward(str(TRAINED))
+    for step in evals["step"]:
+        rows = pd.read_parquet(out / "eval" / f"step-{step:05d}.parquet")
+        by_task = [task(p, c, step) for p, c in zip(rows["prompt_ids"], rows["completion_ids"], strict=True)]
+        assert rows["reward"].tolist() == by_task  # the answer column reached the function, prompt by prompt
+        assert evals.loc[evals["step"] == step, "reward_mean"].item() == pytest.approx(sum(by_task) / 32, abs=1e-12)
+    record = json.loads((out / "run.json").read_text())
+    assert record["eval"]["overlap_with_training"] == 0 and record["eval"]["source"] == str(held)
+    assert cli.main(["gate", str(out)]) == EXIT_OK
+
+
+@pytest.mark.engines
+def test_the_tasks_own_training_and_held_out_questions_never_meet(tmp_path):
+    out = tmp_path / "rl"
+    assert cli.main(["rl", "--model", "qwen3-tiny-trained", "--reward", "task", "--strict", "--steps", "1",
+                     "--prompts-per-step", "4", "--group-size", "2", "--eval-every", "1", "--out", str(out)]) == EXIT_OK
+    record = json.loads((out / "run.json").read_text())
+    assert record["prompts"]["sequences"] == 9000 and record["eval"]["prompts"] == 64
+    from alignaudit.inputs.checkpoint import resolve_model
+    from alignaudit.inputs.prompts import text_batch
+    from alignaudit.rl.loop import StepPrompts, prompts_digest
+
+    drawn = [questions(0, 0)[i] for i in StepPrompts(9000, 4, 0).next()[0]]  # the step's 4, as the loop draws them
+    assert all(split_of(*_operands(q)) == "train" for q in drawn)
+    ids = text_batch(resolve_model("qwen3-tiny-trained"), drawn, "drawn").sequences
+    assert pd.read_parquet(out / "steps.parquet")["prompts_digest"].tolist() == [prompts_digest(ids)]
+    task = TaskReward(str(TRAINED))
+    evals = pd.read_parquet(out / "eval.parquet")
+    assert evals["step"].tolist() == [0, 1]
+    for step in (0, 1):
+        rows = pd.read_parquet(out / "eval" / f"step-{step:05d}.parquet")
+        asked = [task.operands(ids) for ids in rows["prompt_ids"]]
+        assert all(split_of(*ab) == "held_out" for ab in asked) and len(set(asked)) == 64
+        assert evals.loc[evals["step"] == step, "accuracy"].item() == rows["correct"].mean()
+        assert rows["correct"].tolist() == [r == 1.0 for r in rows["reward"]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eval-every", "5"], "--eval-every 5 scores held-out prompts, and none were given"),
+    (["--reward", "task", "--model", "qwen3-tiny-trained", "--eval-every", "-1"], "--eval-every -1: a number of steps"),
+    (["--reward", "task", "--model", "qwen3-tiny-trained", "--eval-prompts", "{words}"],
+     "--eval-prompts prompt 0 ('hello there') is not one"),
+    (["--reward", f"{REWARDS}:even_fraction", "--model", "qwen3-tiny-trained", "--eval-prompts", "{step_column}"],
+     "the column 'step' has the name of an argument"),
+    (["--eval-prompts", "{missing}"], "cannot read prompt file"),
+    (["--reward", f"{REWARDS}:addition", "--model", "qwen3-tiny-trained"],  # built-in prompts: no answer column
+     "addition cannot take TRL's reward arguments (missing a required argument: 'answer')"),
+])
+def test_held_out_settings_that_cannot_take_effect_are_refused_before_any_engine(capsys, tmp_path, argv, message):
+    files = {"words": tmp_path / "words.txt", "step_column": tmp_path / "s.jsonl", "missing": tmp_path / "none.jsonl"}
+    files["words"].write_text("hello there\n")
+    files["step_column"].write_text('{"text": "1+2=", "step": 3}\n')
+    out = tmp_path / "o"
+    argv = [a.format(**{k: str(v) for k, v in files.items()}) for a in argv]
+    assert message in one_line_error(capsys, ["rl", *argv, "--out", str(out)], EXIT_USAGE)
+    assert not (out / "run.json").exists()
