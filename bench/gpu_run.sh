@@ -79,7 +79,8 @@
 # multiprocess, xxhash carried in .whl/extra/.
 # [26]: task-model trains a TASK_SHAPE (Qwen3-0.6B) model on the addition task (fixtures/train_task_fixture.py on the
 # GPU, TASK_STEPS 300, TASK_LR 3e-4) into /tmp/task-model, its training.json into $OUT; task-rl then runs alignaudit
-# rl --reward task on it, TASK_RL_STEPS (200) steps, strict or default (TASK_HOW), EOS on, 8 questions x 8.
+# rl --reward task on it, TASK_RL_STEPS (200) steps, strict or default (TASK_HOW), EOS on, TASK_PER_STEP (8) fresh
+# training questions a step x 8 completions, the task's 64 held-out questions scored every TASK_EVAL_EVERY (20) steps.
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
 started=$SECONDS  # the device call began just before (CALL_S: grpo's deadline)
@@ -168,7 +169,7 @@ grpo() {  # $1 name, rest: rl options; megatron trains, CUDA vLLM rolls out; ste
   timeout $limit python3 -m alignaudit rl --train megatron --infer vllm --device cuda --lr ${GRPO_LR:-1e-6} \
     --max-seconds $stop --no-token-rows --out /dev/shm/$name --force "$@" ${CMP_OPTS:-} \
     2>&1 | log | tail -5
-  for f in steps.parquet steps.png run.json; do cp /dev/shm/$name/$f "$out/$name-$f" 2>/dev/null; done
+  for f in steps.parquet eval.parquet steps.png run.json; do cp /dev/shm/$name/$f "$out/$name-$f" 2>/dev/null; done
   python3 - /dev/shm/$name <<'PY' 2>&1 | log
 import json, sys, pathlib, pandas as pd
 run = pathlib.Path(sys.argv[1])
@@ -326,7 +327,8 @@ for stage in "$@"; do
                 cp /tmp/task-model/training.json "$out/task-model-training.json" 2>/dev/null ;;
     task-rl) for how in ${TASK_HOW:-strict default}; do
                grpo task-$how --model /tmp/task-model --reward task --steps ${TASK_RL_STEPS:-200} --group-size 8 \
-                 --max-new-tokens 8 $([ $how = strict ] && echo --strict)
+                 --max-new-tokens 8 --prompts-per-step ${TASK_PER_STEP:-8} --eval-every ${TASK_EVAL_EVERY:-20} \
+                 $([ $how = strict ] && echo --strict)
              done ;;
     vllm-q8-default) cmp vq8-default $Q8 --train megatron --infer vllm ${VQ8_OPTS:-} ;;
     vllm-q8-rollout) cmp vq8-strict-rollout $Q8 --train megatron --infer vllm --strict --mode rollout --max-new-tokens 64 ${VQ8_OPTS:-} ;;

@@ -96,16 +96,17 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                                                "only then, where --eval-prompts is given.")] = 0) -> None:
     """N GRPO steps with the train/rollout alignment checked at every step.
 
-    Each step the inference engine samples --group-size completions per prompt (seeded; the same seeds
-    every step) and records their logprobs while decoding; the trainer rescores them (old_logprobs);
-    every generated token is compared bit for bit; a verifiable toy reward (--reward) gives GRPO
-    advantages; the trainer takes one clipped-loss step (Adam on fp32 main weights, grad clipping at 1.0)
+    Each step the inference engine samples --group-size completions per prompt (every prompt, or
+    --prompts-per-step of them drawn from the set; request i seeded with --seed + i) and records their
+    logprobs while decoding; the trainer rescores them (old_logprobs); every generated token is compared
+    bit for bit; the reward (--reward: the task, a toy, or your own function) gives GRPO advantages; the trainer takes one clipped-loss step (Adam on fp32 main weights, grad clipping at 1.0)
     with the ratio exp(lp_train - lp_rollout); its new weights go into the running inference engine
     through model.load_weights (a file on the CPU, CUDA IPC handles on the GPU), and every tensor the
     engine then holds is checked bit for bit against the trainer's.
     Both engines stay up for the whole run. Writes steps.parquet (after every step), tokens/, steps.png
-    and run.json; `alignaudit gate RUN` passes only if every step had 0 mismatching tokens and every sync
-    was bit-equal. docs/rl.md explains each metric.
+    and run.json; with --eval-prompts / --eval-every, held-out prompts answered greedily and scored
+    (eval.parquet). `alignaudit gate RUN` passes only if every step had 0 mismatching tokens and every
+    sync was bit-equal. docs/rl.md explains each metric.
 
     Examples:
 
@@ -115,6 +116,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     alignaudit rl --train hf --infer hf --steps 20 --strict
     alignaudit rl --steps 50 --log-to tensorboard      # tensorboard --logdir RUN/tensorboard
     alignaudit rl --steps 20 --strict --engine-mode async   # vLLM's AsyncLLM, requests arriving 20 ms apart
+    alignaudit rl --model qwen3-tiny-trained --reward task --prompts-per-step 8 --eval-every 10 --strict
     ```
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
