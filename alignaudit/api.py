@@ -12,7 +12,7 @@
 
 Every argument either takes effect or raises alignaudit.errors.InputError (one line naming it and the fix)
 before any engine starts; the checks are the CLI's own, from the typer-free request builder both call
-(alignaudit.commands.requests).
+(alignaudit.pipelines.requests).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ API_NAMES = ("ops", "device='cuda'")  # how this module's user spells the strict
 def _settings(dtype: str, device: str, ops: str, exp: str, spec, seed: int = 0):
     """EngineSettings for a strict model of ``spec`` built in this process for the caller's trainer, validated
     as the CLI validates them (the kernel switches as for a run that trains)."""
-    from alignaudit.commands.requests import check_dtype, resolve_device
     from alignaudit.inputs.request import EngineSettings
     from alignaudit.inputs.strict_ops import (
         check_kernel_switches,
@@ -42,6 +41,7 @@ def _settings(dtype: str, device: str, ops: str, exp: str, spec, seed: int = 0):
         format_strict,
         parse_strict,
     )
+    from alignaudit.pipelines.requests import check_dtype, resolve_device
 
     device = resolve_device(device)
     strict = parse_strict(ops, option="ops")
@@ -98,10 +98,10 @@ def strict_hf_model(model: str | Path = "qwen3-tiny", ops: str = "all", dtype: s
     compute_dtype="bf16"`` keeps fp32 master weights and gives the bits of the bf16 model a rollout engine holds after
     a weight sync; alignaudit.engines.hf.strict.compute_in). InputError for another value, or with ``ops`` other than
     all (a default op would compute in its parameters' dtype)."""
-    from alignaudit.commands.requests import check_dtype
     from alignaudit.engines import load_engine_class
     from alignaudit.engines.hf.strict import compute_in
     from alignaudit.inputs.request import DTYPES
+    from alignaudit.pipelines.requests import check_dtype
 
     spec = _spec(model, random_weights)
     compute = check_dtype(compute_dtype) if compute_dtype is not None else None
@@ -237,8 +237,7 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
 
     from alignaudit.capture import outdir
     from alignaudit.capture.rundir import COMPARE_OUTPUTS, SEQUENCES, TOKENS
-    from alignaudit.commands.pipeline import compare as run_compare
-    from alignaudit.commands.requests import (
+    from alignaudit.pipelines.requests import (
         ModelArgs,
         OutputArgs,
         PairArgs,
@@ -247,6 +246,7 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
         build_request,
         out_dir,
     )
+    from alignaudit.pipelines.runs import compare as run_compare
 
     if mode not in ("prompt", "rollout"):
         raise InputError(f"mode {mode!r}: choose prompt or rollout")
@@ -332,9 +332,9 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None
         InputError: shapes or lengths that disagree, no token to compare, or a compared value above 0 (+inf
             included: alignaudit.inputs.values.check_logprob_signs).
     """
-    from alignaudit.commands.requests import check_clip_eps
     from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
     from alignaudit.inputs.values import check_logprob_signs
+    from alignaudit.pipelines.requests import check_clip_eps
 
     _check_number("clip_eps", clip_eps, "a number in (0, 1)")
     check_clip_eps(clip_eps)

@@ -22,10 +22,10 @@ from bench.checkout import use_this_checkout  # noqa: E402
 use_this_checkout()
 
 from alignaudit.capture.ops import Selection  # noqa: E402
-from alignaudit.commands.pipeline import EngineRun, capture  # noqa: E402
 from alignaudit.inputs.checkpoint import load_spec  # noqa: E402
 from alignaudit.inputs.prompts import load_prompts  # noqa: E402
 from alignaudit.inputs.request import EngineSettings  # noqa: E402
+from alignaudit.pipelines.runs import EngineRun, capture  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

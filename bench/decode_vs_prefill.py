@@ -16,10 +16,10 @@ import argparse
 
 import torch
 
-from alignaudit.commands.requests import ModelArgs, resolve_model_arg
 from alignaudit.engines.hf.adapter import HFEngine
 from alignaudit.inputs.request import EngineSettings
 from alignaudit.numerics import ulp_distance
+from alignaudit.pipelines.requests import ModelArgs, resolve_model_arg
 
 
 def record_outputs(model):

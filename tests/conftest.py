@@ -79,14 +79,14 @@ CAPTURE_ENV_PREFIXES = ("ALIGNAUDIT_", "VLLM_", "TRITON_", "TORCH", "OMP_", "CUD
 
 @pytest.fixture(scope="session", autouse=True)
 def _captures_once_per_session(tmp_path_factory):
-    """Every engine capture a test asks for in-process (pipeline.capture: the CLI's compare, bisect, ablate, gate
+    """Every engine capture a test asks for in-process (pipelines.runs.capture: the CLI's compare, bisect, ablate, gate
     and the CaptureCache) runs the real engine once per test session and request; the same request again, from
     any test or test process, gets a copy of that real capture. The key is the whole worker request (engine,
     settings, checkpoint sha256, token ids, role, ops, rollout, replay, repeat) and the worker's environment
     variables that change what it computes. Not memoized: forced-mode op capture (its reference is a path),
     routing replay (its routing source is a path), captures that stream their log, and failures. Commands run
     as subprocesses (run_cli) always run engines."""
-    from alignaudit.commands import pipeline
+    from alignaudit.pipelines import runs as pipeline
 
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, Phase, settings
 
 from alignaudit.capture.ops import Selection
 from alignaudit.commands import cli
-from alignaudit.commands.pipeline import EngineRun, capture
 from alignaudit.inputs.request import EngineSettings
+from alignaudit.pipelines.runs import EngineRun, capture
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "qwen3-tiny"

@@ -9,11 +9,15 @@ flow, and each may reach only what comes before it:
     workers      the processes engines run in (one-shot captures, the rl session's worker and its parent handle)
     comparison   pure: never reaches an engine, a worker, the strict wiring, a command or vllm/megatron
     reports      terminal and HTML: never reach an engine either
-    commands     the CLI and the pipelines it runs (and rl/, the GRPO loop beside them)
+    pipelines    the typer-free runs (requests, compare, rescore, bisect, diff, ablate) over workers and comparison
+    rl, api      the GRPO loop and the Python API, over the pipelines
+    integrations TRL, verl, slime: over the API, imported by nothing of the library
+    commands     the CLI: typer over all of it
 
     kernels (alignaudit_kernels)  import nothing of alignaudit
     engines                       never reach a report, a command or the comparison
-    no module                     reaches itself (no cycles)
+    no module                     reaches itself (no cycles); no folder either (FOLDERS: what each folder may import
+                                  directly, every folder named)
 """
 
 from __future__ import annotations
@@ -39,6 +43,36 @@ FORBIDDEN = {
     "alignaudit.engines": ("alignaudit.training", "alignaudit.workers") + ABOVE_WORKERS,
     "alignaudit.training": ("alignaudit.workers",) + ABOVE_WORKERS,
     "alignaudit.workers": ABOVE_WORKERS,
+}
+
+
+_BASE = ("alignaudit.errors", "alignaudit.numerics")
+# folder -> the folders it may import directly (besides itself); with no folder-level cycle, the layers above
+FOLDERS = {
+    "alignaudit": (),
+    "alignaudit.errors": (),
+    "alignaudit.numerics": (),
+    "alignaudit_kernels": (),
+    "alignaudit.arch": _BASE,
+    "alignaudit.inputs": (*_BASE, "alignaudit.arch", "alignaudit_kernels"),
+    "alignaudit.capture": (*_BASE, "alignaudit.inputs"),
+    "alignaudit.comparison": (*_BASE, "alignaudit.capture", "alignaudit.inputs"),
+    "alignaudit.reports": (*_BASE, "alignaudit", "alignaudit.capture", "alignaudit.comparison"),
+    "alignaudit.engines": (*_BASE, "alignaudit.arch", "alignaudit.capture", "alignaudit.inputs", "alignaudit_kernels"),
+    "alignaudit.training": (*_BASE, "alignaudit.engines", "alignaudit.inputs", "alignaudit_kernels"),
+    "alignaudit.workers": (*_BASE, "alignaudit", "alignaudit.capture", "alignaudit.engines", "alignaudit.inputs",
+                           "alignaudit.training", "alignaudit_kernels"),
+    "alignaudit.pipelines": (*_BASE, "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines",
+                             "alignaudit.inputs", "alignaudit.workers"),
+    "alignaudit.rl": (*_BASE, "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines", "alignaudit.inputs",
+                      "alignaudit.pipelines", "alignaudit.reports", "alignaudit.workers"),
+    "alignaudit.api": (*_BASE, "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines", "alignaudit.inputs",
+                       "alignaudit.pipelines", "alignaudit_kernels"),
+    "alignaudit.integrations": (*_BASE, "alignaudit.api", "alignaudit.engines", "alignaudit.inputs",
+                                "alignaudit_kernels"),
+    "alignaudit.commands": (*_BASE, "alignaudit", "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines",
+                            "alignaudit.inputs", "alignaudit.pipelines", "alignaudit.reports", "alignaudit.rl"),
+    "alignaudit.__main__": ("alignaudit.commands",),
 }
 
 
@@ -149,6 +183,38 @@ def test_no_import_cycles(graph):
     assert not [m for m in graph if m in _reach(graph, m)]
 
 
+def _folder(module: str) -> str | None:
+    """The folder a module of ours sits in (alignaudit.X for alignaudit.X.*; alignaudit_kernels whole); None for
+    another package."""
+    parts = module.split(".")
+    if parts[0] == "alignaudit_kernels":
+        return parts[0]
+    return ".".join(parts[:2]) if parts[0] == "alignaudit" else None
+
+
+def _folder_graph(graph) -> dict[str, set[str]]:
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = _folder(module)
+        folders.setdefault(source, set()).update(t for t in map(_folder, targets) if t and t != source)
+    return folders
+
+
+def test_each_folder_imports_only_the_folders_below_it(graph):
+    """Every folder is named in FOLDERS (a new one must be placed in the layers) and imports only what it lists."""
+    folders = _folder_graph(graph)
+    assert set(folders) - set(FOLDERS) == set(), "a folder FOLDERS does not place"
+    assert {f: sorted(t - set(FOLDERS[f])) for f, t in folders.items() if t - set(FOLDERS[f])} == {}
+    assert "alignaudit.pipelines" in folders["alignaudit.rl"]  # the reader sees folder edges
+
+
+def test_no_folder_level_cycles(graph):
+    """No two folders import each other, through any chain (rl/ and commands/ once did: rl/request.py reached up
+    into commands/requests.py, now pipelines/requests.py)."""
+    folders = _folder_graph(graph)
+    assert not [f for f in folders if f in _reach(folders, f)]
+
+
 def test_every_package_folder_is_in_the_wheel():
     """pyproject.toml lists packages by name (kernels/ and fixtures/ install under other names): a folder added
     without its entry would be missing from a non-editable install only."""
@@ -163,7 +229,8 @@ def test_every_package_folder_is_in_the_wheel():
 
 def test_the_api_and_the_request_builder_reach_no_typer(graph):
     """The Python API gets the CLI's checks from the typer-free request builder, not from the CLI's options."""
-    for module in ("alignaudit.api", "alignaudit.commands.requests", "alignaudit.rl.request"):
+    pipelines = [m for m in graph if _under(m, ("alignaudit.pipelines",))]
+    for module in ("alignaudit.api", "alignaudit.rl.request", *pipelines):
         assert "typer" not in _reach(graph, module), module
     assert "typer" in _reach(graph, "alignaudit.commands.options")  # the reader sees typer where it is
 

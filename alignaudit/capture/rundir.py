@@ -1,6 +1,6 @@
 """The run directory: the name of every file alignaudit writes, and which entries each command writes.
 
-The one module that spells these names; writers (commands/pipeline.py, workers/, rl/, commands/ablate.py,
+The one module that spells these names; writers (pipelines/runs.py, workers/, rl/, pipelines/ablate.py,
 comparison/gate.py), readers (comparison/integrity.py, reports/html/) and the output-directory guard
 (capture/outdir.py) import them from here, so a reader can never look for a file under a name its writer does
 not use. Layout of a compare run::

@@ -13,7 +13,8 @@ from alignaudit import errors
 from alignaudit.capture import outdir
 from alignaudit.commands.console import console
 from alignaudit.commands.options import DeviceOpt, LayersOpt, OpsOpt, StrictOpt
-from alignaudit.commands.requests import (
+from alignaudit.engines.checks import check_parallel_op_capture
+from alignaudit.pipelines.requests import (
     ModelArgs,
     OutputArgs,
     PairArgs,
@@ -23,7 +24,6 @@ from alignaudit.commands.requests import (
     out_dir,
     resolve_model_arg,
 )
-from alignaudit.engines.checks import check_parallel_op_capture
 
 
 def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: SamplingArgs,
@@ -71,14 +71,14 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     from alignaudit.capture.directory import read_capture
     from alignaudit.capture.ops import OpGraph, parse_selection
     from alignaudit.capture.rundir import CAPTURE_OUTPUTS
-    from alignaudit.commands.pipeline import capture as run_capture
-    from alignaudit.commands.requests import (
+    from alignaudit.pipelines.requests import (
         check_max_model_len,
         check_top_k,
         engine_runs,
         given_sampling_flags,
         sampling,
     )
+    from alignaudit.pipelines.runs import capture as run_capture
 
     if tokens_from is not None and sample.mode == "prompt" and (given := given_sampling_flags(sample)):
         raise errors.InputError(f"{given[0]}: --tokens-from scores a rollout's tokens under the sampling settings its "

@@ -14,7 +14,8 @@ from alignaudit import errors
 from alignaudit.capture import outdir
 from alignaudit.commands.console import console, render_summary, results, write_page
 from alignaudit.commands.options import ClipEpsOpt, DeviceOpt, LayersOpt, OpsOpt, StrictOpt, field_names, given_options
-from alignaudit.commands.requests import (
+from alignaudit.engines.checks import check_parallel_op_capture
+from alignaudit.pipelines.requests import (
     ISArgs,
     ModelArgs,
     OutputArgs,
@@ -25,7 +26,6 @@ from alignaudit.commands.requests import (
     out_dir,
     resolve_model_arg,
 )
-from alignaudit.engines.checks import check_parallel_op_capture
 
 
 def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs, output: OutputArgs,
@@ -85,7 +85,7 @@ def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat
                  replay_routing: bool = False, full_vocab: bool = False,
                  importance: ISArgs | None = None) -> tuple[Path, dict]:
     """Validate everything, then run compare into the output directory; returns (out, summary)."""
-    from alignaudit.commands.pipeline import compare as run_compare
+    from alignaudit.pipelines.runs import compare as run_compare
 
     request = build_request(model, prompts, pair, sampling, clip_eps, importance, repeat=repeat,
                             replay_routing=replay_routing, full_vocab=full_vocab)
@@ -133,10 +133,10 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
     ```
     """
     from alignaudit.capture.rundir import RESCORE_OUTPUTS, SUMMARY
-    from alignaudit.commands.pipeline import rescore as run_rescore
-    from alignaudit.commands.requests import check_clip_eps, engine_runs
     from alignaudit.engines import kind_of, names_where
     from alignaudit.inputs.rollouts import read_rollouts
+    from alignaudit.pipelines.requests import check_clip_eps, engine_runs
+    from alignaudit.pipelines.runs import rescore as run_rescore
 
     check_clip_eps(clip_eps)
     if not kind_of(train).trains:
@@ -186,8 +186,8 @@ def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputA
     """
     from alignaudit.capture.ops import OpGraph, parse_selection
     from alignaudit.capture.rundir import BISECT, BISECT_OUTPUTS, OPS_FILES
-    from alignaudit.commands.pipeline import MODES
-    from alignaudit.commands.pipeline import bisect as run_bisect
+    from alignaudit.pipelines.runs import MODES
+    from alignaudit.pipelines.runs import bisect as run_bisect
     from alignaudit.reports.terminal import render_bisect
 
     if mode not in MODES:
@@ -218,10 +218,10 @@ def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE",
     `alignaudit gate` makes).
     """
     from alignaudit.capture.rundir import DIFF_OUTPUTS, OPS_FILES, RUN, SUMMARY
-    from alignaudit.commands.pipeline import diff_captures, diff_ops, finish_diff, write_ops
-    from alignaudit.commands.requests import check_clip_eps
     from alignaudit.comparison.integrity import load_pair
     from alignaudit.comparison.op_diff import first_divergence
+    from alignaudit.pipelines.requests import check_clip_eps
+    from alignaudit.pipelines.runs import diff_captures, diff_ops, finish_diff, write_ops
     from alignaudit.reports.terminal import render_op_verdict, render_ops
 
     check_clip_eps(clip_eps)
@@ -345,9 +345,9 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
     from rich.table import Table
 
     from alignaudit.capture.rundir import ABLATE_JSON, ABLATE_OUTPUTS, ABLATE_PARQUET
-    from alignaudit.commands.ablate import ablate as run_ablate
-    from alignaudit.commands.ablate import eager_for_op_capture, without_strict
     from alignaudit.inputs.strict_ops import STRICT_OPS, parse_strict
+    from alignaudit.pipelines.ablate import ablate as run_ablate
+    from alignaudit.pipelines.ablate import eager_for_op_capture, without_strict
 
     if run.strict is not None:
         raise errors.InputError("ablate sets the strict ops of each row itself; drop --strict")

@@ -1,4 +1,4 @@
-"""The CLI's options: typer's flags and help for each field of the request groups (alignaudit.commands.requests,
+"""The CLI's options: typer's flags and help for each field of the request groups (alignaudit.pipelines.requests,
 where the defaults and every check live), and ``grouped``, which expands a group into its options.
 
 A command declares a parameter of a group's type and ``@grouped`` expands it into the group's options on the
@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from alignaudit.commands.requests import GROUPS, ROLLOUT_DEFAULTS
+from alignaudit.pipelines.requests import GROUPS, ROLLOUT_DEFAULTS
 
 ModelOpt = Annotated[str, typer.Option(
     "--model", "-m", metavar="MODEL",

@@ -20,7 +20,7 @@ from alignaudit.commands.options import (
     TopKOpt,
     TopPOpt,
 )
-from alignaudit.commands.requests import ISArgs, ModelArgs, OutputArgs, PairArgs, PromptArgs, SamplingArgs, out_dir
+from alignaudit.pipelines.requests import ISArgs, ModelArgs, OutputArgs, PairArgs, PromptArgs, SamplingArgs, out_dir
 
 
 def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs, importance: ISArgs,
@@ -99,8 +99,9 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
     Each step the inference engine samples --group-size completions per prompt (every prompt, or
     --prompts-per-step of them drawn from the set; request i seeded with --seed + i) and records their
     logprobs while decoding; the trainer rescores them (old_logprobs); every generated token is compared
-    bit for bit; the reward (--reward: the task, a toy, or your own function) gives GRPO advantages; the trainer takes one clipped-loss step (Adam on fp32 main weights, grad clipping at 1.0)
-    with the ratio exp(lp_train - lp_rollout); its new weights go into the running inference engine
+    bit for bit; the reward (--reward: the task, a toy, or your own function) gives GRPO advantages;
+    the trainer takes one clipped-loss step (Adam on fp32 main weights, grad clipping at 1.0) with the
+    ratio exp(lp_train - lp_rollout); its new weights go into the running inference engine
     through model.load_weights (a file on the CPU, CUDA IPC handles on the GPU), and every tensor the
     engine then holds is checked bit for bit against the trainer's.
     Both engines stay up for the whole run. Writes steps.parquet (after every step), tokens/, steps.png

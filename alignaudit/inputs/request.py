@@ -1,7 +1,7 @@
 """What a run is asked to do, as one object: the model, the token ids, both engines, sampling.
 
 Every command (compare, gate, bisect, rl, ablate) builds one ``Request`` from its options, validated before
-any engine starts (alignaudit.commands.requests.build_request), and the pipeline functions take it whole, so no
+any engine starts (alignaudit.pipelines.requests.build_request), and the pipeline functions take it whole, so no
 command re-lists or hard-codes another's settings.
 """
 

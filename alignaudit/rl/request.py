@@ -1,4 +1,4 @@
-"""rl's Request: compare's (commands.requests.build_request) with what the loop adds, each refused before any engine
+"""rl's Request: compare's (pipelines.requests.build_request) with what the loop adds, each refused before any engine
 starts where it cannot take effect: engines that train and roll out, a group as one request where the rollout engine
 samples groups (vLLM's n), vLLM's sleep mode (--sleep-level), the task's own questions (--reward task), the held-out
 prompts (--eval-prompts, --eval-every), and the sizes and models the loop does not run.
@@ -13,7 +13,7 @@ from alignaudit.errors import InputError
 
 
 def rl_request(model, prompts, run, sampling, clip_eps: float, importance, settings):
-    """The Request of ``alignaudit rl`` (commands.requests argument groups; ``settings`` an rl.loop.RLSettings, already
+    """The Request of ``alignaudit rl`` (pipelines.requests argument groups; ``settings`` an rl.loop.RLSettings, already
     checked) and its held-out prompts (an alignaudit.rl.evaluation.HeldOut, or None). ``sampling.group_size`` is set
     here: G where the rollout engine samples a group as one request (and --full-vocab is off: its rows are per
     request), else 1 (the loop then submits each prompt G times).
@@ -21,10 +21,10 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
     Raises:
         InputError: a setting the loop or the engines cannot run with, with the fix.
     """
-    from alignaudit.commands.requests import build_request
     from alignaudit.engines import kind_of, names_where
     from alignaudit.engines.checks import check_rl_full_vocab, refuse_parallel
     from alignaudit.inputs.capabilities import refuse_moe
+    from alignaudit.pipelines.requests import build_request
 
     if not kind_of(run.train).trains or not kind_of(run.infer).rolls_out:
         trainers, rollers = names_where(lambda k: k.trains), names_where(lambda k: k.rolls_out)
@@ -95,7 +95,7 @@ def _refuse_truncated_reference(request, kl_coef: float) -> None:
 
 
 def _task_prompts(request, prompts, seed: int, per_step: int):
-    """rl --reward task: the task's own questions unless prompts were given (``prompts``: commands.requests.PromptArgs),
+    """rl --reward task: the task's own questions unless prompts were given (``prompts``: a PromptArgs),
     each checked to be a question; refused where completions cannot end at EOS (the answer ends there). The task's
     own: DEFAULT_QUESTIONS of its training set (alignaudit.rl.task.questions, seeded by --seed), asked every step, or
     with --prompts-per-step (``per_step`` > 0) the whole training set, drawn from step by step. Raises InputError."""

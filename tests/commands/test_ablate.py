@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from alignaudit.capture.ops import OpGraph
-from alignaudit.commands.ablate import STRICT_OP_COVERS, configurations
 from alignaudit.errors import EXIT_OK
+from alignaudit.pipelines.ablate import STRICT_OP_COVERS, configurations
 from helpers import CHROMIUM, one_line_error, open_in_chromium, run_in_process
 
 pytestmark = [pytest.mark.engines, pytest.mark.long]

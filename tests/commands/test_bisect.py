@@ -22,8 +22,8 @@ import json
 
 import pytest
 
-from alignaudit.commands.pipeline import diff_ops
 from alignaudit.comparison.op_diff import DIFFERS, EQUAL, first_divergence
+from alignaudit.pipelines.runs import diff_ops
 
 pytestmark = pytest.mark.engines
 

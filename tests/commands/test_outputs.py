@@ -389,9 +389,9 @@ def test_many_short_prompts_are_batched_and_reported_compactly(tmp_path, capsys,
 
 
 def test_progress_counts_reach_the_parent(tmp_path, tiny_spec):
-    from alignaudit.commands.pipeline import EngineRun, capture
     from alignaudit.inputs.prompts import load_prompts
     from alignaudit.inputs.request import EngineSettings
+    from alignaudit.pipelines.runs import EngineRun, capture
 
     batch = load_prompts(tiny_spec, random_prompts=130, prompt_len=4)
     seen = []

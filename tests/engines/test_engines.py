@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from alignaudit.commands.pipeline import diff_captures
+from alignaudit.pipelines.runs import diff_captures
 
 pytestmark = pytest.mark.engines
 
@@ -85,9 +85,9 @@ def test_right_padding_does_not_change_bf16_bits(captures, diff, engine):
 def test_default_micro_batches_keep_the_bits_of_one_sequence_at_a_time(tmp_path, tiny_spec, engine, dtype):
     """The default ("auto") batches equal-length sequences without padding: 70 prompts of 16 tokens run as
     batches of 64 and 6 and give the bits of 70 single-sequence passes (the fact the default rests on)."""
-    from alignaudit.commands.pipeline import EngineRun, capture
     from alignaudit.inputs.prompts import load_prompts
     from alignaudit.inputs.request import EngineSettings
+    from alignaudit.pipelines.runs import EngineRun, capture
 
     batch = load_prompts(tiny_spec, random_prompts=70, prompt_len=16)
     runs = {size: capture(tiny_spec, batch,

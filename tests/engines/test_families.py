@@ -17,10 +17,10 @@ import shutil
 import pytest
 import torch
 
-from alignaudit.commands.pipeline import diff_captures, diff_ops
 from alignaudit.comparison.op_diff import first_divergence
 from alignaudit.inputs.checkpoint import load_spec
 from alignaudit.inputs.prompts import load_prompts
+from alignaudit.pipelines.runs import diff_captures, diff_ops
 from helpers import ROOT, CaptureCache, one_line_error
 
 pytestmark = [pytest.mark.engines, pytest.mark.long]
@@ -109,7 +109,7 @@ def test_megatron_applies_llama3_scaling_in_its_default_path(tmp_path_factory):
 
 
 def test_fixtures_by_name_and_inputs_that_are_not_models(capsys, tmp_path):
-    from alignaudit.commands.requests import ModelArgs, resolve_model_arg
+    from alignaudit.pipelines.requests import ModelArgs, resolve_model_arg
 
     assert resolve_model_arg(ModelArgs(model="llama-tiny")).architecture == "LlamaForCausalLM"
     err = one_line_error(capsys, ["compare", "--model", "Llama-3.2-2B", "--random-weights",

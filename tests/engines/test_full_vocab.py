@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from alignaudit.capture.directory import read_capture
-from alignaudit.commands.pipeline import diff_captures, finish_diff
 from alignaudit.comparison.integrity import load_run
 from alignaudit.errors import InputError
+from alignaudit.pipelines.runs import diff_captures, finish_diff
 from helpers import FIXTURE, assert_bitwise_equal, saved_vocab_rows, vocab_reference
 
 pytestmark = pytest.mark.engines

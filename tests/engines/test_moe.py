@@ -11,11 +11,11 @@ import shutil
 
 import pytest
 
-from alignaudit.commands.pipeline import ROUTING, ROUTING_NOTE, diff_captures, diff_ops, routing_plan
 from alignaudit.comparison.op_diff import first_divergence
 from alignaudit.inputs.checkpoint import load_spec
 from alignaudit.inputs.prompts import load_prompts
 from alignaudit.inputs.request import EngineRun, EngineSettings
+from alignaudit.pipelines.runs import ROUTING, ROUTING_NOTE, diff_captures, diff_ops, routing_plan
 from helpers import ROOT, CaptureCache, one_line_error
 
 pytestmark = [pytest.mark.engines, pytest.mark.long]

@@ -14,11 +14,11 @@ from alignaudit.capture.directory import read_capture
 from alignaudit.capture.op_store import OpStore
 from alignaudit.capture.ops import op_id
 from alignaudit.capture.rundir import RUN, SUMMARY, UNREPLAYED
-from alignaudit.commands.pipeline import ROUTING, capture, compare
 from alignaudit.comparison.integrity import load_run
 from alignaudit.inputs.checkpoint import load_spec
 from alignaudit.inputs.prompts import load_prompts
 from alignaudit.inputs.request import EngineRun, EngineSettings, Request
+from alignaudit.pipelines.runs import ROUTING, capture, compare
 from helpers import ROOT, one_line_error
 
 pytestmark = pytest.mark.engines

@@ -120,9 +120,9 @@ def test_a_vllm_max_model_len_must_hold_each_prompt_and_the_tokens_after_it():
     vLLM as the trainer of a rollout: the sampled tokens and its own one."""
     from types import SimpleNamespace
 
-    from alignaudit.commands.requests import check_max_model_len
     from alignaudit.errors import InputError
     from alignaudit.inputs.request import EngineRun, EngineSettings
+    from alignaudit.pipelines.requests import check_max_model_len
 
     batch = SimpleNamespace(sequences=[[1] * 10, [1] * 30, [1] * 20])
 
@@ -283,9 +283,9 @@ def test_strict_processed_logprobs_are_the_trainers_bits(tmp_path):
 def test_replay_at_temperature_one_changes_no_bit(tmp_path, tiny_spec, captures, dtype):
     """Dividing by 1.0 is exact and no truncation applies: the replayed path gives the bits of the plain one
     (in fp32 this caught Megatron's cross-entropy working in place on the logits the replay reads)."""
-    from alignaudit.commands.pipeline import EngineRun, capture
     from alignaudit.inputs.prompts import load_prompts
     from alignaudit.inputs.request import EngineSettings, Replay
+    from alignaudit.pipelines.runs import EngineRun, capture
 
     batch = load_prompts(tiny_spec)
     replay = Replay(1.0, 0, 1.0, (10, 3, 50, 20))
@@ -372,8 +372,8 @@ def test_docs_list_every_setting_rule():
 def test_fp32_lm_head_takes_effect_in_every_engine_and_strict_agrees(captures, tmp_path):
     """--lm-head-dtype fp32 changes the logprobs of each engine against its bf16 head (so it takes effect;
     vLLM through its own head_dtype switch), and the strict path stays bit for bit equal with it."""
-    from alignaudit.commands.pipeline import EngineRun, capture, diff_captures
     from alignaudit.inputs.request import EngineSettings
+    from alignaudit.pipelines.runs import EngineRun, capture, diff_captures
 
     for engine in ("megatron", "vllm", "hf"):
         fp32 = capture(captures.spec, captures.batch, EngineRun(engine, EngineSettings(lm_head_dtype="fp32")),

@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 
 from alignaudit.capture.rundir import WORKER_LOG
-from alignaudit.commands.pipeline import diff_captures, diff_ops
 from alignaudit.comparison.op_diff import EQUAL, first_divergence
+from alignaudit.pipelines.runs import diff_captures, diff_ops
 
 pytestmark = [pytest.mark.engines, pytest.mark.long]
 

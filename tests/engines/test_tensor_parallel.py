@@ -65,7 +65,7 @@ def test_strict_is_bitwise_equal_at_tp2_in_rollout_mode(tmp_path):
 @pytest.mark.parametrize("train_tp, infer_tp", [(1, 2), (2, 1)])
 def test_strict_is_bitwise_equal_across_tensor_parallel_sizes(tmp_path, captures, train_tp, infer_tp):
     """TP=1 against TP=2 either way, prompt mode; the TP=1 sides are the session's strict captures."""
-    from alignaudit.commands.pipeline import diff_captures
+    from alignaudit.pipelines.runs import diff_captures
 
     train = captures.get("megatron", "bf16", strict="all",
                          **({"tensor_model_parallel_size": 2} if train_tp == 2 else {}))
@@ -122,9 +122,9 @@ def test_replay_truncates_the_whole_vocabulary_at_tp2(tmp_path, tiny_spec):
     equals TP=1 to rounding, -inf at the same tokens."""
     import numpy as np
 
-    from alignaudit.commands.pipeline import EngineRun, capture
     from alignaudit.inputs.prompts import load_prompts
     from alignaudit.inputs.request import EngineSettings, Replay
+    from alignaudit.pipelines.runs import EngineRun, capture
 
     batch = load_prompts(tiny_spec)
     replay = Replay(0.7, 5, 1.0, (10, 3, 50, 20))

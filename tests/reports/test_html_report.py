@@ -25,10 +25,10 @@ import pandas as pd
 import pytest
 
 from alignaudit.commands import cli
-from alignaudit.commands.pipeline import diff_ops, write_ops
 from alignaudit.comparison.op_diff import DIFFERS, first_divergence
 from alignaudit.comparison.token_diff import worst_sequences
 from alignaudit.errors import EXIT_OK, EXIT_USAGE
+from alignaudit.pipelines.runs import diff_ops, write_ops
 from helpers import CHROMIUM, needs_chromium, one_line_error, open_in_chromium, run_chromium
 
 pytestmark = pytest.mark.engines
@@ -70,8 +70,8 @@ def bisect_run(captures, tmp_path_factory):
 def sealed_record(out: Path, command: str, outputs: tuple[str, ...]) -> None:
     """A finished run's record over tables a test wrote (alignaudit.comparison.integrity.seal), so the page may
     read them."""
-    from alignaudit.commands.pipeline import write_json
     from alignaudit.comparison.integrity import seal
+    from alignaudit.pipelines.runs import write_json
 
     write_json(out / "run.json", seal({"command": command}, out, outputs))
 

@@ -192,8 +192,8 @@ def test_runs_side_by_side_refusals(runs, bisect_dir, tmp_path, capsys):
 @pytest.fixture
 def bisect_dir(tmp_path):
     """A sealed bisect-like directory: ops tables only (the kind is read from the files)."""
-    from alignaudit.commands.pipeline import write_json
     from alignaudit.comparison.integrity import seal
+    from alignaudit.pipelines.runs import write_json
 
     out = tmp_path / "bisect"
     out.mkdir()

@@ -26,10 +26,10 @@ import pandas as pd
 from alignaudit.capture.directory import read_capture
 from alignaudit.capture.ops import Selection
 from alignaudit.capture.rundir import ABLATE_JSON, ABLATE_PARQUET, CONFIGS, RUN
-from alignaudit.commands.pipeline import diff_captures, write_json
 from alignaudit.comparison.integrity import marks_failure, seal
 from alignaudit.inputs.request import EngineRun, Request
 from alignaudit.inputs.strict_ops import STRICT_OPS, format_strict
+from alignaudit.pipelines.runs import diff_captures, write_json
 
 ABLATE_COLUMNS = ("factor", "kind", "strict", "mismatches", "tokens", "max_ulp", "max_abs_diff", "first_diverging_op")
 
@@ -110,7 +110,7 @@ def ablate(request: Request, out: Path, factors: tuple[str, ...],
 
     ``capture_ops`` (prompt mode only): capture every canonical op and name each row's first diverging op.
     """
-    from alignaudit.commands.pipeline import bisect, compare
+    from alignaudit.pipelines.runs import bisect, compare
 
     request = without_strict(request)
     rows_of = configurations(factors)

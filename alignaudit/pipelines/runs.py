@@ -119,7 +119,7 @@ def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2,
 @marks_failure
 def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None) -> dict:
     """Capture ``request.train`` and ``request.infer`` on the same token ids, then diff them into ``out``. The request
-    is trusted as built (alignaudit.commands.requests.build_request checked every setting before any engine started).
+    is trusted as built (alignaudit.pipelines.requests.build_request checked every setting before any engine started).
 
     Prompt mode: both engines score the prompts teacher-forced. Rollout mode: the inference engine samples
     completions and records their logprobs while decoding; the training engine then scores prompt +
