@@ -1,11 +1,18 @@
-"""verl's trainer writes rescorable rollout records through alignaudit.integrations.verl, checked against verl 0.9.1's
-own classes (DataProto, RayPPOTrainer, its default config) on the CPU; verl's loop itself is not run here.
+"""verl's trainer writes rescorable rollout records through alignaudit.integrations.verl, and its FSDP actor computes
+vLLM's strict logprob bits, checked against verl 0.9.1's own code (DataProto, RayPPOTrainer, its default config,
+FSDPEngine's model building, model inputs and model outputs) on the CPU; verl's loop itself is not run here, nor
+FSDPEngine's constructor (its device mesh asks for CUDA).
 
 Chain: a real vLLM rollout (compare --mode rollout: the fixture's prompts, 8 sampled tokens, raw logprobs) laid out
 as verl's batch lays it out (prompts left-padded, responses right-padded, attention and response masks,
 rollout_log_probs); the hook's records of that batch, rescored by Megatron, give the compare run's numbers bit for
 bit (the same tokens, the same lp_train and lp_infer bits). ``setup`` patches RayPPOTrainer so that a config under
 which nothing rescorable would be written is refused before verl builds anything.
+Strict: a strict vLLM rollout at temperature 0.7 with processed logprobs, rescored as verl's actor rescores it
+(old_log_probs: FSDPEngine._build_module, prepare_model_inputs packing the batch without padding, the model under
+verl's bf16 autocast, prepare_model_outputs, no_padding_2_padding): every response token's logprob is vLLM's, bit for
+bit, with strict_fsdp_engine, and none is without it. Each verl setting the strict switch cannot honour is refused;
+the step check counts differing bits and stops before the update when asked to fail closed.
 """
 
 from __future__ import annotations
@@ -106,3 +113,169 @@ def test_the_hook_refuses_verl_settings_that_leave_nothing_to_rescore(rollout_ru
     del batch.batch["rollout_log_probs"]
     with pytest.raises(InputError, match="no rollout_log_probs"):
         rollout_rows(batch, {})
+
+
+@pytest.fixture(scope="module")
+def strict_rollout(tmp_path_factory):
+    out = tmp_path_factory.mktemp("verl-strict") / "compare"
+    assert cli.main(["compare", "--strict", "--mode", "rollout", "--train", "hf", "--infer", "vllm", "--max-new-tokens",
+                     "8", "--temperature", "0.7", "--infer-opt", "logprobs_mode=processed_logprobs", "--out",
+                     str(out)]) == EXIT_OK
+    return out
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of one rank (verl's model building asks torch.distributed for the rank)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def old_log_probs(batch, temperature: float):
+    """verl's actor rescoring ``batch`` (a DataProto after the rollout) as FSDPEngineWithLMHead.forward_step does,
+    without FSDP's wrapping: its own _build_module (the fixture's checkpoint, bf16: FSDP's mixed-precision dtype),
+    prepare_model_inputs (packed, no padding), the model under bf16 autocast, prepare_model_outputs; the response's
+    logprobs [B, R] by its own no_padding_2_padding."""
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import FSDPEngineConfig, HFModelConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    from helpers import FIXTURE
+
+    b = batch.batch
+    ids = torch.cat([b["prompts"], b["responses"]], 1)
+    position_ids = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    data = left_right_2_no_padding(TensorDict(
+        {"input_ids": ids, "attention_mask": b["attention_mask"], "position_ids": position_ids,
+         "response_mask": b["response_mask"], "prompts": b["prompts"], "responses": b["responses"]},
+        batch_size=ids.shape[0]))
+    tu.assign_non_tensor(data, temperature=temperature, use_remove_padding=True, calculate_entropy=False)
+    engine = object.__new__(FSDPEngineWithLMHead)  # its __init__ builds a CUDA device mesh
+    engine.model_config = HFModelConfig(path=str(FIXTURE), use_remove_padding=True,
+                                        override_config={"attn_implementation": "sdpa"})  # no FlashAttention here
+    engine.engine_config = FSDPEngineConfig(forward_only=True, model_dtype="bfloat16", use_torch_compile=False)
+    engine.device_mesh, engine.use_remove_padding, engine.ulysses_sequence_parallel_size = None, True, 1
+    engine.use_ulysses_sp = engine.pad_to_length = engine.pass_packed_cu_seqlens = False
+    module = engine._build_module()
+    inputs, args = engine.prepare_model_inputs(micro_batch=data)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        output = engine.prepare_model_outputs(module(**inputs, use_cache=False), args, data, None)
+    return no_padding_2_padding(output["log_probs"], data)
+
+
+def differing(batch, logprobs) -> int:
+    """Response tokens whose ``logprobs`` differ in any bit from the batch's rollout_log_probs."""
+    import torch
+
+    mask = batch.batch["response_mask"].bool()
+    return int((logprobs.float()[mask].view(torch.int32) != batch.batch["rollout_log_probs"][mask].view(torch.int32))
+               .sum())
+
+
+def test_verls_actor_made_strict_rescores_vllms_strict_rollout_bit_for_bit(strict_rollout, one_rank, monkeypatch):
+    import verl.models.transformers.monkey_patch as verl_patches
+    from verl.workers.engine.fsdp import transformer_impl
+
+    from alignaudit.inputs.strict_ops import STRICT_OPS
+    from alignaudit.integrations.verl import strict_fsdp_engine
+
+    # verl 0.9.1's monkey patch imports a value-head class TRL 1.16 (installed beside it here) no longer has
+    monkeypatch.setattr(verl_patches, "is_trl_available", lambda: False)
+    for name in ("logprobs_from_logits", "_scale_logits_by_temperature"):  # restored after the test
+        monkeypatch.setattr(transformer_impl, name, getattr(transformer_impl, name))
+    monkeypatch.setattr(transformer_impl.FSDPEngine, "_build_module", transformer_impl.FSDPEngine._build_module)
+    batch = verl_batch(strict_rollout)
+    tokens = int(batch.batch["response_mask"].sum())
+    assert tokens == 32 and differing(batch, old_log_probs(batch, 0.7)) == tokens  # verl's stock actor: every one
+    strict_fsdp_engine(frozenset(STRICT_OPS))
+    assert differing(batch, old_log_probs(batch, 0.7)) == 0
+
+
+def test_the_strict_switch_refuses_verl_settings_it_cannot_honour():
+    from alignaudit.integrations.verl import check_strict_config
+
+    ok = {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.actor.strategy": "fsdp2"}
+    check_strict_config(verl_config(**ok))
+    for change, says in (({"actor_rollout_ref.actor.strategy": "megatron"}, "built for FSDP"),
+                         ({"actor_rollout_ref.rollout.name": "sglang"}, "rollout.name=sglang"),
+                         ({"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2}, "Ulysses"),
+                         ({"actor_rollout_ref.model.use_fused_kernels": True}, "use_fused_kernels"),
+                         ({"actor_rollout_ref.model.use_liger": True}, "use_liger"),
+                         ({"actor_rollout_ref.model.lora_rank": 8}, "lora_rank"),
+                         ({"actor_rollout_ref.model.use_remove_padding": False}, "use_remove_padding=False"),
+                         ({"actor_rollout_ref.actor.fsdp_config.mixed_precision": {"param_dtype": "fp32"}},
+                          "computes in fp32"),
+                         ({"actor_rollout_ref.rollout.temperature": 0.7,
+                           "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs"}, "records logprobs before"),
+                         ({"actor_rollout_ref.rollout.top_p": 0.9}, "does not truncate")):
+        with pytest.raises(InputError, match=says):
+            check_strict_config(verl_config(**{**ok, **change}))
+    check_strict_config(verl_config(**ok, **{"actor_rollout_ref.rollout.top_p": 0.9,
+                                             "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs"}))
+    bypass = verl_config(**ok, **{"algorithm.rollout_correction": {"bypass_mode": True}})
+    check_strict_config(bypass)
+    with pytest.raises(InputError, match="bypass_mode=True uses vLLM's logprobs"):
+        check_strict_config(bypass, fail_closed=True)
+
+
+def test_every_step_is_checked_before_the_update_and_stops_when_asked(rollout_run, monkeypatch):
+    from verl.utils.debug import metrics
+
+    from alignaudit.integrations.verl import AlignmentError, _check_every_step, check_alignment
+
+    batch = verl_batch(rollout_run)
+    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
+    assert check_alignment(batch, fail_closed=True) == {"tokens": 32, "mismatches": 0}
+    batch.batch["old_log_probs"][2, 3] = batch.batch["old_log_probs"][2, 3].nextafter(batch.batch["old_log_probs"][2, 3]
+                                                                                       .new_tensor(0.0))  # one ULP
+    assert check_alignment(batch, fail_closed=False) == {"tokens": 32, "mismatches": 1}
+    monkeypatch.setattr(metrics, "calculate_debug_metrics", metrics.calculate_debug_metrics)
+    _check_every_step(fail_closed=False)
+    seen = metrics.calculate_debug_metrics(batch)  # as the trainer calls it, right after the rescoring
+    assert seen["alignaudit/mismatches"] == 1 and seen["training/rollout_probs_diff_max"] > 0
+    _check_every_step(fail_closed=True)
+    with pytest.raises(AlignmentError, match="1 of 32 response tokens"):
+        metrics.calculate_debug_metrics(batch)
+
+
+def test_one_environment_variable_makes_verls_workers_strict(tmp_path):
+    """``setup`` (Ray's worker_process_setup_hook) under ALIGNAUDIT_STRICT=all, in a fresh process as Ray starts one:
+    verl's FSDP engine takes the strict logprob functions, the step check wraps verl's debug metrics, and the trainer
+    refuses a setting the switch cannot honour before verl builds anything."""
+    import subprocess
+    import sys
+
+    code = """
+import os
+from omegaconf import OmegaConf
+import verl
+from alignaudit.integrations.verl import setup
+setup()
+from verl.workers.engine.fsdp import transformer_impl
+from verl.utils.debug import metrics
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+print(transformer_impl.logprobs_from_logits.__module__, transformer_impl._scale_logits_by_temperature.__name__,
+      hasattr(metrics.calculate_debug_metrics, "__wrapped__"))
+config = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer/config/_generated_ppo_trainer.yaml"))
+for key, value in {"trainer.rollout_data_dir": "/tmp/x", "actor_rollout_ref.rollout.name": "vllm",
+                   "actor_rollout_ref.model.lora_rank": 8}.items():
+    OmegaConf.update(config, key, value, force_add=True)
+try:
+    RayPPOTrainer(config, tokenizer=None, role_worker_mapping={}, resource_pool_manager=None)
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+    env = {**os.environ, "ALIGNAUDIT_STRICT": "all", "ALIGNAUDIT_FAIL_CLOSED": "1"}
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path,
+                         timeout=300)
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert lines[-2] == "alignaudit.integrations.verl strict_scale_by_temperature True"
+    assert lines[-1].startswith("InputError alignaudit.integrations.verl (ALIGNAUDIT_STRICT): actor_rollout_ref.model"
+                                ".lora_rank > 0")

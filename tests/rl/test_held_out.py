@@ -58,6 +58,27 @@ def test_a_jsonl_prompt_files_other_keys_are_columns(tmp_path):
     assert load_prompts(resolve_model("qwen3-tiny-trained"), bare).digest() == batch.digest()  # the ids only
 
 
+def test_the_schedule_and_the_check_of_eval_parquet():
+    """Evaluations follow step 0, every K-th step and the last run (a --max-seconds stop included); a table whose
+    numbers its rows do not give, or whose steps the schedule does not, is refused."""
+    from alignaudit.comparison.held_out import check_table, due, summarize
+
+    assert [s for s in range(21) if due(s, 10, 20)] == [0, 10, 20]
+    assert [s for s in range(8) if due(s, 5, 7)] == [0, 5, 7]  # stopped after step 7
+    assert [s for s in range(4) if due(s, 0, 3)] == [0, 3]
+    rows = {s: pd.DataFrame({"step": [s, s], "prompt": [0, 1], "prompt_ids": [[1, 2], [3, 4]],
+                             "completion_ids": [[5, 0], [6, 7, 8]], "completion": ["", ""],
+                             "reward": [1.0, 0.1 * s], "correct": [True, False]}) for s in (0, 2)}
+    record = {"eval": {"every": 2, "prompts": 2}, "rollout": {"max_new_tokens": 3}}
+    table = pd.DataFrame([summarize(rows[s], 3, True) | {"seconds": 0.1} for s in (0, 2)])
+    assert table["reward_mean"].tolist() == [0.5, 0.6] and table["completions_ended_early"].tolist() == [1, 1]
+    check_table(table, rows.get, record, 2, Path("eval.parquet"))
+    with pytest.raises(InputError, match="reward_mean 0.7 after step 2, 0.6 from its rows"):
+        check_table(table.assign(reward_mean=[0.5, 0.7]), rows.get, record, 2, Path("eval.parquet"))
+    with pytest.raises(InputError, match=r"after steps \[0, 2\], not \[0, 2, 3\]"):
+        check_table(table, rows.get, record, 3, Path("eval.parquet"))
+
+
 def _question_file(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"text": q, "answer": answer(*_operands(q))}) + "\n" for q in texts))
     return path
