@@ -141,9 +141,9 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
 
     memory = rl_plan(request, group_size, kl_coef > 0)  # refuses a model that cannot fit, before any engine starts
     if held and held.overlap:
-        err_console.print(f"[yellow]warning:[/] {held.overlap} of the {len(held.batch.sequences)} held-out prompts are "
-                          "also training prompts (the same token ids): their score is not a held-out one",
-                          highlight=False, soft_wrap=True)
+        same = "ask training questions" if held.overlap_by == "question" else "have a training prompt's token ids"
+        err_console.print(f"[yellow]warning:[/] {held.overlap} of the {len(held.batch.sequences)} held-out prompts "
+                          f"{same}: their score is not a held-out one", highlight=False, soft_wrap=True)
     out = out_dir(output, "rl", rl_outputs(settings.log_to))
     columns = (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[last]}"))

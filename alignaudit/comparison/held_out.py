@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from alignaudit.inputs.prompts import TokenBatch
+
 SUMMARY_COLUMNS = ("step", "prompts", "reward_mean", "reward_std", "accuracy", "completion_len_mean",
                    "completions_ended_early", "seconds")
 ROW_COLUMNS = ("step", "prompt", "prompt_ids", "completion_ids", "completion", "reward", "correct")
@@ -32,8 +34,9 @@ def summarize(rows, max_new_tokens: int, accuracy: bool) -> dict:
 
 def check_table(table, rows_of, record: dict, ran: int, where: Path) -> None:
     """eval.parquet (``table``) against the run: one row per evaluation the schedule gives for ``ran`` steps, in
-    order, each row's numbers those its per-prompt rows (``rows_of(step)``) give, to a relative 1e-9 (another
-    machine's float64 sums may round the last bits otherwise).
+    order; each evaluation's per-prompt rows (``rows_of(step)``) hold the prompts run.json's ``eval.digest`` names,
+    in order, and give its numbers, to a relative 1e-9 (another machine's float64 sums may round the last bits
+    otherwise).
 
     Raises:
         InputError: naming the first step or number that differs.
@@ -48,9 +51,11 @@ def check_table(table, rows_of, record: dict, ran: int, where: Path) -> None:
     max_new = int(record["rollout"]["max_new_tokens"])
     for row in table.to_dict("records"):
         rows = rows_of(int(row["step"]))
-        if len(rows) != held["prompts"]:
-            raise InputError(f"{where}: the evaluation after step {row['step']} has {len(rows)} rows for "
-                             f"{held['prompts']} prompts; the run directory was altered")
+        asked = TokenBatch(tuple(tuple(int(t) for t in ids) for ids in rows["prompt_ids"]))
+        if len(rows) != held["prompts"] or asked.digest() != held["digest"] or \
+                rows["prompt"].tolist() != list(range(len(rows))):
+            raise InputError(f"{where}: the evaluation after step {row['step']} holds other prompts than the "
+                             f"{held['prompts']} run.json names (eval.digest); the run directory was altered")
         for key, value in summarize(rows, max_new, row["accuracy"] == row["accuracy"]).items():
             recorded = row[key]
             same = (value is None and recorded != recorded) or (

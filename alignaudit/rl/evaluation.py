@@ -36,15 +36,17 @@ class HeldOut:
 
     Attributes:
         batch: the prompts (token ids; ``columns`` from a JSONL file). every: evaluate after every ``every``-th step
-        (0: only before the first and after the last). overlap: how many of them are also training prompts (the
-        same token ids), recorded and warned about: a score on prompts the policy trains on is not held out.
-        accuracy: score ``accuracy`` too (the task's reward: right answers get 1.0).
+        (0: only before the first and after the last). overlap: how many of them are also training prompts, by
+        ``overlap_by`` ("token ids", or under the task "question": the same operands however the ids spell them),
+        recorded and warned about: a score on prompts the policy trains on is not held out. accuracy: score
+        ``accuracy`` too (the task's reward: right answers get 1.0).
     """
 
     batch: TokenBatch
     every: int
     overlap: int
     accuracy: bool
+    overlap_by: str = "token ids"
 
     def due(self, step: int, last: int) -> bool:
         """Whether to evaluate after ``step`` of a run whose last step is ``last`` (0: before step 1)."""
@@ -53,11 +55,13 @@ class HeldOut:
     def record(self) -> dict:
         """run.json's ``eval``: the source, count and digest of the prompts, the schedule, the overlap."""
         return {"source": self.batch.source, "prompts": len(self.batch.sequences), "digest": self.batch.digest(),
-                "every": self.every, "overlap_with_training": self.overlap, "greedy": True}
+                "every": self.every, "overlap_with_training": self.overlap, "overlap_by": self.overlap_by,
+                "greedy": True}
 
 
-def held_out(batch: TokenBatch | None, every: int, training: TokenBatch, task: bool) -> HeldOut | None:
-    """The HeldOut of an rl run, or None where neither prompts nor a schedule was given.
+def held_out(batch: TokenBatch | None, every: int, training: TokenBatch, task: bool, question=None) -> HeldOut | None:
+    """The HeldOut of an rl run, or None where neither prompts nor a schedule was given. ``question``: token ids ->
+    what a prompt asks (the task's operands), to count overlap by; None: by the token ids themselves.
 
     Raises:
         InputError: a schedule (``every`` > 0, checked by RLSettings.check) without prompts (``batch`` None).
@@ -67,8 +71,10 @@ def held_out(batch: TokenBatch | None, every: int, training: TokenBatch, task: b
             raise InputError(f"--eval-every {every} scores held-out prompts, and none were given: add --eval-prompts "
                              "FILE, or use --reward task (its own held-out questions)")
         return None
-    trained = set(training.sequences)
-    return HeldOut(batch, every, sum(seq in trained for seq in batch.sequences), task)
+    key = question or tuple
+    trained = {key(seq) for seq in training.sequences}
+    overlap = sum(key(seq) in trained for seq in batch.sequences)
+    return HeldOut(batch, every, overlap, task, "question" if question else "token ids")
 
 
 class Evaluations:
@@ -110,7 +116,8 @@ def evaluate(step: int, held: HeldOut, rollout, sampling: dict, reward, out: Pat
     sequences = rolled["sequences"]
     completions = [s[len(p):] for s, p in zip(sequences, prompts, strict=True)]
     columns = {name: list(values) for name, values in held.batch.columns.items()}
-    rewards = reward(prompts, completions, step, columns)
+    when = "before step 1" if step == 0 else f"after step {step}"
+    rewards = reward(prompts, completions, step, columns, f"the held-out evaluation {when}")
     rows = pd.DataFrame({
         "step": np.full(len(prompts), step, dtype=np.int64),
         "prompt": np.arange(len(prompts), dtype=np.int64),

@@ -297,11 +297,14 @@ class StepPrompts:
 
     @staticmethod
     def check(per_step: int, count: int) -> None:
-        """Raises InputError where ``per_step`` exceeds the ``count`` of prompts (rl_request calls it before any
-        engine starts)."""
+        """Raises InputError where ``per_step`` exceeds the ``count`` of prompts, or equals it (every step would take
+        every prompt, as 0 does: the setting would change nothing); rl_request calls it before any engine starts."""
         if per_step > count:
             raise InputError(f"--prompts-per-step {per_step}: there are {count} prompts; draw at most that many a "
                              "step")
+        if per_step == count > 0:
+            raise InputError(f"--prompts-per-step {per_step}: there are {count} prompts, so every step would take all "
+                             "of them, as 0 does; draw fewer a step, or drop --prompts-per-step")
 
     def _refill(self) -> None:
         if not self.order:
@@ -402,7 +405,7 @@ def _step(step: int, request: Request, rl: RLSettings, reward, columns: dict, tr
         t2 = time.perf_counter()
     summary = summarize_tokens(tokens, request.clip_eps, request.importance)
     rewards = reward([s[:p] for s, p in zip(sequences, prompt_lengths, strict=True)],
-                     [s[p:] for s, p in zip(sequences, prompt_lengths, strict=True)], step, columns)
+                     [s[p:] for s, p in zip(sequences, prompt_lengths, strict=True)], step, columns, f"step {step}")
     advantages = group_advantages(rewards, rl.group_size)
     rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths, strict=True)]
     update = trainer.call("train_step", sequences=sequences, prompt_lengths=prompt_lengths, advantages=advantages,

@@ -64,18 +64,26 @@ def _held_out(request, settings, seed: int):
 
     task, reserve = settings.reward == "task", request.rollout.max_new_tokens
     batch = None
+    if settings.eval_prompts is not None and settings.eval_every >= settings.steps:
+        raise InputError(f"--eval-every {settings.eval_every} with --steps {settings.steps}: no evaluation falls "
+                         "between the one before the first step and the one after the last, which --eval-prompts "
+                         "makes with 0 too; use fewer steps between evaluations, or 0")
     if settings.eval_prompts is not None:
-        batch = load_prompts(request.spec, Path(settings.eval_prompts), reserve=reserve)
+        try:
+            batch = load_prompts(request.spec, Path(settings.eval_prompts), reserve=reserve)
+        except InputError as e:
+            raise InputError(f"--eval-prompts {settings.eval_prompts}: {e}") from None
     elif task and settings.eval_every:
         batch = text_batch(request.spec, questions(EVAL_QUESTIONS, seed, "held_out"),
                            f"task(addition, held-out set: {EVAL_QUESTIONS} questions, seed {seed})", reserve=reserve)
-    held = held_out(batch, settings.eval_every, request.batch, task)
-    if held and task:
-        TaskReward(request.spec.path).check_prompts(held.batch.sequences, held_out=True)
+    reward = TaskReward(request.spec.path) if task else None
+    if batch is not None and reward:
+        reward.check_prompts(batch.sequences, held_out=True)
+    held = held_out(batch, settings.eval_every, request.batch, task, reward.operands if reward else None)
     if is_user_reward(settings.reward):
-        reward = UserReward(settings.reward, request.spec.path)  # imported, and its calls checked, before any engine
+        user = UserReward(settings.reward, request.spec.path)  # imported, and its calls checked, before any engine
         for batch in (request.batch, *([held.batch] if held else [])):
-            reward.check_call(tuple(batch.columns), batch.source)
+            user.check_call(tuple(batch.columns), batch.source)
     return held
 
 

@@ -17,6 +17,7 @@ defined in and that file's sha256.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import importlib
@@ -53,8 +54,8 @@ class UserReward:
         if self.tokenizer is None:
             raise InputError(f"--reward {name} is given the prompts and completions as text, and {why}; use a "
                              "checkpoint with a tokenizer")
-        self.source = Path(inspect.getsourcefile(self.function) or "")
-        self.sha256 = hashlib.sha256(self.source.read_bytes()).hexdigest() if self.source.is_file() else None
+        self.source = _source_file(self.function)
+        self.sha256 = hashlib.sha256(self.source.read_bytes()).hexdigest() if self.source else None
 
     def check_call(self, columns, source: str) -> None:
         """Refuse, before any engine starts, a call the function cannot take: TRL's arguments (ARGUMENTS) and the
@@ -75,35 +76,60 @@ class UserReward:
             pass
 
     def record(self) -> dict:
-        """What run.json keeps of it: the name given, the function's file and that file's sha256."""
-        return {"function": self.name, "file": str(self.source), "sha256": self.sha256}
+        """What run.json keeps of it: the name given, the function's file and that file's sha256 (both None for a
+        callable defined in no Python file, a builtin)."""
+        return {"function": self.name, "file": str(self.source) if self.source else None, "sha256": self.sha256}
 
     def __call__(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], step: int,
-                 columns: dict[str, list] | None = None) -> list[float]:
+                 columns: dict[str, list] | None = None, during: str = "") -> list[float]:
         """One reward per completion, from one call of the user's function (``columns``: name -> one value per
-        completion, passed as keyword arguments; check_columns refused names that clash).
+        completion, passed as keyword arguments; check_call refused names that clash). The function gets copies:
+        what it changes in its arguments changes nothing the run records. ``during``: where the call is made, for
+        the messages ("step 3", "the held-out evaluation after step 20").
 
         Raises:
-            InputError: it returned other than one finite number per completion (naming the first bad one).
+            InputError: the function raised, or returned other than one finite number per completion (naming the
+                first bad one).
         """
         decode = self.tokenizer.decode
-        values = self.function(prompts=[decode(p, skip_special_tokens=True) for p in prompt_ids],
-                               completions=[decode(c, skip_special_tokens=True) for c in completion_ids],
-                               prompt_ids=prompt_ids, completion_ids=completion_ids, step=step, **(columns or {}))
+        where = f" ({during})" if during else ""
+        try:
+            values = self.function(prompts=[decode(p, skip_special_tokens=True) for p in prompt_ids],
+                                   completions=[decode(c, skip_special_tokens=True) for c in completion_ids],
+                                   prompt_ids=[list(p) for p in prompt_ids],
+                                   completion_ids=[list(c) for c in completion_ids], step=step,
+                                   **copy.deepcopy(columns or {}))
+        except Exception as e:  # noqa: BLE001 - the user's function may raise anything
+            text = str(e).splitlines()[0] if str(e) else ""
+            raise InputError(f"--reward {self.name} raised {type(e).__name__}: {text}{where}; fix the function"
+                             ) from None
         try:
             values = list(values)
         except TypeError:
             raise InputError(f"--reward {self.name} returned {type(values).__name__}, not a list of rewards, one per "
-                             "completion") from None
+                             f"completion{where}") from None
         if len(values) != len(completion_ids):
             raise InputError(f"--reward {self.name} returned {len(values)} rewards for {len(completion_ids)} "
-                             "completions; return one per completion")
+                             f"completions{where}; return one per completion")
         for i, value in enumerate(values):
             number = getattr(value, "item", lambda v=value: v)()  # a numpy or torch scalar as a Python one
             if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
-                raise InputError(f"--reward {self.name} returned {value!r} for completion {i}; every reward must be a "
-                                 "finite number (GRPO normalizes them within each group)")
+                raise InputError(f"--reward {self.name} returned {value!r} for completion {i}{where}; every reward "
+                                 "must be a finite number (GRPO normalizes them within each group)")
         return [float(getattr(v, "item", lambda v=v: v)()) for v in values]
+
+
+def _source_file(function) -> Path | None:
+    """The Python file ``function`` is defined in: a function's, a functools.partial's function's, a callable
+    object's class's; None where there is none (a builtin, a C extension)."""
+    for candidate in (function, getattr(function, "func", None), type(function)):
+        try:
+            found = inspect.getsourcefile(candidate) if candidate is not None else None
+        except TypeError:
+            continue
+        if found and Path(found).is_file():
+            return Path(found)
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,6 +152,9 @@ def _load(name: str):
             module = importlib.import_module(module_name)
     except InputError:
         raise
+    except SystemExit as e:  # a module that parses its own command line, or exits, as it is imported
+        raise InputError(f"--reward {name}: importing {module_name} called sys.exit({e.code!r}); a reward module must "
+                         "not exit when imported (put a script's code under `if __name__ == \"__main__\":`)") from None
     except Exception as e:  # noqa: BLE001 - the user's module may raise anything while it is imported
         raise InputError(f"--reward {name}: importing {module_name} failed: {type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}") from None

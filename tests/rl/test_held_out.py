@@ -69,7 +69,10 @@ def test_the_schedule_and_the_check_of_eval_parquet():
     rows = {s: pd.DataFrame({"step": [s, s], "prompt": [0, 1], "prompt_ids": [[1, 2], [3, 4]],
                              "completion_ids": [[5, 0], [6, 7, 8]], "completion": ["", ""],
                              "reward": [1.0, 0.1 * s], "correct": [True, False]}) for s in (0, 2)}
-    record = {"eval": {"every": 2, "prompts": 2}, "rollout": {"max_new_tokens": 3}}
+    from alignaudit.inputs.prompts import TokenBatch
+
+    digest = TokenBatch(((1, 2), (3, 4))).digest()
+    record = {"eval": {"every": 2, "prompts": 2, "digest": digest}, "rollout": {"max_new_tokens": 3}}
     table = pd.DataFrame([summarize(rows[s], 3, True) | {"seconds": 0.1} for s in (0, 2)])
     assert table["reward_mean"].tolist() == [0.5, 0.6] and table["completions_ended_early"].tolist() == [1, 1]
     check_table(table, rows.get, record, 2, Path("eval.parquet"))
@@ -77,6 +80,42 @@ def test_the_schedule_and_the_check_of_eval_parquet():
         check_table(table.assign(reward_mean=[0.5, 0.7]), rows.get, record, 2, Path("eval.parquet"))
     with pytest.raises(InputError, match=r"after steps \[0, 2\], not \[0, 2, 3\]"):
         check_table(table, rows.get, record, 3, Path("eval.parquet"))
+    rows[2].at[1, "prompt_ids"] = [3, 5]  # another prompt's row
+    with pytest.raises(InputError, match="after step 2 holds other prompts than the 2 run.json names"):
+        check_table(table, rows.get, record, 2, Path("eval.parquet"))
+
+
+def test_a_users_reward_gets_copies_and_any_callable_and_its_errors_name_the_call():
+    """The function may change its arguments: the caller's lists stay as they were. A callable object, a partial and
+    a builtin are rewards too (run.json names the file where there is one). What it raises, and what it returns
+    wrong, is an input error naming the function and the call."""
+    from alignaudit.rl.user_reward import UserReward
+    from helpers import FIXTURE
+
+    prompts, completions, columns = [[1, 2]], [[3, 4]], {"answer": ["7"]}
+    assert UserReward(f"{REWARDS}:mutating", str(FIXTURE))(prompts, completions, 1, columns) == [0.5]
+    assert prompts == [[1, 2]] and completions == [[3, 4]] and columns == {"answer": ["7"]}
+    for name in ("SCORER", "PARTIAL"):
+        reward = UserReward(f"{REWARDS}:{name}", str(FIXTURE))
+        assert reward.record()["file"] == str(REWARDS) and len(reward([[1, 2]], [[4, 6]], 1)) == 1
+    assert UserReward("math:fsum", str(FIXTURE)).record() == {"function": "math:fsum", "file": None, "sha256": None}
+    with pytest.raises(InputError, match=r"raised KeyError: 'answer' \(the held-out evaluation after step 3\)"):
+        UserReward(f"{REWARDS}:raising", str(FIXTURE))([[1]], [[2]], 3, None, "the held-out evaluation after step 3")
+
+
+def test_overlap_is_counted_by_question_under_the_task():
+    """Under the task a held-out prompt that asks a training question is not held out, however its ids spell it."""
+    from alignaudit.inputs.checkpoint import resolve_model
+    from alignaudit.inputs.prompts import text_batch
+    from alignaudit.rl.evaluation import held_out
+
+    spec = resolve_model("qwen3-tiny-trained")
+    training = text_batch(spec, ["37+45=", "1+2="], "train")
+    held = text_batch(spec, [" 37+45=", "3+4="], "held")  # a leading space: other ids, the same question
+    assert held.sequences[0] not in training.sequences
+    assert held_out(held, 0, training, task=False).overlap == 0
+    by_question = held_out(held, 0, training, task=True, question=TaskReward(str(TRAINED)).operands)
+    assert (by_question.overlap, by_question.overlap_by) == (1, "question")
 
 
 def _question_file(path: Path, texts: list[str]) -> Path:
@@ -145,12 +184,21 @@ def test_the_tasks_own_training_and_held_out_questions_never_meet(tmp_path):
     (["--eval-prompts", "{missing}"], "cannot read prompt file"),
     (["--reward", f"{REWARDS}:addition", "--model", "qwen3-tiny-trained"],  # built-in prompts: no answer column
      "addition cannot take TRL's reward arguments (missing a required argument: 'answer')"),
+    (["--eval-prompts", "{plain}", "--eval-every", "5", "--steps", "5"],
+     "--eval-every 5 with --steps 5: no evaluation falls between"),
+    (["--random-prompts", "3", "--prompts-per-step", "3"], "every step would take all of them, as 0 does"),
+    (["--reward", f"{Path(__file__).with_name('exits_on_import.py')}:reward"], "called sys.exit(0)"),
+    (["--eval-prompts", "{long}"], "--eval-prompts {long}: prompt 0 has 1100 tokens"),
 ])
 def test_held_out_settings_that_cannot_take_effect_are_refused_before_any_engine(capsys, tmp_path, argv, message):
-    files = {"words": tmp_path / "words.txt", "step_column": tmp_path / "s.jsonl", "missing": tmp_path / "none.jsonl"}
+    files = {"words": tmp_path / "words.txt", "step_column": tmp_path / "s.jsonl", "missing": tmp_path / "none.jsonl",
+             "long": tmp_path / "long.jsonl", "plain": tmp_path / "plain.txt"}
+    files["plain"].write_text("1+2=\n")
     files["words"].write_text("hello there\n")
+    files["long"].write_text(json.dumps({"token_ids": [5] * 1100}) + "\n")
     files["step_column"].write_text('{"text": "1+2=", "step": 3}\n')
     out = tmp_path / "o"
-    argv = [a.format(**{k: str(v) for k, v in files.items()}) for a in argv]
+    named = {k: str(v) for k, v in files.items()}
+    argv, message = [a.format(**named) for a in argv], message.format(**named)
     assert message in one_line_error(capsys, ["rl", *argv, "--out", str(out)], EXIT_USAGE)
     assert not (out / "run.json").exists()

@@ -36,3 +36,28 @@ def addition(prompts, completions, answer, completion_ids, **kwargs):
         rewards.append(1.0 if ended and text == expected else
                        0.1 if ended and re.fullmatch(r"\d{1,3}", text) else 0.0)
     return rewards
+
+
+def mutating(prompts, completions, prompt_ids, completion_ids, **kwargs):
+    """Changes every argument it is given, then rewards 0.5: what the run records must not change with it."""
+    for ids in (*prompt_ids, *completion_ids):
+        ids.clear()
+    for values in kwargs.values():
+        if isinstance(values, list):
+            values.clear()
+    return [0.5] * len(completions)
+
+
+def raising(prompts, completions, **kwargs):
+    raise KeyError("answer")
+
+
+class Scorer:
+    """A callable object, as reward classes are written."""
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+
+SCORER = Scorer()
+PARTIAL = __import__("functools").partial(even_fraction)

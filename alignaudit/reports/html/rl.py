@@ -153,6 +153,16 @@ def rl_section(page: Page, run: RunDir) -> pd.DataFrame:
     return steps
 
 
+def _overlap_note(overlap: int, by: str) -> str:
+    """What the page says of held-out prompts that are also training prompts (compared by ``by``: "token ids", or
+    under the task "question", its operands)."""
+    if by == "question":
+        return ("None of them asks a training question." if overlap == 0 else
+                f"{overlap} of them ask training questions: their score is not held out.")
+    return ("None of them has the token ids of a training prompt." if overlap == 0 else
+            f"{overlap} of them have the token ids of training prompts: their score is not held out.")
+
+
 def eval_section(page: Page, evals: pd.DataFrame, held: dict) -> None:
     """The held-out evaluations (rl --eval-prompts / --eval-every; ``held`` run.json's ``eval``): where the prompts
     came from and whether any is also a training prompt, the greedy reward and accuracy over the steps, the table."""
@@ -160,11 +170,12 @@ def eval_section(page: Page, evals: pd.DataFrame, held: dict) -> None:
 
     page.heading("Held-out evaluation (eval.parquet)", anchor="eval")
     overlap = held["overlap_with_training"]
-    when = f"after every {held['every']} steps and after the last" if held["every"] else "and after the last step"
+    every = held["every"]
+    when = ("after every step" if every == 1 else f"after every {every} steps and after the last" if every else
+            "and after the last step")
     page.note(f"{held['prompts']} prompts from {held['source']}, answered greedily (temperature 0, one completion "
               f"each) by the rollout engine before step 1 (step 0), {when}, and scored by the run's reward. "
-              + ("None of them is a training prompt." if overlap == 0 else
-                 f"{overlap} of them are also training prompts (the same token ids): their score is not held out."))
+              + _overlap_note(overlap, held.get("overlap_by", "token ids")))
     if len(evals) > 1:
         first, last = evals.iloc[0], evals.iloc[-1]
         measure = "accuracy" if evals["accuracy"].notna().all() else "reward_mean"
