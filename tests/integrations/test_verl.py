@@ -11,7 +11,8 @@ which nothing rescorable would be written is refused before verl builds anything
 Strict: a strict vLLM rollout at temperature 0.7 with processed logprobs, rescored as verl's actor rescores it
 (old_log_probs: FSDPEngine._build_module, prepare_model_inputs packing the batch without padding, the model under
 verl's bf16 autocast, prepare_model_outputs, no_padding_2_padding): every response token's logprob is vLLM's, bit for
-bit, with strict_fsdp_engine, and none is without it. Each verl setting the strict switch cannot honour is refused;
+bit, with strict_fsdp_engine, and none is without it; the update's forward (with gradient) gives the same bits and a
+gradient to every parameter. Each verl setting the strict switch cannot honour is refused;
 the step check counts differing bits and stops before the update when asked to fail closed.
 """
 
@@ -134,11 +135,12 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
-def old_log_probs(batch, temperature: float):
+def old_log_probs(batch, temperature: float, grad: bool = False):
     """verl's actor rescoring ``batch`` (a DataProto after the rollout) as FSDPEngineWithLMHead.forward_step does,
     without FSDP's wrapping: its own _build_module (the fixture's checkpoint, bf16: FSDP's mixed-precision dtype),
     prepare_model_inputs (packed, no padding), the model under bf16 autocast, prepare_model_outputs; the response's
-    logprobs [B, R] by its own no_padding_2_padding."""
+    logprobs [B, R] by its own no_padding_2_padding. ``grad``: as the update's forward (with gradient); returns
+    (logprobs, the model)."""
     import torch
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
@@ -164,9 +166,9 @@ def old_log_probs(batch, temperature: float):
     engine.use_ulysses_sp = engine.pad_to_length = engine.pass_packed_cu_seqlens = False
     module = engine._build_module()
     inputs, args = engine.prepare_model_inputs(micro_batch=data)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
         output = engine.prepare_model_outputs(module(**inputs, use_cache=False), args, data, None)
-    return no_padding_2_padding(output["log_probs"], data)
+    return no_padding_2_padding(output["log_probs"], data), module
 
 
 def differing(batch, logprobs) -> int:
@@ -192,9 +194,13 @@ def test_verls_actor_made_strict_rescores_vllms_strict_rollout_bit_for_bit(stric
     monkeypatch.setattr(transformer_impl.FSDPEngine, "_build_module", transformer_impl.FSDPEngine._build_module)
     batch = verl_batch(strict_rollout)
     tokens = int(batch.batch["response_mask"].sum())
-    assert tokens == 32 and differing(batch, old_log_probs(batch, 0.7)) == tokens  # verl's stock actor: every one
+    assert tokens == 32 and differing(batch, old_log_probs(batch, 0.7)[0]) == tokens  # verl's stock actor: every one
     strict_fsdp_engine(frozenset(STRICT_OPS))
-    assert differing(batch, old_log_probs(batch, 0.7)) == 0
+    assert differing(batch, old_log_probs(batch, 0.7)[0]) == 0
+    logprobs, model = old_log_probs(batch, 0.7, grad=True)  # the update's forward: the same bits, a gradient
+    assert differing(batch, logprobs.detach()) == 0
+    logprobs[batch.batch["response_mask"].bool()].sum().backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
 
 
 def test_the_strict_switch_refuses_verl_settings_it_cannot_honour():
