@@ -14,38 +14,46 @@ scores, no token ids and no rollout logprobs. With this module's hook in verl's 
 
 One switch, on verl's command line (Ray runs ``setup`` in every worker process as it starts, the trainer's too):
 
-    python -m verl.trainer.main_ppo ... trainer.rollout_data_dir=/data/rollouts \\
+    python -m verl.trainer.main_ppo ... trainer.use_v1=False trainer.rollout_data_dir=/data/rollouts \\
         +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=alignaudit.integrations.verl.setup
     alignaudit rescore /data/rollouts/alignaudit-step3.jsonl --model /ckpt --train hf --out runs/verl-step3
 
-Refused when verl's trainer is built (InputError, before any step), with the reason: no ``rollout_data_dir`` (nothing
-would be written), ``calculate_log_probs`` off (verl then records no rollout logprobs), a ``logprobs_mode`` other than
-raw_logprobs or processed_logprobs (logits are no logprobs). A response with holes in its mask (multi-turn tool
-tokens the engine did not sample) is refused when it is written, naming it.
+Refused when verl's trainer is built (InputError, before any step), with the reason (``check_config``): no rollout
+logprobs (``calculate_log_probs`` off), a ``logprobs_mode`` other than raw_logprobs or processed_logprobs; for records
+alone, verl's v1 trainer (``trainer.use_v1``, verl's default: it keeps rollouts in TransferQueue, which the records do
+not read yet) or no ``rollout_data_dir`` (nothing would be written); multi-turn rollouts where records are written.
+
 Strict (the same hook, with ``ALIGNAUDIT_STRICT=all`` among the Ray workers' environment variables, which also makes
 verl's vLLM strict through alignaudit's vLLM plugin):
 
     +ray_kwargs.ray_init.runtime_env.env_vars.ALIGNAUDIT_STRICT=all
 
-verl's FSDP actor and reference (verl/workers/engine/fsdp/transformer_impl.py, FSDPEngine) get the strict module swap
-as verl builds the transformers model, before FSDP wraps it (``strict_module``: its forward out of verl's autocast, in
-FSDP's mixed-precision dtype, vLLM's); their logprobs come from the strict kernel on fp32 logits divided by the
-temperature as vLLM's sampler divides them (``strict_logprobs_from_logits``, ``strict_scale_by_temperature`` in
-place of verl's). With ``ALIGNAUDIT_FAIL_CLOSED=1`` too, the trainer stops at the first step whose old_log_probs
-(the actor's rescoring) differ from vLLM's rollout_log_probs in any bit, before that step's update
-(``check_alignment``). Refused with strict on (``check_strict_config``): an actor other than FSDP (verl's Megatron
-actor builds through Megatron-Bridge, not patched yet), a rollout other than vLLM, Ulysses sequence parallelism,
-fused or Liger kernels, LoRA, padded (not packed) forward passes, a mixed-precision dtype other than the rollout's,
-a temperature other than 1 with raw logprobs (vLLM's raw logprobs are taken before the temperature, verl's actor
-after it), top-k / top-p with processed logprobs (verl's actor does not truncate).
+verl's FSDP actor and reference (verl/workers/engine/fsdp/transformer_impl.py, FSDPEngine; not the critic, whose
+values are no logprobs) get the strict module swap as verl builds the transformers model, before FSDP wraps it
+(``strict_module``: its forward out of verl's autocast, in FSDP's mixed-precision dtype, vLLM's); their logprobs come
+from the strict kernel on fp32 logits divided by the temperature as vLLM's sampler divides them
+(``strict_logprobs_from_logits``, ``strict_scale_by_temperature`` in place of verl's). Every step, right after the
+actor's rescoring and before the update, verl's debug metrics gain ``alignaudit/mismatches`` and ``alignaudit/tokens``
+(``check_alignment``); with ``ALIGNAUDIT_FAIL_CLOSED=1`` too, the trainer stops at the first step whose old_log_probs
+differ from vLLM's rollout_log_probs in any bit (that step's records are not written: verl dumps after the update).
+Both trainers, RayPPOTrainer and v1's. Refused with strict on (``check_strict_config``, each value read where verl
+reads it): an actor other than FSDP (verl's Megatron actor builds through Megatron-Bridge, not patched yet), a
+rollout other than vLLM, Ulysses sequence parallelism (actor or reference), fused or Liger kernels, LoRA,
+quantization-aware training, a quantized rollout, padded (not packed) forward passes, a mixed-precision dtype other
+than vLLM's (``engine_kwargs.vllm.dtype`` over ``rollout.dtype``, as verl's vLLM server reads them; "auto"), a
+temperature other than 1 with raw logprobs (vLLM's raw logprobs are taken before the temperature, verl's actor after
+it), top-k / top-p with processed logprobs (verl's actor does not truncate), and with fail-closed the rollout-correction
+bypass mode (nothing is rescored to check).
 Not run yet: verl's own loop with this hook (verl pins transformers < 5.11; docs/frameworks.md says what blocks it on
-the GPU machines here), and verl's FSDPEngine itself on a CPU (its device mesh asks for CUDA): the CPU tests drive
-verl's own model-input and model-output code around the strict model.
+the GPU machines here), verl's v1 trainer (TransferQueue does not install here), and verl's FSDPEngine itself on a
+CPU (its device mesh asks for CUDA): the CPU tests drive verl's own model-building, model-input and model-output code
+around the strict model.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 from pathlib import Path
@@ -68,44 +76,64 @@ class AlignmentError(AlignAuditError):
 
 
 def setup() -> None:
-    """Ray's ``worker_process_setup_hook``: patch verl's RayPPOTrainer (where this process can import it) so that it
-    checks its config when built and writes alignaudit's records beside its own rollout dump; with ALIGNAUDIT_STRICT
-    set, make verl's FSDP engine strict (``strict_fsdp_engine``) and check every step (``check_alignment``).
-    Idempotent; what a process cannot import (the trainer in a rollout worker) is left alone."""
+    """Ray's ``worker_process_setup_hook``: patch verl's trainers (RayPPOTrainer, and verl's v1 PPOTrainer where this
+    process can import it) so that they check their config when built (``check_config``; ``check_strict_config``
+    with ALIGNAUDIT_STRICT), RayPPOTrainer writing alignaudit's records beside its own rollout dump; with
+    ALIGNAUDIT_STRICT set, make verl's FSDP engine strict (``strict_fsdp_engine``) and check every step
+    (``check_alignment``). Idempotent; what a process cannot import (the trainer in a rollout worker) is left alone."""
     if _PATCHED:
         return
     _PATCHED["setup"] = True
     ops = parse_strict(os.environ.get(ENV), ENV)
+    fail_closed = os.environ.get(FAIL_CLOSED_ENV, "") not in ("", "0")
     if ops:
         try:
             strict_fsdp_engine(ops, os.environ.get(EXP_ENV, "portable"))
         except ImportError:
             pass
-    try:
-        from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-    except ImportError:
-        return
-    _PATCHED["__init__"], _PATCHED["_log_rollout_data"] = RayPPOTrainer.__init__, RayPPOTrainer._log_rollout_data
-    fail_closed = os.environ.get(FAIL_CLOSED_ENV, "") not in ("", "0")
+        _check_every_step(fail_closed)
+    for module, name in (("verl.trainer.ppo.ray_trainer", "RayPPOTrainer"), ("verl.trainer.ppo.v1.trainer_base",
+                                                                             "PPOTrainer")):
+        try:
+            trainer = getattr(importlib.import_module(module), name)
+        except ImportError:  # verl's v1 trainer needs TransferQueue
+            continue
+        _check_when_built(trainer, bool(ops), fail_closed)
+        if name == "RayPPOTrainer":
+            _write_records_with_the_dump(trainer)
 
+
+def _check_when_built(trainer: type, strict: bool, fail_closed: bool) -> None:
+    """``trainer.__init__(config, ...)`` runs check_config (and check_strict_config) before verl's own."""
+    build = trainer.__init__
+
+    @functools.wraps(build)
     def __init__(self, config, *args, **kwargs):
-        check_config(config)
-        if ops:
+        check_config(config, strict)
+        if strict:
             check_strict_config(config, fail_closed)
-        _PATCHED["__init__"](self, config, *args, **kwargs)
+        build(self, config, *args, **kwargs)
 
+    trainer.__init__ = __init__
+
+
+def _write_records_with_the_dump(trainer: type) -> None:
+    """RayPPOTrainer._log_rollout_data (its rollout dump, where ``trainer.rollout_data_dir`` is set) also writes the
+    step's records (``write_records``)."""
+    dump = trainer._log_rollout_data
+
+    @functools.wraps(dump)
     def _log_rollout_data(self, batch, reward_extra_infos_dict, timing_raw, rollout_data_dir):
-        _PATCHED["_log_rollout_data"](self, batch, reward_extra_infos_dict, timing_raw, rollout_data_dir)
+        dump(self, batch, reward_extra_infos_dict, timing_raw, rollout_data_dir)
         write_records(batch, sampling(self.config), self.global_steps, rollout_data_dir)
 
-    RayPPOTrainer.__init__, RayPPOTrainer._log_rollout_data = __init__, _log_rollout_data
-    if ops:
-        _check_every_step(fail_closed)
+    trainer._log_rollout_data = _log_rollout_data
 
 
 def strict_fsdp_engine(ops: frozenset[str], exp: str = "portable") -> None:
-    """Make verl's FSDP engine (verl/workers/engine/fsdp/transformer_impl.py) strict in this process: every model
-    FSDPEngine._build_module builds gets ``strict_module``, and the module's ``logprobs_from_logits`` and
+    """Make verl's FSDP engine (verl/workers/engine/fsdp/transformer_impl.py) strict in this process: every language
+    model FSDPEngine._build_module builds (the actor's, the reference's; not a critic's value model, whose values are
+    no logprobs) gets ``strict_module``, and the module's ``logprobs_from_logits`` and
     ``_scale_logits_by_temperature`` become ``strict_logprobs_from_logits`` and ``strict_scale_by_temperature``.
 
     Raises:
@@ -118,7 +146,8 @@ def strict_fsdp_engine(ops: frozenset[str], exp: str = "portable") -> None:
     @functools.wraps(build)
     def _build_module(self):
         module = build(self)
-        strict_module(module, ops, exp)
+        if getattr(self.model_config, "model_type", "language_model") == "language_model":  # not the critic's
+            strict_module(module, ops, exp)
         return module
 
     transformer_impl.FSDPEngine._build_module = _build_module
@@ -176,58 +205,80 @@ def strict_scale_by_temperature(logits: torch.Tensor, temperature: torch.Tensor,
 def check_strict_config(config, fail_closed: bool = False) -> None:
     """Refuse a verl config under which verl's actor and vLLM cannot compute the same logprob bits, even strict (the
     module docstring's list), or (``fail_closed``) under which the step check cannot run: verl's rollout-correction
-    bypass mode takes vLLM's logprobs as old_log_probs and never rescores.
+    bypass mode takes vLLM's logprobs as old_log_probs and never rescores. Values are read where verl reads them
+    (vLLM's ``engine_kwargs`` override the rollout's own ``dtype`` and ``logprobs_mode``: verl's vLLM server spreads
+    them last), dtypes in verl's spellings (verl/utils/torch_dtypes.py).
 
     Raises:
         InputError: naming the setting and the fix.
     """
-    ref = config.actor_rollout_ref
-    actor, rollout, model = ref.actor, ref.rollout, ref.model
-    refusals = (
-        (actor.strategy not in ("fsdp", "fsdp2"), f"actor_rollout_ref.actor.strategy={actor.strategy}: verl's strict "
-         "actor is built for FSDP (its Megatron actor builds through Megatron-Bridge, not patched yet); use fsdp2"),
-        (rollout.name != "vllm", f"actor_rollout_ref.rollout.name={rollout.name}: the strict rollout is vLLM's "
-         "(alignaudit's vLLM plugin); use vllm"),
-        (actor.fsdp_config.get("ulysses_sequence_parallel_size", 1) != 1 or actor.get(
-            "ulysses_sequence_parallel_size", 1) != 1, "Ulysses sequence parallelism splits the strict attention's "
-         "sequences across ranks, which it does not compute yet; set ulysses_sequence_parallel_size=1"),
-        (bool(model.get("use_fused_kernels", False)), "actor_rollout_ref.model.use_fused_kernels=True: the fused "
-         "head computes its own logprobs; set it to False"),
-        (bool(model.get("use_liger", False)), "actor_rollout_ref.model.use_liger=True: Liger's kernels replace the "
-         "modules the strict swap replaces; set it to False"),
-        (int(model.get("lora_rank", 0)) > 0, "actor_rollout_ref.model.lora_rank > 0: LoRA's adapters are not strict "
-         "modules; set lora_rank=0"),
-        (not model.get("use_remove_padding", True), "actor_rollout_ref.model.use_remove_padding=False: the padded "
-         "forward's right padding is not a layout the strict attention reads; set it to True"),
-    )
-    for refused, why in refusals:
-        if refused:
-            raise InputError(f"alignaudit.integrations.verl (ALIGNAUDIT_STRICT): {why}")
-    correction = config.get("algorithm", {}).get("rollout_correction") or {}
-    if fail_closed and correction.get("bypass_mode", False):
+    strategy = _select(config, "actor_rollout_ref.actor.strategy")
+    if strategy not in ("fsdp", "fsdp2"):
+        _refuse(f"actor_rollout_ref.actor.strategy={strategy}: verl's strict actor is built for FSDP (its Megatron "
+                "actor builds through Megatron-Bridge, not patched yet); use fsdp2")
+    if _select(config, "actor_rollout_ref.rollout.name") != "vllm":
+        _refuse(f"actor_rollout_ref.rollout.name={_select(config, 'actor_rollout_ref.rollout.name')}: the strict "
+                "rollout is vLLM's (alignaudit's vLLM plugin); use vllm")
+    for side in ("actor", "ref"):
+        for key in (f"actor_rollout_ref.{side}.ulysses_sequence_parallel_size",
+                    f"actor_rollout_ref.{side}.fsdp_config.ulysses_sequence_parallel_size"):
+            if (_select(config, key) or 1) != 1:
+                _refuse(f"{key}={_select(config, key)}: Ulysses sequence parallelism splits the strict attention's "
+                        "sequences across ranks, which it does not compute yet; set it to 1")
+    for key, why in (("actor_rollout_ref.model.use_fused_kernels", "the fused head computes its own logprobs"),
+                     ("actor_rollout_ref.model.use_liger", "Liger's kernels replace the modules the strict swap "
+                      "replaces"),
+                     ("actor_rollout_ref.actor.fsdp_config.qat.enable", "quantization-aware training changes the "
+                      "weights both engines compute with")):
+        if _select(config, key):
+            _refuse(f"{key}=True: {why}; set it to False")
+    if (_select(config, "actor_rollout_ref.model.lora_rank") or 0) > 0:
+        _refuse("actor_rollout_ref.model.lora_rank > 0: LoRA's adapters are not strict modules; set lora_rank=0")
+    if not _select(config, "actor_rollout_ref.model.use_remove_padding", True):
+        _refuse("actor_rollout_ref.model.use_remove_padding=False: the padded forward's right padding is not a layout "
+                "the strict attention reads; set it to True")
+    if _select(config, "actor_rollout_ref.rollout.quantization"):
+        _refuse(f"actor_rollout_ref.rollout.quantization={_select(config, 'actor_rollout_ref.rollout.quantization')}: "
+                "vLLM would compute with quantized weights the actor does not hold; drop it")
+    if fail_closed and _select(config, "algorithm.rollout_correction.bypass_mode"):
         raise InputError(f"alignaudit.integrations.verl ({FAIL_CLOSED_ENV}): algorithm.rollout_correction.bypass_mode="
                          "True uses vLLM's logprobs as old_log_probs, so no step rescores them to check; set it to "
                          f"False or drop {FAIL_CLOSED_ENV}")
-    param = str((actor.fsdp_config.get("mixed_precision") or {}).get("param_dtype", "bf16"))
-    if _dtype_name(param) != _dtype_name(str(rollout.get("dtype", "bfloat16"))):
-        raise InputError(f"alignaudit.integrations.verl (ALIGNAUDIT_STRICT): the actor computes in {param} "
-                         f"(fsdp_config.mixed_precision.param_dtype) and vLLM in {rollout.get('dtype')}; make them "
-                         "one dtype")
+    _check_dtypes(config)
     settings = sampling(config)
     if settings["logprobs_mode"] == "raw" and settings["temperature"] != 1.0:
-        raise InputError(f"alignaudit.integrations.verl (ALIGNAUDIT_STRICT): temperature {settings['temperature']:g} "
-                         "with logprobs_mode=raw_logprobs: vLLM records logprobs before the temperature and verl's "
-                         "actor after it; use processed_logprobs")
+        _refuse(f"temperature {settings['temperature']:g} with logprobs_mode=raw_logprobs: vLLM records logprobs "
+                "before the temperature and verl's actor after it; use processed_logprobs")
     if settings["logprobs_mode"] == "processed" and (settings["top_k"] > 0 or settings["top_p"] < 1.0):
-        raise InputError("alignaudit.integrations.verl (ALIGNAUDIT_STRICT): top_k / top_p with "
-                         "logprobs_mode=processed_logprobs: vLLM records the truncated distribution's logprobs and "
-                         "verl's actor does not truncate; use raw_logprobs at temperature 1, or drop the truncation")
+        _refuse("top_k / top_p with logprobs_mode=processed_logprobs: vLLM records the truncated distribution's "
+                "logprobs and verl's actor does not truncate; use raw_logprobs at temperature 1, or drop the "
+                "truncation")
 
 
-def _dtype_name(name: str) -> str:
-    """bf16 / fp16 / fp32 from verl's spellings (bf16, bfloat16, torch.bfloat16, ...); the name itself otherwise."""
-    short = name.lower().removeprefix("torch.")
-    return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(short, short)
+def _check_dtypes(config) -> None:
+    """The actor's mixed-precision dtype (FSDP's param_dtype, what the strict modules compute in) is vLLM's."""
+    from verl.utils.torch_dtypes import PrecisionType
+
+    param = _select(config, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype", "bf16")
+    rollout = _select(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.dtype") or \
+        _select(config, "actor_rollout_ref.rollout.dtype", "bfloat16")
+    if str(rollout) == "auto":
+        _refuse("the rollout's dtype is auto: vLLM then picks one by platform; name the actor's "
+                f"({param}) in actor_rollout_ref.rollout.dtype")
+    if PrecisionType.to_dtype(param) != PrecisionType.to_dtype(rollout):
+        _refuse(f"the actor computes in {param} (fsdp_config.mixed_precision.param_dtype) and vLLM in {rollout}; make "
+                "them one dtype")
+
+
+def _select(config, key: str, default=None):
+    """``key`` (dotted) of verl's config (an OmegaConf DictConfig), or ``default`` where it is absent."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(config, key, default=default)
+
+
+def _refuse(why: str):
+    raise InputError(f"alignaudit.integrations.verl (ALIGNAUDIT_STRICT): {why}")
 
 
 def alignment(batch) -> dict:
@@ -263,35 +314,55 @@ def _check_every_step(fail_closed: bool) -> None:
         return {**debug(data), **{f"alignaudit/{k}": v for k, v in seen.items()}}
 
     metrics.calculate_debug_metrics = calculate_debug_metrics
+    try:  # verl's v1 trainer binds the name when it is imported
+        from verl.trainer.ppo.v1 import trainer_base
+    except ImportError:
+        return
+    trainer_base.calculate_debug_metrics = calculate_debug_metrics
 
 
-def check_config(config) -> None:
-    """Refuse a verl config under which no rescorable record would be written (module docstring).
+def check_config(config, strict: bool = False) -> None:
+    """Refuse a verl config under which the hook can do nothing it is asked: no rollout logprobs (the records and the
+    step check both read them); without ``strict`` (records only) verl's v1 trainer (``trainer.use_v1``, verl's
+    default: it keeps rollouts in TransferQueue, which the records do not read yet) or no ``rollout_data_dir``; records
+    of multi-turn responses (tool tokens between sampled ones).
 
     Raises:
         InputError: naming the setting and the fix.
     """
-    rollout = config.actor_rollout_ref.rollout
-    if not config.trainer.get("rollout_data_dir"):
+    if not _select(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
+        raise InputError("alignaudit.integrations.verl: actor_rollout_ref.rollout.calculate_log_probs=False: verl "
+                         "then records no rollout logprobs to rescore or check; set it to True")
+    v1 = bool(_select(config, "trainer.use_v1", False))
+    if not strict and v1:
+        raise InputError("alignaudit.integrations.verl: trainer.use_v1=True (verl's default trainer keeps rollouts in "
+                         "TransferQueue, which alignaudit's records do not read yet); set trainer.use_v1=False, or "
+                         "add ALIGNAUDIT_STRICT=all for the strict actor and the step check, which run in both")
+    records = bool(_select(config, "trainer.rollout_data_dir")) and not v1
+    if not strict and not records:
         raise InputError("alignaudit.integrations.verl: trainer.rollout_data_dir is not set, so no record would be "
                          "written; set it (the records go beside verl's own dump)")
-    if not rollout.get("calculate_log_probs", False):
-        raise InputError("alignaudit.integrations.verl: actor_rollout_ref.rollout.calculate_log_probs=False: verl "
-                         "then records no rollout logprobs to rescore; set it to True")
+    if records and _select(config, "actor_rollout_ref.rollout.multi_turn.enable", False):
+        raise InputError("alignaudit.integrations.verl: actor_rollout_ref.rollout.multi_turn.enable=True puts tool "
+                         "tokens between sampled ones, which the records cannot hold; set it to False, or drop "
+                         "trainer.rollout_data_dir")
     sampling(config)
 
 
 def sampling(config) -> dict:
-    """How verl's rollout sampled, in rescore's keys (alignaudit.inputs.rollouts.SAMPLING).
+    """How verl's rollout sampled, in rescore's keys (alignaudit.inputs.rollouts.SAMPLING); the logprobs mode vLLM
+    gets (``engine_kwargs.vllm.logprobs_mode`` over the rollout's own: verl's vLLM server spreads engine_kwargs last).
 
     Raises:
-        InputError: a logprobs_mode that is no logprobs.
+        InputError: a logprobs_mode that is no logprobs, or none.
     """
     rollout = config.actor_rollout_ref.rollout
-    mode = rollout.get("logprobs_mode", "processed_logprobs")
+    mode = _select(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.logprobs_mode") or \
+        rollout.get("logprobs_mode", "processed_logprobs")
     if mode not in LOGPROBS_MODES:
-        raise InputError(f"alignaudit.integrations.verl: actor_rollout_ref.rollout.logprobs_mode={mode!r} records "
-                         f"logits, not logprobs; use {' or '.join(LOGPROBS_MODES)}")
+        kind = "records logits, not logprobs" if mode else "names none"
+        raise InputError(f"alignaudit.integrations.verl: the rollout's logprobs_mode={mode!r} {kind}; use "
+                         f"{' or '.join(LOGPROBS_MODES)}")
     return {"temperature": float(rollout.temperature), "top_k": int(rollout.top_k), "top_p": float(rollout.top_p),
             "logprobs_mode": LOGPROBS_MODES[mode]}
 

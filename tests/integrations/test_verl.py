@@ -38,11 +38,13 @@ def rollout_run(tmp_path_factory):
     return out
 
 
-def verl_config(**rollout):
-    """verl's own default PPO config (verl/trainer/config/_generated_ppo_trainer.yaml), rollout settings changed."""
+def verl_config(name: str = "ppo_trainer", **rollout):
+    """verl's own default PPO config (verl/trainer/config/_generated_{name}.yaml) with verl's RayPPOTrainer
+    (``trainer.use_v1=False``: the records are written by it), settings changed."""
     from omegaconf import OmegaConf
 
-    config = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer/config/_generated_ppo_trainer.yaml"))
+    config = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), f"trainer/config/_generated_{name}.yaml"))
+    OmegaConf.update(config, "trainer.use_v1", False, force_add=True)
     for key, value in rollout.items():
         OmegaConf.update(config, key, value, force_add=True)
     return config
@@ -222,12 +224,44 @@ def test_the_strict_switch_refuses_verl_settings_it_cannot_honour():
                          ({"actor_rollout_ref.rollout.top_p": 0.9}, "does not truncate")):
         with pytest.raises(InputError, match=says):
             check_strict_config(verl_config(**{**ok, **change}))
+    for change, says in (({"actor_rollout_ref.rollout.engine_kwargs.vllm": {"logprobs_mode": "raw_logprobs"},
+                           "actor_rollout_ref.rollout.temperature": 0.7}, "records logprobs before"),  # vLLM gets it
+                         ({"actor_rollout_ref.rollout.quantization": "fp8"}, "quantization=fp8"),
+                         ({"actor_rollout_ref.actor.fsdp_config.qat.enable": True}, "qat.enable=True"),
+                         ({"actor_rollout_ref.ref.ulysses_sequence_parallel_size": 2}, "ref.ulysses"),
+                         ({"actor_rollout_ref.rollout.engine_kwargs.vllm": {"dtype": "float16"}}, "vLLM in float16"),
+                         ({"actor_rollout_ref.rollout.dtype": "auto"}, "dtype is auto")):
+        with pytest.raises(InputError, match=says):
+            check_strict_config(verl_config(**{**ok, **change}))
+    with pytest.raises(InputError, match="strategy=megatron: verl's strict actor is built for FSDP"):
+        check_strict_config(verl_config("ppo_megatron_trainer", **{"actor_rollout_ref.rollout.name": "vllm"}))
     check_strict_config(verl_config(**ok, **{"actor_rollout_ref.rollout.top_p": 0.9,
                                              "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs"}))
+    check_strict_config(verl_config(**ok, **{"actor_rollout_ref.actor.fsdp_config.mixed_precision": {
+        "param_dtype": "16"}, "actor_rollout_ref.rollout.dtype": "float16"}))  # verl's spellings of one dtype
     bypass = verl_config(**ok, **{"algorithm.rollout_correction": {"bypass_mode": True}})
     check_strict_config(bypass)
     with pytest.raises(InputError, match="bypass_mode=True uses vLLM's logprobs"):
         check_strict_config(bypass, fail_closed=True)
+
+
+def test_what_the_hook_needs_depends_on_what_it_is_asked():
+    """Records only: verl's RayPPOTrainer (v1 keeps rollouts in TransferQueue) and a rollout_data_dir; with strict,
+    neither (the strict actor and the step check run in both trainers); rollout logprobs always; no multi-turn
+    responses where records are written."""
+    from alignaudit.integrations.verl import check_config
+
+    data_dir = {"trainer.rollout_data_dir": "/tmp/r"}
+    with pytest.raises(InputError, match="trainer.use_v1=True"):
+        check_config(verl_config(**data_dir, **{"trainer.use_v1": True}))
+    check_config(verl_config(**{"trainer.use_v1": True}), strict=True)
+    check_config(verl_config(), strict=True)
+    with pytest.raises(InputError, match="calculate_log_probs=False"):
+        check_config(verl_config(**{"actor_rollout_ref.rollout.calculate_log_probs": False}), strict=True)
+    with pytest.raises(InputError, match="multi_turn.enable=True"):
+        check_config(verl_config(**data_dir, **{"actor_rollout_ref.rollout.multi_turn.enable": True}))
+    with pytest.raises(InputError, match="logprobs_mode=None names none"):
+        check_config(verl_config(**data_dir, **{"actor_rollout_ref.rollout.logprobs_mode": None}))
 
 
 def test_every_step_is_checked_before_the_update_and_stops_when_asked(rollout_run, monkeypatch):
