@@ -35,7 +35,8 @@ from the strict kernel on fp32 logits divided by the temperature as vLLM's sampl
 (``strict_logprobs_from_logits``, ``strict_scale_by_temperature`` in place of verl's). Every step, right after the
 actor's rescoring and before the update, verl's debug metrics gain ``alignaudit/mismatches`` and ``alignaudit/tokens``
 (``check_alignment``); with ``ALIGNAUDIT_FAIL_CLOSED=1`` too, the trainer stops at the first step whose old_log_probs
-differ from vLLM's rollout_log_probs in any bit (that step's records are not written: verl dumps after the update).
+differ from vLLM's rollout_log_probs in any bit, that step's records written first (verl dumps its own after the
+update, which is not reached).
 Both trainers, RayPPOTrainer and v1's. Refused with strict on (``check_strict_config``, each value read where verl
 reads it): an actor other than FSDP (verl's Megatron actor builds through Megatron-Bridge, not patched yet), a
 rollout other than vLLM, Ulysses sequence parallelism (actor or reference), fused or Liger kernels, LoRA,
@@ -67,6 +68,7 @@ RECORDS = "alignaudit-step{step}.jsonl"
 LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 FAIL_CLOSED_ENV = "ALIGNAUDIT_FAIL_CLOSED"
 _PATCHED: dict[str, object] = {}
+_TRAINER: dict[str, object] = {}  # "built": the trainer this process built (fail-closed writes its step records)
 
 
 class AlignmentError(AlignAuditError):
@@ -113,6 +115,7 @@ def _check_when_built(trainer: type, strict: bool, fail_closed: bool) -> None:
         if strict:
             check_strict_config(config, fail_closed)
         build(self, config, *args, **kwargs)
+        _TRAINER["built"] = self
 
     trainer.__init__ = __init__
 
@@ -290,14 +293,27 @@ def alignment(batch) -> dict:
     return {"tokens": int(mask.sum()), "mismatches": int((old.view(torch.int32) != rolled.view(torch.int32)).sum())}
 
 
-def check_alignment(batch, fail_closed: bool) -> dict:
-    """``alignment`` of the step's batch. Raises AlignmentError where a token differs and ``fail_closed``."""
+def check_alignment(batch, fail_closed: bool, keep=None) -> dict:
+    """``alignment`` of the step's batch. Raises AlignmentError where a token differs and ``fail_closed``, after
+    ``keep(batch)`` (where given) kept the step's rollouts: the message names where (``_keep_records``)."""
     seen = alignment(batch)
     if fail_closed and seen["mismatches"]:
+        kept = keep(batch) if keep else None
         raise AlignmentError(f"alignaudit.integrations.verl: {seen['mismatches']} of {seen['tokens']} response tokens "
                              "have old_log_probs (verl's actor) other than vLLM's rollout_log_probs; stopped before "
-                             "the update (ALIGNAUDIT_FAIL_CLOSED)")
+                             "the update (ALIGNAUDIT_FAIL_CLOSED)" + (f"; the step's rollouts are in {kept}, for "
+                                                                      "alignaudit rescore" if kept else ""))
     return seen
+
+
+def _keep_records(batch) -> Path | None:
+    """The failing step's records (``write_records``), where this process built a RayPPOTrainer with a
+    rollout_data_dir (verl writes its own dump only after the update, which fail-closed stops before); else None."""
+    trainer = _TRAINER.get("built")
+    directory = _select(trainer.config, "trainer.rollout_data_dir") if trainer is not None else None
+    if not directory or _select(trainer.config, "trainer.use_v1", False):
+        return None
+    return write_records(batch, sampling(trainer.config), trainer.global_steps, directory)
 
 
 def _check_every_step(fail_closed: bool) -> None:
@@ -310,7 +326,7 @@ def _check_every_step(fail_closed: bool) -> None:
 
     @functools.wraps(debug)
     def calculate_debug_metrics(data):
-        seen = check_alignment(data, fail_closed)
+        seen = check_alignment(data, fail_closed, _keep_records)
         return {**debug(data), **{f"alignaudit/{k}": v for k, v in seen.items()}}
 
     metrics.calculate_debug_metrics = calculate_debug_metrics

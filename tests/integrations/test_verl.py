@@ -264,9 +264,14 @@ def test_what_the_hook_needs_depends_on_what_it_is_asked():
         check_config(verl_config(**data_dir, **{"actor_rollout_ref.rollout.logprobs_mode": None}))
 
 
-def test_every_step_is_checked_before_the_update_and_stops_when_asked(rollout_run, monkeypatch):
+def test_every_step_is_checked_before_the_update_and_stops_when_asked(rollout_run, monkeypatch, tmp_path):
+    """One ULP in one token's old_log_probs: counted in the step's metrics; with fail-closed the trainer stops there,
+    the step's rollouts written first (as records rescore reads) where the trainer has a rollout_data_dir."""
+    from types import SimpleNamespace
+
     from verl.utils.debug import metrics
 
+    from alignaudit.integrations import verl as hook
     from alignaudit.integrations.verl import AlignmentError, _check_every_step, check_alignment
 
     batch = verl_batch(rollout_run)
@@ -282,6 +287,13 @@ def test_every_step_is_checked_before_the_update_and_stops_when_asked(rollout_ru
     _check_every_step(fail_closed=True)
     with pytest.raises(AlignmentError, match="1 of 32 response tokens"):
         metrics.calculate_debug_metrics(batch)
+    # the RayPPOTrainer this process built: its config and step counter are all the check reads of it
+    built = SimpleNamespace(config=verl_config(**{"trainer.rollout_data_dir": str(tmp_path)}), global_steps=4)
+    monkeypatch.setitem(hook._TRAINER, "built", built)
+    with pytest.raises(AlignmentError, match=f"the step's rollouts are in {tmp_path / 'alignaudit-step4.jsonl'}"):
+        metrics.calculate_debug_metrics(batch)
+    rows = [json.loads(line) for line in (tmp_path / "alignaudit-step4.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and sum(len(r["logprobs"]) for r in rows) == 32
 
 
 def test_one_environment_variable_makes_verls_workers_strict(tmp_path):
