@@ -9,9 +9,9 @@ business). Scored by the run's reward with the step number; under ``--reward tas
 answers that are right (reward 1.0: alignaudit.rl.task).
 
 Records: eval.parquet, one row per evaluation (comparison.held_out.SUMMARY_COLUMNS), rewritten after each;
-eval/step-NNNNN.parquet, one row per prompt (ROW_COLUMNS); both sealed in run.json and checked by every reader
-(comparison.held_out.check_table). The prompts come from ``--eval-prompts`` (JSONL columns
-reach a user's reward as the training prompts' do) or, under ``--reward task``, the task's held-out questions
+eval/step-NNNNN.parquet, one row per prompt (comparison.held_out.ROW_COLUMNS); both sealed in run.json and checked
+by every reader (comparison.held_out.check_table). The prompts come from ``--eval-prompts`` (JSONL columns reach a
+user's reward as the training prompts' do) or, under ``--reward task``, the task's held-out questions
 (alignaudit.rl.task.held_out_pairs), which no training question is.
 """
 
