@@ -214,3 +214,39 @@ def test_wrong_types_get_the_documented_error_not_a_raw_one(tmp_path, monkeypatc
         with pytest.raises(InputError, match=message):
             api.compare(**kwargs)
     assert list(tmp_path.iterdir()) == []  # compare(out="") took over the current directory before
+
+
+def test_rl_from_python_with_a_python_reward_and_held_out_prompts(tmp_path):
+    """api.rl runs alignaudit rl's loop with a reward that is a Python function (no module file needed): it is given
+    the prompt file's columns as TRL passes dataset columns, every token is bitwise equal at every step, the held-out
+    prompts are scored with it, and run.json names it. Wrong arguments are refused with the API's names."""
+    import json
+
+    import pandas as pd
+
+    calls = []
+
+    def answer_length(prompts, completions, completion_ids, answer, **kwargs):
+        calls.append(list(answer))
+        return [float(len(ids) == len(a) + 1) for ids, a in zip(completion_ids, answer, strict=True)]
+
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps({"text": q, "answer": a}) + "\n"
+                             for q, a in (("1+2=", "3"), ("30+4=", "34"), ("55+45=", "100"), ("7+8=", "15"))))
+    held.write_text(json.dumps({"text": "12+30=", "answer": "42"}) + "\n")
+    run = api.rl("qwen3-tiny-trained", strict="all", steps=2, group_size=2, prompts=train, prompts_per_step=2,
+                 reward=answer_length, eval_prompts=held, max_new_tokens=4, out=tmp_path / "rl")
+    assert run.aligned and list(run.steps["step"]) == [1, 2] and list(run.evals["step"]) == [0, 2]
+    assert calls[0] == ["42"] and all(len(c) == 4 for c in calls[1:3])  # held-out first, then 2 prompts x 2
+    assert run.record["rl"]["reward"].endswith(":test_rl_from_python_with_a_python_reward_and_held_out_prompts."
+                                               "<locals>.answer_length")
+    assert run.record["reward_function"]["file"] == __file__
+    rows = pd.read_parquet(run.path / "eval" / "step-00002.parquet")
+    assert run.evals["reward_mean"].iloc[-1] == rows["reward"].mean()
+    for kwargs, says in (({"reward": 3}, "reward 3: a built-in reward's name"), ({"steps": "2"}, "steps '2': an "
+                                                                                 "integer"),
+                         ({"eval_every": -1}, "eval_every -1: a number of steps"),
+                         ({"prompts_per_step": 9}, "prompts_per_step 9: there are 4 prompts")):
+        with pytest.raises(InputError, match=says):
+            api.rl("qwen3-tiny-trained", prompts=train, out=tmp_path / "refused", **kwargs)
+    assert not (tmp_path / "refused").exists()

@@ -67,7 +67,7 @@ FOLDERS = {
     "alignaudit.rl": (*_BASE, "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines", "alignaudit.inputs",
                       "alignaudit.pipelines", "alignaudit.reports", "alignaudit.workers"),
     "alignaudit.api": (*_BASE, "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines", "alignaudit.inputs",
-                       "alignaudit.pipelines", "alignaudit_kernels"),
+                       "alignaudit.pipelines", "alignaudit.rl", "alignaudit_kernels"),
     "alignaudit.integrations": (*_BASE, "alignaudit.api", "alignaudit.engines", "alignaudit.inputs",
                                 "alignaudit_kernels"),
     "alignaudit.commands": (*_BASE, "alignaudit", "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines",

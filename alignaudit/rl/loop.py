@@ -44,6 +44,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -74,7 +75,7 @@ from alignaudit.rl.export import StepExport
 from alignaudit.rl.grpo import group_advantages
 from alignaudit.rl.memory import MemoryPlan
 from alignaudit.rl.reward import REWARD_NAMES, reward_function
-from alignaudit.rl.user_reward import UserReward, is_user_reward
+from alignaudit.rl.user_reward import UserReward, is_user_reward, reward_name
 from alignaudit.workers.session import Session
 
 DIGESTS = {"file": "sha256 of the sorted {name: sha256 of the tensor's bytes} (trainer side)",
@@ -89,7 +90,8 @@ class RLSettings:
         steps: GRPO steps (>= 1). lr: Adam learning rate (>= 0; 0 = the sync control). group_size:
         completions per prompt (>= 2). clip_grad: max global grad norm. token_rows: write per-token rows.
         reward: a name in grpo.REWARDS, "task" (alignaudit.rl.task: the addition task's correctness), or a user's
-        function as MODULE:FUNCTION (alignaudit.rl.user_reward: TRL's reward-function convention).
+        function as MODULE:FUNCTION (alignaudit.rl.user_reward: TRL's reward-function convention), or
+        (alignaudit.api.rl) the function itself.
         kl_coef: weight of the k3 KL to the starting weights (alignaudit.training.losses.kl_k3; 0: none).
         log_to: where else every step row goes (alignaudit.rl.export.SINKS: "tensorboard", "wandb").
         full_vocab: per step, the full-vocabulary divergence of the trainer's rescoring rows from the rollout
@@ -109,7 +111,7 @@ class RLSettings:
     group_size: int = 4
     clip_grad: float = 1.0
     token_rows: bool = True
-    reward: str = "rotating-hash"
+    reward: str | Callable = "rotating-hash"
     kl_coef: float = 0.0
     log_to: tuple[str, ...] = ()
     full_vocab: bool = False
@@ -142,7 +144,7 @@ class RLSettings:
                              "sleep); level 2 (weights discarded) is not built yet")
         if self.group_size < 2:
             raise InputError(f"--group-size {self.group_size}: GRPO normalizes rewards within a group; use 2 or more")
-        if self.reward not in REWARD_NAMES and not is_user_reward(self.reward):
+        if not is_user_reward(self.reward) and self.reward not in REWARD_NAMES:
             raise InputError(f"--reward {self.reward}: not a reward; choose one of {', '.join(REWARD_NAMES)}, or "
                              "your own function as MODULE:FUNCTION (rewards.py:my_reward)")
         if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
@@ -169,7 +171,7 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
             on disk).
     """
     started = time.monotonic()
-    record = {**request.record("rl"), "rl": asdict(rl), "status": "running",
+    record = {**request.record("rl"), "rl": {**asdict(rl), "reward": reward_name(rl.reward)}, "status": "running",
               "memory_plan": memory.record() if memory else None, "eval": held.record() if held else None}
     (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / SYNC_DIR).mkdir(exist_ok=True)

@@ -32,24 +32,35 @@ from alignaudit.errors import InputError
 ARGUMENTS = ("prompts", "completions", "prompt_ids", "completion_ids", "step")
 
 
-def is_user_reward(name: str) -> bool:
-    """Whether ``--reward name`` names a user's function (MODULE:FUNCTION) rather than a built-in reward."""
-    return ":" in name
+def is_user_reward(name) -> bool:
+    """Whether ``--reward name`` names a user's function (MODULE:FUNCTION), or is one (a callable: alignaudit.api.rl),
+    rather than a built-in reward."""
+    return callable(name) or (isinstance(name, str) and ":" in name)
+
+
+def reward_name(reward) -> str:
+    """How run.json names a reward: its name as given, or a callable's MODULE:QUALNAME."""
+    if not callable(reward):
+        return reward
+    function = getattr(reward, "func", reward)  # a functools.partial: the function it calls
+    qualified = getattr(function, "__qualname__", type(function).__qualname__)
+    return f"{getattr(function, '__module__', None) or type(function).__module__}:{qualified}"
 
 
 class UserReward:
-    """The function ``name`` names (MODULE:FUNCTION), with the tokenizer of the checkpoint at ``model_dir``.
+    """The function ``name`` names (MODULE:FUNCTION; or ``name`` itself, a callable), with the tokenizer of the
+    checkpoint at ``model_dir``.
 
     Raises:
         InputError: the module cannot be imported, has no such function, or the checkpoint has no tokenizer; each
             naming the fix. (check_call: the function cannot take the arguments it will be given.)
     """
 
-    def __init__(self, name: str, model_dir: str):
+    def __init__(self, name, model_dir: str):
         from alignaudit.reports.token_text import load_tokenizer
 
-        self.name = name
-        self.function = _load(name)
+        self.name = reward_name(name)
+        self.function = name if callable(name) else _load(name)
         self.tokenizer, why = load_tokenizer(model_dir)
         if self.tokenizer is None:
             raise InputError(f"--reward {name} is given the prompts and completions as text, and {why}; use a "
