@@ -208,7 +208,7 @@ def rl(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer: str 
             PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
             PairArgs(train=train, infer=infer, dtype=dtype, device=device, strict=strict),
             SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p), clip_eps, ISArgs(), settings)
-        memory = rl_plan(request, group_size, kl_coef > 0)
+        memory = rl_plan(request, group_size, kl_coef > 0, prompts_per_step, held)
         path = out_dir(OutputArgs(str(out) if out is not None else None, force), "rl", rl_outputs(()))
     try:
         with argument_names(rl):

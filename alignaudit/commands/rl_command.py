@@ -139,7 +139,7 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
                                                            arrival_gap=arrival_gap), clip_eps, importance, settings)
     from alignaudit.rl.memory import rl_plan
 
-    memory = rl_plan(request, group_size, kl_coef > 0)  # refuses a model that cannot fit, before any engine starts
+    memory = rl_plan(request, group_size, kl_coef > 0, prompts_per_step, held)  # refuses what cannot fit, first
     if held and held.overlap:
         same = "ask training questions" if held.overlap_by == "question" else "have a training prompt's token ids"
         err_console.print(f"[yellow]warning:[/] {held.overlap} of the {len(held.batch.sequences)} held-out prompts "

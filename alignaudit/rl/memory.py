@@ -133,12 +133,14 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | None:
-    """``plan`` for ``alignaudit rl``'s request (alignaudit.inputs.request.Request): the trainer's micro-batch option
-    ("auto": engines.base.micro_batches' rule) and tensor-parallel size; the rollout engine's KV cache as
-    engines/vllm/adapter.py sizes it, or as its options set it (kv_cache_memory_bytes; gpu_memory_utilization alone:
-    vLLM takes that fraction of the GPU for itself). None when the trainer does not run on CUDA (the CPU path
-    has no GPU to fit).
+def rl_plan(request, group_size: int, reference: bool = False, per_step: int = 0, held=None) -> MemoryPlan | None:
+    """``plan`` for ``alignaudit rl``'s request (alignaudit.inputs.request.Request): one step's sequences (``per_step``
+    prompts, 0: all of them, x ``group_size``), the longest prompt; the trainer's micro-batch option ("auto":
+    engines.base.micro_batches' rule) and tensor-parallel size; the rollout engine's KV cache as
+    engines/vllm/adapter.py sizes it, for a step's rollout or the held-out evaluation (``held``: a
+    rl.evaluation.HeldOut, one completion per prompt), whichever is larger, or as its options set it
+    (kv_cache_memory_bytes; gpu_memory_utilization alone: vLLM takes that fraction of the GPU for itself). None when
+    the trainer does not run on CUDA (the CPU path has no GPU to fit).
 
     Raises:
         InputError: as ``plan``; an option that is not a number; an hf trainer that would need offloading (only
@@ -155,15 +157,20 @@ def rl_plan(request, group_size: int, reference: bool = False) -> MemoryPlan | N
         return None
     spec = request.spec
     prompts = request.batch.sequences
-    sequences = len(prompts) * group_size
+    sequences = (per_step or len(prompts)) * group_size
     seq_len = max(len(p) for p in prompts) + request.rollout.max_new_tokens
+    held_tokens = 0
+    if held is not None:
+        lengths = [len(p) + request.rollout.max_new_tokens for p in held.batch.sequences]
+        seq_len, held_tokens = max(seq_len, max(lengths)), sum(lengths)
     option = micro_batch_option(request.train.settings.options)
     micro = min(AUTO_BATCH_ROWS, max(1, AUTO_BATCH_TOKENS // seq_len)) if option == "auto" else option
     tp = tensor_parallel_size(request.train)
     infer = request.infer.settings.options
     total = torch.cuda.get_device_properties(0).total_memory
+    tokens = max(sequences * seq_len, held_tokens)  # a step's rollout, or the held-out evaluation
     kv = (_number(infer, "kv_cache_memory_bytes") if "kv_cache_memory_bytes" in infer
-          else kv_cache_bytes(spec, request.infer.settings.dtype, sequences * seq_len, seq_len, infer))
+          else kv_cache_bytes(spec, request.infer.settings.dtype, tokens, seq_len, infer))
     rollout = None
     if "gpu_memory_utilization" in infer and "kv_cache_memory_bytes" not in infer:
         rollout = _number(infer, "gpu_memory_utilization") * total

@@ -120,3 +120,30 @@ def test_rl_memory_plan_counts_the_kv_cache_of_the_users_max_model_len(monkeypat
     per_token = 28 * 2 * 8 * 128 * 2  # Qwen3-1.7B: layers x (K, V) x KV heads x head_dim x bf16 bytes
     # 8 prompts x 4 completions x (64 + 64) tokens = 4096 tokens; one sequence of 32768
     assert rollout_bytes({"max_model_len": 32768}) - rollout_bytes({}) == 2 * per_token * (32768 - 4096)
+
+
+def test_rl_memory_plan_sizes_one_step_of_a_drawn_dataset_and_the_held_out_set(monkeypatch):
+    """With --prompts-per-step the plan counts one step's draw, not every prompt of the set (seen on an H100,
+    2026-12-07: the task's 9,000 training questions x 8 were planned as one step, 242 GB, and refused), and the
+    held-out evaluation's sequences where they need more KV cache than a step."""
+    import torch
+
+    from alignaudit.rl import memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200_GPU))
+    monkeypatch.setattr(memory, "host_memory", lambda: H200_HOST)
+    request = SimpleNamespace(
+        spec=_preset_spec("Qwen3-1.7B"), batch=SimpleNamespace(sequences=[[1] * 64] * 9000),
+        rollout=SimpleNamespace(max_new_tokens=64),
+        train=SimpleNamespace(engine="megatron", settings=SimpleNamespace(device="cuda", options={})),
+        infer=SimpleNamespace(engine="vllm", settings=SimpleNamespace(dtype="bf16", options={})))
+    with pytest.raises(InputError, match="cannot train and roll out on one GPU"):
+        memory.rl_plan(request, group_size=8)  # every prompt in one step
+    step = memory.rl_plan(request, group_size=8, per_step=8)
+    held = SimpleNamespace(batch=SimpleNamespace(sequences=[[1] * 64] * 1024))  # more tokens than a step's 64 x 128
+    with_held = memory.rl_plan(request, group_size=8, per_step=8, held=held)
+    from alignaudit.engines.vllm.adapter import kv_cache_bytes
+
+    kv = [kv_cache_bytes(request.spec, "bf16", n * 128, 128, {}) for n in (64, 1024)]
+    assert with_held.rollout - step.rollout == kv[1] - kv[0] > 0  # the KV cache of the larger of the two
