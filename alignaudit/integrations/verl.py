@@ -89,11 +89,12 @@ def setup() -> None:
     ops = parse_strict(os.environ.get(ENV), ENV)
     fail_closed = os.environ.get(FAIL_CLOSED_ENV, "") not in ("", "0")
     if ops:
-        try:
-            strict_fsdp_engine(ops, os.environ.get(EXP_ENV, "portable"))
-        except ImportError:
-            pass
-        _check_every_step(fail_closed)
+        for patch in (lambda: strict_fsdp_engine(ops, os.environ.get(EXP_ENV, "portable")),
+                      lambda: _check_every_step(fail_closed)):
+            try:
+                patch()
+            except ImportError:  # a process without verl's engine or trainer code
+                pass
     for module, name in (("verl.trainer.ppo.ray_trainer", "RayPPOTrainer"), ("verl.trainer.ppo.v1.trainer_base",
                                                                              "PPOTrainer")):
         try:
