@@ -55,8 +55,8 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
 def _held_out(request, settings, seed: int):
     """The HeldOut of the run (alignaudit.rl.evaluation.held_out): the --eval-prompts file (validated as --prompts
     is, with room for the completion), or under --reward task with --eval-every the task's EVAL_QUESTIONS held-out
-    questions seeded by --seed; under the task every prompt checked to be a question; under a user's reward the
-    prompt files' columns checked not to take the place of its arguments (importing it first). Raises InputError."""
+    questions seeded by --seed; under the task every prompt checked to be a question; under a user's reward its
+    import and the calls it will get, with each prompt file's columns (UserReward.check_call). Raises InputError."""
     from alignaudit.inputs.prompts import load_prompts, text_batch
     from alignaudit.rl.evaluation import held_out
     from alignaudit.rl.task import EVAL_QUESTIONS, TaskReward, questions
