@@ -38,6 +38,10 @@ def check_number(name: str, value, expected: str = "a number") -> None:
     """Refuse a value that is not a real number (bool, str, None, ...). Raises InputError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"{name} {value!r}: {expected}")
+    try:
+        float(value)
+    except OverflowError:
+        raise InputError(f"{name} {value!r:.40}: {expected} a float can hold") from None
 
 
 def spec_of(model: str | Path, random_weights: bool, seed: int = 0):

@@ -42,7 +42,7 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -171,7 +171,8 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
             on disk).
     """
     started = time.monotonic()
-    record = {**request.record("rl"), "rl": {**asdict(rl), "reward": reward_name(rl.reward)}, "status": "running",
+    settings = {f.name: getattr(rl, f.name) for f in fields(rl)}  # not asdict: it deep-copies a callable reward
+    record = {**request.record("rl"), "rl": {**settings, "reward": reward_name(rl.reward)}, "status": "running",
               "memory_plan": memory.record() if memory else None, "eval": held.record() if held else None}
     (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / SYNC_DIR).mkdir(exist_ok=True)

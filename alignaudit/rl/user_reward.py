@@ -30,6 +30,7 @@ from pathlib import Path
 from alignaudit.errors import InputError
 
 ARGUMENTS = ("prompts", "completions", "prompt_ids", "completion_ids", "step")
+MAX_REWARD = 1e100  # |reward| at most: a group's variance, a sum of squares, stays finite in float64 (1e308)
 
 
 def is_user_reward(name) -> bool:
@@ -39,10 +40,11 @@ def is_user_reward(name) -> bool:
 
 
 def reward_name(reward) -> str:
-    """How run.json names a reward: its name as given, or a callable's MODULE:QUALNAME."""
+    """How run.json names a reward: its name as given, or a callable's MODULE:QUALNAME (a functools.partial's function,
+    a decorated function's own: inspect.unwrap)."""
     if not callable(reward):
         return reward
-    function = getattr(reward, "func", reward)  # a functools.partial: the function it calls
+    function = inspect.unwrap(getattr(reward, "func", reward))
     qualified = getattr(function, "__qualname__", type(function).__qualname__)
     return f"{getattr(function, '__module__', None) or type(function).__module__}:{qualified}"
 
@@ -60,13 +62,15 @@ class UserReward:
         from alignaudit.reports.token_text import load_tokenizer
 
         self.name = reward_name(name)
-        self.function = name if callable(name) else _load(name)
+        if callable(name):
+            self.function, self.source = name, _source_file(name)
+            self.sha256 = hashlib.sha256(self.source.read_bytes()).hexdigest() if self.source else None
+        else:  # the file's bytes that were run, and their hash, read once
+            self.function, self.source, self.sha256 = _load(name)
         self.tokenizer, why = load_tokenizer(model_dir)
         if self.tokenizer is None:
             raise InputError(f"--reward {name} is given the prompts and completions as text, and {why}; use a "
                              "checkpoint with a tokenizer")
-        self.source = _source_file(self.function)
-        self.sha256 = hashlib.sha256(self.source.read_bytes()).hexdigest() if self.source else None
 
     def check_call(self, columns, source: str) -> None:
         """Refuse, before any engine starts, a call the function cannot take: TRL's arguments (ARGUMENTS) and the
@@ -80,7 +84,8 @@ class UserReward:
             inspect.signature(self.function).bind(**{key: None for key in (*ARGUMENTS, *columns)})
         except TypeError as e:
             given = f" and the columns of {source} ({', '.join(columns)})" if columns else ""
-            raise InputError(f"--reward {self.name}: {self.function.__name__} cannot take TRL's reward arguments"
+            called = getattr(self.function, "__name__", type(self.function).__name__)
+            raise InputError(f"--reward {self.name}: {called} cannot take TRL's reward arguments"
                              f"{given} ({e}); write it as def f(prompts, completions, **kwargs) -> list[float]"
                              ) from None
         except ValueError:  # a builtin without a signature: let the first call say
@@ -110,6 +115,13 @@ class UserReward:
                                    prompt_ids=[list(p) for p in prompt_ids],
                                    completion_ids=[list(c) for c in completion_ids], step=step,
                                    **copy.deepcopy(columns or {}))
+            if inspect.isawaitable(values):  # an async reward, as TRL awaits one
+                import asyncio
+
+                values = asyncio.run(_awaited(values))
+        except SystemExit as e:
+            raise InputError(f"--reward {self.name} called sys.exit({e.code!r}){where}; return the rewards instead"
+                             ) from None
         except Exception as e:  # noqa: BLE001 - the user's function may raise anything
             text = str(e).splitlines()[0] if str(e) else ""
             raise InputError(f"--reward {self.name} raised {type(e).__name__}: {text}{where}; fix the function"
@@ -122,18 +134,31 @@ class UserReward:
         if len(values) != len(completion_ids):
             raise InputError(f"--reward {self.name} returned {len(values)} rewards for {len(completion_ids)} "
                              f"completions{where}; return one per completion")
+        rewards = []
         for i, value in enumerate(values):
             number = getattr(value, "item", lambda v=value: v)()  # a numpy or torch scalar as a Python one
-            if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
-                raise InputError(f"--reward {self.name} returned {value!r} for completion {i}{where}; every reward "
-                                 "must be a finite number (GRPO normalizes them within each group)")
-        return [float(getattr(v, "item", lambda v=v: v)()) for v in values]
+            try:  # a bool is 0 or 1, as TRL's float tensor of the rewards reads it
+                reward = float(number) if isinstance(number, (int, float)) else math.nan
+            except OverflowError:
+                reward = math.inf
+            if not math.isfinite(reward) or abs(reward) > MAX_REWARD:
+                raise InputError(f"--reward {self.name} returned {value!r:.60} for completion {i}{where}; every reward "
+                                 f"must be a finite number of magnitude at most {MAX_REWARD:g} (GRPO normalizes them "
+                                 "within each group, in float64)")
+            rewards.append(reward)
+        return rewards
+
+
+async def _awaited(values):
+    return await values
 
 
 def _source_file(function) -> Path | None:
-    """The Python file ``function`` is defined in: a function's, a functools.partial's function's, a callable
-    object's class's; None where there is none (a builtin, a C extension)."""
-    for candidate in (function, getattr(function, "func", None), type(function)):
+    """The Python file ``function`` is defined in: a function's (the innermost of decorators that say what they wrap:
+    inspect.unwrap), a functools.partial's function's, a callable object's class's; None where there is none (a
+    builtin, a C extension)."""
+    inner = getattr(function, "func", function)
+    for candidate in (inspect.unwrap(function), inspect.unwrap(inner), type(function)):
         try:
             found = inspect.getsourcefile(candidate) if candidate is not None else None
         except TypeError:
@@ -143,24 +168,54 @@ def _source_file(function) -> Path | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _load(name: str):
-    """The callable MODULE:FUNCTION names, its module imported once a process (rl checks it before any engine starts,
-    then calls it from the loop). Raises InputError naming what failed (not cached)."""
+def _load(name: str) -> tuple:
+    """(the callable MODULE:FUNCTION names, the file it was run from, that file's sha256). A file module is run from
+    the bytes hashed (so the hash is of the code that runs), once a process for those bytes at that absolute path:
+    rl's check before any engine starts and the loop share it, and a file changed between two runs of one process
+    (alignaudit.api.rl) is run again. An importable module is imported as Python imports it. Raises InputError
+    naming what failed."""
     module_name, _, function_name = name.rpartition(":")
     if not module_name or not function_name:
         raise InputError(f"--reward {name}: give MODULE:FUNCTION, e.g. rewards.py:my_reward")
+    if module_name.endswith(".py") or Path(module_name).is_file():
+        path = Path(module_name)
+        if not path.is_file():
+            raise InputError(f"--reward {name}: no file {path}")
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        return _file_function(str(path.resolve()), digest, function_name, name, data), path.resolve(), digest
+    function = _module_function(module_name, function_name, name)
+    source = _source_file(function)
+    return function, source, hashlib.sha256(source.read_bytes()).hexdigest() if source else None
+
+
+@functools.lru_cache(maxsize=None)
+def _file_function(path: str, digest: str, function_name: str, name: str, data: bytes):
+    """FUNCTION of the Python file at ``path`` run from ``data`` (its bytes, hashed to ``digest``: the cache key with
+    the path). Raises InputError (not cached)."""
+    module_name = f"alignaudit_user_reward_{digest[:16]}"
+    module = type(sys)(module_name)
+    module.__file__ = path
+    sys.modules[module_name] = module
+    return _import(lambda: exec(compile(data, path, "exec"), module.__dict__), module, Path(path).name,
+                   function_name, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_function(module_name: str, function_name: str, name: str):
+    """FUNCTION of the importable module ``module_name``. Raises InputError (not cached)."""
+    holder = {}
+    return _import(lambda: holder.setdefault("module", importlib.import_module(module_name)), holder, module_name,
+                   function_name, name)
+
+
+def _import(run, module, module_name: str, function_name: str, name: str):
+    """Run the import ``run``, then FUNCTION of ``module`` (a module, or a dict holding it as "module"), checked to be
+    callable. Raises InputError naming what failed."""
     try:
-        if module_name.endswith(".py") or Path(module_name).is_file():
-            path = Path(module_name)
-            if not path.is_file():
-                raise InputError(f"--reward {name}: no file {path}")
-            spec = importlib.util.spec_from_file_location(f"alignaudit_user_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
+        run()
+        if isinstance(module, dict):
+            module = module["module"]
     except InputError:
         raise
     except SystemExit as e:  # a module that parses its own command line, or exits, as it is imported

@@ -202,3 +202,40 @@ def test_held_out_settings_that_cannot_take_effect_are_refused_before_any_engine
     argv, message = [a.format(**named) for a in argv], message.format(**named)
     assert message in one_line_error(capsys, ["rl", *argv, "--out", str(out)], EXIT_USAGE)
     assert not (out / "run.json").exists()
+
+
+def test_a_reward_file_changed_between_two_runs_runs_as_changed_and_is_recorded_as_run(tmp_path):
+    """One process, two runs (alignaudit.api.rl): the reward file's code that runs is the code whose sha256 run.json
+    records. Async rewards are awaited and bools read as 0 / 1, as TRL does; a reward too large to normalize, a
+    partial that cannot take the call, and sys.exit inside the call are input errors."""
+    import asyncio
+    import functools
+    import hashlib
+
+    from alignaudit.rl.user_reward import UserReward, reward_name
+    from helpers import FIXTURE
+
+    path = tmp_path / "r.py"
+    for value in (0.25, 0.75):
+        path.write_text(f"def f(prompts, completions, **kwargs):\n    return [{value}] * len(completions)\n")
+        reward = UserReward(f"{path}:f", str(FIXTURE))
+        assert reward([[1]], [[2]], 1) == [value]
+        assert reward.record()["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+    async def later(prompts, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [True, False]
+
+    assert UserReward(later, str(FIXTURE))([[1], [1]], [[2], [3]], 1) == [1.0, 0.0]
+    with pytest.raises(InputError, match="must be a finite number of magnitude at most 1e\\+100"):
+        UserReward(lambda prompts, completions, **k: [1.7e308], str(FIXTURE))([[1]], [[2]], 1)
+    with pytest.raises(InputError, match="partial cannot take TRL's reward arguments"):
+        UserReward(functools.partial(lambda a, b: 0, 1), str(FIXTURE)).check_call((), "prompts")
+    with pytest.raises(InputError, match=r"called sys.exit\(3\) \(step 2\)"):
+        UserReward(lambda **k: __import__("sys").exit(3), str(FIXTURE))([[1]], [[2]], 2, None, "step 2")
+
+    @functools.wraps(later)
+    def wrapped(*args, **kwargs):
+        return later(*args, **kwargs)
+
+    assert reward_name(wrapped).endswith(".later") and UserReward(wrapped, str(FIXTURE)).record()["file"] == __file__
