@@ -173,9 +173,10 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
         import pandas as pd
 
         from alignaudit.capture.rundir import EVAL
+        from alignaudit.comparison.held_out import headline
 
         evals = pd.read_parquet(out / EVAL)
-        measure = "accuracy" if evals["accuracy"].notna().all() else "reward_mean"
+        measure = headline(evals)
         console.print(f"held-out {measure.replace('_mean', '')} (greedy, {len(held.batch.sequences)} prompts): "
                       f"{evals[measure].iloc[0]:.3f} before step 1 -> {evals[measure].iloc[-1]:.3f} after step "
                       f"{evals['step'].iloc[-1]}", highlight=False, soft_wrap=True)

@@ -20,6 +20,12 @@ def due(step: int, every: int, last: int) -> bool:
     return step == 0 or step == last or (every > 0 and step % every == 0)
 
 
+def headline(table) -> str:
+    """The column that says how the held-out prompts fare (eval.parquet's ``table``): ``accuracy`` where every
+    evaluation has one (the task), else ``reward_mean``."""
+    return "accuracy" if table["accuracy"].notna().all() else "reward_mean"
+
+
 def summarize(rows, max_new_tokens: int, accuracy: bool) -> dict:
     """One evaluation's numbers from its rows (a pandas DataFrame of ROW_COLUMNS, one step): the prompts, the
     reward's mean and population std, the fraction of right answers (``correct``; None without ``accuracy``), the

@@ -102,7 +102,7 @@ class Evaluations:
     @property
     def table(self) -> pd.DataFrame | None:
         """eval.parquet's table so far, or None where the run evaluates nothing."""
-        return pd.DataFrame(self.rows, columns=list(SUMMARY_COLUMNS)) if self.held is not None else None
+        return summary_table(self.rows) if self.held is not None else None
 
 
 def evaluate(step: int, held: HeldOut, rollout, sampling: dict, reward, out: Path) -> dict:
@@ -133,9 +133,15 @@ def evaluate(step: int, held: HeldOut, rollout, sampling: dict, reward, out: Pat
         "seconds": round(time.perf_counter() - started, 3)}
 
 
-def write_table(rows: list[dict], out: Path) -> pd.DataFrame:
-    """eval.parquet from the summaries so far (SUMMARY_COLUMNS, in order); returns the table."""
+def summary_table(rows: list[dict]) -> pd.DataFrame:
+    """The summaries so far as eval.parquet holds them (SUMMARY_COLUMNS, in order; no accuracy as NaN)."""
     table = pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
     table["accuracy"] = table["accuracy"].astype("float64")  # None (no accuracy) as NaN, a float column either way
+    return table
+
+
+def write_table(rows: list[dict], out: Path) -> pd.DataFrame:
+    """eval.parquet from the summaries so far (``summary_table``); returns the table."""
+    table = summary_table(rows)
     table.to_parquet(out / EVAL, index=False)
     return table

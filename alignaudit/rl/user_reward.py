@@ -193,29 +193,27 @@ def _load(name: str) -> tuple:
 def _file_function(path: str, digest: str, function_name: str, name: str, data: bytes):
     """FUNCTION of the Python file at ``path`` run from ``data`` (its bytes, hashed to ``digest``: the cache key with
     the path). Raises InputError (not cached)."""
-    module_name = f"alignaudit_user_reward_{digest[:16]}"
-    module = type(sys)(module_name)
-    module.__file__ = path
-    sys.modules[module_name] = module
-    return _import(lambda: exec(compile(data, path, "exec"), module.__dict__), module, Path(path).name,
-                   function_name, name)
+    def run():
+        module = type(sys)(f"alignaudit_user_reward_{digest[:16]}")
+        module.__file__ = path
+        sys.modules[module.__name__] = module
+        exec(compile(data, path, "exec"), module.__dict__)
+        return module
+
+    return _import(run, Path(path).name, function_name, name)
 
 
 @functools.lru_cache(maxsize=None)
 def _module_function(module_name: str, function_name: str, name: str):
     """FUNCTION of the importable module ``module_name``. Raises InputError (not cached)."""
-    holder = {}
-    return _import(lambda: holder.setdefault("module", importlib.import_module(module_name)), holder, module_name,
-                   function_name, name)
+    return _import(lambda: importlib.import_module(module_name), module_name, function_name, name)
 
 
-def _import(run, module, module_name: str, function_name: str, name: str):
-    """Run the import ``run``, then FUNCTION of ``module`` (a module, or a dict holding it as "module"), checked to be
-    callable. Raises InputError naming what failed."""
+def _import(run, module_name: str, function_name: str, name: str):
+    """The module ``run()`` imports, then its FUNCTION, checked to be callable. Raises InputError naming what
+    failed."""
     try:
-        run()
-        if isinstance(module, dict):
-            module = module["module"]
+        module = run()
     except InputError:
         raise
     except SystemExit as e:  # a module that parses its own command line, or exits, as it is imported

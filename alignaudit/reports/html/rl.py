@@ -8,6 +8,7 @@ import math
 import pandas as pd
 
 from alignaudit.capture.rundir import EVAL, STEPS
+from alignaudit.comparison.held_out import headline
 from alignaudit.reports.html.page import Column, Page, table
 from alignaudit.reports.html.runs import RunDir, read_table
 
@@ -178,7 +179,7 @@ def eval_section(page: Page, evals: pd.DataFrame, held: dict) -> None:
               + _overlap_note(overlap, held.get("overlap_by", "token ids")))
     if len(evals) > 1:
         first, last = evals.iloc[0], evals.iloc[-1]
-        measure = "accuracy" if evals["accuracy"].notna().all() else "reward_mean"
+        measure = headline(evals)
         page.note(f"Held-out {measure.replace('_mean', '')}: {first[measure]:.4g} before step 1, {last[measure]:.4g} "
                   f"after step {int(last['step'])}.")
     fig = go.Figure()
