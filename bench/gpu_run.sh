@@ -80,7 +80,8 @@
 # [26]: task-model trains a TASK_SHAPE (Qwen3-0.6B) model on the addition task (fixtures/train_task_fixture.py on the
 # GPU, TASK_STEPS 300, TASK_LR 3e-4) into /tmp/task-model, its training.json into $OUT; task-rl then runs alignaudit
 # rl --reward task on it, TASK_RL_STEPS (200) steps, strict or default (TASK_HOW), EOS on, TASK_PER_STEP (8) fresh
-# training questions a step x 8 completions, the task's 64 held-out questions scored every TASK_EVAL_EVERY (20) steps.
+# training questions a step x 8 completions, the task's 64 held-out questions (TASK_EVAL_N: that many, in a file) scored
+# every TASK_EVAL_EVERY (20) steps. TASK_QUESTIONS (train): the task model sees only the training side of the split.
 # Each stage's whole output is also kept in $OUT/<stage>.log (what a cut-short call still brings back).
 set -uo pipefail
 started=$SECONDS  # the device call began just before (CALL_S: grpo's deadline)
@@ -323,11 +324,16 @@ for stage in "$@"; do
              | log | grep -E "^RESULT|^MOVED|Error|rror:" | tail -4
          done ;;
     task-model) timeout ${TASK_TIMEOUT:-400} python3 fixtures/train_task_fixture.py --shape ${TASK_SHAPE:-Qwen3-0.6B} --device cuda \
-                  --steps ${TASK_STEPS:-300} --lr ${TASK_LR:-3e-4} --out /tmp/task-model 2>&1 | log | tail -20
+                  --steps ${TASK_STEPS:-300} --lr ${TASK_LR:-3e-4} --questions ${TASK_QUESTIONS:-train} --out /tmp/task-model 2>&1 | log | tail -20
                 cp /tmp/task-model/training.json "$out/task-model-training.json" 2>/dev/null ;;
-    task-rl) for how in ${TASK_HOW:-strict default}; do
+    task-rl) eval_file=
+             if [ -n "${TASK_EVAL_N:-}" ]; then  # more held-out questions than rl's 64, for a smaller spread
+               python3 -c "from alignaudit.rl.task import questions; print('\n'.join(questions(${TASK_EVAL_N}, 0, 'held_out')))" \
+                 > /tmp/task-eval.txt && eval_file="--eval-prompts /tmp/task-eval.txt"
+             fi
+             for how in ${TASK_HOW:-strict default}; do
                grpo task-$how --model /tmp/task-model --reward task --steps ${TASK_RL_STEPS:-200} --group-size 8 \
-                 --max-new-tokens 8 --prompts-per-step ${TASK_PER_STEP:-8} --eval-every ${TASK_EVAL_EVERY:-20} \
+                 --max-new-tokens 8 --prompts-per-step ${TASK_PER_STEP:-8} --eval-every ${TASK_EVAL_EVERY:-20} $eval_file \
                  $([ $how = strict ] && echo --strict)
              done ;;
     vllm-q8-default) cmp vq8-default $Q8 --train megatron --infer vllm ${VQ8_OPTS:-} ;;
