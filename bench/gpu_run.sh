@@ -77,6 +77,9 @@
 # trl: TRL's GRPOTrainer with CUDA vLLM colocated on the fixture (bench/trl_grpo.py), strict then default (TRL_HOW),
 # TRL_STEPS (3) steps, TRL_OPTS added (e.g. "--beta 0.04 --top-k 0 --top-p 1"); needs trl, accelerate, datasets, dill,
 # multiprocess, xxhash carried in .whl/extra/.
+# [30]: flash: tests/kernels/test_flash.py (FA3 at one key split: a row's bits in every layout, the backward) and
+# compare --strict --strict-attention flash, FLASH_TRAIN (megatron hf) vs CUDA vLLM, rollout mode, FLASH_MODEL
+# (Qwen3-0.6B) shape with random weights; needs the CUDA vLLM bundle.
 # [26]: task-model trains a TASK_SHAPE (Qwen3-0.6B) model on the addition task (fixtures/train_task_fixture.py on the
 # GPU, TASK_STEPS 300, TASK_LR 3e-4) into /tmp/task-model, its training.json into $OUT; task-rl then runs alignaudit
 # rl --reward task on it, TASK_RL_STEPS (200) steps, strict or default (TASK_HOW), EOS on, TASK_PER_STEP (8) fresh
@@ -323,6 +326,11 @@ for stage in "$@"; do
            timeout ${TRL_TIMEOUT:-240} python3 bench/trl_grpo.py fixtures/qwen3-tiny $how /tmp/trl-$how --device cuda --steps ${TRL_STEPS:-3} ${TRL_OPTS:-} 2>&1 \
              | log | grep -E "^RESULT|^MOVED|Error|rror:" | tail -4
          done ;;
+    flash) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_flash.py -rs 2>&1 | log | tail -4
+           for train in ${FLASH_TRAIN:-megatron hf}; do
+             cmp vflash-$train-rollout --model ${FLASH_MODEL:-Qwen3-0.6B} --random-weights --random-prompts 4 --prompt-len 512 \
+               --train $train --infer vllm --strict --strict-attention flash --mode rollout --max-new-tokens 64
+           done ;;
     task-model) timeout ${TASK_TIMEOUT:-400} python3 fixtures/train_task_fixture.py --shape ${TASK_SHAPE:-Qwen3-0.6B} --device cuda \
                   --steps ${TASK_STEPS:-300} --lr ${TASK_LR:-3e-4} --questions ${TASK_QUESTIONS:-train} --out /tmp/task-model 2>&1 | log | tail -20
                 cp /tmp/task-model/training.json "$out/task-model-training.json" 2>/dev/null ;;

@@ -353,6 +353,8 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
         raise errors.InputError("ablate sets the strict ops of each row itself; drop --strict")
     if run.strict_exp != "portable":
         raise errors.InputError("ablate's rows without strict attention would not use --strict-exp; drop it")
+    if run.strict_attention != "portable":
+        raise errors.InputError("ablate's rows without strict attention would not use --strict-attention; drop it")
     if factors is not None and not parse_strict(factors, "--factors"):
         raise errors.InputError(f"--factors {factors!r} names no op; give some of {', '.join(STRICT_OPS)}, or drop "
                                 "--factors for all")

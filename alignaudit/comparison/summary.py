@@ -60,6 +60,7 @@ class Summary(TokenSummary, total=False):
     generated: TokenSummary  # rollout mode: the generated tokens alone
     vocab: dict  # --full-vocab: comparison/vocab.summarize_vocab
     vocab_note: str  # one capture holds full-vocabulary rows, the other not
+    attention_note: str  # the two captures' strict attention ran different kernels (pipelines.runs.attention_note)
     routing: list[dict]  # MoE: per layer, tokens rerouted between the engines
     routing_note: str  # MoE: why the routing was not read
     routing_replay: dict  # --replay-routing: own routing -> replayed, pipeline.routing_replay_record

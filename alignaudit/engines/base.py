@@ -29,6 +29,27 @@ def applied_exp(model: torch.nn.Module) -> str | None:
     return ",".join(sorted(found)) or None
 
 
+def applied_kernel(model: torch.nn.Module) -> str | None:
+    """The kernel that ``model``'s strict attention modules compute with (alignaudit_kernels.attention.KERNELS), read
+    back from the modules (their ``strict_kernel``) for the manifest; None when no module computes strict attention."""
+    found = {getattr(m, "strict_kernel", "portable") for m in model.modules() if getattr(m, "strict_attention", False)}
+    return ",".join(sorted(found)) or None
+
+
+def require_flash(settings: EngineSettings, spec: ModelSpec) -> None:
+    """Where ``settings`` ask for the flash attention kernel, refuse a GPU or build that cannot run it, as the engine
+    loads (the parent checked everything it can without a CUDA context: alignaudit.inputs.strict_ops).
+
+    Raises:
+        InputError: alignaudit_kernels.attention.flash_unavailable's reason."""
+    if settings.strict_attention != "flash" or "attention" not in settings.strict_ops:
+        return
+    from alignaudit_kernels.attention import flash_unavailable
+
+    if reason := flash_unavailable(settings.device, settings.torch_dtype, spec.head_dim):
+        raise InputError(f"--strict-attention flash: {reason}")
+
+
 def fp32_head(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, strict: bool) -> torch.Tensor:
     """The lm_head in fp32: both operands cast to fp32, then one projection (torch's, or the strict kernel).
     The cast-then-project form of vLLM's LogitsProcessor._apply_head (vllm/model_executor/layers/

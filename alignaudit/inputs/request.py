@@ -37,6 +37,8 @@ class EngineSettings:
         strict_exp: the exp inside strict attention (alignaudit_kernels.attention.EXP_CHOICES): "portable"
             (the same bits on every backend) or "native" (the GPU's exp2 instruction: faster, the same bits
             only where one GPU architecture runs both engines; needs strict attention on CUDA).
+        strict_attention: the strict attention kernel (alignaudit_kernels.attention.KERNELS): "portable" (the
+            package's own, every backend) or "flash" (FlashAttention-3 at one key split; Hopper GPUs).
     """
 
     dtype: str = "bf16"
@@ -46,6 +48,7 @@ class EngineSettings:
     strict: str = ""
     lm_head_dtype: str = "model"
     strict_exp: str = "portable"
+    strict_attention: str = "portable"
 
     @property
     def strict_ops(self) -> frozenset[str]:
@@ -99,6 +102,7 @@ class EngineRun:
         """``megatron (bf16, cpu, strict all)``: the engine as tables and progress lines name it."""
         strict = f", strict {self.settings.strict}" if self.settings.strict else ""
         exp = f", {self.settings.strict_exp} exp" if self.settings.strict_exp != "portable" else ""
+        exp += ", flash attention" if self.settings.strict_attention == "flash" else ""
         head = ", fp32 lm_head" if self.settings.lm_head_dtype == "fp32" else ""
         return f"{self.engine} ({self.settings.dtype}, {self.settings.device}{strict}{exp}{head})"
 

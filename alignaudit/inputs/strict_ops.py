@@ -26,6 +26,9 @@ STRICT_OPS = ("linear", "rmsnorm", "rope", "silu", "attention", "logprobs")
 STRICT_EXPS = ("portable", "native")  # alignaudit_kernels.attention.EXP_CHOICES, the default first
 ENV = "ALIGNAUDIT_STRICT"
 EXP_ENV = "ALIGNAUDIT_STRICT_EXP"  # the exp of strict attention inside vLLM (its plugin reads it)
+STRICT_ATTENTIONS = ("portable", "flash")  # alignaudit_kernels.attention.KERNELS, the default first
+ATTENTION_ENV = "ALIGNAUDIT_STRICT_ATTENTION"  # the strict attention kernel inside vLLM (its plugin reads it)
+FLASH_DTYPES = ("bf16", "fp16")
 RUNNER_V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch to its model runner V2 (vllm/envs.py)
 
 
@@ -106,6 +109,57 @@ def check_strict_exp(exp: str, ops: frozenset[str], device: str,
             raise InputError(f"{option} native is the GPU's exp2 instruction; on the CPU strict attention computes "
                              f"the portable exp only: use {cuda}, or drop {option}")
     return exp
+
+
+def check_strict_attention(kernel: str, ops: frozenset[str], device: str, exp: str, dtypes: tuple[str, ...],
+                           head_dim: int, names: tuple[str, ...] = ("--strict-attention", "--strict", "--device cuda",
+                                                                    "--strict-exp", "--dtype")) -> str:
+    """Validate ``--strict-attention`` before any engine starts and return it. "portable" is alignaudit_kernels'
+    own attention (the same bits on the CPU and every GPU); "flash" is FlashAttention-3 at one key split
+    (alignaudit_kernels.attention.flash), in every engine of the run: it needs strict attention, CUDA, bf16 or fp16
+    in every engine (``dtypes``), a head size FlashAttention takes (``head_dim``: a multiple of 8 up to 256), the
+    portable exp setting (FA3 computes its own exp) and vLLM's FA3 build importable. A Hopper GPU is checked where the
+    engines load the model (the parent starts no CUDA context). ``names``: how the caller's user spells the kernel,
+    the ops, a CUDA device, the exp and the dtype.
+
+    Raises:
+        InputError: an unknown value, or "flash" where it would not take effect.
+    """
+    option, ops_option, cuda, exp_option, dtype_option = names
+    if kernel not in STRICT_ATTENTIONS:
+        raise InputError(f"{option} {kernel!r}: choose {' or '.join(STRICT_ATTENTIONS)}")
+    if kernel == "portable":
+        return kernel
+    if "attention" not in ops:
+        raise InputError(f"{option} flash chooses the kernel of strict attention, which this run does not compute: "
+                         f"add attention to {ops_option}")
+    if device != "cuda":
+        raise InputError(f"{option} flash is FlashAttention-3, a CUDA (Hopper) kernel: use {cuda}, or drop {option}")
+    if exp != "portable":
+        raise InputError(f"{exp_option} {exp} is the portable kernel's exp; FlashAttention-3 computes its own: drop "
+                         f"{exp_option} or {option} flash")
+    if bad := [d for d in dtypes if d not in FLASH_DTYPES]:
+        raise InputError(f"{option} flash computes bf16 and fp16, not {bad[0]}: set {dtype_option} bf16")
+    if head_dim % 8 or head_dim > 256:
+        raise InputError(f"{option} flash: FlashAttention takes head sizes that are multiples of 8 up to 256, and this "
+                         f"model's is {head_dim}; use the portable kernel")
+    if not fa3_library():
+        raise InputError(f"{option} flash runs vLLM's FlashAttention-3 build (vllm.vllm_flash_attn) in every engine, "
+                         "and this Python has none (no vLLM, or a build without it such as the CPU wheel): install "
+                         "vLLM for CUDA")
+    return kernel
+
+
+def fa3_library() -> bool:
+    """Whether vLLM's compiled FlashAttention-3 (vllm/vllm_flash_attn/_vllm_fa3_C*.so) is installed, found on disk
+    without importing vLLM (the parent process of a run imports no engine)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(any((Path(root) / "vllm_flash_attn").glob("_vllm_fa3_C*")) for root in spec.submodule_search_locations)
 
 
 ROCM_ENV = "ALIGNAUDIT_ROCM_UNCHECKED"  # "1": run the strict path on ROCm although no AMD GPU has checked its bits

@@ -32,6 +32,7 @@ from alignaudit.inputs.prompts import load_prompts
 from alignaudit.inputs.strict_ops import (
     check_kernel_switches,
     check_platform,
+    check_strict_attention,
     check_strict_exp,
     format_strict,
     parse_strict,
@@ -74,6 +75,7 @@ class PairArgs:
     infer_opt: list[str] | None = None
     strict: str | None = None
     strict_exp: str = "portable"
+    strict_attention: str = "portable"
     lm_head_dtype: str = "model"
 
 
@@ -262,6 +264,9 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_che
     strict_ops = parse_strict(pair.strict)
     ops = format_strict(strict_ops)
     exp = check_strict_exp(pair.strict_exp, strict_ops, dev)
+    kernel = check_strict_attention(pair.strict_attention, strict_ops, dev, exp,
+                                    tuple(own or pair.dtype for own in (pair.train_dtype, pair.infer_dtype)),
+                                    spec.head_dim)
     check_kernel_switches(strict_ops, bool(spec.num_experts), trains, dev)
     if dev == "cuda" and (warning := check_platform(strict_ops)):
         print(warning, file=sys.stderr)
@@ -269,7 +274,7 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_che
         raise errors.InputError(f"--lm-head-dtype {pair.lm_head_dtype!r}: choose model or fp32")
     runs = [
         EngineRun(name, EngineSettings(check_dtype(own or pair.dtype), dev, seed, parse_options(opts), strict=ops,
-                                       lm_head_dtype=pair.lm_head_dtype, strict_exp=exp))
+                                       lm_head_dtype=pair.lm_head_dtype, strict_exp=exp, strict_attention=kernel))
         for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt),
                                 (pair.infer, pair.infer_dtype, pair.infer_opt))
     ]

@@ -107,6 +107,8 @@ def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2,
                                  "full-vocabulary rows; capture both with --full-vocab")
     summary["model"] = train.manifest["model"]["name"]
     summary["sides"] = {role: _side(c) for role, c in (("train", train), ("infer", infer))}
+    if note := attention_note(summary["sides"]):
+        summary["attention_note"] = note
     repeats = {role: summarize_repeats(c.manifest["repeats"]) for role, c in (("train", train), ("infer", infer))
                if c.manifest.get("repeats")}
     if repeats:
@@ -210,7 +212,7 @@ def routing_replay_record(before: dict, after: dict, changed: int, train: Captur
 
 # What a rollout file's capture records of the engine that made it: nothing the file does not say.
 FILE_SETTINGS = {"dtype": None, "device": None, "seed": None, "options": {}, "strict": None, "lm_head_dtype": None,
-                 "strict_exp": None}
+                 "strict_exp": None, "strict_attention": None}
 
 
 @marks_failure
@@ -289,6 +291,17 @@ def finish_diff(out: Path, train: Capture, infer: Capture, clip_eps: float) -> N
     write_json(out / RUN, seal(record, out, DIFF_OUTPUTS))
 
 
+def attention_note(sides: dict) -> str | None:
+    """Where the two sides' strict attention ran different kernels (alignaudit_kernels.attention.KERNELS: each its own
+    algorithm, so their attention bits differ by construction), a line saying so; None otherwise."""
+    kernels = {role: side.get("strict_attention") for role, side in sides.items()}
+    if None in kernels.values() or len(set(kernels.values())) < 2:
+        return None
+    return (f"strict attention ran the {kernels['train']} kernel in the train capture and the {kernels['infer']} "
+            "kernel in the infer capture: two algorithms, whose bits differ by construction; capture both with one "
+            "--strict-attention")
+
+
 def _side(c: Capture) -> dict:
     from alignaudit.engines import KINDS
 
@@ -296,6 +309,7 @@ def _side(c: Capture) -> dict:
     kind = KINDS.get(c.engine)
     return {"engine": c.engine, "dtype": s["dtype"], "device": s["device"], "strict": s.get("strict", ""),
             "strict_exp": c.manifest.get("engine_settings", {}).get("attention_exp"),
+            "strict_attention": c.manifest.get("engine_settings", {}).get("attention_kernel"),
             "lm_head_dtype": s.get("lm_head_dtype", "model"), "capture": str(c.path), "options": s.get("options", {}),
             "tensor_parallel_size": s.get("options", {}).get(kind.tp_option, 1) if kind and kind.tp_option else 1}
 

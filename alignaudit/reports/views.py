@@ -178,6 +178,7 @@ def _alignment_section(summary: dict, buckets: list[dict] | None, histogram: boo
             a.add("NaN / Inf logprobs", "none", "")
     if summary.get("nan_mismatches") or summary.get("inf_mismatches"):
         a.add("NaN / Inf mismatches", f"{summary.get('nan_mismatches')} / {summary.get('inf_mismatches')}", "")
+    a.note = summary.get("attention_note", "")
     return a
 
 
@@ -292,6 +293,7 @@ def side_label(side: dict) -> str:
     (option_text)."""
     parts = [side.get("dtype"), side.get("device"), f"strict {side['strict']}" if side.get("strict") else None,
              f"{side['strict_exp']} exp" if side.get("strict_exp") not in (None, "portable") else None,
+             "flash attention" if side.get("strict_attention") == "flash" else None,
              "fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else None,
              f"TP={side['tensor_parallel_size']}" if side.get("tensor_parallel_size", 1) != 1 else None,
              *(option_text(k, v) for k, v in (side.get("options") or {}).items())]

@@ -43,13 +43,18 @@ Layouts: q [tokens, heads, head_dim]; K/V either contiguous per sequence [tokens
 FlashAttention-2's varlen backward fed the forward's log-sum-exp (``flash_gradients``) or torch's SDPA, both under
 torch's deterministic mode.
 
+Kernel: "portable" (above) or "flash", FlashAttention-3 at one key split on Hopper GPUs, whose bits are not the
+portable ones but are the same in every layout (``flash``).
+
 The package, one job per module: ``algorithm`` (the fixed sizes and exp choices), ``torch_reference`` (plain
-torch: the reference and the backward), ``flash_gradients`` (the fused backward by FlashAttention-2), ``cpu`` (the
+torch: the reference and the backward), ``flash_gradients`` (the fused backward by FlashAttention-2), ``flash``
+(the FlashAttention-3 kernel choice), ``cpu`` (the
 CPU backend), ``triton_kernels`` (the GPU kernels), ``launch`` (tiles, configurations, plans), ``functions`` (the
 entry points below).
 """
 
 from alignaudit_kernels.attention.algorithm import BLOCK_N, CHUNK_N, DEFAULT_EXP, EXP_CHOICES, TILE_ROWS
+from alignaudit_kernels.attention.flash import DEFAULT_KERNEL, KERNELS, flash_paged, flash_unavailable
 from alignaudit_kernels.attention.functions import causal_attention, paged_attention, paged_decode, varlen_attention
 from alignaudit_kernels.attention.launch import (
     DECODE_CONFIG,
@@ -70,8 +75,9 @@ from alignaudit_kernels.attention.launch import (
 )
 from alignaudit_kernels.attention.torch_reference import batched_reference, reference
 
-__all__ = ["BLOCK_N", "CHUNK_N", "DECODE_CONFIG", "DEFAULT_EXP", "EXP_CHOICES", "KV_DIRECT", "KV_GATHER",
-           "KV_PAGE_ALIGNED", "QueryTiles", "SPLIT_BELOW_PROGRAMS_PER_SM", "SPLIT_SCRATCH_BYTES", "TILE_CONFIG",
-           "TILE_ROWS", "_kv_mode", "_launch", "_launch_varlen", "batched_reference", "causal_attention",
-           "choose_split", "paged_attention", "paged_decode", "paged_tiles", "reference", "split_scratch",
-           "split_scratch_bytes", "varlen_attention"]
+__all__ = ["BLOCK_N", "CHUNK_N", "DECODE_CONFIG", "DEFAULT_EXP", "DEFAULT_KERNEL", "EXP_CHOICES", "KERNELS",
+           "KV_DIRECT", "KV_GATHER", "KV_PAGE_ALIGNED", "QueryTiles", "SPLIT_BELOW_PROGRAMS_PER_SM",
+           "SPLIT_SCRATCH_BYTES", "TILE_CONFIG", "TILE_ROWS", "_kv_mode", "_launch", "_launch_varlen",
+           "batched_reference", "causal_attention", "choose_split", "flash_paged", "flash_unavailable",
+           "paged_attention", "paged_decode", "paged_tiles", "reference", "split_scratch", "split_scratch_bytes",
+           "varlen_attention"]

@@ -7,6 +7,7 @@ import torch
 
 from alignaudit_kernels.attention.algorithm import DEFAULT_EXP, _check_exp
 from alignaudit_kernels.attention.cpu import _cpu_attend
+from alignaudit_kernels.attention.flash import DEFAULT_KERNEL, check_kernel, flash_causal, flash_varlen
 from alignaudit_kernels.attention.flash_gradients import flash_backward_available, varlen_flash_gradients
 from alignaudit_kernels.attention.launch import (
     DECODE_CONFIG,
@@ -115,17 +116,21 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
                    max_keys=int(max_seq_len), exp=exp, out=out, config=DECODE_CONFIG)
 
 
-def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP):
+def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP, kernel=DEFAULT_KERNEL):
     """Strict attention for a batch of sequences with contiguous K/V (e.g. a training engine's KV cache).
 
     q [B, Tq, H, D] (or [Tq, H, D] for one sequence) at absolute positions ``q_positions`` [B, Tq] (int;
     [Tq] for one sequence); k/v [B, Tk, KVH, D] hold positions 0..Tk-1 of each sequence. Returns q's shape
     in q.dtype, each row equal bit for bit to the same row of a prefill or a decode. Differentiable:
     backward by torch_reference.attention_gradients, as varlen_attention (an HF trainer's forward).
-    exp: "portable" or "native" (module docstring).
-    Raises: ValueError for an unknown ``exp`` or "native" on the CPU backend.
+    exp: "portable" or "native" (module docstring). kernel: "portable" (this package's algorithm) or "flash"
+    (FlashAttention-3, attention/flash.py: forward only, queries at the last positions of their keys).
+    Raises: ValueError for an unknown ``exp`` or ``kernel``, "native" on the CPU backend or with "flash", and what
+    flash.flash_causal raises.
     """
     _check_exp(exp, q)
+    if _flash(kernel, exp):
+        return flash_causal(q, k, v, q_positions, float(scale))
     if not no_gradient(q, k, v):
         return _CausalAttention.apply(q, k, v, q_positions, float(scale), exp)
     return _causal_forward(q, k, v, q_positions, scale, exp)
@@ -217,17 +222,29 @@ class _VarlenAttention(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def varlen_attention(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP):
+def varlen_attention(q, k, v, cu_seqlens, scale, exp=DEFAULT_EXP, kernel=DEFAULT_KERNEL):
     """Strict causal attention for a ragged batch of whole sequences (training engines, prefill).
 
     q [T, H, D], k/v [T, KVH, D], cu_seqlens [B + 1] (int, sequence i is rows cu[i]:cu[i+1], positions
     0..len-1). Returns [T, H, D] in q.dtype; differentiable (torch_reference.attention_gradients).
-    exp: "portable" or "native" (module docstring).
-    Raises: ValueError when H is not a multiple of KVH, for an unknown ``exp``, or "native" on the CPU backend.
+    exp: "portable" or "native" (module docstring). kernel: "portable" (this package's algorithm) or "flash"
+    (FlashAttention-3 forward, FlashAttention-2 backward: attention/flash.py).
+    Raises: ValueError when H is not a multiple of KVH, for an unknown ``exp`` or ``kernel``, "native" on the CPU
+    backend or with "flash", and what flash.flash_varlen raises.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k.shape[1]}")
     _check_exp(exp, q)
+    if _flash(kernel, exp):
+        return flash_varlen(q, k, v, cu_seqlens, float(scale))
     if no_gradient(q, k, v):
         return _contiguous_forward(q, k, v, cu_seqlens.cpu(), float(scale), exp)
     return _VarlenAttention.apply(q, k, v, cu_seqlens.cpu(), float(scale), exp)
+
+
+def _flash(kernel: str, exp: str) -> bool:
+    """Whether ``kernel`` is "flash"; ValueError for an unknown kernel or an exp the flash kernel would not apply."""
+    check_kernel(kernel)
+    if kernel == "flash" and exp != DEFAULT_EXP:
+        raise ValueError(f"exp={exp!r} is the portable kernel's choice; FlashAttention-3 computes its own exp")
+    return kernel == "flash"

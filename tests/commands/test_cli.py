@@ -90,6 +90,9 @@ def test_self_consistency_same_engine_both_sides(tmp_path):
     (["--strict", "rmsnorm", "--strict-exp", "native"], "add attention to --strict"),
     (["--strict", "--strict-exp", "native", "--device", "cpu"], "use --device cuda"),
     (["--device", "rocm"], "torch names AMD (ROCm) GPUs cuda devices; pass --device cuda"),
+    (["--strict-attention", "fa2"], "--strict-attention 'fa2': choose portable or flash"),
+    (["--strict-attention", "flash"], "add attention to --strict"),
+    (["--strict", "--strict-attention", "flash", "--device", "cpu"], "a CUDA (Hopper) kernel: use --device cuda"),
     (["--mode", "rollout", "--temperature", "inf"], "--temperature inf: rollout mode needs a finite temperature > 0"),
 ])
 def test_usage_errors_are_one_line(capsys, tmp_path, argv, message):
@@ -248,6 +251,32 @@ def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp
     assert check_strict_exp("native", frozenset({"attention"}), "cuda") == "native"
     err = one_line_error(capsys, ["ablate", "--strict-exp", "native", "--out", str(tmp_path / "a")], EXIT_USAGE)
     assert "would not use --strict-exp" in err
+
+
+def test_strict_attention_flash_is_refused_where_it_would_not_take_effect(capsys, tmp_path):
+    """flash is FlashAttention-3 in every engine: it needs strict attention, CUDA, the portable exp setting, bf16 or
+    fp16 on both sides, a head size FlashAttention takes and vLLM's compiled FA3; ablate has rows without strict
+    attention. Each is refused by name before any engine starts (this machine's vLLM, the CPU wheel, has no FA3)."""
+    from alignaudit.inputs.strict_ops import check_strict_attention, fa3_library
+
+    attention = frozenset({"attention"})
+    cases = [
+        (("flash", frozenset({"linear"}), "cuda", "portable", ("bf16", "bf16"), 128), "add attention to --strict"),
+        (("flash", attention, "cpu", "portable", ("bf16", "bf16"), 128), "use --device cuda"),
+        (("flash", attention, "cuda", "native", ("bf16", "bf16"), 128), "--strict-exp native is the portable kernel"),
+        (("flash", attention, "cuda", "portable", ("bf16", "fp32"), 128), "computes bf16 and fp16, not fp32"),
+        (("flash", attention, "cuda", "portable", ("bf16", "bf16"), 260), "this model's is 260"),
+        (("flash", attention, "cuda", "portable", ("fp16", "fp16"), 12), "this model's is 12"),
+    ]
+    for args, message in cases:
+        with pytest.raises(InputError, match=message):
+            check_strict_attention(*args)
+    assert check_strict_attention("portable", frozenset(), "cpu", "native", ("fp32",), 3) == "portable"
+    if not fa3_library():
+        with pytest.raises(InputError, match="install vLLM for CUDA"):
+            check_strict_attention("flash", attention, "cuda", "portable", ("bf16", "bf16"), 128)
+    err = one_line_error(capsys, ["ablate", "--strict-attention", "flash", "--out", str(tmp_path / "a")], EXIT_USAGE)
+    assert "would not use --strict-attention" in err
 
 
 def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeypatch):

@@ -36,3 +36,18 @@ def test_every_key_written_into_a_summary_is_in_the_schema():
                 written.add(target.slice.value)
     assert {"routing", "routing_replay", "sides", "worst_sequences"} <= written  # the reader sees the writers
     assert written <= set(typing.get_type_hints(Summary))
+
+
+def test_captures_of_two_attention_kernels_say_so_in_the_verdict():
+    """diff of a flash capture against a portable one: two algorithms, so the alignment section says why their bits
+    differ; one kernel on both sides (or a side without strict attention, None) says nothing."""
+    from alignaudit.pipelines.runs import attention_note
+    from alignaudit.reports.views import summary_sections
+
+    mixed = {"train": {"strict_attention": "flash"}, "infer": {"strict_attention": "portable"}}
+    note = attention_note(mixed)
+    assert note.startswith("strict attention ran the flash kernel in the train capture and the portable kernel")
+    assert attention_note({"train": {"strict_attention": "flash"}, "infer": {"strict_attention": "flash"}}) is None
+    assert attention_note({"train": {"strict_attention": "flash"}, "infer": {"strict_attention": None}}) is None
+    alignment = summary_sections({"tokens_compared": 3, "mismatches": 3, "attention_note": note})[0]
+    assert alignment.note == note

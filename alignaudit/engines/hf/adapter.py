@@ -15,11 +15,13 @@ import torch
 from alignaudit.engines.base import (
     Engine,
     applied_exp,
+    applied_kernel,
     first_lines,
     fp32_head,
     micro_batch_option,
     reject_unknown,
     reject_wrong_types,
+    require_flash,
     right_padded,
 )
 from alignaudit.errors import InputError
@@ -65,7 +67,9 @@ class HFEngine(Engine):
         if settings.strict_ops:
             from alignaudit.engines.hf.strict import make_strict
 
-            self.strict_modules = make_strict(self.model, settings.strict_ops, spec.rope_llama3, settings.strict_exp)
+            require_flash(settings, spec)
+            self.strict_modules = make_strict(self.model, settings.strict_ops, spec.rope_llama3, settings.strict_exp,
+                                              settings.strict_attention)
         if settings.lm_head_dtype == "fp32":
             head, strict = self.model.lm_head, "linear" in settings.strict_ops
             head.forward = lambda x: fp32_head(x, head.weight, head.bias, strict)
@@ -213,6 +217,7 @@ class HFEngine(Engine):
             "strict": self.settings.strict,
             "strict_modules": len(self.strict_modules),
             "attention_exp": applied_exp(self.model),
+            "attention_kernel": applied_kernel(self.model),
             "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32"
                              else str(self.model.lm_head.weight.dtype),
             "module_mode": "train" if self.model.training else "eval",

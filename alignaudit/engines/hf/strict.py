@@ -194,7 +194,7 @@ def _row_starts_once(attention_mask, b: int, t: int, keys: int) -> list[int] | N
     return starts
 
 
-def _whole_sequences(q, k, v, starts: list[int] | None, scale: float, exp: str) -> torch.Tensor:
+def _whole_sequences(q, k, v, starts: list[int] | None, scale: float, exp: str, kernel: str) -> torch.Tensor:
     """Strict attention of a batch with no cached keys (a training or scoring forward), q [b, t, H, D] and k/v
     [b, t, KVH, D], as one ragged prefill (varlen_attention): row r's sequence is its tokens from its first real one
     (``starts[r]``, 0 without left padding). Each row's bits are those of causal_attention over that run (one
@@ -204,12 +204,12 @@ def _whole_sequences(q, k, v, starts: list[int] | None, scale: float, exp: str) 
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v)]
     if starts is None:
         cu = torch.arange(0, b * t + 1, t)
-        return K.varlen_attention(*flat, cu, scale, exp=exp).view(b, t, h, d)
+        return K.varlen_attention(*flat, cu, scale, exp=exp, kernel=kernel).view(b, t, h, d)
     runs = [(r * t + s, (r + 1) * t) for r, s in enumerate(starts) if s < t]
     cu = torch.tensor([0, *(end - first for first, end in runs)]).cumsum(0)
     rows = torch.cat([torch.arange(first, end) for first, end in runs]).to(q.device)
     out = q.new_zeros(b * t, h, d)
-    out[rows] = K.varlen_attention(*(x[rows] for x in flat), cu, scale, exp=exp)
+    out[rows] = K.varlen_attention(*(x[rows] for x in flat), cu, scale, exp=exp, kernel=kernel)
     return out.view(b, t, h, d)
 
 
@@ -264,7 +264,8 @@ def _packed_runs_once(attention_mask, position_ids, b: int, t: int) -> torch.Ten
 
 class StrictAttention(StrictModule):
     """Stands in for <P>Attention (QK-norm where the module has q_norm/k_norm); ``strict_rope`` /
-    ``strict_attention`` say which parts are strict, ``strict_exp`` the exp of the strict attention."""
+    ``strict_attention`` say which parts are strict, ``strict_exp`` the exp and ``strict_kernel`` the kernel of the
+    strict attention (alignaudit_kernels.attention)."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                 position_ids=None, **kwargs):
@@ -302,17 +303,19 @@ class StrictAttention(StrictModule):
                 starts, packed = self._layout(attention_mask, given_positions, b, t, keys)
             if keys == t and not torch.compiler.is_compiling() and packed is not None:
                 flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v)]
-                out = K.varlen_attention(*flat, packed, self.scaling, exp=self.strict_exp).view(q.shape)
+                out = K.varlen_attention(*flat, packed, self.scaling, exp=self.strict_exp,
+                                         kernel=self.strict_kernel).view(q.shape)
             elif keys == t and not torch.compiler.is_compiling():
-                out = _whole_sequences(q, k, v, starts, self.scaling, self.strict_exp)
+                out = _whole_sequences(q, k, v, starts, self.scaling, self.strict_exp, self.strict_kernel)
             elif starts is None:
-                out = K.causal_attention(q, k, v, index.expand(b, t), self.scaling, exp=self.strict_exp)
+                out = K.causal_attention(q, k, v, index.expand(b, t), self.scaling, exp=self.strict_exp,
+                                         kernel=self.strict_kernel)
             else:  # left padding: each row attends its own run of keys, its pads' queries stay zero
                 out = torch.zeros_like(q)
                 for r, start in enumerate(starts):
                     first = max(0, start - (keys - t))
                     out[r, first:] = K.causal_attention(q[r, first:], k[r, start:], v[r, start:], index[first:] - start,
-                                                        self.scaling, exp=self.strict_exp)
+                                                        self.scaling, exp=self.strict_exp, kernel=self.strict_kernel)
         else:
             interface = self._stock_attention
             out, _ = interface(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
@@ -340,10 +343,12 @@ def _swap(module: torch.nn.Module, cls: type) -> None:
     module.__class__ = _SWAPPED[key]
 
 
-def make_strict(model, ops: frozenset[str], llama3: tuple | None = None, exp: str = "portable") -> list[str]:
+def make_strict(model, ops: frozenset[str], llama3: tuple | None = None, exp: str = "portable",
+                kernel: str = "portable") -> list[str]:
     """Swap the strict ops into a model of an alignaudit.arch architecture in place; return what was swapped
     (for the manifest). ``llama3``: the spec's llama3 rope scaling (ModelSpec.rope_llama3), or None. ``exp``:
-    the strict attention's exp (alignaudit_kernels.attention.EXP_CHOICES).
+    the strict attention's exp (alignaudit_kernels.attention.EXP_CHOICES), ``kernel`` its kernel
+    (alignaudit_kernels.attention.KERNELS; "flash" needs a Hopper GPU and vLLM's FA3 build at the first forward).
 
     Raises:
         alignaudit.errors.InputError: the model's architecture is not one alignaudit runs; strict ops on ROCm
@@ -376,6 +381,7 @@ def make_strict(model, ops: frozenset[str], llama3: tuple | None = None, exp: st
             m._stock_attention = ALL_ATTENTION_FUNCTIONS.get_interface(
                 config._attn_implementation, sys.modules[type(m).__module__].eager_attention_forward)
             m.strict_rope, m.strict_attention, m.strict_exp = "rope" in ops, "attention" in ops, exp
+            m.strict_kernel = kernel
             m.q_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings, llama3)
             m.k_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings, llama3)
             _swap(m, StrictAttention)

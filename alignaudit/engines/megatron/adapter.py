@@ -31,11 +31,13 @@ import torch
 from alignaudit.engines.base import (
     Engine,
     applied_exp,
+    applied_kernel,
     first_lines,
     fp32_head,
     micro_batch_option,
     reject_unknown,
     reject_wrong_types,
+    require_flash,
     right_padded,
 )
 from alignaudit.engines.megatron.options import MEGATRON_CHECKPOINT_FIELDS
@@ -227,8 +229,9 @@ class MegatronEngine(Engine):
         if ops:
             from alignaudit.engines.megatron.strict import StrictGPTModel, strict_block_spec
 
+            require_flash(settings, spec)
             layer_spec = strict_block_spec(spec.num_layers, ops, spec.rope_theta, spec.qk_norm, spec.rope_llama3,
-                                           spec.num_experts, settings.strict_exp)
+                                           spec.num_experts, settings.strict_exp, settings.strict_attention)
             model_cls = functools.partial(StrictGPTModel, strict_ops=ops)
         else:
             layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm",
@@ -433,6 +436,7 @@ class MegatronEngine(Engine):
                           else "get_gpt_layer_local_spec",
             "strict": self.settings.strict,
             "attention_exp": applied_exp(self.gpt),
+            "attention_kernel": applied_kernel(self.gpt),
             "float16_module": self.gpt is not self.model,
             "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32" else str(self.config.params_dtype),
             "module_mode": "train" if self.model.training else "eval",

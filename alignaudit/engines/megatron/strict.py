@@ -157,9 +157,11 @@ class StrictCoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, *, rotary_base: float,
-                 strict_rope: bool, strict_attention: bool, llama3: tuple | None = None, exp: str = "portable"):
+                 strict_rope: bool, strict_attention: bool, llama3: tuple | None = None, exp: str = "portable",
+                 kernel: str = "portable"):
         super().__init__(config=config)
         self.strict_rope, self.strict_attention, self.strict_exp = strict_rope, strict_attention, exp
+        self.strict_kernel = kernel
         self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
         self.q_rope = RopeOp(config.kv_channels, rotary_base, 4096, llama3) if strict_rope else None
         self.k_rope = RopeOp(config.kv_channels, rotary_base, 4096, llama3) if strict_rope else None
@@ -186,10 +188,12 @@ class StrictCoreAttention(MegatronModule):
             return self.stock(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         if packed_seq_params is not None:
-            return K.varlen_attention(query, key, value, cu, self.scale, exp=self.strict_exp).flatten(1)
+            return K.varlen_attention(query, key, value, cu, self.scale, exp=self.strict_exp,
+                                      kernel=self.strict_kernel).flatten(1)
         q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value))
         cu = self.cu_seqlens if self.cu_seqlens is not None else padded_cu_seqlens(attention_mask, b, sq)
-        out = K.varlen_attention(q, k, v, cu, self.scale, exp=self.strict_exp)  # [b * sq, heads, dim]
+        out = K.varlen_attention(q, k, v, cu, self.scale, exp=self.strict_exp,
+                                 kernel=self.strict_kernel)  # [b * sq, heads, dim]
         return out.view(b, sq, -1).transpose(0, 1).contiguous()
 
 
@@ -280,9 +284,11 @@ def mask_runs(attention_mask: torch.Tensor | None, b: int, s: int) -> tuple[torc
 
 
 def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
-                      llama3: tuple | None = None, num_experts: int = 0, exp: str = "portable") -> ModuleSpec:
-    """The local GPT layer spec with the strict ops swapped in (``llama3``: ModelSpec.rope_llama3). An MoE
-    layer keeps Megatron's MoELayer in the spec; StrictGPTModel swaps its forward for the strict one.
+                      llama3: tuple | None = None, num_experts: int = 0, exp: str = "portable",
+                      kernel: str = "portable") -> ModuleSpec:
+    """The local GPT layer spec with the strict ops swapped in (``llama3``: ModelSpec.rope_llama3; ``exp`` and
+    ``kernel``: the strict attention's, alignaudit_kernels.attention). An MoE layer keeps Megatron's MoELayer in the
+    spec; StrictGPTModel swaps its forward for the strict one.
 
     Raises:
         alignaudit.errors.InputError: strict ops on ROCm (alignaudit.inputs.strict_ops.check_platform).
@@ -309,7 +315,7 @@ def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: boo
     if {"rope", "attention"} & ops:
         attn.core_attention = ModuleSpec(module=StrictCoreAttention, params={
             "rotary_base": rotary_base, "strict_rope": "rope" in ops, "strict_attention": "attention" in ops,
-            "llama3": llama3, "exp": exp})
+            "llama3": llama3, "exp": exp, "kernel": kernel})
     return spec
 
 
@@ -323,12 +329,12 @@ def _mlp_spec(mlp_cls, submodules):
 
 def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
                       llama3: tuple | None = None, num_experts: int = 0,
-                      exp: str = "portable") -> TransformerBlockSubmodules:
-    """A TransformerBlockSubmodules of strict layers; the final norm is strict too with "rmsnorm"; ``exp``: the
-    strict attention's exp (alignaudit_kernels.attention.EXP_CHOICES)."""
+                      exp: str = "portable", kernel: str = "portable") -> TransformerBlockSubmodules:
+    """A TransformerBlockSubmodules of strict layers; the final norm is strict too with "rmsnorm"; ``exp`` and
+    ``kernel``: the strict attention's exp and kernel (alignaudit_kernels.attention.EXP_CHOICES, KERNELS)."""
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl
 
-    layer = strict_layer_spec(ops, rotary_base, qk_layernorm, llama3, num_experts, exp)
+    layer = strict_layer_spec(ops, rotary_base, qk_layernorm, llama3, num_experts, exp, kernel)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=StrictRMSNorm if "rmsnorm" in ops else LNImpl)
 

@@ -71,10 +71,13 @@ class VllmEngine(Engine):
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from alignaudit.inputs.strict_ops import ENV, EXP_ENV, format_strict
+        from alignaudit.engines.base import require_flash
+        from alignaudit.inputs.strict_ops import ATTENTION_ENV, ENV, EXP_ENV, format_strict
 
+        require_flash(settings, spec)
         os.environ[ENV] = format_strict(settings.strict_ops)  # read by the plugin in every vLLM process
         os.environ[EXP_ENV] = settings.strict_exp  # read by the strict attention backend
+        os.environ[ATTENTION_ENV] = settings.strict_attention  # read by the strict attention backend too
         self.tp_size = int(settings.options.get("tensor_parallel_size", 1))
         if settings.device == "cpu" and self.tp_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
             # vLLM's automatic binding wants one NUMA node per rank (vllm/utils/ompmultiprocessing.py); split
@@ -89,6 +92,7 @@ class VllmEngine(Engine):
         self.llm = None
         self.llm_kwargs: dict = {}
         self.attention_impls: dict[str, str | None] = {}  # impl class -> strict exp, read back from the model
+        self.attention_kernels: list[str] = []  # the strict attention kernels, read back from the model
         self.linear_methods: list[str] = []  # quant_method classes of the linear layers, read back from the model
         self.plugin_ops: list[str] = []  # the ops the strict plugin patched in the process holding the model
         self.capture_overrides: dict = {}  # settings op capture changed against the ones asked for
@@ -239,6 +243,7 @@ class VllmEngine(Engine):
 
         kernels = self.llm.kernels() if self.engine_mode == "async" else self.llm.apply_model(kernels_of)[0]
         self.attention_impls, self.linear_methods = kernels["attention_impls"], kernels["linear_methods"]
+        self.attention_kernels = kernels["attention_kernels"]
         self.plugin_ops = kernels["strict_ops"]
         check_strict_kernels(kernels, self.settings.strict_ops)
 
@@ -399,6 +404,7 @@ class VllmEngine(Engine):
         exps = sorted({exp for exp in self.attention_impls.values() if exp})
         record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict,
                   "attention_exp": ",".join(exps) or None, "attention_impl": sorted(self.attention_impls),
+                  "attention_kernel": ",".join(self.attention_kernels) or None,
                   "linear_methods": list(self.linear_methods), "plugin_ops": list(self.plugin_ops),
                   "capture_overrides": dict(self.capture_overrides),
                   "prefix_cache_hits": self.prefix_cache_hits, "engine_mode": self.engine_mode,

@@ -21,7 +21,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 import alignaudit_kernels as K
-from alignaudit.inputs.strict_ops import EXP_ENV, STRICT_EXPS
+from alignaudit.inputs.strict_ops import ATTENTION_ENV, EXP_ENV, STRICT_ATTENTIONS, STRICT_EXPS
 
 
 def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, q_seq: torch.Tensor) -> torch.Tensor:
@@ -58,6 +58,22 @@ def attention_impls(model: torch.nn.Module) -> dict[str, str]:
     not strict): what actually computes attention, read back rather than assumed from the registration."""
     return {type(m.impl).__name__: getattr(m.impl, "strict_exp", None)
             for m in model.modules() if hasattr(m, "impl") and hasattr(m, "attn_backend")}
+
+
+def attention_kernels(model: torch.nn.Module) -> list[str]:
+    """The strict attention kernels (alignaudit_kernels.attention.KERNELS) that the attention layers of a loaded vLLM
+    model compute with, read back from their impls; [] where none is strict."""
+    return sorted({getattr(m.impl, "strict_kernel", "portable") for m in model.modules()
+                   if hasattr(m, "impl") and hasattr(m, "attn_backend") and hasattr(m.impl, "strict_exp")})
+
+
+def configured_kernel() -> str:
+    """The strict attention kernel in vLLM: ALIGNAUDIT_STRICT_ATTENTION ("portable", the default, or "flash",
+    FlashAttention-3 at one key split; alignaudit_kernels.attention.flash). Raises ValueError for another value."""
+    kernel = os.environ.get(ATTENTION_ENV) or STRICT_ATTENTIONS[0]
+    if kernel not in STRICT_ATTENTIONS:
+        raise ValueError(f"{ATTENTION_ENV}={kernel!r}: choose {' or '.join(STRICT_ATTENTIONS)}")
+    return kernel
 
 
 def _split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

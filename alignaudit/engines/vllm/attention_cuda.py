@@ -31,8 +31,15 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuild
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
 import alignaudit_kernels as K
-from alignaudit.engines.vllm.attention_cpu import configured_exp, request_of_rows, token_positions
-from alignaudit_kernels.attention import BLOCK_N, CHUNK_N, SPLIT_BELOW_PROGRAMS_PER_SM, QueryTiles, paged_tiles
+from alignaudit.engines.vllm.attention_cpu import configured_exp, configured_kernel, request_of_rows, token_positions
+from alignaudit_kernels.attention import (
+    BLOCK_N,
+    CHUNK_N,
+    SPLIT_BELOW_PROGRAMS_PER_SM,
+    QueryTiles,
+    flash_paged,
+    paged_tiles,
+)
 from alignaudit_kernels.primitives import sm_count, to_device
 
 
@@ -77,7 +84,8 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.decode_bound = int(vllm_config.model_config.max_model_len)
-        if torch.device(device).type == "cuda":
+        self.kernel = configured_kernel()
+        if torch.device(device).type == "cuda" and self.kernel == "portable":  # FA3 is built ahead of time
             spec = kv_cache_spec
             warm_up(vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config), spec.num_kv_heads,
                     spec.head_size, spec.block_size, vllm_config.model_config.dtype, spec.dtype,
@@ -94,7 +102,7 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
                                        seq_lens=m.seq_lens, block_table=m.block_table_tensor,
                                        slot_mapping=m.slot_mapping, decode=m.max_query_len == 1,
                                        decode_bound=self.decode_bound)
-        if not meta.decode:
+        if not meta.decode and self.kernel == "portable":  # FA3 reads vLLM's own tensors
             meta.q_seq = request_of_rows(m.query_start_loc_cpu, m.num_reqs)
             meta.num_actual_tokens = int(meta.q_seq.shape[0])
             rows_seq = to_device(meta.q_seq, self.device)
@@ -148,11 +156,19 @@ def warm_up(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, 
 
 
 def strict_attention(meta: StrictAttentionMetadata, query: torch.Tensor, kv_cache: torch.Tensor, head_size: int,
-                     scale: float, exp: str, output: torch.Tensor) -> torch.Tensor:
+                     scale: float, exp: str, output: torch.Tensor, kernel: str = "portable") -> torch.Tensor:
     """Attention of one layer for one step into ``output`` [tokens, heads, head_size] (rows past the
-    requests' are left as they are), reading FlashAttention's KV cache ``kv_cache`` (module docstring)."""
+    requests' are left as they are), reading FlashAttention's KV cache ``kv_cache`` (module docstring). ``kernel``
+    "flash": FlashAttention-3 at one key split over vLLM's own metadata, for decode and every other batch alike
+    (alignaudit_kernels.attention.flash; a decode batch bounded by max_model_len, as the portable kernel's)."""
     key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)  # [blocks, block_size, kv_heads, D]
-    if meta.decode:
+    if kernel == "flash":
+        r = meta.seq_lens.shape[0]
+        n = r if meta.decode else meta.num_actual_tokens
+        flash_paged(query[:n], key_cache, value_cache, meta.block_table[:r], meta.query_start_loc[: r + 1],
+                    meta.seq_lens, meta.max_query_len, meta.decode_bound if meta.decode else meta.max_seq_len, scale,
+                    out=output[:n].view(query[:n].shape))
+    elif meta.decode:
         b = meta.seq_lens.shape[0]
         K.paged_decode(query[:b], key_cache, value_cache, meta.block_table, meta.seq_lens, scale, meta.decode_bound,
                        exp=exp, out=output[:b].view(query[:b].shape))
@@ -188,7 +204,7 @@ class StrictFlashAttentionImpl(FlashAttentionImpl):
         found = [name for name, present in unsupported.items() if present]
         if found:
             raise NotImplementedError(f"strict attention in vLLM does not compute {', '.join(found)}")
-        self.strict_exp = configured_exp()
+        self.strict_exp, self.strict_kernel = configured_exp(), configured_kernel()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -196,7 +212,8 @@ class StrictFlashAttentionImpl(FlashAttentionImpl):
             raise NotImplementedError("strict attention does not quantize its output")
         if attn_metadata is None:  # vLLM's profiling run
             return output.fill_(0)
-        return strict_attention(attn_metadata, query, kv_cache, self.head_size, self.scale, self.strict_exp, output)
+        return strict_attention(attn_metadata, query, kv_cache, self.head_size, self.scale, self.strict_exp, output,
+                                self.strict_kernel)
 
 
 class StrictFlashAttentionBackend(FlashAttentionBackend):

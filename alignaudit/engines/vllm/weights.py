@@ -118,14 +118,16 @@ def load_into_model(model, vllm_config, tensors: dict[str, torch.Tensor]) -> Non
 
 
 def kernels_of(model: torch.nn.Module) -> dict:
-    """``{"attention_impls": {impl class: strict exp or None}, "linear_methods": [quant_method class, ...],
-    "strict_ops": [op, ...]}`` of a loaded vLLM model (attention_cpu.attention_impls, linear_methods, and the ops the
+    """``{"attention_impls": {impl class: strict exp or None}, "attention_kernels": [strict attention kernel, ...],
+    "linear_methods": [quant_method class, ...], "strict_ops": [op, ...]}`` of a loaded vLLM model
+    (attention_cpu.attention_impls and attention_kernels, linear_methods, and the ops the
     strict plugin had applied when this model was built: plugin.built_with): what computes, read back where it
     computes (called through ``LLM.apply_model`` or the worker extension)."""
-    from alignaudit.engines.vllm.attention_cpu import attention_impls
+    from alignaudit.engines.vllm.attention_cpu import attention_impls, attention_kernels
     from alignaudit.engines.vllm.plugin import built_with
 
-    return {"attention_impls": attention_impls(model), "linear_methods": linear_methods(model),
+    return {"attention_impls": attention_impls(model), "attention_kernels": attention_kernels(model),
+            "linear_methods": linear_methods(model),
             "strict_ops": sorted(built_with(model))}
 
 
