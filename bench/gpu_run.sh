@@ -336,8 +336,9 @@ for stage in "$@"; do
                 cp /tmp/task-model/training.json "$out/task-model-training.json" 2>/dev/null ;;
     task-rl) eval_file=
              if [ -n "${TASK_EVAL_N:-}" ]; then  # more held-out questions than rl's 64, for a smaller spread
+               held=$(mktemp /tmp/task-eval-XXXX.txt)  # one file per lane (bench/gpu_lanes.sh runs two side by side)
                python3 -c "from alignaudit.rl.task import questions; print('\n'.join(questions(${TASK_EVAL_N}, 0, 'held_out')))" \
-                 > /tmp/task-eval.txt && eval_file="--eval-prompts /tmp/task-eval.txt"
+                 > $held && eval_file="--eval-prompts $held"
              fi
              for how in ${TASK_HOW:-strict default}; do
                grpo task-$how --model /tmp/task-model --reward task --steps ${TASK_RL_STEPS:-200} --group-size 8 \

@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from alignaudit_kernels.attention.flash_gradients import flash_backward_available, varlen_flash_gradients
-from alignaudit_kernels.primitives import capability, no_gradient, rocm, to_device
+from alignaudit_kernels.attention.flash_gradients import (
+    _device_bounds,
+    flash_backward_available,
+    varlen_flash_gradients,
+)
+from alignaudit_kernels.primitives import capability, no_gradient, rocm
 
 KERNELS = ("portable", "flash")
 DEFAULT_KERNEL = "portable"
@@ -71,11 +75,6 @@ def _fa3(q, k, v, cu_q, max_q: int, max_k: int, scale: float, *, cu_k=None, sequ
                                   out=out, return_softmax_lse=lse, num_splits=FLASH_SPLITS, fa_version=FLASH_VERSION)
 
 
-def _device_cu(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return to_device(cu_seqlens.to(torch.int32), device) if cu_seqlens.device.type == "cpu" else \
-        cu_seqlens.to(device=device, dtype=torch.int32)
-
-
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float):
     """Causal attention of a ragged batch of whole sequences (a trainer's forward) by FA3, one key split.
 
@@ -88,13 +87,15 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     if reason:
         raise ValueError(reason)
     if no_gradient(q, k, v):
-        return _varlen_forward(q, k, v, cu_seqlens, scale, lse=False)
+        return _varlen_forward(q, k, v, cu_seqlens.cpu(), scale, lse=False)
     return _FlashVarlen.apply(q, k, v, cu_seqlens.cpu(), float(scale))
 
 
 def _varlen_forward(q, k, v, cu_seqlens, scale, lse: bool):
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
-    cu = _device_cu(cu_seqlens, q.device)
+    """FA3 over host ``cu_seqlens``, copied to the device once per batch layout (flash_gradients._device_bounds)."""
+    bounds = tuple(cu_seqlens.tolist())
+    longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)), default=0)
+    cu = _device_bounds(bounds, q.device)
     return _fa3(q, k, v, cu, longest, longest, scale, cu_k=cu, lse=lse)
 
 
