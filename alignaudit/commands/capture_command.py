@@ -12,7 +12,7 @@ from rich.markup import escape
 from alignaudit import errors
 from alignaudit.capture import outdir
 from alignaudit.commands.console import console
-from alignaudit.commands.options import DeviceOpt, LayersOpt, OpsOpt, StrictOpt
+from alignaudit.commands.options import DeviceOpt, LayersOpt, OpsOpt, StrictAttentionOpt, StrictExpOpt, StrictOpt
 from alignaudit.engines.checks import check_parallel_op_capture
 from alignaudit.pipelines.requests import (
     ModelArgs,
@@ -45,6 +45,8 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
                 "elsewhere) instead of --prompts; its sampling transform is replayed where it recorded processed "
                 "logprobs.")] = None,
             strict: StrictOpt = None,
+            strict_exp: StrictExpOpt = "portable",
+            strict_attention: StrictAttentionOpt = None,
             full_vocab: Annotated[bool, typer.Option(
                 "--full-vocab", metavar="", help="Prompt mode: also write the engine's "
                                                      "whole log-softmax row at every scored position (DIR/vocab); "
@@ -88,8 +90,8 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
         _refuse_for_rollout(engine, layers, ops, no_ops, reference, tokens_from)
         no_ops = True
     # the engine samples as the inference side, and scores as the training side, of a comparison
-    pair = PairArgs(train=engine, infer=engine, dtype=dtype, device=device, strict=strict,
-                    **({"infer_opt": opt} if rollout else {"train_opt": opt}))
+    pair = PairArgs(train=engine, infer=engine, dtype=dtype, device=device, strict=strict, strict_exp=strict_exp,
+                    strict_attention=strict_attention, **({"infer_opt": opt} if rollout else {"train_opt": opt}))
     spec = resolve_model_arg(model)
     check_top_k(rollout, spec)
     with _spelled_as_opt():

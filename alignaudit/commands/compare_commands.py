@@ -13,7 +13,17 @@ from rich.markup import escape
 from alignaudit import errors
 from alignaudit.capture import outdir
 from alignaudit.commands.console import console, render_summary, results, write_page
-from alignaudit.commands.options import ClipEpsOpt, DeviceOpt, LayersOpt, OpsOpt, StrictOpt, field_names, given_options
+from alignaudit.commands.options import (
+    ClipEpsOpt,
+    DeviceOpt,
+    LayersOpt,
+    OpsOpt,
+    StrictAttentionOpt,
+    StrictExpOpt,
+    StrictOpt,
+    field_names,
+    given_options,
+)
 from alignaudit.engines.checks import check_parallel_op_capture
 from alignaudit.pipelines.requests import (
     ISArgs,
@@ -103,7 +113,8 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
             device: DeviceOpt = "auto",
             train_opt: Annotated[Optional[list[str]], typer.Option(
                 "--train-opt", metavar="KEY=VALUE", help="Training-engine setting (repeatable).")] = None,
-            strict: StrictOpt = None, clip_eps: ClipEpsOpt = 0.2,
+            strict: StrictOpt = None, strict_exp: StrictExpOpt = "portable",
+            strict_attention: StrictAttentionOpt = None, clip_eps: ClipEpsOpt = 0.2,
             logprobs_mode: Annotated[Optional[str], typer.Option(
                 "--logprobs-mode", metavar="MODE", help="raw or processed, for a file that does not record it "
                 "(NeMo-RL's and slime's dumps do not).")] = None,
@@ -143,7 +154,8 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
         raise errors.InputError(f"--train {train}: rescore scores with a training engine, "
                                 f"{names_where(lambda k: k.trains)}")
     spec = resolve_model_arg(model)
-    pair = PairArgs(train=train, infer=train, dtype=dtype, device=device, train_opt=train_opt, strict=strict)
+    pair = PairArgs(train=train, infer=train, dtype=dtype, device=device, train_opt=train_opt, strict=strict,
+                    strict_exp=strict_exp, strict_attention=strict_attention)
     run = engine_runs(pair, model.seed, spec)[0]
     given = {"logprobs_mode": logprobs_mode, "temperature": temperature, "top_k": top_k, "top_p": top_p}
     rollouts = read_rollouts(rollouts_file, spec.vocab_size, given, spec.max_position_embeddings)
@@ -353,7 +365,7 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
         raise errors.InputError("ablate sets the strict ops of each row itself; drop --strict")
     if run.strict_exp != "portable":
         raise errors.InputError("ablate's rows without strict attention would not use --strict-exp; drop it")
-    if run.strict_attention != "portable":
+    if run.strict_attention is not None:
         raise errors.InputError("ablate's rows without strict attention would not use --strict-attention; drop it")
     if factors is not None and not parse_strict(factors, "--factors"):
         raise errors.InputError(f"--factors {factors!r} names no op; give some of {', '.join(STRICT_OPS)}, or drop "

@@ -70,11 +70,11 @@ StrictExpOpt = Annotated[str, typer.Option(
     help="The exp inside strict attention, in both engines: portable (default; the same bits on the CPU and every "
          "GPU) or native (the GPU's exp2 instruction: faster, the same bits only where one GPU architecture runs "
          "both engines; CUDA, hf and megatron).")]
-StrictAttentionOpt = Annotated[str, typer.Option(
-    "--strict-attention", metavar="KERNEL",
+StrictAttentionOpt = Annotated[Optional[str], typer.Option(
+    "--strict-attention", metavar="KERNEL", show_default=False,
     help="The kernel of strict attention, in both engines: portable (default; alignaudit's own, the same bits on the "
          "CPU and every GPU) or flash (FlashAttention-3 at one key split, vLLM's build, on Hopper GPUs: the same bits "
-         "in every layout, not the portable ones).")]
+         "in every layout, not the portable ones). Needs attention in --strict.")]
 LmHeadOpt = Annotated[str, typer.Option("--lm-head-dtype", metavar="DTYPE", help="model (the lm_head in --dtype) or "
                                         "fp32 (hidden states and lm_head cast to fp32, as RL trainers and vLLM's "
                                         "head_dtype do), for both engines.")]

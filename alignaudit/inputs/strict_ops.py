@@ -111,38 +111,46 @@ def check_strict_exp(exp: str, ops: frozenset[str], device: str,
     return exp
 
 
-def check_strict_attention(kernel: str, ops: frozenset[str], device: str, exp: str, dtypes: tuple[str, ...],
-                           head_dim: int, names: tuple[str, ...] = ("--strict-attention", "--strict", "--device cuda",
-                                                                    "--strict-exp", "--dtype")) -> str:
-    """Validate ``--strict-attention`` before any engine starts and return it. "portable" is alignaudit_kernels'
-    own attention (the same bits on the CPU and every GPU); "flash" is FlashAttention-3 at one key split
-    (alignaudit_kernels.attention.flash), in every engine of the run: it needs strict attention, CUDA, bf16 or fp16
-    in every engine (``dtypes``), a head size FlashAttention takes (``head_dim``: a multiple of 8 up to 256), the
-    portable exp setting (FA3 computes its own exp) and vLLM's FA3 build importable. A Hopper GPU is checked where the
-    engines load the model (the parent starts no CUDA context). ``names``: how the caller's user spells the kernel,
-    the ops, a CUDA device, the exp and the dtype.
+def check_strict_attention(kernel: str | None, ops: frozenset[str], device: str, exp: str,
+                           dtypes: tuple[tuple[str, str], ...], head_dim: int, trains: bool = False,
+                           names: tuple[str, ...] = ("--strict-attention", "--strict", "--device cuda",
+                                                     "--strict-exp")) -> str:
+    """Validate ``--strict-attention`` before any engine starts and return the kernel ("portable" where it was not
+    given, None). "portable" is alignaudit_kernels' own attention (the same bits on the CPU and every GPU); "flash" is
+    FlashAttention-3 at one key split (alignaudit_kernels.attention.flash) in every engine of the run: it needs strict
+    attention, CUDA, bf16 or fp16 in every engine (``dtypes``: (the option that set it, the dtype) per engine), a head
+    size FlashAttention takes (``head_dim``: a multiple of 8 up to 256), the portable exp setting (FA3 computes its own
+    exp), vLLM's FA3 build installed, and where the run trains (``trains``) no ALIGNAUDIT_BACKWARD=reference (its
+    backward is FlashAttention-2's). A Hopper GPU is checked where the engines load the model (the parent starts no
+    CUDA context). ``names``: how the caller's user spells the kernel, the ops, a CUDA device and the exp.
 
     Raises:
-        InputError: an unknown value, or "flash" where it would not take effect.
+        InputError: an unknown value, or a value given where it would not take effect.
     """
-    option, ops_option, cuda, exp_option, dtype_option = names
+    option, ops_option, cuda, exp_option = names
+    if kernel is None:
+        return "portable"
     if kernel not in STRICT_ATTENTIONS:
         raise InputError(f"{option} {kernel!r}: choose {' or '.join(STRICT_ATTENTIONS)}")
+    if "attention" not in ops:
+        raise InputError(f"{option} {kernel} chooses the kernel of strict attention, which this run does not "
+                         f"compute: add attention to {ops_option}, or drop {option}")
     if kernel == "portable":
         return kernel
-    if "attention" not in ops:
-        raise InputError(f"{option} flash chooses the kernel of strict attention, which this run does not compute: "
-                         f"add attention to {ops_option}")
     if device != "cuda":
         raise InputError(f"{option} flash is FlashAttention-3, a CUDA (Hopper) kernel: use {cuda}, or drop {option}")
     if exp != "portable":
-        raise InputError(f"{exp_option} {exp} is the portable kernel's exp; FlashAttention-3 computes its own: drop "
-                         f"{exp_option} or {option} flash")
-    if bad := [d for d in dtypes if d not in FLASH_DTYPES]:
-        raise InputError(f"{option} flash computes bf16 and fp16, not {bad[0]}: set {dtype_option} bf16")
+        raise InputError(f"{exp_option} {exp} chooses the exp of alignaudit's portable attention kernel; "
+                         f"FlashAttention-3 computes its own: drop {exp_option} or {option} flash")
+    for flag, dtype in dtypes:
+        if dtype not in FLASH_DTYPES:
+            raise InputError(f"{option} flash computes bf16 and fp16, not {dtype}: set {flag} bf16")
     if head_dim % 8 or head_dim > 256:
         raise InputError(f"{option} flash: FlashAttention takes head sizes that are multiples of 8 up to 256, and this "
                          f"model's is {head_dim}; use the portable kernel")
+    if trains and os.environ.get("ALIGNAUDIT_BACKWARD") == "reference":
+        raise InputError(f"ALIGNAUDIT_BACKWARD=reference would not reach {option} flash, whose backward is always "
+                         "FlashAttention-2's deterministic one: unset it, or use the portable kernel")
     if not fa3_library():
         raise InputError(f"{option} flash runs vLLM's FlashAttention-3 build (vllm.vllm_flash_attn) in every engine, "
                          "and this Python has none (no vLLM, or a build without it such as the CPU wheel): install "

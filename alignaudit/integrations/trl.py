@@ -58,7 +58,15 @@ import alignaudit_kernels as K
 from alignaudit import api
 from alignaudit.engines.vllm import plugin as vllm_plugin
 from alignaudit.errors import EXIT_MISMATCH, AlignAuditError, EngineError, InputError
-from alignaudit.inputs.strict_ops import ENV, EXP_ENV, format_strict, parse_strict, prefer_runner_v1, runner_v2_asked
+from alignaudit.inputs.strict_ops import (
+    ATTENTION_ENV,
+    ENV,
+    EXP_ENV,
+    format_strict,
+    parse_strict,
+    prefer_runner_v1,
+    runner_v2_asked,
+)
 
 HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", torch.bfloat16: "bf16",
              torch.float16: "fp16", torch.float32: "fp32"}
@@ -152,6 +160,7 @@ class StrictGRPOTrainer(GRPOTrainer):
             master = _master_dtype(str(model), (config.model_init_kwargs or {}).get("dtype", "float32"))
             model = api.strict_hf_model(str(model), ops=format_strict(ops), dtype=master, device=device, exp=exp)
         os.environ[ENV], os.environ[EXP_ENV] = format_strict(ops), exp  # read by the plugin when TRL builds vLLM
+        os.environ[ATTENTION_ENV] = "portable"  # the kernel the trainer's strict modules compute (make_strict)
         prefer_runner_v1()
         vllm_plugin.register()
         super().__init__(model, *args, **kwargs)

@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 from alignaudit.errors import EXIT_MISMATCH, AlignAuditError, InputError
-from alignaudit.inputs.strict_ops import ENV, EXP_ENV, parse_strict
+from alignaudit.inputs.strict_ops import ATTENTION_ENV, ENV, EXP_ENV, parse_strict
 
 RECORDS = "alignaudit-step{step}.jsonl"
 LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
@@ -216,6 +216,9 @@ def check_strict_config(config, fail_closed: bool = False) -> None:
     Raises:
         InputError: naming the setting and the fix.
     """
+    if os.environ.get(ATTENTION_ENV, "portable") != "portable":
+        _refuse(f"{ATTENTION_ENV}={os.environ[ATTENTION_ENV]}: verl's strict actor computes the portable attention "
+                f"kernel only, and vLLM would compute another; unset {ATTENTION_ENV}")
     strategy = _select(config, "actor_rollout_ref.actor.strategy")
     if strategy not in ("fsdp", "fsdp2"):
         _refuse(f"actor_rollout_ref.actor.strategy={strategy}: verl's strict actor is built for FSDP (its Megatron "

@@ -75,7 +75,7 @@ class PairArgs:
     infer_opt: list[str] | None = None
     strict: str | None = None
     strict_exp: str = "portable"
-    strict_attention: str = "portable"
+    strict_attention: str | None = None  # None: not given (the portable kernel)
     lm_head_dtype: str = "model"
 
 
@@ -264,9 +264,9 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_che
     strict_ops = parse_strict(pair.strict)
     ops = format_strict(strict_ops)
     exp = check_strict_exp(pair.strict_exp, strict_ops, dev)
-    kernel = check_strict_attention(pair.strict_attention, strict_ops, dev, exp,
-                                    tuple(own or pair.dtype for own in (pair.train_dtype, pair.infer_dtype)),
-                                    spec.head_dim)
+    dtypes = tuple((flag if own else "--dtype", own or pair.dtype)
+                   for flag, own in (("--train-dtype", pair.train_dtype), ("--infer-dtype", pair.infer_dtype)))
+    kernel = check_strict_attention(pair.strict_attention, strict_ops, dev, exp, dtypes, spec.head_dim, trains)
     check_kernel_switches(strict_ops, bool(spec.num_experts), trains, dev)
     if dev == "cuda" and (warning := check_platform(strict_ops)):
         print(warning, file=sys.stderr)

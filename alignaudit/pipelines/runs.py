@@ -302,6 +302,15 @@ def attention_note(sides: dict) -> str | None:
             "--strict-attention")
 
 
+def _attention_kernel(engine_settings: dict) -> str | None:
+    """The strict attention kernel a capture's manifest records; a capture made before the kernel was recorded ran
+    strict attention (an exp recorded) with the only kernel there was, the portable one; None without strict
+    attention."""
+    if engine_settings.get("attention_kernel"):
+        return engine_settings["attention_kernel"]
+    return "portable" if engine_settings.get("attention_exp") else None
+
+
 def _side(c: Capture) -> dict:
     from alignaudit.engines import KINDS
 
@@ -309,7 +318,7 @@ def _side(c: Capture) -> dict:
     kind = KINDS.get(c.engine)
     return {"engine": c.engine, "dtype": s["dtype"], "device": s["device"], "strict": s.get("strict", ""),
             "strict_exp": c.manifest.get("engine_settings", {}).get("attention_exp"),
-            "strict_attention": c.manifest.get("engine_settings", {}).get("attention_kernel"),
+            "strict_attention": _attention_kernel(c.manifest.get("engine_settings", {})),
             "lm_head_dtype": s.get("lm_head_dtype", "model"), "capture": str(c.path), "options": s.get("options", {}),
             "tensor_parallel_size": s.get("options", {}).get(kind.tp_option, 1) if kind and kind.tp_option else 1}
 

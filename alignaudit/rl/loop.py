@@ -226,26 +226,50 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
                 break
         record["steps_run"] = len(rows)  # written with the seal: a failed run's steps are steps.parquet's rows
         record.setdefault("stopped", None)
+        _remove_scratch(out, rl)
+        # sealed before the engines shut down (tens of seconds for vLLM and Megatron on a GPU): a deadline that cuts
+        # the shutdown leaves a finished run finished (2026-12-07: two runs cut so were recorded as interrupted)
+        _seal(request, out, record, steps, evals.table)
     finally:
-        for session in sessions:
-            session.close()
-        # the file transport's last export: the trainer's whole weights (16 GB at the Qwen3-8B shape), not a record
-        (out / SYNC_DIR / SYNC_WEIGHTS).unlink(missing_ok=True)
-        if (out / SYNC_DIR).is_dir() and not any((out / SYNC_DIR).iterdir()):
-            (out / SYNC_DIR).rmdir()
+        _close_all(sessions)
+        _remove_scratch(out, rl)
         if export:
             export.close()
-        if rl.full_vocab and not rl.keep_vocab_rows:
-            for path in (out / STEP_VOCAB_DIR).glob("*"):
-                path.unlink()
-            (out / STEP_VOCAB_DIR).rmdir()
+    return steps
+
+
+def _close_all(sessions: list[Session]) -> None:
+    """Close every engine session, each even where one before it raised (Ctrl-C included); then raise the first."""
+    failures = []
+    for session in sessions:
+        try:
+            session.close()
+        except BaseException as error:  # noqa: BLE001 - re-raised below, after the other workers are stopped
+            failures.append(error)
+    if failures:
+        raise failures[0]
+
+
+def _remove_scratch(out: Path, rl: RLSettings) -> None:
+    """Delete what a run leaves that is not a record (idempotent): the file transport's last export (the trainer's
+    whole weights, 16 GB at the Qwen3-8B shape) and, unless kept, the per-step vocabulary rows."""
+    (out / SYNC_DIR / SYNC_WEIGHTS).unlink(missing_ok=True)
+    if (out / SYNC_DIR).is_dir() and not any((out / SYNC_DIR).iterdir()):
+        (out / SYNC_DIR).rmdir()
+    if rl.full_vocab and not rl.keep_vocab_rows and (out / STEP_VOCAB_DIR).is_dir():
+        for path in (out / STEP_VOCAB_DIR).glob("*"):
+            path.unlink()
+        (out / STEP_VOCAB_DIR).rmdir()
+
+
+def _seal(request: Request, out: Path, record: dict, steps: pd.DataFrame, evals: pd.DataFrame | None) -> None:
+    """steps.png, then run.json sealed over the run's records (comparison.integrity.seal)."""
     from alignaudit.rl.records import plot_steps
 
-    plot_steps(steps, out / PLOT, evals.table,
-               title=f"{request.spec.name}: {request.train.label()} vs {request.infer.label()}")
-    record = seal(record, out, (STEPS, TOKENS_DIR, PLOT, STEP_VOCAB_DIR, EVAL, EVAL_DIR))
-    (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
-    return steps
+    title = f"{request.spec.name}: {request.train.label()} vs {request.infer.label()}"
+    plot_steps(steps, out / PLOT, evals, title=title)
+    (out / RUN).write_text(json.dumps(seal(record, out, (STEPS, TOKENS_DIR, PLOT, STEP_VOCAB_DIR, EVAL, EVAL_DIR)),
+                                      indent=2, default=str) + "\n")
 
 
 def _session(sessions: list, request: Request, role: str, log: Path, **extra) -> Session:

@@ -49,6 +49,8 @@ def flash_unavailable(device: torch.device | str, dtype: torch.dtype, head_dim: 
     device = torch.device(device)
     if device.type != "cuda" or rocm():
         return "the flash attention kernel is FlashAttention-3, a CUDA (Hopper) kernel; use the portable one here"
+    if not torch.cuda.is_available():
+        return "the flash attention kernel is FlashAttention-3, and this torch sees no CUDA GPU"
     if capability(device) != (9, 0):
         major, minor = capability(device)
         return (f"the flash attention kernel is FlashAttention-3, built for compute capability 9.0 (Hopper); this GPU "

@@ -253,30 +253,61 @@ def test_strict_exp_native_is_refused_where_it_would_not_take_effect(capsys, tmp
     assert "would not use --strict-exp" in err
 
 
-def test_strict_attention_flash_is_refused_where_it_would_not_take_effect(capsys, tmp_path):
+def test_strict_attention_flash_is_refused_where_it_would_not_take_effect(capsys, tmp_path, monkeypatch):
     """flash is FlashAttention-3 in every engine: it needs strict attention, CUDA, the portable exp setting, bf16 or
-    fp16 on both sides, a head size FlashAttention takes and vLLM's compiled FA3; ablate has rows without strict
-    attention. Each is refused by name before any engine starts (this machine's vLLM, the CPU wheel, has no FA3)."""
+    fp16 on both sides (the refusal names the option that set the other dtype), a head size FlashAttention takes, no
+    ALIGNAUDIT_BACKWARD=reference where the run trains, and vLLM's compiled FA3; either kernel given without strict
+    attention is refused too, and ablate has rows without strict attention. Each is refused by name before any engine
+    starts (this machine's vLLM, the CPU wheel, has no FA3)."""
     from alignaudit.inputs.strict_ops import check_strict_attention, fa3_library
 
     attention = frozenset({"attention"})
+    bf16 = (("--dtype", "bf16"), ("--dtype", "bf16"))
     cases = [
-        (("flash", frozenset({"linear"}), "cuda", "portable", ("bf16", "bf16"), 128), "add attention to --strict"),
-        (("flash", attention, "cpu", "portable", ("bf16", "bf16"), 128), "use --device cuda"),
-        (("flash", attention, "cuda", "native", ("bf16", "bf16"), 128), "--strict-exp native is the portable kernel"),
-        (("flash", attention, "cuda", "portable", ("bf16", "fp32"), 128), "computes bf16 and fp16, not fp32"),
-        (("flash", attention, "cuda", "portable", ("bf16", "bf16"), 260), "this model's is 260"),
-        (("flash", attention, "cuda", "portable", ("fp16", "fp16"), 12), "this model's is 12"),
+        (("flash", frozenset({"linear"}), "cuda", "portable", bf16, 128), "add attention to --strict"),
+        (("portable", frozenset(), "cpu", "portable", bf16, 128), "add attention to --strict, or drop"),
+        (("flash", attention, "cpu", "portable", bf16, 128), "use --device cuda"),
+        (("flash", attention, "cuda", "native", bf16, 128), "--strict-exp native chooses the exp of alignaudit's"),
+        (("flash", attention, "cuda", "portable", (("--dtype", "bf16"), ("--infer-dtype", "fp32")), 128),
+         "computes bf16 and fp16, not fp32: set --infer-dtype bf16"),
+        (("flash", attention, "cuda", "portable", bf16, 260), "this model's is 260"),
+        (("flash", attention, "cuda", "portable", (("--dtype", "fp16"),) * 2, 12), "this model's is 12"),
     ]
     for args, message in cases:
         with pytest.raises(InputError, match=message):
             check_strict_attention(*args)
-    assert check_strict_attention("portable", frozenset(), "cpu", "native", ("fp32",), 3) == "portable"
+    assert check_strict_attention(None, frozenset(), "cpu", "native", (("--dtype", "fp32"),), 3) == "portable"
+    assert check_strict_attention("portable", attention, "cpu", "portable", bf16, 3) == "portable"
+    monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "reference")
+    with pytest.raises(InputError, match="ALIGNAUDIT_BACKWARD=reference would not reach --strict-attention flash"):
+        check_strict_attention("flash", attention, "cuda", "portable", bf16, 128, trains=True)
+    monkeypatch.delenv("ALIGNAUDIT_BACKWARD")
     if not fa3_library():
         with pytest.raises(InputError, match="install vLLM for CUDA"):
-            check_strict_attention("flash", attention, "cuda", "portable", ("bf16", "bf16"), 128)
+            check_strict_attention("flash", attention, "cuda", "portable", bf16, 128)
     err = one_line_error(capsys, ["ablate", "--strict-attention", "flash", "--out", str(tmp_path / "a")], EXIT_USAGE)
     assert "would not use --strict-attention" in err
+    for command in (["capture", "--engine", "hf"], ["rescore", str(tmp_path / "none.jsonl"), "--train", "hf"]):
+        err = one_line_error(capsys, [*command, "--strict-attention", "flash", "--out", str(tmp_path / "c")],
+                             EXIT_USAGE)
+        assert "add attention to --strict, or drop --strict-attention" in err, err
+    err = one_line_error(capsys, ["capture", "--engine", "hf", "--strict", "--strict-attention", "flash", "--out",
+                                  str(tmp_path / "d")], EXIT_USAGE)
+    assert "a CUDA (Hopper) kernel: use --device cuda" in err
+
+
+def test_a_vllm_on_another_attention_kernel_is_refused():
+    """The read-back of a built vLLM: strict attention on the flash kernel where the portable one was asked for (an
+    ALIGNAUDIT_STRICT_ATTENTION left in a framework's environment) is an EngineError naming the variable."""
+    from alignaudit.engines.vllm.weights import check_strict_kernels
+    from alignaudit.errors import EngineError
+
+    kernels = {"strict_ops": ["attention"], "linear_methods": [], "attention_impls": {"StrictFlashAttentionImpl":
+                                                                                      "portable"}}
+    check_strict_kernels({**kernels, "attention_kernels": ["portable"]}, frozenset({"attention"}))
+    check_strict_kernels({**kernels, "attention_kernels": ["flash"]}, frozenset({"attention"}), "flash")
+    with pytest.raises(EngineError, match="ALIGNAUDIT_STRICT_ATTENTION"):
+        check_strict_kernels({**kernels, "attention_kernels": ["flash"]}, frozenset({"attention"}))
 
 
 def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeypatch):

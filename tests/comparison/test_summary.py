@@ -49,5 +49,11 @@ def test_captures_of_two_attention_kernels_say_so_in_the_verdict():
     assert note.startswith("strict attention ran the flash kernel in the train capture and the portable kernel")
     assert attention_note({"train": {"strict_attention": "flash"}, "infer": {"strict_attention": "flash"}}) is None
     assert attention_note({"train": {"strict_attention": "flash"}, "infer": {"strict_attention": None}}) is None
+    from alignaudit.pipelines.runs import _attention_kernel
+
+    # a capture made before the kernel was recorded: strict attention (an exp recorded) was the portable kernel
+    assert _attention_kernel({"attention_exp": "portable"}) == "portable"
+    assert _attention_kernel({"attention_exp": None}) is None
+    assert _attention_kernel({"attention_exp": "portable", "attention_kernel": "flash"}) == "flash"
     alignment = summary_sections({"tokens_compared": 3, "mismatches": 3, "attention_note": note})[0]
     assert alignment.note == note

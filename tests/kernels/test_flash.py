@@ -22,6 +22,8 @@ def test_flash_is_refused_on_the_cpu_by_every_entry_point():
     k = v = torch.randn(6, KVH, D, dtype=torch.bfloat16)
     reason = flash_unavailable("cpu", torch.bfloat16, D)
     assert reason is not None and "CUDA (Hopper)" in reason
+    if not torch.cuda.is_available():  # a reason, not torch's assertion, for a CUDA device this torch cannot see
+        assert "sees no CUDA GPU" in flash_unavailable("cuda", torch.bfloat16, D)
     with pytest.raises(ValueError, match="CUDA \\(Hopper\\)"):
         K.varlen_attention(q, k, v, torch.tensor([0, 6]), 0.1, kernel="flash")
     with pytest.raises(ValueError, match="CUDA \\(Hopper\\)"):

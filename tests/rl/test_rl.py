@@ -416,6 +416,29 @@ def test_an_engine_that_dies_mid_run_leaves_the_completed_steps(tmp_path):
     assert record["status"] == "failed" and record["error"].startswith("EngineError: vllm rollout worker died")
 
 
+def test_a_run_cut_while_its_engines_shut_down_stays_finished(tmp_path, monkeypatch):
+    from alignaudit.commands.interrupts import EXIT_INTERRUPTED
+
+    """A deadline that lands while the engines shut down (Ctrl-C or `timeout`'s SIGTERM after the last step): the run
+    was sealed before the shutdown, so run.json says complete with every step, and the gate reads it."""
+    from alignaudit.workers.session import Session
+
+    close = Session.close
+
+    def close_then_interrupt(self):
+        close(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Session, "close", close_then_interrupt)
+    out = tmp_path / "cut"
+    assert cli.main(["rl", "--train", "hf", "--infer", "hf", "--steps", "2", "--strict", "--out", str(out)]) \
+        == EXIT_INTERRUPTED
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "complete" and record["steps_run"] == 2
+    monkeypatch.undo()
+    assert cli.main(["gate", str(out), "--json", str(tmp_path / "v.json")]) == EXIT_OK
+
+
 def _resealed(run, edit):
     """Apply ``edit`` to run.json and recompute its seal, as someone who knows the format could."""
     from alignaudit.comparison.integrity import RECORD_SHA256, record_digest

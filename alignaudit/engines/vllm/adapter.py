@@ -245,7 +245,7 @@ class VllmEngine(Engine):
         self.attention_impls, self.linear_methods = kernels["attention_impls"], kernels["linear_methods"]
         self.attention_kernels = kernels["attention_kernels"]
         self.plugin_ops = kernels["strict_ops"]
-        check_strict_kernels(kernels, self.settings.strict_ops)
+        check_strict_kernels(kernels, self.settings.strict_ops, self.settings.strict_attention)
 
     def _progress_bar(self):
         """A ``use_tqdm`` callable for ``LLM.generate`` that reports finished requests as progress lines."""

@@ -131,15 +131,17 @@ def kernels_of(model: torch.nn.Module) -> dict:
             "strict_ops": sorted(built_with(model))}
 
 
-def check_strict_kernels(kernels: dict, strict_ops: frozenset[str]) -> None:
-    """Refuse a vLLM that does not compute with the strict kernels asked for, from ``kernels_of``'s read-back.
+def check_strict_kernels(kernels: dict, strict_ops: frozenset[str], attention_kernel: str = "portable") -> None:
+    """Refuse a vLLM that does not compute with the strict kernels asked for, from ``kernels_of``'s read-back;
+    ``attention_kernel``: the strict attention kernel every attention layer must compute with
+    (alignaudit_kernels.attention.KERNELS; ALIGNAUDIT_STRICT_ATTENTION chose it in vLLM's processes).
 
     Raises:
         EngineError: an op asked for that the plugin had not applied when the model was built; strict linear asked
             for and a layer on a quantized method (the plugin replaces
             UnquantizedLinearMethod only); strict attention asked for and a layer on an attention implementation
             the plugin did not replace (vLLM selected another backend, or the plugin was not registered in the
-            process that built the model).
+            process that built the model), or on another strict attention kernel than ``attention_kernel``.
     """
     from alignaudit.errors import EngineError
 
@@ -158,6 +160,11 @@ def check_strict_kernels(kernels: dict, strict_ops: frozenset[str]) -> None:
         raise EngineError(f"strict attention was asked for, but vLLM computes attention with {', '.join(others)}: "
                           "it selected a backend the strict plugin does not replace (CPU_ATTN on CPU, FLASH_ATTN "
                           "on CUDA); drop attention_backend / VLLM_ATTENTION_BACKEND")
+    ran = kernels.get("attention_kernels") or []
+    if "attention" in strict_ops and ran and ran != [attention_kernel]:
+        raise EngineError(f"strict attention was asked for with the {attention_kernel} kernel, but vLLM computes it "
+                          f"with {', '.join(ran)}: ALIGNAUDIT_STRICT_ATTENTION in vLLM's environment chose another; "
+                          f"set it to {attention_kernel} or unset it")
 
 
 def linear_methods(model: torch.nn.Module) -> list[str]:
