@@ -144,7 +144,8 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
         api.strict_hf_model("qwen3-tiny", ops=["linear"], device="cpu")
     with pytest.raises(InputError, match=r"^exp native is the GPU's exp2 .* use device='cuda', or drop exp$"):
         api.strict_hf_model("qwen3-tiny", exp="native", device="cpu")  # the API's own names, not the CLI's flags
-    with pytest.raises(InputError, match="^exp native sets the exp of strict attention, .*: add attention to ops$"):
+    with pytest.raises(InputError,
+                       match="^exp native sets the exp of strict attention, .*: add attention to ops, or drop exp$"):
         api.strict_hf_model("qwen3-tiny", ops="linear", exp="native", device="cpu")
     with pytest.raises(InputError, match="an empty sync would pass unchecked"):
         api.verify_weight_sync({}, {})

@@ -11,7 +11,7 @@ from alignaudit.errors import InputError
 
 
 def strict_megatron_model(model: str | Path = "qwen3-tiny", ops: str = "all", dtype: str = "bf16",
-                          device: str = "auto", exp: str = "portable", random_weights: bool = False):
+                          device: str = "auto", exp: str | None = None, random_weights: bool = False):
     """A Megatron-Core StrictGPTModel (alignaudit.engines.megatron.strict) of ``model``, built as alignaudit's
     own Megatron engine builds it: a one-rank process group if none exists (gloo on CPU, NCCL on CUDA), Megatron's
     model-parallel state and RNG tracker, the TransformerConfig from config.json, and the HF weights converted
@@ -23,7 +23,7 @@ def strict_megatron_model(model: str | Path = "qwen3-tiny", ops: str = "all", dt
         model: an HF checkpoint directory, a hub id in the local cache, a fixture name, or a preset with
             ``random_weights``. ops: "all" or a comma list of alignaudit.inputs.strict_ops.STRICT_OPS.
         dtype: "bf16", "fp16" or "fp32". device: "cpu", "cuda" or "auto". exp: strict attention's exp,
-            "portable" or "native" (CUDA).
+            "portable" or "native" (CUDA); None (default): portable. Either value given needs attention in ``ops``.
     Raises:
         InputError: a bad argument (the CLI's message). EngineError: megatron-core is not installed.
     """
@@ -35,7 +35,7 @@ def strict_megatron_model(model: str | Path = "qwen3-tiny", ops: str = "all", dt
 
 
 def strict_hf_model(model: str | Path = "qwen3-tiny", ops: str = "all", dtype: str = "bf16", device: str = "auto",
-                    exp: str = "portable", random_weights: bool = False, compute_dtype: str | None = None):
+                    exp: str | None = None, random_weights: bool = False, compute_dtype: str | None = None):
     """A transformers model of ``model`` with the strict module swap (alignaudit.engines.hf.strict.make_strict),
     in eval mode. Logprobs: ``token_logprobs(model, ...)`` (strict, as every engine's strict path). Arguments
     and errors as ``strict_megatron_model``, and ``compute_dtype``: "bf16", "fp16" or "fp32", the dtype the forward

@@ -45,7 +45,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
                 "elsewhere) instead of --prompts; its sampling transform is replayed where it recorded processed "
                 "logprobs.")] = None,
             strict: StrictOpt = None,
-            strict_exp: StrictExpOpt = "portable",
+            strict_exp: StrictExpOpt = None,
             strict_attention: StrictAttentionOpt = None,
             full_vocab: Annotated[bool, typer.Option(
                 "--full-vocab", metavar="", help="Prompt mode: also write the engine's "

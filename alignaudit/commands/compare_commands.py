@@ -113,7 +113,7 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
             device: DeviceOpt = "auto",
             train_opt: Annotated[Optional[list[str]], typer.Option(
                 "--train-opt", metavar="KEY=VALUE", help="Training-engine setting (repeatable).")] = None,
-            strict: StrictOpt = None, strict_exp: StrictExpOpt = "portable",
+            strict: StrictOpt = None, strict_exp: StrictExpOpt = None,
             strict_attention: StrictAttentionOpt = None, clip_eps: ClipEpsOpt = 0.2,
             logprobs_mode: Annotated[Optional[str], typer.Option(
                 "--logprobs-mode", metavar="MODE", help="raw or processed, for a file that does not record it "
@@ -363,7 +363,7 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
 
     if run.strict is not None:
         raise errors.InputError("ablate sets the strict ops of each row itself; drop --strict")
-    if run.strict_exp != "portable":
+    if run.strict_exp is not None:
         raise errors.InputError("ablate's rows without strict attention would not use --strict-exp; drop it")
     if run.strict_attention is not None:
         raise errors.InputError("ablate's rows without strict attention would not use --strict-attention; drop it")

@@ -65,8 +65,8 @@ StrictOpt = Annotated[Optional[str], typer.Option(
     "--strict", metavar="[OPS]",
     help="Strict kernels in every engine the command runs: --strict alone for every op, or a subset for ablation, e.g. "
          "--strict rmsnorm,rope (ops: linear, rmsnorm, rope, silu, attention, logprobs).")]
-StrictExpOpt = Annotated[str, typer.Option(
-    "--strict-exp", metavar="EXP",
+StrictExpOpt = Annotated[Optional[str], typer.Option(
+    "--strict-exp", metavar="EXP", show_default=False,
     help="The exp inside strict attention, in both engines: portable (default; the same bits on the CPU and every "
          "GPU) or native (the GPU's exp2 instruction: faster, the same bits only where one GPU architecture runs "
          "both engines; CUDA, hf and megatron).")]

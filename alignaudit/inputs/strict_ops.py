@@ -88,26 +88,28 @@ def check_kernel_switches(strict_ops: frozenset[str], moe: bool, trains: bool, d
                          f"mixture-of-experts model with linear in {strict}; unset it")
 
 
-def check_strict_exp(exp: str, ops: frozenset[str], device: str,
+def check_strict_exp(exp: str | None, ops: frozenset[str], device: str,
                      names: tuple[str, str, str] = ("--strict-exp", "--strict", "--device cuda")) -> str:
-    """Validate ``--strict-exp`` before any engine starts and return it. "native" (the GPU's exp2 instruction
-    inside strict attention; alignaudit_kernels.attention) needs strict attention and CUDA; every engine's
-    strict attention takes it there (vLLM's through ALIGNAUDIT_STRICT_EXP). ``names``: how the caller's user
-    spells the exp, the ops and a CUDA device (the CLI's flags by default; alignaudit.api passes its arguments).
+    """Validate ``--strict-exp`` before any engine starts and return it ("portable" where it was not given, None).
+    Either value given needs strict attention; "native" (the GPU's exp2 instruction inside strict attention;
+    alignaudit_kernels.attention) also needs CUDA; every engine's strict attention takes it there (vLLM's through
+    ALIGNAUDIT_STRICT_EXP). ``names``: how the caller's user spells the exp, the ops and a CUDA device (the CLI's flags
+    by default; alignaudit.api passes its arguments).
 
     Raises:
-        InputError: an unknown value, or "native" where it would not take effect.
+        InputError: an unknown value, or a value given where it would not take effect.
     """
     option, ops_option, cuda = names
+    if exp is None:
+        return STRICT_EXPS[0]
     if exp not in STRICT_EXPS:
         raise InputError(f"{option} {exp!r}: choose {' or '.join(STRICT_EXPS)}")
-    if exp == "native":
-        if "attention" not in ops:
-            raise InputError(f"{option} native sets the exp of strict attention, which this run does not compute: "
-                             f"add attention to {ops_option}")
-        if device != "cuda":
-            raise InputError(f"{option} native is the GPU's exp2 instruction; on the CPU strict attention computes "
-                             f"the portable exp only: use {cuda}, or drop {option}")
+    if "attention" not in ops:
+        raise InputError(f"{option} {exp} sets the exp of strict attention, which this run does not compute: "
+                         f"add attention to {ops_option}, or drop {option}")
+    if exp == "native" and device != "cuda":
+        raise InputError(f"{option} native is the GPU's exp2 instruction; on the CPU strict attention computes "
+                         f"the portable exp only: use {cuda}, or drop {option}")
     return exp
 
 

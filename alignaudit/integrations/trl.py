@@ -62,6 +62,7 @@ from alignaudit.inputs.strict_ops import (
     ATTENTION_ENV,
     ENV,
     EXP_ENV,
+    check_strict_exp,
     format_strict,
     parse_strict,
     prefer_runner_v1,
@@ -118,7 +119,8 @@ class StrictGRPOTrainer(GRPOTrainer):
             Every other positional and keyword argument is GRPOTrainer's; peft_config and quantization_config are
             refused.
         strict: the strict ops, "all" or a comma list of alignaudit.inputs.strict_ops.STRICT_OPS.
-        exp: strict attention's exp, "portable" or "native" (CUDA).
+        exp: strict attention's exp, "portable" or "native" (CUDA); None (default): portable. Either value given
+            needs attention in ``strict``.
         fail_closed: raise AlignmentError before the backward pass when any completion token's logprob differs.
     Raises:
         InputError: a setting under which the two sides cannot agree, or a model that is not strict (module
@@ -126,7 +128,7 @@ class StrictGRPOTrainer(GRPOTrainer):
         EngineError: TRL's vLLM, once built, does not compute with the strict kernels (read back).
     """
 
-    def __init__(self, model, *args, strict: str = "all", exp: str = "portable", fail_closed: bool = False,
+    def __init__(self, model, *args, strict: str = "all", exp: str | None = None, fail_closed: bool = False,
                  **kwargs):
         try:
             given = inspect.signature(GRPOTrainer.__init__).bind(self, model, *args, **kwargs).arguments
@@ -155,8 +157,10 @@ class StrictGRPOTrainer(GRPOTrainer):
         if not path and not any(type(m).__module__ == "alignaudit.engines.hf.strict" for m in model.modules()):
             raise InputError(f"model: a checkpoint path or a model from alignaudit.api.strict_hf_model, not a "
                              f"{type(model).__name__} without the strict module swap")
+        device = (("cpu" if config.use_cpu or not torch.cuda.is_available() else "cuda") if path
+                  else next(model.parameters()).device.type)
+        exp = check_strict_exp(exp, ops, device, ("exp", "strict", "a CUDA device"))
         if path:
-            device = "cpu" if config.use_cpu or not torch.cuda.is_available() else "cuda"
             master = _master_dtype(str(model), (config.model_init_kwargs or {}).get("dtype", "float32"))
             model = api.strict_hf_model(str(model), ops=format_strict(ops), dtype=master, device=device, exp=exp)
         os.environ[ENV], os.environ[EXP_ENV] = format_strict(ops), exp  # read by the plugin when TRL builds vLLM

@@ -74,7 +74,7 @@ class PairArgs:
     train_opt: list[str] | None = None
     infer_opt: list[str] | None = None
     strict: str | None = None
-    strict_exp: str = "portable"
+    strict_exp: str | None = None  # None: not given (the portable exp)
     strict_attention: str | None = None  # None: not given (the portable kernel)
     lm_head_dtype: str = "model"
 
