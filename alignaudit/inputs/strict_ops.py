@@ -147,11 +147,14 @@ def check_strict_attention(kernel: str | None, ops: frozenset[str], device: str,
     for flag, dtype in dtypes:
         if dtype not in FLASH_DTYPES:
             raise InputError(f"{option} flash computes bf16 and fp16, not {dtype}: set {flag} bf16")
-    if head_dim % 8 or head_dim > 256:
+    from alignaudit_kernels.attention.flash_gradients import flash_takes_head_dim
+    from alignaudit_kernels.gradients import BACKWARD_ENV
+
+    if not flash_takes_head_dim(head_dim):
         raise InputError(f"{option} flash: FlashAttention takes head sizes that are multiples of 8 up to 256, and this "
                          f"model's is {head_dim}; use the portable kernel")
-    if trains and os.environ.get("ALIGNAUDIT_BACKWARD") == "reference":
-        raise InputError(f"ALIGNAUDIT_BACKWARD=reference would not reach {option} flash, whose backward is always "
+    if trains and os.environ.get(BACKWARD_ENV) == "reference":
+        raise InputError(f"{BACKWARD_ENV}=reference would not reach {option} flash, whose backward is always "
                          "FlashAttention-2's deterministic one: unset it, or use the portable kernel")
     if not fa3_library():
         raise InputError(f"{option} flash runs vLLM's FlashAttention-3 build (vllm.vllm_flash_attn) in every engine, "

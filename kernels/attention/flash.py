@@ -20,11 +20,14 @@ log-sum-exp [H, T] (fp32, natural log): the gradient of the forward FA3 computed
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from alignaudit_kernels.attention.flash_gradients import (
     _device_bounds,
     flash_backward_available,
+    flash_takes_head_dim,
     varlen_flash_gradients,
 )
 from alignaudit_kernels.primitives import capability, no_gradient, rocm
@@ -45,8 +48,13 @@ def check_kernel(kernel: str) -> None:
 def flash_unavailable(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why ``kernel="flash"`` cannot run here (one line naming the fix), or None when it can: it needs a CUDA (not
     ROCm) device of compute capability 9.0 (FA3 is built for Hopper only), fp16 or bf16, a head size FA3 and
-    FlashAttention-2's backward both take (a multiple of 8 up to 256), and vLLM's FA3 build importable."""
-    device = torch.device(device)
+    FlashAttention-2's backward both take (a multiple of 8 up to 256), and vLLM's FA3 build importable. Answered once
+    per (device, dtype, head size) in a process: the kernel's entry points ask at every call, in every layer."""
+    return _unavailable(torch.device(device), dtype, head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     if device.type != "cuda" or rocm():
         return "the flash attention kernel is FlashAttention-3, a CUDA (Hopper) kernel; use the portable one here"
     if not torch.cuda.is_available():
@@ -57,7 +65,7 @@ def flash_unavailable(device: torch.device | str, dtype: torch.dtype, head_dim: 
                 f"is {major}.{minor}: use the portable one")
     if dtype not in FLASH_DTYPES:
         return f"FlashAttention-3 computes fp16 and bf16, not {dtype}; use the portable attention kernel"
-    if head_dim % 8 or head_dim > 256:
+    if not flash_takes_head_dim(head_dim):
         return f"FlashAttention computes head sizes that are multiples of 8 up to 256, not {head_dim}"
     try:
         from vllm.vllm_flash_attn.flash_attn_interface import is_fa_version_supported
@@ -93,11 +101,16 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
     return _FlashVarlen.apply(q, k, v, cu_seqlens.cpu(), float(scale))
 
 
-def _varlen_forward(q, k, v, cu_seqlens, scale, lse: bool):
+def _longest(cu_seqlens: torch.Tensor) -> int:
+    """The longest sequence of host ``cu_seqlens`` (0 for none)."""
+    bounds = cu_seqlens.tolist()
+    return max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)), default=0)
+
+
+def _varlen_forward(q, k, v, cu_seqlens, scale, lse: bool, longest: int | None = None):
     """FA3 over host ``cu_seqlens``, copied to the device once per batch layout (flash_gradients._device_bounds)."""
-    bounds = tuple(cu_seqlens.tolist())
-    longest = max((b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)), default=0)
-    cu = _device_bounds(bounds, q.device)
+    longest = _longest(cu_seqlens) if longest is None else longest
+    cu = _device_bounds(tuple(cu_seqlens.tolist()), q.device)
     return _fa3(q, k, v, cu, longest, longest, scale, cu_k=cu, lse=lse)
 
 
@@ -107,16 +120,15 @@ class _FlashVarlen(torch.autograd.Function):
         if not flash_backward_available(q):
             raise ValueError("the flash attention kernel's backward is FlashAttention-2's (torch's); this torch or "
                              "GPU lacks it: use the portable kernel")
-        out, lse = _varlen_forward(q, k, v, cu_seqlens, scale, lse=True)
-        ctx.scale = scale
+        ctx.scale, ctx.longest = scale, _longest(cu_seqlens)
+        out, lse = _varlen_forward(q, k, v, cu_seqlens, scale, lse=True, longest=ctx.longest)
         ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, g):
         q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return (*varlen_flash_gradients(q, k, v, g, cu_seqlens, longest, ctx.scale, out, lse), None, None)
+        return (*varlen_flash_gradients(q, k, v, g, cu_seqlens, ctx.longest, ctx.scale, out, lse), None, None)
 
 
 def flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float):

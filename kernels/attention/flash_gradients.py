@@ -28,13 +28,18 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
 
 
+def flash_takes_head_dim(head_dim: int) -> bool:
+    """Whether FlashAttention's kernels take this head size: a multiple of 8 up to FLASH_MAX_HEAD_DIM (flash_api.cpp's
+    checks; FA3's forward takes the same range)."""
+    return head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM
+
+
 def flash_backward_available(q: torch.Tensor) -> bool:
     """Whether torch's FlashAttention-2 kernels take q [T, H, D]: a CUDA (not ROCm) tensor on an Ampere or newer GPU
     (compute capability 8+), in fp16/bf16, with D a multiple of 8 up to 256 (flash_api.cpp's checks), on a torch that
     has the op."""
-    d = q.shape[-1]
-    return (q.is_cuda and not rocm() and q.dtype in FLASH_DTYPES and d % 8 == 0
-            and d <= FLASH_MAX_HEAD_DIM and capability(q.device)[0] >= 8
+    return (q.is_cuda and not rocm() and q.dtype in FLASH_DTYPES and flash_takes_head_dim(q.shape[-1])
+            and capability(q.device)[0] >= 8
             and hasattr(torch.ops.aten, "_flash_attention_backward"))
 
 
