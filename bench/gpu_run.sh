@@ -69,6 +69,9 @@
 # (forward.json from forward, vllm-generate.json from vllm-bench; BENCH_PROFILE: configurations profiled there).
 # vllm-bench's shape: VB_MODEL (Qwen3-8B), VB_PROMPTS (64), VB_PROMPT_LEN (512), VB_NEW (256); the RL rollout shape is
 # VB_MODEL=Qwen3-1.7B VB_PROMPTS=32 VB_PROMPT_LEN=64 VB_NEW=64.
+# [30]'s long-rollout shape: VB_PROMPTS=16 VB_N=8 VB_NEW=4096 VB_BATCHES=2 (16 prompts x n = 8 completions x 4096
+# new tokens, EOS ignored; VB_N: completions per prompt, VB_BATCHES: timed batches, the rate the second's);
+# BENCH_CONFIGS=default,strict,strict-flash puts FlashAttention-3 as strict attention beside the portable kernel.
 # [25]: vllm-q8-shaped the Qwen3-8B shape rolled out as frameworks do: 8 prompts sharing a 384-token prefix
 # (SHAPED_PROMPTS, made here) x n = 8, EOS and 2000 stop token ids ending completions, no prompt logprobs (prefix cache
 # read), --engine-mode async with arrivals 50 ms apart; strict then default (SHAPED_HOW); vllm-rl17-shaped alignaudit
@@ -393,7 +396,7 @@ synthesize_checkpoint(c, Path('/tmp/q30a3b')); print('Qwen3-30B-A3B shape at /tm
     grpo8) grpo grpo8 --model Qwen3-8B --random-weights --random-prompts 8 --prompt-len 64 --max-new-tokens 64 --group-size 4 \
              --train-opt micro_batch_size=${GRPO8_MB:-8} --strict --steps ${GRPO8_STEPS:-30} ;;
     vllm-bench) timeout 560 python3 bench/vllm_generate.py --model ${VB_MODEL:-Qwen3-8B} --prompts ${VB_PROMPTS:-64} \
-                  --prompt-len ${VB_PROMPT_LEN:-512} --new-tokens ${VB_NEW:-256} --capture-size ${VB_CAPTURE:-0} --prefill-batches ${VB_PREFILL:-0} \
+                  --prompt-len ${VB_PROMPT_LEN:-512} --new-tokens ${VB_NEW:-256} --n ${VB_N:-1} --batches ${VB_BATCHES:-4} --capture-size ${VB_CAPTURE:-0} --prefill-batches ${VB_PREFILL:-0} \
                   --configs ${BENCH_CONFIGS:-default,batch-invariant,strict,strict-native-exp} --profile "${BENCH_PROFILE:-}" --profile-batch ${VB_PROFILE_BATCH:-full} \
                   --json "$out/vllm-generate.json" 2>&1 | log | tail -${BENCH_TAIL:-12} ;;
     vllm-warmup) timeout 400 python3 bench/vllm_generate.py --model Qwen3-8B --prompts 600 --prompt-len 128 --new-tokens 32 \

@@ -48,6 +48,8 @@ CONFIGS = {  # name -> environment added for that process
     "batch-invariant": {"VLLM_BATCH_INVARIANT": "1"},
     "strict": {"ALIGNAUDIT_STRICT": "all"},
     "strict-native-exp": {"ALIGNAUDIT_STRICT": "all", "ALIGNAUDIT_STRICT_EXP": "native"},
+    # [30]: FlashAttention-3 at one key split as the strict attention (alignaudit_kernels.attention.flash)
+    "strict-flash": {"ALIGNAUDIT_STRICT": "all", "ALIGNAUDIT_STRICT_ATTENTION": "flash"},
     "strict+batch-invariant": {"ALIGNAUDIT_STRICT": "all", "VLLM_BATCH_INVARIANT": "1"},
 }
 
@@ -79,12 +81,14 @@ def worker(args) -> dict:
     started = time.perf_counter()
     capture = {"compilation_config": {"max_cudagraph_capture_size": args.capture_size}} if args.capture_size else {}
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
-              max_model_len=args.max_model_len or args.prompt_len + args.new_tokens + 64, max_num_seqs=args.prompts,
+              max_model_len=args.max_model_len or args.prompt_len + args.new_tokens + 64,
+              max_num_seqs=args.prompts * args.n,
               gpu_memory_utilization=0.85, **capture)
     startup = time.perf_counter() - started
     g = torch.Generator().manual_seed(0)
     prompts = new_prompts(g, args)
-    params = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
+    params = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=1.0, seed=i, n=args.n,
+                             detokenize=False)
               for i in range(args.prompts)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     torch.cuda.synchronize()
@@ -107,7 +111,7 @@ def worker(args) -> dict:
         seconds, outputs, happened = timed_generate(llm, prompts if i == 0 else new_prompts(g, args), params, events)
         batch_seconds.append(seconds)
         batch_events.append(happened)
-        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         builds.append(strict_kernel_builds())
     prefill_seconds, prefill_builds, prefill_events = one_token_batches(llm, g, args, one, events)
     gc.callbacks.remove(events.gc_callback)
@@ -346,6 +350,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     """parser.error (exit 2) for a setting the run cannot honour."""
     if args.batches < 1:
         parser.error("--batches must be at least 1 (the rate is the median batch's after the first)")
+    if args.n < 1:
+        parser.error("--n must be at least 1 (completions per prompt)")
     if args.prefill_batches < 0:
         parser.error("--prefill-batches must be 0 or more")
     if args.profile_batch != "full" and not args.profile:
@@ -397,6 +403,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--n", type=int, default=1,
+                        help="completions per prompt (SamplingParams.n), as RL rollouts sample a group per prompt: "
+                             "the prompt's prefill is shared through the prefix cache")
     parser.add_argument("--batches", type=int, default=4,
                         help="timed batches of new prompts; the rate is the median's after the first")
     parser.add_argument("--max-model-len", type=int, default=0,
@@ -426,7 +435,7 @@ def main() -> None:
     for name in args.configs.split(","):
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **CONFIGS[name]}
         cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
-               "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+               "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--n", str(args.n),
                "--batches", str(args.batches), "--max-model-len", str(args.max_model_len),
                "--capture-size", str(args.capture_size), "--prefill-batches", str(args.prefill_batches)]
         if name in args.profile.split(","):
