@@ -81,11 +81,11 @@ CAPTURE_ENV_PREFIXES = ("ALIGNAUDIT_", "VLLM_", "TRITON_", "TORCH", "OMP_", "CUD
 def _captures_once_per_session(tmp_path_factory):
     """Every engine capture a test asks for in-process (pipelines.runs.capture: the CLI's compare, bisect, ablate, gate
     and the CaptureCache) runs the real engine once per test session and request; the same request again, from
-    any test or test process, gets a copy of that real capture. The key is the whole worker request (engine,
-    settings, checkpoint sha256, token ids, role, ops, rollout, replay, repeat) and the worker's environment
-    variables that change what it computes. Not memoized: forced-mode op capture (its reference is a path),
-    routing replay (its routing source is a path), captures that stream their log, and failures. Commands run
-    as subprocesses (run_cli) always run engines."""
+    any test or test process, gets a copy of that real capture. The key is the whole worker job but its directory
+    (CaptureJob: engine, settings, checkpoint sha256, token ids, role, ops, rollout, replay, repeat) and the
+    worker's environment variables that change what it computes. Not memoized: forced-mode op capture (its
+    reference is a path), routing replay (its routing source is a path), captures that stream their log, and
+    failures. Commands run as subprocesses (run_cli) always run engines."""
     from alignaudit.pipelines import runs as pipeline
 
     shared = tmp_path_factory.getbasetemp()
@@ -95,18 +95,17 @@ def _captures_once_per_session(tmp_path_factory):
     store.mkdir(exist_ok=True)
     real = pipeline.run_capture
 
-    def run_capture(engine, spec, batch, settings, out, **kw):
-        if kw.get("stream_log") or (kw.get("ops") or {}).get("reference") or kw.get("routing_from"):
-            return real(engine, spec, batch, settings, out, **kw)
-        keyed = {k: v for k, v in kw.items() if k not in ("stream_log", "on_progress")}
+    def run_capture(job, **kw):
+        if kw.get("stream_log") or (job.ops is not None and job.ops.reference) or job.routing_from:
+            return real(job, **kw)
+        keyed = {k: v for k, v in job.to_dict().items() if k != "out"}
         env = {k: v for k, v in os.environ.items() if k.startswith(CAPTURE_ENV_PREFIXES) and "CACHE" not in k}
-        key = hashlib.sha256(json.dumps([engine, spec.to_dict(), batch.to_dict(), settings.to_dict(), keyed, env],
-                                        sort_keys=True, default=str).encode()).hexdigest()[:24]
-        kept, out = store / key, Path(out)
+        key = hashlib.sha256(json.dumps([keyed, env], sort_keys=True, default=str).encode()).hexdigest()[:24]
+        kept, out = store / key, job.out
         with open(store / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (kept / ".complete").exists():
-                result = real(engine, spec, batch, settings, out, **kw)
+                result = real(job, **kw)
                 _copy_capture(out, kept)
                 (kept / ".complete").touch()
                 return result

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 from alignaudit.capture.ops import Selection
 from alignaudit.commands import cli
-from alignaudit.inputs.request import EngineSettings
+from alignaudit.inputs.request import EngineSettings, Sampling
 from alignaudit.pipelines.runs import EngineRun, capture
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,8 @@ class CaptureCache:
             tokens = batch.token_batch() if batch is not None else self.batch
             self.done[key] = capture(self.spec, tokens, run, self.root / name,
                                      ops=selection,
-                                     reference=reference.path if reference else None, rollout=rollout,
+                                     reference=reference.path if reference else None,
+                                     rollout=Sampling(**rollout) if rollout else None,
                                      full_vocab=full_vocab)
         return self.done[key]
 

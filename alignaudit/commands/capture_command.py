@@ -139,7 +139,7 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     out = out_dir(output, f"capture-{engine}", CAPTURE_OUTPUTS, inputs)
     with console.status(f"running {run.label()}") as status:
         result = run_capture(spec, batch, run, out, stream_log=output.verbose, ops=selection, reference=reference,
-                             rollout=rollout.to_dict() if rollout else None, replay=replay, full_vocab=full_vocab,
+                             rollout=rollout, replay=replay, full_vocab=full_vocab,
                              on_progress=lambda done, total: status.update(f"running {run.label()}: "
                                                                            f"{done}/{total} sequences"))
     ops_info = result.manifest.get("ops")

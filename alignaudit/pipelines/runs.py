@@ -30,7 +30,8 @@ from alignaudit.engines.checks import processed_logprobs, routing_observable
 from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec, checkpoint_sha256
 from alignaudit.inputs.prompts import TokenBatch
-from alignaudit.inputs.request import EngineRun, ISThresholds, Replay, Request
+from alignaudit.inputs.request import EngineRun, ISThresholds, Replay, Request, Sampling
+from alignaudit.workers.job import CaptureJob, OpsRequest
 from alignaudit.workers.spawn import run_capture
 
 MODES = ("natural", "forced", "both")
@@ -45,27 +46,26 @@ def write_json(path: Path, record: dict) -> None:
 
 def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
             stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None,
-            rollout: dict | None = None, replay: Replay | None = None, repeat: int = 1, full_vocab: bool = False,
-            on_progress=None, routing_from: Path | None = None) -> Capture:
-    """Run one engine on ``batch`` in a worker process; the capture lands in ``out``.
+            rollout: Sampling | None = None, replay: Replay | None = None, repeat: int = 1,
+            full_vocab: bool = False, on_progress=None, routing_from: Path | None = None) -> Capture:
+    """Run one engine on ``batch`` in a worker process (alignaudit.workers.job.CaptureJob); the capture lands in
+    ``out``.
 
     ``ops`` captures the selected canonical ops too; ``reference`` (a capture with ops of the same model
     and token ids) runs in forced mode: each op's inputs are the reference engine's values. ``rollout``
-    (Sampling.to_dict()) samples completions; ``replay`` makes a trainer score the generated tokens under
-    the sampling transform. ``repeat`` > 1 (prompt mode) runs the engine again on the same token ids, also
-    among random filler sequences (alignaudit.workers.repeats). ``on_progress(done, total)`` receives sequence counts.
-    ``routing_from``: a capture with the ``routing`` op whose experts the engine's MoE router replays.
-    among random filler sequences (alignaudit.workers.repeats). ``full_vocab`` (prompt mode) also writes every
-    scored position's full log-softmax row (alignaudit.capture.vocab_rows). ``on_progress(done, total)`` receives
-    sequence counts.
+    samples completions; ``replay`` makes a trainer score the generated tokens under the sampling transform.
+    ``repeat`` > 1 (prompt mode) runs the engine again on the same token ids, also among random filler sequences
+    (alignaudit.workers.repeats). ``routing_from``: a capture with the ``routing`` op whose experts the engine's MoE
+    router replays. ``full_vocab`` (prompt mode) also writes every scored position's full log-softmax row
+    (alignaudit.capture.vocab_rows). ``on_progress(done, total)`` receives sequence counts.
     """
-    request = None
-    if ops is not None:
-        request = {"selection": ops.to_dict(), "reference": str(Path(reference).resolve()) if reference else None}
-    return run_capture(run.engine, spec, batch, run.settings, out, role=role,
-                       checkpoint_sha256=checkpoint_sha256(spec), stream_log=stream_log, ops=request, rollout=rollout,
-                       replay=replay, routing_from=routing_from, repeat=repeat, full_vocab=full_vocab,
-                       on_progress=on_progress)
+    job = CaptureJob(run.engine, spec, run.settings, batch, Path(out).resolve(), role=role,
+                     checkpoint_sha256=checkpoint_sha256(spec),
+                     ops=OpsRequest(ops, Path(reference).resolve() if reference else None) if ops is not None else None,
+                     rollout=rollout, replay=replay,
+                     routing_from=Path(routing_from).resolve() if routing_from else None, repeat=repeat,
+                     full_vocab=full_vocab)
+    return run_capture(job, stream_log=stream_log, on_progress=on_progress)
 
 
 def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2,
@@ -142,16 +142,16 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
 
     if request.replay_routing:
         return _compare_replayed(request, out, record, stream_log, stage)
-    rollout = request.rollout.to_dict() if request.rollout else None
+    rollout = request.rollout
     batch = request.batch
     ops, note = routing_plan(request.spec, request.train, request.infer, rollout=rollout is not None)
-    if rollout:
+    if rollout is not None:
         infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
                                 rollout=rollout, on_progress=stage(request.infer, "inference (sampling)"))
         batch = infer_capture.token_batch()
         replay = None
         if processed_logprobs(request.infer):  # the rollout recorded processed logprobs: the trainer replays
-            replay = Replay.of(rollout, infer_capture.manifest["rollout"]["prompt_lengths"])
+            replay = Replay.of(rollout.to_dict(), infer_capture.manifest["rollout"]["prompt_lengths"])
         train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
                                 replay=replay, on_progress=stage(request.train, "training"))
     else:

@@ -1,6 +1,6 @@
 """Worker process entry: run one engine on one request and write a capture directory.
 
-    python -m alignaudit.workers.capture_worker REQUEST.json
+    python -m alignaudit.workers.capture_worker REQUEST.json   (alignaudit.workers.job.CaptureJob's record)
     python -m alignaudit.workers.capture_worker --check-options '[{"engine", "settings", "spec", "role", "mode"}, ...]'
         (validate only)
 
@@ -19,6 +19,11 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from alignaudit.inputs.request import EngineSettings
+    from alignaudit.workers.job import CaptureJob, OpsRequest
 
 ERROR_MARKER = "ALIGNAUDIT-WORKER-ERROR "
 PROGRESS_MARKER = "ALIGNAUDIT-PROGRESS "
@@ -29,35 +34,35 @@ def report_progress(done: int, total: int) -> None:
     print(f"{PROGRESS_MARKER}{done} {total}", flush=True)
 
 
-def run_request(request: dict) -> None:
-    """Run the request on this process, or on its tensor-parallel ranks."""
-    tp = ranks_to_spawn(request)
+def run_job(job: CaptureJob) -> None:
+    """Run the job on this process, or on its tensor-parallel ranks."""
+    tp = ranks_to_spawn(job.engine, job.settings)
     if tp > 1:
-        run_ranks(request, tp)
+        run_ranks(job, tp)
     else:
-        run_rank(request, 0)
+        run_rank(job, 0)
 
 
-def ranks_to_spawn(request: dict) -> int:
-    """How many rank processes the worker starts for ``request``: its tensor-parallel size where alignaudit starts
+def ranks_to_spawn(engine: str, settings: EngineSettings) -> int:
+    """How many rank processes a worker starts for ``engine``: its tensor-parallel size where alignaudit starts
     the engine's ranks (Megatron), else 1 (vLLM starts its own; HF has none)."""
     from alignaudit.engines import kind_of
 
-    kind = kind_of(request["engine"])
-    return int(request["settings"].get("options", {}).get(kind.tp_option, 1)) if kind.spawns_ranks else 1
+    kind = kind_of(engine)
+    return int(settings.options.get(kind.tp_option, 1)) if kind.spawns_ranks else 1
 
 
-def rank_start_method(request: dict) -> str:
+def rank_start_method(settings: EngineSettings) -> str:
     """How a worker starts its rank processes: "spawn" (a fresh interpreter) on CUDA, where a forked child cannot
     use a CUDA context; "fork" on the CPU, where the worker has only imported (no engine, no thread pool yet),
     so each rank skips importing torch and Megatron-Core again (about 6 s per rank on 2 cores)."""
-    return "spawn" if request["settings"].get("device") == "cuda" else "fork"
+    return "spawn" if settings.device == "cuda" else "fork"
 
 
-def start_ranks(target, request: dict, tp: int, nprocs: int, join: bool):
-    """Start ``nprocs`` processes running ``target(index, request, tp)`` that meet in one process group (a fresh
-    rendezvous file in RENDEZVOUS_ENV), by ``rank_start_method``; torch.multiprocessing.start_processes' result
-    (its ProcessExitedException when joined and a rank failed)."""
+def start_ranks(target, payload, settings: EngineSettings, tp: int, nprocs: int, join: bool):
+    """Start ``nprocs`` processes running ``target(index, payload, tp)`` that meet in one process group (a fresh
+    rendezvous file in RENDEZVOUS_ENV), by ``rank_start_method(settings)``; torch.multiprocessing.start_processes'
+    result (its ProcessExitedException when joined and a rank failed). ``payload`` is pickled to each rank."""
     import os
 
     import torch.multiprocessing as mp
@@ -67,88 +72,79 @@ def start_ranks(target, request: dict, tp: int, nprocs: int, join: bool):
     os.environ[RENDEZVOUS_ENV] = rendezvous_file()
     sys.stdout.flush()  # a forked rank would write out a copy of anything still buffered
     sys.stderr.flush()
-    return mp.start_processes(target, args=(request, tp), nprocs=nprocs, join=join,
-                              start_method=rank_start_method(request))
+    return mp.start_processes(target, args=(payload, tp), nprocs=nprocs, join=join,
+                              start_method=rank_start_method(settings))
 
 
-def run_ranks(request: dict, tp: int) -> None:
+def run_ranks(job: CaptureJob, tp: int) -> None:
     """Start ``tp`` rank processes and wait for all; a rank's failure ends the worker with that rank's exit
     code (the rank reported its error on the shared stderr)."""
     import torch.multiprocessing as mp
 
     try:
-        start_ranks(_rank_main, request, tp, nprocs=tp, join=True)
+        start_ranks(_rank_main, job, job.settings, tp, nprocs=tp, join=True)
     except mp.ProcessExitedException as e:
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 3)
 
 
-def _rank_main(rank: int, request: dict, tp: int) -> None:
+def _rank_main(rank: int, job: CaptureJob, tp: int) -> None:
     import os
 
     from alignaudit.engines.megatron.adapter import RANK_ENV, WORLD_ENV
 
     os.environ[RANK_ENV], os.environ[WORLD_ENV] = str(rank), str(tp)
-    _guarded(lambda: run_rank(request, rank))
+    _guarded(lambda: run_rank(job, rank))
 
 
-def run_rank(request: dict, rank: int) -> None:
+def run_rank(job: CaptureJob, rank: int) -> None:
     from alignaudit.capture.directory import SCORED_GENERATED, logprob_table, write_capture
     from alignaudit.capture.environment import hardware, numerics_flags, package_versions
     from alignaudit.engines import load_engine_class
-    from alignaudit.inputs.checkpoint import ModelSpec
-    from alignaudit.inputs.prompts import TokenBatch
-    from alignaudit.inputs.request import EngineSettings, Replay, Sampling
 
-    spec = ModelSpec(**request["spec"])
-    settings = EngineSettings(**request["settings"])
-    batch = TokenBatch.from_dict(request["batch"])
-    out = Path(request["out"])
+    spec, settings, batch, out, sampling = job.spec, job.settings, job.batch, job.out, job.rollout
     started = time.perf_counter()
-    engine = load_engine_class(request["engine"])(spec, settings)
+    engine = load_engine_class(job.engine)(spec, settings)
     if rank == 0:
         engine.progress = report_progress
     loaded = time.perf_counter()
-    tap = _attach_tap(engine, spec, request.get("ops"), out, rank)
-    if request.get("routing_from"):  # compare --replay-routing: the rollout engine's experts, before any forward
-        engine.replay_routing(replayed_routing(Path(request["routing_from"]), spec, batch),
-                              [len(s) for s in batch.sequences])
-    rollout = request.get("rollout")
-    engine.replay = Replay.from_dict(request.get("replay"))
+    tap = _attach_tap(engine, spec, job.ops, out, rank)
+    if job.routing_from:  # compare --replay-routing: the rollout engine's experts, before any forward
+        engine.replay_routing(replayed_routing(job.routing_from, spec, batch), [len(s) for s in batch.sequences])
+    engine.replay = job.replay
     prompt_lengths = list(engine.replay.prompt_lengths) if engine.replay else None
     rows = None
-    if request.get("full_vocab"):  # prompt mode only (engines.checks.check_full_vocab refuses the rest)
+    if job.full_vocab:  # prompt mode only (engines.checks.check_full_vocab refuses the rest)
         from alignaudit.capture.vocab_rows import VocabRowWriter
 
         rows = VocabRowWriter(out, [len(s) for s in batch.sequences], engine.vocab_row_formula()) if rank == 0 \
             else None
         engine.vocab_sink = rows.write if rows is not None else (lambda seq, r: None)
-    if rollout:
-        sampling = Sampling(**rollout)
+    if sampling is not None:
         prompt_lengths = [len(s) for s in batch.sequences for _ in range(sampling.group_size)]
         batch, logprobs = engine.rollout(batch, sampling)
     else:
         logprobs = engine.prompt_logprobs(batch)
     engine.vocab_sink = None  # rows of the first run only (--repeat runs again without them)
     repeats = None
-    if request.get("repeat", 1) > 1:  # compare --repeat: the same engine again, op capture done
+    if job.repeat > 1:  # compare --repeat: the same engine again, op capture done
         from alignaudit.workers.repeats import run_repeats
 
         if engine.hooks is not None:
             engine.hooks.close()
         engine.hooks = engine.tap = None
-        repeats = run_repeats(engine, batch, logprobs, request["repeat"], settings.seed)
+        repeats = run_repeats(engine, batch, logprobs, job.repeat, settings.seed)
     finished = time.perf_counter()
     manifest = {
-        "engine": request["engine"],
-        "role": request.get("role"),
+        "engine": job.engine,
+        "role": job.role,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": {**spec.to_dict(), "checkpoint_sha256": request.get("checkpoint_sha256")},
+        "model": {**spec.to_dict(), "checkpoint_sha256": job.checkpoint_sha256},
         "settings": settings.to_dict(),
         "engine_settings": engine.settings_record(),
-        "mode": "rollout" if rollout else "prompt",
-        "rollout": {**rollout, "prompt_lengths": prompt_lengths} if rollout else None,
+        "mode": "rollout" if sampling is not None else "prompt",
+        "rollout": {**sampling.to_dict(), "prompt_lengths": prompt_lengths} if sampling is not None else None,
         "replay": engine.replay.to_dict() if engine.replay else None,
-        "routing_from": request.get("routing_from"),
+        "routing_from": str(job.routing_from) if job.routing_from else None,
         "prompts": {
             "source": batch.source,
             "num_sequences": len(batch.sequences),
@@ -173,14 +169,14 @@ def run_rank(request: dict, rank: int) -> None:
         manifest["ops"] = {
             **tap.recorder.finish(),
             "unforced_ops": unforced,
-            "selection": request["ops"].get("selection"),
+            "selection": job.ops.selection.to_dict(),
             "mode": "forced" if tap.reference is not None else "natural",
-            "reference": request["ops"].get("reference"),
+            "reference": str(job.ops.reference) if job.ops.reference else None,
             "substituted_ops": len(tap.substituted),
         }
     engine.close()
     table = logprob_table(batch, logprobs, prompt_lengths)
-    if rollout and not rollout.get("prompt_logprobs", True):  # the sampled tokens' logprobs only
+    if sampling is not None and not sampling.prompt_logprobs:  # the sampled tokens' logprobs only
         table["scored"] = table["generated"]
         manifest["scored"] = SCORED_GENERATED
     write_capture(out, manifest, table)
@@ -205,33 +201,33 @@ def replayed_routing(path: Path, spec, batch) -> dict:
     return routing
 
 
-def _attach_tap(engine, spec, ops_request: dict | None, out: Path, rank: int = 0):
+def _attach_tap(engine, spec, ops: OpsRequest | None, out: Path, rank: int = 0):
     """Natural capture of the selected ops, or forced mode when a reference capture is given. Every
     tensor-parallel rank taps (gathering a sharded op is collective); rank 0 alone records."""
-    if ops_request is None:
+    if ops is None:
         return None
     from alignaudit.capture.op_store import OpRecorder, OpStore
-    from alignaudit.capture.ops import Selection
     from alignaudit.engines.taps import Tap
 
     reference = None
-    if ops_request.get("reference"):
+    if ops.reference is not None:
         from alignaudit.capture.directory import read_capture
 
-        path = Path(ops_request["reference"])
-        reference = OpStore(path, read_capture(path).manifest.get("ops"))
+        reference = OpStore(ops.reference, read_capture(ops.reference).manifest.get("ops"))
     recorder = OpRecorder(out) if rank == 0 else None
-    tap = Tap(spec, Selection.from_dict(ops_request.get("selection")), recorder, reference, record_all=rank != 0)
+    tap = Tap(spec, ops.selection, recorder, reference, record_all=rank != 0)
     engine.attach(tap)
     return tap
 
 
 def main() -> None:
     def work():
+        from alignaudit.workers.job import CaptureJob
+
         if sys.argv[1] == "--check-options":
             check_options(json.loads(sys.argv[2]))
         else:
-            run_request(json.loads(Path(sys.argv[1]).read_text()))
+            run_job(CaptureJob.read(Path(sys.argv[1])))
 
     _guarded(work)
 

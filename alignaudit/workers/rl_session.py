@@ -192,7 +192,7 @@ def main() -> None:
     request = json.loads(Path(sys.argv[1]).read_text())
     out = sys.stdout
     sys.stdout = sys.stderr  # everything the engines print goes to the log; stdout carries replies only
-    tp = ranks_to_spawn(request)
+    tp = ranks_to_spawn(request["engine"], EngineSettings(**request["settings"]))
     if tp > 1:
         _start_followers(request, tp)
     try:
@@ -222,7 +222,7 @@ def _start_followers(request: dict, tp: int) -> None:
     from alignaudit.engines.megatron.adapter import RANK_ENV, WORLD_ENV
 
     os.environ[RANK_ENV], os.environ[WORLD_ENV] = "0", str(tp)
-    start_ranks(_follow, request, tp, nprocs=tp - 1, join=False)
+    start_ranks(_follow, request, EngineSettings(**request["settings"]), tp, nprocs=tp - 1, join=False)
 
 
 def _follow(index: int, request: dict, tp: int) -> None:

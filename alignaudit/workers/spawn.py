@@ -16,68 +16,30 @@ from alignaudit.capture.directory import Capture, read_capture
 from alignaudit.capture.rundir import LOGPROBS, MANIFEST, OPS_DIR, REQUEST, VOCAB_DIR, WORKER_LOG
 from alignaudit.engines import check_installed
 from alignaudit.inputs.checkpoint import ModelSpec
-from alignaudit.inputs.prompts import TokenBatch
-from alignaudit.inputs.request import EngineSettings, Replay
 from alignaudit.workers.capture_worker import ERROR_MARKER, PROGRESS_MARKER
+from alignaudit.workers.job import CaptureJob
 
 
-def run_capture(
-    engine: str,
-    spec: ModelSpec,
-    batch: TokenBatch,
-    settings: EngineSettings,
-    out: Path,
-    *,
-    role: str | None = None,
-    checkpoint_sha256: str | None = None,
-    stream_log: bool = False,
-    ops: dict | None = None,
-    rollout: dict | None = None,
-    replay: Replay | None = None,
-    routing_from: Path | None = None,
-    repeat: int = 1,
-    full_vocab: bool = False,
-    on_progress=None,
-) -> Capture:
-    """Run ``engine`` in a fresh worker process and return the capture it wrote to ``out``.
+def run_capture(job: CaptureJob, *, stream_log: bool = False, on_progress=None) -> Capture:
+    """Run ``job`` (alignaudit.workers.job.CaptureJob) in a fresh worker process and return the capture it wrote to
+    ``job.out``.
 
-    The request and the worker's combined stdout/stderr (``worker.log``) stay in ``out`` for reproduction.
-    ``ops`` turns on per-op capture: ``{"selection": Selection.to_dict(), "reference": capture dir or None}``.
-    ``rollout`` samples completions instead (alignaudit.inputs.request.Sampling.to_dict()); ``replay``
-    (alignaudit.inputs.request.Replay) scores generated tokens under the sampling transform. ``on_progress(done,
-    total)`` receives the worker's progress lines (sequences done), which are kept out of the log.
-    ``routing_from`` (a capture holding the ``routing`` op of every MoE layer, on the same token ids) makes the
-    engine's router replay that capture's experts (compare --replay-routing).
-    ``repeat`` > 1 (prompt mode) runs the engine that many times in the worker (alignaudit.workers.repeats).
-    ``full_vocab`` (prompt mode) also writes every scored position's full log-softmax row (capture/vocab_rows.py).
+    The job (``request.json``) and the worker's combined stdout/stderr (``worker.log``) stay in ``job.out`` for
+    reproduction. ``on_progress(done, total)`` receives the worker's progress lines (sequences done), which are kept
+    out of the log; ``stream_log`` copies the worker's output to stderr as it comes.
 
     Raises:
         EngineError: the engine is not installed, or the worker crashed (message: its last log lines).
         InputError: the worker refused the input (same message as it would give in-process).
     """
+    engine, out = job.engine, job.out
     check_installed(engine)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in (MANIFEST, LOGPROBS):  # a failed run must never leave an earlier capture looking valid
         (out / stale).unlink(missing_ok=True)
     shutil.rmtree(out / OPS_DIR, ignore_errors=True)
     shutil.rmtree(out / VOCAB_DIR, ignore_errors=True)
-    request = {
-        "engine": engine,
-        "role": role,
-        "spec": spec.to_dict(),
-        "settings": settings.to_dict(),
-        "batch": batch.to_dict(),
-        "checkpoint_sha256": checkpoint_sha256,
-        "ops": ops,
-        "rollout": rollout,
-        "replay": replay.to_dict() if replay is not None else None,
-        "routing_from": str(Path(routing_from).resolve()) if routing_from else None,
-        "repeat": repeat,
-        "full_vocab": full_vocab,
-        "out": str(out.resolve()),
-    }
-    (out / REQUEST).write_text(json.dumps(request, indent=2) + "\n")
+    job.write(out / REQUEST)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tail: deque[str] = deque(maxlen=20)
     with open(out / WORKER_LOG, "w") as log:

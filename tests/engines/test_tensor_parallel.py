@@ -141,10 +141,11 @@ def test_replay_truncates_the_whole_vocabulary_at_tp2(tmp_path, tiny_spec):
 def test_ranks_are_forked_on_the_cpu_and_spawned_on_cuda():
     """A forked child cannot use its parent's CUDA context, so CUDA ranks start as fresh interpreters; CPU ranks are
     forked from a worker that has only imported (every CPU tensor-parallel test above ran them so)."""
+    from alignaudit.inputs.request import EngineSettings
     from alignaudit.workers.capture_worker import rank_start_method
 
-    assert rank_start_method({"settings": {"device": "cuda"}}) == "spawn"
-    assert rank_start_method({"settings": {"device": "cpu"}}) == "fork"
+    assert rank_start_method(EngineSettings(device="cuda")) == "spawn"
+    assert rank_start_method(EngineSettings(device="cpu")) == "fork"
 
 
 def test_the_rendezvous_file_is_removed_when_the_worker_exits(tmp_path):

@@ -1,0 +1,97 @@
+"""What the parent asks of one capture worker: a typed record, written as ``request.json`` into the capture directory
+(kept there so that a run can be reproduced with ``python -m alignaudit.workers.capture_worker request.json``) and
+read back by the worker, and by each tensor-parallel rank it starts (pickled by torch.multiprocessing)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from alignaudit.capture.ops import Selection
+from alignaudit.inputs.checkpoint import ModelSpec
+from alignaudit.inputs.prompts import TokenBatch
+from alignaudit.inputs.request import EngineSettings, Replay, Sampling
+
+
+@dataclass(frozen=True)
+class OpsRequest:
+    """Per-op capture: which ops (``selection``), and for forced mode the capture whose op inputs the engine is fed
+    (``reference``: an absolute path, None in natural mode)."""
+
+    selection: Selection
+    reference: Path | None = None
+
+    def to_dict(self) -> dict:
+        return {"selection": self.selection.to_dict(),
+                "reference": str(self.reference) if self.reference is not None else None}
+
+    @classmethod
+    def from_dict(cls, record: dict | None) -> OpsRequest | None:
+        if record is None:
+            return None
+        reference = record.get("reference")
+        return cls(Selection.from_dict(record.get("selection")), Path(reference) if reference else None)
+
+
+@dataclass(frozen=True)
+class CaptureJob:
+    """One engine run on one batch, as a worker process carries it out (alignaudit.workers.capture_worker).
+
+    Attributes:
+        engine: the engine's name (alignaudit.engines.ENGINES).
+        spec: the model; settings: the engine's settings (dtype, device, options, strict ops and kernels).
+        batch: the token ids scored, or prompted in rollout mode.
+        out: the capture directory (absolute).
+        role: "train" or "infer" inside a compare, None for a capture of its own.
+        checkpoint_sha256: the checkpoint's digest (alignaudit.inputs.checkpoint.checkpoint_sha256), recorded.
+        ops: per-op capture (None: logprobs only).
+        rollout: sample completions under these settings (None: prompt mode, teacher-forced scoring).
+        replay: score generated tokens under the rollout's sampling transform (a trainer replaying processed logprobs).
+        routing_from: a capture holding every MoE layer's ``routing`` op, replayed by the engine's router.
+        repeat: > 1 (prompt mode): the engine runs again on the same token ids, also among fillers.
+        full_vocab: (prompt mode) every scored position's full log-softmax row is written too.
+    """
+
+    engine: str
+    spec: ModelSpec
+    settings: EngineSettings
+    batch: TokenBatch
+    out: Path
+    role: str | None = None
+    checkpoint_sha256: str | None = None
+    ops: OpsRequest | None = None
+    rollout: Sampling | None = None
+    replay: Replay | None = None
+    routing_from: Path | None = None
+    repeat: int = 1
+    full_vocab: bool = False
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "role": self.role, "spec": self.spec.to_dict(),
+                "settings": self.settings.to_dict(), "batch": self.batch.to_dict(),
+                "checkpoint_sha256": self.checkpoint_sha256,
+                "ops": self.ops.to_dict() if self.ops is not None else None,
+                "rollout": self.rollout.to_dict() if self.rollout is not None else None,
+                "replay": self.replay.to_dict() if self.replay is not None else None,
+                "routing_from": str(self.routing_from) if self.routing_from is not None else None,
+                "repeat": self.repeat, "full_vocab": self.full_vocab, "out": str(self.out)}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> CaptureJob:
+        """``to_dict()``'s record back. Raises KeyError or TypeError for a record another version wrote."""
+        rollout, routing_from = record.get("rollout"), record.get("routing_from")
+        return cls(engine=record["engine"], spec=ModelSpec(**record["spec"]),
+                   settings=EngineSettings(**record["settings"]), batch=TokenBatch.from_dict(record["batch"]),
+                   out=Path(record["out"]), role=record.get("role"),
+                   checkpoint_sha256=record.get("checkpoint_sha256"), ops=OpsRequest.from_dict(record.get("ops")),
+                   rollout=Sampling(**rollout) if rollout else None, replay=Replay.from_dict(record.get("replay")),
+                   routing_from=Path(routing_from) if routing_from else None, repeat=record.get("repeat", 1),
+                   full_vocab=record.get("full_vocab", False))
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> CaptureJob:
+        return cls.from_dict(json.loads(Path(path).read_text()))
