@@ -3,7 +3,9 @@ one checkpoint that bench/gpu_run.sh task-rl brings back:
 
     python bench/plot_rl_runs.py strict=RUN_DIR default=RUN_DIR --out docs/img/rl-....png --title "..."
 
-Each RUN_DIR holds an rl run's steps.parquet and run.json. Runs of different checkpoints (model config), prompts
+Each RUN_DIR holds an rl run's steps.parquet and run.json, and its eval.parquet where it scored held-out prompts
+(rl --eval-prompts / --eval-every, or the task's own held-out questions): then a panel of the held-out evaluations
+comes first. Runs of different checkpoints (model config), prompts
 (digest), rollout settings or rl settings other than the strict ops are refused: the picture would compare unlike
 runs. Bad input: one line and exit 2.
 """
@@ -46,19 +48,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.out.suffix != ".png" or not args.out.parent.is_dir():
         parser.error(f"--out {args.out}: a .png path in an existing folder")
-    runs, experiments = {}, {}
+    runs, experiments, evals = {}, {}, {}
     for item in args.runs:
         name, sep, path = item.partition("=")
         if not sep or not name or name in runs:
             parser.error(f"{item}: write NAME=RUN_DIR with a name of its own per run, e.g. strict=runs/rl-strict")
         runs[name], record = read_run(parser, name, Path(path))
         experiments[name] = same_experiment(record)
+        if (Path(path) / "eval.parquet").is_file():
+            evals[name] = pd.read_parquet(Path(path) / "eval.parquet")
     first = next(iter(experiments))
     for name, experiment in experiments.items():
         differing = [key for key in experiment if experiment[key] != experiments[first][key]]
         if differing:
             parser.error(f"{name} and {first} differ in {', '.join(differing)}: not one experiment to overlay")
-    plot_runs(runs, args.out, args.title)
+    plot_runs(runs, args.out, args.title, evals)
     print(args.out)
 
 

@@ -90,25 +90,29 @@ RUNS_PANELS = (
 )
 
 
-def plot_runs(runs: dict[str, pd.DataFrame], path: Path, title: str = "") -> None:
-    """``runs_figure(runs, title)`` saved as a PNG at ``path`` (1100 x 1000 pixels).
+def plot_runs(runs: dict[str, pd.DataFrame], path: Path, title: str = "",
+              evals: dict[str, pd.DataFrame] | None = None) -> None:
+    """``runs_figure(runs, title, evals)`` saved as a PNG at ``path`` (1100 x 1000 pixels; 1100 x 1300 with the
+    held-out panel).
 
     Raises:
         KeyError: as runs_figure."""
     import matplotlib.pyplot as plt
 
-    fig = runs_figure(runs, title)
+    fig = runs_figure(runs, title, evals)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def runs_figure(runs: dict[str, pd.DataFrame], title: str = ""):
+def runs_figure(runs: dict[str, pd.DataFrame], title: str = "", evals: dict[str, pd.DataFrame] | None = None):
     """Several rl runs' steps.parquet tables overlaid, one line per run, in six panels (``RUNS_PANELS``): the
     reward; the mismatching-token fraction; max |d logprob| and the k3 KL (log scale; a run that is 0 at every
     step is named in the panel instead, since 0 has no place on a log axis); the share of sequences the
-    geometric-mean sequence mask would drop; the importance ratio's max and min. Made for a strict and a
-    default run from one checkpoint (docs/findings.md, issue [26]). Returns the matplotlib Figure (Agg backend);
-    the caller closes it.
+    geometric-mean sequence mask would drop; the importance ratio's max and min. With ``evals`` (run name ->
+    its eval.parquet table, for the runs that have one) a seventh panel first: the held-out prompts' headline
+    (alignaudit.comparison.held_out.headline: greedy accuracy under the task, else the greedy reward) at the step
+    after which each evaluation ran (0: before the first). Made for a strict and a default run from one checkpoint
+    (docs/findings.md, issues [26] and [32]). Returns the matplotlib Figure (Agg backend); the caller closes it.
 
     Raises:
         KeyError: a table without one of the columns (steps.parquet of an older alignaudit)."""
@@ -118,9 +122,15 @@ def runs_figure(runs: dict[str, pd.DataFrame], title: str = ""):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True)
+    evals = {name: table for name, table in (evals or {}).items() if len(table)}
+    rows = 4 if evals else 3
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 10 if rows == 3 else 13), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (column, label, log) in zip(axes.flat, RUNS_PANELS, strict=True):
+    panels = list(axes.flat)
+    if evals:
+        _held_out_panel(panels.pop(0), runs, evals, colors)
+        panels.pop().set_visible(False)  # seven panels on a grid of eight
+    for ax, (column, label, log) in zip(panels, RUNS_PANELS, strict=True):
         zero_runs = []
         for i, (name, steps) in enumerate(runs.items()):
             color = colors[i % len(colors)]
@@ -137,12 +147,31 @@ def runs_figure(runs: dict[str, pd.DataFrame], title: str = ""):
             ax.text(0.02, 0.04, f"{', '.join(zero_runs)}: 0 at every step", transform=ax.transAxes, ha="left",
                     va="bottom", bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"})
         ax.set_title(label, fontsize=9)
-        ax.legend(loc="best", fontsize=8)
-    for ax in axes[2]:
+        if ax.get_lines():  # a log panel where every run is 0 has no line, only the note
+            ax.legend(loc="best", fontsize=8)
+    for ax in (axes[-1, 0], axes[-1, 1] if not evals else axes[-2, 1]):
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_tick_params(labelbottom=True)
     synced = {name: "yes" if bool(steps["sync_bit_equal"].all()) else "NO" for name, steps in runs.items()}
     sync = f"weight sync bit-equal at every step: {', '.join(f'{name} {s}' for name, s in synced.items())}"
     fig.suptitle(f"{title}\n{sync}" if title else sync, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def _held_out_panel(ax, runs: dict[str, pd.DataFrame], evals: dict[str, pd.DataFrame], colors) -> None:
+    """The held-out evaluations of each run that has them, in the run's color (runs_figure)."""
+    from alignaudit.comparison.held_out import headline
+
+    measures = set()
+    for i, name in enumerate(runs):
+        if name in evals:
+            table = evals[name]
+            measure = headline(table)
+            measures.add(measure)
+            ax.plot(table["step"], table[measure], color=colors[i % len(colors)], marker="o", markersize=3,
+                    linewidth=1, label=name)
+    named = {"accuracy": "held-out accuracy (greedy)", "reward_mean": "held-out reward (greedy)"}
+    ax.set_title(" / ".join(named[m] for m in sorted(measures)), fontsize=9)
+    ax.legend(loc="best", fontsize=8)

@@ -55,3 +55,31 @@ def test_plot_runs_needs_every_panels_column(tmp_path):
     assert {column for column, _, _ in RUNS_PANELS} | {"ratio_min", "sync_bit_equal", "step"} == set(steps_table(True))
     with pytest.raises(KeyError):
         plot_runs({"old": steps_table(True).drop(columns="is_geo_mask_fraction")}, tmp_path / "x.png")
+
+
+def test_held_out_evaluations_get_a_panel_of_their_own_first(tmp_path):
+    """eval.parquet's headline per run (accuracy under the task, the greedy reward otherwise), in the run's place
+    among the runs' colors; the step panels follow in their order, the eighth place of the grid stays empty."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    strict, default = steps_table(False), steps_table(True)
+    accuracy = pd.DataFrame({"step": [0, 5], "reward_mean": [0.4, 0.6], "accuracy": [0.70, 0.75]})
+    reward_only = pd.DataFrame({"step": [0, 5], "reward_mean": [0.1, 0.3], "accuracy": [float("nan")] * 2})
+    fig = runs_figure({"strict": strict, "default": default}, "title",
+                      {"strict": accuracy, "default": reward_only})
+    try:
+        held_out, *rest = fig.axes
+        lines = {line.get_label(): line.get_ydata().tolist() for line in held_out.get_lines()}
+        assert lines == {"strict": [0.70, 0.75], "default": [0.1, 0.3]}
+        assert held_out.get_title() == "held-out accuracy (greedy) / held-out reward (greedy)"
+        assert [ax.get_title() for ax in rest[:len(RUNS_PANELS)]] == [label for _, label, _ in RUNS_PANELS]
+        assert not rest[-1].get_visible() and all(ax.get_visible() for ax in rest[:-1])
+        assert rest[len(RUNS_PANELS) - 1].get_xlabel() == "step" and rest[len(RUNS_PANELS) - 2].get_xlabel() == "step"
+    finally:
+        plt.close(fig)
+    path = tmp_path / "runs.png"
+    plot_runs({"strict": strict}, path, "title", {"strict": accuracy})
+    assert Image.open(path).size == (1100, 1300)
+    plot_runs({"strict": strict}, path, "title", {"strict": accuracy.iloc[:0]})  # no evaluation: no panel
+    assert Image.open(path).size == (1100, 1000)
