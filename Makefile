@@ -68,12 +68,10 @@ chromium:
 # (non-vector) kernels, ATEN_CPU_CAPABILITY=default, so a change that holds on one ISA only shows here.
 # TORCHINDUCTOR_VEC_ISA_OK=0: under that capability torch 2.13's Inductor still emits vector code for vLLM's
 # compiled graphs, which then fails to compile (docs/findings.md "Facts that move with the CPU").
-# python -P: the checkout's kernels/ stays off sys.path (it would shadow the Hugging Face `kernels` package, which
-# transformers >= 5.25 imports; alignaudit/workers/spawn.py python_module); the tests import the installed packages.
 test: setup chromium verl
 	$(BIN)/ruff check .
-	$(BIN)/python -P -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
-	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_VEC_ISA_OK=0 $(BIN)/python -P -m pytest -q -m isa $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_VEC_ISA_OK=0 $(BIN)/python -m pytest -q -m isa $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) alignaudit-runs .pytest_cache

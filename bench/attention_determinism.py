@@ -2,7 +2,7 @@
 bit patterns of dq, dk and dv: torch's SDPA backward as a trainer runs it (its default backend: cuDNN's on an H200),
 SDPA with forward and backward under torch's deterministic mode (which excludes cuDNN's SDPA: FlashAttention-2's
 deterministic backward there), and alignaudit's fused varlen backward (ALIGNAUDIT_BACKWARD=fused,
-kernels/attention/flash_gradients.py). One distinct pattern: the same bits every run.
+kernels/alignaudit_kernels/attention/flash_gradients.py). One distinct pattern: the same bits every run.
 
     python3 bench/attention_determinism.py [--runs 8] [--lengths 4096,1500,700] [--json OUT.json]
 
@@ -20,9 +20,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.checkout import use_this_checkout  # noqa: E402
-
-use_this_checkout()
 
 import alignaudit_kernels as K  # noqa: E402
 from alignaudit_kernels.attention.flash_gradients import deterministic_algorithms  # noqa: E402

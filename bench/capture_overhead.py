@@ -17,9 +17,6 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.checkout import use_this_checkout  # noqa: E402
-
-use_this_checkout()
 
 from alignaudit.capture.ops import Selection  # noqa: E402
 from alignaudit.inputs.checkpoint import load_spec  # noqa: E402

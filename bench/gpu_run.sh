@@ -93,10 +93,10 @@ set -uo pipefail
 started=$SECONDS  # the device call began just before (CALL_S: grpo's deadline)
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/aa-out}; mkdir -p "$out"
-# This checkout's packages through a folder of links (bench/checkout.py), and never the root or the working directory
-# (PYTHONSAFEPATH): the root's kernels/ would shadow the Hugging Face kernels package that transformers >= 5.25 imports.
-shim=$(python3 bench/checkout.py) || exit 1
-export PYTHONPATH="$shim:${PYTHONPATH:-}" PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 ALIGNAUDIT_CACHE=/tmp/aa-cache
+# This checkout's packages, nothing installed: alignaudit and bench from the root, alignaudit_kernels from kernels/ (a
+# plain folder holding it), alignaudit_fixtures (the folder fixtures/, installed under that name) through a link.
+shim=$(mktemp -d) && ln -s "$PWD/fixtures" "$shim/alignaudit_fixtures" || exit 1
+export PYTHONPATH="$PWD:$PWD/kernels:$shim:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 ALIGNAUDIT_CACHE=/tmp/aa-cache
 # NVLink multicast stays off on shared multi-GPU hosts (device KINDS.md)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -8,8 +8,8 @@ kernels are also timed as CUDA-graph replays (triton.testing.do_bench_cudagraph,
 without Python launch overhead, the way vLLM runs decode; no L2 flush between replays, so weights that fit
 in L2 stay there for both sides). Attention is timed both ways too (the strict prefill's launch plan is
 cached on the device after the warm-up call, so the replay needs no host work), each with the portable and
-the native exp (kernels/attention/). The decode default is SDPA over the same keys laid out contiguously.
-Section attention-fa3 (needs CUDA vLLM) measures the same kernels against vLLM's FlashAttention-3, issue
+the native exp (kernels/alignaudit_kernels/attention/). The decode default is SDPA over the same keys laid out
+contiguously. Section attention-fa3 (needs CUDA vLLM) measures the same kernels against vLLM's FlashAttention-3, issue
 [19]'s reference. Memory-bound
 kernels also
 print their fraction of the copy-bandwidth bound measured in the same run (a device-to-device copy of the
@@ -27,16 +27,13 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.checkout import use_this_checkout  # noqa: E402
-
-use_this_checkout()
 
 import alignaudit_kernels as K  # noqa: E402
 from bench.timing import graph_ms, ms  # noqa: E402
 
 DT = torch.bfloat16
 # (K, N, K segments): the row-parallel layers (attention output, MLP down) reduce K in the segments every
-# engine's strict path uses (kernels/matmul.ROW_PARALLEL_SEGMENTS), the others in one
+# engine's strict path uses (kernels/alignaudit_kernels/matmul.ROW_PARALLEL_SEGMENTS), the others in one
 RP = K.matmul.ROW_PARALLEL_SEGMENTS
 LINEARS = {"qkv": (4096, 6144, 1), "o": (4096, 4096, RP), "gate_up": (4096, 24576, 1), "down": (12288, 4096, RP),
            "lm_head": (4096, 151936, 1)}

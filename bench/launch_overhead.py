@@ -33,9 +33,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.checkout import use_this_checkout  # noqa: E402
-
-use_this_checkout()
 
 import alignaudit_kernels as K  # noqa: E402
 

@@ -25,9 +25,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.checkout import use_this_checkout  # noqa: E402
-
-use_this_checkout()
 
 from alignaudit_kernels import grouped_linear, moe  # noqa: E402
 from bench.timing import graph_ms, ms  # noqa: E402

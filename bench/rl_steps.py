@@ -3,16 +3,16 @@
     .venv/bin/python bench/rl_steps.py [--steps 10] [--train megatron] [--infer vllm] [--configs strict,default]
                                        [--rounds 1] [-- extra rl options]
 
-Runs `alignaudit rl` once per configuration on the same model and prompts (default: the fixture), and reads each
-step's stage timings from steps.parquet: "strict" (every op strict, the backward ALIGNAUDIT_BACKWARD's default:
-fused on CUDA), "strict-fused" and "strict-reference" (the same with ALIGNAUDIT_BACKWARD set for that run only,
-kernels/gradients.py) and "default" (the default stack). Step 1 is left out of the medians (it includes one-time
-warm-up) and printed apart, stage by stage, as each run ends, with that run's medians; bench-rl-steps.json is
-written again after each run: a call cut short keeps the runs it finished. Prints the median seconds per step and
-per stage for each and each one's ratio to default; writes bench-rl-steps.json (the medians, and each run's first
-step). ``--rounds`` N runs the configurations in turn N times and takes the medians over the steps of all rounds
-(each round's step ratio printed too): the rollout and the weight sync are host-bound at this shape, and one run's
-host can move them (on H100s, the same code gave 1.08 and 1.32; docs/benchmarks.md, 2026-12-05).
+Runs `alignaudit rl` once per configuration on the same model and prompts (default: the fixture), and reads each step's
+stage timings from steps.parquet: "strict" (every op strict, the backward ALIGNAUDIT_BACKWARD's default: fused on CUDA),
+"strict-fused" and "strict-reference" (the same with ALIGNAUDIT_BACKWARD set for that run only,
+kernels/alignaudit_kernels/gradients.py) and "default" (the default stack). Step 1 is left out of the medians (it
+includes one-time warm-up) and printed apart, stage by stage, as each run ends, with that run's medians;
+bench-rl-steps.json is written again after each run: a call cut short keeps the runs it finished. Prints the median
+seconds per step and per stage for each and each one's ratio to default; writes bench-rl-steps.json (the medians, and
+each run's first step). ``--rounds`` N runs the configurations in turn N times and takes the medians over the steps of
+all rounds (each round's step ratio printed too): the rollout and the weight sync are host-bound at this shape, and one
+run's host can move them (on H100s, the same code gave 1.08 and 1.32; docs/benchmarks.md, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.checkout import use_this_checkout  # noqa: E402
-
-use_this_checkout()
 
 from alignaudit.commands import cli  # noqa: E402
 

@@ -28,9 +28,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.checkout import use_this_checkout  # noqa: E402
-
-use_this_checkout()
 
 from alignaudit_kernels import attention, matmul  # noqa: E402
 from bench.timing import graph_ms, ms  # noqa: E402
@@ -106,10 +103,11 @@ SEGMENT_TMA_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 64, 
 
 
 def sweep_segments(rows):
-    """The row-parallel layers' K-segmented product (ROW_PARALLEL_SEGMENTS, the tree of kernels/matmul.py) at
-    Qwen3-8B's o and down shapes, every way it can run, as CUDA-graph replays: the tree inside one pointer-kernel
-    program (the reference bits), one program per (tile, segment) plus a tree launch (_split_k), and the TMA
-    kernel with scratch tiles (tiles, grid or persistent); beside cuBLAS and the unsegmented strict product."""
+    """The row-parallel layers' K-segmented product (ROW_PARALLEL_SEGMENTS, the tree of
+    kernels/alignaudit_kernels/matmul.py) at Qwen3-8B's o and down shapes, every way it can run, as CUDA-graph replays:
+    the tree inside one pointer-kernel program (the reference bits), one program per (tile, segment) plus a tree launch
+    (_split_k), and the TMA kernel with scratch tiles (tiles, grid or persistent); beside cuBLAS and the unsegmented
+    strict product."""
     s = matmul.ROW_PARALLEL_SEGMENTS
     same = []
     for k, n in ((4096, 4096), (12288, 4096)):

@@ -26,9 +26,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.checkout import use_this_checkout  # noqa: E402
-
-use_this_checkout()
 
 from bench.launch_overhead import host_us  # noqa: E402  (calls back to back, synchronized at the end)
 

@@ -28,9 +28,6 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.checkout import use_this_checkout  # noqa: E402
-
-use_this_checkout()
 
 
 def timed(fn, device: str, reps: int) -> float:

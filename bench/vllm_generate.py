@@ -333,9 +333,6 @@ def profile_generate(llm, prompts, params, top: int = 14) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.checkout import use_this_checkout
-
-    use_this_checkout()
     from bench.timing import host_table, kernel_table
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

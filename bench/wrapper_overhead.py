@@ -24,9 +24,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels import triton: CPU te
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.checkout import use_this_checkout  # noqa: E402
-
-use_this_checkout()
 
 import alignaudit_kernels  # noqa: E402, F401  (imports every kernel module stub_launches walks)
 from bench.launch_overhead import pairs  # noqa: E402

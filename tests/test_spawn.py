@@ -1,5 +1,6 @@
-"""Engine workers start without the working directory on sys.path (alignaudit.workers.spawn.python_module): run from
-this checkout, its kernels/ would shadow the Hugging Face ``kernels`` package that transformers >= 5.25 imports."""
+"""Engine workers start without the working directory on sys.path where that still imports this process's alignaudit
+(alignaudit.workers.spawn.python_module): started inside another checkout of alignaudit, ``python -m`` alone would
+import that checkout's code in the worker."""
 
 from __future__ import annotations
 
@@ -8,21 +9,24 @@ import subprocess
 import sys
 
 from alignaudit.workers import spawn
-from helpers import ROOT
 
-PROBE = "import importlib.util; spec = importlib.util.find_spec('kernels'); print(spec and spec.origin)"
+PROBE = "import alignaudit; print(alignaudit.__file__)"
 
 
-def _kernels_seen_by(command: list[str], tmp_path) -> str:
-    (tmp_path / "probe_kernels.py").write_text(PROBE + "\n")
+def test_a_worker_started_in_another_checkout_imports_this_alignaudit(tmp_path):
+    import alignaudit
+
+    other = tmp_path / "other"  # another checkout's root: its own alignaudit/
+    (other / "alignaudit").mkdir(parents=True)
+    (other / "alignaudit" / "__init__.py").write_text("")
+    (tmp_path / "probe_alignaudit.py").write_text(PROBE + "\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
 
+    def seen_by(command: list[str]) -> str:
+        return subprocess.run(command, cwd=other, env=env, capture_output=True, text=True, check=True).stdout.strip()
 
-def test_a_worker_started_in_the_checkout_does_not_import_its_kernels_as_kernels(tmp_path):
-    ours = str(ROOT / "kernels" / "__init__.py")
-    assert _kernels_seen_by([sys.executable, "-m", "probe_kernels"], tmp_path) == ours  # what python -m alone does
-    assert _kernels_seen_by(spawn.python_module("probe_kernels"), tmp_path) != ours
+    assert seen_by([sys.executable, "-m", "probe_alignaudit"]) == str(other / "alignaudit" / "__init__.py")
+    assert seen_by(spawn.python_module("probe_alignaudit")) == alignaudit.__file__
 
 
 def test_the_worker_keeps_the_working_directory_where_it_alone_gives_this_alignaudit(monkeypatch):

@@ -97,12 +97,11 @@ def python_module(module: str) -> list[str]:
     """The command that runs ``python -m module`` in a fresh interpreter, without the working directory on its
     sys.path (``-P``, Python >= 3.11) where the worker then imports the same alignaudit as this process.
 
-    Why: run from a checkout, the working directory holds kernels/, which would shadow the Hugging Face ``kernels``
-    package. transformers imports that package where it is installed (a dependency of transformers since 5.25.0)
-    and then fails on ours: "cannot import name 'CUDAProperties' from 'kernels'" (seen with transformers 5.25.0 on
-    this repository's root, 2026-12-06). Where alignaudit comes only from the working directory, or -P would give
-    the worker another alignaudit than this process's (run in one checkout, installed from another), the worker
-    keeps the working directory: it must run the code this process runs.
+    Why: the worker must run the code this process runs. ``python -m`` puts the working directory first on sys.path,
+    so started inside another checkout of alignaudit (this one installed, the command run from another's root) the
+    worker would import that checkout's alignaudit/. Where alignaudit comes only from the working directory, or -P
+    would give the worker another alignaudit than this process's (run in one checkout, installed from another), the
+    worker keeps the working directory.
     """
     if _same_alignaudit_without_working_directory():
         return [sys.executable, "-P", "-m", module]

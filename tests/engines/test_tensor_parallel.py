@@ -158,7 +158,7 @@ def test_the_rendezvous_file_is_removed_when_the_worker_exits(tmp_path):
 
     temp = tmp_path / "tmp"
     temp.mkdir()
-    proc = subprocess.run([sys.executable, "-P", "-m", "alignaudit", "capture", "--engine", "megatron", "--no-ops",
+    proc = subprocess.run([sys.executable, "-m", "alignaudit", "capture", "--engine", "megatron", "--no-ops",
                            "--opt", "tensor_model_parallel_size=2", "--out", str(tmp_path / "cap")],
                           capture_output=True, text=True, env={**os.environ, "TMPDIR": str(temp)})
     assert proc.returncode == EXIT_OK, proc.stderr

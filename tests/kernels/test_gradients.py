@@ -1,5 +1,5 @@
-"""Strict kernels, the fused gradients (kernels/gradients.py, ALIGNAUDIT_BACKWARD=fused): the Triton kernels of the
-elementwise ops against the reference backward. Named without "backward": the interpreter run
+"""Strict kernels, the fused gradients (kernels/alignaudit_kernels/gradients.py, ALIGNAUDIT_BACKWARD=fused): the
+Triton kernels of the elementwise ops against the reference backward. Named without "backward": the interpreter run
 (test_kernels_interpret.py) deselects that word, and these kernels are what it must run.
 
 The backend is --kernel-device's (tests/kernels/conftest.py): the Triton backend only (the CPU backend keeps the

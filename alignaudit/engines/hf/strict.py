@@ -198,8 +198,9 @@ def _whole_sequences(q, k, v, starts: list[int] | None, scale: float, exp: str, 
     """Strict attention of a batch with no cached keys (a training or scoring forward), q [b, t, H, D] and k/v
     [b, t, KVH, D], as one ragged prefill (varlen_attention): row r's sequence is its tokens from its first real one
     (``starts[r]``, 0 without left padding). Each row's bits are those of causal_attention over that run (one
-    algorithm per row, kernels/attention), in one launch where left-padded rows took one each, and its fused backward
-    is FlashAttention-2's varlen one (kernels/attention/flash_gradients.py). A left pad's output row is zeros."""
+    algorithm per row, kernels/alignaudit_kernels/attention), in one launch where left-padded rows took one each, and
+    its fused backward is FlashAttention-2's varlen one (kernels/alignaudit_kernels/attention/flash_gradients.py). A
+    left pad's output row is zeros."""
     b, t, h, d = q.shape
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v)]
     if starts is None:

@@ -1,11 +1,11 @@
 """Grouped strict linear for mixture-of-experts dispatch: the (token, slot) pairs sorted by expert, each expert's
 rows times that expert's weight, in one launch, with every routing-dependent quantity on the device.
 
-Why: the gathered dispatch (kernels/moe.py) reads the routing on the host (``torch.unique(...).tolist()``,
-``nonzero``), which synchronizes every layer and which a CUDA graph cannot capture; computing every expert for
-every token is capturable but does E / top_k times the work. This is the layout of vLLM's fused MoE
-(``moe_align_block_size``: rows sorted by expert, each row tile owned by one expert; vllm/model_executor/layers/
-fused_moe/), with the arithmetic of alignaudit_kernels.linear:
+Why: the gathered dispatch (kernels/alignaudit_kernels/moe.py) reads the routing on the host
+(``torch.unique(...).tolist()``, ``nonzero``), which synchronizes every layer and which a CUDA graph cannot capture;
+computing every expert for every token is capturable but does E / top_k times the work. This is the layout of vLLM's
+fused MoE (``moe_align_block_size``: rows sorted by expert, each row tile owned by one expert;
+vllm/model_executor/layers/fused_moe/), with the arithmetic of alignaudit_kernels.linear:
 
     plan       pairs p = t * top_k + r of ``chosen`` [T, top_k], sorted by expert (stable, so within an expert in
                increasing p: the order ``(chosen == e).nonzero()`` gives the gathered dispatch); expert e owns

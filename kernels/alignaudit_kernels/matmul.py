@@ -14,7 +14,7 @@ Contract (both backends):
                   the same tree, then adds the bias and rounds once. So t = 1, 2, 4 (dividing S) give the
                   same bits as each other and as ``linear(..., k_segments=S)`` on one rank.
     CPU order     K in blocks of 32 (zero-padded), each block a pairwise tree, blocks added left to right
-                  (kernels/primitives.fixed_sum); products x*w rounded to fp32 (exact for bf16/fp16)
+                  (alignaudit_kernels.primitives.fixed_sum); products x*w rounded to fp32 (exact for bf16/fp16)
     GPU order     Triton: each (BLOCK_M x BLOCK_N) output tile by one program, K in increasing order, tl.dot
                   accumulating into one fp32 accumulator (tensor cores; fp32 inputs use IEEE fp32
                   products, not TF32); tiles fixed per dtype and batch-size class (TILES, TMA_PLANS), no
@@ -329,7 +329,7 @@ WIDE_N = 16384
 # whether the product is "narrow": K-segmented (two accumulators live, 128x256 spills) or stored as an fp32
 # partial (128x256 with an fp32 output tile exceeds shared memory). The fastest on an H200 in
 # bench/sweep_gpu.py --sections segments,small-m, each giving the pointer kernel's bits there (the measurements:
-# docs/benchmarks.md, "Tile choices of kernels/matmul.py").
+# docs/benchmarks.md, "Tile choices of kernels/alignaudit_kernels/matmul.py").
 TMA_PLANS = {("small", False): ((128, 128, 64, 8, 6), True), ("small", True): ((64, 128, 64, 4, 6), False),
              ("large", False): ((128, 256, 64, 8, 3), True), ("large", True): ((128, 128, 64, 8, 4), True)}
 # A third class, TINY_M < rows <= MEDIUM_M (decode batches of 17-128 sequences; ALIGNAUDIT_MATMUL_MEDIUM=0 turns
@@ -337,7 +337,8 @@ TMA_PLANS = {("small", False): ((128, 128, 64, 8, 6), True), ("small", True): ((
 # at 32 rows: 48 programs on 132 SMs). Unsegmented products run 64x128 TMA tiles, persistent; K-segmented ones one
 # program per (column tile, segment) over a single row tile (64 rows up to 64, 128 up to 128) and the tree launch
 # (_triton_tma_split). Picked from bench/sweep_gpu.py --sections issue19, where each gave the pointer kernel's bits
-# at every Qwen3-8B layer and M = 32, 64, 128 (docs/benchmarks.md, "Tile choices of kernels/matmul.py").
+# at every Qwen3-8B layer and M = 32, 64, 128 (docs/benchmarks.md, "Tile choices of
+# kernels/alignaudit_kernels/matmul.py").
 MEDIUM_M = 128
 MEDIUM_TILE = ((64, 128, 64, 4, 6), True)
 MEDIUM_SPLIT_TILES = ((64, (64, 128, 64, 4, 6)), (MEDIUM_M, (128, 128, 64, 8, 6)))  # (up to rows, tile)

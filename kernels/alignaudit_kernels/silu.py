@@ -1,7 +1,7 @@
 """Strict SiLU-and-mul (the SwiGLU activation): out = silu(gate) * up.
 
 Per element, in fp32 (each operation rounded, no FMA):
-    silu = gate / (1 + exp(-gate))      exp: kernels/primitives (same algorithm on CPU and GPU)
+    silu = gate / (1 + exp(-gate))      exp: kernels/alignaudit_kernels/primitives (same algorithm on CPU and GPU)
     out  = silu * up                    rounding point: once, fp32 -> dtype, at the end
 No reduction. Backward: plain torch in fp32.
 """
@@ -75,7 +75,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         gate, up = ctx.saved_tensors
-        if use_triton(gate) and backward_on(gate.is_cuda) == "fused":  # kernels/gradients.py
+        if use_triton(gate) and backward_on(gate.is_cuda) == "fused":  # kernels/alignaudit_kernels/gradients.py
             return silu_mul_grad(gate, up, g)
         with torch.enable_grad():
             gf, uf = gate.detach().float().requires_grad_(), up.detach().float().requires_grad_()

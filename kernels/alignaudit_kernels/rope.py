@@ -161,7 +161,7 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         positions, cos, sin = ctx.saved_tensors
-        if use_triton(g) and backward_on(g.is_cuda) == "fused":  # kernels/gradients.py
+        if use_triton(g) and backward_on(g.is_cuda) == "fused":  # kernels/alignaudit_kernels/gradients.py
             return rope_grad(g, positions, cos, sin), None, None, None
         inside = (positions >= 0) & (positions < cos.shape[0])  # as the forward: outside the tables, NaN
         gx = reference(g.float(), positions.clamp(0, cos.shape[0] - 1), cos.float(), -sin.float())

@@ -6,7 +6,7 @@
 
 Contract (both backends):
     precision     s, s^2, the sum, mean, rsqrt and both products in fp32 (w upcast to fp32)
-    reduction     sum of s^2 over the hidden axis. CPU: kernels/primitives.fixed_sum (blocks of 32,
+    reduction     sum of s^2 over the hidden axis. CPU: alignaudit_kernels.primitives.fixed_sum (blocks of 32,
                   pairwise tree in a block, blocks left to right). GPU: one program per row (rows of at
                   most 128: 8 rows a program, each row on the same warps and tree), the whole row in
                   registers, tl.sum's fixed tree for that row length and dtype, read from an aligned buffer
@@ -169,7 +169,7 @@ def _forward(x, weight, eps, residual):
 
 def _backward(s, weight, eps, gy):
     """Gradient of y = rmsnorm(s) * w with respect to s and w, in fp32: through the reference, or fused
-    (kernels/gradients.py, ALIGNAUDIT_BACKWARD)."""
+    (kernels/alignaudit_kernels/gradients.py, ALIGNAUDIT_BACKWARD)."""
     if use_triton(s) and backward_on(s.is_cuda) == "fused":
         return rms_norm_grad(s, weight, eps, gy)
     with torch.enable_grad():

@@ -86,8 +86,8 @@ def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
             row-invariant (tests/kernels/test_moe_kernel.py):
             "gathered"      each chosen expert on its tokens, found by reading the routing on the host;
             "grouped"       the pairs sorted by expert on the device and one grouped launch per product
-                            (kernels/grouped_linear.py; Triton; a sequence of weights is stacked first): no
-                            host read, CUDA graphs can capture it;
+                            (kernels/alignaudit_kernels/grouped_linear.py; Triton; a sequence of weights is
+                            stacked first): no host read, CUDA graphs can capture it;
             "every_expert"  every expert computes every token, each token keeping its chosen experts' rows
                             (no host read either; E / top_k times the work).
             None: ``dispatch_for``.

@@ -1,6 +1,7 @@
 """Plain-torch causal attention: the accuracy reference and the backward of the strict kernels.
 
-The backward is correct and deterministic, not strict; ALIGNAUDIT_BACKWARD chooses it (kernels/gradients.py):
+The backward is correct and deterministic, not strict; ALIGNAUDIT_BACKWARD chooses it
+(kernels/alignaudit_kernels/gradients.py):
     reference  (default) autograd through ``batched_reference`` in fp32, gradients rounded once to the inputs'
                dtype: more exact than a trainer's default, and it holds B * H * Tq * Tk fp32 scores per chunk
     fused      torch's scaled_dot_product_attention forward and backward in the inputs' dtype (on CUDA in bf16/fp16

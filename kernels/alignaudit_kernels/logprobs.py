@@ -2,8 +2,8 @@
 
     m   = max_v l[v]                       exact (max does not round)
     z   = l - m                            fp32
-    s   = sum_v exp(z[v])                  exp: kernels/primitives; sum: primitives.unit_sum (exact)
-    lp  = z - log(s)                       log: kernels/primitives; result fp32, never rounded further
+    s   = sum_v exp(z[v])                  exp: alignaudit_kernels.primitives; sum: primitives.unit_sum (exact)
+    lp  = z - log(s)                       log: alignaudit_kernels.primitives; result fp32, never rounded further
 token_logprobs gathers lp at the target ids with the same arithmetic, so its values equal the
 corresponding entries of log_softmax bit for bit. Megatron's vocab-parallel cross-entropy computes
 log(s) - z[target]: the same expression, negated.

@@ -4,7 +4,7 @@ One algorithm for every query row q at absolute position p, whatever else is in 
     keys are visited in logical blocks of BLOCK_N = 64 positions starting at key 0: [0, 64), [64, 128), ...
     per block:   s     = (q . k_j) * scale                    fp32; key j > p masked to -inf
                  m_new = max(m, max_j s)                      exact
-                 alpha = exp(m - m_new)                       kernels/primitives.exp (exp(0) = 1 exactly)
+                 alpha = exp(m - m_new)                       alignaudit_kernels.primitives.exp (exp(0) = 1 exactly)
                  P     = exp(s - m_new)                       fp32
                  l     = l * alpha + sum_j P                  fp32
                  acc   = acc * alpha + sum_j round(P) * v_j   P rounded to the value dtype first
@@ -20,13 +20,13 @@ Query head h reads KV head h // (num_heads / num_kv_heads) (GQA). The chunks are
 split its keys over many programs (split-KV, one program per chunk and a second launch that folds the
 states in the same order) and still give the bits of a prefill, which folds them in registers.
 
-exp: "portable" (the default) is kernels/primitives.exp, the same bits on the CPU and on every GPU backend;
-"native" is the GPU's exp2 instruction (tl.exp: MUFU.EX2 after a multiply by log2(e) on NVIDIA), 1.4-1.8x
+exp: "portable" (the default) is alignaudit_kernels.primitives.exp, the same bits on the CPU and on every GPU
+backend; "native" is the GPU's exp2 instruction (tl.exp: MUFU.EX2 after a multiply by log2(e) on NVIDIA), 1.4-1.8x
 faster prefill on an H200 (docs/benchmarks.md) and the same bits wherever one GPU architecture runs every
 engine, but not the CPU backend's bits (it refuses "native").
 
 Reductions: the dot products over head_dim and the sums over the keys of a block. CPU: products in fp32,
-kernels/primitives.fixed_sum (blocks of 32, pairwise tree, blocks left to right). GPU (Triton): tl.dot
+alignaudit_kernels.primitives.fixed_sum (blocks of 32, pairwise tree, blocks left to right). GPU (Triton): tl.dot
 on tensor cores (fp32 inputs use IEEE products, not TF32), row sums by tl.sum; one kernel for prefill and
 decode, reading K/V through a block table, with a tile of 64 query rows (floor(64 / group) tokens x the
 group's heads; rows past that masked, so any group size up to 64 works), so a row's arithmetic does not

@@ -1,11 +1,11 @@
 """alignaudit_kernels: strict kernels whose results do not depend on batch size, position in the batch,
 prefill vs decode, or the engine that calls them.
 
-Imported as ``alignaudit_kernels`` (the folder is kernels/; a top-level package named ``kernels`` would be
-picked up by transformers as the Hugging Face kernels library). Each op has a CPU implementation and a
-Triton implementation with the same contract, chosen by the tensors' device (``TRITON_INTERPRET=1`` runs
-the Triton kernels on CPU tensors). docs/kernels.md tabulates each kernel's reduction order, precision,
-rounding points and primitives.
+The package is kernels/alignaudit_kernels/: kernels/ is a plain folder, so a checkout's root on sys.path never
+makes this a top-level ``kernels`` (the Hugging Face kernels library, which transformers imports). Each op has a
+CPU implementation and a Triton implementation with the same contract, chosen by the tensors' device
+(``TRITON_INTERPRET=1`` runs the Triton kernels on CPU tensors). docs/kernels.md tabulates each kernel's
+reduction order, precision, rounding points and primitives.
 """
 
 from alignaudit_kernels.attention import causal_attention, paged_attention, paged_decode, varlen_attention

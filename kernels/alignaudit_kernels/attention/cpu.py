@@ -1,5 +1,5 @@
 """The CPU backend of strict attention: the algorithm of the package docstring in torch, key chunks folded in
-order, sums by kernels/primitives.fixed_sum."""
+order, sums by alignaudit_kernels.primitives.fixed_sum."""
 
 from __future__ import annotations
 
