@@ -84,8 +84,8 @@ def pairs(device: str, tokens: int = 1) -> dict:
     ops = {
         "linear 4096x6144": (lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w)),
         "linear 4096x6144, kernel launch only": (lambda: torch.nn.functional.linear(x, w),
-                                                 lambda: K.matmul._triton(x, w, None) if K.primitives.use_triton(x)
-                                                         else K.linear(x, w)),
+                                                 lambda: K.matmul.launch._triton(x, w, None)
+                                                 if K.primitives.use_triton(x) else K.linear(x, w)),
         "linear 4096x4096, 4 K segments": (lambda: torch.nn.functional.linear(x, w[:4096]),
                                            lambda: K.linear(x, w[:4096], k_segments=K.matmul.ROW_PARALLEL_SEGMENTS)),
         "rmsnorm 4096": (lambda: torch.nn.functional.rms_norm(x, (4096,), nw, 1e-6), lambda: K.rms_norm(x, nw, 1e-6)),
@@ -97,13 +97,13 @@ def pairs(device: str, tokens: int = 1) -> dict:
         "token_logprobs 151936": (lambda: torch.log_softmax(logits.float(), -1).gather(1, target[:, None]),
                                   lambda: K.token_logprobs(logits, target)),
     }
-    if tokens > K.matmul.TINY_M and device == "cuda" and K.matmul._tma_available(x, w, None):
+    if tokens > K.matmul.launch.TINY_M and device == "cuda" and K.matmul.launch._tma_available(x, w, None):
         # not a default yet: the TMA product's launch with its descriptors made on the host (its default column)
         # against made by each program on the device (matmul.TMA_DESCRIPTORS)
-        tile, persistent = K.matmul.TMA_PLANS["large" if tokens > K.matmul.SMALL_M else "small", False]
+        tile, persistent = K.matmul.launch.TMA_PLANS["large" if tokens > K.matmul.launch.SMALL_M else "small", False]
         ops["linear TMA launch: host | device descriptors"] = (
-            lambda: K.matmul._triton_tma(x, w, tile, persistent, descriptors="host"),
-            lambda: K.matmul._triton_tma(x, w, tile, persistent, descriptors="device"))
+            lambda: K.matmul.launch._triton_tma(x, w, tile, persistent, descriptors="host"),
+            lambda: K.matmul.launch._triton_tma(x, w, tile, persistent, descriptors="device"))
     if tokens == 1:
         ops["decode attention ctx 4096"] = (lambda: sdpa(q.transpose(0, 1)[None], kd, kd, enable_gqa=True),
                                             lambda: K.paged_decode(q, kc, kc, table, lens, 128 ** -0.5, ctx))

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from alignaudit_kernels import attention, matmul  # noqa: E402
+from alignaudit_kernels.matmul import launch  # noqa: E402
 from bench.timing import graph_ms, ms  # noqa: E402
 
 DT = torch.bfloat16
@@ -44,9 +45,9 @@ CHUNKS = (256, 512, 1024, 4096)  # keys per chunk: the split-KV granularity, one
 def sweep_matmul(rows):
     x = torch.randn(300, 4096, dtype=DT, device="cuda")
     w = torch.randn(6144, 4096, dtype=DT, device="cuda") * 0.02
-    outs = [matmul._triton(x, w, None, tile=t) for t in MATMUL_TILES]
+    outs = [launch._triton(x, w, None, tile=t) for t in MATMUL_TILES]
     same = [torch.equal(outs[0], o) for o in outs]
-    one = matmul._triton(x[:1], w, None, tile=MATMUL_TILES[SMALL])
+    one = launch._triton(x[:1], w, None, tile=MATMUL_TILES[SMALL])
     same_row = torch.equal(one[0], outs[0][0])
     print(f"matmul: bits equal across tiles {same}; "
           f"row alone in the small tile == in the big tile: {same_row}", flush=True)
@@ -56,7 +57,7 @@ def sweep_matmul(rows):
             x = torch.randn(m, k, dtype=DT, device="cuda")
             base = ms(lambda: torch.nn.functional.linear(x, w))
             for t in MATMUL_TILES:
-                strict = ms(lambda: matmul._triton(x, w, None, tile=t))
+                strict = ms(lambda: launch._triton(x, w, None, tile=t))
                 rows.append({"op": f"matmul {k}x{n}", "M": m, "config": list(t),
                              "default_ms": base, "strict_ms": strict,
                              "ratio": base / strict})
@@ -87,11 +88,11 @@ def sweep_matmul_tma(rows):
                     (4096, 4096, 16384)):
         w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
         x = torch.randn(m, k, dtype=DT, device="cuda")
-        expected = matmul._triton(x, w, None, tile=matmul.TILES[DT]["large"])  # the pointer kernel
+        expected = launch._triton(x, w, None, tile=launch.TILES[DT]["large"])  # the pointer kernel
         base = ms(lambda: torch.nn.functional.linear(x, w))
         for t in TMA_TILES:
             for persistent in (False, True):
-                try_config(rows, same, lambda: matmul._triton_tma(x, w, t, persistent), expected, ms,
+                try_config(rows, same, lambda: launch._triton_tma(x, w, t, persistent), expected, ms,
                            op=f"matmul-tma {k}x{n}", M=m, config=[*t, "persistent" if persistent else "grid"],
                            default_ms=base)
     print(f"tma: bits equal to the pointer kernel {all(same)} ({len(same)} checks)", flush=True)
@@ -104,7 +105,7 @@ SEGMENT_TMA_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 64, 
 
 def sweep_segments(rows):
     """The row-parallel layers' K-segmented product (ROW_PARALLEL_SEGMENTS, the tree of
-    kernels/alignaudit_kernels/matmul.py) at Qwen3-8B's o and down shapes, every way it can run, as CUDA-graph replays:
+    kernels/alignaudit_kernels/matmul/) at Qwen3-8B's o and down shapes, every way it can run, as CUDA-graph replays:
     the tree inside one pointer-kernel program (the reference bits), one program per (tile, segment) plus a tree launch
     (_split_k), and the TMA kernel with scratch tiles (tiles, grid or persistent); beside cuBLAS and the unsegmented
     strict product."""
@@ -114,17 +115,17 @@ def sweep_segments(rows):
         w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
         for m in (16, 256, 4096):
             x = torch.randn(m, k, dtype=DT, device="cuda")
-            expected = matmul._triton(x, w, None, tile=matmul.tile_for(m, n, DT), segments=s)
+            expected = launch._triton(x, w, None, tile=launch.tile_for(m, n, DT), segments=s)
             base = graph_ms(lambda: torch.nn.functional.linear(x, w))
-            ways = {"unsegmented (strict, default path)": lambda: matmul._triton(x, w, None),
-                    "in-kernel tree (pointer)": lambda: matmul._triton(x, w, None, tile=matmul.tile_for(m, n, DT),
+            ways = {"unsegmented (strict, default path)": lambda: launch._triton(x, w, None),
+                    "in-kernel tree (pointer)": lambda: launch._triton(x, w, None, tile=launch.tile_for(m, n, DT),
                                                                        segments=s),
-                    "split_k": lambda: matmul._split_k(x, w, None, s, None),
-                    "default path": lambda: matmul._triton(x, w, None, segments=s)}
+                    "split_k": lambda: launch._split_k(x, w, None, s, None),
+                    "default path": lambda: launch._triton(x, w, None, segments=s)}
             for t in SEGMENT_TMA_TILES:
                 for persistent in (False, True):
                     ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = (
-                        lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent, segments=s))
+                        lambda t=t, persistent=persistent: launch._triton_tma(x, w, t, persistent, segments=s))
             for name, fn in ways.items():
                 try_config(rows, same, fn, None if name.startswith("unsegmented") else expected, graph_ms,
                            op=f"matmul {k}x{n} {s} K segments (graph)", M=m, config=name, default_ms=base)
@@ -146,16 +147,16 @@ def sweep_small_m(rows):
     for k, n in ((4096, 6144), (4096, 24576), (4096, 151936)):
         w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
         x = torch.randn(m, k, dtype=DT, device="cuda")
-        pointer_tile = matmul.tile_for(m, n, DT)
-        expected = matmul._triton(x, w, None, tile=pointer_tile)
+        pointer_tile = launch.tile_for(m, n, DT)
+        expected = launch._triton(x, w, None, tile=pointer_tile)
         base = graph_ms(lambda: torch.nn.functional.linear(x, w))
         row = {"op": f"matmul {k}x{n} (graph)", "M": m, "default_ms": base}
-        try_config(rows, same, lambda: matmul._triton(x, w, None, tile=pointer_tile), None, graph_ms,
+        try_config(rows, same, lambda: launch._triton(x, w, None, tile=pointer_tile), None, graph_ms,
                    config=f"pointer {pointer_tile}", **row)
-        try_config(rows, same, lambda: matmul._triton(x, w, None), expected, graph_ms, config="default path", **row)
+        try_config(rows, same, lambda: launch._triton(x, w, None), expected, graph_ms, config="default path", **row)
         for t in SMALL_M_TMA_TILES:
             for persistent in (False, True):
-                try_config(rows, same, lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent),
+                try_config(rows, same, lambda t=t, persistent=persistent: launch._triton_tma(x, w, t, persistent),
                            expected, graph_ms, config=f"tma {t} {'persistent' if persistent else 'grid'}", **row)
     print(f"small-m: TMA bits equal to the pointer kernel {all(same)} ({len(same)} checks)", flush=True)
     return {"small_m_tma_bitwise_equal": all(same)}
@@ -176,19 +177,19 @@ def sweep_medium_m(rows):
         w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
         for m in (32, 64, 128):
             x = torch.randn(m, k, dtype=DT, device="cuda")
-            expected = matmul._triton(x, w, None, tile=matmul.TILES[DT]["large"], segments=segments)
+            expected = launch._triton(x, w, None, tile=launch.TILES[DT]["large"], segments=segments)
             base = graph_ms(lambda: torch.nn.functional.linear(x, w))
             row = {"op": f"matmul {k}x{n}" + (f" {segments} K segments" if segments > 1 else "") + " (graph)",
                    "M": m, "default_ms": base}
-            ways = {"default path": lambda: matmul._triton(x, w, None, segments=segments)}
+            ways = {"default path": lambda: launch._triton(x, w, None, segments=segments)}
             for t in MEDIUM_M_POINTER_TILES:
-                ways[f"pointer {t}"] = lambda t=t: matmul._triton(x, w, None, tile=t, segments=segments)
+                ways[f"pointer {t}"] = lambda t=t: launch._triton(x, w, None, tile=t, segments=segments)
             if segments > 1:
-                ways["split_k"] = lambda: matmul._split_k(x, w, None, segments, None)
+                ways["split_k"] = lambda: launch._split_k(x, w, None, segments, None)
             for t in MEDIUM_M_TMA_TILES:
                 for persistent in (False, True):
                     ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = (
-                        lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent, segments=segments))
+                        lambda t=t, persistent=persistent: launch._triton_tma(x, w, t, persistent, segments=segments))
             for name, fn in ways.items():
                 try_config(rows, same, fn, expected, graph_ms, config=name, **row)
     print(f"medium-m: every way gives the pointer kernel's bits {all(same)} ({len(same)} checks)", flush=True)
@@ -216,18 +217,18 @@ def sweep_issue19(rows):
             if segments == 1 and m == 4096:
                 continue
             x = torch.randn(m, k, dtype=DT, device="cuda")
-            expected = matmul._triton(x, w, None, tile=matmul.TILES[DT]["large"], segments=segments)
+            expected = launch._triton(x, w, None, tile=launch.TILES[DT]["large"], segments=segments)
             base = graph_ms(lambda: torch.nn.functional.linear(x, w))
             row = {"op": f"{name} {k}x{n}" + (f" {segments} seg" if segments > 1 else "") + " (graph)", "M": m,
                    "default_ms": base}
-            ways = {"default path": lambda: matmul._triton(x, w, None, segments=segments)}
+            ways = {"default path": lambda: launch._triton(x, w, None, segments=segments)}
             for t in ISSUE19_TMA_TILES if m <= 256 else ():
                 for persistent in (False, True):
                     ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = (
-                        lambda t=t, persistent=persistent: matmul._triton_tma(x, w, t, persistent, segments=segments))
+                        lambda t=t, persistent=persistent: launch._triton_tma(x, w, t, persistent, segments=segments))
             if segments > 1:
                 for t in ISSUE19_SPLIT_TILES if m <= 256 else ():
-                    ways[f"tma-split {t}"] = lambda t=t: matmul._triton_tma_split(x, w, t, segments)
+                    ways[f"tma-split {t}"] = lambda t=t: launch._triton_tma_split(x, w, t, segments)
             for way, fn in ways.items():
                 try_config(rows, same, fn, expected, graph_ms, config=way, **row)
     print(f"issue19: every way gives the pointer kernel's bits {all(same)} ({len(same)} checks, "

@@ -178,9 +178,10 @@ def rl(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer: str 
     from alignaudit.capture import outdir
     from alignaudit.capture.rundir import EVAL, rl_outputs
     from alignaudit.pipelines.requests import ISArgs, ModelArgs, OutputArgs, PairArgs, PromptArgs, SamplingArgs, out_dir
-    from alignaudit.rl.loop import RLSettings, run_rl
+    from alignaudit.rl.loop import run_rl
     from alignaudit.rl.memory import rl_plan
     from alignaudit.rl.request import rl_request
+    from alignaudit.rl.settings import RLSettings
 
     for name, value in (("prompts", prompts), ("eval_prompts", eval_prompts), ("out", out)):
         if value is not None and not isinstance(value, (str, Path)):

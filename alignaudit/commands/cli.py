@@ -15,7 +15,7 @@ import typer
 
 from alignaudit import __version__, errors
 from alignaudit.capture import outdir
-from alignaudit.commands import capture_command, compare_commands, interrupts, rl_command
+from alignaudit.commands import capture_command, compare_commands, gate_command, interrupts, report_command, rl_command
 from alignaudit.commands.console import console, err_console, shown
 from alignaudit.commands.options import grouped
 
@@ -46,8 +46,7 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
 # in the order `alignaudit --help` lists them: compare and what digs into it, RL, the two halves of a compare, the
 # verdict and the page
 COMMANDS = (compare_commands.compare, compare_commands.bisect, compare_commands.ablate, compare_commands.rescore,
-            rl_command.rl, capture_command.capture, compare_commands.diff, compare_commands.gate,
-            compare_commands.report)
+            rl_command.rl, capture_command.capture, compare_commands.diff, gate_command.gate, report_command.report)
 for _command in COMMANDS:
     app.command()(grouped(_command))
 

@@ -124,7 +124,8 @@ def rl(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
 
     from alignaudit.capture.rundir import PLOT, RUN, STEPS, rl_outputs
     from alignaudit.rl.export import parse_sinks
-    from alignaudit.rl.loop import RLSettings, run_rl
+    from alignaudit.rl.loop import run_rl
+    from alignaudit.rl.settings import RLSettings
 
     settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=not no_token_rows, reward=reward,
                           kl_coef=kl_coef, log_to=parse_sinks(log_to), full_vocab=full_vocab,

@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -68,95 +66,20 @@ from alignaudit.capture.rundir import (
 from alignaudit.comparison.importance import FIELDS
 from alignaudit.comparison.integrity import marks_failure, seal
 from alignaudit.comparison.token_diff import compare_tokens, summarize_tokens
-from alignaudit.errors import EngineError, InputError
+from alignaudit.errors import EngineError
 from alignaudit.inputs.request import Replay, Request
 from alignaudit.rl.evaluation import Evaluations, HeldOut
 from alignaudit.rl.export import StepExport
 from alignaudit.rl.grpo import group_advantages
 from alignaudit.rl.memory import MemoryPlan
-from alignaudit.rl.reward import REWARD_NAMES, reward_function
-from alignaudit.rl.user_reward import UserReward, is_user_reward, reward_name
+from alignaudit.rl.reward import reward_function
+from alignaudit.rl.settings import RLSettings
+from alignaudit.rl.step_prompts import StepPrompts, prompts_digest
+from alignaudit.rl.user_reward import UserReward, reward_name
 from alignaudit.workers.session import Session
 
 DIGESTS = {"file": "sha256 of the sorted {name: sha256 of the tensor's bytes} (trainer side)",
            "cuda_ipc": "weight_transfer.fingerprint of the rollout engine's weights after loading (GPU)"}
-
-
-@dataclass(frozen=True)
-class RLSettings:
-    """The loop's own settings (the engines' are in the Request).
-
-    Attributes:
-        steps: GRPO steps (>= 1). lr: Adam learning rate (>= 0; 0 = the sync control). group_size:
-        completions per prompt (>= 2). clip_grad: max global grad norm. token_rows: write per-token rows.
-        reward: a name in grpo.REWARDS, "task" (alignaudit.rl.task: the addition task's correctness), or a user's
-        function as MODULE:FUNCTION (alignaudit.rl.user_reward: TRL's reward-function convention), or
-        (alignaudit.api.rl) the function itself.
-        kl_coef: weight of the k3 KL to the starting weights (alignaudit.training.losses.kl_k3; 0: none).
-        log_to: where else every step row goes (alignaudit.rl.export.SINKS: "tensorboard", "wandb").
-        full_vocab: per step, the full-vocabulary divergence of the trainer's rescoring rows from the rollout
-        engine's decode rows at every generated token (comparison.vocab.step_columns). keep_vocab_rows: keep those
-        rows in vocab/ (4 x V bytes per generated token per side; otherwise deleted after each step).
-        sleep_level: vLLM's sleep level between steps (0: none). max_seconds: stop after the step during which
-        this many seconds (wall clock, from run_rl's start, the engines' start-up included) have passed, and close
-        the run as a finished one, run.json ``stopped`` saying so (0: run every step); the engines' shutdown comes
-        after it, so a hard deadline needs that margin too. prompts_per_step: draw this many of the prompts each step
-        (StepPrompts: a seeded shuffle, epoch after epoch; 0: every prompt every step). eval_every: score the held-out
-        prompts after every this many steps (alignaudit.rl.evaluation; 0: before the first and after the last only,
-        where there are held-out prompts). eval_prompts: the --eval-prompts file (None: none, or the task's own).
-    """
-
-    steps: int = 10
-    lr: float = 1e-4
-    group_size: int = 4
-    clip_grad: float = 1.0
-    token_rows: bool = True
-    reward: str | Callable = "rotating-hash"
-    kl_coef: float = 0.0
-    log_to: tuple[str, ...] = ()
-    full_vocab: bool = False
-    keep_vocab_rows: bool = False
-    sleep_level: int = 0
-    max_seconds: float = 0.0
-    prompts_per_step: int = 0
-    eval_every: int = 0
-    eval_prompts: str | None = None
-
-    def check(self) -> None:
-        """Raises InputError for a setting the loop cannot run with (a --log-to library not installed included)."""
-        from alignaudit.rl.export import check_sinks
-
-        check_sinks(tuple(self.log_to))
-        if self.keep_vocab_rows and not self.full_vocab:
-            raise InputError("--keep-vocab-rows keeps the rows --full-vocab records; add --full-vocab or drop "
-                             "--keep-vocab-rows")
-        if self.steps < 1:
-            raise InputError(f"--steps {self.steps}: run at least one step")
-        if isinstance(self.prompts_per_step, bool) or not isinstance(self.prompts_per_step, int) \
-                or self.prompts_per_step < 0:
-            raise InputError(f"--prompts-per-step {self.prompts_per_step!r}: a count of prompts >= 1 (0: all of them "
-                             "every step)")
-        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
-            raise InputError(f"--eval-every {self.eval_every!r}: a number of steps >= 1 (0: evaluate only before the "
-                             "first step and after the last)")
-        if self.sleep_level not in (0, 1):
-            raise InputError(f"--sleep-level {self.sleep_level}: 1 (weights to host memory, KV cache freed) or 0 (no "
-                             "sleep); level 2 (weights discarded) is not built yet")
-        if self.group_size < 2:
-            raise InputError(f"--group-size {self.group_size}: GRPO normalizes rewards within a group; use 2 or more")
-        if not is_user_reward(self.reward) and self.reward not in REWARD_NAMES:
-            raise InputError(f"--reward {self.reward}: not a reward; choose one of {', '.join(REWARD_NAMES)}, or "
-                             "your own function as MODULE:FUNCTION (rewards.py:my_reward)")
-        if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
-            raise InputError(f"--kl-coef {self.kl_coef}: the KL weight must be finite and >= 0 (0: no KL term)")
-        if not (self.lr >= 0 and math.isfinite(self.lr)):
-            raise InputError(f"--lr {self.lr}: the learning rate must be finite and >= 0 (0 keeps the weights: the "
-                             f"sync control)")
-        if not (self.max_seconds >= 0 and math.isfinite(self.max_seconds)):
-            raise InputError(f"--max-seconds {self.max_seconds:g}: a time in seconds, finite and >= 0 (0: no limit)")
-        if self.kl_coef > 0 and self.lr == 0:
-            raise InputError(f"--kl-coef {self.kl_coef} with --lr 0: the weights never leave the reference, so the KL "
-                             f"term is 0 at every step; drop --kl-coef for the sync control")
 
 
 @marks_failure
@@ -304,58 +227,6 @@ def _sync(trainer: Session, rollout: Session, out: Path, how: str) -> dict:
             "replicas_diverged": diverged, "weights_digest": digest, **update}
 
 
-class StepPrompts:
-    """Which of ``count`` prompts each step takes (their indices): all of them every step (``per_step`` 0), or
-    ``per_step`` of them a step in the order of a shuffle seeded by ``seed`` (Python's random.Random), a new shuffle
-    each epoch, an epoch's last step taking the rest of it and the next epoch's first ones where the count does not
-    divide them.
-
-    Raises:
-        InputError: per_step above the number of prompts.
-    """
-
-    def __init__(self, count: int, per_step: int, seed: int):
-        import random
-
-        self.count, self.rng = count, random.Random(seed)
-        self.check(per_step, count)
-        self.per_step = per_step or count
-        self.order, self.epoch = [], 0
-
-    @staticmethod
-    def check(per_step: int, count: int) -> None:
-        """Raises InputError where ``per_step`` exceeds the ``count`` of prompts, or equals it (every step would take
-        every prompt, as 0 does: the setting would change nothing); rl_request calls it before any engine starts."""
-        if per_step > count:
-            raise InputError(f"--prompts-per-step {per_step}: there are {count} prompts; draw at most that many a "
-                             "step")
-        if per_step == count > 0:
-            raise InputError(f"--prompts-per-step {per_step}: there are {count} prompts, so every step would take all "
-                             "of them, as 0 does; draw fewer a step, or drop --prompts-per-step")
-
-    def _refill(self) -> None:
-        if not self.order:
-            order = list(range(self.count))
-            if self.per_step < self.count:
-                self.rng.shuffle(order)
-            self.order, self.epoch = order, self.epoch + 1
-
-    def peek(self) -> list[int]:
-        """The next step's prompts, without drawing them."""
-        self._refill()
-        return self.order[: self.per_step]
-
-    def next(self) -> tuple[list[int], int]:
-        """(this step's prompts, the epoch they are drawn in, from 1)."""
-        chosen = []
-        while len(chosen) < self.per_step:
-            self._refill()
-            take = min(self.per_step - len(chosen), len(self.order))
-            chosen += self.order[:take]
-            self.order = self.order[take:]
-        return chosen, self.epoch
-
-
 def _step_prompts(request: Request, chosen: list[int], repeats: int) -> tuple[list[list[int]], dict[str, list]]:
     """The requests of a step that drew the prompts ``chosen`` (indices into the batch), each ``repeats`` times, and
     the prompt file's columns, one value per completion the rollout returns (a request's ``group_size`` in turn)."""
@@ -380,13 +251,6 @@ def _engine_size(request: Request, per_step: int, repeats: int, held: HeldOut | 
                 "max_seqs": max(size["max_seqs"], len(lengths)),
                 "total_tokens": max(size["total_tokens"], sum(lengths) + len(lengths) * new)}
     return size
-
-
-def prompts_digest(prompts) -> str:
-    """sha256 of a step's prompts (their token ids, in order): steps.parquet's ``prompts_digest``."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest()
 
 
 def _prompt_lengths(request: Request, prompts: list) -> list[int]:

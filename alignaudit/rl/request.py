@@ -13,9 +13,9 @@ from alignaudit.errors import InputError
 
 
 def rl_request(model, prompts, run, sampling, clip_eps: float, importance, settings):
-    """The Request of ``alignaudit rl`` (pipelines.requests argument groups; ``settings`` an rl.loop.RLSettings, already
-    checked) and its held-out prompts (an alignaudit.rl.evaluation.HeldOut, or None). ``sampling.group_size`` is set
-    here: G where the rollout engine samples a group as one request (and --full-vocab is off: its rows are per
+    """The Request of ``alignaudit rl`` (pipelines.requests argument groups; ``settings`` an rl.settings.RLSettings,
+    already checked) and its held-out prompts (an alignaudit.rl.evaluation.HeldOut, or None). ``sampling.group_size``
+    is set here: G where the rollout engine samples a group as one request (and --full-vocab is off: its rows are per
     request), else 1 (the loop then submits each prompt G times).
 
     Raises:
@@ -42,7 +42,7 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
         request = _with_sleep_mode(request)
     if settings.reward == "task":
         request = _task_prompts(request, prompts, model.seed, settings.prompts_per_step)
-    from alignaudit.rl.loop import StepPrompts
+    from alignaudit.rl.step_prompts import StepPrompts
 
     StepPrompts.check(settings.prompts_per_step, len(request.batch.sequences))
     held = _held_out(request, settings, model.seed)

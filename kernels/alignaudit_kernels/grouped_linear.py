@@ -13,9 +13,9 @@ vllm/model_executor/layers/fused_moe/), with the arithmetic of alignaudit_kernel
                tiles (an upper bound of that sum, from T, top_k, E and BLOCK_M alone) is launched and the tiles
                past the sum return at once. One Triton launch (plan_experts_triton: a histogram, a prefix sum of
                a mask); plan_experts computes the same plan with torch.sort, searchsorted and cumsum. No host read.
-    product    each output tile by matmul._segment, the K loop of the pointer kernel (K increasing, tl.dot into
-               one fp32 accumulator, IEEE products for fp32), on the expert's weight, at one of linear's tiles
-               chosen by the mean rows per expert (grouped_tile); rounded once to x.dtype. A row's bits should be
+    product    each output tile by matmul.triton_kernels._segment, the K loop of the pointer kernel (K increasing,
+               tl.dot into one fp32 accumulator, IEEE products for fp32), on the expert's weight, at one of linear's
+               tiles chosen by the mean rows per expert (grouped_tile); rounded once to x.dtype. A row's bits should be
                the strict linear's for that row: on an H200 the tensor cores' K order did not depend on the tile
                or the row's place in it for linear (bench/sweep_gpu.py, docs/benchmarks.md). Checked bit for bit
                against the gathered dispatch under the Triton interpreter and on an H200
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alignaudit_kernels.matmul import TILES, fixed_tiles, tile_for
+from alignaudit_kernels.matmul.launch import TILES, fixed_tiles, tile_for
 from alignaudit_kernels.primitives import cdiv, next_power_of_2, triton
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): launch tiles other than linear's choice, each with the same K loop, that
@@ -206,7 +206,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
 if triton is not None:
     import triton.language as tl
 
-    from alignaudit_kernels.matmul import _segment
+    from alignaudit_kernels.matmul.triton_kernels import _segment
 
     @triton.jit(do_not_specialize=["rows_x"])
     def _grouped_kernel(x_ptr, w_ptr, y_ptr, token_ptr, pair_ptr, starts_ptr, tile_expert_ptr, tile_row_ptr, rows_x,

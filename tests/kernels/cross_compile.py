@@ -89,7 +89,7 @@ def _launches(target_name: str, every: bool) -> list[dict]:
             module.sm_count = lambda device: units
         if hasattr(module, "rocm"):
             module.rocm = lambda: spec[0] == "hip"
-    matmul = modules["matmul"]
+    matmul = modules["matmul"].launch  # the strict linear's host wrappers and plans
     matmul._tma_available = (lambda x2, w, b: has_tma and b is None and x2.dtype in (BF16, FP16)
                              and x2.shape[1] % 8 == 0 and w.shape[0] % 8 == 0)
     records: list[dict] = []
@@ -160,7 +160,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
     combine.
     ``every``: each branch of each host wrapper, also in fp16 and fp32 and at the Qwen2.5-0.5B (896, 14 over 2,
     head dim 64) and Qwen3-14B (40 over 8) shapes."""
-    matmul, attention, logprobs = m["matmul"], m["attention"], m["logprobs"]
+    matmul, attention, logprobs = m["matmul"].launch, m["attention"], m["logprobs"]  # matmul: its host wrappers
     if not every:
         w = _empty(4096, 4096)
         for rows, segments, out in ((8, 1, None), (8, 4, None), (512, 1, None), (512, 4, FP32)):
@@ -185,7 +185,7 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         return
     for rows in (8, 64, 512):  # the tile classes (matmul.tile_for) and, on Hopper, the TMA plans
         x = _empty(rows, 4096)
-        for segments in matmul.SEGMENT_COUNTS:  # > 1: in-kernel tree, or split K plus the tree kernel
+        for segments in m["matmul"].SEGMENT_COUNTS:  # > 1: in-kernel tree, or split K plus the tree kernel
             matmul._triton(x, _empty(4096, 4096), None, segments=segments)
         matmul._triton(x, _empty(4096, 4096), None, segments=4, out_dtype=FP32)  # a row-parallel partial
     matmul._triton(_empty(64, 4096), _empty(24576, 4096), None)  # small_wide (N >= WIDE_N)

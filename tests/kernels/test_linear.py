@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import alignaudit_kernels as K
 from alignaudit_kernels import matmul
+from alignaudit_kernels.matmul import launch
 from helpers import (
     EXAMPLES,
     assert_bitwise_equal,
@@ -43,12 +44,12 @@ def test_every_launch_tile_gives_the_same_bits(device, dtype):
     if device == "cpu":
         pytest.skip("launch tiles are a Triton property")
     x, w = randn(300, 200, dtype=dtype, device=device, seed=4), randn(160, 200, dtype=dtype, device=device, seed=5)
-    outs = {name: matmul._triton(x, w, None, tile=tile) for name, tile in matmul.TILES[dtype].items()}
-    if matmul._tma_available(x, w, None):  # Hopper and newer: the TMA kernel, grid and persistent
+    outs = {name: launch._triton(x, w, None, tile=tile) for name, tile in launch.TILES[dtype].items()}
+    if launch._tma_available(x, w, None):  # Hopper and newer: the TMA kernel, grid and persistent
         for persistent in (False, True):
-            for plan, (tile, _) in matmul.TMA_PLANS.items():
+            for plan, (tile, _) in launch.TMA_PLANS.items():
                 for descriptors in ("host", "device"):
-                    outs[f"tma {plan} persistent={persistent} {descriptors} descriptors"] = matmul._triton_tma(
+                    outs[f"tma {plan} persistent={persistent} {descriptors} descriptors"] = launch._triton_tma(
                         x, w, tile, persistent, descriptors=descriptors)
         assert_bitwise_equal("linear() at 300 rows (TMA path) vs large tile", K.linear(x, w), outs["large"])
     for name, out in outs.items():
@@ -95,10 +96,10 @@ def test_row_parallel_partials_combine_to_the_single_rank_result(device, dtype, 
                   ulp_of(ref, dtype) + k * 2**-23 * (x.double().abs() @ w.double().abs().T + b.double().abs()))
 
 
-@pytest.mark.parametrize("m", [3, matmul.SMALL_M + 44])
+@pytest.mark.parametrize("m", [3, launch.SMALL_M + 44])
 @pytest.mark.parametrize("segments", [2, 4, 8])
 def test_segments_split_across_launches_give_the_in_kernel_tree(request, device, dtype, segments, m):
-    """Without a launch tile a segmented product runs split (matmul._split_k: one program per tile and
+    """Without a launch tile a segmented product runs split (launch._split_k: one program per tile and
     segment, then a tree launch) or, on Hopper above TINY_M rows, in the TMA kernel with scratch tiles; a
     launch tile given explicitly keeps the tree inside one pointer-kernel program. Same bits, with and
     without bias (bias: never the TMA kernel), and as an fp32 partial."""
@@ -107,12 +108,12 @@ def test_segments_split_across_launches_give_the_in_kernel_tree(request, device,
     k, n = 1024, 96
     x, w = randn(m, k, dtype=dtype, device=device, seed=16), randn(n, k, dtype=dtype, device=device, seed=17, scale=0.1)
     b = randn(n, dtype=dtype, device=device, seed=18)
-    tile = matmul.tile_for(m, n, dtype)
+    tile = launch.tile_for(m, n, dtype)
     for bias in (None, b):
-        assert_bitwise_equal(f"bias={bias is not None}", matmul._triton(x, w, bias, segments=segments),
-                             matmul._triton(x, w, bias, tile=tile, segments=segments))
-    assert_bitwise_equal("partial", matmul._triton(x, w, None, segments=segments, out_dtype=torch.float32),
-                         matmul._triton(x, w, None, tile=tile, segments=segments, out_dtype=torch.float32))
+        assert_bitwise_equal(f"bias={bias is not None}", launch._triton(x, w, bias, segments=segments),
+                             launch._triton(x, w, bias, tile=tile, segments=segments))
+    assert_bitwise_equal("partial", launch._triton(x, w, None, segments=segments, out_dtype=torch.float32),
+                         launch._triton(x, w, None, tile=tile, segments=segments, out_dtype=torch.float32))
 
 
 @pytest.mark.parametrize("segments", [1, 2, 4, 8])
@@ -128,25 +129,25 @@ def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypa
     m, k, n = (300, 1024, 96) if where == "cuda" else (70, 256, 96)
     x, w = randn(m, k, dtype=dtype, device=device, seed=19), randn(n, k, dtype=dtype, device=device, seed=20, scale=0.1)
     if where == "cuda":
-        if not matmul._tma_available(x, w, None):
+        if not launch._tma_available(x, w, None):
             pytest.skip("the TMA kernel needs Hopper or newer and bf16/fp16")
-        reference_tile = matmul.TILES[dtype]["large"]
+        reference_tile = launch.TILES[dtype]["large"]
         # an fp32 partial only at the "narrow" plans (128x256 with an fp32 output tile exceeds shared memory)
-        tiles = {out: [tile for (_, narrow), (tile, _) in matmul.TMA_PLANS.items() if narrow or out is None]
+        tiles = {out: [tile for (_, narrow), (tile, _) in launch.TMA_PLANS.items() if narrow or out is None]
                  for out in (None, torch.float32)}
-        monkeypatch.setattr(matmul, "sm_count", lambda device: 2)  # persistent: 2 programs walk 3 tiles or more
+        monkeypatch.setattr(launch, "sm_count", lambda device: 2)  # persistent: 2 programs walk 3 tiles or more
     else:
-        monkeypatch.setattr(matmul, "sm_count", lambda device: 3)  # persistent: 3 programs walk 30 tiles
+        monkeypatch.setattr(launch, "sm_count", lambda device: 3)  # persistent: 3 programs walk 30 tiles
         reference_tile = (32, 32, 16, 4, 1)
         tiles = dict.fromkeys((None, torch.float32), [reference_tile])
     for out_dtype in (None, torch.float32):
-        expected = matmul._triton(x, w, None, tile=reference_tile, segments=segments, out_dtype=out_dtype)
+        expected = launch._triton(x, w, None, tile=reference_tile, segments=segments, out_dtype=out_dtype)
         for tile in tiles[out_dtype]:
             for persistent in (False, True):
                 for descriptors in ("host", "device"):
                     assert_bitwise_equal(f"tma {tile} persistent={persistent} {descriptors} descriptors "
                                          f"out={out_dtype}",
-                                         matmul._triton_tma(x, w, tile, persistent, segments=segments,
+                                         launch._triton_tma(x, w, tile, persistent, segments=segments,
                                                             out_dtype=out_dtype, descriptors=descriptors), expected)
 
 
@@ -157,7 +158,7 @@ def test_device_descriptors_refuse_unaligned_rows(request, device):
     x, w = randn(4, 22, dtype=torch.float32, device=device, seed=1), randn(8, 22, dtype=torch.float32, device=device,
                                                                             seed=2)
     with pytest.raises(ValueError, match="16-byte aligned"):
-        matmul._triton_tma(x, w, (32, 32, 16, 4, 1), persistent=False, descriptors="device")
+        launch._triton_tma(x, w, (32, 32, 16, 4, 1), persistent=False, descriptors="device")
 
 
 @pytest.mark.parametrize("segments", [2, 4, 8])
@@ -171,18 +172,18 @@ def test_tma_split_segment_tree_gives_the_pointer_kernel_bits(request, device, d
     m, k, n = (300, 1024, 96) if where == "cuda" else (70, 256, 96)
     x, w = randn(m, k, dtype=dtype, device=device, seed=23), randn(n, k, dtype=dtype, device=device, seed=24, scale=0.1)
     if where == "cuda":
-        if not matmul._tma_available(x, w, None):
+        if not launch._tma_available(x, w, None):
             pytest.skip("the TMA kernel needs Hopper or newer and bf16/fp16")
-        reference_tile = matmul.TILES[dtype]["large"]
-        tiles = [tile for _, tile in matmul.MEDIUM_SPLIT_TILES] + [(128, 128, 64, 8, 4)]
+        reference_tile = launch.TILES[dtype]["large"]
+        tiles = [tile for _, tile in launch.MEDIUM_SPLIT_TILES] + [(128, 128, 64, 8, 4)]
     else:
         reference_tile = (32, 32, 16, 4, 1)
         tiles = [reference_tile]
     for out_dtype in (None, torch.float32):
-        expected = matmul._triton(x, w, None, tile=reference_tile, segments=segments, out_dtype=out_dtype)
+        expected = launch._triton(x, w, None, tile=reference_tile, segments=segments, out_dtype=out_dtype)
         for tile in tiles:
             assert_bitwise_equal(f"tma split {tile} out={out_dtype}",
-                                 matmul._triton_tma_split(x, w, tile, segments, out_dtype), expected)
+                                 launch._triton_tma_split(x, w, tile, segments, out_dtype), expected)
 
 
 @needs_hardware_dot

@@ -157,7 +157,7 @@ def test_the_tasks_own_training_and_held_out_questions_never_meet(tmp_path):
     assert record["prompts"]["sequences"] == 9000 and record["eval"]["prompts"] == 64
     from alignaudit.inputs.checkpoint import resolve_model
     from alignaudit.inputs.prompts import text_batch
-    from alignaudit.rl.loop import StepPrompts, prompts_digest
+    from alignaudit.rl.step_prompts import StepPrompts, prompts_digest
 
     drawn = [questions(0, 0)[i] for i in StepPrompts(9000, 4, 0).next()[0]]  # the step's 4, as the loop draws them
     assert all(split_of(*_operands(q)) == "train" for q in drawn)

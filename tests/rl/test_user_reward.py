@@ -79,7 +79,7 @@ def test_prompts_are_drawn_step_by_step_epoch_after_epoch(tmp_path, capsys):
     assert steps["prompts_digest"].nunique() == 4
     from alignaudit.inputs.checkpoint import resolve_model
     from alignaudit.inputs.prompts import load_prompts
-    from alignaudit.rl.loop import prompts_digest
+    from alignaudit.rl.step_prompts import prompts_digest
 
     pool = load_prompts(resolve_model("qwen3-tiny"), random_prompts=6, prompt_len=8, seed=0, reserve=4).sequences
     by_digest = {prompts_digest([a, b]): {a, b} for a in pool for b in pool if a != b}

@@ -48,9 +48,9 @@ portable ones but are the same in every layout (``flash``).
 
 The package, one job per module: ``algorithm`` (the fixed sizes and exp choices), ``torch_reference`` (plain
 torch: the reference and the backward), ``flash_gradients`` (the fused backward by FlashAttention-2), ``flash``
-(the FlashAttention-3 kernel choice), ``cpu`` (the
-CPU backend), ``triton_kernels`` (the GPU kernels), ``launch`` (tiles, configurations, plans), ``functions`` (the
-entry points below).
+(the FlashAttention-3 kernel choice), ``cpu`` (the CPU backend), ``triton_steps`` (the algorithm's steps as Triton
+device functions), ``triton_kernels`` (the GPU kernels built from them), ``launch`` (tiles, configurations, plans),
+``functions`` (the entry points below).
 """
 
 from alignaudit_kernels.attention.algorithm import BLOCK_N, CHUNK_N, DEFAULT_EXP, EXP_CHOICES, TILE_ROWS
