@@ -70,6 +70,8 @@ chromium:
 # compiled graphs, which then fails to compile (docs/findings.md "Facts that move with the CPU").
 test: setup chromium verl
 	$(BIN)/ruff check .
+	@# the layout is ruff format's (pyproject.toml [tool.ruff]): a change that is not formatted fails here
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 	ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_VEC_ISA_OK=0 $(BIN)/python -m pytest -q -m isa $(PYTEST_ARGS)
 

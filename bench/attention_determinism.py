@@ -59,7 +59,7 @@ def main() -> None:
         os.environ["ALIGNAUDIT_BACKWARD"] = "fused"
         try:
             ins = [x.detach().requires_grad_() for x in (q, k, v)]
-            return torch.autograd.grad(K.varlen_attention(*ins, cu, d ** -0.5), ins, go)
+            return torch.autograd.grad(K.varlen_attention(*ins, cu, d**-0.5), ins, go)
         finally:
             os.environ.pop("ALIGNAUDIT_BACKWARD")
 
@@ -67,10 +67,12 @@ def main() -> None:
         with deterministic_algorithms():
             return sdpa()
 
-    result = {"lengths": lengths, "runs": args.runs, "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__}
-    for name, backward in (("sdpa, default backend", sdpa), ("sdpa, deterministic mode", sdpa_deterministic),
-                           ("alignaudit fused varlen", fused)):
+    result = {"lengths": lengths, "runs": args.runs, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name, backward in (
+        ("sdpa, default backend", sdpa),
+        ("sdpa, deterministic mode", sdpa_deterministic),
+        ("alignaudit fused varlen", fused),
+    ):
         result[name] = distinct_patterns(backward, args.runs)
         print(f"{name:32s} distinct bit patterns over {args.runs} runs: {result[name]}", flush=True)
     if args.json:

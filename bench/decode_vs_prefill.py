@@ -53,8 +53,9 @@ def main() -> None:
     args = ap.parse_args()
 
     spec = resolve_model_arg(ModelArgs(model=args.model, random_weights=args.random_weights))
-    engine = HFEngine(spec, EngineSettings(dtype=args.dtype, device=args.device, strict=args.strict,
-                                           lm_head_dtype=args.lm_head_dtype))
+    engine = HFEngine(
+        spec, EngineSettings(dtype=args.dtype, device=args.device, strict=args.strict, lm_head_dtype=args.lm_head_dtype)
+    )
     model = engine.model
     differing: dict[str, int] = {}
     first_counts: dict[str, int] = {}
@@ -65,9 +66,19 @@ def main() -> None:
         calls, handles = record_outputs(model)
         torch.manual_seed(i)
         with torch.no_grad():
-            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0,
-                                 top_k=None, top_p=1.0, max_new_tokens=args.new_tokens, eos_token_id=[],
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            out = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=True,
+                temperature=1.0,
+                top_k=None,
+                top_p=1.0,
+                max_new_tokens=args.new_tokens,
+                eos_token_id=[],
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         for h in handles:
             h.remove()
         decode = calls
@@ -75,15 +86,17 @@ def main() -> None:
         sequence = out.sequences
         with torch.no_grad():
             logits = model(sequence[:, :-1]).logits
-        generated = sequence[0, args.prompt_len:]
+        generated = sequence[0, args.prompt_len :]
         # the two logprob paths of the engine: rollout (generate's fp32 step logits) and rescoring (prefill)
         rollout_lp = engine.token_logprobs(torch.cat(out.logits), generated)
-        rescored_lp = engine.token_logprobs(logits[0, args.prompt_len - 1:], generated)
+        rescored_lp = engine.token_logprobs(logits[0, args.prompt_len - 1 :], generated)
         lp_differ = int((rollout_lp != rescored_lp).sum())
         lp_total += lp_differ
         if lp_differ:
-            print(f"prompt {i}: {lp_differ} of {len(generated)} sampled-token logprobs differ, max "
-                  f"{int(ulp_distance(rollout_lp.cpu(), rescored_lp.cpu()).max())} ULP (fp32)")
+            print(
+                f"prompt {i}: {lp_differ} of {len(generated)} sampled-token logprobs differ, max "
+                f"{int(ulp_distance(rollout_lp.cpu(), rescored_lp.cpu()).max())} ULP (fp32)"
+            )
         for h in handles:
             h.remove()
         order = list(decode)  # names in the order their first call finished
@@ -105,8 +118,10 @@ def main() -> None:
                         first = name
                         ulps = ulp_distance(row_a.cpu(), row_b.cpu()) if row_a.is_floating_point() else None
                         worst = int(ulps.max()) if ulps is not None else "n/a"
-                        print(f"prompt {i} position {pos}: first differing module {name} "
-                              f"({int((row_a != row_b).sum())} of {row_a.numel()} elements, max {worst} ULP)")
+                        print(
+                            f"prompt {i} position {pos}: first differing module {name} "
+                            f"({int((row_a != row_b).sum())} of {row_a.numel()} elements, max {worst} ULP)"
+                        )
             if first is not None:
                 first_counts[first] = first_counts.get(first, 0) + 1
     calls_total = args.prompts * args.new_tokens

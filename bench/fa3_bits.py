@@ -33,9 +33,21 @@ POSITIONS = [0, 1, 15, 16, 127, 128, 129, 175, 176, 177, 255, 256, 511, 1000, 14
 def fa(q, k, v, cu_q, max_q, max_k, *, cu_k=None, seqused_k=None, block_table=None, num_splits=1):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    return flash_attn_varlen_func(q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k, cu_seqlens_k=cu_k,
-                                  seqused_k=seqused_k, softmax_scale=D ** -0.5, causal=True, block_table=block_table,
-                                  num_splits=num_splits, fa_version=3)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        max_seqlen_q=max_q,
+        cu_seqlens_q=cu_q,
+        max_seqlen_k=max_k,
+        cu_seqlens_k=cu_k,
+        seqused_k=seqused_k,
+        softmax_scale=D**-0.5,
+        causal=True,
+        block_table=block_table,
+        num_splits=num_splits,
+        fa_version=3,
+    )
 
 
 def paged(k, v, lengths, generator):
@@ -49,7 +61,7 @@ def paged(k, v, lengths, generator):
     table = torch.zeros(len(lengths), max(pages_per), dtype=torch.int32, device="cuda")
     at = 0
     for b, (n, npg) in enumerate(zip(lengths, pages_per, strict=True)):
-        ids = order[at: at + npg]
+        ids = order[at : at + npg]
         at += npg
         table[b, :npg] = ids.int()
         padded = torch.zeros(npg * PAGE, KVH, D, dtype=k.dtype, device="cuda")
@@ -91,29 +103,55 @@ def main() -> None:
     for splits in (1, 0):
         rows = 0
         for p in POSITIONS:
-            out = fa(q[p:p + 1], kc, vc, i32([0, 1]), 1, p + 1, seqused_k=i32([p + 1]), block_table=table,
-                     num_splits=splits)
-            rows += differing_rows(out, ref[p:p + 1])
+            out = fa(
+                q[p : p + 1],
+                kc,
+                vc,
+                i32([0, 1]),
+                1,
+                p + 1,
+                seqused_k=i32([p + 1]),
+                block_table=table,
+                num_splits=splits,
+            )
+            rows += differing_rows(out, ref[p : p + 1])
         record(f"decode_alone_splits{splits}", rows, len(POSITIONS))
         n = len(POSITIONS)
-        out = fa(q[POSITIONS], kc, vc, i32(list(range(n + 1))), 1, max(POSITIONS) + 1,
-                 seqused_k=i32([p + 1 for p in POSITIONS]), block_table=table.expand(n, -1).contiguous(),
-                 num_splits=splits)
+        out = fa(
+            q[POSITIONS],
+            kc,
+            vc,
+            i32(list(range(n + 1))),
+            1,
+            max(POSITIONS) + 1,
+            seqused_k=i32([p + 1 for p in POSITIONS]),
+            block_table=table.expand(n, -1).contiguous(),
+            num_splits=splits,
+        )
         record(f"decode_batch_splits{splits}", differing_rows(out, ref[POSITIONS]), n)
         fillers = torch.randint(1, L, (256 - n,), generator=g).tolist()
         lengths = [p + 1 for p in POSITIONS] + fillers
         kcf, vcf, tablef = paged(k, v, lengths, g)
         rows_q = torch.cat([q[POSITIONS], q[torch.tensor(fillers) - 1]])
-        out = fa(rows_q, kcf, vcf, i32(list(range(257))), 1, L, seqused_k=i32(lengths), block_table=tablef,
-                 num_splits=splits)
+        out = fa(
+            rows_q, kcf, vcf, i32(list(range(257))), 1, L, seqused_k=i32(lengths), block_table=tablef, num_splits=splits
+        )
         record(f"decode_among_fillers_splits{splits}", differing_rows(out[:n], ref[POSITIONS]), n)
 
     out = fa(q[1000:1500], kc, vc, i32([0, 500]), 500, 1500, seqused_k=i32([1500]), block_table=table)
     record("chunked", differing_rows(out, ref[1000:1500]), 500)
     n = len(POSITIONS)
     rows_q = torch.cat([q[1000:1500], q[POSITIONS]])
-    out = fa(rows_q, kc, vc, i32([0, 500, *range(501, 501 + n)]), 500, L,
-             seqused_k=i32([1500] + [p + 1 for p in POSITIONS]), block_table=table.expand(n + 1, -1).contiguous())
+    out = fa(
+        rows_q,
+        kc,
+        vc,
+        i32([0, 500, *range(501, 501 + n)]),
+        500,
+        L,
+        seqused_k=i32([1500] + [p + 1 for p in POSITIONS]),
+        block_table=table.expand(n + 1, -1).contiguous(),
+    )
     record("mixed_chunk", differing_rows(out[:500], ref[1000:1500]), 500)
     record("mixed_decodes", differing_rows(out[500:], ref[POSITIONS]), n)
 
@@ -125,23 +163,49 @@ def main() -> None:
         kk = torch.randn(4096, KVH, D, generator=g).to(torch.bfloat16).cuda()
         kcb, vcb, tableb = paged(kk, kk, lengths, g)
         qb = torch.randn(batch, H, D, generator=g).to(torch.bfloat16).cuda()
-        ms = {s: do_bench(lambda s=s: fa(qb, kcb, vcb, i32(list(range(batch + 1))), 1, 4096, seqused_k=i32(lengths),
-                                         block_table=tableb, num_splits=s), return_mode="median") for s in (1, 0)}
+        ms = {
+            s: do_bench(
+                lambda s=s: fa(
+                    qb,
+                    kcb,
+                    vcb,
+                    i32(list(range(batch + 1))),
+                    1,
+                    4096,
+                    seqused_k=i32(lengths),
+                    block_table=tableb,
+                    num_splits=s,
+                ),
+                return_mode="median",
+            )
+            for s in (1, 0)
+        }
         timing[f"decode_b{batch}_ctx4096"] = {"splits1_ms": ms[1], "splits0_ms": ms[0], "ratio": ms[0] / ms[1]}
-        print(f"decode b{batch} ctx4096: num_splits=1 {ms[1]:.4f} ms, heuristic {ms[0]:.4f} ms, "
-              f"speed of 1 vs heuristic {ms[0] / ms[1]:.3f}", flush=True)
+        print(
+            f"decode b{batch} ctx4096: num_splits=1 {ms[1]:.4f} ms, heuristic {ms[0]:.4f} ms, "
+            f"speed of 1 vs heuristic {ms[0] / ms[1]:.3f}",
+            flush=True,
+        )
     for n in (1024, 4096, 8192):
         qq = torch.randn(n, H, D, generator=g).to(torch.bfloat16).cuda()
         kk = torch.randn(n, KVH, D, generator=g).to(torch.bfloat16).cuda()
         kcp, vcp, tablep = paged(kk, kk, [n], g)
         unpaged = do_bench(lambda: fa(qq, kk, kk, i32([0, n]), n, n, cu_k=i32([0, n])), return_mode="median")
-        paged_ms = do_bench(lambda: fa(qq, kcp, vcp, i32([0, n]), n, n, seqused_k=i32([n]), block_table=tablep),
-                            return_mode="median")
+        paged_ms = do_bench(
+            lambda: fa(qq, kcp, vcp, i32([0, n]), n, n, seqused_k=i32([n]), block_table=tablep), return_mode="median"
+        )
         flops = 4 * n * n * H * D / 2
-        timing[f"prefill_{n}"] = {"unpaged_ms": unpaged, "paged_ms": paged_ms, "ratio": unpaged / paged_ms,
-                                  "unpaged_tflops": flops / unpaged / 1e9}
-        print(f"prefill {n}: unpaged {unpaged:.4f} ms ({flops / unpaged / 1e9:.0f} TFLOP/s), paged {paged_ms:.4f} ms, "
-              f"speed of paged vs unpaged {unpaged / paged_ms:.3f}", flush=True)
+        timing[f"prefill_{n}"] = {
+            "unpaged_ms": unpaged,
+            "paged_ms": paged_ms,
+            "ratio": unpaged / paged_ms,
+            "unpaged_tflops": flops / unpaged / 1e9,
+        }
+        print(
+            f"prefill {n}: unpaged {unpaged:.4f} ms ({flops / unpaged / 1e9:.0f} TFLOP/s), paged {paged_ms:.4f} ms, "
+            f"speed of paged vs unpaged {unpaged / paged_ms:.3f}",
+            flush=True,
+        )
     results["timing"] = timing
     results["gpu"] = torch.cuda.get_device_name()
     if args.out:

@@ -74,8 +74,21 @@ def count_syncs(fn) -> str:
     return f"{len(syncs)} ({', '.join(origins[:6])})"
 
 
-STRICT_KERNELS = ("_matmul", "_attention", "_combine", "_rmsnorm", "_rope", "_silu_mul", "_log_softmax",
-                  "_log_s", "_max_kernel", "_finish", "_segment", "_units", "_chunk")
+STRICT_KERNELS = (
+    "_matmul",
+    "_attention",
+    "_combine",
+    "_rmsnorm",
+    "_rope",
+    "_silu_mul",
+    "_log_softmax",
+    "_log_s",
+    "_max_kernel",
+    "_finish",
+    "_segment",
+    "_units",
+    "_chunk",
+)
 
 
 def kernel_kind(name: str) -> str:
@@ -113,14 +126,19 @@ def profile_one(fn) -> dict:
     kinds: dict[str, float] = {}
     for row in table["top"]:
         kinds[kernel_kind(row["kernel"])] = kinds.get(kernel_kind(row["kernel"]), 0.0) + row["ms"]
-    return {"event_ms": round(start.elapsed_time(end), 1), "gpu_kernel_ms": table["gpu_kernel_ms"],
-            "by_kind_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "top": table["top"][:8]}
+    return {
+        "event_ms": round(start.elapsed_time(end), 1),
+        "gpu_kernel_ms": table["gpu_kernel_ms"],
+        "by_kind_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top": table["top"][:8],
+    }
 
 
 def print_profile(name: str, p: dict) -> None:
-    print(f"profile, {name}: {p['event_ms']} ms (CUDA events), GPU kernel time {p['gpu_kernel_ms']} ms; by kind: "
-          + ", ".join(f"{k} {v}" for k, v in p["by_kind_ms"].items()))
+    print(
+        f"profile, {name}: {p['event_ms']} ms (CUDA events), GPU kernel time {p['gpu_kernel_ms']} ms; by kind: "
+        + ", ".join(f"{k} {v}" for k, v in p["by_kind_ms"].items())
+    )
     for row in p["top"]:
         print(f"    {row['ms']:7.1f} ms  {row['calls']:4d} x  {row['kernel']}")
 
@@ -131,15 +149,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--no-compile", action="store_true", help="eager only")
-    parser.add_argument("--exp", choices=("portable", "native"), default="portable",
-                        help="the strict attention's exp (alignaudit --strict-exp)")
+    parser.add_argument(
+        "--exp",
+        choices=("portable", "native"),
+        default="portable",
+        help="the strict attention's exp (alignaudit --strict-exp)",
+    )
     parser.add_argument("--json", type=Path, help="write the times (ms) here")
     parser.add_argument("--profile", action="store_true", help="where the GPU time of one forward goes, by kernel")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    cfg = Qwen3Config(**{k: v for k, v in PRESETS[args.preset].config.items()
-                         if k not in ("architectures", "torch_dtype")})
+    cfg = Qwen3Config(
+        **{k: v for k, v in PRESETS[args.preset].config.items() if k not in ("architectures", "torch_dtype")}
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
@@ -173,16 +196,26 @@ def main() -> None:
     if args.profile:
         profiles["eager strict"] = profile_one(strict)
     print(f"host synchronizations in one strict forward: {count_syncs(strict)}", flush=True)
-    print(f"host time to launch one forward (until it returns, GPU not awaited): default {default_host_ms:.1f} ms, "
-          f"strict {host_ms(strict):.1f} ms", flush=True)
+    print(
+        f"host time to launch one forward (until it returns, GPU not awaited): default {default_host_ms:.1f} ms, "
+        f"strict {host_ms(strict):.1f} ms",
+        flush=True,
+    )
     ids = all_ids[:1]
-    print(f"at 1 x {args.tokens} tokens, eager: strict {median_ms(strict):.1f} ms, host time to launch it "
-          f"{host_ms(strict):.1f} ms", flush=True)
+    print(
+        f"at 1 x {args.tokens} tokens, eager: strict {median_ms(strict):.1f} ms, host time to launch it "
+        f"{host_ms(strict):.1f} ms",
+        flush=True,
+    )
     ids = all_ids
-    print(f"{args.preset} forward, {args.batch} x {args.tokens} tokens, bf16, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}")
-    print(f"default (sdpa, cuBLAS): {default_ms:.1f} ms   strict (every op, {args.exp} exp): {strict_ms:.1f} ms   "
-          f"strict/default time: {strict_ms / default_ms:.2f}x")
+    print(
+        f"{args.preset} forward, {args.batch} x {args.tokens} tokens, bf16, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}"
+    )
+    print(
+        f"default (sdpa, cuBLAS): {default_ms:.1f} ms   strict (every op, {args.exp} exp): {strict_ms:.1f} ms   "
+        f"strict/default time: {strict_ms / default_ms:.2f}x"
+    )
     if default_compiled_ms is None:
         return
     torch._dynamo.reset()
@@ -197,19 +230,32 @@ def main() -> None:
         if args.profile:
             profiles["compiled strict"] = profile_one(compiled_strict)
         if args.json:
-            args.json.write_text(json.dumps({"preset": args.preset, "batch": args.batch, "tokens": args.tokens,
-                                             "exp": args.exp, "default_ms": default_ms, "strict_ms": strict_ms,
-                                             "default_compiled_ms": default_compiled_ms,
-                                             "strict_compiled_ms": strict_compiled_ms,
-                                             "compiled_bits_equal_eager": same, "profiles": profiles}, indent=1))
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "preset": args.preset,
+                        "batch": args.batch,
+                        "tokens": args.tokens,
+                        "exp": args.exp,
+                        "default_ms": default_ms,
+                        "strict_ms": strict_ms,
+                        "default_compiled_ms": default_compiled_ms,
+                        "strict_compiled_ms": strict_compiled_ms,
+                        "compiled_bits_equal_eager": same,
+                        "profiles": profiles,
+                    },
+                    indent=1,
+                )
+            )
     except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
         strict_compiled_ms, outcome = None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         print(f"peak GPU memory in the compiled strict forward: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
         if isinstance(e, torch.OutOfMemoryError):  # where did it go: the largest live blocks
             snapshot = torch.cuda.memory_snapshot()
-            sizes = sorted((blk["size"] for seg in snapshot for blk in seg["blocks"]
-                            if blk["state"] == "active_allocated"),
-                           reverse=True)
+            sizes = sorted(
+                (blk["size"] for seg in snapshot for blk in seg["blocks"] if blk["state"] == "active_allocated"),
+                reverse=True,
+            )
             print("largest live blocks (MiB):", [round(x / 2**20) for x in sizes[:12]], "count", len(sizes))
     print(f"torch.compile: default {default_compiled_ms:.1f} ms; strict {outcome}")
     if strict_compiled_ms is None:  # the same comparison at one sequence, both sides compiled again
@@ -219,14 +265,21 @@ def main() -> None:
         compiled_strict = torch.compile(strict)
         one_ms = median_ms(compiled_strict, warmup=3)
         same = torch.equal(compiled_strict().contiguous().view(torch.int32), strict().contiguous().view(torch.int32))
-        print(f"at 1 x {args.tokens} tokens, compiled: default {default_compiled_one_ms:.1f} ms, "
-              f"strict {one_ms:.1f} ms "
-              f"({one_ms / default_compiled_one_ms:.2f}x), strict logprob bits equal to eager strict: {same}")
+        print(
+            f"at 1 x {args.tokens} tokens, compiled: default {default_compiled_one_ms:.1f} ms, "
+            f"strict {one_ms:.1f} ms "
+            f"({one_ms / default_compiled_one_ms:.2f}x), strict logprob bits equal to eager strict: {same}"
+        )
     for name, p in profiles.items():
         print_profile(name, p)
-    print(f"strict eager / compiled default: {strict_ms / default_compiled_ms:.2f}x"
-          + (f"   compiled strict / compiled default: {strict_compiled_ms / default_compiled_ms:.2f}x"
-             if strict_compiled_ms else ""))
+    print(
+        f"strict eager / compiled default: {strict_ms / default_compiled_ms:.2f}x"
+        + (
+            f"   compiled strict / compiled default: {strict_compiled_ms / default_compiled_ms:.2f}x"
+            if strict_compiled_ms
+            else ""
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,13 @@ DT = torch.bfloat16
 # (K, N, K segments): the row-parallel layers (attention output, MLP down) reduce K in the segments every
 # engine's strict path uses (kernels/alignaudit_kernels/matmul.ROW_PARALLEL_SEGMENTS), the others in one
 RP = K.matmul.ROW_PARALLEL_SEGMENTS
-LINEARS = {"qkv": (4096, 6144, 1), "o": (4096, 4096, RP), "gate_up": (4096, 24576, 1), "down": (12288, 4096, RP),
-           "lm_head": (4096, 151936, 1)}
+LINEARS = {
+    "qkv": (4096, 6144, 1),
+    "o": (4096, 4096, RP),
+    "gate_up": (4096, 24576, 1),
+    "down": (12288, 4096, RP),
+    "lm_head": (4096, 151936, 1),
+}
 
 
 def side_by_side(default, strict) -> dict:
@@ -50,8 +55,12 @@ def side_by_side(default, strict) -> dict:
     except Exception as e:  # noqa: BLE001 - a benchmark reports what failed and goes on
         torch.cuda.synchronize()
         return {**timing, "graph_error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
-    return {**timing, "default_graph_ms": graph_base, "strict_graph_ms": graph_mine,
-            "graph_ratio": graph_base / graph_mine}
+    return {
+        **timing,
+        "default_graph_ms": graph_base,
+        "strict_graph_ms": graph_mine,
+        "graph_ratio": graph_base / graph_mine,
+    }
 
 
 def copy_ms(nbytes: int) -> float:
@@ -64,7 +73,7 @@ def bench_matmul(ms_list, layers=tuple(LINEARS)):
     rows = []
     for name in layers:
         k, n, segments = LINEARS[name]
-        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k**-0.5
         for m in ms_list:
             x = torch.randn(m, k, dtype=DT, device="cuda")
             timing = side_by_side(lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w, k_segments=segments))
@@ -84,8 +93,9 @@ def bench_memory_bound():
     timing = side_by_side(lambda: torch.nn.functional.rms_norm(x, (h,), w, 1e-6), lambda: K.rms_norm(x, w, 1e-6))
     rows.append({"op": "rmsnorm 16384x4096", **timing, "of_copy_bound": bound / timing["strict_ms"]})
     bound_res = copy_ms(2 * x.nbytes)  # read x, r; write y, s
-    timing = side_by_side(lambda: torch.nn.functional.rms_norm(x + r, (h,), w, 1e-6),
-                          lambda: K.rms_norm(x, w, 1e-6, residual=r))
+    timing = side_by_side(
+        lambda: torch.nn.functional.rms_norm(x + r, (h,), w, 1e-6), lambda: K.rms_norm(x, w, 1e-6, residual=r)
+    )
     rows.append({"op": "add+rmsnorm 16384x4096", **timing, "of_copy_bound": bound_res / timing["strict_ms"]})
     q = torch.randn(t, 32, 128, dtype=DT, device="cuda")
     pos = torch.randint(0, 32768, (t,), device="cuda")
@@ -105,8 +115,10 @@ def bench_memory_bound():
     rows.append({"op": "log_softmax 4096x151936", **timing, "of_copy_bound": bound / timing["strict_ms"]})
     targets = torch.randint(0, 151936, (4096,), device="cuda")
     bound = copy_ms(logits.nbytes)
-    timing = side_by_side(lambda: torch.log_softmax(logits.float(), -1).gather(1, targets[:, None]),
-                          lambda: K.token_logprobs(logits, targets))
+    timing = side_by_side(
+        lambda: torch.log_softmax(logits.float(), -1).gather(1, targets[:, None]),
+        lambda: K.token_logprobs(logits, targets),
+    )
     rows.append({"op": "token_logprobs 4096x151936", **timing, "of_copy_bound": bound / timing["strict_ms"]})
     return rows
 
@@ -122,8 +134,10 @@ def bench_attention(lengths, decode_batches):
         cu = torch.tensor([0, n])
         qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         for exp in K.attention.EXP_CHOICES:
-            timing = side_by_side(lambda: sdpa(qt, kt, vt, is_causal=True, enable_gqa=True),
-                                  lambda: K.varlen_attention(q, k, v, cu, d ** -0.5, exp=exp))
+            timing = side_by_side(
+                lambda: sdpa(qt, kt, vt, is_causal=True, enable_gqa=True),
+                lambda: K.varlen_attention(q, k, v, cu, d**-0.5, exp=exp),
+            )
             rows.append({"op": f"attention prefill {n} ({exp} exp)", **timing})
     ctx = 4096
     for b in decode_batches:
@@ -137,8 +151,10 @@ def bench_attention(lengths, decode_batches):
         kd = kc.view(b, ctx, kvh, d).transpose(1, 2)
         vd = vc.view(b, ctx, kvh, d).transpose(1, 2)
         for exp in K.attention.EXP_CHOICES:
-            timing = side_by_side(lambda: sdpa(q[:, :, None], kd, vd, enable_gqa=True),
-                                  lambda: K.paged_decode(q, kc, vc, table, lens, d ** -0.5, ctx, exp=exp))
+            timing = side_by_side(
+                lambda: sdpa(q[:, :, None], kd, vd, enable_gqa=True),
+                lambda: K.paged_decode(q, kc, vc, table, lens, d**-0.5, ctx, exp=exp),
+            )
             rows.append({"op": f"attention decode b={b} ctx={ctx} ({exp} exp)", **timing})
     return rows
 
@@ -173,27 +189,47 @@ def bench_attention_backward(lengths, tokens=16384):
         base = ms(flash)
         with flash_gradients.deterministic_algorithms():  # the forward too: torch then picks a deterministic backend
             out_det = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-            deterministic = ms(lambda out=out_det, gt=gt, ins=(qt, kt, vt): torch.autograd.grad(out, ins, gt,
-                                                                                               retain_graph=True))
-        rows.append({"op": f"attention backward {b}x{n} (SDPA under deterministic mode)", "default_ms": base,
-                     "strict_ms": deterministic, "ratio": base / deterministic})
+            deterministic = ms(
+                lambda out=out_det, gt=gt, ins=(qt, kt, vt): torch.autograd.grad(out, ins, gt, retain_graph=True)
+            )
+        rows.append(
+            {
+                "op": f"attention backward {b}x{n} (SDPA under deterministic mode)",
+                "default_ms": base,
+                "strict_ms": deterministic,
+                "ratio": base / deterministic,
+            }
+        )
         for how in (*gradients.BACKWARDS, "fused, varlen"):
             os.environ[gradients.BACKWARD_ENV] = how.split(",")[0]
             try:
                 if how == "fused, varlen":
                     ins = [t.flatten(0, 1).detach().requires_grad_() for t in (q, k, v)]
                     cu = torch.arange(0, b * n + 1, n)
-                    strict_out = K.varlen_attention(*ins, cu, d ** -0.5)
+                    strict_out = K.varlen_attention(*ins, cu, d**-0.5)
                     gf = g.flatten(0, 1)
                     strict = lambda o=strict_out, ins=ins, gf=gf: torch.autograd.grad(o, ins, gf, retain_graph=True)  # noqa: E731
                 else:
-                    strict = lambda: torch_reference.attention_gradients(q, k, v, g, d ** -0.5, positions)  # noqa: E731
+                    strict = lambda: torch_reference.attention_gradients(q, k, v, g, d**-0.5, positions)  # noqa: E731
                 mine = ms(strict)
-                rows.append({"op": f"attention backward {b}x{n} ({how})", "default_ms": base, "strict_ms": mine,
-                             "ratio": base / mine})
+                rows.append(
+                    {
+                        "op": f"attention backward {b}x{n} ({how})",
+                        "default_ms": base,
+                        "strict_ms": mine,
+                        "ratio": base / mine,
+                    }
+                )
             except torch.OutOfMemoryError as e:
-                rows.append({"op": f"attention backward {b}x{n} ({how})", "default_ms": float("nan"),
-                             "strict_ms": float("nan"), "ratio": float("nan"), "graph_error": str(e)[:200]})
+                rows.append(
+                    {
+                        "op": f"attention backward {b}x{n} ({how})",
+                        "default_ms": float("nan"),
+                        "strict_ms": float("nan"),
+                        "ratio": float("nan"),
+                        "graph_error": str(e)[:200],
+                    }
+                )
             finally:
                 os.environ.pop(gradients.BACKWARD_ENV)
                 torch.cuda.empty_cache()
@@ -211,7 +247,7 @@ def bench_attention_fa3(lengths, decode_batches):
 
     rows = []
     h, kvh, d = 32, 8, 128
-    scale = d ** -0.5
+    scale = d**-0.5
     for n in lengths:
         q = torch.randn(n, h, d, dtype=DT, device="cuda")
         k = torch.randn(n, kvh, d, dtype=DT, device="cuda")
@@ -220,15 +256,33 @@ def bench_attention_fa3(lengths, decode_batches):
         cu32 = cu.to(device="cuda", dtype=torch.int32)
 
         def fa3(q=q, k=k, v=v, n=n, cu32=cu32):
-            return flash_attn_varlen_func(q, k, v, max_seqlen_q=n, cu_seqlens_q=cu32, max_seqlen_k=n,
-                                          cu_seqlens_k=cu32, softmax_scale=scale, causal=True, fa_version=3)
+            return flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                max_seqlen_q=n,
+                cu_seqlens_q=cu32,
+                max_seqlen_k=n,
+                cu_seqlens_k=cu32,
+                softmax_scale=scale,
+                causal=True,
+                fa_version=3,
+            )
 
         flops = 4 * n * n * h * d / 2  # causal: QK^T and PV over half the square
         for exp in K.attention.EXP_CHOICES:
             timing = side_by_side(fa3, lambda: K.varlen_attention(q, k, v, cu, scale, exp=exp))
-            rows.append({"op": f"attention prefill {n} ({exp} exp) vs FA3", "target": "prefill", "tokens": n,
-                         "exp": exp, **timing, "fa3_tflops": flops / timing["default_ms"] / 1e9,
-                         "strict_tflops": flops / timing["strict_ms"] / 1e9})
+            rows.append(
+                {
+                    "op": f"attention prefill {n} ({exp} exp) vs FA3",
+                    "target": "prefill",
+                    "tokens": n,
+                    "exp": exp,
+                    **timing,
+                    "fa3_tflops": flops / timing["default_ms"] / 1e9,
+                    "strict_tflops": flops / timing["strict_ms"] / 1e9,
+                }
+            )
     ctx, block = 4096, 16
     for b in decode_batches:
         pages = ctx // block
@@ -239,22 +293,56 @@ def bench_attention_fa3(lengths, decode_batches):
         lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
         cuq = torch.arange(b + 1, device="cuda", dtype=torch.int32)
         try:
-            meta, splits = get_scheduler_metadata(
-                batch_size=b, max_seqlen_q=1, max_seqlen_k=ctx, num_heads_q=h, num_heads_kv=kvh, headdim=d,
-                cache_seqlens=lens, qkv_dtype=DT, cu_seqlens_q=cuq, page_size=block, causal=True, num_splits=32), 32
+            meta, splits = (
+                get_scheduler_metadata(
+                    batch_size=b,
+                    max_seqlen_q=1,
+                    max_seqlen_k=ctx,
+                    num_heads_q=h,
+                    num_heads_kv=kvh,
+                    headdim=d,
+                    cache_seqlens=lens,
+                    qkv_dtype=DT,
+                    cu_seqlens_q=cuq,
+                    page_size=block,
+                    causal=True,
+                    num_splits=32,
+                ),
+                32,
+            )
         except Exception as e:  # noqa: BLE001 - then FA3's own heuristics, and the row says so
             print(f"FA3 scheduler metadata failed ({type(e).__name__}: {e}); FA3 splits by its heuristics", flush=True)
             meta, splits = None, 0
 
         def fa3_decode(q=q, kc=kc, vc=vc, table=table, lens=lens, cuq=cuq, meta=meta, splits=splits):
-            return flash_attn_varlen_func(q, kc, vc, max_seqlen_q=1, cu_seqlens_q=cuq, max_seqlen_k=ctx,
-                                          seqused_k=lens, softmax_scale=scale, causal=True, block_table=table,
-                                          scheduler_metadata=meta, num_splits=splits, fa_version=3)
+            return flash_attn_varlen_func(
+                q,
+                kc,
+                vc,
+                max_seqlen_q=1,
+                cu_seqlens_q=cuq,
+                max_seqlen_k=ctx,
+                seqused_k=lens,
+                softmax_scale=scale,
+                causal=True,
+                block_table=table,
+                scheduler_metadata=meta,
+                num_splits=splits,
+                fa_version=3,
+            )
 
         for exp in K.attention.EXP_CHOICES:
             timing = side_by_side(fa3_decode, lambda: K.paged_decode(q, kc, vc, table, lens, scale, ctx, exp=exp))
-            rows.append({"op": f"attention decode b={b} ctx={ctx} ({exp} exp) vs FA3", "target": "decode",
-                         "batch": b, "exp": exp, "fa3_max_splits": splits, **timing})
+            rows.append(
+                {
+                    "op": f"attention decode b={b} ctx={ctx} ({exp} exp) vs FA3",
+                    "target": "decode",
+                    "batch": b,
+                    "exp": exp,
+                    "fa3_max_splits": splits,
+                    **timing,
+                }
+            )
     return rows
 
 
@@ -262,9 +350,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--sections", default="matmul,memory,attention",
-                        help="comma list of matmul, memory, attention, attention-fa3 (needs CUDA vLLM), "
-                             "attention-backward")
+    parser.add_argument(
+        "--sections",
+        default="matmul,memory,attention",
+        help="comma list of matmul, memory, attention, attention-fa3 (needs CUDA vLLM), attention-backward",
+    )
     parser.add_argument("--ms", help="comma list of matmul batch sizes (M), instead of the --quick or full set")
     parser.add_argument("--layers", default=",".join(LINEARS), help=f"comma list of {', '.join(LINEARS)}")
     args = parser.parse_args()
@@ -273,30 +363,49 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     rows = []
     if "matmul" in sections:
-        ms_list = (tuple(int(m) for m in args.ms.split(",")) if args.ms
-                   else (1, 16, 256, 4096) if args.quick else (1, 16, 256, 4096, 16384))
+        ms_list = (
+            tuple(int(m) for m in args.ms.split(","))
+            if args.ms
+            else (1, 16, 256, 4096)
+            if args.quick
+            else (1, 16, 256, 4096, 16384)
+        )
         rows += bench_matmul(ms_list, args.layers.split(","))
     if "memory" in sections:
         rows += bench_memory_bound()
     if "attention" in sections:
-        rows += bench_attention((1024, 4096) if args.quick else (1024, 4096, 16384),
-                                (1, 16, 256) if args.quick else (1, 4, 16, 64, 256))
+        rows += bench_attention(
+            (1024, 4096) if args.quick else (1024, 4096, 16384), (1, 16, 256) if args.quick else (1, 4, 16, 64, 256)
+        )
     if "attention-fa3" in sections:
         rows += bench_attention_fa3((1024, 4096), (1, 32, 256))
     if "attention-backward" in sections:
         rows += bench_attention_backward((1024, 4096, 8192))
     print(f"{'op':44s} {'M':>6s} {'default ms':>11s} {'strict ms':>10s} {'ratio':>6s} {'graph':>6s}  extra")
     for r in rows:
-        extra = f"{r['strict_tflops']:.0f} TFLOP/s" + (
-            f" (FA3 {r['fa3_tflops']:.0f})" if "fa3_tflops" in r else "") if "strict_tflops" in r else (
-            f"{r['of_copy_bound']:.2f} of copy bound" if "of_copy_bound" in r else "")
+        extra = (
+            f"{r['strict_tflops']:.0f} TFLOP/s" + (f" (FA3 {r['fa3_tflops']:.0f})" if "fa3_tflops" in r else "")
+            if "strict_tflops" in r
+            else (f"{r['of_copy_bound']:.2f} of copy bound" if "of_copy_bound" in r else "")
+        )
         graph = f"{r['graph_ratio']:6.2f}" if "graph_ratio" in r else " " * 6
         extra = extra or (f"not captured: {r['graph_error']}" if "graph_error" in r else "")
-        print(f"{r['op']:44s} {str(r.get('M', '')):>6s} {r['default_ms']:11.4f} {r['strict_ms']:10.4f} "
-              f"{r['ratio']:6.2f} {graph}  {extra}")
+        print(
+            f"{r['op']:44s} {str(r.get('M', '')):>6s} {r['default_ms']:11.4f} {r['strict_ms']:10.4f} "
+            f"{r['ratio']:6.2f} {graph}  {extra}"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                         "triton": triton.__version__, "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "triton": triton.__version__,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -83,19 +83,26 @@ def pairs(device: str, tokens: int = 1) -> dict:
 
     ops = {
         "linear 4096x6144": (lambda: torch.nn.functional.linear(x, w), lambda: K.linear(x, w)),
-        "linear 4096x6144, kernel launch only": (lambda: torch.nn.functional.linear(x, w),
-                                                 lambda: K.matmul.launch._triton(x, w, None)
-                                                 if K.primitives.use_triton(x) else K.linear(x, w)),
-        "linear 4096x4096, 4 K segments": (lambda: torch.nn.functional.linear(x, w[:4096]),
-                                           lambda: K.linear(x, w[:4096], k_segments=K.matmul.ROW_PARALLEL_SEGMENTS)),
+        "linear 4096x6144, kernel launch only": (
+            lambda: torch.nn.functional.linear(x, w),
+            lambda: K.matmul.launch._triton(x, w, None) if K.primitives.use_triton(x) else K.linear(x, w),
+        ),
+        "linear 4096x4096, 4 K segments": (
+            lambda: torch.nn.functional.linear(x, w[:4096]),
+            lambda: K.linear(x, w[:4096], k_segments=K.matmul.ROW_PARALLEL_SEGMENTS),
+        ),
         "rmsnorm 4096": (lambda: torch.nn.functional.rms_norm(x, (4096,), nw, 1e-6), lambda: K.rms_norm(x, nw, 1e-6)),
         "rope 32x128": (torch_rope, lambda: K.apply_rope(q, pos, cos, sin)),
         # not a default: the two strict calls vLLM's rope made before alignaudit::rope_qk, against the one now
-        "rope q+k: 2 strict calls | 1": (lambda: (K.apply_rope(q, pos, cos, sin), K.apply_rope(kh, pos, cos, sin)),
-                                         lambda: K.apply_rope_qk(q, kh, pos, cos, sin)),
+        "rope q+k: 2 strict calls | 1": (
+            lambda: (K.apply_rope(q, pos, cos, sin), K.apply_rope(kh, pos, cos, sin)),
+            lambda: K.apply_rope_qk(q, kh, pos, cos, sin),
+        ),
         "silu_mul 12288": (lambda: torch.nn.functional.silu(gate) * up, lambda: K.silu_mul(gate, up)),
-        "token_logprobs 151936": (lambda: torch.log_softmax(logits.float(), -1).gather(1, target[:, None]),
-                                  lambda: K.token_logprobs(logits, target)),
+        "token_logprobs 151936": (
+            lambda: torch.log_softmax(logits.float(), -1).gather(1, target[:, None]),
+            lambda: K.token_logprobs(logits, target),
+        ),
     }
     if tokens > K.matmul.launch.TINY_M and device == "cuda" and K.matmul.launch._tma_available(x, w, None):
         # not a default yet: the TMA product's launch with its descriptors made on the host (its default column)
@@ -103,10 +110,13 @@ def pairs(device: str, tokens: int = 1) -> dict:
         tile, persistent = K.matmul.launch.TMA_PLANS["large" if tokens > K.matmul.launch.SMALL_M else "small", False]
         ops["linear TMA launch: host | device descriptors"] = (
             lambda: K.matmul.launch._triton_tma(x, w, tile, persistent, descriptors="host"),
-            lambda: K.matmul.launch._triton_tma(x, w, tile, persistent, descriptors="device"))
+            lambda: K.matmul.launch._triton_tma(x, w, tile, persistent, descriptors="device"),
+        )
     if tokens == 1:
-        ops["decode attention ctx 4096"] = (lambda: sdpa(q.transpose(0, 1)[None], kd, kd, enable_gqa=True),
-                                            lambda: K.paged_decode(q, kc, kc, table, lens, 128 ** -0.5, ctx))
+        ops["decode attention ctx 4096"] = (
+            lambda: sdpa(q.transpose(0, 1)[None], kd, kd, enable_gqa=True),
+            lambda: K.paged_decode(q, kc, kc, table, lens, 128**-0.5, ctx),
+        )
         return ops
     # a prefill of 32 sequences sharing the rows (vLLM's paged call over one step's requests), keys in pages of 16
     per = -(-tokens // 32)
@@ -118,12 +128,12 @@ def pairs(device: str, tokens: int = 1) -> dict:
     tiles = K.attention.paged_tiles(q_seq, 4, torch.device(device))
 
     def varlen():  # the default's host side of one attention call: torch's SDPA over the rows as ONE sequence
-        return torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                                k.transpose(0, 1)[None], is_causal=True,
-                                                                enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], k.transpose(0, 1)[None], is_causal=True, enable_gqa=True
+        )
 
     def paged(**kw):
-        return K.paged_attention(q, cache, cache, pages, positions, q_seq, 128 ** -0.5, max_keys=per, **kw)
+        return K.paged_attention(q, cache, cache, pages, positions, q_seq, 128**-0.5, max_keys=per, **kw)
 
     paged.capturable = False  # it plans its tiles on the host: no graph column
     ops[f"prefill attention {tokens} rows"] = (varlen, paged)
@@ -145,8 +155,23 @@ def launch_paths(device: str) -> dict:
 
     x = torch.randn(1, 4096, dtype=torch.bfloat16, device=device)
     w, y = torch.randn(4096, dtype=x.dtype, device=device), torch.empty_like(x)
-    params = dict(x_ptr=x, r_ptr=x, w_ptr=w, y_ptr=y, s_ptr=x, H=4096, eps=1e-6, heads=1, stride_x=4096, stride_xh=0,
-                  stride_r=0, stride_y=4096, stride_s=4096, HAS_RESIDUAL=False, BLOCK_H=4096)
+    params = dict(
+        x_ptr=x,
+        r_ptr=x,
+        w_ptr=w,
+        y_ptr=y,
+        s_ptr=x,
+        H=4096,
+        eps=1e-6,
+        heads=1,
+        stride_x=4096,
+        stride_xh=0,
+        stride_r=0,
+        stride_y=4096,
+        stride_s=4096,
+        HAS_RESIDUAL=False,
+        BLOCK_H=4096,
+    )
     options = dict(num_warps=primitives.row_warps(4096), enable_fp_fusion=False)
     kernel = rmsnorm._rmsnorm_kernel
     compiled = kernel[(1,)](**params, **options)
@@ -164,10 +189,12 @@ def launch_paths(device: str) -> dict:
 
     launcher()  # Triton's launcher internals differ between versions: fail here, inside main's try
     lean()
-    return {"rmsnorm 4096: the strict op": lambda: K.rms_norm(x, w, 1e-6),
-            "rmsnorm 4096: JITFunction.run": lambda: kernel[(1,)](**params, **options),
-            "rmsnorm 4096: binder + CompiledKernel.run": lean,
-            "rmsnorm 4096: CompiledKernel.run": launcher}
+    return {
+        "rmsnorm 4096: the strict op": lambda: K.rms_norm(x, w, 1e-6),
+        "rmsnorm 4096: JITFunction.run": lambda: kernel[(1,)](**params, **options),
+        "rmsnorm 4096: binder + CompiledKernel.run": lean,
+        "rmsnorm 4096: CompiledKernel.run": launcher,
+    }
 
 
 def main() -> None:
@@ -177,8 +204,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1, help="rows of each call (1: a decode step)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"{'op':28s} {'default host us':>16s} {'strict host us':>15s} {'strict/default':>15s} "
-          f"{'default graph us':>17s} {'strict graph us':>16s}")
+    print(
+        f"{'op':28s} {'default host us':>16s} {'strict host us':>15s} {'strict/default':>15s} "
+        f"{'default graph us':>17s} {'strict graph us':>16s}"
+    )
     for name, (default, strict) in pairs(args.device, args.tokens).items():
         d, s = host_us(default, args.calls, args.device), host_us(strict, args.calls, args.device)
         gd = graph_us(default, args.device)

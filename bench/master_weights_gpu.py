@@ -27,9 +27,12 @@ def check(model: str, device: str) -> bool:
     differ = int((a.view(torch.int16) != b.view(torch.int16)).sum())
     master(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
     no_grad = [n for n, p in master.named_parameters() if p.grad is None or not bool(p.grad.abs().sum() > 0)]
-    print(f"{model} on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}: {differ} of {a.numel()} "
-          f"logits differ (fp32 master + bf16 forward vs bf16 model), {len(no_grad)} of "
-          f"{sum(1 for _ in master.parameters())} parameters without gradient {no_grad[:3]}", flush=True)
+    print(
+        f"{model} on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}: {differ} of {a.numel()} "
+        f"logits differ (fp32 master + bf16 forward vs bf16 model), {len(no_grad)} of "
+        f"{sum(1 for _ in master.parameters())} parameters without gradient {no_grad[:3]}",
+        flush=True,
+    )
     return differ == 0 and not no_grad
 
 

@@ -68,12 +68,18 @@ def plan_rows(chosen) -> dict:
     block_m = grouped_linear.block_m_for(chosen.numel(), SHAPE["experts"], DT)
     row = {}
     try:
-        planned = [plan(chosen, SHAPE["experts"], block_m)
-                   for plan in (grouped_linear.plan_experts, grouped_linear.plan_experts_triton)]
-        row["plan_one_launch_equal"] = all(torch.equal(getattr(planned[0], f), getattr(planned[1], f))
-                                           for f in ("pair", "token", "starts", "tile_expert", "tile_row"))
-        for name, plan in (("plan", grouped_linear.plan_experts),
-                           ("plan_one_launch", grouped_linear.plan_experts_triton)):
+        planned = [
+            plan(chosen, SHAPE["experts"], block_m)
+            for plan in (grouped_linear.plan_experts, grouped_linear.plan_experts_triton)
+        ]
+        row["plan_one_launch_equal"] = all(
+            torch.equal(getattr(planned[0], f), getattr(planned[1], f))
+            for f in ("pair", "token", "starts", "tile_expert", "tile_row")
+        )
+        for name, plan in (
+            ("plan", grouped_linear.plan_experts),
+            ("plan_one_launch", grouped_linear.plan_experts_triton),
+        ):
             row[f"{name}_graph_ms"] = round(graph_ms(lambda plan=plan: plan(chosen, SHAPE["experts"], block_m)), 4)
     except Exception as e:  # noqa: BLE001 - recorded in the row
         row["plan_one_launch"] = f"{type(e).__name__}: {e}"[:300]
@@ -86,8 +92,7 @@ def one_size(tokens: int, weights, bandwidth: float, fused, tiles: bool = False)
     _, chosen, routing_weights = moe.route(x, router, SHAPE["top_k"], True)
     touched = int(torch.unique(chosen).numel())
     bytes_touched = touched * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-    row = {"tokens": tokens, "experts_touched": touched,
-           "floor_ms": round(bytes_touched / (bandwidth * 1e9) * 1e3, 4)}
+    row = {"tokens": tokens, "experts_touched": touched, "floor_ms": round(bytes_touched / (bandwidth * 1e9) * 1e3, 4)}
 
     def run(dispatch):
         return lambda: moe.combine_experts(x, chosen, routing_weights, gate_up, down, dispatch=dispatch)
@@ -128,17 +133,24 @@ def main() -> None:
     args = ap.parse_args()
     e, h, i = SHAPE["experts"], SHAPE["hidden"], SHAPE["width"]
     g = torch.Generator(device="cuda").manual_seed(0)
-    weights = (torch.randn(e, h, device="cuda", generator=g).mul_(h ** -0.5).to(DT),
-               torch.randn(e, 2 * i, h, device="cuda", generator=g).mul_(h ** -0.5).to(DT),
-               torch.randn(e, h, i, device="cuda", generator=g).mul_(i ** -0.5).to(DT))
+    weights = (
+        torch.randn(e, h, device="cuda", generator=g).mul_(h**-0.5).to(DT),
+        torch.randn(e, 2 * i, h, device="cuda", generator=g).mul_(h**-0.5).to(DT),
+        torch.randn(e, h, i, device="cuda", generator=g).mul_(i**-0.5).to(DT),
+    )
     bandwidth = copy_gbps()
     fused = vllm_fused_experts()
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         rows.append(one_size(tokens, weights, bandwidth, fused, args.tiles))
         print(json.dumps(rows[-1]), flush=True)
-    record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": SHAPE,
-              "copy_gbps": round(bandwidth, 1), "rows": rows}
+    record = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": SHAPE,
+        "copy_gbps": round(bandwidth, 1),
+        "rows": rows,
+    }
     try:
         import vllm
 

@@ -31,9 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from alignaudit.commands import cli  # noqa: E402
 
 STAGES = ["seconds", "rollout_s", "rescore_s", "update_s", "optimizer_s", "sync_s"]
-CONFIGS = {"strict": (["--strict"], {}), "strict-fused": (["--strict"], {"ALIGNAUDIT_BACKWARD": "fused"}),
-           "strict-reference": (["--strict"], {"ALIGNAUDIT_BACKWARD": "reference"}),
-           "default": ([], {})}
+CONFIGS = {
+    "strict": (["--strict"], {}),
+    "strict-fused": (["--strict"], {"ALIGNAUDIT_BACKWARD": "fused"}),
+    "strict-reference": (["--strict"], {"ALIGNAUDIT_BACKWARD": "reference"}),
+    "default": ([], {}),
+}
 
 
 def main() -> None:
@@ -60,22 +63,31 @@ def main() -> None:
                 steps = run_once(name, args, Path(tmp) / f"{name}-{i}")
                 first_steps[name].append({stage: float(steps[stage].iloc[0]) for stage in STAGES})
                 runs[name].append(steps.iloc[1:])
-                for label, values in (("first step", first_steps[name][-1]),
-                                      ("median of the rest", runs[name][-1][STAGES].median())):
-                    print(f"{name} round {i + 1}, {label}: " + ", ".join(f"{k} {float(values[k]):.3f}" for k in STAGES),
-                          flush=True)
+                for label, values in (
+                    ("first step", first_steps[name][-1]),
+                    ("median of the rest", runs[name][-1][STAGES].median()),
+                ):
+                    print(
+                        f"{name} round {i + 1}, {label}: " + ", ".join(f"{k} {float(values[k]):.3f}" for k in STAGES),
+                        flush=True,
+                    )
                 medians = write_record(args, runs, first_steps)
             if args.rounds > 1:
-                ratio = {n: runs[n][-1]["seconds"].median() / runs["default"][-1]["seconds"].median()
-                         for n in names if n != "default"}
-                print(f"round {i + 1}: step / default " + ", ".join(f"{n} {r:.2f}" for n, r in ratio.items()),
-                      flush=True)
+                ratio = {
+                    n: runs[n][-1]["seconds"].median() / runs["default"][-1]["seconds"].median()
+                    for n in names
+                    if n != "default"
+                }
+                print(
+                    f"round {i + 1}: step / default " + ", ".join(f"{n} {r:.2f}" for n, r in ratio.items()), flush=True
+                )
     others = [n for n in names if n != "default"]
     print(f"{'stage':<12}" + "".join(f"{n + ' s':>16}{n + '/default':>22}" for n in others) + f"{'default s':>11}")
     for stage in STAGES:
         d = medians["default"][stage]
-        cells = "".join(f"{medians[n][stage]:>16.3f}{medians[n][stage] / d if d else float('nan'):>22.2f}"
-                        for n in others)
+        cells = "".join(
+            f"{medians[n][stage]:>16.3f}{medians[n][stage] / d if d else float('nan'):>22.2f}" for n in others
+        )
         print(f"{stage:<12}{cells}{d:>11.3f}")
 
 
@@ -88,8 +100,14 @@ def write_record(args, runs: dict, first_steps: dict) -> dict:
             steps = pd.concat(frames)
             medians[name] = {stage: float(steps[stage].median()) for stage in STAGES}
             medians[name]["mismatching_steps"] = int((steps["mismatches"] > 0).sum())
-    record = {"train": args.train, "infer": args.infer, "steps": args.steps, "rounds": args.rounds,
-              "median_seconds": medians, "first_step_seconds": first_steps}
+    record = {
+        "train": args.train,
+        "infer": args.infer,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "median_seconds": medians,
+        "first_step_seconds": first_steps,
+    }
     Path("bench-rl-steps.json").write_text(json.dumps(record, indent=2) + "\n")
     return medians
 
@@ -99,8 +117,22 @@ def run_once(name: str, args, out: Path) -> pd.DataFrame:
     flags, env = CONFIGS[name]
     os.environ.update(env)  # the engines' worker processes, started by this run, inherit it
     try:
-        code = cli.main(["rl", "--train", args.train, "--infer", args.infer, "--steps", str(args.steps),
-                         "--no-token-rows", *flags, *args.extra, "--out", str(out)])
+        code = cli.main(
+            [
+                "rl",
+                "--train",
+                args.train,
+                "--infer",
+                args.infer,
+                "--steps",
+                str(args.steps),
+                "--no-token-rows",
+                *flags,
+                *args.extra,
+                "--out",
+                str(out),
+            ]
+        )
     finally:
         for key in env:
             os.environ.pop(key)

@@ -34,10 +34,23 @@ from alignaudit_kernels.matmul import launch  # noqa: E402
 from bench.timing import graph_ms, ms  # noqa: E402
 
 DT = torch.bfloat16
-MATMUL_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-                (64, 64, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 64, 64, 4, 4),
-                (128, 128, 64, 8, 4), (16, 32, 64, 4, 4), (16, 64, 64, 4, 4), (32, 32, 64, 4, 4), (16, 32, 64, 2, 4),
-                (16, 16, 64, 2, 4), (16, 32, 128, 4, 3)]
+MATMUL_TILES = [
+    (128, 256, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 64, 64, 4, 4),
+    (128, 256, 64, 8, 4),
+    (256, 128, 64, 8, 3),
+    (128, 64, 64, 4, 4),
+    (128, 128, 64, 8, 4),
+    (16, 32, 64, 4, 4),
+    (16, 64, 64, 4, 4),
+    (32, 32, 64, 4, 4),
+    (16, 32, 64, 2, 4),
+    (16, 16, 64, 2, 4),
+    (16, 32, 128, 4, 3),
+]
 SMALL = 4  # index of the 64x64 tile, the one a single row is checked in
 CHUNKS = (256, 512, 1024, 4096)  # keys per chunk: the split-KV granularity, one algorithm each
 
@@ -49,23 +62,37 @@ def sweep_matmul(rows):
     same = [torch.equal(outs[0], o) for o in outs]
     one = launch._triton(x[:1], w, None, tile=MATMUL_TILES[SMALL])
     same_row = torch.equal(one[0], outs[0][0])
-    print(f"matmul: bits equal across tiles {same}; "
-          f"row alone in the small tile == in the big tile: {same_row}", flush=True)
+    print(
+        f"matmul: bits equal across tiles {same}; row alone in the small tile == in the big tile: {same_row}",
+        flush=True,
+    )
     for k, n in ((4096, 6144), (4096, 24576), (12288, 4096)):
-        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k**-0.5
         for m in (1, 16, 256, 4096):
             x = torch.randn(m, k, dtype=DT, device="cuda")
             base = ms(lambda: torch.nn.functional.linear(x, w))
             for t in MATMUL_TILES:
                 strict = ms(lambda: launch._triton(x, w, None, tile=t))
-                rows.append({"op": f"matmul {k}x{n}", "M": m, "config": list(t),
-                             "default_ms": base, "strict_ms": strict,
-                             "ratio": base / strict})
+                rows.append(
+                    {
+                        "op": f"matmul {k}x{n}",
+                        "M": m,
+                        "config": list(t),
+                        "default_ms": base,
+                        "strict_ms": strict,
+                        "ratio": base / strict,
+                    }
+                )
     return {"tiles_bitwise_equal": all(same), "small_vs_large_row_equal": same_row}
 
 
-TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4),
-             (128, 128, 64, 4, 4)]
+TMA_TILES = [
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 4),
+    (128, 128, 64, 4, 4),
+]
 
 
 def try_config(rows, same, fn, expected, timer, **row):
@@ -84,23 +111,44 @@ def try_config(rows, same, fn, expected, timer, **row):
 def sweep_matmul_tma(rows):
     """The TMA-descriptor kernel (plain and persistent) at large M, against cuBLAS and for equal bits."""
     same = []
-    for k, n, m in ((4096, 6144, 4096), (4096, 24576, 4096), (12288, 4096, 4096), (4096, 24576, 256),
-                    (4096, 4096, 16384)):
-        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+    for k, n, m in (
+        (4096, 6144, 4096),
+        (4096, 24576, 4096),
+        (12288, 4096, 4096),
+        (4096, 24576, 256),
+        (4096, 4096, 16384),
+    ):
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k**-0.5
         x = torch.randn(m, k, dtype=DT, device="cuda")
         expected = launch._triton(x, w, None, tile=launch.TILES[DT]["large"])  # the pointer kernel
         base = ms(lambda: torch.nn.functional.linear(x, w))
         for t in TMA_TILES:
             for persistent in (False, True):
-                try_config(rows, same, lambda: launch._triton_tma(x, w, t, persistent), expected, ms,
-                           op=f"matmul-tma {k}x{n}", M=m, config=[*t, "persistent" if persistent else "grid"],
-                           default_ms=base)
+                try_config(
+                    rows,
+                    same,
+                    lambda: launch._triton_tma(x, w, t, persistent),
+                    expected,
+                    ms,
+                    op=f"matmul-tma {k}x{n}",
+                    M=m,
+                    config=[*t, "persistent" if persistent else "grid"],
+                    default_ms=base,
+                )
     print(f"tma: bits equal to the pointer kernel {all(same)} ({len(same)} checks)", flush=True)
     return {"tma_bitwise_equal_to_pointer_kernel": all(same)}
 
 
-SEGMENT_TMA_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
-                     (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 4, 6)]
+SEGMENT_TMA_TILES = [
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 5),
+    (128, 128, 64, 8, 3),
+    (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 128, 64, 4, 6),
+]
 
 
 def sweep_segments(rows):
@@ -112,30 +160,48 @@ def sweep_segments(rows):
     s = matmul.ROW_PARALLEL_SEGMENTS
     same = []
     for k, n in ((4096, 4096), (12288, 4096)):
-        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k**-0.5
         for m in (16, 256, 4096):
             x = torch.randn(m, k, dtype=DT, device="cuda")
             expected = launch._triton(x, w, None, tile=launch.tile_for(m, n, DT), segments=s)
             base = graph_ms(lambda: torch.nn.functional.linear(x, w))
-            ways = {"unsegmented (strict, default path)": lambda: launch._triton(x, w, None),
-                    "in-kernel tree (pointer)": lambda: launch._triton(x, w, None, tile=launch.tile_for(m, n, DT),
-                                                                       segments=s),
-                    "split_k": lambda: launch._split_k(x, w, None, s, None),
-                    "default path": lambda: launch._triton(x, w, None, segments=s)}
+            ways = {
+                "unsegmented (strict, default path)": lambda: launch._triton(x, w, None),
+                "in-kernel tree (pointer)": lambda: launch._triton(
+                    x, w, None, tile=launch.tile_for(m, n, DT), segments=s
+                ),
+                "split_k": lambda: launch._split_k(x, w, None, s, None),
+                "default path": lambda: launch._triton(x, w, None, segments=s),
+            }
             for t in SEGMENT_TMA_TILES:
                 for persistent in (False, True):
-                    ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = (
-                        lambda t=t, persistent=persistent: launch._triton_tma(x, w, t, persistent, segments=s))
+                    ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = lambda t=t, persistent=persistent: (
+                        launch._triton_tma(x, w, t, persistent, segments=s)
+                    )
             for name, fn in ways.items():
-                try_config(rows, same, fn, None if name.startswith("unsegmented") else expected, graph_ms,
-                           op=f"matmul {k}x{n} {s} K segments (graph)", M=m, config=name, default_ms=base)
+                try_config(
+                    rows,
+                    same,
+                    fn,
+                    None if name.startswith("unsegmented") else expected,
+                    graph_ms,
+                    op=f"matmul {k}x{n} {s} K segments (graph)",
+                    M=m,
+                    config=name,
+                    default_ms=base,
+                )
     print(f"segments: every way gives the in-kernel tree's bits {all(same)} ({len(same)} checks)", flush=True)
     return {"segments_bitwise_equal": all(same)}
 
 
-SMALL_M_TMA_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 6), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-                     (64, 256, 64, 8, 3),
-                     (64, 64, 64, 4, 4)]
+SMALL_M_TMA_TILES = [
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 6),
+    (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (64, 256, 64, 8, 3),
+    (64, 64, 64, 4, 4),
+]
 
 
 def sweep_small_m(rows):
@@ -145,19 +211,33 @@ def sweep_small_m(rows):
     same = []
     m = 256
     for k, n in ((4096, 6144), (4096, 24576), (4096, 151936)):
-        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k**-0.5
         x = torch.randn(m, k, dtype=DT, device="cuda")
         pointer_tile = launch.tile_for(m, n, DT)
         expected = launch._triton(x, w, None, tile=pointer_tile)
         base = graph_ms(lambda: torch.nn.functional.linear(x, w))
         row = {"op": f"matmul {k}x{n} (graph)", "M": m, "default_ms": base}
-        try_config(rows, same, lambda: launch._triton(x, w, None, tile=pointer_tile), None, graph_ms,
-                   config=f"pointer {pointer_tile}", **row)
+        try_config(
+            rows,
+            same,
+            lambda: launch._triton(x, w, None, tile=pointer_tile),
+            None,
+            graph_ms,
+            config=f"pointer {pointer_tile}",
+            **row,
+        )
         try_config(rows, same, lambda: launch._triton(x, w, None), expected, graph_ms, config="default path", **row)
         for t in SMALL_M_TMA_TILES:
             for persistent in (False, True):
-                try_config(rows, same, lambda t=t, persistent=persistent: launch._triton_tma(x, w, t, persistent),
-                           expected, graph_ms, config=f"tma {t} {'persistent' if persistent else 'grid'}", **row)
+                try_config(
+                    rows,
+                    same,
+                    lambda t=t, persistent=persistent: launch._triton_tma(x, w, t, persistent),
+                    expected,
+                    graph_ms,
+                    config=f"tma {t} {'persistent' if persistent else 'grid'}",
+                    **row,
+                )
     print(f"small-m: TMA bits equal to the pointer kernel {all(same)} ({len(same)} checks)", flush=True)
     return {"small_m_tma_bitwise_equal": all(same)}
 
@@ -174,13 +254,16 @@ def sweep_medium_m(rows):
     same = []
     s = matmul.ROW_PARALLEL_SEGMENTS
     for k, n, segments in ((4096, 6144, 1), (4096, 4096, s), (4096, 24576, 1), (12288, 4096, s), (4096, 151936, 1)):
-        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k**-0.5
         for m in (32, 64, 128):
             x = torch.randn(m, k, dtype=DT, device="cuda")
             expected = launch._triton(x, w, None, tile=launch.TILES[DT]["large"], segments=segments)
             base = graph_ms(lambda: torch.nn.functional.linear(x, w))
-            row = {"op": f"matmul {k}x{n}" + (f" {segments} K segments" if segments > 1 else "") + " (graph)",
-                   "M": m, "default_ms": base}
+            row = {
+                "op": f"matmul {k}x{n}" + (f" {segments} K segments" if segments > 1 else "") + " (graph)",
+                "M": m,
+                "default_ms": base,
+            }
             ways = {"default path": lambda: launch._triton(x, w, None, segments=segments)}
             for t in MEDIUM_M_POINTER_TILES:
                 ways[f"pointer {t}"] = lambda t=t: launch._triton(x, w, None, tile=t, segments=segments)
@@ -188,16 +271,23 @@ def sweep_medium_m(rows):
                 ways["split_k"] = lambda: launch._split_k(x, w, None, segments, None)
             for t in MEDIUM_M_TMA_TILES:
                 for persistent in (False, True):
-                    ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = (
-                        lambda t=t, persistent=persistent: launch._triton_tma(x, w, t, persistent, segments=segments))
+                    ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = lambda t=t, persistent=persistent: (
+                        launch._triton_tma(x, w, t, persistent, segments=segments)
+                    )
             for name, fn in ways.items():
                 try_config(rows, same, fn, expected, graph_ms, config=name, **row)
     print(f"medium-m: every way gives the pointer kernel's bits {all(same)} ({len(same)} checks)", flush=True)
     return {"medium_m_bitwise_equal": all(same)}
 
 
-ISSUE19_TMA_TILES = [(128, 128, 64, 8, 6), (64, 128, 64, 4, 6), (64, 64, 64, 4, 6), (64, 64, 64, 4, 8),
-                     (64, 32, 64, 4, 8), (64, 64, 128, 4, 4)]
+ISSUE19_TMA_TILES = [
+    (128, 128, 64, 8, 6),
+    (64, 128, 64, 4, 6),
+    (64, 64, 64, 4, 6),
+    (64, 64, 64, 4, 8),
+    (64, 32, 64, 4, 8),
+    (64, 64, 128, 4, 4),
+]
 ISSUE19_SPLIT_TILES = [(64, 128, 64, 4, 6), (64, 64, 64, 4, 6), (64, 64, 64, 4, 8), (128, 128, 64, 8, 6)]
 
 
@@ -210,30 +300,42 @@ def sweep_issue19(rows):
     slower at M = 4096 and below; docs/benchmarks.md)."""
     same = []
     s = matmul.ROW_PARALLEL_SEGMENTS
-    for name, k, n, segments in (("qkv", 4096, 6144, 1), ("gate_up", 4096, 24576, 1), ("o", 4096, 4096, s),
-                                 ("down", 12288, 4096, s)):
-        w = torch.randn(n, k, dtype=DT, device="cuda") * k ** -0.5
+    for name, k, n, segments in (
+        ("qkv", 4096, 6144, 1),
+        ("gate_up", 4096, 24576, 1),
+        ("o", 4096, 4096, s),
+        ("down", 12288, 4096, s),
+    ):
+        w = torch.randn(n, k, dtype=DT, device="cuda") * k**-0.5
         for m in (32, 64, 128, 256, 4096):
             if segments == 1 and m == 4096:
                 continue
             x = torch.randn(m, k, dtype=DT, device="cuda")
             expected = launch._triton(x, w, None, tile=launch.TILES[DT]["large"], segments=segments)
             base = graph_ms(lambda: torch.nn.functional.linear(x, w))
-            row = {"op": f"{name} {k}x{n}" + (f" {segments} seg" if segments > 1 else "") + " (graph)", "M": m,
-                   "default_ms": base}
+            row = {
+                "op": f"{name} {k}x{n}" + (f" {segments} seg" if segments > 1 else "") + " (graph)",
+                "M": m,
+                "default_ms": base,
+            }
             ways = {"default path": lambda: launch._triton(x, w, None, segments=segments)}
             for t in ISSUE19_TMA_TILES if m <= 256 else ():
                 for persistent in (False, True):
-                    ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = (
-                        lambda t=t, persistent=persistent: launch._triton_tma(x, w, t, persistent, segments=segments))
+                    ways[f"tma {t} {'persistent' if persistent else 'grid'}"] = lambda t=t, persistent=persistent: (
+                        launch._triton_tma(x, w, t, persistent, segments=segments)
+                    )
             if segments > 1:
                 for t in ISSUE19_SPLIT_TILES if m <= 256 else ():
                     ways[f"tma-split {t}"] = lambda t=t: launch._triton_tma_split(x, w, t, segments)
             for way, fn in ways.items():
                 try_config(rows, same, fn, expected, graph_ms, config=way, **row)
-    print(f"issue19: every way gives the pointer kernel's bits {all(same)} ({len(same)} checks, "
-          f"{same.count(False)} unequal)", flush=True)
+    print(
+        f"issue19: every way gives the pointer kernel's bits {all(same)} ({len(same)} checks, "
+        f"{same.count(False)} unequal)",
+        flush=True,
+    )
     return {"issue19_bitwise_equal": all(same), "issue19_checks": len(same), "issue19_unequal": same.count(False)}
+
 
 def sweep_attention(rows):
     """Key chunk sizes (the split-KV granularity; each one another algorithm), split or not, portable or native
@@ -253,13 +355,22 @@ def sweep_attention(rows):
         for chunk in CHUNKS:
             outs = []
             for split, exp in ((False, "portable"), (True, "portable"), (False, "native")):
+
                 def run():
-                    return attention._launch_varlen(qs, ks, vs, cu, d ** -0.5, chunk_n=chunk, split=split, exp=exp)
+                    return attention._launch_varlen(qs, ks, vs, cu, d**-0.5, chunk_n=chunk, split=split, exp=exp)
+
                 outs.append(run())
                 strict = ms(run)
-                rows.append({"op": f"attention prefill {n_tok}", "M": f"chunk {chunk} split {split} {exp}",
-                             "config": list(attention.TILE_CONFIG), "default_ms": base, "strict_ms": strict,
-                             "ratio": base / strict})
+                rows.append(
+                    {
+                        "op": f"attention prefill {n_tok}",
+                        "M": f"chunk {chunk} split {split} {exp}",
+                        "config": list(attention.TILE_CONFIG),
+                        "default_ms": base,
+                        "strict_ms": strict,
+                        "ratio": base / strict,
+                    }
+                )
             same.append(torch.equal(outs[0], outs[1]))
     ctx, block = 4096, 16
     for b in (1, 16, 256):
@@ -273,14 +384,34 @@ def sweep_attention(rows):
         for chunk in CHUNKS:
             outs = []
             for split in (False, True):
+
                 def run():
-                    return attention._launch(qd, kc, vc, table, None, lens, d ** -0.5, kv_mode=attention.KV_GATHER,
-                                             max_keys=ctx, chunk_n=chunk, split=split)
+                    return attention._launch(
+                        qd,
+                        kc,
+                        vc,
+                        table,
+                        None,
+                        lens,
+                        d**-0.5,
+                        kv_mode=attention.KV_GATHER,
+                        max_keys=ctx,
+                        chunk_n=chunk,
+                        split=split,
+                    )
+
                 outs.append(run())
                 strict = graph_ms(run)
-                rows.append({"op": f"attention decode b={b} ctx={ctx} (graph)", "M": f"chunk {chunk} split {split}",
-                             "config": list(attention.TILE_CONFIG), "default_ms": base, "strict_ms": strict,
-                             "ratio": base / strict})
+                rows.append(
+                    {
+                        "op": f"attention decode b={b} ctx={ctx} (graph)",
+                        "M": f"chunk {chunk} split {split}",
+                        "config": list(attention.TILE_CONFIG),
+                        "default_ms": base,
+                        "strict_ms": strict,
+                        "ratio": base / strict,
+                    }
+                )
             same.append(torch.equal(outs[0], outs[1]))
     print(f"attention: split == unsplit for every chunk size {same}", flush=True)
     return {"split_bitwise_equal": all(same)}
@@ -295,7 +426,7 @@ def sweep_decode_generation(rows):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     b, ctx, bound, h, kvh, d = 64, 640, 832, 32, 8, 128
-    scale = d ** -0.5
+    scale = d**-0.5
     q = torch.randn(b, h, d, dtype=DT, device="cuda")
     keys = torch.randn(b, ctx, kvh, d, dtype=DT, device="cuda")
     values = torch.randn_like(keys)
@@ -310,33 +441,67 @@ def sweep_decode_generation(rows):
         kc[order] = keys.view(b * pages, block, kvh, d)
         vc[order] = values.view(b * pages, block, kvh, d)
         table = order.to(torch.int32).view(b, pages)
-        base = graph_ms(lambda: flash_attn_varlen_func(q, kc, vc, max_seqlen_q=1, cu_seqlens_q=cuq, max_seqlen_k=bound,
-                                                       seqused_k=lens, softmax_scale=scale, causal=True,
-                                                       block_table=table, fa_version=3))
+        base = graph_ms(
+            lambda: flash_attn_varlen_func(
+                q,
+                kc,
+                vc,
+                max_seqlen_q=1,
+                cu_seqlens_q=cuq,
+                max_seqlen_k=bound,
+                seqused_k=lens,
+                softmax_scale=scale,
+                causal=True,
+                block_table=table,
+                fa_version=3,
+            )
+        )
         mode = attention._kv_mode(kc)
         for config in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2)):
             for split in (True, False):
+
                 def run():
-                    return attention._launch(q, kc, vc, table, None, lens, scale, kv_mode=mode, max_keys=bound,
-                                             config=config, split=split)
+                    return attention._launch(
+                        q, kc, vc, table, None, lens, scale, kv_mode=mode, max_keys=bound, config=config, split=split
+                    )
+
                 out = run()
                 reference = out if reference is None else reference
                 same[f"block {block} {config} split {split}"] = torch.equal(out, reference)
                 strict = graph_ms(run)
-                rows.append({"op": f"decode b={b} ctx={ctx} pages of {block}", "M": f"split {split}",
-                             "config": list(config), "default_ms": base, "strict_ms": strict, "ratio": base / strict})
+                rows.append(
+                    {
+                        "op": f"decode b={b} ctx={ctx} pages of {block}",
+                        "M": f"split {split}",
+                        "config": list(config),
+                        "default_ms": base,
+                        "strict_ms": strict,
+                        "ratio": base / strict,
+                    }
+                )
     for r in rows[first:]:
-        print(f"{r['op']:34s} {r['M']:12s} {str(r['config']):14s} FA3 {r['default_ms']:.4f} ms  strict "
-              f"{r['strict_ms']:.4f} ms  ratio {r['ratio']:.2f}", flush=True)
+        print(
+            f"{r['op']:34s} {r['M']:12s} {str(r['config']):14s} FA3 {r['default_ms']:.4f} ms  strict "
+            f"{r['strict_ms']:.4f} ms  ratio {r['ratio']:.2f}",
+            flush=True,
+        )
     print("decode at the generation shape, same bits as block 16 (64, 4, 2) split:", same, flush=True)
     return {"decode_generation_same_bits": same}
 
 
 # Hopper's warp specialization aborts at 4 warps ("unsupported load type for producer commit", Triton 3.8 for
 # sm_90): one 4-warp probe for the H200's Triton, the rest at 8
-PREFILL_CANDIDATES = [((64, 4, 2), False, False), ((64, 4, 2), True, False), ((64, 4, 3), True, False),
-                      ((128, 8, 2), True, False), ((128, 8, 3), True, False), ((64, 4, 2), True, True),
-                      ((64, 8, 2), True, True), ((128, 8, 2), True, True), ((128, 8, 3), True, True)]
+PREFILL_CANDIDATES = [
+    ((64, 4, 2), False, False),
+    ((64, 4, 2), True, False),
+    ((64, 4, 3), True, False),
+    ((128, 8, 2), True, False),
+    ((128, 8, 3), True, False),
+    ((64, 4, 2), True, True),
+    ((64, 8, 2), True, True),
+    ((128, 8, 2), True, True),
+    ((128, 8, 3), True, True),
+]
 
 
 def sweep_attention_tma(rows):
@@ -348,12 +513,13 @@ def sweep_attention_tma(rows):
     that fails to compile is printed and skipped."""
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
+
         anchor = "FA3"
     except ImportError:
         flash_attn_varlen_func, anchor = None, "SDPA"
 
     h, kvh, d = 32, 8, 128
-    scale = d ** -0.5
+    scale = d**-0.5
     same, first = [], len(rows)
     for count, n in ((1, 1024), (1, 4096), (1, 8192), (32, 128), (8, 512)):  # RL batches: one key chunk, no merge
         q = torch.randn(count * n, h, d, dtype=DT, device="cuda")
@@ -363,24 +529,53 @@ def sweep_attention_tma(rows):
         cu32 = cu.to(device="cuda", dtype=torch.int32)
         if flash_attn_varlen_func is None:
             qt, kt, vt = (x.view(count, n, -1, d).transpose(1, 2) for x in (q, k, v))
-            base = ms(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
-                                                                               enable_gqa=True))
+            base = ms(
+                lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+            )
         else:
-            base = ms(lambda: flash_attn_varlen_func(q, k, v, max_seqlen_q=n, cu_seqlens_q=cu32, max_seqlen_k=n,
-                                                     cu_seqlens_k=cu32, softmax_scale=scale, causal=True,
-                                                     fa_version=3))
+            base = ms(
+                lambda: flash_attn_varlen_func(
+                    q,
+                    k,
+                    v,
+                    max_seqlen_q=n,
+                    cu_seqlens_q=cu32,
+                    max_seqlen_k=n,
+                    cu_seqlens_k=cu32,
+                    softmax_scale=scale,
+                    causal=True,
+                    fa_version=3,
+                )
+            )
         label = f"{count} x {n}" if count > 1 else n
         expected = attention._launch_varlen(q, k, v, cu, scale)
         for config, tma, ws in PREFILL_CANDIDATES:
+
             def run(config=config, tma=tma, ws=ws):
                 return attention._launch_varlen(q, k, v, cu, scale, config=config, tma=tma, ws=ws)
-            try_config(rows, same, run, expected, ms, op=f"prefill {label} vs {anchor}", M=f"tma {tma} ws {ws}",
-                       config=list(config), default_ms=base)
+
+            try_config(
+                rows,
+                same,
+                run,
+                expected,
+                ms,
+                op=f"prefill {label} vs {anchor}",
+                M=f"tma {tma} ws {ws}",
+                config=list(config),
+                default_ms=base,
+            )
     for r in rows[first:]:
-        print(f"{r['op']:24s} {r['M']:18s} {str(r['config']):12s} {anchor} {r['default_ms']:.4f} ms  strict "
-              f"{r['strict_ms']:.4f} ms  of {anchor} {r['ratio']:.3f}", flush=True)
-    print(f"attention-tma: every candidate gives the default's bits {all(same)} ({len(same)} checks, "
-          f"{same.count(False)} unequal)", flush=True)
+        print(
+            f"{r['op']:24s} {r['M']:18s} {str(r['config']):12s} {anchor} {r['default_ms']:.4f} ms  strict "
+            f"{r['strict_ms']:.4f} ms  of {anchor} {r['ratio']:.3f}",
+            flush=True,
+        )
+    print(
+        f"attention-tma: every candidate gives the default's bits {all(same)} ({len(same)} checks, "
+        f"{same.count(False)} unequal)",
+        flush=True,
+    )
     return {"attention_tma_bitwise_equal": all(same), "attention_tma_checks": len(same)}
 
 
@@ -400,53 +595,94 @@ def sweep_rmsnorm_rows(rows):
     d, eps = 128, 1e-6
     w = torch.randn(d, dtype=DT, device="cuda") * 0.2 + 1
     first = len(rows)
-    shapes = ((4096, 0, 32, "Qwen3-8B q, 4096 tokens"), (4096, 32, 8, "Qwen3-8B k, 4096 tokens"),
-              (2048, 0, 16, "Qwen3-1.7B q, 2048 tokens (RL prefill)"), (64, 0, 32, "Qwen3-8B q, 64 tokens (decode)"))
+    shapes = (
+        (4096, 0, 32, "Qwen3-8B q, 4096 tokens"),
+        (4096, 32, 8, "Qwen3-8B k, 4096 tokens"),
+        (2048, 0, 16, "Qwen3-1.7B q, 2048 tokens (RL prefill)"),
+        (64, 0, 32, "Qwen3-8B q, 64 tokens (decode)"),
+    )
     for tokens, start, heads, label in shapes:  # start: the first head of the [q | k | v] columns normalized
         qkv = torch.randn(tokens, 48 * d, dtype=DT, device="cuda")  # Qwen3-8B's [q | k | v]: 32 + 8 + 8 heads
-        x = qkv[:, start * d: (start + heads) * d].view(tokens, heads, d)
+        x = qkv[:, start * d : (start + heads) * d].view(tokens, heads, d)
         base = graph_ms(lambda: torch.nn.functional.rms_norm(x, (d,), w, eps))
         default = rmsnorm._triton(x, w, eps, None, heads=heads, rows=1)[0]
         one_row = graph_ms(lambda: rmsnorm._triton(x, w, eps, None, heads=heads, rows=1))
-        rows.append({"op": f"q/k rmsnorm {label}", "M": 1, "config": "one row a program",
-                     "default_ms": base, "strict_ms": one_row, "ratio": base / one_row})
+        rows.append(
+            {
+                "op": f"q/k rmsnorm {label}",
+                "M": 1,
+                "config": "one row a program",
+                "default_ms": base,
+                "strict_ms": one_row,
+                "ratio": base / one_row,
+            }
+        )
         for count in RMSNORM_ROWS:
+
             def run(count=count):
                 return rmsnorm._triton(x, w, eps, None, heads=heads, rows=count)[0]
+
             try:
                 whole = run()
                 part = rmsnorm._triton(x[:7], w, eps, None, heads=heads, rows=count)[0]
             except Exception as e:  # noqa: BLE001 - a sweep reports what failed and goes on
                 print(f"q/k rmsnorm {label} {count} rows: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
-            try_config(rows, [], run, None, graph_ms, op=f"q/k rmsnorm {label}", M=count,
-                       config=f"{count} rows a program", default_ms=base,
-                       batch_invariant=torch.equal(part, whole[: 7 * heads]), one_row_bits=torch.equal(whole, default))
+            try_config(
+                rows,
+                [],
+                run,
+                None,
+                graph_ms,
+                op=f"q/k rmsnorm {label}",
+                M=count,
+                config=f"{count} rows a program",
+                default_ms=base,
+                batch_invariant=torch.equal(part, whole[: 7 * heads]),
+                one_row_bits=torch.equal(whole, default),
+            )
     candidates = [r for r in rows[first:] if "one_row_bits" in r]
     for r in rows[first:]:
-        print(f"{r['op']:44s} {str(r['config']):28s} torch {r['default_ms']:.4f} ms  strict {r['strict_ms']:.4f} ms  "
-              f"ratio {r['ratio']:.2f}  invariant {r.get('batch_invariant', '-')}  one-row bits "
-              f"{r.get('one_row_bits', '-')}", flush=True)
+        print(
+            f"{r['op']:44s} {str(r['config']):28s} torch {r['default_ms']:.4f} ms  strict {r['strict_ms']:.4f} ms  "
+            f"ratio {r['ratio']:.2f}  invariant {r.get('batch_invariant', '-')}  one-row bits "
+            f"{r.get('one_row_bits', '-')}",
+            flush=True,
+        )
     invariant = all(r["batch_invariant"] for r in candidates)
     same = all(r["one_row_bits"] for r in candidates)
-    print(f"rmsnorm-rows: {len(candidates)} candidates timed; all batch invariant {invariant}; all with the one-row "
-          f"kernel's bits {same}", flush=True)
+    print(
+        f"rmsnorm-rows: {len(candidates)} candidates timed; all batch invariant {invariant}; all with the one-row "
+        f"kernel's bits {same}",
+        flush=True,
+    )
     return {"rmsnorm_rows_batch_invariant": invariant, "rmsnorm_rows_one_row_bits": same}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--sections", default="matmul,tma,attention",
-                        help="comma list of matmul, tma, segments, small-m, medium-m, attention, issue19, "
-                        "decode-generation (needs CUDA vLLM), attention-tma, rmsnorm-rows")
+    parser.add_argument(
+        "--sections",
+        default="matmul,tma,attention",
+        help="comma list of matmul, tma, segments, small-m, medium-m, attention, issue19, "
+        "decode-generation (needs CUDA vLLM), attention-tma, rmsnorm-rows",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
-    sections = {"matmul": sweep_matmul, "tma": sweep_matmul_tma, "segments": sweep_segments, "small-m": sweep_small_m,
-                "medium-m": sweep_medium_m, "attention": sweep_attention, "issue19": sweep_issue19,
-                "decode-generation": sweep_decode_generation, "attention-tma": sweep_attention_tma,
-                "rmsnorm-rows": sweep_rmsnorm_rows}
+    sections = {
+        "matmul": sweep_matmul,
+        "tma": sweep_matmul_tma,
+        "segments": sweep_segments,
+        "small-m": sweep_small_m,
+        "medium-m": sweep_medium_m,
+        "attention": sweep_attention,
+        "issue19": sweep_issue19,
+        "decode-generation": sweep_decode_generation,
+        "attention-tma": sweep_attention_tma,
+        "rmsnorm-rows": sweep_rmsnorm_rows,
+    }
     checks = {}
     for name in args.sections.split(","):
         checks.update(sections[name](rows))
@@ -457,8 +693,10 @@ def main():
             best[key] = r
     print(f"{'op':36s} {'M':>30s} {'best config':>24s} {'default ms':>10s} {'strict ms':>10s} {'ratio':>6s}")
     for (op, m), r in best.items():
-        print(f"{op:36s} {str(m or ''):>30s} {str(r['config']):>24s} {r['default_ms']:10.4f} {r['strict_ms']:10.4f} "
-              f"{r['ratio']:6.2f}")
+        print(
+            f"{op:36s} {str(m or ''):>30s} {str(r['config']):>24s} {r['default_ms']:10.4f} {r['strict_ms']:10.4f} "
+            f"{r['ratio']:6.2f}"
+        )
     print("checks:", checks)
     if args.json:
         args.json.write_text(json.dumps({"checks": checks, "rows": rows}, indent=1))

@@ -19,15 +19,25 @@ def kernel_lines(rows):
     for r in rows:
         if r.get("target") == "prefill":
             need = 0.8 if r["tokens"] >= 4096 else 0.7
-            yield (f"prefill {r['tokens']} {r['exp']} exp vs FA3 (eager / graph)", r["ratio"],
-                   r.get("graph_ratio"), need, max(r["ratio"], r.get("graph_ratio") or 0) >= need)
+            yield (
+                f"prefill {r['tokens']} {r['exp']} exp vs FA3 (eager / graph)",
+                r["ratio"],
+                r.get("graph_ratio"),
+                need,
+                max(r["ratio"], r.get("graph_ratio") or 0) >= need,
+            )
         elif r.get("target") == "decode":
             ratio = r.get("graph_ratio") or 0
             yield f"paged decode b={r['batch']} ctx 4096 {r['exp']} exp vs FA3 (graph)", None, ratio, 0.7, ratio >= 0.7
         elif "layer" in r and r["layer"] != "lm_head":
             need = 0.95 if r["M"] >= 4096 else 0.9
-            yield f"linear {r['layer']} M={r['M']} vs cuBLAS (graph)", r["ratio"], r.get("graph_ratio"), need, \
-                (r.get("graph_ratio") or 0) >= need
+            yield (
+                f"linear {r['layer']} M={r['M']} vs cuBLAS (graph)",
+                r["ratio"],
+                r.get("graph_ratio"),
+                need,
+                (r.get("graph_ratio") or 0) >= need,
+            )
 
 
 def main() -> None:
@@ -55,8 +65,9 @@ def main() -> None:
                 r = strict / base
                 lines.append((f"vLLM generation {config} / default (tokens/s)", None, r, 0.85, r >= 0.85))
             if bi and strict:
-                lines.append((f"vLLM generation {config} / VLLM_BATCH_INVARIANT=1", None, strict / bi, 1.0,
-                              strict / bi > 1))
+                lines.append(
+                    (f"vLLM generation {config} / VLLM_BATCH_INVARIANT=1", None, strict / bi, 1.0, strict / bi > 1)
+                )
     print(f"{'target':66s} {'eager':>6s} {'ratio':>6s} {'need':>5s}  verdict")
     for name, eager, ratio, need, met in lines:
         eager = "" if eager is None else f"{eager:6.2f}"

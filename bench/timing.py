@@ -29,10 +29,15 @@ def kernel_table(prof, top: int | None = 14) -> dict:
             kernels[name] = (count + 1, us + e.time_range.elapsed_us())
     total = sum(us for _, us in kernels.values())
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]  # [:None] keeps all
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"gpu_kernel_ms": round(total / 1e3, 1), "gpu_events": len(spans), "timeline": gpu_timeline(spans),
-            "top": [{"kernel": k, "calls": c, "ms": round(us / 1e3, 1)} for k, (c, us) in ranked]}
+    spans = [
+        (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return {
+        "gpu_kernel_ms": round(total / 1e3, 1),
+        "gpu_events": len(spans),
+        "timeline": gpu_timeline(spans),
+        "top": [{"kernel": k, "calls": c, "ms": round(us / 1e3, 1)} for k, (c, us) in ranked],
+    }
 
 
 # Gaps between GPU work by length, us: within a CUDA graph or a queue of launches a kernel follows the last in a
@@ -57,8 +62,11 @@ def gpu_timeline(spans: list[tuple[float, float]]) -> dict:
             busy += stop - max(start, end if end is not None else start)
             end = stop
     span = (end - min(s for s, _ in spans)) if spans else 0.0
-    return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
-            "gaps": {name: {"count": n, "ms": round(us / 1e3, 3)} for name, (n, us) in gaps.items()}}
+    return {
+        "span_ms": round(span / 1e3, 3),
+        "busy_ms": round(busy / 1e3, 3),
+        "gaps": {name: {"count": n, "ms": round(us / 1e3, 3)} for name, (n, us) in gaps.items()},
+    }
 
 
 SYNCHRONIZING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
@@ -71,6 +79,10 @@ def host_table(events, top: int = 14) -> dict:
     host ops by self CPU time in milliseconds (kernels have none: these are torch ops, Python-side launches, CUDA
     runtime calls)."""
     host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return {"synchronizing_calls": {e.key: e.count for e in events if e.key in SYNCHRONIZING},
-            "host_top": [{"name": e.key[:90], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
-                         for e in host[:top]]}
+    return {
+        "synchronizing_calls": {e.key: e.count for e in events if e.key in SYNCHRONIZING},
+        "host_top": [
+            {"name": e.key[:90], "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+            for e in host[:top]
+        ],
+    }

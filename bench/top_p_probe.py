@@ -41,25 +41,35 @@ def probe(device: str, vocab: int, p: float = 0.9) -> dict:
     g = torch.Generator(device="cpu").manual_seed(0)
     logits = (torch.randn(max(BATCHES), vocab, generator=g) * 3).to(device)
     ordered = logits.sort(dim=-1, stable=True).values
-    alone = torch.cat([cumulative(ordered[i:i + 1]) for i in range(ordered.shape[0])])
+    alone = torch.cat([cumulative(ordered[i : i + 1]) for i in range(ordered.shape[0])])
     whole = cumulative(ordered)  # every row in the one batch of 64
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-              "vocab": vocab, "batches": {}}
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "vocab": vocab,
+        "batches": {},
+    }
     limit = 1 - torch.tensor(p, dtype=torch.float32, device=device)  # truncate's fp32 1 - p
     for n in BATCHES:
         values = masks = other_batch = tested = 0
         for start in range(ordered.shape[0] - n + 1):
-            batched = cumulative(ordered[start:start + n])
-            ref = alone[start:start + n]
+            batched = cumulative(ordered[start : start + n])
+            ref = alone[start : start + n]
             values += int((batched.view(torch.int32) != ref.view(torch.int32)).any(dim=-1).sum())
             masks += int(((batched <= limit) != (ref <= limit)).any(dim=-1).sum())
-            other_batch += int((batched.view(torch.int32) != whole[start:start + n].view(torch.int32)).any(-1).sum())
+            other_batch += int((batched.view(torch.int32) != whole[start : start + n].view(torch.int32)).any(-1).sum())
             tested += n
-        result["batches"][n] = {"pairs_tested": tested, "pairs_with_other_values": values,
-                                "pairs_with_another_mask": masks, "pairs_unlike_the_batch_of_64": other_batch}
-    per_row = host_us(lambda: [cumulative(ordered[i:i + 1]) for i in range(32)], 20, device)
-    result["wall_us_32_rows"] = {"per_row": round(per_row, 1),
-                                 "batched": round(host_us(lambda: cumulative(ordered[:32]), 20, device), 1)}
+        result["batches"][n] = {
+            "pairs_tested": tested,
+            "pairs_with_other_values": values,
+            "pairs_with_another_mask": masks,
+            "pairs_unlike_the_batch_of_64": other_batch,
+        }
+    per_row = host_us(lambda: [cumulative(ordered[i : i + 1]) for i in range(32)], 20, device)
+    result["wall_us_32_rows"] = {
+        "per_row": round(per_row, 1),
+        "batched": round(host_us(lambda: cumulative(ordered[:32]), 20, device), 1),
+    }
     return result
 
 
@@ -71,12 +81,16 @@ def main() -> None:
     args = parser.parse_args()
     result = probe(args.device, args.vocab)
     for n, r in result["batches"].items():
-        print(f"batch {n:3d}: of {r['pairs_tested']} (batch, row) pairs, cumulative probabilities differ from the row "
-              f"alone in {r['pairs_with_other_values']}, the top-p mask in {r['pairs_with_another_mask']}; from the "
-              f"same row in the batch of 64 in {r['pairs_unlike_the_batch_of_64']}")
+        print(
+            f"batch {n:3d}: of {r['pairs_tested']} (batch, row) pairs, cumulative probabilities differ from the row "
+            f"alone in {r['pairs_with_other_values']}, the top-p mask in {r['pairs_with_another_mask']}; from the "
+            f"same row in the batch of 64 in {r['pairs_unlike_the_batch_of_64']}"
+        )
     t = result["wall_us_32_rows"]
-    print(f"32 rows, softmax + cumsum: a row a call {t['per_row']} us, one call {t['batched']} us (wall, "
-          f"{result['device']}, torch {result['torch']})")
+    print(
+        f"32 rows, softmax + cumsum: a row a call {t['per_row']} us, one call {t['batched']} us (wall, "
+        f"{result['device']}, torch {result['torch']})"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -57,8 +57,9 @@ def rank_main(rank: int, args, rendezvous: str) -> None:
     device = args.device
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=args.world)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.world
+    )
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         gen = torch.Generator().manual_seed(rank)

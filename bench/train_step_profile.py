@@ -43,15 +43,28 @@ def profile_one(args) -> dict:
 
     spec = resolve_model(args.model, random_weights=find_preset(args.model) is not None)  # presets: random weights
     settings = EngineSettings(device=args.device, strict="all" if args.mode == "strict" else "")
-    worker = Worker({"role": "trainer", "engine": "megatron", "spec": spec.to_dict(), "settings": settings.to_dict(),
-                     "lr": 1e-6, "clip_grad": 1.0, "kl_coef": args.kl_coef})
+    worker = Worker(
+        {
+            "role": "trainer",
+            "engine": "megatron",
+            "spec": spec.to_dict(),
+            "settings": settings.to_dict(),
+            "lr": 1e-6,
+            "clip_grad": 1.0,
+            "kl_coef": args.kl_coef,
+        }
+    )
     gen = torch.Generator().manual_seed(0)
     length = args.prompt_len + args.new_tokens
     sequences = torch.randint(0, spec.vocab_size, (args.sequences, length), generator=gen).tolist()
     scored = worker.handle("score", {"sequences": sequences})["logprobs"]
-    step = {"prompt_lengths": [args.prompt_len] * args.sequences,
-            "advantages": [(-1.0) ** i for i in range(args.sequences)],
-            "rollout_logprobs": [lp[args.prompt_len - 1:] for lp in scored], "clip_eps": 0.2, "replay": None}
+    step = {
+        "prompt_lengths": [args.prompt_len] * args.sequences,
+        "advantages": [(-1.0) ** i for i in range(args.sequences)],
+        "rollout_logprobs": [lp[args.prompt_len - 1 :] for lp in scored],
+        "clip_eps": 0.2,
+        "replay": None,
+    }
 
     def update() -> tuple[float, float]:
         sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -74,9 +87,13 @@ def profile_one(args) -> dict:
     cuda = torch.autograd.DeviceType.CUDA
     kernels = [e for e in prof.events() if on_device and getattr(e, "device_type", None) == cuda]
     return {
-        "mode": args.mode, "model": args.model, "device": args.device,
-        "tokens": args.sequences * length, "kl_coef": args.kl_coef,
-        "update_s": statistics.median(t for t, _ in timed), "optimizer_s": statistics.median(o for _, o in timed),
+        "mode": args.mode,
+        "model": args.model,
+        "device": args.device,
+        "tokens": args.sequences * length,
+        "kl_coef": args.kl_coef,
+        "update_s": statistics.median(t for t, _ in timed),
+        "optimizer_s": statistics.median(o for _, o in timed),
         "kernels_launched": len(kernels),
         "kernel_s": round(sum(e.device_time_total for e in kernels) / 1e6, 3) if kernels else None,
         "top": [{"name": e.key[:90], "calls": e.count, "self_ms": round(getattr(e, key, 0) / 1e3, 2)} for e in rows],
@@ -93,8 +110,11 @@ def host_side(prof, events, kernels, wall_s: float) -> dict:
     timeline = gpu_timeline([(e.time_range.start, e.time_range.end) for e in kernels])
     busy_s = timeline["busy_ms"] / 1e3
     return {
-        "profiled_wall_s": round(wall_s, 4), "gpu_busy_s": round(busy_s, 4), "gpu_idle_s": round(wall_s - busy_s, 4),
-        "gaps": timeline["gaps"], **host_table(events, TOP),
+        "profiled_wall_s": round(wall_s, 4),
+        "gpu_busy_s": round(busy_s, 4),
+        "gpu_idle_s": round(wall_s - busy_s, 4),
+        "gaps": timeline["gaps"],
+        **host_table(events, TOP),
     }
 
 
@@ -137,14 +157,18 @@ def main() -> None:
 
 def show(mode: str, r: dict) -> None:
     """Print one process's update: its seconds, busiest kernels and, on CUDA, its host side."""
-    print(f"== {mode}: update {r['update_s']:.3f} s (optimizer {r['optimizer_s']:.3f}), "
-          f"{r['kernels_launched']} kernels, {r['kernel_s']} s of kernel time, {r['tokens']} tokens")
+    print(
+        f"== {mode}: update {r['update_s']:.3f} s (optimizer {r['optimizer_s']:.3f}), "
+        f"{r['kernels_launched']} kernels, {r['kernel_s']} s of kernel time, {r['tokens']} tokens"
+    )
     for row in r["top"]:
         print(f"   {row['self_ms']:>9.2f} ms {row['calls']:>6}x  {row['name']}")
     if "gpu_busy_s" in r:
-        print(f"   profiled update {r['profiled_wall_s']} s: GPU busy {r['gpu_busy_s']} s, "
-              f"idle {r['gpu_idle_s']} s (gaps {r['gaps']}); "
-              f"synchronizing calls {r['synchronizing_calls']}; host self time:")
+        print(
+            f"   profiled update {r['profiled_wall_s']} s: GPU busy {r['gpu_busy_s']} s, "
+            f"idle {r['gpu_idle_s']} s (gaps {r['gaps']}); "
+            f"synchronizing calls {r['synchronizing_calls']}; host self time:"
+        )
         for row in r["host_top"][:10]:
             print(f"   {row['self_cpu_ms']:>9.2f} ms {row['calls']:>6}x  {row['name']}")
 

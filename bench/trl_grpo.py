@@ -41,29 +41,56 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     # one process: TRL's colocate mode wants a torch.distributed world of one; vLLM's engine core in this process
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": port, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    os.environ.update(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+        }
+    )
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    data = Dataset.from_dict({"prompt": ["The quick brown fox", "Numerics of RL:", "One two three",
-                                         "A short prompt about logprobs"] * 2})
+    data = Dataset.from_dict(
+        {"prompt": ["The quick brown fox", "Numerics of RL:", "One two three", "A short prompt about logprobs"] * 2}
+    )
 
     def reward(completions, **kwargs):
         return [len(c) / 10.0 for c in completions]
 
-    config = GRPOConfig(output_dir=args.out, use_vllm=True, vllm_mode="colocate", num_generations=4,
-                        per_device_train_batch_size=4, max_completion_length=8, max_steps=args.steps,
-                        learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=args.device == "cpu",
-                        temperature=0.7, top_k=args.top_k, top_p=args.top_p, seed=0, vllm_max_model_length=128,
-                        save_strategy="no",
-                        model_init_kwargs={"dtype": args.dtype}, vllm_gpu_memory_utilization=0.3, beta=args.beta,
-                        entropy_coef=args.entropy_coef)
+    config = GRPOConfig(
+        output_dir=args.out,
+        use_vllm=True,
+        vllm_mode="colocate",
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=8,
+        max_steps=args.steps,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=args.device == "cpu",
+        temperature=0.7,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=0,
+        vllm_max_model_length=128,
+        save_strategy="no",
+        model_init_kwargs={"dtype": args.dtype},
+        vllm_gpu_memory_utilization=0.3,
+        beta=args.beta,
+        entropy_coef=args.entropy_coef,
+    )
     if args.how == "strict":
         from alignaudit.integrations.trl import StrictGRPOTrainer
 
-        trainer = StrictGRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=data,
-                                    fail_closed=True)
+        trainer = StrictGRPOTrainer(
+            model=args.model, reward_funcs=reward, args=config, train_dataset=data, fail_closed=True
+        )
     else:
         from alignaudit import api
 
@@ -76,10 +103,14 @@ def main() -> None:
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     after = dict(trainer.model.named_parameters())
-    unchanged = [name for name, p in before.items() if torch.equal(p.view(torch.uint8), after[name].detach().view(
-        torch.uint8))]
-    print("MOVED", json.dumps({"tensors": len(before), "dtype": str(next(iter(before.values())).dtype),
-                               "unchanged": unchanged}), flush=True)
+    unchanged = [
+        name for name, p in before.items() if torch.equal(p.view(torch.uint8), after[name].detach().view(torch.uint8))
+    ]
+    print(
+        "MOVED",
+        json.dumps({"tensors": len(before), "dtype": str(next(iter(before.values())).dtype), "unchanged": unchanged}),
+        flush=True,
+    )
     rows = [row for row in trainer.state.log_history if "sampling/sampling_logp_difference/max" in row]
     print("RESULT", json.dumps(rows))
 

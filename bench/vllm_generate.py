@@ -80,16 +80,24 @@ def worker(args) -> dict:
         vllm_plugin.register()
     started = time.perf_counter()
     capture = {"compilation_config": {"max_cudagraph_capture_size": args.capture_size}} if args.capture_size else {}
-    llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
-              max_model_len=args.max_model_len or args.prompt_len + args.new_tokens + 64,
-              max_num_seqs=args.prompts * args.n,
-              gpu_memory_utilization=0.85, **capture)
+    llm = LLM(
+        model=args.model,
+        load_format="dummy",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        seed=0,
+        max_model_len=args.max_model_len or args.prompt_len + args.new_tokens + 64,
+        max_num_seqs=args.prompts * args.n,
+        gpu_memory_utilization=0.85,
+        **capture,
+    )
     startup = time.perf_counter() - started
     g = torch.Generator().manual_seed(0)
     prompts = new_prompts(g, args)
-    params = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=1.0, seed=i, n=args.n,
-                             detokenize=False)
-              for i in range(args.prompts)]
+    params = [
+        SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=1.0, seed=i, n=args.n, detokenize=False)
+        for i in range(args.prompts)
+    ]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     torch.cuda.synchronize()
     # batches of the same shape with one new token each: the prefill, one sampling step and generate's fixed cost, so
@@ -98,14 +106,17 @@ def worker(args) -> dict:
     # the full batches (on an H100, 2026-12-06, at the RL rollout shape with graphs up to 2048 rows, strict took
     # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens; in the next
     # session's run on an H100 0.027-0.030 s after them, with the slow steps elsewhere: docs/benchmarks.md)
-    one = [SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
-           for i in range(args.prompts)]
+    one = [
+        SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
+        for i in range(args.prompts)
+    ]
     events = HostEvents(AttentionTrace(attention_impl_class()))
     gc.callbacks.append(events.gc_callback)
     # their own prompts, so that the timed batches get the token ids they got before these batches existed (the first
     # timed batch no longer pays the first prefills' one-time work, though: these do)
-    fresh_seconds, fresh_builds, fresh_events = one_token_batches(llm, torch.Generator().manual_seed(1), args, one,
-                                                                  events)
+    fresh_seconds, fresh_builds, fresh_events = one_token_batches(
+        llm, torch.Generator().manual_seed(1), args, one, events
+    )
     batch_seconds, generated, builds, batch_events = [], 0, [strict_kernel_builds()], []
     for i in range(args.batches):
         seconds, outputs, happened = timed_generate(llm, prompts if i == 0 else new_prompts(g, args), params, events)
@@ -121,29 +132,39 @@ def worker(args) -> dict:
     config = llm.llm_engine.vllm_config
     from alignaudit.engines.vllm.attention_cpu import attention_impls
 
-    return {"generated_tokens": generated, "batch_seconds": batch_seconds,
-            "output_tokens_per_s": round(generated / statistics.median(batch_seconds[1:] or batch_seconds), 1),
-            "last_batch_tokens_per_s": round(generated / batch_seconds[-1], 1),
-            "first_batch_tokens_per_s": round(generated / batch_seconds[0], 1), "startup_s": round(startup, 1),
-            **({"one_token_batch_seconds": prefill_seconds,
+    return {
+        "generated_tokens": generated,
+        "batch_seconds": batch_seconds,
+        "output_tokens_per_s": round(generated / statistics.median(batch_seconds[1:] or batch_seconds), 1),
+        "last_batch_tokens_per_s": round(generated / batch_seconds[-1], 1),
+        "first_batch_tokens_per_s": round(generated / batch_seconds[0], 1),
+        "startup_s": round(startup, 1),
+        **(
+            {
+                "one_token_batch_seconds": prefill_seconds,
                 "one_token_median_s": statistics.median(prefill_seconds[1:] or prefill_seconds),
                 "strict_builds_per_one_token_batch": prefill_builds,
                 "host_events_per_one_token_batch": prefill_events,
                 "one_token_fresh_batch_seconds": fresh_seconds,
                 "one_token_fresh_median_s": statistics.median(fresh_seconds[1:] or fresh_seconds),
                 "strict_builds_per_one_token_fresh_batch": fresh_builds,
-                "host_events_per_one_token_fresh_batch": fresh_events} if prefill_seconds else {}),
-            "host_events_per_batch": batch_events,
-            **({"profiled_batch": args.profile_batch} if profile else {}),
-            "strict_builds_at_start": sum(builds[0].values()),
-            "strict_builds_per_batch": builds_between(builds),
-            "max_model_len": config.model_config.max_model_len,  # read back: what the engine was built with
-            "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
-            "max_cudagraph_capture_size": config.compilation_config.max_cudagraph_capture_size,  # read back
-            "attention_impl": sorted(llm.apply_model(attention_impls)[0]),
-            # threads that could take the GIL from the engine's loop between (or inside) its host calls
-            "python_threads": sorted(t.name for t in threading.enumerate()),
-            **({"profile": profile} if profile else {})}
+                "host_events_per_one_token_fresh_batch": fresh_events,
+            }
+            if prefill_seconds
+            else {}
+        ),
+        "host_events_per_batch": batch_events,
+        **({"profiled_batch": args.profile_batch} if profile else {}),
+        "strict_builds_at_start": sum(builds[0].values()),
+        "strict_builds_per_batch": builds_between(builds),
+        "max_model_len": config.model_config.max_model_len,  # read back: what the engine was built with
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "max_cudagraph_capture_size": config.compilation_config.max_cudagraph_capture_size,  # read back
+        "attention_impl": sorted(llm.apply_model(attention_impls)[0]),
+        # threads that could take the GIL from the engine's loop between (or inside) its host calls
+        "python_threads": sorted(t.name for t in threading.enumerate()),
+        **({"profile": profile} if profile else {}),
+    }
 
 
 class HostEvents:
@@ -153,8 +174,12 @@ class HostEvents:
     cudaMalloc and cudaFree, and retries: a cudaMalloc that failed, after which the allocator synchronizes and
     frees its cached blocks; torch.cuda.memory_stats). https://docs.python.org/3/library/gc.html#gc.callbacks"""
 
-    ALLOCATOR = {"cuda_mallocs": "num_device_alloc", "cuda_frees": "num_device_free",
-                 "cuda_malloc_retries": "num_alloc_retries", "allocator_stream_syncs": "num_sync_all_streams"}
+    ALLOCATOR = {
+        "cuda_mallocs": "num_device_alloc",
+        "cuda_frees": "num_device_free",
+        "cuda_malloc_retries": "num_alloc_retries",
+        "allocator_stream_syncs": "num_sync_all_streams",
+    }
     # the pinned host allocator (torch.cuda.host_memory_stats): strict attention copies its step plan from pinned
     # memory, and a pinned block the pool lacks is a cudaHostAlloc
     HOST_ALLOCATOR = {"pinned_allocs": "num_host_alloc", "pinned_alloc_us": "host_alloc_time.total"}
@@ -179,8 +204,10 @@ class HostEvents:
         stats = torch.cuda.memory_stats()  # {} before CUDA is initialized; a backend may leave keys out
         # host_memory_stats is already flat, nested keys dotted ("host_alloc_time.total"; torch 2.11 and 2.13)
         host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-        return {**{name: stats.get(key) for name, key in cls.ALLOCATOR.items()},
-                **{name: host.get(key) for name, key in cls.HOST_ALLOCATOR.items()}}
+        return {
+            **{name: stats.get(key) for name, key in cls.ALLOCATOR.items()},
+            **{name: host.get(key) for name, key in cls.HOST_ALLOCATOR.items()},
+        }
 
     def take(self) -> dict:
         """{"gc_s", "gc_collections" [generation 0, 1, 2], "cuda_mallocs", "cuda_frees", "cuda_malloc_retries",
@@ -189,9 +216,12 @@ class HostEvents:
         host_memory_stats does not report it (never 0 for "not known")."""
         now = self._allocator_counts()
         before = self._allocator
-        taken = {"gc_s": round(self.gc_seconds, 4), "gc_collections": self.collections,
-                 **{name: None if now[name] is None or before[name] is None else now[name] - before[name]
-                    for name in now}, **(self.attention.take() if self.attention else {})}
+        taken = {
+            "gc_s": round(self.gc_seconds, 4),
+            "gc_collections": self.collections,
+            **{name: None if now[name] is None or before[name] is None else now[name] - before[name] for name in now},
+            **(self.attention.take() if self.attention else {}),
+        }
         self.gc_seconds, self.collections, self._allocator = 0.0, [0, 0, 0], now
         return taken
 
@@ -245,11 +275,13 @@ class AttentionTrace:
         """{"attention_calls" {"decode", "other"}, "attention_host_ms" {"decode", "other"}, and of the non-decode
         calls: "attention_step_host_ms" (one total a step), "attention_slowest"
         {"ms", "call_in_step"} and "attention_max_seq_lens"} since the last take, then start again."""
-        taken = {"attention_calls": self.calls,
-                 "attention_host_ms": {k: round(1e3 * v, 2) for k, v in self.seconds.items()},
-                 "attention_step_host_ms": [round(ms, 2) for ms in self.step_ms],
-                 "attention_slowest": {"ms": round(self.slowest[0], 3), "call_in_step": self.slowest[1]},
-                 "attention_max_seq_lens": sorted(self.max_seq_lens)}
+        taken = {
+            "attention_calls": self.calls,
+            "attention_host_ms": {k: round(1e3 * v, 2) for k, v in self.seconds.items()},
+            "attention_step_host_ms": [round(ms, 2) for ms in self.step_ms],
+            "attention_slowest": {"ms": round(self.slowest[0], 3), "call_in_step": self.slowest[1]},
+            "attention_max_seq_lens": sorted(self.max_seq_lens),
+        }
         self._reset()
         return taken
 
@@ -310,8 +342,10 @@ def strict_kernel_builds() -> dict:
 def builds_between(snapshots: list[dict]) -> list[dict]:
     """For consecutive strict_kernel_builds() snapshots, the kernels that gained compiled variants in between, and
     how many: one dict per interval."""
-    return [{k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
-            for before, after in itertools.pairwise(snapshots)]
+    return [
+        {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+        for before, after in itertools.pairwise(snapshots)
+    ]
 
 
 def new_prompts(generator, args) -> list:
@@ -319,8 +353,10 @@ def new_prompts(generator, args) -> list:
     import torch
     from vllm.inputs import TokensPrompt
 
-    return [TokensPrompt(prompt_token_ids=torch.randint(0, 32000, (args.prompt_len,), generator=generator).tolist())
-            for _ in range(args.prompts)]
+    return [
+        TokensPrompt(prompt_token_ids=torch.randint(0, 32000, (args.prompt_len,), generator=generator).tolist())
+        for _ in range(args.prompts)
+    ]
 
 
 def profile_generate(llm, prompts, params, top: int = 14) -> dict:
@@ -356,9 +392,11 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.capture_size < 0:
         parser.error("--capture-size must be 0 (vLLM's default) or a number of rows")
     if args.max_model_len and args.max_model_len < args.prompt_len + args.new_tokens:
-        parser.error(f"--max-model-len {args.max_model_len} cannot hold a prompt of {args.prompt_len} tokens and "
-                     f"{args.new_tokens} new ones; give at least {args.prompt_len + args.new_tokens}, or 0 for the "
-                     "default")
+        parser.error(
+            f"--max-model-len {args.max_model_len} cannot hold a prompt of {args.prompt_len} tokens and "
+            f"{args.new_tokens} new ones; give at least {args.prompt_len + args.new_tokens}, or 0 for the "
+            "default"
+        )
     unknown = [name for name in args.configs.split(",") if name not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
@@ -372,10 +410,16 @@ def attention_line(events: dict) -> str:
     if not calls["decode"] + calls["other"]:
         return "attention not traced: no eager call of the traced impl"
     slowest = events["attention_slowest"]
-    other = (f" (steps {events['attention_step_host_ms']} ms, slowest call {slowest['ms']:.2f} ms, the step's call "
-             f"{slowest['call_in_step']}, max_seq_len {events['attention_max_seq_lens']})" if calls["other"] else "")
-    return (f"attention host {ms['other']:.1f} ms in {calls['other']} non-decode calls{other}, {ms['decode']:.1f} ms "
-            f"in {calls['decode']} decode calls")
+    other = (
+        f" (steps {events['attention_step_host_ms']} ms, slowest call {slowest['ms']:.2f} ms, the step's call "
+        f"{slowest['call_in_step']}, max_seq_len {events['attention_max_seq_lens']})"
+        if calls["other"]
+        else ""
+    )
+    return (
+        f"attention host {ms['other']:.1f} ms in {calls['other']} non-decode calls{other}, {ms['decode']:.1f} ms "
+        f"in {calls['decode']} decode calls"
+    )
 
 
 def print_profiles(results: dict) -> None:
@@ -383,10 +427,12 @@ def print_profiles(results: dict) -> None:
     for name, r in results.items():
         if "profile" in r:
             p = r["profile"]
-            print(f"{name}: GPU kernel time {p['gpu_kernel_ms']} ms in one profiled generate "
-                  f"({r['profiled_batch']} batch; "
-                  f"{p.get('profiled_wall_s')} s wall under the profiler; {p['gpu_events']} GPU events; "
-                  f"timeline {p['timeline']}); largest:")
+            print(
+                f"{name}: GPU kernel time {p['gpu_kernel_ms']} ms in one profiled generate "
+                f"({r['profiled_batch']} batch; "
+                f"{p.get('profiled_wall_s')} s wall under the profiler; {p['gpu_events']} GPU events; "
+                f"timeline {p['timeline']}); largest:"
+            )
             for t in p["top"]:
                 print(f"   {t['ms']:9.1f} ms {t['calls']:7d} calls  {t['kernel']}")
             print(f"   host: synchronizing calls {p['synchronizing_calls']}; self CPU time:")
@@ -400,27 +446,52 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--n", type=int, default=1,
-                        help="completions per prompt (SamplingParams.n), as RL rollouts sample a group per prompt: "
-                             "the prompt's prefill is shared through the prefix cache")
-    parser.add_argument("--batches", type=int, default=4,
-                        help="timed batches of new prompts; the rate is the median's after the first")
-    parser.add_argument("--max-model-len", type=int, default=0,
-                        help="vLLM's max_model_len (default: prompt + new tokens + 64); it sets the width of the block "
-                             "table, which Triton specializes on: the strict warm-up must cover it")
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="completions per prompt (SamplingParams.n), as RL rollouts sample a group per prompt: "
+        "the prompt's prefill is shared through the prefix cache",
+    )
+    parser.add_argument(
+        "--batches", type=int, default=4, help="timed batches of new prompts; the rate is the median's after the first"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="vLLM's max_model_len (default: prompt + new tokens + 64); it sets the width of the block "
+        "table, which Triton specializes on: the strict warm-up must cover it",
+    )
     parser.add_argument("--configs", default="default,batch-invariant,strict,strict-native-exp")
-    parser.add_argument("--capture-size", type=int, default=0,
-                        help="vLLM's max_cudagraph_capture_size for every configuration (0: vLLM's default)")
-    parser.add_argument("--prefill-batches", type=int, default=0,
-                        help="this many batches of new prompts with one new token each, before the timed batches "
-                             "(one_token_fresh_median_s) and after them (one_token_median_s; medians after the "
-                             "first): roughly the prefill's share of a batch, without the profiler")
+    parser.add_argument(
+        "--capture-size",
+        type=int,
+        default=0,
+        help="vLLM's max_cudagraph_capture_size for every configuration (0: vLLM's default)",
+    )
+    parser.add_argument(
+        "--prefill-batches",
+        type=int,
+        default=0,
+        help="this many batches of new prompts with one new token each, before the timed batches "
+        "(one_token_fresh_median_s) and after them (one_token_median_s; medians after the "
+        "first): roughly the prefill's share of a batch, without the profiler",
+    )
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--profile", default="", help="comma list of configurations to run once more under "
-                        "torch.profiler (GPU kernel time by kernel, printed after the timings)")
-    parser.add_argument("--profile-batch", choices=("full", "one-token"), default="full",
-                        help="what --profile runs under the profiler after the timed batches: a full batch, or a "
-                             "batch of new prompts with one new token each (the prefill step)")
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="comma list of configurations to run once more under "
+        "torch.profiler (GPU kernel time by kernel, printed after the timings)",
+    )
+    parser.add_argument(
+        "--profile-batch",
+        choices=("full", "one-token"),
+        default="full",
+        help="what --profile runs under the profiler after the timed batches: a full batch, or a "
+        "batch of new prompts with one new token each (the prefill step)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     check_args(parser, args)
@@ -431,10 +502,30 @@ def main() -> None:
     results = {}
     for name in args.configs.split(","):
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **CONFIGS[name]}
-        cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--prompts", str(args.prompts),
-               "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--n", str(args.n),
-               "--batches", str(args.batches), "--max-model-len", str(args.max_model_len),
-               "--capture-size", str(args.capture_size), "--prefill-batches", str(args.prefill_batches)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            name,
+            "--model",
+            args.model,
+            "--prompts",
+            str(args.prompts),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--new-tokens",
+            str(args.new_tokens),
+            "--n",
+            str(args.n),
+            "--batches",
+            str(args.batches),
+            "--max-model-len",
+            str(args.max_model_len),
+            "--capture-size",
+            str(args.capture_size),
+            "--prefill-batches",
+            str(args.prefill_batches),
+        ]
         if name in args.profile.split(","):
             cmd += ["--profile", name, "--profile-batch", args.profile_batch]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -442,25 +533,34 @@ def main() -> None:
         if proc.returncode or not lines:
             print(f"{name}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
             continue
-        results[name] = json.loads(lines[-1][len("RESULT "):])
+        results[name] = json.loads(lines[-1][len("RESULT ") :])
         print(f"{name:24s} {json.dumps(results[name])}", flush=True)
     base = results.get("default", {}).get("output_tokens_per_s")
     for name, r in results.items():
         if base:
-            print(f"{name:24s} {r['output_tokens_per_s']:9.1f} tokens/s  "
-                  f"{r['output_tokens_per_s'] / base:.3f}x of default")
+            print(
+                f"{name:24s} {r['output_tokens_per_s']:9.1f} tokens/s  "
+                f"{r['output_tokens_per_s'] / base:.3f}x of default"
+            )
         if "one_token_median_s" in r:
             batch, one = statistics.median(r["batch_seconds"][1:] or r["batch_seconds"]), r["one_token_median_s"]
-            print(f"{name:24s} batch {batch:.3f} s ~ one-token batch (prefill, a sampling step, generate's fixed "
-                  f"cost) {one:.3f} s + the rest {batch - one:.3f} s (medians after the first); a one-token batch "
-                  f"in the fresh engine {r['one_token_fresh_median_s']:.3f} s")
+            print(
+                f"{name:24s} batch {batch:.3f} s ~ one-token batch (prefill, a sampling step, generate's fixed "
+                f"cost) {one:.3f} s + the rest {batch - one:.3f} s (medians after the first); a one-token batch "
+                f"in the fresh engine {r['one_token_fresh_median_s']:.3f} s"
+            )
             for when, label in (("one_token_fresh_batch", "fresh"), ("one_token_batch", "after the batches")):
-                print(f"{name:24s} one-token batches, {label}: " + "; ".join(
-                    f"{s:.3f} s (gc {e['gc_s']:.3f} s, {e['gc_collections'][2]} full; cudaMalloc {e['cuda_mallocs']}, "
-                    f"cudaFree {e['cuda_frees']}, retries {e['cuda_malloc_retries']}, "
-                    f"stream syncs {e['allocator_stream_syncs']}; pinned allocs {e.get('pinned_allocs')}, "
-                    f"{e.get('pinned_alloc_us')} us; {attention_line(e)})"
-                    for s, e in zip(r[f"{when}_seconds"], r[f"host_events_per_{when}"], strict=True)))
+                print(
+                    f"{name:24s} one-token batches, {label}: "
+                    + "; ".join(
+                        f"{s:.3f} s (gc {e['gc_s']:.3f} s, {e['gc_collections'][2]} full; "
+                        f"cudaMalloc {e['cuda_mallocs']}, "
+                        f"cudaFree {e['cuda_frees']}, retries {e['cuda_malloc_retries']}, "
+                        f"stream syncs {e['allocator_stream_syncs']}; pinned allocs {e.get('pinned_allocs')}, "
+                        f"{e.get('pinned_alloc_us')} us; {attention_line(e)})"
+                        for s, e in zip(r[f"{when}_seconds"], r[f"host_events_per_{when}"], strict=True)
+                    )
+                )
     print_profiles(results)
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))

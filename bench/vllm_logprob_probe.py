@@ -38,34 +38,51 @@ def main() -> None:
     kwargs = {"kv_cache_memory_bytes": 256 << 20}
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = 0.5
-    llm = LLM(model=args.model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=args.eager,
-              max_model_len=1024,
-              seed=0, **kwargs)
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        enforce_eager=args.eager,
+        max_model_len=1024,
+        seed=0,
+        **kwargs,
+    )
     captured = []
-    llm.apply_model(lambda m: m.logits_processor.register_forward_hook(
-        lambda mod, inp, out: captured.append(out.detach().clone())) and None)
+    llm.apply_model(
+        lambda m: (
+            m.logits_processor.register_forward_hook(lambda mod, inp, out: captured.append(out.detach().clone()))
+            and None
+        )
+    )
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (44, 45, 43)]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+        use_tqdm=False,
+    )
     print("logits calls:", [(tuple(c.shape), str(c.dtype), c.stride()) for c in captured])
     # The V1 runner computes each request's prompt logits in a call of its own (len - 1 rows); model runner V2
     # in one call over every scheduled prompt row (sum of the lengths): take each request's rows from either.
     whole = [c for c in captured if c.shape[0] == sum(len(p) for p in prompts)]
     start = 0
     for out, ids in zip(outs, prompts, strict=True):
-        vllm_lp = torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)],
-                               dtype=torch.float32)
+        vllm_lp = torch.tensor(
+            [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)], dtype=torch.float32
+        )
         own = [c for c in captured if c.shape[0] == len(ids) - 1]
-        rows = own[0] if own else whole[0][start:start + len(ids) - 1]
+        rows = own[0] if own else whole[0][start : start + len(ids) - 1]
         start += len(ids)
         t = torch.tensor(ids[1:]).to(rows.device)
         mine = K.log_softmax(rows).gather(1, t[:, None])[:, 0].cpu()
         tok = K.token_logprobs(rows, t).cpu()
         ref = rows.float().log_softmax(-1).gather(1, t[:, None])[:, 0].cpu()
         diff = lambda a: int((a.view(torch.int32) != vllm_lp.view(torch.int32)).sum())  # noqa: E731
-        print(f"prompt of {len(ids)} ({'own call' if own else 'batched call'}): vLLM vs log_softmax {diff(mine)}, "
-              f"vs token_logprobs {diff(tok)}, vs torch {diff(ref)} of {len(vllm_lp)}")
+        print(
+            f"prompt of {len(ids)} ({'own call' if own else 'batched call'}): vLLM vs log_softmax {diff(mine)}, "
+            f"vs token_logprobs {diff(tok)}, vs torch {diff(ref)} of {len(vllm_lp)}"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -65,6 +65,7 @@ def dispatch_us(calls: int) -> dict[str, float]:
     registered (``torch.library.custom_op``, or ``Library.define`` + ``impl`` as alignaudit_kernels.primitives.
     opaque_op does) and grad mode (``torch.inference_mode``, as vLLM runs its forward; ``torch.no_grad``), and
     the body called directly: what dispatch adds to each strict op a compiled engine calls."""
+
     def body(x):
         return torch.empty(1)
 
@@ -73,8 +74,11 @@ def dispatch_us(calls: int) -> dict[str, float]:
     library.define("by_library(Tensor x) -> Tensor")
     library.impl("by_library", body, "CompositeExplicitAutograd")
     x = torch.zeros(4)
-    ops = {"body called directly": body, "torch.library.custom_op": torch.ops.wrapper_overhead.by_custom_op.default,
-           "Library.define + impl": torch.ops.wrapper_overhead.by_library.default}
+    ops = {
+        "body called directly": body,
+        "torch.library.custom_op": torch.ops.wrapper_overhead.by_custom_op.default,
+        "Library.define + impl": torch.ops.wrapper_overhead.by_library.default,
+    }
     times = {}
     for mode, context in (("inference_mode", torch.inference_mode), ("no_grad", torch.no_grad)):
         with context():

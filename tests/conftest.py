@@ -30,10 +30,17 @@ os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true",
-                     help="run the slow tests: real-shape models, every kernel launch configuration (minutes each)")
-    parser.addoption("--kernel-device", default="cpu", choices=("cpu", "cuda", "interpret"),
-                     help="strict-kernel backend for tests/kernels/ (interpret: set TRITON_INTERPRET=1)")
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        help="run the slow tests: real-shape models, every kernel launch configuration (minutes each)",
+    )
+    parser.addoption(
+        "--kernel-device",
+        default="cpu",
+        choices=("cpu", "cuda", "interpret"),
+        help="strict-kernel backend for tests/kernels/ (interpret: set TRITON_INTERPRET=1)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -145,5 +152,3 @@ def tiny_batch(tiny_spec):
 @pytest.fixture(scope="session")
 def captures(tmp_path_factory, tiny_spec, tiny_batch):
     return CaptureCache(tmp_path_factory.mktemp("captures"), tiny_spec, tiny_batch)
-
-

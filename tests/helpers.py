@@ -33,8 +33,18 @@ class CaptureCache:
         self.root, self.spec, self.batch = root, spec, batch
         self.done = {}
 
-    def get(self, engine: str, dtype: str, ops: bool | Selection = False, reference=None, strict: str = "",
-            rollout=None, batch=None, full_vocab: bool | None = None, **options):
+    def get(
+        self,
+        engine: str,
+        dtype: str,
+        ops: bool | Selection = False,
+        reference=None,
+        strict: str = "",
+        rollout=None,
+        batch=None,
+        full_vocab: bool | None = None,
+        **options,
+    ):
         """A capture; ``ops`` adds every canonical op (or those of a Selection); ``reference`` (a capture) runs
         forced mode; ``strict`` swaps in strict kernels; ``rollout`` samples; ``batch`` (a capture) scores its
         tokens. ``full_vocab`` writes full-vocabulary rows; by default the plain prompt captures (no ops, rollout,
@@ -42,19 +52,31 @@ class CaptureCache:
         selection = ops if isinstance(ops, Selection) else Selection() if ops or reference else None
         if full_vocab is None:
             full_vocab = not (ops or reference or rollout or batch or options)
-        key = (engine, dtype, json.dumps(selection.to_dict(), sort_keys=True) if isinstance(ops, Selection) else ops,
-               reference.path.name if reference else None, strict or None,
-               json.dumps(rollout, sort_keys=True) if rollout else None, batch.path.name if batch else None,
-               json.dumps(options, sort_keys=True), "vocab" if full_vocab else None)
+        key = (
+            engine,
+            dtype,
+            json.dumps(selection.to_dict(), sort_keys=True) if isinstance(ops, Selection) else ops,
+            reference.path.name if reference else None,
+            strict or None,
+            json.dumps(rollout, sort_keys=True) if rollout else None,
+            batch.path.name if batch else None,
+            json.dumps(options, sort_keys=True),
+            "vocab" if full_vocab else None,
+        )
         if key not in self.done:
             name = "-".join(str(k) for k in key if k not in (None, False, "{}")).replace("/", "_").replace(" ", "")
             run = EngineRun(engine, EngineSettings(dtype=dtype, device="cpu", options=options, strict=strict))
             tokens = batch.token_batch() if batch is not None else self.batch
-            self.done[key] = capture(self.spec, tokens, run, self.root / name,
-                                     ops=selection,
-                                     reference=reference.path if reference else None,
-                                     rollout=Sampling(**rollout) if rollout else None,
-                                     full_vocab=full_vocab)
+            self.done[key] = capture(
+                self.spec,
+                tokens,
+                run,
+                self.root / name,
+                ops=selection,
+                reference=reference.path if reference else None,
+                rollout=Sampling(**rollout) if rollout else None,
+                full_vocab=full_vocab,
+            )
         return self.done[key]
 
 
@@ -92,9 +114,13 @@ def vocab_reference(a32, b32, k: int = 5) -> dict:
         kl_qp = np.where(q > 0, q * (lb - la), 0.0).sum(-1)
     top_a = np.argsort(-a32, axis=-1, kind="stable")[:, :k]
     top_b = np.argsort(-b32, axis=-1, kind="stable")[:, :k]
-    return {"kl_train_infer": kl_pq, "kl_infer_train": kl_qp, "tv": 0.5 * np.abs(p - q).sum(-1),
-            "top1_agree": top_a[:, 0] == top_b[:, 0],
-            "topk_overlap": np.array([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b, strict=True)])}
+    return {
+        "kl_train_infer": kl_pq,
+        "kl_infer_train": kl_qp,
+        "tv": 0.5 * np.abs(p - q).sum(-1),
+        "top1_agree": top_a[:, 0] == top_b[:, 0],
+        "topk_overlap": np.array([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b, strict=True)]),
+    }
 
 
 def saved_vocab_rows(capture, seq: int) -> torch.Tensor:
@@ -120,7 +146,8 @@ def importance_by_hand(tokens, tis=2.0, mask_low=0.5, mask_high=5.0, geo_low=0.9
     out_token = (r < mask_low) | (r > mask_high)
     geo_out = (geo < geo_low) | (geo > geo_high)
     return {
-        "tokens": len(t), "sequences": len(size),
+        "tokens": len(t),
+        "sequences": len(size),
         "token_tis_fraction": float((r > tis).mean()),
         "token_tis_seq_fraction": float((by["r"].max() > tis).mean()),
         "token_mask_fraction": float(out_token.mean()),
@@ -130,11 +157,13 @@ def importance_by_hand(tokens, tis=2.0, mask_low=0.5, mask_high=5.0, geo_low=0.9
         "geo_mask_fraction": float(geo_out.mean()),
         "geo_mask_token_fraction": float(size[geo_out].sum() / len(t)),
         "kl_k3": float(np.mean(r - 1 - d)),
-        "token_ratio_max": float(r.max()), "token_ratio_min": float(r.min()),
+        "token_ratio_max": float(r.max()),
+        "token_ratio_min": float(r.min()),
     }
 
 
 # --- the CLI as a user runs it ---
+
 
 def run_cli(*args, cwd=None):
     """The command in a fresh interpreter, its workers fresh too (nothing forked from the test session)."""
@@ -162,6 +191,7 @@ def one_line_error(capsys, argv, code):
 
 # --- report pages in headless Chromium ---
 
+
 def _find_chromium() -> str | None:
     for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
         if name and shutil.which(name):
@@ -170,8 +200,9 @@ def _find_chromium() -> str | None:
 
 
 CHROMIUM = _find_chromium()
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium found (apt-get install -y chromium, or set "
-                                                             "CHROMIUM=/path/to/chrome)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium found (apt-get install -y chromium, or set CHROMIUM=/path/to/chrome)"
+)
 
 # Appended to a copy of the page (never to the report itself): after load, optionally click table headers,
 # then write what the page holds into <pre id="probe">, which --dump-dom serializes.
@@ -205,8 +236,9 @@ def open_in_chromium(page: Path, tmp: Path, clicks=()) -> tuple[dict, str, list[
     """Load a copy of ``page`` with the probe in headless Chromium; returns (probe, DOM, console lines)."""
     probed = tmp / f"probed-{page.stem}.html"
     text = page.read_text(encoding="utf-8")
-    probed.write_text(text.replace("</body>", PROBE.replace("CLICKS", json.dumps(list(clicks))) + "</body>"),
-                      encoding="utf-8")
+    probed.write_text(
+        text.replace("</body>", PROBE.replace("CLICKS", json.dumps(list(clicks))) + "</body>"), encoding="utf-8"
+    )
     dom, console = run_chromium(probed, tmp)
     match = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
     assert match, f"the probe did not run: {console or dom[-500:]}"
@@ -217,10 +249,24 @@ def open_in_chromium(page: Path, tmp: Path, clicks=()) -> tuple[dict, str, list[
 
 def run_chromium(page: Path, tmp: Path, *extra: str) -> tuple[str, list[str]]:
     """Headless Chromium on ``page``: (the DOM after load, every console line it logged)."""
-    proc = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                           f"--user-data-dir={tmp / 'chromium-profile'}", "--enable-logging=stderr", "--v=0",
-                           "--virtual-time-budget=5000", *(extra or ("--dump-dom",)), page.resolve().as_uri()],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            f"--user-data-dir={tmp / 'chromium-profile'}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=5000",
+            *(extra or ("--dump-dom",)),
+            page.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
     return proc.stdout, console
 
@@ -229,11 +275,17 @@ def run_chromium(page: Path, tmp: Path, *extra: str) -> tuple[str, list[str]]:
 
 BATCHES = (1, 2, 33, 255, 257, 300)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-EXAMPLES = settings(max_examples=1 if INTERPRET else 4, deadline=None, phases=[Phase.explicit, Phase.generate],
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+EXAMPLES = settings(
+    max_examples=1 if INTERPRET else 4,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 needs_hardware_dot = pytest.mark.skipif(
-    INTERPRET, reason="the interpreter's tl.dot is numpy BLAS, whose result for a row depends on its place in the "
-                      "tile; tensor-core dot invariance is tested on the GPU")
+    INTERPRET,
+    reason="the interpreter's tl.dot is numpy BLAS, whose result for a row depends on its place in the "
+    "tile; tensor-core dot invariance is tested on the GPU",
+)
 
 
 def gen(seed):
@@ -299,8 +351,15 @@ def tokens_of(train, infer, generated=None):
     from alignaudit.comparison.token_diff import compare_tokens
 
     n = len(train)
-    return compare_tokens(pd.DataFrame({
-        "seq": np.repeat([0, 1], [n // 2, n - n // 2]), "pos": np.r_[np.arange(1, n // 2 + 1),
-                                                                     np.arange(1, n - n // 2 + 1)],
-        "token_id": np.arange(n) % 7, "generated": np.zeros(n, bool) if generated is None else generated,
-        "lp_train": train.astype(np.float32), "lp_infer": infer.astype(np.float32)}))
+    return compare_tokens(
+        pd.DataFrame(
+            {
+                "seq": np.repeat([0, 1], [n // 2, n - n // 2]),
+                "pos": np.r_[np.arange(1, n // 2 + 1), np.arange(1, n - n // 2 + 1)],
+                "token_id": np.arange(n) % 7,
+                "generated": np.zeros(n, bool) if generated is None else generated,
+                "lp_train": train.astype(np.float32),
+                "lp_infer": infer.astype(np.float32),
+            }
+        )
+    )

@@ -66,8 +66,9 @@ print("ok")
 
 
 def test_a_user_script_builds_both_strict_models_and_the_hook_counts_what_differs():
-    proc = subprocess.run([sys.executable, "-c", USER_SCRIPT, str(FIXTURE)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", USER_SCRIPT, str(FIXTURE)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -91,8 +92,15 @@ def test_compare_takes_the_framework_rollout_shape(tmp_path):
     AsyncLLM, EOS on and no prompt logprobs (vLLM's defaults, resolved and recorded); strict: bitwise equal."""
     import json
 
-    run = api.compare(strict="all", mode="rollout", max_new_tokens=8, group_size=2, engine_mode="async",
-                      arrival_gap=0.01, out=tmp_path / "shaped")
+    run = api.compare(
+        strict="all",
+        mode="rollout",
+        max_new_tokens=8,
+        group_size=2,
+        engine_mode="async",
+        arrival_gap=0.01,
+        out=tmp_path / "shaped",
+    )
     assert run.bitwise_equal and run.tokens_compared == run.generated["tokens_compared"] > 0
     assert len(run.sequences) == 8  # 4 prompts x 2
     shape = json.loads((run.path / "run.json").read_text())["rollout"]
@@ -123,9 +131,12 @@ def test_the_hook_refuses_logprobs_that_do_not_pair_up():
     assert nan["tokens_compared"] == 2  # NaN and -inf are results, counted apart, not refused
     with pytest.raises(InputError, match="differ in shape"):
         api.mismatch_metrics(padded, other, mask=mask[:, :3])
-    for kwargs, message in (({"mask": mask.float()}, "mask must be a bool tensor"),
-                            ({"mask": mask.tolist()}, "mask must be a bool tensor"),
-                            ({"clip_eps": -0.2}, "clip-eps"), ({"clip_eps": "0.2"}, "a number in")):
+    for kwargs, message in (
+        ({"mask": mask.float()}, "mask must be a bool tensor"),
+        ({"mask": mask.tolist()}, "mask must be a bool tensor"),
+        ({"clip_eps": -0.2}, "clip-eps"),
+        ({"clip_eps": "0.2"}, "a number in"),
+    ):
         with pytest.raises(InputError, match=message):
             api.mismatch_metrics(padded, other, **kwargs)
     with pytest.raises(InputError, match="a list of 1-D tensors"):
@@ -144,8 +155,9 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
         api.strict_hf_model("qwen3-tiny", ops=["linear"], device="cpu")
     with pytest.raises(InputError, match=r"^exp native is the GPU's exp2 .* use device='cuda', or drop exp$"):
         api.strict_hf_model("qwen3-tiny", exp="native", device="cpu")  # the API's own names, not the CLI's flags
-    with pytest.raises(InputError,
-                       match="^exp native sets the exp of strict attention, .*: add attention to ops, or drop exp$"):
+    with pytest.raises(
+        InputError, match="^exp native sets the exp of strict attention, .*: add attention to ops, or drop exp$"
+    ):
         api.strict_hf_model("qwen3-tiny", ops="linear", exp="native", device="cpu")
     with pytest.raises(InputError, match="an empty sync would pass unchecked"):
         api.verify_weight_sync({}, {})
@@ -153,21 +165,23 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
         api.verify_weight_sync([torch.zeros(1)], {})
     with pytest.raises(InputError, match="token_logprobs takes a model"):
         api.token_logprobs("qwen3-tiny", [[1, 2]])
-    for kwargs, message in (({"prompts": [[1, 2, 3]]}, "prompts: a file path"),
-                            ({"train_options": ["a=1"]}, "train_options: a dict"),
-                            ({"max_new_tokens": "8", "mode": "rollout"}, "max_new_tokens '8': an integer"),
-                            ({"temperature": 0.5}, "^temperature applies to rollouts"),
-                            # the rollout defaults given in prompt mode: refused too (they would not take effect)
-                            ({"max_new_tokens": 32}, "^max_new_tokens applies to rollouts"),
-                            ({"top_k": 0}, "^top_k applies to rollouts"),
-                            ({"mode": "rollout", "temperature": float("nan")}, "^temperature nan: rollout mode"),
-                            ({"mode": "rollout", "max_new_tokens": 0}, "^max_new_tokens 0: rollout mode samples"),
-                            ({"repeat": 2, "mode": "rollout"}, "^repeat reruns teacher-forced prompts"),
-                            ({"repeat": True}, "^repeat True: give the number of runs per engine"),
-                            ({"group_size": 2}, "^group_size applies to rollouts"),
-                            ({"mode": "rollout", "stop_at_eos": "yes"}, "stop_at_eos 'yes': True, False or None"),
-                            ({"mode": "rollout", "engine_mode": "server"}, "^engine_mode 'server': choose one of"),
-                            ({"mode": "rollout", "infer": "hf", "group_size": 2}, "^group_size: hf rollouts")):
+    for kwargs, message in (
+        ({"prompts": [[1, 2, 3]]}, "prompts: a file path"),
+        ({"train_options": ["a=1"]}, "train_options: a dict"),
+        ({"max_new_tokens": "8", "mode": "rollout"}, "max_new_tokens '8': an integer"),
+        ({"temperature": 0.5}, "^temperature applies to rollouts"),
+        # the rollout defaults given in prompt mode: refused too (they would not take effect)
+        ({"max_new_tokens": 32}, "^max_new_tokens applies to rollouts"),
+        ({"top_k": 0}, "^top_k applies to rollouts"),
+        ({"mode": "rollout", "temperature": float("nan")}, "^temperature nan: rollout mode"),
+        ({"mode": "rollout", "max_new_tokens": 0}, "^max_new_tokens 0: rollout mode samples"),
+        ({"repeat": 2, "mode": "rollout"}, "^repeat reruns teacher-forced prompts"),
+        ({"repeat": True}, "^repeat True: give the number of runs per engine"),
+        ({"group_size": 2}, "^group_size applies to rollouts"),
+        ({"mode": "rollout", "stop_at_eos": "yes"}, "stop_at_eos 'yes': True, False or None"),
+        ({"mode": "rollout", "engine_mode": "server"}, "^engine_mode 'server': choose one of"),
+        ({"mode": "rollout", "infer": "hf", "group_size": 2}, "^group_size: hf rollouts"),
+    ):
         with pytest.raises(InputError, match=message):
             api.compare(out=tmp_path / "never", **kwargs)
     assert not (tmp_path / "never").exists()
@@ -177,19 +191,28 @@ def test_wrong_types_get_the_documented_error_not_a_raw_one(tmp_path, monkeypatc
     """Every argument the API takes is checked for type and meaning and refused with InputError (the CLI's rule):
     none reaches torch or the engines as a TypeError, and no value is silently changed on its way in."""
     hf = api.strict_hf_model("qwen3-tiny", device="cpu")
-    for sequences, message in ((None, "sequences: a list of token-id sequences"),
-                               ("some text", r"1-D integer tensors\), not str"),
-                               (["text"], "sequence 0 is text"), ([[1, 2**70]], "sequence 0: not a list of token ids")):
+    for sequences, message in (
+        (None, "sequences: a list of token-id sequences"),
+        ("some text", r"1-D integer tensors\), not str"),
+        (["text"], "sequence 0 is text"),
+        ([[1, 2**70]], "sequence 0: not a list of token ids"),
+    ):
         with pytest.raises(InputError, match=message):
             api.token_logprobs(hf, sequences)
     lp = [torch.tensor([-1.0, -2.0])]
     for train, rollout, message in (
-            ([torch.tensor([-1.0, -2.0], dtype=torch.float64)], [torch.tensor([-1.0, -2.0 + 1e-12],
-                                                                          dtype=torch.float64)],
-             "float64 logprobs that fp32 cannot hold exactly"),
-            ([torch.tensor([1, 2])], lp, "has dtype torch.int64"), ([torch.tensor([True, False])], lp, "torch.bool"),
-            ([torch.tensor([-1 + 1j, -2j])], lp, "torch.complex64"), (["ab"], lp, r"train_logprobs\[0\] is text"),
-            ("ab", lp, "not str"), ([torch.empty(2, device="meta")], lp, "is a meta tensor")):
+        (
+            [torch.tensor([-1.0, -2.0], dtype=torch.float64)],
+            [torch.tensor([-1.0, -2.0 + 1e-12], dtype=torch.float64)],
+            "float64 logprobs that fp32 cannot hold exactly",
+        ),
+        ([torch.tensor([1, 2])], lp, "has dtype torch.int64"),
+        ([torch.tensor([True, False])], lp, "torch.bool"),
+        ([torch.tensor([-1 + 1j, -2j])], lp, "torch.complex64"),
+        (["ab"], lp, r"train_logprobs\[0\] is text"),
+        ("ab", lp, "not str"),
+        ([torch.empty(2, device="meta")], lp, "is a meta tensor"),
+    ):
         with pytest.raises(InputError, match=message):
             api.mismatch_metrics(train, rollout)
     with pytest.raises(InputError, match="float64 logprobs that fp32 cannot hold exactly"):
@@ -203,15 +226,22 @@ def test_wrong_types_get_the_documented_error_not_a_raw_one(tmp_path, monkeypatc
     with pytest.raises(InputError, match="meta tensor"):
         api.verify_weight_sync({"w": torch.empty(2, device="meta")}, {"w": torch.zeros(2)})
     quantized = torch.quantize_per_tensor(torch.randn(4, 4), 0.1, 0, torch.qint8)  # a byte view of it segfaulted
-    for weight, says in ((quantized, "is quantized"), (torch.randn(4, 4).to_sparse(), "sparse"),
-                         (torch.zeros(2, dtype=torch.int32), "is torch.int32")):
+    for weight, says in (
+        (quantized, "is quantized"),
+        (torch.randn(4, 4).to_sparse(), "sparse"),
+        (torch.zeros(2, dtype=torch.int32), "is torch.int32"),
+    ):
         with pytest.raises(InputError, match=rf"trainer\['w'\] {says}|trainer\['w'\] is .*{says}"):
             api.verify_weight_sync({"w": weight}, {"w": weight})
     monkeypatch.chdir(tmp_path)
-    for kwargs, message in (({"temperature": "0.7", "mode": "rollout"}, "temperature '0.7': a number"),
-                            ({"clip_eps": "abc"}, "clip_eps 'abc': a number"), ({"out": 123}, "out 123: a directory"),
-                            ({"out": ""}, "^out is empty"), ({"force": "yes"}, "force 'yes': True or False"),
-                            ({"random_prompts": 2, "prompt_len": 0}, "prompt_len >= 2")):
+    for kwargs, message in (
+        ({"temperature": "0.7", "mode": "rollout"}, "temperature '0.7': a number"),
+        ({"clip_eps": "abc"}, "clip_eps 'abc': a number"),
+        ({"out": 123}, "out 123: a directory"),
+        ({"out": ""}, "^out is empty"),
+        ({"force": "yes"}, "force 'yes': True or False"),
+        ({"random_prompts": 2, "prompt_len": 0}, "prompt_len >= 2"),
+    ):
         with pytest.raises(InputError, match=message):
             api.compare(**kwargs)
     assert list(tmp_path.iterdir()) == []  # compare(out="") took over the current directory before
@@ -232,22 +262,39 @@ def test_rl_from_python_with_a_python_reward_and_held_out_prompts(tmp_path):
         return [float(len(ids) == len(a) + 1) for ids, a in zip(completion_ids, answer, strict=True)]
 
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
-    train.write_text("".join(json.dumps({"text": q, "answer": a}) + "\n"
-                             for q, a in (("1+2=", "3"), ("30+4=", "34"), ("55+45=", "100"), ("7+8=", "15"))))
+    train.write_text(
+        "".join(
+            json.dumps({"text": q, "answer": a}) + "\n"
+            for q, a in (("1+2=", "3"), ("30+4=", "34"), ("55+45=", "100"), ("7+8=", "15"))
+        )
+    )
     held.write_text(json.dumps({"text": "12+30=", "answer": "42"}) + "\n")
-    run = api.rl("qwen3-tiny-trained", strict="all", steps=2, group_size=2, prompts=train, prompts_per_step=2,
-                 reward=answer_length, eval_prompts=held, max_new_tokens=4, out=tmp_path / "rl")
+    run = api.rl(
+        "qwen3-tiny-trained",
+        strict="all",
+        steps=2,
+        group_size=2,
+        prompts=train,
+        prompts_per_step=2,
+        reward=answer_length,
+        eval_prompts=held,
+        max_new_tokens=4,
+        out=tmp_path / "rl",
+    )
     assert run.aligned and list(run.steps["step"]) == [1, 2] and list(run.evals["step"]) == [0, 2]
     assert calls[0] == ["42"] and all(len(c) == 4 for c in calls[1:3])  # held-out first, then 2 prompts x 2
-    assert run.record["rl"]["reward"].endswith(":test_rl_from_python_with_a_python_reward_and_held_out_prompts."
-                                               "<locals>.answer_length")
+    assert run.record["rl"]["reward"].endswith(
+        ":test_rl_from_python_with_a_python_reward_and_held_out_prompts.<locals>.answer_length"
+    )
     assert run.record["reward_function"]["file"] == __file__
     rows = pd.read_parquet(run.path / "eval" / "step-00002.parquet")
     assert run.evals["reward_mean"].iloc[-1] == rows["reward"].mean()
-    for kwargs, says in (({"reward": 3}, "reward 3: a built-in reward's name"), ({"steps": "2"}, "steps '2': an "
-                                                                                 "integer"),
-                         ({"eval_every": -1}, "eval_every -1: a number of steps"),
-                         ({"prompts_per_step": 9}, "prompts_per_step 9: there are 4 prompts")):
+    for kwargs, says in (
+        ({"reward": 3}, "reward 3: a built-in reward's name"),
+        ({"steps": "2"}, "steps '2': an integer"),
+        ({"eval_every": -1}, "eval_every -1: a number of steps"),
+        ({"prompts_per_step": 9}, "prompts_per_step 9: there are 4 prompts"),
+    ):
         with pytest.raises(InputError, match=says):
             api.rl("qwen3-tiny-trained", prompts=train, out=tmp_path / "refused", **kwargs)
     assert not (tmp_path / "refused").exists()

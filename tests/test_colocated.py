@@ -37,7 +37,9 @@ def start(fixture):
 prompts = [[5, 17, 99, 3, 250, 11], [7, 300, 42]]
 """
 
-STRICT = START + """
+STRICT = (
+    START
+    + """
 llm = start(sys.argv[1])
 kernels = api.verify_strict_vllm(llm)  # read back where the model computes
 assert kernels["strict_ops"] == ["attention", "linear", "logprobs", "rmsnorm", "rope", "silu"], kernels
@@ -59,8 +61,11 @@ grads = [p.grad for p in policy.parameters() if p.requires_grad]
 assert all(g is not None and torch.isfinite(g).all() for g in grads)
 print("ok", total)
 """
+)
 
-SYNC = START + """
+SYNC = (
+    START
+    + """
 from alignaudit.errors import EngineError
 api.keep_vllm_weights()
 llm = start(sys.argv[1])
@@ -107,11 +112,17 @@ except EngineError as e:
     assert "not applied when vLLM built this model" in str(e), e
 print("ok", ",".join(trl.stale_packed))
 """
+)
 
 
 def _run(script: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", script, str(FIXTURE), *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "ALIGNAUDIT_STRICT": ""})
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(FIXTURE), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "ALIGNAUDIT_STRICT": ""},
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
 
@@ -126,6 +137,9 @@ def test_weight_sync_check_sees_the_copies_vllm_computes_with():
 
     packs = vllm_packs_cpu_weights()
     stale = set(filter(None, _run(SYNC, "1" if packs else "0").split("ok ")[-1].strip().split(",")))
-    linears = {f"model.layers.{i}.{m}" for i in range(2)
-               for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    linears = {
+        f"model.layers.{i}.{m}"
+        for i in range(2)
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    }
     assert linears <= stale if packs else stale == set(), stale

@@ -30,10 +30,23 @@ import pytest
 from helpers import ROOT
 
 PACKAGES = {"alignaudit": ROOT / "alignaudit", "alignaudit_kernels": ROOT / "kernels" / "alignaudit_kernels"}
-ENGINE_SIDE = ("alignaudit.engines", "alignaudit.training", "alignaudit.workers", "alignaudit.commands",
-               "alignaudit.rl", "vllm", "megatron")
-ABOVE_WORKERS = ("alignaudit.commands", "alignaudit.rl", "alignaudit.comparison", "alignaudit.reports",
-                 "alignaudit.api", "alignaudit.integrations")
+ENGINE_SIDE = (
+    "alignaudit.engines",
+    "alignaudit.training",
+    "alignaudit.workers",
+    "alignaudit.commands",
+    "alignaudit.rl",
+    "vllm",
+    "megatron",
+)
+ABOVE_WORKERS = (
+    "alignaudit.commands",
+    "alignaudit.rl",
+    "alignaudit.comparison",
+    "alignaudit.reports",
+    "alignaudit.api",
+    "alignaudit.integrations",
+)
 # folder -> the folders (and engine packages) it must never reach, directly or through another module
 FORBIDDEN = {
     "alignaudit.inputs": ENGINE_SIDE + ("alignaudit.capture", "alignaudit.comparison", "alignaudit.reports"),
@@ -60,18 +73,61 @@ FOLDERS = {
     "alignaudit.reports": (*_BASE, "alignaudit", "alignaudit.capture", "alignaudit.comparison"),
     "alignaudit.engines": (*_BASE, "alignaudit.arch", "alignaudit.capture", "alignaudit.inputs", "alignaudit_kernels"),
     "alignaudit.training": (*_BASE, "alignaudit.engines", "alignaudit.inputs", "alignaudit_kernels"),
-    "alignaudit.workers": (*_BASE, "alignaudit", "alignaudit.capture", "alignaudit.engines", "alignaudit.inputs",
-                           "alignaudit.training", "alignaudit_kernels"),
-    "alignaudit.pipelines": (*_BASE, "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines",
-                             "alignaudit.inputs", "alignaudit.workers"),
-    "alignaudit.rl": (*_BASE, "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines", "alignaudit.inputs",
-                      "alignaudit.pipelines", "alignaudit.reports", "alignaudit.workers"),
-    "alignaudit.api": (*_BASE, "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines", "alignaudit.inputs",
-                       "alignaudit.pipelines", "alignaudit.rl", "alignaudit_kernels"),
-    "alignaudit.integrations": (*_BASE, "alignaudit.api", "alignaudit.engines", "alignaudit.inputs",
-                                "alignaudit_kernels"),
-    "alignaudit.commands": (*_BASE, "alignaudit", "alignaudit.capture", "alignaudit.comparison", "alignaudit.engines",
-                            "alignaudit.inputs", "alignaudit.pipelines", "alignaudit.reports", "alignaudit.rl"),
+    "alignaudit.workers": (
+        *_BASE,
+        "alignaudit",
+        "alignaudit.capture",
+        "alignaudit.engines",
+        "alignaudit.inputs",
+        "alignaudit.training",
+        "alignaudit_kernels",
+    ),
+    "alignaudit.pipelines": (
+        *_BASE,
+        "alignaudit.capture",
+        "alignaudit.comparison",
+        "alignaudit.engines",
+        "alignaudit.inputs",
+        "alignaudit.workers",
+    ),
+    "alignaudit.rl": (
+        *_BASE,
+        "alignaudit.capture",
+        "alignaudit.comparison",
+        "alignaudit.engines",
+        "alignaudit.inputs",
+        "alignaudit.pipelines",
+        "alignaudit.reports",
+        "alignaudit.workers",
+    ),
+    "alignaudit.api": (
+        *_BASE,
+        "alignaudit.capture",
+        "alignaudit.comparison",
+        "alignaudit.engines",
+        "alignaudit.inputs",
+        "alignaudit.pipelines",
+        "alignaudit.rl",
+        "alignaudit_kernels",
+    ),
+    "alignaudit.integrations": (
+        *_BASE,
+        "alignaudit.api",
+        "alignaudit.engines",
+        "alignaudit.inputs",
+        "alignaudit_kernels",
+    ),
+    "alignaudit.commands": (
+        *_BASE,
+        "alignaudit",
+        "alignaudit.capture",
+        "alignaudit.comparison",
+        "alignaudit.engines",
+        "alignaudit.inputs",
+        "alignaudit.pipelines",
+        "alignaudit.reports",
+        "alignaudit.rl",
+    ),
     "alignaudit.__main__": ("alignaudit.commands",),
 }
 
@@ -171,8 +227,11 @@ def test_the_framework_integrations_are_leaves(graph):
     no module of the library may import it (a user without TRL or verl imports alignaudit all the same), and one
     integration never imports another."""
     leaf = ("alignaudit.integrations",)
-    assert not {m: sorted(t for t in targets if _under(t, leaf)) for m, targets in graph.items()
-                if not _under(m, leaf) and any(_under(t, leaf) for t in targets)}
+    assert not {
+        m: sorted(t for t in targets if _under(t, leaf))
+        for m, targets in graph.items()
+        if not _under(m, leaf) and any(_under(t, leaf) for t in targets)
+    }
     integrations = [m for m in graph if m.startswith("alignaudit.integrations.")]
     assert {"alignaudit.integrations.trl", "alignaudit.integrations.verl"} <= set(integrations)
     for module in integrations:

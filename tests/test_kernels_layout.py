@@ -27,7 +27,11 @@ def test_the_root_first_on_sys_path_leaves_an_installed_kernels_package_in_place
     assert not (ROOT / "kernels" / "__init__.py").exists()
     # the root first (-c: the working directory), then what bench/gpu_run.sh exports, then the installed package
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels"), str(site)])}
-    lines = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
-                           check=True).stdout.splitlines()
-    assert lines == [str(ROOT), str(site / "kernels" / "__init__.py"),
-                     str(ROOT / "kernels" / "alignaudit_kernels" / "__init__.py")]
+    lines = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert lines == [
+        str(ROOT),
+        str(site / "kernels" / "__init__.py"),
+        str(ROOT / "kernels" / "alignaudit_kernels" / "__init__.py"),
+    ]

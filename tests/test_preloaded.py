@@ -36,8 +36,11 @@ def test_a_forked_worker_answers_as_a_fresh_one(tiny_spec, monkeypatch):
     launched = []
     try:
         for launcher in (fresh, pool.start_worker):
-            monkeypatch.setattr(spawn, "start_worker", lambda args, env, launch=launcher: launched.append(
-                launch(args, env)) or launched[-1])
+            monkeypatch.setattr(
+                spawn,
+                "start_worker",
+                lambda args, env, launch=launcher: launched.append(launch(args, env)) or launched[-1],
+            )
             with pytest.raises(InputError) as refused:
                 spawn.check_options([EngineRun("megatron", EngineSettings(options={"bogus_option": 1}))], tiny_spec)
             spawn.check_options([EngineRun("megatron", EngineSettings(options={"micro_batch_size": 2}))], tiny_spec)

@@ -34,7 +34,11 @@ def test_the_worker_keeps_the_working_directory_where_it_alone_gives_this_aligna
 
     plain = [sys.executable, "-m", "alignaudit.workers.capture_worker"]
     assert spawn.python_module("alignaudit.workers.capture_worker") == [
-        sys.executable, "-P", "-m", "alignaudit.workers.capture_worker"]  # the suite's editable install
+        sys.executable,
+        "-P",
+        "-m",
+        "alignaudit.workers.capture_worker",
+    ]  # the suite's editable install
     # run in one checkout while installed from another: -P would import the other one in the worker
     monkeypatch.setattr(alignaudit, "__file__", "/elsewhere/alignaudit/__init__.py")
     assert spawn.python_module("alignaudit.workers.capture_worker") == plain

@@ -31,6 +31,19 @@ from alignaudit.api.vllm_weights import (
     vllm_weights,
 )
 
-__all__ = ["Comparison", "RLRun", "WeightSync", "compare", "keep_vllm_weights", "load_vllm_weights",
-           "mismatch_metrics", "rl", "strict_hf_model", "strict_megatron_model", "token_logprobs",
-           "verify_strict_vllm", "verify_weight_sync", "vllm_weights"]
+__all__ = [
+    "Comparison",
+    "RLRun",
+    "WeightSync",
+    "compare",
+    "keep_vllm_weights",
+    "load_vllm_weights",
+    "mismatch_metrics",
+    "rl",
+    "strict_hf_model",
+    "strict_megatron_model",
+    "token_logprobs",
+    "verify_strict_vllm",
+    "verify_weight_sync",
+    "vllm_weights",
+]

@@ -27,11 +27,19 @@ def settings(dtype: str, device: str, ops: str, exp: str, spec, seed: int = 0):
     device = resolve_device(device)
     strict = parse_strict(ops, option="ops")
     if not strict:
-        raise InputError(f"ops {ops!r} selects no strict op, so the model would not be strict; pass 'all' or a comma "
-                         "list of alignaudit.inputs.strict_ops.STRICT_OPS")
+        raise InputError(
+            f"ops {ops!r} selects no strict op, so the model would not be strict; pass 'all' or a comma "
+            "list of alignaudit.inputs.strict_ops.STRICT_OPS"
+        )
     check_kernel_switches(strict, bool(spec.num_experts), True, device, API_NAMES)
-    return EngineSettings(check_dtype(dtype), device, seed, {}, strict=format_strict(strict),
-                          strict_exp=check_strict_exp(exp, strict, device, ("exp", *API_NAMES)))
+    return EngineSettings(
+        check_dtype(dtype),
+        device,
+        seed,
+        {},
+        strict=format_strict(strict),
+        strict_exp=check_strict_exp(exp, strict, device, ("exp", *API_NAMES)),
+    )
 
 
 def check_number(name: str, value, expected: str = "a number") -> None:
@@ -50,10 +58,13 @@ def spec_of(model: str | Path, random_weights: bool, seed: int = 0):
     return resolve_model(str(model), random_weights=random_weights, seed=seed)
 
 
-
 # CLI flags whose compare() argument is not the flag's own name with underscores
-FLAG_ARGUMENTS = {"--train-opt": "train_options", "--infer-opt": "infer_options", "--ignore-eos": "stop_at_eos=False",
-                   "--no-prompt-logprobs": "prompt_logprobs=False"}
+FLAG_ARGUMENTS = {
+    "--train-opt": "train_options",
+    "--infer-opt": "infer_options",
+    "--ignore-eos": "stop_at_eos=False",
+    "--no-prompt-logprobs": "prompt_logprobs=False",
+}
 
 
 @contextmanager
@@ -73,4 +84,3 @@ def argument_names(function):
             return FLAG_ARGUMENTS.get(flag, name if name in names else flag)
 
         raise InputError(re.sub(r"--[a-z][a-z0-9-]*", spell, str(e))) from e
-

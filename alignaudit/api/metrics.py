@@ -9,8 +9,7 @@ from alignaudit.api.checks import check_number
 from alignaudit.errors import InputError
 
 
-def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None = None,
-                     clip_eps: float = 0.2) -> dict:
+def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None = None, clip_eps: float = 0.2) -> dict:
     """The mismatch metrics of one RL step, computed as ``compare`` computes them (summary.json's fields:
     tokens_compared, mismatches, mismatch_fraction, ulp_max, ulp_histogram, max_abs_diff, NaN/Inf counts and
     ``rl``: importance-ratio range, clip fraction at ``clip_eps``, token_mult_prob_error, probability
@@ -33,17 +32,21 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None
     check_clip_eps(clip_eps)
     train, rollout = _rows(train_logprobs, mask, "train_logprobs"), _rows(rollout_logprobs, mask, "rollout_logprobs")
     if len(train) != len(rollout) or any(a.shape != b.shape for a, b in zip(train, rollout, strict=True)):
-        raise InputError(f"train_logprobs and rollout_logprobs disagree: {[len(a) for a in train]} tokens per "
-                         f"sequence vs {[len(b) for b in rollout]}")
+        raise InputError(
+            f"train_logprobs and rollout_logprobs disagree: {[len(a) for a in train]} tokens per "
+            f"sequence vs {[len(b) for b in rollout]}"
+        )
     for name, rows in (("train_logprobs", train), ("rollout_logprobs", rollout)):
         check_logprob_signs(name, rows, [f"sequence {i}" for i in range(len(rows))])
     seq = [torch.full((len(a),), i) for i, a in enumerate(train)]
-    tokens = pd.DataFrame({
-        "seq": torch.cat(seq).numpy() if seq else [],
-        "pos": torch.cat([torch.arange(len(a)) for a in train]).numpy() if train else [],
-        "lp_train": torch.cat(train).numpy() if train else [],
-        "lp_infer": torch.cat(rollout).numpy() if rollout else [],
-    })
+    tokens = pd.DataFrame(
+        {
+            "seq": torch.cat(seq).numpy() if seq else [],
+            "pos": torch.cat([torch.arange(len(a)) for a in train]).numpy() if train else [],
+            "lp_train": torch.cat(train).numpy() if train else [],
+            "lp_infer": torch.cat(rollout).numpy() if rollout else [],
+        }
+    )
     return summarize_tokens(compare_tokens(tokens), clip_eps)
 
 
@@ -51,12 +54,14 @@ def _rows(logprobs, mask, name: str) -> list[torch.Tensor]:
     """One fp32 CPU tensor per sequence from a list of 1-D tensors or a [B, T] tensor with ``mask``; each checked by
     ``_fp32``."""
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.is_meta):
-        raise InputError(f"mask must be a bool tensor (True = a token to compare), not "
-                         f"{getattr(mask, 'dtype', type(mask).__name__)}")
+        raise InputError(
+            f"mask must be a bool tensor (True = a token to compare), not {getattr(mask, 'dtype', type(mask).__name__)}"
+        )
     if isinstance(logprobs, torch.Tensor):
         if logprobs.dim() != 2:
-            raise InputError(f"{name}: a [B, T] tensor (with mask) or a list of 1-D tensors, not shape "
-                             f"{tuple(logprobs.shape)}")
+            raise InputError(
+                f"{name}: a [B, T] tensor (with mask) or a list of 1-D tensors, not shape {tuple(logprobs.shape)}"
+            )
         if mask is None:
             mask = torch.ones_like(logprobs, dtype=torch.bool)
         if mask.shape != logprobs.shape:
@@ -66,8 +71,9 @@ def _rows(logprobs, mask, name: str) -> list[torch.Tensor]:
     if mask is not None:
         raise InputError(f"mask applies to [B, T] tensors; {name} is a list of sequences")
     if isinstance(logprobs, (str, bytes)) or not isinstance(logprobs, (list, tuple)):
-        raise InputError(f"{name}: a list of 1-D tensors (one per sequence) or a [B, T] tensor, not "
-                         f"{type(logprobs).__name__}")
+        raise InputError(
+            f"{name}: a list of 1-D tensors (one per sequence) or a [B, T] tensor, not {type(logprobs).__name__}"
+        )
     rows = []
     for i, row in enumerate(logprobs):
         if isinstance(row, (str, bytes)):
@@ -99,9 +105,9 @@ def _fp32(values: torch.Tensor, name: str) -> torch.Tensor:
     if values.dtype == torch.float64:
         same = (converted.double() == values) | (values.isnan() & converted.isnan())
         if not bool(same.all()):
-            raise InputError(f"{name} holds float64 logprobs that fp32 cannot hold exactly; alignaudit compares the "
-                             "fp32 values engines record: pass those (or .float() both sides yourself, knowing it "
-                             "rounds)")
+            raise InputError(
+                f"{name} holds float64 logprobs that fp32 cannot hold exactly; alignaudit compares the "
+                "fp32 values engines record: pass those (or .float() both sides yourself, knowing it "
+                "rounds)"
+            )
     return converted
-
-

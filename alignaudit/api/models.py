@@ -10,8 +10,14 @@ from alignaudit.api.checks import settings, spec_of
 from alignaudit.errors import InputError
 
 
-def strict_megatron_model(model: str | Path = "qwen3-tiny", ops: str = "all", dtype: str = "bf16",
-                          device: str = "auto", exp: str | None = None, random_weights: bool = False):
+def strict_megatron_model(
+    model: str | Path = "qwen3-tiny",
+    ops: str = "all",
+    dtype: str = "bf16",
+    device: str = "auto",
+    exp: str | None = None,
+    random_weights: bool = False,
+):
     """A Megatron-Core StrictGPTModel (alignaudit.engines.megatron.strict) of ``model``, built as alignaudit's
     own Megatron engine builds it: a one-rank process group if none exists (gloo on CPU, NCCL on CUDA), Megatron's
     model-parallel state and RNG tracker, the TransformerConfig from config.json, and the HF weights converted
@@ -34,8 +40,15 @@ def strict_megatron_model(model: str | Path = "qwen3-tiny", ops: str = "all", dt
     return engine.gpt
 
 
-def strict_hf_model(model: str | Path = "qwen3-tiny", ops: str = "all", dtype: str = "bf16", device: str = "auto",
-                    exp: str | None = None, random_weights: bool = False, compute_dtype: str | None = None):
+def strict_hf_model(
+    model: str | Path = "qwen3-tiny",
+    ops: str = "all",
+    dtype: str = "bf16",
+    device: str = "auto",
+    exp: str | None = None,
+    random_weights: bool = False,
+    compute_dtype: str | None = None,
+):
     """A transformers model of ``model`` with the strict module swap (alignaudit.engines.hf.strict.make_strict),
     in eval mode. Logprobs: ``token_logprobs(model, ...)`` (strict, as every engine's strict path). Arguments
     and errors as ``strict_megatron_model``, and ``compute_dtype``: "bf16", "fp16" or "fp32", the dtype the forward
@@ -68,13 +81,16 @@ def token_logprobs(model, sequences: list[list[int]] | list[torch.Tensor]) -> li
 
     megatron = hasattr(model, "compute_language_model_loss")
     if not megatron and not (hasattr(model, "config") and hasattr(model, "generate")):
-        raise InputError(f"token_logprobs takes a model from strict_megatron_model or strict_hf_model, not "
-                         f"{type(model).__name__}")
+        raise InputError(
+            f"token_logprobs takes a model from strict_megatron_model or strict_hf_model, not {type(model).__name__}"
+        )
     vocab = model.vocab_size if megatron else model.config.vocab_size
     limit = model.max_sequence_length if megatron else model.config.max_position_embeddings
     if isinstance(sequences, (str, bytes)) or not isinstance(sequences, (list, tuple)):
-        raise InputError(f"sequences: a list of token-id sequences (lists of int or 1-D integer tensors), not "
-                         f"{type(sequences).__name__}")
+        raise InputError(
+            f"sequences: a list of token-id sequences (lists of int or 1-D integer tensors), not "
+            f"{type(sequences).__name__}"
+        )
     seqs = [_token_ids(i, s, vocab, limit) for i, s in enumerate(sequences)]
     if not seqs:
         raise InputError("token_logprobs needs at least one sequence")
@@ -83,7 +99,7 @@ def token_logprobs(model, sequences: list[list[int]] | list[torch.Tensor]) -> li
     ids = torch.zeros(b, t, dtype=torch.long)
     valid = torch.zeros(b, t, dtype=torch.bool)
     for i, s in enumerate(seqs):
-        ids[i, :len(s)], valid[i, :len(s)] = s, True
+        ids[i, : len(s)], valid[i, : len(s)] = s, True
     ids, valid = ids.to(device), valid.to(device)
     labels = torch.roll(ids, -1, dims=1)
     with torch.no_grad():
@@ -94,7 +110,7 @@ def token_logprobs(model, sequences: list[list[int]] | list[torch.Tensor]) -> li
         else:  # transformers
             logits = model(input_ids=ids, attention_mask=valid.long()).logits
             rows = K.token_logprobs(logits, labels).float()
-    return [rows[i, :len(s) - 1].cpu() for i, s in enumerate(seqs)]
+    return [rows[i, : len(s) - 1].cpu() for i, s in enumerate(seqs)]
 
 
 def _token_ids(i: int, sequence, vocab: int, limit: int) -> torch.Tensor:
@@ -106,11 +122,14 @@ def _token_ids(i: int, sequence, vocab: int, limit: int) -> torch.Tensor:
     except (TypeError, ValueError, RuntimeError, OverflowError) as e:
         raise InputError(f"sequence {i}: not a list of token ids ({str(e).splitlines()[0]})") from None
     if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise InputError(f"sequence {i}: token ids must be one list (or 1-D tensor) of integers, not "
-                         f"{ids.dtype} of shape {tuple(ids.shape)}")
+        raise InputError(
+            f"sequence {i}: token ids must be one list (or 1-D tensor) of integers, not "
+            f"{ids.dtype} of shape {tuple(ids.shape)}"
+        )
     if len(ids) < 2:
-        raise InputError(f"sequence {i} has {len(ids)} token(s); token_logprobs needs at least 2 (the first has no "
-                         "logprob)")
+        raise InputError(
+            f"sequence {i} has {len(ids)} token(s); token_logprobs needs at least 2 (the first has no logprob)"
+        )
     if len(ids) > limit:
         raise InputError(f"sequence {i} has {len(ids)} tokens, more than the model's {limit} positions; shorten it")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:

@@ -41,18 +41,38 @@ class Comparison:
         return self.tokens_compared > 0 and self.mismatches == 0
 
 
-def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer: str = "vllm",
-            strict: str | None = None,
-            mode: str = "prompt", prompts: str | Path | None = None, random_prompts: int | None = None,
-            prompt_len: int | None = None, dtype: str = "bf16", device: str = "auto",
-            train_options: dict[str, Any] | None = None, infer_options: dict[str, Any] | None = None,
-            max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
-            top_p: float | None = None,
-            group_size: int | None = None, stop_at_eos: bool | None = None, prompt_logprobs: bool | None = None,
-            engine_mode: str | None = None, arrival_gap: float | None = None,
-            random_weights: bool = False, seed: int = 0, clip_eps: float = 0.2, out: str | Path | None = None,
-            force: bool = False, replay_routing: bool = False, full_vocab: bool = False, repeat: int = 1
-            ) -> Comparison:
+def compare(
+    model: str | Path = "qwen3-tiny",
+    *,
+    train: str = "megatron",
+    infer: str = "vllm",
+    strict: str | None = None,
+    mode: str = "prompt",
+    prompts: str | Path | None = None,
+    random_prompts: int | None = None,
+    prompt_len: int | None = None,
+    dtype: str = "bf16",
+    device: str = "auto",
+    train_options: dict[str, Any] | None = None,
+    infer_options: dict[str, Any] | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    group_size: int | None = None,
+    stop_at_eos: bool | None = None,
+    prompt_logprobs: bool | None = None,
+    engine_mode: str | None = None,
+    arrival_gap: float | None = None,
+    random_weights: bool = False,
+    seed: int = 0,
+    clip_eps: float = 0.2,
+    out: str | Path | None = None,
+    force: bool = False,
+    replay_routing: bool = False,
+    full_vocab: bool = False,
+    repeat: int = 1,
+) -> Comparison:
     """Run ``alignaudit compare`` from Python: the same validation, engines (each in its own worker process),
     outputs and sealed run.json, into ``out`` (default: a new alignaudit-runs/compare-<time> directory; an
     existing non-empty one needs ``force``; where the run fails, the complete results it replaced stay in
@@ -90,13 +110,20 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
     if mode not in ("prompt", "rollout"):
         raise InputError(f"mode {mode!r}: choose prompt or rollout")
     if prompts is not None and not isinstance(prompts, (str, Path)):
-        raise InputError(f"prompts: a file path (JSONL or text lines), not {type(prompts).__name__}; token ids go in "
-                         "a JSONL file of {\"token_ids\": [...]} lines")
+        raise InputError(
+            f"prompts: a file path (JSONL or text lines), not {type(prompts).__name__}; token ids go in "
+            'a JSONL file of {"token_ids": [...]} lines'
+        )
     for name, opts in (("train_options", train_options), ("infer_options", infer_options)):
         if opts is not None and not isinstance(opts, dict):
             raise InputError(f"{name}: a dict of engine settings, not {type(opts).__name__}")
-    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed),
-                        ("random_prompts", random_prompts), ("prompt_len", prompt_len)):
+    for name, value in (
+        ("max_new_tokens", max_new_tokens),
+        ("top_k", top_k),
+        ("seed", seed),
+        ("random_prompts", random_prompts),
+        ("prompt_len", prompt_len),
+    ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise InputError(f"{name} {value!r}: an integer")
     for name, value in (("temperature", temperature), ("top_p", top_p), ("clip_eps", clip_eps)):
@@ -111,25 +138,55 @@ def compare(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer:
         options = [[f"{k}={json.dumps(v)}" for k, v in (opts or {}).items()] for opts in (train_options, infer_options)]
     except TypeError as e:
         raise InputError(f"engine options must be JSON values (numbers, strings, booleans, lists): {e}") from e
-    pair = PairArgs(train=train, infer=infer, dtype=dtype, device=device, train_opt=options[0] or None,
-                    infer_opt=options[1] or None, strict=strict)
-    sampling = SamplingArgs(mode, max_new_tokens, temperature, top_k, top_p, group_size, stop_at_eos, prompt_logprobs,
-                            engine_mode, arrival_gap)
+    pair = PairArgs(
+        train=train,
+        infer=infer,
+        dtype=dtype,
+        device=device,
+        train_opt=options[0] or None,
+        infer_opt=options[1] or None,
+        strict=strict,
+    )
+    sampling = SamplingArgs(
+        mode,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        group_size,
+        stop_at_eos,
+        prompt_logprobs,
+        engine_mode,
+        arrival_gap,
+    )
     with argument_names(compare):
-        request = build_request(ModelArgs(str(model), random_weights, seed),
-                                PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
-                                pair, sampling, clip_eps, replay_routing=replay_routing, full_vocab=full_vocab,
-                                repeat=repeat)
+        request = build_request(
+            ModelArgs(str(model), random_weights, seed),
+            PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
+            pair,
+            sampling,
+            clip_eps,
+            replay_routing=replay_routing,
+            full_vocab=full_vocab,
+            repeat=repeat,
+        )
         path = out_dir(OutputArgs(str(out) if out is not None else None, force), "compare", COMPARE_OUTPUTS)
     try:
         with argument_names(compare):
             summary = run_compare(request, path)
     finally:
         outdir.release(path)  # a failed run keeps the complete results force=True replaced (out/.alignaudit-previous)
-    return Comparison(path, summary["tokens_compared"], summary["mismatches"], summary["ulp_max"],
-                      summary["max_abs_diff"], summary.get("generated"), summary,
-                      pd.read_parquet(path / TOKENS), pd.read_parquet(path / SEQUENCES))
-
+    return Comparison(
+        path,
+        summary["tokens_compared"],
+        summary["mismatches"],
+        summary["ulp_max"],
+        summary["max_abs_diff"],
+        summary.get("generated"),
+        summary,
+        pd.read_parquet(path / TOKENS),
+        pd.read_parquet(path / SEQUENCES),
+    )
 
 
 @dataclass
@@ -155,14 +212,36 @@ class RLRun:
         return bool((self.steps["mismatches"] == 0).all() and self.steps["sync_bit_equal"].all())
 
 
-def rl(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer: str = "vllm", strict: str | None = None,
-       steps: int = 10, lr: float = 1e-4, group_size: int = 4, reward: str | Callable = "rotating-hash",
-       prompts: str | Path | None = None, random_prompts: int | None = None, prompt_len: int | None = None,
-       prompts_per_step: int = 0, eval_prompts: str | Path | None = None, eval_every: int = 0,
-       max_new_tokens: int = 16, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-       kl_coef: float = 0.0, clip_eps: float = 0.2, seed: int = 0, dtype: str = "bf16", device: str = "auto",
-       random_weights: bool = False, token_rows: bool = True, out: str | Path | None = None,
-       force: bool = False) -> RLRun:
+def rl(
+    model: str | Path = "qwen3-tiny",
+    *,
+    train: str = "megatron",
+    infer: str = "vllm",
+    strict: str | None = None,
+    steps: int = 10,
+    lr: float = 1e-4,
+    group_size: int = 4,
+    reward: str | Callable = "rotating-hash",
+    prompts: str | Path | None = None,
+    random_prompts: int | None = None,
+    prompt_len: int | None = None,
+    prompts_per_step: int = 0,
+    eval_prompts: str | Path | None = None,
+    eval_every: int = 0,
+    max_new_tokens: int = 16,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    kl_coef: float = 0.0,
+    clip_eps: float = 0.2,
+    seed: int = 0,
+    dtype: str = "bf16",
+    device: str = "auto",
+    random_weights: bool = False,
+    token_rows: bool = True,
+    out: str | Path | None = None,
+    force: bool = False,
+) -> RLRun:
     """Run ``alignaudit rl`` from Python: the same checks (every one before any engine starts), engines (each in a
     worker process of its own), records and sealed run.json, into ``out`` (default: a new alignaudit-runs/rl-<time>
     directory; an existing non-empty one needs ``force``). Arguments are the CLI's options (``alignaudit rl --help``,
@@ -186,29 +265,54 @@ def rl(model: str | Path = "qwen3-tiny", *, train: str = "megatron", infer: str 
     for name, value in (("prompts", prompts), ("eval_prompts", eval_prompts), ("out", out)):
         if value is not None and not isinstance(value, (str, Path)):
             raise InputError(f"{name} {value!r}: a path (str or pathlib.Path)")
-    for name, value in (("steps", steps), ("group_size", group_size), ("prompts_per_step", prompts_per_step),
-                        ("eval_every", eval_every), ("max_new_tokens", max_new_tokens), ("top_k", top_k),
-                        ("seed", seed), ("random_prompts", random_prompts), ("prompt_len", prompt_len)):
+    for name, value in (
+        ("steps", steps),
+        ("group_size", group_size),
+        ("prompts_per_step", prompts_per_step),
+        ("eval_every", eval_every),
+        ("max_new_tokens", max_new_tokens),
+        ("top_k", top_k),
+        ("seed", seed),
+        ("random_prompts", random_prompts),
+        ("prompt_len", prompt_len),
+    ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise InputError(f"{name} {value!r}: an integer")
-    for name, value in (("lr", lr), ("temperature", temperature), ("top_p", top_p), ("kl_coef", kl_coef),
-                        ("clip_eps", clip_eps)):
+    for name, value in (
+        ("lr", lr),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("kl_coef", kl_coef),
+        ("clip_eps", clip_eps),
+    ):
         check_number(name, value)
     for name, value in (("force", force), ("random_weights", random_weights), ("token_rows", token_rows)):
         if not isinstance(value, bool):
             raise InputError(f"{name} {value!r}: True or False")
     if not (callable(reward) or isinstance(reward, str)):
         raise InputError(f"reward {reward!r}: a built-in reward's name, MODULE:FUNCTION, or a callable")
-    settings = RLSettings(steps=steps, lr=lr, group_size=group_size, token_rows=token_rows, reward=reward,
-                          kl_coef=kl_coef, prompts_per_step=prompts_per_step, eval_every=eval_every,
-                          eval_prompts=str(eval_prompts) if eval_prompts is not None else None)
+    settings = RLSettings(
+        steps=steps,
+        lr=lr,
+        group_size=group_size,
+        token_rows=token_rows,
+        reward=reward,
+        kl_coef=kl_coef,
+        prompts_per_step=prompts_per_step,
+        eval_every=eval_every,
+        eval_prompts=str(eval_prompts) if eval_prompts is not None else None,
+    )
     with argument_names(rl):
         settings.check()
         request, held = rl_request(
             ModelArgs(str(model), random_weights, seed),
             PromptArgs(Path(prompts) if prompts is not None else None, random_prompts, prompt_len),
             PairArgs(train=train, infer=infer, dtype=dtype, device=device, strict=strict),
-            SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p), clip_eps, ISArgs(), settings)
+            SamplingArgs("rollout", max_new_tokens, temperature, top_k, top_p),
+            clip_eps,
+            ISArgs(),
+            settings,
+        )
         memory = rl_plan(request, group_size, kl_coef > 0, prompts_per_step, held)
         path = out_dir(OutputArgs(str(out) if out is not None else None, force), "rl", rl_outputs(()))
     try:

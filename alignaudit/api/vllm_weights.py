@@ -68,18 +68,25 @@ def verify_weight_sync(trainer: dict[str, torch.Tensor], rollout) -> WeightSync:
         rollout = vllm_weights(rollout)
     for name, side in (("trainer", trainer), ("rollout", rollout)):
         if not isinstance(side, dict) or not all(isinstance(t, torch.Tensor) for t in side.values()):
-            raise InputError(f"{name}: a dict of HF name -> tensor (e.g. dict(model.named_parameters())), or for the "
-                             f"rollout side the running vLLM LLM, not {type(side).__name__}")
+            raise InputError(
+                f"{name}: a dict of HF name -> tensor (e.g. dict(model.named_parameters())), or for the "
+                f"rollout side the running vLLM LLM, not {type(side).__name__}"
+            )
         for key, tensor in side.items():
             check_weight(f"{name}[{key!r}]", tensor)
     if not trainer:
         raise InputError("trainer holds no weights: an empty sync would pass unchecked; give the tensors sent")
     missing = sorted(set(trainer) - set(rollout)) + sorted(set(rollout) - set(trainer))
-    differing = [name for name in sorted(set(trainer) & set(rollout))
-                 if trainer[name].dtype != rollout[name].dtype or trainer[name].shape != rollout[name].shape
-                 or not torch.equal(_bytes(trainer[name]), _bytes(rollout[name]))]
-    return WeightSync(not differing and not missing and not stale, differing, missing, stale, engine,
-                      checksums(trainer))
+    differing = [
+        name
+        for name in sorted(set(trainer) & set(rollout))
+        if trainer[name].dtype != rollout[name].dtype
+        or trainer[name].shape != rollout[name].shape
+        or not torch.equal(_bytes(trainer[name]), _bytes(rollout[name]))
+    ]
+    return WeightSync(
+        not differing and not missing and not stale, differing, missing, stale, engine, checksums(trainer)
+    )
 
 
 def keep_vllm_weights() -> None:
@@ -118,8 +125,9 @@ def load_vllm_weights(llm, weights: dict[str, torch.Tensor]) -> None:
         if name not in shapes:
             raise InputError(f"weights[{name!r}]: not a tensor of this model's checkpoint; nothing was loaded")
         if tuple(tensor.shape) != shapes[name]:
-            raise InputError(f"weights[{name!r}] has shape {tuple(tensor.shape)}, the model's is {shapes[name]}; "
-                             "nothing was loaded")
+            raise InputError(
+                f"weights[{name!r}] has shape {tuple(tensor.shape)}, the model's is {shapes[name]}; nothing was loaded"
+            )
         try:
             check_weight(f"weights[{name!r}]", tensor)
         except InputError as e:
@@ -155,9 +163,11 @@ def verify_strict_vllm(llm, ops: str = "all") -> dict:
     except TypeError as e:  # vLLM's msgspec encoder, sending the function to the engine-core process
         if "serializ" not in str(e):
             raise
-        raise InputError("llm runs its model in vLLM's engine-core process, where LLM.apply_model cannot send the "
-                         "read-back function; build it with VLLM_ENABLE_V1_MULTIPROCESSING=0 (as TRL's colocate mode "
-                         "does) or set VLLM_ALLOW_INSECURE_SERIALIZATION=1") from e
+        raise InputError(
+            "llm runs its model in vLLM's engine-core process, where LLM.apply_model cannot send the "
+            "read-back function; build it with VLLM_ENABLE_V1_MULTIPROCESSING=0 (as TRL's colocate mode "
+            "does) or set VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+        ) from e
     check_strict_kernels(kernels, wanted)
     return kernels
 

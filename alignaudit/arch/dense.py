@@ -53,8 +53,9 @@ class Architecture:
         return dense_weight_shapes(config, qk_norm=self.qk_norm, qkv_bias=self.qkv_bias(config), moe=self.moe)
 
 
-def dense_weight_shapes(config: dict, *, qk_norm: bool, qkv_bias: bool,
-                        moe: bool = False) -> Iterator[tuple[str, tuple[int, ...], str]]:
+def dense_weight_shapes(
+    config: dict, *, qk_norm: bool, qkv_bias: bool, moe: bool = False
+) -> Iterator[tuple[str, tuple[int, ...], str]]:
     """Yield (HF parameter name, shape, init kind) for a decoder ``config``: every tensor the config implies,
     in the checkpoint's layout (an MoE layer's experts one by one, as the Hub stores them). Kinds: embed,
     linear, norm, bias (alignaudit.inputs.synth draws each kind at its own scale)."""

@@ -19,23 +19,26 @@ from alignaudit.arch.dense import Architecture, Preset
 from alignaudit.arch.qwen3 import qwen3_config
 
 
-def qwen3_moe_config(*, num_experts: int, num_experts_per_tok: int, moe_intermediate_size: int,
-                     norm_topk_prob: bool = True, **shape) -> dict:
+def qwen3_moe_config(
+    *, num_experts: int, num_experts_per_tok: int, moe_intermediate_size: int, norm_topk_prob: bool = True, **shape
+) -> dict:
     """A Qwen3MoeForCausalLM ``config.json`` as published on the Hub: Qwen3's fields plus the MoE ones
     (every layer sparse: decoder_sparse_step 1, no mlp_only_layers; router aux loss off at inference)."""
     config = qwen3_config(**shape)
-    config.update({
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "moe_intermediate_size": moe_intermediate_size,
-        "norm_topk_prob": norm_topk_prob,
-        "num_experts": num_experts,
-        "num_experts_per_tok": num_experts_per_tok,
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
-    })
+    config.update(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": moe_intermediate_size,
+            "norm_topk_prob": norm_topk_prob,
+            "num_experts": num_experts,
+            "num_experts_per_tok": num_experts_per_tok,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
+    )
     return config
 
 
@@ -45,13 +48,29 @@ ARCH = Architecture(
     qk_norm=True,
     qkv_bias=lambda config: False,
     moe=True,
-    refused=(("attention_bias", "transformers' Qwen3 MoE adds an o_proj bias as well, vLLM's and Megatron's do not"),
-             ("mlp_only_layers", "alignaudit maps every layer to an MoE layer; dense layers between them are not "
-                                 "implemented")),
+    refused=(
+        ("attention_bias", "transformers' Qwen3 MoE adds an o_proj bias as well, vLLM's and Megatron's do not"),
+        (
+            "mlp_only_layers",
+            "alignaudit maps every layer to an MoE layer; dense layers between them are not implemented",
+        ),
+    ),
     required=(("decoder_sparse_step", 1, "alignaudit maps every layer to an MoE layer"),),
     presets=(
-        Preset("Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", qwen3_moe_config(
-            hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
-            tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)),
+        Preset(
+            "Qwen3-30B-A3B",
+            "Qwen/Qwen3-30B-A3B",
+            qwen3_moe_config(
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_layers=48,
+                num_heads=32,
+                num_kv_heads=4,
+                tie_word_embeddings=False,
+                num_experts=128,
+                num_experts_per_tok=8,
+                moe_intermediate_size=768,
+            ),
+        ),
     ),
 )

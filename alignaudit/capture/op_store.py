@@ -55,11 +55,19 @@ class OpRecorder:
         key = f"{op}|{seq}|{pos_start}"
         name, layer = split_op_id(op)
         self.pending[key] = t
-        self.pending_rows.append({
-            "op": op, "layer": -1 if layer is None else layer, "name": name, "seq": seq,
-            "pos_start": pos_start, "pos_end": pos_start + t.shape[0], "dtype": str(t.dtype).removeprefix("torch."),
-            "shape": list(t.shape), "key": key,
-        })
+        self.pending_rows.append(
+            {
+                "op": op,
+                "layer": -1 if layer is None else layer,
+                "name": name,
+                "seq": seq,
+                "pos_start": pos_start,
+                "pos_end": pos_start + t.shape[0],
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "key": key,
+            }
+        )
         self.pending_bytes += t.nbytes
         if self.pending_bytes >= self.flush_bytes:
             self.flush()
@@ -81,16 +89,25 @@ class OpRecorder:
     def finish(self) -> dict:
         """Write the index and fingerprints; return a summary for the manifest (what OpStore checks)."""
         self.flush()
-        pd.DataFrame(self.rows, columns=["op", "layer", "name", "seq", "pos_start", "pos_end", "dtype", "shape",
-                                         "key", "file"]).to_parquet(self.directory / INDEX, index=False)
-        prints = [{"op": op, "seq": seq, "tokens": state[1], "sha256": state[0].hexdigest()}
-                  for (op, seq), state in self.hashes.items()]
-        pd.DataFrame(prints, columns=["op", "seq", "tokens", "sha256"]).to_parquet(self.directory / FINGERPRINTS,
-                                                                                   index=False)
+        pd.DataFrame(
+            self.rows, columns=["op", "layer", "name", "seq", "pos_start", "pos_end", "dtype", "shape", "key", "file"]
+        ).to_parquet(self.directory / INDEX, index=False)
+        prints = [
+            {"op": op, "seq": seq, "tokens": state[1], "sha256": state[0].hexdigest()}
+            for (op, seq), state in self.hashes.items()
+        ]
+        pd.DataFrame(prints, columns=["op", "seq", "tokens", "sha256"]).to_parquet(
+            self.directory / FINGERPRINTS, index=False
+        )
         op_ids = list(dict.fromkeys(r["op"] for r in self.rows))
-        return {"ops": len(op_ids), "bytes": self.total_bytes, "files": self.chunks, "op_ids": op_ids,
-                "index_sha256": file_sha256(self.directory / INDEX),
-                "fingerprints_sha256": file_sha256(self.directory / FINGERPRINTS)}
+        return {
+            "ops": len(op_ids),
+            "bytes": self.total_bytes,
+            "files": self.chunks,
+            "op_ids": op_ids,
+            "index_sha256": file_sha256(self.directory / INDEX),
+            "fingerprints_sha256": file_sha256(self.directory / FINGERPRINTS),
+        }
 
 
 class OpStore:
@@ -108,29 +125,39 @@ class OpStore:
     def __init__(self, capture_dir: Path, recorded: dict | None, cache_ops: int = 32):
         self.directory = Path(capture_dir) / OPS_DIR
         if not (self.directory / INDEX).is_file():
-            raise InputError(f"{capture_dir} has no per-op tensors; make it with `alignaudit capture` "
-                             "(ops are on by default)")
+            raise InputError(
+                f"{capture_dir} has no per-op tensors; make it with `alignaudit capture` (ops are on by default)"
+            )
         recorded = recorded or {}
         for name, key in ((INDEX, "index_sha256"), (FINGERPRINTS, "fingerprints_sha256")):
             if not recorded.get(key):
-                raise InputError(f"{capture_dir}'s manifest records no sha256 of {OPS_DIR}/{name} (made by an older "
-                                 "alignaudit?); capture again")
+                raise InputError(
+                    f"{capture_dir}'s manifest records no sha256 of {OPS_DIR}/{name} (made by an older "
+                    "alignaudit?); capture again"
+                )
             if not (self.directory / name).is_file() or file_sha256(self.directory / name) != recorded[key]:
-                raise InputError(f"{self.directory / name} is missing or is not the file the capture wrote (its sha256 "
-                                 "differs from the manifest's); capture again")
+                raise InputError(
+                    f"{self.directory / name} is missing or is not the file the capture wrote (its sha256 "
+                    "differs from the manifest's); capture again"
+                )
         try:
             self.index = pd.read_parquet(self.directory / INDEX)
-            self.fingerprints = (pd.read_parquet(self.directory / FINGERPRINTS)
-                                 .set_index(["op", "seq"])["sha256"].to_dict())
+            self.fingerprints = (
+                pd.read_parquet(self.directory / FINGERPRINTS).set_index(["op", "seq"])["sha256"].to_dict()
+            )
         except Exception as e:  # pyarrow raises several types for missing/truncated files
-            raise InputError(f"{self.directory} has a missing or corrupt index ({type(e).__name__}); "
-                             "capture again") from e
+            raise InputError(
+                f"{self.directory} has a missing or corrupt index ({type(e).__name__}); capture again"
+            ) from e
         held, expected = self.op_ids(), list(recorded.get("op_ids") or [])
         if held != expected:
             gone = [op for op in expected if op not in held]
-            raise InputError(f"{self.directory / INDEX}: " + (f"op {gone[0]} is missing" if gone else
-                             "holds ops the capture did not record") + " (the manifest lists what was captured); "
-                             "capture again")
+            raise InputError(
+                f"{self.directory / INDEX}: "
+                + (f"op {gone[0]} is missing" if gone else "holds ops the capture did not record")
+                + " (the manifest lists what was captured); "
+                "capture again"
+            )
         self._handles: dict[str, object] = {}
         self._cache: OrderedDict[str, dict[int, torch.Tensor]] = OrderedDict()
         self._cache_ops = cache_ops
@@ -156,8 +183,10 @@ class OpStore:
         for seq, chunk in rows.sort_values(["seq", "pos_start"]).groupby("seq"):
             t = torch.cat([self._load(r.file, r.key) for r in chunk.itertuples()], dim=0)
             if hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest() != self.fingerprint(op, int(seq)):
-                raise InputError(f"{self.directory}: {op} of sequence {seq} does not match its sha256 fingerprint; "
-                                 "the capture is corrupt, capture again")
+                raise InputError(
+                    f"{self.directory}: {op} of sequence {seq} does not match its sha256 fingerprint; "
+                    "the capture is corrupt, capture again"
+                )
             result[int(seq)] = t
         self._cache[op] = result
         if len(self._cache) > self._cache_ops:
@@ -169,7 +198,7 @@ class OpStore:
         t = self.sequences(op).get(seq)
         if t is None or t.shape[0] < pos_start + length:
             return None
-        return t[pos_start: pos_start + length]
+        return t[pos_start : pos_start + length]
 
     def _op_groups(self) -> dict[str, pd.DataFrame]:
         if not hasattr(self, "_groups"):

@@ -57,12 +57,17 @@ DENSE_MLP_OPS = frozenset({"gate_proj", "up_proj", "act", "down_proj"})
 # A mixture-of-experts layer (Qwen3 MoE): these stand where the dense MLP ops stand.
 MOE_OPS: tuple[OpDef, ...] = (
     OpDef("router", "experts", ("post_attn_norm",), "router logits (x @ W_router^T)", replaceable=False),
-    OpDef("routing", "routing", ("router",), "the experts each token is sent to (top-k of the router)",
-          replaceable=False),
+    OpDef(
+        "routing", "routing", ("router",), "the experts each token is sent to (top-k of the router)", replaceable=False
+    ),
     # The whole layer, routing included, computes from post_attn_norm: forced mode gives every engine the
     # reference's input there, and moe's difference is the layer's own (routing flips included).
-    OpDef("moe", "hidden", ("post_attn_norm",), "the MoE layer output (the chosen experts' SwiGLU MLPs, "
-          "weighted and summed)"),
+    OpDef(
+        "moe",
+        "hidden",
+        ("post_attn_norm",),
+        "the MoE layer output (the chosen experts' SwiGLU MLPs, weighted and summed)",
+    ),
 )
 PRE_OPS: tuple[OpDef, ...] = (OpDef("embed", "hidden", (), "token embedding"),)
 POST_OPS: tuple[OpDef, ...] = (
@@ -179,16 +184,21 @@ class Selection:
         return Selection(self.layers, self.names, frozenset(extra))
 
     def to_dict(self) -> dict:
-        return {"layers": sorted(self.layers) if self.layers is not None else None,
-                "names": sorted(self.names) if self.names is not None else None,
-                "extra": sorted(self.extra)}
+        return {
+            "layers": sorted(self.layers) if self.layers is not None else None,
+            "names": sorted(self.names) if self.names is not None else None,
+            "extra": sorted(self.extra),
+        }
 
     @classmethod
     def from_dict(cls, d: dict | None) -> Selection:
         d = d or {}
         layers, names = d.get("layers"), d.get("names")
-        return cls(frozenset(layers) if layers is not None else None, frozenset(names) if names is not None else None,
-                   frozenset(d.get("extra", ())))
+        return cls(
+            frozenset(layers) if layers is not None else None,
+            frozenset(names) if names is not None else None,
+            frozenset(d.get("extra", ())),
+        )
 
 
 def parse_selection(layers: str | None, ops: str | None, graph: OpGraph) -> Selection:
@@ -222,12 +232,15 @@ def parse_selection(layers: str | None, ops: str | None, graph: OpGraph) -> Sele
             raise InputError(f"--ops: unknown op(s) {', '.join(unknown)}; this model's ops: {', '.join(graph.names())}")
         absent = sorted(names & QK_NORM_OPS) if not graph.qk_norm else []
         if absent:
-            raise InputError(f"--ops {', '.join(absent)}: this model has no QK-norm (Qwen3 has); its rope reads "
-                             "q_proj/k_proj directly")
+            raise InputError(
+                f"--ops {', '.join(absent)}: this model has no QK-norm (Qwen3 has); its rope reads "
+                "q_proj/k_proj directly"
+            )
         absent = sorted(names - set(graph.names()))
         if absent:
             kind = "a mixture of experts" if graph.moe else "a dense MLP"
-            raise InputError(f"--ops {', '.join(absent)}: this model's layers have {kind}; its ops: "
-                             f"{', '.join(graph.names())}")
+            raise InputError(
+                f"--ops {', '.join(absent)}: this model's layers have {kind}; its ops: {', '.join(graph.names())}"
+            )
         chosen_names = frozenset(names)
     return Selection(chosen_layers, chosen_names)

@@ -87,8 +87,9 @@ def prepare(out: Path | str, force: bool, names: tuple[str, ...], inputs: tuple[
     if str(out).strip() == "":
         raise InputError("--out is empty; give a directory name")
     if str(out).startswith("-"):  # `--out --debug`: the option parser took the next flag as the value
-        raise InputError(f"--out {out} looks like an option, not a directory; for a directory of that name give "
-                         f"./{out}")
+        raise InputError(
+            f"--out {out} looks like an option, not a directory; for a directory of that name give ./{out}"
+        )
     out = Path(out)
     check_overlap(out, inputs)
     if out.exists() and not out.is_dir():
@@ -121,8 +122,9 @@ def _replace(out: Path, force: bool, names: tuple[str, ...]) -> None:
         raise InputError(f"--out {out} is not empty; choose another directory or pass --force to overwrite")
     foreign = sorted(p.name for p in existing if p.name in names and p.name not in ours)
     if foreign:
-        raise InputError(f"--out {out}: {foreign[0]} exists and was not written by alignaudit; move it or choose "
-                         "another --out")
+        raise InputError(
+            f"--out {out}: {foreign[0]} exists and was not written by alignaudit; move it or choose another --out"
+        )
     stale = [out / name for name in sorted(ours) if (out / name).exists() or (out / name).is_symlink()]
     for path in stale:
         _check_removable(path)
@@ -175,9 +177,11 @@ def _undo_aside(out: Path, moved: list[Path]) -> None:
         _delete(staging)
     except OSError as e:
         left = sorted(p.name for p in staging.iterdir() if p.name not in (MARKER, LOCK)) if staging.is_dir() else []
-        raise InputError(f"--out {out}: the file system refused to move the earlier results aside ({e.strerror}), and "
-                         f"to move them back: {', '.join(left) or 'they'} stay in {staging}; the next run puts them "
-                         "back, or move them back yourself") from None
+        raise InputError(
+            f"--out {out}: the file system refused to move the earlier results aside ({e.strerror}), and "
+            f"to move them back: {', '.join(left) or 'they'} stay in {staging}; the next run puts them "
+            "back, or move them back yourself"
+        ) from None
 
 
 def _recover(out: Path) -> None:
@@ -193,8 +197,10 @@ def _recover(out: Path) -> None:
                 os.rename(path, out / path.name)
         left = [path.name for path in staging.iterdir() if path.name not in (MARKER, LOCK)]
         if left:
-            raise InputError(f"--out {out}: {STAGING}/{left[0]} is left from an interrupted run and {left[0]} exists "
-                             "beside it; move one of them")
+            raise InputError(
+                f"--out {out}: {STAGING}/{left[0]} is left from an interrupted run and {left[0]} exists "
+                "beside it; move one of them"
+            )
         _delete(staging)
     _delete(out / DROPPING)
 
@@ -204,8 +210,11 @@ def _check_aside(path: Path) -> None:
     a file, a link, a folder without alignaudit's marker (an empty STAGING, made just before its marker, is ours)."""
     if not path.exists() and not path.is_symlink():
         return
-    ours = path.is_dir() and not path.is_symlink() and (
-        (path / MARKER).is_file() or (path.name == STAGING and not any(path.iterdir())))
+    ours = (
+        path.is_dir()
+        and not path.is_symlink()
+        and ((path / MARKER).is_file() or (path.name == STAGING and not any(path.iterdir())))
+    )
     if not ours:
         raise InputError(f"--out {path.parent}: {path.name} was not made by alignaudit; move it first")
 
@@ -234,8 +243,9 @@ def is_complete(out: Path) -> bool:
     manifest.json where there is no run.json); only a record the marker lists counts (a run.json of the user's
     does not)."""
     listed = set(read_marker(out))
-    record = next((Path(out) / name for name in (RUN, MANIFEST) if name in listed and (Path(out) / name).exists()),
-                  None)
+    record = next(
+        (Path(out) / name for name in (RUN, MANIFEST) if name in listed and (Path(out) / name).exists()), None
+    )
     try:
         return record is not None and json.loads(record.read_text()).get("status") == "complete"
     except (OSError, ValueError, AttributeError):
@@ -258,8 +268,12 @@ def check_overlap(out: Path, inputs: tuple[Path, ...]) -> None:
             raise InputError(f"--out {out} overlaps the input {src}; write the results to another directory")
 
 
-def check_file_outputs(outputs: dict[str, Path | None], runs: tuple[Path, ...] = (), inputs: tuple[Path, ...] = (),
-                       own: dict[str, str] | None = None) -> None:
+def check_file_outputs(
+    outputs: dict[str, Path | None],
+    runs: tuple[Path, ...] = (),
+    inputs: tuple[Path, ...] = (),
+    own: dict[str, str] | None = None,
+) -> None:
     """The rule for a command's file outputs (gate's --json, --junit, --markdown; report's --html): none may overwrite
     what it reports on. Checked before anything is read or written.
 
@@ -284,8 +298,9 @@ def check_file_outputs(outputs: dict[str, Path | None], runs: tuple[Path, ...] =
             raise InputError(f"{seen[target]} and {option} name one file, {path}; give each its own")
         seen[target] = option
         if target.name in RESERVED:
-            raise InputError(f"{option} {path}: {target.name} is a name alignaudit keeps for itself; write to another "
-                             "file name")
+            raise InputError(
+                f"{option} {path}: {target.name} is a name alignaudit keeps for itself; write to another file name"
+            )
         if target in read:
             raise InputError(f"{option} {path} is an input of this command ({read[target]}); write it elsewhere")
         for run in runs:
@@ -294,8 +309,10 @@ def check_file_outputs(outputs: dict[str, Path | None], runs: tuple[Path, ...] =
                 if target.parent == root and target.name == own.get(option):
                     continue
                 where = f" (or {Path(run) / own[option]})" if option in own else ""
-                raise InputError(f"{option} {path} is inside the run {run}, whose files are the evidence it reports "
-                                 f"on; write it outside the run{where}")
+                raise InputError(
+                    f"{option} {path} is inside the run {run}, whose files are the evidence it reports "
+                    f"on; write it outside the run{where}"
+                )
 
 
 def claim(out: Path, names: tuple[str, ...]) -> None:
@@ -365,11 +382,16 @@ def lock(out: Path) -> None:
     except BlockingIOError:
         who = _holder(fd)
         os.close(fd)
-        raise InputError(f"{out} is in use by another alignaudit run ({who}); "
-                         "wait for it or choose another --out") from None
+        raise InputError(
+            f"{out} is in use by another alignaudit run ({who}); wait for it or choose another --out"
+        ) from None
     os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({"pid": os.getpid(), "command": command_name,
-                             "started": datetime.now().isoformat(timespec="seconds")}).encode())
+    os.write(
+        fd,
+        json.dumps(
+            {"pid": os.getpid(), "command": command_name, "started": datetime.now().isoformat(timespec="seconds")}
+        ).encode(),
+    )
     _held[key] = fd
 
 

@@ -83,12 +83,34 @@ PREVIOUS, STAGING, DROPPING = ".alignaudit-previous", ".alignaudit-previous.stag
 # Top-level entries each command writes in its output directory (alignaudit.capture.outdir claims them first).
 CAPTURE_OUTPUTS = (MANIFEST, MANIFEST_TMP, LOGPROBS, OPS_DIR, VOCAB_DIR, REQUEST, WORKER_LOG)
 COMPARE_OUTPUTS = (RUN, *SIDES, UNREPLAYED, TOKENS, SEQUENCES, SUMMARY)
-BISECT_OUTPUTS = (RUN, *SIDES, "infer-forced", "train-as-configured", "infer-as-configured", OPS_FILES["natural"],
-                  OPS_FILES["forced"], BISECT)
+BISECT_OUTPUTS = (
+    RUN,
+    *SIDES,
+    "infer-forced",
+    "train-as-configured",
+    "infer-as-configured",
+    OPS_FILES["natural"],
+    OPS_FILES["forced"],
+    BISECT,
+)
 DIFF_OUTPUTS = (TOKENS, SEQUENCES, SUMMARY, OPS_FILES["diff"])  # and RUN, written last
 GATE_OUTPUTS = (VERDICT, JUNIT, SUMMARY_MD)
-RL_OUTPUTS = (RUN, STEPS, PLOT, TOKENS_DIR, EVAL, EVAL_DIR, SYNC_DIR, STEP_VOCAB_DIR, TRAIN_LOG, INFER_LOG,
-              "train." + REQUEST, "infer." + REQUEST, TENSORBOARD_DIR, WANDB_DIR)
+RL_OUTPUTS = (
+    RUN,
+    STEPS,
+    PLOT,
+    TOKENS_DIR,
+    EVAL,
+    EVAL_DIR,
+    SYNC_DIR,
+    STEP_VOCAB_DIR,
+    TRAIN_LOG,
+    INFER_LOG,
+    "train." + REQUEST,
+    "infer." + REQUEST,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
+)
 ABLATE_OUTPUTS = (RUN, CONFIGS, ABLATE_PARQUET, ABLATE_JSON)
 
 
@@ -96,14 +118,19 @@ def rl_outputs(log_to: tuple[str, ...]) -> tuple[str, ...]:
     """What an rl run claims in its directory: RL_OUTPUTS, the sinks' folders only where ``--log-to`` names them (a
     claimed folder is one --force removes whole later; a run that never wrote one must not claim a user's)."""
     sinks = {"tensorboard": TENSORBOARD_DIR, "wandb": WANDB_DIR}
-    return tuple(name for name in RL_OUTPUTS
-                 if name not in sinks.values() or any(sinks.get(sink) == name for sink in log_to))
+    return tuple(
+        name for name in RL_OUTPUTS if name not in sinks.values() or any(sinks.get(sink) == name for sink in log_to)
+    )
 
 
 # the result files each command's run.json must list (alignaudit.comparison.integrity checks them)
 RESCORE_OUTPUTS = (RUN, *SIDES, TOKENS, SEQUENCES, SUMMARY)  # the rollout file's capture plays the infer side
-RESULTS = {"compare": (TOKENS, SEQUENCES, SUMMARY), "diff": (TOKENS, SEQUENCES, SUMMARY),
-           "rescore": (TOKENS, SEQUENCES, SUMMARY), "rl": (STEPS,)}
+RESULTS = {
+    "compare": (TOKENS, SEQUENCES, SUMMARY),
+    "diff": (TOKENS, SEQUENCES, SUMMARY),
+    "rescore": (TOKENS, SEQUENCES, SUMMARY),
+    "rl": (STEPS,),
+}
 TOKEN_RUNS = ("compare", "diff", "rescore")  # the commands whose run compares two captures token by token
 JUDGED = (*TOKEN_RUNS, "rl")  # the records gate judges
 
@@ -130,5 +157,7 @@ def alignaudit_wrote(parts: tuple[str, ...]) -> bool:
     name, parent = parts[-1], parts[-2] if len(parts) > 1 else ""
     if len(parts) == 3 and parts[0] == CONFIGS:
         return any(fnmatch.fnmatch(name, pattern) for pattern in RUN_FILES)
-    return any(parent in folders and any(fnmatch.fnmatch(name, pattern) for pattern in names)
-               for names, folders in INNER_LAYOUT)
+    return any(
+        parent in folders and any(fnmatch.fnmatch(name, pattern) for pattern in names)
+        for names, folders in INNER_LAYOUT
+    )

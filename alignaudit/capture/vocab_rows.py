@@ -49,8 +49,9 @@ class VocabRowWriter:
         name = VOCAB_ROWS.format(seq=seq)
         expected = self.lengths[seq] - 1
         if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[0] != expected:
-            raise ValueError(f"vocab rows of sequence {seq}: {rows.dtype}{tuple(rows.shape)}, expected float32 "
-                             f"[{expected}, V]")
+            raise ValueError(
+                f"vocab rows of sequence {seq}: {rows.dtype}{tuple(rows.shape)}, expected float32 [{expected}, V]"
+            )
         if name in self.files or (self.vocab_size is not None and rows.shape[1] != self.vocab_size):
             raise ValueError(f"vocab rows of sequence {seq}: written twice or of another vocabulary size")
         self.vocab_size = rows.shape[1]
@@ -63,8 +64,12 @@ class VocabRowWriter:
         missing = [s for s in range(len(self.lengths)) if VOCAB_ROWS.format(seq=s) not in self.files]
         if missing:
             raise ValueError(f"vocab rows: sequences {missing[:5]} got none (the engine's row hook missed them)")
-        return {"rows": self.rows, "dtype": "float32", "vocab_size": self.vocab_size,
-                "files": dict(sorted(self.files.items()))}
+        return {
+            "rows": self.rows,
+            "dtype": "float32",
+            "vocab_size": self.vocab_size,
+            "files": dict(sorted(self.files.items())),
+        }
 
 
 def check_listing(directory: Path, record: dict, lengths: list[int]) -> None:
@@ -75,10 +80,16 @@ def check_listing(directory: Path, record: dict, lengths: list[int]) -> None:
     """
     files = record.get("files") if isinstance(record, dict) else None
     expected = {VOCAB_ROWS.format(seq=s) for s in range(len(lengths))}
-    if not isinstance(files, dict) or set(files) != expected or not all(isinstance(v, str) for v in files.values()) \
-            or not isinstance(record.get("vocab_size"), int):
-        raise InputError(f"{directory}: the manifest's vocab record does not list one row file per sequence with its "
-                         "sha256; the capture is damaged, run it again")
+    if (
+        not isinstance(files, dict)
+        or set(files) != expected
+        or not all(isinstance(v, str) for v in files.values())
+        or not isinstance(record.get("vocab_size"), int)
+    ):
+        raise InputError(
+            f"{directory}: the manifest's vocab record does not list one row file per sequence with its "
+            "sha256; the capture is damaged, run it again"
+        )
     absent = sorted(n for n in expected if not (Path(directory) / VOCAB_DIR / n).is_file())
     if absent:
         raise InputError(f"{Path(directory) / VOCAB_DIR / absent[0]} is missing; the capture is damaged, run it again")
@@ -94,8 +105,9 @@ def read_rows(directory: Path, record: dict, seq: int, length: int) -> torch.Ten
     name = VOCAB_ROWS.format(seq=seq)
     path = Path(directory) / VOCAB_DIR / name
     if not path.is_file() or file_sha256(path) != (record.get("files") or {}).get(name):
-        raise InputError(f"{path} is missing or does not match the manifest's sha256; the capture is damaged, run it "
-                         "again")
+        raise InputError(
+            f"{path} is missing or does not match the manifest's sha256; the capture is damaged, run it again"
+        )
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
@@ -125,6 +137,8 @@ def read_step_rows(path: Path, tokens: int, vocab_size: int) -> torch.Tensor:
     rows = tensors.get(STEP_VOCAB_TENSOR)
     if set(tensors) != {STEP_VOCAB_TENSOR} or rows.dtype != torch.float32 or tuple(rows.shape) != (tokens, vocab_size):
         got = f"{rows.dtype}{list(rows.shape)}" if rows is not None else "nothing"
-        raise EngineError(f"{path}: full-vocabulary rows {got}, expected float32 [{tokens}, {vocab_size}] (one per "
-                          "generated token of the step)")
+        raise EngineError(
+            f"{path}: full-vocabulary rows {got}, expected float32 [{tokens}, {vocab_size}] (one per "
+            "generated token of the step)"
+        )
     return rows

@@ -26,32 +26,48 @@ from alignaudit.pipelines.requests import (
 )
 
 
-def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: SamplingArgs,
-            engine: Annotated[str, typer.Option("--engine", "-e", metavar="ENGINE",
-                                                help="megatron, vllm or hf.")] = "megatron",
-            dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32.")] = "bf16",
-            device: DeviceOpt = "auto",
-            opt: Annotated[Optional[list[str]], typer.Option("--opt", metavar="KEY=VALUE",
-                                                             help="Engine setting (repeatable).")] = None,
-            layers: LayersOpt = None,
-            ops: OpsOpt = None,
-            no_ops: Annotated[bool, typer.Option("--no-ops", metavar="",
-                                                 help="Logprobs only, no per-op tensors.")] = False,
-            reference: Annotated[Optional[Path], typer.Option("--reference", metavar="DIR",
-                                                              help="Forced mode: feed every op "
-                                                              "this capture's values.")] = None,
-            tokens_from: Annotated[Optional[Path], typer.Option(
-                "--tokens-from", metavar="DIR", help="Score the token ids of another capture (e.g. a rollout made "
-                "elsewhere) instead of --prompts; its sampling transform is replayed where it recorded processed "
-                "logprobs.")] = None,
-            strict: StrictOpt = None,
-            strict_exp: StrictExpOpt = None,
-            strict_attention: StrictAttentionOpt = None,
-            full_vocab: Annotated[bool, typer.Option(
-                "--full-vocab", metavar="", help="Prompt mode: also write the engine's "
-                                                     "whole log-softmax row at every scored position (DIR/vocab); "
-                                                     "`diff` of two such captures compares the distributions.")]
-            = False) -> None:
+def capture(
+    model: ModelArgs,
+    prompts: PromptArgs,
+    output: OutputArgs,
+    sample: SamplingArgs,
+    engine: Annotated[str, typer.Option("--engine", "-e", metavar="ENGINE", help="megatron, vllm or hf.")] = "megatron",
+    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32.")] = "bf16",
+    device: DeviceOpt = "auto",
+    opt: Annotated[
+        Optional[list[str]], typer.Option("--opt", metavar="KEY=VALUE", help="Engine setting (repeatable).")
+    ] = None,
+    layers: LayersOpt = None,
+    ops: OpsOpt = None,
+    no_ops: Annotated[bool, typer.Option("--no-ops", metavar="", help="Logprobs only, no per-op tensors.")] = False,
+    reference: Annotated[
+        Optional[Path],
+        typer.Option("--reference", metavar="DIR", help="Forced mode: feed every op this capture's values."),
+    ] = None,
+    tokens_from: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--tokens-from",
+            metavar="DIR",
+            help="Score the token ids of another capture (e.g. a rollout made "
+            "elsewhere) instead of --prompts; its sampling transform is replayed where it recorded processed "
+            "logprobs.",
+        ),
+    ] = None,
+    strict: StrictOpt = None,
+    strict_exp: StrictExpOpt = None,
+    strict_attention: StrictAttentionOpt = None,
+    full_vocab: Annotated[
+        bool,
+        typer.Option(
+            "--full-vocab",
+            metavar="",
+            help="Prompt mode: also write the engine's "
+            "whole log-softmax row at every scored position (DIR/vocab); "
+            "`diff` of two such captures compares the distributions.",
+        ),
+    ] = False,
+) -> None:
     """Run one engine and write its capture: manifest, logprobs and (by default, prompt mode) every canonical op.
 
     Make one capture where each engine lives (e.g. in the vLLM container, then in the Megatron
@@ -83,15 +99,25 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
     from alignaudit.pipelines.runs import capture as run_capture
 
     if tokens_from is not None and sample.mode == "prompt" and (given := given_sampling_flags(sample)):
-        raise errors.InputError(f"{given[0]}: --tokens-from scores a rollout's tokens under the sampling settings its "
-                                f"capture recorded; drop {given[0]}")
+        raise errors.InputError(
+            f"{given[0]}: --tokens-from scores a rollout's tokens under the sampling settings its "
+            f"capture recorded; drop {given[0]}"
+        )
     rollout = sampling(sample, model.seed)
     if rollout is not None:
         _refuse_for_rollout(engine, layers, ops, no_ops, reference, tokens_from)
         no_ops = True
     # the engine samples as the inference side, and scores as the training side, of a comparison
-    pair = PairArgs(train=engine, infer=engine, dtype=dtype, device=device, strict=strict, strict_exp=strict_exp,
-                    strict_attention=strict_attention, **({"infer_opt": opt} if rollout else {"train_opt": opt}))
+    pair = PairArgs(
+        train=engine,
+        infer=engine,
+        dtype=dtype,
+        device=device,
+        strict=strict,
+        strict_exp=strict_exp,
+        strict_attention=strict_attention,
+        **({"infer_opt": opt} if rollout else {"train_opt": opt}),
+    )
     spec = resolve_model_arg(model)
     check_top_k(rollout, spec)
     with _spelled_as_opt():
@@ -117,9 +143,11 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
 
         check_full_vocab(run, run, sample.mode)
         if reference is not None or replay is not None:
-            raise errors.InputError("--full-vocab records each engine's own rows: with --reference (forced inputs) or "
-                                    "--tokens-from a rollout of processed logprobs (its sampling transform replayed) "
-                                    "they would not be the rows its logprobs come from; drop one")
+            raise errors.InputError(
+                "--full-vocab records each engine's own rows: with --reference (forced inputs) or "
+                "--tokens-from a rollout of processed logprobs (its sampling transform replayed) "
+                "they would not be the rows its logprobs come from; drop one"
+            )
     if reference is not None:
         inputs = (*inputs, Path(reference))
         if output.out is not None:
@@ -134,21 +162,36 @@ def capture(model: ModelArgs, prompts: PromptArgs, output: OutputArgs, sample: S
         from alignaudit.inputs.checkpoint import checkpoint_sha256
 
         if ref.manifest["model"].get("checkpoint_sha256") != checkpoint_sha256(spec):
-            raise errors.InputError(f"--reference {reference} was captured from another checkpoint than --model "
-                                    f"{spec.name}; force the inputs of a capture of the same model")
+            raise errors.InputError(
+                f"--reference {reference} was captured from another checkpoint than --model "
+                f"{spec.name}; force the inputs of a capture of the same model"
+            )
     out = out_dir(output, f"capture-{engine}", CAPTURE_OUTPUTS, inputs)
     with console.status(f"running {run.label()}") as status:
-        result = run_capture(spec, batch, run, out, stream_log=output.verbose, ops=selection, reference=reference,
-                             rollout=rollout, replay=replay, full_vocab=full_vocab,
-                             on_progress=lambda done, total: status.update(f"running {run.label()}: "
-                                                                           f"{done}/{total} sequences"))
+        result = run_capture(
+            spec,
+            batch,
+            run,
+            out,
+            stream_log=output.verbose,
+            ops=selection,
+            reference=reference,
+            rollout=rollout,
+            replay=replay,
+            full_vocab=full_vocab,
+            on_progress=lambda done, total: status.update(f"running {run.label()}: {done}/{total} sequences"),
+        )
     ops_info = result.manifest.get("ops")
     batch = result.token_batch()  # with the sampled tokens in rollout mode
     scored = int(result.logprobs["scored"].sum())  # read back: a rollout without prompt logprobs scores fewer
-    console.print(f"capture of {escape(run.label())}: {len(batch.sequences)} sequences, {batch.num_tokens} token ids "
-                  f"({scored} scored)" + (f", {ops_info['ops']} ops ({ops_info['bytes'] / 2**20:.1f} MiB)"
-                                          if ops_info else "")
-                  + f" -> {out}", highlight=False, soft_wrap=True)
+    console.print(
+        f"capture of {escape(run.label())}: {len(batch.sequences)} sequences, {batch.num_tokens} token ids "
+        f"({scored} scored)"
+        + (f", {ops_info['ops']} ops ({ops_info['bytes'] / 2**20:.1f} MiB)" if ops_info else "")
+        + f" -> {out}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 @contextlib.contextmanager
@@ -168,11 +211,15 @@ def _refuse_for_rollout(engine: str, layers, ops, no_ops: bool, reference, token
     """What capture --mode rollout does not do, refused before any engine starts (an engine that does not sample:
     engines.checks.check_runs). Raises InputError."""
     if reference is not None or tokens_from is not None:
-        raise errors.InputError(f"{'--reference' if reference is not None else '--tokens-from'} scores given tokens; "
-                                "a rollout samples its own: drop --mode rollout or the option")
+        raise errors.InputError(
+            f"{'--reference' if reference is not None else '--tokens-from'} scores given tokens; "
+            "a rollout samples its own: drop --mode rollout or the option"
+        )
     if (layers or ops) and not no_ops:
-        raise errors.InputError("op capture is prompt mode only (a rollout records its logprobs while decoding); "
-                                "drop --layers/--ops or --mode rollout")
+        raise errors.InputError(
+            "op capture is prompt mode only (a rollout records its logprobs while decoding); "
+            "drop --layers/--ops or --mode rollout"
+        )
 
 
 def _tokens_of(directory: Path, prompts: PromptArgs, spec):
@@ -192,8 +239,10 @@ def _tokens_of(directory: Path, prompts: PromptArgs, spec):
         raise errors.InputError("--tokens-from gives the token ids; drop --prompts / --random-prompts")
     source = read_capture(directory)
     if source.manifest["model"].get("checkpoint_sha256") != checkpoint_sha256(spec):
-        raise errors.InputError(f"--tokens-from {directory} was captured from another checkpoint than --model "
-                                f"{spec.name}; score it with the model it was made with")
+        raise errors.InputError(
+            f"--tokens-from {directory} was captured from another checkpoint than --model "
+            f"{spec.name}; score it with the model it was made with"
+        )
     replay, rollout = None, source.manifest.get("rollout")
     if rollout and processed_logprobs(EngineRun(source.engine, EngineSettings(**source.manifest["settings"]))):
         replay = Replay.of(rollout, rollout["prompt_lengths"])

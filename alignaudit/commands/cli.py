@@ -35,18 +35,31 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                                help="Print the version and exit.")] = False,
-          debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors (also taken after the "
-                                                              "command's name).")] = False) -> None:
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show tracebacks on errors (also taken after the command's name).")
+    ] = False,
+) -> None:
     """Numerical alignment auditor for RL: training-engine vs rollout-engine logprobs, down to the ULP."""
     # main() reads --debug from the command line wherever it stands; this only lets it stand before the command
 
 
 # in the order `alignaudit --help` lists them: compare and what digs into it, RL, the two halves of a compare, the
 # verdict and the page
-COMMANDS = (compare_commands.compare, compare_commands.bisect, compare_commands.ablate, compare_commands.rescore,
-            rl_command.rl, capture_command.capture, compare_commands.diff, gate_command.gate, report_command.report)
+COMMANDS = (
+    compare_commands.compare,
+    compare_commands.bisect,
+    compare_commands.ablate,
+    compare_commands.rescore,
+    rl_command.rl,
+    capture_command.capture,
+    compare_commands.diff,
+    gate_command.gate,
+    report_command.report,
+)
 for _command in COMMANDS:
     app.command()(grouped(_command))
 
@@ -81,8 +94,9 @@ def _release_outputs(debug: bool) -> int | None:
     except Exception as e:  # noqa: BLE001
         if debug:
             traceback.print_exc()
-        err_console.print(f"[yellow]warning:[/] releasing the output directory failed: {shown(e)}",
-                          highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[yellow]warning:[/] releasing the output directory failed: {shown(e)}", highlight=False, soft_wrap=True
+        )
     return None
 
 
@@ -131,9 +145,11 @@ def _unexpected(e: Exception, debug: bool) -> int:
     """An unexpected bug: one line unless --debug."""
     if debug:
         traceback.print_exc()
-    err_console.print(f"[bold red]error:[/] unexpected {type(e).__name__}: {shown(e)} "
-                      "(run with --debug for the traceback)",
-                      highlight=False, soft_wrap=True)
+    err_console.print(
+        f"[bold red]error:[/] unexpected {type(e).__name__}: {shown(e)} (run with --debug for the traceback)",
+        highlight=False,
+        soft_wrap=True,
+    )
     return errors.EXIT_ENGINE
 
 

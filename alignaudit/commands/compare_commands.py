@@ -35,22 +35,48 @@ from alignaudit.pipelines.requests import (
 )
 
 
-def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs, output: OutputArgs,
-            importance: ISArgs, clip_eps: ClipEpsOpt = 0.2,
-            repeat: Annotated[int, typer.Option("--repeat", metavar="N", help="Prompt mode: run each engine N times in "
-                                                "one process on the same token ids, the first repeat on the same "
-                                                "batch, later ones among random filler sequences; reports "
-                                                "mismatches between runs.")] = 1,
-            replay_routing: Annotated[bool, typer.Option(
-                "--replay-routing", metavar="", help="MoE models, prompt mode: the training engine's router replays "
-                "the experts the inference engine chose for each token (R3); compares with and without "
-                "(summary routing_replay).")] = False,
-            full_vocab: Annotated[bool, typer.Option("--full-vocab", metavar="",
-                                                     help="Prompt mode: each engine also records its "
-                                                     "whole log-softmax row at every scored position (4 x vocabulary "
-                                                     "bytes each, in RUN/train/vocab, RUN/infer/vocab); adds "
-                                                     "KL both ways, total variation, top-1 agreement and top-5 "
-                                                     "overlap per token.")] = False) -> None:
+def compare(
+    run: PairArgs,
+    model: ModelArgs,
+    prompts: PromptArgs,
+    sampling: SamplingArgs,
+    output: OutputArgs,
+    importance: ISArgs,
+    clip_eps: ClipEpsOpt = 0.2,
+    repeat: Annotated[
+        int,
+        typer.Option(
+            "--repeat",
+            metavar="N",
+            help="Prompt mode: run each engine N times in "
+            "one process on the same token ids, the first repeat on the same "
+            "batch, later ones among random filler sequences; reports "
+            "mismatches between runs.",
+        ),
+    ] = 1,
+    replay_routing: Annotated[
+        bool,
+        typer.Option(
+            "--replay-routing",
+            metavar="",
+            help="MoE models, prompt mode: the training engine's router replays "
+            "the experts the inference engine chose for each token (R3); compares with and without "
+            "(summary routing_replay).",
+        ),
+    ] = False,
+    full_vocab: Annotated[
+        bool,
+        typer.Option(
+            "--full-vocab",
+            metavar="",
+            help="Prompt mode: each engine also records its "
+            "whole log-softmax row at every scored position (4 x vocabulary "
+            "bytes each, in RUN/train/vocab, RUN/infer/vocab); adds "
+            "KL both ways, total variation, top-1 agreement and top-5 "
+            "overlap per token.",
+        ),
+    ] = False,
+) -> None:
     """Run the same token ids through a training and an inference engine and compare per-token logprobs.
 
     Prompt mode (default): every prompt token after the first gets a teacher-forced logprob from each
@@ -82,45 +108,83 @@ def compare(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Samp
     """
     from alignaudit.capture.rundir import COMPARE_OUTPUTS, SEQUENCES, SUMMARY, TOKENS
 
-    out, summary = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS, repeat,
-                                replay_routing, full_vocab, importance)
+    out, summary = _run_compare(
+        run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS, repeat, replay_routing, full_vocab, importance
+    )
     render_summary(out, summary)
     results(out / SUMMARY, out / TOKENS, out / SEQUENCES, *write_page(out))
 
 
-def _run_compare(pair, model, prompts, sampling, output, clip_eps, names, repeat: int = 1,
-                 replay_routing: bool = False, full_vocab: bool = False,
-                 importance: ISArgs | None = None) -> tuple[Path, dict]:
+def _run_compare(
+    pair,
+    model,
+    prompts,
+    sampling,
+    output,
+    clip_eps,
+    names,
+    repeat: int = 1,
+    replay_routing: bool = False,
+    full_vocab: bool = False,
+    importance: ISArgs | None = None,
+) -> tuple[Path, dict]:
     """Validate everything, then run compare into the output directory; returns (out, summary)."""
     from alignaudit.pipelines.runs import compare as run_compare
 
-    request = build_request(model, prompts, pair, sampling, clip_eps, importance, repeat=repeat,
-                            replay_routing=replay_routing, full_vocab=full_vocab)
+    request = build_request(
+        model,
+        prompts,
+        pair,
+        sampling,
+        clip_eps,
+        importance,
+        repeat=repeat,
+        replay_routing=replay_routing,
+        full_vocab=full_vocab,
+    )
     out = out_dir(output, "compare", names)
     with console.status("") as status:
         summary = run_compare(request, out, stream_log=output.verbose, on_stage=status.update)
     return out, summary
 
 
-def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="Rollouts: JSONL or parquet, one "
-                                                          "row per rollout (token_ids, prompt_length, logprobs).")],
-            model: ModelArgs, output: OutputArgs,
-            train: Annotated[str, typer.Option("--train", metavar="ENGINE", help="megatron or hf.")] = "megatron",
-            dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32.")] = "bf16",
-            device: DeviceOpt = "auto",
-            train_opt: Annotated[Optional[list[str]], typer.Option(
-                "--train-opt", metavar="KEY=VALUE", help="Training-engine setting (repeatable).")] = None,
-            strict: StrictOpt = None, strict_exp: StrictExpOpt = None,
-            strict_attention: StrictAttentionOpt = None, clip_eps: ClipEpsOpt = 0.2,
-            logprobs_mode: Annotated[Optional[str], typer.Option(
-                "--logprobs-mode", metavar="MODE", help="raw or processed, for a file that does not record it "
-                "(NeMo-RL's and slime's dumps do not).")] = None,
-            temperature: Annotated[Optional[float], typer.Option(
-                "--temperature", metavar="T", help="The rollout's temperature, for a file that does not record it.")]
-            = None,
-            top_k: Annotated[Optional[int], typer.Option("--top-k", metavar="K", help="Likewise its top-k.")] = None,
-            top_p: Annotated[Optional[float], typer.Option("--top-p", metavar="P", help="Likewise its top-p.")]
-            = None) -> None:
+def rescore(
+    rollouts_file: Annotated[
+        Path,
+        typer.Argument(
+            metavar="FILE", help="Rollouts: JSONL or parquet, one row per rollout (token_ids, prompt_length, logprobs)."
+        ),
+    ],
+    model: ModelArgs,
+    output: OutputArgs,
+    train: Annotated[str, typer.Option("--train", metavar="ENGINE", help="megatron or hf.")] = "megatron",
+    dtype: Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="bf16, fp16 or fp32.")] = "bf16",
+    device: DeviceOpt = "auto",
+    train_opt: Annotated[
+        Optional[list[str]],
+        typer.Option("--train-opt", metavar="KEY=VALUE", help="Training-engine setting (repeatable)."),
+    ] = None,
+    strict: StrictOpt = None,
+    strict_exp: StrictExpOpt = None,
+    strict_attention: StrictAttentionOpt = None,
+    clip_eps: ClipEpsOpt = 0.2,
+    logprobs_mode: Annotated[
+        Optional[str],
+        typer.Option(
+            "--logprobs-mode",
+            metavar="MODE",
+            help="raw or processed, for a file that does not record it (NeMo-RL's and slime's dumps do not).",
+        ),
+    ] = None,
+    temperature: Annotated[
+        Optional[float],
+        typer.Option(
+            "--temperature", metavar="T", help="The rollout's temperature, for a file that does not record it."
+        ),
+    ] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", metavar="K", help="Likewise its top-k.")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", metavar="P", help="Likewise its top-p.")] = None,
+) -> None:
     """Score rollouts your RL framework recorded with the training engine, and compare its logprobs of the
     sampled tokens with the rollout engine's, as `compare --mode rollout` does.
 
@@ -148,11 +212,20 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
 
     check_clip_eps(clip_eps)
     if not kind_of(train).trains:
-        raise errors.InputError(f"--train {train}: rescore scores with a training engine, "
-                                f"{names_where(lambda k: k.trains)}")
+        raise errors.InputError(
+            f"--train {train}: rescore scores with a training engine, {names_where(lambda k: k.trains)}"
+        )
     spec = resolve_model_arg(model)
-    pair = PairArgs(train=train, infer=train, dtype=dtype, device=device, train_opt=train_opt, strict=strict,
-                    strict_exp=strict_exp, strict_attention=strict_attention)
+    pair = PairArgs(
+        train=train,
+        infer=train,
+        dtype=dtype,
+        device=device,
+        train_opt=train_opt,
+        strict=strict,
+        strict_exp=strict_exp,
+        strict_attention=strict_attention,
+    )
     run = engine_runs(pair, model.seed, spec)[0]
     given = {"logprobs_mode": logprobs_mode, "temperature": temperature, "top_k": top_k, "top_p": top_p}
     rollouts = read_rollouts(rollouts_file, spec.vocab_size, given, spec.max_position_embeddings)
@@ -163,9 +236,15 @@ def rescore(rollouts_file: Annotated[Path, typer.Argument(metavar="FILE", help="
     results(out / SUMMARY, out / "tokens.parquet", out / "sequences.parquet", out / "run.json")
 
 
-def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputArgs,
-           mode: Annotated[str, typer.Option("--mode", metavar="MODE", help="natural, forced, or both.")] = "both",
-           layers: LayersOpt = None, ops: OpsOpt = None) -> None:
+def bisect(
+    run: PairArgs,
+    model: ModelArgs,
+    prompts: PromptArgs,
+    output: OutputArgs,
+    mode: Annotated[str, typer.Option("--mode", metavar="MODE", help="natural, forced, or both.")] = "both",
+    layers: LayersOpt = None,
+    ops: OpsOpt = None,
+) -> None:
     """Find the ops where two engines compute differently, layer by layer, down to the ULP.
 
     Both engines run the same token ids with every canonical op captured (embed; per layer input_norm,
@@ -211,16 +290,27 @@ def bisect(run: PairArgs, model: ModelArgs, prompts: PromptArgs, output: OutputA
     results(out / BISECT, *(out / OPS_FILES[m] for m in ("natural", "forced") if m in result), *write_page(out))
 
 
-def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE",
-                                                   help="Capture directory playing the training engine.")],
-         infer_dir: Annotated[Path, typer.Argument(metavar="INFER_CAPTURE",
-                                                   help="Capture directory playing the inference engine.")],
-         out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="DIR",
-                                                    help="Output directory (default: "
-                                                    "alignaudit-runs/diff-TIME).")] = None,
-         force: Annotated[bool, typer.Option("--force", metavar="", help="Reuse a non-empty --out (only alignaudit's "
-                                             "own earlier outputs there are replaced).")] = False,
-         clip_eps: ClipEpsOpt = 0.2) -> None:
+def diff(
+    train_dir: Annotated[
+        Path, typer.Argument(metavar="TRAIN_CAPTURE", help="Capture directory playing the training engine.")
+    ],
+    infer_dir: Annotated[
+        Path, typer.Argument(metavar="INFER_CAPTURE", help="Capture directory playing the inference engine.")
+    ],
+    out: Annotated[
+        Optional[str],
+        typer.Option("--out", "-o", metavar="DIR", help="Output directory (default: alignaudit-runs/diff-TIME)."),
+    ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            metavar="",
+            help="Reuse a non-empty --out (only alignaudit's own earlier outputs there are replaced).",
+        ),
+    ] = False,
+    clip_eps: ClipEpsOpt = 0.2,
+) -> None:
     """Compare two captures made anywhere: logprobs, and every op when both captured ops.
 
     Refuses captures of different checkpoints or token ids, and damaged captures (the same checks
@@ -251,12 +341,30 @@ def diff(train_dir: Annotated[Path, typer.Argument(metavar="TRAIN_CAPTURE",
     results(out_path / SUMMARY, *([out_path / OPS_FILES["diff"]] if records is not None else []), out_path / RUN)
 
 
-def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs, output: OutputArgs,
-           factors: Annotated[Optional[str], typer.Option(
-               "--factors", metavar="OPS", help="Strict ops to ablate, e.g. linear,rmsnorm (default: all of linear, "
-                                                "rmsnorm, rope, silu, attention, logprobs).")] = None,
-           no_ops: Annotated[bool, typer.Option("--no-ops", metavar="", help="Skip op capture: no first diverging op "
-                                                "per row, and vLLM keeps its compiled default.")] = False) -> None:
+def ablate(
+    run: PairArgs,
+    model: ModelArgs,
+    prompts: PromptArgs,
+    sampling: SamplingArgs,
+    output: OutputArgs,
+    factors: Annotated[
+        Optional[str],
+        typer.Option(
+            "--factors",
+            metavar="OPS",
+            help="Strict ops to ablate, e.g. linear,rmsnorm (default: all of linear, "
+            "rmsnorm, rope, silu, attention, logprobs).",
+        ),
+    ] = None,
+    no_ops: Annotated[
+        bool,
+        typer.Option(
+            "--no-ops",
+            metavar="",
+            help="Skip op capture: no first diverging op per row, and vLLM keeps its compiled default.",
+        ),
+    ] = False,
+) -> None:
     """Which op's kernel makes the two engines disagree, and how much: one comparison per configuration.
 
     Rows: all strict; each op left at its default with every other op strict; each op alone strict; all
@@ -287,8 +395,9 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
     if run.strict_attention is not None:
         raise errors.InputError("ablate's rows without strict attention would not use --strict-attention; drop it")
     if factors is not None and not parse_strict(factors, "--factors"):
-        raise errors.InputError(f"--factors {factors!r} names no op; give some of {', '.join(STRICT_OPS)}, or drop "
-                                "--factors for all")
+        raise errors.InputError(
+            f"--factors {factors!r} names no op; give some of {', '.join(STRICT_OPS)}, or drop --factors for all"
+        )
     chosen = parse_strict(factors, "--factors") if factors else frozenset(STRICT_OPS)
     ordered = tuple(op for op in STRICT_OPS if op in chosen)
     # validated with every op strict (the first row), run with each row's own strict ops
@@ -303,15 +412,30 @@ def ablate(run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: Sampl
     if capture_ops and (eager_names := eager_for_op_capture(request)):
         eager = f" ({eager_names} eager: op capture)"
     shown = without_strict(request)
-    table = Table(title=f"Ablation: {escape(shown.train.label())} vs {escape(shown.infer.label())}, "
-                        f"{request.mode} mode{eager}", title_justify="left")
+    table = Table(
+        title=f"Ablation: {escape(shown.train.label())} vs {escape(shown.infer.label())}, {request.mode} mode{eager}",
+        title_justify="left",
+    )
     for col in ("factor", "kind", "mismatching tokens", "max ULP", "max |Δ|", "first diverging op"):
-        table.add_column(col, justify="right" if col in ("mismatching tokens", "max ULP", "max |Δ|") else "left",
-                         overflow="fold")
+        table.add_column(
+            col, justify="right" if col in ("mismatching tokens", "max ULP", "max |Δ|") else "left", overflow="fold"
+        )
     for r in matrix.itertuples():
         style = "green" if r.mismatches == 0 else None
-        table.add_row(r.factor, r.kind, f"{r.mismatches} of {r.tokens}", str(r.max_ulp), f"{r.max_abs_diff:.3e}",
-                      escape(r.first_diverging_op if isinstance(r.first_diverging_op, str)
-                             else "-" if capture_ops else "(not captured)"), style=style)
+        table.add_row(
+            r.factor,
+            r.kind,
+            f"{r.mismatches} of {r.tokens}",
+            str(r.max_ulp),
+            f"{r.max_abs_diff:.3e}",
+            escape(
+                r.first_diverging_op
+                if isinstance(r.first_diverging_op, str)
+                else "-"
+                if capture_ops
+                else "(not captured)"
+            ),
+            style=style,
+        )
     console.print(table)
     results(out / ABLATE_PARQUET, out / ABLATE_JSON, *write_page(out))

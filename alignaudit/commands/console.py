@@ -58,6 +58,10 @@ def write_page(run_dir: Path) -> tuple[Path, ...]:
     try:
         return (write_report(run_dir),)
     except Exception as e:  # noqa: BLE001 - the page is an extra; the run has already succeeded
-        err_console.print(f"[yellow]warning:[/] report.html not written: {shown(e)} (retry with `alignaudit "
-                          f"report {shown(run_dir)}`)", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[yellow]warning:[/] report.html not written: {shown(e)} (retry with `alignaudit "
+            f"report {shown(run_dir)}`)",
+            highlight=False,
+            soft_wrap=True,
+        )
         return ()

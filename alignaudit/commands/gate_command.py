@@ -17,26 +17,51 @@ from alignaudit.commands.options import ClipEpsOpt, field_names, given_options
 from alignaudit.pipelines.requests import ModelArgs, OutputArgs, PairArgs, PromptArgs, SamplingArgs
 
 
-def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArgs, sampling: SamplingArgs,
-         output: OutputArgs,
-         run_dir: Annotated[Optional[Path], typer.Argument(metavar="[RUN_DIR]",
-                            help="A finished compare or rl run (omit to run a comparison now).")] = None,
-         max_mismatch: Annotated[Optional[str], typer.Option("--max-mismatch", metavar="N|FRAC",
-                                 help="Allow N mismatching tokens, or a fraction (0.5% or 0.005).")] = None,
-         max_ulp: Annotated[Optional[int], typer.Option("--max-ulp", metavar="N",
-                            help="Allow tokens up to N ULP apart.")] = None,
-         max_abs: Annotated[Optional[float], typer.Option("--max-abs", metavar="X",
-                            help="Allow |lp_train - lp_infer| up to X.")] = None,
-         baseline: Annotated[Optional[Path], typer.Option("--baseline", metavar="FILE",
-                             help="Fail only on regression against this verdict.json (or summary.json).")] = None,
-         junit: Annotated[Optional[Path], typer.Option("--junit", metavar="FILE",
-                          help="JUnit XML (default: RUN/junit.xml).")] = None,
-         json_out: Annotated[Optional[Path], typer.Option("--json", metavar="FILE",
-                             help="JSON verdict (default: RUN/verdict.json).")] = None,
-         md_out: Annotated[Optional[Path], typer.Option("--markdown", metavar="FILE",
-                           help="Markdown summary, appended when the file exists ($GITHUB_STEP_SUMMARY); "
-                           "default RUN/summary.md.")] = None,
-         clip_eps: ClipEpsOpt = 0.2) -> None:
+def gate(
+    ctx: typer.Context,
+    run: PairArgs,
+    model: ModelArgs,
+    prompts: PromptArgs,
+    sampling: SamplingArgs,
+    output: OutputArgs,
+    run_dir: Annotated[
+        Optional[Path],
+        typer.Argument(metavar="[RUN_DIR]", help="A finished compare or rl run (omit to run a comparison now)."),
+    ] = None,
+    max_mismatch: Annotated[
+        Optional[str],
+        typer.Option(
+            "--max-mismatch", metavar="N|FRAC", help="Allow N mismatching tokens, or a fraction (0.5% or 0.005)."
+        ),
+    ] = None,
+    max_ulp: Annotated[
+        Optional[int], typer.Option("--max-ulp", metavar="N", help="Allow tokens up to N ULP apart.")
+    ] = None,
+    max_abs: Annotated[
+        Optional[float], typer.Option("--max-abs", metavar="X", help="Allow |lp_train - lp_infer| up to X.")
+    ] = None,
+    baseline: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--baseline", metavar="FILE", help="Fail only on regression against this verdict.json (or summary.json)."
+        ),
+    ] = None,
+    junit: Annotated[
+        Optional[Path], typer.Option("--junit", metavar="FILE", help="JUnit XML (default: RUN/junit.xml).")
+    ] = None,
+    json_out: Annotated[
+        Optional[Path], typer.Option("--json", metavar="FILE", help="JSON verdict (default: RUN/verdict.json).")
+    ] = None,
+    md_out: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--markdown",
+            metavar="FILE",
+            help="Markdown summary, appended when the file exists ($GITHUB_STEP_SUMMARY); default RUN/summary.md.",
+        ),
+    ] = None,
+    clip_eps: ClipEpsOpt = 0.2,
+) -> None:
     """CI gate on bitwise equality of per-token logprobs.
 
     Judges a finished comparison (RUN_DIR, as written by `alignaudit compare`), or runs one with the
@@ -64,26 +89,34 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
     from alignaudit.comparison import gate as gating
 
     if run_dir is not None:
-        given = given_options(ctx,
-                              field_names(PairArgs, ModelArgs, PromptArgs, SamplingArgs, OutputArgs) + ["clip_eps"])
+        given = given_options(
+            ctx, field_names(PairArgs, ModelArgs, PromptArgs, SamplingArgs, OutputArgs) + ["clip_eps"]
+        )
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             verb = "applies" if len(given) == 1 else "apply"
-            raise errors.InputError(f"gate RUN_DIR judges a finished run; {flags} {verb} only when gate runs the "
-                                    "comparison itself (without RUN_DIR): drop them")
+            raise errors.InputError(
+                f"gate RUN_DIR judges a finished run; {flags} {verb} only when gate runs the "
+                "comparison itself (without RUN_DIR): drop them"
+            )
     rule = gating.make_rule(max_mismatch, max_ulp, max_abs, baseline)
     planned = run_dir if run_dir is not None else output.out  # None: a fresh default directory, nothing in it yet
     _check_verdict_files(planned and Path(planned), json_out, junit, md_out, baseline)  # before anything is written
     if run_dir is None:
         run_dir, _ = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS + GATE_OUTPUTS)
-    _claim_verdict_files(Path(run_dir), targets := (json_out or run_dir / VERDICT,
-                                                    junit or run_dir / JUNIT, md_out or run_dir / SUMMARY_MD))
+    _claim_verdict_files(
+        Path(run_dir),
+        targets := (json_out or run_dir / VERDICT, junit or run_dir / JUNIT, md_out or run_dir / SUMMARY_MD),
+    )
     verdict = gating.judge_run(Path(run_dir), rule)
     gating.write_outputs(verdict, *targets, append_md=md_out is not None)
     style = "bold green" if verdict.passed else "bold red"
-    console.print(f"[{style}]gate {verdict.label.upper()}[/] ({escape(verdict.rule)}): "
-                  f"{verdict.mismatches} of {verdict.tokens_compared} tokens differ, max ULP {verdict.ulp_max}",
-                  highlight=False, soft_wrap=True)  # one line, whatever the width: CI logs grep it
+    console.print(
+        f"[{style}]gate {verdict.label.upper()}[/] ({escape(verdict.rule)}): "
+        f"{verdict.mismatches} of {verdict.tokens_compared} tokens differ, max ULP {verdict.ulp_max}",
+        highlight=False,
+        soft_wrap=True,
+    )  # one line, whatever the width: CI logs grep it
     for reason in verdict.reasons:
         console.print(f"  {escape(reason)}", highlight=False, soft_wrap=True)
     for note in verdict.notes:
@@ -95,16 +128,18 @@ def gate(ctx: typer.Context, run: PairArgs, model: ModelArgs, prompts: PromptArg
     raise typer.Exit(verdict.exit_code)
 
 
-def _check_verdict_files(run_dir: Path | None, json_out: Path | None, junit: Path | None, md_out: Path | None,
-                         baseline: Path | None) -> None:
+def _check_verdict_files(
+    run_dir: Path | None, json_out: Path | None, junit: Path | None, md_out: Path | None, baseline: Path | None
+) -> None:
     """gate's outputs under the rule of outdir.check_file_outputs (defaults in the run, options anywhere else);
     ``run_dir`` None: a run gate is about to make in a fresh directory (only the given outputs are checked)."""
     from alignaudit.capture.rundir import JUNIT, SUMMARY_MD, VERDICT
 
     own = {"--json": VERDICT, "--junit": JUNIT, "--markdown": SUMMARY_MD}
     given = {"--json": json_out, "--junit": junit, "--markdown": md_out}
-    targets = {flag: path if path is not None or run_dir is None else run_dir / own[flag]
-               for flag, path in given.items()}
+    targets = {
+        flag: path if path is not None or run_dir is None else run_dir / own[flag] for flag, path in given.items()
+    }
     outdir.check_file_outputs(targets, runs=(run_dir,) if run_dir is not None else (), inputs=(baseline,), own=own)
 
 
@@ -122,5 +157,6 @@ def _claim_verdict_files(run_dir: Path, targets: tuple[Path, ...]) -> None:
             outdir.lock(run_dir)
             outdir.claim(run_dir, inside)
         except errors.InputError as e:
-            raise errors.InputError(f"{e}, or pass --json, --junit and --markdown "
-                                    "to write the verdict elsewhere") from e
+            raise errors.InputError(
+                f"{e}, or pass --json, --junit and --markdown to write the verdict elsewhere"
+            ) from e

@@ -11,13 +11,24 @@ import typer
 from alignaudit.commands.console import results
 
 
-def report(run_dirs: Annotated[list[Path], typer.Argument(
-               metavar="RUN_DIR", help="A run directory of compare, bisect, gate, rl or diff; two or more "
-               "comparisons (compare, gate, diff, rescore): side by side.")],
-           html: Annotated[Optional[Path], typer.Option("--html", metavar="FILE",
-                                                        help="Write the page here (default: RUN_DIR/report.html; "
-                                                        "several runs: alignaudit-runs/report-TIME.html).")] = None
-           ) -> None:
+def report(
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(
+            metavar="RUN_DIR",
+            help="A run directory of compare, bisect, gate, rl or diff; two or more "
+            "comparisons (compare, gate, diff, rescore): side by side.",
+        ),
+    ],
+    html: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--html",
+            metavar="FILE",
+            help="Write the page here (default: RUN_DIR/report.html; several runs: alignaudit-runs/report-TIME.html).",
+        ),
+    ] = None,
+) -> None:
     """One self-contained HTML page of a run, or of several comparisons side by side; opens offline.
 
     compare and gate: the summary grouped (alignment, RL impact, importance weights, distribution, routing),

@@ -38,8 +38,10 @@ class Rule:
 
     @property
     def is_default(self) -> bool:
-        return all(v is None for v in (self.max_mismatch, self.max_mismatch_fraction, self.max_ulp, self.max_abs,
-                                       self.baseline))
+        return all(
+            v is None
+            for v in (self.max_mismatch, self.max_mismatch_fraction, self.max_ulp, self.max_abs, self.baseline)
+        )
 
     def describe(self) -> str:
         if self.is_default:
@@ -80,8 +82,12 @@ def parse_max_mismatch(value: str | None) -> tuple[int | None, float | None]:
     return None, fraction
 
 
-def make_rule(max_mismatch: str | None = None, max_ulp: int | None = None, max_abs: float | None = None,
-              baseline: Path | None = None) -> Rule:
+def make_rule(
+    max_mismatch: str | None = None,
+    max_ulp: int | None = None,
+    max_abs: float | None = None,
+    baseline: Path | None = None,
+) -> Rule:
     """The Rule of the gate's options, each validated: a threshold that would pass anything (NaN, a negative
     bound) or a baseline holding one is refused, never judged with.
 
@@ -92,8 +98,9 @@ def make_rule(max_mismatch: str | None = None, max_ulp: int | None = None, max_a
     if max_ulp is not None and (isinstance(max_ulp, bool) or not isinstance(max_ulp, int) or max_ulp < 0):
         raise InputError(f"--max-ulp {max_ulp!r}: give a whole number of ULP >= 0")
     if max_abs is not None and not (math.isfinite(max_abs) and max_abs >= 0):
-        raise InputError(f"--max-abs {max_abs!r}: give a finite number >= 0 (NaN or a negative bound would judge "
-                         "nothing)")
+        raise InputError(
+            f"--max-abs {max_abs!r}: give a finite number >= 0 (NaN or a negative bound would judge nothing)"
+        )
     return Rule(count, fraction, max_ulp, max_abs, read_baseline(baseline) if baseline is not None else None)
 
 
@@ -116,12 +123,17 @@ def read_baseline(path: Path) -> dict:
     for key, value in values.items():
         whole = key != "max_abs_diff"
         ok = (value is None and key != "mismatches") or (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-            and (not whole or float(value).is_integer()))
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value >= 0
+            and (not whole or float(value).is_integer())
+        )
         if not ok:
             kind = "a whole number >= 0" if whole else "a finite number >= 0"
-            raise InputError(f"--baseline {path}: {key} is {value!r}, not {kind}; give a verdict.json written by "
-                             "`alignaudit gate`")
+            raise InputError(
+                f"--baseline {path}: {key} is {value!r}, not {kind}; give a verdict.json written by `alignaudit gate`"
+            )
     return values
 
 
@@ -187,13 +199,17 @@ def rejudge(run_dir: Path, stored: dict) -> dict:
     try:
         rule = Rule(**params)
     except TypeError:
-        raise InputError(f"{Path(run_dir) / 'verdict.json'} records no rule (written by an older alignaudit?); run "
-                         "alignaudit gate again") from None
+        raise InputError(
+            f"{Path(run_dir) / 'verdict.json'} records no rule (written by an older alignaudit?); run "
+            "alignaudit gate again"
+        ) from None
     fresh = judge_run(Path(run_dir), rule).to_dict()
     for key in ("verdict", "rule", "tokens_compared", "mismatches", "ulp_max", "max_abs_diff", "error"):
         if fresh.get(key) != stored.get(key):
-            raise InputError(f"{Path(run_dir) / 'verdict.json'} says {key} {stored.get(key)!r}, but judging the run "
-                             f"again gives {fresh.get(key)!r}; run alignaudit gate again")
+            raise InputError(
+                f"{Path(run_dir) / 'verdict.json'} says {key} {stored.get(key)!r}, but judging the run "
+                f"again gives {fresh.get(key)!r}; run alignaudit gate again"
+            )
     return fresh
 
 
@@ -215,13 +231,17 @@ def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
         nan_tokens[side[3:]] = int(nan.sum())
         if nan.any():
             row = tokens[nan].iloc[0]
-            errors.append(f"{side[3:]} engine produced NaN logprobs ({int(nan.sum())} of {n} tokens, first at seq "
-                          f"{row['seq']} pos {row['pos']})")
+            errors.append(
+                f"{side[3:]} engine produced NaN logprobs ({int(nan.sum())} of {n} tokens, first at seq "
+                f"{row['seq']} pos {row['pos']})"
+            )
         positive = tokens[side].to_numpy(dtype=np.float64) > 0
         if positive.any():
             row = tokens[positive].iloc[0]
-            errors.append(f"{side[3:]} side holds logprobs above 0, which no log-probability is ({int(positive.sum())} "
-                          f"of {n} tokens, first {row[side]!r} at seq {row['seq']} pos {row['pos']})")
+            errors.append(
+                f"{side[3:]} side holds logprobs above 0, which no log-probability is ({int(positive.sum())} "
+                f"of {n} tokens, first {row[side]!r} at seq {row['seq']} pos {row['pos']})"
+            )
     mismatches = int((~tokens["bitwise_equal"].to_numpy(dtype=bool)).sum())
     finite = tokens["ulp"].to_numpy() >= 0
     ulp_max = int(tokens["ulp"].to_numpy()[finite].max()) if finite.any() else None
@@ -234,10 +254,20 @@ def evaluate(tokens: pd.DataFrame, rule: Rule, run: str = "") -> Verdict:
     passed = not reasons and not error
     sequences = _sequences(tokens)
     above = tokens[(tokens["lp_train"] > 0) | (tokens["lp_infer"] > 0)].groupby("seq").size().to_dict()
-    cases = [_case(f"sequence {r['seq']}", r["nan_tokens"], r["mismatches"] and _first_message(r), passed, error,
-                   above.get(r["seq"], 0)) for r in sequences]
-    return Verdict(passed, rule.describe(), n, mismatches, ulp_max, max_abs, reasons, sequences, run, error,
-                   nan_tokens, cases)
+    cases = [
+        _case(
+            f"sequence {r['seq']}",
+            r["nan_tokens"],
+            r["mismatches"] and _first_message(r),
+            passed,
+            error,
+            above.get(r["seq"], 0),
+        )
+        for r in sequences
+    ]
+    return Verdict(
+        passed, rule.describe(), n, mismatches, ulp_max, max_abs, reasons, sequences, run, error, nan_tokens, cases
+    )
 
 
 STEP_CHECKS = (  # per-step column, what a failing value means
@@ -266,52 +296,98 @@ def judge_steps(run, rule: Rule, name: str = "") -> Verdict:
         reasons.append("the initial weight sync (before step 1) was not bit-equal")
     unsynced = steps[~steps["sync_bit_equal"]]
     if len(unsynced):
-        reasons.append(f"the weight sync was not bit-equal at {len(unsynced)} of {len(steps)} steps (first: step "
-                       f"{int(unsynced['step'].iloc[0])})")
+        reasons.append(
+            f"the weight sync was not bit-equal at {len(unsynced)} of {len(steps)} steps (first: step "
+            f"{int(unsynced['step'].iloc[0])})"
+        )
     for column, meaning in STEP_CHECKS:
         failing = steps[steps[column] > 0]
         if len(failing):
-            reasons.append(f"{meaning} at {len(failing)} of {len(steps)} steps (first: step "
-                           f"{int(failing['step'].iloc[0])})")
+            reasons.append(
+                f"{meaning} at {len(failing)} of {len(steps)} steps (first: step {int(failing['step'].iloc[0])})"
+            )
     unequal = steps[~steps["train_forward_equal"]]
     if len(unequal):
-        reasons.append(f"the training forward's logprobs differed from the rescoring's at {len(unequal)} of "
-                       f"{len(steps)} steps (first: step {int(unequal['step'].iloc[0])})")
+        reasons.append(
+            f"the training forward's logprobs differed from the rescoring's at {len(unequal)} of "
+            f"{len(steps)} steps (first: step {int(unequal['step'].iloc[0])})"
+        )
     nan = steps[steps["nan_tokens"] > 0]
-    errors = [f"NaN logprobs at {len(nan)} steps (first: step {int(nan['step'].iloc[0])}); the gate cannot judge NaN"
-              ] if len(nan) else []
+    errors = (
+        [f"NaN logprobs at {len(nan)} steps (first: step {int(nan['step'].iloc[0])}); the gate cannot judge NaN"]
+        if len(nan)
+        else []
+    )
     positive = steps[steps["positive_tokens"] > 0]
     if len(positive):
-        errors.append(f"logprobs above 0, which no log-probability is, at {len(positive)} steps (first: step "
-                      f"{int(positive['step'].iloc[0])})")
+        errors.append(
+            f"logprobs above 0, which no log-probability is, at {len(positive)} steps (first: step "
+            f"{int(positive['step'].iloc[0])})"
+        )
     broken = steps[~np.isfinite(steps["loss"].astype(float)) | ~np.isfinite(steps["grad_norm"].astype(float))]
     if len(broken):  # an update from a non-finite loss or gradient: what later steps compare may not be a model
-        errors.append(f"a non-finite loss or grad norm at {len(broken)} steps (first: step "
-                      f"{int(broken['step'].iloc[0])}); the updates from them are not trustworthy")
+        errors.append(
+            f"a non-finite loss or grad norm at {len(broken)} steps (first: step "
+            f"{int(broken['step'].iloc[0])}); the updates from them are not trustworthy"
+        )
     error = "; ".join(errors) or None
     passed = not reasons and not error
     cases = []
     for row in steps.to_dict("records"):
-        problems = ([f"{row['mismatches']} of {row['tokens']} tokens differ, max ULP {row['ulp_max']}"]
-                    if row["mismatches"] else [])
+        problems = (
+            [f"{row['mismatches']} of {row['tokens']} tokens differ, max ULP {row['ulp_max']}"]
+            if row["mismatches"]
+            else []
+        )
         if not row["sync_bit_equal"] or any(row[c] for c, _ in STEP_CHECKS):
-            problems.append(f"weight sync not bit-equal ({row['sync_tensors_differing']} tensors differ, "
-                            f"{row['sync_stale_packed']} packed GEMMs stale, {row['sync_replicas_diverged']} "
-                            "replicas diverged)")
+            problems.append(
+                f"weight sync not bit-equal ({row['sync_tensors_differing']} tensors differ, "
+                f"{row['sync_stale_packed']} packed GEMMs stale, {row['sync_replicas_diverged']} "
+                "replicas diverged)"
+            )
         if not row["train_forward_equal"]:
             problems.append("training forward != rescoring")
         # a sync or forward problem is among the verdict's reasons, so the case fails whatever the token rule
-        cases.append(_case(f"step {row['step']}", row["nan_tokens"], "; ".join(problems) or None, passed, error,
-                           row["positive_tokens"]))
-    notes = [] if run.token_rows else ["no per-token rows (--no-token-rows): the counts are steps.parquet's, not "
-                                       "recomputed from both engines' logprobs"]
+        cases.append(
+            _case(
+                f"step {row['step']}",
+                row["nan_tokens"],
+                "; ".join(problems) or None,
+                passed,
+                error,
+                row["positive_tokens"],
+            )
+        )
+    notes = (
+        []
+        if run.token_rows
+        else [
+            "no per-token rows (--no-token-rows): the counts are steps.parquet's, not "
+            "recomputed from both engines' logprobs"
+        ]
+    )
     if run.record.get("stopped"):
-        notes.append(f"steps {len(steps) + 1}..{run.record['rl']['steps']} (--max-seconds stopped the run after step "
-                     f"{len(steps)})")
+        notes.append(
+            f"steps {len(steps) + 1}..{run.record['rl']['steps']} (--max-seconds stopped the run after step "
+            f"{len(steps)})"
+        )
     step_rows = steps[["step", "tokens", "mismatches", "ulp_max", "sync_bit_equal", "nan_tokens"]].to_dict("records")
-    return Verdict(passed, rule.describe() + "; every weight sync bit-equal", n, mismatches, ulp_max, max_abs,
-                   reasons, [], name, error, {}, cases, [{k: _plain(v) for k, v in r.items()} for r in step_rows],
-                   notes=notes)
+    return Verdict(
+        passed,
+        rule.describe() + "; every weight sync bit-equal",
+        n,
+        mismatches,
+        ulp_max,
+        max_abs,
+        reasons,
+        [],
+        name,
+        error,
+        {},
+        cases,
+        [{k: _plain(v) for k, v in r.items()} for r in step_rows],
+        notes=notes,
+    )
 
 
 def _plain(value):
@@ -338,8 +414,9 @@ def _rule_reasons(rule: Rule, n: int, mismatches: int, ulp_max: int | None, max_
     return reasons
 
 
-def _case(name: str, nan_tokens: int, message: str | None, passed: bool, error: str | None,
-          positive_tokens: int = 0) -> dict:
+def _case(
+    name: str, nan_tokens: int, message: str | None, passed: bool, error: str | None, positive_tokens: int = 0
+) -> dict:
     """A JUnit case: error with NaN or logprobs above 0; failure with a message when the verdict failed; a note
     when a relaxed rule passed despite it; pass otherwise."""
     if nan_tokens:
@@ -361,9 +438,13 @@ def _sequences(tokens: pd.DataFrame) -> list[dict]:
             first = bad.sort_values("pos").iloc[0]
             lp = torch.tensor([first["lp_train"], first["lp_infer"]], dtype=torch.float32)
             row["first_mismatch"] = {
-                "pos": int(first["pos"]), "token_id": int(first["token_id"]), "ulp": int(first["ulp"]),
-                "train": float(first["lp_train"]), "infer": float(first["lp_infer"]),
-                "train_hex": hex_bits(lp[0]), "infer_hex": hex_bits(lp[1]),
+                "pos": int(first["pos"]),
+                "token_id": int(first["token_id"]),
+                "ulp": int(first["ulp"]),
+                "train": float(first["lp_train"]),
+                "infer": float(first["lp_infer"]),
+                "train_hex": hex_bits(lp[0]),
+                "infer_hex": hex_bits(lp[1]),
             }
         rows.append(row)
     return rows
@@ -371,9 +452,11 @@ def _sequences(tokens: pd.DataFrame) -> list[dict]:
 
 def _first_message(row: dict) -> str:
     f = row["first_mismatch"]
-    return (f"{row['mismatches']} of {row['tokens']} tokens differ; first at position {f['pos']} "
-            f"(token {f['token_id']}): "
-            f"train {f['train']:.9g} ({f['train_hex']}) vs infer {f['infer']:.9g} ({f['infer_hex']}), {f['ulp']} ULP")
+    return (
+        f"{row['mismatches']} of {row['tokens']} tokens differ; first at position {f['pos']} "
+        f"(token {f['token_id']}): "
+        f"train {f['train']:.9g} ({f['train_hex']}) vs infer {f['infer']:.9g} ({f['infer_hex']}), {f['ulp']} ULP"
+    )
 
 
 def junit_xml(verdict: Verdict, name: str = "alignaudit.gate") -> str:
@@ -391,7 +474,8 @@ def junit_xml(verdict: Verdict, name: str = "alignaudit.gate") -> str:
         elif c["status"] == "fail":
             failures += 1
             ET.SubElement(case, "failure", message=c["message"], type="LogprobMismatch").text = (
-                f"rule: {verdict.rule}\n" + "\n".join(verdict.reasons))
+                f"rule: {verdict.rule}\n" + "\n".join(verdict.reasons)
+            )
         elif c["status"] == "note":
             ET.SubElement(case, "system-out").text = c["message"]
     tests = len(verdict.cases)
@@ -420,17 +504,26 @@ def write_outputs(verdict: Verdict, json_path: Path, junit_path: Path, md_path: 
         with open(md_path, "a" if append_md and Path(md_path).exists() else "w") as f:
             f.write(markdown(verdict))
     except OSError as e:
-        raise InputError(f"cannot write the verdict to {e.filename}: {e.strerror}; pass --json, --junit and "
-                         "--markdown to write it elsewhere") from e
+        raise InputError(
+            f"cannot write the verdict to {e.filename}: {e.strerror}; pass --json, --junit and "
+            "--markdown to write it elsewhere"
+        ) from e
 
 
 def markdown(verdict: Verdict, title: str = "alignaudit gate") -> str:
     """A Markdown summary for a CI job page (GitHub's $GITHUB_STEP_SUMMARY, GitLab's artifacts)."""
     icon = verdict.label.upper()
-    lines = [f"### {title}: {icon}", "", f"Rule: {verdict.rule}.", "",
-             "| tokens compared | mismatching | max ULP | max \\|d logprob\\| |", "|---|---|---|---|",
-             f"| {verdict.tokens_compared} | {verdict.mismatches} | {verdict.ulp_max} | "
-             f"{'-' if verdict.max_abs_diff is None else format(verdict.max_abs_diff, '.3e')} |", ""]
+    lines = [
+        f"### {title}: {icon}",
+        "",
+        f"Rule: {verdict.rule}.",
+        "",
+        "| tokens compared | mismatching | max ULP | max \\|d logprob\\| |",
+        "|---|---|---|---|",
+        f"| {verdict.tokens_compared} | {verdict.mismatches} | {verdict.ulp_max} | "
+        f"{'-' if verdict.max_abs_diff is None else format(verdict.max_abs_diff, '.3e')} |",
+        "",
+    ]
     if verdict.error:
         lines += [f"- engine error: {verdict.error}", ""]
     if verdict.reasons:

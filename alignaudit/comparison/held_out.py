@@ -9,8 +9,16 @@ from pathlib import Path
 
 from alignaudit.inputs.prompts import TokenBatch
 
-SUMMARY_COLUMNS = ("step", "prompts", "reward_mean", "reward_std", "accuracy", "completion_len_mean",
-                   "completions_ended_early", "seconds")
+SUMMARY_COLUMNS = (
+    "step",
+    "prompts",
+    "reward_mean",
+    "reward_std",
+    "accuracy",
+    "completion_len_mean",
+    "completions_ended_early",
+    "seconds",
+)
 ROW_COLUMNS = ("step", "prompt", "prompt_ids", "completion_ids", "completion", "reward", "correct")
 
 
@@ -31,11 +39,15 @@ def summarize(rows, max_new_tokens: int, accuracy: bool) -> dict:
     reward's mean and population std, the fraction of right answers (``correct``; None without ``accuracy``), the
     mean completion length in tokens and the completions that ended before ``max_new_tokens``."""
     lengths = rows["completion_ids"].map(len)
-    return {"step": int(rows["step"].iloc[0]), "prompts": len(rows), "reward_mean": float(rows["reward"].mean()),
-            "reward_std": float(rows["reward"].std(ddof=0)),
-            "accuracy": float(rows["correct"].astype(bool).mean()) if accuracy else None,
-            "completion_len_mean": float(lengths.mean()),
-            "completions_ended_early": int((lengths < max_new_tokens).sum())}
+    return {
+        "step": int(rows["step"].iloc[0]),
+        "prompts": len(rows),
+        "reward_mean": float(rows["reward"].mean()),
+        "reward_std": float(rows["reward"].std(ddof=0)),
+        "accuracy": float(rows["correct"].astype(bool).mean()) if accuracy else None,
+        "completion_len_mean": float(lengths.mean()),
+        "completions_ended_early": int((lengths < max_new_tokens).sum()),
+    }
 
 
 def check_table(table, rows_of, record: dict, ran: int, where: Path) -> None:
@@ -52,20 +64,30 @@ def check_table(table, rows_of, record: dict, ran: int, where: Path) -> None:
     held = record["eval"]
     expected = [s for s in range(ran + 1) if due(s, int(held["every"]), ran)]
     if table["step"].tolist() != expected:
-        raise InputError(f"{where} holds evaluations after steps {table['step'].tolist()}, not {expected}; the run "
-                         "directory was altered")
+        raise InputError(
+            f"{where} holds evaluations after steps {table['step'].tolist()}, not {expected}; the run "
+            "directory was altered"
+        )
     max_new = int(record["rollout"]["max_new_tokens"])
     for row in table.to_dict("records"):
         rows = rows_of(int(row["step"]))
         asked = TokenBatch(tuple(tuple(int(t) for t in ids) for ids in rows["prompt_ids"]))
-        if len(rows) != held["prompts"] or asked.digest() != held["digest"] or \
-                rows["prompt"].tolist() != list(range(len(rows))):
-            raise InputError(f"{where}: the evaluation after step {row['step']} holds other prompts than the "
-                             f"{held['prompts']} run.json names (eval.digest); the run directory was altered")
+        if (
+            len(rows) != held["prompts"]
+            or asked.digest() != held["digest"]
+            or rows["prompt"].tolist() != list(range(len(rows)))
+        ):
+            raise InputError(
+                f"{where}: the evaluation after step {row['step']} holds other prompts than the "
+                f"{held['prompts']} run.json names (eval.digest); the run directory was altered"
+            )
         for key, value in summarize(rows, max_new, row["accuracy"] == row["accuracy"]).items():
             recorded = row[key]
             same = (value is None and recorded != recorded) or (
-                value is not None and math.isclose(float(recorded), float(value), rel_tol=1e-9, abs_tol=0.0))
+                value is not None and math.isclose(float(recorded), float(value), rel_tol=1e-9, abs_tol=0.0)
+            )
             if not same:
-                raise InputError(f"{where}: {key} {recorded} after step {row['step']}, {value} from its rows; the run "
-                                 "directory was altered")
+                raise InputError(
+                    f"{where}: {key} {recorded} after step {row['step']}, {value} from its rows; the run "
+                    "directory was altered"
+                )

@@ -47,15 +47,37 @@ from alignaudit.inputs.request import ISThresholds
 SAFETY_BOUND = 20.0  # verl's clamp of the log ratio before exp (rollout_corr_helper.SAFETY_BOUND)
 
 FIELDS = (
-    "token_ratio_mean", "token_ratio_min", "token_ratio_max",
-    "token_tis_weight_mean", "token_tis_fraction", "token_tis_fraction_low", "token_tis_seq_fraction", "token_ess",
-    "token_mask_fraction", "token_mask_seq_fraction",
-    "seq_ratio_min", "seq_ratio_max",
-    "seq_tis_weight_mean", "seq_tis_fraction", "seq_tis_fraction_low", "seq_tis_token_fraction", "seq_ess",
-    "seq_mask_fraction", "seq_mask_token_fraction",
-    "geo_ratio_min", "geo_ratio_max", "geo_mask_fraction", "geo_mask_token_fraction",
-    "kl_k1", "kl_k3", "kl_k3_train_rollout", "chi2_token", "chi2_seq",
-    "training_log_ppl", "rollout_log_ppl", "log_ppl_diff",
+    "token_ratio_mean",
+    "token_ratio_min",
+    "token_ratio_max",
+    "token_tis_weight_mean",
+    "token_tis_fraction",
+    "token_tis_fraction_low",
+    "token_tis_seq_fraction",
+    "token_ess",
+    "token_mask_fraction",
+    "token_mask_seq_fraction",
+    "seq_ratio_min",
+    "seq_ratio_max",
+    "seq_tis_weight_mean",
+    "seq_tis_fraction",
+    "seq_tis_fraction_low",
+    "seq_tis_token_fraction",
+    "seq_ess",
+    "seq_mask_fraction",
+    "seq_mask_token_fraction",
+    "geo_ratio_min",
+    "geo_ratio_max",
+    "geo_mask_fraction",
+    "geo_mask_token_fraction",
+    "kl_k1",
+    "kl_k3",
+    "kl_k3_train_rollout",
+    "chi2_token",
+    "chi2_seq",
+    "training_log_ppl",
+    "rollout_log_ppl",
+    "log_ppl_diff",
 )
 
 
@@ -78,15 +100,23 @@ def importance_diagnostics(seq, lp_train, lp_infer, thresholds: ISThresholds | N
     th = (thresholds or ISThresholds()).check()
     seq, lt, li = np.asarray(seq), np.asarray(lp_train, dtype=np.float64), np.asarray(lp_infer, dtype=np.float64)
     if not (seq.ndim == lt.ndim == li.ndim == 1 and len(seq) == len(lt) == len(li)):
-        raise InputError(f"importance diagnostics need three 1-D arrays of one length, got shapes {seq.shape}, "
-                         f"{lt.shape}, {li.shape}")
+        raise InputError(
+            f"importance diagnostics need three 1-D arrays of one length, got shapes {seq.shape}, "
+            f"{lt.shape}, {li.shape}"
+        )
     if len(seq) and not np.issubdtype(seq.dtype, np.integer):
         raise InputError(f"sequence ids must be integers, got {seq.dtype}")
     finite = np.isfinite(lt) & np.isfinite(li)
     seq, lt, li = seq[finite], lt[finite], li[finite]
-    record = {"tokens": int(len(seq)), "sequences": int(len(np.unique(seq))), "tis_threshold": float(th.tis),
-              "mask_low": float(th.mask_low), "mask_high": float(th.mask_high),
-              "geo_mask_low": float(th.geo_mask_low), "geo_mask_high": float(th.geo_mask_high)}
+    record = {
+        "tokens": int(len(seq)),
+        "sequences": int(len(np.unique(seq))),
+        "tis_threshold": float(th.tis),
+        "mask_low": float(th.mask_low),
+        "mask_high": float(th.mask_high),
+        "geo_mask_low": float(th.geo_mask_low),
+        "geo_mask_high": float(th.geo_mask_high),
+    }
     if len(seq) == 0:
         return {**record, **dict.fromkeys(FIELDS)}
     _, inv, count = np.unique(seq, return_inverse=True, return_counts=True)
@@ -122,22 +152,36 @@ def importance_diagnostics(seq, lp_train, lp_infer, thresholds: ISThresholds | N
         token_w_big = big_w[inv]  # verl broadcasts the sequence weight to its tokens and averages over tokens
         mean_lt, mean_li = per_seq(lt) / count, per_seq(li) / count
         values = {
-            "token_ratio_mean": np.mean(r), "token_ratio_min": np.min(r), "token_ratio_max": np.max(r),
-            "token_tis_weight_mean": np.mean(w), "token_tis_fraction": np.mean(above),
-            "token_tis_fraction_low": np.mean(below), "token_tis_seq_fraction": np.mean(seq_any(above)),
+            "token_ratio_mean": np.mean(r),
+            "token_ratio_min": np.min(r),
+            "token_ratio_max": np.max(r),
+            "token_tis_weight_mean": np.mean(w),
+            "token_tis_fraction": np.mean(above),
+            "token_tis_fraction_low": np.mean(below),
+            "token_tis_seq_fraction": np.mean(seq_any(above)),
             "token_ess": effective_sample_size(w),
-            "token_mask_fraction": np.mean(~kept), "token_mask_seq_fraction": np.mean(seq_any(~kept)),
-            "seq_ratio_min": np.exp(np.min(s)), "seq_ratio_max": np.exp(min(np.max(s), SAFETY_BOUND)),
-            "seq_tis_weight_mean": np.mean(token_w_big), "seq_tis_fraction": np.mean(seq_above),
-            "seq_tis_fraction_low": np.mean(seq_below), "seq_tis_token_fraction": token_share(seq_above),
+            "token_mask_fraction": np.mean(~kept),
+            "token_mask_seq_fraction": np.mean(seq_any(~kept)),
+            "seq_ratio_min": np.exp(np.min(s)),
+            "seq_ratio_max": np.exp(min(np.max(s), SAFETY_BOUND)),
+            "seq_tis_weight_mean": np.mean(token_w_big),
+            "seq_tis_fraction": np.mean(seq_above),
+            "seq_tis_fraction_low": np.mean(seq_below),
+            "seq_tis_token_fraction": token_share(seq_above),
             "seq_ess": effective_sample_size(token_w_big),
-            "seq_mask_fraction": np.mean(~seq_kept), "seq_mask_token_fraction": token_share(~seq_kept),
-            "geo_ratio_min": np.min(geo), "geo_ratio_max": np.max(geo),
-            "geo_mask_fraction": np.mean(~geo_kept), "geo_mask_token_fraction": token_share(~geo_kept),
-            "kl_k1": np.mean(li - lt), "kl_k3": np.mean(np.expm1(d) - d),
+            "seq_mask_fraction": np.mean(~seq_kept),
+            "seq_mask_token_fraction": token_share(~seq_kept),
+            "geo_ratio_min": np.min(geo),
+            "geo_ratio_max": np.max(geo),
+            "geo_mask_fraction": np.mean(~geo_kept),
+            "geo_mask_token_fraction": token_share(~geo_kept),
+            "kl_k1": np.mean(li - lt),
+            "kl_k3": np.mean(np.expm1(d) - d),
             "kl_k3_train_rollout": np.mean(np.expm1(-d) + d),
-            "chi2_token": np.mean(r * r) - 1.0, "chi2_seq": np.mean(np.exp(2.0 * s_safe)) - 1.0,
-            "training_log_ppl": np.mean(-mean_lt), "rollout_log_ppl": np.mean(-mean_li),
+            "chi2_token": np.mean(r * r) - 1.0,
+            "chi2_seq": np.mean(np.exp(2.0 * s_safe)) - 1.0,
+            "training_log_ppl": np.mean(-mean_lt),
+            "rollout_log_ppl": np.mean(-mean_li),
             "log_ppl_diff": np.mean(mean_li - mean_lt),
         }
     return {**record, **{k: _number(values[k]) for k in FIELDS}}
@@ -161,8 +205,9 @@ def summarize_importance(tokens, thresholds: ISThresholds | None = None) -> dict
     scope = "all"
     if "generated" in tokens and tokens["generated"].any():
         tokens, scope = tokens[tokens["generated"].to_numpy(dtype=bool)], "generated"
-    out = importance_diagnostics(tokens["seq"].to_numpy(), tokens["lp_train"].to_numpy(),
-                                 tokens["lp_infer"].to_numpy(), thresholds)
+    out = importance_diagnostics(
+        tokens["seq"].to_numpy(), tokens["lp_train"].to_numpy(), tokens["lp_infer"].to_numpy(), thresholds
+    )
     return {"scope": scope, **out}
 
 

@@ -61,13 +61,17 @@ def load_pair(train_dir: Path, infer_dir: Path) -> tuple[Capture, Capture]:
     """
     train, infer = read_capture(train_dir), read_capture(infer_dir)
     if os.path.samefile(train.path, infer.path):
-        raise InputError(f"both captures are {train_dir}: a capture compared with itself is identical whatever the "
-                         "engine computed; give the training engine's capture and the inference engine's")
+        raise InputError(
+            f"both captures are {train_dir}: a capture compared with itself is identical whatever the "
+            "engine computed; give the training engine's capture and the inference engine's"
+        )
     ids = train.manifest.get("capture_id"), infer.manifest.get("capture_id")
     # captures written before capture_id existed: a copy is the same manifest, byte for byte
     if ids[0] == ids[1] if all(ids) else manifest_sha256(train.path) == manifest_sha256(infer.path):
-        raise InputError(f"{train_dir} and {infer_dir} hold one capture (one is a copy of the other), identical "
-                         "whatever the engine computed; give the training engine's capture and the inference engine's")
+        raise InputError(
+            f"{train_dir} and {infer_dir} hold one capture (one is a copy of the other), identical "
+            "whatever the engine computed; give the training engine's capture and the inference engine's"
+        )
     sha_t = train.manifest["model"].get("checkpoint_sha256")
     sha_i = infer.manifest["model"].get("checkpoint_sha256")
     if not sha_t or not sha_i:
@@ -163,8 +167,10 @@ def record_failure(path: Path, error: BaseException) -> None:
 def check_record(path: Path, record: dict) -> None:
     """A finished record's seal. Raises InputError when run.json changed after the run finished."""
     if record.get(RECORD_SHA256) != record_digest(record):
-        raise InputError(f"{path} was changed after the run finished (its content no longer matches its "
-                         f"{RECORD_SHA256}), or was written by an older alignaudit; run it again")
+        raise InputError(
+            f"{path} was changed after the run finished (its content no longer matches its "
+            f"{RECORD_SHA256}), or was written by an older alignaudit; run it again"
+        )
 
 
 def check_outputs(run_dir: Path, record: dict, names: tuple[str, ...] | None = None) -> None:
@@ -183,8 +189,9 @@ def check_outputs(run_dir: Path, record: dict, names: tuple[str, ...] | None = N
             continue
         path = Path(run_dir) / name
         if not path.is_file() or file_sha256(path) != sha:
-            raise InputError(f"{path} is missing or is not the file this run wrote (its sha256 differs from {RUN}); "
-                             "run it again")
+            raise InputError(
+                f"{path} is missing or is not the file this run wrote (its sha256 differs from {RUN}); run it again"
+            )
 
 
 def read_run_record(run_dir: Path, commands: tuple[str, ...] = ("compare",)) -> dict:
@@ -198,8 +205,9 @@ def read_run_record(run_dir: Path, commands: tuple[str, ...] = ("compare",)) -> 
     path = run_dir / RUN
     kept = f"; the last complete results there are in {run_dir / PREVIOUS}" if (run_dir / PREVIOUS).is_dir() else ""
     if not path.is_file():
-        raise InputError(f"{run_dir} is not a run directory (no {RUN}); give the --out of `alignaudit "
-                         f"{commands[0]}`{kept}")
+        raise InputError(
+            f"{run_dir} is not a run directory (no {RUN}); give the --out of `alignaudit {commands[0]}`{kept}"
+        )
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text
@@ -254,12 +262,16 @@ def _check_results(run_dir: Path, train: Capture, infer: Capture) -> None:
     fresh = compare_tokens(align_tokens(train.logprobs, infer.logprobs))
     stored = pd.read_parquet(run_dir / TOKENS)
     same = len(stored) == len(fresh) and all(
-        np.array_equal(stored[c].to_numpy(), fresh[c].to_numpy()) for c in ("seq", "pos", "token_id", "bitwise_equal"))
-    same = same and all(np.array_equal(stored[c].to_numpy(np.float32).view(np.int32),
-                                       fresh[c].to_numpy(np.float32).view(np.int32)) for c in ("lp_train", "lp_infer"))
+        np.array_equal(stored[c].to_numpy(), fresh[c].to_numpy()) for c in ("seq", "pos", "token_id", "bitwise_equal")
+    )
+    same = same and all(
+        np.array_equal(stored[c].to_numpy(np.float32).view(np.int32), fresh[c].to_numpy(np.float32).view(np.int32))
+        for c in ("lp_train", "lp_infer")
+    )
     if not same:
-        raise InputError(f"{run_dir / 'tokens.parquet'} does not hold the comparison of the run's captures; run it "
-                         "again")
+        raise InputError(
+            f"{run_dir / 'tokens.parquet'} does not hold the comparison of the run's captures; run it again"
+        )
     try:
         summary = json_.loads((run_dir / SUMMARY).read_text())
     except (OSError, ValueError) as e:
@@ -269,13 +281,26 @@ def _check_results(run_dir: Path, train: Capture, infer: Capture) -> None:
     expected = summarize_tokens(fresh, 0.2)
     for key in ("tokens_compared", "mismatches", "ulp_max", "max_abs_diff"):
         if summary.get(key) != expected[key]:
-            raise InputError(f"{run_dir / 'summary.json'} says {key} {summary.get(key)!r}, its captures give "
-                             f"{expected[key]!r}; run it again")
+            raise InputError(
+                f"{run_dir / 'summary.json'} says {key} {summary.get(key)!r}, its captures give "
+                f"{expected[key]!r}; run it again"
+            )
     _check_vocab(run_dir, summary, stored, fresh, train, infer)
 
 
-VOCAB_CHECKED = ("positions", "k", "nonfinite_positions", "infinite_kl", "row_token_mismatches", "kl_train_infer",
-                 "kl_infer_train", "tv", "top1_agreement", "topk_overlap_mean", "topk_overlap_min")
+VOCAB_CHECKED = (
+    "positions",
+    "k",
+    "nonfinite_positions",
+    "infinite_kl",
+    "row_token_mismatches",
+    "kl_train_infer",
+    "kl_infer_train",
+    "tv",
+    "top1_agreement",
+    "topk_overlap_mean",
+    "topk_overlap_min",
+)
 
 
 def _check_vocab(run_dir: Path, summary: dict, stored, fresh, train: Capture, infer: Capture) -> None:
@@ -293,8 +318,10 @@ def _check_vocab(run_dir: Path, summary: dict, stored, fresh, train: Capture, in
     has_rows = train.has_vocab_rows and infer.has_vocab_rows
     if not has_rows:
         if "vocab" in summary or any(c in stored for c in COLUMNS):
-            raise InputError(f"{run_dir / SUMMARY} holds full-vocabulary results, but its captures hold no rows to "
-                             "check them against; run it again")
+            raise InputError(
+                f"{run_dir / SUMMARY} holds full-vocabulary results, but its captures hold no rows to "
+                "check them against; run it again"
+            )
         return
     recomputed = vocab_columns(fresh, train.vocab_rows, infer.vocab_rows)
 
@@ -308,22 +335,43 @@ def _check_vocab(run_dir: Path, summary: dict, stored, fresh, train: Capture, in
     for column in COLUMNS:
         want = recomputed[column].to_numpy()
         have = stored[column].to_numpy() if column in stored else None
-        same = have is not None and len(have) == len(want) and (
-            np.array_equal(have, want) if want.dtype == bool else
-            np.allclose(have, want, rtol=1e-9, atol=1e-300, equal_nan=True))
+        same = (
+            have is not None
+            and len(have) == len(want)
+            and (
+                np.array_equal(have, want)
+                if want.dtype == bool
+                else np.allclose(have, want, rtol=1e-9, atol=1e-300, equal_nan=True)
+            )
+        )
         if not same:
-            raise InputError(f"{run_dir / TOKENS}: column {column} is not the comparison of the captures' "
-                             "full-vocabulary rows; run it again")
+            raise InputError(
+                f"{run_dir / TOKENS}: column {column} is not the comparison of the captures' "
+                "full-vocabulary rows; run it again"
+            )
     expected = summarize_vocab(recomputed)
     for key in VOCAB_CHECKED:
         if not close((summary.get("vocab") or {}).get(key), expected[key]):
-            raise InputError(f"{run_dir / SUMMARY} says vocab {key} {(summary.get('vocab') or {}).get(key)!r}, its "
-                             f"captures' rows give {expected[key]!r}; run it again")
+            raise InputError(
+                f"{run_dir / SUMMARY} says vocab {key} {(summary.get('vocab') or {}).get(key)!r}, its "
+                f"captures' rows give {expected[key]!r}; run it again"
+            )
 
 
-STEP_COLUMNS = ("step", "tokens", "mismatches", "nan_tokens", "positive_tokens", "ulp_max", "max_abs_diff",
-                "sync_bit_equal", "sync_tensors_differing", "sync_stale_packed", "sync_replicas_diverged",
-                "train_forward_equal")
+STEP_COLUMNS = (
+    "step",
+    "tokens",
+    "mismatches",
+    "nan_tokens",
+    "positive_tokens",
+    "ulp_max",
+    "max_abs_diff",
+    "sync_bit_equal",
+    "sync_tensors_differing",
+    "sync_stale_packed",
+    "sync_replicas_diverged",
+    "train_forward_equal",
+)
 
 
 @dataclass
@@ -361,8 +409,10 @@ def load_rl_run(run_dir: Path) -> RLRun:
     stopped = record.get("stopped")  # rl --max-seconds: a finished run of fewer steps than asked
     ran = int(stopped["after_step"]) if stopped else asked
     if not 1 <= ran <= asked or record.get("steps_run", ran) != ran:
-        raise InputError(f"{run_dir / RUN}: steps asked {asked}, run {record.get('steps_run')}, stopped {stopped}: "
-                         "they disagree; the run directory was altered")
+        raise InputError(
+            f"{run_dir / RUN}: steps asked {asked}, run {record.get('steps_run')}, stopped {stopped}: "
+            "they disagree; the run directory was altered"
+        )
     expected = list(range(1, ran + 1))
     if steps["step"].tolist() != expected:
         raise InputError(f"{path} does not hold steps 1..{len(expected)} in order; the run directory was altered")
@@ -371,8 +421,10 @@ def load_rl_run(run_dir: Path) -> RLRun:
         for key in ("engine", "strict"):
             if reported.get(key) != (record.get(side) or {}).get(key):
                 asked = (record.get(side) or {}).get(key)
-                raise InputError(f"{run_dir / RUN}: the {role} engine's {key} {asked!r} in {RUN} differs from the "
-                                 f"{reported.get(key)!r} it reported; the run directory was altered")
+                raise InputError(
+                    f"{run_dir / RUN}: the {role} engine's {key} {asked!r} in {RUN} differs from the "
+                    f"{reported.get(key)!r} it reported; the run directory was altered"
+                )
     token_rows = bool((record.get("rl") or {}).get("token_rows"))
     for row in steps.to_dict("records") if token_rows else ():
         name = f"{TOKENS_DIR}/{STEP_TOKENS.format(step=int(row['step']))}"
@@ -380,16 +432,24 @@ def load_rl_run(run_dir: Path) -> RLRun:
         table = pd.read_parquet(run_dir / name)
         if set(table["step"]) != {row["step"]}:
             raise InputError(f"{run_dir / name} holds rows of another step; the run directory was altered")
-        s = summarize_tokens(compare_tokens(table[["seq", "pos", "token_id", "generated", "lp_train", "lp_infer"]]),
-                             record.get("clip_eps", 0.2))
-        seen = {"tokens": s["tokens_compared"], "mismatches": s["mismatches"], "ulp_max": s["ulp_max"],
-                "nan_tokens": s["nan_tokens"]["train"] + s["nan_tokens"]["infer"],
-                "positive_tokens": s["positive_tokens"]["train"] + s["positive_tokens"]["infer"]}
+        s = summarize_tokens(
+            compare_tokens(table[["seq", "pos", "token_id", "generated", "lp_train", "lp_infer"]]),
+            record.get("clip_eps", 0.2),
+        )
+        seen = {
+            "tokens": s["tokens_compared"],
+            "mismatches": s["mismatches"],
+            "ulp_max": s["ulp_max"],
+            "nan_tokens": s["nan_tokens"]["train"] + s["nan_tokens"]["infer"],
+            "positive_tokens": s["positive_tokens"]["train"] + s["positive_tokens"]["infer"],
+        }
         for key, value in seen.items():
             recorded = None if pd.isna(row[key]) else int(row[key])
             if recorded != value:
-                raise InputError(f"step {row['step']}: {key} {recorded} in steps.parquet, {value} from the step's "
-                                 f"token rows ({name}); the run directory was altered")
+                raise InputError(
+                    f"step {row['step']}: {key} {recorded} in steps.parquet, {value} from the step's "
+                    f"token rows ({name}); the run directory was altered"
+                )
         if (record.get("rl") or {}).get("full_vocab"):
             _check_step_vocab(run_dir / name, row, table)
     if record.get("eval"):
@@ -423,21 +483,25 @@ def _check_step_vocab(path: Path, row: dict, table) -> None:
     from alignaudit.comparison.vocab import COLUMNS, step_columns, summarize_vocab
 
     if any(c not in table for c in COLUMNS):
-        raise InputError(f"{path} lacks the per-token vocab columns of an rl --full-vocab run; the run directory was "
-                         "altered")
+        raise InputError(
+            f"{path} lacks the per-token vocab columns of an rl --full-vocab run; the run directory was altered"
+        )
     for key, value in step_columns(summarize_vocab(table)).items():
         recorded = float(row.get(key, float("nan")))
-        same = (math.isnan(recorded) and math.isnan(value)) or math.isclose(recorded, value, rel_tol=1e-9,
-                                                                            abs_tol=0.0)
+        same = (math.isnan(recorded) and math.isnan(value)) or math.isclose(recorded, value, rel_tol=1e-9, abs_tol=0.0)
         if not same:
-            raise InputError(f"step {row['step']}: {key} {recorded} in steps.parquet, {value} from the step's token "
-                             f"rows ({path.name}); the run directory was altered")
+            raise InputError(
+                f"step {row['step']}: {key} {recorded} in steps.parquet, {value} from the step's token "
+                f"rows ({path.name}); the run directory was altered"
+            )
 
 
 def _check_manifest(record_path: Path, where: str, expected, capture: Capture, made: str = "wrote") -> None:
     if not isinstance(expected, dict) or manifest_sha256(capture.path) != expected.get("manifest_sha256"):
-        raise InputError(f"{where} is not the capture this run {made} (its manifest's sha256 differs from "
-                         f"{record_path}); run it again")
+        raise InputError(
+            f"{where} is not the capture this run {made} (its manifest's sha256 differs from "
+            f"{record_path}); run it again"
+        )
 
 
 def _check_request(run_dir: Path, record: dict, infer: Capture) -> None:
@@ -445,15 +509,21 @@ def _check_request(run_dir: Path, record: dict, infer: Capture) -> None:
     in rollout mode, how the inference engine sampled."""
     m = infer.manifest
     if (m.get("model") or {}).get("name") != (record.get("model") or {}).get("name"):
-        raise InputError(f"{run_dir / RUN} names the model {(record.get('model') or {}).get('name')!r}, its captures "
-                         f"{(m.get('model') or {}).get('name')!r}; the run directory was altered")
+        raise InputError(
+            f"{run_dir / RUN} names the model {(record.get('model') or {}).get('name')!r}, its captures "
+            f"{(m.get('model') or {}).get('name')!r}; the run directory was altered"
+        )
     if m.get("mode") != record.get("mode"):
-        raise InputError(f"{run_dir / RUN} says mode {record.get('mode')!r}, the inference capture was made in "
-                         f"{m.get('mode')!r} mode; the run directory was altered")
+        raise InputError(
+            f"{run_dir / RUN} says mode {record.get('mode')!r}, the inference capture was made in "
+            f"{m.get('mode')!r} mode; the run directory was altered"
+        )
     asked, done = record.get("rollout"), m.get("rollout")
     if (asked is None) != (done is None) or asked and any(done.get(k) != v for k, v in asked.items()):
-        raise InputError(f"{run_dir / RUN}'s rollout settings {asked} differ from what the inference capture "
-                         "sampled with; the run directory was altered")
+        raise InputError(
+            f"{run_dir / RUN}'s rollout settings {asked} differ from what the inference capture "
+            "sampled with; the run directory was altered"
+        )
 
 
 def _check_capture(run_dir: Path, record: dict, role: str, capture: Capture) -> None:
@@ -464,12 +534,15 @@ def _check_capture(run_dir: Path, record: dict, role: str, capture: Capture) -> 
         raise InputError(f"{where} holds a capture made as the {m.get('role')} side; the run directory was altered")
     side = record.get(role) or {}
     if m.get("engine") != side.get("engine"):
-        raise InputError(f"{where} was made by {m.get('engine')}, but {RUN} says {side.get('engine')}; "
-                         "the run directory was altered")
+        raise InputError(
+            f"{where} was made by {m.get('engine')}, but {RUN} says {side.get('engine')}; the run directory was altered"
+        )
     settings = m.get("settings") or {}
     for key in SETTINGS_CHECKED:
         if settings.get(key) != side.get(key):
-            raise InputError(f"{where}: {key} {settings.get(key)!r} differs from {RUN}'s {side.get(key)!r}; "
-                             "the run directory was altered")
+            raise InputError(
+                f"{where}: {key} {settings.get(key)!r} differs from {RUN}'s {side.get(key)!r}; "
+                "the run directory was altered"
+            )
     if (m.get("model") or {}).get("path") != (record.get("model") or {}).get("path"):
         raise InputError(f"{where} is of another checkpoint than {RUN} names; the run directory was altered")

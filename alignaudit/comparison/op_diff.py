@@ -87,10 +87,20 @@ def _compare_routing(seqs: list[int], a: dict[int, torch.Tensor], b: dict[int, t
         if worst is None and bool(differs.any()):
             pos = int(differs.nonzero()[0])
             worst = {"seq": seq, "pos": pos, "train_experts": x[pos].tolist(), "infer_experts": y[pos].tolist()}
-    record = {"status": DIFFERS if rerouted else EQUAL, "dtype": "int64", "elements": tokens, "rerouted": rerouted,
-              "equal_fraction": (tokens - rerouted) / tokens if tokens else 1.0, "ulp_max": None, "ulp_median": None,
-              "abs_max": None, "rel_diff": None, "nan_mismatches": 0, "inf_mismatches": 0,
-              "note": "per token: the same experts"}
+    record = {
+        "status": DIFFERS if rerouted else EQUAL,
+        "dtype": "int64",
+        "elements": tokens,
+        "rerouted": rerouted,
+        "equal_fraction": (tokens - rerouted) / tokens if tokens else 1.0,
+        "ulp_max": None,
+        "ulp_median": None,
+        "abs_max": None,
+        "rel_diff": None,
+        "nan_mismatches": 0,
+        "inf_mismatches": 0,
+        "note": "per token: the same experts",
+    }
     if worst is not None:
         record["worst"] = worst
     return record
@@ -99,8 +109,11 @@ def _compare_routing(seqs: list[int], a: dict[int, torch.Tensor], b: dict[int, t
 def routing_agreement(records: list[dict]) -> list[dict]:
     """Per MoE layer, from the ``routing`` records of ``compare_ops``: tokens, tokens sent to other experts
     (``rerouted``) and the agreement (share routed the same)."""
-    return [{"layer": r["layer"], "tokens": r["elements"], "rerouted": r["rerouted"], "agreement": r["equal_fraction"]}
-            for r in records if r["name"] == "routing" and "rerouted" in r]
+    return [
+        {"layer": r["layer"], "tokens": r["elements"], "rerouted": r["rerouted"], "agreement": r["equal_fraction"]}
+        for r in records
+        if r["name"] == "routing" and "rerouted" in r
+    ]
 
 
 def _worst(x: torch.Tensor, y: torch.Tensor, ulp: torch.Tensor, cls: torch.Tensor, coords: list) -> dict:
@@ -119,9 +132,13 @@ def _worst(x: torch.Tensor, y: torch.Tensor, ulp: torch.Tensor, cls: torch.Tenso
             break
         offset -= size
     return {
-        "seq": worst_seq, "pos": pos, "index": [int(i) for i in index],
-        "train": float(x[flat]), "infer": float(y[flat]),
-        "train_hex": numerics.hex_bits(x[flat]), "infer_hex": numerics.hex_bits(y[flat]),
+        "seq": worst_seq,
+        "pos": pos,
+        "index": [int(i) for i in index],
+        "train": float(x[flat]),
+        "infer": float(y[flat]),
+        "train_hex": numerics.hex_bits(x[flat]),
+        "infer_hex": numerics.hex_bits(y[flat]),
         "ulp": int(ulp[flat]),
     }
 

@@ -53,17 +53,20 @@ def align_tokens(train: pd.DataFrame, infer: pd.DataFrame) -> pd.DataFrame:
         if "generated" in side:
             generated |= side["generated"].to_numpy(dtype=bool)
     scored = scored_a & scored_b
-    if not (scored_a == scored_b).all() and not any(_sampled_only(x, y, generated)
-                                                    for x, y in ((scored_a, scored_b), (scored_b, scored_a))):
+    if not (scored_a == scored_b).all() and not any(
+        _sampled_only(x, y, generated) for x, y in ((scored_a, scored_b), (scored_b, scored_a))
+    ):
         raise InputError("the two captures disagree on which positions have a logprob; capture both again")
-    return pd.DataFrame({
-        "seq": a["seq"].to_numpy()[scored],
-        "pos": a["pos"].to_numpy()[scored],
-        "token_id": a["token_id"].to_numpy()[scored],
-        "generated": generated[scored],
-        "lp_train": a["logprob"].to_numpy(dtype=np.float32)[scored],
-        "lp_infer": b["logprob"].to_numpy(dtype=np.float32)[scored],
-    })
+    return pd.DataFrame(
+        {
+            "seq": a["seq"].to_numpy()[scored],
+            "pos": a["pos"].to_numpy()[scored],
+            "token_id": a["token_id"].to_numpy()[scored],
+            "generated": generated[scored],
+            "lp_train": a["logprob"].to_numpy(dtype=np.float32)[scored],
+            "lp_infer": b["logprob"].to_numpy(dtype=np.float32)[scored],
+        }
+    )
 
 
 def _sampled_only(scored: np.ndarray, other: np.ndarray, generated: np.ndarray) -> bool:
@@ -91,8 +94,12 @@ def compare_tokens(tokens: pd.DataFrame) -> pd.DataFrame:
 WORST_SEQUENCES = 20
 
 
-def summarize(tokens: pd.DataFrame, clip_eps: float = 0.2, sequences: pd.DataFrame | None = None,
-              importance: ISThresholds | None = None) -> Summary:
+def summarize(
+    tokens: pd.DataFrame,
+    clip_eps: float = 0.2,
+    sequences: pd.DataFrame | None = None,
+    importance: ISThresholds | None = None,
+) -> Summary:
     """Summary record (alignaudit.comparison.summary.Summary) of a ``compare_tokens`` table: counts, ULP
     distribution, RL impact, IS diagnostics at ``importance``'s thresholds, and the ``WORST_SEQUENCES`` worst sequences
     (``sequences``, the ``per_sequence`` table, has them all); with rollout tokens, the same record for the generated
@@ -179,31 +186,40 @@ def per_sequence(tokens: pd.DataFrame) -> pd.DataFrame:
     seq = tokens["seq"].to_numpy()
     bad = ~tokens["bitwise_equal"].to_numpy(dtype=bool)
     ulp = tokens["ulp"].to_numpy()
-    frame = pd.DataFrame({
-        "seq": seq,
-        "mismatch": bad,
-        "bad_pos": np.where(bad, tokens["pos"].to_numpy(), np.iinfo(np.int32).max),
-        "nan": np.isnan(tokens["lp_train"].to_numpy()) | np.isnan(tokens["lp_infer"].to_numpy()),
-        "ulp": np.where(ulp >= 0, ulp, -1),
-        "absdiff": np.where(ulp >= 0, np.abs(tokens["diff"].to_numpy()), np.nan),
-    })
+    frame = pd.DataFrame(
+        {
+            "seq": seq,
+            "mismatch": bad,
+            "bad_pos": np.where(bad, tokens["pos"].to_numpy(), np.iinfo(np.int32).max),
+            "nan": np.isnan(tokens["lp_train"].to_numpy()) | np.isnan(tokens["lp_infer"].to_numpy()),
+            "ulp": np.where(ulp >= 0, ulp, -1),
+            "absdiff": np.where(ulp >= 0, np.abs(tokens["diff"].to_numpy()), np.nan),
+        }
+    )
     g = frame.groupby("seq", sort=True)
-    out = pd.DataFrame({
-        "tokens": g.size(),
-        "mismatches": g["mismatch"].sum().astype(np.int64),
-        "first_mismatch_pos": g["bad_pos"].min(),
-        "nan_tokens": g["nan"].sum().astype(np.int64),
-        "ulp_max": g["ulp"].max().astype(np.int64),
-        "max_abs_diff": g["absdiff"].max(),
-    }).reset_index()
+    out = pd.DataFrame(
+        {
+            "tokens": g.size(),
+            "mismatches": g["mismatch"].sum().astype(np.int64),
+            "first_mismatch_pos": g["bad_pos"].min(),
+            "nan_tokens": g["nan"].sum().astype(np.int64),
+            "ulp_max": g["ulp"].max().astype(np.int64),
+            "max_abs_diff": g["absdiff"].max(),
+        }
+    ).reset_index()
     out.loc[out["mismatches"] == 0, "first_mismatch_pos"] = -1
     return out
 
 
 def _records(table: pd.DataFrame) -> list[dict]:
     """Rows as JSON-ready dicts (numpy scalars to Python, NaN to None)."""
-    return [{k: (None if isinstance(v, float) and np.isnan(v) else v.item() if hasattr(v, "item") else v)
-             for k, v in row.items()} for row in table.to_dict("records")]
+    return [
+        {
+            k: (None if isinstance(v, float) and np.isnan(v) else v.item() if hasattr(v, "item") else v)
+            for k, v in row.items()
+        }
+        for row in table.to_dict("records")
+    ]
 
 
 def worst_sequences(table: pd.DataFrame, count: int) -> pd.DataFrame:

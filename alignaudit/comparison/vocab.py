@@ -32,8 +32,16 @@ import pandas as pd
 import torch
 
 TOP_K = 5
-COLUMNS = ("vocab_kl_train_infer", "vocab_kl_infer_train", "vocab_tv", "vocab_top1_agree", "vocab_topk_overlap",
-           "vocab_nonfinite", "vocab_row_matches_train", "vocab_row_matches_infer")
+COLUMNS = (
+    "vocab_kl_train_infer",
+    "vocab_kl_infer_train",
+    "vocab_tv",
+    "vocab_top1_agree",
+    "vocab_topk_overlap",
+    "vocab_nonfinite",
+    "vocab_row_matches_train",
+    "vocab_row_matches_infer",
+)
 MEASURES = {"kl_train_infer": "vocab_kl_train_infer", "kl_infer_train": "vocab_kl_infer_train", "tv": "vocab_tv"}
 CHUNK_ELEMENTS = 1 << 24  # rows are compared this many float64 elements at a time
 
@@ -51,19 +59,28 @@ def position_divergence(train: torch.Tensor, infer: torch.Tensor, k: int = TOP_K
         ValueError: shapes differ, are not 2-D, or k is not in 1..V.
     """
     if train.shape != infer.shape or train.dim() != 2:
-        raise ValueError(f"position_divergence: rows {tuple(train.shape)} vs {tuple(infer.shape)}, expected [n, V] "
-                         "each")
+        raise ValueError(
+            f"position_divergence: rows {tuple(train.shape)} vs {tuple(infer.shape)}, expected [n, V] each"
+        )
     n, v = train.shape
     if not 1 <= k <= v:
         raise ValueError(f"position_divergence: k={k} outside 1..{v}")
-    out = {name: np.empty(n, dtype=dtype) for name, dtype in (
-        ("kl_train_infer", np.float64), ("kl_infer_train", np.float64), ("tv", np.float64),
-        ("top1_agree", bool), ("topk_overlap", np.float64), ("nonfinite", bool))}
+    out = {
+        name: np.empty(n, dtype=dtype)
+        for name, dtype in (
+            ("kl_train_infer", np.float64),
+            ("kl_infer_train", np.float64),
+            ("tv", np.float64),
+            ("top1_agree", bool),
+            ("topk_overlap", np.float64),
+            ("nonfinite", bool),
+        )
+    }
     step = max(1, CHUNK_ELEMENTS // max(v, 1))
     for lo in range(0, n, step):
-        part = _chunk(train[lo:lo + step], infer[lo:lo + step], k)
+        part = _chunk(train[lo : lo + step], infer[lo : lo + step], k)
         for name, values in part.items():
-            out[name][lo:lo + step] = values
+            out[name][lo : lo + step] = values
     return out
 
 
@@ -82,14 +99,20 @@ def _chunk(a32: torch.Tensor, b32: torch.Tensor, k: int) -> dict[str, np.ndarray
     bad = nonfinite.numpy()
     result = {"kl_train_infer": kl_pq.numpy(), "kl_infer_train": kl_qp.numpy(), "tv": tv.numpy()}
     result = {name: np.where(bad, np.nan, x) for name, x in result.items()}
-    result.update(top1_agree=(top_a[:, 0] == top_b[:, 0]).numpy() & ~bad, topk_overlap=np.where(bad, np.nan,
-                                                                                               overlap.numpy()),
-                  nonfinite=bad)
+    result.update(
+        top1_agree=(top_a[:, 0] == top_b[:, 0]).numpy() & ~bad,
+        topk_overlap=np.where(bad, np.nan, overlap.numpy()),
+        nonfinite=bad,
+    )
     return result
 
 
-def vocab_columns(tokens: pd.DataFrame, train_rows: Callable[[int], torch.Tensor],
-                  infer_rows: Callable[[int], torch.Tensor], k: int = TOP_K) -> pd.DataFrame:
+def vocab_columns(
+    tokens: pd.DataFrame,
+    train_rows: Callable[[int], torch.Tensor],
+    infer_rows: Callable[[int], torch.Tensor],
+    k: int = TOP_K,
+) -> pd.DataFrame:
     """``tokens`` (token_diff.compare_tokens output: seq, pos, token_id, lp_train, lp_infer) with COLUMNS added.
 
     ``train_rows(seq)`` / ``infer_rows(seq)``: that sequence's rows, float32 [len - 1, V]; the token at position
@@ -156,8 +179,11 @@ def summarize_vocab(tokens: pd.DataFrame, k: int = TOP_K) -> dict:
         infinite += int((ok & np.isinf(x)).sum()) if name != "tv" else 0
         if finite.any():
             i = int(np.flatnonzero(finite)[np.argmax(x[finite])])
-            record[name] = {"mean": float(x[finite].mean()), "max": float(x[i]),
-                            "max_at": {"seq": int(seq[i]), "pos": int(pos[i])}}
+            record[name] = {
+                "mean": float(x[finite].mean()),
+                "max": float(x[i]),
+                "max_at": {"seq": int(seq[i]), "pos": int(pos[i])},
+            }
         else:
             record[name] = {"mean": None, "max": None, "max_at": None}
     record["infinite_kl"] = infinite
@@ -166,8 +192,9 @@ def summarize_vocab(tokens: pd.DataFrame, k: int = TOP_K) -> dict:
     record["top1_agreement"] = float(top1.mean()) if ok.any() else None
     record["topk_overlap_mean"] = float(overlap.mean()) if ok.any() else None
     record["topk_overlap_min"] = float(overlap.min()) if ok.any() else None
-    record["row_token_mismatches"] = {side: int((~tokens[f"vocab_row_matches_{side}"].to_numpy(dtype=bool)).sum())
-                                      for side in ("train", "infer")}
+    record["row_token_mismatches"] = {
+        side: int((~tokens[f"vocab_row_matches_{side}"].to_numpy(dtype=bool)).sum()) for side in ("train", "infer")
+    }
     return record
 
 
@@ -181,8 +208,10 @@ def step_columns(record: dict) -> dict:
         for stat in ("mean", "max"):
             value = record[name][stat]
             out[f"{column}_{stat}"] = float("nan") if value is None else value
-    for column, key in (("vocab_top1_agreement", "top1_agreement"), (f"vocab_top{record['k']}_overlap",
-                                                                      "topk_overlap_mean")):
+    for column, key in (
+        ("vocab_top1_agreement", "top1_agreement"),
+        (f"vocab_top{record['k']}_overlap", "topk_overlap_mean"),
+    ):
         out[column] = float("nan") if record[key] is None else record[key]
     out["vocab_nonfinite_positions"] = record["nonfinite_positions"]
     out["vocab_infinite_kl"] = record["infinite_kl"]

@@ -93,8 +93,10 @@ def reject_wrong_types(engine: str, options: dict[str, Any], annotations: dict[s
     for key, value in options.items():
         annotation = annotations.get(key)
         if annotation is not None and value_fits(value, annotation) is False:
-            raise InputError(f"option {key}={value!r}: {engine} expects {_describe(annotation)} "
-                             f"(values are parsed as JSON: true, 4, 0.5, \"text\")")
+            raise InputError(
+                f"option {key}={value!r}: {engine} expects {_describe(annotation)} "
+                f'(values are parsed as JSON: true, 4, 0.5, "text")'
+            )
 
 
 def value_fits(value: Any, annotation: Any) -> bool | None:
@@ -126,7 +128,8 @@ def _describe(annotation: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(annotation))
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}.get(
-        annotation, str(annotation))
+        annotation, str(annotation)
+    )
 
 
 class Engine(ABC):
@@ -180,8 +183,10 @@ class Engine(ABC):
         if self.tap is not None:
             from alignaudit.engines.taps import RowSpan
 
-            self.tap.spans = [RowSpan(seq=r, pos_start=0, length=n, batch_row=j)
-                              for j, (r, n) in enumerate(zip(rows, lengths, strict=True))]
+            self.tap.spans = [
+                RowSpan(seq=r, pos_start=0, length=n, batch_row=j)
+                for j, (r, n) in enumerate(zip(rows, lengths, strict=True))
+            ]
 
     @abstractmethod
     def prompt_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
@@ -340,7 +345,7 @@ def micro_batches(batch: TokenBatch, size: int | str) -> list[list[int]]:
     groups = []
     for length, rows in by_length.items():
         step = max(1, min(AUTO_BATCH_ROWS, AUTO_BATCH_TOKENS // length))
-        groups += [rows[i:i + step] for i in range(0, len(rows), step)]
+        groups += [rows[i : i + step] for i in range(0, len(rows), step)]
     return groups
 
 
@@ -355,4 +360,3 @@ def right_padded(sequences: list[tuple[int, ...]], pad_id: int = 0) -> tuple[tor
         ids[row, : len(seq)] = torch.tensor(seq)
         valid[row, : len(seq)] = True
     return ids, valid
-

@@ -22,8 +22,10 @@ def check_runs(train, infer, mode: str) -> None:
         InputError: the first refused setting: engine, name, reason, fix.
     """
     if mode == "rollout" and not kind_of(infer.engine).rolls_out:
-        raise InputError(f"{infer.engine} does not sample rollouts; --mode rollout needs an engine that does: "
-                         f"{names_where(lambda k: k.rolls_out)}")
+        raise InputError(
+            f"{infer.engine} does not sample rollouts; --mode rollout needs an engine that does: "
+            f"{names_where(lambda k: k.rolls_out)}"
+        )
     for role, run in (("train", train), ("infer", infer)):
         kind_of(run.engine).check_settings(run.settings, mode, role)
 
@@ -40,9 +42,11 @@ def rollout_shape(infer, sampling, spec):
     if not shaped.stop_at_eos and isinstance(stops, list):
         ended = sorted(set(stops) & eos_ids(spec.path))
         if ended:
-            raise InputError(f"vllm stop_token_ids holds {ended[0]}, an EOS of {spec.name}: completions would end at "
-                             "EOS, which --ignore-eos asks to ignore; drop it from --infer-opt stop_token_ids or use "
-                             "--stop-at-eos")
+            raise InputError(
+                f"vllm stop_token_ids holds {ended[0]}, an EOS of {spec.name}: completions would end at "
+                "EOS, which --ignore-eos asks to ignore; drop it from --infer-opt stop_token_ids or use "
+                "--stop-at-eos"
+            )
     return shaped
 
 
@@ -79,8 +83,9 @@ def check_parallel(spec, runs, device: str) -> None:
         else:
             have, unit = len(os.sched_getaffinity(0)), "CPU cores"
         if tp > have:
-            raise InputError(f"{run.engine} {kind.tp_option}={tp} needs {tp} {unit}, one per rank; this machine has "
-                             f"{have}")
+            raise InputError(
+                f"{run.engine} {kind.tp_option}={tp} needs {tp} {unit}, one per rank; this machine has {have}"
+            )
 
 
 def check_moe(spec, runs) -> None:
@@ -107,26 +112,38 @@ def check_routing_replay(spec, train, infer, mode: str, repeat: int = 1) -> None
     (vLLM's compiled default MoE); a train engine whose router cannot take given experts (vLLM; the strict MoE
     layer). Raises InputError: one line, the reason and the fix."""
     if not spec.num_experts:
-        raise InputError(f"--replay-routing replays MoE routing; {spec.name} ({spec.architecture}) is dense and has "
-                         "none: use a mixture-of-experts model (e.g. --model qwen3-moe-tiny) or drop --replay-routing")
+        raise InputError(
+            f"--replay-routing replays MoE routing; {spec.name} ({spec.architecture}) is dense and has "
+            "none: use a mixture-of-experts model (e.g. --model qwen3-moe-tiny) or drop --replay-routing"
+        )
     if mode != "prompt":
-        raise InputError("--replay-routing runs in prompt mode only: alignaudit records the rollout engine's routing "
-                         "while it scores prompts, not while it samples; drop --mode rollout")
+        raise InputError(
+            "--replay-routing runs in prompt mode only: alignaudit records the rollout engine's routing "
+            "while it scores prompts, not while it samples; drop --mode rollout"
+        )
     if repeat != 1:
-        raise InputError("--replay-routing with --repeat is undefined (the repeats run the engines again without "
-                         "the replayed routing); drop --repeat")
+        raise InputError(
+            "--replay-routing with --repeat is undefined (the repeats run the engines again without "
+            "the replayed routing); drop --repeat"
+        )
     infer_kind, train_kind = kind_of(infer.engine), kind_of(train.engine)
     if not infer_kind.routing_observable(infer.settings):
-        raise InputError(f"--replay-routing needs the rollout engine's routing, and {infer.engine} as configured "
-                         "computes it where alignaudit cannot read it (vLLM's compiled default MoE); add --infer-opt "
-                         "enforce_eager=true, or use --infer hf")
+        raise InputError(
+            f"--replay-routing needs the rollout engine's routing, and {infer.engine} as configured "
+            "computes it where alignaudit cannot read it (vLLM's compiled default MoE); add --infer-opt "
+            "enforce_eager=true, or use --infer hf"
+        )
     if not train_kind.replays_routing(train.settings):
         if train_kind.trains:
-            raise InputError(f"--replay-routing: the train engine {train.engine} with the strict MoE layer (--strict "
-                             "with linear) routes by its own kernel, which replays nothing; drop linear from --strict "
-                             "(e.g. --strict rmsnorm,rope,silu,attention,logprobs) or drop --replay-routing")
-        raise InputError(f"--replay-routing: the train engine {train.engine} cannot take given experts in its "
-                         "router; use --train megatron or --train hf")
+            raise InputError(
+                f"--replay-routing: the train engine {train.engine} with the strict MoE layer (--strict "
+                "with linear) routes by its own kernel, which replays nothing; drop linear from --strict "
+                "(e.g. --strict rmsnorm,rope,silu,attention,logprobs) or drop --replay-routing"
+            )
+        raise InputError(
+            f"--replay-routing: the train engine {train.engine} cannot take given experts in its "
+            "router; use --train megatron or --train hf"
+        )
 
 
 FULL_VOCAB_MODES = ("prompt",)
@@ -147,19 +164,29 @@ def check_full_vocab(train, infer, mode: str, replay_routing: bool = False) -> N
         InputError: naming the engine or mode, why, and the fix.
     """
     if replay_routing:
-        raise InputError("--full-vocab with --replay-routing is not built yet (the replayed trainer's rows are not "
-                         "recorded); run them as two compares, or drop one")
+        raise InputError(
+            "--full-vocab with --replay-routing is not built yet (the replayed trainer's rows are not "
+            "recorded); run them as two compares, or drop one"
+        )
     if mode not in FULL_VOCAB_MODES:
-        raise InputError("--full-vocab compares teacher-forced rows: in rollout mode the rollout engine scores its "
-                         "sampled tokens while decoding, where alignaudit captures no rows; drop --mode rollout or "
-                         "--full-vocab")
+        raise InputError(
+            "--full-vocab compares teacher-forced rows: in rollout mode the rollout engine scores its "
+            "sampled tokens while decoding, where alignaudit captures no rows; drop --mode rollout or "
+            "--full-vocab"
+        )
     for role, run in (("train", train), ("infer", infer)):
         if not kind_of(run.engine).gives_vocab_rows:
-            raise InputError(f"--full-vocab: {run.engine} (--{role}) gives no full-vocabulary rows; choose hf, "
-                             "megatron or vllm, or drop --full-vocab")
-    refuse_parallel((train, infer), "--full-vocab", "vLLM's ranks run in processes of its own that alignaudit's "
-                    "row hooks do not reach, and Megatron's rows would need its sharded vocabulary gathered; drop "
-                    "the tensor-parallel option or --full-vocab")
+            raise InputError(
+                f"--full-vocab: {run.engine} (--{role}) gives no full-vocabulary rows; choose hf, "
+                "megatron or vllm, or drop --full-vocab"
+            )
+    refuse_parallel(
+        (train, infer),
+        "--full-vocab",
+        "vLLM's ranks run in processes of its own that alignaudit's "
+        "row hooks do not reach, and Megatron's rows would need its sharded vocabulary gathered; drop "
+        "the tensor-parallel option or --full-vocab",
+    )
 
 
 def check_rl_full_vocab(train, infer) -> None:
@@ -173,15 +200,23 @@ def check_rl_full_vocab(train, infer) -> None:
     """
     for role, run in (("train", train), ("infer", infer)):
         if not kind_of(run.engine).gives_vocab_rows:
-            raise InputError(f"rl --full-vocab: {run.engine} (--{role}) gives no full-vocabulary rows; choose hf, "
-                             "megatron or vllm, or drop --full-vocab")
+            raise InputError(
+                f"rl --full-vocab: {run.engine} (--{role}) gives no full-vocabulary rows; choose hf, "
+                "megatron or vllm, or drop --full-vocab"
+            )
     if processed_logprobs(infer):
-        raise InputError("rl --full-vocab with logprobs_mode=processed_logprobs is not built yet (the trainer replays "
-                         "the sampling transform for the sampled token only, not for its whole row); drop "
-                         "logprobs_mode or --full-vocab")
-    refuse_parallel((train, infer), "rl --full-vocab", "vLLM's ranks run in processes of its own that alignaudit's "
-                    "row hooks do not reach, and Megatron's rows would need its sharded vocabulary gathered; drop "
-                    "the tensor-parallel option or --full-vocab")
+        raise InputError(
+            "rl --full-vocab with logprobs_mode=processed_logprobs is not built yet (the trainer replays "
+            "the sampling transform for the sampled token only, not for its whole row); drop "
+            "logprobs_mode or --full-vocab"
+        )
+    refuse_parallel(
+        (train, infer),
+        "rl --full-vocab",
+        "vLLM's ranks run in processes of its own that alignaudit's "
+        "row hooks do not reach, and Megatron's rows would need its sharded vocabulary gathered; drop "
+        "the tensor-parallel option or --full-vocab",
+    )
 
 
 def check_parallel_op_capture(runs, forced: bool) -> None:
@@ -192,8 +227,13 @@ def check_parallel_op_capture(runs, forced: bool) -> None:
         InputError: a run at tensor-parallel size > 1 that op capture cannot reach, naming the fix.
     """
     unreachable = [r for r in runs if not kind_of(r.engine).hooks_reach_ranks]
-    refuse_parallel(unreachable, "op capture", "vLLM's ranks run in worker processes that alignaudit's hooks cannot "
-                    "reach; capture vLLM at size 1 (under --strict, the same bits)")
+    refuse_parallel(
+        unreachable,
+        "op capture",
+        "vLLM's ranks run in worker processes that alignaudit's hooks cannot "
+        "reach; capture vLLM at size 1 (under --strict, the same bits)",
+    )
     if forced:
-        refuse_parallel(runs, "forced-mode op capture", "sharded ops would need the reference split per rank; "
-                        "use --mode natural")
+        refuse_parallel(
+            runs, "forced-mode op capture", "sharded ops would need the reference split per rank; use --mode natural"
+        )

@@ -37,28 +37,39 @@ def _tables(x: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> tu
     return K.rope_tables(rows, x.shape[-1], theta, str(x.device), scaling)
 
 
-@opaque_op("rope", "(Tensor x, Tensor positions, float theta, int rows, float[] llama3) -> Tensor",
-           lambda x, positions, theta, rows, llama3: x.new_empty(x.shape), namespace="alignaudit")
+@opaque_op(
+    "rope",
+    "(Tensor x, Tensor positions, float theta, int rows, float[] llama3) -> Tensor",
+    lambda x, positions, theta, rows, llama3: x.new_empty(x.shape),
+    namespace="alignaudit",
+)
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]) -> torch.Tensor:
     """``rotate`` as one opaque op (vLLM, and torch.compile of the other engines): the tables are built
     eagerly (a compiled torch.cos could round otherwise), with no host read of positions."""
     return rotate(x, positions, theta, rows, llama3)
 
 
-@opaque_op("rope_qk", "(Tensor q, Tensor k, Tensor positions, float theta, int rows, float[] llama3) -> "
-           "(Tensor, Tensor)", lambda q, k, *rest: (q.new_empty(q.shape), k.new_empty(k.shape)),
-           namespace="alignaudit")
-def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float, rows: int,
-            llama3: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+@opaque_op(
+    "rope_qk",
+    "(Tensor q, Tensor k, Tensor positions, float theta, int rows, float[] llama3) -> (Tensor, Tensor)",
+    lambda q, k, *rest: (q.new_empty(q.shape), k.new_empty(k.shape)),
+    namespace="alignaudit",
+)
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float, rows: int, llama3: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``rope`` of queries q [tokens, query heads, head_dim] and keys k [tokens, KV heads, head_dim] as one
     opaque op and one kernel launch (alignaudit_kernels.apply_rope_qk): the bits of two ``rope`` calls, with one
     dispatch, one table lookup and one launch less in every attention layer of an eager step."""
     return K.apply_rope_qk(q, k, positions, *_tables(q, theta, rows, llama3))
 
 
-@opaque_op("linear_partial", "(Tensor x, Tensor weight, int k_segments) -> Tensor",
-           lambda x, weight, k_segments: x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32),
-           namespace="alignaudit")
+@opaque_op(
+    "linear_partial",
+    "(Tensor x, Tensor weight, int k_segments) -> Tensor",
+    lambda x, weight, k_segments: x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32),
+    namespace="alignaudit",
+)
 def linear_partial(x: torch.Tensor, weight: torch.Tensor, k_segments: int) -> torch.Tensor:
     return K.linear_partial(x, weight, k_segments)
 
@@ -70,8 +81,9 @@ ROUTING_OBSERVERS: dict[int, object] = {}
 
 
 @torch.library.custom_op("alignaudit::moe_route", mutates_args=())
-def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,
-              layer: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_route(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool, layer: int = -1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H], router weight [E, H] -> (logits fp32 [T, E], chosen int64 [T, top_k], weights fp32 [T, top_k]);
     ``layer`` keys ROUTING_OBSERVERS."""
     logits, chosen, weights = K.route(x, weight, top_k, normalize)
@@ -84,13 +96,17 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool
 @moe_route.register_fake
 def _(x, weight, top_k, normalize, layer=-1):
     t = x.shape[0]
-    return (x.new_empty((t, weight.shape[0]), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int64),
-            x.new_empty((t, top_k), dtype=torch.float32))
+    return (
+        x.new_empty((t, weight.shape[0]), dtype=torch.float32),
+        x.new_empty((t, top_k), dtype=torch.int64),
+        x.new_empty((t, top_k), dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("alignaudit::moe_experts", mutates_args=())
-def moe_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """x [T, H], chosen/weights [T, top_k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x.dtype."""
     return K.combine_experts(x, chosen, weights, gate_up, down)
 

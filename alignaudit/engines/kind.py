@@ -85,8 +85,10 @@ class EngineKind:
     def _must_divide(self, spec, tp: int, sizes: list[tuple[str, int]]) -> None:
         for what, n in sizes:
             if n % tp:
-                raise InputError(f"{self.name} {self.tp_option}={tp} does not divide the {n} {what} of {spec.name}; "
-                                 "use a size that divides it")
+                raise InputError(
+                    f"{self.name} {self.tp_option}={tp} does not divide the {n} {what} of {spec.name}; "
+                    "use a size that divides it"
+                )
 
     def check_settings(self, settings, mode: str, role: str) -> None:
         """Refuse an option that would not take effect as recorded (before any engine starts). ``mode``:
@@ -104,21 +106,28 @@ class EngineKind:
         this engine does not sample (alignaudit.inputs.request.Sampling: group_size, stop_at_eos, prompt_logprobs,
         engine_mode); by default, all but the plain one (one completion per request, EOS ignored, prompt logprobs
         recorded, every request at once). Raises InputError naming the setting."""
-        shaped = ((sampling.group_size != 1, "--group-size"), (sampling.stop_at_eos is True, "--stop-at-eos"),
-                  (sampling.prompt_logprobs is False, "--no-prompt-logprobs"),
-                  (sampling.engine_mode != "offline", "--engine-mode"))
+        shaped = (
+            (sampling.group_size != 1, "--group-size"),
+            (sampling.stop_at_eos is True, "--stop-at-eos"),
+            (sampling.prompt_logprobs is False, "--no-prompt-logprobs"),
+            (sampling.engine_mode != "offline", "--engine-mode"),
+        )
         for given, flag in shaped:
             if given:
-                raise InputError(f"{flag}: {self.name} rollouts are sampled one completion per request, EOS ignored, "
-                                 "prompt logprobs recorded, every request at once; use --infer vllm for "
-                                 "framework-shaped rollouts")
+                raise InputError(
+                    f"{flag}: {self.name} rollouts are sampled one completion per request, EOS ignored, "
+                    "prompt logprobs recorded, every request at once; use --infer vllm for "
+                    "framework-shaped rollouts"
+                )
         return self._with_defaults(sampling)
 
     def _with_defaults(self, sampling):
         import dataclasses
 
-        return dataclasses.replace(sampling, **{name: value for name, value in self.rollout_defaults.items()
-                                                if getattr(sampling, name) is None})
+        return dataclasses.replace(
+            sampling,
+            **{name: value for name, value in self.rollout_defaults.items() if getattr(sampling, name) is None},
+        )
 
     def routing_observable(self, settings) -> bool:
         """Whether an MoE model's routing decisions can be read without changing what the engine computes."""

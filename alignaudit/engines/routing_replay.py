@@ -30,14 +30,19 @@ import torch
 from alignaudit.errors import InputError
 
 # what each adapter reports in its settings record
-MEGATRON_MECHANISM = ("megatron.core.transformer.moe.router_replay.RouterReplay (REPLAY_FORWARD): "
-                      "weights softmax(router logits at the replayed experts)")
-HF_MECHANISM = ("Qwen3MoeTopKRouter with topk replaced by the replayed experts: softmax(router logits, fp32) "
-                "gathered at them, renormalized when norm_topk_prob")
+MEGATRON_MECHANISM = (
+    "megatron.core.transformer.moe.router_replay.RouterReplay (REPLAY_FORWARD): "
+    "weights softmax(router logits at the replayed experts)"
+)
+HF_MECHANISM = (
+    "Qwen3MoeTopKRouter with topk replaced by the replayed experts: softmax(router logits, fp32) "
+    "gathered at them, renormalized when norm_topk_prob"
+)
 
 
-def check_routing(routing: dict[int, dict[int, torch.Tensor]], num_layers: int, top_k: int,
-                  num_experts: int, lengths: list[int]) -> None:
+def check_routing(
+    routing: dict[int, dict[int, torch.Tensor]], num_layers: int, top_k: int, num_experts: int, lengths: list[int]
+) -> None:
     """Refuse replay data that does not fit the model and batch: ``routing[layer][seq]`` must exist for every
     MoE layer and sequence, int [len(seq), top_k], ids in [0, num_experts), distinct per token.
 
@@ -50,11 +55,15 @@ def check_routing(routing: dict[int, dict[int, torch.Tensor]], num_layers: int, 
         for seq, n in enumerate(lengths):
             ids = seqs.get(seq)
             if ids is None or tuple(ids.shape) != (n, top_k):
-                raise InputError(f"routing replay layer {layer} sequence {seq}: expected [{n}, {top_k}] expert ids, "
-                                 f"got {None if ids is None else tuple(ids.shape)}")
+                raise InputError(
+                    f"routing replay layer {layer} sequence {seq}: expected [{n}, {top_k}] expert ids, "
+                    f"got {None if ids is None else tuple(ids.shape)}"
+                )
             if n and (ids.min() < 0 or ids.max() >= num_experts or (ids.sort(-1).values.diff(dim=-1) == 0).any()):
-                raise InputError(f"routing replay layer {layer} sequence {seq}: expert ids outside "
-                                 f"0..{num_experts - 1} or repeated within a token")
+                raise InputError(
+                    f"routing replay layer {layer} sequence {seq}: expert ids outside "
+                    f"0..{num_experts - 1} or repeated within a token"
+                )
 
 
 def batch_routing(routing: dict[int, torch.Tensor], rows: list[int], width: int, seq_first: bool) -> torch.Tensor:

@@ -38,8 +38,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
         return torch.full((rows.shape[0],), value, dtype=dtype, device=rows.device)
 
     x = scale_by_temperature(rows, per_row(temperature, torch.float32))
-    x = truncate(x, per_row(top_k, torch.long) if top_k else None,
-                 per_row(top_p, torch.float32) if top_p < 1 else None)
+    x = truncate(x, per_row(top_k, torch.long) if top_k else None, per_row(top_p, torch.float32) if top_p < 1 else None)
     return x.reshape(logits.shape)
 
 
@@ -81,7 +80,7 @@ def truncate(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
     if top_p is not None:
         p = top_p.to(device=x.device, dtype=torch.float32)
         for row in torch.nonzero(p < 1).flatten().tolist():
-            x[row] = _top_p_row(x[row:row + 1], p[row:row + 1])[0]
+            x[row] = _top_p_row(x[row : row + 1], p[row : row + 1])[0]
     return x
 
 

@@ -119,14 +119,20 @@ class Blocks(View):
     names: tuple[str, ...]
 
     def _sizes(self, spec: ModelSpec) -> list[int]:
-        width = {"q_heads": spec.num_heads * spec.head_dim, "kv_heads": spec.num_kv_heads * spec.head_dim,
-                 "ffn": spec.intermediate_size, "hidden": spec.hidden_size}
+        width = {
+            "q_heads": spec.num_heads * spec.head_dim,
+            "kv_heads": spec.num_kv_heads * spec.head_dim,
+            "ffn": spec.intermediate_size,
+            "hidden": spec.hidden_size,
+        }
         return [width[OP_DEFS[n].layout] for n in self.names]
 
     def split(self, rows, spec):
         flat = rows.reshape(rows.shape[0], -1)
-        return tuple(canonical(p, OP_DEFS[n].layout, spec)
-                     for n, p in zip(self.names, flat.split(self._sizes(spec), -1), strict=True))
+        return tuple(
+            canonical(p, OP_DEFS[n].layout, spec)
+            for n, p in zip(self.names, flat.split(self._sizes(spec), -1), strict=True)
+        )
 
     def join(self, parts, like, spec):
         return torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=-1).reshape(like.shape)
@@ -139,8 +145,9 @@ class GroupedQKV(View):
     names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
     def split(self, rows, spec):
-        q, k, v = split_qkv_grouped(rows.reshape(rows.shape[0], -1),
-                                    spec.num_heads, spec.num_query_groups, spec.head_dim)
+        q, k, v = split_qkv_grouped(
+            rows.reshape(rows.shape[0], -1), spec.num_heads, spec.num_query_groups, spec.head_dim
+        )
         return canonical(q, "q_heads", spec), canonical(k, "kv_heads", spec), canonical(v, "kv_heads", spec)
 
     def join(self, parts, like, spec):
@@ -196,8 +203,15 @@ class Tap:
         recorded = dict.fromkeys(r["op"] for r in self.recorder.rows + self.recorder.pending_rows)
         return [op for op in recorded if not all(self.reference.has(i) and replaceable(i) for i in inputs(op))]
 
-    def __call__(self, x: torch.Tensor, view: View, layer: int | str | None, axes: Axes,
-                 spans: list[RowSpan] | None = None, sharded: str | None = None) -> torch.Tensor | None:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        view: View,
+        layer: int | str | None,
+        axes: Axes,
+        spans: list[RowSpan] | None = None,
+        sharded: str | None = None,
+    ) -> torch.Tensor | None:
         """Record the selected ops of ``view`` found in ``x``; return x's replacement in forced mode.
         ``sharded``: how ``x`` is split over tensor-parallel ranks (HookPoint.sharded), None if whole."""
         if layer == CURRENT_LAYER:
@@ -311,7 +325,8 @@ def _post_hook(tap: Tap, p: HookPoint):
             return None
         if index is None:
             return new
-        return (*output[:index], new, *output[index + 1:])
+        return (*output[:index], new, *output[index + 1 :])
+
     return hook
 
 
@@ -321,12 +336,20 @@ def _pre_hook(tap: Tap, p: HookPoint):
         if new is None:
             return None
         i = p.index or 0
-        return (*args[:i], new, *args[i + 1:])
+        return (*args[:i], new, *args[i + 1 :])
+
     return hook
 
 
-def read_flattened(hooks: Hooks, tap: Tap, block: torch.nn.Module, module: torch.nn.Module, layer: int,
-                   axes: Axes, views: dict[int, View]) -> None:
+def read_flattened(
+    hooks: Hooks,
+    tap: Tap,
+    block: torch.nn.Module,
+    module: torch.nn.Module,
+    layer: int,
+    axes: Axes,
+    views: dict[int, View],
+) -> None:
     """Read-only ops of ``module``, a router inside the MoE ``block``: ``block`` takes [*lead, hidden] and
     hands ``module`` its tokens flattened to [prod(lead), hidden]; each output element ``index`` of
     ``views`` is viewed back as [*lead, ...] (``axes`` then apply) before ``tap`` records it."""

@@ -19,8 +19,10 @@ class PlainTraining:
 
     def __init__(self, engine, lr: float, clip_grad: float, offload_fraction: float, adam):
         if offload_fraction:
-            raise ValueError(f"optimizer offload is megatron.core's (CUDA only); {engine.name} on "
-                             f"{engine.settings.device} cannot offload {offload_fraction}")
+            raise ValueError(
+                f"optimizer offload is megatron.core's (CUDA only); {engine.name} on "
+                f"{engine.settings.device} cannot offload {offload_fraction}"
+            )
         self.optimizer = adam(list(engine.model.parameters()), lr, clip_grad)
         self.name = adam.name
 
@@ -33,4 +35,3 @@ class PlainTraining:
     def step(self) -> float:
         """One update; the global grad norm before clipping."""
         return float(self.optimizer.step())
-

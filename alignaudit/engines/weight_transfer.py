@@ -114,7 +114,7 @@ def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
         flat = bits(tensors[name])
         total = torch.zeros((), dtype=torch.int64, device=device)
         for start in range(0, flat.numel(), CHUNK):
-            chunk = flat[start:start + CHUNK].to(torch.int64)
+            chunk = flat[start : start + CHUNK].to(torch.int64)
             index = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=device)
             total += ((chunk + 1) * (index * _GOLDEN | 1)).sum()
         sums.append(total)
@@ -128,8 +128,10 @@ def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
 
 def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """``{hf_name: sha256 of the tensor's bytes (dtype and layout as stored, contiguous)}``."""
-    return {name: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
-            for name, t in sorted(tensors.items())}
+    return {
+        name: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+        for name, t in sorted(tensors.items())
+    }
 
 
 def load_and_check(held, load, stale, transport: str, path: str | None, handles: str | None) -> dict:

@@ -31,9 +31,11 @@ class Feature:
 CHECKPOINT_FEATURES: tuple[Feature, ...] = (
     Feature("hidden_act", lambda v: v in (None, "silu"), "SiLU-gated MLPs (hidden_act silu)"),
     Feature("use_sliding_window", lambda v: not v, "full attention (use_sliding_window false)"),
-    Feature("rope_scaling", lambda v: not v or (isinstance(v, dict) and v.get("rope_type", v.get("type")) in
-                                                 ("default", "llama3")),
-            "plain RoPE, or llama3 rope scaling on Llama (alignaudit.arch)"),
+    Feature(
+        "rope_scaling",
+        lambda v: not v or (isinstance(v, dict) and v.get("rope_type", v.get("type")) in ("default", "llama3")),
+        "plain RoPE, or llama3 rope scaling on Llama (alignaudit.arch)",
+    ),
     Feature("mlp_bias", lambda v: not v, "MLPs without bias (mlp_bias false)"),
 )
 
@@ -41,14 +43,21 @@ CHECKPOINT_FEATURES: tuple[Feature, ...] = (
 # Features some engine adapters implement and others implement differently: (name, whether a spec has it,
 # engines that implement the checkpoint's meaning, why the others do not).
 ENGINE_FEATURES: tuple[tuple[str, Callable[[Any], bool], frozenset[str], str], ...] = (
-    ("attention_bias", lambda spec: spec.architecture == "Qwen3ForCausalLM" and spec.attention_bias,
-     frozenset({"megatron", "vllm"}),
-     "transformers' Qwen3 adds a bias to o_proj as well when attention_bias is true (modeling_qwen3.py), vLLM's "
-     "and Megatron's Qwen3 put biases on q/k/v only: the engines would run different models"),
-    ("rope_scaling", lambda spec: bool(spec.rope_llama3) and tuple(spec.rope_llama3[1:]) != (1.0, 4.0, 8192),
-     frozenset({"hf", "vllm"}),
-     "Megatron's llama3 rope scaling fixes low_freq_factor 1, high_freq_factor 4 and original_max_position_embeddings "
-     "8192 (megatron/core/models/common/embeddings/rotary_pos_embedding.py); this checkpoint sets others"),
+    (
+        "attention_bias",
+        lambda spec: spec.architecture == "Qwen3ForCausalLM" and spec.attention_bias,
+        frozenset({"megatron", "vllm"}),
+        "transformers' Qwen3 adds a bias to o_proj as well when attention_bias is true (modeling_qwen3.py), vLLM's "
+        "and Megatron's Qwen3 put biases on q/k/v only: the engines would run different models",
+    ),
+    (
+        "rope_scaling",
+        lambda spec: bool(spec.rope_llama3) and tuple(spec.rope_llama3[1:]) != (1.0, 4.0, 8192),
+        frozenset({"hf", "vllm"}),
+        "Megatron's llama3 rope scaling fixes low_freq_factor 1, high_freq_factor 4 and "
+        "original_max_position_embeddings 8192 (megatron/core/models/common/embeddings/rotary_pos_embedding.py); this "
+        "checkpoint sets others",
+    ),
 )
 
 
@@ -62,8 +71,10 @@ def check_engine_features(spec, engines: tuple[str, ...]) -> None:
         if present(spec):
             for engine in engines:
                 if engine not in implemented:
-                    raise InputError(f"{spec.name}: {attribute} is not supported with {engine}: {why}; compare "
-                                     f"{' and '.join(sorted(implemented))}")
+                    raise InputError(
+                        f"{spec.name}: {attribute} is not supported with {engine}: {why}; compare "
+                        f"{' and '.join(sorted(implemented))}"
+                    )
 
 
 # What alignaudit does not run for mixture-of-experts models yet (alignaudit.arch.qwen3_moe), and why.
@@ -77,8 +88,10 @@ def refuse_moe(spec, what: str, fix: str = "") -> None:
     """Refuse ``what`` (a MOE_REFUSED key) for a mixture-of-experts model. Raises InputError with the reason
     and, where given, ``fix`` (appended after a semicolon)."""
     if spec.num_experts:
-        raise InputError(f"{what} for {spec.architecture} ({spec.name}) is not implemented: {MOE_REFUSED[what]}"
-                         + (f"; {fix}" if fix else ""))
+        raise InputError(
+            f"{what} for {spec.architecture} ({spec.name}) is not implemented: {MOE_REFUSED[what]}"
+            + (f"; {fix}" if fix else "")
+        )
 
 
 def check_checkpoint_config(config: dict, source: str) -> None:
@@ -90,7 +103,7 @@ def check_checkpoint_config(config: dict, source: str) -> None:
     for feature in CHECKPOINT_FEATURES:
         value = config.get(feature.field)
         if not feature.supported(value):
-            raise InputError(f"{source}: {feature.field}={value!r} is not implemented by every engine adapter; "
-                             f"alignaudit supports {feature.describe}")
-
-
+            raise InputError(
+                f"{source}: {feature.field}={value!r} is not implemented by every engine adapter; "
+                f"alignaudit supports {feature.describe}"
+            )

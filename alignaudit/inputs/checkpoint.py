@@ -87,12 +87,15 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
         if raw.get(field):
             raise InputError(f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name}: {why}")
     if arch.moe and not 1 <= raw.get("num_experts_per_tok", 0) <= raw.get("num_experts", 0):
-        raise InputError(f"{config_file}: num_experts_per_tok {raw.get('num_experts_per_tok')!r} must be between 1 and "
-                         f"num_experts {raw.get('num_experts')!r}")
+        raise InputError(
+            f"{config_file}: num_experts_per_tok {raw.get('num_experts_per_tok')!r} must be between 1 and "
+            f"num_experts {raw.get('num_experts')!r}"
+        )
     for field, value, why in arch.required:
         if raw.get(field, value) != value:
-            raise InputError(f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name} "
-                             f"(only {value!r}): {why}")
+            raise InputError(
+                f"{config_file}: {field}={raw[field]!r} is not supported for {arch.name} (only {value!r}): {why}"
+            )
     if not any(path.glob("*.safetensors")):
         raise InputError(f"model directory {path} has no *.safetensors weights")
     check_json_files(path)
@@ -100,8 +103,10 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
     raw_rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     rope_type = raw_rope.get("rope_type", raw_rope.get("type", "default")) if isinstance(raw_rope, dict) else raw_rope
     if rope_type not in arch.rope_types:
-        raise InputError(f"rope_type {rope_type!r} in {config_file} is not supported for {arch.name}; supported: "
-                         f"{', '.join(arch.rope_types)}")
+        raise InputError(
+            f"rope_type {rope_type!r} in {config_file} is not supported for {arch.name}; supported: "
+            f"{', '.join(arch.rope_types)}"
+        )
 
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
@@ -118,13 +123,19 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
     rope_theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
     llama3 = None
     if rope_type == "llama3":
-        llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
-                  int(rope["original_max_position_embeddings"]))
+        llama3 = (
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if not (isinstance(heads, int) and isinstance(kv_heads, int) and 0 < kv_heads <= heads and heads % kv_heads == 0):
-        raise InputError(f"{config_file}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                         f"{kv_heads}; grouped-query attention needs whole query groups")
+        raise InputError(
+            f"{config_file}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{kv_heads}; grouped-query attention needs whole query groups"
+        )
     check_checkpoint_config(raw, str(config_file))
     tensors = check_weights(path, raw, arch)
     return ModelSpec(
@@ -195,13 +206,16 @@ def check_weights(path: Path, config: dict, arch) -> int:
         if name not in shapes:
             raise InputError(f"checkpoint {path} has no tensor {name}, which its config.json implies")
         if shapes[name] != list(shape):
-            raise InputError(f"checkpoint tensor {name} has shape {shapes[name]}, "
-                             f"but config.json implies {list(shape)}")
+            raise InputError(
+                f"checkpoint tensor {name} has shape {shapes[name]}, but config.json implies {list(shape)}"
+            )
     unused = sorted(set(shapes) - {name for name, _, _ in expected})
     if unused:
-        raise InputError(f"checkpoint {path} holds {len(unused)} tensor(s) its config.json does not account for "
-                         f"({unused[0]}{', ...' if len(unused) > 1 else ''}); an engine would ignore them, so the run "
-                         "would not measure this checkpoint")
+        raise InputError(
+            f"checkpoint {path} holds {len(unused)} tensor(s) its config.json does not account for "
+            f"({unused[0]}{', ...' if len(unused) > 1 else ''}); an engine would ignore them, so the run "
+            "would not measure this checkpoint"
+        )
     return len(shapes)
 
 
@@ -210,8 +224,9 @@ def _config_and_architecture(path: Path) -> tuple[dict, object]:
     not readable, not a JSON object, or an architecture alignaudit does not run, naming the file."""
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise InputError(f"model directory {path} has no config.json; "
-                         "point --model at a Hugging Face checkpoint directory")
+        raise InputError(
+            f"model directory {path} has no config.json; point --model at a Hugging Face checkpoint directory"
+        )
     try:
         raw = parse_json(config_file.read_text(), str(config_file))
     except (OSError, ValueError) as e:  # ValueError: not UTF-8 text
@@ -276,8 +291,10 @@ def resolve_model(model: str, random_weights: bool = False, seed: int = 0) -> Mo
     fixture = fixtures_dir() / model
     if "/" not in model and (fixture / "config.json").is_file():
         if random_weights:
-            raise InputError(f"--random-weights needs --model PRESET, e.g. --model Qwen3-0.6B --random-weights; "
-                             f"{model} is an embedded fixture with weights of its own")
+            raise InputError(
+                f"--random-weights needs --model PRESET, e.g. --model Qwen3-0.6B --random-weights; "
+                f"{model} is an embedded fixture with weights of its own"
+            )
         return load_spec(fixture)
 
     preset = find_preset(model)
@@ -296,8 +313,10 @@ def resolve_model(model: str, random_weights: bool = False, seed: int = 0) -> Mo
 
     hub_id = preset.hub_id if preset is not None else model
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise InputError(f"--model {model}: no such directory; pass a checkpoint directory, a hub id in the local "
-                         "Hugging Face cache, or a preset name with --random-weights")
+        raise InputError(
+            f"--model {model}: no such directory; pass a checkpoint directory, a hub id in the local "
+            "Hugging Face cache, or a preset name with --random-weights"
+        )
     if "/" not in hub_id:
         raise InputError(
             f"--model {model} is not a directory, a preset or a hub id; presets (with --random-weights): "

@@ -41,14 +41,22 @@ def nemo_rl_rows(path: Path, rows: list[dict], where: list[str]) -> list[dict]:
     for i, row in enumerate(rows):
         missing = [key for key in NEMO_RL_KEYS if key not in row]
         if missing:
-            raise InputError(f"{path}: {where[i]} has no {', '.join(missing)}, which NeMo-RL's train_data_step lines "
-                             f"hold ({', '.join(NEMO_RL_KEYS)}); the file is damaged or mixes formats")
+            raise InputError(
+                f"{path}: {where[i]} has no {', '.join(missing)}, which NeMo-RL's train_data_step lines "
+                f"hold ({', '.join(NEMO_RL_KEYS)}); the file is damaged or mixes formats"
+            )
         ids, length = _one(row["token_ids"]), _one(row["input_lengths"])
         mask, logprobs = _one(row["token_loss_mask"]), _one(row["generation_logprobs"])
-        if not all(isinstance(v, list) for v in (ids, mask, logprobs)) or isinstance(length, bool) \
-                or not isinstance(length, int) or not 1 < length <= min(len(ids), len(mask), len(logprobs)):
-            raise InputError(f"{path}: {where[i]} is not a NeMo-RL train_data_step sample (token_ids, "
-                             "token_loss_mask and generation_logprobs as lists at least input_lengths long)")
+        if (
+            not all(isinstance(v, list) for v in (ids, mask, logprobs))
+            or isinstance(length, bool)
+            or not isinstance(length, int)
+            or not 1 < length <= min(len(ids), len(mask), len(logprobs))
+        ):
+            raise InputError(
+                f"{path}: {where[i]} is not a NeMo-RL train_data_step sample (token_ids, "
+                "token_loss_mask and generation_logprobs as lists at least input_lengths long)"
+            )
         start = _response_start(path, where[i], mask[:length])
         out.append({"token_ids": ids[:length], "prompt_length": start, "logprobs": logprobs[start:length]})
     return out
@@ -63,13 +71,17 @@ def slime_rows(path: Path) -> list[dict]:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        raise InputError(f"{path} is a torch.save file but not one alignaudit reads safely "
-                         f"({str(e).splitlines()[0][:160]}); rescore reads slime's --save-debug-rollout-data files "
-                         "(a dict of rollout_id and samples)") from None
+        raise InputError(
+            f"{path} is a torch.save file but not one alignaudit reads safely "
+            f"({str(e).splitlines()[0][:160]}); rescore reads slime's --save-debug-rollout-data files "
+            "(a dict of rollout_id and samples)"
+        ) from None
     samples = data.get("samples") if isinstance(data, dict) else None
     if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
-        raise InputError(f"{path} holds no slime samples (a dict with a list of sample dicts under 'samples'); "
-                         "rescore reads slime's --save-debug-rollout-data files")
+        raise InputError(
+            f"{path} holds no slime samples (a dict with a list of sample dicts under 'samples'); "
+            "rescore reads slime's --save-debug-rollout-data files"
+        )
     out = []
     for i, sample in enumerate(samples):
         tokens, n = _plain(sample.get("tokens")), sample.get("response_length")
@@ -77,15 +89,21 @@ def slime_rows(path: Path) -> list[dict]:
         if not isinstance(tokens, list) or isinstance(n, bool) or not isinstance(n, int) or not 0 < n < len(tokens):
             raise InputError(f"{path}: sample {i} has no tokens with a response_length inside them")
         if logprobs is None:
-            raise InputError(f"{path}: sample {i} has no rollout_log_probs (slime records them when the rollout "
-                             "engine returns logprobs); nothing to rescore")
+            raise InputError(
+                f"{path}: sample {i} has no rollout_log_probs (slime records them when the rollout "
+                "engine returns logprobs); nothing to rescore"
+            )
         if mask is not None and (not isinstance(mask, list) or len(mask) != n):
-            raise InputError(f"{path}: sample {i}: loss_mask has {len(mask) if isinstance(mask, list) else mask!r} "
-                             f"entries for {n} response tokens")
+            raise InputError(
+                f"{path}: sample {i}: loss_mask has {len(mask) if isinstance(mask, list) else mask!r} "
+                f"entries for {n} response tokens"
+            )
         if not isinstance(logprobs, list) or len(logprobs) != n:
-            raise InputError(f"{path}: sample {i}: rollout_log_probs has "
-                             f"{len(logprobs) if isinstance(logprobs, list) else logprobs!r} entries for {n} response "
-                             "tokens")
+            raise InputError(
+                f"{path}: sample {i}: rollout_log_probs has "
+                f"{len(logprobs) if isinstance(logprobs, list) else logprobs!r} entries for {n} response "
+                "tokens"
+            )
         # leading response tokens outside the loss mask were not sampled by the engine (a hole in the middle is
         # refused): they are scored as context, their logprobs dropped
         first = _response_start(path, f"sample {i}", [0] + list(mask)) - 1 if mask is not None else 0
@@ -114,10 +132,13 @@ def _response_start(path: Path, where: str, mask: list) -> int:
         raise InputError(f"{path}: {where} has no generated token (its loss mask is all 0)")
     start = ones[0]
     if start == 0:
-        raise InputError(f"{path}: {where}: the loss mask marks the first token as generated; a rollout starts with "
-                         "a prompt token")
+        raise InputError(
+            f"{path}: {where}: the loss mask marks the first token as generated; a rollout starts with a prompt token"
+        )
     if len(ones) != len(mask) - start:
-        raise InputError(f"{path}: {where}: the loss mask has holes (multi-turn: tool or environment tokens between "
-                         "generated ones, which the engine did not sample); rescore takes one prompt then one "
-                         "response: split such rollouts into one row per generated span")
+        raise InputError(
+            f"{path}: {where}: the loss mask has holes (multi-turn: tool or environment tokens between "
+            "generated ones, which the engine did not sample); rescore takes one prompt then one "
+            "response: split such rollouts into one row per generated span"
+        )
     return start

@@ -215,17 +215,23 @@ class ISThresholds:
 
     def check(self) -> ISThresholds:
         """Returns self; raises InputError naming the flag for a threshold no framework could use."""
-        if isinstance(self.tis, bool) or not (isinstance(self.tis, (int, float)) and math.isfinite(self.tis)
-                                              and self.tis > 0):
-            raise InputError(f"--tis-threshold {self.tis}: the truncation C must be a finite number > 0 (verl's "
-                             f"default is 2.0)")
-        for flag, low, high, example in (("mask", self.mask_low, self.mask_high, "0.5 and 5.0"),
-                                         ("geo-mask", self.geo_mask_low, self.geo_mask_high, "0.999 and 1.001")):
+        if isinstance(self.tis, bool) or not (
+            isinstance(self.tis, (int, float)) and math.isfinite(self.tis) and self.tis > 0
+        ):
+            raise InputError(
+                f"--tis-threshold {self.tis}: the truncation C must be a finite number > 0 (verl's default is 2.0)"
+            )
+        for flag, low, high, example in (
+            ("mask", self.mask_low, self.mask_high, "0.5 and 5.0"),
+            ("geo-mask", self.geo_mask_low, self.geo_mask_high, "0.999 and 1.001"),
+        ):
             if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in (low, high)):
                 raise InputError(f"--{flag}-low/--{flag}-high {low!r}, {high!r}: give numbers")
             if not (math.isfinite(low) and math.isfinite(high) and 0 <= low < high):
-                raise InputError(f"--{flag}-low {low} --{flag}-high {high}: the kept range needs 0 <= low < high, "
-                                 f"both finite (e.g. {example})")
+                raise InputError(
+                    f"--{flag}-low {low} --{flag}-high {high}: the kept range needs 0 <= low < high, "
+                    f"both finite (e.g. {example})"
+                )
         return self
 
     def to_dict(self) -> dict:
@@ -275,8 +281,12 @@ class Request:
             "mode": self.mode,
             "rollout": self.rollout.to_dict() if self.rollout else None,
             "model": self.spec.to_dict(),
-            "prompts": {"source": b.source, "sequences": len(b.sequences), "tokens": b.num_tokens,
-                        "digest": b.digest()},
+            "prompts": {
+                "source": b.source,
+                "sequences": len(b.sequences),
+                "tokens": b.num_tokens,
+                "digest": b.digest(),
+            },
             "train": self.train.record(),
             "infer": self.infer.record(),
             "clip_eps": self.clip_eps,

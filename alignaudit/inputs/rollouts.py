@@ -66,8 +66,9 @@ class Rollouts:
         return self.sampling.get("logprobs_mode") == "processed"
 
 
-def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None,
-                  max_positions: int | None = None) -> Rollouts:
+def read_rollouts(
+    path: Path | str, vocab_size: int, given: dict | None = None, max_positions: int | None = None
+) -> Rollouts:
     """Read and check a rollout file (the module docstring's schema); ``vocab_size``: the model's. ``given``: SAMPLING
     settings from the command line (rescore --temperature ...), for files that do not record them; one the file
     records with another value is refused. ``max_positions``: the model's max_position_embeddings; a rollout longer
@@ -79,60 +80,85 @@ def read_rollouts(path: Path | str, vocab_size: int, given: dict | None = None,
     path = Path(path)
     if not path.is_file():
         if path.exists() and not path.is_dir():  # a pipe (<(...)), a socket, a device: it exists, and is no file
-            raise InputError(f"{path} is not a regular file (a pipe or a device, such as <(...) gives): rescore reads "
-                             "the file more than once (its format, its rows, its digest); write it to a file first")
+            raise InputError(
+                f"{path} is not a regular file (a pipe or a device, such as <(...) gives): rescore reads "
+                "the file more than once (its format, its rows, its digest); write it to a file first"
+            )
         what = "a directory" if path.is_dir() else "no such file"
         raise InputError(f"{path}: {what}; give a JSONL or parquet file of rollouts")
     rows, fmt, where = _read_rows(path)
     if not rows:
         raise InputError(f"{path} holds no rollouts")
     if {"input", "output"} <= set(rows[0]) and "token_ids" not in rows[0]:
-        raise InputError(f"{path} looks like a verl rollout_data_dir dump (decoded text, no token ids or rollout "
-                         "logprobs); write token_ids, prompt_length and logprobs per rollout (docs/cli.md 'rescore')")
+        raise InputError(
+            f"{path} looks like a verl rollout_data_dir dump (decoded text, no token ids or rollout "
+            "logprobs); write token_ids, prompt_length and logprobs per rollout (docs/cli.md 'rescore')"
+        )
     sequences, lengths, logprobs = [], [], []
     for i, row in enumerate(rows):
         missing = [c for c in COLUMNS if row.get(c) is None]
         if missing:
-            raise InputError(f"{path}: {where[i]} has no {', '.join(missing)}; every rollout needs "
-                             f"{', '.join(COLUMNS)}")
+            raise InputError(
+                f"{path}: {where[i]} has no {', '.join(missing)}; every rollout needs {', '.join(COLUMNS)}"
+            )
         ids, n, lps = _ids(path, where[i], row["token_ids"], vocab_size), row["prompt_length"], row["logprobs"]
         if max_positions is not None and len(ids) > max_positions:
-            raise InputError(f"{path}: {where[i]} has {len(ids)} token_ids, more than the model's {max_positions} "
-                             "positions (max_position_embeddings); rescore it with the model that generated it")
+            raise InputError(
+                f"{path}: {where[i]} has {len(ids)} token_ids, more than the model's {max_positions} "
+                "positions (max_position_embeddings); rescore it with the model that generated it"
+            )
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < len(ids):
-            raise InputError(f"{path}: {where[i]}: prompt_length {n!r} must be an integer in [1, {len(ids) - 1}] "
-                             "(the prompt's tokens, with at least one sampled token after them)")
+            raise InputError(
+                f"{path}: {where[i]}: prompt_length {n!r} must be an integer in [1, {len(ids) - 1}] "
+                "(the prompt's tokens, with at least one sampled token after them)"
+            )
         values = _floats(path, where[i], lps)
         if len(values) != len(ids) - n:
-            raise InputError(f"{path}: {where[i]} has {len(values)} logprobs for {len(ids) - n} sampled tokens "
-                             f"({len(ids)} token_ids, prompt_length {n}); give one logprob per sampled token")
+            raise InputError(
+                f"{path}: {where[i]} has {len(values)} logprobs for {len(ids) - n} sampled tokens "
+                f"({len(ids)} token_ids, prompt_length {n}); give one logprob per sampled token"
+            )
         bad = [j for j, v in enumerate(values) if not math.isfinite(v)]
         if bad:
-            raise InputError(f"{path}: {where[i]}: logprob {bad[0]} is {values[bad[0]]}; a rollout engine's logprob "
-                             "of a token it sampled is finite: the file is damaged")
+            raise InputError(
+                f"{path}: {where[i]}: logprob {bad[0]} is {values[bad[0]]}; a rollout engine's logprob "
+                "of a token it sampled is finite: the file is damaged"
+            )
         beyond = [j for j, v in enumerate(values) if abs(v) > FP32_MAX]
         if beyond:
-            raise InputError(f"{path}: {where[i]}: logprob {beyond[0]} is {values[beyond[0]]}, outside fp32's "
-                             "range (engines record fp32 logprobs): the file is damaged")
+            raise InputError(
+                f"{path}: {where[i]}: logprob {beyond[0]} is {values[beyond[0]]}, outside fp32's "
+                "range (engines record fp32 logprobs): the file is damaged"
+            )
         sequences.append(tuple(ids))
         lengths.append(n)
         logprobs.append(torch.tensor(values, dtype=torch.float32))
     check_logprob_signs(str(path), logprobs, where)
     if all(not bool(lp.any()) for lp in logprobs):
-        raise InputError(f"{path}: every logprob is exactly 0.0: placeholders, not a rollout engine's logprobs (a "
-                         "framework writes 0 where the engine returned none: verl without calculate_log_probs, NeMo-RL "
-                         "without generation logprobs); record them and dump again")
+        raise InputError(
+            f"{path}: every logprob is exactly 0.0: placeholders, not a rollout engine's logprobs (a "
+            "framework writes 0 where the engine returned none: verl without calculate_log_probs, NeMo-RL "
+            "without generation logprobs); record them and dump again"
+        )
     sampling = _sampling(path, rows, given or {})
     assumed = () if "logprobs_mode" in sampling else ("logprobs_mode",)
     sampling.setdefault("logprobs_mode", "raw")  # vLLM's default, named in ``assumed``
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return Rollouts(TokenBatch(tuple(sequences), source=f"rollouts:{path.name}"), lengths, logprobs, sampling,
-                    {"path": str(path.resolve()), "sha256": digest, "format": fmt}, assumed)
+    return Rollouts(
+        TokenBatch(tuple(sequences), source=f"rollouts:{path.name}"),
+        lengths,
+        logprobs,
+        sampling,
+        {"path": str(path.resolve()), "sha256": digest, "format": fmt},
+        assumed,
+    )
 
 
-FORMATS = ("rescore reads JSON lines (UTF-8 text, one rollout object per line) or parquet, with token_ids, "
-           "prompt_length and logprobs per rollout, NeMo-RL's train_data_step*.jsonl and slime's "
-           "--save-debug-rollout-data .pt files (docs/cli.md 'rescore')")
+FORMATS = (
+    "rescore reads JSON lines (UTF-8 text, one rollout object per line) or parquet, with token_ids, "
+    "prompt_length and logprobs per rollout, NeMo-RL's train_data_step*.jsonl and slime's "
+    "--save-debug-rollout-data .pt files (docs/cli.md 'rescore')"
+)
 FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -161,8 +187,9 @@ def _read_rows(path: Path) -> tuple[list[dict], str, list[str]]:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"{path} is not UTF-8 text (byte {e.start} is {path.read_bytes()[e.start]:#04x}); "
-                         f"{FORMATS}") from None
+        raise InputError(
+            f"{path} is not UTF-8 text (byte {e.start} is {path.read_bytes()[e.start]:#04x}); {FORMATS}"
+        ) from None
     rows, where = [], []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -179,8 +206,10 @@ def _read_rows(path: Path) -> tuple[list[dict], str, list[str]]:
         return nemo_rl_rows(path, rows, where), "nemo-rl", where
     if rows and {"input_lengths", "token_loss_mask"} <= set(rows[0]):  # NeMo-RL's, without a key it needs
         missing = [key for key in NEMO_RL_KEYS if key not in rows[0]]
-        raise InputError(f"{path}:1 looks like NeMo-RL's train_data_step (input_lengths, token_loss_mask) but has no "
-                         f"{', '.join(missing)}; rescore reads NeMo-RL's lines with {', '.join(NEMO_RL_KEYS)}")
+        raise InputError(
+            f"{path}:1 looks like NeMo-RL's train_data_step (input_lengths, token_loss_mask) but has no "
+            f"{', '.join(missing)}; rescore reads NeMo-RL's lines with {', '.join(NEMO_RL_KEYS)}"
+        )
     return rows, "jsonl", where
 
 
@@ -189,8 +218,10 @@ def _binary_kind(head: bytes) -> str | None:
     if head[:2] == b"\x1f\x8b":
         return "gzip-compressed (decompress it first)"
     if head[:1] == b"\x80":
-        return ("a pickle (torch.save's legacy format, or verl's RolloutSkip dump of a DataProto, whose unpickling "
-                "needs verl, tensordict and ray; write its prompts, responses and rollout_log_probs as JSON lines)")
+        return (
+            "a pickle (torch.save's legacy format, or verl's RolloutSkip dump of a DataProto, whose unpickling "
+            "needs verl, tensordict and ray; write its prompts, responses and rollout_log_probs as JSON lines)"
+        )
     if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
         return "UTF-16 text (write it as UTF-8)"
     return None
@@ -220,14 +251,17 @@ def _ids(path: Path, where: str, ids, vocab_size: int) -> list[int]:
         raise InputError(f"{path}: {where}: token_ids must be a list of integers")
     outside = [t for t in ids if not 0 <= t < vocab_size]
     if outside:
-        raise InputError(f"{path}: {where}: token id {outside[0]} is outside the model's vocabulary of {vocab_size}; "
-                         "rescore with the model the rollouts were sampled from")
+        raise InputError(
+            f"{path}: {where}: token id {outside[0]} is outside the model's vocabulary of {vocab_size}; "
+            "rescore with the model the rollouts were sampled from"
+        )
     return ids
 
 
 def _floats(path: Path, where: str, values) -> list[float]:
-    if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                               for v in values if v is not None):
+    if not isinstance(values, list) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values if v is not None
+    ):
         raise InputError(f"{path}: {where}: logprobs must be a list of numbers")
     return [float("nan") if v is None else float(v) for v in values]
 
@@ -238,15 +272,19 @@ def _sampling(path: Path, rows: list[dict], given: dict) -> dict:
     for key in SAMPLING:
         values = {json.dumps(row.get(key)) for row in rows}
         if len(values) > 1:
-            raise InputError(f"{path}: {key} differs between rollouts ({', '.join(sorted(values))}); rescore each "
-                             "setting's rollouts from a file of their own")
+            raise InputError(
+                f"{path}: {key} differs between rollouts ({', '.join(sorted(values))}); rescore each "
+                "setting's rollouts from a file of their own"
+            )
         value = rows[0].get(key)
         if value is not None:
             found[key] = value
         if given.get(key) is not None:
             if value is not None and value != given[key]:
-                raise InputError(f"{path} records {key} {value!r}, and --{key.replace('_', '-')} {given[key]!r} was "
-                                 "given; drop the option (the file says how its rollouts were sampled)")
+                raise InputError(
+                    f"{path} records {key} {value!r}, and --{key.replace('_', '-')} {given[key]!r} was "
+                    "given; drop the option (the file says how its rollouts were sampled)"
+                )
             found[key] = given[key]
     if found.get("logprobs_mode", "raw") not in LOGPROBS_MODES:
         raise InputError(f"{path}: logprobs_mode {found['logprobs_mode']!r}: choose raw or processed")
@@ -254,17 +292,33 @@ def _sampling(path: Path, rows: list[dict], given: dict) -> dict:
     processed = found.get("logprobs_mode") == "processed"
     unused = [f"--{k.replace('_', '-')}" for k in REPLAYED if given.get(k) is not None]
     if unused and not processed:
-        raise InputError(f"{' '.join(unused)} given for raw logprobs: only processed logprobs are scored under the "
-                         "sampling transform, so it would change nothing; drop it, or give --logprobs-mode processed "
-                         "if the engine recorded processed logprobs")
+        raise InputError(
+            f"{' '.join(unused)} given for raw logprobs: only processed logprobs are scored under the "
+            "sampling transform, so it would change nothing; drop it, or give --logprobs-mode processed "
+            "if the engine recorded processed logprobs"
+        )
     if processed and missing:
-        raise InputError(f"{path}: the logprobs are processed but the file gives no {', '.join(missing)}; the trainer "
-                         "must replay the sampling transform they were processed with")
-    _check_setting(path, found, "temperature", lambda v: _number(v) and (v > 0 if processed else v >= 0),
-                   "a number > 0 (processed logprobs at temperature 0 are vLLM's greedy path, its raw logprobs: "
-                   "write logprobs_mode raw)" if processed else "a number >= 0")
-    _check_setting(path, found, "top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1,
-                   "an integer: 0 or -1 (vLLM's 'disabled') or k >= 1")
+        raise InputError(
+            f"{path}: the logprobs are processed but the file gives no {', '.join(missing)}; the trainer "
+            "must replay the sampling transform they were processed with"
+        )
+    _check_setting(
+        path,
+        found,
+        "temperature",
+        lambda v: _number(v) and (v > 0 if processed else v >= 0),
+        "a number > 0 (processed logprobs at temperature 0 are vLLM's greedy path, its raw logprobs: "
+        "write logprobs_mode raw)"
+        if processed
+        else "a number >= 0",
+    )
+    _check_setting(
+        path,
+        found,
+        "top_k",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1,
+        "an integer: 0 or -1 (vLLM's 'disabled') or k >= 1",
+    )
     _check_setting(path, found, "top_p", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]")
     if found.get("top_k") == -1:
         found["top_k"] = 0  # vLLM's "disabled" (SamplingParams.top_k -1), the replay's 0

@@ -49,8 +49,9 @@ BACKWARD_CHANGES = {"attention"}  # strict ops whose backward ALIGNAUDIT_BACKWAR
 BACKWARD_CHANGES_CUDA = {"attention", "rmsnorm", "silu", "rope"}  # ... and on CUDA (Triton kernels)
 
 
-def check_kernel_switches(strict_ops: frozenset[str], moe: bool, trains: bool, device: str,
-                          names: tuple[str, str] = KERNEL_SWITCH_NAMES) -> None:
+def check_kernel_switches(
+    strict_ops: frozenset[str], moe: bool, trains: bool, device: str, names: tuple[str, str] = KERNEL_SWITCH_NAMES
+) -> None:
     """Validate the strict kernels' environment switches before any engine starts (every engine's process
     inherits them; a capture records them in its manifest's ``numerics.env``): ALIGNAUDIT_MOE_DISPATCH (how the
     strict MoE layer sends tokens to experts, alignaudit_kernels.moe.DISPATCHES; "grouped", a Triton kernel, on
@@ -77,19 +78,29 @@ def check_kernel_switches(strict_ops: frozenset[str], moe: bool, trains: bool, d
         raise InputError(f"{DISPATCH_ENV}=grouped is a Triton kernel and runs on CUDA only ({cuda}); unset it")
     if backward != "auto":
         if not trains:
-            raise InputError(f"{BACKWARD_ENV}={backward} sets the strict ops' backward, and this command computes no "
-                             "gradient (only alignaudit rl trains); unset it")
+            raise InputError(
+                f"{BACKWARD_ENV}={backward} sets the strict ops' backward, and this command computes no "
+                "gradient (only alignaudit rl trains); unset it"
+            )
         if not strict_ops & (BACKWARD_CHANGES_CUDA if device == "cuda" else BACKWARD_CHANGES):
-            raise InputError(f"{BACKWARD_ENV}={backward} changes the backward of strict attention (and on CUDA of "
-                             f"rmsnorm, silu and rope), none of which {strict} makes strict here; add attention to "
-                             f"{strict} or unset it")
+            raise InputError(
+                f"{BACKWARD_ENV}={backward} changes the backward of strict attention (and on CUDA of "
+                f"rmsnorm, silu and rope), none of which {strict} makes strict here; add attention to "
+                f"{strict} or unset it"
+            )
     if dispatch != "auto" and not (moe and "linear" in strict_ops):
-        raise InputError(f"{DISPATCH_ENV}={dispatch} sets the strict MoE layer's dispatch, which runs only for a "
-                         f"mixture-of-experts model with linear in {strict}; unset it")
+        raise InputError(
+            f"{DISPATCH_ENV}={dispatch} sets the strict MoE layer's dispatch, which runs only for a "
+            f"mixture-of-experts model with linear in {strict}; unset it"
+        )
 
 
-def check_strict_exp(exp: str | None, ops: frozenset[str], device: str,
-                     names: tuple[str, str, str] = ("--strict-exp", "--strict", "--device cuda")) -> str:
+def check_strict_exp(
+    exp: str | None,
+    ops: frozenset[str],
+    device: str,
+    names: tuple[str, str, str] = ("--strict-exp", "--strict", "--device cuda"),
+) -> str:
     """Validate ``--strict-exp`` before any engine starts and return it ("portable" where it was not given, None).
     Either value given needs strict attention; "native" (the GPU's exp2 instruction inside strict attention;
     alignaudit_kernels.attention) also needs CUDA; every engine's strict attention takes it there (vLLM's through
@@ -105,18 +116,28 @@ def check_strict_exp(exp: str | None, ops: frozenset[str], device: str,
     if exp not in STRICT_EXPS:
         raise InputError(f"{option} {exp!r}: choose {' or '.join(STRICT_EXPS)}")
     if "attention" not in ops:
-        raise InputError(f"{option} {exp} sets the exp of strict attention, which this run does not compute: "
-                         f"add attention to {ops_option}, or drop {option}")
+        raise InputError(
+            f"{option} {exp} sets the exp of strict attention, which this run does not compute: "
+            f"add attention to {ops_option}, or drop {option}"
+        )
     if exp == "native" and device != "cuda":
-        raise InputError(f"{option} native is the GPU's exp2 instruction; on the CPU strict attention computes "
-                         f"the portable exp only: use {cuda}, or drop {option}")
+        raise InputError(
+            f"{option} native is the GPU's exp2 instruction; on the CPU strict attention computes "
+            f"the portable exp only: use {cuda}, or drop {option}"
+        )
     return exp
 
 
-def check_strict_attention(kernel: str | None, ops: frozenset[str], device: str, exp: str,
-                           dtypes: tuple[tuple[str, str], ...], head_dim: int, trains: bool = False,
-                           names: tuple[str, ...] = ("--strict-attention", "--strict", "--device cuda",
-                                                     "--strict-exp")) -> str:
+def check_strict_attention(
+    kernel: str | None,
+    ops: frozenset[str],
+    device: str,
+    exp: str,
+    dtypes: tuple[tuple[str, str], ...],
+    head_dim: int,
+    trains: bool = False,
+    names: tuple[str, ...] = ("--strict-attention", "--strict", "--device cuda", "--strict-exp"),
+) -> str:
     """Validate ``--strict-attention`` before any engine starts and return the kernel ("portable" where it was not
     given, None). "portable" is alignaudit_kernels' own attention (the same bits on the CPU and every GPU); "flash" is
     FlashAttention-3 at one key split (alignaudit_kernels.attention.flash) in every engine of the run: it needs strict
@@ -135,15 +156,19 @@ def check_strict_attention(kernel: str | None, ops: frozenset[str], device: str,
     if kernel not in STRICT_ATTENTIONS:
         raise InputError(f"{option} {kernel!r}: choose {' or '.join(STRICT_ATTENTIONS)}")
     if "attention" not in ops:
-        raise InputError(f"{option} {kernel} chooses the kernel of strict attention, which this run does not "
-                         f"compute: add attention to {ops_option}, or drop {option}")
+        raise InputError(
+            f"{option} {kernel} chooses the kernel of strict attention, which this run does not "
+            f"compute: add attention to {ops_option}, or drop {option}"
+        )
     if kernel == "portable":
         return kernel
     if device != "cuda":
         raise InputError(f"{option} flash is FlashAttention-3, a CUDA (Hopper) kernel: use {cuda}, or drop {option}")
     if exp != "portable":
-        raise InputError(f"{exp_option} {exp} chooses the exp of alignaudit's portable attention kernel; "
-                         f"FlashAttention-3 computes its own: drop {exp_option} or {option} flash")
+        raise InputError(
+            f"{exp_option} {exp} chooses the exp of alignaudit's portable attention kernel; "
+            f"FlashAttention-3 computes its own: drop {exp_option} or {option} flash"
+        )
     for flag, dtype in dtypes:
         if dtype not in FLASH_DTYPES:
             raise InputError(f"{option} flash computes bf16 and fp16, not {dtype}: set {flag} bf16")
@@ -151,15 +176,21 @@ def check_strict_attention(kernel: str | None, ops: frozenset[str], device: str,
     from alignaudit_kernels.gradients import BACKWARD_ENV
 
     if not flash_takes_head_dim(head_dim):
-        raise InputError(f"{option} flash: FlashAttention takes head sizes that are multiples of 8 up to 256, and this "
-                         f"model's is {head_dim}; use the portable kernel")
+        raise InputError(
+            f"{option} flash: FlashAttention takes head sizes that are multiples of 8 up to 256, and this "
+            f"model's is {head_dim}; use the portable kernel"
+        )
     if trains and os.environ.get(BACKWARD_ENV) == "reference":
-        raise InputError(f"{BACKWARD_ENV}=reference would not reach {option} flash, whose backward is always "
-                         "FlashAttention-2's deterministic one: unset it, or use the portable kernel")
+        raise InputError(
+            f"{BACKWARD_ENV}=reference would not reach {option} flash, whose backward is always "
+            "FlashAttention-2's deterministic one: unset it, or use the portable kernel"
+        )
     if not fa3_library():
-        raise InputError(f"{option} flash runs vLLM's FlashAttention-3 build (vllm.vllm_flash_attn) in every engine, "
-                         "and this Python has none (no vLLM, or a build without it such as the CPU wheel): install "
-                         "vLLM for CUDA")
+        raise InputError(
+            f"{option} flash runs vLLM's FlashAttention-3 build (vllm.vllm_flash_attn) in every engine, "
+            "and this Python has none (no vLLM, or a build without it such as the CPU wheel): install "
+            "vLLM for CUDA"
+        )
     return kernel
 
 
@@ -192,11 +223,15 @@ def check_platform(ops: frozenset[str], where: str = "--strict") -> str | None:
 
     if not ops or torch.version.hip is None:
         return None
-    what = (f"{where} on ROCm (torch HIP {torch.version.hip}): the strict kernels build for MI300X but their bits "
-            "have not been checked on an AMD GPU")
+    what = (
+        f"{where} on ROCm (torch HIP {torch.version.hip}): the strict kernels build for MI300X but their bits "
+        "have not been checked on an AMD GPU"
+    )
     if os.environ.get(ROCM_ENV) != "1":
-        raise InputError(f"{what}; run pytest tests/kernels --kernel-device cuda there first "
-                         f"(docs/kernels.md, 'ROCm'), then set {ROCM_ENV}=1")
+        raise InputError(
+            f"{what}; run pytest tests/kernels --kernel-device cuda there first "
+            f"(docs/kernels.md, 'ROCm'), then set {ROCM_ENV}=1"
+        )
     return f"warning: {what} ({ROCM_ENV}=1): a 0-mismatch verdict here is this run's, not a checked guarantee"
 
 

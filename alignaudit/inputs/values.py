@@ -25,12 +25,14 @@ def check_logprob_signs(source: str, logprobs: list[torch.Tensor], where: list[s
     if not bool((values > 0).any()):
         return
     if bool((values >= 0).all()):
-        raise InputError(f"{source}: every logprob is >= 0: these are negative log-likelihoods (-logprob), not "
-                         "logprobs; negate them")
+        raise InputError(
+            f"{source}: every logprob is >= 0: these are negative log-likelihoods (-logprob), not logprobs; negate them"
+        )
     row = next(i for i, lp in enumerate(logprobs) if bool((lp > 0).any()))
     j = int(torch.nonzero(logprobs[row] > 0)[0])
-    raise InputError(f"{source}: {where[row]}: logprob {j} is {float(logprobs[row][j])!r}, above 0, which no "
-                     "log-probability is")
+    raise InputError(
+        f"{source}: {where[row]}: logprob {j} is {float(logprobs[row][j])!r}, above 0, which no log-probability is"
+    )
 
 
 def parse_json(text: str | bytes, source: str):
@@ -43,12 +45,14 @@ def parse_json(text: str | bytes, source: str):
     Raises:
         InputError: not JSON, a repeated key, too deep, or an integer too long; naming ``source``.
     """
+
     def unique(pairs):
         seen = set()
         for key, _ in pairs:
             if key in seen:
-                raise InputError(f"{source}: key {key!r} appears twice in one object; which value is meant is "
-                                 "ambiguous: keep one")
+                raise InputError(
+                    f"{source}: key {key!r} appears twice in one object; which value is meant is ambiguous: keep one"
+                )
             seen.add(key)
         return dict(pairs)
 

@@ -46,18 +46,30 @@ def strict_spec(args, config, vp_stage: int | None = None):
         return getattr(args, name, default)
 
     refusals = [
-        (bool(arg("num_experts")), f"num_experts={arg('num_experts')}: the strict MoE layer is swapped in by "
-         "alignaudit's StrictGPTModel, not by a spec; dense models only"),
-        (bool(arg("multi_latent_attention")), "multi_latent_attention: the strict attention is grouped-query "
-         "attention"),
-        (arg("position_embedding_type", "rope") != "none", f"position_embedding_type="
-         f"{arg('position_embedding_type', 'rope')!r}: the strict core attention rotates q and k itself, and GPTModel "
-         "would rotate them a second time; pass --position-embedding-type none (rope stays on, strict)"),
-        (arg("normalization", "RMSNorm") != "RMSNorm", f"normalization={arg('normalization')!r}: the strict norm is "
-         "RMSNorm"),
+        (
+            bool(arg("num_experts")),
+            f"num_experts={arg('num_experts')}: the strict MoE layer is swapped in by "
+            "alignaudit's StrictGPTModel, not by a spec; dense models only",
+        ),
+        (
+            bool(arg("multi_latent_attention")),
+            "multi_latent_attention: the strict attention is grouped-query attention",
+        ),
+        (
+            arg("position_embedding_type", "rope") != "none",
+            f"position_embedding_type="
+            f"{arg('position_embedding_type', 'rope')!r}: the strict core attention rotates q and k itself, and "
+            "GPTModel would rotate them a second time; pass --position-embedding-type none (rope stays on, strict)",
+        ),
+        (
+            arg("normalization", "RMSNorm") != "RMSNorm",
+            f"normalization={arg('normalization')!r}: the strict norm is RMSNorm",
+        ),
         (vp_stage not in (None, 0), f"vp_stage={vp_stage}: the strict model is one pipeline stage"),
-        (bool(arg("attention_dropout", 0.0)) or bool(arg("hidden_dropout", 0.0)), "attention_dropout / "
-         "hidden_dropout > 0: the rollout engine computes without dropout; pass 0 for both"),
+        (
+            bool(arg("attention_dropout", 0.0)) or bool(arg("hidden_dropout", 0.0)),
+            "attention_dropout / hidden_dropout > 0: the rollout engine computes without dropout; pass 0 for both",
+        ),
     ]
     for refused, why in refusals:
         if refused:
@@ -67,5 +79,10 @@ def strict_spec(args, config, vp_stage: int | None = None):
     except ValueError as e:
         raise InputError(f"alignaudit strict_spec: {str(e).removeprefix('StrictGPTModel: ')}") from None
     llama3 = (float(arg("rope_scaling_factor", 8.0)), *MEGATRON_LLAMA3) if arg("use_rope_scaling") else None
-    return strict_block_spec(config.num_layers, frozenset(STRICT_OPS), float(arg("rotary_base", 10000)),
-                             bool(arg("qk_layernorm", False)), llama3)
+    return strict_block_spec(
+        config.num_layers,
+        frozenset(STRICT_OPS),
+        float(arg("rotary_base", 10000)),
+        bool(arg("qk_layernorm", False)),
+        llama3,
+    )

@@ -69,8 +69,14 @@ from alignaudit.inputs.strict_ops import (
     runner_v2_asked,
 )
 
-HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", torch.bfloat16: "bf16",
-             torch.float16: "fp16", torch.float32: "fp32"}
+HF_DTYPES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+}
 
 
 def _master_dtype(model: str, dtype) -> str:
@@ -82,8 +88,10 @@ def _master_dtype(model: str, dtype) -> str:
 
         dtype = resolve_model(model).dtype
     if not isinstance(dtype, (str, torch.dtype)) or dtype not in HF_DTYPES:
-        raise InputError(f"model_init_kwargs dtype {dtype!r}: 'auto', 'float32', 'bfloat16' or 'float16' (the "
-                         "policy's parameters are kept in it; its forward computes in vLLM's dtype)")
+        raise InputError(
+            f"model_init_kwargs dtype {dtype!r}: 'auto', 'float32', 'bfloat16' or 'float16' (the "
+            "policy's parameters are kept in it; its forward computes in vLLM's dtype)"
+        )
     return HF_DTYPES[dtype]
 
 
@@ -128,37 +136,52 @@ class StrictGRPOTrainer(GRPOTrainer):
         EngineError: TRL's vLLM, once built, does not compute with the strict kernels (read back).
     """
 
-    def __init__(self, model, *args, strict: str = "all", exp: str | None = None, fail_closed: bool = False,
-                 **kwargs):
+    def __init__(self, model, *args, strict: str = "all", exp: str | None = None, fail_closed: bool = False, **kwargs):
         try:
             given = inspect.signature(GRPOTrainer.__init__).bind(self, model, *args, **kwargs).arguments
         except TypeError as e:
             raise InputError(f"StrictGRPOTrainer: {e}") from None
         config = given.get("args")
         _check_config(config)
-        for name, why in (("peft_config", "TRL then trains LoRA adapters that it merges into vLLM's weights, a sum "
-                           "the strict policy does not compute; train without peft_config"),
-                          ("quantization_config", "vLLM and the policy would each quantize and dequantize in their "
-                           "own kernels; train unquantized")):
+        for name, why in (
+            (
+                "peft_config",
+                "TRL then trains LoRA adapters that it merges into vLLM's weights, a sum "
+                "the strict policy does not compute; train without peft_config",
+            ),
+            (
+                "quantization_config",
+                "vLLM and the policy would each quantize and dequantize in their own kernels; train unquantized",
+            ),
+        ):
             if given.get(name) is not None:
                 raise InputError(f"StrictGRPOTrainer: {name} is not supported: {why}")
         if type(model).__module__.startswith("peft."):
-            raise InputError(f"model: a {type(model).__name__} (PEFT) is not supported: its adapters are merged into "
-                             "vLLM's weights in an order the strict policy does not compute; pass the base checkpoint")
+            raise InputError(
+                f"model: a {type(model).__name__} (PEFT) is not supported: its adapters are merged into "
+                "vLLM's weights in an order the strict policy does not compute; pass the base checkpoint"
+            )
         if not isinstance(fail_closed, bool):
             raise InputError(f"fail_closed {fail_closed!r}: True or False")
         ops = parse_strict(strict, option="strict")
         if not ops:
             raise InputError(f"strict {strict!r} selects no strict op; pass 'all' or a comma list")
         if runner_v2_asked():
-            raise InputError("VLLM_USE_V2_MODEL_RUNNER is set: vLLM's model runner V2 applies temperature, top-k and "
-                             "top-p in fused kernels the strict plugin does not replace; unset it")
+            raise InputError(
+                "VLLM_USE_V2_MODEL_RUNNER is set: vLLM's model runner V2 applies temperature, top-k and "
+                "top-p in fused kernels the strict plugin does not replace; unset it"
+            )
         path = isinstance(model, str) or hasattr(model, "__fspath__")
         if not path and not any(type(m).__module__ == "alignaudit.engines.hf.strict" for m in model.modules()):
-            raise InputError(f"model: a checkpoint path or a model from alignaudit.api.strict_hf_model, not a "
-                             f"{type(model).__name__} without the strict module swap")
-        device = (("cpu" if config.use_cpu or not torch.cuda.is_available() else "cuda") if path
-                  else next(model.parameters()).device.type)
+            raise InputError(
+                f"model: a checkpoint path or a model from alignaudit.api.strict_hf_model, not a "
+                f"{type(model).__name__} without the strict module swap"
+            )
+        device = (
+            ("cpu" if config.use_cpu or not torch.cuda.is_available() else "cuda")
+            if path
+            else next(model.parameters()).device.type
+        )
         exp = check_strict_exp(exp, ops, device, ("exp", "strict", "a CUDA device"))
         if path:
             master = _master_dtype(str(model), (config.model_init_kwargs or {}).get("dtype", "float32"))
@@ -192,14 +215,15 @@ class StrictGRPOTrainer(GRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The in-loop hook (module docstring), then GRPOTrainer's loss."""
         self._check_alignment(inputs)
-        return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _check_alignment(self, inputs: dict) -> None:
         old, sampled = inputs.get("old_per_token_logps"), inputs.get("sampling_per_token_logps")
         if old is None or sampled is None:
-            raise AlignmentError("TRL gave no old and sampling logprobs for this micro-batch; the hook cannot compare "
-                                 "them (vllm_importance_sampling_correction must stay on)")
+            raise AlignmentError(
+                "TRL gave no old and sampling logprobs for this micro-batch; the hook cannot compare "
+                "them (vllm_importance_sampling_correction must stay on)"
+            )
         mask = inputs["completion_mask"].bool()
         if inputs.get("tool_mask") is not None:
             mask &= inputs["tool_mask"].bool()
@@ -209,9 +233,11 @@ class StrictGRPOTrainer(GRPOTrainer):
             value = metrics[key]
             self._metrics[mode][f"alignaudit/{key}"].append(float("nan") if value is None else float(value))
         if self.fail_closed and metrics["mismatches"]:
-            raise AlignmentError(f"{metrics['mismatches']} of {metrics['tokens_compared']} completion tokens' trainer "
-                                 f"logprobs differ from vLLM's (max ULP {metrics['ulp_max']}, max |d| "
-                                 f"{metrics['max_abs_diff']}); stopped before the backward pass (fail_closed)")
+            raise AlignmentError(
+                f"{metrics['mismatches']} of {metrics['tokens_compared']} completion tokens' trainer "
+                f"logprobs differ from vLLM's (max ULP {metrics['ulp_max']}, max |d| "
+                f"{metrics['max_abs_diff']}); stopped before the backward pass (fail_closed)"
+            )
 
 
 def _check_config(config) -> None:
@@ -221,36 +247,62 @@ def _check_config(config) -> None:
         raise InputError(f"args: a trl.GRPOConfig, not {type(config).__name__}")
     refusals = [
         (not config.use_vllm, "use_vllm=False: the rollout engine is then the policy itself; use_vllm=True"),
-        (config.use_vllm and config.vllm_mode != "colocate", f"vllm_mode={config.vllm_mode!r}: a vLLM server "
-         "runs elsewhere, where this trainer cannot turn the strict plugin on; use 'colocate' (or start the server "
-         "with ALIGNAUDIT_STRICT=all and check it with alignaudit rescore)"),
-        (not config.vllm_importance_sampling_correction, "vllm_importance_sampling_correction=False: TRL then "
-         "computes neither its logp difference nor the old logprobs the hook compares"),
-        (config.min_p not in (None, 0.0), f"min_p={config.min_p}: vLLM applies it before its processed "
-         "logprobs, and the strict replay does not"),
-        (config.repetition_penalty != 1.0, f"repetition_penalty={config.repetition_penalty}: vLLM applies it "
-         "before its processed logprobs, and the strict replay does not; use 1.0"),
+        (
+            config.use_vllm and config.vllm_mode != "colocate",
+            f"vllm_mode={config.vllm_mode!r}: a vLLM server "
+            "runs elsewhere, where this trainer cannot turn the strict plugin on; use 'colocate' (or start the server "
+            "with ALIGNAUDIT_STRICT=all and check it with alignaudit rescore)",
+        ),
+        (
+            not config.vllm_importance_sampling_correction,
+            "vllm_importance_sampling_correction=False: TRL then "
+            "computes neither its logp difference nor the old logprobs the hook compares",
+        ),
+        (
+            config.min_p not in (None, 0.0),
+            f"min_p={config.min_p}: vLLM applies it before its processed logprobs, and the strict replay does not",
+        ),
+        (
+            config.repetition_penalty != 1.0,
+            f"repetition_penalty={config.repetition_penalty}: vLLM applies it "
+            "before its processed logprobs, and the strict replay does not; use 1.0",
+        ),
         (config.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True: vLLM projects in the model's dtype"),
-        (bool(config.generation_kwargs), f"generation_kwargs={config.generation_kwargs!r}: they reach vLLM's "
-         "SamplingParams, where they can change the distribution the trainer replays"),
-        (config.vllm_structured_outputs_regex is not None, f"vllm_structured_outputs_regex="
-         f"{config.vllm_structured_outputs_regex!r}: vLLM masks the tokens the regex forbids before its processed "
-         "logprobs, and the trainer does not replay the grammar; train without it"),
-        (config.vllm_model_impl not in ("auto", "vllm"), f"vllm_model_impl={config.vllm_model_impl!r}: vLLM then runs "
-         "the transformers modules, which the strict plugin does not patch; use 'vllm'"),
+        (
+            bool(config.generation_kwargs),
+            f"generation_kwargs={config.generation_kwargs!r}: they reach vLLM's "
+            "SamplingParams, where they can change the distribution the trainer replays",
+        ),
+        (
+            config.vllm_structured_outputs_regex is not None,
+            f"vllm_structured_outputs_regex="
+            f"{config.vllm_structured_outputs_regex!r}: vLLM masks the tokens the regex forbids before its processed "
+            "logprobs, and the trainer does not replay the grammar; train without it",
+        ),
+        (
+            config.vllm_model_impl not in ("auto", "vllm"),
+            f"vllm_model_impl={config.vllm_model_impl!r}: vLLM then runs "
+            "the transformers modules, which the strict plugin does not patch; use 'vllm'",
+        ),
     ]
     truncated = (config.top_k or 0) > 0 or (config.top_p is not None and config.top_p < 1)
     if truncated:
         sampling = f"top_k={config.top_k}, top_p={config.top_p}"
         stale = config.num_iterations > 1 or (config.steps_per_generation or 1) > config.gradient_accumulation_steps
         refusals += [
-            (config.beta != 0, f"beta={config.beta} with {sampling}: the reference model's truncated distribution can "
-             "leave out a token the policy sampled (logprob -inf, TRL's KL infinite); with beta > 0 use top_k=0 and "
-             "top_p=1.0 (the whole vocabulary at the temperature, TRL's own objective)"),
-            (stale, f"{sampling} with num_iterations={config.num_iterations}, steps_per_generation="
-             f"{config.steps_per_generation}: the policy is updated before some tokens are rescored, and its new "
-             "truncated distribution can leave out a sampled token (logprob -inf); use top_k=0 and top_p=1.0, or one "
-             "optimizer step per generation"),
+            (
+                config.beta != 0,
+                f"beta={config.beta} with {sampling}: the reference model's truncated distribution can "
+                "leave out a token the policy sampled (logprob -inf, TRL's KL infinite); with beta > 0 use top_k=0 and "
+                "top_p=1.0 (the whole vocabulary at the temperature, TRL's own objective)",
+            ),
+            (
+                stale,
+                f"{sampling} with num_iterations={config.num_iterations}, steps_per_generation="
+                f"{config.steps_per_generation}: the policy is updated before some tokens are rescored, and its new "
+                "truncated distribution can leave out a sampled token (logprob -inf); use top_k=0 and top_p=1.0, or "
+                "one optimizer step per generation",
+            ),
         ]
     for refused, why in refusals:
         if refused:
@@ -262,8 +314,10 @@ def _check_vllm_is_strict(llm, ops: frozenset[str]) -> None:
     Raises EngineError when it does not, or when TRL keeps its LLM elsewhere than
     ``GRPOTrainer.vllm_generation.llm`` (TRL 1.16)."""
     if llm is None:
-        raise EngineError("StrictGRPOTrainer: TRL's colocated vLLM is not at trainer.vllm_generation.llm (TRL 1.16's "
-                          "place), so the strict kernels in it cannot be checked; use TRL 1.16")
+        raise EngineError(
+            "StrictGRPOTrainer: TRL's colocated vLLM is not at trainer.vllm_generation.llm (TRL 1.16's "
+            "place), so the strict kernels in it cannot be checked; use TRL 1.16"
+        )
     api.verify_strict_vllm(llm, format_strict(ops))
 
 
@@ -279,8 +333,15 @@ def _strict_fused_head(model, temperature: float, top_k: int, top_p: float) -> N
 
     def fused(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         if not fused_lm_head:  # the model's own forward, every argument passed on
-            extra = {k: v for k, v in (("labels", labels), ("shift_labels", shift_labels),
-                                       ("num_items_in_batch", num_items_in_batch)) if v is not None}
+            extra = {
+                k: v
+                for k, v in (
+                    ("labels", labels),
+                    ("shift_labels", shift_labels),
+                    ("num_items_in_batch", num_items_in_batch),
+                )
+                if v is not None
+            }
             return forward(self, *args, **kwargs, **extra)
         if args or shift_labels is not None:
             raise InputError("the strict fused head takes input_ids and attention_mask by keyword, unshifted labels")
@@ -300,8 +361,9 @@ def _strict_fused_head(model, temperature: float, top_k: int, top_p: float) -> N
             log_probs = values.new_zeros(scored.shape).masked_scatter(scored, values)
             entropies = values.new_zeros(scored.shape).masked_scatter(scored, _entropy(processed))
         count = scored.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropies,
-                                   label_mask=scored)
+        return FusedCausalLMOutput(
+            loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropies, label_mask=scored
+        )
 
     model.forward = types.MethodType(fused, model)
 

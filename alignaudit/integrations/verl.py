@@ -89,14 +89,18 @@ def setup() -> None:
     ops = parse_strict(os.environ.get(ENV), ENV)
     fail_closed = os.environ.get(FAIL_CLOSED_ENV, "") not in ("", "0")
     if ops:
-        for patch in (lambda: strict_fsdp_engine(ops, os.environ.get(EXP_ENV, "portable")),
-                      lambda: _check_every_step(fail_closed)):
+        for patch in (
+            lambda: strict_fsdp_engine(ops, os.environ.get(EXP_ENV, "portable")),
+            lambda: _check_every_step(fail_closed),
+        ):
             try:
                 patch()
             except ImportError:  # a process without verl's engine or trainer code
                 pass
-    for module, name in (("verl.trainer.ppo.ray_trainer", "RayPPOTrainer"), ("verl.trainer.ppo.v1.trainer_base",
-                                                                             "PPOTrainer")):
+    for module, name in (
+        ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer"),
+        ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer"),
+    ):
         try:
             trainer = getattr(importlib.import_module(module), name)
         except ImportError:  # verl's v1 trainer needs TransferQueue
@@ -217,49 +221,72 @@ def check_strict_config(config, fail_closed: bool = False) -> None:
         InputError: naming the setting and the fix.
     """
     if os.environ.get(ATTENTION_ENV, "portable") != "portable":
-        _refuse(f"{ATTENTION_ENV}={os.environ[ATTENTION_ENV]}: verl's strict actor computes the portable attention "
-                f"kernel only, and vLLM would compute another; unset {ATTENTION_ENV}")
+        _refuse(
+            f"{ATTENTION_ENV}={os.environ[ATTENTION_ENV]}: verl's strict actor computes the portable attention "
+            f"kernel only, and vLLM would compute another; unset {ATTENTION_ENV}"
+        )
     strategy = _select(config, "actor_rollout_ref.actor.strategy")
     if strategy not in ("fsdp", "fsdp2"):
-        _refuse(f"actor_rollout_ref.actor.strategy={strategy}: verl's strict actor is built for FSDP (its Megatron "
-                "actor builds through Megatron-Bridge, not patched yet); use fsdp2")
+        _refuse(
+            f"actor_rollout_ref.actor.strategy={strategy}: verl's strict actor is built for FSDP (its Megatron "
+            "actor builds through Megatron-Bridge, not patched yet); use fsdp2"
+        )
     if _select(config, "actor_rollout_ref.rollout.name") != "vllm":
-        _refuse(f"actor_rollout_ref.rollout.name={_select(config, 'actor_rollout_ref.rollout.name')}: the strict "
-                "rollout is vLLM's (alignaudit's vLLM plugin); use vllm")
+        _refuse(
+            f"actor_rollout_ref.rollout.name={_select(config, 'actor_rollout_ref.rollout.name')}: the strict "
+            "rollout is vLLM's (alignaudit's vLLM plugin); use vllm"
+        )
     for side in ("actor", "ref"):
-        for key in (f"actor_rollout_ref.{side}.ulysses_sequence_parallel_size",
-                    f"actor_rollout_ref.{side}.fsdp_config.ulysses_sequence_parallel_size"):
+        for key in (
+            f"actor_rollout_ref.{side}.ulysses_sequence_parallel_size",
+            f"actor_rollout_ref.{side}.fsdp_config.ulysses_sequence_parallel_size",
+        ):
             if (_select(config, key) or 1) != 1:
-                _refuse(f"{key}={_select(config, key)}: Ulysses sequence parallelism splits the strict attention's "
-                        "sequences across ranks, which it does not compute yet; set it to 1")
-    for key, why in (("actor_rollout_ref.model.use_fused_kernels", "the fused head computes its own logprobs"),
-                     ("actor_rollout_ref.model.use_liger", "Liger's kernels replace the modules the strict swap "
-                      "replaces"),
-                     ("actor_rollout_ref.actor.fsdp_config.qat.enable", "quantization-aware training changes the "
-                      "weights both engines compute with")):
+                _refuse(
+                    f"{key}={_select(config, key)}: Ulysses sequence parallelism splits the strict attention's "
+                    "sequences across ranks, which it does not compute yet; set it to 1"
+                )
+    for key, why in (
+        ("actor_rollout_ref.model.use_fused_kernels", "the fused head computes its own logprobs"),
+        ("actor_rollout_ref.model.use_liger", "Liger's kernels replace the modules the strict swap replaces"),
+        (
+            "actor_rollout_ref.actor.fsdp_config.qat.enable",
+            "quantization-aware training changes the weights both engines compute with",
+        ),
+    ):
         if _select(config, key):
             _refuse(f"{key}=True: {why}; set it to False")
     if (_select(config, "actor_rollout_ref.model.lora_rank") or 0) > 0:
         _refuse("actor_rollout_ref.model.lora_rank > 0: LoRA's adapters are not strict modules; set lora_rank=0")
     if not _select(config, "actor_rollout_ref.model.use_remove_padding", True):
-        _refuse("actor_rollout_ref.model.use_remove_padding=False: the padded forward's right padding is not a layout "
-                "the strict attention reads; set it to True")
+        _refuse(
+            "actor_rollout_ref.model.use_remove_padding=False: the padded forward's right padding is not a layout "
+            "the strict attention reads; set it to True"
+        )
     if _select(config, "actor_rollout_ref.rollout.quantization"):
-        _refuse(f"actor_rollout_ref.rollout.quantization={_select(config, 'actor_rollout_ref.rollout.quantization')}: "
-                "vLLM would compute with quantized weights the actor does not hold; drop it")
+        _refuse(
+            f"actor_rollout_ref.rollout.quantization={_select(config, 'actor_rollout_ref.rollout.quantization')}: "
+            "vLLM would compute with quantized weights the actor does not hold; drop it"
+        )
     if fail_closed and _select(config, "algorithm.rollout_correction.bypass_mode"):
-        raise InputError(f"alignaudit.integrations.verl ({FAIL_CLOSED_ENV}): algorithm.rollout_correction.bypass_mode="
-                         "True uses vLLM's logprobs as old_log_probs, so no step rescores them to check; set it to "
-                         f"False or drop {FAIL_CLOSED_ENV}")
+        raise InputError(
+            f"alignaudit.integrations.verl ({FAIL_CLOSED_ENV}): algorithm.rollout_correction.bypass_mode="
+            "True uses vLLM's logprobs as old_log_probs, so no step rescores them to check; set it to "
+            f"False or drop {FAIL_CLOSED_ENV}"
+        )
     _check_dtypes(config)
     settings = sampling(config)
     if settings["logprobs_mode"] == "raw" and settings["temperature"] != 1.0:
-        _refuse(f"temperature {settings['temperature']:g} with logprobs_mode=raw_logprobs: vLLM records logprobs "
-                "before the temperature and verl's actor after it; use processed_logprobs")
+        _refuse(
+            f"temperature {settings['temperature']:g} with logprobs_mode=raw_logprobs: vLLM records logprobs "
+            "before the temperature and verl's actor after it; use processed_logprobs"
+        )
     if settings["logprobs_mode"] == "processed" and (settings["top_k"] > 0 or settings["top_p"] < 1.0):
-        _refuse("top_k / top_p with logprobs_mode=processed_logprobs: vLLM records the truncated distribution's "
-                "logprobs and verl's actor does not truncate; use raw_logprobs at temperature 1, or drop the "
-                "truncation")
+        _refuse(
+            "top_k / top_p with logprobs_mode=processed_logprobs: vLLM records the truncated distribution's "
+            "logprobs and verl's actor does not truncate; use raw_logprobs at temperature 1, or drop the "
+            "truncation"
+        )
 
 
 def _check_dtypes(config) -> None:
@@ -267,14 +294,19 @@ def _check_dtypes(config) -> None:
     from verl.utils.torch_dtypes import PrecisionType
 
     param = _select(config, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype", "bf16")
-    rollout = _select(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.dtype") or \
-        _select(config, "actor_rollout_ref.rollout.dtype", "bfloat16")
+    rollout = _select(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.dtype") or _select(
+        config, "actor_rollout_ref.rollout.dtype", "bfloat16"
+    )
     if str(rollout) == "auto":
-        _refuse("the rollout's dtype is auto: vLLM then picks one by platform; name the actor's "
-                f"({param}) in actor_rollout_ref.rollout.dtype")
+        _refuse(
+            "the rollout's dtype is auto: vLLM then picks one by platform; name the actor's "
+            f"({param}) in actor_rollout_ref.rollout.dtype"
+        )
     if PrecisionType.to_dtype(param) != PrecisionType.to_dtype(rollout):
-        _refuse(f"the actor computes in {param} (fsdp_config.mixed_precision.param_dtype) and vLLM in {rollout}; make "
-                "them one dtype")
+        _refuse(
+            f"the actor computes in {param} (fsdp_config.mixed_precision.param_dtype) and vLLM in {rollout}; make "
+            "them one dtype"
+        )
 
 
 def _select(config, key: str, default=None):
@@ -303,10 +335,12 @@ def check_alignment(batch, fail_closed: bool, keep=None) -> dict:
     seen = alignment(batch)
     if fail_closed and seen["mismatches"]:
         kept = keep(batch) if keep else None
-        raise AlignmentError(f"alignaudit.integrations.verl: {seen['mismatches']} of {seen['tokens']} response tokens "
-                             "have old_log_probs (verl's actor) other than vLLM's rollout_log_probs; stopped before "
-                             "the update (ALIGNAUDIT_FAIL_CLOSED)" + (f"; the step's rollouts are in {kept}, for "
-                                                                      "alignaudit rescore" if kept else ""))
+        raise AlignmentError(
+            f"alignaudit.integrations.verl: {seen['mismatches']} of {seen['tokens']} response tokens "
+            "have old_log_probs (verl's actor) other than vLLM's rollout_log_probs; stopped before "
+            "the update (ALIGNAUDIT_FAIL_CLOSED)"
+            + (f"; the step's rollouts are in {kept}, for alignaudit rescore" if kept else "")
+        )
     return seen
 
 
@@ -351,21 +385,29 @@ def check_config(config, strict: bool = False) -> None:
         InputError: naming the setting and the fix.
     """
     if not _select(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
-        raise InputError("alignaudit.integrations.verl: actor_rollout_ref.rollout.calculate_log_probs=False: verl "
-                         "then records no rollout logprobs to rescore or check; set it to True")
+        raise InputError(
+            "alignaudit.integrations.verl: actor_rollout_ref.rollout.calculate_log_probs=False: verl "
+            "then records no rollout logprobs to rescore or check; set it to True"
+        )
     v1 = bool(_select(config, "trainer.use_v1", False))
     if not strict and v1:
-        raise InputError("alignaudit.integrations.verl: trainer.use_v1=True (verl's default trainer keeps rollouts in "
-                         "TransferQueue, which alignaudit's records do not read yet); set trainer.use_v1=False, or "
-                         "add ALIGNAUDIT_STRICT=all for the strict actor and the step check, which run in both")
+        raise InputError(
+            "alignaudit.integrations.verl: trainer.use_v1=True (verl's default trainer keeps rollouts in "
+            "TransferQueue, which alignaudit's records do not read yet); set trainer.use_v1=False, or "
+            "add ALIGNAUDIT_STRICT=all for the strict actor and the step check, which run in both"
+        )
     records = bool(_select(config, "trainer.rollout_data_dir")) and not v1
     if not strict and not records:
-        raise InputError("alignaudit.integrations.verl: trainer.rollout_data_dir is not set, so no record would be "
-                         "written; set it (the records go beside verl's own dump)")
+        raise InputError(
+            "alignaudit.integrations.verl: trainer.rollout_data_dir is not set, so no record would be "
+            "written; set it (the records go beside verl's own dump)"
+        )
     if records and _select(config, "actor_rollout_ref.rollout.multi_turn.enable", False):
-        raise InputError("alignaudit.integrations.verl: actor_rollout_ref.rollout.multi_turn.enable=True puts tool "
-                         "tokens between sampled ones, which the records cannot hold; set it to False, or drop "
-                         "trainer.rollout_data_dir")
+        raise InputError(
+            "alignaudit.integrations.verl: actor_rollout_ref.rollout.multi_turn.enable=True puts tool "
+            "tokens between sampled ones, which the records cannot hold; set it to False, or drop "
+            "trainer.rollout_data_dir"
+        )
     sampling(config)
 
 
@@ -377,14 +419,21 @@ def sampling(config) -> dict:
         InputError: a logprobs_mode that is no logprobs, or none.
     """
     rollout = config.actor_rollout_ref.rollout
-    mode = _select(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.logprobs_mode") or \
-        rollout.get("logprobs_mode", "processed_logprobs")
+    mode = _select(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.logprobs_mode") or rollout.get(
+        "logprobs_mode", "processed_logprobs"
+    )
     if mode not in LOGPROBS_MODES:
         kind = "records logits, not logprobs" if mode else "names none"
-        raise InputError(f"alignaudit.integrations.verl: the rollout's logprobs_mode={mode!r} {kind}; use "
-                         f"{' or '.join(LOGPROBS_MODES)}")
-    return {"temperature": float(rollout.temperature), "top_k": int(rollout.top_k), "top_p": float(rollout.top_p),
-            "logprobs_mode": LOGPROBS_MODES[mode]}
+        raise InputError(
+            f"alignaudit.integrations.verl: the rollout's logprobs_mode={mode!r} {kind}; use "
+            f"{' or '.join(LOGPROBS_MODES)}"
+        )
+    return {
+        "temperature": float(rollout.temperature),
+        "top_k": int(rollout.top_k),
+        "top_p": float(rollout.top_p),
+        "logprobs_mode": LOGPROBS_MODES[mode],
+    }
 
 
 def rollout_rows(batch, settings: dict) -> list[dict]:
@@ -398,8 +447,10 @@ def rollout_rows(batch, settings: dict) -> list[dict]:
     """
     data = batch.batch
     if "rollout_log_probs" not in data.keys():
-        raise InputError("alignaudit.integrations.verl: the batch has no rollout_log_probs; set "
-                         "actor_rollout_ref.rollout.calculate_log_probs=True")
+        raise InputError(
+            "alignaudit.integrations.verl: the batch has no rollout_log_probs; set "
+            "actor_rollout_ref.rollout.calculate_log_probs=True"
+        )
     prompts, responses = data["prompts"], data["responses"]
     width = prompts.shape[1]
     attention = data["attention_mask"].bool()
@@ -409,9 +460,11 @@ def rollout_rows(batch, settings: dict) -> list[dict]:
         prompt = prompts[i][attention[i, :width]].tolist()
         kept = response_mask[i].nonzero().flatten().tolist()
         if kept != list(range(len(kept))):
-            raise InputError(f"alignaudit.integrations.verl: rollout {i}'s response mask has holes (tokens the engine "
-                             "did not sample, e.g. a tool's, between sampled ones); multi-turn rollouts are not "
-                             "rescored")
+            raise InputError(
+                f"alignaudit.integrations.verl: rollout {i}'s response mask has holes (tokens the engine "
+                "did not sample, e.g. a tool's, between sampled ones); multi-turn rollouts are not "
+                "rescored"
+            )
         response = responses[i][: len(kept)].tolist()
         logprobs = data["rollout_log_probs"][i][: len(kept)].float().tolist()
         rows.append({"token_ids": prompt + response, "prompt_length": len(prompt), "logprobs": logprobs, **settings})

@@ -35,8 +35,9 @@ ABLATE_COLUMNS = ("factor", "kind", "strict", "mismatches", "tokens", "max_ulp",
 
 # The canonical ops (alignaudit.capture.ops) each strict op computes, in every engine.
 STRICT_OP_COVERS: dict[str, frozenset[str]] = {
-    "linear": frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "logits",
-                         "router", "moe"}),
+    "linear": frozenset(
+        {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "logits", "router", "moe"}
+    ),
     "rmsnorm": frozenset({"input_norm", "q_norm", "k_norm", "post_attn_norm", "final_norm"}),
     "rope": frozenset({"q_rope", "k_rope"}),
     "silu": frozenset({"act"}),
@@ -55,22 +56,26 @@ class Configuration:
 
     @property
     def name(self) -> str:
-        return {"all strict": "all-strict", "all default": "all-default"}.get(self.kind) or \
-            f"{self.kind.split()[0]}-{self.factor}"
+        return {"all strict": "all-strict", "all default": "all-default"}.get(
+            self.kind
+        ) or f"{self.kind.split()[0]}-{self.factor}"
 
 
 def configurations(factors: tuple[str, ...]) -> list[Configuration]:
     """The rows for ``factors`` (strict ops, alignaudit.inputs.strict_ops.STRICT_OPS order): all strict, each factor at
     its default, each factor alone strict, all default."""
     every = frozenset(STRICT_OPS)
-    return ([Configuration("all", "all strict", every)]
-            + [Configuration(op, "default op", every - {op}) for op in factors]
-            + [Configuration(op, "strict op", frozenset({op})) for op in factors]
-            + [Configuration("none", "all default", frozenset())])
+    return (
+        [Configuration("all", "all strict", every)]
+        + [Configuration(op, "default op", every - {op}) for op in factors]
+        + [Configuration(op, "strict op", frozenset({op})) for op in factors]
+        + [Configuration("none", "all default", frozenset())]
+    )
 
 
 def with_strict(request: Request, ops: frozenset[str]) -> Request:
     """``request`` with the strict ops ``ops`` on both sides."""
+
     def run(side: EngineRun) -> EngineRun:
         return replace(side, settings=replace(side.settings, strict=format_strict(ops)))
 
@@ -95,16 +100,19 @@ def _notes(request: Request, capture_ops: bool) -> list[str]:
     """What a reader of the matrix must know about how it was measured."""
     notes = [f"{request.mode} mode"]
     if capture_ops and (eager := eager_for_op_capture(request)):
-        notes.append(f"{eager} ran eager in every row (op capture needs it); its compiled default computes other "
-                     "bits, so the all-default row can differ from `alignaudit compare`")
+        notes.append(
+            f"{eager} ran eager in every row (op capture needs it); its compiled default computes other "
+            "bits, so the all-default row can differ from `alignaudit compare`"
+        )
     if not capture_ops:
         notes.append("no op capture: first_diverging_op is empty in every row, not 'no divergence'")
     return notes
 
 
 @marks_failure
-def ablate(request: Request, out: Path, factors: tuple[str, ...],
-           capture_ops: bool = True, on_stage=None) -> pd.DataFrame:
+def ablate(
+    request: Request, out: Path, factors: tuple[str, ...], capture_ops: bool = True, on_stage=None
+) -> pd.DataFrame:
     """Run every configuration of ``factors`` on ``request`` (its engines' own strict setting is ignored) and
     write ablate.parquet / ablate.json into ``out``; returns the matrix (ABLATE_COLUMNS).
 
@@ -115,9 +123,15 @@ def ablate(request: Request, out: Path, factors: tuple[str, ...],
     request = without_strict(request)
     rows_of = configurations(factors)
     capture_ops = capture_ops and request.rollout is None
-    record = {**request.record("ablate"), "factors": list(factors), "capture_ops": capture_ops, "status": "running",
-              "configurations": [{"name": c.name, "factor": c.factor, "kind": c.kind, "strict": format_strict(c.strict)}
-                                 for c in rows_of]}
+    record = {
+        **request.record("ablate"),
+        "factors": list(factors),
+        "capture_ops": capture_ops,
+        "status": "running",
+        "configurations": [
+            {"name": c.name, "factor": c.factor, "kind": c.kind, "strict": format_strict(c.strict)} for c in rows_of
+        ],
+    }
     write_json(out / RUN, record)
     rows = []
     for i, config in enumerate(rows_of):
@@ -130,19 +144,40 @@ def ablate(request: Request, out: Path, factors: tuple[str, ...],
         if capture_ops:
             result = bisect(sub, directory, Selection(), mode="natural")
             first = result["natural"]["first_divergence"]
-            summary = diff_captures(read_capture(directory / "train"), read_capture(directory / "infer"), directory,
-                                    clip_eps=request.clip_eps)
+            summary = diff_captures(
+                read_capture(directory / "train"),
+                read_capture(directory / "infer"),
+                directory,
+                clip_eps=request.clip_eps,
+            )
         else:
             summary = compare(sub, directory)
-        rows.append({"factor": config.factor, "kind": config.kind, "strict": format_strict(config.strict) or "none",
-                     "mismatches": summary["mismatches"], "tokens": summary["tokens_compared"],
-                     "max_ulp": summary["ulp_max"], "max_abs_diff": summary["max_abs_diff"],
-                     "first_diverging_op": first["op"] if first else None,
-                     "directory": str(directory.relative_to(out))})
+        rows.append(
+            {
+                "factor": config.factor,
+                "kind": config.kind,
+                "strict": format_strict(config.strict) or "none",
+                "mismatches": summary["mismatches"],
+                "tokens": summary["tokens_compared"],
+                "max_ulp": summary["ulp_max"],
+                "max_abs_diff": summary["max_abs_diff"],
+                "first_diverging_op": first["op"] if first else None,
+                "directory": str(directory.relative_to(out)),
+            }
+        )
     matrix = pd.DataFrame(rows)
     matrix.to_parquet(out / ABLATE_PARQUET, index=False)
-    write_json(out / ABLATE_JSON, {"model": request.spec.name, "mode": request.mode, "capture_ops": capture_ops,
-                                   "train": request.train.label(), "infer": request.infer.label(),
-                                   "notes": _notes(request, capture_ops), "rows": rows})
+    write_json(
+        out / ABLATE_JSON,
+        {
+            "model": request.spec.name,
+            "mode": request.mode,
+            "capture_ops": capture_ops,
+            "train": request.train.label(),
+            "infer": request.infer.label(),
+            "notes": _notes(request, capture_ops),
+            "rows": rows,
+        },
+    )
     write_json(out / RUN, seal(record, out, (ABLATE_PARQUET, ABLATE_JSON, CONFIGS)))
     return matrix

@@ -49,6 +49,7 @@ DEFAULT_MODEL = "qwen3-tiny"
 @dataclass
 class ModelArgs:
     """Which checkpoint, and the seed of everything random."""
+
     model: str = DEFAULT_MODEL
     random_weights: bool = False
     seed: int = 0
@@ -57,6 +58,7 @@ class ModelArgs:
 @dataclass
 class PromptArgs:
     """Where the token ids come from."""
+
     prompts: Path | None = None
     random_prompts: int | None = None
     prompt_len: int | None = None
@@ -65,6 +67,7 @@ class PromptArgs:
 @dataclass
 class PairArgs:
     """The two engines and their settings."""
+
     train: str = "megatron"
     infer: str = "vllm"
     dtype: str = "bf16"
@@ -82,6 +85,7 @@ class PairArgs:
 @dataclass
 class SamplingArgs:
     """Prompt or rollout mode, and how the rollout samples."""
+
     mode: str = "prompt"
     # None: not given (ROLLOUT_DEFAULTS in rollout mode); any value in prompt mode is refused, the default's too
     max_new_tokens: int | None = None
@@ -98,6 +102,7 @@ class SamplingArgs:
 @dataclass
 class OutputArgs:
     """Where results go."""
+
     out: str | None = None
     force: bool = False
     verbose: bool = False
@@ -118,8 +123,9 @@ class ISArgs:
         """The checked ISThresholds. Raises InputError for C <= 0 or a range with low >= high."""
         from alignaudit.inputs.request import ISThresholds
 
-        return ISThresholds(self.tis_threshold, self.mask_low, self.mask_high, self.geo_mask_low,
-                            self.geo_mask_high).check()
+        return ISThresholds(
+            self.tis_threshold, self.mask_low, self.mask_high, self.geo_mask_low, self.geo_mask_high
+        ).check()
 
 
 GROUPS = (ModelArgs, PromptArgs, PairArgs, SamplingArgs, OutputArgs, ISArgs)
@@ -133,7 +139,7 @@ def resolve_model_arg(args: ModelArgs):
 
 
 def resolve_device(device: str) -> str:
-    """"cpu" or "cuda" for --device (auto: cuda where torch sees a GPU). Raises InputError for another name, for
+    """ "cpu" or "cuda" for --device (auto: cuda where torch sees a GPU). Raises InputError for another name, for
     ROCm spellings (torch calls those GPUs cuda), and for cuda without a GPU."""
     import torch
 
@@ -175,10 +181,17 @@ def check_clip_eps(eps: float) -> float:
 
 
 ROLLOUT_DEFAULTS = {"max_new_tokens": 32, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-SAMPLING_FLAGS = {"--max-new-tokens": "max_new_tokens", "--temperature": "temperature", "--top-k": "top_k",
-                  "--top-p": "top_p", "--group-size": "group_size", "--stop-at-eos/--ignore-eos": "stop_at_eos",
-                  "--prompt-logprobs/--no-prompt-logprobs": "prompt_logprobs", "--engine-mode": "engine_mode",
-                  "--arrival-gap": "arrival_gap"}
+SAMPLING_FLAGS = {
+    "--max-new-tokens": "max_new_tokens",
+    "--temperature": "temperature",
+    "--top-k": "top_k",
+    "--top-p": "top_p",
+    "--group-size": "group_size",
+    "--stop-at-eos/--ignore-eos": "stop_at_eos",
+    "--prompt-logprobs/--no-prompt-logprobs": "prompt_logprobs",
+    "--engine-mode": "engine_mode",
+    "--arrival-gap": "arrival_gap",
+}
 
 
 def sampling(args: SamplingArgs, seed: int):
@@ -190,8 +203,10 @@ def sampling(args: SamplingArgs, seed: int):
     if args.mode == "prompt":
         given = given_sampling_flags(args)
         if given:
-            raise errors.InputError(f"{given[0]} applies to rollouts and would not take effect in prompt mode; add "
-                                    f"--mode rollout or drop {given[0]}")
+            raise errors.InputError(
+                f"{given[0]} applies to rollouts and would not take effect in prompt mode; add "
+                f"--mode rollout or drop {given[0]}"
+            )
         return None
     new, temperature, top_k, top_p = _sampled(args)
     group = 1 if args.group_size is None else args.group_size
@@ -206,27 +221,43 @@ def sampling(args: SamplingArgs, seed: int):
     gap = args.arrival_gap
     if engine_mode != "async":
         if gap is not None:
-            raise errors.InputError("--arrival-gap spaces the arrivals of --engine-mode async and would not take "
-                                    f"effect in {engine_mode} mode; add --engine-mode async or drop --arrival-gap")
+            raise errors.InputError(
+                "--arrival-gap spaces the arrivals of --engine-mode async and would not take "
+                f"effect in {engine_mode} mode; add --engine-mode async or drop --arrival-gap"
+            )
     elif gap is None:
         gap = DEFAULT_ARRIVAL_GAP_S
     elif isinstance(gap, bool) or not isinstance(gap, (int, float)) or not (0 <= gap < math.inf):
         raise errors.InputError(f"--arrival-gap {gap!r}: seconds between arrivals, a finite number >= 0")
-    return Sampling(new, temperature, top_k, top_p, seed, group,
-                    args.stop_at_eos, args.prompt_logprobs, engine_mode, None if gap is None else float(gap))
+    return Sampling(
+        new,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        group,
+        args.stop_at_eos,
+        args.prompt_logprobs,
+        engine_mode,
+        None if gap is None else float(gap),
+    )
 
 
 def given_sampling_flags(args: SamplingArgs) -> list[str]:
     """The rollout flags (SAMPLING_FLAGS) given a value, a default's included."""
-    return [flag for flag, field in SAMPLING_FLAGS.items()
-            if getattr(args, field) != SamplingArgs.__dataclass_fields__[field].default]
+    return [
+        flag
+        for flag, field in SAMPLING_FLAGS.items()
+        if getattr(args, field) != SamplingArgs.__dataclass_fields__[field].default
+    ]
 
 
 def _sampled(args: SamplingArgs) -> tuple[int, float, int, float]:
     """(max_new_tokens, temperature, top_k, top_p) of a rollout, ROLLOUT_DEFAULTS where not given. Raises InputError
     naming the value out of range."""
-    new, temperature, top_k, top_p = (ROLLOUT_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k)
-                                      for k in ROLLOUT_DEFAULTS)
+    new, temperature, top_k, top_p = (
+        ROLLOUT_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k) for k in ROLLOUT_DEFAULTS
+    )
     if new < 1:
         raise errors.InputError(f"--max-new-tokens {new}: rollout mode samples 1 or more tokens per completion")
     if not 0 < temperature < math.inf:
@@ -246,8 +277,10 @@ def check_top_k(rollout, spec) -> None:
         InputError: top_k >= spec.vocab_size.
     """
     if rollout is not None and rollout.top_k >= spec.vocab_size:
-        raise errors.InputError(f"--top-k {rollout.top_k} keeps all {spec.vocab_size} tokens of {spec.name}'s "
-                                "vocabulary, the same as 0 (off); give a smaller value or 0")
+        raise errors.InputError(
+            f"--top-k {rollout.top_k} keeps all {spec.vocab_size} tokens of {spec.name}'s "
+            "vocabulary, the same as 0 (off); give a smaller value or 0"
+        )
 
 
 def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_check=None, trains: bool = False):
@@ -264,8 +297,10 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_che
     strict_ops = parse_strict(pair.strict)
     ops = format_strict(strict_ops)
     exp = check_strict_exp(pair.strict_exp, strict_ops, dev)
-    dtypes = tuple((flag if own else "--dtype", own or pair.dtype)
-                   for flag, own in (("--train-dtype", pair.train_dtype), ("--infer-dtype", pair.infer_dtype)))
+    dtypes = tuple(
+        (flag if own else "--dtype", own or pair.dtype)
+        for flag, own in (("--train-dtype", pair.train_dtype), ("--infer-dtype", pair.infer_dtype))
+    )
     kernel = check_strict_attention(pair.strict_attention, strict_ops, dev, exp, dtypes, spec.head_dim, trains)
     check_kernel_switches(strict_ops, bool(spec.num_experts), trains, dev)
     if dev == "cuda" and (warning := check_platform(strict_ops)):
@@ -273,10 +308,23 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_che
     if pair.lm_head_dtype not in ("model", "fp32"):
         raise errors.InputError(f"--lm-head-dtype {pair.lm_head_dtype!r}: choose model or fp32")
     runs = [
-        EngineRun(name, EngineSettings(check_dtype(own or pair.dtype), dev, seed, parse_options(opts), strict=ops,
-                                       lm_head_dtype=pair.lm_head_dtype, strict_exp=exp, strict_attention=kernel))
-        for name, own, opts in ((pair.train, pair.train_dtype, pair.train_opt),
-                                (pair.infer, pair.infer_dtype, pair.infer_opt))
+        EngineRun(
+            name,
+            EngineSettings(
+                check_dtype(own or pair.dtype),
+                dev,
+                seed,
+                parse_options(opts),
+                strict=ops,
+                lm_head_dtype=pair.lm_head_dtype,
+                strict_exp=exp,
+                strict_attention=kernel,
+            ),
+        )
+        for name, own, opts in (
+            (pair.train, pair.train_dtype, pair.train_opt),
+            (pair.infer, pair.infer_dtype, pair.infer_opt),
+        )
     ]
     check_engine_features(spec, (pair.train, pair.infer))
     check_moe(spec, runs)
@@ -318,13 +366,26 @@ def check_max_model_len(batch, runs: dict, new_tokens: int) -> None:
             continue  # absent, or -1 (fit to memory); other values are refused by the option check
         reserve = new_tokens + 1 if flag == "--train-opt" and new_tokens else max(new_tokens, 1)
         if length + reserve > limit:
-            raise errors.InputError(f"prompt {longest} has {length} tokens plus {reserve} generated, longer than "
-                                    f"{flag} max_model_len={limit}; raise it or shorten the prompts")
+            raise errors.InputError(
+                f"prompt {longest} has {length} tokens plus {reserve} generated, longer than "
+                f"{flag} max_model_len={limit}; raise it or shorten the prompts"
+            )
 
 
-def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, sampling_args: SamplingArgs | None = None,
-                  clip_eps: float = 0.2, importance: ISArgs | None = None, extra_check=None, *, repeat: int = 1,
-                  replay_routing: bool = False, full_vocab: bool = False, trains: bool = False) -> Request:
+def build_request(
+    model: ModelArgs,
+    prompts: PromptArgs,
+    pair: PairArgs,
+    sampling_args: SamplingArgs | None = None,
+    clip_eps: float = 0.2,
+    importance: ISArgs | None = None,
+    extra_check=None,
+    *,
+    repeat: int = 1,
+    replay_routing: bool = False,
+    full_vocab: bool = False,
+    trains: bool = False,
+) -> Request:
     """Validate every option and build the Request (no engine starts here). ``extra_check``: see engine_runs.
     ``repeat`` (compare --repeat: runs per engine, prompt mode), ``replay_routing`` (--replay-routing) and
     ``full_vocab`` (--full-vocab) are checked against the engines and the mode (engines.checks); ``trains``: see
@@ -357,8 +418,18 @@ def build_request(model: ModelArgs, prompts: PromptArgs, pair: PairArgs, samplin
         check_full_vocab(train, infer, mode, replay_routing)
     batch = load_batch(spec, prompts, model.seed, (pair.train, pair.infer), rollout.max_new_tokens if rollout else 0)
     check_max_model_len(batch, {"--train-opt": train, "--infer-opt": infer}, rollout.max_new_tokens if rollout else 0)
-    return Request(spec, batch, train, infer, rollout, clip_eps, importance=thresholds, repeat=repeat,
-                   replay_routing=replay_routing, full_vocab=full_vocab)
+    return Request(
+        spec,
+        batch,
+        train,
+        infer,
+        rollout,
+        clip_eps,
+        importance=thresholds,
+        repeat=repeat,
+        replay_routing=replay_routing,
+        full_vocab=full_vocab,
+    )
 
 
 def out_dir(output: OutputArgs, command: str, names: tuple[str, ...], inputs: tuple[Path, ...] = ()) -> Path:

@@ -44,10 +44,22 @@ def write_json(path: Path, record: dict) -> None:
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
-def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role: str | None = None,
-            stream_log: bool = False, ops: Selection | None = None, reference: Path | None = None,
-            rollout: Sampling | None = None, replay: Replay | None = None, repeat: int = 1,
-            full_vocab: bool = False, on_progress=None, routing_from: Path | None = None) -> Capture:
+def capture(
+    spec: ModelSpec,
+    batch: TokenBatch,
+    run: EngineRun,
+    out: Path,
+    role: str | None = None,
+    stream_log: bool = False,
+    ops: Selection | None = None,
+    reference: Path | None = None,
+    rollout: Sampling | None = None,
+    replay: Replay | None = None,
+    repeat: int = 1,
+    full_vocab: bool = False,
+    on_progress=None,
+    routing_from: Path | None = None,
+) -> Capture:
     """Run one engine on ``batch`` in a worker process (alignaudit.workers.job.CaptureJob); the capture lands in
     ``out``.
 
@@ -59,17 +71,32 @@ def capture(spec: ModelSpec, batch: TokenBatch, run: EngineRun, out: Path, role:
     router replays. ``full_vocab`` (prompt mode) also writes every scored position's full log-softmax row
     (alignaudit.capture.vocab_rows). ``on_progress(done, total)`` receives sequence counts.
     """
-    job = CaptureJob(run.engine, spec, run.settings, batch, Path(out).resolve(), role=role,
-                     checkpoint_sha256=checkpoint_sha256(spec),
-                     ops=OpsRequest(ops, Path(reference).resolve() if reference else None) if ops is not None else None,
-                     rollout=rollout, replay=replay,
-                     routing_from=Path(routing_from).resolve() if routing_from else None, repeat=repeat,
-                     full_vocab=full_vocab)
+    job = CaptureJob(
+        run.engine,
+        spec,
+        run.settings,
+        batch,
+        Path(out).resolve(),
+        role=role,
+        checkpoint_sha256=checkpoint_sha256(spec),
+        ops=OpsRequest(ops, Path(reference).resolve() if reference else None) if ops is not None else None,
+        rollout=rollout,
+        replay=replay,
+        routing_from=Path(routing_from).resolve() if routing_from else None,
+        repeat=repeat,
+        full_vocab=full_vocab,
+    )
     return run_capture(job, stream_log=stream_log, on_progress=on_progress)
 
 
-def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0.2,
-                  routing_note: str | None = None, importance: ISThresholds | None = None) -> Summary:
+def diff_captures(
+    train: Capture,
+    infer: Capture,
+    out: Path,
+    clip_eps: float = 0.2,
+    routing_note: str | None = None,
+    importance: ISThresholds | None = None,
+) -> Summary:
     """Compare two captures (checked by alignaudit.comparison.integrity first); write tokens.parquet, sequences.parquet
     and summary.json. ``routing_note``: why a mixture-of-experts comparison holds no routing (the captures
     were made without it). ``importance``: the IS diagnostics' thresholds (default ISThresholds())."""
@@ -83,8 +110,9 @@ def diff_captures(train: Capture, infer: Capture, out: Path, clip_eps: float = 0
     return summary
 
 
-def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2,
-               importance: ISThresholds | None = None) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+def comparison(
+    train: Capture, infer: Capture, clip_eps: float = 0.2, importance: ISThresholds | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(tokens, sequences, summary) of two captures, nothing written: per-token comparison, per-sequence rows, the
     summarize record (IS diagnostics at ``importance``'s thresholds) with the model, both sides, repeats and, where
     both captures hold routing, ``routing``. When both captures hold full-vocabulary rows, the tokens gain the
@@ -100,17 +128,23 @@ def comparison(train: Capture, infer: Capture, clip_eps: float = 0.2,
     sequences = per_sequence(tokens)
     summary = summarize(tokens, clip_eps=clip_eps, sequences=sequences, importance=importance)
     if "vocab" in summary:
-        summary["vocab"]["rows"] = {role: c.manifest["vocab"]["rows"] for role, c in (("train", train),
-                                                                                     ("infer", infer))}
+        summary["vocab"]["rows"] = {
+            role: c.manifest["vocab"]["rows"] for role, c in (("train", train), ("infer", infer))
+        }
     elif train.has_vocab_rows or infer.has_vocab_rows:
-        summary["vocab_note"] = (f"only the {'train' if train.has_vocab_rows else 'infer'} capture holds "
-                                 "full-vocabulary rows; capture both with --full-vocab")
+        summary["vocab_note"] = (
+            f"only the {'train' if train.has_vocab_rows else 'infer'} capture holds "
+            "full-vocabulary rows; capture both with --full-vocab"
+        )
     summary["model"] = train.manifest["model"]["name"]
     summary["sides"] = {role: _side(c) for role, c in (("train", train), ("infer", infer))}
     if note := attention_note(summary["sides"]):
         summary["attention_note"] = note
-    repeats = {role: summarize_repeats(c.manifest["repeats"]) for role, c in (("train", train), ("infer", infer))
-               if c.manifest.get("repeats")}
+    repeats = {
+        role: summarize_repeats(c.manifest["repeats"])
+        for role, c in (("train", train), ("infer", infer))
+        if c.manifest.get("repeats")
+    }
     if repeats:
         summary["repeats"] = repeats
     if train.manifest.get("ops") and infer.manifest.get("ops") and train.manifest["model"].get("num_experts"):
@@ -146,23 +180,58 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
     batch = request.batch
     ops, note = routing_plan(request.spec, request.train, request.infer, rollout=rollout is not None)
     if rollout is not None:
-        infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
-                                rollout=rollout, on_progress=stage(request.infer, "inference (sampling)"))
+        infer_capture = capture(
+            request.spec,
+            batch,
+            request.infer,
+            out / "infer",
+            role="infer",
+            stream_log=stream_log,
+            rollout=rollout,
+            on_progress=stage(request.infer, "inference (sampling)"),
+        )
         batch = infer_capture.token_batch()
         replay = None
         if processed_logprobs(request.infer):  # the rollout recorded processed logprobs: the trainer replays
             replay = Replay.of(rollout.to_dict(), infer_capture.manifest["rollout"]["prompt_lengths"])
-        train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
-                                replay=replay, on_progress=stage(request.train, "training"))
+        train_capture = capture(
+            request.spec,
+            batch,
+            request.train,
+            out / "train",
+            role="train",
+            stream_log=stream_log,
+            replay=replay,
+            on_progress=stage(request.train, "training"),
+        )
     else:
-        train_capture = capture(request.spec, batch, request.train, out / "train", role="train", stream_log=stream_log,
-                                ops=ops, repeat=request.repeat, full_vocab=request.full_vocab,
-                                on_progress=stage(request.train, "training"))
-        infer_capture = capture(request.spec, batch, request.infer, out / "infer", role="infer", stream_log=stream_log,
-                                ops=ops, repeat=request.repeat, full_vocab=request.full_vocab,
-                                on_progress=stage(request.infer, "inference"))
-    summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps, routing_note=note,
-                            importance=request.importance)
+        train_capture = capture(
+            request.spec,
+            batch,
+            request.train,
+            out / "train",
+            role="train",
+            stream_log=stream_log,
+            ops=ops,
+            repeat=request.repeat,
+            full_vocab=request.full_vocab,
+            on_progress=stage(request.train, "training"),
+        )
+        infer_capture = capture(
+            request.spec,
+            batch,
+            request.infer,
+            out / "infer",
+            role="infer",
+            stream_log=stream_log,
+            ops=ops,
+            repeat=request.repeat,
+            full_vocab=request.full_vocab,
+            on_progress=stage(request.infer, "inference"),
+        )
+    summary = diff_captures(
+        train_capture, infer_capture, out, clip_eps=request.clip_eps, routing_note=note, importance=request.importance
+    )
     finish_run(out, record, {"train": train_capture, "infer": infer_capture}, (TOKENS, SEQUENCES, SUMMARY))
     return summary
 
@@ -173,16 +242,36 @@ def _compare_replayed(request: Request, out: Path, record: dict, stream_log: boo
     train side); both compared with the infer capture, the second written as the run's comparison and the first
     summarized in summary["routing_replay"] (routing_replay_record)."""
     kw = {"stream_log": stream_log, "ops": ROUTING}
-    infer_capture = capture(request.spec, request.batch, request.infer, out / "infer", role="infer",
-                            on_progress=stage(request.infer, "inference"), **kw)
-    unreplayed = capture(request.spec, request.batch, request.train, out / UNREPLAYED, role="train",
-                         on_progress=stage(request.train, "training (own routing)"), **kw)
-    train_capture = capture(request.spec, request.batch, request.train, out / "train", role="train",
-                            routing_from=infer_capture.path,
-                            on_progress=stage(request.train, "training (routing replayed)"), **kw)
+    infer_capture = capture(
+        request.spec,
+        request.batch,
+        request.infer,
+        out / "infer",
+        role="infer",
+        on_progress=stage(request.infer, "inference"),
+        **kw,
+    )
+    unreplayed = capture(
+        request.spec,
+        request.batch,
+        request.train,
+        out / UNREPLAYED,
+        role="train",
+        on_progress=stage(request.train, "training (own routing)"),
+        **kw,
+    )
+    train_capture = capture(
+        request.spec,
+        request.batch,
+        request.train,
+        out / "train",
+        role="train",
+        routing_from=infer_capture.path,
+        on_progress=stage(request.train, "training (routing replayed)"),
+        **kw,
+    )
     before = comparison(unreplayed, infer_capture, request.clip_eps, request.importance)[2]
-    summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps,
-                            importance=request.importance)
+    summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps, importance=request.importance)
     changed = summarize(compare_tokens(align_tokens(unreplayed.logprobs, train_capture.logprobs)))["mismatches"]
     summary["routing_replay"] = routing_replay_record(before, summary, changed, train_capture)
     write_json(out / SUMMARY, summary)
@@ -197,9 +286,11 @@ def routing_replay_record(before: dict, after: dict, changed: int, train: Captur
     layers; per layer in ``routing_before`` / ``routing_after``), logprob mismatches, max ULP and max |diff|,
     the RL metrics' token_mult_prob_error; ``tokens_changed_by_replay``: tokens whose train logprob the replay
     changed (bitwise); ``mechanism``: how the trainer replayed (its capture's engine settings)."""
-    record = {"rerouted_before": sum(r["rerouted"] for r in before["routing"]),
-              "rerouted_after": sum(r["rerouted"] for r in after["routing"]),
-              "tokens_compared": after["tokens_compared"]}
+    record = {
+        "rerouted_before": sum(r["rerouted"] for r in before["routing"]),
+        "rerouted_after": sum(r["rerouted"] for r in after["routing"]),
+        "tokens_compared": after["tokens_compared"],
+    }
     for key in ("mismatches", "ulp_max", "max_abs_diff"):
         record[f"{key}_before"], record[f"{key}_after"] = before[key], after[key]
     record["token_mult_prob_error_before"] = before["rl"]["token_mult_prob_error"]
@@ -211,13 +302,28 @@ def routing_replay_record(before: dict, after: dict, changed: int, train: Captur
 
 
 # What a rollout file's capture records of the engine that made it: nothing the file does not say.
-FILE_SETTINGS = {"dtype": None, "device": None, "seed": None, "options": {}, "strict": None, "lm_head_dtype": None,
-                 "strict_exp": None, "strict_attention": None}
+FILE_SETTINGS = {
+    "dtype": None,
+    "device": None,
+    "seed": None,
+    "options": {},
+    "strict": None,
+    "lm_head_dtype": None,
+    "strict_exp": None,
+    "strict_attention": None,
+}
 
 
 @marks_failure
-def rescore(spec: ModelSpec, rollouts, train: EngineRun, out: Path, clip_eps: float = 0.2, stream_log: bool = False,
-            on_stage=None) -> dict:
+def rescore(
+    spec: ModelSpec,
+    rollouts,
+    train: EngineRun,
+    out: Path,
+    clip_eps: float = 0.2,
+    stream_log: bool = False,
+    on_stage=None,
+) -> dict:
     """``alignaudit rescore``: the training engine scores the token ids of rollouts an RL framework recorded
     (alignaudit.inputs.rollouts.Rollouts), and its logprobs of the sampled tokens are compared with the file's.
 
@@ -233,20 +339,44 @@ def rescore(spec: ModelSpec, rollouts, train: EngineRun, out: Path, clip_eps: fl
     if rollouts.processed:
         replay = Replay.of(rollouts.sampling, rollouts.prompt_lengths)
     sampling = dict(rollouts.sampling)
-    record = {"command": "rescore", "mode": "rollout", "rollout": sampling, "model": spec.to_dict(),
-              "prompts": {"source": rollouts.batch.source, "sequences": len(rollouts.batch.sequences),
-                          "tokens": rollouts.batch.num_tokens, "digest": rollouts.batch.digest()},
-              "train": train.record(), "infer": {"engine": "rollout-file", **FILE_SETTINGS}, "clip_eps": clip_eps,
-              "source": rollouts.source, "rollout_assumed": list(rollouts.assumed), "status": "running"}
+    record = {
+        "command": "rescore",
+        "mode": "rollout",
+        "rollout": sampling,
+        "model": spec.to_dict(),
+        "prompts": {
+            "source": rollouts.batch.source,
+            "sequences": len(rollouts.batch.sequences),
+            "tokens": rollouts.batch.num_tokens,
+            "digest": rollouts.batch.digest(),
+        },
+        "train": train.record(),
+        "infer": {"engine": "rollout-file", **FILE_SETTINGS},
+        "clip_eps": clip_eps,
+        "source": rollouts.source,
+        "rollout_assumed": list(rollouts.assumed),
+        "status": "running",
+    }
     write_json(out / RUN, record)
     batch = rollouts.batch
-    manifest = {"engine": "rollout-file", "role": "infer", "model": {**spec.to_dict(),
-                                                                     "checkpoint_sha256": checkpoint_sha256(spec)},
-                "settings": FILE_SETTINGS, "engine_settings": {"source": rollouts.source}, "mode": "rollout",
-                "rollout": {**sampling, "prompt_lengths": rollouts.prompt_lengths}, "replay": None,
-                "scored": SCORED_GENERATED,
-                "prompts": {"source": batch.source, "num_sequences": len(batch.sequences),
-                            "num_tokens": batch.num_tokens, "digest": batch.digest(), "texts": []}}
+    manifest = {
+        "engine": "rollout-file",
+        "role": "infer",
+        "model": {**spec.to_dict(), "checkpoint_sha256": checkpoint_sha256(spec)},
+        "settings": FILE_SETTINGS,
+        "engine_settings": {"source": rollouts.source},
+        "mode": "rollout",
+        "rollout": {**sampling, "prompt_lengths": rollouts.prompt_lengths},
+        "replay": None,
+        "scored": SCORED_GENERATED,
+        "prompts": {
+            "source": batch.source,
+            "num_sequences": len(batch.sequences),
+            "num_tokens": batch.num_tokens,
+            "digest": batch.digest(),
+            "texts": [],
+        },
+    }
     write_capture(out / "infer", manifest, rollout_file_table(batch, rollouts.prompt_lengths, rollouts.logprobs))
     infer_capture = read_capture(out / "infer")
     if on_stage:
@@ -257,12 +387,15 @@ def rescore(spec: ModelSpec, rollouts, train: EngineRun, out: Path, clip_eps: fl
     return summary
 
 
-ROUTING_NOTE = ("vLLM's compiled default MoE runs its routing inside the compiled graph, where no hook sees it; "
-                "alignaudit bisect reads it in eager mode")
+ROUTING_NOTE = (
+    "vLLM's compiled default MoE runs its routing inside the compiled graph, where no hook sees it; "
+    "alignaudit bisect reads it in eager mode"
+)
 
 
-def routing_plan(spec: ModelSpec, train: EngineRun, infer: EngineRun,
-                 rollout: bool) -> tuple[Selection | None, str | None]:
+def routing_plan(
+    spec: ModelSpec, train: EngineRun, infer: EngineRun, rollout: bool
+) -> tuple[Selection | None, str | None]:
     """What a comparison captures besides logprobs, and why not more: (ROUTING, None) for a mixture-of-experts
     model in prompt mode when both engines' routing can be read without changing what they compute; else
     (None, the reason the summary gives for holding no routing), and (None, None) for a dense model."""
@@ -278,16 +411,23 @@ def routing_plan(spec: ModelSpec, train: EngineRun, infer: EngineRun,
 def finish_run(out: Path, record: dict, captures: dict[str, Capture], outputs: tuple[str, ...]) -> None:
     """Seal run.json (alignaudit.comparison.integrity.seal): complete, with what identifies each capture the run
     wrote and the sha256 of each of its ``outputs``."""
-    write_json(out / RUN, seal({**record, "captures": {role: capture_record(c) for role, c in captures.items()}},
-                               out, outputs))
+    write_json(
+        out / RUN, seal({**record, "captures": {role: capture_record(c) for role, c in captures.items()}}, out, outputs)
+    )
 
 
 def finish_diff(out: Path, train: Capture, infer: Capture, clip_eps: float) -> None:
     """The record of a ``diff`` directory, sealed: the two captures by path and manifest sha256 (so gate and
     report can check the comparison against them) and the sha256 of each output."""
-    record = {"command": "diff", "clip_eps": clip_eps, "model": {"name": train.manifest["model"]["name"]},
-              "captures": {role: {"path": str(c.path.resolve()), "manifest_sha256": manifest_sha256(c.path)}
-                           for role, c in (("train", train), ("infer", infer))}}
+    record = {
+        "command": "diff",
+        "clip_eps": clip_eps,
+        "model": {"name": train.manifest["model"]["name"]},
+        "captures": {
+            role: {"path": str(c.path.resolve()), "manifest_sha256": manifest_sha256(c.path)}
+            for role, c in (("train", train), ("infer", infer))
+        },
+    }
     write_json(out / RUN, seal(record, out, DIFF_OUTPUTS))
 
 
@@ -297,9 +437,11 @@ def attention_note(sides: dict) -> str | None:
     kernels = {role: side.get("strict_attention") for role, side in sides.items()}
     if None in kernels.values() or len(set(kernels.values())) < 2:
         return None
-    return (f"strict attention ran the {kernels['train']} kernel in the train capture and the {kernels['infer']} "
-            "kernel in the infer capture: two algorithms, whose bits differ by construction; capture both with one "
-            "--strict-attention")
+    return (
+        f"strict attention ran the {kernels['train']} kernel in the train capture and the {kernels['infer']} "
+        "kernel in the infer capture: two algorithms, whose bits differ by construction; capture both with one "
+        "--strict-attention"
+    )
 
 
 def _attention_kernel(engine_settings: dict) -> str | None:
@@ -316,11 +458,18 @@ def _side(c: Capture) -> dict:
 
     s = c.manifest["settings"]
     kind = KINDS.get(c.engine)
-    return {"engine": c.engine, "dtype": s["dtype"], "device": s["device"], "strict": s.get("strict", ""),
-            "strict_exp": c.manifest.get("engine_settings", {}).get("attention_exp"),
-            "strict_attention": _attention_kernel(c.manifest.get("engine_settings", {})),
-            "lm_head_dtype": s.get("lm_head_dtype", "model"), "capture": str(c.path), "options": s.get("options", {}),
-            "tensor_parallel_size": s.get("options", {}).get(kind.tp_option, 1) if kind and kind.tp_option else 1}
+    return {
+        "engine": c.engine,
+        "dtype": s["dtype"],
+        "device": s["device"],
+        "strict": s.get("strict", ""),
+        "strict_exp": c.manifest.get("engine_settings", {}).get("attention_exp"),
+        "strict_attention": _attention_kernel(c.manifest.get("engine_settings", {})),
+        "lm_head_dtype": s.get("lm_head_dtype", "model"),
+        "capture": str(c.path),
+        "options": s.get("options", {}),
+        "tensor_parallel_size": s.get("options", {}).get(kind.tp_option, 1) if kind and kind.tp_option else 1,
+    }
 
 
 def diff_ops(train: Capture, infer: Capture, selection: Selection | None = None) -> list[dict]:
@@ -354,8 +503,9 @@ def write_ops(records: list[dict], path: Path) -> None:
 
 
 @marks_failure
-def bisect(request: Request, out: Path, selection: Selection, mode: str = "both", stream_log: bool = False,
-           on_stage=None) -> dict:
+def bisect(
+    request: Request, out: Path, selection: Selection, mode: str = "both", stream_log: bool = False, on_stage=None
+) -> dict:
     """Capture canonical ops of both engines and compare them op by op.
 
     natural: both engines run freely; differences accumulate, and the first differing op is where they
@@ -388,8 +538,9 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
     captures = {"train": reference}
     for name, directory, ref in runs:
         stage(f"capturing ops of {infer.label()} (infer, {name})")
-        other = capture(spec, batch, infer, directory, role="infer", stream_log=stream_log, ops=selection,
-                        reference=ref)
+        other = capture(
+            spec, batch, infer, directory, role="infer", stream_log=stream_log, ops=selection, reference=ref
+        )
         captures["infer" if name == "natural" else "infer-forced"] = other
         records = diff_ops(reference, other, selection)
         write_ops(records, out / OPS_FILES[name])
@@ -408,8 +559,12 @@ def bisect(request: Request, out: Path, selection: Selection, mode: str = "both"
         overrides = (made or captures.get("infer-forced")).manifest.get("engine_settings", {}).get("capture_overrides")
         if not overrides:
             continue
-        entry = result.setdefault("as_configured", {})[role] = {"engine": run.engine, "overrides": overrides,
-                                                               "tokens": None, "mismatches": None}
+        entry = result.setdefault("as_configured", {})[role] = {
+            "engine": run.engine,
+            "overrides": overrides,
+            "tokens": None,
+            "mismatches": None,
+        }
         if made is None:  # forced mode only: its logprobs follow the forced inputs, nothing to compare them with
             continue
         stage(f"running {run.label()} ({role}) as configured, without op capture")

@@ -23,10 +23,33 @@ import pandas as pd
 # pair_class values of tokens.parquet (alignaudit.numerics.PairClass; docs/output.md)
 FINITE_DIFF, NAN_MISMATCH, INF_MISMATCH = 1, 2, 3
 
-WORDS = {"kl": "KL", "tv": "TV", "ulp": "ULP", "nan": "NaN", "inf": "Inf", "ess": "ESS", "eps": "eps", "is": "IS",
-         "p99": "p99", "p50": "p50", "max": "max", "min": "min", "std": "std", "mc": "MC", "js": "JS",
-         "topk": "top-k", "k1": "k1", "k2": "k2", "k3": "k3", "lp": "logprob", "ppo": "PPO",
-         "tis": "TIS", "mis": "MIS", "seq": "sequence", "frac": "fraction"}
+WORDS = {
+    "kl": "KL",
+    "tv": "TV",
+    "ulp": "ULP",
+    "nan": "NaN",
+    "inf": "Inf",
+    "ess": "ESS",
+    "eps": "eps",
+    "is": "IS",
+    "p99": "p99",
+    "p50": "p50",
+    "max": "max",
+    "min": "min",
+    "std": "std",
+    "mc": "MC",
+    "js": "JS",
+    "topk": "top-k",
+    "k1": "k1",
+    "k2": "k2",
+    "k3": "k3",
+    "lp": "logprob",
+    "ppo": "PPO",
+    "tis": "TIS",
+    "mis": "MIS",
+    "seq": "sequence",
+    "frac": "fraction",
+}
 
 
 def readable(key: str) -> str:
@@ -83,13 +106,19 @@ def generic_rows(section: Section, record: dict, prefix: str, skip: tuple[str, .
         if isinstance(value, dict):
             for sub, v in value.items():
                 if isinstance(v, dict):
-                    section.add(f"{readable(key)}: {readable(sub)}",
-                                ", ".join(f"{readable(k)} {number(x)}" for k, x in v.items()), f"{name}.{sub}")
+                    section.add(
+                        f"{readable(key)}: {readable(sub)}",
+                        ", ".join(f"{readable(k)} {number(x)}" for k, x in v.items()),
+                        f"{name}.{sub}",
+                    )
                 else:
                     section.add(f"{readable(key)}: {readable(sub)}", number(v), f"{name}.{sub}")
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            section.add(readable(key), "; ".join(", ".join(f"{readable(k)} {number(x)}" for k, x in v.items())
-                                                 for v in value), name)
+            section.add(
+                readable(key),
+                "; ".join(", ".join(f"{readable(k)} {number(x)}" for k, x in v.items()) for v in value),
+                name,
+            )
         else:
             section.add(readable(key), number(value), name)
 
@@ -102,29 +131,43 @@ def brief_importance(imp: dict) -> Section:
     """The importance diagnostics a terminal shows (alignaudit.comparison.importance; the rest stays in
     summary.json): the fractions of tokens and sequences each correction would truncate or mask at the run's
     thresholds, the effective sample size and the k1/k3 KL."""
-    s = Section("Importance weights", "importance",
-                note="every diagnostic: summary.json's importance (docs/rl-metrics.md)")
+    s = Section(
+        "Importance weights", "importance", note="every diagnostic: summary.json's importance (docs/rl-metrics.md)"
+    )
     scope = f" ({imp['scope']})" if imp.get("scope") else ""
-    rows = (("token_tis_fraction", f"tokens truncated, ratio > {imp.get('tis_threshold', '?'):g}{scope}"),
-            ("token_mask_fraction", f"tokens masked, ratio outside [{imp.get('mask_low', '?'):g}, "
-                                    f"{imp.get('mask_high', '?'):g}]"),
-            ("seq_mask_fraction", f"sequences masked, sequence ratio outside [{imp.get('mask_low', '?'):g}, "
-                                  f"{imp.get('mask_high', '?'):g}]"),
-            ("geo_mask_fraction", f"sequences masked, geometric mean outside [{imp.get('geo_mask_low', '?'):g}, "
-                                  f"{imp.get('geo_mask_high', '?'):g}]"))
+    rows = (
+        ("token_tis_fraction", f"tokens truncated, ratio > {imp.get('tis_threshold', '?'):g}{scope}"),
+        (
+            "token_mask_fraction",
+            f"tokens masked, ratio outside [{imp.get('mask_low', '?'):g}, {imp.get('mask_high', '?'):g}]",
+        ),
+        (
+            "seq_mask_fraction",
+            f"sequences masked, sequence ratio outside [{imp.get('mask_low', '?'):g}, {imp.get('mask_high', '?'):g}]",
+        ),
+        (
+            "geo_mask_fraction",
+            f"sequences masked, geometric mean outside [{imp.get('geo_mask_low', '?'):g}, "
+            f"{imp.get('geo_mask_high', '?'):g}]",
+        ),
+    )
     for key, label in rows:
         if key in imp:
             s.add(label, number(imp[key], ".2%") if imp[key] is not None else "-", f"importance.{key}")
     if "token_ess" in imp:
-        s.add("effective sample size, tokens / sequences",
-              f"{number(imp['token_ess'])} / {number(imp.get('seq_ess'))}", "importance.token_ess")
+        s.add(
+            "effective sample size, tokens / sequences",
+            f"{number(imp['token_ess'])} / {number(imp.get('seq_ess'))}",
+            "importance.token_ess",
+        )
     if "kl_k1" in imp:
         s.add("KL k1 / k3", f"{number(imp['kl_k1'])} / {number(imp.get('kl_k3'))}", "importance.kl_k3")
     return s
 
 
-def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram: bool = True,
-                     brief: bool = False) -> list[Section]:
+def summary_sections(
+    summary: dict, buckets: list[dict] | None = None, histogram: bool = True, brief: bool = False
+) -> list[Section]:
     """summary.json as the sections a report shows (module docstring). ``buckets``: ``ulp_buckets`` of the
     tokens table (shown in Alignment as the non-empty log2 buckets); without them the summary's fixed buckets;
     ``histogram=False``: neither (a page that draws the histogram). ``brief`` (the terminal): of the importance
@@ -133,9 +176,15 @@ def summary_sections(summary: dict, buckets: list[dict] | None = None, histogram
     Raises:
         KeyError: the summary lacks tokens_compared or mismatches (callers check SUMMARY_FIELDS first).
     """
-    sections = (_alignment_section(summary, buckets, histogram), _rl_section(summary.get("rl")),
-                _importance_section(summary, brief), _vocab_section(summary), _routing_section(summary),
-                _repeats_section(summary), _generated_section(summary))
+    sections = (
+        _alignment_section(summary, buckets, histogram),
+        _rl_section(summary.get("rl")),
+        _importance_section(summary, brief),
+        _vocab_section(summary),
+        _routing_section(summary),
+        _repeats_section(summary),
+        _generated_section(summary),
+    )
     return [s for s in sections if s is not None]
 
 
@@ -150,15 +199,24 @@ def _alignment_section(summary: dict, buckets: list[dict] | None, histogram: boo
     if summary.get("mismatch_fraction") is not None:
         a.add("mismatch fraction", f"{summary['mismatch_fraction']:.2%}", "mismatch_fraction")
     if "ulp_max" in summary:
-        a.add("ULP (fp32) max / median / p99", f"{number(summary['ulp_max'])} / {number(summary.get('ulp_median'))} "
-              f"/ {number(summary.get('ulp_p99'))}", "ulp_max")
+        a.add(
+            "ULP (fp32) max / median / p99",
+            f"{number(summary['ulp_max'])} / {number(summary.get('ulp_median'))} / {number(summary.get('ulp_p99'))}",
+            "ulp_max",
+        )
     if "max_abs_diff" in summary:
-        a.add("max |d logprob|", number(summary["max_abs_diff"], ".3e") if summary["max_abs_diff"] is not None
-              else "-", "max_abs_diff")
+        a.add(
+            "max |d logprob|",
+            number(summary["max_abs_diff"], ".3e") if summary["max_abs_diff"] is not None else "-",
+            "max_abs_diff",
+        )
     if "mean_abs_diff" in summary:
-        a.add("mean |d| / mean d (signed)", f"{number(summary['mean_abs_diff'])} / "
-              f"{number(summary.get('mean_diff'), '+.3e') if summary.get('mean_diff') is not None else '-'}",
-              "mean_abs_diff")
+        a.add(
+            "mean |d| / mean d (signed)",
+            f"{number(summary['mean_abs_diff'])} / "
+            f"{number(summary.get('mean_diff'), '+.3e') if summary.get('mean_diff') is not None else '-'}",
+            "mean_abs_diff",
+        )
     if not histogram:
         pass
     elif buckets is not None:
@@ -168,12 +226,18 @@ def _alignment_section(summary: dict, buckets: list[dict] | None, histogram: boo
         a.add("ULP histogram", "  ".join(f"{k}: {v}" for k, v in summary["ulp_histogram"].items()), "ulp_histogram")
     nan, inf = summary.get("nan_tokens"), summary.get("inf_tokens")
     if nan is not None or inf is not None:
-        specials = [(kind, counts) for kind, counts in (("NaN", nan), ("Inf", inf))
-                    if counts and (counts.get("train") or counts.get("infer"))]
+        specials = [
+            (kind, counts)
+            for kind, counts in (("NaN", nan), ("Inf", inf))
+            if counts and (counts.get("train") or counts.get("infer"))
+        ]
         if specials:
             for kind, c in specials:
-                a.add(f"{kind} logprobs train / infer / both", f"{c.get('train')} / {c.get('infer')} / {c.get('both')}",
-                      f"{kind.lower()}_tokens")
+                a.add(
+                    f"{kind} logprobs train / infer / both",
+                    f"{c.get('train')} / {c.get('infer')} / {c.get('both')}",
+                    f"{kind.lower()}_tokens",
+                )
         else:
             a.add("NaN / Inf logprobs", "none", "")
     if summary.get("nan_mismatches") or summary.get("inf_mismatches"):
@@ -185,23 +249,41 @@ def _alignment_section(summary: dict, buckets: list[dict] | None, histogram: boo
 def _rl_section(rl: dict | None) -> Section | None:
     if rl:
         s = Section("RL impact", "rl-impact")
-        known = ("clip_eps", "ratio_min", "ratio_max", "clip_fraction", "token_mult_prob_error", "prob_diff_max",
-                 "prob_diff_mean", "kl_k3_mean", "importance")
+        known = (
+            "clip_eps",
+            "ratio_min",
+            "ratio_max",
+            "clip_fraction",
+            "token_mult_prob_error",
+            "prob_diff_max",
+            "prob_diff_mean",
+            "kl_k3_mean",
+            "importance",
+        )
         if "ratio_min" in rl or "ratio_max" in rl:
             s.add("importance ratio exp(d) min .. max", _ratio_range(rl), "rl.ratio_max")
         if "clip_fraction" in rl:
             eps = rl.get("clip_eps")
             where = f" outside [{1 - eps:g}, {1 + eps:g}]" if eps is not None else ""
-            s.add(f"clip fraction{where}", number(rl["clip_fraction"], ".2%") if rl["clip_fraction"] is not None
-                  else "-", "rl.clip_fraction")
+            s.add(
+                f"clip fraction{where}",
+                number(rl["clip_fraction"], ".2%") if rl["clip_fraction"] is not None else "-",
+                "rl.clip_fraction",
+            )
         if "kl_k3_mean" in rl:
             s.add("KL k3 (infer || train), mean", number(rl["kl_k3_mean"]), "rl.kl_k3_mean")
         if "token_mult_prob_error" in rl:
-            s.add("token_mult_prob_error", number(rl["token_mult_prob_error"], ".9f")
-                  if rl["token_mult_prob_error"] is not None else "-", "rl.token_mult_prob_error")
+            s.add(
+                "token_mult_prob_error",
+                number(rl["token_mult_prob_error"], ".9f") if rl["token_mult_prob_error"] is not None else "-",
+                "rl.token_mult_prob_error",
+            )
         if "prob_diff_max" in rl:
-            s.add("|p_train - p_infer| max / mean", f"{number(rl['prob_diff_max'])} / "
-                  f"{number(rl.get('prob_diff_mean'))}", "rl.prob_diff_max")
+            s.add(
+                "|p_train - p_infer| max / mean",
+                f"{number(rl['prob_diff_max'])} / {number(rl.get('prob_diff_mean'))}",
+                "rl.prob_diff_max",
+            )
         generic_rows(s, rl, "rl", known)
         return s
     return None
@@ -235,20 +317,33 @@ def _routing_section(summary: dict) -> Section | None:
         s = Section("Routing (MoE)", "routing")
         for r in summary.get("routing") or ():
             agree = f" ({r['agreement']:.1%} agree)" if r.get("agreement") is not None else ""
-            s.add(f"layer {r.get('layer')}", f"{r.get('rerouted')} of {r.get('tokens')} positions rerouted{agree}",
-                  f"routing.{r.get('layer')}")
+            s.add(
+                f"layer {r.get('layer')}",
+                f"{r.get('rerouted')} of {r.get('tokens')} positions rerouted{agree}",
+                f"routing.{r.get('layer')}",
+            )
         if replay:  # compare --replay-routing: the trainer's own routing -> the rollout engine's, replayed
-            s.add("rerouted tokens, own -> replayed routing",
-                  f"{replay['rerouted_before']} -> {replay['rerouted_after']}", "routing_replay.rerouted_after")
-            s.add("mismatching tokens, own -> replayed routing",
-                  f"{replay['mismatches_before']} -> {replay['mismatches_after']} of {replay['tokens_compared']}",
-                  "routing_replay.mismatches_after")
-            s.add("max ULP / max |d|, own -> replayed routing",
-                  f"{number(replay['ulp_max_before'])} -> {number(replay['ulp_max_after'])} / "
-                  f"{number(replay['max_abs_diff_before'])} -> {number(replay['max_abs_diff_after'])}",
-                  "routing_replay.ulp_max_after")
-            s.add("train logprobs the replay changed", str(replay["tokens_changed_by_replay"]),
-                  "routing_replay.tokens_changed_by_replay")
+            s.add(
+                "rerouted tokens, own -> replayed routing",
+                f"{replay['rerouted_before']} -> {replay['rerouted_after']}",
+                "routing_replay.rerouted_after",
+            )
+            s.add(
+                "mismatching tokens, own -> replayed routing",
+                f"{replay['mismatches_before']} -> {replay['mismatches_after']} of {replay['tokens_compared']}",
+                "routing_replay.mismatches_after",
+            )
+            s.add(
+                "max ULP / max |d|, own -> replayed routing",
+                f"{number(replay['ulp_max_before'])} -> {number(replay['ulp_max_after'])} / "
+                f"{number(replay['max_abs_diff_before'])} -> {number(replay['max_abs_diff_after'])}",
+                "routing_replay.ulp_max_after",
+            )
+            s.add(
+                "train logprobs the replay changed",
+                str(replay["tokens_changed_by_replay"]),
+                "routing_replay.tokens_changed_by_replay",
+            )
         return s
     if summary.get("routing_note"):
         return Section("Routing (MoE)", "routing", note=f"not read: {summary['routing_note']}")
@@ -259,13 +354,18 @@ def _repeats_section(summary: dict) -> Section | None:
     if summary.get("repeats"):
         s = Section("Repeats (each engine against its first run)", "repeats")
         for role, r in summary["repeats"].items():
-            s.add(f"{role} engine, {r.get('runs')} runs",
-                  f"{r.get('repeats_differing')} of {(r.get('runs') or 1) - 1} repeats differ; max ULP "
-                  f"{number(r.get('ulp_max'))}", f"repeats.{role}")
+            s.add(
+                f"{role} engine, {r.get('runs')} runs",
+                f"{r.get('repeats_differing')} of {(r.get('runs') or 1) - 1} repeats differ; max ULP "
+                f"{number(r.get('ulp_max'))}",
+                f"repeats.{role}",
+            )
             for p in r.get("per_repeat") or ():
-                s.add(f"{role} repeat {p.get('repeat')} ({p.get('kind')}, batch of {p.get('batch_size')})",
-                      f"{p.get('mismatches')} of {p.get('tokens')} tokens differ, max ULP {number(p.get('ulp_max'))}",
-                      "")
+                s.add(
+                    f"{role} repeat {p.get('repeat')} ({p.get('kind')}, batch of {p.get('batch_size')})",
+                    f"{p.get('mismatches')} of {p.get('tokens')} tokens differ, max ULP {number(p.get('ulp_max'))}",
+                    "",
+                )
         return s
     return None
 
@@ -274,9 +374,12 @@ def _generated_section(summary: dict) -> Section | None:
     g = summary.get("generated")
     if g:
         s = Section("Generated tokens only (rollout)", "generated")
-        s.add("mismatches (bitwise)", f"{g['mismatches']} of {g['tokens_compared']}"
-              + (f" ({g['mismatch_fraction']:.2%})" if g.get("mismatch_fraction") is not None else ""),
-              "generated.mismatches")
+        s.add(
+            "mismatches (bitwise)",
+            f"{g['mismatches']} of {g['tokens_compared']}"
+            + (f" ({g['mismatch_fraction']:.2%})" if g.get("mismatch_fraction") is not None else ""),
+            "generated.mismatches",
+        )
         s.add("ULP max / median", f"{number(g.get('ulp_max'))} / {number(g.get('ulp_median'))}", "generated.ulp_max")
         s.add("max |d logprob|", number(g.get("max_abs_diff")), "generated.max_abs_diff")
         grl = g.get("rl") or {}
@@ -291,12 +394,16 @@ def side_label(side: dict) -> str:
     """``engine (dtype, device, strict ..., TP=n, options)`` of one side of a comparison (its run.json record), plain
     text; what a side's record lacks (a rollout file's dtype and device) is left out, and a long option is shortened
     (option_text)."""
-    parts = [side.get("dtype"), side.get("device"), f"strict {side['strict']}" if side.get("strict") else None,
-             f"{side['strict_exp']} exp" if side.get("strict_exp") not in (None, "portable") else None,
-             "flash attention" if side.get("strict_attention") == "flash" else None,
-             "fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else None,
-             f"TP={side['tensor_parallel_size']}" if side.get("tensor_parallel_size", 1) != 1 else None,
-             *(option_text(k, v) for k, v in (side.get("options") or {}).items())]
+    parts = [
+        side.get("dtype"),
+        side.get("device"),
+        f"strict {side['strict']}" if side.get("strict") else None,
+        f"{side['strict_exp']} exp" if side.get("strict_exp") not in (None, "portable") else None,
+        "flash attention" if side.get("strict_attention") == "flash" else None,
+        "fp32 lm_head" if side.get("lm_head_dtype") == "fp32" else None,
+        f"TP={side['tensor_parallel_size']}" if side.get("tensor_parallel_size", 1) != 1 else None,
+        *(option_text(k, v) for k, v in (side.get("options") or {}).items()),
+    ]
     shown = ", ".join(str(part) for part in parts if part)
     engine = side.get("engine", "?")
     return f"{engine} ({shown})" if shown else engine
@@ -310,7 +417,7 @@ def option_text(key: str, value, limit: int = 60) -> str:
         return text
     if isinstance(value, (list, tuple)) and value:
         return f"{key}=[{value[0]}, ..., {value[-1]}] ({len(value)} items)"
-    return text[:limit - 1] + "…"
+    return text[: limit - 1] + "…"
 
 
 def bucket_label(k: int) -> str:
@@ -347,8 +454,15 @@ def ulp_buckets(tokens: pd.DataFrame) -> tuple[list[dict], dict[str, int]]:
     finite = cls <= FINITE_DIFF
     idx = bucket_of(tokens["ulp"].to_numpy()[finite])
     counts = np.bincount(idx, minlength=int(idx.max()) + 1 if len(idx) else 1)
-    buckets = [{"label": bucket_label(k), "lo": 0 if k == 0 else 2 ** (k - 1), "hi": 0 if k == 0 else 2**k - 1,
-                "count": int(c)} for k, c in enumerate(counts)]
+    buckets = [
+        {
+            "label": bucket_label(k),
+            "lo": 0 if k == 0 else 2 ** (k - 1),
+            "hi": 0 if k == 0 else 2**k - 1,
+            "count": int(c),
+        }
+        for k, c in enumerate(counts)
+    ]
     special = {"NaN mismatch": int((cls == NAN_MISMATCH).sum()), "Inf mismatch": int((cls == INF_MISMATCH).sum())}
     return buckets, special
 

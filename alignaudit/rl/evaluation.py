@@ -54,9 +54,15 @@ class HeldOut:
 
     def record(self) -> dict:
         """run.json's ``eval``: the source, count and digest of the prompts, the schedule, the overlap."""
-        return {"source": self.batch.source, "prompts": len(self.batch.sequences), "digest": self.batch.digest(),
-                "every": self.every, "overlap_with_training": self.overlap, "overlap_by": self.overlap_by,
-                "greedy": True}
+        return {
+            "source": self.batch.source,
+            "prompts": len(self.batch.sequences),
+            "digest": self.batch.digest(),
+            "every": self.every,
+            "overlap_with_training": self.overlap,
+            "overlap_by": self.overlap_by,
+            "greedy": True,
+        }
 
 
 def held_out(batch: TokenBatch | None, every: int, training: TokenBatch, task: bool, question=None) -> HeldOut | None:
@@ -68,8 +74,10 @@ def held_out(batch: TokenBatch | None, every: int, training: TokenBatch, task: b
     """
     if batch is None:
         if every:
-            raise InputError(f"--eval-every {every} scores held-out prompts, and none were given: add --eval-prompts "
-                             "FILE, or use --reward task (its own held-out questions)")
+            raise InputError(
+                f"--eval-every {every} scores held-out prompts, and none were given: add --eval-prompts "
+                "FILE, or use --reward task (its own held-out questions)"
+            )
         return None
     key = question or tuple
     trained = {key(seq) for seq in training.sequences}
@@ -114,23 +122,26 @@ def evaluate(step: int, held: HeldOut, rollout, sampling: dict, reward, out: Pat
     greedy = {**sampling, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "group_size": 1}
     rolled = rollout.call("rollout", prompts=prompts, sampling=greedy)
     sequences = rolled["sequences"]
-    completions = [s[len(p):] for s, p in zip(sequences, prompts, strict=True)]
+    completions = [s[len(p) :] for s, p in zip(sequences, prompts, strict=True)]
     columns = {name: list(values) for name, values in held.batch.columns.items()}
     when = "before step 1" if step == 0 else f"after step {step}"
     rewards = reward(prompts, completions, step, columns, f"the held-out evaluation {when}")
-    rows = pd.DataFrame({
-        "step": np.full(len(prompts), step, dtype=np.int64),
-        "prompt": np.arange(len(prompts), dtype=np.int64),
-        "prompt_ids": prompts,
-        "completion_ids": completions,
-        "completion": [reward.decode(c) if reward.decode else "" for c in completions],
-        "reward": np.asarray(rewards, dtype=np.float64),
-        "correct": [r == 1.0 for r in rewards] if held.accuracy else [None] * len(prompts),
-    })
+    rows = pd.DataFrame(
+        {
+            "step": np.full(len(prompts), step, dtype=np.int64),
+            "prompt": np.arange(len(prompts), dtype=np.int64),
+            "prompt_ids": prompts,
+            "completion_ids": completions,
+            "completion": [reward.decode(c) if reward.decode else "" for c in completions],
+            "reward": np.asarray(rewards, dtype=np.float64),
+            "correct": [r == 1.0 for r in rewards] if held.accuracy else [None] * len(prompts),
+        }
+    )
     (out / EVAL_DIR).mkdir(exist_ok=True)
     rows.to_parquet(out / EVAL_DIR / EVAL_ROWS.format(step=step), index=False)
     return summarize(rows, sampling["max_new_tokens"], held.accuracy) | {
-        "seconds": round(time.perf_counter() - started, 3)}
+        "seconds": round(time.perf_counter() - started, 3)
+    }
 
 
 def summary_table(rows: list[dict]) -> pd.DataFrame:

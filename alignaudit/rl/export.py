@@ -39,8 +39,10 @@ def check_sinks(names: tuple[str, ...]) -> tuple[str, ...]:
         try:
             importlib.import_module(SINKS[name])
         except ImportError:
-            raise InputError(f"--log-to {name}: the {SINKS[name]} package is not installed; run "
-                             f"`pip install {SINKS[name]}` (or drop {name} from --log-to)") from None
+            raise InputError(
+                f"--log-to {name}: the {SINKS[name]} package is not installed; run "
+                f"`pip install {SINKS[name]}` (or drop {name} from --log-to)"
+            ) from None
     return names
 
 
@@ -74,8 +76,13 @@ class StepExport:
                 import wandb
 
                 self.writers["wandb"] = wandb.init(  # writes RUN/wandb/offline-run-*
-                    mode="offline", dir=str(out), project="alignaudit", name=out.name, config=config,
-                    settings=wandb.Settings(console="off", silent=True))
+                    mode="offline",
+                    dir=str(out),
+                    project="alignaudit",
+                    name=out.name,
+                    config=config,
+                    settings=wandb.Settings(console="off", silent=True),
+                )
         except BaseException:
             self.close()
             raise

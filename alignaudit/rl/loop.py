@@ -78,13 +78,23 @@ from alignaudit.rl.step_prompts import StepPrompts, prompts_digest
 from alignaudit.rl.user_reward import UserReward, reward_name
 from alignaudit.workers.session import Session
 
-DIGESTS = {"file": "sha256 of the sorted {name: sha256 of the tensor's bytes} (trainer side)",
-           "cuda_ipc": "weight_transfer.fingerprint of the rollout engine's weights after loading (GPU)"}
+DIGESTS = {
+    "file": "sha256 of the sorted {name: sha256 of the tensor's bytes} (trainer side)",
+    "cuda_ipc": "weight_transfer.fingerprint of the rollout engine's weights after loading (GPU)",
+}
 
 
 @marks_failure
-def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=None,
-           memory: MemoryPlan | None = None, held: HeldOut | None = None, on_eval=None) -> pd.DataFrame:
+def run_rl(
+    request: Request,
+    rl: RLSettings,
+    out: Path,
+    on_step=None,
+    on_stage=None,
+    memory: MemoryPlan | None = None,
+    held: HeldOut | None = None,
+    on_eval=None,
+) -> pd.DataFrame:
     """Run the loop into ``out`` (see the module docstring); returns the steps table. ``memory``: the
     estimate of alignaudit.rl.memory.rl_plan (CUDA), recorded, its optimizer offload given to the trainer. ``held``:
     the held-out prompts (rl.request.rl_request), scored as alignaudit.rl.evaluation says; ``on_eval(row)`` after each.
@@ -95,8 +105,13 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
     """
     started = time.monotonic()
     settings = {f.name: getattr(rl, f.name) for f in fields(rl)}  # not asdict: it deep-copies a callable reward
-    record = {**request.record("rl"), "rl": {**settings, "reward": reward_name(rl.reward)}, "status": "running",
-              "memory_plan": memory.record() if memory else None, "eval": held.record() if held else None}
+    record = {
+        **request.record("rl"),
+        "rl": {**settings, "reward": reward_name(rl.reward)},
+        "status": "running",
+        "memory_plan": memory.record() if memory else None,
+        "eval": held.record() if held else None,
+    }
     (out / RUN).write_text(json.dumps(record, indent=2, default=str) + "\n")
     (out / SYNC_DIR).mkdir(exist_ok=True)
     if rl.token_rows:
@@ -108,17 +123,28 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
     export = StepExport(tuple(rl.log_to), out, record) if rl.log_to else None
     try:
         stage(f"starting {request.train.label()} (trainer) and {request.infer.label()} (rollout)")
-        trainer = _session(sessions, request, "trainer", out / TRAIN_LOG, lr=rl.lr, clip_grad=rl.clip_grad,
-                           offload_fraction=memory.offload_fraction if memory else 0.0, kl_coef=rl.kl_coef)
+        trainer = _session(
+            sessions,
+            request,
+            "trainer",
+            out / TRAIN_LOG,
+            lr=rl.lr,
+            clip_grad=rl.clip_grad,
+            offload_fraction=memory.offload_fraction if memory else 0.0,
+            kl_coef=rl.kl_coef,
+        )
         rollout = _session(sessions, request, "rollout", out / INFER_LOG)
         draw = StepPrompts(len(request.batch.sequences), rl.prompts_per_step, request.rollout.seed)
         repeats = rl.group_size // request.rollout.group_size  # one request per prompt with n = G, or G requests
-        rollout.call("start", **_engine_size(request, draw.per_step, repeats, held),
-                     engine_mode=request.rollout.engine_mode)
+        rollout.call(
+            "start", **_engine_size(request, draw.per_step, repeats, held), engine_mode=request.rollout.engine_mode
+        )
         first = [list(request.batch.sequences[i]) for i in draw.peek() for _ in range(repeats)]
         replay = _replay(request, first)
-        record["engines"] = {"train": trainer.call("settings", replay=replay)["settings"],
-                             "infer": rollout.call("settings")["settings"]}
+        record["engines"] = {
+            "train": trainer.call("settings", replay=replay)["settings"],
+            "infer": rollout.call("settings")["settings"],
+        }
         how = transport(request)
         record["weight_sync"] = {"transport": how, "digest": DIGESTS[how]}
         record["initial_sync"] = _sync(trainer, rollout, out, how)
@@ -133,8 +159,9 @@ def run_rl(request: Request, rl: RLSettings, out: Path, on_step=None, on_stage=N
             prompts, columns = _step_prompts(request, chosen, repeats)
             replay = _replay(request, prompts)
             row = _step(step, request, rl, reward, columns, trainer, rollout, prompts, replay, out, how)
-            rows.append({**row, "epoch": epoch,
-                         "prompts_digest": prompts_digest([request.batch.sequences[i] for i in chosen])})
+            rows.append(
+                {**row, "epoch": epoch, "prompts_digest": prompts_digest([request.batch.sequences[i] for i in chosen])}
+            )
             steps = pd.DataFrame(rows)
             steps.to_parquet(out / STEPS, index=False)
             if export:
@@ -191,14 +218,24 @@ def _seal(request: Request, out: Path, record: dict, steps: pd.DataFrame, evals:
 
     title = f"{request.spec.name}: {request.train.label()} vs {request.infer.label()}"
     plot_steps(steps, out / PLOT, evals, title=title)
-    (out / RUN).write_text(json.dumps(seal(record, out, (STEPS, TOKENS_DIR, PLOT, STEP_VOCAB_DIR, EVAL, EVAL_DIR)),
-                                      indent=2, default=str) + "\n")
+    (out / RUN).write_text(
+        json.dumps(seal(record, out, (STEPS, TOKENS_DIR, PLOT, STEP_VOCAB_DIR, EVAL, EVAL_DIR)), indent=2, default=str)
+        + "\n"
+    )
 
 
 def _session(sessions: list, request: Request, role: str, log: Path, **extra) -> Session:
     run = request.train if role == "trainer" else request.infer
-    session = Session({"role": role, "engine": run.engine, "spec": request.spec.to_dict(),
-                       "settings": run.settings.to_dict(), **extra}, log)
+    session = Session(
+        {
+            "role": role,
+            "engine": run.engine,
+            "spec": request.spec.to_dict(),
+            "settings": run.settings.to_dict(),
+            **extra,
+        },
+        log,
+    )
     sessions.append(session)
     return session
 
@@ -222,9 +259,16 @@ def _sync(trainer: Session, rollout: Session, out: Path, how: str) -> dict:
         differing, digest, tensors = loaded["differing"], loaded["digest"], loaded["tensors"]
     diverged = exported.get("replicas_diverged", [])
     update = loaded["update"]
-    return {"bit_equal": not differing and not loaded["stale"] and not diverged, "transport": how,
-            "tensors": tensors, "differing": differing, "stale_packed": loaded["stale"],
-            "replicas_diverged": diverged, "weights_digest": digest, **update}
+    return {
+        "bit_equal": not differing and not loaded["stale"] and not diverged,
+        "transport": how,
+        "tensors": tensors,
+        "differing": differing,
+        "stale_packed": loaded["stale"],
+        "replicas_diverged": diverged,
+        "weights_digest": digest,
+        **update,
+    }
 
 
 def _step_prompts(request: Request, chosen: list[int], repeats: int) -> tuple[list[list[int]], dict[str, list]]:
@@ -232,8 +276,9 @@ def _step_prompts(request: Request, chosen: list[int], repeats: int) -> tuple[li
     the prompt file's columns, one value per completion the rollout returns (a request's ``group_size`` in turn)."""
     prompts = [list(request.batch.sequences[i]) for i in chosen for _ in range(repeats)]
     per_prompt = repeats * request.rollout.group_size
-    columns = {name: [values[i] for i in chosen for _ in range(per_prompt)]
-               for name, values in request.batch.columns.items()}
+    columns = {
+        name: [values[i] for i in chosen for _ in range(per_prompt)] for name, values in request.batch.columns.items()
+    }
     return prompts, columns
 
 
@@ -243,13 +288,18 @@ def _engine_size(request: Request, per_step: int, repeats: int, held: HeldOut | 
     and the held-out evaluation (one greedy completion per prompt)."""
     new, group = request.rollout.max_new_tokens, request.rollout.group_size
     longest = sorted((len(p) for p in request.batch.sequences), reverse=True)[:per_step]
-    size = {"max_len": longest[0] + new, "max_seqs": per_step * repeats * group,
-            "total_tokens": group * repeats * (sum(longest) + per_step * new)}
+    size = {
+        "max_len": longest[0] + new,
+        "max_seqs": per_step * repeats * group,
+        "total_tokens": group * repeats * (sum(longest) + per_step * new),
+    }
     if held:
         lengths = [len(p) for p in held.batch.sequences]
-        size = {"max_len": max(size["max_len"], max(lengths) + new),
-                "max_seqs": max(size["max_seqs"], len(lengths)),
-                "total_tokens": max(size["total_tokens"], sum(lengths) + len(lengths) * new)}
+        size = {
+            "max_len": max(size["max_len"], max(lengths) + new),
+            "max_seqs": max(size["max_seqs"], len(lengths)),
+            "total_tokens": max(size["total_tokens"], sum(lengths) + len(lengths) * new),
+        }
     return size
 
 
@@ -269,18 +319,31 @@ def _replay(request: Request, prompts: list) -> dict | None:
     return Replay.of(request.rollout.to_dict(), _prompt_lengths(request, prompts)).to_dict()
 
 
-def _step(step: int, request: Request, rl: RLSettings, reward, columns: dict, trainer: Session, rollout: Session,
-          prompts: list, replay: dict | None, out: Path, how: str) -> dict:
+def _step(
+    step: int,
+    request: Request,
+    rl: RLSettings,
+    reward,
+    columns: dict,
+    trainer: Session,
+    rollout: Session,
+    prompts: list,
+    replay: dict | None,
+    out: Path,
+    how: str,
+) -> dict:
     t0 = time.perf_counter()
     sampling = request.rollout.to_dict()
     prompt_lengths = _prompt_lengths(request, prompts)
-    rows = {side: str(out / STEP_VOCAB_DIR / STEP_VOCAB_ROWS.format(step=step, side=side))
-            for side in ("train", "infer")}
+    rows = {
+        side: str(out / STEP_VOCAB_DIR / STEP_VOCAB_ROWS.format(step=step, side=side)) for side in ("train", "infer")
+    }
 
     def spec(side: str) -> dict | None:  # where a worker writes its rows (rl --full-vocab)
         if not rl.full_vocab:
             return None
         return {"path": rows[side], "tensor": STEP_VOCAB_TENSOR, "prompt_lengths": prompt_lengths}
+
     rolled = rollout.call("rollout", prompts=prompts, sampling=sampling, vocab_rows=spec("infer"))
     rollout_s = time.perf_counter() - t0
     sleep = rollout.call("sleep", level=rl.sleep_level) if rl.sleep_level else None  # timed apart: sleep_s
@@ -295,12 +358,24 @@ def _step(step: int, request: Request, rl: RLSettings, reward, columns: dict, tr
         vocab["vocab_s"] = round(time.perf_counter() - t2, 3)  # reading and measuring the rows, apart from update_s
         t2 = time.perf_counter()
     summary = summarize_tokens(tokens, request.clip_eps, request.importance)
-    rewards = reward([s[:p] for s, p in zip(sequences, prompt_lengths, strict=True)],
-                     [s[p:] for s, p in zip(sequences, prompt_lengths, strict=True)], step, columns, f"step {step}")
+    rewards = reward(
+        [s[:p] for s, p in zip(sequences, prompt_lengths, strict=True)],
+        [s[p:] for s, p in zip(sequences, prompt_lengths, strict=True)],
+        step,
+        columns,
+        f"step {step}",
+    )
     advantages = group_advantages(rewards, rl.group_size)
-    rollout_gen = [lp[p - 1:] for lp, p in zip(rolled["logprobs"], prompt_lengths, strict=True)]
-    update = trainer.call("train_step", sequences=sequences, prompt_lengths=prompt_lengths, advantages=advantages,
-                          rollout_logprobs=rollout_gen, clip_eps=request.clip_eps, replay=replay)
+    rollout_gen = [lp[p - 1 :] for lp, p in zip(rolled["logprobs"], prompt_lengths, strict=True)]
+    update = trainer.call(
+        "train_step",
+        sequences=sequences,
+        prompt_lengths=prompt_lengths,
+        advantages=advantages,
+        rollout_logprobs=rollout_gen,
+        clip_eps=request.clip_eps,
+        replay=replay,
+    )
     t3 = time.perf_counter()
     wake = rollout.call("wake_up") if rl.sleep_level else None  # timed apart: wake_s
     sync_started = time.perf_counter()
@@ -330,15 +405,21 @@ def _step(step: int, request: Request, rl: RLSettings, reward, columns: dict, tr
         **importance_columns(summary["importance"]),
         **vocab,
         "reward_mean": float(np.mean(rewards)),
-        **_shape_columns(sequences, prompt_lengths, request.rollout.max_new_tokens, rolled["prefix_cache_hits"],
-                         rolled.get("arrivals")),
+        **_shape_columns(
+            sequences,
+            prompt_lengths,
+            request.rollout.max_new_tokens,
+            rolled["prefix_cache_hits"],
+            rolled.get("arrivals"),
+        ),
         **_sleep_columns(sleep, wake),
         "loss": update["loss"],
         **({"kl_ref": update["kl_ref"]} if update["kl_ref"] is not None else {}),
         "grad_norm": update["grad_norm"],
         "train_clip_fraction": update["clip_fraction"],
-        "train_forward_equal": bool(np.array_equal(forward.view(np.int32),
-                                                   tokens["lp_train"].to_numpy(dtype=np.float32).view(np.int32))),
+        "train_forward_equal": bool(
+            np.array_equal(forward.view(np.int32), tokens["lp_train"].to_numpy(dtype=np.float32).view(np.int32))
+        ),
         "sync_bit_equal": sync["bit_equal"],
         "sync_tensors_differing": len(sync["differing"]),
         "sync_stale_packed": len(sync["stale_packed"]),
@@ -356,19 +437,23 @@ def _step(step: int, request: Request, rl: RLSettings, reward, columns: dict, tr
     }
 
 
-def _shape_columns(sequences: list, prompt_lengths: list, max_new_tokens: int, prefix_cache_hits,
-                   arrivals: dict | None) -> dict:
+def _shape_columns(
+    sequences: list, prompt_lengths: list, max_new_tokens: int, prefix_cache_hits, arrivals: dict | None
+) -> dict:
     """The rollout's shape, measured: completion lengths (tokens), how many completions ended before
     ``max_new_tokens`` (at EOS or a stop token), the prompt tokens the engine read from its prefix cache (vLLM's
     count; None where the engine reports none) and, in --engine-mode async, how the requests arrived
     (async_rollout.Arrivals: those submitted while an earlier one was still running, the most running at once;
     None offline)."""
     lengths = [len(s) - p for s, p in zip(sequences, prompt_lengths, strict=True)]
-    return {"completion_len_mean": float(np.mean(lengths)), "completion_len_min": int(min(lengths)),
-            "completions_ended_early": sum(n < max_new_tokens for n in lengths),
-            "prefix_cache_hits": prefix_cache_hits,
-            "arrived_while_running": arrivals["arrived_while_running"] if arrivals else None,
-            "max_running_requests": arrivals["max_running"] if arrivals else None}
+    return {
+        "completion_len_mean": float(np.mean(lengths)),
+        "completion_len_min": int(min(lengths)),
+        "completions_ended_early": sum(n < max_new_tokens for n in lengths),
+        "prefix_cache_hits": prefix_cache_hits,
+        "arrived_while_running": arrivals["arrived_while_running"] if arrivals else None,
+        "max_running_requests": arrivals["max_running"] if arrivals else None,
+    }
 
 
 def _sleep_columns(sleep: dict | None, wake: dict | None) -> dict:
@@ -376,8 +461,12 @@ def _sleep_columns(sleep: dict | None, wake: dict | None) -> dict:
     each took; nothing when the engine does not sleep."""
     if sleep is None:
         return {}
-    return {"sleep_freed_gib": sleep["freed_bytes"] / 2**30, "sleep_s": sleep["seconds"],
-            "wake_taken_gib": wake["taken_bytes"] / 2**30, "wake_s": wake["seconds"]}
+    return {
+        "sleep_freed_gib": sleep["freed_bytes"] / 2**30,
+        "sleep_s": sleep["seconds"],
+        "wake_taken_gib": wake["taken_bytes"] / 2**30,
+        "wake_s": wake["seconds"],
+    }
 
 
 def _vocab(step: int, tokens: pd.DataFrame, rows: dict, vocab_size: int, keep: bool) -> tuple[pd.DataFrame, dict]:
@@ -402,9 +491,11 @@ def _vocab(step: int, tokens: pd.DataFrame, rows: dict, vocab_size: int, keep: b
         bad = record["row_token_mismatches"][side]
         if bad:
             first = tokens.loc[~tokens[f"vocab_row_matches_{side}"]].iloc[0]
-            raise EngineError(f"step {step}: {bad} of the {engine}'s full-vocabulary rows do not hold the logprob it "
-                              f"recorded for their token (first: seq {first['seq']}, pos {first['pos']}); the rows "
-                              "are not the ones its logprobs were computed from")
+            raise EngineError(
+                f"step {step}: {bad} of the {engine}'s full-vocabulary rows do not hold the logprob it "
+                f"recorded for their token (first: seq {first['seq']}, pos {first['pos']}); the rows "
+                "are not the ones its logprobs were computed from"
+            )
     return tokens, step_columns(record)
 
 
@@ -424,10 +515,14 @@ def _generated_tokens(step: int, sequences: list, prompt_lengths: list, train: l
             rows["token_id"].append(seq[pos])
             rows["lp_train"].append(lt[pos - 1])
             rows["lp_infer"].append(li[pos - 1])
-    frame = pd.DataFrame({
-        "seq": np.asarray(rows["seq"], dtype=np.int32), "pos": np.asarray(rows["pos"], dtype=np.int32),
-        "token_id": np.asarray(rows["token_id"], dtype=np.int32), "generated": True,
-        "lp_train": np.asarray(rows["lp_train"], dtype=np.float32),
-        "lp_infer": np.asarray(rows["lp_infer"], dtype=np.float32),
-    })
+    frame = pd.DataFrame(
+        {
+            "seq": np.asarray(rows["seq"], dtype=np.int32),
+            "pos": np.asarray(rows["pos"], dtype=np.int32),
+            "token_id": np.asarray(rows["token_id"], dtype=np.int32),
+            "generated": True,
+            "lp_train": np.asarray(rows["lp_train"], dtype=np.float32),
+            "lp_infer": np.asarray(rows["lp_infer"], dtype=np.float32),
+        }
+    )
     return compare_tokens(frame).assign(step=step)

@@ -74,9 +74,18 @@ class MemoryPlan:
         return {**asdict(self), "gpu_needed": self.gpu_needed, "estimate": "alignaudit.rl.memory (module docstring)"}
 
 
-def plan(spec: ModelSpec, sequences: int, seq_len: int, micro_batch: int, kv_cache_bytes: float,
-         gpu_total: int, host_total: int, reference: bool = False, tensor_parallel: int = 1,
-         rollout_bytes: float | None = None) -> MemoryPlan:
+def plan(
+    spec: ModelSpec,
+    sequences: int,
+    seq_len: int,
+    micro_batch: int,
+    kv_cache_bytes: float,
+    gpu_total: int,
+    host_total: int,
+    reference: bool = False,
+    tensor_parallel: int = 1,
+    rollout_bytes: float | None = None,
+) -> MemoryPlan:
     """The smallest optimizer offload fraction under which trainer and rollout engine fit one GPU.
 
     Args:
@@ -94,8 +103,12 @@ def plan(spec: ModelSpec, sequences: int, seq_len: int, micro_batch: int, kv_cac
     """
     n = parameter_count(spec)
     tokens = min(micro_batch, sequences) * seq_len
-    per_layer = seq_len * min(micro_batch, sequences) * spec.hidden_size * (
-        34 + 5 * spec.num_heads * seq_len / spec.hidden_size)
+    per_layer = (
+        seq_len
+        * min(micro_batch, sequences)
+        * spec.hidden_size
+        * (34 + 5 * spec.num_heads * seq_len / spec.hidden_size)
+    )
     activations = spec.num_layers * per_layer + 12 * tokens * spec.vocab_size
     shard = n / tensor_parallel
     trainer = (8 if reference else 6) * shard
@@ -107,20 +120,31 @@ def plan(spec: ModelSpec, sequences: int, seq_len: int, micro_batch: int, kv_cac
         if fixed + optimizer_on_gpu(shard, f) <= budget:
             break
     else:
-        raise InputError(f"{spec.name} cannot train and roll out on one GPU of {gpu_total / GB:.0f} GB: weights, "
-                         f"fp32 gradients, activations and the rollout engine alone need {fixed / GB:.0f} GB "
-                         f"(alignaudit.rl.memory); lower the micro-batch (--train-opt micro_batch_size=1) or "
-                         f"use a smaller model")
+        raise InputError(
+            f"{spec.name} cannot train and roll out on one GPU of {gpu_total / GB:.0f} GB: weights, "
+            f"fp32 gradients, activations and the rollout engine alone need {fixed / GB:.0f} GB "
+            f"(alignaudit.rl.memory); lower the micro-batch (--train-opt micro_batch_size=1) or "
+            f"use a smaller model"
+        )
     host_needed = f * 16 * n
     if host_needed > host_total - HOST_RESERVE:
-        raise InputError(f"{spec.name} needs {f:.2f} of its optimizer state offloaded to fit the GPU: "
-                         f"{host_needed / GB:.0f} GB of host memory, and this host has {host_total / GB:.0f} GB "
-                         f"({HOST_RESERVE / GB:.0f} GB kept for the processes; alignaudit.rl.memory); use a "
-                         f"smaller model or a host with more memory")
-    return MemoryPlan(parameters=n, offload_fraction=f, gpu_total=gpu_total, host_total=host_total,
-                      trainer_weights_and_grads=trainer, optimizer_on_gpu=optimizer_on_gpu(shard, f),
-                      activations=activations, rollout=rollout,
-                      optimizer_on_host=host_needed)
+        raise InputError(
+            f"{spec.name} needs {f:.2f} of its optimizer state offloaded to fit the GPU: "
+            f"{host_needed / GB:.0f} GB of host memory, and this host has {host_total / GB:.0f} GB "
+            f"({HOST_RESERVE / GB:.0f} GB kept for the processes; alignaudit.rl.memory); use a "
+            f"smaller model or a host with more memory"
+        )
+    return MemoryPlan(
+        parameters=n,
+        offload_fraction=f,
+        gpu_total=gpu_total,
+        host_total=host_total,
+        trainer_weights_and_grads=trainer,
+        optimizer_on_gpu=optimizer_on_gpu(shard, f),
+        activations=activations,
+        rollout=rollout,
+        optimizer_on_host=host_needed,
+    )
 
 
 def optimizer_on_gpu(n: float, f: float) -> float:
@@ -169,16 +193,21 @@ def rl_plan(request, group_size: int, reference: bool = False, per_step: int = 0
     infer = request.infer.settings.options
     total = torch.cuda.get_device_properties(0).total_memory
     tokens = max(sequences * seq_len, held_tokens)  # a step's rollout, or the held-out evaluation
-    kv = (_number(infer, "kv_cache_memory_bytes") if "kv_cache_memory_bytes" in infer
-          else kv_cache_bytes(spec, request.infer.settings.dtype, tokens, seq_len, infer))
+    kv = (
+        _number(infer, "kv_cache_memory_bytes")
+        if "kv_cache_memory_bytes" in infer
+        else kv_cache_bytes(spec, request.infer.settings.dtype, tokens, seq_len, infer)
+    )
     rollout = None
     if "gpu_memory_utilization" in infer and "kv_cache_memory_bytes" not in infer:
         rollout = _number(infer, "gpu_memory_utilization") * total
     chosen = plan(spec, sequences, seq_len, micro, kv, total, host_memory(), reference, tp, rollout)
     if chosen.offload_fraction and not kind_of(request.train.engine).offloads_optimizer:
-        raise InputError(f"{spec.name} with an {request.train.engine} trainer does not fit one GPU "
-                         f"({chosen.gpu_needed / GB:.0f} GB estimated without offload; alignaudit.rl.memory); "
-                         f"train with --train megatron, whose optimizer can keep part of its state on the host")
+        raise InputError(
+            f"{spec.name} with an {request.train.engine} trainer does not fit one GPU "
+            f"({chosen.gpu_needed / GB:.0f} GB estimated without offload; alignaudit.rl.memory); "
+            f"train with --train megatron, whose optimizer can keep part of its state on the host"
+        )
     return chosen
 
 

@@ -31,8 +31,14 @@ def plot_steps(steps: pd.DataFrame, path: Path, evals: pd.DataFrame | None = Non
     if len(positive):
         ax.set_yscale("log")
     else:
-        ax.text(0.5, 0.5, "0 at every step: the logprobs agree bit for bit", transform=ax.transAxes, ha="center",
-                va="center")
+        ax.text(
+            0.5,
+            0.5,
+            "0 at every step: the logprobs agree bit for bit",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+        )
         ax.set_yticks([])
     ax.set_ylabel("max |lp_train - lp_rollout|")
     ax = axes[1, 0]
@@ -45,8 +51,14 @@ def plot_steps(steps: pd.DataFrame, path: Path, evals: pd.DataFrame | None = Non
     if evals is not None and len(evals):
         ax.plot(evals["step"], evals["reward_mean"], marker="s", color="tab:blue", label="held-out reward (greedy)")
         if evals["accuracy"].notna().any():
-            ax.plot(evals["step"], evals["accuracy"], marker="^", linestyle="--", color="tab:cyan",
-                    label="held-out accuracy")
+            ax.plot(
+                evals["step"],
+                evals["accuracy"],
+                marker="^",
+                linestyle="--",
+                color="tab:cyan",
+                label="held-out accuracy",
+            )
     ax.set_ylabel("reward (mean)")
     twin = ax.twinx()
     twin.plot(x, steps["loss"], marker=".", color="tab:gray", alpha=0.6, label="loss (right axis)")
@@ -90,8 +102,9 @@ RUNS_PANELS = (
 )
 
 
-def plot_runs(runs: dict[str, pd.DataFrame], path: Path, title: str = "",
-              evals: dict[str, pd.DataFrame] | None = None) -> None:
+def plot_runs(
+    runs: dict[str, pd.DataFrame], path: Path, title: str = "", evals: dict[str, pd.DataFrame] | None = None
+) -> None:
     """``runs_figure(runs, title, evals)`` saved as a PNG at ``path`` (1100 x 1000 pixels; 1100 x 1300 with the
     held-out panel).
 
@@ -144,8 +157,15 @@ def runs_figure(runs: dict[str, pd.DataFrame], title: str = "", evals: dict[str,
         if log and len(zero_runs) < len(runs):
             ax.set_yscale("log")
         if zero_runs:
-            ax.text(0.02, 0.04, f"{', '.join(zero_runs)}: 0 at every step", transform=ax.transAxes, ha="left",
-                    va="bottom", bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"})
+            ax.text(
+                0.02,
+                0.04,
+                f"{', '.join(zero_runs)}: 0 at every step",
+                transform=ax.transAxes,
+                ha="left",
+                va="bottom",
+                bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"},
+            )
         ax.set_title(label, fontsize=9)
         if ax.get_lines():  # a log panel where every run is 0 has no line, only the note
             ax.legend(loc="best", fontsize=8)
@@ -170,8 +190,15 @@ def _held_out_panel(ax, runs: dict[str, pd.DataFrame], evals: dict[str, pd.DataF
             table = evals[name]
             measure = headline(table)
             measures.add(measure)
-            ax.plot(table["step"], table[measure], color=colors[i % len(colors)], marker="o", markersize=3,
-                    linewidth=1, label=name)
+            ax.plot(
+                table["step"],
+                table[measure],
+                color=colors[i % len(colors)],
+                marker="o",
+                markersize=3,
+                linewidth=1,
+                label=name,
+            )
     named = {"accuracy": "held-out accuracy (greedy)", "reward_mean": "held-out reward (greedy)"}
     ax.set_title(" / ".join(named[m] for m in sorted(measures)), fontsize=9)
     ax.legend(loc="best", fontsize=8)

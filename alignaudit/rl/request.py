@@ -28,16 +28,27 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
 
     if not kind_of(run.train).trains or not kind_of(run.infer).rolls_out:
         trainers, rollers = names_where(lambda k: k.trains), names_where(lambda k: k.rolls_out)
-        raise InputError(f"rl trains with {trainers} and rolls out with {rollers}; got --train {run.train} "
-                         f"--infer {run.infer}")
+        raise InputError(
+            f"rl trains with {trainers} and rolls out with {rollers}; got --train {run.train} --infer {run.infer}"
+        )
     grouped = kind_of(run.infer).samples_groups and not settings.full_vocab
     sampling = dataclasses.replace(sampling, group_size=settings.group_size if grouped else 1)
-    request = build_request(model, prompts, run, sampling, clip_eps, importance,
-                            extra_check=check_rl_full_vocab if settings.full_vocab else None, trains=True)
+    request = build_request(
+        model,
+        prompts,
+        run,
+        sampling,
+        clip_eps,
+        importance,
+        extra_check=check_rl_full_vocab if settings.full_vocab else None,
+        trains=True,
+    )
     _refuse_truncated_reference(request, settings.kl_coef)
     if settings.full_vocab and request.rollout.engine_mode == "async":
-        raise InputError("rl --full-vocab with --engine-mode async is not built (the sampler's rows stay in vLLM's "
-                         "engine process); drop one of them")
+        raise InputError(
+            "rl --full-vocab with --engine-mode async is not built (the sampler's rows stay in vLLM's "
+            "engine process); drop one of them"
+        )
     if settings.sleep_level:
         request = _with_sleep_mode(request)
     if settings.reward == "task":
@@ -47,8 +58,12 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
     StepPrompts.check(settings.prompts_per_step, len(request.batch.sequences))
     held = _held_out(request, settings, model.seed)
     refuse_moe(request.spec, "alignaudit rl")
-    refuse_parallel([request.infer], "alignaudit rl", "its ranks would take the new weights through collective "
-                    "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)")
+    refuse_parallel(
+        [request.infer],
+        "alignaudit rl",
+        "its ranks would take the new weights through collective "
+        "calls alignaudit does not make yet; roll out at size 1 (megatron may train at any size)",
+    )
     return request, held
 
 
@@ -65,17 +80,23 @@ def _held_out(request, settings, seed: int):
     task, reserve = settings.reward == "task", request.rollout.max_new_tokens
     batch = None
     if settings.eval_prompts is not None and settings.eval_every >= settings.steps:
-        raise InputError(f"--eval-every {settings.eval_every} with --steps {settings.steps}: no evaluation falls "
-                         "between the one before the first step and the one after the last, which --eval-prompts "
-                         "makes with 0 too; use fewer steps between evaluations, or 0")
+        raise InputError(
+            f"--eval-every {settings.eval_every} with --steps {settings.steps}: no evaluation falls "
+            "between the one before the first step and the one after the last, which --eval-prompts "
+            "makes with 0 too; use fewer steps between evaluations, or 0"
+        )
     if settings.eval_prompts is not None:
         try:
             batch = load_prompts(request.spec, Path(settings.eval_prompts), reserve=reserve)
         except InputError as e:
             raise InputError(f"--eval-prompts {settings.eval_prompts}: {e}") from None
     elif task and settings.eval_every:
-        batch = text_batch(request.spec, questions(EVAL_QUESTIONS, seed, "held_out"),
-                           f"task(addition, held-out set: {EVAL_QUESTIONS} questions, seed {seed})", reserve=reserve)
+        batch = text_batch(
+            request.spec,
+            questions(EVAL_QUESTIONS, seed, "held_out"),
+            f"task(addition, held-out set: {EVAL_QUESTIONS} questions, seed {seed})",
+            reserve=reserve,
+        )
     reward = TaskReward(request.spec.path) if task else None
     if batch is not None and reward:
         reward.check_prompts(batch.sequences, held_out=True)
@@ -96,10 +117,12 @@ def _refuse_truncated_reference(request, kl_coef: float) -> None:
 
     rollout = request.rollout
     if kl_coef > 0 and processed_logprobs(request.infer) and (rollout.top_k > 0 or rollout.top_p < 1):
-        raise InputError(f"--kl-coef {kl_coef:g} with processed logprobs and --top-k {rollout.top_k} / --top-p "
-                         f"{rollout.top_p:g}: the reference's truncation gives -inf logprobs to tokens the policy "
-                         "sampled, so the KL term is infinite; drop --kl-coef, the truncation, or "
-                         "logprobs_mode=processed_logprobs")
+        raise InputError(
+            f"--kl-coef {kl_coef:g} with processed logprobs and --top-k {rollout.top_k} / --top-p "
+            f"{rollout.top_p:g}: the reference's truncation gives -inf logprobs to tokens the policy "
+            "sampled, so the KL term is infinite; drop --kl-coef, the truncation, or "
+            "logprobs_mode=processed_logprobs"
+        )
 
 
 def _task_prompts(request, prompts, seed: int, per_step: int):
@@ -114,9 +137,14 @@ def _task_prompts(request, prompts, seed: int, per_step: int):
         from alignaudit.engines import kind_of
 
         stops = kind_of(request.infer.engine).rollout_defaults["stop_at_eos"] is not False
-        raise InputError("--reward task scores answers that end at EOS, and " + (
-            "--ignore-eos makes the rollout ignore it; drop --ignore-eos" if stops else
-            f"{request.infer.engine} rollouts ignore it; use --infer vllm"))
+        raise InputError(
+            "--reward task scores answers that end at EOS, and "
+            + (
+                "--ignore-eos makes the rollout ignore it; drop --ignore-eos"
+                if stops
+                else f"{request.infer.engine} rollouts ignore it; use --infer vllm"
+            )
+        )
     if prompts.prompts is None and prompts.random_prompts is None:
         count = 0 if per_step else DEFAULT_QUESTIONS  # 0: all of them
         texts = questions(count, seed)
@@ -133,10 +161,14 @@ def _with_sleep_mode(request):
 
     infer = request.infer
     if not kind_of(infer.engine).sleeps:
-        raise InputError(f"--sleep-level: {infer.engine} does not sleep; use --infer "
-                         f"{names_where(lambda k: k.sleeps)} or drop --sleep-level")
+        raise InputError(
+            f"--sleep-level: {infer.engine} does not sleep; use --infer "
+            f"{names_where(lambda k: k.sleeps)} or drop --sleep-level"
+        )
     if infer.settings.device != "cuda":
-        raise InputError("--sleep-level needs --device cuda: vLLM's sleep mode frees GPU memory through its "
-                         "CUDA allocator, and its CPU worker ignores sleep; drop --sleep-level")
+        raise InputError(
+            "--sleep-level needs --device cuda: vLLM's sleep mode frees GPU memory through its "
+            "CUDA allocator, and its CPU worker ignores sleep; drop --sleep-level"
+        )
     settings = dataclasses.replace(infer.settings, options={**infer.settings.options, "enable_sleep_mode": True})
     return dataclasses.replace(request, infer=dataclasses.replace(infer, settings=settings))

@@ -25,8 +25,9 @@ class RunReward:
     score: Callable
     decode: Callable | None
 
-    def __call__(self, prompts: list, completions: list, step: int, columns: dict[str, list],
-                 during: str = "") -> list[float]:
+    def __call__(
+        self, prompts: list, completions: list, step: int, columns: dict[str, list], during: str = ""
+    ) -> list[float]:
         """One reward per completion; ``during`` names the call in a user's function's errors (UserReward)."""
         if isinstance(self.score, UserReward):
             return self.score(prompts, completions, step, columns, during)

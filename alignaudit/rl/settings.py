@@ -58,32 +58,46 @@ class RLSettings:
 
         check_sinks(tuple(self.log_to))
         if self.keep_vocab_rows and not self.full_vocab:
-            raise InputError("--keep-vocab-rows keeps the rows --full-vocab records; add --full-vocab or drop "
-                             "--keep-vocab-rows")
+            raise InputError(
+                "--keep-vocab-rows keeps the rows --full-vocab records; add --full-vocab or drop --keep-vocab-rows"
+            )
         if self.steps < 1:
             raise InputError(f"--steps {self.steps}: run at least one step")
-        if isinstance(self.prompts_per_step, bool) or not isinstance(self.prompts_per_step, int) \
-                or self.prompts_per_step < 0:
-            raise InputError(f"--prompts-per-step {self.prompts_per_step!r}: a count of prompts >= 1 (0: all of them "
-                             "every step)")
+        if (
+            isinstance(self.prompts_per_step, bool)
+            or not isinstance(self.prompts_per_step, int)
+            or self.prompts_per_step < 0
+        ):
+            raise InputError(
+                f"--prompts-per-step {self.prompts_per_step!r}: a count of prompts >= 1 (0: all of them every step)"
+            )
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
-            raise InputError(f"--eval-every {self.eval_every!r}: a number of steps >= 1 (0: evaluate only before the "
-                             "first step and after the last)")
+            raise InputError(
+                f"--eval-every {self.eval_every!r}: a number of steps >= 1 (0: evaluate only before the "
+                "first step and after the last)"
+            )
         if self.sleep_level not in (0, 1):
-            raise InputError(f"--sleep-level {self.sleep_level}: 1 (weights to host memory, KV cache freed) or 0 (no "
-                             "sleep); level 2 (weights discarded) is not built yet")
+            raise InputError(
+                f"--sleep-level {self.sleep_level}: 1 (weights to host memory, KV cache freed) or 0 (no "
+                "sleep); level 2 (weights discarded) is not built yet"
+            )
         if self.group_size < 2:
             raise InputError(f"--group-size {self.group_size}: GRPO normalizes rewards within a group; use 2 or more")
         if not is_user_reward(self.reward) and self.reward not in REWARD_NAMES:
-            raise InputError(f"--reward {self.reward}: not a reward; choose one of {', '.join(REWARD_NAMES)}, or "
-                             "your own function as MODULE:FUNCTION (rewards.py:my_reward)")
+            raise InputError(
+                f"--reward {self.reward}: not a reward; choose one of {', '.join(REWARD_NAMES)}, or "
+                "your own function as MODULE:FUNCTION (rewards.py:my_reward)"
+            )
         if not (self.kl_coef >= 0 and math.isfinite(self.kl_coef)):
             raise InputError(f"--kl-coef {self.kl_coef}: the KL weight must be finite and >= 0 (0: no KL term)")
         if not (self.lr >= 0 and math.isfinite(self.lr)):
-            raise InputError(f"--lr {self.lr}: the learning rate must be finite and >= 0 (0 keeps the weights: the "
-                             f"sync control)")
+            raise InputError(
+                f"--lr {self.lr}: the learning rate must be finite and >= 0 (0 keeps the weights: the sync control)"
+            )
         if not (self.max_seconds >= 0 and math.isfinite(self.max_seconds)):
             raise InputError(f"--max-seconds {self.max_seconds:g}: a time in seconds, finite and >= 0 (0: no limit)")
         if self.kl_coef > 0 and self.lr == 0:
-            raise InputError(f"--kl-coef {self.kl_coef} with --lr 0: the weights never leave the reference, so the KL "
-                             f"term is 0 at every step; drop --kl-coef for the sync control")
+            raise InputError(
+                f"--kl-coef {self.kl_coef} with --lr 0: the weights never leave the reference, so the KL "
+                f"term is 0 at every step; drop --kl-coef for the sync control"
+            )

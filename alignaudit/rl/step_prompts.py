@@ -31,11 +31,12 @@ class StepPrompts:
         """Raises InputError where ``per_step`` exceeds the ``count`` of prompts, or equals it (every step would take
         every prompt, as 0 does: the setting would change nothing); rl_request calls it before any engine starts."""
         if per_step > count:
-            raise InputError(f"--prompts-per-step {per_step}: there are {count} prompts; draw at most that many a "
-                             "step")
+            raise InputError(f"--prompts-per-step {per_step}: there are {count} prompts; draw at most that many a step")
         if per_step == count > 0:
-            raise InputError(f"--prompts-per-step {per_step}: there are {count} prompts, so every step would take all "
-                             "of them, as 0 does; draw fewer a step, or drop --prompts-per-step")
+            raise InputError(
+                f"--prompts-per-step {per_step}: there are {count} prompts, so every step would take all "
+                "of them, as 0 does; draw fewer a step, or drop --prompts-per-step"
+            )
 
     def _refill(self) -> None:
         if not self.order:

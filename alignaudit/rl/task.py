@@ -52,7 +52,7 @@ def held_out_pairs() -> frozenset[int]:
 
 
 def split_of(a: int, b: int) -> str:
-    """"held_out" or "train": the side of the split the question a+b= is on."""
+    """ "held_out" or "train": the side of the split the question a+b= is on."""
     return "held_out" if a * 100 + b in held_out_pairs() else "train"
 
 
@@ -92,8 +92,10 @@ class TaskReward:
 
         self.tokenizer, why = load_tokenizer(model_dir)
         if self.tokenizer is None:
-            raise InputError(f"--reward task decodes completions with the model's tokenizer, and {why}; use a "
-                             "checkpoint with one, e.g. --model qwen3-tiny-trained")
+            raise InputError(
+                f"--reward task decodes completions with the model's tokenizer, and {why}; use a "
+                "checkpoint with one, e.g. --model qwen3-tiny-trained"
+            )
         self.eos_ids = eos_ids(model_dir)
 
     def _decode(self, ids) -> str:
@@ -111,12 +113,22 @@ class TaskReward:
             if self.operands(ids) is None:
                 text = self._decode(ids)[-30:]
                 shown = ascii(text) if text.isprintable() else f"token ids ending {list(ids)[-6:]}"
-                what, fix = (("--eval-prompts prompt", "give a file of questions, or drop --eval-prompts (--eval-every "
-                              "then scores the task's own held-out questions)") if held_out else
-                             ("prompt", "drop --prompts / --random-prompts (rl then asks the task's own questions) or "
-                              "choose another --reward"))
-                raise InputError(f"--reward task scores addition questions such as '37+45='; {what} {i} ({shown}) is "
-                                 f"not one: {fix}")
+                what, fix = (
+                    (
+                        "--eval-prompts prompt",
+                        "give a file of questions, or drop --eval-prompts (--eval-every "
+                        "then scores the task's own held-out questions)",
+                    )
+                    if held_out
+                    else (
+                        "prompt",
+                        "drop --prompts / --random-prompts (rl then asks the task's own questions) or "
+                        "choose another --reward",
+                    )
+                )
+                raise InputError(
+                    f"--reward task scores addition questions such as '37+45='; {what} {i} ({shown}) is not one: {fix}"
+                )
 
     def __call__(self, prompt_ids, completion_ids, step: int) -> float:
         ab = self.operands(prompt_ids)

@@ -69,8 +69,10 @@ class UserReward:
             self.function, self.source, self.sha256 = _load(name)
         self.tokenizer, why = load_tokenizer(model_dir)
         if self.tokenizer is None:
-            raise InputError(f"--reward {name} is given the prompts and completions as text, and {why}; use a "
-                             "checkpoint with a tokenizer")
+            raise InputError(
+                f"--reward {name} is given the prompts and completions as text, and {why}; use a "
+                "checkpoint with a tokenizer"
+            )
 
     def check_call(self, columns, source: str) -> None:
         """Refuse, before any engine starts, a call the function cannot take: TRL's arguments (ARGUMENTS) and the
@@ -78,16 +80,19 @@ class UserReward:
         Raises InputError."""
         clash = sorted(set(columns) & set(ARGUMENTS))
         if clash:
-            raise InputError(f"{source}: the column {clash[0]!r} has the name of an argument --reward {self.name} "
-                             f"is given ({', '.join(ARGUMENTS)}); rename the column")
+            raise InputError(
+                f"{source}: the column {clash[0]!r} has the name of an argument --reward {self.name} "
+                f"is given ({', '.join(ARGUMENTS)}); rename the column"
+            )
         try:
             inspect.signature(self.function).bind(**{key: None for key in (*ARGUMENTS, *columns)})
         except TypeError as e:
             given = f" and the columns of {source} ({', '.join(columns)})" if columns else ""
             called = getattr(self.function, "__name__", type(self.function).__name__)
-            raise InputError(f"--reward {self.name}: {called} cannot take TRL's reward arguments"
-                             f"{given} ({e}); write it as def f(prompts, completions, **kwargs) -> list[float]"
-                             ) from None
+            raise InputError(
+                f"--reward {self.name}: {called} cannot take TRL's reward arguments"
+                f"{given} ({e}); write it as def f(prompts, completions, **kwargs) -> list[float]"
+            ) from None
         except ValueError:  # a builtin without a signature: let the first call say
             pass
 
@@ -96,8 +101,14 @@ class UserReward:
         callable defined in no Python file, a builtin)."""
         return {"function": self.name, "file": str(self.source) if self.source else None, "sha256": self.sha256}
 
-    def __call__(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], step: int,
-                 columns: dict[str, list] | None = None, during: str = "") -> list[float]:
+    def __call__(
+        self,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        step: int,
+        columns: dict[str, list] | None = None,
+        during: str = "",
+    ) -> list[float]:
         """One reward per completion, from one call of the user's function (``columns``: name -> one value per
         completion, passed as keyword arguments; check_call refused names that clash). The function gets copies:
         what it changes in its arguments changes nothing the run records. ``during``: where the call is made, for
@@ -110,30 +121,39 @@ class UserReward:
         decode = self.tokenizer.decode
         where = f" ({during})" if during else ""
         try:
-            values = self.function(prompts=[decode(p, skip_special_tokens=True) for p in prompt_ids],
-                                   completions=[decode(c, skip_special_tokens=True) for c in completion_ids],
-                                   prompt_ids=[list(p) for p in prompt_ids],
-                                   completion_ids=[list(c) for c in completion_ids], step=step,
-                                   **copy.deepcopy(columns or {}))
+            values = self.function(
+                prompts=[decode(p, skip_special_tokens=True) for p in prompt_ids],
+                completions=[decode(c, skip_special_tokens=True) for c in completion_ids],
+                prompt_ids=[list(p) for p in prompt_ids],
+                completion_ids=[list(c) for c in completion_ids],
+                step=step,
+                **copy.deepcopy(columns or {}),
+            )
             if inspect.isawaitable(values):  # an async reward, as TRL awaits one
                 import asyncio
 
                 values = asyncio.run(_awaited(values))
         except SystemExit as e:
-            raise InputError(f"--reward {self.name} called sys.exit({e.code!r}){where}; return the rewards instead"
-                             ) from None
+            raise InputError(
+                f"--reward {self.name} called sys.exit({e.code!r}){where}; return the rewards instead"
+            ) from None
         except Exception as e:  # noqa: BLE001 - the user's function may raise anything
             text = str(e).splitlines()[0] if str(e) else ""
-            raise InputError(f"--reward {self.name} raised {type(e).__name__}: {text}{where}; fix the function"
-                             ) from None
+            raise InputError(
+                f"--reward {self.name} raised {type(e).__name__}: {text}{where}; fix the function"
+            ) from None
         try:
             values = list(values)
         except TypeError:
-            raise InputError(f"--reward {self.name} returned {type(values).__name__}, not a list of rewards, one per "
-                             f"completion{where}") from None
+            raise InputError(
+                f"--reward {self.name} returned {type(values).__name__}, not a list of rewards, one per "
+                f"completion{where}"
+            ) from None
         if len(values) != len(completion_ids):
-            raise InputError(f"--reward {self.name} returned {len(values)} rewards for {len(completion_ids)} "
-                             f"completions{where}; return one per completion")
+            raise InputError(
+                f"--reward {self.name} returned {len(values)} rewards for {len(completion_ids)} "
+                f"completions{where}; return one per completion"
+            )
         rewards = []
         for i, value in enumerate(values):
             number = getattr(value, "item", lambda v=value: v)()  # a numpy or torch scalar as a Python one
@@ -142,9 +162,11 @@ class UserReward:
             except OverflowError:
                 reward = math.inf
             if not math.isfinite(reward) or abs(reward) > MAX_REWARD:
-                raise InputError(f"--reward {self.name} returned {value!r:.60} for completion {i}{where}; every reward "
-                                 f"must be a finite number of magnitude at most {MAX_REWARD:g} (GRPO normalizes them "
-                                 "within each group, in float64)")
+                raise InputError(
+                    f"--reward {self.name} returned {value!r:.60} for completion {i}{where}; every reward "
+                    f"must be a finite number of magnitude at most {MAX_REWARD:g} (GRPO normalizes them "
+                    "within each group, in float64)"
+                )
             rewards.append(reward)
         return rewards
 
@@ -193,6 +215,7 @@ def _load(name: str) -> tuple:
 def _file_function(path: str, digest: str, function_name: str, name: str, data: bytes):
     """FUNCTION of the Python file at ``path`` run from ``data`` (its bytes, hashed to ``digest``: the cache key with
     the path). Raises InputError (not cached)."""
+
     def run():
         module = type(sys)(f"alignaudit_user_reward_{digest[:16]}")
         module.__file__ = path
@@ -217,15 +240,20 @@ def _import(run, module_name: str, function_name: str, name: str):
     except InputError:
         raise
     except SystemExit as e:  # a module that parses its own command line, or exits, as it is imported
-        raise InputError(f"--reward {name}: importing {module_name} called sys.exit({e.code!r}); a reward module must "
-                         "not exit when imported (put a script's code under `if __name__ == \"__main__\":`)") from None
+        raise InputError(
+            f"--reward {name}: importing {module_name} called sys.exit({e.code!r}); a reward module must "
+            'not exit when imported (put a script\'s code under `if __name__ == "__main__":`)'
+        ) from None
     except Exception as e:  # noqa: BLE001 - the user's module may raise anything while it is imported
-        raise InputError(f"--reward {name}: importing {module_name} failed: {type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise InputError(
+            f"--reward {name}: importing {module_name} failed: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     function = getattr(module, function_name, None)
     if function is None:
         raise InputError(f"--reward {name}: {module_name} has no {function_name}")
     if not callable(function):
-        raise InputError(f"--reward {name}: {function_name} is not a function but {type(function).__name__} "
-                         f"{function!r:.40}")
+        raise InputError(
+            f"--reward {name}: {function_name} is not a function but {type(function).__name__} {function!r:.40}"
+        )
     return function

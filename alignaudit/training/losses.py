@@ -23,8 +23,9 @@ def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Ten
     return torch.exp(r) - r - 1
 
 
-def clipped_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        clip_eps: float) -> tuple[torch.Tensor, dict]:
+def clipped_policy_loss(
+    logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float
+) -> tuple[torch.Tensor, dict]:
     """The clipped surrogate over generated tokens.
 
     Args:

@@ -29,8 +29,16 @@ class MixedPrecisionAdam:
 
     name = "alignaudit.training.optim.MixedPrecisionAdam"
 
-    def __init__(self, params, lr: float, clip_grad: float = 1.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, tp_group=None):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        clip_grad: float = 1.0,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        tp_group=None,
+    ):
         self.params = [p for p in params if p.requires_grad]
         self.tp_group = tp_group  # tensor parallelism: the grad norm is over every rank's shards
         self.main = [p.detach().float().clone().requires_grad_(True) for p in self.params]
@@ -73,4 +81,3 @@ class MixedPrecisionAdam:
                 squares = squares + main.grad.square().sum()
         torch.distributed.all_reduce(squares, group=self.tp_group)
         return squares.sqrt()
-

@@ -42,7 +42,7 @@ class Trainer:
 
         self.engine = engine
         self.kl_coef = kl_coef
-        self.reference = ([p.detach().clone() for p in engine.model.parameters()] if kl_coef > 0 else None)
+        self.reference = [p.detach().clone() for p in engine.model.parameters()] if kl_coef > 0 else None
         self.training = engine.training(lr, clip_grad, offload_fraction, MixedPrecisionAdam)
         self.optimizer_name = self.training.name
 
@@ -52,8 +52,15 @@ class Trainer:
         self.engine.model.eval()
         return self.engine.prompt_logprobs(batch)
 
-    def train_step(self, batch: TokenBatch, prompt_lengths: list[int], advantages: list[float],
-                   rollout_logprobs: list[list[float]], clip_eps: float, replay: Replay | None) -> dict:
+    def train_step(
+        self,
+        batch: TokenBatch,
+        prompt_lengths: list[int],
+        advantages: list[float],
+        rollout_logprobs: list[list[float]],
+        clip_eps: float,
+        replay: Replay | None,
+    ) -> dict:
         """One GRPO update on the generated tokens of ``batch``.
 
         Args:
@@ -79,10 +86,11 @@ class Trainer:
         for rows in micro_batches(batch, engine.micro_batch_size):
             seqs = [batch.sequences[r] for r in rows]
             lps = engine.micro_batch_logprobs(rows, seqs)
-            new = torch.cat([lp[prompt_lengths[r] - 1:] for r, lp in zip(rows, lps, strict=True)])
+            new = torch.cat([lp[prompt_lengths[r] - 1 :] for r, lp in zip(rows, lps, strict=True)])
             old = torch.tensor([x for r in rows for x in rollout_logprobs[r]], dtype=torch.float32, device=new.device)
-            adv = torch.tensor([advantages[r] for r in rows for _ in rollout_logprobs[r]], dtype=torch.float32,
-                               device=new.device)
+            adv = torch.tensor(
+                [advantages[r] for r in rows for _ in rollout_logprobs[r]], dtype=torch.float32, device=new.device
+            )
             loss, stats = clipped_policy_loss(new, old, adv, clip_eps)
             if reference is not None:
                 kl = kl_k3(new, torch.cat([reference[r] for r in rows]).to(new.device))
@@ -92,7 +100,7 @@ class Trainer:
             loss_sum += float(loss) * len(new) / total
             taken += stats["clip_fraction"] * len(new) / total
             for r, lp in zip(rows, lps, strict=True):
-                forward[r] = lp[prompt_lengths[r] - 1:].detach().cpu().tolist()
+                forward[r] = lp[prompt_lengths[r] - 1 :].detach().cpu().tolist()
         self.training.finalize_grads()
         on_cuda = engine.settings.device == "cuda"
         if on_cuda:
@@ -103,8 +111,14 @@ class Trainer:
             torch.cuda.synchronize()
         optimizer_s = time.perf_counter() - stepped
         engine.model.eval()
-        return {"loss": loss_sum, "grad_norm": grad_norm, "clip_fraction": taken, "forward_logprobs": forward,
-                "kl_ref": kl_sum / total if reference is not None else None, "optimizer_s": round(optimizer_s, 3)}
+        return {
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "clip_fraction": taken,
+            "forward_logprobs": forward,
+            "kl_ref": kl_sum / total if reference is not None else None,
+            "optimizer_s": round(optimizer_s, 3),
+        }
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: TokenBatch, prompt_lengths: list[int], replay: Replay | None) -> list:
@@ -117,7 +131,7 @@ class Trainer:
             lps = self.score(batch, replay)
         finally:
             self._swap(params)
-        return [lp[p - 1:] for lp, p in zip(lps, prompt_lengths, strict=True)]
+        return [lp[p - 1 :] for lp, p in zip(lps, prompt_lengths, strict=True)]
 
     def _swap(self, params: list) -> None:
         for param, ref in zip(params, self.reference, strict=True):

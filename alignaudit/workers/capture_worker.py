@@ -72,8 +72,9 @@ def start_ranks(target, payload, settings: EngineSettings, tp: int, nprocs: int,
     os.environ[RENDEZVOUS_ENV] = rendezvous_file()
     sys.stdout.flush()  # a forked rank would write out a copy of anything still buffered
     sys.stderr.flush()
-    return mp.start_processes(target, args=(payload, tp), nprocs=nprocs, join=join,
-                              start_method=rank_start_method(settings))
+    return mp.start_processes(
+        target, args=(payload, tp), nprocs=nprocs, join=join, start_method=rank_start_method(settings)
+    )
 
 
 def run_ranks(job: CaptureJob, tp: int) -> None:
@@ -116,8 +117,7 @@ def run_rank(job: CaptureJob, rank: int) -> None:
     if job.full_vocab:  # prompt mode only (engines.checks.check_full_vocab refuses the rest)
         from alignaudit.capture.vocab_rows import VocabRowWriter
 
-        rows = VocabRowWriter(out, [len(s) for s in batch.sequences], engine.vocab_row_formula()) if rank == 0 \
-            else None
+        rows = VocabRowWriter(out, [len(s) for s in batch.sequences], engine.vocab_row_formula()) if rank == 0 else None
         engine.vocab_sink = rows.write if rows is not None else (lambda seq, r: None)
     if sampling is not None:
         prompt_lengths = [len(s) for s in batch.sequences for _ in range(sampling.group_size)]

@@ -23,8 +23,10 @@ class OpsRequest:
     reference: Path | None = None
 
     def to_dict(self) -> dict:
-        return {"selection": self.selection.to_dict(),
-                "reference": str(self.reference) if self.reference is not None else None}
+        return {
+            "selection": self.selection.to_dict(),
+            "reference": str(self.reference) if self.reference is not None else None,
+        }
 
     @classmethod
     def from_dict(cls, record: dict | None) -> OpsRequest | None:
@@ -68,26 +70,41 @@ class CaptureJob:
     full_vocab: bool = False
 
     def to_dict(self) -> dict:
-        return {"engine": self.engine, "role": self.role, "spec": self.spec.to_dict(),
-                "settings": self.settings.to_dict(), "batch": self.batch.to_dict(),
-                "checkpoint_sha256": self.checkpoint_sha256,
-                "ops": self.ops.to_dict() if self.ops is not None else None,
-                "rollout": self.rollout.to_dict() if self.rollout is not None else None,
-                "replay": self.replay.to_dict() if self.replay is not None else None,
-                "routing_from": str(self.routing_from) if self.routing_from is not None else None,
-                "repeat": self.repeat, "full_vocab": self.full_vocab, "out": str(self.out)}
+        return {
+            "engine": self.engine,
+            "role": self.role,
+            "spec": self.spec.to_dict(),
+            "settings": self.settings.to_dict(),
+            "batch": self.batch.to_dict(),
+            "checkpoint_sha256": self.checkpoint_sha256,
+            "ops": self.ops.to_dict() if self.ops is not None else None,
+            "rollout": self.rollout.to_dict() if self.rollout is not None else None,
+            "replay": self.replay.to_dict() if self.replay is not None else None,
+            "routing_from": str(self.routing_from) if self.routing_from is not None else None,
+            "repeat": self.repeat,
+            "full_vocab": self.full_vocab,
+            "out": str(self.out),
+        }
 
     @classmethod
     def from_dict(cls, record: dict) -> CaptureJob:
         """``to_dict()``'s record back. Raises KeyError or TypeError for a record another version wrote."""
         rollout, routing_from = record.get("rollout"), record.get("routing_from")
-        return cls(engine=record["engine"], spec=ModelSpec(**record["spec"]),
-                   settings=EngineSettings(**record["settings"]), batch=TokenBatch.from_dict(record["batch"]),
-                   out=Path(record["out"]), role=record.get("role"),
-                   checkpoint_sha256=record.get("checkpoint_sha256"), ops=OpsRequest.from_dict(record.get("ops")),
-                   rollout=Sampling(**rollout) if rollout else None, replay=Replay.from_dict(record.get("replay")),
-                   routing_from=Path(routing_from) if routing_from else None, repeat=record.get("repeat", 1),
-                   full_vocab=record.get("full_vocab", False))
+        return cls(
+            engine=record["engine"],
+            spec=ModelSpec(**record["spec"]),
+            settings=EngineSettings(**record["settings"]),
+            batch=TokenBatch.from_dict(record["batch"]),
+            out=Path(record["out"]),
+            role=record.get("role"),
+            checkpoint_sha256=record.get("checkpoint_sha256"),
+            ops=OpsRequest.from_dict(record.get("ops")),
+            rollout=Sampling(**rollout) if rollout else None,
+            replay=Replay.from_dict(record.get("replay")),
+            routing_from=Path(routing_from) if routing_from else None,
+            repeat=record.get("repeat", 1),
+            full_vocab=record.get("full_vocab", False),
+        )
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")

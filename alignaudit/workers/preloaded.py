@@ -47,13 +47,27 @@ IGNORED_ENV = ("PYTEST_CURRENT_TEST", "WANDB_SERVICE")
 # What a worker for each engine imports before it builds the engine (alignaudit.engines.*.adapter and the
 # modules its constructor and start import); run_rank's own imports come first.
 PRELOAD = {
-    "vllm": ("vllm", "vllm.entrypoints.llm", "vllm.engine.arg_utils", "vllm.sampling_params",
-             "vllm.v1.worker.cpu_worker"),
-    "megatron": ("megatron.core.parallel_state", "megatron.core.transformer.transformer_config",
-                 "megatron.core.models.gpt.gpt_model", "megatron.core.models.gpt.gpt_layer_specs",
-                 "megatron.core.transformer.module", "megatron.core.tensor_parallel"),
-    "hf": ("transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-           "transformers.generation"),
+    "vllm": (
+        "vllm",
+        "vllm.entrypoints.llm",
+        "vllm.engine.arg_utils",
+        "vllm.sampling_params",
+        "vllm.v1.worker.cpu_worker",
+    ),
+    "megatron": (
+        "megatron.core.parallel_state",
+        "megatron.core.transformer.transformer_config",
+        "megatron.core.models.gpt.gpt_model",
+        "megatron.core.models.gpt.gpt_layer_specs",
+        "megatron.core.transformer.module",
+        "megatron.core.tensor_parallel",
+    ),
+    "hf": (
+        "transformers",
+        "transformers.modeling_utils",
+        "transformers.models.auto.modeling_auto",
+        "transformers.generation",
+    ),
 }
 
 
@@ -93,8 +107,9 @@ class Preloaded:
     def start_session(self, args: list[str], env: dict[str, str], stderr):
         """An RL session worker (alignaudit.workers.rl_session), as spawn.start_session starts one: commands on its
         ``stdin``, replies on its ``stdout``, its stderr into the open file ``stderr``."""
-        return self._launch(args, env, lambda: self.fresh_session(args, env, stderr), SESSION_MODULE,
-                            stdin=True, stderr=stderr)
+        return self._launch(
+            args, env, lambda: self.fresh_session(args, env, stderr), SESSION_MODULE, stdin=True, stderr=stderr
+        )
 
     def _launch(self, args, env, fresh, module, stdin=False, stderr=None):
         engines = engines_of(args)
@@ -132,8 +147,12 @@ class _Server:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
             [*python_module("alignaudit.workers.preloaded"), ",".join(engines), str(theirs.fileno())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-            pass_fds=(theirs.fileno(),), preexec_fn=_die_with_parent,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            pass_fds=(theirs.fileno(),),
+            preexec_fn=_die_with_parent,
         )
         theirs.close()
 
@@ -157,8 +176,15 @@ class ForkedWorker:
     ``stdout`` (text; the worker's stdout, and its stderr too unless ``stderr`` is an open file), ``stdin`` (text,
     when asked for; else the worker reads /dev/null), ``wait``, ``poll``, ``kill``, ``returncode``."""
 
-    def __init__(self, server: _Server, args: list[str], env: dict[str, str], module: str = WORKER_MODULE,
-                 stdin: bool = False, stderr=None):
+    def __init__(
+        self,
+        server: _Server,
+        args: list[str],
+        env: dict[str, str],
+        module: str = WORKER_MODULE,
+        stdin: bool = False,
+        stderr=None,
+    ):
         self.server, self.module, self.returncode, self.stdin = server, module, None, None
         read, write = os.pipe()
         mine, theirs, names = [read], [write], ["stdout"]

@@ -67,6 +67,13 @@ def run_repeats(engine, batch: TokenBatch, first: list[torch.Tensor], repeats: i
     for r, rb in enumerate(repeat_batches(batch, repeats, engine.spec.vocab_size, seed), start=1):
         logprobs = engine.prompt_logprobs(rb.batch)
         again = [logprobs[row] for row in rb.rows]
-        records.append({"repeat": r, "kind": rb.kind, "batch_size": len(rb.batch.sequences), "rows": list(rb.rows),
-                        **compare_repeat(first, again)})
+        records.append(
+            {
+                "repeat": r,
+                "kind": rb.kind,
+                "batch_size": len(rb.batch.sequences),
+                "rows": list(rb.rows),
+                **compare_repeat(first, again),
+            }
+        )
     return records

@@ -49,9 +49,18 @@ class Worker:
     tensor-parallel trainer, which never write files."""
 
     # command -> the method that runs it, with the command's arguments (a dict) -> the reply (a dict)
-    COMMANDS = {"start": "_start", "settings": "_settings", "rollout": "_rollout", "sleep": "_sleep",
-                "wake_up": "_wake_up", "score": "_score", "train_step": "_train_step", "export": "_export",
-                "load_weights": "_load_weights", "checksums": "_checksums"}
+    COMMANDS = {
+        "start": "_start",
+        "settings": "_settings",
+        "rollout": "_rollout",
+        "sleep": "_sleep",
+        "wake_up": "_wake_up",
+        "score": "_score",
+        "train_step": "_train_step",
+        "export": "_export",
+        "load_weights": "_load_weights",
+        "checksums": "_checksums",
+    }
 
     def __init__(self, request: dict, rank: int = 0):
         started = time.perf_counter()
@@ -65,8 +74,13 @@ class Worker:
         self.startup_s = {"imports_and_engine": round(built - started, 3)}  # seconds, recorded in run.json
         self.trainer = None
         if self.role == "trainer":
-            self.trainer = Trainer(self.engine, request["lr"], request["clip_grad"],
-                                   request.get("offload_fraction", 0.0), request.get("kl_coef", 0.0))
+            self.trainer = Trainer(
+                self.engine,
+                request["lr"],
+                request["clip_grad"],
+                request.get("offload_fraction", 0.0),
+                request.get("kl_coef", 0.0),
+            )
             self.startup_s["ddp_and_optimizer"] = round(time.perf_counter() - built, 3)
 
     def handle(self, command: str, args: dict) -> dict:
@@ -77,8 +91,9 @@ class Worker:
         return getattr(self, self.COMMANDS[command])(args)
 
     def _start(self, args: dict) -> dict:
-        self.engine.start(args["max_len"], args["total_tokens"], args.get("max_seqs"),
-                          args.get("engine_mode", "offline"))
+        self.engine.start(
+            args["max_len"], args["total_tokens"], args.get("max_seqs"), args.get("engine_mode", "offline")
+        )
         return {}
 
     def _settings(self, args: dict) -> dict:
@@ -101,9 +116,12 @@ class Worker:
         batch = _batch(args["prompts"])
         with _RowFile(self.engine, args.get("vocab_rows"), [0] * len(batch.sequences)):
             full, logprobs = self.engine.rollout(batch, Sampling(**args["sampling"]))
-        return {"sequences": [list(s) for s in full.sequences], "logprobs": [lp.tolist() for lp in logprobs],
-                "prefix_cache_hits": getattr(self.engine, "prefix_cache_hits", None),
-                "arrivals": arrivals.to_dict() if (arrivals := getattr(self.engine, "arrivals", None)) else None}
+        return {
+            "sequences": [list(s) for s in full.sequences],
+            "logprobs": [lp.tolist() for lp in logprobs],
+            "prefix_cache_hits": getattr(self.engine, "prefix_cache_hits", None),
+            "arrivals": arrivals.to_dict() if (arrivals := getattr(self.engine, "arrivals", None)) else None,
+        }
 
     def _sleep(self, args: dict) -> dict:
         return self.engine.sleep(args["level"])
@@ -167,10 +185,12 @@ class _RowFile:
 
     def __enter__(self):
         if self.spec is not None:
+
             def sink(seq, rows):
                 if seq in self.pieces:
                     raise errors.EngineError(f"full-vocabulary rows of sequence {seq} came twice")
-                self.pieces[seq] = rows[self.first[seq]:].detach().to("cpu", copy=True).contiguous()
+                self.pieces[seq] = rows[self.first[seq] :].detach().to("cpu", copy=True).contiguous()
+
             self.engine.vocab_sink = sink
         return self
 

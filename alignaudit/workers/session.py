@@ -46,7 +46,7 @@ class Session:
             raise self._died() from None
         for line in self.proc.stdout:
             if line.startswith(REPLY_MARKER):
-                reply = json.loads(line[len(REPLY_MARKER):])
+                reply = json.loads(line[len(REPLY_MARKER) :])
                 if "error" in reply:
                     raise getattr(errors, reply["error"]["type"], errors.EngineError)(reply["error"]["message"])
                 return reply
@@ -63,8 +63,10 @@ class Session:
                 if line.strip():
                     tail.append(line.rstrip())
         last = "\n  ".join(tail)
-        return errors.EngineError(f"{self.request['engine']} {self.request['role']} worker died (exit code {code}); "
-                                  f"full log: {self.log}; last lines:\n  {last}")
+        return errors.EngineError(
+            f"{self.request['engine']} {self.request['role']} worker died (exit code {code}); "
+            f"full log: {self.log}; last lines:\n  {last}"
+        )
 
     def close(self) -> None:
         """Ask the worker to exit; kill it if it does not."""

@@ -48,7 +48,7 @@ def run_capture(job: CaptureJob, *, stream_log: bool = False, on_progress=None) 
             for line in proc.stdout:
                 if line.startswith(PROGRESS_MARKER):
                     if on_progress is not None:
-                        done, total = line[len(PROGRESS_MARKER):].split()
+                        done, total = line[len(PROGRESS_MARKER) :].split()
                         on_progress(int(done), int(total))
                     continue
                 log.write(line)
@@ -75,9 +75,11 @@ def check_options(runs: list, spec: ModelSpec, mode: str = "prompt") -> None:
         InputError: an option an engine does not understand or cannot take (the engine's own message).
         EngineError: the check itself crashed.
     """
-    checks = [{"engine": run.engine, "settings": run.settings.to_dict(), "spec": spec.to_dict(), "role": role,
-               "mode": mode} for role, run in zip(("train", "infer")[:len(runs)], runs, strict=True)
-              if run.settings.options]  # one run (capture) or the pair
+    checks = [
+        {"engine": run.engine, "settings": run.settings.to_dict(), "spec": spec.to_dict(), "role": role, "mode": mode}
+        for role, run in zip(("train", "infer")[: len(runs)], runs, strict=True)
+        if run.settings.options
+    ]  # one run (capture) or the pair
     if not checks:
         return
     proc = start_worker(["--check-options", json.dumps(checks)], {**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -133,17 +135,29 @@ def start_worker(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     """``python -m alignaudit.workers.capture_worker ARGS`` in a fresh process with ``env``: its stdout and stderr
     together on one text pipe (``proc.stdout``), killed when this process dies. The test session replaces it
     with alignaudit.workers.preloaded (the same worker, forked from an interpreter that has imported the engine)."""
-    return subprocess.Popen([*python_module("alignaudit.workers.capture_worker"), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            preexec_fn=_die_with_parent)
+    return subprocess.Popen(
+        [*python_module("alignaudit.workers.capture_worker"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        preexec_fn=_die_with_parent,
+    )
 
 
 def start_session(args: list[str], env: dict[str, str], stderr) -> subprocess.Popen:
     """``python -m alignaudit.workers.rl_session ARGS`` in a fresh process with ``env``: text pipes on its stdin
     (commands) and stdout (replies), its stderr into the open file ``stderr``, killed when this process dies. The
     test session replaces it too (alignaudit.workers.preloaded.Preloaded.start_session)."""
-    return subprocess.Popen([*python_module("alignaudit.workers.rl_session"), *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=_die_with_parent)
+    return subprocess.Popen(
+        [*python_module("alignaudit.workers.rl_session"), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+        preexec_fn=_die_with_parent,
+    )
 
 
 def _die_with_parent() -> None:
@@ -160,7 +174,7 @@ def _die_with_parent() -> None:
 def _worker_error(engine: str, code: int, tail: list[str], log: Path | None) -> errors.AlignAuditError:
     for line in reversed(tail):
         if line.startswith(ERROR_MARKER):
-            record = json.loads(line[len(ERROR_MARKER):])
+            record = json.loads(line[len(ERROR_MARKER) :])
             kind = getattr(errors, record["type"], errors.EngineError)
             where = f" (worker log: {log})" if log and issubclass(kind, errors.EngineError) else ""
             return kind(record["message"] + where)

@@ -66,9 +66,21 @@ def rms_norm_grad(s: torch.Tensor, weight: torch.Tensor, eps: float, gy: torch.T
     partial = torch.empty(programs, h, dtype=torch.float32, device=s.device)
     if programs:
         block = next_power_of_2(h)
-        _rms_norm_grad_kernel[(programs,)](s2, weight.contiguous(), g2, ds, partial, rows, h, s2.stride(0),
-                                           g2.stride(0), float(eps), ROWS=GRAD_ROWS, BLOCK_H=block,
-                                           num_warps=row_warps(block))  # the forward's rule
+        _rms_norm_grad_kernel[(programs,)](
+            s2,
+            weight.contiguous(),
+            g2,
+            ds,
+            partial,
+            rows,
+            h,
+            s2.stride(0),
+            g2.stride(0),
+            float(eps),
+            ROWS=GRAD_ROWS,
+            BLOCK_H=block,
+            num_warps=row_warps(block),
+        )  # the forward's rule
     return ds.view(s.shape), partial.sum(0)
 
 
@@ -92,8 +104,18 @@ def rope_grad(g: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     block_heads = min(next_power_of_2(heads), max(1, 4096 // next_power_of_2(half)))
     if t:
         _rope_grad_kernel[(t, cdiv(heads, block_heads))](
-            g, positions.contiguous(), cos, sin, out, heads, cos.shape[0], cos.stride(0), HALF=half,
-            BLOCK_HALF=next_power_of_2(half), BLOCK_HEADS=block_heads)
+            g,
+            positions.contiguous(),
+            cos,
+            sin,
+            out,
+            heads,
+            cos.shape[0],
+            cos.stride(0),
+            HALF=half,
+            BLOCK_HALF=next_power_of_2(half),
+            BLOCK_HEADS=block_heads,
+        )
     return out
 
 
@@ -101,8 +123,20 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["rows"])
-    def _rms_norm_grad_kernel(s_ptr, w_ptr, g_ptr, ds_ptr, partial_ptr, rows, H, stride_s, stride_g, eps,
-                              ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rms_norm_grad_kernel(
+        s_ptr,
+        w_ptr,
+        g_ptr,
+        ds_ptr,
+        partial_ptr,
+        rows,
+        H,
+        stride_s,
+        stride_g,
+        eps,
+        ROWS: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         """Rows [pid * ROWS, (pid + 1) * ROWS): each row's ds, and their weight-gradient sum as partial[pid]."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_H)
@@ -133,8 +167,19 @@ if triton is not None:
         tl.store(dup_ptr + offs, (g * a * s).to(dup_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _rope_grad_kernel(g_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, heads, P, stride_table, HALF: tl.constexpr,
-                          BLOCK_HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+    def _rope_grad_kernel(
+        g_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        heads,
+        P,
+        stride_table,
+        HALF: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+    ):
         """Token program_id(0), heads [program_id(1) * BLOCK_HEADS, ...): the rotation by -angle."""
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)

@@ -39,8 +39,14 @@ from alignaudit_kernels.primitives import cdiv, next_power_of_2, triton
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): launch tiles other than linear's choice, each with the same K loop, that
 # bench/moe_gpu.py --tiles times and tests/kernels/test_moe_kernel.py checks bit for bit on a GPU (bf16/fp16)
-SWEEP_TILES = ((16, 32, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3),
-               (128, 256, 64, 8, 3))
+SWEEP_TILES = (
+    (16, 32, 128, 4, 3),
+    (64, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+)
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,9 @@ def tile_bound(pairs: int, experts: int, block_m: int) -> int:
 
 def _check_plan(chosen: torch.Tensor, block_m: int, name: str) -> None:
     if chosen.dim() != 2 or block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"{name}: chosen must be [T, top_k] and block_m a power of two, got "
-                         f"{tuple(chosen.shape)}, {block_m}")
+        raise ValueError(
+            f"{name}: chosen must be [T, top_k] and block_m a power of two, got {tuple(chosen.shape)}, {block_m}"
+        )
 
 
 def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
@@ -98,8 +105,9 @@ def plan_experts(chosen: torch.Tensor, num_experts: int, block_m: int) -> Expert
     tile_expert = torch.searchsorted(tile_end, g, right=True)
     owner = tile_expert.clamp(max=num_experts - 1)
     tile_row = starts[owner] + (g - (tile_end[owner] - tiles_of[owner])) * block_m
-    return ExpertPlan(pair, torch.div(pair, top_k, rounding_mode="floor"), starts, tile_expert, tile_row, block_m,
-                      tiles, top_k)
+    return ExpertPlan(
+        pair, torch.div(pair, top_k, rounding_mode="floor"), starts, tile_expert, tile_row, block_m, tiles, top_k
+    )
 
 
 def plan_experts_triton(chosen: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
@@ -126,8 +134,21 @@ def plan_experts_triton(chosen: torch.Tensor, num_experts: int, block_m: int) ->
     tiles = tile_bound(pairs, num_experts, block_m)
     new = lambda n: torch.empty(n, dtype=torch.int64, device=chosen.device)  # noqa: E731
     pair, token, starts, tile_expert, tile_row = new(pairs), new(pairs), new(num_experts + 1), new(tiles), new(tiles)
-    _plan_kernel[(num_experts + 1,)](ids, pair, token, starts, tile_expert, tile_row, pairs, num_experts, top_k, tiles,
-                                     BINS=next_power_of_2(num_experts), BLOCK_M=block_m, BLOCK=1024)
+    _plan_kernel[(num_experts + 1,)](
+        ids,
+        pair,
+        token,
+        starts,
+        tile_expert,
+        tile_row,
+        pairs,
+        num_experts,
+        top_k,
+        tiles,
+        BINS=next_power_of_2(num_experts),
+        BLOCK_M=block_m,
+        BLOCK=1024,
+    )
     return ExpertPlan(pair, token, starts, tile_expert, tile_row, block_m, tiles, top_k)
 
 
@@ -153,8 +174,9 @@ def block_m_for(pairs: int, num_experts: int, dtype: torch.dtype) -> int:
     return grouped_tile(pairs, num_experts, dtype)[0]
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gather: bool, tile=None,
-                   scatter: bool = False) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gather: bool, tile=None, scatter: bool = False
+) -> torch.Tensor:
     """Sorted row i of the result is ``linear(src_i, weight[e_i])`` for the expert e_i owning it (with ``scatter``,
     row plan.pair[i] of the result: the routing's pair order).
 
@@ -179,27 +201,53 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, plan: ExpertPlan, gath
         raise ValueError("grouped_linear needs Triton (a CUDA tensor, or TRITON_INTERPRET=1)")
     experts, n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k or x.dtype != weight.dtype or plan.starts.numel() != experts + 1:
-        raise ValueError(f"grouped_linear: x {x.dtype}{tuple(x.shape)}, weight {weight.dtype}{tuple(weight.shape)}, "
-                         f"plan over {plan.starts.numel() - 1} experts")
+        raise ValueError(
+            f"grouped_linear: x {x.dtype}{tuple(x.shape)}, weight {weight.dtype}{tuple(weight.shape)}, "
+            f"plan over {plan.starts.numel() - 1} experts"
+        )
     pairs = plan.pair.numel()
     if x.shape[0] * (plan.top_k if gather else 1) != pairs:
-        raise ValueError(f"grouped_linear: x has {x.shape[0]} rows for a plan of {pairs} pairs (top_k {plan.top_k}, "
-                         f"gather={gather})")
+        raise ValueError(
+            f"grouped_linear: x has {x.shape[0]} rows for a plan of {pairs} pairs (top_k {plan.top_k}, gather={gather})"
+        )
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(2) == 1 else weight.contiguous()
     bm, bn, bk, warps, stages = tile or grouped_tile(pairs, experts, x.dtype)
     if bm != plan.block_m:
-        raise ValueError(f"grouped_linear: a tile of {bm} rows for a plan of {plan.block_m}-row tiles"
-                         + ("" if tile else "; plan with block_m_for(pairs, experts, dtype)"))
+        raise ValueError(
+            f"grouped_linear: a tile of {bm} rows for a plan of {plan.block_m}-row tiles"
+            + ("" if tile else "; plan with block_m_for(pairs, experts, dtype)")
+        )
     y = torch.full((pairs, n), float("nan"), dtype=x.dtype, device=x.device)  # rows no tile covers stay NaN
     if plan.tiles == 0:
         return y
     tiles_n = cdiv(n, bn)
     _grouped_kernel[(plan.tiles * tiles_n,)](
-        x, weight, y, plan.token, plan.pair, plan.starts, plan.tile_expert, plan.tile_row,
-        x.shape[0], n, k, experts, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0),
-        GATHER=gather, SCATTER=scatter, IEEE=x.dtype == torch.float32, BLOCK_M=plan.block_m, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages)
+        x,
+        weight,
+        y,
+        plan.token,
+        plan.pair,
+        plan.starts,
+        plan.tile_expert,
+        plan.tile_row,
+        x.shape[0],
+        n,
+        k,
+        experts,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        y.stride(0),
+        GATHER=gather,
+        SCATTER=scatter,
+        IEEE=x.dtype == torch.float32,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return y
 
 
@@ -209,10 +257,30 @@ if triton is not None:
     from alignaudit_kernels.matmul.triton_kernels import _segment
 
     @triton.jit(do_not_specialize=["rows_x"])
-    def _grouped_kernel(x_ptr, w_ptr, y_ptr, token_ptr, pair_ptr, starts_ptr, tile_expert_ptr, tile_row_ptr, rows_x,
-                        N, K, E, stride_xm, stride_we, stride_wn, stride_ym, GATHER: tl.constexpr,
-                        SCATTER: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+    def _grouped_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        token_ptr,
+        pair_ptr,
+        starts_ptr,
+        tile_expert_ptr,
+        tile_row_ptr,
+        rows_x,
+        N,
+        K,
+        E,
+        stride_xm,
+        stride_we,
+        stride_wn,
+        stride_ym,
+        GATHER: tl.constexpr,
+        SCATTER: tl.constexpr,
+        IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """Program (g, j): row tile g (one expert's rows) times that expert's column tile j."""
         tiles_n = tl.cdiv(N, BLOCK_N)
         g = tl.program_id(0) // tiles_n
@@ -227,19 +295,48 @@ if triton is not None:
                 src = rows
             src = tl.where(live, src, rows_x).to(tl.int64)  # row rows_x is past x: _segment's mask zero-fills it
             rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-            acc = _segment(x_ptr, w_ptr + e.to(tl.int64) * stride_we, src, rn, 0, K, rows_x, N, stride_xm, stride_wn,
-                           IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = _segment(
+                x_ptr,
+                w_ptr + e.to(tl.int64) * stride_we,
+                src,
+                rn,
+                0,
+                K,
+                rows_x,
+                N,
+                stride_xm,
+                stride_wn,
+                IEEE,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+            )
             if SCATTER:
                 dst = tl.load(pair_ptr + rows, mask=live, other=0).to(tl.int64)
             else:
                 dst = rows.to(tl.int64)
-            tl.store(y_ptr + dst[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=live[:, None] & (rn[None, :] < N))
-
+            tl.store(
+                y_ptr + dst[:, None] * stride_ym + rn[None, :],
+                acc.to(y_ptr.dtype.element_ty),
+                mask=live[:, None] & (rn[None, :] < N),
+            )
 
     @triton.jit
-    def _plan_kernel(ids_ptr, pair_ptr, token_ptr, starts_ptr, tile_expert_ptr, tile_row_ptr, P, E, top_k, G,
-                     BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    def _plan_kernel(
+        ids_ptr,
+        pair_ptr,
+        token_ptr,
+        starts_ptr,
+        tile_expert_ptr,
+        tile_row_ptr,
+        P,
+        E,
+        top_k,
+        G,
+        BINS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """Program e < E: expert e's pairs and row tiles; program E: the pairs of no expert and the spare tiles."""
         e = tl.program_id(0)
         bins = tl.arange(0, BINS)
@@ -281,5 +378,6 @@ if triton is not None:
             for t0 in range(first_tile, G, BLOCK):
                 g = t0 + tl.arange(0, BLOCK)
                 tl.store(tile_expert_ptr + g, tl.full([BLOCK], 0, tl.int64) + E, mask=g < G)
-                tl.store(tile_row_ptr + g, (last_first + (g - first_tile + last_tiles) * BLOCK_M).to(tl.int64),
-                         mask=g < G)
+                tl.store(
+                    tile_row_ptr + g, (last_first + (g - first_tile + last_tiles) * BLOCK_M).to(tl.int64), mask=g < G
+                )

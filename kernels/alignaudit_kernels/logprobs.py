@@ -145,8 +145,9 @@ def _row_units(l2, m, scale):
     t, v = l2.shape
     units, nan = torch.zeros((2, t), dtype=torch.int64, device=l2.device)
     chunk = _vocabulary_chunk(t, v, l2.device)
-    _units_kernel[(t, cdiv(v, chunk))](l2, m, units, nan, v, l2.stride(0), chunk, scale, BLOCK=BLOCK_V,
-                                       num_warps=8, enable_fp_fusion=False)
+    _units_kernel[(t, cdiv(v, chunk))](
+        l2, m, units, nan, v, l2.stride(0), chunk, scale, BLOCK=BLOCK_V, num_warps=8, enable_fp_fusion=False
+    )
     return units, nan
 
 
@@ -182,7 +183,8 @@ def _log_softmax(l2):
         return (l2.float() - m[:, None]) - log_s[:, None]
     y = torch.empty(l2.shape, dtype=torch.float32, device=l2.device)
     _log_softmax_kernel[(l2.shape[0], cdiv(l2.shape[1], BLOCK_V))](
-        l2, m, log_s, y, l2.shape[1], l2.stride(0), y.stride(0), BLOCK=BLOCK_V, num_warps=8, enable_fp_fusion=False)
+        l2, m, log_s, y, l2.shape[1], l2.stride(0), y.stride(0), BLOCK=BLOCK_V, num_warps=8, enable_fp_fusion=False
+    )
     return y
 
 
@@ -303,8 +305,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return _TokenLogprobs.apply(logits, targets.long())
 
 
-def token_logprobs_vocab_parallel(shard: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int,
-                                  group) -> torch.Tensor:
+def token_logprobs_vocab_parallel(
+    shard: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int, group
+) -> torch.Tensor:
     """Strict log p(target) with the vocabulary split over tensor-parallel ranks (Megatron's vocab-parallel
     layout), without gathering the logits: shard [..., V/t] holds vocabulary entries [vocab_start,
     vocab_start + V/t) of vocab_size; targets [...] (int64, global ids); group: a torch.distributed process
@@ -315,23 +318,32 @@ def token_logprobs_vocab_parallel(shard: torch.Tensor, targets: torch.Tensor, vo
     Raises ValueError on a shape mismatch, a shard outside [0, vocab_size), or vocab_size >
     primitives.UNIT_SUM_MAX_TERMS."""
     if shard.shape[:-1] != targets.shape:
-        raise ValueError(f"token_logprobs_vocab_parallel: logits {tuple(shard.shape)} "
-                         f"vs targets {tuple(targets.shape)}")
+        raise ValueError(
+            f"token_logprobs_vocab_parallel: logits {tuple(shard.shape)} vs targets {tuple(targets.shape)}"
+        )
     if vocab_start < 0 or vocab_start + shard.shape[-1] > vocab_size:
-        raise ValueError(f"token_logprobs_vocab_parallel: a shard of {shard.shape[-1]} entries from {vocab_start} does "
-                         f"not fit a vocabulary of {vocab_size}")
+        raise ValueError(
+            f"token_logprobs_vocab_parallel: a shard of {shard.shape[-1]} entries from {vocab_start} does "
+            f"not fit a vocabulary of {vocab_size}"
+        )
     if no_gradient(shard):
         return _vocab_parallel_forward(shard, targets.long(), vocab_start, vocab_size, group)[0]
     return _TokenLogprobsVocabParallel.apply(shard, targets.long(), vocab_start, vocab_size, group)
 
 
-@opaque_op("log_softmax", "(Tensor logits) -> Tensor",
-           lambda logits: torch.empty(logits.shape, dtype=torch.float32, device=logits.device))
+@opaque_op(
+    "log_softmax",
+    "(Tensor logits) -> Tensor",
+    lambda logits: torch.empty(logits.shape, dtype=torch.float32, device=logits.device),
+)
 def _log_softmax_op(logits):
     return _log_softmax_forward(logits)
 
 
-@opaque_op("token_logprobs", "(Tensor logits, Tensor targets) -> Tensor",
-           lambda logits, targets: torch.empty(targets.shape, dtype=torch.float32, device=logits.device))
+@opaque_op(
+    "token_logprobs",
+    "(Tensor logits, Tensor targets) -> Tensor",
+    lambda logits, targets: torch.empty(targets.shape, dtype=torch.float32, device=logits.device),
+)
 def _token_logprobs_op(logits, targets):
     return _token_logprobs_forward(logits, targets)[0]

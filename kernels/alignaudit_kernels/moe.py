@@ -73,8 +73,9 @@ def dispatch_for(x: torch.Tensor) -> str:
     return "grouped" if use_triton(x) else "gathered"
 
 
-def combine_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up, down,
-                    dispatch: str | None = None) -> torch.Tensor:
+def combine_experts(
+    x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up, down, dispatch: str | None = None
+) -> torch.Tensor:
     """The experts' SwiGLU outputs for routed tokens, combined in the routing order (module docstring).
 
     Args:
@@ -135,7 +136,7 @@ def weighted_sum(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     product and sum an fp32 operation rounded on its own (no FMA), rounded once at the end."""
     acc = weights[:, :1] * expert_out[:, 0].float()
     for r in range(1, expert_out.shape[1]):
-        acc = acc + weights[:, r: r + 1] * expert_out[:, r].float()
+        acc = acc + weights[:, r : r + 1] * expert_out[:, r].float()
     return acc.to(expert_out.dtype)
 
 
@@ -149,8 +150,9 @@ def _weighted_sum_triton(expert_out: torch.Tensor, weights: torch.Tensor) -> tor
     out = torch.empty(t, h, dtype=expert_out.dtype, device=expert_out.device)
     block = 1024
     if t:
-        _weighted_sum_kernel[(t, cdiv(h, block))](expert_out, weights, out, h, TOP_K=top_k, BLOCK=block,
-                                                  num_warps=4, enable_fp_fusion=False)
+        _weighted_sum_kernel[(t, cdiv(h, block))](
+            expert_out, weights, out, h, TOP_K=top_k, BLOCK=block, num_warps=4, enable_fp_fusion=False
+        )
     return out
 
 
@@ -193,9 +195,9 @@ def _expert(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, width
     return linear(silu_mul(linear(rows, gate_up[:width]), linear(rows, gate_up[width:])), down)
 
 
-def mixture_of_experts(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
-        down: torch.Tensor, top_k: int,
-        normalize: bool):
+def mixture_of_experts(
+    x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, normalize: bool
+):
     """The strict MoE layer of the module docstring: ``route`` then ``combine_experts``.
 
     Args:
@@ -219,5 +221,5 @@ def reference(x, router_weight, gate_up, down, top_k, normalize):
     for r in range(top_k):
         g = torch.einsum("th,tih->ti", x, gate_up[chosen[:, r], :width])
         u = torch.einsum("th,tih->ti", x, gate_up[chosen[:, r], width:])
-        out = out + top[:, r: r + 1] * torch.einsum("ti,thi->th", torch.nn.functional.silu(g) * u, down[chosen[:, r]])
+        out = out + top[:, r : r + 1] * torch.einsum("ti,thi->th", torch.nn.functional.silu(g) * u, down[chosen[:, r]])
     return out

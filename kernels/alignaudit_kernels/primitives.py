@@ -248,8 +248,10 @@ def opaque_op(name: str, schema: str, fake, namespace: str = "alignaudit_kernels
         @functools.wraps(fn)
         def forward_only(*args):
             if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-                raise RuntimeError(f"{namespace}::{name} is forward only: call it without gradients (torch.no_grad) "
-                                   f"or call its kernel function, which has a backward")
+                raise RuntimeError(
+                    f"{namespace}::{name} is forward only: call it without gradients (torch.no_grad) "
+                    f"or call its kernel function, which has a backward"
+                )
             return fn(*args)
 
         library.define(f"{name}{schema}", tags=(torch.Tag.pt2_compliant_tag,))
@@ -258,6 +260,7 @@ def opaque_op(name: str, schema: str, fake, namespace: str = "alignaudit_kernels
         op = getattr(getattr(torch.ops, namespace), name).default
         OPAQUE_OPS.append(op)
         return op
+
     return register
 
 
@@ -314,13 +317,16 @@ def cached_tensors(maxsize: int):
     process included, tensors that autograd refuses to save for backward ("Inference tensors cannot be saved
     for backward"). Built outside it, the same tensors serve both, with the same values.
     """
+
     def wrap(build):
         @functools.lru_cache(maxsize=maxsize)
         @functools.wraps(build)
         def cached(*args, **kwargs):
             with torch.inference_mode(False):
                 return build(*args, **kwargs)
+
         return cached
+
     return wrap
 
 
@@ -345,7 +351,8 @@ def descriptor_scratch(needed: bool, device: torch.device):
     from triton.runtime import _allocation
 
     token = _allocation._allocator.set(
-        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
+    )
     try:
         yield
     finally:
@@ -380,6 +387,7 @@ def reduction_input(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
         return x
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     return out.copy_(x)
+
 
 if triton is not None:
 

@@ -62,8 +62,23 @@ if triton is not None:
     from alignaudit_kernels.primitives import rsqrt_t
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, heads, stride_x, stride_xh, stride_r, stride_y,
-                        stride_s, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rmsnorm_kernel(
+        x_ptr,
+        r_ptr,
+        w_ptr,
+        y_ptr,
+        s_ptr,
+        H,
+        eps,
+        heads,
+        stride_x,
+        stride_xh,
+        stride_r,
+        stride_y,
+        stride_s,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
@@ -79,11 +94,26 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, ((xf * inv) * w).to(y_ptr.dtype.element_ty), mask=mask)
 
-
     @triton.jit
-    def _rmsnorm_rows_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, M, H, eps, heads, stride_x, stride_xh, stride_r,
-                             stride_y, stride_s, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCK_H: tl.constexpr):
+    def _rmsnorm_rows_kernel(
+        x_ptr,
+        r_ptr,
+        w_ptr,
+        y_ptr,
+        s_ptr,
+        M,
+        H,
+        eps,
+        heads,
+        stride_x,
+        stride_xh,
+        stride_r,
+        stride_y,
+        stride_s,
+        HAS_RESIDUAL: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         """_rmsnorm_kernel over ROWS rows a program (a [ROWS, BLOCK_H] block, each row's sum by tl.sum along
         axis 1): the default for narrow rows (H <= 128: Qwen3's per-head q/k norms), where one 1-warp program a
         row leaves the GPU mostly idle. Launched with the one-row kernel's warps for each row, a thread holds
@@ -125,21 +155,47 @@ def _triton(x2, weight, eps, residual2, heads=None, rows=None):
     s = torch.empty_like(x2) if residual2 is not None else x2
     block = next_power_of_2(h)
     args = (x2, residual2 if residual2 is not None else x2, weight, y, s)
-    strides = (x2.stride(0), x2.stride(1) if heads else 0, residual2.stride(0) if residual2 is not None else 0,
-               y.stride(0), s.stride(0))
+    strides = (
+        x2.stride(0),
+        x2.stride(1) if heads else 0,
+        residual2.stride(0) if residual2 is not None else 0,
+        y.stride(0),
+        s.stride(0),
+    )
     warps = row_warps(block)
     if rows is None:
         rows = NARROW_ROWS if h <= NARROW_H else 1
     if rows > 1:
         if rows & (rows - 1) or rows * warps > 32:
-            raise ValueError(f"strict rms_norm: rows={rows} must be a power of two whose rows, {warps} warps each, "
-                             f"fit a program's 32 warps")
-        _rmsnorm_rows_kernel[(cdiv(m, rows),)](*args, m, h, eps, heads or 1, *strides,
-                                               HAS_RESIDUAL=residual2 is not None, ROWS=rows, BLOCK_H=block,
-                                               num_warps=rows * warps, enable_fp_fusion=False)
+            raise ValueError(
+                f"strict rms_norm: rows={rows} must be a power of two whose rows, {warps} warps each, "
+                f"fit a program's 32 warps"
+            )
+        _rmsnorm_rows_kernel[(cdiv(m, rows),)](
+            *args,
+            m,
+            h,
+            eps,
+            heads or 1,
+            *strides,
+            HAS_RESIDUAL=residual2 is not None,
+            ROWS=rows,
+            BLOCK_H=block,
+            num_warps=rows * warps,
+            enable_fp_fusion=False,
+        )
         return y, s
-    _rmsnorm_kernel[(m,)](*args, h, eps, heads or 1, *strides, HAS_RESIDUAL=residual2 is not None, BLOCK_H=block,
-                          num_warps=warps, enable_fp_fusion=False)
+    _rmsnorm_kernel[(m,)](
+        *args,
+        h,
+        eps,
+        heads or 1,
+        *strides,
+        HAS_RESIDUAL=residual2 is not None,
+        BLOCK_H=block,
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
     return y, s
 
 
@@ -225,13 +281,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return _AddRMSNorm.apply(x, weight, eps, residual)
 
 
-@opaque_op("rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor",
-           lambda x, weight, eps: x.new_empty(x.shape))
+@opaque_op("rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", lambda x, weight, eps: x.new_empty(x.shape))
 def _rms_norm_op(x, weight, eps):
     return _forward(x, weight, eps, None)[0]
 
 
-@opaque_op("add_rms_norm", "(Tensor x, Tensor weight, float eps, Tensor residual) -> (Tensor, Tensor)",
-           lambda x, weight, eps, residual: (x.new_empty(x.shape), x.new_empty(x.shape)))
+@opaque_op(
+    "add_rms_norm",
+    "(Tensor x, Tensor weight, float eps, Tensor residual) -> (Tensor, Tensor)",
+    lambda x, weight, eps, residual: (x.new_empty(x.shape), x.new_empty(x.shape)),
+)
 def _add_rms_norm_op(x, weight, eps, residual):
     return _forward(x, weight, eps, residual)

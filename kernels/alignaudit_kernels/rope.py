@@ -48,8 +48,9 @@ def inverse_frequencies(rotary_dim: int, theta: float, llama3: tuple | None = No
     wavelength = 2 * math.pi / inv_freq
     smooth = (original / wavelength - low) / (high - low) if high != low else torch.zeros_like(inv_freq)
     mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return torch.where(wavelength < original / high, inv_freq,
-                       torch.where(wavelength > original / low, inv_freq / factor, mid))
+    return torch.where(
+        wavelength < original / high, inv_freq, torch.where(wavelength > original / low, inv_freq / factor, mid)
+    )
 
 
 @cached_tensors(maxsize=16)
@@ -61,8 +62,9 @@ def _tables_cpu(rows: int, rotary_dim: int, theta: float, llama3: tuple | None) 
 
 @torch.compiler.disable  # traced by torch.compile, the tables could round otherwise: always built eagerly
 @cached_tensors(maxsize=16)
-def rope_tables(max_positions: int, rotary_dim: int, theta: float, device: str = "cpu",
-                llama3: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    max_positions: int, rotary_dim: int, theta: float, device: str = "cpu", llama3: tuple | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each fp32 [>= max_positions, rotary_dim // 2], on ``device`` (copied from the CPU tables).
     ``llama3``: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), or None.
 
@@ -85,8 +87,10 @@ def reference(x, positions, cos, sin):
 
 def _cpu(x, positions, cos, sin):
     if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
-        raise IndexError(f"strict rope: positions {int(positions.min())}..{int(positions.max())} outside the "
-                         f"{cos.shape[0]} rows of the rope tables")
+        raise IndexError(
+            f"strict rope: positions {int(positions.min())}..{int(positions.max())} outside the "
+            f"{cos.shape[0]} rows of the rope tables"
+        )
     half = x.shape[-1] // 2
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
     xf = x.float()
@@ -99,8 +103,24 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _rotate_heads(x_ptr, y_ptr, t, pos, cos_ptr, sin_ptr, block, H, rows, stride_xt, stride_xh, stride_yt,
-                      stride_yh, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _rotate_heads(
+        x_ptr,
+        y_ptr,
+        t,
+        pos,
+        cos_ptr,
+        sin_ptr,
+        block,
+        H,
+        rows,
+        stride_xt,
+        stride_xh,
+        stride_yt,
+        stride_yh,
+        HALF: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         heads = block * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
         mask = (heads[:, None] < H) & (d[None, :] < HALF)
@@ -115,9 +135,29 @@ if triton is not None:
         tl.store(out + HALF, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, yq_ptr, yk_ptr, HQ, HK, rows, stride_qt, stride_qh,
-                     stride_kt, stride_kh, stride_yqt, stride_yqh, stride_ykt, stride_ykh,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _rope_kernel(
+        q_ptr,
+        k_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        yq_ptr,
+        yk_ptr,
+        HQ,
+        HK,
+        rows,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_yqt,
+        stride_yqh,
+        stride_ykt,
+        stride_ykh,
+        HALF: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         # grid (tokens, q's head blocks + k's): one launch rotates q and k (HK = 0: q alone); every element's
         # arithmetic is _rotate_heads', whichever tensor it belongs to
         t = tl.program_id(0).to(tl.int64)
@@ -125,11 +165,43 @@ if triton is not None:
         block = tl.program_id(1)
         q_blocks = tl.cdiv(HQ, BLOCK_H)
         if block < q_blocks:
-            _rotate_heads(q_ptr, yq_ptr, t, pos, cos_ptr, sin_ptr, block, HQ, rows, stride_qt, stride_qh,
-                          stride_yqt, stride_yqh, HALF, BLOCK_H, BLOCK_D)
+            _rotate_heads(
+                q_ptr,
+                yq_ptr,
+                t,
+                pos,
+                cos_ptr,
+                sin_ptr,
+                block,
+                HQ,
+                rows,
+                stride_qt,
+                stride_qh,
+                stride_yqt,
+                stride_yqh,
+                HALF,
+                BLOCK_H,
+                BLOCK_D,
+            )
         else:
-            _rotate_heads(k_ptr, yk_ptr, t, pos, cos_ptr, sin_ptr, block - q_blocks, HK, rows, stride_kt,
-                          stride_kh, stride_ykt, stride_ykh, HALF, BLOCK_H, BLOCK_D)
+            _rotate_heads(
+                k_ptr,
+                yk_ptr,
+                t,
+                pos,
+                cos_ptr,
+                sin_ptr,
+                block - q_blocks,
+                HK,
+                rows,
+                stride_kt,
+                stride_kh,
+                stride_ykt,
+                stride_ykh,
+                HALF,
+                BLOCK_H,
+                BLOCK_D,
+            )
 
 
 def _triton(q, positions, cos, sin, k=None):
@@ -142,9 +214,29 @@ def _triton(q, positions, cos, sin, k=None):
     hk = kk.shape[1] if k is not None else 0
     block_h = min(16, next_power_of_2(max(hq, hk)))
     _rope_kernel[(t, cdiv(hq, block_h) + cdiv(hk, block_h))](
-        q, kk, positions.contiguous(), cos.contiguous(), sin.contiguous(), yq, yk, hq, hk, cos.shape[0],
-        q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), yq.stride(0), yq.stride(1), yk.stride(0), yk.stride(1),
-        HALF=d // 2, BLOCK_H=block_h, BLOCK_D=next_power_of_2(d // 2), enable_fp_fusion=False)
+        q,
+        kk,
+        positions.contiguous(),
+        cos.contiguous(),
+        sin.contiguous(),
+        yq,
+        yk,
+        hq,
+        hk,
+        cos.shape[0],
+        q.stride(0),
+        q.stride(1),
+        kk.stride(0),
+        kk.stride(1),
+        yq.stride(0),
+        yq.stride(1),
+        yk.stride(0),
+        yk.stride(1),
+        HALF=d // 2,
+        BLOCK_H=block_h,
+        BLOCK_D=next_power_of_2(d // 2),
+        enable_fp_fusion=False,
+    )
     return (yq, yk) if k is not None else yq
 
 
@@ -177,8 +269,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     Raises ValueError on shape mismatches.
     """
     if x.dim() != 3 or positions.shape != (x.shape[0],) or cos.shape[1] * 2 != x.shape[-1]:
-        raise ValueError(f"apply_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}, "
-                         f"tables {tuple(cos.shape)}")
+        raise ValueError(
+            f"apply_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}, tables {tuple(cos.shape)}"
+        )
     if compiling_inference(x, cos, sin):
         return _rope_op(x, positions, cos, sin)
     if no_gradient(x, cos, sin):
@@ -186,23 +279,35 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     return _Rope.apply(x, positions, cos, sin)
 
 
-@opaque_op("apply_rope", "(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor",
-           lambda x, positions, cos, sin: x.new_empty(x.shape))
+@opaque_op(
+    "apply_rope",
+    "(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor",
+    lambda x, positions, cos, sin: x.new_empty(x.shape),
+)
 def _rope_op(x, positions, cos, sin):
     return _forward(x, positions, cos, sin)
 
 
-def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope_qk(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(apply_rope(q, ...), apply_rope(k, ...))`` for queries q [tokens, query heads, head_dim] and keys k
     [tokens, KV heads, head_dim] of the same tokens, bit for bit, in one Triton launch where no gradient is
     recorded (an attention layer's rope: one launch and one host wrapper less a layer, which an eager prefill
     pays in every layer); with a gradient recorded, the two apply_rope calls and their backward. Same tables and
     position checks as apply_rope. Raises ValueError on shape mismatches (tokens, head_dim, tables)."""
-    if q.dim() != 3 or k.dim() != 3 or positions.shape != (q.shape[0],) or k.shape[0] != q.shape[0] \
-            or k.shape[-1] != q.shape[-1] or cos.shape[1] * 2 != q.shape[-1]:
-        raise ValueError(f"apply_rope_qk: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
-                         f"{tuple(positions.shape)}, tables {tuple(cos.shape)}")
+    if (
+        q.dim() != 3
+        or k.dim() != 3
+        or positions.shape != (q.shape[0],)
+        or k.shape[0] != q.shape[0]
+        or k.shape[-1] != q.shape[-1]
+        or cos.shape[1] * 2 != q.shape[-1]
+    ):
+        raise ValueError(
+            f"apply_rope_qk: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
+            f"{tuple(positions.shape)}, tables {tuple(cos.shape)}"
+        )
     if not no_gradient(q, k, cos, sin):
         return apply_rope(q, positions, cos, sin), apply_rope(k, positions, cos, sin)
     if compiling_inference(q, k, cos, sin):
@@ -216,7 +321,10 @@ def _forward_qk(q, k, positions, cos, sin):
     return _cpu(q, positions, cos, sin), _cpu(k, positions, cos, sin)
 
 
-@opaque_op("apply_rope_qk", "(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
-           lambda q, k, positions, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)))
+@opaque_op(
+    "apply_rope_qk",
+    "(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+    lambda q, k, positions, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)),
+)
 def _rope_qk_op(q, k, positions, cos, sin):
     return _forward_qk(q, k, positions, cos, sin)

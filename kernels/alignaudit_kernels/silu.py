@@ -53,8 +53,9 @@ def _triton(gate, up):
     rows, cols = gate.shape
     y = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
     block = 1024
-    _silu_mul_kernel[(rows, cdiv(cols, block))](gate, up, y, cols, gate.stride(0), up.stride(0), y.stride(0),
-                                                       BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    _silu_mul_kernel[(rows, cdiv(cols, block))](
+        gate, up, y, cols, gate.stride(0), up.stride(0), y.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False
+    )
     return y
 
 

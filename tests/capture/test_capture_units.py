@@ -23,7 +23,7 @@ def test_megatron_qkv_grouping_matches_its_definition():
     per_group = fused.view(ng, (nh // ng + 2) * hd)  # Megatron: [q heads of group | k | v] per group
     for g in range(ng):
         assert torch.equal(per_group[g, : nh // ng * hd], q.view(ng, -1)[g])
-        assert torch.equal(per_group[g, nh // ng * hd: nh // ng * hd + hd], k.view(ng, hd)[g])
+        assert torch.equal(per_group[g, nh // ng * hd : nh // ng * hd + hd], k.view(ng, hd)[g])
         assert torch.equal(per_group[g, -hd:], v.view(ng, hd)[g])
     rows = torch.stack([fused, fused + 1])
     q2, k2, v2 = split_qkv_grouped(rows, nh, ng, hd)
@@ -33,8 +33,14 @@ def test_megatron_qkv_grouping_matches_its_definition():
 def test_selection_parsing_and_inputs():
     graph = OpGraph(4)
     sel = parse_selection("0-1,3", "attn,o_proj", graph)
-    assert sel.op_ids(graph) == ["layers.0.attn", "layers.0.o_proj", "layers.1.attn", "layers.1.o_proj",
-                                 "layers.3.attn", "layers.3.o_proj"]
+    assert sel.op_ids(graph) == [
+        "layers.0.attn",
+        "layers.0.o_proj",
+        "layers.1.attn",
+        "layers.1.o_proj",
+        "layers.3.attn",
+        "layers.3.o_proj",
+    ]
     assert graph.inputs("layers.3.attn") == ["layers.3.q_rope", "layers.3.k_rope", "layers.3.v_proj"]
     assert graph.inputs("layers.0.input_norm") == ["embed"]
     assert graph.inputs("layers.2.attn_residual") == ["layers.1.mlp_residual", "layers.2.o_proj"]
@@ -53,7 +59,7 @@ def test_selection_parsing_and_inputs():
 def test_a_mixture_of_experts_layer_has_router_routing_and_moe_in_place_of_the_dense_mlp():
     graph = OpGraph(2, qk_norm=True, moe=True)
     layer = [op.split(".", 2)[2] for op in graph.op_ids() if op.startswith("layers.0.")]
-    assert layer[layer.index("post_attn_norm"):] == ["post_attn_norm", "router", "routing", "moe", "mlp_residual"]
+    assert layer[layer.index("post_attn_norm") :] == ["post_attn_norm", "router", "routing", "moe", "mlp_residual"]
     assert len(graph.op_ids()) == 1 + 2 * 16 + 2 + 1
     assert graph.inputs("layers.1.mlp_residual") == ["layers.1.attn_residual", "layers.1.moe"]
     assert graph.inputs("layers.0.routing") == ["layers.0.router"]
@@ -160,9 +166,11 @@ def test_numerics_flags_read_tf32_switches_set_per_backend_as_vllm_batch_invaria
     from alignaudit.capture.environment import numerics_flags
 
     backends = torch.backends
-    saved = [(backends.cuda.matmul, backends.cuda.matmul.fp32_precision),
-             (backends.cudnn.conv, backends.cudnn.conv.fp32_precision),
-             (backends.cudnn.rnn, backends.cudnn.rnn.fp32_precision)]
+    saved = [
+        (backends.cuda.matmul, backends.cuda.matmul.fp32_precision),
+        (backends.cudnn.conv, backends.cudnn.conv.fp32_precision),
+        (backends.cudnn.rnn, backends.cudnn.rnn.fp32_precision),
+    ]
     try:
         backends.cuda.matmul.fp32_precision = "ieee"
         backends.cudnn.conv.fp32_precision = "tf32"  # conv and rnn apart: the legacy cuDNN read must refuse

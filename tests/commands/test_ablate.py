@@ -19,8 +19,13 @@ pytestmark = [pytest.mark.engines, pytest.mark.long]
 def test_configurations_cover_each_factor_both_ways():
     rows = configurations(("linear", "rope"))
     assert [(c.kind, c.factor) for c in rows] == [
-        ("all strict", "all"), ("default op", "linear"), ("default op", "rope"), ("strict op", "linear"),
-        ("strict op", "rope"), ("all default", "none")]
+        ("all strict", "all"),
+        ("default op", "linear"),
+        ("default op", "rope"),
+        ("strict op", "linear"),
+        ("strict op", "rope"),
+        ("all default", "none"),
+    ]
     assert rows[1].strict == frozenset({"rmsnorm", "rope", "silu", "attention", "logprobs"})
     assert rows[4].strict == {"rope"} and rows[5].strict == frozenset() and len({c.name for c in rows}) == 6
 
@@ -31,8 +36,9 @@ def test_ablate_rmsnorm_megatron_vs_hf(tmp_path, capsys, monkeypatch):
     strict: the first divergence moves past it. All default: every token differs. In-process (the command's
     workers forked from the test session's preloaded engines)."""
     out = tmp_path / "ablate"
-    proc = run_in_process(capsys, monkeypatch, "ablate", "--train", "megatron", "--infer", "hf", "--factors", "rmsnorm",
-                          "--out", str(out))
+    proc = run_in_process(
+        capsys, monkeypatch, "ablate", "--train", "megatron", "--infer", "hf", "--factors", "rmsnorm", "--out", str(out)
+    )
     assert proc.returncode == EXIT_OK, proc.stderr
     matrix = pd.read_parquet(out / "ablate.parquet").set_index("kind")
     assert list(matrix.index) == ["all strict", "default op", "strict op", "all default"]
@@ -46,7 +52,11 @@ def test_ablate_rmsnorm_megatron_vs_hf(tmp_path, capsys, monkeypatch):
     assert matrix.loc["all default", "mismatches"] == 176
     record = json.loads((out / "ablate.json").read_text())
     assert record["capture_ops"] and [r["strict"] for r in record["rows"]] == [
-        "all", "linear,rope,silu,attention,logprobs", "rmsnorm", "none"]
+        "all",
+        "linear,rope,silu,attention,logprobs",
+        "rmsnorm",
+        "none",
+    ]
     assert (out / "configs" / "default-rmsnorm" / "ops-natural.parquet").is_file()
     assert "Ablation matrix" in (out / "report.html").read_text()
     if CHROMIUM is not None:  # the page of a real run renders (tests/reports/test_html_report.py checks it in depth)
@@ -58,6 +68,7 @@ def test_ablate_rmsnorm_megatron_vs_hf(tmp_path, capsys, monkeypatch):
 def test_ablate_refuses_strict_and_unknown_factors(capsys, tmp_path):
     assert "drop --strict" in one_line_error(capsys, ["ablate", "--strict", "--out", str(tmp_path / "a")], 2)
     assert "--factors: unknown op(s) softmax" in one_line_error(
-        capsys, ["ablate", "--factors", "softmax", "--out", str(tmp_path / "b")], 2)
+        capsys, ["ablate", "--factors", "softmax", "--out", str(tmp_path / "b")], 2
+    )
     assert "names no op" in one_line_error(capsys, ["ablate", "--factors", "", "--out", str(tmp_path / "b")], 2)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -75,8 +75,10 @@ def test_bf16_vllm_vs_hf_rope_first_then_attention_without_custom_ops(captures):
     natural = diff_ops(hf, captures.get("vllm", "bf16", ops=True))
     assert first_divergence(natural)["op"] == "layers.0.q_rope"
     ops = by_op(natural)
-    assert all(ops[f"layers.0.{n}"]["status"] == EQUAL
-               for n in ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm"))
+    assert all(
+        ops[f"layers.0.{n}"]["status"] == EQUAL
+        for n in ("input_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
+    )
     assert ops["logits"]["note"].startswith("first")  # vLLM computes prompt logits for all but the last position
     native = captures.get("vllm", "bf16", ops=True, compilation_config={"custom_ops": ["none"]})
     assert native.manifest["engine_settings"]["llm"]["compilation_config"] == {"custom_ops": ["none"]}
@@ -92,8 +94,9 @@ def test_fp32_vllm_vs_hf_projection_or_rope_first(captures):
     first = first_divergence(natural)
     assert first["op"] in ("layers.0.q_proj", "layers.0.q_rope") and first["dtype"] == "float32"
     ops = by_op(natural)
-    before = ["embed", "layers.0.input_norm"] + (["layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj"]
-                                                 if first["op"] == "layers.0.q_rope" else [])
+    before = ["embed", "layers.0.input_norm"] + (
+        ["layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj"] if first["op"] == "layers.0.q_rope" else []
+    )
     assert all(ops[name]["status"] == EQUAL for name in before)
 
 
@@ -104,8 +107,7 @@ def test_fp32_megatron_vs_hf_only_attention_and_logprobs_differ(captures):
     logprobs differs on all). Natural mode's first divergence is then, by construction, the first of them."""
     train = captures.get("megatron", "fp32", ops=True)
     natural = diff_ops(train, captures.get("hf", "fp32", ops=True))
-    forced = [r["op"] for r in diff_ops(train, captures.get("hf", "fp32", reference=train))
-              if r["status"] == DIFFERS]
+    forced = [r["op"] for r in diff_ops(train, captures.get("hf", "fp32", reference=train)) if r["status"] == DIFFERS]
     assert "logprobs" in forced and set(forced) <= {"layers.0.attn", "layers.1.attn", "logprobs"}
     assert first_divergence(natural)["op"] == forced[0]
 
@@ -121,8 +123,21 @@ def test_cli_bisect_selection_and_outputs(tmp_path):
     from alignaudit.commands import cli
 
     out = tmp_path / "b"
-    code = cli.main(["bisect", "--train", "megatron", "--infer", "hf", "--layers", "1", "--ops",
-                     "input_norm,q_proj,attn,final_norm", "--out", str(out)])
+    code = cli.main(
+        [
+            "bisect",
+            "--train",
+            "megatron",
+            "--infer",
+            "hf",
+            "--layers",
+            "1",
+            "--ops",
+            "input_norm,q_proj,attn,final_norm",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     result = json.loads((out / "bisect.json").read_text())
     ops = [r["op"] for r in result["natural"]["records"]]

@@ -14,8 +14,18 @@ from helpers import FIXTURE, importance_by_hand, one_line_error, run_cli
 pytestmark = [pytest.mark.engines, pytest.mark.long]
 
 
-IS_OPTIONS = ["--tis-threshold", "1.0001", "--mask-low", "0.9999", "--mask-high", "1.001", "--geo-mask-low",
-              "0.99999", "--geo-mask-high", "1.00001"]
+IS_OPTIONS = [
+    "--tis-threshold",
+    "1.0001",
+    "--mask-low",
+    "0.9999",
+    "--mask-high",
+    "1.001",
+    "--geo-mask-low",
+    "0.99999",
+    "--geo-mask-high",
+    "1.00001",
+]
 
 
 def test_compare_megatron_vs_vllm_default(tmp_path):
@@ -36,8 +46,13 @@ def test_compare_megatron_vs_vllm_default(tmp_path):
         assert (out / role / "manifest.json").is_file() and (out / role / "worker.log").is_file()
     # the IS diagnostics at the thresholds given, recomputed by hand from tokens.parquet (prompt mode: every token)
     imp = summary["importance"]
-    assert run["importance"] == {"tis": 1.0001, "mask_low": 0.9999, "mask_high": 1.001, "geo_mask_low": 0.99999,
-                                 "geo_mask_high": 1.00001}
+    assert run["importance"] == {
+        "tis": 1.0001,
+        "mask_low": 0.9999,
+        "mask_high": 1.001,
+        "geo_mask_low": 0.99999,
+        "geo_mask_high": 1.00001,
+    }
     assert (imp["scope"], imp["tis_threshold"], imp["mask_low"], imp["mask_high"]) == ("all", 1.0001, 0.9999, 1.001)
     hand = importance_by_hand(tokens, 1.0001, 0.9999, 1.001, 0.99999, 1.00001)
     for key, value in hand.items():
@@ -56,8 +71,22 @@ def test_self_consistency_same_engine_both_sides(tmp_path):
     from alignaudit.comparison.integrity import load_run
 
     out = tmp_path / "self"
-    code = cli.main(["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "micro_batch_size=auto",
-                     "--dtype", "fp32", "--full-vocab", "--out", str(out)])
+    code = cli.main(
+        [
+            "compare",
+            "--train",
+            "hf",
+            "--infer",
+            "hf",
+            "--infer-opt",
+            "micro_batch_size=auto",
+            "--dtype",
+            "fp32",
+            "--full-vocab",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == EXIT_OK
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mismatches"] == 0 and summary["tokens_compared"] == 176
@@ -73,28 +102,34 @@ def test_self_consistency_same_engine_both_sides(tmp_path):
     assert manifest["engine_settings"]["micro_batches"] == 4  # the built-in prompts differ in length: no padding
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "/no/such/model"], "no such directory"),
-    (["--train", "deepspeed"], "unknown engine 'deepspeed'; choose one of hf, megatron, vllm"),
-    (["--dtype", "fp8"], "unknown dtype 'fp8'"),
-    (["--device", "tpu"], "unknown device"),
-    (["--train-opt", "noequals"], "is not KEY=VALUE"),
-    (["--random-prompts", "0"], "N >= 1"),
-    (["--not-an-option"], "No such option"),
-    (["--strict-exp", "fast"], "--strict-exp 'fast': choose portable or native"),
-    (["--strict", "all,bogus"], "--strict: unknown op(s) bogus"),
-    (["--temperature", "0.5"], "--temperature applies to rollouts and would not take effect in prompt mode"),
-    (["--max-new-tokens", "8"], "--max-new-tokens applies to rollouts"),
-    (["--max-new-tokens", "32"], "--max-new-tokens applies to rollouts"),  # the rollout default, given: refused too
-    (["--strict-exp", "native"], "add attention to --strict"),
-    (["--strict", "rmsnorm", "--strict-exp", "native"], "add attention to --strict"),
-    (["--strict", "--strict-exp", "native", "--device", "cpu"], "use --device cuda"),
-    (["--device", "rocm"], "torch names AMD (ROCm) GPUs cuda devices; pass --device cuda"),
-    (["--strict-attention", "fa2"], "--strict-attention 'fa2': choose portable or flash"),
-    (["--strict-attention", "flash"], "add attention to --strict"),
-    (["--strict", "--strict-attention", "flash", "--device", "cpu"], "a CUDA (Hopper) kernel: use --device cuda"),
-    (["--mode", "rollout", "--temperature", "inf"], "--temperature inf: rollout mode needs a finite temperature > 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/no/such/model"], "no such directory"),
+        (["--train", "deepspeed"], "unknown engine 'deepspeed'; choose one of hf, megatron, vllm"),
+        (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+        (["--device", "tpu"], "unknown device"),
+        (["--train-opt", "noequals"], "is not KEY=VALUE"),
+        (["--random-prompts", "0"], "N >= 1"),
+        (["--not-an-option"], "No such option"),
+        (["--strict-exp", "fast"], "--strict-exp 'fast': choose portable or native"),
+        (["--strict", "all,bogus"], "--strict: unknown op(s) bogus"),
+        (["--temperature", "0.5"], "--temperature applies to rollouts and would not take effect in prompt mode"),
+        (["--max-new-tokens", "8"], "--max-new-tokens applies to rollouts"),
+        (["--max-new-tokens", "32"], "--max-new-tokens applies to rollouts"),  # the rollout default, given: refused too
+        (["--strict-exp", "native"], "add attention to --strict"),
+        (["--strict", "rmsnorm", "--strict-exp", "native"], "add attention to --strict"),
+        (["--strict", "--strict-exp", "native", "--device", "cpu"], "use --device cuda"),
+        (["--device", "rocm"], "torch names AMD (ROCm) GPUs cuda devices; pass --device cuda"),
+        (["--strict-attention", "fa2"], "--strict-attention 'fa2': choose portable or flash"),
+        (["--strict-attention", "flash"], "add attention to --strict"),
+        (["--strict", "--strict-attention", "flash", "--device", "cpu"], "a CUDA (Hopper) kernel: use --device cuda"),
+        (
+            ["--mode", "rollout", "--temperature", "inf"],
+            "--temperature inf: rollout mode needs a finite temperature > 0",
+        ),
+    ],
+)
 def test_usage_errors_are_one_line(capsys, tmp_path, argv, message):
     err = one_line_error(capsys, ["compare", "--out", str(tmp_path / "o"), *argv], EXIT_USAGE)
     assert message in err
@@ -112,8 +147,7 @@ def test_strict_on_rocm_is_refused_before_any_engine_starts(capsys, monkeypatch,
     monkeypatch.setattr(torch.version, "hip", "6.4.43482")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("ALIGNAUDIT_ROCM_UNCHECKED", raising=False)
-    err = one_line_error(capsys, ["compare", "--strict", "--device", "cuda", "--out", str(tmp_path / "o")],
-                         EXIT_USAGE)
+    err = one_line_error(capsys, ["compare", "--strict", "--device", "cuda", "--out", str(tmp_path / "o")], EXIT_USAGE)
     assert "--strict on ROCm (torch HIP 6.4.43482)" in err and "ALIGNAUDIT_ROCM_UNCHECKED=1" in err
     assert not (tmp_path / "o").exists()
     monkeypatch.setenv("ALIGNAUDIT_STRICT", "rmsnorm")
@@ -137,8 +171,11 @@ def test_bad_model_and_prompt_files(capsys, tmp_path):
     arch.mkdir()
     (arch / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
     assert "supported: Qwen3ForCausalLM" in one_line_error(capsys, ["compare", "--model", str(arch)], EXIT_USAGE)
-    for content, message in [("", "is empty"), ('{"token_ids": [1, 600]}', "outside the vocabulary [0, 512)"),
-                             (json.dumps({"token_ids": [1] * 2000}), "longer than the model's max length")]:
+    for content, message in [
+        ("", "is empty"),
+        ('{"token_ids": [1, 600]}', "outside the vocabulary [0, 512)"),
+        (json.dumps({"token_ids": [1] * 2000}), "longer than the model's max length"),
+    ]:
         f = tmp_path / "p.jsonl"
         f.write_text(content)
         assert message in one_line_error(capsys, ["compare", "--prompts", str(f)], EXIT_USAGE)
@@ -148,22 +185,41 @@ def test_engine_not_installed(capsys, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.startswith("megatron") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name.startswith("megatron") else real(name, *a)
+    )
     err = one_line_error(capsys, ["compare", "--model", str(FIXTURE)], EXIT_ENGINE)
     assert "megatron.core, which is not installed; pip install 'alignaudit[megatron]'" in err
 
 
 def test_unknown_engine_option_is_an_input_error(capsys, tmp_path):
-    err = one_line_error(capsys, ["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "flash=1",
-                                  "--out", str(tmp_path / "x")], EXIT_USAGE)
+    err = one_line_error(
+        capsys,
+        ["compare", "--train", "hf", "--infer", "hf", "--infer-opt", "flash=1", "--out", str(tmp_path / "x")],
+        EXIT_USAGE,
+    )
     assert "hf does not understand option(s) flash" in err
 
 
 def test_option_typo_on_the_second_engine_stops_before_the_first_runs(capsys, tmp_path):
     out = tmp_path / "typo"
-    err = one_line_error(capsys, ["compare", "--model", str(FIXTURE), "--train", "hf", "--infer", "vllm",
-                                  "--infer-opt", "max_num_seqz=4", "--out", str(out)], EXIT_USAGE)
+    err = one_line_error(
+        capsys,
+        [
+            "compare",
+            "--model",
+            str(FIXTURE),
+            "--train",
+            "hf",
+            "--infer",
+            "vllm",
+            "--infer-opt",
+            "max_num_seqz=4",
+            "--out",
+            str(out),
+        ],
+        EXIT_USAGE,
+    )
     assert "vllm does not understand option(s) max_num_seqz" in err
     assert not (out / "train").exists()
 
@@ -193,27 +249,63 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
     vocab = json.loads((tmp_path / "d" / "summary.json").read_text())["vocab"]
     assert vocab["positions"] == 176 and vocab["kl_train_infer"]["mean"] > 0
     assert vocab["row_token_mismatches"] == {"train": 0, "infer": 0}
-    err = one_line_error(capsys, ["capture", "--engine", "hf", "--full-vocab", "--reference", str(a), "--out",
-                                  str(tmp_path / "fv")], EXIT_USAGE)
+    err = one_line_error(
+        capsys,
+        ["capture", "--engine", "hf", "--full-vocab", "--reference", str(a), "--out", str(tmp_path / "fv")],
+        EXIT_USAGE,
+    )
     assert "--full-vocab records each engine's own rows" in err
 
     other_prompts = tmp_path / "other-prompts"
-    assert cli.main(["capture", "--engine", "hf", "--no-ops", "--random-prompts", "2", "--prompt-len", "8",
-                     "--out", str(other_prompts)]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "capture",
+                "--engine",
+                "hf",
+                "--no-ops",
+                "--random-prompts",
+                "2",
+                "--prompt-len",
+                "8",
+                "--out",
+                str(other_prompts),
+            ]
+        )
+        == EXIT_OK
+    )
     err = one_line_error(capsys, ["diff", str(a), str(other_prompts), "--out", str(tmp_path / "d2")], EXIT_USAGE)
     assert "different token ids" in err
 
     other_model = tmp_path / "model-copy"
     shutil.copytree(FIXTURE, other_model)
-    (other_model / "config.json").write_text((FIXTURE / "config.json").read_text().replace('"use_cache": true',
-                                                                                           '"use_cache": false'))
+    (other_model / "config.json").write_text(
+        (FIXTURE / "config.json").read_text().replace('"use_cache": true', '"use_cache": false')
+    )
     other_ckpt = tmp_path / "other-ckpt"
-    assert cli.main(["capture", "--engine", "hf", "--no-ops", "--model", str(other_model),
-                     "--out", str(other_ckpt)]) == EXIT_OK
+    assert (
+        cli.main(["capture", "--engine", "hf", "--no-ops", "--model", str(other_model), "--out", str(other_ckpt)])
+        == EXIT_OK
+    )
     err = one_line_error(capsys, ["diff", str(b), str(other_ckpt), "--out", str(tmp_path / "d3")], EXIT_USAGE)
     assert "different checkpoints" in err
-    err = one_line_error(capsys, ["capture", "--engine", "hf", "--model", str(other_model), "--reference", str(a),
-                                  "--layers", "0", "--out", str(tmp_path / "r")], EXIT_USAGE)
+    err = one_line_error(
+        capsys,
+        [
+            "capture",
+            "--engine",
+            "hf",
+            "--model",
+            str(other_model),
+            "--reference",
+            str(a),
+            "--layers",
+            "0",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+        EXIT_USAGE,
+    )
     assert "captured from another checkpoint than --model" in err  # the same token ids, another model's values
     err = one_line_error(capsys, ["diff", str(a), f"{tmp_path}/./megatron/", "--out", str(tmp_path / "d5")], EXIT_USAGE)
     assert "a capture compared with itself is identical" in err  # however the path is spelled
@@ -226,16 +318,20 @@ def test_capture_twice_then_diff_anywhere(tmp_path, capsys):
         (capture / "manifest.json").write_text(json.dumps(manifest))
     err = one_line_error(capsys, ["diff", str(a), str(tmp_path / "copy"), "--out", str(tmp_path / "d6")], EXIT_USAGE)
     assert "hold one capture (one is a copy of the other)" in err
-    err = one_line_error(capsys, ["capture", "--engine", "hf", "--no-ops", "--layers", "0", "--out",
-                                  str(tmp_path / "n")], EXIT_USAGE)
+    err = one_line_error(
+        capsys, ["capture", "--engine", "hf", "--no-ops", "--layers", "0", "--out", str(tmp_path / "n")], EXIT_USAGE
+    )
     assert "--layers/--ops select ops to capture and --no-ops captures none" in err
     assert not any((tmp_path / name).exists() for name in ("r", "d5", "d6", "n"))
 
     (b / "manifest.json").unlink()
     err = one_line_error(capsys, ["diff", str(a), str(b), "--out", str(tmp_path / "d4")], EXIT_USAGE)
     assert "incomplete" in err
-    err = one_line_error(capsys, ["capture", "--engine", "hf", "--reference", str(other_prompts), "--out",
-                                  str(tmp_path / "f")], EXIT_USAGE)
+    err = one_line_error(
+        capsys,
+        ["capture", "--engine", "hf", "--reference", str(other_prompts), "--out", str(tmp_path / "f")],
+        EXIT_USAGE,
+    )
     assert "has no per-op tensors" in err
 
 
@@ -268,8 +364,10 @@ def test_strict_attention_flash_is_refused_where_it_would_not_take_effect(capsys
         (("portable", frozenset(), "cpu", "portable", bf16, 128), "add attention to --strict, or drop"),
         (("flash", attention, "cpu", "portable", bf16, 128), "use --device cuda"),
         (("flash", attention, "cuda", "native", bf16, 128), "--strict-exp native chooses the exp of alignaudit's"),
-        (("flash", attention, "cuda", "portable", (("--dtype", "bf16"), ("--infer-dtype", "fp32")), 128),
-         "computes bf16 and fp16, not fp32: set --infer-dtype bf16"),
+        (
+            ("flash", attention, "cuda", "portable", (("--dtype", "bf16"), ("--infer-dtype", "fp32")), 128),
+            "computes bf16 and fp16, not fp32: set --infer-dtype bf16",
+        ),
         (("flash", attention, "cuda", "portable", bf16, 260), "this model's is 260"),
         (("flash", attention, "cuda", "portable", (("--dtype", "fp16"),) * 2, 12), "this model's is 12"),
     ]
@@ -288,11 +386,15 @@ def test_strict_attention_flash_is_refused_where_it_would_not_take_effect(capsys
     err = one_line_error(capsys, ["ablate", "--strict-attention", "flash", "--out", str(tmp_path / "a")], EXIT_USAGE)
     assert "would not use --strict-attention" in err
     for command in (["capture", "--engine", "hf"], ["rescore", str(tmp_path / "none.jsonl"), "--train", "hf"]):
-        err = one_line_error(capsys, [*command, "--strict-attention", "flash", "--out", str(tmp_path / "c")],
-                             EXIT_USAGE)
+        err = one_line_error(
+            capsys, [*command, "--strict-attention", "flash", "--out", str(tmp_path / "c")], EXIT_USAGE
+        )
         assert "add attention to --strict, or drop --strict-attention" in err, err
-    err = one_line_error(capsys, ["capture", "--engine", "hf", "--strict", "--strict-attention", "flash", "--out",
-                                  str(tmp_path / "d")], EXIT_USAGE)
+    err = one_line_error(
+        capsys,
+        ["capture", "--engine", "hf", "--strict", "--strict-attention", "flash", "--out", str(tmp_path / "d")],
+        EXIT_USAGE,
+    )
     assert "a CUDA (Hopper) kernel: use --device cuda" in err
 
 
@@ -302,8 +404,11 @@ def test_a_vllm_on_another_attention_kernel_is_refused():
     from alignaudit.engines.vllm.weights import check_strict_kernels
     from alignaudit.errors import EngineError
 
-    kernels = {"strict_ops": ["attention"], "linear_methods": [], "attention_impls": {"StrictFlashAttentionImpl":
-                                                                                      "portable"}}
+    kernels = {
+        "strict_ops": ["attention"],
+        "linear_methods": [],
+        "attention_impls": {"StrictFlashAttentionImpl": "portable"},
+    }
     check_strict_kernels({**kernels, "attention_kernels": ["portable"]}, frozenset({"attention"}))
     check_strict_kernels({**kernels, "attention_kernels": ["flash"]}, frozenset({"attention"}), "flash")
     with pytest.raises(EngineError, match="ALIGNAUDIT_STRICT_ATTENTION"):
@@ -315,12 +420,14 @@ def test_kernel_switches_are_refused_before_any_engine(capsys, tmp_path, monkeyp
     value, the grouped (Triton) dispatch on a CPU run, or a value where it would change nothing, is refused by name
     before an engine starts."""
     monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "fused")
-    err = one_line_error(capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "a")],
-                         EXIT_USAGE)
+    err = one_line_error(
+        capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "a")], EXIT_USAGE
+    )
     assert "ALIGNAUDIT_MOE_DISPATCH='fused': use one of auto, gathered, grouped, every_expert" in err
     monkeypatch.setenv("ALIGNAUDIT_MOE_DISPATCH", "grouped")
-    err = one_line_error(capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "b")],
-                         EXIT_USAGE)
+    err = one_line_error(
+        capsys, ["compare", "--model", "qwen3-moe-tiny", "--strict", "--out", str(tmp_path / "b")], EXIT_USAGE
+    )
     assert "ALIGNAUDIT_MOE_DISPATCH=grouped is a Triton kernel and runs on CUDA only (--device cuda)" in err
     monkeypatch.delenv("ALIGNAUDIT_MOE_DISPATCH")
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "flash")
@@ -360,33 +467,81 @@ def test_a_rollout_audited_across_containers_capture_rollout_then_tokens_from_th
     ids in another (capture --tokens-from), diff compares them anywhere and gate judges the diff: strict on both
     sides, every token (the prompts' too: --prompt-logprobs), the 32 sampled ones included, bitwise equal."""
     rollout, train, diff = tmp_path / "rollout", tmp_path / "train", tmp_path / "d"
-    assert cli.main(["capture", "--engine", "vllm", "--strict", "--mode", "rollout", "--max-new-tokens", "8",
-                     "--prompt-logprobs", "--ignore-eos", "--out", str(rollout)]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "capture",
+                "--engine",
+                "vllm",
+                "--strict",
+                "--mode",
+                "rollout",
+                "--max-new-tokens",
+                "8",
+                "--prompt-logprobs",
+                "--ignore-eos",
+                "--out",
+                str(rollout),
+            ]
+        )
+        == EXIT_OK
+    )
     manifest = json.loads((rollout / "manifest.json").read_text())
     assert manifest["mode"] == "rollout" and manifest["rollout"]["max_new_tokens"] == 8
-    assert cli.main(["capture", "--engine", "megatron", "--strict", "--no-ops", "--tokens-from", str(rollout),
-                     "--out", str(train)]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "capture",
+                "--engine",
+                "megatron",
+                "--strict",
+                "--no-ops",
+                "--tokens-from",
+                str(rollout),
+                "--out",
+                str(train),
+            ]
+        )
+        == EXIT_OK
+    )
     assert cli.main(["diff", str(train), str(rollout), "--out", str(diff)]) == EXIT_OK
     summary = json.loads((diff / "summary.json").read_text())
     assert summary["generated"]["tokens_compared"] == 32 and summary["tokens_compared"] == 176 + 32
     assert summary["mismatches"] == 0 and summary["generated"]["mismatches"] == 0
     imp = summary["importance"]  # the sampled tokens, bitwise equal: every ratio exactly 1, nothing truncated
     assert imp["scope"] == "generated" and imp["tokens"] == 32 and imp["sequences"] == 4
-    for key in ("token_ratio_min", "token_ratio_max", "seq_ratio_min", "seq_ratio_max", "geo_ratio_min",
-                "geo_ratio_max", "token_tis_weight_mean", "seq_tis_weight_mean", "token_ess", "seq_ess"):
+    for key in (
+        "token_ratio_min",
+        "token_ratio_max",
+        "seq_ratio_min",
+        "seq_ratio_max",
+        "geo_ratio_min",
+        "geo_ratio_max",
+        "token_tis_weight_mean",
+        "seq_tis_weight_mean",
+        "token_ess",
+        "seq_ess",
+    ):
         assert imp[key] == 1.0, key
     assert all(imp[key] == 0.0 for key in imp if "fraction" in key or key.startswith(("kl_", "chi2")))
     assert importance_by_hand(pd.read_parquet(diff / "tokens.parquet"))["token_tis_fraction"] == 0.0
     assert cli.main(["gate", str(diff)]) == EXIT_OK
     capsys.readouterr()
-    for argv, message in ((["--engine", "megatron", "--mode", "rollout"], "megatron does not sample rollouts"),
-                          (["--engine", "vllm", "--mode", "rollout", "--tokens-from", str(rollout)],
-                           "--tokens-from scores given tokens"),
-                          (["--engine", "hf", "--tokens-from", str(rollout), "--random-prompts", "2"],
-                           "--tokens-from gives the token ids"),
-                          (["--engine", "hf", "--model", "llama-tiny", "--tokens-from", str(rollout)],
-                           "captured from another checkpoint"),
-                          (["--engine", "megatron", "--tokens-from", str(rollout), "--top-k", "5"],
-                           "--top-k: --tokens-from scores a rollout's tokens under the sampling settings its capture "
-                           "recorded; drop --top-k")):
+    for argv, message in (
+        (["--engine", "megatron", "--mode", "rollout"], "megatron does not sample rollouts"),
+        (["--engine", "vllm", "--mode", "rollout", "--tokens-from", str(rollout)], "--tokens-from scores given tokens"),
+        (
+            ["--engine", "hf", "--tokens-from", str(rollout), "--random-prompts", "2"],
+            "--tokens-from gives the token ids",
+        ),
+        (
+            ["--engine", "hf", "--model", "llama-tiny", "--tokens-from", str(rollout)],
+            "captured from another checkpoint",
+        ),
+        (
+            ["--engine", "megatron", "--tokens-from", str(rollout), "--top-k", "5"],
+            "--top-k: --tokens-from scores a rollout's tokens under the sampling settings its capture "
+            "recorded; drop --top-k",
+        ),
+    ):
         assert message in one_line_error(capsys, ["capture", *argv, "--out", str(tmp_path / "bad")], EXIT_USAGE)

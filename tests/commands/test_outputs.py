@@ -44,7 +44,8 @@ def test_force_never_removes_files_alignaudit_did_not_write(two_captures, tmp_pa
     assert cli.main(["diff", str(a), str(b), "--out", str(d), "--force"]) == EXIT_OK
     assert (d / "train" / "data.txt").read_text() == "data" and (d / "summary.json").is_file()
     assert json.loads((d / outdir.MARKER).read_text())["entries"] == sorted(
-        ["ops.parquet", "run.json", "sequences.parquet", "summary.json", "tokens.parquet"])
+        ["ops.parquet", "run.json", "sequences.parquet", "summary.json", "tokens.parquet"]
+    )
     # compare would write train/: refused, and nothing is lost
     err = one_line_error(capsys, ["compare", "--train", "hf", "--infer", "hf", "--out", str(d), "--force"], EXIT_USAGE)
     assert "train exists and was not written by alignaudit" in err
@@ -80,8 +81,18 @@ def test_a_force_run_that_fails_keeps_the_results_it_replaced(two_captures, tmp_
     d = tmp_path / "d"
     assert cli.main(["diff", str(a), str(b), "--out", str(d)]) == EXIT_OK
     before = {p.relative_to(d): p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != outdir.LOCK}
-    failing = ["compare", "--train", "hf", "--infer", "hf", "--train-opt", "attn_implementation=flash_attention_2",
-               "--out", str(d), "--force"]
+    failing = [
+        "compare",
+        "--train",
+        "hf",
+        "--infer",
+        "hf",
+        "--train-opt",
+        "attn_implementation=flash_attention_2",
+        "--out",
+        str(d),
+        "--force",
+    ]
     capsys.readouterr()
     for _ in range(2):
         err = one_line_error(capsys, failing, EXIT_USAGE)
@@ -242,8 +253,9 @@ def test_a_previous_folder_in_use_by_another_run_is_left_alone(tmp_path):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         _complete_capture(out, "second")
-        assert outdir.release(out) == outdir.Kept(out / PREVIOUS, "another alignaudit run holds it (another process)",
-                                                  True)
+        assert outdir.release(out) == outdir.Kept(
+            out / PREVIOUS, "another alignaudit run holds it (another process)", True
+        )
         with pytest.raises(InputError, match="is in use by another alignaudit run"):
             outdir.prepare(out, True, CAPTURE_OUTPUTS)
     finally:
@@ -348,9 +360,27 @@ def test_read_only_out_is_an_input_error_before_any_engine(tmp_path):
                 pytest.skip("running as root without setpriv: cannot make a directory read-only")
             prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
         env = {**os.environ, "HOME": str(root / "home"), "ALIGNAUDIT_CACHE": str(root / "home" / "cache")}
-        proc = subprocess.run([*prefix, sys.executable, "-m", "alignaudit", "compare", "--train", "hf", "--infer", "hf",
-                               "--model", str(FIXTURE), "--out", str(root / "ro")], capture_output=True, text=True,
-                              env=env, cwd=root / "home")
+        proc = subprocess.run(
+            [
+                *prefix,
+                sys.executable,
+                "-m",
+                "alignaudit",
+                "compare",
+                "--train",
+                "hf",
+                "--infer",
+                "hf",
+                "--model",
+                str(FIXTURE),
+                "--out",
+                str(root / "ro"),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=root / "home",
+        )
         assert proc.returncode == EXIT_USAGE, proc.stderr
         assert proc.stderr.startswith("error: cannot write to") and "Permission denied" in proc.stderr
         assert "Traceback" not in proc.stderr and list((root / "ro").iterdir()) == []
@@ -374,14 +404,26 @@ def test_many_short_prompts_are_batched_and_reported_compactly(tmp_path, capsys,
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"token_ids": [i % 500 + 1, (7 * i) % 500 + 1]}) + "\n" for i in range(3000)))
     out = tmp_path / "run"
-    proc = run_in_process(capsys, monkeypatch, "compare", "--train", "megatron", "--infer", "hf", "--prompts",
-                          str(prompts), "--out", str(out))
+    proc = run_in_process(
+        capsys,
+        monkeypatch,
+        "compare",
+        "--train",
+        "megatron",
+        "--infer",
+        "hf",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+    )
     assert proc.returncode == EXIT_OK, proc.stderr
     for role in ("train", "infer"):
         settings = json.loads((out / role / "manifest.json").read_text())["engine_settings"]
         assert settings["micro_batch_size"] == "auto" and settings["micro_batches"] == 47  # ceil(3000 / 64)
-    assert (len(pd.read_parquet(out / "sequences.parquet")) == 3000
-            and len(pd.read_parquet(out / "tokens.parquet")) == 3000)
+    assert (
+        len(pd.read_parquet(out / "sequences.parquet")) == 3000 and len(pd.read_parquet(out / "tokens.parquet")) == 3000
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["worst_sequences"]) == 20 and (out / "summary.json").stat().st_size < 20_000
     assert "Worst 20 of 3000 sequences (all in sequences.parquet)" in proc.stdout
@@ -395,15 +437,24 @@ def test_progress_counts_reach_the_parent(tmp_path, tiny_spec):
 
     batch = load_prompts(tiny_spec, random_prompts=130, prompt_len=4)
     seen = []
-    capture(tiny_spec, batch, EngineRun("hf", EngineSettings()), tmp_path / "c",
-            on_progress=lambda d, t: seen.append((d, t)))
+    capture(
+        tiny_spec,
+        batch,
+        EngineRun("hf", EngineSettings()),
+        tmp_path / "c",
+        on_progress=lambda d, t: seen.append((d, t)),
+    )
     assert seen == [(64, 130), (128, 130), (130, 130)]
 
 
 def test_ctrl_c_says_interrupted_and_keeps_what_was_written(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "alignaudit", "compare", "--train", "hf", "--infer", "hf",
-                             "--out", str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "alignaudit", "compare", "--train", "hf", "--infer", "hf", "--out", str(tmp_path / "o")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.time() + 60
     while not (tmp_path / "o" / "train" / "worker.log").exists() and time.time() < deadline:
         time.sleep(0.2)
@@ -458,8 +509,11 @@ def test_an_interrupt_handled_inside_the_unraisable_hook_is_delivered_after_it()
 
 def test_a_closed_output_pipe_is_not_an_alignment_failure(tmp_path):
     """`alignaudit compare | head -1`: rich exits 1 on a broken pipe, and 1 means "alignment failure"."""
-    proc = subprocess.Popen([sys.executable, "-m", "alignaudit", "compare", "--train", "hf", "--infer", "hf",
-                             "--out", str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "alignaudit", "compare", "--train", "hf", "--infer", "hf", "--out", str(tmp_path / "o")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.readline()
     proc.stdout.close()
     err = proc.stderr.read().decode()
@@ -469,8 +523,12 @@ def test_a_closed_output_pipe_is_not_an_alignment_failure(tmp_path):
 
 def test_paths_are_never_wrapped_and_manifests_are_reproducible(tmp_path):
     out = tmp_path / ("a-directory-name-long-enough-to-wrap-an-eighty-column-terminal-" * 2)
-    proc = subprocess.run([sys.executable, "-m", "alignaudit", "compare", "--train", "megatron", "--infer", "hf",
-                           "--out", str(out)], capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "alignaudit", "compare", "--train", "megatron", "--infer", "hf", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "80"},
+    )
     assert proc.returncode == EXIT_OK, proc.stderr
     assert f"results: {out}/summary.json" in proc.stdout
     manifest = (out / "train" / "manifest.json").read_text()
@@ -486,8 +544,21 @@ def test_version():
 
 def test_a_failed_command_releases_its_lock(tmp_path, capsys):
     d = tmp_path / "x"
-    err = one_line_error(capsys, ["compare", "--train", "hf", "--infer", "hf", "--train-opt",
-                                  "attn_implementation=flash_attention_2", "--out", str(d)], EXIT_USAGE)
+    err = one_line_error(
+        capsys,
+        [
+            "compare",
+            "--train",
+            "hf",
+            "--infer",
+            "hf",
+            "--train-opt",
+            "attn_implementation=flash_attention_2",
+            "--out",
+            str(d),
+        ],
+        EXIT_USAGE,
+    )
     assert "cannot load" in err and (d / outdir.LOCK).exists() and not outdir._held
     record = json.loads((d / "run.json").read_text())
     assert record["status"] == "failed" and "cannot load" in record["error"]
@@ -511,8 +582,18 @@ def test_force_reuses_an_ablate_directory_and_still_guards_foreign_files(tmp_pat
     out = outdir.prepare(tmp_path / "a", False, ABLATE_OUTPUTS)
     row = out / "configs" / "all-strict"
     (row / "train").mkdir(parents=True)
-    for name in ("run.json", "summary.json", "tokens.parquet", "sequences.parquet", "bisect.json",
-                 "ops-natural.parquet", "train/manifest.json", "report.html", outdir.MARKER, outdir.LOCK):
+    for name in (
+        "run.json",
+        "summary.json",
+        "tokens.parquet",
+        "sequences.parquet",
+        "bisect.json",
+        "ops-natural.parquet",
+        "train/manifest.json",
+        "report.html",
+        outdir.MARKER,
+        outdir.LOCK,
+    ):
         (row / name).write_text("{}")
     outdir.release_all()
     outdir.prepare(out, True, ABLATE_OUTPUTS)
@@ -530,8 +611,11 @@ def test_force_reuses_an_rl_directory_with_the_libraries_exports(tmp_path):
     from alignaudit.capture.rundir import RL_OUTPUTS
 
     out = outdir.prepare(tmp_path / "rl", False, RL_OUTPUTS)
-    for name in ("tensorboard/events.out.tfevents.1.host", "wandb/debug-internal.log",
-                 "wandb/offline-run-1/run-1.wandb"):
+    for name in (
+        "tensorboard/events.out.tfevents.1.host",
+        "wandb/debug-internal.log",
+        "wandb/offline-run-1/run-1.wandb",
+    ):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("x")
     outdir.release_all()
@@ -574,16 +658,29 @@ def test_no_output_overwrites_the_evidence_it_reports_on(two_captures, tmp_path,
     assert cli.main(["diff", str(a), str(b), "--out", str(d)]) == EXIT_OK
     before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
     baseline = tmp_path / "base.json"
-    assert cli.main(["gate", str(d), "--json", str(baseline), "--junit", str(tmp_path / "j.xml"),
-                     "--markdown", str(tmp_path / "s.md")]) in (0, 1)
+    assert cli.main(
+        [
+            "gate",
+            str(d),
+            "--json",
+            str(baseline),
+            "--junit",
+            str(tmp_path / "j.xml"),
+            "--markdown",
+            str(tmp_path / "s.md"),
+        ]
+    ) in (0, 1)
     base_bytes = baseline.read_bytes()
     refused = [
         (["gate", str(d), "--json", str(d / "run.json")], "--json", "inside the run"),
         (["gate", str(d), "--junit", str(d / "summary.json")], "--junit", "inside the run"),
         (["gate", str(d), "--markdown", str(d / "tokens.parquet")], "--markdown", "inside the run"),
         (["gate", str(d), "--json", str(d / "verdict.json"), "--junit", str(d / "verdict.json")], "name one file", ""),
-        (["gate", str(d), "--json", str(tmp_path / "x.json"), "--junit", str(tmp_path / "x.json")], "name one file",
-         ""),
+        (
+            ["gate", str(d), "--json", str(tmp_path / "x.json"), "--junit", str(tmp_path / "x.json")],
+            "name one file",
+            "",
+        ),
         (["gate", str(d), "--baseline", str(baseline), "--json", str(baseline)], "is an input", ""),
         (["gate", str(d), "--json", str(tmp_path / ".alignaudit.lock")], "keeps for itself", ""),
         (["report", str(d), "--html", str(d / "run.json")], "--html", "inside the run"),
@@ -595,9 +692,11 @@ def test_no_output_overwrites_the_evidence_it_reports_on(two_captures, tmp_path,
         assert all(s in err for s in says), (argv, err)
         assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before, argv
         assert baseline.read_bytes() == base_bytes
-    for argv in (["gate", str(d), "--json", str(d / "verdict.json")],
-                 ["report", str(d), "--html", str(d / "report.html")],
-                 ["report", str(d), "--html", str(tmp_path / "page.html")]):
+    for argv in (
+        ["gate", str(d), "--json", str(d / "verdict.json")],
+        ["report", str(d), "--html", str(d / "report.html")],
+        ["report", str(d), "--html", str(tmp_path / "page.html")],
+    ):
         assert cli.main(argv) in (0, 1), argv
     changed = [p.name for p, data in before.items() if p.read_bytes() != data]
     assert set(changed) <= {outdir.MARKER, outdir.LOCK}, changed  # the marker lists the verdict files claimed
@@ -624,12 +723,22 @@ def test_force_judges_files_by_their_place_not_only_their_name(tmp_path):
     and stays; alignaudit's own files at their places are replaced."""
     from alignaudit.capture.rundir import COMPARE_OUTPUTS, alignaudit_wrote
 
-    for parts in (("train", "manifest.json"), ("train", "ops", "chunk-00000.safetensors"),
-                  ("configs", "linear-alone", "run.json"), ("configs", "linear-alone", "infer", "ops", "index.parquet"),
-                  ("vocab", "step-00003-train.safetensors"), ("sync", "weights.safetensors")):
+    for parts in (
+        ("train", "manifest.json"),
+        ("train", "ops", "chunk-00000.safetensors"),
+        ("configs", "linear-alone", "run.json"),
+        ("configs", "linear-alone", "infer", "ops", "index.parquet"),
+        ("vocab", "step-00003-train.safetensors"),
+        ("sync", "weights.safetensors"),
+    ):
         assert alignaudit_wrote(parts), parts
-    for parts in (("train", "mine", "manifest.json"), ("train", "run.json"), ("tokens", "manifest.json"),
-                  ("configs", "run.json"), ("train", "ops", "manifest.json")):
+    for parts in (
+        ("train", "mine", "manifest.json"),
+        ("train", "run.json"),
+        ("tokens", "manifest.json"),
+        ("configs", "run.json"),
+        ("train", "ops", "manifest.json"),
+    ):
         assert not alignaudit_wrote(parts), parts
     out = outdir.prepare(tmp_path / "c", False, COMPARE_OUTPUTS)
     (out / "train" / "ops").mkdir(parents=True)

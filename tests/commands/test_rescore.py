@@ -35,8 +35,13 @@ def rollout_rows(run) -> list[dict]:
     rows = []
     for (_seq, group), n in zip(table.groupby("seq"), lengths, strict=True):
         group = group.sort_values("pos")
-        rows.append({"token_ids": group["token_id"].tolist(), "prompt_length": n,
-                     "logprobs": group["logprob"][group["generated"]].astype(float).tolist()})
+        rows.append(
+            {
+                "token_ids": group["token_id"].tolist(),
+                "prompt_length": n,
+                "logprobs": group["logprob"][group["generated"]].astype(float).tolist(),
+            }
+        )
     return rows
 
 
@@ -54,11 +59,20 @@ def write_nemo_rl(path, rows):
     for i, r in enumerate(rows):
         n, p = len(r["token_ids"]), r["prompt_length"]
         pad = [0] * (width - n)
-        lines.append({"content": [f"prompt {i}", f"response {i}"], "rewards": [0.5], "input_lengths": [n],
-                      "token_ids": [r["token_ids"] + pad], "token_loss_mask": [[0] * p + [1] * (n - p) + pad],
-                      "sample_loss_mask": [1.0], "advantages": [[0.0] * width],
-                      "generation_logprobs": [[0.0] * p + r["logprobs"] + [0.0] * len(pad)],
-                      "prev_logprobs": [[0.0] * width], "idx": i})
+        lines.append(
+            {
+                "content": [f"prompt {i}", f"response {i}"],
+                "rewards": [0.5],
+                "input_lengths": [n],
+                "token_ids": [r["token_ids"] + pad],
+                "token_loss_mask": [[0] * p + [1] * (n - p) + pad],
+                "sample_loss_mask": [1.0],
+                "advantages": [[0.0] * width],
+                "generation_logprobs": [[0.0] * p + r["logprobs"] + [0.0] * len(pad)],
+                "prev_logprobs": [[0.0] * width],
+                "idx": i,
+            }
+        )
     path.parent.mkdir(parents=True)
     return write_jsonl(path, lines)
 
@@ -68,13 +82,30 @@ def write_slime(path, rows):
     torch.save of {"rollout_id", "samples": [Sample.to_dict()]}; slime/utils/types.py Sample)."""
     import torch
 
-    samples = [{"group_index": i // 2, "index": i, "rollout_id": None, "prompt": f"prompt {i}",
-                "tokens": r["token_ids"], "multimodal_inputs": None, "response": f"response {i}",
-                "response_length": len(r["logprobs"]), "label": None, "reward": 0.5,
-                "loss_mask": [1] * len(r["logprobs"]), "weight_versions": ["1"],
-                "rollout_log_probs": r["logprobs"], "rollout_routed_experts": None, "remove_sample": False,
-                "status": "completed", "metadata": {}, "spec_info": {}, "prefix_cache_info": {}}
-               for i, r in enumerate(rows)]
+    samples = [
+        {
+            "group_index": i // 2,
+            "index": i,
+            "rollout_id": None,
+            "prompt": f"prompt {i}",
+            "tokens": r["token_ids"],
+            "multimodal_inputs": None,
+            "response": f"response {i}",
+            "response_length": len(r["logprobs"]),
+            "label": None,
+            "reward": 0.5,
+            "loss_mask": [1] * len(r["logprobs"]),
+            "weight_versions": ["1"],
+            "rollout_log_probs": r["logprobs"],
+            "rollout_routed_experts": None,
+            "remove_sample": False,
+            "status": "completed",
+            "metadata": {},
+            "spec_info": {},
+            "prefix_cache_info": {},
+        }
+        for i, r in enumerate(rows)
+    ]
     path.parent.mkdir(parents=True)
     torch.save({"rollout_id": 0, "samples": samples}, path)
     return path
@@ -84,9 +115,12 @@ def test_rescore_gives_compare_numbers_for_the_sampled_tokens_and_gate_judges_it
     compared = json.loads((rollout_run / "summary.json").read_text())["generated"]
     rows = rollout_rows(rollout_run)
     assert len(rows) == 4 and all(len(r["logprobs"]) == 8 for r in rows)
-    files = {"jsonl": write_jsonl(tmp_path / "rollouts.jsonl", rows), "parquet": tmp_path / "rollouts.parquet",
-             "nemo-rl": write_nemo_rl(tmp_path / "logs" / "exp_001" / "train_data_step1.jsonl", rows),
-             "slime": write_slime(tmp_path / "rollout_data" / "0.pt", rows)}
+    files = {
+        "jsonl": write_jsonl(tmp_path / "rollouts.jsonl", rows),
+        "parquet": tmp_path / "rollouts.parquet",
+        "nemo-rl": write_nemo_rl(tmp_path / "logs" / "exp_001" / "train_data_step1.jsonl", rows),
+        "slime": write_slime(tmp_path / "rollout_data" / "0.pt", rows),
+    }
     pd.DataFrame(rows).to_parquet(files["parquet"])
     expected = pd.read_parquet(rollout_run / "tokens.parquet")
     expected = expected[expected["generated"]].reset_index(drop=True)
@@ -131,16 +165,19 @@ def test_errors_name_where_the_rollout_sits_in_its_file(rollout_run, tmp_path):
         read_rollouts(tmp_path / "table.parquet", 512)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda r: r.pop("logprobs"), "line 1 has no logprobs"),
-    (lambda r: r["logprobs"].pop(), "line 1 has 7 logprobs for 8 sampled tokens"),
-    (lambda r: r["logprobs"].__setitem__(2, float("nan")), "line 1: logprob 2 is nan"),
-    (lambda r: r.__setitem__("prompt_length", len(r["token_ids"])), "prompt_length"),
-    (lambda r: r["token_ids"].__setitem__(0, 10**6), "outside the model's vocabulary"),
-    (lambda r: r.update(logprobs_mode="processed"), "logprobs_mode differs between rollouts"),
-    (lambda r: r["logprobs"].__setitem__(1, -1e39), "line 1: logprob 1 is -1e+39, outside fp32's range"),
-    (lambda r: r["logprobs"].__setitem__(3, 0.25), "line 1: logprob 3 is 0.25, above 0"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.pop("logprobs"), "line 1 has no logprobs"),
+        (lambda r: r["logprobs"].pop(), "line 1 has 7 logprobs for 8 sampled tokens"),
+        (lambda r: r["logprobs"].__setitem__(2, float("nan")), "line 1: logprob 2 is nan"),
+        (lambda r: r.__setitem__("prompt_length", len(r["token_ids"])), "prompt_length"),
+        (lambda r: r["token_ids"].__setitem__(0, 10**6), "outside the model's vocabulary"),
+        (lambda r: r.update(logprobs_mode="processed"), "logprobs_mode differs between rollouts"),
+        (lambda r: r["logprobs"].__setitem__(1, -1e39), "line 1: logprob 1 is -1e+39, outside fp32's range"),
+        (lambda r: r["logprobs"].__setitem__(3, 0.25), "line 1: logprob 3 is 0.25, above 0"),
+    ],
+)
 def test_a_damaged_rollout_file_is_refused_before_any_engine(rollout_run, tmp_path, capsys, edit, message):
     rows = rollout_rows(rollout_run)
     edit(rows[0])
@@ -153,33 +190,55 @@ def test_a_damaged_rollout_file_is_refused_before_any_engine(rollout_run, tmp_pa
 def test_dumps_without_token_ids_or_logprobs_are_refused_with_the_reason(tmp_path, capsys):
     verl = write_jsonl(tmp_path / "1.jsonl", [{"input": "2+2=", "output": "4", "score": 1.0, "step": 1}])
     assert "looks like a verl rollout_data_dir dump" in one_line_error(
-        capsys, ["rescore", str(verl), "--out", str(tmp_path / "o")], EXIT_USAGE)
-    processed = write_jsonl(tmp_path / "p.jsonl", [{"token_ids": [1, 2, 3], "prompt_length": 2, "logprobs": [-1.0],
-                                                   "logprobs_mode": "processed", "temperature": 0.7}])
+        capsys, ["rescore", str(verl), "--out", str(tmp_path / "o")], EXIT_USAGE
+    )
+    processed = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {
+                "token_ids": [1, 2, 3],
+                "prompt_length": 2,
+                "logprobs": [-1.0],
+                "logprobs_mode": "processed",
+                "temperature": 0.7,
+            }
+        ],
+    )
     assert "the logprobs are processed but the file gives no top_k, top_p" in one_line_error(
-        capsys, ["rescore", str(processed), "--out", str(tmp_path / "o")], EXIT_USAGE)
+        capsys, ["rescore", str(processed), "--out", str(tmp_path / "o")], EXIT_USAGE
+    )
     assert "rescore scores with a training engine" in one_line_error(
-        capsys, ["rescore", str(processed), "--train", "vllm", "--out", str(tmp_path / "o")], EXIT_USAGE)
+        capsys, ["rescore", str(processed), "--train", "vllm", "--out", str(tmp_path / "o")], EXIT_USAGE
+    )
 
 
 SETTINGS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
-@pytest.mark.parametrize("mode, settings, message", [
-    ("raw", {"temperature": "hot"}, "temperature 'hot': a number >= 0"),
-    ("raw", {"temperature": -1}, "temperature -1: a number >= 0"),
-    ("processed", {"temperature": 0}, "temperature 0: a number > 0 (processed logprobs at temperature 0"),
-    ("processed", {"temperature": "0.7"}, "temperature '0.7': a number > 0"),
-    ("processed", {"top_p": 0}, "top_p 0: a number in (0, 1]"),
-    ("processed", {"top_p": 2}, "top_p 2: a number in (0, 1]"),
-    ("processed", {"top_k": -2}, "top_k -2: an integer"),
-    ("processed", {"top_k": 1.5}, "top_k 1.5: an integer"),
-])
+@pytest.mark.parametrize(
+    "mode, settings, message",
+    [
+        ("raw", {"temperature": "hot"}, "temperature 'hot': a number >= 0"),
+        ("raw", {"temperature": -1}, "temperature -1: a number >= 0"),
+        ("processed", {"temperature": 0}, "temperature 0: a number > 0 (processed logprobs at temperature 0"),
+        ("processed", {"temperature": "0.7"}, "temperature '0.7': a number > 0"),
+        ("processed", {"top_p": 0}, "top_p 0: a number in (0, 1]"),
+        ("processed", {"top_p": 2}, "top_p 2: a number in (0, 1]"),
+        ("processed", {"top_k": -2}, "top_k -2: an integer"),
+        ("processed", {"top_k": 1.5}, "top_k 1.5: an integer"),
+    ],
+)
 def test_sampling_settings_that_are_no_valid_value_are_refused(tmp_path, capsys, mode, settings, message):
     """Checked before the trainer starts (it crashed on them, leaving the run marked running), and never recorded
     as the setting the rollouts were sampled with."""
-    row = {"token_ids": [1, 2, 3, 4], "prompt_length": 2, "logprobs": [-1.0, -2.0], "logprobs_mode": mode,
-           **SETTINGS, **settings}
+    row = {
+        "token_ids": [1, 2, 3, 4],
+        "prompt_length": 2,
+        "logprobs": [-1.0, -2.0],
+        "logprobs_mode": mode,
+        **SETTINGS,
+        **settings,
+    }
     path = write_jsonl(tmp_path / "r.jsonl", [row])
     out = tmp_path / "never"
     assert message in one_line_error(capsys, ["rescore", str(path), "--out", str(out)], EXIT_USAGE)
@@ -192,7 +251,8 @@ def test_a_negated_file_is_named_as_negative_log_likelihoods(rollout_run, tmp_pa
         row["logprobs"] = [-v for v in row["logprobs"]]
     path = write_jsonl(tmp_path / "nll.jsonl", rows)
     assert "these are negative log-likelihoods (-logprob), not logprobs; negate them" in one_line_error(
-        capsys, ["rescore", str(path), "--out", str(tmp_path / "never")], EXIT_USAGE)
+        capsys, ["rescore", str(path), "--out", str(tmp_path / "never")], EXIT_USAGE
+    )
 
 
 def test_files_of_other_formats_get_one_line_naming_what_rescore_reads(rollout_run, tmp_path, capsys):
@@ -219,8 +279,9 @@ def test_files_of_other_formats_get_one_line_naming_what_rescore_reads(rollout_r
         err = one_line_error(capsys, ["rescore", str(tmp_path / name), "--out", str(tmp_path / "never")], EXIT_USAGE)
         assert what in err and "rescore reads JSON lines (UTF-8 text" in err, (name, err)
     torch.save({"model": torch.zeros(2)}, tmp_path / "weights.pt")  # a torch.save file that is no slime dump
-    err = one_line_error(capsys, ["rescore", str(tmp_path / "weights.pt"), "--out", str(tmp_path / "never")],
-                         EXIT_USAGE)
+    err = one_line_error(
+        capsys, ["rescore", str(tmp_path / "weights.pt"), "--out", str(tmp_path / "never")], EXIT_USAGE
+    )
     assert "holds no slime samples" in err
     assert not (tmp_path / "never").exists()
     pd.DataFrame(rows).to_parquet(tmp_path / "named.jsonl")
@@ -228,8 +289,7 @@ def test_files_of_other_formats_get_one_line_naming_what_rescore_reads(rollout_r
     assert read.source["format"] == "parquet" and len(read.logprobs) == len(rows)
     latin = tmp_path / "baseline.json"
     latin.write_bytes('{"mismatches": 0, "n\xf6": 1}'.encode("latin-1"))
-    assert "not UTF-8 text" in one_line_error(capsys, ["gate", str(rollout_run), "--baseline", str(latin)],
-                                              EXIT_USAGE)
+    assert "not UTF-8 text" in one_line_error(capsys, ["gate", str(rollout_run), "--baseline", str(latin)], EXIT_USAGE)
 
 
 def test_sampling_options_for_raw_logprobs_are_refused_and_an_unstated_mode_is_recorded_as_assumed(tmp_path, capsys):
@@ -255,18 +315,30 @@ def test_sampling_options_for_raw_logprobs_are_refused_and_an_unstated_mode_is_r
     line = json.loads(nemo.read_text())
     del line["generation_logprobs"]  # NeMo-RL writes it only where the rollout engine returned logprobs
     nemo.write_text(json.dumps(line) + "\n")
-    for bad, what in ((tmp_path / "dir.jsonl", "dir.jsonl: a directory; give a JSONL or parquet file"),
-                      (text, "notes.pt:1: not valid JSON (Expecting value); rescore reads JSON lines"),
-                      (nemo, "train_data_step1.jsonl:1 looks like NeMo-RL's train_data_step (input_lengths, "
-                             "token_loss_mask) but has no generation_logprobs; rescore reads NeMo-RL's lines with")):
+    for bad, what in (
+        (tmp_path / "dir.jsonl", "dir.jsonl: a directory; give a JSONL or parquet file"),
+        (text, "notes.pt:1: not valid JSON (Expecting value); rescore reads JSON lines"),
+        (
+            nemo,
+            "train_data_step1.jsonl:1 looks like NeMo-RL's train_data_step (input_lengths, "
+            "token_loss_mask) but has no generation_logprobs; rescore reads NeMo-RL's lines with",
+        ),
+    ):
         assert what in one_line_error(capsys, ["rescore", str(bad), "--out", str(tmp_path / "never")], EXIT_USAGE)
 
 
 def test_vllm_disabled_top_k_is_read_as_disabled(tmp_path):
     from alignaudit.inputs.rollouts import read_rollouts
 
-    row = {"token_ids": [1, 2, 3], "prompt_length": 2, "logprobs": [-0.5], "logprobs_mode": "processed",
-           "temperature": 0.7, "top_k": -1, "top_p": 1.0}
+    row = {
+        "token_ids": [1, 2, 3],
+        "prompt_length": 2,
+        "logprobs": [-0.5],
+        "logprobs_mode": "processed",
+        "temperature": 0.7,
+        "top_k": -1,
+        "top_p": 1.0,
+    }
     assert read_rollouts(write_jsonl(tmp_path / "r.jsonl", [row]), 512).sampling["top_k"] == 0
     long = write_jsonl(tmp_path / "long.jsonl", [row, {**row, "token_ids": [5] * 41, "logprobs": [-1.0] * 40}])
     with pytest.raises(InputError, match=r"long.jsonl: line 2 has 41 token_ids, more than the model's 40 positions"):
@@ -282,7 +354,8 @@ def test_framework_dumps_they_cannot_be_rescored_from_are_refused_with_the_reaso
     line["token_loss_mask"] = [[0, 0, 1, 0, 1, 1]]
     nemo.write_text(json.dumps(line) + "\n")
     assert "the loss mask has holes (multi-turn" in one_line_error(
-        capsys, ["rescore", str(nemo), "--out", str(tmp_path / "never")], EXIT_USAGE)
+        capsys, ["rescore", str(nemo), "--out", str(tmp_path / "never")], EXIT_USAGE
+    )
     slime = write_slime(tmp_path / "s" / "0.pt", [row])
     import torch
 
@@ -290,10 +363,12 @@ def test_framework_dumps_they_cannot_be_rescored_from_are_refused_with_the_reaso
     data["samples"][0]["rollout_log_probs"] = None
     torch.save(data, slime)
     assert "sample 0 has no rollout_log_probs" in one_line_error(
-        capsys, ["rescore", str(slime), "--out", str(tmp_path / "never")], EXIT_USAGE)
+        capsys, ["rescore", str(slime), "--out", str(tmp_path / "never")], EXIT_USAGE
+    )
     plain = write_jsonl(tmp_path / "r.jsonl", [{**row, "temperature": 0.7}])
     assert "records temperature 0.7, and --temperature 1.0 was given" in one_line_error(
-        capsys, ["rescore", str(plain), "--temperature", "1.0", "--out", str(tmp_path / "never")], EXIT_USAGE)
+        capsys, ["rescore", str(plain), "--temperature", "1.0", "--out", str(tmp_path / "never")], EXIT_USAGE
+    )
     assert not (tmp_path / "never").exists()
 
 

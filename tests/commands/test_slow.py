@@ -15,8 +15,20 @@ from alignaudit.commands import cli
 
 pytestmark = pytest.mark.engines
 
-ARGS = ["compare", "--model", "Qwen3-0.6B", "--random-weights", "--random-prompts", "2", "--prompt-len", "64",
-        "--train", "megatron", "--infer", "vllm"]
+ARGS = [
+    "compare",
+    "--model",
+    "Qwen3-0.6B",
+    "--random-weights",
+    "--random-prompts",
+    "2",
+    "--prompt-len",
+    "64",
+    "--train",
+    "megatron",
+    "--infer",
+    "vllm",
+]
 
 
 @pytest.mark.slow

@@ -28,8 +28,9 @@ def runs(tmp_path_factory):
     """Two real comparisons of the fixture: megatron vs hf without --strict, and with it."""
     root = tmp_path_factory.mktemp("gate-runs")
     for name, extra in (("stock", []), ("strict", ["--strict"])):
-        assert cli.main(["compare", "--train", "megatron", "--infer", "hf", *extra,
-                         "--out", str(root / name)]) == EXIT_OK
+        assert (
+            cli.main(["compare", "--train", "megatron", "--infer", "hf", *extra, "--out", str(root / name)]) == EXIT_OK
+        )
     return root
 
 
@@ -99,10 +100,14 @@ def test_relaxations_and_baseline(runs, tmp_path):
     v = json.loads((run / "verdict.json").read_text())
     n, ulp, dmax = v["mismatches"], v["ulp_max"], v["max_abs_diff"]
     for args, code in [
-        (["--max-mismatch", str(n)], EXIT_OK), (["--max-mismatch", str(n - 1)], EXIT_MISMATCH),
-        (["--max-mismatch", "100%"], EXIT_OK), (["--max-mismatch", "0.5"], EXIT_MISMATCH),
-        (["--max-ulp", str(ulp)], EXIT_OK), (["--max-ulp", str(ulp - 1)], EXIT_MISMATCH),
-        (["--max-abs", str(dmax)], EXIT_OK), (["--max-abs", str(dmax / 2)], EXIT_MISMATCH),
+        (["--max-mismatch", str(n)], EXIT_OK),
+        (["--max-mismatch", str(n - 1)], EXIT_MISMATCH),
+        (["--max-mismatch", "100%"], EXIT_OK),
+        (["--max-mismatch", "0.5"], EXIT_MISMATCH),
+        (["--max-ulp", str(ulp)], EXIT_OK),
+        (["--max-ulp", str(ulp - 1)], EXIT_MISMATCH),
+        (["--max-abs", str(dmax)], EXIT_OK),
+        (["--max-abs", str(dmax / 2)], EXIT_MISMATCH),
         (["--max-ulp", str(ulp), "--max-mismatch", "3"], EXIT_MISMATCH),
     ]:
         assert cli.main(["gate", str(run), "--json", str(tmp_path / "v.json"), *args]) == code, args
@@ -112,17 +117,21 @@ def test_relaxations_and_baseline(runs, tmp_path):
     strict = copy_run(runs, "strict", tmp_path)
     assert cli.main(["gate", str(strict)]) == EXIT_OK
     shutil.copy(strict / "verdict.json", baseline)
-    assert cli.main(["gate", str(run), "--baseline", str(baseline),
-                     "--json", str(tmp_path / "v.json")]) == EXIT_MISMATCH
+    assert (
+        cli.main(["gate", str(run), "--baseline", str(baseline), "--json", str(tmp_path / "v.json")]) == EXIT_MISMATCH
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-abs", "nan"], "--max-abs nan: give a finite number >= 0"),
-    (["--max-abs", "-1"], "--max-abs -1.0: give a finite number >= 0"),
-    (["--max-abs", "inf"], "--max-abs inf: give a finite number >= 0"),
-    (["--max-ulp", "-1"], "--max-ulp -1: give a whole number"),
-    (["--max-mismatch", "nan"], "--max-mismatch 'nan': a fraction must lie in [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-abs", "nan"], "--max-abs nan: give a finite number >= 0"),
+        (["--max-abs", "-1"], "--max-abs -1.0: give a finite number >= 0"),
+        (["--max-abs", "inf"], "--max-abs inf: give a finite number >= 0"),
+        (["--max-ulp", "-1"], "--max-ulp -1: give a whole number"),
+        (["--max-mismatch", "nan"], "--max-mismatch 'nan': a fraction must lie in [0, 1]"),
+    ],
+)
 def test_thresholds_that_would_pass_anything_are_refused(runs, tmp_path, capsys, args, message):
     run = copy_run(runs, "stock", tmp_path)
     err = one_line_error(capsys, ["gate", str(run), *args], EXIT_USAGE)
@@ -130,9 +139,19 @@ def test_thresholds_that_would_pass_anything_are_refused(runs, tmp_path, capsys,
     assert not (run / "verdict.json").exists()  # refused before anything is judged or written
 
 
-@pytest.mark.parametrize("field, value", [("mismatches", float("nan")), ("ulp_max", float("nan")),
-                                          ("max_abs_diff", float("nan")), ("mismatches", -1), ("mismatches", None),
-                                          ("ulp_max", 2.5), ("max_abs_diff", "0.1"), ("mismatches", True)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("mismatches", float("nan")),
+        ("ulp_max", float("nan")),
+        ("max_abs_diff", float("nan")),
+        ("mismatches", -1),
+        ("mismatches", None),
+        ("ulp_max", 2.5),
+        ("max_abs_diff", "0.1"),
+        ("mismatches", True),
+    ],
+)
 def test_a_baseline_no_regression_could_be_measured_against_is_refused(runs, tmp_path, capsys, field, value):
     run = copy_run(runs, "stock", tmp_path)
     baseline = tmp_path / "baseline.json"
@@ -187,17 +206,25 @@ def _drop_files_entry(d):
     (d / MANIFEST).write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: rewrite_table(d, _drop_sequence), "the capture is damaged"),
-    (lambda d: rewrite_table(d, _change_token), "token ids do not match"),
-    (lambda d: rewrite_table(d, _nan_logprob), "is not the capture this run wrote"),
-    (lambda d: rewrite_table(d, _empty), "damaged"),
-    (lambda d: (d / LOGPROBS).write_bytes((d / LOGPROBS).read_bytes()[:200]), "does not match the manifest's sha256"),
-    (lambda d: rewrite_table(d, lambda t: t.assign(logprob=t["logprob"] + 1), fix_manifest=False),
-     "does not match the manifest's sha256"),
-    (lambda d: (d / MANIFEST).unlink(), "incomplete"),
-    (_drop_files_entry, "records no sha256 of logprobs.parquet"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: rewrite_table(d, _drop_sequence), "the capture is damaged"),
+        (lambda d: rewrite_table(d, _change_token), "token ids do not match"),
+        (lambda d: rewrite_table(d, _nan_logprob), "is not the capture this run wrote"),
+        (lambda d: rewrite_table(d, _empty), "damaged"),
+        (
+            lambda d: (d / LOGPROBS).write_bytes((d / LOGPROBS).read_bytes()[:200]),
+            "does not match the manifest's sha256",
+        ),
+        (
+            lambda d: rewrite_table(d, lambda t: t.assign(logprob=t["logprob"] + 1), fix_manifest=False),
+            "does not match the manifest's sha256",
+        ),
+        (lambda d: (d / MANIFEST).unlink(), "incomplete"),
+        (_drop_files_entry, "records no sha256 of logprobs.parquet"),
+    ],
+)
 def test_damaged_captures_never_pass(runs, tmp_path, capsys, damage, message):
     run = copy_run(runs, "strict", tmp_path)
     damage(run / "infer")
@@ -206,8 +233,19 @@ def test_damaged_captures_never_pass(runs, tmp_path, capsys, damage, message):
 
 
 def test_zero_tokens_is_an_input_error():
-    empty = pd.DataFrame({"seq": [], "pos": [], "token_id": [], "lp_train": [], "lp_infer": [], "diff": [],
-                          "bitwise_equal": [], "ulp": [], "pair_class": []})
+    empty = pd.DataFrame(
+        {
+            "seq": [],
+            "pos": [],
+            "token_id": [],
+            "lp_train": [],
+            "lp_infer": [],
+            "diff": [],
+            "bitwise_equal": [],
+            "ulp": [],
+            "pair_class": [],
+        }
+    )
     with pytest.raises(Exception, match="never passes on nothing"):
         gate.evaluate(empty, gate.Rule())
 
@@ -260,15 +298,17 @@ def test_a_capture_of_another_checkpoint_is_refused_by_gate_and_diff(runs, tmp_p
     record["captures"]["infer"]["manifest_sha256"] = _manifest_sha(run / "infer")
     reseal(run, record)
     assert "different checkpoints" in one_line_error(capsys, ["gate", str(run)], EXIT_USAGE)
-    err = one_line_error(capsys, ["diff", str(run / "train"), str(run / "infer"),
-                                  "--out", str(tmp_path / "d")], EXIT_USAGE)
+    err = one_line_error(
+        capsys, ["diff", str(run / "train"), str(run / "infer"), "--out", str(tmp_path / "d")], EXIT_USAGE
+    )
     assert "different checkpoints" in err
 
 
 def test_options_that_do_not_apply_to_a_run_dir_are_refused(runs, tmp_path, capsys):
     run = copy_run(runs, "strict", tmp_path)
-    err = one_line_error(capsys, ["gate", str(run), "--strict", "--model", "/nonexistent", "--train", "bogus",
-                                  "--out", "x"], EXIT_USAGE)
+    err = one_line_error(
+        capsys, ["gate", str(run), "--strict", "--model", "/nonexistent", "--train", "bogus", "--out", "x"], EXIT_USAGE
+    )
     assert "--train, --strict, --model, --out apply only when gate runs the comparison itself" in err
     assert not (run / "verdict.json").exists()
 
@@ -283,14 +323,20 @@ def test_an_unfinished_run_is_refused(runs, tmp_path, capsys):
     assert "was changed after the run finished" in one_line_error(capsys, ["report", str(run)], EXIT_USAGE)
 
 
-@pytest.mark.parametrize("edit, resealed, message", [
-    (lambda r: r["model"].update(name="Qwen3-32B"), False, "was changed after the run finished"),
-    (lambda r: r.update(mode="rollout"), False, "was changed after the run finished"),
-    (lambda r: r["model"].update(name="Qwen3-32B"), True, "names the model 'Qwen3-32B', its captures 'qwen3-tiny'"),
-    (lambda r: r.update(mode="rollout", rollout={"max_new_tokens": 16}), True,
-     "says mode 'rollout', the inference capture was made in 'prompt' mode"),
-    (lambda r: r["outputs"].pop("summary.json"), True, "summary.json is not among the files run.json lists"),
-])
+@pytest.mark.parametrize(
+    "edit, resealed, message",
+    [
+        (lambda r: r["model"].update(name="Qwen3-32B"), False, "was changed after the run finished"),
+        (lambda r: r.update(mode="rollout"), False, "was changed after the run finished"),
+        (lambda r: r["model"].update(name="Qwen3-32B"), True, "names the model 'Qwen3-32B', its captures 'qwen3-tiny'"),
+        (
+            lambda r: r.update(mode="rollout", rollout={"max_new_tokens": 16}),
+            True,
+            "says mode 'rollout', the inference capture was made in 'prompt' mode",
+        ),
+        (lambda r: r["outputs"].pop("summary.json"), True, "summary.json is not among the files run.json lists"),
+    ],
+)
 def test_record_fields_a_verdict_or_page_shows_are_checked(runs, tmp_path, capsys, edit, resealed, message):
     """run.json is sealed (its own sha256) and cross-checked against the captures: an edited field is refused
     by gate and report alike (exit 2, nothing written), also when the seal is recomputed."""
@@ -329,8 +375,9 @@ def test_a_page_shows_the_verdict_judged_again_not_the_stored_one(runs, tmp_path
     err = one_line_error(capsys, ["report", str(run), "--html", str(tmp_path / "r.html")], EXIT_USAGE)
     assert "verdict.json says verdict 'pass', but judging the run again gives 'fail'" in err
     assert not (tmp_path / "r.html").exists()
-    (run / "verdict.json").write_text(json.dumps({**stored,
-                                                  "rule_params": {**stored["rule_params"], "max_ulp": 10**9}}))
+    (run / "verdict.json").write_text(
+        json.dumps({**stored, "rule_params": {**stored["rule_params"], "max_ulp": 10**9}})
+    )
     err = one_line_error(capsys, ["report", str(run), "--html", str(tmp_path / "r.html")], EXIT_USAGE)
     assert "verdict.json says verdict 'fail'" in err  # a verdict of another rule than it names
 
@@ -339,12 +386,15 @@ def test_gate_judges_a_diff_directory_against_its_captures(runs, tmp_path, capsy
     """diff writes a sealed record naming its two captures: gate judges it like a compare run (issue [20]'s
     split-container audit), and an edit of what diff wrote is refused."""
     out = tmp_path / "d"
-    assert cli.main(["diff", str(runs / "stock" / "train"), str(runs / "stock" / "infer"),
-                     "--out", str(out)]) == EXIT_OK
+    assert (
+        cli.main(["diff", str(runs / "stock" / "train"), str(runs / "stock" / "infer"), "--out", str(out)]) == EXIT_OK
+    )
     assert cli.main(["gate", str(out)]) == EXIT_MISMATCH
     assert json.loads((out / "verdict.json").read_text())["mismatches"] == 176
-    assert cli.main(["diff", str(runs / "strict" / "train"), str(runs / "strict" / "infer"),
-                     "--out", str(tmp_path / "s")]) == EXIT_OK
+    assert (
+        cli.main(["diff", str(runs / "strict" / "train"), str(runs / "strict" / "infer"), "--out", str(tmp_path / "s")])
+        == EXIT_OK
+    )
     assert cli.main(["gate", str(tmp_path / "s")]) == EXIT_OK
     tokens = pd.read_parquet(out / "tokens.parquet")
     tokens.assign(bitwise_equal=True).to_parquet(out / "tokens.parquet", index=False)
@@ -406,8 +456,11 @@ def _repair_capture(capture_dir):
     table = pd.read_parquet(capture_dir / LOGPROBS)
     manifest = json.loads((capture_dir / MANIFEST).read_text())
     manifest["files"][LOGPROBS] = file_sha256(capture_dir / LOGPROBS)
-    manifest["prompts"].update(num_sequences=int(table["seq"].nunique()), num_tokens=len(table),
-                               digest=Capture(capture_dir, manifest, table).token_batch().digest())
+    manifest["prompts"].update(
+        num_sequences=int(table["seq"].nunique()),
+        num_tokens=len(table),
+        digest=Capture(capture_dir, manifest, table).token_batch().digest(),
+    )
     (capture_dir / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -440,11 +493,16 @@ def _damage(run, side, kind, row, value):
         return
     elif kind == "edit_record":  # a field of run.json a verdict or page shows
         record = json.loads((run / "run.json").read_text())
-        edits = [lambda r: r["model"].update(name="Qwen3-32B"), lambda r: r.update(mode="rollout"),
-                 lambda r: r.update(rollout={"max_new_tokens": 8, "temperature": 0.5}),
-                 lambda r: r[side].update(strict=""), lambda r: r[side].update(engine="vllm"),
-                 lambda r: r[side].update(dtype="fp32"), lambda r: r[side].update(options={"micro_batch_size": 3}),
-                 lambda r: r["model"].update(path="/elsewhere")]
+        edits = [
+            lambda r: r["model"].update(name="Qwen3-32B"),
+            lambda r: r.update(mode="rollout"),
+            lambda r: r.update(rollout={"max_new_tokens": 8, "temperature": 0.5}),
+            lambda r: r[side].update(strict=""),
+            lambda r: r[side].update(engine="vllm"),
+            lambda r: r[side].update(dtype="fp32"),
+            lambda r: r[side].update(options={"micro_batch_size": 3}),
+            lambda r: r["model"].update(path="/elsewhere"),
+        ]
         edits[row % len(edits)](record)
         (run / "run.json").write_text(json.dumps(record))
         return
@@ -456,7 +514,8 @@ def _damage(run, side, kind, row, value):
         else:
             frame = pd.read_parquet(run / name)
             frame.iloc[:0].to_parquet(run / name, index=False) if value % 2 else frame.iloc[::-1].to_parquet(
-                run / name, index=False)
+                run / name, index=False
+            )
         return
     elif kind == "edit_manifest":
         manifest = json.loads((d / MANIFEST).read_text())
@@ -470,15 +529,22 @@ def _damage(run, side, kind, row, value):
     table.reset_index(drop=True).to_parquet(d / LOGPROBS, index=False)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.too_slow])
-@given(side=st.sampled_from(["train", "infer"]),
-       kind=st.sampled_from(["drop", "duplicate", "reorder", "alter", "swap", "edit_manifest", "edit_record",
-                             "edit_output"]),
-       row=st.integers(0, 10_000), value=st.sampled_from([0, 7, 22, 23, 30, 31]),
-       repair_capture=st.booleans(), repair_run=st.booleans())
-def test_damaged_run_directories_never_pass(runs, tmp_path_factory, capsys, side, kind, row, value, repair_capture,
-                                            repair_run):
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    side=st.sampled_from(["train", "infer"]),
+    kind=st.sampled_from(
+        ["drop", "duplicate", "reorder", "alter", "swap", "edit_manifest", "edit_record", "edit_output"]
+    ),
+    row=st.integers(0, 10_000),
+    value=st.sampled_from([0, 7, 22, 23, 30, 31]),
+    repair_capture=st.booleans(),
+    repair_run=st.booleans(),
+)
+def test_damaged_run_directories_never_pass(
+    runs, tmp_path_factory, capsys, side, kind, row, value, repair_capture, repair_run
+):
     """Whatever is done to a passing run directory (its captures, run.json's fields, its result files), and
     however its checksums are patched up afterwards (the captures' and run.json's own seal, short of
     recomputing the sha256 of the result files), gate and report do not exit 0."""
@@ -490,8 +556,18 @@ def test_damaged_run_directories_never_pass(runs, tmp_path_factory, capsys, side
     if repair_run:
         _repair_run(run)
     out = run.parent
-    code = cli.main(["gate", str(run), "--json", str(out / "v.json"), "--junit", str(out / "j.xml"),
-                     "--markdown", str(out / "s.md")])
+    code = cli.main(
+        [
+            "gate",
+            str(run),
+            "--json",
+            str(out / "v.json"),
+            "--junit",
+            str(out / "j.xml"),
+            "--markdown",
+            str(out / "s.md"),
+        ]
+    )
     page = cli.main(["report", str(run), "--html", str(out / "r.html")])
     capsys.readouterr()
     assert code != EXIT_OK and page != EXIT_OK, (side, kind, row, value, repair_capture, repair_run)
@@ -513,13 +589,19 @@ def test_nan_logprobs_are_counted_and_fail_the_gate_as_an_engine_error(tmp_path,
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"token_ids":[1,2,3,4,5,6,100,7,8,9,10,11]}\n{"token_ids":[20,21,22,23,24,25]}\n')
     out = tmp_path / "run"
-    err = one_line_error(capsys, ["gate", "--train", "hf", "--infer", "hf", "--model", str(model), "--prompts",
-                                  str(prompts), "--out", str(out)], EXIT_ENGINE)
+    err = one_line_error(
+        capsys,
+        ["gate", "--train", "hf", "--infer", "hf", "--model", str(model), "--prompts", str(prompts), "--out", str(out)],
+        EXIT_ENGINE,
+    )
     assert "train engine produced NaN logprobs" in err and "the gate cannot judge NaN" in err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tokens_compared"] == 16 and summary["sequences"] == 2
-    assert summary["nan_tokens"] == {"train": summary["nan_tokens"]["both"], "infer": summary["nan_tokens"]["both"],
-                                     "both": summary["nan_tokens"]["both"]}
+    assert summary["nan_tokens"] == {
+        "train": summary["nan_tokens"]["both"],
+        "infer": summary["nan_tokens"]["both"],
+        "both": summary["nan_tokens"]["both"],
+    }
     nan = summary["nan_tokens"]["both"]
     assert 6 <= nan <= 11  # positions 6.. see token 100; eager attention spreads NaN to all rows of the sequence
     verdict = json.loads((out / "verdict.json").read_text())
@@ -539,6 +621,7 @@ def test_values_that_are_no_logprobs_never_pass_however_equal_their_bits(runs, t
     """+inf at one token and 0.5 at another, with the same bits on both sides (engines, or files, that wrote
     something other than log-probabilities): the tokens are bitwise equal, yet diff's summary counts them per side
     and gate on that diff exits 3 naming them."""
+
     def corrupt(t):
         t = t.copy()
         t.loc[(t["seq"] == 1) & (t["pos"] == 2), "logprob"] = np.inf

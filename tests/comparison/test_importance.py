@@ -58,7 +58,7 @@ def test_sequence_level_product_ratio_by_hand():
     assert out["seq_tis_fraction"] == 0.0 and out["seq_tis_fraction_low"] == 0.0 and out["seq_mask_fraction"] == 0.0
     # verl broadcasts the sequence weight to the sequence's tokens and averages over tokens
     assert out["seq_tis_weight_mean"] == pytest.approx((2 * 0.75 + 3 * 1.2) / 5, rel=1e-14)
-    assert out["seq_ess"] == pytest.approx(1.02 ** 2 / ((2 * 0.75 ** 2 + 3 * 1.2 ** 2) / 5), rel=1e-12)
+    assert out["seq_ess"] == pytest.approx(1.02**2 / ((2 * 0.75**2 + 3 * 1.2**2) / 5), rel=1e-12)
     tight = diag(tis=1.1, mask_low=0.8, mask_high=1.1)
     assert tight["seq_tis_fraction"] == 1 / 2 and tight["seq_tis_token_fraction"] == 3 / 5  # 1.2 > 1.1
     assert tight["seq_tis_fraction_low"] == 1 / 2  # 0.75 < 1/1.1
@@ -83,7 +83,7 @@ def test_kl_chi2_and_perplexity_by_hand():
     reverse = sum(1 / r - 1 + x for r, x in zip(RATIOS, logs, strict=True)) / 5
     assert out["kl_k3_train_rollout"] == pytest.approx(reverse, rel=1e-12)
     assert out["chi2_token"] == pytest.approx(sum(r * r for r in RATIOS) / 5 - 1, rel=1e-12)
-    assert out["chi2_seq"] == pytest.approx((0.75 ** 2 + 1.2 ** 2) / 2 - 1, rel=1e-9)
+    assert out["chi2_seq"] == pytest.approx((0.75**2 + 1.2**2) / 2 - 1, rel=1e-9)
     assert out["rollout_log_ppl"] == 1.0
     per_seq_train = [-1 + math.log(0.75) / 2, -1 + math.log(1.2) / 3]
     assert out["training_log_ppl"] == pytest.approx(-sum(per_seq_train) / 2, rel=1e-14)
@@ -113,8 +113,12 @@ def test_identical_logprobs_give_ratios_of_exactly_one_and_nothing_truncated():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.floats(-12, 0), st.floats(-12, 0)), min_size=1, max_size=40),
-       st.floats(1.01, 10), st.floats(0, 0.99), st.floats(1.01, 20))
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.floats(-12, 0), st.floats(-12, 0)), min_size=1, max_size=40),
+    st.floats(1.01, 10),
+    st.floats(0, 0.99),
+    st.floats(1.01, 20),
+)
 def test_properties(rows, c, low, high):
     seq = np.array([r[0] for r in rows])
     lt, li = np.array([r[1] for r in rows]), np.array([r[2] for r in rows])
@@ -141,13 +145,16 @@ def test_effective_sample_size():
     assert effective_sample_size(np.array([])) is None and effective_sample_size(np.zeros(3)) is None
 
 
-@pytest.mark.parametrize("thresholds, message", [
-    (dict(tis=0.0), "--tis-threshold 0.0: the truncation C must be a finite number > 0"),
-    (dict(tis=float("inf")), "--tis-threshold inf"),
-    (dict(mask_low=2.0, mask_high=2.0), "--mask-low 2.0 --mask-high 2.0: the kept range needs 0 <= low < high"),
-    (dict(mask_low=-0.1), "--mask-low -0.1"),
-    (dict(geo_mask_low=1.01, geo_mask_high=1.0), "--geo-mask-low 1.01 --geo-mask-high 1.0"),
-])
+@pytest.mark.parametrize(
+    "thresholds, message",
+    [
+        (dict(tis=0.0), "--tis-threshold 0.0: the truncation C must be a finite number > 0"),
+        (dict(tis=float("inf")), "--tis-threshold inf"),
+        (dict(mask_low=2.0, mask_high=2.0), "--mask-low 2.0 --mask-high 2.0: the kept range needs 0 <= low < high"),
+        (dict(mask_low=-0.1), "--mask-low -0.1"),
+        (dict(geo_mask_low=1.01, geo_mask_high=1.0), "--geo-mask-low 1.01 --geo-mask-high 1.0"),
+    ],
+)
 def test_invalid_thresholds_are_refused(thresholds, message):
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         importance_diagnostics(SEQ, LP_TRAIN, LP_INFER, ISThresholds(**thresholds))
@@ -162,12 +169,18 @@ def test_bad_arrays_are_refused():
 
 def _table(generated: np.ndarray) -> pd.DataFrame:
     n = len(generated)
-    return compare_tokens(pd.DataFrame({
-        "seq": np.repeat([0, 1], n // 2).astype(np.int32), "pos": np.tile(np.arange(1, n // 2 + 1), 2),
-        "token_id": np.zeros(n, dtype=np.int32), "generated": generated,
-        "lp_train": np.linspace(-3, -1, n).astype(np.float32),
-        "lp_infer": np.linspace(-3.5, -0.5, n).astype(np.float32),
-    }))
+    return compare_tokens(
+        pd.DataFrame(
+            {
+                "seq": np.repeat([0, 1], n // 2).astype(np.int32),
+                "pos": np.tile(np.arange(1, n // 2 + 1), 2),
+                "token_id": np.zeros(n, dtype=np.int32),
+                "generated": generated,
+                "lp_train": np.linspace(-3, -1, n).astype(np.float32),
+                "lp_infer": np.linspace(-3.5, -0.5, n).astype(np.float32),
+            }
+        )
+    )
 
 
 def test_the_summary_holds_the_diagnostics_of_the_generated_tokens_with_their_thresholds():
@@ -179,6 +192,11 @@ def test_the_summary_holds_the_diagnostics_of_the_generated_tokens_with_their_th
     expected = importance_diagnostics(gen["seq"].to_numpy(), gen["lp_train"].to_numpy(), gen["lp_infer"].to_numpy(), th)
     assert imp == {"scope": "generated", **expected}
     assert (imp["tis_threshold"], imp["mask_low"], imp["mask_high"], imp["geo_mask_low"], imp["geo_mask_high"]) == (
-        1.5, 0.9, 1.1, 0.5, 2.0)
+        1.5,
+        0.9,
+        1.1,
+        0.5,
+        2.0,
+    )
     prompt = summarize(_table(np.zeros(6, dtype=bool)))["importance"]  # prompt mode: every scored token
     assert prompt["scope"] == "all" and prompt["tokens"] == 6 and prompt["tis_threshold"] == 2.0

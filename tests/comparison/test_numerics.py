@@ -26,8 +26,12 @@ FORMATS = {  # mantissa bits, exponent bias
     torch.float32: (23, 127),
     torch.float64: (52, 1023),
 }
-INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16,
-          torch.float32: torch.int32, torch.float64: torch.int64}
+INT_OF = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
 
 
 def reference_index(x: float, dtype: torch.dtype) -> int:

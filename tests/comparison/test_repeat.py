@@ -31,8 +31,10 @@ def test_repeat_batches_keep_each_audited_sequence_whole_and_move_it():
 
 def test_compare_repeat_counts_bit_differences():
     first = [torch.tensor([-1.0, -2.0]), torch.tensor([float("nan")])]
-    again = [torch.tensor([-1.0, torch.nextafter(torch.tensor(-2.0), torch.tensor(0.0)).item()]),
-             torch.tensor([float("nan")])]
+    again = [
+        torch.tensor([-1.0, torch.nextafter(torch.tensor(-2.0), torch.tensor(0.0)).item()]),
+        torch.tensor([float("nan")]),
+    ]
     assert compare_repeat(first, again) == {"tokens": 3, "mismatches": 1, "ulp_max": 1}
 
 
@@ -40,8 +42,20 @@ def test_strict_engines_agree_with_themselves_in_any_batch(tmp_path, capsys, mon
     """hf and vLLM under --strict: 3 runs each (the first, the same batch again, the prompts among random
     fillers): every repeat bit-equal to the first run, and the two engines equal."""
     out = tmp_path / "r"
-    proc = run_in_process(capsys, monkeypatch, "compare", "--train", "hf", "--infer", "vllm", "--strict",
-                          "--repeat", "3", "--out", str(out))
+    proc = run_in_process(
+        capsys,
+        monkeypatch,
+        "compare",
+        "--train",
+        "hf",
+        "--infer",
+        "vllm",
+        "--strict",
+        "--repeat",
+        "3",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == EXIT_OK, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mismatches"] == 0
@@ -55,5 +69,6 @@ def test_strict_engines_agree_with_themselves_in_any_batch(tmp_path, capsys, mon
 
 def test_repeat_is_refused_in_rollout_mode_and_below_one(capsys, tmp_path):
     assert "use it in prompt mode" in one_line_error(
-        capsys, ["compare", "--repeat", "2", "--mode", "rollout", "--out", str(tmp_path / "a")], 2)
+        capsys, ["compare", "--repeat", "2", "--mode", "rollout", "--out", str(tmp_path / "a")], 2
+    )
     assert "1 or more" in one_line_error(capsys, ["compare", "--repeat", "0", "--out", str(tmp_path / "b")], 2)

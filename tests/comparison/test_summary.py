@@ -14,8 +14,9 @@ from helpers import ROOT, tokens_of
 
 
 def test_summarize_writes_exactly_the_schema():
-    summary = summarize(tokens_of(np.linspace(-3, -1, 6), np.linspace(-3.5, -0.5, 6),
-                                  np.array([False, True, True, False, True, True])))
+    summary = summarize(
+        tokens_of(np.linspace(-3, -1, 6), np.linspace(-3.5, -0.5, 6), np.array([False, True, True, False, True, True]))
+    )
     required = set(TokenSummary.__annotations__)
     assert set(summary) == required | {"worst_sequences", "generated"}
     assert set(summary) <= set(Summary.__annotations__) and Summary.__required_keys__ == frozenset(required)
@@ -30,9 +31,13 @@ def test_every_key_written_into_a_summary_is_in_the_schema():
     written = set()
     for file in (ROOT / "alignaudit").rglob("*.py"):
         for node in ast.walk(ast.parse(file.read_text())):
-            if (isinstance(node, ast.Assign) and isinstance(target := node.targets[0], ast.Subscript)
-                    and isinstance(target.value, ast.Name) and target.value.id == "summary"
-                    and isinstance(target.slice, ast.Constant)):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(target := node.targets[0], ast.Subscript)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "summary"
+                and isinstance(target.slice, ast.Constant)
+            ):
                 written.add(target.slice.value)
     assert {"routing", "routing_replay", "sides", "worst_sequences"} <= written  # the reader sees the writers
     assert written <= set(typing.get_type_hints(Summary))

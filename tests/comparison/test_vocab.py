@@ -69,8 +69,19 @@ def test_columns_and_summary_on_a_token_table():
     r = {0: rows(5, 3, 40), 1: rows(6, 2, 40)}
     s = {0: rows(7, 3, 40), 1: r[1].clone()}
     ids = {0: [3, 9, 11, 2], 1: [4, 5, 6]}
-    table = pd.DataFrame([{"seq": q, "pos": p, "token_id": ids[q][p], "lp_train": float(r[q][p - 1, ids[q][p]]),
-                           "lp_infer": float(s[q][p - 1, ids[q][p]])} for q in (0, 1) for p in range(1, len(ids[q]))])
+    table = pd.DataFrame(
+        [
+            {
+                "seq": q,
+                "pos": p,
+                "token_id": ids[q][p],
+                "lp_train": float(r[q][p - 1, ids[q][p]]),
+                "lp_infer": float(s[q][p - 1, ids[q][p]]),
+            }
+            for q in (0, 1)
+            for p in range(1, len(ids[q]))
+        ]
+    )
     table.loc[4, "lp_infer"] = np.float32(table.loc[4, "lp_infer"]) + np.float32(1e-3)  # not the row's entry
     out = vocab_columns(table, r.__getitem__, s.__getitem__)
     want = reference(r[0].numpy(), s[0].numpy())

@@ -90,9 +90,15 @@ def test_default_micro_batches_keep_the_bits_of_one_sequence_at_a_time(tmp_path,
     from alignaudit.pipelines.runs import EngineRun, capture
 
     batch = load_prompts(tiny_spec, random_prompts=70, prompt_len=16)
-    runs = {size: capture(tiny_spec, batch,
-                          EngineRun(engine, EngineSettings(dtype=dtype, options={"micro_batch_size": size})),
-                          tmp_path / str(size)) for size in ("auto", 1)}
+    runs = {
+        size: capture(
+            tiny_spec,
+            batch,
+            EngineRun(engine, EngineSettings(dtype=dtype, options={"micro_batch_size": size})),
+            tmp_path / str(size),
+        )
+        for size in ("auto", 1)
+    }
     assert runs["auto"].manifest["engine_settings"]["micro_batches"] == 2
     s = diff_captures(runs["auto"], runs[1], tmp_path / "d")
     assert s["tokens_compared"] == 70 * 15 and s["mismatches"] == 0

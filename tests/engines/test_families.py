@@ -85,12 +85,14 @@ def test_llama3_frequencies_match_every_engine():
     hf, _ = ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**config), "cpu")
     # vLLM's module needs a running engine's config to be built; its frequency method needs only these fields
     vllm_rope = object.__new__(Llama3RotaryEmbedding)
-    for field, value in dict(rotary_dim=64, scaling_factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                             orig_max_position=8192).items():
+    for field, value in dict(
+        rotary_dim=64, scaling_factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, orig_max_position=8192
+    ).items():
         object.__setattr__(vllm_rope, field, value)
     vllm = vllm_rope._compute_inv_freq(5e5)
-    megatron = MegatronRope(64, 1.0, rotary_base=5e5, rope_scaling=True, rope_scaling_factor=32.0,
-                            use_cpu_initialization=True).inv_freq
+    megatron = MegatronRope(
+        64, 1.0, rotary_base=5e5, rope_scaling=True, rope_scaling_factor=32.0, use_cpu_initialization=True
+    ).inv_freq
     for name, theirs in (("transformers", hf), ("vllm", vllm), ("megatron", megatron)):
         assert torch.allclose(theirs.double(), ours, rtol=4e-7, atol=0), name
     wavelength = 2 * math.pi / plain
@@ -112,12 +114,16 @@ def test_fixtures_by_name_and_inputs_that_are_not_models(capsys, tmp_path):
     from alignaudit.pipelines.requests import ModelArgs, resolve_model_arg
 
     assert resolve_model_arg(ModelArgs(model="llama-tiny")).architecture == "LlamaForCausalLM"
-    err = one_line_error(capsys, ["compare", "--model", "Llama-3.2-2B", "--random-weights",
-                                  "--out", str(tmp_path / "o")], 2)
+    err = one_line_error(
+        capsys, ["compare", "--model", "Llama-3.2-2B", "--random-weights", "--out", str(tmp_path / "o")], 2
+    )
     assert "'Llama-3.2-2B' is not a preset; did you mean Llama-3.2-" in err and "Llama-3.2-1B" in err
     moe = _edited(tmp_path, "qwen3-moe-tiny", num_experts_per_tok=9)
-    err = one_line_error(capsys, ["compare", "--model", str(moe), "--train", "megatron", "--infer", "hf",
-                                  "--out", str(tmp_path / "o")], 2)
+    err = one_line_error(
+        capsys,
+        ["compare", "--model", str(moe), "--train", "megatron", "--infer", "hf", "--out", str(tmp_path / "o")],
+        2,
+    )
     assert "num_experts_per_tok 9 must be between 1 and num_experts 8" in err
     gpt2 = _edited(tmp_path, "qwen2-tiny", architectures=["GPT2LMHeadModel"])
     err = one_line_error(capsys, ["compare", "--model", str(gpt2), "--out", str(tmp_path / "o")], 2)
@@ -125,8 +131,23 @@ def test_fixtures_by_name_and_inputs_that_are_not_models(capsys, tmp_path):
 
 
 def test_qk_norm_ops_are_refused_for_a_model_without_qk_norm(capsys, tmp_path):
-    err = one_line_error(capsys, ["bisect", "--model", str(ROOT / "fixtures" / "qwen2-tiny"), "--train", "megatron",
-                                  "--infer", "hf", "--ops", "q_norm,attn", "--out", str(tmp_path / "o")], 2)
+    err = one_line_error(
+        capsys,
+        [
+            "bisect",
+            "--model",
+            str(ROOT / "fixtures" / "qwen2-tiny"),
+            "--train",
+            "megatron",
+            "--infer",
+            "hf",
+            "--ops",
+            "q_norm,attn",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        2,
+    )
     assert "--ops q_norm: this model has no QK-norm" in err and not (tmp_path / "o").exists()
 
 
@@ -138,23 +159,51 @@ def _edited(tmp_path, fixture, **fields):
     return model
 
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
-@pytest.mark.parametrize("fixture, fields, engines, message", [
-    ("llama-tiny", {"attention_bias": True}, ("megatron", "vllm"),
-     "attention_bias=True is not supported for LlamaForCausalLM: transformers and vLLM then add an o_proj bias"),
-    ("llama-tiny", {"rope_scaling": {**LLAMA3, "high_freq_factor": 2.0}}, ("megatron", "vllm"),
-     "rope_scaling is not supported with megatron: Megatron's llama3 rope scaling fixes low_freq_factor 1"),
-    ("qwen3-tiny", {"rope_scaling": LLAMA3}, ("megatron", "vllm"),
-     "rope_type 'llama3' in"),  # Qwen3 has no llama3 scaling in any engine
-    ("qwen2-tiny", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}},
-     ("megatron", "vllm"), "rope_type 'yarn' in"),
-])
-def test_what_a_family_cannot_run_alike_is_refused_before_any_engine(capsys, tmp_path, fixture, fields, engines,
-                                                                       message):
+@pytest.mark.parametrize(
+    "fixture, fields, engines, message",
+    [
+        (
+            "llama-tiny",
+            {"attention_bias": True},
+            ("megatron", "vllm"),
+            "attention_bias=True is not supported for LlamaForCausalLM: transformers and vLLM then add an o_proj bias",
+        ),
+        (
+            "llama-tiny",
+            {"rope_scaling": {**LLAMA3, "high_freq_factor": 2.0}},
+            ("megatron", "vllm"),
+            "rope_scaling is not supported with megatron: Megatron's llama3 rope scaling fixes low_freq_factor 1",
+        ),
+        (
+            "qwen3-tiny",
+            {"rope_scaling": LLAMA3},
+            ("megatron", "vllm"),
+            "rope_type 'llama3' in",
+        ),  # Qwen3 has no llama3 scaling in any engine
+        (
+            "qwen2-tiny",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}},
+            ("megatron", "vllm"),
+            "rope_type 'yarn' in",
+        ),
+    ],
+)
+def test_what_a_family_cannot_run_alike_is_refused_before_any_engine(
+    capsys, tmp_path, fixture, fields, engines, message
+):
     model = _edited(tmp_path, fixture, **fields)
-    err = one_line_error(capsys, ["compare", "--model", str(model), "--train", engines[0], "--infer", engines[1],
-                                  "--out", str(tmp_path / "o")], 2)
+    err = one_line_error(
+        capsys,
+        ["compare", "--model", str(model), "--train", engines[0], "--infer", engines[1], "--out", str(tmp_path / "o")],
+        2,
+    )
     assert message in err and not (tmp_path / "o").exists()

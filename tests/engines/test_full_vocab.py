@@ -50,14 +50,18 @@ def diff(tmp_path_factory):
 def positions(capture):
     """Per sequence: (row index per scored token, next-token ids, recorded logprobs), from the capture's table."""
     table = capture.logprobs[capture.logprobs["scored"]].sort_values(["seq", "pos"])
-    return {int(s): (g["pos"].to_numpy() - 1, g["token_id"].to_numpy(np.int64),
-                     g["logprob"].to_numpy(np.float32).copy()) for s, g in table.groupby("seq")}
+    return {
+        int(s): (g["pos"].to_numpy() - 1, g["token_id"].to_numpy(np.int64), g["logprob"].to_numpy(np.float32).copy())
+        for s, g in table.groupby("seq")
+    }
 
 
 def reference_from(train_rows, infer_rows, capture) -> dict[str, np.ndarray]:
     """helpers.vocab_reference over every scored token, in the tokens table's order (seq, pos)."""
-    parts = [vocab_reference(train_rows(s)[rows].numpy(), infer_rows(s)[rows].numpy())
-             for s, (rows, _, _) in sorted(positions(capture).items())]
+    parts = [
+        vocab_reference(train_rows(s)[rows].numpy(), infer_rows(s)[rows].numpy())
+        for s, (rows, _, _) in sorted(positions(capture).items())
+    ]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
@@ -86,8 +90,9 @@ def test_rows_are_the_rows_the_engines_logprobs_come_from(captures, engine, stri
         saved = saved_vocab_rows(capture, seq)
         assert saved.dtype == torch.float32 and saved.shape == (len(rows), VOCAB)
         picked = saved[torch.from_numpy(rows.astype(np.int64)), torch.from_numpy(ids)]
-        assert_bitwise_equal(f"{engine} seq {seq}: row entry at the next token vs the logprob",
-                             picked, torch.from_numpy(logprobs))
+        assert_bitwise_equal(
+            f"{engine} seq {seq}: row entry at the next token vs the logprob", picked, torch.from_numpy(logprobs)
+        )
         assert (saved.double().exp().sum(-1) - 1).abs().max() < 1e-5
 
 
@@ -125,11 +130,14 @@ def test_hf_rows_recomputed_in_process_and_against_a_float64_model(captures, dif
     model = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.bfloat16, attn_implementation="eager").eval()
     sequences = hf.token_batch().sequences
     with torch.no_grad():
-        recomputed = {s: torch.log_softmax(model(torch.tensor([seq])).logits[0, :-1].float(), -1)
-                      for s, seq in enumerate(sequences)}
+        recomputed = {
+            s: torch.log_softmax(model(torch.tensor([seq])).logits[0, :-1].float(), -1)
+            for s, seq in enumerate(sequences)
+        }
         model64 = model.double()
-        exact = {s: torch.log_softmax(model64(torch.tensor([seq])).logits[0, :-1], -1)
-                 for s, seq in enumerate(sequences)}
+        exact = {
+            s: torch.log_softmax(model64(torch.tensor([seq])).logits[0, :-1], -1) for s, seq in enumerate(sequences)
+        }
     summary, tokens = diff(hf, vllm)
     ref = reference_from(recomputed.__getitem__, lambda s: saved_vocab_rows(vllm, s), hf)
     assert_matches_reference(summary, tokens, ref)

@@ -69,7 +69,8 @@ def test_strict_vllm_runs_the_moe_layer_of_megatron_bit_for_bit_routing_included
     assert infer.manifest["engine_settings"]["resolved"]["enforce_eager"] is False
     s = diff_captures(moe.get("megatron", "bf16", ops=ROUTING, strict="all"), infer, moe.root / "strict-routing")
     assert s["mismatches"] == 0 and s["routing"] == [
-        {"layer": i, "tokens": 180, "rerouted": 0, "agreement": 1.0} for i in range(2)]
+        {"layer": i, "tokens": 180, "rerouted": 0, "agreement": 1.0} for i in range(2)
+    ]
 
 
 def test_compare_reads_routing_only_where_reading_it_changes_nothing(tiny_spec):
@@ -112,21 +113,27 @@ def test_bisect_reads_router_routing_and_moe_in_every_engine(moe):
     assert hf["layers.1.routing"]["elements"] == 180 and hf["layers.1.router"]["elements"] == 180 * 8
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["rl", "--steps", "1"], "alignaudit rl for Qwen3MoeForCausalLM"),
-    (["compare", "--train-opt", "tensor_model_parallel_size=2"], "tensor parallelism for Qwen3MoeForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["rl", "--steps", "1"], "alignaudit rl for Qwen3MoeForCausalLM"),
+        (["compare", "--train-opt", "tensor_model_parallel_size=2"], "tensor parallelism for Qwen3MoeForCausalLM"),
+    ],
+)
 def test_what_moe_does_not_run_yet_is_refused_before_any_engine(capsys, tmp_path, argv, message):
     err = one_line_error(capsys, [*argv, "--model", str(MOE), "--out", str(tmp_path / "o")], 2)
     assert message in err and not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("engine, strict, options", [
-    ("vllm", "all", {}),  # graphs on: the grouped dispatch, 0 mismatches under FULL_AND_PIECEWISE on the H200
-    ("vllm", "linear", {"enforce_eager": False}),
-    ("vllm", "all", {"enforce_eager": True}),
-    ("megatron", "all", {}),
-])
+@pytest.mark.parametrize(
+    "engine, strict, options",
+    [
+        ("vllm", "all", {}),  # graphs on: the grouped dispatch, 0 mismatches under FULL_AND_PIECEWISE on the H200
+        ("vllm", "linear", {"enforce_eager": False}),
+        ("vllm", "all", {"enforce_eager": True}),
+        ("megatron", "all", {}),
+    ],
+)
 def test_strict_moe_in_cuda_vllm_graphs_is_no_longer_refused(engine, strict, options):
     """Strict MoE inside CUDA vLLM's graphs ran with 0 mismatching tokens once the grouped dispatch became the
     default on CUDA (docs/benchmarks.md 2026-12-05, sixth session), so nothing about it is refused; tensor
@@ -145,10 +152,13 @@ def test_strict_moe_in_cuda_vllm_graphs_is_no_longer_refused(engine, strict, opt
         check_moe(load_spec(MOE), [other, split])
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("decoder_sparse_step", 2, "decoder_sparse_step=2 is not supported for Qwen3MoeForCausalLM (only 1)"),
-    ("mlp_only_layers", [0], "mlp_only_layers=[0] is not supported for Qwen3MoeForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("decoder_sparse_step", 2, "decoder_sparse_step=2 is not supported for Qwen3MoeForCausalLM (only 1)"),
+        ("mlp_only_layers", [0], "mlp_only_layers=[0] is not supported for Qwen3MoeForCausalLM"),
+    ],
+)
 def test_layouts_with_dense_layers_are_refused(capsys, tmp_path, field, value, message):
     model = tmp_path / "m"
     shutil.copytree(MOE, model)

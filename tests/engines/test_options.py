@@ -12,26 +12,39 @@ from alignaudit.inputs.request import parse_options
 from helpers import one_line_error
 
 
-@pytest.mark.parametrize("value, annotation, fits", [
-    (True, bool, True), (1, bool, False), ("maybe", bool, False),
-    (4, int, True), (True, int, False), (4.0, int, False), ("abc", int | None, False), (None, int | None, True),
-    (4, float, True), (0.5, float, True), (False, float, False),
-    ("eager", str, True), (3, str, False),
-    ("raw_logprobs", typing.Literal["raw_logits", "raw_logprobs"], True),
-    ("foo", typing.Literal["raw_logits", "raw_logprobs"], False),
-    (4, typing.Optional[int], True),
-    ({"custom_ops": ["none"]}, dict, None),  # not a type this check understands: the engine judges it
-    ({"custom_ops": ["none"]}, dict | None, None),
-    ("x", typing.Callable, None),
-])
+@pytest.mark.parametrize(
+    "value, annotation, fits",
+    [
+        (True, bool, True),
+        (1, bool, False),
+        ("maybe", bool, False),
+        (4, int, True),
+        (True, int, False),
+        (4.0, int, False),
+        ("abc", int | None, False),
+        (None, int | None, True),
+        (4, float, True),
+        (0.5, float, True),
+        (False, float, False),
+        ("eager", str, True),
+        (3, str, False),
+        ("raw_logprobs", typing.Literal["raw_logits", "raw_logprobs"], True),
+        ("foo", typing.Literal["raw_logits", "raw_logprobs"], False),
+        (4, typing.Optional[int], True),
+        ({"custom_ops": ["none"]}, dict, None),  # not a type this check understands: the engine judges it
+        ({"custom_ops": ["none"]}, dict | None, None),
+        ("x", typing.Callable, None),
+    ],
+)
 def test_value_fits(value, annotation, fits):
     assert value_fits(value, annotation) is fits
 
 
 def test_options_parse_as_json_then_fit():
-    options = parse_options(["enforce_eager=true", "max_num_seqs=8", "temperature=0.5", "mode=\"4\""])
-    reject_wrong_types("vllm", options, {"enforce_eager": bool, "max_num_seqs": int | None, "temperature": float,
-                                         "mode": str})
+    options = parse_options(["enforce_eager=true", "max_num_seqs=8", "temperature=0.5", 'mode="4"'])
+    reject_wrong_types(
+        "vllm", options, {"enforce_eager": bool, "max_num_seqs": int | None, "temperature": float, "mode": str}
+    )
     with pytest.raises(InputError, match=r"option max_num_seqs='abc': vllm expects an integer or null"):
         reject_wrong_types("vllm", parse_options(["max_num_seqs=abc"]), {"max_num_seqs": int | None})
 

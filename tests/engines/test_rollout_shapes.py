@@ -24,14 +24,28 @@ from helpers import one_line_error
 
 pytestmark = pytest.mark.engines
 
-SHAPE = ["compare", "--mode", "rollout", "--random-prompts", "2", "--prompt-len", "300", "--group-size", "4",
-         "--max-new-tokens", "8"]  # EOS stops, no prompt logprobs: vLLM's default shape
+SHAPE = [
+    "compare",
+    "--mode",
+    "rollout",
+    "--random-prompts",
+    "2",
+    "--prompt-len",
+    "300",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "8",
+]  # EOS stops, no prompt logprobs: vLLM's default shape
 EOS = 0  # fixtures/qwen3-tiny/config.json eos_token_id
 
 
 def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path, monkeypatch):
-    for how, extra in (("strict", ["--strict"]), ("default", []),
-                       ("async", ["--strict", "--engine-mode", "async", "--arrival-gap", "0.03"])):
+    for how, extra in (
+        ("strict", ["--strict"]),
+        ("default", []),
+        ("async", ["--strict", "--engine-mode", "async", "--arrival-gap", "0.03"]),
+    ):
         out = tmp_path / how
         if how == "async":
             monkeypatch.setenv("VLLM_PLUGINS", "none")  # no entry-point plugin in vLLM's processes
@@ -67,27 +81,43 @@ def test_group_eos_and_prefix_cache_change_no_strict_bit(tmp_path, monkeypatch):
             assert (table["logprob"].to_numpy().view("int32") == offline["logprob"].to_numpy().view("int32")).all()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--mode", "rollout", "--infer", "hf", "--group-size", "2"], "--group-size: hf rollouts are sampled one"),
-    (["--mode", "rollout", "--infer", "hf", "--stop-at-eos"], "--stop-at-eos: hf rollouts"),
-    (["--mode", "rollout", "--infer", "hf", "--engine-mode", "async"], "--engine-mode: hf rollouts"),
-    (["--mode", "rollout", "--engine-mode", "sync"], "--engine-mode 'sync': choose one of offline, async"),
-    (["--mode", "rollout", "--arrival-gap", "0.1"], "--arrival-gap spaces the arrivals of --engine-mode async"),
-    (["--mode", "rollout", "--arrival-gap", "0.02"], "--arrival-gap spaces the arrivals"),  # the async default, given
-    (["--group-size", "1"], "--group-size applies to rollouts"),  # given explicitly: refused though it is the default
-    (["--mode", "rollout", "--infer-opt", "ignore_eos=true"], "use --stop-at-eos / --ignore-eos instead"),
-    (["--mode", "rollout", "--engine-mode", "async", "--arrival-gap", "-1"], "--arrival-gap -1.0: seconds"),
-    (["--mode", "rollout", "--engine-mode", "async", "--infer-opt", "worker_extension_cls=x.Y"],
-     "worker_extension_cls is set by alignaudit in --engine-mode async"),
-    (["--engine-mode", "async"], "--engine-mode applies to rollouts"),
-    (["--group-size", "2"], "--group-size applies to rollouts"),
-    (["--mode", "rollout", "--group-size", "0"], "--group-size 0: completions per prompt"),
-    (["--mode", "rollout", "--prompt-logprobs", "--infer-opt", "enable_prefix_caching=true"],
-     "has no effect while prompt logprobs are recorded"),
-    (["--infer-opt", "enable_prefix_caching=true"], "has no effect in prompt mode"),
-    (["--mode", "rollout", "--infer-opt", "n=4"], "vllm n is set by alignaudit; use --group-size"),
-    (["--mode", "rollout", "--infer", "megatron"], "megatron does not sample rollouts; --mode rollout needs an engine"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mode", "rollout", "--infer", "hf", "--group-size", "2"], "--group-size: hf rollouts are sampled one"),
+        (["--mode", "rollout", "--infer", "hf", "--stop-at-eos"], "--stop-at-eos: hf rollouts"),
+        (["--mode", "rollout", "--infer", "hf", "--engine-mode", "async"], "--engine-mode: hf rollouts"),
+        (["--mode", "rollout", "--engine-mode", "sync"], "--engine-mode 'sync': choose one of offline, async"),
+        (["--mode", "rollout", "--arrival-gap", "0.1"], "--arrival-gap spaces the arrivals of --engine-mode async"),
+        (
+            ["--mode", "rollout", "--arrival-gap", "0.02"],
+            "--arrival-gap spaces the arrivals",
+        ),  # the async default, given
+        (
+            ["--group-size", "1"],
+            "--group-size applies to rollouts",
+        ),  # given explicitly: refused though it is the default
+        (["--mode", "rollout", "--infer-opt", "ignore_eos=true"], "use --stop-at-eos / --ignore-eos instead"),
+        (["--mode", "rollout", "--engine-mode", "async", "--arrival-gap", "-1"], "--arrival-gap -1.0: seconds"),
+        (
+            ["--mode", "rollout", "--engine-mode", "async", "--infer-opt", "worker_extension_cls=x.Y"],
+            "worker_extension_cls is set by alignaudit in --engine-mode async",
+        ),
+        (["--engine-mode", "async"], "--engine-mode applies to rollouts"),
+        (["--group-size", "2"], "--group-size applies to rollouts"),
+        (["--mode", "rollout", "--group-size", "0"], "--group-size 0: completions per prompt"),
+        (
+            ["--mode", "rollout", "--prompt-logprobs", "--infer-opt", "enable_prefix_caching=true"],
+            "has no effect while prompt logprobs are recorded",
+        ),
+        (["--infer-opt", "enable_prefix_caching=true"], "has no effect in prompt mode"),
+        (["--mode", "rollout", "--infer-opt", "n=4"], "vllm n is set by alignaudit; use --group-size"),
+        (
+            ["--mode", "rollout", "--infer", "megatron"],
+            "megatron does not sample rollouts; --mode rollout needs an engine",
+        ),
+    ],
+)
 def test_rollout_shapes_an_engine_cannot_sample_are_refused(tmp_path, capsys, argv, message):
     out = tmp_path / "never"
     assert message in one_line_error(capsys, ["compare", *argv, "--out", str(out)], EXIT_USAGE)
@@ -106,10 +136,14 @@ def test_capture_refusals_name_its_own_flag(tmp_path, capsys):
     """capture takes one engine's options as --opt: the engines' refusals, worded for compare's sides, say --opt (they
     said --train-opt / --infer-opt, flags capture does not have)."""
     out = tmp_path / "never"
-    for argv, says in ((["--engine", "vllm", "--opt", "enable_sleep_mode=true"], "instead of --opt enable_sleep_mode"),
-                       (["--engine", "hf", "--mode", "rollout", "--opt", "micro_batch_size=4"], "drop it from --opt"),
-                       (["--engine", "vllm", "--mode", "rollout", "--ignore-eos", "--opt", "stop_token_ids=[0]"],
-                        "drop it from --opt stop_token_ids")):
+    for argv, says in (
+        (["--engine", "vllm", "--opt", "enable_sleep_mode=true"], "instead of --opt enable_sleep_mode"),
+        (["--engine", "hf", "--mode", "rollout", "--opt", "micro_batch_size=4"], "drop it from --opt"),
+        (
+            ["--engine", "vllm", "--mode", "rollout", "--ignore-eos", "--opt", "stop_token_ids=[0]"],
+            "drop it from --opt stop_token_ids",
+        ),
+    ):
         err = one_line_error(capsys, ["capture", *argv, "--out", str(out)], EXIT_USAGE)
         assert says in err and "--infer-opt" not in err and "--train-opt" not in err, err
     assert not out.exists()

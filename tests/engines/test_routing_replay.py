@@ -36,8 +36,11 @@ def routing_of(c) -> dict[tuple[int, int], torch.Tensor]:
 def rerouted(a: dict, b: dict) -> set[tuple[int, int, int]]:
     """(layer, seq, position) of every token two routings send to different expert sets."""
     assert a.keys() == b.keys()
-    return {(layer, seq, int(p)) for (layer, seq), ids in a.items()
-            for p in (ids != b[layer, seq]).any(-1).nonzero().flatten()}
+    return {
+        (layer, seq, int(p))
+        for (layer, seq), ids in a.items()
+        for p in (ids != b[layer, seq]).any(-1).nonzero().flatten()
+    }
 
 
 def differing(a: dict, b: dict) -> set[tuple[int, int]]:
@@ -51,8 +54,9 @@ def megatron_run(tmp_path_factory):
     spec = load_spec(MOE)
     out = tmp_path_factory.mktemp("replay") / "megatron-vllm"
     out.mkdir()
-    request = Request(spec, load_prompts(spec), EngineRun("megatron", EngineSettings("bf16", "cpu")), VLLM_EAGER,
-                      replay_routing=True)
+    request = Request(
+        spec, load_prompts(spec), EngineRun("megatron", EngineSettings("bf16", "cpu")), VLLM_EAGER, replay_routing=True
+    )
     summary = compare(request, out)
     return out, summary
 
@@ -69,8 +73,11 @@ def test_megatron_replays_vllms_routing_and_reports_what_remains(megatron_run):
     assert before and rerouted(routing_of(replayed), vllm_routing) == set()
     r = summary["routing_replay"]
     assert (r["rerouted_before"], r["rerouted_after"]) == (len(before), 0)
-    assert summary["routing"] == r["routing_after"] == [
-        {"layer": i, "tokens": 180, "rerouted": 0, "agreement": 1.0} for i in range(2)]
+    assert (
+        summary["routing"]
+        == r["routing_after"]
+        == [{"layer": i, "tokens": 180, "rerouted": 0, "agreement": 1.0} for i in range(2)]
+    )
     assert [x["rerouted"] for x in r["routing_before"]] == [sum(1 for t in before if t[0] == i) for i in range(2)]
     # what remains: the mismatches with replay are the run's own numbers; without, the unreplayed capture's
     lp = {name: c.logprob_sequences() for name, c in (("infer", infer), ("own", own), ("replayed", replayed))}
@@ -109,8 +116,9 @@ def test_hf_replays_vllms_routing(megatron_run, tmp_path):
     infer = read_capture(out / "infer")
     hf = EngineRun("hf", EngineSettings("bf16", "cpu"))
     own = capture(spec, infer.token_batch(), hf, tmp_path / "own", role="train", ops=ROUTING)
-    replayed = capture(spec, infer.token_batch(), hf, tmp_path / "replayed", role="train", ops=ROUTING,
-                       routing_from=infer.path)
+    replayed = capture(
+        spec, infer.token_batch(), hf, tmp_path / "replayed", role="train", ops=ROUTING, routing_from=infer.path
+    )
     vllm_routing = routing_of(infer)
     assert rerouted(routing_of(replayed), vllm_routing) == set()
     assert replayed.manifest["engine_settings"]["routing_replay"]["mechanism"].endswith("replayed_router_forward")
@@ -146,16 +154,22 @@ def test_replayed_router_weights():
     assert torch.allclose(replayed_weights.double(), p / p.sum(-1, keepdim=True), atol=4e-3, rtol=0)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "qwen3-tiny"], "qwen3-tiny (Qwen3ForCausalLM) is dense"),
-    (["--mode", "rollout"], "runs in prompt mode only"),
-    (["--repeat", "2"], "with --repeat is undefined"),
-    (["--infer", "vllm"], "add --infer-opt enforce_eager=true, or use --infer hf"),
-    (["--train", "vllm", "--infer", "hf"], "the train engine vllm cannot take given experts"),
-    (["--strict", "all", "--infer", "hf"], "the train engine megatron with the strict MoE layer (--strict with "
-                                           "linear) routes by its own kernel, which replays nothing; drop linear"),
-    (["--infer", "hf", "--full-vocab"], "--full-vocab with --replay-routing is not built yet"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "qwen3-tiny"], "qwen3-tiny (Qwen3ForCausalLM) is dense"),
+        (["--mode", "rollout"], "runs in prompt mode only"),
+        (["--repeat", "2"], "with --repeat is undefined"),
+        (["--infer", "vllm"], "add --infer-opt enforce_eager=true, or use --infer hf"),
+        (["--train", "vllm", "--infer", "hf"], "the train engine vllm cannot take given experts"),
+        (
+            ["--strict", "all", "--infer", "hf"],
+            "the train engine megatron with the strict MoE layer (--strict with "
+            "linear) routes by its own kernel, which replays nothing; drop linear",
+        ),
+        (["--infer", "hf", "--full-vocab"], "--full-vocab with --replay-routing is not built yet"),
+    ],
+)
 def test_replay_routing_is_refused_where_undefined(capsys, tmp_path, argv, message):
     argv = ["compare", "--model", str(MOE), *argv] if "--model" not in argv else ["compare", *argv]
     err = one_line_error(capsys, [*argv, "--replay-routing", "--out", str(tmp_path / "o")], 2)

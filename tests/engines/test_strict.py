@@ -71,16 +71,20 @@ def test_rollout_without_strict_mismatches(captures, diff):
 
 
 def test_strict_bisect_every_op_equal(captures):
-    records = diff_ops(captures.get("megatron", "bf16", ops=True, strict="all"),
-                       captures.get("vllm", "bf16", ops=True, strict="all"))
-    assert len(records) == 38 and all(r["status"] == EQUAL for r in records), [r["op"] for r in records
-                                                                               if r["status"] != EQUAL]
+    records = diff_ops(
+        captures.get("megatron", "bf16", ops=True, strict="all"), captures.get("vllm", "bf16", ops=True, strict="all")
+    )
+    assert len(records) == 38 and all(r["status"] == EQUAL for r in records), [
+        r["op"] for r in records if r["status"] != EQUAL
+    ]
 
 
 def test_ablation_strict_rmsnorm_moves_first_divergence_to_attention(captures):
     """Only RMSNorm strict: Megatron and HF now agree through the norms and part first at attention."""
-    records = diff_ops(captures.get("megatron", "bf16", ops=True, strict="rmsnorm"),
-                       captures.get("hf", "bf16", ops=True, strict="rmsnorm"))
+    records = diff_ops(
+        captures.get("megatron", "bf16", ops=True, strict="rmsnorm"),
+        captures.get("hf", "bf16", ops=True, strict="rmsnorm"),
+    )
     assert first_divergence(records)["op"] == "layers.0.attn"
 
 
@@ -93,8 +97,11 @@ def test_manifests_record_strict(captures):
     assert v["engine_settings"]["strict"] == "all" and v["engine_settings"]["resolved"]["enforce_eager"] is False
     assert v["numerics"]["env"]["ALIGNAUDIT_STRICT"] == "all"
     # the plugin says so in vLLM's own log, once (vLLM runs in the worker's process here)
-    said = [line for line in (strict_vllm.path / WORKER_LOG).read_text().splitlines()
-            if "alignaudit strict ops active in vLLM" in line]
+    said = [
+        line
+        for line in (strict_vllm.path / WORKER_LOG).read_text().splitlines()
+        if "alignaudit strict ops active in vLLM" in line
+    ]
     assert len(said) == 1 and said[0].endswith(": attention, linear, logprobs, rmsnorm, rope, silu"), said
     assert "alignaudit strict ops" not in (captures.get("vllm", "bf16").path / WORKER_LOG).read_text()
     h = captures.get("hf", "bf16", strict="all").manifest

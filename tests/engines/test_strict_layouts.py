@@ -154,7 +154,7 @@ def test_hf_strict_attention_gives_right_and_left_padded_sequences_their_bits_al
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     bits = lambda t: t.contiguous().view(torch.int16)  # noqa: E731
     with torch.no_grad():
-        alone = [model(input_ids=ids[r:r + 1, :n]).logits[0] for r, n in ((0, 12), (1, 9))]
+        alone = [model(input_ids=ids[r : r + 1, :n]).logits[0] for r, n in ((0, 12), (1, 9))]
         right = torch.ones(2, 12, dtype=torch.long)
         right[1, 9:] = 0
         batch = model(input_ids=ids, attention_mask=right).logits

@@ -35,8 +35,23 @@ def summary(out):
 
 def test_default_tp2_differs_from_tp1_at_the_first_row_parallel_projection(tmp_path):
     out = tmp_path / "bisect"
-    assert cli.main(["bisect", "--train", "megatron", "--infer", "megatron", *MEGATRON_TP2, "--mode", "natural",
-                     "--out", str(out)]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "bisect",
+                "--train",
+                "megatron",
+                "--infer",
+                "megatron",
+                *MEGATRON_TP2,
+                "--mode",
+                "natural",
+                "--out",
+                str(out),
+            ]
+        )
+        == EXIT_OK
+    )
     result = json.loads((out / "bisect.json").read_text())["natural"]
     assert result["first_divergence"]["op"] == "layers.0.o_proj"
     records = {r["op"]: r for r in result["records"]}
@@ -52,9 +67,29 @@ def test_default_tp2_differs_from_tp1_at_the_first_row_parallel_projection(tmp_p
 def test_strict_is_bitwise_equal_at_tp2_in_rollout_mode(tmp_path):
     """End to end through the CLI: megatron at TP=2 rescores what vLLM at TP=2 sampled."""
     out = tmp_path / "run"
-    assert cli.main(["compare", "--strict", "--train", "megatron", "--infer", "vllm", "--mode", "rollout",
-                     "--max-new-tokens", "8", "--prompt-logprobs", "--ignore-eos", "--out", str(out), *MEGATRON_TP2,
-                     *VLLM_TP2]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "compare",
+                "--strict",
+                "--train",
+                "megatron",
+                "--infer",
+                "vllm",
+                "--mode",
+                "rollout",
+                "--max-new-tokens",
+                "8",
+                "--prompt-logprobs",
+                "--ignore-eos",
+                "--out",
+                str(out),
+                *MEGATRON_TP2,
+                *VLLM_TP2,
+            ]
+        )
+        == EXIT_OK
+    )
     s = summary(out)
     assert s["mismatches"] == 0 and s["ulp_max"] == 0 and s["tokens_compared"] == 176 + 4 * 8
     assert s["generated"]["tokens_compared"] == 32 and s["generated"]["mismatches"] == 0
@@ -67,14 +102,17 @@ def test_strict_is_bitwise_equal_across_tensor_parallel_sizes(tmp_path, captures
     """TP=1 against TP=2 either way, prompt mode; the TP=1 sides are the session's strict captures."""
     from alignaudit.pipelines.runs import diff_captures
 
-    train = captures.get("megatron", "bf16", strict="all",
-                         **({"tensor_model_parallel_size": 2} if train_tp == 2 else {}))
+    train = captures.get(
+        "megatron", "bf16", strict="all", **({"tensor_model_parallel_size": 2} if train_tp == 2 else {})
+    )
     infer = captures.get("vllm", "bf16", strict="all", **({"tensor_parallel_size": 2} if infer_tp == 2 else {}))
     s = diff_captures(train, infer, tmp_path / "diff")
     assert s["mismatches"] == 0 and s["ulp_max"] == 0 and s["tokens_compared"] == 176
     assert infer.manifest["engine_settings"]["resolved"]["tensor_parallel_size"] == infer_tp
-    assert (s["sides"]["train"]["tensor_parallel_size"], s["sides"]["infer"]["tensor_parallel_size"]) == (train_tp,
-                                                                                                        infer_tp)
+    assert (s["sides"]["train"]["tensor_parallel_size"], s["sides"]["infer"]["tensor_parallel_size"]) == (
+        train_tp,
+        infer_tp,
+    )
     config = train.manifest["engine_settings"]["transformer_config"]
     assert config["tensor_model_parallel_size"] == train_tp
 
@@ -92,8 +130,12 @@ def test_rl_with_a_tensor_parallel_trainer(tmp_path):
     mismatching tokens, every sync bit-equal, the replicated parameters identical on both ranks, and the
     step-1 gradient norm the TP=1 trainer's up to the non-strict backward's rounding."""
     out = tmp_path / "rl"
-    assert cli.main(["rl", "--strict", *MEGATRON_TP2, "--steps", "2", "--lr", "1e-3", "--no-token-rows",
-                     "--out", str(out)]) == EXIT_OK
+    assert (
+        cli.main(
+            ["rl", "--strict", *MEGATRON_TP2, "--steps", "2", "--lr", "1e-3", "--no-token-rows", "--out", str(out)]
+        )
+        == EXIT_OK
+    )
     import pandas as pd
 
     steps = pd.read_parquet(out / "steps.parquet")
@@ -102,14 +144,17 @@ def test_rl_with_a_tensor_parallel_trainer(tmp_path):
     assert abs(steps["grad_norm"].iloc[0] - 7.6810) < 0.01  # TP=1, same seed, the default reward: 7.681034
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["compare", "--train-opt", "tensor_model_parallel_size=3"], "does not divide the 4 attention heads"),
-    (["compare", "--train-opt", "tensor_model_parallel_size=4"], "does not divide the 2 query groups"),
-    (["compare", "--infer-opt", "tensor_parallel_size=4"], "needs 4 CPU cores, one per rank"),
-    (["bisect", *VLLM_TP2], "op capture with vllm at tensor parallel size > 1 is not implemented"),
-    (["bisect", *MEGATRON_TP2, "--mode", "forced"], "forced-mode op capture with megatron"),
-    (["rl", *VLLM_TP2], "alignaudit rl with vllm at tensor parallel size > 1 is not implemented"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compare", "--train-opt", "tensor_model_parallel_size=3"], "does not divide the 4 attention heads"),
+        (["compare", "--train-opt", "tensor_model_parallel_size=4"], "does not divide the 2 query groups"),
+        (["compare", "--infer-opt", "tensor_parallel_size=4"], "needs 4 CPU cores, one per rank"),
+        (["bisect", *VLLM_TP2], "op capture with vllm at tensor parallel size > 1 is not implemented"),
+        (["bisect", *MEGATRON_TP2, "--mode", "forced"], "forced-mode op capture with megatron"),
+        (["rl", *VLLM_TP2], "alignaudit rl with vllm at tensor parallel size > 1 is not implemented"),
+    ],
+)
 def test_tensor_parallel_sizes_the_run_cannot_take_are_refused(capsys, tmp_path, argv, message):
     out = tmp_path / "o"
     assert message in one_line_error(capsys, [*argv, "--out", str(out)], EXIT_USAGE)
@@ -131,8 +176,9 @@ def test_replay_truncates_the_whole_vocabulary_at_tp2(tmp_path, tiny_spec):
     logprobs = {}
     for tp in (1, 2):
         run = EngineRun("megatron", EngineSettings(dtype="fp32", options={"tensor_model_parallel_size": tp}))
-        logprobs[tp] = capture(tiny_spec, batch, run, tmp_path / f"tp{tp}",
-                               replay=replay).logprobs["logprob"].to_numpy()
+        logprobs[tp] = (
+            capture(tiny_spec, batch, run, tmp_path / f"tp{tp}", replay=replay).logprobs["logprob"].to_numpy()
+        )
     truncated = np.isneginf(logprobs[1])
     assert 50 < truncated.sum() < len(truncated) - 50  # replayed tokens outside the top 5, and others not
     np.testing.assert_allclose(logprobs[2], logprobs[1], rtol=0, atol=1e-4)
@@ -158,9 +204,24 @@ def test_the_rendezvous_file_is_removed_when_the_worker_exits(tmp_path):
 
     temp = tmp_path / "tmp"
     temp.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "alignaudit", "capture", "--engine", "megatron", "--no-ops",
-                           "--opt", "tensor_model_parallel_size=2", "--out", str(tmp_path / "cap")],
-                          capture_output=True, text=True, env={**os.environ, "TMPDIR": str(temp)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "alignaudit",
+            "capture",
+            "--engine",
+            "megatron",
+            "--no-ops",
+            "--opt",
+            "tensor_model_parallel_size=2",
+            "--out",
+            str(tmp_path / "cap"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TMPDIR": str(temp)},
+    )
     assert proc.returncode == EXIT_OK, proc.stderr
     assert (tmp_path / "cap" / "logprobs.parquet").is_file()
     assert not list(temp.glob("alignaudit-pg-*"))

@@ -19,8 +19,12 @@ from helpers import FIXTURE
 
 def test_presets_have_published_shapes():
     p = PRESETS["Qwen3-8B"].config
-    assert (p["hidden_size"], p["num_hidden_layers"],
-            p["num_attention_heads"], p["num_key_value_heads"]) == (4096, 36, 32, 8)
+    assert (p["hidden_size"], p["num_hidden_layers"], p["num_attention_heads"], p["num_key_value_heads"]) == (
+        4096,
+        36,
+        32,
+        8,
+    )
     assert (p["intermediate_size"], p["vocab_size"], p["tie_word_embeddings"]) == (12288, 151936, False)
     assert PRESETS["Qwen3-0.6B"].config["tie_word_embeddings"] is True
     assert find_preset("qwen/qwen3-14b").name == "Qwen3-14B"
@@ -28,8 +32,16 @@ def test_presets_have_published_shapes():
 
 
 def small_config(tie=False):
-    return qwen3_config(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1,
-                        head_dim=32, vocab_size=300, tie_word_embeddings=tie)
+    return qwen3_config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        vocab_size=300,
+        tie_word_embeddings=tie,
+    )
 
 
 def test_synthesis_is_seeded_sharded_and_reused(tmp_path):
@@ -50,14 +62,16 @@ def test_synthesis_is_seeded_sharded_and_reused(tmp_path):
     stamp = (single / "model.safetensors").stat().st_mtime_ns
     synthesize_checkpoint(cfg, tmp_path / "b", seed=3)
     assert (single / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
-    assert "lm_head.weight" not in load_file(synthesize_checkpoint(small_config(tie=True),
-                                                                   tmp_path / "t") / "model.safetensors")
+    assert "lm_head.weight" not in load_file(
+        synthesize_checkpoint(small_config(tie=True), tmp_path / "t") / "model.safetensors"
+    )
 
 
 def test_preset_with_random_weights_goes_to_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("ALIGNAUDIT_CACHE", str(tmp_path))
-    monkeypatch.setitem(PRESETS, "Qwen3-0.6B",
-                        PRESETS["Qwen3-0.6B"].__class__("Qwen3-0.6B", "Qwen/Qwen3-0.6B", small_config()))
+    monkeypatch.setitem(
+        PRESETS, "Qwen3-0.6B", PRESETS["Qwen3-0.6B"].__class__("Qwen3-0.6B", "Qwen/Qwen3-0.6B", small_config())
+    )
     spec = resolve_model("Qwen3-0.6B", random_weights=True, seed=7)
     assert spec.path == str((tmp_path / "random" / "Qwen3-0.6B-seed7").resolve())
     assert not spec.has_tokenizer and spec.hidden_size == 64
@@ -75,13 +89,16 @@ def test_fixture_names_resolve_as_on_the_command_line(tiny_spec):
         resolve_model("qwen3-tiny", random_weights=True)
 
 
-@pytest.mark.parametrize("model, message", [
-    ("/nonexistent/dir", "no such directory"),
-    ("qwen3-small", "not a directory, a preset or a hub id"),
-    ("Qwen3-8B", "not in the local Hugging Face cache"),
-    ("someorg/some-model", "not in the local Hugging Face cache"),
-    ("Qwen3-7B", "presets"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("/nonexistent/dir", "no such directory"),
+        ("qwen3-small", "not a directory, a preset or a hub id"),
+        ("Qwen3-8B", "not in the local Hugging Face cache"),
+        ("someorg/some-model", "not in the local Hugging Face cache"),
+        ("Qwen3-7B", "presets"),
+    ],
+)
 def test_unresolvable_models(model, message, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -95,8 +112,11 @@ def test_unsupported_architecture_and_broken_dirs(tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InputError, match="MambaForCausalLM is not supported; supported: Qwen3ForCausalLM, "
-                                         "Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM$"):
+    with pytest.raises(
+        InputError,
+        match="MambaForCausalLM is not supported; supported: Qwen3ForCausalLM, "
+        "Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM$",
+    ):
         load_spec(bad)
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError, match="no config.json"):

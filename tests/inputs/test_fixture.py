@@ -43,8 +43,11 @@ def test_tokenizer_round_trip(tiny_spec):
 @pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen2-tiny", "llama-tiny", "qwen3-moe-tiny"])
 def test_script_reproduces_fixture(tmp_path, fixture):
     out = tmp_path / fixture
-    subprocess.run([sys.executable, str(ROOT / "fixtures" / "make_fixtures.py"), "--only", fixture, "--out", str(out)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "fixtures" / "make_fixtures.py"), "--only", fixture, "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
 
     def digest(p):
         return hashlib.sha256(p.read_bytes()).hexdigest()
@@ -59,6 +62,7 @@ def test_script_reproduces_fixture(tmp_path, fixture):
     # bits. The committed bytes were made, and are reproduced, on the vectorized path, which every x86-64 CPU with
     # AVX2 takes.
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        assert digest(out / "model.safetensors") == digest(committed / "model.safetensors"), \
+        assert digest(out / "model.safetensors") == digest(committed / "model.safetensors"), (
             f"{fixture}/model.safetensors differs from the committed fixture"
+        )
     assert sum(p.stat().st_size for p in committed.iterdir()) < 3 << 20

@@ -35,15 +35,18 @@ def test_random_prompts_are_seeded(tiny_spec):
     assert a.sequences != load_prompts(tiny_spec, random_prompts=3, prompt_len=17, seed=2).sequences
 
 
-@pytest.mark.parametrize("content, message", [
-    ("", "is empty"),
-    ('{"token_ids": [1, 2, 512]}', "token id 512 outside the vocabulary"),
-    ('{"token_ids": [1, 2, -1]}', "token id -1 outside the vocabulary"),
-    ('{"token_ids": [1]}', "at least 2 tokens"),
-    ('{"token_ids": [1, "a"]}', "list of integers"),
-    ('{"prompt": "x"}', 'expected {"text"'),
-    ('{"text": ', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "is empty"),
+        ('{"token_ids": [1, 2, 512]}', "token id 512 outside the vocabulary"),
+        ('{"token_ids": [1, 2, -1]}', "token id -1 outside the vocabulary"),
+        ('{"token_ids": [1]}', "at least 2 tokens"),
+        ('{"token_ids": [1, "a"]}', "list of integers"),
+        ('{"prompt": "x"}', 'expected {"text"'),
+        ('{"text": ', "not valid JSON"),
+    ],
+)
 def test_bad_prompt_files(tiny_spec, tmp_path, content, message):
     f = tmp_path / "bad.jsonl"
     f.write_text(content)

@@ -24,9 +24,15 @@ DEEP = "[" * 100_000 + "]" * 100_000
 LONG = '{"token_ids": [' + "9" * 5000 + "]}"
 
 
-@pytest.mark.parametrize(("text", "says"), [(REPEATED, "key 'token_ids' appears twice"),
-                                            (DEEP, "JSON nested too deeply"), (LONG, "not readable JSON"),
-                                            ("{", "not valid JSON")])
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (REPEATED, "key 'token_ids' appears twice"),
+        (DEEP, "JSON nested too deeply"),
+        (LONG, "not readable JSON"),
+        ("{", "not valid JSON"),
+    ],
+)
 def test_parse_json_refuses_what_it_cannot_read_one_way(text, says):
     with pytest.raises(InputError, match=f"^here: {says}"):
         parse_json(text, "here")
@@ -40,8 +46,9 @@ def test_every_entry_point_reads_json_one_way(tiny_spec, tmp_path):
         with pytest.raises(InputError, match=r"p.jsonl:1: "):
             load_prompts(tiny_spec, prompts)
     rollouts = tmp_path / "r.jsonl"
-    rollouts.write_text('{"token_ids": [1, 2, 3], "prompt_len": 1, "logprobs": [-1.0, -2.0], '
-                        '"logprobs": [-1.0, -1.0]}\n')
+    rollouts.write_text(
+        '{"token_ids": [1, 2, 3], "prompt_len": 1, "logprobs": [-1.0, -2.0], "logprobs": [-1.0, -1.0]}\n'
+    )
     with pytest.raises(InputError, match="r.jsonl:1: key 'logprobs' appears twice"):
         read_rollouts(rollouts, tiny_spec.vocab_size)
     with pytest.raises(InputError, match="option stop_token_ids: key 'a' appears twice"):

@@ -38,11 +38,17 @@ def _grpo(tmp_path, how: str, *options: str) -> tuple[list[dict], dict]:
     if how == "strict":
         env["VLLM_PLUGINS"] = "none"
     out = tmp_path / "-".join((how, *options))
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(FIXTURE), how, str(out), *options],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(FIXTURE), how, str(out), *options],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=tmp_path,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    steps = json.loads(lines[-1][len("RESULT "):])
+    steps = json.loads(lines[-1][len("RESULT ") :])
     assert [s["step"] for s in steps] == [1, 2]
     kernels = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("KERNELS "))[8:])
     assert kernels["strict_ops"] == (sorted(STRICT_OPS) if how == "strict" else []), kernels
@@ -107,21 +113,27 @@ def test_settings_the_two_sides_cannot_agree_under_are_refused_before_anything_s
     from alignaudit.integrations.trl import StrictGRPOTrainer
 
     base = {"output_dir": str(tmp_path), "use_vllm": True, "vllm_mode": "colocate", "report_to": [], "use_cpu": True}
-    for change, message in (({"use_vllm": False}, "use_vllm=False"), ({"vllm_mode": "server"}, "vllm_mode='server'"),
-                            ({"vllm_importance_sampling_correction": False}, "vllm_importance_sampling_correction"),
-                            ({"min_p": 0.1}, "min_p=0.1"), ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
-                            ({"cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32"),
-                            ({"generation_kwargs": {"seed": 1}}, "generation_kwargs"),
-                            ({"vllm_structured_outputs_regex": "[0-9]+"}, "vllm_structured_outputs_regex"),
-                            ({"vllm_model_impl": "transformers"}, "vllm_model_impl='transformers'"),
-                            ({"beta": 0.04, "top_p": 0.9}, "beta=0.04 with top_k=0, top_p=0.9"),
-                            ({"top_k": 20, "num_iterations": 2}, "num_iterations=2"),
-                            ({"model_init_kwargs": {"dtype": "int8"}}, "model_init_kwargs dtype 'int8'"),
-                            ({"model_init_kwargs": {"dtype": ["bf16"]}}, r"model_init_kwargs dtype \['bf16'\]")):
+    for change, message in (
+        ({"use_vllm": False}, "use_vllm=False"),
+        ({"vllm_mode": "server"}, "vllm_mode='server'"),
+        ({"vllm_importance_sampling_correction": False}, "vllm_importance_sampling_correction"),
+        ({"min_p": 0.1}, "min_p=0.1"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
+        ({"cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32"),
+        ({"generation_kwargs": {"seed": 1}}, "generation_kwargs"),
+        ({"vllm_structured_outputs_regex": "[0-9]+"}, "vllm_structured_outputs_regex"),
+        ({"vllm_model_impl": "transformers"}, "vllm_model_impl='transformers'"),
+        ({"beta": 0.04, "top_p": 0.9}, "beta=0.04 with top_k=0, top_p=0.9"),
+        ({"top_k": 20, "num_iterations": 2}, "num_iterations=2"),
+        ({"model_init_kwargs": {"dtype": "int8"}}, "model_init_kwargs dtype 'int8'"),
+        ({"model_init_kwargs": {"dtype": ["bf16"]}}, r"model_init_kwargs dtype \['bf16'\]"),
+    ):
         with pytest.raises(InputError, match=message):
             StrictGRPOTrainer(model=str(FIXTURE), reward_funcs=[], args=GRPOConfig(**{**base, **change}))
-    for keyword, value, message in (("peft_config", object(), "peft_config is not supported"),
-                                    ("quantization_config", object(), "quantization_config is not supported")):
+    for keyword, value, message in (
+        ("peft_config", object(), "peft_config is not supported"),
+        ("quantization_config", object(), "quantization_config is not supported"),
+    ):
         with pytest.raises(InputError, match=message):
             StrictGRPOTrainer(model=str(FIXTURE), reward_funcs=[], args=GRPOConfig(**base), **{keyword: value})
     with pytest.raises(InputError, match="unexpected keyword argument 'no_such'"):
@@ -129,8 +141,7 @@ def test_settings_the_two_sides_cannot_agree_under_are_refused_before_anything_s
     with pytest.raises(InputError, match="without the strict module swap"):
         from transformers import AutoModelForCausalLM
 
-        StrictGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(FIXTURE), reward_funcs=[],
-                          args=GRPOConfig(**base))
+        StrictGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(FIXTURE), reward_funcs=[], args=GRPOConfig(**base))
     assert "ALIGNAUDIT_STRICT" not in os.environ or os.environ["ALIGNAUDIT_STRICT"] == ""
 
 
@@ -147,11 +158,15 @@ def test_fail_closed_stops_before_the_backward_pass():
     old = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, 0.0]])
     sampled = old.clone()
     sampled[1, 1] = torch.nextafter(sampled[1, 1], torch.tensor(0.0))
-    inputs = {"old_per_token_logps": old, "sampling_per_token_logps": sampled,
-              "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    inputs = {
+        "old_per_token_logps": old,
+        "sampling_per_token_logps": sampled,
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+    }
     for fail_closed in (False, True):
-        me = SimpleNamespace(fail_closed=fail_closed, _metrics={"train": defaultdict(list)},
-                             model=SimpleNamespace(training=True))
+        me = SimpleNamespace(
+            fail_closed=fail_closed, _metrics={"train": defaultdict(list)}, model=SimpleNamespace(training=True)
+        )
         if fail_closed:
             with pytest.raises(AlignmentError, match="1 of 5 completion tokens' trainer logprobs differ"):
                 StrictGRPOTrainer._check_alignment(me, inputs)

@@ -65,18 +65,29 @@ def verl_batch(run):
     for i, (s, n) in enumerate(zip(seqs, lengths, strict=True)):
         ids = torch.tensor(s["token_id"].tolist())
         r = len(ids) - n
-        prompts[i, width - n:], responses[i, :r] = ids[:n], ids[n:]
-        attention[i, width - n: width + r] = 1
+        prompts[i, width - n :], responses[i, :r] = ids[:n], ids[n:]
+        attention[i, width - n : width + r] = 1
         logprobs[i, :r] = torch.tensor(s["logprob"][s["generated"]].tolist(), dtype=torch.float32)
-    return DataProto.from_dict({"prompts": prompts, "responses": responses, "attention_mask": attention,
-                                "response_mask": attention[:, width:].clone(), "rollout_log_probs": logprobs})
+    return DataProto.from_dict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "attention_mask": attention,
+            "response_mask": attention[:, width:].clone(),
+            "rollout_log_probs": logprobs,
+        }
+    )
 
 
 def test_records_of_verls_batch_rescore_to_the_compare_runs_numbers(rollout_run, tmp_path):
     from alignaudit.integrations.verl import sampling, write_records
 
-    config = verl_config(**{"actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs",
-                            "trainer.rollout_data_dir": str(tmp_path / "rollouts")})
+    config = verl_config(
+        **{
+            "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs",
+            "trainer.rollout_data_dir": str(tmp_path / "rollouts"),
+        }
+    )
     path = write_records(verl_batch(rollout_run), sampling(config), 3, tmp_path / "rollouts")
     assert path.name == "alignaudit-step3.jsonl"
     row = json.loads(path.read_text().splitlines()[0])
@@ -103,10 +114,14 @@ def test_the_hook_refuses_verl_settings_that_leave_nothing_to_rescore(rollout_ru
     setup()
     setup()  # idempotent: one wrapper, not two
     data_dir = {"trainer.rollout_data_dir": str(tmp_path)}
-    for change, says in (({}, "trainer.rollout_data_dir is not set"),
-                         ({**data_dir, "actor_rollout_ref.rollout.calculate_log_probs": False}, "calculate_log_probs"),
-                         ({**data_dir, "actor_rollout_ref.rollout.logprobs_mode": "processed_logits"},
-                          "logprobs_mode='processed_logits' records logits")):
+    for change, says in (
+        ({}, "trainer.rollout_data_dir is not set"),
+        ({**data_dir, "actor_rollout_ref.rollout.calculate_log_probs": False}, "calculate_log_probs"),
+        (
+            {**data_dir, "actor_rollout_ref.rollout.logprobs_mode": "processed_logits"},
+            "logprobs_mode='processed_logits' records logits",
+        ),
+    ):
         with pytest.raises(InputError, match=says):  # before verl's own __init__ reads anything else
             RayPPOTrainer(verl_config(**change), tokenizer=None, role_worker_mapping={}, resource_pool_manager=None)
     batch = verl_batch(rollout_run)
@@ -121,9 +136,29 @@ def test_the_hook_refuses_verl_settings_that_leave_nothing_to_rescore(rollout_ru
 @pytest.fixture(scope="module")
 def strict_rollout(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl-strict") / "compare"
-    assert cli.main(["compare", "--strict", "--mode", "rollout", "--train", "hf", "--infer", "vllm", "--max-new-tokens",
-                     "8", "--temperature", "0.7", "--infer-opt", "logprobs_mode=processed_logprobs", "--out",
-                     str(out)]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "compare",
+                "--strict",
+                "--mode",
+                "rollout",
+                "--train",
+                "hf",
+                "--infer",
+                "vllm",
+                "--max-new-tokens",
+                "8",
+                "--temperature",
+                "0.7",
+                "--infer-opt",
+                "logprobs_mode=processed_logprobs",
+                "--out",
+                str(out),
+            ]
+        )
+        == EXIT_OK
+    )
     return out
 
 
@@ -155,14 +190,24 @@ def old_log_probs(batch, temperature: float, grad: bool = False):
     b = batch.batch
     ids = torch.cat([b["prompts"], b["responses"]], 1)
     position_ids = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    data = left_right_2_no_padding(TensorDict(
-        {"input_ids": ids, "attention_mask": b["attention_mask"], "position_ids": position_ids,
-         "response_mask": b["response_mask"], "prompts": b["prompts"], "responses": b["responses"]},
-        batch_size=ids.shape[0]))
+    data = left_right_2_no_padding(
+        TensorDict(
+            {
+                "input_ids": ids,
+                "attention_mask": b["attention_mask"],
+                "position_ids": position_ids,
+                "response_mask": b["response_mask"],
+                "prompts": b["prompts"],
+                "responses": b["responses"],
+            },
+            batch_size=ids.shape[0],
+        )
+    )
     tu.assign_non_tensor(data, temperature=temperature, use_remove_padding=True, calculate_entropy=False)
     engine = object.__new__(FSDPEngineWithLMHead)  # its __init__ builds a CUDA device mesh
-    engine.model_config = HFModelConfig(path=str(FIXTURE), use_remove_padding=True,
-                                        override_config={"attn_implementation": "sdpa"})  # no FlashAttention here
+    engine.model_config = HFModelConfig(
+        path=str(FIXTURE), use_remove_padding=True, override_config={"attn_implementation": "sdpa"}
+    )  # no FlashAttention here
     engine.engine_config = FSDPEngineConfig(forward_only=True, model_dtype="bfloat16", use_torch_compile=False)
     engine.device_mesh, engine.use_remove_padding, engine.ulysses_sequence_parallel_size = None, True, 1
     engine.use_ulysses_sp = engine.pad_to_length = engine.pass_packed_cu_seqlens = False
@@ -178,8 +223,9 @@ def differing(batch, logprobs) -> int:
     import torch
 
     mask = batch.batch["response_mask"].bool()
-    return int((logprobs.float()[mask].view(torch.int32) != batch.batch["rollout_log_probs"][mask].view(torch.int32))
-               .sum())
+    return int(
+        (logprobs.float()[mask].view(torch.int32) != batch.batch["rollout_log_probs"][mask].view(torch.int32)).sum()
+    )
 
 
 def test_verls_actor_made_strict_rescores_vllms_strict_rollout_bit_for_bit(strict_rollout, one_rank, monkeypatch):
@@ -210,35 +256,55 @@ def test_the_strict_switch_refuses_verl_settings_it_cannot_honour():
 
     ok = {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.actor.strategy": "fsdp2"}
     check_strict_config(verl_config(**ok))
-    for change, says in (({"actor_rollout_ref.actor.strategy": "megatron"}, "built for FSDP"),
-                         ({"actor_rollout_ref.rollout.name": "sglang"}, "rollout.name=sglang"),
-                         ({"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2}, "Ulysses"),
-                         ({"actor_rollout_ref.model.use_fused_kernels": True}, "use_fused_kernels"),
-                         ({"actor_rollout_ref.model.use_liger": True}, "use_liger"),
-                         ({"actor_rollout_ref.model.lora_rank": 8}, "lora_rank"),
-                         ({"actor_rollout_ref.model.use_remove_padding": False}, "use_remove_padding=False"),
-                         ({"actor_rollout_ref.actor.fsdp_config.mixed_precision": {"param_dtype": "fp32"}},
-                          "computes in fp32"),
-                         ({"actor_rollout_ref.rollout.temperature": 0.7,
-                           "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs"}, "records logprobs before"),
-                         ({"actor_rollout_ref.rollout.top_p": 0.9}, "does not truncate")):
+    for change, says in (
+        ({"actor_rollout_ref.actor.strategy": "megatron"}, "built for FSDP"),
+        ({"actor_rollout_ref.rollout.name": "sglang"}, "rollout.name=sglang"),
+        ({"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2}, "Ulysses"),
+        ({"actor_rollout_ref.model.use_fused_kernels": True}, "use_fused_kernels"),
+        ({"actor_rollout_ref.model.use_liger": True}, "use_liger"),
+        ({"actor_rollout_ref.model.lora_rank": 8}, "lora_rank"),
+        ({"actor_rollout_ref.model.use_remove_padding": False}, "use_remove_padding=False"),
+        ({"actor_rollout_ref.actor.fsdp_config.mixed_precision": {"param_dtype": "fp32"}}, "computes in fp32"),
+        (
+            {"actor_rollout_ref.rollout.temperature": 0.7, "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs"},
+            "records logprobs before",
+        ),
+        ({"actor_rollout_ref.rollout.top_p": 0.9}, "does not truncate"),
+    ):
         with pytest.raises(InputError, match=says):
             check_strict_config(verl_config(**{**ok, **change}))
-    for change, says in (({"actor_rollout_ref.rollout.engine_kwargs.vllm": {"logprobs_mode": "raw_logprobs"},
-                           "actor_rollout_ref.rollout.temperature": 0.7}, "records logprobs before"),  # vLLM gets it
-                         ({"actor_rollout_ref.rollout.quantization": "fp8"}, "quantization=fp8"),
-                         ({"actor_rollout_ref.actor.fsdp_config.qat.enable": True}, "qat.enable=True"),
-                         ({"actor_rollout_ref.ref.ulysses_sequence_parallel_size": 2}, "ref.ulysses"),
-                         ({"actor_rollout_ref.rollout.engine_kwargs.vllm": {"dtype": "float16"}}, "vLLM in float16"),
-                         ({"actor_rollout_ref.rollout.dtype": "auto"}, "dtype is auto")):
+    for change, says in (
+        (
+            {
+                "actor_rollout_ref.rollout.engine_kwargs.vllm": {"logprobs_mode": "raw_logprobs"},
+                "actor_rollout_ref.rollout.temperature": 0.7,
+            },
+            "records logprobs before",
+        ),  # vLLM gets it
+        ({"actor_rollout_ref.rollout.quantization": "fp8"}, "quantization=fp8"),
+        ({"actor_rollout_ref.actor.fsdp_config.qat.enable": True}, "qat.enable=True"),
+        ({"actor_rollout_ref.ref.ulysses_sequence_parallel_size": 2}, "ref.ulysses"),
+        ({"actor_rollout_ref.rollout.engine_kwargs.vllm": {"dtype": "float16"}}, "vLLM in float16"),
+        ({"actor_rollout_ref.rollout.dtype": "auto"}, "dtype is auto"),
+    ):
         with pytest.raises(InputError, match=says):
             check_strict_config(verl_config(**{**ok, **change}))
     with pytest.raises(InputError, match="strategy=megatron: verl's strict actor is built for FSDP"):
         check_strict_config(verl_config("ppo_megatron_trainer", **{"actor_rollout_ref.rollout.name": "vllm"}))
-    check_strict_config(verl_config(**ok, **{"actor_rollout_ref.rollout.top_p": 0.9,
-                                             "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs"}))
-    check_strict_config(verl_config(**ok, **{"actor_rollout_ref.actor.fsdp_config.mixed_precision": {
-        "param_dtype": "16"}, "actor_rollout_ref.rollout.dtype": "float16"}))  # verl's spellings of one dtype
+    check_strict_config(
+        verl_config(
+            **ok, **{"actor_rollout_ref.rollout.top_p": 0.9, "actor_rollout_ref.rollout.logprobs_mode": "raw_logprobs"}
+        )
+    )
+    check_strict_config(
+        verl_config(
+            **ok,
+            **{
+                "actor_rollout_ref.actor.fsdp_config.mixed_precision": {"param_dtype": "16"},
+                "actor_rollout_ref.rollout.dtype": "float16",
+            },
+        )
+    )  # verl's spellings of one dtype
     bypass = verl_config(**ok, **{"algorithm.rollout_correction": {"bypass_mode": True}})
     check_strict_config(bypass)
     with pytest.raises(InputError, match="bypass_mode=True uses vLLM's logprobs"):
@@ -277,8 +343,9 @@ def test_every_step_is_checked_before_the_update_and_stops_when_asked(rollout_ru
     batch = verl_batch(rollout_run)
     batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
     assert check_alignment(batch, fail_closed=True) == {"tokens": 32, "mismatches": 0}
-    batch.batch["old_log_probs"][2, 3] = batch.batch["old_log_probs"][2, 3].nextafter(batch.batch["old_log_probs"][2, 3]
-                                                                                       .new_tensor(0.0))  # one ULP
+    batch.batch["old_log_probs"][2, 3] = batch.batch["old_log_probs"][2, 3].nextafter(
+        batch.batch["old_log_probs"][2, 3].new_tensor(0.0)
+    )  # one ULP
     assert check_alignment(batch, fail_closed=False) == {"tokens": 32, "mismatches": 1}
     monkeypatch.setattr(metrics, "calculate_debug_metrics", metrics.calculate_debug_metrics)
     _check_every_step(fail_closed=False)
@@ -324,10 +391,12 @@ except Exception as e:
     print(type(e).__name__, e)
 """
     env = {**os.environ, "ALIGNAUDIT_STRICT": "all", "ALIGNAUDIT_FAIL_CLOSED": "1"}
-    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0, out.stderr[-2000:]
     assert lines[-2] == "alignaudit.integrations.verl strict_scale_by_temperature True"
-    assert lines[-1].startswith("InputError alignaudit.integrations.verl (ALIGNAUDIT_STRICT): actor_rollout_ref.model"
-                                ".lora_rank > 0")
+    assert lines[-1].startswith(
+        "InputError alignaudit.integrations.verl (ALIGNAUDIT_STRICT): actor_rollout_ref.model.lora_rank > 0"
+    )

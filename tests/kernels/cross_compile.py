@@ -90,17 +90,23 @@ def _launches(target_name: str, every: bool) -> list[dict]:
         if hasattr(module, "rocm"):
             module.rocm = lambda: spec[0] == "hip"
     matmul = modules["matmul"].launch  # the strict linear's host wrappers and plans
-    matmul._tma_available = (lambda x2, w, b: has_tma and b is None and x2.dtype in (BF16, FP16)
-                             and x2.shape[1] % 8 == 0 and w.shape[0] % 8 == 0)
+    matmul._tma_available = lambda x2, w, b: (
+        has_tma and b is None and x2.dtype in (BF16, FP16) and x2.shape[1] % 8 == 0 and w.shape[0] % 8 == 0
+    )
     records: list[dict] = []
     real_run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         started = time.perf_counter()
-        record = {"target": target_name, "kernel": self.fn.__name__, "module": self.fn.__module__.split(".")[-1],
-                  "constexprs": {k: v for k, v in kwargs.items() if k.isupper()},
-                  "num_warps": kwargs.get("num_warps"), "num_stages": kwargs.get("num_stages"),
-                  "dtypes": sorted({str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)})}
+        record = {
+            "target": target_name,
+            "kernel": self.fn.__name__,
+            "module": self.fn.__module__.split(".")[-1],
+            "constexprs": {k: v for k, v in kwargs.items() if k.isupper()},
+            "num_warps": kwargs.get("num_warps"),
+            "num_stages": kwargs.get("num_stages"),
+            "dtypes": sorted({str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)}),
+        }
         # a compiler that aborts (LLVM's UNREACHABLE) ends the process: this line names what it was building
         print(json.dumps({"building": record}), flush=True)
         try:
@@ -200,8 +206,9 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
         for heads, kv_heads, d in ((32, 8, 128), (14, 2, 64)):
             cos = sin = _empty(64, d // 2, dtype=FP32)
             m["rope"]._triton(_empty(16, heads, d, dtype=dtype), torch.arange(16), cos, sin)
-            m["rope"]._triton(_empty(16, heads, d, dtype=dtype), torch.arange(16), cos, sin,
-                              k=_empty(16, kv_heads, d, dtype=dtype))
+            m["rope"]._triton(
+                _empty(16, heads, d, dtype=dtype), torch.arange(16), cos, sin, k=_empty(16, kv_heads, d, dtype=dtype)
+            )
         m["silu"]._triton(_empty(16, 12288, dtype=dtype), _empty(16, 12288, dtype=dtype))
         logits = _empty(4, 151936, dtype=dtype)
         logprobs._log_softmax(logits)
@@ -223,8 +230,9 @@ def _drive(m: dict, every: bool, amd: bool) -> None:
 
 def _rmsnorm(rmsnorm, dtype) -> None:
     for h, residual in ((4096, False), (4096, True), (896, False)):  # BLOCK_H and warps by hidden size
-        rmsnorm._triton(_empty(16, h, dtype=dtype), _empty(h, dtype=dtype), 1e-6,
-                        _empty(16, h, dtype=dtype) if residual else None)
+        rmsnorm._triton(
+            _empty(16, h, dtype=dtype), _empty(h, dtype=dtype), 1e-6, _empty(16, h, dtype=dtype) if residual else None
+        )
     for rows in (2, 4, 8, 16, 32):  # the multi-row kernel as bench/sweep_gpu.py rmsnorm-rows times it
         rmsnorm._triton(_empty(16 * 32, 128, dtype=dtype), _empty(128, dtype=dtype), 1e-6, None, rows=rows)
 
@@ -245,10 +253,17 @@ def _grouped(grouped_linear, dtype, tokens: int, tile=None) -> None:
     chosen = torch.randint(0, 128, (tokens, 8))
     block_m = tile[0] if tile else grouped_linear.block_m_for(chosen.numel(), 128, dtype)
     plan = grouped_linear.plan_experts_triton(chosen, 128, block_m)
-    grouped_linear.grouped_linear(_empty(tokens, 2048, dtype=dtype), _empty(128, 1536, 2048, dtype=dtype), plan,
-                                  gather=True, tile=tile)
-    grouped_linear.grouped_linear(_empty(tokens * 8, 768, dtype=dtype), _empty(128, 2048, 768, dtype=dtype), plan,
-                                  gather=False, tile=tile, scatter=True)
+    grouped_linear.grouped_linear(
+        _empty(tokens, 2048, dtype=dtype), _empty(128, 1536, 2048, dtype=dtype), plan, gather=True, tile=tile
+    )
+    grouped_linear.grouped_linear(
+        _empty(tokens * 8, 768, dtype=dtype),
+        _empty(128, 2048, 768, dtype=dtype),
+        plan,
+        gather=False,
+        tile=tile,
+        scatter=True,
+    )
 
 
 def _device_descriptors(matmul, w, every: bool, amd: bool) -> None:
@@ -262,8 +277,9 @@ def _device_descriptors(matmul, w, every: bool, amd: bool) -> None:
             for segments in ((4, 8) if every else (4,)) if narrow else (1,):
                 matmul._triton_tma(_empty(512, 4096), w, tile, persistent, segments=segments, descriptors="device")
             if narrow:  # a row-parallel partial: the fp32 accumulator stored unrounded
-                matmul._triton_tma(_empty(512, 4096), w, tile, persistent, segments=4, out_dtype=FP32,
-                                   descriptors="device")
+                matmul._triton_tma(
+                    _empty(512, 4096), w, tile, persistent, segments=4, out_dtype=FP32, descriptors="device"
+                )
 
 
 def _medium_class(matmul, w) -> None:
@@ -278,39 +294,63 @@ def _medium_class(matmul, w) -> None:
         matmul.medium_class_enabled = enabled
 
 
-def _attention(attention, dtype, heads: int, kv_heads: int, d: int, exp: str, every_path: bool,
-               decode: bool = True) -> None:
+def _attention(
+    attention, dtype, heads: int, kv_heads: int, d: int, exp: str, every_path: bool, decode: bool = True
+) -> None:
     """Prefill of 4096 whole-sequence rows (contiguous K/V; one program per (tile, KV head)) and a decode step
     of 2 sequences over page-aligned pages with max_seq_len 2048 (the key chunks split over programs, then
     the combine kernel). ``every_path`` adds split prefill, a batch over contiguous K/V, decode over gathered
     pages, unsplit decode, and paged prefill."""
-    scale = d ** -0.5
-    for length in ((64, 4096) if every_path else (4096,)):  # 64 rows, 4096 keys: split; 4096 rows: not
+    scale = d**-0.5
+    for length in (64, 4096) if every_path else (4096,):  # 64 rows, 4096 keys: split; 4096 rows: not
         q, kv = _empty(length, heads, d, dtype=dtype), _empty(length, kv_heads, d, dtype=dtype)
         attention.functions._contiguous_forward(q, kv, kv, torch.tensor([0, length]), scale, exp=exp)
         if dtype != FP32:  # the fused backward's forward keeps each row's log-sum-exp (FlashAttention-2: bf16/fp16)
-            attention.functions._contiguous_forward(q, kv, kv, torch.tensor([0, length]), scale, exp=exp,
-                                                    lse=_empty(heads, length, dtype=FP32))
+            attention.functions._contiguous_forward(
+                q, kv, kv, torch.tensor([0, length]), scale, exp=exp, lse=_empty(heads, length, dtype=FP32)
+            )
     if not every_path:
         if decode:
             pages = _empty(256, attention.BLOCK_N * 2, kv_heads, d, dtype=dtype)
-            attention.paged_decode(_empty(2, heads, d, dtype=dtype), pages, pages,
-                                   torch.arange(256, dtype=torch.int32).reshape(2, 128),
-                                   torch.full((2,), 100, dtype=torch.int32), scale, max_seq_len=2048, exp=exp)
+            attention.paged_decode(
+                _empty(2, heads, d, dtype=dtype),
+                pages,
+                pages,
+                torch.arange(256, dtype=torch.int32).reshape(2, 128),
+                torch.full((2,), 100, dtype=torch.int32),
+                scale,
+                max_seq_len=2048,
+                exp=exp,
+            )
         return
     kv = _empty(2, 128, kv_heads, d, dtype=dtype)
-    attention.functions._causal_forward(_empty(2, 128, heads, d, dtype=dtype), kv, kv, torch.arange(128).expand(2, 128),
-                              scale, exp)
+    attention.functions._causal_forward(
+        _empty(2, 128, heads, d, dtype=dtype), kv, kv, torch.arange(128).expand(2, 128), scale, exp
+    )
     for block_size in (16, attention.BLOCK_N * 2):  # KV_GATHER, KV_PAGE_ALIGNED
         pages = _empty(256, block_size, kv_heads, d, dtype=dtype)
         table = torch.arange(256, dtype=torch.int32).reshape(2, 128)
         for rows in (2, 64):  # 2 sequences of up to 2048 keys: split; 64 of 100: not
-            attention.paged_decode(_empty(rows, heads, d, dtype=dtype), pages, pages, table.repeat(32, 1)[:rows],
-                                   torch.full((rows,), 100, dtype=torch.int32), scale,
-                                   max_seq_len=2048 if rows == 2 else 100, exp=exp)
-        attention.paged_attention(_empty(64, heads, d, dtype=dtype), pages, pages, table,
-                                  torch.cat([torch.arange(40), torch.arange(24) + 500]),
-                                  torch.tensor([0] * 40 + [1] * 24), scale, exp=exp)
+            attention.paged_decode(
+                _empty(rows, heads, d, dtype=dtype),
+                pages,
+                pages,
+                table.repeat(32, 1)[:rows],
+                torch.full((rows,), 100, dtype=torch.int32),
+                scale,
+                max_seq_len=2048 if rows == 2 else 100,
+                exp=exp,
+            )
+        attention.paged_attention(
+            _empty(64, heads, d, dtype=dtype),
+            pages,
+            pages,
+            table,
+            torch.cat([torch.arange(40), torch.arange(24) + 500]),
+            torch.tensor([0] * 40 + [1] * 24),
+            scale,
+            exp=exp,
+        )
 
 
 def launched_kernels() -> set[str]:
@@ -337,8 +377,10 @@ def _module_files(name: str) -> dict:
     package = importlib.import_module(f"alignaudit_kernels.{name}")
     if not package.__file__.endswith("__init__.py"):
         return {Path(package.__file__): package}
-    return {file: importlib.import_module(f"alignaudit_kernels.{name}.{file.stem}") if file.stem != "__init__"
-            else package for file in sorted(Path(package.__file__).parent.glob("*.py"))}
+    return {
+        file: importlib.import_module(f"alignaudit_kernels.{name}.{file.stem}") if file.stem != "__init__" else package
+        for file in sorted(Path(package.__file__).parent.glob("*.py"))
+    }
 
 
 FLOAT_OP = re.compile(r"\s+(?:add|sub|mul|div|sqrt|rcp|fma|shfl|cvt\.f32|cvt\.rn\.(?:bf16|f16)\.f32)\.")
@@ -350,8 +392,11 @@ def float_dataflow(ptx: str) -> list[str]:
     operands (ptxas does not reassociate .rn arithmetic)."""
     names: dict[str, str] = {}
     rename = lambda m: names.setdefault(m.group(0), f"r{len(names)}")  # noqa: E731
-    return [re.sub(r"%\w+", rename, line.strip()) for line in ptx.splitlines()
-            if FLOAT_OP.match(line) and not re.search(r"\.[su](?:32|64)\b", line)]
+    return [
+        re.sub(r"%\w+", rename, line.strip())
+        for line in ptx.splitlines()
+        if FLOAT_OP.match(line) and not re.search(r"\.[su](?:32|64)\b", line)
+    ]
 
 
 def row_layout(ttgir: str) -> tuple:
@@ -362,8 +407,12 @@ def row_layout(ttgir: str) -> tuple:
     layout = re.search(rf"^{load} = #ttg\.blocked<\{{(.*)\}}>", ttgir, re.M).group(1)
     fields = {k: [int(v) for v in vs.split(",")] for k, vs in re.findall(r"(\w+) = \[([\d, ]+)\]", layout)}
     last = len(fields["order"]) - 1
-    return (fields["sizePerThread"][last], fields["threadsPerWarp"][last], fields["warpsPerCTA"][last],
-            fields["order"][0] == last)
+    return (
+        fields["sizePerThread"][last],
+        fields["threadsPerWarp"][last],
+        fields["warpsPerCTA"][last],
+        fields["order"][0] == last,
+    )
 
 
 def rmsnorm_rows_arithmetic(target_name: str) -> list[dict]:
@@ -405,20 +454,55 @@ def rmsnorm_rows_arithmetic(target_name: str) -> list[dict]:
                     for r in (1, rows):
                         rmsnorm._triton(_empty(64, h), _empty(h), 1e-6, _empty(64, h) if residual else None, rows=r)
                     (one, one_rest), (many, many_rest) = (split(float_dataflow(k.asm["ptx"])) for k in built)
-                    layouts = [(row_layout(k.asm["ttgir"]), re.search(r"ld\.global\S*", k.asm["ptx"]).group(0))
-                               for k in built]
-                    results.append({"h": h, "residual": residual, "rows": rows, "reduction_operations": len(one),
-                                    "same_reduction": one == many, "same_operations": one_rest == many_rest,
-                                    "same_row_layout": layouts[0] == layouts[1], "row_layout": layouts[1]})
+                    layouts = [
+                        (row_layout(k.asm["ttgir"]), re.search(r"ld\.global\S*", k.asm["ptx"]).group(0)) for k in built
+                    ]
+                    results.append(
+                        {
+                            "h": h,
+                            "residual": residual,
+                            "rows": rows,
+                            "reduction_operations": len(one),
+                            "same_reduction": one == many,
+                            "same_operations": one_rest == many_rest,
+                            "same_row_layout": layouts[0] == layouts[1],
+                            "row_layout": layouts[1],
+                        }
+                    )
         # the control: 8 rows on 4 warps (two rows a warp, 16 lanes a row, 8 elements a thread) is another tree
         built.clear()
         x, w = _empty(64, 128), _empty(128)
         rmsnorm._triton(x, w, 1e-6, None, rows=1)
-        rmsnorm._rmsnorm_rows_kernel[(8,)](x, x, w, x, x, 64, 128, 1e-6, 1, 128, 0, 0, 128, 128, HAS_RESIDUAL=False,
-                                          ROWS=8, BLOCK_H=128, num_warps=4, enable_fp_fusion=False)
+        rmsnorm._rmsnorm_rows_kernel[(8,)](
+            x,
+            x,
+            w,
+            x,
+            x,
+            64,
+            128,
+            1e-6,
+            1,
+            128,
+            0,
+            0,
+            128,
+            128,
+            HAS_RESIDUAL=False,
+            ROWS=8,
+            BLOCK_H=128,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
         (one, _), (many, _) = (split(float_dataflow(k.asm["ptx"])) for k in built)
-        results.append({"h": 128, "control": "8 rows on 4 warps", "same_reduction": one == many,
-                        "same_row_layout": row_layout(built[0].asm["ttgir"]) == row_layout(built[1].asm["ttgir"])})
+        results.append(
+            {
+                "h": 128,
+                "control": "8 rows on 4 warps",
+                "same_reduction": one == many,
+                "same_row_layout": row_layout(built[0].asm["ttgir"]) == row_layout(built[1].asm["ttgir"]),
+            }
+        )
     finally:
         JITFunction.run = real_run
     return results
@@ -431,19 +515,33 @@ def main() -> None:
             print(json.dumps(result), flush=True)
         return
     if target not in TARGETS or sys.argv[2:] not in ([], ["--all"]):
-        raise SystemExit(f"usage: python tests/kernels/cross_compile.py {{{','.join(TARGETS)}}} "
-                         "[--all | --rmsnorm-rows]")
+        raise SystemExit(
+            f"usage: python tests/kernels/cross_compile.py {{{','.join(TARGETS)}}} [--all | --rmsnorm-rows]"
+        )
     started = time.perf_counter()
     records = _launches(target, every=sys.argv[2:] == ["--all"])
     failed = [r for r in records if not r["ok"]]
     for record in failed[:3]:
         print(record.get("traceback", ""), file=sys.stderr)
-    print(json.dumps({"summary": target, "configurations": len(records), "failed": len(failed),
-                      "kernels": sorted({r["kernel"] for r in records if r["ok"]}),
-                      "launched_in_source": sorted(launched_kernels()),
-                      "spilling": sorted({f"{r['kernel']} ({r['num_warps']} warps, {r['spill_bytes']} bytes)"
-                                          for r in records if r.get("spill_bytes")}),
-                      "seconds": round(time.perf_counter() - started, 1)}))
+    print(
+        json.dumps(
+            {
+                "summary": target,
+                "configurations": len(records),
+                "failed": len(failed),
+                "kernels": sorted({r["kernel"] for r in records if r["ok"]}),
+                "launched_in_source": sorted(launched_kernels()),
+                "spilling": sorted(
+                    {
+                        f"{r['kernel']} ({r['num_warps']} warps, {r['spill_bytes']} bytes)"
+                        for r in records
+                        if r.get("spill_bytes")
+                    }
+                ),
+                "seconds": round(time.perf_counter() - started, 1),
+            }
+        )
+    )
     sys.exit(1 if failed else 0)
 
 

@@ -41,8 +41,8 @@ def paged(k, v, block_size, seed, device):
     cache_k = torch.zeros(pages + 3, block_size, *k.shape[1:], dtype=k.dtype, device=device)
     cache_v = torch.zeros_like(cache_k)
     for i, page in enumerate(order.tolist()):
-        cache_k[page, : min(block_size, n - i * block_size)] = k[i * block_size: (i + 1) * block_size]
-        cache_v[page, : min(block_size, n - i * block_size)] = v[i * block_size: (i + 1) * block_size]
+        cache_k[page, : min(block_size, n - i * block_size)] = k[i * block_size : (i + 1) * block_size]
+        cache_v[page, : min(block_size, n - i * block_size)] = v[i * block_size : (i + 1) * block_size]
     return cache_k, cache_v, order[None].to(device)
 
 
@@ -51,19 +51,27 @@ def test_attention_prefill_equals_decode_over_shuffled_pages(device, dtype):
     h, kvh, d = 8, 2, 32
     lengths = [70, 5, 130]
     q, k, v, cu = ragged(lengths, h, kvh, d, dtype, device, seed=1)
-    scale = d ** -0.5
+    scale = d**-0.5
     prefill = K.varlen_attention(q, k, v, cu, scale)
     for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         alone = K.varlen_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a]), scale)
         assert_bitwise_equal(f"seq {s} alone vs in batch", alone, prefill[a:b])
         cache_k, cache_v, table = paged(k[a:b], v[a:b], block_size=16, seed=s, device=device)
         for p in sorted({0, 1, 63, 64, 65, b - a - 1} & set(range(b - a))):
-            one = K.paged_attention(q[a + p: a + p + 1], cache_k, cache_v, table, torch.tensor([p], device=device),
-                                    torch.tensor([0]), scale)
+            one = K.paged_attention(
+                q[a + p : a + p + 1],
+                cache_k,
+                cache_v,
+                table,
+                torch.tensor([p], device=device),
+                torch.tensor([0]),
+                scale,
+            )
             assert_bitwise_equal(f"seq {s} decode at {p}", one[0], prefill[a + p])
         ref = attention.reference(q[a:b].double(), k[a:b].double(), v[a:b].double(), scale)
-        assert_within(f"attention seq {s}", prefill[a:b], ref,
-                      1.01 * ulp_of(ref, dtype) + 2**-9 * v.double().abs().max())
+        assert_within(
+            f"attention seq {s}", prefill[a:b], ref, 1.01 * ulp_of(ref, dtype) + 2**-9 * v.double().abs().max()
+        )
 
 
 @needs_hardware_dot
@@ -72,8 +80,10 @@ def test_paged_prefill_of_a_batch_equals_decode(device):
     h, kvh, d, dtype = 4, 4, 64, torch.float32
     lengths = [40, 90]
     q, k, v, cu = ragged(lengths, h, kvh, d, dtype, device, seed=3)
-    caches = [paged(k[a:b], v[a:b], 32, seed=i, device=device)
-              for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))]
+    caches = [
+        paged(k[a:b], v[a:b], 32, seed=i, device=device)
+        for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+    ]
     # one cache holding both sequences: concatenate pages and offset the second table
     ck = torch.cat([c[0] for c in caches])
     cv = torch.cat([c[1] for c in caches])
@@ -82,9 +92,9 @@ def test_paged_prefill_of_a_batch_equals_decode(device):
     table[1, : caches[1][2].shape[1]] = caches[1][2][0] + caches[0][0].shape[0]
     positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
     seq_of_row = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-    batch = K.paged_attention(q, ck, cv, table, positions, seq_of_row, d ** -0.5)
-    assert_bitwise_equal("paged prefill vs varlen", batch, K.varlen_attention(q, k, v, cu, d ** -0.5))
-    last = K.paged_attention(q[cu[1:] - 1], ck, cv, table, positions[cu[1:] - 1], torch.arange(2), d ** -0.5)
+    batch = K.paged_attention(q, ck, cv, table, positions, seq_of_row, d**-0.5)
+    assert_bitwise_equal("paged prefill vs varlen", batch, K.varlen_attention(q, k, v, cu, d**-0.5))
+    last = K.paged_attention(q[cu[1:] - 1], ck, cv, table, positions[cu[1:] - 1], torch.arange(2), d**-0.5)
     assert_bitwise_equal("decode of both sequences", last, batch[cu[1:] - 1])
 
 
@@ -98,7 +108,7 @@ def test_batched_causal_attention_equals_prefill_and_decode(device):
     batched = K.causal_attention(q.view(b, t, h, d), k.view(b, t, kvh, d), v.view(b, t, kvh, d), positions, 0.125)
     assert_bitwise_equal("batched causal vs varlen prefill", batched.flatten(0, 1), prefill)
     p = 70  # decode of position 70 with the keys 0..70 of sequence 1 (a cache that holds more keys than that)
-    one = K.causal_attention(q[t + p: t + p + 1], k[t: 2 * t], v[t: 2 * t], torch.tensor([p], device=device), 0.125)
+    one = K.causal_attention(q[t + p : t + p + 1], k[t : 2 * t], v[t : 2 * t], torch.tensor([p], device=device), 0.125)
     assert_bitwise_equal("decode row vs prefill row", one[0], prefill[t + p])
 
 
@@ -112,15 +122,14 @@ def test_decode_rows_equal_prefill_at_real_head_shapes(device, h, kvh):
     over its rows (attention._rows). Positions around key-block edges."""
     d, t = 128, 300
     q, k, v, cu = ragged([t], h, kvh, d, torch.bfloat16, device, seed=21)
-    prefill = K.varlen_attention(q, k, v, cu, d ** -0.5)
+    prefill = K.varlen_attention(q, k, v, cu, d**-0.5)
     positions = (0, 1, 63, 64, 65, 127, 128, 255, 256, 299)
     for p in positions:
-        one = K.causal_attention(q[p: p + 1], k[: p + 1], v[: p + 1], torch.tensor([p], device=device), d ** -0.5)
+        one = K.causal_attention(q[p : p + 1], k[: p + 1], v[: p + 1], torch.tensor([p], device=device), d**-0.5)
         assert_bitwise_equal(f"decode row {p} vs prefill row", one[0], prefill[p])
     cache_k, cache_v, table = paged(k, v, block_size=16, seed=22, device=device)
     rows = torch.tensor(positions)
-    step = K.paged_decode(q[rows], cache_k, cache_v, table.repeat(len(positions), 1), (rows + 1).to(device),
-                          d ** -0.5, t)
+    step = K.paged_decode(q[rows], cache_k, cache_v, table.repeat(len(positions), 1), (rows + 1).to(device), d**-0.5, t)
     assert_bitwise_equal("paged_decode rows vs prefill rows", step, prefill[rows])
 
 
@@ -135,8 +144,9 @@ def test_attention_accuracy_paged_and_varlen(device, h, kvh):
         ref = attention.reference(q[a:b].double(), k[a:b].double(), v[a:b].double(), 0.2)
         assert_within("attention", out[a:b], ref, 1e-5 + 1e-5 * ref.abs())
     cache_k, cache_v, table = paged(k[:70], v[:70], block_size=16, seed=1, device=device)
-    last = K.paged_attention(q[69:70], cache_k, cache_v, table,
-                             torch.tensor([69], device=device), torch.tensor([0]), 0.2)
+    last = K.paged_attention(
+        q[69:70], cache_k, cache_v, table, torch.tensor([69], device=device), torch.tensor([0]), 0.2
+    )
     ref = attention.reference(q[:70].double(), k[:70].double(), v[:70].double(), 0.2)[-1:]
     assert_within("paged decode", last, ref, 1e-5 + 1e-5 * ref.abs())
 
@@ -169,7 +179,7 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
         if device == "cuda":
             h, kvh, d = 32, 8, 128
         q, k, v, cu = ragged(lengths, h, kvh, d, torch.bfloat16, device, seed=31)
-    scale = d ** -0.5
+    scale = d**-0.5
     triton_backend = primitives.use_triton(q)
     unsplit = K.varlen_attention(q, k, v, cu, scale)
     if triton_backend:
@@ -178,14 +188,18 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
         if device != "cuda" or torch.cuda.get_device_capability()[0] >= 9:  # K/V by the TMA unit: same bits
             for ws in (False, True) if device == "cuda" else (False,):  # Hopper's warp specialization: 8 warps
                 config = (2 * attention.TILE_ROWS, 8, 2) if ws else attention.TILE_CONFIG
-                assert_bitwise_equal(f"TMA prefill, warp-specialized {ws}",
-                                     attention._launch_varlen(q, k, v, cu, scale, config=config, tma=True, ws=ws),
-                                     unsplit)
+                assert_bitwise_equal(
+                    f"TMA prefill, warp-specialized {ws}",
+                    attention._launch_varlen(q, k, v, cu, scale, config=config, tma=True, ws=ws),
+                    unsplit,
+                )
     if device == "cuda":  # negative control: one chunk for all 600 keys is another algorithm past key 511
         whole = attention._launch_varlen(q, k, v, cu, scale, chunk_n=1024)
         assert torch.equal(whole[:512], unsplit[:512]) and not torch.equal(whole[512:600], unsplit[512:600])
-    caches = [paged(k[a:b], v[a:b], 16, seed=i, device=device)
-              for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))]
+    caches = [
+        paged(k[a:b], v[a:b], 16, seed=i, device=device)
+        for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+    ]
     pages = caches[0][0].shape[0]
     ck, cv = torch.cat([caches[0][0], caches[1][0]]), torch.cat([caches[0][1], caches[1][1]])
     table = torch.zeros(2, caches[0][2].shape[1], dtype=torch.int32, device=device)
@@ -196,26 +210,41 @@ def test_attention_key_chunks_split_and_decode_give_prefill_bits(device):
         rows = torch.tensor([p, 600 + p2])
         lens = torch.tensor([p + 1, p2 + 1], device=device)
         for split in (False, True) if triton_backend else ():
-            out = attention._launch(q[rows], ck, cv, table, None, lens, scale, kv_mode=attention.KV_GATHER,
-                                    max_keys=600, split=split)
+            out = attention._launch(
+                q[rows], ck, cv, table, None, lens, scale, kv_mode=attention.KV_GATHER, max_keys=600, split=split
+            )
             assert_bitwise_equal(f"decode at {p}, {p2} (split {split})", out, unsplit[rows])
-        assert_bitwise_equal(f"paged_decode at {p}",
-                             K.paged_decode(q[rows], ck, cv, table, lens, scale, 600), unsplit[rows])
+        assert_bitwise_equal(
+            f"paged_decode at {p}", K.paged_decode(q[rows], ck, cv, table, lens, scale, 600), unsplit[rows]
+        )
     buffer = torch.full((3, *q.shape[1:]), 7.0, dtype=q.dtype, device=device)  # an engine's output buffer
     written = K.paged_decode(q[rows], ck, cv, table, lens, scale, 600, out=buffer[:2])
     assert written.data_ptr() == buffer.data_ptr() and (buffer[2] == 7).all()
     assert_bitwise_equal("paged_decode into a buffer", buffer[:2], unsplit[rows])
     if triton_backend:  # an empty decode slot (length 0) gives the same NaN row split or not, never scratch memory
-        empty = [attention._launch(q[[0, 599]], ck, cv, table.flip(0), None,
-                                   torch.tensor([0, 600], device=device), scale,
-                                   kv_mode=attention.KV_GATHER, max_keys=600, split=split) for split in (False, True)]
+        empty = [
+            attention._launch(
+                q[[0, 599]],
+                ck,
+                cv,
+                table.flip(0),
+                None,
+                torch.tensor([0, 600], device=device),
+                scale,
+                kv_mode=attention.KV_GATHER,
+                max_keys=600,
+                split=split,
+            )
+            for split in (False, True)
+        ]
         assert_bitwise_equal("empty slot, split vs unsplit", empty[1], empty[0])
         assert torch.isnan(empty[0][0]).all() and torch.equal(empty[0][1], unsplit[599])
     too_long = torch.tensor([600, 70], device=device)
     if triton_backend:  # checked in the kernel: a NaN row, its neighbours' bits untouched, split or not
         for split in (False, True):
-            out = attention._launch(q[rows], ck, cv, table, None, too_long, scale, kv_mode=attention.KV_GATHER,
-                                    max_keys=599, split=split)
+            out = attention._launch(
+                q[rows], ck, cv, table, None, too_long, scale, kv_mode=attention.KV_GATHER, max_keys=599, split=split
+            )
             assert torch.isnan(out[0]).all() and torch.equal(out[1], unsplit[669]), f"split {split}"
     else:
         with pytest.raises(ValueError, match="600 keys, longer than max_seq_len 599"):
@@ -234,7 +263,7 @@ def test_prefill_log_sum_exp_for_the_fused_backward(device):
     if not primitives.use_triton(q):
         pytest.skip("the CPU backend keeps no log-sum-exp (no backward there reads one)")
     (t, h, d), kvh = q.shape, k.shape[1]
-    scale = d ** -0.5
+    scale = d**-0.5
     expected = torch.empty(h, t, dtype=torch.float64)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         keys = k[a:b].double().cpu().repeat_interleave(h // kvh, 1)
@@ -244,8 +273,9 @@ def test_prefill_log_sum_exp_for_the_fused_backward(device):
     plain = attention._launch_varlen(q, k, v, cu, scale)
     for split in (False, True):
         lse = torch.full((h, t), float("nan"), device=device)
-        assert_bitwise_equal(f"output with lse, split {split}",
-                             attention._launch_varlen(q, k, v, cu, scale, split=split, lse=lse), plain)
+        assert_bitwise_equal(
+            f"output with lse, split {split}", attention._launch_varlen(q, k, v, cu, scale, split=split, lse=lse), plain
+        )
         torch.testing.assert_close(lse.cpu().double(), expected, rtol=1e-5, atol=1e-4, msg=f"lse, split {split}")
     with pytest.raises(ValueError, match=rf"lse \({t}, {h}\) torch.float32 .* must be fp32 \[{h}, {t}\]"):
         attention._launch_varlen(q, k, v, cu, scale, lse=torch.empty(t, h, device=device))
@@ -290,8 +320,11 @@ def test_a_decode_launch_past_the_scratch_bound_runs_unsplit_with_the_same_bits(
     outs = []
     for bound in (attention.SPLIT_SCRATCH_BYTES, 0):
         monkeypatch.setattr(attention.launch, "SPLIT_SCRATCH_BYTES", bound)
-        outs.append(attention._launch(q[n - 1:], cache_k, cache_v, table.int(), None, lens, d ** -0.5,
-                                      kv_mode=attention.KV_GATHER, max_keys=n))
+        outs.append(
+            attention._launch(
+                q[n - 1 :], cache_k, cache_v, table.int(), None, lens, d**-0.5, kv_mode=attention.KV_GATHER, max_keys=n
+            )
+        )
         assert len(allocated) == 1, allocated  # the first launch's scratch; the second allocated none
     assert allocated[0][:4] == (2, 1, kvh, 4)  # two chunks, one tile, USED rows only
     assert_bitwise_equal("decode past the scratch bound (unsplit) vs split", outs[1], outs[0])
@@ -310,8 +343,22 @@ def test_split_decode_over_several_chunks_at_groups_that_are_not_powers_of_two(d
     rows = torch.tensor([0, 127, 128, 300, 599, 5])
     lens = torch.tensor([1, 128, 129, 301, 600, 0], dtype=torch.int32, device=device)
     table = table.repeat(len(rows), 1).int()
-    outs = [attention._launch(q[rows], cache_k, cache_v, table, None, lens, d ** -0.5, kv_mode=attention.KV_GATHER,
-                              max_keys=n, split=split, chunk_n=128) for split in (False, True)]
+    outs = [
+        attention._launch(
+            q[rows],
+            cache_k,
+            cache_v,
+            table,
+            None,
+            lens,
+            d**-0.5,
+            kv_mode=attention.KV_GATHER,
+            max_keys=n,
+            split=split,
+            chunk_n=128,
+        )
+        for split in (False, True)
+    ]
     assert torch.isnan(outs[0][5]).all()
     assert_bitwise_equal(f"group {group}: split decode over 5 chunks vs unsplit", outs[1], outs[0])
 
@@ -325,23 +372,34 @@ def test_decode_tile_rows_at_group_sizes_that_are_not_powers_of_two(device, grou
     the key bound are NaN beside rows that keep their bits."""
     kvh, d, n = 2, 32, 130
     q, k, v, cu = exact_attention_inputs([n], group * kvh, kvh, d, device)
-    prefill = K.varlen_attention(q, k, v, cu, d ** -0.5)
+    prefill = K.varlen_attention(q, k, v, cu, d**-0.5)
     cache_k, cache_v, table = paged(k, v, 16, seed=group, device=device)
     rows = torch.tensor([0, 63, 64, 129])
     table = table.repeat(len(rows), 1).int()
-    step = K.paged_decode(q[rows], cache_k, cache_v, table, (rows + 1).to(device), d ** -0.5, n)
+    step = K.paged_decode(q[rows], cache_k, cache_v, table, (rows + 1).to(device), d**-0.5, n)
     assert_bitwise_equal(f"group {group}: paged_decode vs prefill", step, prefill[rows])
     column_major = table.t().contiguous().t()  # the same table, rows not contiguous
-    step = K.paged_decode(q[rows], cache_k, cache_v, column_major, (rows + 1).to(device), d ** -0.5, n)
+    step = K.paged_decode(q[rows], cache_k, cache_v, column_major, (rows + 1).to(device), d**-0.5, n)
     assert_bitwise_equal(f"group {group}: paged_decode with a column-major table", step, prefill[rows])
     if primitives.use_triton(q):
         for split in (False, True):
-            out = attention._launch(q[rows], cache_k, cache_v, table, None, (rows + 1).int().to(device), d ** -0.5,
-                                    kv_mode=attention.KV_GATHER, max_keys=n, split=split)
+            out = attention._launch(
+                q[rows],
+                cache_k,
+                cache_v,
+                table,
+                None,
+                (rows + 1).int().to(device),
+                d**-0.5,
+                kv_mode=attention.KV_GATHER,
+                max_keys=n,
+                split=split,
+            )
             assert_bitwise_equal(f"group {group}: decode (split {split}) vs prefill", out, prefill[rows])
         lens = torch.tensor([0, 130, 131, 64], dtype=torch.int32, device=device)  # empty, last, past the bound, 64
-        out = attention._launch(q[[0, 129, 129, 63]], cache_k, cache_v, table, None, lens, d ** -0.5,
-                                kv_mode=attention.KV_GATHER, max_keys=n)
+        out = attention._launch(
+            q[[0, 129, 129, 63]], cache_k, cache_v, table, None, lens, d**-0.5, kv_mode=attention.KV_GATHER, max_keys=n
+        )
         assert torch.isnan(out[0]).all() and torch.isnan(out[2]).all()
         assert_bitwise_equal(f"group {group}: neighbours of NaN rows", out[[1, 3]], prefill[[129, 63]])
 
@@ -363,8 +421,11 @@ def test_paged_attention_refuses_caches_it_cannot_read(device):
         with pytest.raises(ValueError, match="unit stride along head_dim"):
             K.paged_decode(q, strided, strided, table, lens, 0.1, 16)
     else:
-        assert_bitwise_equal("strided cache on the CPU", K.paged_decode(q, strided, strided, table, lens, 0.1, 16),
-                             K.paged_decode(q, strided.contiguous(), strided.contiguous(), table, lens, 0.1, 16))
+        assert_bitwise_equal(
+            "strided cache on the CPU",
+            K.paged_decode(q, strided, strided, table, lens, 0.1, 16),
+            K.paged_decode(q, strided.contiguous(), strided.contiguous(), table, lens, 0.1, 16),
+        )
 
 
 def test_query_tiles_split_each_run_of_a_sequence_into_tiles_from_its_first_row():
@@ -373,10 +434,12 @@ def test_query_tiles_split_each_run_of_a_sequence_into_tiles_from_its_first_row(
     the run. Empty rows give no tile."""
     q_seq = torch.tensor([0] * 70 + [1] * 5 + [2] * 130 + [1] * 3)
     tiles = attention.paged_tiles(q_seq, 2, torch.device("cpu")).tiles
-    assert tiles.tolist() == [[0, 0, 0, 1, 2, 2, 2, 2, 2, 1],
-                              [0, 32, 64, 70, 75, 107, 139, 171, 203, 205],
-                              [32, 32, 6, 5, 32, 32, 32, 32, 2, 3],
-                              [0, 32, 64, 0, 0, 32, 64, 96, 128, 0]]
+    assert tiles.tolist() == [
+        [0, 0, 0, 1, 2, 2, 2, 2, 2, 1],
+        [0, 32, 64, 70, 75, 107, 139, 171, 203, 205],
+        [32, 32, 6, 5, 32, 32, 32, 32, 2, 3],
+        [0, 32, 64, 0, 0, 32, 64, 96, 128, 0],
+    ]
     assert tiles.dtype == torch.int32
     assert attention.paged_tiles(torch.zeros(0, dtype=torch.int64), 2, torch.device("cpu")).tiles.shape == (4, 0)
     generator = gen(90)
@@ -405,11 +468,16 @@ def test_query_tiles_planned_once_give_the_bits_of_each_call_planning_its_own(de
     own = K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq, 0.125)
     tiles = attention.paged_tiles(q_seq, h // kvh, q.device)
     assert tiles.group == 2 and tiles.tiles.dtype == torch.int32 and tiles.tiles.device == q.device
-    assert_bitwise_equal("planned once", K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq,
-                                                           0.125, tiles=tiles), own)
-    for other, planned in ((attention.paged_tiles(q_seq, 4, q.device), "105 rows at 4"),
-                           (attention.paged_tiles(q_seq[:-5], 2, q.device), "100 rows at 2"),
-                           (attention.paged_tiles(torch.zeros(140, dtype=torch.int64), 2, q.device), "140 rows at 2")):
+    assert_bitwise_equal(
+        "planned once",
+        K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq, 0.125, tiles=tiles),
+        own,
+    )
+    for other, planned in (
+        (attention.paged_tiles(q_seq, 4, q.device), "105 rows at 4"),
+        (attention.paged_tiles(q_seq[:-5], 2, q.device), "100 rows at 2"),
+        (attention.paged_tiles(torch.zeros(140, dtype=torch.int64), 2, q.device), "140 rows at 2"),
+    ):
         with pytest.raises(ValueError, match=f"planned for {planned} query heads per KV head, used for 105 rows at 2"):
             K.paged_attention(q, cache_k, cache_v, table, positions.to(device), q_seq, 0.125, tiles=other)
     if primitives.use_triton(q):
@@ -432,9 +500,19 @@ def test_tma_reads_are_refused_where_descriptors_cannot_read_the_layout(device):
         attention._launch_varlen(q, k, k, cu, 0.2, ws=True)
     q, pages = q[..., :16], randn(2, 4, 2, 16, dtype=torch.float32, device=device, seed=55)  # pages of 4 tokens
     with pytest.raises(ValueError, match="pages of one token"):
-        attention._launch(q, pages, pages, torch.tensor([[0, 1]], dtype=torch.int32, device=device),
-                          torch.tensor([0, 8], dtype=torch.int32), None, 0.2, kv_mode=attention.KV_DIRECT,
-                          max_keys=8, row_pos=True, tma=True)
+        attention._launch(
+            q,
+            pages,
+            pages,
+            torch.tensor([[0, 1]], dtype=torch.int32, device=device),
+            torch.tensor([0, 8], dtype=torch.int32),
+            None,
+            0.2,
+            kv_mode=attention.KV_DIRECT,
+            max_keys=8,
+            row_pos=True,
+            tma=True,
+        )
 
 
 def test_linear_recomputes_for_the_same_tensor_objects(device):
@@ -482,8 +560,17 @@ def test_strict_ops_compile_into_one_graph_with_eager_bits(device):
     def forward(x, r, w, q, k):
         y = K.linear(x, w)
         normed, residual = K.rms_norm(x, nw, 1e-6, residual=r)
-        return (y, normed, residual, K.rms_norm(x, nw, 1e-6), K.causal_attention(q, k, k, pos, 0.25),
-                K.apply_rope(q[0], pos[0], cos, sin), K.silu_mul(y, y), K.token_logprobs(y, targets), K.log_softmax(y))
+        return (
+            y,
+            normed,
+            residual,
+            K.rms_norm(x, nw, 1e-6),
+            K.causal_attention(q, k, k, pos, 0.25),
+            K.apply_rope(q[0], pos[0], cos, sin),
+            K.silu_mul(y, y),
+            K.token_logprobs(y, targets),
+            K.log_softmax(y),
+        )
 
     with torch.no_grad():
         eager = forward(x, r, w, q, k)

@@ -41,18 +41,31 @@ def test_backward_matches_fp64_autograd(device, backward, monkeypatch):
     x, w, b = torch.randn(7, 40, dtype=dt), torch.randn(24, 40, dtype=dt), torch.randn(24, dtype=dt)
     check("linear", K.linear, matmul.reference, x, w, b)
     check("rms_norm", lambda x, w: K.rms_norm(x, w, 1e-6), lambda x, w: rmsnorm.reference(x, w, 1e-6), x, w[0])
-    check("add_rms_norm", lambda x, r, w: torch.cat(K.rms_norm(x, w, 1e-6, residual=r), -1),
-          lambda x, r, w: torch.cat(rmsnorm.reference(x, w, 1e-6, residual=r), -1), x, x.flip(0), w[0])
+    check(
+        "add_rms_norm",
+        lambda x, r, w: torch.cat(K.rms_norm(x, w, 1e-6, residual=r), -1),
+        lambda x, r, w: torch.cat(rmsnorm.reference(x, w, 1e-6, residual=r), -1),
+        x,
+        x.flip(0),
+        w[0],
+    )
     cos, sin = rope.rope_tables(64, 8, 1e4, device)
     pos = torch.arange(7).to(device)
-    check("rope", lambda x: K.apply_rope(x, pos, cos, sin),
-          lambda x: rope.reference(x, pos.cpu(), cos.cpu().double(), sin.cpu().double()),
-          x.view(7, 5, 8))
+    check(
+        "rope",
+        lambda x: K.apply_rope(x, pos, cos, sin),
+        lambda x: rope.reference(x, pos.cpu(), cos.cpu().double(), sin.cpu().double()),
+        x.view(7, 5, 8),
+    )
     check("silu_mul", K.silu_mul, silu.reference, x, x.flip(1))
     check("log_softmax", K.log_softmax, logprobs.reference, x)
     t = torch.randint(0, 40, (7,))
-    check("token_logprobs", lambda x: K.token_logprobs(x, t.to(device)),
-          lambda x: logprobs.reference(x).gather(1, t[:, None])[:, 0], x)
+    check(
+        "token_logprobs",
+        lambda x: K.token_logprobs(x, t.to(device)),
+        lambda x: logprobs.reference(x).gather(1, t[:, None])[:, 0],
+        x,
+    )
     # three sequences, two of one length: the backward batches equal lengths through the reference
     q, k, v = torch.randn(13, 4, 8, dtype=dt), torch.randn(13, 2, 8, dtype=dt), torch.randn(13, 2, 8, dtype=dt)
     cu = torch.tensor([0, 4, 9, 13])
@@ -76,8 +89,10 @@ def test_linear_backward_is_torchs_own_in_bf16(device):
     """The strict linear's backward runs the products of torch's own linear backward, in the inputs' dtype
     (not fp32: those were 0.55 of 0.95 s of a strict 1.7B update on the H200): in bf16 its gradients are
     bit-equal to autograd through F.linear, bias included, and dx is in x's dtype."""
-    x, w, b = (randn(*shape, dtype=torch.bfloat16, device=device, seed=50 + i)
-               for i, shape in enumerate(((2, 5, 64), (48, 64), (48,))))
+    x, w, b = (
+        randn(*shape, dtype=torch.bfloat16, device=device, seed=50 + i)
+        for i, shape in enumerate(((2, 5, 64), (48, 64), (48,)))
+    )
     g = randn(2, 5, 48, dtype=torch.bfloat16, device=device, seed=53)
 
     def grads(fn):
@@ -143,6 +158,7 @@ def test_attention_backward_by_sdpa_agrees_with_the_reference(monkeypatch, devic
     """ALIGNAUDIT_BACKWARD=fused: torch's SDPA backward (is_causal for queries at 0..T-1, a mask for
     shifted ones, K/V expanded over GQA 4/2 and their gradients summed) gives the fp32 reference's gradients to
     fp32 rounding, for varlen (two lengths) and for left-shifted causal batches; the reference is not called."""
+
     def grads(fn, *inputs):
         ins = [t.clone().to(device).requires_grad_() for t in inputs]
         fn(*ins).pow(2).sum().backward()
@@ -202,8 +218,11 @@ def test_deterministic_mode_is_set_for_the_backward_only_and_restored():
     from alignaudit_kernels.attention.flash_gradients import deterministic_algorithms
 
     def settings():
-        return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-                torch.utils.deterministic.fill_uninitialized_memory)
+        return (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory,
+        )
 
     before = settings()
     try:
@@ -274,7 +293,7 @@ def test_fused_varlen_backward_is_flashattention2s_deterministic_and_close_to_th
 
     def grads():
         ins = [x.clone().requires_grad_() for x in (q, k, v)]
-        K.varlen_attention(*ins, cu, d ** -0.5).backward(g)
+        K.varlen_attention(*ins, cu, d**-0.5).backward(g)
         return [x.grad.float() for x in ins]
 
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "reference")
@@ -292,7 +311,7 @@ def test_fused_varlen_backward_is_flashattention2s_deterministic_and_close_to_th
     for run in runs[1:]:
         for name, a, b in zip("qkv", run, runs[0], strict=True):
             assert_bitwise_equal(f"d{name}, run to run", a, b)
-    recomputed = flash_gradients.varlen_flash_gradients(q, k, v, g, cu, max(lengths), d ** -0.5)
+    recomputed = flash_gradients.varlen_flash_gradients(q, k, v, g, cu, max(lengths), d**-0.5)
     for name, flash, other, again, ref in zip("qkv", runs[0], grouped, recomputed, reference, strict=True):
         error = ((flash - ref).norm() / ref.norm()).item()
         assert error < 2 * ((other - ref).norm() / ref.norm()).item() + 1e-4, f"d{name}: {error} vs the SDPA path"
@@ -310,11 +329,14 @@ def test_entry_points_compute_the_same_bits_with_and_without_autograd(monkeypatc
     q, k = randn(6, 4, 16, dtype=dtype, device=device, seed=32), randn(6, 2, 16, dtype=dtype, device=device, seed=33)
     cu = torch.tensor([0, 2, 6])
     calls = {
-        "linear": (lambda a: K.linear(a, w), x), "linear, 4 segments": (lambda a: K.linear(a, w, k_segments=4), x),
+        "linear": (lambda a: K.linear(a, w), x),
+        "linear, 4 segments": (lambda a: K.linear(a, w, k_segments=4), x),
         "rms_norm": (lambda a: K.rms_norm(a, w[0], 1e-6), x),
         "add_rms_norm": (lambda a: torch.cat(K.rms_norm(a, w[0], 1e-6, residual=x.flip(0)), -1), x),
-        "apply_rope": (lambda a: K.apply_rope(a, t, cos, sin), q), "silu_mul": (lambda a: K.silu_mul(a, x.flip(1)), x),
-        "log_softmax": (lambda a: K.log_softmax(a), x), "token_logprobs": (lambda a: K.token_logprobs(a, t), x),
+        "apply_rope": (lambda a: K.apply_rope(a, t, cos, sin), q),
+        "silu_mul": (lambda a: K.silu_mul(a, x.flip(1)), x),
+        "log_softmax": (lambda a: K.log_softmax(a), x),
+        "token_logprobs": (lambda a: K.token_logprobs(a, t), x),
         "varlen_attention": (lambda a: K.varlen_attention(a, k, k, cu, 0.25), q),
         "causal_attention": (lambda a: K.causal_attention(a, k, k, t, 0.25), q),
     }
@@ -348,9 +370,20 @@ def test_a_strict_layer_forward_and_backward_wait_for_nothing_after_the_first_st
     positions = torch.cat([torch.arange(n) for n in (300, 64, 129)]).to(device)
     cos, sin = rope.rope_tables(1024, d, 1e6, device)
     x0 = randn(t, hidden, dtype=torch.bfloat16, device=device, seed=80)
-    weights = [randn(*shape, dtype=torch.bfloat16, device=device, seed=81 + i) * 0.05 for i, shape in
-               enumerate(((hidden,), ((h + 2 * kvh) * d, hidden), (d,), (hidden, h * d), (2 * 4 * hidden, hidden),
-                          (hidden, 4 * hidden), (1000, hidden)))]
+    weights = [
+        randn(*shape, dtype=torch.bfloat16, device=device, seed=81 + i) * 0.05
+        for i, shape in enumerate(
+            (
+                (hidden,),
+                ((h + 2 * kvh) * d, hidden),
+                (d,),
+                (hidden, h * d),
+                (2 * 4 * hidden, hidden),
+                (hidden, 4 * hidden),
+                (1000, hidden),
+            )
+        )
+    ]
     targets = torch.randint(0, 1000, (t,), generator=gen(88)).to(device)
 
     def step():
@@ -360,7 +393,7 @@ def test_a_strict_layer_forward_and_backward_wait_for_nothing_after_the_first_st
         q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
         q = K.apply_rope(K.rms_norm(q.view(t, h, d), w_head, 1e-6), positions, cos, sin)
         k = K.apply_rope(K.rms_norm(k.view(t, kvh, d), w_head, 1e-6), positions, cos, sin)
-        attended = K.varlen_attention(q, k, v.reshape(t, kvh, d), cu, d ** -0.5).flatten(1)
+        attended = K.varlen_attention(q, k, v.reshape(t, kvh, d), cu, d**-0.5).flatten(1)
         y, residual = K.rms_norm(K.linear(attended, w_o, None, 4), w_norm, 1e-6, residual=x)
         gate, up = K.linear(y, w_up).chunk(2, dim=-1)
         out = residual + K.linear(K.silu_mul(gate, up), w_down, None, 4)

@@ -127,9 +127,10 @@ def _opaque_op_cases():
         "silu_mul": (ops.silu_mul.default, (rand(3, 8), rand(3, 8))),
         "log_softmax": (ops.log_softmax.default, (rand(2, 10),)),
         "token_logprobs": (ops.token_logprobs.default, (rand(2, 10), torch.tensor([1, 7]))),
-        "causal_attention": (ops.causal_attention.default,
-                             (rand(1, 4, 2, 8), rand(1, 4, 1, 8), rand(1, 4, 1, 8), torch.arange(4)[None], 0.35,
-                              "portable")),
+        "causal_attention": (
+            ops.causal_attention.default,
+            (rand(1, 4, 2, 8), rand(1, 4, 1, 8), rand(1, 4, 1, 8), torch.arange(4)[None], 0.35, "portable"),
+        ),
         "rope": (custom_ops.rope, (rand(3, 2, 8), torch.arange(3), 1e4, 16, [])),
         "rope_qk": (custom_ops.rope_qk, (rand(3, 2, 8), rand(3, 1, 8), torch.arange(3), 1e4, 16, [])),
         "linear_partial": (custom_ops.linear_partial, (rand(3, 8), rand(5, 8), 2)),

@@ -29,8 +29,17 @@ def test_flash_is_refused_on_the_cpu_by_every_entry_point():
     with pytest.raises(ValueError, match="CUDA \\(Hopper\\)"):
         K.causal_attention(q, k, v, torch.arange(6), 0.1, kernel="flash")
     with pytest.raises(ValueError, match="CUDA \\(Hopper\\)"):
-        flash_paged(q, k[None], v[None], torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 6]),
-                    torch.tensor([6]), 6, 6, 0.1)
+        flash_paged(
+            q,
+            k[None],
+            v[None],
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([0, 6]),
+            torch.tensor([6]),
+            6,
+            6,
+            0.1,
+        )
     with pytest.raises(ValueError, match="must be one of portable, flash, not 'fa2'"):
         K.varlen_attention(q, k, v, torch.tensor([0, 6]), 0.1, kernel="fa2")
 
@@ -65,29 +74,42 @@ def test_flash_gives_a_row_the_same_bits_in_every_layout():
     q = torch.randn(n, H, D, generator=g, dtype=torch.bfloat16).cuda()
     k = torch.randn(n, KVH, D, generator=g, dtype=torch.bfloat16).cuda()
     v = torch.randn(n, KVH, D, generator=g, dtype=torch.bfloat16).cuda()
-    scale = D ** -0.5
+    scale = D**-0.5
     reference = K.varlen_attention(q, k, v, torch.tensor([0, n]), scale, kernel="flash")  # a trainer's forward
     kc, vc, table = _paged(k, v, g)
     i32 = dict(dtype=torch.int32, device="cuda")
     prefill = flash_paged(q, kc, vc, table, torch.tensor([0, n], **i32), torch.tensor([n], **i32), n, n, scale)
     assert torch.equal(prefill, reference)
-    chunk = flash_paged(q[400:], kc, vc, table, torch.tensor([0, n - 400], **i32), torch.tensor([n], **i32), n - 400,
-                        n, scale)
+    chunk = flash_paged(
+        q[400:], kc, vc, table, torch.tensor([0, n - 400], **i32), torch.tensor([n], **i32), n - 400, n, scale
+    )
     assert torch.equal(chunk, reference[400:])
     for p in (0, 127, 128, 175, 176, 511, n - 1):  # a decode step at position p, alone and among other lengths
-        alone = flash_paged(q[p: p + 1], kc, vc, table, torch.tensor([0, 1], **i32), torch.tensor([p + 1], **i32), 1,
-                            4096, scale)
-        assert torch.equal(alone, reference[p: p + 1]), p
+        alone = flash_paged(
+            q[p : p + 1], kc, vc, table, torch.tensor([0, 1], **i32), torch.tensor([p + 1], **i32), 1, 4096, scale
+        )
+        assert torch.equal(alone, reference[p : p + 1]), p
         lengths = [p + 1, 3, 650, 64]
-        batch = flash_paged(torch.cat([q[p: p + 1], q[:3][-1:], q[649:650], q[63:64]]), kc, vc, table.repeat(4, 1),
-                            torch.arange(5, **i32), torch.tensor(lengths, **i32), 1, 4096, scale)
+        batch = flash_paged(
+            torch.cat([q[p : p + 1], q[:3][-1:], q[649:650], q[63:64]]),
+            kc,
+            vc,
+            table.repeat(4, 1),
+            torch.arange(5, **i32),
+            torch.tensor(lengths, **i32),
+            1,
+            4096,
+            scale,
+        )
         assert torch.equal(batch[0], reference[p]), p
-    cached = K.causal_attention(q[None, 600:], k[None], v[None], torch.arange(600, n, device="cuda")[None], scale,
-                                kernel="flash")
+    cached = K.causal_attention(
+        q[None, 600:], k[None], v[None], torch.arange(600, n, device="cuda")[None], scale, kernel="flash"
+    )
     assert torch.equal(cached[0], reference[600:])
     with pytest.raises(ValueError, match="bottom-right"):
-        K.causal_attention(q[None, :10], k[None, :20], v[None, :20], torch.arange(10, device="cuda")[None], scale,
-                           kernel="flash")
+        K.causal_attention(
+            q[None, :10], k[None, :20], v[None, :20], torch.arange(10, device="cuda")[None], scale, kernel="flash"
+        )
 
 
 @gpu
@@ -103,7 +125,7 @@ def test_flash_backward_is_deterministic_and_matches_torch():
 
     def grads():
         q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
-        out = K.varlen_attention(q, k, v, cu, D ** -0.5, kernel="flash")
+        out = K.varlen_attention(q, k, v, cu, D**-0.5, kernel="flash")
         out.backward(dout)
         return out.detach(), q.grad, k.grad, v.grad
 
@@ -111,8 +133,9 @@ def test_flash_backward_is_deterministic_and_matches_torch():
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     a, b = 300, 377  # one sequence against torch's SDPA in fp32
     q, k, v = (x[a:b].float().transpose(0, 1).requires_grad_() for x in (q0, k0, v0))
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(H // KVH, 0),
-                                                           v.repeat_interleave(H // KVH, 0), is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(H // KVH, 0), v.repeat_interleave(H // KVH, 0), is_causal=True
+    )
     ref.backward(dout[a:b].float().transpose(0, 1))
     torch.testing.assert_close(first[0][a:b].float(), ref.detach().transpose(0, 1), atol=2e-2, rtol=2e-2)
     for got, want in zip(first[1:], (q.grad, k.grad, v.grad), strict=True):

@@ -29,14 +29,19 @@ def test_every_launch_configuration_builds_for_mi300x_and_hopper():
 
 
 def _build_both(flags: list[str]) -> None:
-    procs = {target: subprocess.Popen([sys.executable, str(SCRIPT), target, *flags], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for target in ARTIFACT}
+    procs = {
+        target: subprocess.Popen(
+            [sys.executable, str(SCRIPT), target, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for target in ARTIFACT
+    }
     outputs = {target: proc.communicate(timeout=600) for target, proc in procs.items()}
     for target, (out, err) in outputs.items():
         lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         last = lines[-1] if lines else {}
-        assert procs[target].returncode == 0, (f"{target}: exit {procs[target].returncode}; last line {last}\n"
-                                               f"{err[-3000:]}")
+        assert procs[target].returncode == 0, (
+            f"{target}: exit {procs[target].returncode}; last line {last}\n{err[-3000:]}"
+        )
         summary, records = last, [r for r in lines if "kernel" in r]
         assert summary["failed"] == 0 and all(r["ok"] for r in records)
         assert all(ARTIFACT[target] in r["built"] for r in records)
@@ -50,8 +55,11 @@ def _build_both(flags: list[str]) -> None:
             tma = {r["constexprs"]["SEGMENTS"] for r in records if r["kernel"] == "_matmul_tma_kernel"}
             assert tma == ({1, 2, 4, 8} if flags else {1, 4})
         else:
-            fp32 = [r for r in records if r["kernel"] == "_attention_kernel" and "float32" in r["dtypes"]
-                    and r["constexprs"]["IEEE"]]
+            fp32 = [
+                r
+                for r in records
+                if r["kernel"] == "_attention_kernel" and "float32" in r["dtypes"] and r["constexprs"]["IEEE"]
+            ]
             assert fp32 and all(r["num_stages"] == 1 for r in fp32)
 
 
@@ -63,10 +71,12 @@ def test_multi_row_rmsnorm_builds_to_the_one_row_kernels_arithmetic_for_hopper()
     without the residual: evidence for the same bits, which a GPU run confirmed at head dim 128 on an H100
     (2026-12-06; tests/kernels/test_rmsnorm.py on CUDA, bench/sweep_gpu.py rmsnorm-rows). The control, 8 rows on 4
     warps, builds another layout and tree."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "sm90", "--rmsnorm-rows"], capture_output=True, text=True,
-                         timeout=600, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "sm90", "--rmsnorm-rows"], capture_output=True, text=True, timeout=600, check=True
+    ).stdout
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     built, controls = [r for r in results if "control" not in r], [r for r in results if "control" in r]
-    assert len(built) == 20 and all(r["same_reduction"] and r["same_operations"] and r["same_row_layout"]
-                                    for r in built), built
+    assert len(built) == 20 and all(
+        r["same_reduction"] and r["same_operations"] and r["same_row_layout"] for r in built
+    ), built
     assert controls and not any(r["same_reduction"] or r["same_row_layout"] for r in controls), controls

@@ -17,16 +17,33 @@ pytestmark = pytest.mark.long
 
 HERE = Path(__file__).resolve().parent
 # the per-op kernel tests (test_kernels_compile.py builds for GPUs instead; test_compile.py needs Inductor)
-OP_TESTS = [str(p) for p in sorted(HERE.glob("test_*.py"))
-            if p.name not in ("test_kernels_interpret.py", "test_kernels_compile.py", "test_compile.py")]
+OP_TESTS = [
+    str(p)
+    for p in sorted(HERE.glob("test_*.py"))
+    if p.name not in ("test_kernels_interpret.py", "test_kernels_compile.py", "test_compile.py")
+]
 
 
 def test_triton_kernels_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *OP_TESTS,
-         "--kernel-device", "interpret", "-k", "not backward"],
-        capture_output=True, text=True, env=env, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *OP_TESTS,
+            "--kernel-device",
+            "interpret",
+            "-k",
+            "not backward",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", proc.stdout).group(1))
@@ -57,8 +74,9 @@ def test_strict_exp_reaches_hf_attention_under_the_interpreter():
     strict attention computes with the exp make_strict was given: the logits move with it, and the manifest
     reads it back from the modules (applied_exp)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", STRICT_EXP_SCRIPT, str(FIXTURE)],
-                          capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", STRICT_EXP_SCRIPT, str(FIXTURE)], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     same, differ = re.search(r"portable twice equal: (\w+); native differs in (\d+)", proc.stdout).groups()
     assert same == "True" and int(differ) > 0, proc.stdout

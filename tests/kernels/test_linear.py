@@ -32,8 +32,9 @@ def test_linear_is_batch_invariant(device, dtype, seed):
     k, n = 80, 96
     w = randn(n, k, dtype=dtype, device=device, seed=seed)
     row = randn(k, dtype=dtype, device=device, seed=seed + 1)
-    alone, outs = rows_everywhere(lambda x: K.linear(x, w), row,
-                                  lambda b: randn(b, k, dtype=dtype, device=device, seed=seed + b), device)
+    alone, outs = rows_everywhere(
+        lambda x: K.linear(x, w), row, lambda b: randn(b, k, dtype=dtype, device=device, seed=seed + b), device
+    )
     for where, out in outs:
         assert_bitwise_equal(f"linear row at {where}", out, alone)
 
@@ -50,7 +51,8 @@ def test_every_launch_tile_gives_the_same_bits(device, dtype):
             for plan, (tile, _) in launch.TMA_PLANS.items():
                 for descriptors in ("host", "device"):
                     outs[f"tma {plan} persistent={persistent} {descriptors} descriptors"] = launch._triton_tma(
-                        x, w, tile, persistent, descriptors=descriptors)
+                        x, w, tile, persistent, descriptors=descriptors
+                    )
         assert_bitwise_equal("linear() at 300 rows (TMA path) vs large tile", K.linear(x, w), outs["large"])
     for name, out in outs.items():
         assert_bitwise_equal(f"tile {name} vs large", out, outs["large"])
@@ -82,18 +84,26 @@ def test_row_parallel_partials_combine_to_the_single_rank_result(device, dtype, 
     rank order: the bits of linear(..., k_segments=4) on one rank; within fp32 rounding of fp64. At 300 rows
     bf16/fp16 on Hopper the single-rank result comes from the TMA kernel, the partials from the pointer one."""
     k, n, s = 1024, 96, matmul.ROW_PARALLEL_SEGMENTS
-    x, w = (randn(rows, k, dtype=dtype, device=device, seed=11),
-            randn(n, k, dtype=dtype, device=device, seed=12, scale=0.1))
+    x, w = (
+        randn(rows, k, dtype=dtype, device=device, seed=11),
+        randn(n, k, dtype=dtype, device=device, seed=12, scale=0.1),
+    )
     b = randn(n, dtype=dtype, device=device, seed=13)
     full = K.linear(x, w, b, k_segments=s)
     for t in (1, 2, 4):
         width = k // t
-        parts = [K.linear_partial(x[:, r * width:(r + 1) * width], w[:, r * width:(r + 1) * width], s // t)
-                 for r in range(t)]
+        parts = [
+            K.linear_partial(x[:, r * width : (r + 1) * width], w[:, r * width : (r + 1) * width], s // t)
+            for r in range(t)
+        ]
         assert_bitwise_equal(f"tp={t}", K.combine_partials(parts, b, dtype), full)
     ref = matmul.reference(x.double(), w.double(), b.double())
-    assert_within("segmented linear", full, ref,
-                  ulp_of(ref, dtype) + k * 2**-23 * (x.double().abs() @ w.double().abs().T + b.double().abs()))
+    assert_within(
+        "segmented linear",
+        full,
+        ref,
+        ulp_of(ref, dtype) + k * 2**-23 * (x.double().abs() @ w.double().abs().T + b.double().abs()),
+    )
 
 
 @pytest.mark.parametrize("m", [3, launch.SMALL_M + 44])
@@ -110,10 +120,16 @@ def test_segments_split_across_launches_give_the_in_kernel_tree(request, device,
     b = randn(n, dtype=dtype, device=device, seed=18)
     tile = launch.tile_for(m, n, dtype)
     for bias in (None, b):
-        assert_bitwise_equal(f"bias={bias is not None}", launch._triton(x, w, bias, segments=segments),
-                             launch._triton(x, w, bias, tile=tile, segments=segments))
-    assert_bitwise_equal("partial", launch._triton(x, w, None, segments=segments, out_dtype=torch.float32),
-                         launch._triton(x, w, None, tile=tile, segments=segments, out_dtype=torch.float32))
+        assert_bitwise_equal(
+            f"bias={bias is not None}",
+            launch._triton(x, w, bias, segments=segments),
+            launch._triton(x, w, bias, tile=tile, segments=segments),
+        )
+    assert_bitwise_equal(
+        "partial",
+        launch._triton(x, w, None, segments=segments, out_dtype=torch.float32),
+        launch._triton(x, w, None, tile=tile, segments=segments, out_dtype=torch.float32),
+    )
 
 
 @pytest.mark.parametrize("segments", [1, 2, 4, 8])
@@ -133,8 +149,10 @@ def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypa
             pytest.skip("the TMA kernel needs Hopper or newer and bf16/fp16")
         reference_tile = launch.TILES[dtype]["large"]
         # an fp32 partial only at the "narrow" plans (128x256 with an fp32 output tile exceeds shared memory)
-        tiles = {out: [tile for (_, narrow), (tile, _) in launch.TMA_PLANS.items() if narrow or out is None]
-                 for out in (None, torch.float32)}
+        tiles = {
+            out: [tile for (_, narrow), (tile, _) in launch.TMA_PLANS.items() if narrow or out is None]
+            for out in (None, torch.float32)
+        }
         monkeypatch.setattr(launch, "sm_count", lambda device: 2)  # persistent: 2 programs walk 3 tiles or more
     else:
         monkeypatch.setattr(launch, "sm_count", lambda device: 3)  # persistent: 3 programs walk 30 tiles
@@ -145,18 +163,23 @@ def test_tma_kernel_segment_tree_gives_the_pointer_kernel_bits(request, monkeypa
         for tile in tiles[out_dtype]:
             for persistent in (False, True):
                 for descriptors in ("host", "device"):
-                    assert_bitwise_equal(f"tma {tile} persistent={persistent} {descriptors} descriptors "
-                                         f"out={out_dtype}",
-                                         launch._triton_tma(x, w, tile, persistent, segments=segments,
-                                                            out_dtype=out_dtype, descriptors=descriptors), expected)
+                    assert_bitwise_equal(
+                        f"tma {tile} persistent={persistent} {descriptors} descriptors out={out_dtype}",
+                        launch._triton_tma(
+                            x, w, tile, persistent, segments=segments, out_dtype=out_dtype, descriptors=descriptors
+                        ),
+                        expected,
+                    )
 
 
 def test_device_descriptors_refuse_unaligned_rows(request, device):
     """A device-made TMA descriptor cannot check its tensor, so _triton_tma refuses rows that are not 16 bytes."""
     if request.config.getoption("--kernel-device") == "cpu":
         pytest.skip("a Triton path (interpret or cuda)")
-    x, w = randn(4, 22, dtype=torch.float32, device=device, seed=1), randn(8, 22, dtype=torch.float32, device=device,
-                                                                            seed=2)
+    x, w = (
+        randn(4, 22, dtype=torch.float32, device=device, seed=1),
+        randn(8, 22, dtype=torch.float32, device=device, seed=2),
+    )
     with pytest.raises(ValueError, match="16-byte aligned"):
         launch._triton_tma(x, w, (32, 32, 16, 4, 1), persistent=False, descriptors="device")
 
@@ -182,8 +205,9 @@ def test_tma_split_segment_tree_gives_the_pointer_kernel_bits(request, device, d
     for out_dtype in (None, torch.float32):
         expected = launch._triton(x, w, None, tile=reference_tile, segments=segments, out_dtype=out_dtype)
         for tile in tiles:
-            assert_bitwise_equal(f"tma split {tile} out={out_dtype}",
-                                 launch._triton_tma_split(x, w, tile, segments, out_dtype), expected)
+            assert_bitwise_equal(
+                f"tma split {tile} out={out_dtype}", launch._triton_tma_split(x, w, tile, segments, out_dtype), expected
+            )
 
 
 @needs_hardware_dot
@@ -206,13 +230,16 @@ def test_medium_class_keeps_every_rows_bits(monkeypatch, device, dtype, segments
             batch[pos] = row
             for medium in ("0", "1"):
                 monkeypatch.setenv("ALIGNAUDIT_MATMUL_MEDIUM", medium)
-                assert_bitwise_equal(f"row at ({b}, {pos}), medium={medium}",
-                                     K.linear(batch, w, k_segments=segments)[pos], alone)
+                assert_bitwise_equal(
+                    f"row at ({b}, {pos}), medium={medium}", K.linear(batch, w, k_segments=segments)[pos], alone
+                )
     if segments > 1:  # unrounded (fp32 partials), where a changed order of additions cannot round away
         x = randn(100, k, dtype=dtype, device=device, seed=27)
         width = k // segments
-        parts = [K.linear_partial(x[:, r * width:(r + 1) * width], w[:, r * width:(r + 1) * width], 1)
-                 for r in range(segments)]
+        parts = [
+            K.linear_partial(x[:, r * width : (r + 1) * width], w[:, r * width : (r + 1) * width], 1)
+            for r in range(segments)
+        ]
         full = K.linear_partial(x, w, segments)
         assert_bitwise_equal("tree of the segments' partials, medium", matmul.tree_sum(parts), full)
         monkeypatch.setenv("ALIGNAUDIT_MATMUL_MEDIUM", "0")
@@ -221,6 +248,7 @@ def test_medium_class_keeps_every_rows_bits(monkeypatch, device, dtype, segments
         for p in parts[1:]:
             in_order = in_order + p
         assert not torch.equal(in_order, full), "negative control: left-to-right partial sums gave the tree's bits"
+
 
 @needs_hardware_dot
 @pytest.mark.parametrize("segments", [1, matmul.ROW_PARALLEL_SEGMENTS])
@@ -231,8 +259,12 @@ def test_linear_rows_keep_their_bits_across_batch_size_classes(device, dtype, se
     k, n = 1024, 96
     w = randn(n, k, dtype=dtype, device=device, seed=21, scale=0.1)
     row = randn(k, dtype=dtype, device=device, seed=22)
-    alone, outs = rows_everywhere(lambda x: K.linear(x, w, k_segments=segments), row,
-                                  lambda b: randn(b, k, dtype=dtype, device=device, seed=22 + b), device)
+    alone, outs = rows_everywhere(
+        lambda x: K.linear(x, w, k_segments=segments),
+        row,
+        lambda b: randn(b, k, dtype=dtype, device=device, seed=22 + b),
+        device,
+    )
     for where, out in outs:
         assert_bitwise_equal(f"row at {where}", out, alone)
 
@@ -240,17 +272,21 @@ def test_linear_rows_keep_their_bits_across_batch_size_classes(device, dtype, se
 def test_row_parallel_negative_control_rounded_partials_summed(device):
     """What a stock row-parallel layer does (each rank rounds its output to bf16, then the ranks' outputs
     are added): not the single-rank bits."""
-    x, w = (randn(64, 1024, dtype=torch.bfloat16, device=device, seed=14),
-            randn(96, 1024, dtype=torch.bfloat16, device=device, seed=15))
-    halves = [K.linear(x[:, r * 512:(r + 1) * 512], w[:, r * 512:(r + 1) * 512], k_segments=2) for r in range(2)]
+    x, w = (
+        randn(64, 1024, dtype=torch.bfloat16, device=device, seed=14),
+        randn(96, 1024, dtype=torch.bfloat16, device=device, seed=15),
+    )
+    halves = [K.linear(x[:, r * 512 : (r + 1) * 512], w[:, r * 512 : (r + 1) * 512], k_segments=2) for r in range(2)]
     assert not torch.equal(halves[0] + halves[1], K.linear(x, w, k_segments=4))
 
 
 def test_cpu_kernels_do_not_depend_on_thread_count(device):
     if device != "cpu":
         pytest.skip("thread count is a CPU property")
-    x, w = (randn(33, 200, dtype=torch.bfloat16, device="cpu", seed=7),
-            randn(50, 200, dtype=torch.bfloat16, device="cpu", seed=8))
+    x, w = (
+        randn(33, 200, dtype=torch.bfloat16, device="cpu", seed=7),
+        randn(50, 200, dtype=torch.bfloat16, device="cpu", seed=8),
+    )
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -34,7 +34,7 @@ def test_log_softmax_batch_invariant_and_gather_consistent(device, dtype, seed):
     picked = K.token_logprobs(logits, targets)
     assert_bitwise_equal("token_logprobs vs log_softmax", picked, full.gather(1, targets[:, None])[:, 0])
     for i in (0, 128, 256):
-        assert_bitwise_equal(f"row {i}", K.token_logprobs(logits[i:i + 1], targets[i:i + 1])[0], picked[i])
+        assert_bitwise_equal(f"row {i}", K.token_logprobs(logits[i : i + 1], targets[i : i + 1])[0], picked[i])
     ref = logprobs.reference(logits.double())
     assert_within("log_softmax", full, ref, 4 * 2**-23 * (ref.abs() + 8))
 
@@ -86,12 +86,14 @@ def test_logprobs_do_not_depend_on_the_vocabulary_order(device, dtype, seed):
     assert_bitwise_equal("permuted vocabulary", K.log_softmax(logits[:, perm.to(device)]), full[:, perm.to(device)])
     l = logits.float().cpu()
     z = l - l.amax(-1, keepdim=True)
-    assert_bitwise_equal("the CPU definition", full.cpu(),
-                         z - primitives.log(primitives.unit_sum(primitives.exp(z)))[:, None])
+    assert_bitwise_equal(
+        "the CPU definition", full.cpu(), z - primitives.log(primitives.unit_sum(primitives.exp(z)))[:, None]
+    )
     float_sum = z - primitives.log(primitives.fixed_sum(primitives.exp(z)))[:, None]
     z_perm = z[:, perm]
-    assert not torch.equal(z_perm - primitives.log(primitives.fixed_sum(primitives.exp(z_perm)))[:, None],
-                           float_sum[:, perm])  # negative control: a float sum follows the order
+    assert not torch.equal(
+        z_perm - primitives.log(primitives.fixed_sum(primitives.exp(z_perm)))[:, None], float_sum[:, perm]
+    )  # negative control: a float sum follows the order
 
 
 def test_logprobs_are_nan_where_a_logit_is_nan_or_inf(device):

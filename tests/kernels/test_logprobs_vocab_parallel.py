@@ -26,7 +26,7 @@ def _vocab_parallel_rank(rank, world, init_file, logits, targets, out_dir):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     v = logits.shape[-1] // world
-    shard = logits[..., rank * v:(rank + 1) * v].clone().requires_grad_(True)
+    shard = logits[..., rank * v : (rank + 1) * v].clone().requires_grad_(True)
     lp = K.token_logprobs_vocab_parallel(shard, targets, rank * v, logits.shape[-1], dist.group.WORLD)
     (lp * LOSS_MASK).sum().backward()
     with torch.no_grad():
@@ -55,9 +55,9 @@ def test_vocab_parallel_logprobs_equal_the_whole_vocabulary(request, tmp_path, w
     logits[2, 0, : v // 2] = float("-inf")  # masked logits filling the first half
     targets = torch.randint(0, v, (3, 5), generator=gen(32))
     targets[2, 0] = v - 1
-    torch.multiprocessing.spawn(_vocab_parallel_rank,
-                                args=(world, str(tmp_path / "init"), logits, targets, str(tmp_path)),
-                                nprocs=world)
+    torch.multiprocessing.spawn(
+        _vocab_parallel_rank, args=(world, str(tmp_path / "init"), logits, targets, str(tmp_path)), nprocs=world
+    )
     whole = logits.clone().requires_grad_(True)
     expected = K.token_logprobs(whole, targets)
     (expected * LOSS_MASK).sum().backward()
@@ -65,7 +65,9 @@ def test_vocab_parallel_logprobs_equal_the_whole_vocabulary(request, tmp_path, w
         lp, no_grad, grad = torch.load(tmp_path / f"rank{rank}.pt")
         assert_bitwise_equal(f"rank {rank} logprobs", lp, expected.detach())
         assert_bitwise_equal(f"rank {rank} logprobs without autograd", no_grad, expected.detach())
-        assert_bitwise_equal(f"rank {rank} gradient", grad, whole.grad[..., rank * v // world:(rank + 1) * v // world])
+        assert_bitwise_equal(
+            f"rank {rank} gradient", grad, whole.grad[..., rank * v // world : (rank + 1) * v // world]
+        )
     assert lp[1].isnan().tolist() == [False, False, True, False, False]
     assert ((whole.grad == 0) & torch.signbit(whole.grad)).any()  # -0.0 gradients were there to keep
     z = logits.float() - logits.float().amax(-1, keepdim=True)  # negative control: shards' float sums added

@@ -24,9 +24,9 @@ from helpers import (
 
 
 def moe_weights(e, h, i, dtype, device, seed):
-    router = randn(e, h, dtype=dtype, device=device, seed=seed, scale=h ** -0.5)
-    gate_up = randn(e, 2 * i, h, dtype=dtype, device=device, seed=seed + 1, scale=h ** -0.5)
-    down = randn(e, h, i, dtype=dtype, device=device, seed=seed + 2, scale=i ** -0.5)
+    router = randn(e, h, dtype=dtype, device=device, seed=seed, scale=h**-0.5)
+    gate_up = randn(e, 2 * i, h, dtype=dtype, device=device, seed=seed + 1, scale=h**-0.5)
+    down = randn(e, h, i, dtype=dtype, device=device, seed=seed + 2, scale=i**-0.5)
     return router, gate_up, down
 
 
@@ -41,7 +41,7 @@ def test_moe_token_bits_do_not_depend_on_the_batch(device, dtype, normalize):
     full, logits, chosen = K.mixture_of_experts(x, router, gate_up, down, k, normalize)
     assert logits.dtype == torch.float32 and chosen.shape == (t, k) and full.dtype == dtype
     for idx in (0, 17, t - 1):
-        one, _, mine = K.mixture_of_experts(x[idx: idx + 1], router, gate_up, down, k, normalize)
+        one, _, mine = K.mixture_of_experts(x[idx : idx + 1], router, gate_up, down, k, normalize)
         assert_bitwise_equal(f"token {idx} alone", one[0], full[idx])
         assert torch.equal(mine[0], chosen[idx])
     perm = torch.randperm(t, generator=gen(35)).to(device)
@@ -88,8 +88,11 @@ def test_one_launch_plan_equals_the_torch_plan(device):
     if device == "cpu" and not INTERPRET:
         pytest.skip("plan_experts_triton is a Triton kernel")
     fields = ("pair", "token", "starts", "tile_expert", "tile_row")
-    routings = [(torch.tensor([[2, 0], [0, 3], [2, 3], [0, 2], [3, 0]]), 5, 2),
-                (skewed_routing(180, 6, "cpu", seed=56)[0], 6, 64), (torch.zeros(0, 8, dtype=torch.int64), 128, 16)]
+    routings = [
+        (torch.tensor([[2, 0], [0, 3], [2, 3], [0, 2], [3, 0]]), 5, 2),
+        (skewed_routing(180, 6, "cpu", seed=56)[0], 6, 64),
+        (torch.zeros(0, 8, dtype=torch.int64), 128, 16),
+    ]
     for t, block in ((3, 16), (150, 64), (300, 16)):
         routings.append((torch.randint(0, 128, (t, 8), generator=gen(t)), 128, block))
     routings.append((torch.randint(0, 7, (40, 3), generator=gen(9)), 7, 1))
@@ -124,8 +127,12 @@ def test_moe_dispatches_give_the_gathered_bits(device, dtype, dispatch, monkeypa
     chosen, weights = skewed_routing(t, e, device, seed=56)
     gathered = moe.combine_experts(x, chosen, weights, gate_up, down, dispatch="gathered")
     with monkeypatch.context() as m:  # no host read of the routing
-        for owner, name in ((torch, "unique"), (torch.Tensor, "tolist"), (torch.Tensor, "nonzero"),
-                            (torch.Tensor, "item")):
+        for owner, name in (
+            (torch, "unique"),
+            (torch.Tensor, "tolist"),
+            (torch.Tensor, "nonzero"),
+            (torch.Tensor, "item"),
+        ):
             m.setattr(owner, name, lambda *a, _n=name, **kw: pytest.fail(f"{dispatch} read the routing: {_n}"))
         other = moe.combine_experts(x, chosen, weights, gate_up, down, dispatch=dispatch)
     assert_bitwise_equal(dispatch, other, gathered)
@@ -133,8 +140,11 @@ def test_moe_dispatches_give_the_gathered_bits(device, dtype, dispatch, monkeypa
     assert_bitwise_equal(f"{dispatch}, Megatron's per-expert weights", per_expert, gathered)
     if device == "cuda":  # tiles are free there: an unaligned shape too
         args = (x[:37], chosen[:37], weights[:37], *moe_weights(e, h, 48, dtype, device, seed=57)[1:])
-        assert_bitwise_equal(f"{dispatch}, I 48", moe.combine_experts(*args, dispatch=dispatch),
-                             moe.combine_experts(*args, dispatch="gathered"))
+        assert_bitwise_equal(
+            f"{dispatch}, I 48",
+            moe.combine_experts(*args, dispatch=dispatch),
+            moe.combine_experts(*args, dispatch="gathered"),
+        )
     if device == "cuda" and dispatch == "grouped" and dtype != torch.float32:  # bench/moe_gpu.py --tiles' candidates
         default = moe._grouped(x, chosen, gate_up, down)
         for tile in grouped_linear.SWEEP_TILES:
@@ -182,8 +192,11 @@ def test_grouped_dispatch_marks_what_it_cannot_place(device):
     out = moe.combine_experts(x, chosen, weights, gate_up, down, dispatch="grouped")
     assert out[[0, 3]].isnan().all() and not out[[1, 2]].isnan().any()
     good = chosen[1:3]
-    assert_bitwise_equal("placeable tokens", out[1:3],
-                         moe.combine_experts(x[1:3], good, weights[1:3], gate_up, down, dispatch="gathered"))
+    assert_bitwise_equal(
+        "placeable tokens",
+        out[1:3],
+        moe.combine_experts(x[1:3], good, weights[1:3], gate_up, down, dispatch="gathered"),
+    )
     whole = plan_experts(chosen.clamp(max=2), 3, 64)  # -1 still outside: its pair's row is NaN either way
     in_sorted_order = grouped_linear.grouped_linear(x, gate_up, whole, gather=True)
     moved = torch.empty_like(in_sorted_order).index_copy_(0, whole.pair, in_sorted_order)
@@ -251,7 +264,7 @@ def test_moe_ties_go_to_the_lower_expert_and_weights_are_probabilities(device):
     _, logits, chosen = K.mixture_of_experts(x, router, gate_up, down, 2, True)
     assert logits[0, 2] == logits[0, 5] and chosen[0].tolist() == [2, 5]
     _, weights_normalized = moe.route(x, router, 2, True)[1:]
-    assert torch.allclose(weights_normalized.sum(-1).cpu(), torch.ones(6), rtol=0, atol=2 ** -22)
+    assert torch.allclose(weights_normalized.sum(-1).cpu(), torch.ones(6), rtol=0, atol=2**-22)
     assert weights_normalized[0, 0] == weights_normalized[0, 1] == 0.5
     _, _, weights_plain = moe.route(x, router, 2, False)
     full_softmax = torch.softmax(logits.double(), -1).gather(1, chosen)

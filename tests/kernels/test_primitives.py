@@ -24,20 +24,27 @@ from helpers import (
 
 
 def test_exp_log_within_2_ulp_of_fp64():
-    x = torch.cat([torch.linspace(-103, 88.7, 200001), torch.randn(10000) * 10,
-                   torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    x = torch.cat(
+        [torch.linspace(-103, 88.7, 200001), torch.randn(10000) * 10, torch.tensor([0.0, -0.0, 1e-30, -1e-30])]
+    )
     ref = torch.exp(x.double())
     finite = ref < 3e38
     err_ulp = (primitives.exp(x).double() - ref).abs() / ulp_of(ref.float(), torch.float32)
     assert float(err_ulp[finite & (ref > 1.2e-38)].max()) <= 2.0
-    y = torch.cat([torch.rand(200000) * 100, torch.exp(torch.linspace(-87, 88, 100000)),
-                   torch.tensor([1e-45, 3e-40, 1.0, 2.0, 0.5])])
+    y = torch.cat(
+        [
+            torch.rand(200000) * 100,
+            torch.exp(torch.linspace(-87, 88, 100000)),
+            torch.tensor([1e-45, 3e-40, 1.0, 2.0, 0.5]),
+        ]
+    )
     ref = torch.log(y.double())
     err_ulp = (primitives.log(y).double() - ref).abs() / ulp_of(ref.float(), torch.float32).clamp_min(2**-149)
     assert float(err_ulp.max()) <= 2.0
     special = primitives.log(torch.tensor([0.0, -1.0, float("inf"), float("nan")]))
-    assert (special[0] == float("-inf") and math.isnan(special[1])
-            and special[2] == float("inf") and math.isnan(special[3]))
+    assert (
+        special[0] == float("-inf") and math.isnan(special[1]) and special[2] == float("inf") and math.isnan(special[3])
+    )
     assert primitives.exp(torch.tensor([0.0]))[0] == 1.0 and primitives.exp(torch.tensor([-float("inf")]))[0] == 0.0
 
 
@@ -47,10 +54,11 @@ def test_primitives_do_not_depend_on_position_in_tensor(seed, n, offset):
     """torch.exp on CPU takes Sleef for full vectors and libm for the tail; ours is the same everywhere."""
     x = torch.randn(n + offset + 5, generator=gen(seed)) * 20
     whole = primitives.exp(x)
-    part = primitives.exp(x[offset: offset + n])
-    assert_bitwise_equal("exp", whole[offset: offset + n], part)
-    assert_bitwise_equal("log", primitives.log(x.abs())[offset: offset + n],
-                         primitives.log(x[offset: offset + n].abs()))
+    part = primitives.exp(x[offset : offset + n])
+    assert_bitwise_equal("exp", whole[offset : offset + n], part)
+    assert_bitwise_equal(
+        "log", primitives.log(x.abs())[offset : offset + n], primitives.log(x[offset : offset + n].abs())
+    )
 
 
 def test_triton_primitives_match_the_cpu_bit_for_bit(request):
@@ -72,11 +80,28 @@ def test_triton_primitives_match_the_cpu_bit_for_bit(request):
     # exp's edges too: its range checks, subnormal results, the values where its clamp of n would act (exp_t
     # has no clamp), infinities, NaN and the largest finite inputs, where exp_t's float-to-int conversion is
     # out of range (the range checks replace its result)
-    edges = torch.tensor([88.72283935546875, 88.72284, 88.7228317, -103.97207708, -103.972076, -87.33655, -100.0,
-                          -149.0, 180.0, -181.0, 3e38, -3e38, 2.5e9, -2.5e9, float("inf"), -float("inf"),
-                          float("nan")])
-    x = torch.cat([torch.randn(50000, generator=gen(3)) * 30, torch.tensor([0.0, 1e-40, -1e-40, 88.7, -103.0]),
-                   edges])
+    edges = torch.tensor(
+        [
+            88.72283935546875,
+            88.72284,
+            88.7228317,
+            -103.97207708,
+            -103.972076,
+            -87.33655,
+            -100.0,
+            -149.0,
+            180.0,
+            -181.0,
+            3e38,
+            -3e38,
+            2.5e9,
+            -2.5e9,
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+        ]
+    )
+    x = torch.cat([torch.randn(50000, generator=gen(3)) * 30, torch.tensor([0.0, 1e-40, -1e-40, 88.7, -103.0]), edges])
     dev = "cuda" if request.config.getoption("--kernel-device") == "cuda" else "cpu"
     xd = x.to(dev)
     outs = [torch.empty_like(xd) for _ in range(4)]
@@ -107,11 +132,11 @@ def test_fixed_sum_order_is_its_definition():
 
 def test_unit_sum_is_exact_up_to_its_truncation():
     n = 151936  # the Qwen3 vocabulary
-    assert primitives.unit_sum_scale(n) == 2.0 ** 44
+    assert primitives.unit_sum_scale(n) == 2.0**44
     x = torch.rand(4, n, generator=gen(5)) ** 8  # most terms far below 1, where truncation bites
     s = primitives.unit_sum(x)
     exact = x.double().sum(-1)
-    assert_within("unit_sum", s, exact, n * 2.0 ** -44 + 0.5 * ulp_of(exact, torch.float32))
+    assert_within("unit_sum", s, exact, n * 2.0**-44 + 0.5 * ulp_of(exact, torch.float32))
     shuffled = x[:, torch.randperm(n, generator=gen(6))]
     assert_bitwise_equal("unit_sum in another order", primitives.unit_sum(shuffled), s)
     assert not torch.equal(primitives.fixed_sum(shuffled), primitives.fixed_sum(x))  # negative control
@@ -119,4 +144,4 @@ def test_unit_sum_is_exact_up_to_its_truncation():
     x[2, 77] = float("nan")
     assert primitives.unit_sum(x).isnan().tolist() == [False, False, True, False]
     with pytest.raises(ValueError, match="at most"):
-        primitives.unit_sum_scale(2 ** 20 + 1)
+        primitives.unit_sum_scale(2**20 + 1)

@@ -35,8 +35,9 @@ def test_rmsnorm_is_batch_invariant_with_and_without_residual(device, dtype, see
         return torch.stack([y, s], 1)
 
     for fn in (lambda b: K.rms_norm(b[:, 0], w, 1e-6), fused):
-        alone, outs = rows_everywhere(fn, row,
-                                      lambda b: randn(b, 2, h, dtype=dtype, device=device, seed=seed + b), device)
+        alone, outs = rows_everywhere(
+            fn, row, lambda b: randn(b, 2, h, dtype=dtype, device=device, seed=seed + b), device
+        )
         for where, out in outs:
             assert_bitwise_equal(f"rms_norm row at {where}", out, alone)
 
@@ -69,11 +70,12 @@ def test_rmsnorm_reads_per_head_views_in_place_with_the_bits_of_their_copy(devic
     qkv = randn(37, (heads + 2 * kv_heads) * d, dtype=dtype, device=device, seed=12)
     w = randn(d, dtype=dtype, device=device, seed=13, scale=0.5) + 1
     q = qkv[:, : heads * d].view(37, heads, d)
-    k = qkv[:, heads * d: (heads + kv_heads) * d].view(37, kv_heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(37, kv_heads, d)
     for name, x in (("q", q), ("k", k)):
         assert (rmsnorm._strided_heads(x, None) is x) == rmsnorm.use_triton(x)
-        assert_bitwise_equal(f"rms_norm of {name} heads in place", K.rms_norm(x, w, 1e-6),
-                             K.rms_norm(x.contiguous(), w, 1e-6))
+        assert_bitwise_equal(
+            f"rms_norm of {name} heads in place", K.rms_norm(x, w, 1e-6), K.rms_norm(x.contiguous(), w, 1e-6)
+        )
 
 
 ROWS_CANDIDATES = (2, 8, 32)  # rows a program of _rmsnorm_rows_kernel (8: the default for narrow rows)
@@ -93,21 +95,27 @@ def test_rmsnorm_rows_kernel_is_batch_invariant_and_reads_head_views_in_place(de
     qkv = randn(37, 8 * d, dtype=dtype, device=device, seed=22)
     q = qkv[:, : 4 * d].view(37, 4, d)
     for rows in ROWS_CANDIDATES:
+
         def norm(batch, rows=rows):
             y, s = rmsnorm._triton(batch[:, 0].contiguous(), w, 1e-6, batch[:, 1].contiguous(), rows=rows)
             return torch.stack([y, s], 1)
 
-        alone, outs = rows_everywhere(norm, row, lambda b: randn(b, 2, d, dtype=dtype, device=device, seed=30 + b),
-                                      device)
+        alone, outs = rows_everywhere(
+            norm, row, lambda b: randn(b, 2, d, dtype=dtype, device=device, seed=30 + b), device
+        )
         for where, out in outs:
             assert_bitwise_equal(f"{rows} rows a program: row at {where}", out, alone)
         assert_bitwise_equal("residual stream", alone[1], (row[0].float() + row[1].float()).to(dtype))
         ref = rmsnorm.reference(alone[1].double(), w.double(), 1e-6)
         assert_within(f"{rows} rows a program", alone[0], ref, 1.01 * ulp_of(ref, dtype) + 8 * 2**-23 * ref.abs())
         in_place = rmsnorm._triton(q, w, 1e-6, None, heads=4, rows=rows)[0]
-        assert_bitwise_equal(f"{rows} rows a program, q heads in place", in_place,
-                             rmsnorm._triton(q.reshape(-1, d).contiguous(), w, 1e-6, None, rows=rows)[0])
+        assert_bitwise_equal(
+            f"{rows} rows a program, q heads in place",
+            in_place,
+            rmsnorm._triton(q.reshape(-1, d).contiguous(), w, 1e-6, None, rows=rows)[0],
+        )
         # built to the one-row kernel's arithmetic (test_kernels_compile.py): its bits, so that making it the
         # default for narrow rows changed no result
-        assert_bitwise_equal(f"{rows} rows a program vs one", in_place,
-                             rmsnorm._triton(q, w, 1e-6, None, heads=4, rows=1)[0])
+        assert_bitwise_equal(
+            f"{rows} rows a program vs one", in_place, rmsnorm._triton(q, w, 1e-6, None, heads=4, rows=1)[0]
+        )

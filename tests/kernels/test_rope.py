@@ -27,8 +27,9 @@ def test_rope_tables_do_not_depend_on_length():
     short, _ = rope.rope_tables(100, 64, 1e6)
     long, _ = rope.rope_tables(5000, 64, 1e6)
     assert_bitwise_equal("cos table", short[:1024], long[:1024])
-    ref = torch.cos(torch.arange(5000, dtype=torch.float64)[:, None]
-                    / 1e6 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    ref = torch.cos(
+        torch.arange(5000, dtype=torch.float64)[:, None] / 1e6 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    )
     assert float((long[:5000].double() - ref).abs().max()) <= 2**-24
 
 
@@ -40,10 +41,11 @@ def test_rope_is_batch_and_position_set_invariant(device, dtype, seed):
     positions = torch.randint(0, 4096, (300,), generator=gen(seed)).to(device)
     full = K.apply_rope(x, positions, cos, sin)
     for i in (0, 150, 299):
-        assert_bitwise_equal(f"rope token {i}", K.apply_rope(x[i:i + 1], positions[i:i + 1], cos, sin)[0], full[i])
+        assert_bitwise_equal(f"rope token {i}", K.apply_rope(x[i : i + 1], positions[i : i + 1], cos, sin)[0], full[i])
     ref = rope.reference(x.double(), positions, cos.double(), sin.double()).cpu()
-    assert_within("rope", full, ref,
-                  1.01 * ulp_of(ref, dtype) + 4 * 2**-23 * x.double().abs().amax(-1, keepdim=True).cpu())
+    assert_within(
+        "rope", full, ref, 1.01 * ulp_of(ref, dtype) + 4 * 2**-23 * x.double().abs().amax(-1, keepdim=True).cpu()
+    )
 
 
 def test_rope_negative_control_bf16_tables():
@@ -83,7 +85,7 @@ def test_rope_qk_gives_the_bits_of_two_ropes(device, dtype, heads):
     hq, hk = heads
     qkv = randn(37, (hq + 2 * hk) * 64, dtype=dtype, device=device, seed=5)
     q = qkv[:, : hq * 64].view(37, hq, 64)
-    k = qkv[:, hq * 64: (hq + hk) * 64].view(37, hk, 64)
+    k = qkv[:, hq * 64 : (hq + hk) * 64].view(37, hk, 64)
     cos, sin = rope.rope_tables(2048, 64, 1e6, device)
     positions = torch.randint(0, 2048, (37,), generator=gen(6)).to(device)
     rq, rk = K.apply_rope_qk(q, k, positions, cos, sin)

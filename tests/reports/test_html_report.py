@@ -159,16 +159,39 @@ def steps_table() -> pd.DataFrame:
     """Five steps in steps.parquet's documented columns (docs/rl.md)."""
     step = np.arange(1, 6)
     mismatches = np.array([0, 3, 0, 7, 1])
-    return pd.DataFrame({
-        "step": step, "tokens": 256, "mismatches": mismatches, "mismatch_fraction": mismatches / 256,
-        "nan_tokens": 0, "positive_tokens": 0, "ulp_max": [0, 2, 0, 9, 1], "max_abs_diff": [0.0, 1e-6, 0.0, 4e-6, 5e-7],
-        "mean_diff": 0.0, "ratio_min": 1.0, "ratio_max": 1.0, "clip_fraction": 0.0, "token_mult_prob_error": 1.0,
-        "kl_k3": 0.0, "reward_mean": 0.5 + 0.01 * step, "loss": 0.0, "grad_norm": 1.0 / step,
-        "train_clip_fraction": 0.0, "train_forward_equal": True, "sync_bit_equal": [True, True, False, True, True],
-        "sync_tensors_differing": [0, 0, 2, 0, 0], "sync_stale_packed": 0, "sync_replicas_diverged": 0,
-        "weights_digest": [f"{k:064x}" for k in step], "seconds": 1.5, "rollout_s": 0.5, "rescore_s": 0.3,
-        "update_s": 0.6, "sync_s": 0.1,
-    })
+    return pd.DataFrame(
+        {
+            "step": step,
+            "tokens": 256,
+            "mismatches": mismatches,
+            "mismatch_fraction": mismatches / 256,
+            "nan_tokens": 0,
+            "positive_tokens": 0,
+            "ulp_max": [0, 2, 0, 9, 1],
+            "max_abs_diff": [0.0, 1e-6, 0.0, 4e-6, 5e-7],
+            "mean_diff": 0.0,
+            "ratio_min": 1.0,
+            "ratio_max": 1.0,
+            "clip_fraction": 0.0,
+            "token_mult_prob_error": 1.0,
+            "kl_k3": 0.0,
+            "reward_mean": 0.5 + 0.01 * step,
+            "loss": 0.0,
+            "grad_norm": 1.0 / step,
+            "train_clip_fraction": 0.0,
+            "train_forward_equal": True,
+            "sync_bit_equal": [True, True, False, True, True],
+            "sync_tensors_differing": [0, 0, 2, 0, 0],
+            "sync_stale_packed": 0,
+            "sync_replicas_diverged": 0,
+            "weights_digest": [f"{k:064x}" for k in step],
+            "seconds": 1.5,
+            "rollout_s": 0.5,
+            "rescore_s": 0.3,
+            "update_s": 0.6,
+            "sync_s": 0.1,
+        }
+    )
 
 
 @needs_chromium
@@ -182,8 +205,10 @@ def test_rl_and_ablate_reports_plot_every_series(tmp_path):
     probe, dom, console = open_in_chromium(rl / "report.html", tmp_path)
     assert console == [] and probe["plots"]["plot-rl-steps"]["rendered"]
     traces = {t["name"]: t for t in probe["plots"]["plot-rl-steps"]["traces"]}
-    assert (traces["mismatches"]["y"] == steps["mismatches"].tolist()
-            and traces["mismatches"]["x"] == steps["step"].tolist())
+    assert (
+        traces["mismatches"]["y"] == steps["mismatches"].tolist()
+        and traces["mismatches"]["x"] == steps["step"].tolist()
+    )
     assert traces["max_abs_diff"]["y"] == [None, 1e-6, None, 4e-6, 5e-7]  # log axis: 0 is a gap
     numeric = [c for c in steps if c not in ("step", "tokens", "weights_digest")]
     assert set(traces) == set(numeric)  # every series the steps hold
@@ -191,12 +216,17 @@ def test_rl_and_ablate_reports_plot_every_series(tmp_path):
 
     ablate = tmp_path / "ablate"
     ablate.mkdir()
-    matrix = pd.DataFrame({"factor": ["all strict", "rmsnorm", "attention", "rmsnorm", "vllm compile"],
-                           "kind": ["all strict", "default op", "default op", "strict op", "source"],
-                           "mismatches": [0, 120, 95, 0, 14], "tokens": 176, "max_ulp": [0, 3, 30000, 0, 2],
-                           "max_abs_diff": [0.0, 1e-3, 2e-2, 0.0, 1e-6],
-                           "first_diverging_op": [None, "layers.0.input_norm", "layers.0.attn",
-                                                  None, "layers.0.q_rope"]})
+    matrix = pd.DataFrame(
+        {
+            "factor": ["all strict", "rmsnorm", "attention", "rmsnorm", "vllm compile"],
+            "kind": ["all strict", "default op", "default op", "strict op", "source"],
+            "mismatches": [0, 120, 95, 0, 14],
+            "tokens": 176,
+            "max_ulp": [0, 3, 30000, 0, 2],
+            "max_abs_diff": [0.0, 1e-3, 2e-2, 0.0, 1e-6],
+            "first_diverging_op": [None, "layers.0.input_norm", "layers.0.attn", None, "layers.0.q_rope"],
+        }
+    )
     matrix.to_parquet(ablate / "ablate.parquet", index=False)
     sealed_record(ablate, "ablate", ("ablate.parquet",))
     assert cli.main(["report", str(ablate)]) == EXIT_OK
@@ -213,16 +243,27 @@ def _running(d: Path, command: str = "compare") -> Path:
     return d
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: None, "holds no alignaudit results"),
-    (_running, "records an `alignaudit compare` run (status 'running') but summary.json is missing; "
-               "the run did not finish"),
-    (lambda d: (d / "summary.json").write_text("{}"), "holds results but no run.json, so nothing vouches for them"),
-    (lambda d: (_running(d) / "summary.json").write_text("{}"), "holds summary.json but not tokens.parquet"),
-    (lambda d: (_running(d, "rl") / "steps.parquet").write_bytes(b"PAR1 not parquet"), "steps.parquet is unreadable"),
-    (lambda d: pd.DataFrame({"factor": ["x"]}).to_parquet(_running(d, "ablate") / "ablate.parquet"),
-     "lacks the column(s) kind"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: None, "holds no alignaudit results"),
+        (
+            _running,
+            "records an `alignaudit compare` run (status 'running') but summary.json is missing; "
+            "the run did not finish",
+        ),
+        (lambda d: (d / "summary.json").write_text("{}"), "holds results but no run.json, so nothing vouches for them"),
+        (lambda d: (_running(d) / "summary.json").write_text("{}"), "holds summary.json but not tokens.parquet"),
+        (
+            lambda d: (_running(d, "rl") / "steps.parquet").write_bytes(b"PAR1 not parquet"),
+            "steps.parquet is unreadable",
+        ),
+        (
+            lambda d: pd.DataFrame({"factor": ["x"]}).to_parquet(_running(d, "ablate") / "ablate.parquet"),
+            "lacks the column(s) kind",
+        ),
+    ],
+)
 def test_bad_run_directories_are_one_line_input_errors(tmp_path, capsys, make, message):
     make(tmp_path)
     assert message in one_line_error(capsys, ["report", str(tmp_path)], EXIT_USAGE)
@@ -235,10 +276,12 @@ def test_html_target_is_never_a_file_alignaudit_did_not_write(compare_run, tmp_p
     precious = tmp_path / "summary.json"
     precious.write_text('{"mine": 1}')
     assert "is not a report alignaudit wrote" in one_line_error(
-        capsys, ["report", str(compare_run), "--html", str(precious)], EXIT_USAGE)
+        capsys, ["report", str(compare_run), "--html", str(precious)], EXIT_USAGE
+    )
     assert precious.read_text() == '{"mine": 1}'
     assert "no directory" in one_line_error(
-        capsys, ["report", str(compare_run), "--html", str(tmp_path / "missing" / "r.html")], EXIT_USAGE)
+        capsys, ["report", str(compare_run), "--html", str(tmp_path / "missing" / "r.html")], EXIT_USAGE
+    )
     page = tmp_path / "r.html"
     assert cli.main(["report", str(compare_run), "--html", str(page)]) == EXIT_OK
     assert cli.main(["report", str(compare_run), "--html", str(page)]) == EXIT_OK  # its own page: replaced

@@ -46,8 +46,9 @@ def runs(captures, tmp_path_factory):
     sampled = captures.get("vllm", "bf16", rollout=ROLLOUT)
     return {
         "default": diff_run(root / "default", captures.get("megatron", "bf16"), captures.get("vllm", "bf16")),
-        "strict": diff_run(root / "strict", captures.get("megatron", "bf16", strict="all"),
-                           captures.get("vllm", "bf16", strict="all")),
+        "strict": diff_run(
+            root / "strict", captures.get("megatron", "bf16", strict="all"), captures.get("vllm", "bf16", strict="all")
+        ),
         "rollout": diff_run(root / "rollout", captures.get("megatron", "bf16", batch=sampled), sampled),
         "sampled": sampled,
     }
@@ -138,8 +139,9 @@ def test_page_without_a_tokenizer_says_so(runs, tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     shutil.copy2(FIXTURE / "config.json", model / "config.json")
-    (run / "run.json").write_text(json.dumps({"command": "compare", "status": "running",
-                                              "model": {"name": "x", "path": str(model)}}))
+    (run / "run.json").write_text(
+        json.dumps({"command": "compare", "status": "running", "model": {"name": "x", "path": str(model)}})
+    )
     probe, dom = page_of(run, tmp_path, "no-tokenizer")
     assert "holds no tokenizer (tokenizer.json or tokenizer.model): token ids are shown as ids" in dom
     assert "text" not in probe["tables"]["worst-tokens"][0] and probe["tables"]["worst-tokens"][0]["token_id"]
@@ -168,13 +170,15 @@ def test_runs_side_by_side_show_each_runs_numbers(runs, tmp_path, monkeypatch, c
     assert table["strict"]["run0"] == "default / default" and table["strict"]["run1"] == "strict all / strict all"
     assert "sampling" not in table  # prompt mode: no row of dashes
     imp = summaries[0]["importance"]  # the thresholds every fraction was computed at, per run (verl's defaults here)
-    shown = (f"{imp['tis_threshold']:g}; [{imp['mask_low']:g}, {imp['mask_high']:g}]; "
-             f"[{imp['geo_mask_low']:g}, {imp['geo_mask_high']:g}]")
+    shown = (
+        f"{imp['tis_threshold']:g}; [{imp['mask_low']:g}, {imp['mask_high']:g}]; "
+        f"[{imp['geo_mask_low']:g}, {imp['geo_mask_high']:g}]"
+    )
     assert table["is_thresholds"]["run0"] == table["is_thresholds"]["run1"] == shown == "2; [0.5, 5]; [0.999, 1.001]"
     bars = {t["name"]: t for t in probe["plots"]["plot-runs-ulp"]["traces"]}
     for key in ("default", "strict"):
         counts = log2_counts(pd.read_parquet(runs[key] / "tokens.parquet"))[0]
-        assert bars[key]["y"][:len(counts)] == counts and not any(bars[key]["y"][len(counts):])
+        assert bars[key]["y"][: len(counts)] == counts and not any(bars[key]["y"][len(counts) :])
     assert bars["strict"]["y"][0] == summaries[1]["tokens_compared"]
 
 
@@ -198,7 +202,8 @@ def bisect_dir(tmp_path):
     out = tmp_path / "bisect"
     out.mkdir()
     pd.DataFrame({"op": ["embed"], "name": ["embed"], "layer": [np.nan], "status": ["equal"]}).to_parquet(
-        out / "ops-natural.parquet")
+        out / "ops-natural.parquet"
+    )
     write_json(out / "run.json", seal({"command": "bisect"}, out, ("ops-natural.parquet",)))
     return out
 
@@ -211,8 +216,11 @@ def test_runs_side_by_side_are_compared_by_prompt_digest_not_file_name(tmp_path)
     from alignaudit.reports.html.side_by_side import RunColumn, check_comparable, workload
 
     def column(name, source, digest):
-        record = {"mode": "prompt", "prompts": {"source": source, "digest": digest},
-                  "model": {"name": "qwen3-tiny", "checkpoint_sha256": "ab" * 32}}
+        record = {
+            "mode": "prompt",
+            "prompts": {"source": source, "digest": digest},
+            "model": {"name": "qwen3-tiny", "checkpoint_sha256": "ab" * 32},
+        }
         run = SimpleNamespace(record=record, captures={}, path=tmp_path / name)
         return RunColumn(run, {}, [], {}, workload(run))
 

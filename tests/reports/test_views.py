@@ -65,16 +65,25 @@ def test_sections_appear_only_with_their_data():
     assert rows == {"KL train infer": "1.000e-04", "TV max": "0.5", "Top 5 agreement: Mean": "0.9"}
     assert [r[0] for r in sections["Importance weights"].rows] == ["ESS fraction", "Weight max"]
     assert readable("kl_k3_mean") == "KL k3 mean"
-    routed = {**summary, "routing": [{"layer": 0, "tokens": 10, "rerouted": 2, "agreement": 0.8},
-                                      {"layer": 1, "tokens": 10, "rerouted": 0, "agreement": 1.0}]}
+    routed = {
+        **summary,
+        "routing": [
+            {"layer": 0, "tokens": 10, "rerouted": 2, "agreement": 0.8},
+            {"layer": 1, "tokens": 10, "rerouted": 0, "agreement": 1.0},
+        ],
+    }
     rows = {s.title: s for s in summary_sections(routed)}["Routing (MoE)"].rows
-    assert rows == [("layer 0", "2 of 10 positions rerouted (80.0% agree)", "routing.0"),
-                    ("layer 1", "0 of 10 positions rerouted (100.0% agree)", "routing.1")]
+    assert rows == [
+        ("layer 0", "2 of 10 positions rerouted (80.0% agree)", "routing.0"),
+        ("layer 1", "0 of 10 positions rerouted (100.0% agree)", "routing.1"),
+    ]
     unread = {s.title: s for s in summary_sections({**summary, "routing_note": "compiled MoE"})}["Routing (MoE)"]
     assert unread.rows == [] and unread.note == "not read: compiled MoE"
     no_rows = {k: v for k, v in summary.items() if k != "vocab"}
-    one_side = {s.title: s for s in summary_sections({**no_rows, "vocab_note": "only the train capture holds "
-                                                      "full-vocabulary rows"})}["Distribution (full vocabulary)"]
+    one_side = {
+        s.title: s
+        for s in summary_sections({**no_rows, "vocab_note": "only the train capture holds full-vocabulary rows"})
+    }["Distribution (full vocabulary)"]
     assert one_side.rows == [] and one_side.note == "not compared: only the train capture holds full-vocabulary rows"
 
 
@@ -87,16 +96,20 @@ def test_terminal_summary_is_grouped(mismatch):
     render_comparison(Console(file=out, width=160), summary, tokens)
     text = out.getvalue()
     assert text.index("Alignment") < text.index("RL impact") and "Distribution" not in text
-    shown = "  ".join(f"{k if k < 2 else f'2^{k - 1}'}: {b['count']}"
-                      for k, b in enumerate(ulp_buckets(tokens)[0]) if b["count"])
+    shown = "  ".join(
+        f"{k if k < 2 else f'2^{k - 1}'}: {b['count']}" for k, b in enumerate(ulp_buckets(tokens)[0]) if b["count"]
+    )
     assert shown in text
     assert ("BITWISE IDENTICAL" in text) != mismatch
     # the importance diagnostics briefly: 6 rows and a pointer to the rest, the fractions as the summary holds them
     imp = summary["importance"]
-    section = text[text.index("Importance weights"):]
+    section = text[text.index("Importance weights") :]
     assert re.search(rf"tokens truncated, ratio > 2 \(all\) +│ {imp['token_tis_fraction']:.2%}", section)
-    assert re.search(rf"sequences masked, geometric mean outside \[0.999, 1.001\] +│ "
-                     rf"{imp['geo_mask_fraction']:.2%}", section)
+    assert re.search(
+        rf"sequences masked, geometric mean outside \[0.999, 1.001\] +│ "
+        rf"{imp['geo_mask_fraction']:.2%}",
+        section,
+    )
     assert "KL k1 / k3" in section and "every diagnostic: summary.json's importance" in section
     assert "TIS weight mean" not in text and "chi" not in text.lower()
 
@@ -108,9 +121,16 @@ def test_rl_page_groups_every_importance_column_into_named_panels():
     from alignaudit.comparison.importance import FIELDS
     from alignaudit.reports.html.rl import panels
 
-    steps = pd.DataFrame({"step": [0, 1], "mismatches": [3, 0], "prob_diff_max": [0.1, 0.0],
-                          "prob_diff_mean": [0.01, 0.0], **{f"is_{f}": [1.0, 1.0] for f in FIELDS},
-                          "something_new": [1.0, 2.0]})
+    steps = pd.DataFrame(
+        {
+            "step": [0, 1],
+            "mismatches": [3, 0],
+            "prob_diff_max": [0.1, 0.0],
+            "prob_diff_mean": [0.01, 0.0],
+            **{f"is_{f}": [1.0, 1.0] for f in FIELDS},
+            "something_new": [1.0, 2.0],
+        }
+    )
     chosen = panels(steps)
     titles = [title for title, _, _ in chosen]
     is_panels = [cols for title, cols, _ in chosen if title.startswith("IS:") or title.startswith("log-perplexity")]
@@ -124,8 +144,16 @@ def test_a_long_engine_option_is_shortened_in_labels_but_not_lost():
     list's ends and length, and a short option whole."""
     from alignaudit.reports.views import side_label
 
-    side = {"engine": "vllm", "dtype": "bf16", "device": "cuda", "strict": "all", "tensor_parallel_size": 2,
-            "options": {"stop_token_ids": list(range(1000, 3000)), "enforce_eager": True, "note": "x" * 100}}
-    assert side_label(side) == ("vllm (bf16, cuda, strict all, TP=2, stop_token_ids=[1000, ..., 2999] (2000 items), "
-                                f"enforce_eager=True, note={'x' * 54}…)")
+    side = {
+        "engine": "vllm",
+        "dtype": "bf16",
+        "device": "cuda",
+        "strict": "all",
+        "tensor_parallel_size": 2,
+        "options": {"stop_token_ids": list(range(1000, 3000)), "enforce_eager": True, "note": "x" * 100},
+    }
+    assert side_label(side) == (
+        "vllm (bf16, cuda, strict all, TP=2, stop_token_ids=[1000, ..., 2999] (2000 items), "
+        f"enforce_eager=True, note={'x' * 54}…)"
+    )
     assert side_label({"engine": "hf"}) == "hf"

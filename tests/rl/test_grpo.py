@@ -24,15 +24,21 @@ def test_kl_k3_is_zero_at_the_reference_and_exp_r_minus_r_minus_1_elsewhere():
     assert torch.allclose(lp.grad, 1 - torch.exp(ref - lp.detach()), rtol=0, atol=1e-6) and lp.grad[2] == 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--reward", "length"], "--reward length: not a reward; choose one of rotating-hash, token-hash, even"),
-    (["--kl-coef", "-0.1"], "--kl-coef -0.1: the KL weight must be finite and >= 0 (0: no KL term)"),
-    (["--kl-coef", "inf"], "--kl-coef inf: the KL weight must be finite and >= 0"),
-    (["--lr", "inf"], "--lr inf: the learning rate must be finite and >= 0"),
-    (["--kl-coef", "0.04", "--lr", "0"], "--kl-coef 0.04 with --lr 0: the weights never leave the reference"),
-    (["--kl-coef", "0.04", "--top-p", "0.95", "--infer-opt", "logprobs_mode=processed_logprobs"],
-     "--kl-coef 0.04 with processed logprobs and --top-k 0 / --top-p 0.95: the reference's truncation gives -inf"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--reward", "length"], "--reward length: not a reward; choose one of rotating-hash, token-hash, even"),
+        (["--kl-coef", "-0.1"], "--kl-coef -0.1: the KL weight must be finite and >= 0 (0: no KL term)"),
+        (["--kl-coef", "inf"], "--kl-coef inf: the KL weight must be finite and >= 0"),
+        (["--lr", "inf"], "--lr inf: the learning rate must be finite and >= 0"),
+        (["--kl-coef", "0.04", "--lr", "0"], "--kl-coef 0.04 with --lr 0: the weights never leave the reference"),
+        (
+            ["--kl-coef", "0.04", "--top-p", "0.95", "--infer-opt", "logprobs_mode=processed_logprobs"],
+            "--kl-coef 0.04 with processed logprobs and --top-k 0 / --top-p 0.95: the reference's truncation gives "
+            "-inf",
+        ),
+    ],
+)
 def test_rl_refuses_bad_rl_settings_before_any_engine(capsys, tmp_path, argv, message):
     out = tmp_path / "r"
     assert message in one_line_error(capsys, ["rl", *argv, "--out", str(out)], EXIT_USAGE)

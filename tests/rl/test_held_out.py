@@ -66,9 +66,20 @@ def test_the_schedule_and_the_check_of_eval_parquet():
     assert [s for s in range(21) if due(s, 10, 20)] == [0, 10, 20]
     assert [s for s in range(8) if due(s, 5, 7)] == [0, 5, 7]  # stopped after step 7
     assert [s for s in range(4) if due(s, 0, 3)] == [0, 3]
-    rows = {s: pd.DataFrame({"step": [s, s], "prompt": [0, 1], "prompt_ids": [[1, 2], [3, 4]],
-                             "completion_ids": [[5, 0], [6, 7, 8]], "completion": ["", ""],
-                             "reward": [1.0, 0.1 * s], "correct": [True, False]}) for s in (0, 2)}
+    rows = {
+        s: pd.DataFrame(
+            {
+                "step": [s, s],
+                "prompt": [0, 1],
+                "prompt_ids": [[1, 2], [3, 4]],
+                "completion_ids": [[5, 0], [6, 7, 8]],
+                "completion": ["", ""],
+                "reward": [1.0, 0.1 * s],
+                "correct": [True, False],
+            }
+        )
+        for s in (0, 2)
+    }
     from alignaudit.inputs.prompts import TokenBatch
 
     digest = TokenBatch(((1, 2), (3, 4))).digest()
@@ -128,9 +139,32 @@ def test_twenty_strict_steps_on_fresh_questions_with_a_users_reward_and_a_held_o
     train = _question_file(tmp_path / "train.jsonl", questions(160, 11))
     held = _question_file(tmp_path / "held.jsonl", questions(32, 11, "held_out"))
     out = tmp_path / "rl"
-    assert cli.main(["rl", "--model", "qwen3-tiny-trained", "--strict", "--steps", "20", "--prompts", str(train),
-                     "--prompts-per-step", "8", "--reward", f"{REWARDS}:addition", "--eval-prompts", str(held),
-                     "--eval-every", "10", "--no-token-rows", "--out", str(out)]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "rl",
+                "--model",
+                "qwen3-tiny-trained",
+                "--strict",
+                "--steps",
+                "20",
+                "--prompts",
+                str(train),
+                "--prompts-per-step",
+                "8",
+                "--reward",
+                f"{REWARDS}:addition",
+                "--eval-prompts",
+                str(held),
+                "--eval-every",
+                "10",
+                "--no-token-rows",
+                "--out",
+                str(out),
+            ]
+        )
+        == EXIT_OK
+    )
     steps = pd.read_parquet(out / "steps.parquet")
     assert (steps["mismatches"] == 0).all() and steps["sync_bit_equal"].all() and (steps["weights_changed"] > 0).all()
     assert steps["prompts_digest"].nunique() == 20 and steps["epoch"].eq(1).all()  # 160 questions, 8 fresh a step
@@ -151,8 +185,29 @@ def test_twenty_strict_steps_on_fresh_questions_with_a_users_reward_and_a_held_o
 @pytest.mark.engines
 def test_the_tasks_own_training_and_held_out_questions_never_meet(tmp_path):
     out = tmp_path / "rl"
-    assert cli.main(["rl", "--model", "qwen3-tiny-trained", "--reward", "task", "--strict", "--steps", "1",
-                     "--prompts-per-step", "4", "--group-size", "2", "--eval-every", "1", "--out", str(out)]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "rl",
+                "--model",
+                "qwen3-tiny-trained",
+                "--reward",
+                "task",
+                "--strict",
+                "--steps",
+                "1",
+                "--prompts-per-step",
+                "4",
+                "--group-size",
+                "2",
+                "--eval-every",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == EXIT_OK
+    )
     record = json.loads((out / "run.json").read_text())
     assert record["prompts"]["sequences"] == 9000 and record["eval"]["prompts"] == 64
     from alignaudit.inputs.checkpoint import resolve_model
@@ -174,25 +229,51 @@ def test_the_tasks_own_training_and_held_out_questions_never_meet(tmp_path):
         assert rows["correct"].tolist() == [r == 1.0 for r in rows["reward"]]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--eval-every", "5"], "--eval-every 5 scores held-out prompts, and none were given"),
-    (["--reward", "task", "--model", "qwen3-tiny-trained", "--eval-every", "-1"], "--eval-every -1: a number of steps"),
-    (["--reward", "task", "--model", "qwen3-tiny-trained", "--eval-prompts", "{words}"],
-     "--eval-prompts prompt 0 ('hello there') is not one"),
-    (["--reward", f"{REWARDS}:even_fraction", "--model", "qwen3-tiny-trained", "--eval-prompts", "{step_column}"],
-     "the column 'step' has the name of an argument"),
-    (["--eval-prompts", "{missing}"], "cannot read prompt file"),
-    (["--reward", f"{REWARDS}:addition", "--model", "qwen3-tiny-trained"],  # built-in prompts: no answer column
-     "addition cannot take TRL's reward arguments (missing a required argument: 'answer')"),
-    (["--eval-prompts", "{plain}", "--eval-every", "5", "--steps", "5"],
-     "--eval-every 5 with --steps 5: no evaluation falls between"),
-    (["--random-prompts", "3", "--prompts-per-step", "3"], "every step would take all of them, as 0 does"),
-    (["--reward", f"{Path(__file__).with_name('exits_on_import.py')}:reward"], "called sys.exit(0)"),
-    (["--eval-prompts", "{long}"], "--eval-prompts {long}: prompt 0 has 1100 tokens"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--eval-every", "5"], "--eval-every 5 scores held-out prompts, and none were given"),
+        (
+            ["--reward", "task", "--model", "qwen3-tiny-trained", "--eval-every", "-1"],
+            "--eval-every -1: a number of steps",
+        ),
+        (
+            ["--reward", "task", "--model", "qwen3-tiny-trained", "--eval-prompts", "{words}"],
+            "--eval-prompts prompt 0 ('hello there') is not one",
+        ),
+        (
+            [
+                "--reward",
+                f"{REWARDS}:even_fraction",
+                "--model",
+                "qwen3-tiny-trained",
+                "--eval-prompts",
+                "{step_column}",
+            ],
+            "the column 'step' has the name of an argument",
+        ),
+        (["--eval-prompts", "{missing}"], "cannot read prompt file"),
+        (
+            ["--reward", f"{REWARDS}:addition", "--model", "qwen3-tiny-trained"],  # built-in prompts: no answer column
+            "addition cannot take TRL's reward arguments (missing a required argument: 'answer')",
+        ),
+        (
+            ["--eval-prompts", "{plain}", "--eval-every", "5", "--steps", "5"],
+            "--eval-every 5 with --steps 5: no evaluation falls between",
+        ),
+        (["--random-prompts", "3", "--prompts-per-step", "3"], "every step would take all of them, as 0 does"),
+        (["--reward", f"{Path(__file__).with_name('exits_on_import.py')}:reward"], "called sys.exit(0)"),
+        (["--eval-prompts", "{long}"], "--eval-prompts {long}: prompt 0 has 1100 tokens"),
+    ],
+)
 def test_held_out_settings_that_cannot_take_effect_are_refused_before_any_engine(capsys, tmp_path, argv, message):
-    files = {"words": tmp_path / "words.txt", "step_column": tmp_path / "s.jsonl", "missing": tmp_path / "none.jsonl",
-             "long": tmp_path / "long.jsonl", "plain": tmp_path / "plain.txt"}
+    files = {
+        "words": tmp_path / "words.txt",
+        "step_column": tmp_path / "s.jsonl",
+        "missing": tmp_path / "none.jsonl",
+        "long": tmp_path / "long.jsonl",
+        "plain": tmp_path / "plain.txt",
+    }
     files["plain"].write_text("1+2=\n")
     files["words"].write_text("hello there\n")
     files["long"].write_text(json.dumps({"token_ids": [5] * 1100}) + "\n")

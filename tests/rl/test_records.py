@@ -12,9 +12,19 @@ def steps_table(mismatching: bool) -> pd.DataFrame:
     rows = []
     for step in range(1, 6):
         d = 0.01 * step if mismatching else 0.0
-        rows.append({"step": step, "reward_mean": 0.2 + 0.1 * step, "mismatch_fraction": 0.9 if mismatching else 0.0,
-                     "max_abs_diff": d, "kl_k3": d * d, "is_geo_mask_fraction": 0.3 if mismatching else 0.0,
-                     "ratio_max": 1 + d, "ratio_min": 1 - d, "sync_bit_equal": True})
+        rows.append(
+            {
+                "step": step,
+                "reward_mean": 0.2 + 0.1 * step,
+                "mismatch_fraction": 0.9 if mismatching else 0.0,
+                "max_abs_diff": d,
+                "kl_k3": d * d,
+                "is_geo_mask_fraction": 0.3 if mismatching else 0.0,
+                "ratio_max": 1 + d,
+                "ratio_min": 1 - d,
+                "sync_bit_equal": True,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -45,7 +55,8 @@ def test_runs_figure_draws_each_runs_values_and_names_runs_at_zero():
                 assert lines["strict"].get_ydata().tolist() == strict[column].tolist() and notes == []
         dashed = [line for line in panels["ratio_max"].get_lines() if line.get_linestyle() == "--"]
         assert sorted(line.get_ydata().tolist() for line in dashed) == sorted(
-            [default["ratio_min"].tolist(), strict["ratio_min"].tolist()])
+            [default["ratio_min"].tolist(), strict["ratio_min"].tolist()]
+        )
         assert fig._suptitle.get_text() == "title\nweight sync bit-equal at every step: strict yes, default NO"
     finally:
         plt.close(fig)
@@ -66,14 +77,13 @@ def test_held_out_evaluations_get_a_panel_of_their_own_first(tmp_path):
     strict, default = steps_table(False), steps_table(True)
     accuracy = pd.DataFrame({"step": [0, 5], "reward_mean": [0.4, 0.6], "accuracy": [0.70, 0.75]})
     reward_only = pd.DataFrame({"step": [0, 5], "reward_mean": [0.1, 0.3], "accuracy": [float("nan")] * 2})
-    fig = runs_figure({"strict": strict, "default": default}, "title",
-                      {"strict": accuracy, "default": reward_only})
+    fig = runs_figure({"strict": strict, "default": default}, "title", {"strict": accuracy, "default": reward_only})
     try:
         held_out, *rest = fig.axes
         lines = {line.get_label(): line.get_ydata().tolist() for line in held_out.get_lines()}
         assert lines == {"strict": [0.70, 0.75], "default": [0.1, 0.3]}
         assert held_out.get_title() == "held-out accuracy (greedy) / held-out reward (greedy)"
-        assert [ax.get_title() for ax in rest[:len(RUNS_PANELS)]] == [label for _, label, _ in RUNS_PANELS]
+        assert [ax.get_title() for ax in rest[: len(RUNS_PANELS)]] == [label for _, label, _ in RUNS_PANELS]
         assert not rest[-1].get_visible() and all(ax.get_visible() for ax in rest[:-1])
         assert rest[len(RUNS_PANELS) - 1].get_xlabel() == "step" and rest[len(RUNS_PANELS) - 2].get_xlabel() == "step"
     finally:

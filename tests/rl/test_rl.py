@@ -60,13 +60,29 @@ class TenSecondsACall:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     vocab = ["--full-vocab", "--keep-vocab-rows", "--ignore-eos"]  # fixed lengths: 4 x 4 x 16 tokens a step
-    for name, args in (("strict", ["--strict", "--steps", "3", "--lr", "1e-3", "--kl-coef", "0.04", *vocab]),
-                       ("default", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "tensorboard", *vocab]),
-                       # 3 steps asked, stopped by --max-seconds after step 2 (20 s on TenSecondsACall): "default" again
-                       ("again", ["--steps", "3", "--max-seconds", "15", "--lr", "1e-3", *IS_OPTIONS, "--log-to",
-                                  "wandb", "--full-vocab", "--ignore-eos"]),
-                       # processed logprobs at temperature 1 (no truncation): raw sampling, replayed by the trainer
-                       ("control", ["--steps", "3", "--lr", "0", "--infer-opt", "logprobs_mode=processed_logprobs"])):
+    for name, args in (
+        ("strict", ["--strict", "--steps", "3", "--lr", "1e-3", "--kl-coef", "0.04", *vocab]),
+        ("default", ["--steps", "2", "--lr", "1e-3", *IS_OPTIONS, "--log-to", "tensorboard", *vocab]),
+        # 3 steps asked, stopped by --max-seconds after step 2 (20 s on TenSecondsACall): "default" again
+        (
+            "again",
+            [
+                "--steps",
+                "3",
+                "--max-seconds",
+                "15",
+                "--lr",
+                "1e-3",
+                *IS_OPTIONS,
+                "--log-to",
+                "wandb",
+                "--full-vocab",
+                "--ignore-eos",
+            ],
+        ),
+        # processed logprobs at temperature 1 (no truncation): raw sampling, replayed by the trainer
+        ("control", ["--steps", "3", "--lr", "0", "--infer-opt", "logprobs_mode=processed_logprobs"]),
+    ):
         printed = io.StringIO()  # not a terminal, as a CI log: the progress bar draws once, the step lines stay
         with contextlib.redirect_stdout(printed), pytest.MonkeyPatch.context() as patch:
             patch.setattr("alignaudit.rl.loop.time", TenSecondsACall())
@@ -85,8 +101,9 @@ def test_every_step_prints_one_whole_line_outside_a_terminal(runs):
         for line, row in zip(lines, s.itertuples(), strict=True):
             assert line.startswith(f"step {row.step}: {row.mismatches}/{row.tokens} tokens differ, max |d| "), line
             assert f", clip {row.clip_fraction:.3f}, sync ok, reward {row.reward_mean:.3f}, " in line, line
-            assert (f", vocab KL {row.vocab_kl_train_infer_mean:.2e}, top-1 {row.vocab_top1_agreement:.3f}, "
-                    in line), line
+            assert f", vocab KL {row.vocab_kl_train_infer_mean:.2e}, top-1 {row.vocab_top1_agreement:.3f}, " in line, (
+                line
+            )
 
 
 def steps(runs, name):
@@ -99,8 +116,18 @@ def test_strict_steps_stay_bitwise_aligned_while_the_weights_change(runs, tmp_pa
     assert (s["mismatches"] == 0).all() and (s["ulp_max"] == 0).all()
     assert (s["ratio_min"] == 1.0).all() and (s["ratio_max"] == 1.0).all() and (s["kl_k3"] == 0).all()
     assert (s["prob_diff_max"] == 0).all() and (s["prob_diff_mean"] == 0).all()
-    for key in ("token_ratio_min", "token_ratio_max", "seq_ratio_min", "seq_ratio_max", "geo_ratio_min",
-                "geo_ratio_max", "token_tis_weight_mean", "seq_tis_weight_mean", "token_ess", "seq_ess"):
+    for key in (
+        "token_ratio_min",
+        "token_ratio_max",
+        "seq_ratio_min",
+        "seq_ratio_max",
+        "geo_ratio_min",
+        "geo_ratio_max",
+        "token_tis_weight_mean",
+        "seq_tis_weight_mean",
+        "token_ess",
+        "seq_ess",
+    ):
         assert (s[f"is_{key}"] == 1.0).all(), key
     zero = [c for c in s if c.startswith(("is_kl", "is_chi2")) or (c.startswith("is_") and "fraction" in c)]
     assert len(zero) == 17 and (s[zero] == 0.0).all().all()
@@ -116,8 +143,11 @@ def test_strict_steps_stay_bitwise_aligned_while_the_weights_change(runs, tmp_pa
     # --full-vocab: one request per completion (rows are per request); --ignore-eos: every completion 16 tokens
     assert (record["rollout"]["group_size"], record["rollout"]["stop_at_eos"]) == (1, False)
     assert (s["completions_ended_early"] == 0).all() and (s["completion_len_min"] == 16).all()
-    assert (record["status"] == "complete" and record["initial_sync"]["bit_equal"]
-            and record["initial_sync"]["tensors"] == 25)
+    assert (
+        record["status"] == "complete"
+        and record["initial_sync"]["bit_equal"]
+        and record["initial_sync"]["tensors"] == 25
+    )
     assert record["engines"]["train"]["optimizer"] == "alignaudit.training.optim.MixedPrecisionAdam"
     assert record["engines"]["train"]["strict_backward"] == "reference"  # unset: auto, the reference on the CPU
     assert len(pd.read_parquet(runs / "strict" / "tokens" / "step-00002.parquet")) == 256
@@ -164,6 +194,7 @@ def _rows(run, step):
 def _by_hand(a32, b32):
     """Per position, in numpy float64 from the fp32 rows: KL both ways, TV, top-1 agreement and top-5 overlap of the
     two renormalized distributions (ties to the lower token id)."""
+
     def normalized(x):
         x = x.astype(np.float64)
         top = x.max(axis=1, keepdims=True)
@@ -174,9 +205,13 @@ def _by_hand(a32, b32):
     top_a = np.argsort(-a32, axis=1, kind="stable")[:, :5]
     top_b = np.argsort(-b32, axis=1, kind="stable")[:, :5]
     overlap = np.array([len(set(x) & set(y)) / 5 for x, y in zip(top_a, top_b, strict=True)])
-    return {"vocab_kl_train_infer": (p * (la - lb)).sum(axis=1), "vocab_kl_infer_train": (q * (lb - la)).sum(axis=1),
-            "vocab_tv": 0.5 * np.abs(p - q).sum(axis=1), "vocab_top1_agree": a32.argmax(1) == b32.argmax(1),
-            "vocab_topk_overlap": overlap}
+    return {
+        "vocab_kl_train_infer": (p * (la - lb)).sum(axis=1),
+        "vocab_kl_infer_train": (q * (lb - la)).sum(axis=1),
+        "vocab_tv": 0.5 * np.abs(p - q).sum(axis=1),
+        "vocab_top1_agree": a32.argmax(1) == b32.argmax(1),
+        "vocab_topk_overlap": overlap,
+    }
 
 
 def test_full_vocab_columns_are_those_of_the_rows_by_hand(runs):
@@ -200,8 +235,13 @@ def test_full_vocab_columns_are_those_of_the_rows_by_hand(runs):
                 assert tokens[f"vocab_row_matches_{side}"].all()
             hand = _by_hand(a, b)
             for column, values in hand.items():
-                np.testing.assert_allclose(tokens[column].to_numpy(dtype=np.float64), values.astype(np.float64),
-                                           rtol=1e-9, atol=1e-15, err_msg=f"{name} step {step} {column}")
+                np.testing.assert_allclose(
+                    tokens[column].to_numpy(dtype=np.float64),
+                    values.astype(np.float64),
+                    rtol=1e-9,
+                    atol=1e-15,
+                    err_msg=f"{name} step {step} {column}",
+                )
             for measure in ("vocab_kl_train_infer", "vocab_kl_infer_train", "vocab_tv"):
                 assert row[f"{measure}_mean"] == pytest.approx(hand[measure].mean(), rel=1e-9, abs=1e-15)
                 assert row[f"{measure}_max"] == pytest.approx(hand[measure].max(), rel=1e-9, abs=1e-15)
@@ -300,12 +340,19 @@ def test_a_stale_weight_sync_is_caught(tmp_path, capsys, monkeypatch):
         pytest.skip("vLLM's CPU GEMM computes with the live weight on this CPU (no packed copy to go stale)")
     out = tmp_path / "stale"
     env = {**os.environ, "ALIGNAUDIT_FAULT": "stale-packed-weights"}
-    proc = subprocess.run([sys.executable, "-m", "alignaudit", "rl", "--steps", "2", "--lr", "1e-3", "--out", str(out)],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "alignaudit", "rl", "--steps", "2", "--lr", "1e-3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode == EXIT_OK, proc.stderr
     s = pd.read_parquet(out / "steps.parquet")
-    assert (not s["sync_bit_equal"].any() and (s["sync_stale_packed"] > 0).all()
-            and (s["sync_tensors_differing"] == 0).all())
+    assert (
+        not s["sync_bit_equal"].any()
+        and (s["sync_stale_packed"] > 0).all()
+        and (s["sync_tensors_differing"] == 0).all()
+    )
     gate = run_in_process(capsys, monkeypatch, "gate", str(out), "--max-mismatch", "100%")
     assert gate.returncode == EXIT_MISMATCH and "weight sync was not bit-equal at 2 of 2 steps" in gate.stdout
 
@@ -316,8 +363,27 @@ def test_hf_trainer_with_vllm_rollout_strict(tmp_path, monkeypatch):
     and run.json records it; gradients finite and non-zero, every token bitwise equal."""
     monkeypatch.setenv("ALIGNAUDIT_BACKWARD", "fused")
     out = tmp_path / "hf"
-    assert cli.main(["rl", "--train", "hf", "--infer", "vllm", "--strict", "--steps", "2", "--lr", "1e-3",
-                     "--no-token-rows", "--full-vocab", "--out", str(out)]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "rl",
+                "--train",
+                "hf",
+                "--infer",
+                "vllm",
+                "--strict",
+                "--steps",
+                "2",
+                "--lr",
+                "1e-3",
+                "--no-token-rows",
+                "--full-vocab",
+                "--out",
+                str(out),
+            ]
+        )
+        == EXIT_OK
+    )
     s = pd.read_parquet(out / "steps.parquet")
     assert (s["mismatches"] == 0).all() and s["sync_bit_equal"].all() and s["weights_digest"].nunique() == 2
     # HF's strict rows (alignaudit_kernels.log_softmax) equal vLLM's strict sampler rows: every measure exactly 0
@@ -343,8 +409,26 @@ def test_async_rollouts_sync_inside_vllms_engine_process(tmp_path):
     runs = {}
     for name, extra in (("strict", ["--strict"]), ("default", [])):
         out = tmp_path / name
-        assert cli.main(["rl", *extra, "--steps", "2", "--lr", "1e-3", "--engine-mode", "async", "--arrival-gap",
-                         "0.01", "--no-token-rows", "--out", str(out)]) == EXIT_OK, name
+        assert (
+            cli.main(
+                [
+                    "rl",
+                    *extra,
+                    "--steps",
+                    "2",
+                    "--lr",
+                    "1e-3",
+                    "--engine-mode",
+                    "async",
+                    "--arrival-gap",
+                    "0.01",
+                    "--no-token-rows",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == EXIT_OK
+        ), name
         runs[name] = pd.read_parquet(out / "steps.parquet"), json.loads((out / "run.json").read_text())
     for name, (s, record) in runs.items():
         assert record["engines"]["infer"]["engine_mode"] == "async" and record["initial_sync"]["bit_equal"], name
@@ -356,32 +440,39 @@ def test_async_rollouts_sync_inside_vllms_engine_process(tmp_path):
     assert not (tmp_path / "strict" / "sync").exists()  # the file transport's weights are not left behind
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--steps", "0"], "--steps 0: run at least one step"),
-    (["--max-seconds", "-1"], "--max-seconds -1: a time in seconds, finite and >= 0 (0: no limit)"),
-    (["--max-seconds", "nan"], "--max-seconds nan: a time in seconds"),
-    (["--group-size", "1"], "use 2 or more"),
-    (["--lr", "-1"], "the learning rate must be finite and >= 0"),
-    (["--train", "vllm"], "rl trains with hf or megatron and rolls out with hf or vllm"),
-    (["--random-prompts", "1", "--prompt-len", "1010", "--max-new-tokens", "16"], "plus 16 generated, longer than"),
-    (["--tis-threshold", "-2"], "--tis-threshold -2.0: the truncation C must be a finite number > 0"),
-    (["--mask-low", "5", "--mask-high", "0.5"], "the kept range needs 0 <= low < high"),
-    (["--log-to", "tensorboard,mlflow"], "--log-to mlflow: not an export; choose from tensorboard, wandb"),
-    (["--keep-vocab-rows"], "--keep-vocab-rows keeps the rows --full-vocab records; add --full-vocab"),
-    (["--full-vocab", "--train-opt", "tensor_model_parallel_size=2"],
-     "rl --full-vocab with megatron at tensor parallel size > 1 is not implemented"),
-    (["--full-vocab", "--infer-opt", "logprobs_mode=processed_logprobs"],
-     "rl --full-vocab with logprobs_mode=processed_logprobs is not built yet"),
-    (["--sleep-level", "1"], "--sleep-level needs --device cuda: vLLM's sleep mode frees GPU memory"),
-    (["--sleep-level", "1", "--infer", "hf"], "--sleep-level: hf does not sleep; use --infer vllm"),
-    (["--sleep-level", "2"], "--sleep-level 2: 1 (weights to host memory, KV cache freed) or 0"),
-    (["--reward", "task", "--ignore-eos"], "--reward task scores answers that end at EOS"),
-    (["--reward", "task", "--infer", "hf"], "--reward task scores answers that end at EOS"),
-    (["--reward", "task", "--random-prompts", "2"], "--reward task scores addition questions such as '37+45='"),
-    (["--full-vocab", "--engine-mode", "async"], "rl --full-vocab with --engine-mode async is not built"),
-    (["--engine-mode", "async", "--infer", "hf"], "--engine-mode"),
-    (["--arrival-gap", "0.1"], "--arrival-gap spaces the arrivals of --engine-mode async"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps 0: run at least one step"),
+        (["--max-seconds", "-1"], "--max-seconds -1: a time in seconds, finite and >= 0 (0: no limit)"),
+        (["--max-seconds", "nan"], "--max-seconds nan: a time in seconds"),
+        (["--group-size", "1"], "use 2 or more"),
+        (["--lr", "-1"], "the learning rate must be finite and >= 0"),
+        (["--train", "vllm"], "rl trains with hf or megatron and rolls out with hf or vllm"),
+        (["--random-prompts", "1", "--prompt-len", "1010", "--max-new-tokens", "16"], "plus 16 generated, longer than"),
+        (["--tis-threshold", "-2"], "--tis-threshold -2.0: the truncation C must be a finite number > 0"),
+        (["--mask-low", "5", "--mask-high", "0.5"], "the kept range needs 0 <= low < high"),
+        (["--log-to", "tensorboard,mlflow"], "--log-to mlflow: not an export; choose from tensorboard, wandb"),
+        (["--keep-vocab-rows"], "--keep-vocab-rows keeps the rows --full-vocab records; add --full-vocab"),
+        (
+            ["--full-vocab", "--train-opt", "tensor_model_parallel_size=2"],
+            "rl --full-vocab with megatron at tensor parallel size > 1 is not implemented",
+        ),
+        (
+            ["--full-vocab", "--infer-opt", "logprobs_mode=processed_logprobs"],
+            "rl --full-vocab with logprobs_mode=processed_logprobs is not built yet",
+        ),
+        (["--sleep-level", "1"], "--sleep-level needs --device cuda: vLLM's sleep mode frees GPU memory"),
+        (["--sleep-level", "1", "--infer", "hf"], "--sleep-level: hf does not sleep; use --infer vllm"),
+        (["--sleep-level", "2"], "--sleep-level 2: 1 (weights to host memory, KV cache freed) or 0"),
+        (["--reward", "task", "--ignore-eos"], "--reward task scores answers that end at EOS"),
+        (["--reward", "task", "--infer", "hf"], "--reward task scores answers that end at EOS"),
+        (["--reward", "task", "--random-prompts", "2"], "--reward task scores addition questions such as '37+45='"),
+        (["--full-vocab", "--engine-mode", "async"], "rl --full-vocab with --engine-mode async is not built"),
+        (["--engine-mode", "async", "--infer", "hf"], "--engine-mode"),
+        (["--arrival-gap", "0.1"], "--arrival-gap spaces the arrivals of --engine-mode async"),
+    ],
+)
 def test_bad_input_is_refused_before_any_engine(capsys, tmp_path, argv, message):
     out = tmp_path / "o"
     assert message in one_line_error(capsys, ["rl", *argv, "--out", str(out)], EXIT_USAGE)
@@ -398,14 +489,19 @@ def test_a_missing_export_library_is_refused_with_the_pip_command(capsys, tmp_pa
 
 def test_an_engine_that_dies_mid_run_leaves_the_completed_steps(tmp_path):
     out = tmp_path / "dies"
-    proc = subprocess.Popen([sys.executable, "-m", "alignaudit", "rl", "--steps", "50", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "COLUMNS": "200"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "alignaudit", "rl", "--steps", "50", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     deadline = time.time() + 120
     while not (out / "steps.parquet").exists() and time.time() < deadline:
         time.sleep(0.2)
-    rollout = [c for c in psutil.Process(proc.pid).children(recursive=True)
-               if "infer.request.json" in " ".join(c.cmdline())]
+    rollout = [
+        c for c in psutil.Process(proc.pid).children(recursive=True) if "infer.request.json" in " ".join(c.cmdline())
+    ]
     rollout[0].send_signal(signal.SIGKILL)  # as the OOM killer would
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_ENGINE
@@ -431,8 +527,10 @@ def test_a_run_cut_while_its_engines_shut_down_stays_finished(tmp_path, monkeypa
 
     monkeypatch.setattr(Session, "close", close_then_interrupt)
     out = tmp_path / "cut"
-    assert cli.main(["rl", "--train", "hf", "--infer", "hf", "--steps", "2", "--strict", "--out", str(out)]) \
+    assert (
+        cli.main(["rl", "--train", "hf", "--infer", "hf", "--steps", "2", "--strict", "--out", str(out)])
         == EXIT_INTERRUPTED
+    )
     record = json.loads((out / "run.json").read_text())
     assert record["status"] == "complete" and record["steps_run"] == 2
     monkeypatch.undo()
@@ -464,6 +562,7 @@ def _outputs_fixed(run):
 
     def edit(record):
         record["outputs"] = {name: file_sha256(run / name) for name in record["outputs"] if (run / name).is_file()}
+
     _resealed(run, edit)
 
 
@@ -476,36 +575,83 @@ def _edit_steps(run, **changes):
     _outputs_fixed(run)
 
 
-@pytest.mark.parametrize("damage, code, message", [
-    (lambda r: _alter_rows(r), EXIT_USAGE, "is missing or is not the file this run wrote"),
-    (lambda r: _step_file(r, 2).write_bytes(_step_file(r, 1).read_bytes()), EXIT_USAGE,
-     "is missing or is not the file this run wrote"),
-    (lambda r: _step_file(r, 3).unlink(), EXIT_USAGE, "tokens/step-00003.parquet is missing"),
-    (lambda r: __import__("shutil").rmtree(r / "tokens"), EXIT_USAGE, "is missing or is not the file this run wrote"),
-    (lambda r: (_alter_rows(r), _outputs_fixed(r)), EXIT_USAGE,
-     "step 2: mismatches 0 in steps.parquet, 1 from the step's token rows"),
-    (lambda r: (_step_file(r, 2).write_bytes(_step_file(r, 1).read_bytes()), _outputs_fixed(r)), EXIT_USAGE,
-     "holds rows of another step"),
-    (lambda r: _resealed(r, lambda rec: rec["train"].update(strict="")), EXIT_USAGE,
-     "train engine's strict '' in run.json"),
-    (lambda r: _resealed(r, lambda rec: rec["infer"].update(engine="hf")), EXIT_USAGE,
-     "rollout engine's engine 'hf' in run.json"),
-    (lambda r: (r / "run.json").write_text((r / "run.json").read_text().replace('"strict": "all"', '"strict": ""')),
-     EXIT_USAGE, "was changed after the run finished"),
-    (lambda r: _resealed(r, lambda rec: rec.update(initial_sync={**rec["initial_sync"], "bit_equal": False})),
-     EXIT_MISMATCH, "the initial weight sync (before step 1) was not bit-equal"),
-    (lambda r: _edit_steps(r, train_forward_equal=(2, False)), EXIT_MISMATCH,
-     "the training forward's logprobs differed from the rescoring's at 1 of 3 steps (first: step 2)"),
-    (lambda r: _edit_steps(r, sync_stale_packed=(3, 1)), EXIT_MISMATCH,
-     "packed GEMMs computed with stale weights after the sync at 1 of 3 steps (first: step 3)"),
-    (lambda r: _edit_steps(r, vocab_kl_train_infer_mean=(2, 1e-3)), EXIT_USAGE,
-     "step 2: vocab_kl_train_infer_mean 0.001 in steps.parquet, 0.0 from the step's token rows"),
-    (lambda r: _resealed(r, lambda rec: rec.update(stopped={"by": "max_seconds", "after_step": 2, "elapsed_s": 1.0},
-                                                   steps_run=2)), EXIT_USAGE, "does not hold steps 1..2 in order"),
-    (lambda r: _resealed(r, lambda rec: rec.update(steps_run=2)), EXIT_USAGE, "steps asked 3, run 2, stopped None"),
-    (lambda r: _edit_steps(r, sync_replicas_diverged=(1, 2)), EXIT_MISMATCH,
-     "replicated parameters differed between tensor-parallel ranks at 1 of 3 steps (first: step 1)"),
-])
+@pytest.mark.parametrize(
+    "damage, code, message",
+    [
+        (lambda r: _alter_rows(r), EXIT_USAGE, "is missing or is not the file this run wrote"),
+        (
+            lambda r: _step_file(r, 2).write_bytes(_step_file(r, 1).read_bytes()),
+            EXIT_USAGE,
+            "is missing or is not the file this run wrote",
+        ),
+        (lambda r: _step_file(r, 3).unlink(), EXIT_USAGE, "tokens/step-00003.parquet is missing"),
+        (
+            lambda r: __import__("shutil").rmtree(r / "tokens"),
+            EXIT_USAGE,
+            "is missing or is not the file this run wrote",
+        ),
+        (
+            lambda r: (_alter_rows(r), _outputs_fixed(r)),
+            EXIT_USAGE,
+            "step 2: mismatches 0 in steps.parquet, 1 from the step's token rows",
+        ),
+        (
+            lambda r: (_step_file(r, 2).write_bytes(_step_file(r, 1).read_bytes()), _outputs_fixed(r)),
+            EXIT_USAGE,
+            "holds rows of another step",
+        ),
+        (
+            lambda r: _resealed(r, lambda rec: rec["train"].update(strict="")),
+            EXIT_USAGE,
+            "train engine's strict '' in run.json",
+        ),
+        (
+            lambda r: _resealed(r, lambda rec: rec["infer"].update(engine="hf")),
+            EXIT_USAGE,
+            "rollout engine's engine 'hf' in run.json",
+        ),
+        (
+            lambda r: (r / "run.json").write_text(
+                (r / "run.json").read_text().replace('"strict": "all"', '"strict": ""')
+            ),
+            EXIT_USAGE,
+            "was changed after the run finished",
+        ),
+        (
+            lambda r: _resealed(r, lambda rec: rec.update(initial_sync={**rec["initial_sync"], "bit_equal": False})),
+            EXIT_MISMATCH,
+            "the initial weight sync (before step 1) was not bit-equal",
+        ),
+        (
+            lambda r: _edit_steps(r, train_forward_equal=(2, False)),
+            EXIT_MISMATCH,
+            "the training forward's logprobs differed from the rescoring's at 1 of 3 steps (first: step 2)",
+        ),
+        (
+            lambda r: _edit_steps(r, sync_stale_packed=(3, 1)),
+            EXIT_MISMATCH,
+            "packed GEMMs computed with stale weights after the sync at 1 of 3 steps (first: step 3)",
+        ),
+        (
+            lambda r: _edit_steps(r, vocab_kl_train_infer_mean=(2, 1e-3)),
+            EXIT_USAGE,
+            "step 2: vocab_kl_train_infer_mean 0.001 in steps.parquet, 0.0 from the step's token rows",
+        ),
+        (
+            lambda r: _resealed(
+                r, lambda rec: rec.update(stopped={"by": "max_seconds", "after_step": 2, "elapsed_s": 1.0}, steps_run=2)
+            ),
+            EXIT_USAGE,
+            "does not hold steps 1..2 in order",
+        ),
+        (lambda r: _resealed(r, lambda rec: rec.update(steps_run=2)), EXIT_USAGE, "steps asked 3, run 2, stopped None"),
+        (
+            lambda r: _edit_steps(r, sync_replicas_diverged=(1, 2)),
+            EXIT_MISMATCH,
+            "replicated parameters differed between tensor-parallel ranks at 1 of 3 steps (first: step 1)",
+        ),
+    ],
+)
 def test_an_altered_rl_run_never_passes(runs, tmp_path, capsys, damage, code, message):
     """Every per-token file, record field and per-step check the rl verdict rests on is judged: gate exits 2
     naming what was altered, or 1 where the (resealed) record itself says a check failed; never 0."""
@@ -514,15 +660,22 @@ def test_an_altered_rl_run_never_passes(runs, tmp_path, capsys, damage, code, me
     run = tmp_path / "strict"
     shutil.copytree(runs / "strict", run)
     damage(run)
-    argv = ["gate", str(run), "--json", str(tmp_path / "v.json"), "--junit", str(tmp_path / "j.xml"),
-            "--markdown", str(tmp_path / "s.md")]
+    argv = [
+        "gate",
+        str(run),
+        "--json",
+        str(tmp_path / "v.json"),
+        "--junit",
+        str(tmp_path / "j.xml"),
+        "--markdown",
+        str(tmp_path / "s.md"),
+    ]
     if code == EXIT_MISMATCH:
         assert cli.main(argv) == EXIT_MISMATCH
         assert message in json.loads((tmp_path / "v.json").read_text())["reasons"]
         return
     assert message in one_line_error(capsys, argv, EXIT_USAGE)
     assert not (tmp_path / "v.json").exists()
-
 
 
 def test_a_step_whose_update_was_not_finite_is_an_engine_error_for_the_gate(runs, tmp_path, capsys):

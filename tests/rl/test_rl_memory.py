@@ -31,13 +31,25 @@ def _elements(path: Path) -> int:
 
 def _preset_spec(name: str) -> ModelSpec:
     c = find_preset(name).config
-    return ModelSpec(name=name, path="", architecture=c["architectures"][0], vocab_size=c["vocab_size"],
-                     hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-                     num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
-                     num_kv_heads=c["num_key_value_heads"], head_dim=c.get("head_dim") or 128, rms_norm_eps=1e-6,
-                     rope_theta=1e6, max_position_embeddings=40960,
-                     tie_word_embeddings=c.get("tie_word_embeddings", False), qk_norm=True, dtype="bfloat16",
-                     has_tokenizer=False)
+    return ModelSpec(
+        name=name,
+        path="",
+        architecture=c["architectures"][0],
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"],
+        num_heads=c["num_attention_heads"],
+        num_kv_heads=c["num_key_value_heads"],
+        head_dim=c.get("head_dim") or 128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=c.get("tie_word_embeddings", False),
+        qk_norm=True,
+        dtype="bfloat16",
+        has_tokenizer=False,
+    )
 
 
 @pytest.mark.parametrize("fixture", ["qwen3-tiny", "qwen2-tiny", "llama-tiny"])
@@ -50,8 +62,9 @@ def test_qwen3_8b_needs_part_of_its_optimizer_state_on_the_host_of_an_h200():
     spec = _preset_spec("Qwen3-8B")
     assert parameter_count(spec) == 8_190_735_360  # Qwen/Qwen3-8B's safetensors index: 8.19e9
     kv = 2 * 36 * 2 * 8 * 128 * 2 * 4096
-    chosen = plan(spec, sequences=32, seq_len=128, micro_batch=8, kv_cache_bytes=kv, gpu_total=H200_GPU,
-                  host_total=H200_HOST)
+    chosen = plan(
+        spec, sequences=32, seq_len=128, micro_batch=8, kv_cache_bytes=kv, gpu_total=H200_GPU, host_total=H200_HOST
+    )
     assert chosen.offload_fraction == 0.6  # the smallest multiple of 0.05 that fits 0.9 of the GPU
     assert chosen.gpu_needed <= 0.9 * H200_GPU < chosen.gpu_needed + 0.05 * 16 * chosen.parameters
     assert chosen.optimizer_on_gpu == 0.4 * 16 * chosen.parameters
@@ -72,8 +85,11 @@ def test_qwen3_8b_needs_part_of_its_optimizer_state_on_the_host_of_an_h200():
 
 def test_plans_that_cannot_fit_are_refused_with_both_estimates():
     spec = _preset_spec("Qwen3-8B")
-    with pytest.raises(InputError, match=r"needs 0\.60 of its optimizer state offloaded .* 79 GB of host memory, "
-                                         r"and this host has 64 GB"):
+    with pytest.raises(
+        InputError,
+        match=r"needs 0\.60 of its optimizer state offloaded .* 79 GB of host memory, "
+        r"and this host has 64 GB",
+    ):
         plan(spec, 32, 128, 8, 0, H200_GPU, 64 * 10**9)
     with pytest.raises(InputError, match=r"cannot train and roll out on one GPU of 80 GB: .* need \d+ GB"):
         plan(spec, 32, 128, 8, 0, 80 * 10**9, H200_HOST)
@@ -111,10 +127,12 @@ def test_rl_memory_plan_counts_the_kv_cache_of_the_users_max_model_len(monkeypat
 
     def rollout_bytes(infer_options):
         request = SimpleNamespace(
-            spec=_preset_spec("Qwen3-1.7B"), batch=SimpleNamespace(sequences=[[1] * 64] * 8),
+            spec=_preset_spec("Qwen3-1.7B"),
+            batch=SimpleNamespace(sequences=[[1] * 64] * 8),
             rollout=SimpleNamespace(max_new_tokens=64),
             train=SimpleNamespace(engine="megatron", settings=SimpleNamespace(device="cuda", options={})),
-            infer=SimpleNamespace(engine="vllm", settings=SimpleNamespace(dtype="bf16", options=infer_options)))
+            infer=SimpleNamespace(engine="vllm", settings=SimpleNamespace(dtype="bf16", options=infer_options)),
+        )
         return memory.rl_plan(request, group_size=4).rollout
 
     per_token = 28 * 2 * 8 * 128 * 2  # Qwen3-1.7B: layers x (K, V) x KV heads x head_dim x bf16 bytes
@@ -134,10 +152,12 @@ def test_rl_memory_plan_sizes_one_step_of_a_drawn_dataset_and_the_held_out_set(m
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200_GPU))
     monkeypatch.setattr(memory, "host_memory", lambda: H200_HOST)
     request = SimpleNamespace(
-        spec=_preset_spec("Qwen3-1.7B"), batch=SimpleNamespace(sequences=[[1] * 64] * 9000),
+        spec=_preset_spec("Qwen3-1.7B"),
+        batch=SimpleNamespace(sequences=[[1] * 64] * 9000),
         rollout=SimpleNamespace(max_new_tokens=64),
         train=SimpleNamespace(engine="megatron", settings=SimpleNamespace(device="cuda", options={})),
-        infer=SimpleNamespace(engine="vllm", settings=SimpleNamespace(dtype="bf16", options={})))
+        infer=SimpleNamespace(engine="vllm", settings=SimpleNamespace(dtype="bf16", options={})),
+    )
     with pytest.raises(InputError, match="cannot train and roll out on one GPU"):
         memory.rl_plan(request, group_size=8)  # every prompt in one step
     step = memory.rl_plan(request, group_size=8, per_step=8)

@@ -48,8 +48,22 @@ def test_the_trained_fixture_is_peaked_and_its_strict_rollout_is_bitwise_aligned
     assert 0.3 < facts["greedy_accuracy"] < 0.9  # part of the task, not all of it
     assert facts["median_sampled_token_probability_t1"] > 0.5
     out = tmp_path / "run"
-    assert cli.main(["compare", "--model", "qwen3-tiny-trained", "--strict", "--mode", "rollout", "--ignore-eos",
-                     "--out", str(out)]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "compare",
+                "--model",
+                "qwen3-tiny-trained",
+                "--strict",
+                "--mode",
+                "rollout",
+                "--ignore-eos",
+                "--out",
+                str(out),
+            ]
+        )
+        == EXIT_OK
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mismatches"] == 0 and summary["tokens_compared"] == 4 * 32
     tokens = pd.read_parquet(out / "tokens.parquet")
@@ -59,8 +73,24 @@ def test_the_trained_fixture_is_peaked_and_its_strict_rollout_is_bitwise_aligned
 @pytest.mark.engines
 def test_rl_on_the_task_raises_the_reward_with_every_step_aligned(tmp_path):
     out = tmp_path / "rl"
-    assert cli.main(["rl", "--model", "qwen3-tiny-trained", "--reward", "task", "--steps", "20", "--strict",
-                     "--no-token-rows", "--out", str(out)]) == EXIT_OK
+    assert (
+        cli.main(
+            [
+                "rl",
+                "--model",
+                "qwen3-tiny-trained",
+                "--reward",
+                "task",
+                "--steps",
+                "20",
+                "--strict",
+                "--no-token-rows",
+                "--out",
+                str(out),
+            ]
+        )
+        == EXIT_OK
+    )
     s = pd.read_parquet(out / "steps.parquet")
     assert (s["mismatches"] == 0).all() and s["sync_bit_equal"].all() and (s["weights_changed"] > 0).all()
     assert s["reward_mean"].iloc[-5:].mean() > s["reward_mean"].iloc[:2].mean() + 0.2  # 0.58 -> 1.00 (AMD EPYC)

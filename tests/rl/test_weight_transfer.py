@@ -14,9 +14,11 @@ from alignaudit.engines import weight_transfer as wt
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"a.weight": torch.randn(64, 48, generator=g).to(torch.bfloat16),
-            "b.weight": torch.randn(37, generator=g).to(torch.bfloat16),
-            "c.scale": torch.randn(5, generator=g)}
+    return {
+        "a.weight": torch.randn(64, 48, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(37, generator=g).to(torch.bfloat16),
+        "c.scale": torch.randn(5, generator=g),
+    }
 
 
 def _flip_lowest_bit(t: torch.Tensor, index: int) -> torch.Tensor:
@@ -37,7 +39,10 @@ def test_update_stats_counts_changed_bit_patterns_and_the_largest_step():
     moved = (new["a.weight"].view(-1)[100].float() - held["a.weight"].view(-1)[100].float()).abs()
     assert stats["max_abs_dw"] == float(moved) and 0.9 < stats["max_abs_dw"] < 1.1
     assert wt.update_stats(held, {k: v.clone() for k, v in held.items()}) == {
-        "elements": 64 * 48 + 37 + 5, "changed": 0, "max_abs_dw": 0.0}
+        "elements": 64 * 48 + 37 + 5,
+        "changed": 0,
+        "max_abs_dw": 0.0,
+    }
 
 
 def test_update_stats_over_chunks(monkeypatch):
@@ -69,13 +74,11 @@ def test_fingerprint_sees_one_flipped_bit_a_moved_element_and_metadata(monkeypat
     assert not torch.equal(swapped, base["a.weight"].view(-1))
     assert wt.fingerprint({**base, "a.weight": swapped.view(64, 48)}) != ref  # position matters
     assert wt.fingerprint({**base, "a.weight": base["a.weight"].reshape(48, 64)}) != ref  # shape matters
-    assert wt.fingerprint({"renamed": base["a.weight"], "b.weight": base["b.weight"],
-                           "c.scale": base["c.scale"]}) != ref
+    assert (
+        wt.fingerprint({"renamed": base["a.weight"], "b.weight": base["b.weight"], "c.scale": base["c.scale"]}) != ref
+    )
     monkeypatch.setattr(wt, "CHUNK", 7)
     assert wt.fingerprint(base) == ref  # the chunking is not part of the value
-
-
-
 
 
 def test_share_refuses_host_tensors():
@@ -95,9 +98,12 @@ print(wt.differing(received, expected), received["b"].stride(), wt.fingerprint(r
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 def test_cuda_ipc_hands_the_producers_memory_to_another_process():
-    tensors = {"a": torch.arange(12, device="cuda", dtype=torch.float32).view(3, 4).to(torch.bfloat16),
-               "b": torch.arange(6, device="cuda", dtype=torch.float32)[::2]}  # a strided view shares too
-    proc = subprocess.run([sys.executable, "-c", CONSUMER], input=wt.share(tensors), capture_output=True, text=True,
-                          timeout=120)
+    tensors = {
+        "a": torch.arange(12, device="cuda", dtype=torch.float32).view(3, 4).to(torch.bfloat16),
+        "b": torch.arange(6, device="cuda", dtype=torch.float32)[::2],
+    }  # a strided view shares too
+    proc = subprocess.run(
+        [sys.executable, "-c", CONSUMER], input=wt.share(tensors), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["[]", "(2,)", wt.fingerprint(tensors)]

@@ -33,8 +33,7 @@ def addition(prompts, completions, answer, completion_ids, **kwargs):
     rewards = []
     for text, expected, ids in zip(completions, answer, completion_ids, strict=True):
         ended = bool(ids) and ids[-1] == 0
-        rewards.append(1.0 if ended and text == expected else
-                       0.1 if ended and re.fullmatch(r"\d{1,3}", text) else 0.0)
+        rewards.append(1.0 if ended and text == expected else 0.1 if ended and re.fullmatch(r"\d{1,3}", text) else 0.0)
     return rewards
 
 

@@ -23,8 +23,10 @@ class HFKind(EngineKind):
         from alignaudit.errors import InputError
 
         if settings.options.get("micro_batch_size", 1) != 1:
-            raise InputError("hf micro_batch_size: an hf rollout generates and scores one sequence at a time, so it "
-                             "would have no effect; drop it from --infer-opt (it applies where hf scores)")
+            raise InputError(
+                "hf micro_batch_size: an hf rollout generates and scores one sequence at a time, so it "
+                "would have no effect; drop it from --infer-opt (it applies where hf scores)"
+            )
         return super().rollout_shape(settings, sampling)
 
     def replays_routing(self, settings) -> bool:

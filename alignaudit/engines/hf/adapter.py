@@ -29,8 +29,10 @@ from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
 from alignaudit.inputs.request import EngineSettings
 
-ROUTING_REPLAYED = {"mechanism": "alignaudit.engines.routing_replay.replayed_router_forward",
-                    "weights": "softmax(router logits, fp32) at the replayed experts, renormalized when norm_topk_prob"}
+ROUTING_REPLAYED = {
+    "mechanism": "alignaudit.engines.routing_replay.replayed_router_forward",
+    "weights": "softmax(router logits, fp32) at the replayed experts, renormalized when norm_topk_prob",
+}
 
 
 class HFEngine(Engine):
@@ -38,8 +40,12 @@ class HFEngine(Engine):
 
     @classmethod
     def check_options(cls, options):
-        reject_unknown("hf", options, {"attn_implementation", "micro_batch_size"},
-                       "hf accepts attn_implementation and micro_batch_size")
+        reject_unknown(
+            "hf",
+            options,
+            {"attn_implementation", "micro_batch_size"},
+            "hf accepts attn_implementation and micro_batch_size",
+        )
         reject_wrong_types("hf", options, {"attn_implementation": str})
         micro_batch_option(options)
 
@@ -52,13 +58,18 @@ class HFEngine(Engine):
         self.micro_batch_size = micro_batch_option(options)
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
-                spec.path, dtype=settings.torch_dtype, attn_implementation=self.attn_implementation,
-                device_map=settings.device if settings.device == "cuda" else None, output_loading_info=True,
+                spec.path,
+                dtype=settings.torch_dtype,
+                attn_implementation=self.attn_implementation,
+                device_map=settings.device if settings.device == "cuda" else None,
+                output_loading_info=True,
             )
             self.model = model.to(settings.device)
         except (ImportError, ValueError) as e:
-            raise InputError(f"transformers cannot load {spec.name} with attn_implementation="
-                             f"{self.attn_implementation}: {first_lines(e)}") from e
+            raise InputError(
+                f"transformers cannot load {spec.name} with attn_implementation="
+                f"{self.attn_implementation}: {first_lines(e)}"
+            ) from e
         self.loading = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
         if any(self.loading.values()):
             raise InputError(f"transformers did not load {spec.name} completely: {self.loading}")
@@ -68,8 +79,9 @@ class HFEngine(Engine):
             from alignaudit.engines.hf.strict import make_strict
 
             require_flash(settings, spec)
-            self.strict_modules = make_strict(self.model, settings.strict_ops, spec.rope_llama3, settings.strict_exp,
-                                              settings.strict_attention)
+            self.strict_modules = make_strict(
+                self.model, settings.strict_ops, spec.rope_llama3, settings.strict_exp, settings.strict_attention
+            )
         if settings.lm_head_dtype == "fp32":
             head, strict = self.model.lm_head, "linear" in settings.strict_ops
             head.forward = lambda x: fp32_head(x, head.weight, head.bias, strict)
@@ -113,8 +125,9 @@ class HFEngine(Engine):
 
         gates = [layer.mlp.gate for layer in self.model.model.layers if hasattr(layer.mlp, "experts")]
         if not gates or any(hasattr(layer.mlp, "strict_router") for layer in self.model.model.layers):
-            raise InputError("hf replays routing of its own MoE router only (a Qwen3 MoE model, --strict without "
-                             "linear)")
+            raise InputError(
+                "hf replays routing of its own MoE router only (a Qwen3 MoE model, --strict without linear)"
+            )
         check_routing(routing, len(gates), self.spec.experts_per_token, self.spec.num_experts, lengths)
         self.routing_replay = routing
         self._replay_targets = [{} for _ in gates]
@@ -140,12 +153,27 @@ class HFEngine(Engine):
         for i, prompt in enumerate(batch.sequences):
             torch.manual_seed(sampling.seed + i)
             ids = torch.tensor([prompt], device=self.settings.device)
-            how = ({"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None,
-                    "top_p": sampling.top_p} if sampling.temperature > 0 else {"do_sample": False})  # 0: greedy
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **how,
-                                      max_new_tokens=sampling.max_new_tokens, eos_token_id=[], pad_token_id=0,
-                                      output_logits=True, return_dict_in_generate=True)
-            generated = out.sequences[0, len(prompt):]
+            how = (
+                {
+                    "do_sample": True,
+                    "temperature": sampling.temperature,
+                    "top_k": sampling.top_k or None,
+                    "top_p": sampling.top_p,
+                }
+                if sampling.temperature > 0
+                else {"do_sample": False}
+            )  # 0: greedy
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                **how,
+                max_new_tokens=sampling.max_new_tokens,
+                eos_token_id=[],
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            generated = out.sequences[0, len(prompt) :]
             step_logits = torch.cat(out.logits)  # raw logits of each decode step, [new, V]
             sampled = self.token_logprobs(step_logits, generated).cpu()
             if sink is not None:  # rl --full-vocab: the rows the sampled logprobs are gathered from
@@ -157,8 +185,11 @@ class HFEngine(Engine):
 
     def hf_weights(self, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The model's tensors in HF names (the tied lm_head left out, as checkpoints store it)."""
-        return {k: v for k, v in self.model.state_dict().items()
-                if not (self.spec.tie_word_embeddings and k == "lm_head.weight")}
+        return {
+            k: v
+            for k, v in self.model.state_dict().items()
+            if not (self.spec.tie_word_embeddings and k == "lm_head.weight")
+        }
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -194,8 +225,11 @@ class HFEngine(Engine):
         return torch.log_softmax(logits.float(), dim=-1)
 
     def vocab_row_formula(self) -> str:
-        return ("alignaudit_kernels.log_softmax(logits)" if "logprobs" in self.settings.strict_ops
-                else "log_softmax(logits.float(), -1)") + " over the model's output logits"
+        return (
+            "alignaudit_kernels.log_softmax(logits)"
+            if "logprobs" in self.settings.strict_ops
+            else "log_softmax(logits.float(), -1)"
+        ) + " over the model's output logits"
 
     def install_taps(self, tap):
         from alignaudit.engines.hf import taps as hf_taps
@@ -208,18 +242,25 @@ class HFEngine(Engine):
             "micro_batch_size": self.micro_batch_size,
             "micro_batches": getattr(self, "micro_batches_run", None),
             "dtype": str(self.model.dtype),
-            "logprob_formula": ("alignaudit_kernels.token_logprobs" if "logprobs" in self.settings.strict_ops
-                                else "log_softmax(logits.float(), -1).gather(next_token)")
-                               + ("; generated tokens: the same formula on process_logits(logits, **replay)"
-                                  if self.replay is not None else ""),
+            "logprob_formula": (
+                "alignaudit_kernels.token_logprobs"
+                if "logprobs" in self.settings.strict_ops
+                else "log_softmax(logits.float(), -1).gather(next_token)"
+            )
+            + (
+                "; generated tokens: the same formula on process_logits(logits, **replay)"
+                if self.replay is not None
+                else ""
+            ),
             "replay": self.replay.to_dict() if self.replay is not None else None,
             "routing_replay": ROUTING_REPLAYED if self.routing_replay is not None else None,
             "strict": self.settings.strict,
             "strict_modules": len(self.strict_modules),
             "attention_exp": applied_exp(self.model),
             "attention_kernel": applied_kernel(self.model),
-            "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32"
-                             else str(self.model.lm_head.weight.dtype),
+            "lm_head_dtype": "float32"
+            if self.settings.lm_head_dtype == "fp32"
+            else str(self.model.lm_head.weight.dtype),
             "module_mode": "train" if self.model.training else "eval",
             "weights": {"checkpoint_tensors": self.spec.tensors, **self.loading},
         }

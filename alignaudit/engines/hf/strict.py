@@ -91,8 +91,9 @@ class StrictMoeBlock(StrictModule):
     def forward(self, hidden_states):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         _, chosen, weights = self.strict_router(x, self.computed(self.gate.weight))
-        out = K.combine_experts(x, chosen, weights, self.computed(self.experts.gate_up_proj),
-                                self.computed(self.experts.down_proj))
+        out = K.combine_experts(
+            x, chosen, weights, self.computed(self.experts.gate_up_proj), self.computed(self.experts.down_proj)
+        )
         return out.view(hidden_states.shape)
 
 
@@ -105,23 +106,28 @@ def _require(ok: torch.Tensor, message: str, compiled: bool = False) -> None:
         raise ValueError(message)
 
 
-_MASK_MESSAGE = ("strict attention (HF): attention_mask must be causal over one contiguous run of keys per row "
-                 "(left or right padding); a holed or bidirectional mask would be computed otherwise")
+_MASK_MESSAGE = (
+    "strict attention (HF): attention_mask must be causal over one contiguous run of keys per row "
+    "(left or right padding); a holed or bidirectional mask would be computed otherwise"
+)
 
 
 def _attend(attention_mask: torch.Tensor, b: int, t: int, keys: int, compiled: bool) -> torch.Tensor:
     """HF's processed mask as bool [b, t, keys] (True = attend), the unfilled slots of a static cache checked."""
     attend = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     if attend.shape[-1] > keys:  # a static cache's unfilled slots must stay masked
-        _require(~attend[..., keys:].any(), "strict attention (HF): attention_mask lets a query attend a key "
-                 "slot past the cache's filled length", compiled)
+        _require(
+            ~attend[..., keys:].any(),
+            "strict attention (HF): attention_mask lets a query attend a key slot past the cache's filled length",
+            compiled,
+        )
     return attend[..., :keys].expand(b, 1, t, keys)[:, 0]
 
 
 def _causal(keys: int, t: int, device) -> torch.Tensor:
     """[t, keys] bool: query i (key index keys - t + i) may attend key j <= its index."""
     key = torch.arange(keys, device=device)
-    return key[None, :] <= key[keys - t:, None]
+    return key[None, :] <= key[keys - t :, None]
 
 
 def row_starts(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
@@ -154,8 +160,10 @@ def row_starts(attention_mask, b: int, t: int, keys: int) -> list[int] | None:
 
 def _require_4d(attention_mask) -> None:
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-        raise ValueError("strict attention (HF) reads a 4D tensor attention_mask, not "
-                         f"{type(attention_mask).__name__}; use attn_implementation eager or sdpa")
+        raise ValueError(
+            "strict attention (HF) reads a 4D tensor attention_mask, not "
+            f"{type(attention_mask).__name__}; use attn_implementation eager or sdpa"
+        )
 
 
 @torch.library.custom_op("alignaudit::hf_mask_checked_index", mutates_args=())
@@ -231,8 +239,10 @@ def packed_runs(position_ids: torch.Tensor, attention_mask, b: int, t: int) -> t
     index = torch.arange(t, device=first.device).expand(b, t)
     start = torch.where(first, index, 0).cummax(1).values  # each token's sequence start
     if not torch.equal(position_ids, (index - start).to(position_ids.dtype)):
-        raise ValueError("strict attention (HF): position_ids restart at 0 inside a row but do not count 0, 1, 2, ... "
-                         "within each packed sequence")
+        raise ValueError(
+            "strict attention (HF): position_ids restart at 0 inside a row but do not count 0, 1, 2, ... "
+            "within each packed sequence"
+        )
     if attention_mask is not None:
         _require_4d(attention_mask)
         sequence = first.long().cumsum(1)
@@ -268,8 +278,15 @@ class StrictAttention(StrictModule):
     ``strict_attention`` say which parts are strict, ``strict_exp`` the exp and ``strict_kernel`` the kernel of the
     strict attention (alignaudit_kernels.attention)."""
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                position_ids=None, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        position_embeddings=None,
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=None,
+        **kwargs,
+    ):
         b, t, _ = hidden_states.shape
         d = self.head_dim
         q = self.q_proj(hidden_states).view(b, t, -1, d)
@@ -304,23 +321,40 @@ class StrictAttention(StrictModule):
                 starts, packed = self._layout(attention_mask, given_positions, b, t, keys)
             if keys == t and not torch.compiler.is_compiling() and packed is not None:
                 flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v)]
-                out = K.varlen_attention(*flat, packed, self.scaling, exp=self.strict_exp,
-                                         kernel=self.strict_kernel).view(q.shape)
+                out = K.varlen_attention(
+                    *flat, packed, self.scaling, exp=self.strict_exp, kernel=self.strict_kernel
+                ).view(q.shape)
             elif keys == t and not torch.compiler.is_compiling():
                 out = _whole_sequences(q, k, v, starts, self.scaling, self.strict_exp, self.strict_kernel)
             elif starts is None:
-                out = K.causal_attention(q, k, v, index.expand(b, t), self.scaling, exp=self.strict_exp,
-                                         kernel=self.strict_kernel)
+                out = K.causal_attention(
+                    q, k, v, index.expand(b, t), self.scaling, exp=self.strict_exp, kernel=self.strict_kernel
+                )
             else:  # left padding: each row attends its own run of keys, its pads' queries stay zero
                 out = torch.zeros_like(q)
                 for r, start in enumerate(starts):
                     first = max(0, start - (keys - t))
-                    out[r, first:] = K.causal_attention(q[r, first:], k[r, start:], v[r, start:], index[first:] - start,
-                                                        self.scaling, exp=self.strict_exp, kernel=self.strict_kernel)
+                    out[r, first:] = K.causal_attention(
+                        q[r, first:],
+                        k[r, start:],
+                        v[r, start:],
+                        index[first:] - start,
+                        self.scaling,
+                        exp=self.strict_exp,
+                        kernel=self.strict_kernel,
+                    )
         else:
             interface = self._stock_attention
-            out, _ = interface(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
-                               dropout=0.0, scaling=self.scaling, **kwargs)
+            out, _ = interface(
+                self,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attention_mask,
+                dropout=0.0,
+                scaling=self.scaling,
+                **kwargs,
+            )
         return self.o_proj(out.reshape(b, t, -1)), None
 
     @staticmethod
@@ -344,8 +378,9 @@ def _swap(module: torch.nn.Module, cls: type) -> None:
     module.__class__ = _SWAPPED[key]
 
 
-def make_strict(model, ops: frozenset[str], llama3: tuple | None = None, exp: str = "portable",
-                kernel: str = "portable") -> list[str]:
+def make_strict(
+    model, ops: frozenset[str], llama3: tuple | None = None, exp: str = "portable", kernel: str = "portable"
+) -> list[str]:
     """Swap the strict ops into a model of an alignaudit.arch architecture in place; return what was swapped
     (for the manifest). ``llama3``: the spec's llama3 rope scaling (ModelSpec.rope_llama3), or None. ``exp``:
     the strict attention's exp (alignaudit_kernels.attention.EXP_CHOICES), ``kernel`` its kernel
@@ -380,7 +415,8 @@ def make_strict(model, ops: frozenset[str], llama3: tuple | None = None, exp: st
         elif ({"rope", "attention"} & ops) and kind == f"{prefix}Attention":
             m._hf_module = type(m).__module__
             m._stock_attention = ALL_ATTENTION_FUNCTIONS.get_interface(
-                config._attn_implementation, sys.modules[type(m).__module__].eager_attention_forward)
+                config._attn_implementation, sys.modules[type(m).__module__].eager_attention_forward
+            )
             m.strict_rope, m.strict_attention, m.strict_exp = "rope" in ops, "attention" in ops, exp
             m.strict_kernel = kernel
             m.q_rope = RopeOp(m.head_dim, rope_theta, config.max_position_embeddings, llama3)
@@ -412,9 +448,11 @@ def compute_in(model, dtype: torch.dtype) -> None:
             rounded |= {id(m.gate), id(m.experts)}
     for name, m in model.named_modules():
         if id(m) not in rounded and any(True for _ in m.parameters(recurse=False)):
-            raise InputError(f"compute in {str(dtype).removeprefix('torch.')}: module {name} "
-                             f"({type(m).__name__}) is not strict and would compute in its parameters' dtype; make "
-                             "every op strict (ops='all') or keep the parameters in the compute dtype")
+            raise InputError(
+                f"compute in {str(dtype).removeprefix('torch.')}: module {name} "
+                f"({type(m).__name__}) is not strict and would compute in its parameters' dtype; make "
+                "every op strict (ops='all') or keep the parameters in the compute dtype"
+            )
     for m in model.modules():
         if isinstance(m, StrictModule):
             m.strict_compute_dtype = dtype

@@ -42,12 +42,22 @@ def install(model, tap: Tap) -> Hooks:
             HookPoint(attn.q_proj, Same("q_proj"), i, BATCH_FIRST),
             HookPoint(attn.k_proj, Same("k_proj"), i, BATCH_FIRST),
             HookPoint(attn.v_proj, Same("v_proj"), i, BATCH_FIRST),
-            *([HookPoint(attn.q_norm, Same("q_norm"), i, BATCH_FIRST),
-               HookPoint(attn.k_norm, Same("k_norm"), i, BATCH_FIRST)]
-              if hasattr(attn, "q_norm") else []),
-            *([HookPoint(attn.q_rope, Same("q_rope"), i, BATCH_FIRST),
-               HookPoint(attn.k_rope, Same("k_rope"), i, BATCH_FIRST)]
-              if getattr(attn, "strict_rope", False) else []),  # strict rope (alignaudit.engines.hf.strict) is a module
+            *(
+                [
+                    HookPoint(attn.q_norm, Same("q_norm"), i, BATCH_FIRST),
+                    HookPoint(attn.k_norm, Same("k_norm"), i, BATCH_FIRST),
+                ]
+                if hasattr(attn, "q_norm")
+                else []
+            ),
+            *(
+                [
+                    HookPoint(attn.q_rope, Same("q_rope"), i, BATCH_FIRST),
+                    HookPoint(attn.k_rope, Same("k_rope"), i, BATCH_FIRST),
+                ]
+                if getattr(attn, "strict_rope", False)
+                else []
+            ),  # strict rope (alignaudit.engines.hf.strict) is a module
             HookPoint(attn.o_proj, Same("attn"), i, BATCH_FIRST, when="pre"),
             HookPoint(attn.o_proj, Same("o_proj"), i, BATCH_FIRST),
             HookPoint(layer.post_attention_layernorm, Same("attn_residual"), i, BATCH_FIRST, when="pre"),
@@ -80,8 +90,9 @@ def _mlp_points(hooks: Hooks, tap: Tap, mlp, layer: int) -> list[HookPoint]:
     if hasattr(mlp, "experts"):
         strict = getattr(mlp, "strict_router", None)
         routing_index = 1 if strict is not None else 2
-        read_flattened(hooks, tap, mlp, strict or mlp.gate, layer, BATCH_FIRST,
-                       {0: Same("router"), routing_index: Routing()})
+        read_flattened(
+            hooks, tap, mlp, strict or mlp.gate, layer, BATCH_FIRST, {0: Same("router"), routing_index: Routing()}
+        )
         return [HookPoint(mlp, Same("moe"), layer, BATCH_FIRST)]
     return [
         HookPoint(mlp.gate_proj, Same("gate_proj"), layer, BATCH_FIRST),

@@ -31,7 +31,6 @@ class MegatronKind(EngineKind):
 
         check_options(settings, f"--{role}-opt")
 
-
     def replays_routing(self, settings) -> bool:
         """Its default MoE router (TopKRouter, through Megatron-Core's RouterReplay) replays; the strict MoE
         layer (--strict with linear) routes by its own kernel (alignaudit_kernels.route) and does not."""

@@ -67,8 +67,9 @@ def init_parallel(device: str, tp: int) -> int:
         torch.cuda.set_device(rank)
     if not torch.distributed.is_initialized():
         rendezvous = os.environ.get(RENDEZVOUS_ENV) or rendezvous_file()
-        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}",
-                                             rank=rank, world_size=tp)
+        torch.distributed.init_process_group(
+            "nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=tp
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp, 1)
     if device == "cuda":
@@ -117,18 +118,20 @@ def transformer_config(spec: ModelSpec, settings: EngineSettings, overrides: dic
         "perform_initialization": False,  # every weight is loaded from the checkpoint
     }
     if spec.num_experts:  # Qwen3 MoE: softmax top-k routing, no aux loss at inference, one rank
-        fields.update({
-            "num_moe_experts": spec.num_experts,
-            "moe_router_topk": spec.experts_per_token,
-            "moe_ffn_hidden_size": spec.moe_intermediate_size,
-            # top-k of the logits, then softmax over the k = renormalized top-k probabilities (norm_topk_prob);
-            # without renormalization: softmax over every expert first, then top-k
-            "moe_router_pre_softmax": not spec.norm_topk_prob,
-            "moe_router_load_balancing_type": "none",
-            "moe_aux_loss_coeff": 0.0,
-            "moe_token_dispatcher_type": "allgather",
-            "moe_grouped_gemm": False,
-        })
+        fields.update(
+            {
+                "num_moe_experts": spec.num_experts,
+                "moe_router_topk": spec.experts_per_token,
+                "moe_ffn_hidden_size": spec.moe_intermediate_size,
+                # top-k of the logits, then softmax over the k = renormalized top-k probabilities (norm_topk_prob);
+                # without renormalization: softmax over every expert first, then top-k
+                "moe_router_pre_softmax": not spec.norm_topk_prob,
+                "moe_router_load_balancing_type": "none",
+                "moe_aux_loss_coeff": 0.0,
+                "moe_token_dispatcher_type": "allgather",
+                "moe_grouped_gemm": False,
+            }
+        )
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -145,14 +148,20 @@ def _mark_sharded(gpt) -> None:
     )
 
     for module in gpt.modules():
-        dim = 0 if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) else (
-            1 if isinstance(module, RowParallelLinear) else None)
+        dim = (
+            0
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding))
+            else (1 if isinstance(module, RowParallelLinear) else None)
+        )
         weight = getattr(module, "weight", None)
         if dim is not None and weight is not None and not getattr(weight, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(weight, True, dim, 1)
         bias = getattr(module, "bias", None)
-        if (isinstance(module, ColumnParallelLinear) and bias is not None
-                and not getattr(bias, "tensor_model_parallel", False)):
+        if (
+            isinstance(module, ColumnParallelLinear)
+            and bias is not None
+            and not getattr(bias, "tensor_model_parallel", False)
+        ):
             set_tensor_model_parallel_attributes(bias, True, 0, 1)
 
 
@@ -169,10 +178,12 @@ def stable_repr(value) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
-ROUTING_REPLAYED = {"mechanism": "megatron.core.transformer.moe.router_replay.RouterReplay (REPLAY_FORWARD)",
-                    "weights": "softmax(router logits at the replayed experts), or with moe_router_pre_softmax the "
-                               "softmax over every expert gathered at them "
-                               "(moe_utils.topk_routing_with_score_function)"}
+ROUTING_REPLAYED = {
+    "mechanism": "megatron.core.transformer.moe.router_replay.RouterReplay (REPLAY_FORWARD)",
+    "weights": "softmax(router logits at the replayed experts), or with moe_router_pre_softmax the "
+    "softmax over every expert gathered at them "
+    "(moe_utils.topk_routing_with_score_function)",
+}
 
 
 class MegatronEngine(Engine):
@@ -185,14 +196,20 @@ class MegatronEngine(Engine):
         micro_batch_option(options)
         config_options = {k: v for k, v in options.items() if k != "micro_batch_size"}
         fields = {f.name: f.type for f in dataclasses.fields(TransformerConfig)}
-        reject_unknown("megatron", config_options, set(fields),
-                       "megatron accepts micro_batch_size and TransformerConfig fields "
-                       "(megatron/core/transformer/transformer_config.py)")
+        reject_unknown(
+            "megatron",
+            config_options,
+            set(fields),
+            "megatron accepts micro_batch_size and TransformerConfig fields "
+            "(megatron/core/transformer/transformer_config.py)",
+        )
         reject_wrong_types("megatron", config_options, fields)
         fixed = sorted(set(config_options) & MEGATRON_CHECKPOINT_FIELDS)
         if fixed:
-            raise InputError(f"megatron option(s) {', '.join(fixed)} come from the checkpoint's config.json "
-                             "or --dtype; they cannot be overridden")
+            raise InputError(
+                f"megatron option(s) {', '.join(fixed)} come from the checkpoint's config.json "
+                "or --dtype; they cannot be overridden"
+            )
 
     @classmethod
     def check_config(cls, spec, settings, role, mode):
@@ -201,9 +218,11 @@ class MegatronEngine(Engine):
         config = cls._config(spec, settings)
         for key, value in settings.options.items():
             if key != "micro_batch_size" and getattr(config, key) != value:
-                raise InputError(f"megatron {key}={value!r}: TransformerConfig resolves it to {getattr(config, key)!r} "
-                                 "(another setting overrides it), so the run would not measure what it records; "
-                                 "drop it")
+                raise InputError(
+                    f"megatron {key}={value!r}: TransformerConfig resolves it to {getattr(config, key)!r} "
+                    "(another setting overrides it), so the run would not measure what it records; "
+                    "drop it"
+                )
 
     @staticmethod
     def _config(spec: ModelSpec, settings: EngineSettings):
@@ -212,8 +231,9 @@ class MegatronEngine(Engine):
         try:
             return transformer_config(spec, settings, options)
         except (AssertionError, ValueError, TypeError) as e:
-            raise InputError("megatron rejected the TransformerConfig options: "
-                             f"{first_lines(e) or type(e).__name__}") from e
+            raise InputError(
+                f"megatron rejected the TransformerConfig options: {first_lines(e) or type(e).__name__}"
+            ) from e
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         super().__init__(spec, settings)
@@ -230,12 +250,24 @@ class MegatronEngine(Engine):
             from alignaudit.engines.megatron.strict import StrictGPTModel, strict_block_spec
 
             require_flash(settings, spec)
-            layer_spec = strict_block_spec(spec.num_layers, ops, spec.rope_theta, spec.qk_norm, spec.rope_llama3,
-                                           spec.num_experts, settings.strict_exp, settings.strict_attention)
+            layer_spec = strict_block_spec(
+                spec.num_layers,
+                ops,
+                spec.rope_theta,
+                spec.qk_norm,
+                spec.rope_llama3,
+                spec.num_experts,
+                settings.strict_exp,
+                settings.strict_attention,
+            )
             model_cls = functools.partial(StrictGPTModel, strict_ops=ops)
         else:
-            layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm",
-                                                  num_experts=spec.num_experts or None, moe_grouped_gemm=False)
+            layer_spec = get_gpt_layer_local_spec(
+                qk_layernorm=spec.qk_norm,
+                normalization="RMSNorm",
+                num_experts=spec.num_experts or None,
+                moe_grouped_gemm=False,
+            )
             model_cls = GPTModel
         model = model_cls(
             self.config,
@@ -331,15 +363,18 @@ class MegatronEngine(Engine):
 
         work, row_max = VCE.calculate_logits_max(logits.clone())  # fp32 (a copy: the loss gets the original)
         z = work - row_max.unsqueeze(-1)
-        sum_exp = VCE.calculate_predicted_logits(work, labels.transpose(0, 1).contiguous(), row_max, 0,
-                                                 work.shape[-1])[3]
+        sum_exp = VCE.calculate_predicted_logits(work, labels.transpose(0, 1).contiguous(), row_max, 0, work.shape[-1])[
+            3
+        ]
         return (z - torch.log(sum_exp).unsqueeze(-1)).transpose(0, 1)
 
     def vocab_row_formula(self) -> str:
         if "logprobs" in self.settings.strict_ops:
             return "alignaudit_kernels.log_softmax of the logits GPTModel hands its loss"
-        return ("Megatron's vocab_parallel_cross_entropy steps on the logits GPTModel hands its loss: "
-                "z = logits.float() - max, then z - log(sum(exp(z)))")
+        return (
+            "Megatron's vocab_parallel_cross_entropy steps on the logits GPTModel hands its loss: "
+            "z = logits.float() - max, then z - log(sum(exp(z)))"
+        )
 
     def replay_routing(self, routing, lengths):
         """Megatron-Core's own router replay: each TopKRouter gets the RouterReplay that
@@ -352,8 +387,10 @@ class MegatronEngine(Engine):
 
         routers = [layer.mlp.router for layer in self.gpt.decoder.layers]
         if not all(isinstance(r, TopKRouter) for r in routers) or self.tp_size != 1:
-            raise InputError("megatron replays routing of its own TopKRouter only (a Qwen3 MoE model, one rank, "
-                             "--strict without linear)")
+            raise InputError(
+                "megatron replays routing of its own TopKRouter only (a Qwen3 MoE model, one rank, "
+                "--strict without linear)"
+            )
         check_routing(routing, len(routers), self.spec.experts_per_token, self.spec.num_experts, lengths)
         self.config.moe_enable_routing_replay = True
         self.routing_replay = routing
@@ -383,8 +420,9 @@ class MegatronEngine(Engine):
         logits = self.gpt(inputs, positions, mask)  # [batch, n, V]
         # vocab_parallel_cross_entropy works in place on fp32 logits: give it a copy, keep ours; a contiguous one,
         # as megatron-core 0.19's views it as [-1, V] (clone() keeps the transpose's strides: it failed on the H200).
-        loss = self.gpt.compute_language_model_loss(labels, logits.transpose(0, 1).clone(
-            memory_format=torch.contiguous_format))
+        loss = self.gpt.compute_language_model_loss(
+            labels, logits.transpose(0, 1).clone(memory_format=torch.contiguous_format)
+        )
         for j, (r, length) in enumerate(zip(rows, lengths, strict=True)):
             replay = self.replay_rows(r, length)
             if replay is None:
@@ -394,8 +432,9 @@ class MegatronEngine(Engine):
             if self.tp_size > 1:  # top-k/top-p saw the whole vocabulary; the loss takes this rank's shard
                 processed = processed.chunk(self.tp_size, -1)[self.rank]
             replayed = self.gpt.compute_language_model_loss(labels[j, span][None], processed[:, None])[0]
-            loss = torch.cat([loss[:j], torch.cat([loss[j, : span.start], replayed, loss[j, span.stop:]])[None],
-                              loss[j + 1:]])
+            loss = torch.cat(
+                [loss[:j], torch.cat([loss[j, : span.start], replayed, loss[j, span.stop :]])[None], loss[j + 1 :]]
+            )
         return loss
 
     def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
@@ -432,8 +471,9 @@ class MegatronEngine(Engine):
         return {
             "micro_batch_size": self.micro_batch_size,
             "micro_batches": getattr(self, "micro_batches_run", None),
-            "layer_spec": "alignaudit.engines.megatron.strict.strict_block_spec" if self.settings.strict_ops
-                          else "get_gpt_layer_local_spec",
+            "layer_spec": "alignaudit.engines.megatron.strict.strict_block_spec"
+            if self.settings.strict_ops
+            else "get_gpt_layer_local_spec",
             "strict": self.settings.strict,
             "attention_exp": applied_exp(self.gpt),
             "attention_kernel": applied_kernel(self.gpt),
@@ -441,9 +481,12 @@ class MegatronEngine(Engine):
             "lm_head_dtype": "float32" if self.settings.lm_head_dtype == "fp32" else str(self.config.params_dtype),
             "module_mode": "train" if self.model.training else "eval",
             "weights": {"checkpoint_tensors": self.spec.tensors, "megatron_parameters_loaded": self.loaded_tensors},
-            "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)" + (
+            "logprob_formula": "-vocab_parallel_cross_entropy(logits, labels)"
+            + (
                 "; generated tokens: -vocab_parallel_cross_entropy(process_logits(logits, **replay), labels)"
-                if self.replay is not None else ""),
+                if self.replay is not None
+                else ""
+            ),
             "replay": self.replay.to_dict() if self.replay is not None else None,
             "routing_replay": ROUTING_REPLAYED if self.routing_replay is not None else None,
             "transformer_config": config,

@@ -15,22 +15,39 @@ import json
 from alignaudit.errors import InputError
 
 # TransformerConfig fields alignaudit derives from the checkpoint or --dtype (engines/megatron/adapter.py).
-MEGATRON_CHECKPOINT_FIELDS = frozenset({
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias",
-    "qk_layernorm", "bf16", "fp16", "params_dtype", "pipeline_dtype"})
+MEGATRON_CHECKPOINT_FIELDS = frozenset(
+    {
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "normalization",
+        "layernorm_epsilon",
+        "gated_linear_unit",
+        "activation_func",
+        "add_bias_linear",
+        "add_qkv_bias",
+        "qk_layernorm",
+        "bf16",
+        "fp16",
+        "params_dtype",
+        "pipeline_dtype",
+    }
+)
 MEGATRON_OPTIONS: dict[str, str] = {
     # Each reaches the model; "same bits" = measured on the fixture on CPU (bf16) against the default.
     "micro_batch_size": "sequences per forward pass, right-padded (alignaudit's option, not TransformerConfig's)",
     "tensor_model_parallel_size": "tensor-parallel ranks, one process each (gloo on CPU, NCCL on CUDA, one GPU a "
-                                  "rank); must divide the heads, query groups, FFN width and vocabulary",
+    "rank); must divide the heads, query groups, FFN width and vocabulary",
     "attention_softmax_in_fp32": "the unfused attention softmax's input dtype (same bits on CPU: torch's bf16 "
-                                 "softmax accumulates in fp32 and rounds once)",
+    "softmax accumulates in fp32 and rounds once)",
     "apply_query_key_layer_scaling": "QK^T scaled by 1/layer_number before the softmax and back inside it (same bits)",
     "bias_dropout_fusion": "the residual add through Megatron's jit-fused bias-dropout-add (same bits)",
     "deterministic_mode": "Megatron's deterministic kernel choices (same bits on CPU)",
     "cross_entropy_loss_fusion": "the logprob through Megatron's fused cross-entropy, native impl (18 of 176 tokens "
-                                 "change)",
+    "change)",
     "masked_softmax_fusion": "the fused scale-mask-softmax kernel (CUDA only)",
     "apply_rope_fusion": "the fused RoPE kernel (CUDA with Transformer Engine or apex only)",
     "hidden_dropout": "0 only: the forward pass runs in eval mode",
@@ -44,7 +61,7 @@ MEGATRON_REFUSED: dict[str, str] = {
     "context_parallel_size": PARALLEL_ONLY_TP,
     "expert_model_parallel_size": PARALLEL_ONLY_TP,
     "sequence_parallel": "alignaudit's tensor-parallel runs keep activations whole on every rank; sequence "
-                         "parallelism (activations split along the sequence) is not implemented",
+    "parallelism (activations split along the sequence) is not implemented",
     "gradient_accumulation_fusion": "training only (fuses weight-gradient accumulation); no effect on a forward pass",
     "persist_layer_norm": "applies to apex/Transformer Engine LayerNorm; the local spec uses torch RMSNorm",
     "memory_efficient_layer_norm": "applies to apex/Transformer Engine LayerNorm; the local spec uses torch RMSNorm",
@@ -65,16 +82,23 @@ def check_options(settings, flag: str) -> None:
     """
     for key, value in settings.options.items():
         if key in MEGATRON_CHECKPOINT_FIELDS:
-            raise InputError(f"megatron option(s) {key} come from the checkpoint's config.json or --dtype; they cannot "
-                             "be overridden")
+            raise InputError(
+                f"megatron option(s) {key} come from the checkpoint's config.json or --dtype; they cannot be overridden"
+            )
         if key in MEGATRON_REFUSED:
             raise InputError(f"megatron {key}: {MEGATRON_REFUSED[key]}; drop {flag} {key}")
         if key not in MEGATRON_OPTIONS:
-            raise InputError(f"megatron {key}: alignaudit does not know it to take effect in a forward pass, so it "
-                             f"would be recorded without being measured; supported: {', '.join(MEGATRON_OPTIONS)}")
+            raise InputError(
+                f"megatron {key}: alignaudit does not know it to take effect in a forward pass, so it "
+                f"would be recorded without being measured; supported: {', '.join(MEGATRON_OPTIONS)}"
+            )
         if key in EVAL_ZERO and value:
-            raise InputError(f"megatron {key}={json.dumps(value)}: no effect, the forward pass runs in eval mode "
-                             f"(dropout off); drop {flag} {key}")
+            raise InputError(
+                f"megatron {key}={json.dumps(value)}: no effect, the forward pass runs in eval mode "
+                f"(dropout off); drop {flag} {key}"
+            )
         if key in CUDA_ONLY and value and settings.device != "cuda":
-            raise InputError(f"megatron {key}=true needs a CUDA kernel (Megatron falls back silently on CPU); drop it "
-                             "or use --device cuda")
+            raise InputError(
+                f"megatron {key}=true needs a CUDA kernel (Megatron falls back silently on CPU); drop it "
+                "or use --device cuda"
+            )

@@ -145,8 +145,9 @@ class StrictMoELayer(torch.nn.Module):
         experts = self.experts.local_experts
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         _, chosen, weights = self.strict_router(x, self.router.weight)
-        out = K.combine_experts(x, chosen, weights, [e.linear_fc1.weight for e in experts],
-                                [e.linear_fc2.weight for e in experts])
+        out = K.combine_experts(
+            x, chosen, weights, [e.linear_fc1.weight for e in experts], [e.linear_fc2.weight for e in experts]
+        )
         return out.view(hidden_states.shape), None
 
 
@@ -155,45 +156,94 @@ class StrictCoreAttention(MegatronModule):
     (``strict_attention``; otherwise Megatron's DotProductAttention). Inputs are [seq, batch, heads, dim];
     q_rope and k_rope are modules so op capture can see them."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, *, rotary_base: float,
-                 strict_rope: bool, strict_attention: bool, llama3: tuple | None = None, exp: str = "portable",
-                 kernel: str = "portable"):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        *,
+        rotary_base: float,
+        strict_rope: bool,
+        strict_attention: bool,
+        llama3: tuple | None = None,
+        exp: str = "portable",
+        kernel: str = "portable",
+    ):
         super().__init__(config=config)
         self.strict_rope, self.strict_attention, self.strict_exp = strict_rope, strict_attention, exp
         self.strict_kernel = kernel
-        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.q_rope = RopeOp(config.kv_channels, rotary_base, 4096, llama3) if strict_rope else None
         self.k_rope = RopeOp(config.kv_channels, rotary_base, 4096, llama3) if strict_rope else None
-        self.stock = None if strict_attention else DotProductAttention(
-            config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale, cp_comm_type,
-            pg_collection)
+        self.stock = (
+            None
+            if strict_attention
+            else DotProductAttention(
+                config,
+                layer_number,
+                attn_mask_type,
+                attention_type,
+                attention_dropout,
+                softmax_scale,
+                cp_comm_type,
+                pg_collection,
+            )
+        )
         # set by StrictGPTModel.forward for one forward (what every layer would otherwise derive again)
         self.position_ids, self.position_limit, self.cu_seqlens = None, 0, None
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **kwargs):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **kwargs,
+    ):
         if packed_seq_params is not None:  # THD: [tokens, heads, dim], sequences by cu_seqlens
-            cu, positions, limit = (pack_layout(packed_seq_params, query.shape[0], query.device)
-                                    if self.cu_seqlens is None else  # StrictGPTModel.forward read it once
-                                    (self.cu_seqlens, self.position_ids, self.position_limit))
+            cu, positions, limit = (
+                pack_layout(packed_seq_params, query.shape[0], query.device)
+                if self.cu_seqlens is None
+                # StrictGPTModel.forward read it once
+                else (self.cu_seqlens, self.position_ids, self.position_limit)
+            )
         else:  # [seq, batch, heads, dim]
             sq, b = query.shape[:2]
-            positions = (torch.arange(sq, device=query.device)[:, None].expand(sq, b) if self.position_ids is None
-                         else self.position_ids.T)
+            positions = (
+                torch.arange(sq, device=query.device)[:, None].expand(sq, b)
+                if self.position_ids is None
+                else self.position_ids.T
+            )
             limit = sq if self.position_ids is None else self.position_limit
         if self.strict_rope:
             query, key = self.q_rope(query, positions, limit), self.k_rope(key, positions, limit)
         if not self.strict_attention:
-            return self.stock(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                              attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            return self.stock(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
         if packed_seq_params is not None:
-            return K.varlen_attention(query, key, value, cu, self.scale, exp=self.strict_exp,
-                                      kernel=self.strict_kernel).flatten(1)
+            return K.varlen_attention(
+                query, key, value, cu, self.scale, exp=self.strict_exp, kernel=self.strict_kernel
+            ).flatten(1)
         q, k, v = (t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value))
         cu = self.cu_seqlens if self.cu_seqlens is not None else padded_cu_seqlens(attention_mask, b, sq)
-        out = K.varlen_attention(q, k, v, cu, self.scale, exp=self.strict_exp,
-                                 kernel=self.strict_kernel)  # [b * sq, heads, dim]
+        out = K.varlen_attention(
+            q, k, v, cu, self.scale, exp=self.strict_exp, kernel=self.strict_kernel
+        )  # [b * sq, heads, dim]
         return out.view(b, sq, -1).transpose(0, 1).contiguous()
 
 
@@ -212,11 +262,14 @@ def packed_cu_seqlens(packed_seq_params, tokens: int) -> torch.Tensor:
     for name in ("cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         other = getattr(p, name)
         if other is not None and not torch.equal(other.detach().cpu().long(), cu):
-            raise ValueError(f"StrictGPTModel: packed_seq_params.{name} differs from cu_seqlens_q; strict attention "
-                             "computes packs of whole, unpadded sequences (each its own queries and keys)")
+            raise ValueError(
+                f"StrictGPTModel: packed_seq_params.{name} differs from cu_seqlens_q; strict attention "
+                "computes packs of whole, unpadded sequences (each its own queries and keys)"
+            )
     if cu[0] != 0 or int(cu[-1]) != tokens or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"StrictGPTModel: cu_seqlens_q {cu.tolist()} do not cut the pack of {tokens} tokens into "
-                         "sequences")
+        raise ValueError(
+            f"StrictGPTModel: cu_seqlens_q {cu.tolist()} do not cut the pack of {tokens} tokens into sequences"
+        )
     return cu
 
 
@@ -263,13 +316,16 @@ def mask_runs(attention_mask: torch.Tensor | None, b: int, s: int) -> tuple[torc
     if attention_mask is None:
         return torch.zeros(b, dtype=torch.long), torch.full((b,), s)
     if attention_mask.dtype != torch.bool:
-        raise ValueError("StrictGPTModel: attention_mask must be bool (True = masked), as Megatron's; got "
-                         f"{attention_mask.dtype}")
+        raise ValueError(
+            f"StrictGPTModel: attention_mask must be bool (True = masked), as Megatron's; got {attention_mask.dtype}"
+        )
     try:
         attend = ~attention_mask.expand(b, 1, s, s)[:, 0].cpu()  # [b, query, key]
     except RuntimeError:
-        raise ValueError(f"StrictGPTModel: attention_mask {tuple(attention_mask.shape)} does not broadcast to "
-                         f"[batch, 1, seq, seq] = {(b, 1, s, s)}") from None
+        raise ValueError(
+            f"StrictGPTModel: attention_mask {tuple(attention_mask.shape)} does not broadcast to "
+            f"[batch, 1, seq, seq] = {(b, 1, s, s)}"
+        ) from None
     valid = attend.any(dim=1)  # keys some query attends
     index = torch.arange(s)
     start = torch.where(valid.any(1), valid.int().argmax(1), 0)
@@ -278,14 +334,22 @@ def mask_runs(attention_mask: torch.Tensor | None, b: int, s: int) -> tuple[torc
     causal = index[None, :] <= index[:, None]
     expected = causal[None] & inside[:, :, None] & inside[:, None, :]
     if not (torch.equal(valid, inside) and torch.equal(attend & inside[:, :, None], expected)):
-        raise ValueError("StrictGPTModel: attention_mask must be causal over one contiguous run of tokens per row, "
-                         "padding masked as keys (left or right padding); strict attention computes no other mask")
+        raise ValueError(
+            "StrictGPTModel: attention_mask must be causal over one contiguous run of tokens per row, "
+            "padding masked as keys (left or right padding); strict attention computes no other mask"
+        )
     return start, end
 
 
-def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
-                      llama3: tuple | None = None, num_experts: int = 0, exp: str = "portable",
-                      kernel: str = "portable") -> ModuleSpec:
+def strict_layer_spec(
+    ops: frozenset[str],
+    rotary_base: float,
+    qk_layernorm: bool = True,
+    llama3: tuple | None = None,
+    num_experts: int = 0,
+    exp: str = "portable",
+    kernel: str = "portable",
+) -> ModuleSpec:
     """The local GPT layer spec with the strict ops swapped in (``llama3``: ModelSpec.rope_llama3; ``exp`` and
     ``kernel``: the strict attention's, alignaudit_kernels.attention). An MoE layer keeps Megatron's MoELayer in the
     spec; StrictGPTModel swaps its forward for the strict one.
@@ -296,8 +360,9 @@ def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: boo
     from alignaudit.inputs.strict_ops import guard_platform
 
     guard_platform(ops, "strict_layer_spec")
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm",
-                                    num_experts=num_experts or None, moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(
+        qk_layernorm=qk_layernorm, normalization="RMSNorm", num_experts=num_experts or None, moe_grouped_gemm=False
+    )
     layer = spec.submodules
     attn = layer.self_attention.submodules
     if "rmsnorm" in ops:
@@ -309,13 +374,25 @@ def strict_layer_spec(ops: frozenset[str], rotary_base: float, qk_layernorm: boo
         attn.linear_proj = StrictRowParallelLinear
     if {"linear", "silu"} & ops and not num_experts:
         linear = "linear" in ops
-        layer.mlp = _mlp_spec(StrictMLP if "silu" in ops else MLP, MLPSubmodules(
-            linear_fc1=StrictColumnParallelLinear if linear else ColumnParallelLinear,
-            linear_fc2=StrictRowParallelLinear if linear else RowParallelLinear))
+        layer.mlp = _mlp_spec(
+            StrictMLP if "silu" in ops else MLP,
+            MLPSubmodules(
+                linear_fc1=StrictColumnParallelLinear if linear else ColumnParallelLinear,
+                linear_fc2=StrictRowParallelLinear if linear else RowParallelLinear,
+            ),
+        )
     if {"rope", "attention"} & ops:
-        attn.core_attention = ModuleSpec(module=StrictCoreAttention, params={
-            "rotary_base": rotary_base, "strict_rope": "rope" in ops, "strict_attention": "attention" in ops,
-            "llama3": llama3, "exp": exp, "kernel": kernel})
+        attn.core_attention = ModuleSpec(
+            module=StrictCoreAttention,
+            params={
+                "rotary_base": rotary_base,
+                "strict_rope": "rope" in ops,
+                "strict_attention": "attention" in ops,
+                "llama3": llama3,
+                "exp": exp,
+                "kernel": kernel,
+            },
+        )
     return spec
 
 
@@ -327,16 +404,24 @@ def _mlp_spec(mlp_cls, submodules):
     return ModuleSpec(module=mlp_cls, submodules=submodules)
 
 
-def strict_block_spec(num_layers: int, ops: frozenset[str], rotary_base: float, qk_layernorm: bool = True,
-                      llama3: tuple | None = None, num_experts: int = 0,
-                      exp: str = "portable", kernel: str = "portable") -> TransformerBlockSubmodules:
+def strict_block_spec(
+    num_layers: int,
+    ops: frozenset[str],
+    rotary_base: float,
+    qk_layernorm: bool = True,
+    llama3: tuple | None = None,
+    num_experts: int = 0,
+    exp: str = "portable",
+    kernel: str = "portable",
+) -> TransformerBlockSubmodules:
     """A TransformerBlockSubmodules of strict layers; the final norm is strict too with "rmsnorm"; ``exp`` and
     ``kernel``: the strict attention's exp and kernel (alignaudit_kernels.attention.EXP_CHOICES, KERNELS)."""
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl
 
     layer = strict_layer_spec(ops, rotary_base, qk_layernorm, llama3, num_experts, exp, kernel)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
-                                      layer_norm=StrictRMSNorm if "rmsnorm" in ops else LNImpl)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * num_layers, layer_norm=StrictRMSNorm if "rmsnorm" in ops else LNImpl
+    )
 
 
 # megatron.core parallelism the strict kernels do not compute, and why (ValueError at StrictGPTModel()).
@@ -359,8 +444,10 @@ def check_parallelism(config) -> None:
         if (getattr(config, name, 1) or 1) > 1:
             raise ValueError(f"StrictGPTModel: {name}={getattr(config, name)} is not supported: {why}; use 1")
     if getattr(config, "sequence_parallel", False):
-        raise ValueError("StrictGPTModel: sequence_parallel is not supported: the strict row-parallel product adds "
-                         "the ranks' fp32 partials in rank order and keeps activations whole; turn it off")
+        raise ValueError(
+            "StrictGPTModel: sequence_parallel is not supported: the strict row-parallel product adds "
+            "the ranks' fp32 partials in rank order and keeps activations whole; turn it off"
+        )
 
 
 def _position_ids(position_ids: torch.Tensor | None, input_ids: torch.Tensor, config) -> torch.Tensor | None:
@@ -379,9 +466,11 @@ def _position_ids(position_ids: torch.Tensor | None, input_ids: torch.Tensor, co
     if torch.equal(position_ids, torch.arange(s, device=position_ids.device).expand(b, s).to(position_ids.dtype)):
         return None
     if getattr(config, "recompute_granularity", None) is not None:
-        raise ValueError("StrictGPTModel: position_ids other than each row's index with recompute_granularity set: "
-                         "a recomputed layer would rotate at the index; turn recomputation off or pack the batch "
-                         "(packed_seq_params)")
+        raise ValueError(
+            "StrictGPTModel: position_ids other than each row's index with recompute_granularity set: "
+            "a recomputed layer would rotate at the index; turn recomputation off or pack the batch "
+            "(packed_seq_params)"
+        )
     return position_ids
 
 
@@ -414,8 +503,10 @@ class StrictGPTModel(GPTModel):
         positions, cu, limit = None, None, 0
         if kwargs.get("packed_seq_params") is not None:
             if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-                raise ValueError(f"StrictGPTModel: a THD pack is input_ids [1, tokens], not {tuple(input_ids.shape)}; "
-                                 "concatenate the sequences and give their cu_seqlens")
+                raise ValueError(
+                    f"StrictGPTModel: a THD pack is input_ids [1, tokens], not {tuple(input_ids.shape)}; "
+                    "concatenate the sequences and give their cu_seqlens"
+                )
             if self._core_attention:  # strict rope or attention reads the pack (else Megatron's own attention)
                 cu, positions, limit = pack_layout(kwargs["packed_seq_params"], input_ids.shape[1], input_ids.device)
         else:
@@ -424,8 +515,10 @@ class StrictGPTModel(GPTModel):
             if "attention" in self.strict_ops:
                 start, end = mask_runs(attention_mask, *input_ids.shape[:2])
                 if "rope" in self.strict_ops and position_ids is None and bool((start > 0).any()):
-                    raise ValueError("StrictGPTModel: a left-padded row needs position_ids (0 from its first token); "
-                                     "without them its tokens would be rotated at their index in the row")
+                    raise ValueError(
+                        "StrictGPTModel: a left-padded row needs position_ids (0 from its first token); "
+                        "without them its tokens would be rotated at their index in the row"
+                    )
                 cu = _cu_seqlens(start, end, input_ids.shape[1])
             limit = int(positions.max()) + 1 if positions is not None else 0  # one synchronization, not one a layer
         for module in self._core_attention:
@@ -445,6 +538,7 @@ class StrictGPTModel(GPTModel):
         group = _tp_group(self.output_layer)
         if group is not None:
             shard = logits.shape[-1]
-            return -K.token_logprobs_vocab_parallel(logits.transpose(0, 1), labels, group.rank() * shard,
-                                                    shard * group.size(), group)
+            return -K.token_logprobs_vocab_parallel(
+                logits.transpose(0, 1), labels, group.rank() * shard, shard * group.size(), group
+            )
         return -K.token_logprobs(logits.transpose(0, 1), labels)

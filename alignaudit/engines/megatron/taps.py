@@ -35,9 +35,14 @@ def install(gpt, tap: Tap) -> Hooks:
         points += [
             HookPoint(layer.input_layernorm, Same("input_norm"), i, SEQ_FIRST),
             HookPoint(attn.linear_qkv, GroupedQKV(), i, SEQ_FIRST, index=0, sharded="features"),
-            *([HookPoint(attn.q_layernorm, Same("q_norm"), i, SEQ_FIRST, sharded="features"),
-               HookPoint(attn.k_layernorm, Same("k_norm"), i, SEQ_FIRST, sharded="features")]
-              if attn.q_layernorm is not None else []),  # QK-norm (Qwen3) only
+            *(
+                [
+                    HookPoint(attn.q_layernorm, Same("q_norm"), i, SEQ_FIRST, sharded="features"),
+                    HookPoint(attn.k_layernorm, Same("k_norm"), i, SEQ_FIRST, sharded="features"),
+                ]
+                if attn.q_layernorm is not None
+                else []
+            ),  # QK-norm (Qwen3) only
             *_rope_points(attn.core_attention, i),
             HookPoint(attn.core_attention, Same("attn"), i, SEQ_FIRST, sharded="features"),
             HookPoint(attn.linear_proj, Same("o_proj"), i, SEQ_FIRST, index=0),
@@ -99,7 +104,11 @@ def _gather(x, sharded: str):
 def _rope_points(core_attention, layer: int) -> list[HookPoint]:
     """q_rope/k_rope: core_attention's inputs, or the strict core attention's own rope modules."""
     if getattr(core_attention, "q_rope", None) is not None:  # alignaudit.engines.megatron.strict.StrictCoreAttention
-        return [HookPoint(core_attention.q_rope, Same("q_rope"), layer, SEQ_FIRST, sharded="features"),
-                HookPoint(core_attention.k_rope, Same("k_rope"), layer, SEQ_FIRST, sharded="features")]
-    return [HookPoint(core_attention, Same("q_rope"), layer, SEQ_FIRST, when="pre", index=0, sharded="features"),
-            HookPoint(core_attention, Same("k_rope"), layer, SEQ_FIRST, when="pre", index=1, sharded="features")]
+        return [
+            HookPoint(core_attention.q_rope, Same("q_rope"), layer, SEQ_FIRST, sharded="features"),
+            HookPoint(core_attention.k_rope, Same("k_rope"), layer, SEQ_FIRST, sharded="features"),
+        ]
+    return [
+        HookPoint(core_attention, Same("q_rope"), layer, SEQ_FIRST, when="pre", index=0, sharded="features"),
+        HookPoint(core_attention, Same("k_rope"), layer, SEQ_FIRST, when="pre", index=1, sharded="features"),
+    ]

@@ -26,16 +26,21 @@ class MegatronTraining:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         if offload_fraction and engine.settings.device != "cuda":
-            raise ValueError(f"optimizer offload is megatron.core's (CUDA only); megatron on "
-                             f"{engine.settings.device} cannot offload {offload_fraction}")
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   use_distributed_optimizer=offload_fraction > 0)
+            raise ValueError(
+                f"optimizer offload is megatron.core's (CUDA only); megatron on "
+                f"{engine.settings.device} cannot offload {offload_fraction}"
+            )
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=offload_fraction > 0
+        )
         self.ddp = DistributedDataParallel(engine.config, ddp_config, module=engine.model)
         if engine.settings.device == "cuda":
             self.optimizer = megatron_cuda_optimizer(self.ddp, engine.config, lr, clip_grad, offload_fraction)
-            self.name = ("megatron.core.optimizer.get_megatron_optimizer " + (
+            self.name = "megatron.core.optimizer.get_megatron_optimizer " + (
                 f"(DistributedOptimizer, HybridDeviceOptimizer: {offload_fraction} of the state on the host)"
-                if offload_fraction else "(Float16OptimizerWithFloat16Params)"))
+                if offload_fraction
+                else "(Float16OptimizerWithFloat16Params)"
+            )
         else:
             from megatron.core import parallel_state
 
@@ -73,9 +78,24 @@ def megatron_cuda_optimizer(ddp_model, config, lr: float, clip_grad: float, offl
 
     offload = {}
     if offload_fraction:
-        offload = {"use_distributed_optimizer": True, "optimizer_cpu_offload": True,
-                   "optimizer_offload_fraction": offload_fraction, "use_precision_aware_optimizer": True}
-    opt_config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=0.0, adam_beta1=0.9,
-                                 adam_beta2=0.999, adam_eps=1e-8, bf16=config.bf16, fp16=config.fp16,
-                                 params_dtype=config.params_dtype, clip_grad=clip_grad, **offload)
+        offload = {
+            "use_distributed_optimizer": True,
+            "optimizer_cpu_offload": True,
+            "optimizer_offload_fraction": offload_fraction,
+            "use_precision_aware_optimizer": True,
+        }
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=lr,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        clip_grad=clip_grad,
+        **offload,
+    )
     return get_megatron_optimizer(opt_config, [ddp_model])

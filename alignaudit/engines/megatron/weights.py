@@ -26,9 +26,15 @@ WEIGHT_MAP: dict[str, tuple[str, ...]] = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight",),
     "decoder.layers.{i}.input_layernorm.weight": (_L + "input_layernorm.weight",),
     "decoder.layers.{i}.self_attention.linear_qkv.weight": (
-        _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
+        _L + "self_attn.q_proj.weight",
+        _L + "self_attn.k_proj.weight",
+        _L + "self_attn.v_proj.weight",
+    ),
     "decoder.layers.{i}.self_attention.linear_qkv.bias": (
-        _L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
+        _L + "self_attn.q_proj.bias",
+        _L + "self_attn.k_proj.bias",
+        _L + "self_attn.v_proj.bias",
+    ),
     "decoder.layers.{i}.self_attention.q_layernorm.weight": (_L + "self_attn.q_norm.weight",),
     "decoder.layers.{i}.self_attention.k_layernorm.weight": (_L + "self_attn.k_norm.weight",),
     "decoder.layers.{i}.self_attention.linear_proj.weight": (_L + "self_attn.o_proj.weight",),
@@ -38,12 +44,13 @@ WEIGHT_MAP: dict[str, tuple[str, ...]] = {
     # MoE layers (alignaudit.arch.qwen3_moe), {j} the expert: SequentialMLP's local experts
     "decoder.layers.{i}.mlp.router.weight": (_L + "mlp.gate.weight",),
     "decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight": (
-        _L + "mlp.experts.{j}.gate_proj.weight", _L + "mlp.experts.{j}.up_proj.weight"),
+        _L + "mlp.experts.{j}.gate_proj.weight",
+        _L + "mlp.experts.{j}.up_proj.weight",
+    ),
     "decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight": (_L + "mlp.experts.{j}.down_proj.weight",),
     "decoder.final_layernorm.weight": ("model.norm.weight",),
     "output_layer.weight": ("lm_head.weight",),
 }
-
 
 
 def weight_map(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
@@ -57,8 +64,11 @@ def weight_map(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
         absent.add("linear_qkv.bias")
     if not spec.qk_norm:
         absent.update({"q_layernorm.weight", "k_layernorm.weight"})
-    return {name: sources for name, sources in WEIGHT_MAP.items()
-            if name not in absent and ".".join(name.split(".")[-2:]) not in absent}
+    return {
+        name: sources
+        for name, sources in WEIGHT_MAP.items()
+        if name not in absent and ".".join(name.split(".")[-2:]) not in absent
+    }
 
 
 FUSE: dict[str, Callable[..., torch.Tensor]] = {
@@ -74,8 +84,13 @@ FUSE: dict[str, Callable[..., torch.Tensor]] = {
 # The grouped QKV keeps whole query groups on a rank, so a plain split of dim 0 is right; SwiGLU's fc1
 # holds [gate shard | up shard] on each rank.
 TP_SPLIT: dict[str, int | str] = {
-    "linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": "glu", "linear_proj.weight": 1,
-    "linear_fc2.weight": 1, "word_embeddings.weight": 0, "output_layer.weight": 0,
+    "linear_qkv.weight": 0,
+    "linear_qkv.bias": 0,
+    "linear_fc1.weight": "glu",
+    "linear_proj.weight": 1,
+    "linear_fc2.weight": 1,
+    "word_embeddings.weight": 0,
+    "output_layer.weight": 0,
 }
 
 
@@ -102,8 +117,9 @@ def tp_unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=how)
 
 
-def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype,
-                        tp_rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
+def megatron_state_dict(
+    spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1
+) -> dict[str, torch.Tensor]:
     """Read the HF safetensors of ``spec`` and return Megatron parameter tensors in ``dtype``, sharded for
     rank ``tp_rank`` of ``tp_size`` tensor-parallel ranks.
 
@@ -121,8 +137,9 @@ def megatron_state_dict(spec: ModelSpec, dtype: torch.dtype,
             out[name] = tp_shard(name, (fuse(spec, *parts) if fuse else parts[0]), tp_rank, tp_size).to(dtype)
     unused = sorted(set(tensors.where) - tensors.read)
     if unused:
-        raise InputError(f"the Megatron conversion does not use checkpoint tensor(s) {', '.join(unused[:3])}; "
-                         "they would be ignored")
+        raise InputError(
+            f"the Megatron conversion does not use checkpoint tensor(s) {', '.join(unused[:3])}; they would be ignored"
+        )
     return out
 
 
@@ -198,7 +215,8 @@ def _unsharded(state: dict[str, torch.Tensor], diverged: list[str]) -> dict[str,
         shards = [torch.empty_like(shard) for _ in range(group.size())]
         torch.distributed.all_gather(shards, shard.contiguous(), group=group)
         full[name] = tp_unshard(name, shards)
-        if full[name] is shards[0] and not all(torch.equal(s.view(torch.uint8), shards[0].view(torch.uint8))
-                                              for s in shards[1:]):
+        if full[name] is shards[0] and not all(
+            torch.equal(s.view(torch.uint8), shards[0].view(torch.uint8)) for s in shards[1:]
+        ):
             diverged.append(name)  # a replicated parameter the ranks no longer agree on
     return full

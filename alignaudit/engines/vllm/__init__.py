@@ -28,8 +28,10 @@ class VllmKind(EngineKind):
     def check_tensor_parallel(self, spec, tp: int) -> None:
         """vLLM pads the vocabulary and replicates KV heads, so the KV heads need only split or replicate evenly."""
         if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
-            raise InputError(f"vllm tensor_parallel_size={tp}: the {spec.num_kv_heads} KV heads of {spec.name} can be "
-                             "neither split nor replicated evenly over that many ranks")
+            raise InputError(
+                f"vllm tensor_parallel_size={tp}: the {spec.num_kv_heads} KV heads of {spec.name} can be "
+                "neither split nor replicated evenly over that many ranks"
+            )
         super().check_tensor_parallel(spec, tp)
 
     def check_settings(self, settings, mode: str, role: str) -> None:
@@ -48,13 +50,17 @@ class VllmKind(EngineKind):
         tensor parallelism (not run yet)."""
         sampling = self._with_defaults(sampling)
         if settings.options.get("enable_prefix_caching") and sampling.prompt_logprobs:
-            raise InputError("vllm enable_prefix_caching=true has no effect while prompt logprobs are recorded: vLLM "
-                             "never reads the prefix cache for such a request; drop --prompt-logprobs")
+            raise InputError(
+                "vllm enable_prefix_caching=true has no effect while prompt logprobs are recorded: vLLM "
+                "never reads the prefix cache for such a request; drop --prompt-logprobs"
+            )
         if sampling.engine_mode == "async":
             if "worker_extension_cls" in settings.options:
-                raise InputError("vllm worker_extension_cls is set by alignaudit in --engine-mode async (its "
-                                 "extension reads back the kernels vLLM computes with); drop --infer-opt "
-                                 "worker_extension_cls")
+                raise InputError(
+                    "vllm worker_extension_cls is set by alignaudit in --engine-mode async (its "
+                    "extension reads back the kernels vLLM computes with); drop --infer-opt "
+                    "worker_extension_cls"
+                )
             if self.tensor_parallel_size(settings) != 1:
                 raise InputError("--engine-mode async at tensor_parallel_size > 1 has not been run; drop one")
         return sampling

@@ -54,8 +54,9 @@ class VllmEngine(Engine):
         except (NameError, TypeError):  # an annotation this vLLM cannot resolve: check names only
             hints = {}
         fields = {**{name: hints.get(name) for name in SamplingParams.__struct_fields__}, **cls._engine_fields()}
-        reject_unknown("vllm", options, set(fields),
-                       "vllm accepts EngineArgs and SamplingParams fields (see `vllm serve --help`)")
+        reject_unknown(
+            "vllm", options, set(fields), "vllm accepts EngineArgs and SamplingParams fields (see `vllm serve --help`)"
+        )
         reject_wrong_types("vllm", options, fields)
 
     @classmethod
@@ -85,7 +86,8 @@ class VllmEngine(Engine):
             cores = sorted(os.sched_getaffinity(0))
             per = len(cores) // self.tp_size
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                ",".join(str(c) for c in cores[r * per:(r + 1) * per]) for r in range(self.tp_size))
+                ",".join(str(c) for c in cores[r * per : (r + 1) * per]) for r in range(self.tp_size)
+            )
         engine_fields = self._engine_fields()
         self.engine_options = {k: v for k, v in settings.options.items() if k in engine_fields}
         self.sampling_options = {k: v for k, v in settings.options.items() if k not in engine_fields}
@@ -159,8 +161,10 @@ class VllmEngine(Engine):
     def _in_process(self, what: str) -> None:
         """Raises InputError in async mode, whose model lives in vLLM's engine process, out of this one's reach."""
         if self.engine_mode == "async":
-            raise InputError(f"{what} reaches vLLM's model in this process; in --engine-mode async it runs in vLLM's "
-                             "engine process (not built yet); use --engine-mode offline")
+            raise InputError(
+                f"{what} reaches vLLM's model in this process; in --engine-mode async it runs in vLLM's "
+                "engine process (not built yet); use --engine-mode offline"
+            )
 
     def _start(self, max_len: int, total_tokens: int, max_seqs: int | None = None) -> None:
         """Build the LLM once, sized for the longest sequence and the whole batch."""
@@ -178,8 +182,9 @@ class VllmEngine(Engine):
             "skip_tokenizer_init": not spec.has_tokenizer,
         }
         if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(self.engine_options):
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(spec, self.settings.dtype, total_tokens, max_len,
-                                                             self.engine_options)
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
+                spec, self.settings.dtype, total_tokens, max_len, self.engine_options
+            )
             if self.settings.device == "cuda":
                 # vLLM starts only if gpu_memory_utilization x the GPU's memory is free (request_memory,
                 # vllm/v1/worker/utils.py); with the KV cache sized above, that check is all it is used for. rl's
@@ -188,8 +193,11 @@ class VllmEngine(Engine):
                 kwargs["gpu_memory_utilization"] = round(min(0.9, 0.95 * free / total), 3)
         if max_seqs and self.settings.device == "cuda" and "max_num_seqs" not in self.engine_options:
             kwargs["max_num_seqs"] = max_seqs
-        if (self.settings.strict_ops and self.settings.device == "cpu"
-                and "max_num_batched_tokens" not in self.engine_options):
+        if (
+            self.settings.strict_ops
+            and self.settings.device == "cpu"
+            and "max_num_batched_tokens" not in self.engine_options
+        ):
             # Compiled vLLM warms up with a forward of max_num_batched_tokens tokens; the strict CPU kernels
             # spell every reduction out and take minutes for that on a real-shape model. Strict results do
             # not depend on how tokens are batched, so a batch budget of what the prompts need changes no bit.
@@ -206,8 +214,11 @@ class VllmEngine(Engine):
                 if self.engine_options.get("enforce_eager") is False:
                     raise InputError("op capture needs vLLM's eager mode; drop enforce_eager=false")
                 kwargs["enforce_eager"] = True
-            self.capture_overrides = {k: kwargs[k] for k in ("enable_prefix_caching", "enforce_eager")
-                                      if k in kwargs and k not in self.engine_options}
+            self.capture_overrides = {
+                k: kwargs[k]
+                for k in ("enable_prefix_caching", "enforce_eager")
+                if k in kwargs and k not in self.engine_options
+            }
         kwargs.update(self.engine_options)
         if self.settings.lm_head_dtype == "fp32":  # vLLM's own switch (ModelConfig.head_dtype)
             kwargs["hf_overrides"] = {**(kwargs.get("hf_overrides") or {}), "head_dtype": "float32"}
@@ -270,8 +281,9 @@ class VllmEngine(Engine):
         if self.engine_mode == "async":
             outputs, self.arrivals = self.llm.generate(batch.sequences, params, self.arrival_gap_s, self.progress)
             return outputs
-        return self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params,
-                                 use_tqdm=self._progress_bar())
+        return self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params, use_tqdm=self._progress_bar()
+        )
 
     @torch.no_grad()
     def rollout(self, batch, sampling):
@@ -290,22 +302,40 @@ class VllmEngine(Engine):
         if group != 1 and self.vocab_sink is not None:
             raise InputError("full-vocabulary rows of grouped rollouts are not built yet; drop --group-size")
         if self.llm is not None and sampling.engine_mode != self.engine_mode:
-            raise InputError(f"this vLLM engine runs {self.engine_mode}; a rollout of engine_mode "
-                             f"{sampling.engine_mode} needs another engine")
+            raise InputError(
+                f"this vLLM engine runs {self.engine_mode}; a rollout of engine_mode "
+                f"{sampling.engine_mode} needs another engine"
+            )
         if sampling.engine_mode == "async" and self.vocab_sink is not None:
-            raise InputError("full-vocabulary rows of async rollouts are not built (the sampler runs in vLLM's engine "
-                             "process); drop --engine-mode async")
+            raise InputError(
+                "full-vocabulary rows of async rollouts are not built (the sampler runs in vLLM's engine "
+                "process); drop --engine-mode async"
+            )
         self.engine_mode = sampling.engine_mode
         if self.engine_mode == "async":
             self.arrival_gap_s = sampling.arrival_gap_s
-        self._start(max(len(s) for s in batch.sequences) + sampling.max_new_tokens,
-                    group * (batch.num_tokens + len(batch.sequences) * sampling.max_new_tokens))
-        params = [SamplingParams(**{**self.sampling_options, "max_tokens": sampling.max_new_tokens, "n": group,
-                                    "ignore_eos": not sampling.stop_at_eos, "temperature": sampling.temperature,
-                                    "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed + i,
-                                    "logprobs": 0, "prompt_logprobs": 0 if sampling.prompt_logprobs else None,
-                                    "detokenize": False})
-                  for i in range(len(batch.sequences))]
+        self._start(
+            max(len(s) for s in batch.sequences) + sampling.max_new_tokens,
+            group * (batch.num_tokens + len(batch.sequences) * sampling.max_new_tokens),
+        )
+        params = [
+            SamplingParams(
+                **{
+                    **self.sampling_options,
+                    "max_tokens": sampling.max_new_tokens,
+                    "n": group,
+                    "ignore_eos": not sampling.stop_at_eos,
+                    "temperature": sampling.temperature,
+                    "top_k": sampling.top_k,
+                    "top_p": sampling.top_p,
+                    "seed": sampling.seed + i,
+                    "logprobs": 0,
+                    "prompt_logprobs": 0 if sampling.prompt_logprobs else None,
+                    "detokenize": False,
+                }
+            )
+            for i in range(len(batch.sequences))
+        ]
         rows = None
         if self.vocab_sink is not None:
             from alignaudit.engines.vllm.vocab import DecodeRows
@@ -321,8 +351,11 @@ class VllmEngine(Engine):
             if len(out.outputs) != group:
                 raise EngineError(f"vLLM returned {len(out.outputs)} completions for prompt {i}, not {group}")
             self.prefix_cache_hits += int(out.num_cached_tokens or 0)
-            prompt_lp = ([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
-                         if sampling.prompt_logprobs else [float("nan")] * (len(prompt) - 1))
+            prompt_lp = (
+                [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+                if sampling.prompt_logprobs
+                else [float("nan")] * (len(prompt) - 1)
+            )
             for done in out.outputs:
                 generated = list(done.token_ids)
                 if rows is not None:
@@ -343,8 +376,9 @@ class VllmEngine(Engine):
 
             model = self.llm.apply_model(lambda m: m)[0]
             self.hooks = vllm_taps.install(model, self.tap, batch.sequences)
-        params = SamplingParams(**{"max_tokens": 1, "temperature": 0.0, "detokenize": False,
-                                   **self.sampling_options, "prompt_logprobs": 0})
+        params = SamplingParams(
+            **{"max_tokens": 1, "temperature": 0.0, "detokenize": False, **self.sampling_options, "prompt_logprobs": 0}
+        )
         rows = None
         if self.vocab_sink is not None:
             from alignaudit.engines.vllm.vocab import PromptRows
@@ -360,8 +394,9 @@ class VllmEngine(Engine):
         results = []
         for out, seq in zip(outputs, batch.sequences, strict=True):
             entries = out.prompt_logprobs[1:]  # position 0 has no logprob
-            results.append(torch.tensor([e[t].logprob for e, t in zip(entries, seq[1:], strict=True)],
-                                        dtype=torch.float32))
+            results.append(
+                torch.tensor([e[t].logprob for e, t in zip(entries, seq[1:], strict=True)], dtype=torch.float32)
+            )
         return results
 
     def sleep(self, level: int) -> dict:
@@ -382,8 +417,10 @@ class VllmEngine(Engine):
         action()
         torch.cuda.synchronize()
         change = sign * (torch.cuda.mem_get_info()[0] - before)
-        return {"freed_bytes" if sign > 0 else "taken_bytes": change,
-                "seconds": round(time.perf_counter() - started, 3)}
+        return {
+            "freed_bytes" if sign > 0 else "taken_bytes": change,
+            "seconds": round(time.perf_counter() - started, 3),
+        }
 
     def close(self) -> None:
         """Remove hooks; an async engine's core process is shut down."""
@@ -402,13 +439,20 @@ class VllmEngine(Engine):
 
     def settings_record(self) -> dict:
         exps = sorted({exp for exp in self.attention_impls.values() if exp})
-        record = {"llm": dict(self.llm_kwargs), "sampling": dict(self.sampling_options), "strict": self.settings.strict,
-                  "attention_exp": ",".join(exps) or None, "attention_impl": sorted(self.attention_impls),
-                  "attention_kernel": ",".join(self.attention_kernels) or None,
-                  "linear_methods": list(self.linear_methods), "plugin_ops": list(self.plugin_ops),
-                  "capture_overrides": dict(self.capture_overrides),
-                  "prefix_cache_hits": self.prefix_cache_hits, "engine_mode": self.engine_mode,
-                  "arrivals": self.arrivals.to_dict() if self.arrivals else None}
+        record = {
+            "llm": dict(self.llm_kwargs),
+            "sampling": dict(self.sampling_options),
+            "strict": self.settings.strict,
+            "attention_exp": ",".join(exps) or None,
+            "attention_impl": sorted(self.attention_impls),
+            "attention_kernel": ",".join(self.attention_kernels) or None,
+            "linear_methods": list(self.linear_methods),
+            "plugin_ops": list(self.plugin_ops),
+            "capture_overrides": dict(self.capture_overrides),
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "engine_mode": self.engine_mode,
+            "arrivals": self.arrivals.to_dict() if self.arrivals else None,
+        }
         if self.llm is not None:
             config = self.llm.vllm_config if self.engine_mode == "async" else self.llm.llm_engine.vllm_config
             record["resolved"] = {
@@ -477,5 +521,9 @@ def _read_only(tap) -> bool:
     from alignaudit.capture.ops import OP_DEFS
 
     names = tap.selection.names
-    return (tap.reference is None and names is not None and not tap.selection.extra
-            and all(not OP_DEFS[n].replaceable for n in names))
+    return (
+        tap.reference is None
+        and names is not None
+        and not tap.selection.extra
+        and all(not OP_DEFS[n].replaceable for n in names)
+    )

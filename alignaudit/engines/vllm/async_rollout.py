@@ -109,8 +109,9 @@ class AsyncRollout:
             sent[i] = time.perf_counter() - start
             params[i].output_kind = RequestOutputKind.FINAL_ONLY
             final = None
-            async for output in self.engine.generate(TokensPrompt(prompt_token_ids=list(sequences[i])), params[i],
-                                                     request_id=f"alignaudit-{self.calls}-{i}"):
+            async for output in self.engine.generate(
+                TokensPrompt(prompt_token_ids=list(sequences[i])), params[i], request_id=f"alignaudit-{self.calls}-{i}"
+            ):
                 final = output
             done[i] = time.perf_counter() - start
             done_count += 1
@@ -128,6 +129,7 @@ class AsyncRollout:
         """Shut the engine down inside its loop: from outside, vLLM only schedules the closing of its ZMQ sockets on
         the loop (BackgroundResources, vllm/v1/engine/core_client.py), and a socket left open makes the ZMQ context's
         garbage collection block forever (seen: a worker hung in zmq Context.term)."""
+
         async def stop():
             self.engine.shutdown()
             await asyncio.sleep(0)  # let the cancelled output tasks finish

@@ -56,15 +56,23 @@ def configured_exp() -> str:
 def attention_impls(model: torch.nn.Module) -> dict[str, str]:
     """``{impl class name: exp}`` of every attention layer of a loaded vLLM model (exp None where the impl is
     not strict): what actually computes attention, read back rather than assumed from the registration."""
-    return {type(m.impl).__name__: getattr(m.impl, "strict_exp", None)
-            for m in model.modules() if hasattr(m, "impl") and hasattr(m, "attn_backend")}
+    return {
+        type(m.impl).__name__: getattr(m.impl, "strict_exp", None)
+        for m in model.modules()
+        if hasattr(m, "impl") and hasattr(m, "attn_backend")
+    }
 
 
 def attention_kernels(model: torch.nn.Module) -> list[str]:
     """The strict attention kernels (alignaudit_kernels.attention.KERNELS) that the attention layers of a loaded vLLM
     model compute with, read back from their impls; [] where none is strict."""
-    return sorted({getattr(m.impl, "strict_kernel", "portable") for m in model.modules()
-                   if hasattr(m, "impl") and hasattr(m, "attn_backend") and hasattr(m.impl, "strict_exp")})
+    return sorted(
+        {
+            getattr(m.impl, "strict_kernel", "portable")
+            for m in model.modules()
+            if hasattr(m, "impl") and hasattr(m, "attn_backend") and hasattr(m.impl, "strict_exp")
+        }
+    )
 
 
 def configured_kernel() -> str:
@@ -97,20 +105,29 @@ class StrictCPUAttentionImpl(CPUAttentionBackendImpl):
         key_cache[block, :, offset] = key[:n][valid]
         value_cache[block, :, offset] = value[:n][valid]
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         if attn_metadata is None:  # warm-up
             return output
         if self.attn_type != AttentionType.DECODER or self.sliding_window != -1 or self.sinks is not None:
-            raise NotImplementedError("strict attention supports causal decoder attention without "
-                                      "sliding window or sinks")
+            raise NotImplementedError(
+                "strict attention supports causal decoder attention without sliding window or sinks"
+            )
         n = attn_metadata.num_actual_tokens
         qsl = attn_metadata.query_start_loc
         seqs = torch.repeat_interleave(torch.arange(qsl.shape[0] - 1), qsl[1:] - qsl[:-1])
         positions = token_positions(qsl, attn_metadata.seq_lens, seqs)
         key_cache, value_cache = _split(kv_cache)
-        out = K.paged_attention(query[:n], key_cache.transpose(1, 2), value_cache.transpose(1, 2),
-                                attn_metadata.block_table, positions, seqs, self.scale)
+        out = K.paged_attention(
+            query[:n],
+            key_cache.transpose(1, 2),
+            value_cache.transpose(1, 2),
+            attn_metadata.block_table,
+            positions,
+            seqs,
+            self.scale,
+        )
         output[:n] = out.reshape(output[:n].shape)
         return output
 

@@ -87,9 +87,17 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
         self.kernel = configured_kernel()
         if torch.device(device).type == "cuda" and self.kernel == "portable":  # FA3 is built ahead of time
             spec = kv_cache_spec
-            warm_up(vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config), spec.num_kv_heads,
-                    spec.head_size, spec.block_size, vllm_config.model_config.dtype, spec.dtype,
-                    torch.device(device), configured_exp(), self.decode_bound)
+            warm_up(
+                vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config),
+                spec.num_kv_heads,
+                spec.head_size,
+                spec.block_size,
+                vllm_config.model_config.dtype,
+                spec.dtype,
+                torch.device(device),
+                configured_exp(),
+                self.decode_bound,
+            )
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> StrictAttentionMetadata:
         m = common_attn_metadata
@@ -97,22 +105,38 @@ class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMet
             raise NotImplementedError("strict attention computes no cascade (shared-prefix) attention")
         if m.causal is not True:
             raise NotImplementedError("strict attention is causal attention only")
-        meta = StrictAttentionMetadata(num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
-                                       max_seq_len=m.max_seq_len, query_start_loc=m.query_start_loc,
-                                       seq_lens=m.seq_lens, block_table=m.block_table_tensor,
-                                       slot_mapping=m.slot_mapping, decode=m.max_query_len == 1,
-                                       decode_bound=self.decode_bound)
+        meta = StrictAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+            decode=m.max_query_len == 1,
+            decode_bound=self.decode_bound,
+        )
         if not meta.decode and self.kernel == "portable":  # FA3 reads vLLM's own tensors
             meta.q_seq = request_of_rows(m.query_start_loc_cpu, m.num_reqs)
             meta.num_actual_tokens = int(meta.q_seq.shape[0])
             rows_seq = to_device(meta.q_seq, self.device)
-            meta.positions = token_positions(m.query_start_loc[: m.num_reqs + 1], m.seq_lens[: m.num_reqs],
-                                             rows_seq).to(torch.int32)  # the kernel's type: no cast in each layer
+            meta.positions = token_positions(
+                m.query_start_loc[: m.num_reqs + 1], m.seq_lens[: m.num_reqs], rows_seq
+            ).to(torch.int32)  # the kernel's type: no cast in each layer
         return meta
 
 
-def warm_up(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype,
-            cache_dtype: torch.dtype, device: torch.device, exp: str, decode_bound: int) -> None:
+def warm_up(
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    device: torch.device,
+    exp: str,
+    decode_bound: int,
+) -> None:
     """Run ``strict_attention`` once for each kind of step, on zeros in a small cache of FlashAttention's layout:
     a prefill within one key chunk (the unsplit kernel), one over two chunks (split-KV kernel and merge; where
     max_model_len ``decode_bound`` exceeds one chunk), a decode step of one sequence (split-KV where the bound
@@ -127,36 +151,61 @@ def warm_up(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, 
     width = -(-decode_bound // block_size)
     keys = min(CHUNK_N + BLOCK_N, decode_bound)  # two key chunks, where max_model_len allows them
     blocks = -(-keys // block_size)
-    kv_cache = torch.zeros(blocks, block_size, num_kv_heads, 2 * head_size, dtype=cache_dtype,
-                           device=device).transpose(1, 2)
+    kv_cache = torch.zeros(blocks, block_size, num_kv_heads, 2 * head_size, dtype=cache_dtype, device=device).transpose(
+        1, 2
+    )
     table = torch.zeros(1, width, dtype=torch.int32, device=device)
     table[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device=device)
     # a decode batch of this many sequences fills the SMs without split-KV (attention._launch's choice)
     unsplit = -(-SPLIT_BELOW_PROGRAMS_PER_SM * (sm_count(device) if device.type == "cuda" else 1) // num_kv_heads)
     q = torch.zeros(max(keys, unsplit), num_heads, head_size, dtype=dtype, device=device)
     out = torch.empty_like(q)
-    scale = head_size ** -0.5
+    scale = head_size**-0.5
 
     def prefill(rows: int) -> StrictAttentionMetadata:
         count = torch.tensor([rows], dtype=torch.int32, device=device)
         return StrictAttentionMetadata(
-            num_actual_tokens=rows, max_query_len=rows, max_seq_len=rows, query_start_loc=None, seq_lens=count,
-            block_table=table, slot_mapping=None, decode=False, decode_bound=decode_bound,
-            positions=torch.arange(rows, dtype=torch.int32, device=device), q_seq=torch.zeros(rows, dtype=torch.int64))
+            num_actual_tokens=rows,
+            max_query_len=rows,
+            max_seq_len=rows,
+            query_start_loc=None,
+            seq_lens=count,
+            block_table=table,
+            slot_mapping=None,
+            decode=False,
+            decode_bound=decode_bound,
+            positions=torch.arange(rows, dtype=torch.int32, device=device),
+            q_seq=torch.zeros(rows, dtype=torch.int64),
+        )
 
     def decode(sequences: int) -> StrictAttentionMetadata:
         return StrictAttentionMetadata(
-            num_actual_tokens=sequences, max_query_len=1, max_seq_len=keys, query_start_loc=None,
+            num_actual_tokens=sequences,
+            max_query_len=1,
+            max_seq_len=keys,
+            query_start_loc=None,
             seq_lens=torch.full((sequences,), keys, dtype=torch.int32, device=device),
-            block_table=table.repeat(sequences, 1), slot_mapping=None, decode=True, decode_bound=decode_bound)
+            block_table=table.repeat(sequences, 1),
+            slot_mapping=None,
+            decode=True,
+            decode_bound=decode_bound,
+        )
 
     for meta in (prefill(min(BLOCK_N, keys)), prefill(keys), decode(1), decode(unsplit)):
         rows = meta.num_actual_tokens
         strict_attention(meta, q[:rows], kv_cache, head_size, scale, exp, out[:rows])
 
 
-def strict_attention(meta: StrictAttentionMetadata, query: torch.Tensor, kv_cache: torch.Tensor, head_size: int,
-                     scale: float, exp: str, output: torch.Tensor, kernel: str = "portable") -> torch.Tensor:
+def strict_attention(
+    meta: StrictAttentionMetadata,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    head_size: int,
+    scale: float,
+    exp: str,
+    output: torch.Tensor,
+    kernel: str = "portable",
+) -> torch.Tensor:
     """Attention of one layer for one step into ``output`` [tokens, heads, head_size] (rows past the
     requests' are left as they are), reading FlashAttention's KV cache ``kv_cache`` (module docstring). ``kernel``
     "flash": FlashAttention-3 at one key split over vLLM's own metadata, for decode and every other batch alike
@@ -165,20 +214,49 @@ def strict_attention(meta: StrictAttentionMetadata, query: torch.Tensor, kv_cach
     if kernel == "flash":
         r = meta.seq_lens.shape[0]
         n = r if meta.decode else meta.num_actual_tokens
-        flash_paged(query[:n], key_cache, value_cache, meta.block_table[:r], meta.query_start_loc[: r + 1],
-                    meta.seq_lens, meta.max_query_len, meta.decode_bound if meta.decode else meta.max_seq_len, scale,
-                    out=output[:n].view(query[:n].shape))
+        flash_paged(
+            query[:n],
+            key_cache,
+            value_cache,
+            meta.block_table[:r],
+            meta.query_start_loc[: r + 1],
+            meta.seq_lens,
+            meta.max_query_len,
+            meta.decode_bound if meta.decode else meta.max_seq_len,
+            scale,
+            out=output[:n].view(query[:n].shape),
+        )
     elif meta.decode:
         b = meta.seq_lens.shape[0]
-        K.paged_decode(query[:b], key_cache, value_cache, meta.block_table, meta.seq_lens, scale, meta.decode_bound,
-                       exp=exp, out=output[:b].view(query[:b].shape))
+        K.paged_decode(
+            query[:b],
+            key_cache,
+            value_cache,
+            meta.block_table,
+            meta.seq_lens,
+            scale,
+            meta.decode_bound,
+            exp=exp,
+            out=output[:b].view(query[:b].shape),
+        )
     else:
         n = meta.num_actual_tokens
         group = query.shape[1] // key_cache.shape[2]
         if meta.tiles is None or meta.tiles.group != group:  # the step's first layer plans for all of them
             meta.tiles = paged_tiles(meta.q_seq, group, query.device)
-        K.paged_attention(query[:n], key_cache, value_cache, meta.block_table, meta.positions, meta.q_seq, scale,
-                          exp=exp, max_keys=meta.max_seq_len, out=output[:n].view(query[:n].shape), tiles=meta.tiles)
+        K.paged_attention(
+            query[:n],
+            key_cache,
+            value_cache,
+            meta.block_table,
+            meta.positions,
+            meta.q_seq,
+            scale,
+            exp=exp,
+            max_keys=meta.max_seq_len,
+            out=output[:n].view(query[:n].shape),
+            tiles=meta.tiles,
+        )
     return output
 
 
@@ -206,14 +284,16 @@ class StrictFlashAttentionImpl(FlashAttentionImpl):
             raise NotImplementedError(f"strict attention in vLLM does not compute {', '.join(found)}")
         self.strict_exp, self.strict_kernel = configured_exp(), configured_kernel()
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("strict attention does not quantize its output")
         if attn_metadata is None:  # vLLM's profiling run
             return output.fill_(0)
-        return strict_attention(attn_metadata, query, kv_cache, self.head_size, self.scale, self.strict_exp, output,
-                                self.strict_kernel)
+        return strict_attention(
+            attn_metadata, query, kv_cache, self.head_size, self.scale, self.strict_exp, output, self.strict_kernel
+        )
 
 
 class StrictFlashAttentionBackend(FlashAttentionBackend):

@@ -143,7 +143,6 @@ def _linear() -> None:
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     from vllm.platforms import current_platform
 
-
     def apply(self, layer, x, bias=None):
         segments = K.ROW_PARALLEL_SEGMENTS if isinstance(layer, RowParallelLinear) else 1
         return K.linear(x, layer.weight, bias, segments)
@@ -182,8 +181,9 @@ def _mixture_of_experts() -> None:
         config = vllm_config.model_config.hf_text_config
         if self.tp_size > 1 or self.ep_size > 1 or self.shared_expert is not None:
             raise NotImplementedError("the strict MoE layer in vLLM runs one rank without shared experts")
-        self.strict_router = StrictRouter(config.num_experts_per_tok, bool(config.norm_topk_prob),
-                                          extract_layer_index(prefix))
+        self.strict_router = StrictRouter(
+            config.num_experts_per_tok, bool(config.norm_topk_prob), extract_layer_index(prefix)
+        )
 
     def forward(self, hidden_states):
         x = hidden_states.view(-1, hidden_states.shape[-1])
@@ -212,7 +212,6 @@ def _row_parallel_forward(self, input_):
     ROW_PARALLEL_SEGMENTS / tp segments, gathered, added by the top of the segment tree in rank order, bias
     added, rounded once (alignaudit_kernels.combine_partials); not an all-reduce of rounded outputs."""
     from vllm.distributed import tensor_model_parallel_all_gather
-
 
     if self.tp_size == 1 or not self.reduce_results:
         output = self.quant_method.apply(self, input_, None if self.skip_bias_add else self.bias)
@@ -245,13 +244,25 @@ def _rope() -> None:
     from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
 
     def forward(self, positions, query, key=None, *args, **kwargs):
-        if not self.is_neox_style or self.rotary_dim != self.head_size or type(self) not in (
-                RotaryEmbedding, Llama3RotaryEmbedding):
-            raise NotImplementedError(f"strict rope supports neox-style RotaryEmbedding and Llama3RotaryEmbedding, "
-                                      f"not {type(self).__name__}")
+        if (
+            not self.is_neox_style
+            or self.rotary_dim != self.head_size
+            or type(self) not in (RotaryEmbedding, Llama3RotaryEmbedding)
+        ):
+            raise NotImplementedError(
+                f"strict rope supports neox-style RotaryEmbedding and Llama3RotaryEmbedding, not {type(self).__name__}"
+            )
         theta, limit, d = float(self.base), self.max_position_embeddings, self.head_size
-        llama3 = ([float(self.scaling_factor), float(self.low_freq_factor), float(self.high_freq_factor),
-                   float(self.orig_max_position)] if type(self) is Llama3RotaryEmbedding else [])
+        llama3 = (
+            [
+                float(self.scaling_factor),
+                float(self.low_freq_factor),
+                float(self.high_freq_factor),
+                float(self.orig_max_position),
+            ]
+            if type(self) is Llama3RotaryEmbedding
+            else []
+        )
         flat = positions.reshape(-1)
         q = query.view(flat.shape[0], -1, d)
         if key is None:
@@ -327,12 +338,15 @@ def _processed(forward):
 def _refuse_processed(init):
     """Model runner V2's Sampler.__init__, refusing processed logprobs: its fused Triton sampling kernels apply
     temperature, top-k and top-p, which the strict path does not replace."""
+
     def strict_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         if self.logprobs_mode in PROCESSED_MODES:
-            raise NotImplementedError(f"alignaudit strict logprobs: vLLM's model runner V2 computes "
-                                      f"{self.logprobs_mode} in its own sampling kernels; use model runner V1 "
-                                      "runner (VLLM_USE_V2_MODEL_RUNNER=0) or raw_logprobs")
+            raise NotImplementedError(
+                f"alignaudit strict logprobs: vLLM's model runner V2 computes "
+                f"{self.logprobs_mode} in its own sampling kernels; use model runner V1 "
+                "runner (VLLM_USE_V2_MODEL_RUNNER=0) or raw_logprobs"
+            )
 
     return strict_init
 
@@ -365,9 +379,17 @@ def _attention() -> None:
         member, backend = ATTENTION_BACKENDS[platform]
         register_backend(AttentionBackendEnum[member], backend)
     else:
-        raise NotImplementedError(f"strict attention inside vLLM runs on its CPU and CUDA platforms, not on "
-                                  f"{type(current_platform).__name__}; drop 'attention' from ALIGNAUDIT_STRICT")
+        raise NotImplementedError(
+            f"strict attention inside vLLM runs on its CPU and CUDA platforms, not on "
+            f"{type(current_platform).__name__}; drop 'attention' from ALIGNAUDIT_STRICT"
+        )
 
 
-PATCHES = {"linear": _linear, "rmsnorm": _rmsnorm, "rope": _rope, "silu": _silu, "logprobs": _logprobs,
-           "attention": _attention}
+PATCHES = {
+    "linear": _linear,
+    "rmsnorm": _rmsnorm,
+    "rope": _rope,
+    "silu": _silu,
+    "logprobs": _logprobs,
+    "attention": _attention,
+}

@@ -67,8 +67,12 @@ class StepRows:
         if self.next_pos[seq] != start:
             return 0
         k = 0
-        while (row + k < len(ids) and pos[row + k] == start + k and start + k < len(prompt)
-               and prompt[start + k] == ids[row + k]):
+        while (
+            row + k < len(ids)
+            and pos[row + k] == start + k
+            and start + k < len(prompt)
+            and prompt[start + k] == ids[row + k]
+        ):
             k += 1
         return k
 
@@ -107,8 +111,11 @@ def install(model, tap: Tap, sequences: tuple[tuple[int, ...], ...]) -> Hooks:
             points.append(HookPoint(layer.input_layernorm, Same("mlp_residual"), i - 1, FLAT, index=1))
         points += [
             HookPoint(attn.qkv_proj, Blocks(("q_proj", "k_proj", "v_proj")), i, FLAT, index=0),
-            *([HookPoint(attn.q_norm, Same("q_norm"), i, FLAT), HookPoint(attn.k_norm, Same("k_norm"), i, FLAT)]
-              if hasattr(attn, "q_norm") else []),
+            *(
+                [HookPoint(attn.q_norm, Same("q_norm"), i, FLAT), HookPoint(attn.k_norm, Same("k_norm"), i, FLAT)]
+                if hasattr(attn, "q_norm")
+                else []
+            ),
             HookPoint(attn.o_proj, Same("attn"), i, FLAT, when="pre"),
             HookPoint(attn.o_proj, Same("o_proj"), i, FLAT, index=0),
             HookPoint(layer.post_attention_layernorm, Same("post_attn_norm"), i, FLAT, index=0),
@@ -117,8 +124,10 @@ def install(model, tap: Tap, sequences: tuple[tuple[int, ...], ...]) -> Hooks:
         ]
         rotaries[id(attn.rotary_emb)] = attn.rotary_emb
     for rotary in rotaries.values():
-        points += [HookPoint(rotary, Same("q_rope"), CURRENT_LAYER, FLAT, index=0),
-                   HookPoint(rotary, Same("k_rope"), CURRENT_LAYER, FLAT, index=1)]
+        points += [
+            HookPoint(rotary, Same("q_rope"), CURRENT_LAYER, FLAT, index=0),
+            HookPoint(rotary, Same("k_rope"), CURRENT_LAYER, FLAT, index=1),
+        ]
     points += [
         HookPoint(core.norm, Same("final_norm"), None, FLAT, index=0),
         HookPoint(core.norm, Same("mlp_residual"), last, FLAT, index=1),

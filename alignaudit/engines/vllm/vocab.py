@@ -36,8 +36,11 @@ from alignaudit.errors import EngineError
 
 def formula(strict_logprobs: bool) -> str:
     """How the rows were computed, in words (the manifest's ``vocab.rows``)."""
-    how = ("alignaudit_kernels.log_softmax (the strict plugin's Sampler.compute_logprobs)" if strict_logprobs
-           else "vllm.v1.sample.sampler.Sampler.compute_logprobs: logits.log_softmax(dim=-1, dtype=float32)")
+    how = (
+        "alignaudit_kernels.log_softmax (the strict plugin's Sampler.compute_logprobs)"
+        if strict_logprobs
+        else "vllm.v1.sample.sampler.Sampler.compute_logprobs: logits.log_softmax(dim=-1, dtype=float32)"
+    )
     return f"{how} of the logits compute_logits returns for the prompt-logprob rows"
 
 
@@ -66,7 +69,7 @@ class PromptRows:
             if spans:
                 rows = Sampler.compute_logprobs(output)  # vLLM's own, as the prompt-logprob path calls it next
                 for s in spans:
-                    piece = rows[s.row_start: s.row_start + s.length].to("cpu", copy=True)
+                    piece = rows[s.row_start : s.row_start + s.length].to("cpu", copy=True)
                     self.pieces.setdefault(s.seq, {})[s.pos_start] = piece
             return None
 
@@ -84,8 +87,10 @@ class PromptRows:
             rows = torch.cat([pieces[p] for p in starts]) if starts else torch.empty(0)
             covered = [p for start in starts for p in range(start, start + len(pieces[start]))]
             if covered != list(range(len(tokens) - 1)):
-                raise RuntimeError(f"full-vocabulary rows of sequence {seq}: vLLM's prompt-logprob logits covered "
-                                   f"positions {covered[:3]}..., expected 0..{len(tokens) - 2}")
+                raise RuntimeError(
+                    f"full-vocabulary rows of sequence {seq}: vLLM's prompt-logprob logits covered "
+                    f"positions {covered[:3]}..., expected 0..{len(tokens) - 2}"
+                )
             sink(seq, rows)
 
 
@@ -100,11 +105,17 @@ class DecodeRows:
 
     def __init__(self, runner):
         sampler = getattr(runner, "sampler", None)
-        if sampler is None or not hasattr(runner, "input_batch") or not hasattr(runner, "discard_request_mask") \
-                or getattr(runner, "speculative_config", None) is not None:
-            raise EngineError("rl --full-vocab reads vLLM's V1 model runner's sampler while it decodes; this engine "
-                              "runs another one (model runner V2 or speculative decoding): unset "
-                              "VLLM_USE_V2_MODEL_RUNNER / drop speculative_config, or drop --full-vocab")
+        if (
+            sampler is None
+            or not hasattr(runner, "input_batch")
+            or not hasattr(runner, "discard_request_mask")
+            or getattr(runner, "speculative_config", None) is not None
+        ):
+            raise EngineError(
+                "rl --full-vocab reads vLLM's V1 model runner's sampler while it decodes; this engine "
+                "runs another one (model runner V2 or speculative decoding): unset "
+                "VLLM_USE_V2_MODEL_RUNNER / drop speculative_config, or drop --full-vocab"
+            )
         self.rows: dict[str, list[torch.Tensor]] = {}
         self.hooks = Hooks()
         state: dict = {"inside": False, "rows": []}
@@ -124,8 +135,10 @@ class DecodeRows:
             if not state["rows"]:
                 return None  # no logprobs asked for in this call
             if len(state["rows"]) != 1:
-                raise EngineError(f"rl --full-vocab: vLLM's sampler computed logprobs {len(state['rows'])} times in "
-                                  "one call, expected once")
+                raise EngineError(
+                    f"rl --full-vocab: vLLM's sampler computed logprobs {len(state['rows'])} times in "
+                    "one call, expected once"
+                )
             rows = state["rows"][0]
             n = rows.shape[0]
             discard = runner.discard_request_mask.np[:n]
@@ -145,6 +158,8 @@ class DecodeRows:
         found = [k for k in self.rows if k == request_id or k.rsplit("-", 1)[0] == request_id]
         pieces = self.rows[found[0]] if len(found) == 1 else []
         if len(pieces) != count:
-            raise EngineError(f"rl --full-vocab: vLLM's sampler gave request {request_id} {len(pieces)} rows for "
-                              f"{count} sampled tokens")
+            raise EngineError(
+                f"rl --full-vocab: vLLM's sampler gave request {request_id} {len(pieces)} rows for "
+                f"{count} sampled tokens"
+            )
         return torch.stack(pieces)

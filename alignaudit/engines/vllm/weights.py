@@ -126,9 +126,12 @@ def kernels_of(model: torch.nn.Module) -> dict:
     from alignaudit.engines.vllm.attention_cpu import attention_impls, attention_kernels
     from alignaudit.engines.vllm.plugin import built_with
 
-    return {"attention_impls": attention_impls(model), "attention_kernels": attention_kernels(model),
-            "linear_methods": linear_methods(model),
-            "strict_ops": sorted(built_with(model))}
+    return {
+        "attention_impls": attention_impls(model),
+        "attention_kernels": attention_kernels(model),
+        "linear_methods": linear_methods(model),
+        "strict_ops": sorted(built_with(model)),
+    }
 
 
 def check_strict_kernels(kernels: dict, strict_ops: frozenset[str], attention_kernel: str = "portable") -> None:
@@ -147,29 +150,38 @@ def check_strict_kernels(kernels: dict, strict_ops: frozenset[str], attention_ke
 
     missing = sorted(set(strict_ops) - set(kernels["strict_ops"]))
     if missing:
-        raise EngineError(f"strict ops asked for but not applied when vLLM built this model: {', '.join(missing)}; "
-                          "set ALIGNAUDIT_STRICT before building the LLM (vLLM loads the plugin through alignaudit's "
-                          "entry point; from a source checkout, or with VLLM_PLUGINS leaving it out, call "
-                          "alignaudit.engines.vllm.plugin.register() first)")
+        raise EngineError(
+            f"strict ops asked for but not applied when vLLM built this model: {', '.join(missing)}; "
+            "set ALIGNAUDIT_STRICT before building the LLM (vLLM loads the plugin through alignaudit's "
+            "entry point; from a source checkout, or with VLLM_PLUGINS leaving it out, call "
+            "alignaudit.engines.vllm.plugin.register() first)"
+        )
     quantized = [m for m in kernels["linear_methods"] if not m.startswith("Unquantized")]
     if "linear" in strict_ops and quantized:
-        raise EngineError(f"strict linear was asked for, but vLLM computes products with {', '.join(quantized)}, "
-                          "which the strict plugin does not replace; drop quantization")
+        raise EngineError(
+            f"strict linear was asked for, but vLLM computes products with {', '.join(quantized)}, "
+            "which the strict plugin does not replace; drop quantization"
+        )
     others = sorted(name for name, exp in kernels["attention_impls"].items() if exp is None)
     if "attention" in strict_ops and others:
-        raise EngineError(f"strict attention was asked for, but vLLM computes attention with {', '.join(others)}: "
-                          "it selected a backend the strict plugin does not replace (CPU_ATTN on CPU, FLASH_ATTN "
-                          "on CUDA); drop attention_backend / VLLM_ATTENTION_BACKEND")
+        raise EngineError(
+            f"strict attention was asked for, but vLLM computes attention with {', '.join(others)}: "
+            "it selected a backend the strict plugin does not replace (CPU_ATTN on CPU, FLASH_ATTN "
+            "on CUDA); drop attention_backend / VLLM_ATTENTION_BACKEND"
+        )
     ran = kernels.get("attention_kernels") or []
     if "attention" in strict_ops and ran and ran != [attention_kernel]:
-        raise EngineError(f"strict attention was asked for with the {attention_kernel} kernel, but vLLM computes it "
-                          f"with {', '.join(ran)}: ALIGNAUDIT_STRICT_ATTENTION in vLLM's environment chose another; "
-                          f"set it to {attention_kernel} or unset it")
+        raise EngineError(
+            f"strict attention was asked for with the {attention_kernel} kernel, but vLLM computes it "
+            f"with {', '.join(ran)}: ALIGNAUDIT_STRICT_ATTENTION in vLLM's environment chose another; "
+            f"set it to {attention_kernel} or unset it"
+        )
 
 
 def linear_methods(model: torch.nn.Module) -> list[str]:
     """Class names of the ``quant_method`` of every linear and embedding layer of a loaded vLLM model, sorted
     (``UnquantizedLinearMethod``, ``Fp8LinearMethod``, ...): which kernels compute the products, read back rather
     than assumed from ``quantization``."""
-    return sorted({type(m.quant_method).__name__ for m in model.modules()
-                   if getattr(m, "quant_method", None) is not None})
+    return sorted(
+        {type(m.quant_method).__name__ for m in model.modules() if getattr(m, "quant_method", None) is not None}
+    )

@@ -45,9 +45,14 @@ class KernelReadback:
         from alignaudit.inputs.checkpoint import ModelSpec
 
         model, model_spec = self.get_model(), ModelSpec(**spec)
-        return load_and_check(lambda: vllm_to_hf(model, model_spec),
-                              lambda tensors: load_into_model(model, self.vllm_config, tensors),
-                              lambda: stale_packed_layers(model), transport, path, handles)
+        return load_and_check(
+            lambda: vllm_to_hf(model, model_spec),
+            lambda tensors: load_into_model(model, self.vllm_config, tensors),
+            lambda: stale_packed_layers(model),
+            transport,
+            path,
+            handles,
+        )
 
     def alignaudit_checksums(self, spec: dict) -> dict:
         """sha256 of every weight the worker's model holds, in HF names."""

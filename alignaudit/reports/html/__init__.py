@@ -30,12 +30,17 @@ def _header(page: Page, run, summary_model: str | None) -> None:
     pair = " vs ".join(side_label(s) for s in sides if isinstance(s, dict))
     page.add(f"<h1>alignaudit report: {esc(', '.join(TITLES[k] for k in run.kinds))}</h1>")
     page.add(f'<p class="sub">{esc(model)}{": " + esc(pair) if pair else ""}</p>')
-    page.add(f'<p class="sub">run <code>{esc(run.path.resolve())}</code>'
-             + (f" ({esc(record.get('command'))}, status {esc(record.get('status'))})" if record else "")
-             + f"; report by alignaudit {esc(__version__)} at {datetime.now():%Y-%m-%d %H:%M:%S}</p>")
+    page.add(
+        f'<p class="sub">run <code>{esc(run.path.resolve())}</code>'
+        + (f" ({esc(record.get('command'))}, status {esc(record.get('status'))})" if record else "")
+        + f"; report by alignaudit {esc(__version__)} at {datetime.now():%Y-%m-%d %H:%M:%S}</p>"
+    )
     if not run.complete:
-        page.banner(f"this run did not finish (run.json status {record.get('status')!r}): the report shows what it "
-                    "wrote, which no checksum covers yet", None)
+        page.banner(
+            f"this run did not finish (run.json status {record.get('status')!r}): the report shows what it "
+            "wrote, which no checksum covers yet",
+            None,
+        )
     links = [("gate", "gate verdict")] if run.verdict else []
     links += [(k, TITLES[k]) for k in run.kinds]
     page.add('<p class="sub">' + " · ".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in links) + "</p>")
@@ -79,8 +84,11 @@ def build_report(run_dir: Path | str) -> str:
     for kind in run.kinds:
         sections[kind](page, run)
     if run.record:
-        page.add("<details><summary>run.json (the resolved configuration)</summary><pre>"
-                 + esc(json.dumps(run.record, indent=2, default=str)) + "</pre></details>")
+        page.add(
+            "<details><summary>run.json (the resolved configuration)</summary><pre>"
+            + esc(json.dumps(run.record, indent=2, default=str))
+            + "</pre></details>"
+        )
     return page.render()
 
 
@@ -110,8 +118,10 @@ def write_report(run_dir: Path | str, html: Path | str | None = None) -> Path:
             raise InputError(f"{e}, or pass --html FILE to write the report elsewhere") from e
     text = build_report(run_dir)
     if target.exists() and not _is_report(target) and not (inside and target.name in outdir.read_marker(run_dir)):
-        raise InputError(f"--html {target} exists and is not a report alignaudit wrote; give a new file name "
-                         "(an earlier report is replaced, any other file is kept)")
+        raise InputError(
+            f"--html {target} exists and is not a report alignaudit wrote; give a new file name "
+            "(an earlier report is replaced, any other file is kept)"
+        )
     if not target.parent.is_dir():
         raise InputError(f"--html {target}: no directory {target.parent}; create it first or give another path")
     if inside:

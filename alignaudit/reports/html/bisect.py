@@ -12,9 +12,11 @@ from alignaudit.reports.html.page import Column, Page, table
 from alignaudit.reports.html.runs import RunDir, read_table
 
 OP_COLUMNS = ("op", "name", "layer", "status")
-MODE_TITLES = {"natural": "Natural mode (both engines run freely)",
-               "forced": "Forced mode (each op on the train engine's inputs)",
-               "diff": "Ops of the two captures (alignaudit diff)"}
+MODE_TITLES = {
+    "natural": "Natural mode (both engines run freely)",
+    "forced": "Forced mode (each op on the train engine's inputs)",
+    "diff": "Ops of the two captures (alignaudit diff)",
+}
 NO_LAYER = "model"  # the row of embed, final_norm, logits, logprobs
 
 
@@ -54,11 +56,15 @@ def worst_text(w: dict | None) -> str:
     if not w:
         return ""
     if "train_experts" in w:  # an MoE routing record: expert indices, no values
-        return (f"; first token routed elsewhere seq {w.get('seq')}, pos {w.get('pos')}: train experts "
-                f"{w['train_experts']} vs infer {w.get('infer_experts')}")
+        return (
+            f"; first token routed elsewhere seq {w.get('seq')}, pos {w.get('pos')}: train experts "
+            f"{w['train_experts']} vs infer {w.get('infer_experts')}"
+        )
     try:
-        return (f"; worst element seq {w['seq']}, pos {w['pos']}, index {w['index']}: train {w['train']:.9g} "
-                f"({w['train_hex']}) vs infer {w['infer']:.9g} ({w['infer_hex']}), {w['ulp']} ULP")
+        return (
+            f"; worst element seq {w['seq']}, pos {w['pos']}, index {w['index']}: train {w['train']:.9g} "
+            f"({w['train_hex']}) vs infer {w['infer']:.9g} ({w['infer_hex']}), {w['ulp']} ULP"
+        )
     except (KeyError, TypeError, ValueError):  # a record of another shape: shown as it is
         return f"; worst: {json.dumps(w, default=str)}"
 
@@ -74,11 +80,12 @@ def _mark(r: dict, first: dict | None) -> str:
 def _hover(r: dict) -> str:
     lines = [f"<b>{r['op']}</b>: {r['status']}" + ("" if r["forced"] else " (inputs not forced)")]
     if r.get("elements") is not None:
-        lines += [f"bitwise equal: {equal_text(r)} of {r['elements']} elements",
-                  f"max ULP {r.get('ulp_max')}, median ULP {r.get('ulp_median')}"
-                      if r.get("ulp_max") is not None else "",
-                  f"max |diff| {r['abs_max']:.3e}" if r.get("abs_max") is not None else "",
-                  f"rel_diff {r['rel_diff']:.1e}" if r.get("rel_diff") is not None else ""]
+        lines += [
+            f"bitwise equal: {equal_text(r)} of {r['elements']} elements",
+            f"max ULP {r.get('ulp_max')}, median ULP {r.get('ulp_median')}" if r.get("ulp_max") is not None else "",
+            f"max |diff| {r['abs_max']:.3e}" if r.get("abs_max") is not None else "",
+            f"rel_diff {r['rel_diff']:.1e}" if r.get("rel_diff") is not None else "",
+        ]
     if r.get("worst"):
         lines.append(worst_text(r["worst"])[2:])
     if r.get("note"):
@@ -118,26 +125,73 @@ def heatmap(records: list[dict], first: dict | None):
             where = (i, j)
     top = max((v for row in ulp for v in row if v is not None), default=0.0)
     powers = range(0, 2) if top <= 1.5 else range(1, int(math.ceil(top)) + 1)  # 0 and 1 would overlap
-    ticks = [0] + [10 ** k for k in powers if math.log10(1 + 10 ** k) <= max(top, 1) + 1e-9]
+    ticks = [0] + [10**k for k in powers if math.log10(1 + 10**k) <= max(top, 1) + 1e-9]
     band = 1 / 2 - 0.06
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                        subplot_titles=("share of bitwise-equal elements", "max ULP distance"))
-    common = dict(x=names, y=rows, texttemplate="%{text}", customdata=hover, hoverongaps=False,
-                  hovertemplate="%{customdata}<extra></extra>", xgap=2, ygap=2)
-    fig.add_trace(go.Heatmap(z=equal, zmin=0, zmax=1, text=marks, name="equal",
-                             colorscale=[[0, "#c92a2a"], [0.5, "#fcc419"], [0.999, "#a9e34b"], [1, "#2f9e44"]],
-                             colorbar=dict(title="equal", tickformat=".0%", y=1, yanchor="top", len=band), **common),
-                  row=1, col=1)
-    fig.add_trace(go.Heatmap(z=ulp, zmin=0, zmax=max(top, 1), text=counts, name="max ULP",
-                             colorscale=[[0, "#f8f9fa"], [0.15, "#ffc9c9"], [1, "#a51111"]],
-                             colorbar=dict(title="max ULP", tickvals=[math.log10(1 + t) for t in ticks],
-                                           ticktext=[_compact(t) for t in ticks],
-                                           y=0, yanchor="bottom", len=band), **common), row=2, col=1)
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.12,
+        subplot_titles=("share of bitwise-equal elements", "max ULP distance"),
+    )
+    common = dict(
+        x=names,
+        y=rows,
+        texttemplate="%{text}",
+        customdata=hover,
+        hoverongaps=False,
+        hovertemplate="%{customdata}<extra></extra>",
+        xgap=2,
+        ygap=2,
+    )
+    fig.add_trace(
+        go.Heatmap(
+            z=equal,
+            zmin=0,
+            zmax=1,
+            text=marks,
+            name="equal",
+            colorscale=[[0, "#c92a2a"], [0.5, "#fcc419"], [0.999, "#a9e34b"], [1, "#2f9e44"]],
+            colorbar=dict(title="equal", tickformat=".0%", y=1, yanchor="top", len=band),
+            **common,
+        ),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Heatmap(
+            z=ulp,
+            zmin=0,
+            zmax=max(top, 1),
+            text=counts,
+            name="max ULP",
+            colorscale=[[0, "#f8f9fa"], [0.15, "#ffc9c9"], [1, "#a51111"]],
+            colorbar=dict(
+                title="max ULP",
+                tickvals=[math.log10(1 + t) for t in ticks],
+                ticktext=[_compact(t) for t in ticks],
+                y=0,
+                yanchor="bottom",
+                len=band,
+            ),
+            **common,
+        ),
+        row=2,
+        col=1,
+    )
     if where is not None:
         i, j = where
         for axis in ("", "2"):
-            fig.add_shape(type="rect", x0=j - 0.5, x1=j + 0.5, y0=i - 0.5, y1=i + 0.5, xref=f"x{axis}", yref=f"y{axis}",
-                          line=dict(color="#1c7ed6", width=3))
+            fig.add_shape(
+                type="rect",
+                x0=j - 0.5,
+                x1=j + 0.5,
+                y0=i - 0.5,
+                y1=i + 0.5,
+                xref=f"x{axis}",
+                yref=f"y{axis}",
+                line=dict(color="#1c7ed6", width=3),
+            )
     fig.update_xaxes(type="category", tickangle=-40)
     fig.update_yaxes(type="category", autorange="reversed")
     fig.update_layout(height=230 + 60 * len(rows))
@@ -165,11 +219,17 @@ def bisect_section(page: Page, run: RunDir) -> None:
     page.heading("Ops (bisect)", anchor="bisect")
     changed = _capture_changed(run)
     for role, c in changed.items():
-        how = ("not compared (forced mode)" if c["mismatches"] is None else
-               f"its logprobs differ from the engine as configured in {c['mismatches']} of {c['tokens']} tokens")
-        page.banner(f"op capture changed how {c['engine']} ({role}) runs "
-                    f"({', '.join(f'{k}={v}' for k, v in c['overrides'].items())}): {how}; the ops below describe the "
-                    "captured run, not the configuration asked for", False)
+        how = (
+            "not compared (forced mode)"
+            if c["mismatches"] is None
+            else f"its logprobs differ from the engine as configured in {c['mismatches']} of {c['tokens']} tokens"
+        )
+        page.banner(
+            f"op capture changed how {c['engine']} ({role}) runs "
+            f"({', '.join(f'{k}={v}' for k, v in c['overrides'].items())}): {how}; the ops below describe the "
+            "captured run, not the configuration asked for",
+            False,
+        )
     for mode, path in run.ops.items():
         records = read_records(path)
         judged = [r for r in records if r["forced"]]
@@ -177,30 +237,62 @@ def bisect_section(page: Page, run: RunDir) -> None:
         page.heading(MODE_TITLES[mode], level=3, anchor=f"bisect-{mode}")
         differing = [r["op"] for r in judged if r["status"] == DIFFERS]
         if mode == "forced":
-            page.banner(f"ops that compute differently on identical inputs: {len(differing)} of {len(judged)}"
-                        + (f": {', '.join(differing)}" if differing else ""), not differing)
+            page.banner(
+                f"ops that compute differently on identical inputs: {len(differing)} of {len(judged)}"
+                + (f": {', '.join(differing)}" if differing else ""),
+                not differing,
+            )
         elif first is None:
-            page.banner(f"every op is bitwise equal ({len(judged)} ops)" + (" in the captured runs" if changed else ""),
-                        not changed)
+            page.banner(
+                f"every op is bitwise equal ({len(judged)} ops)" + (" in the captured runs" if changed else ""),
+                not changed,
+            )
         else:
-            page.banner(f"first diverging op: {first['op']} ({equal_text(first)} of {first['elements']} elements "
-                        f"bitwise equal){worst_text(first.get('worst'))}", False)
-        page.note(f"{len(differing)} of {len(judged)} ops differ ({OPS_FILES[mode]}); ✓ equal, ✗ differs, "
-                  + ("◀ first op that computes differently (outlined), " if mode == "forced" else
-                     "◀ first diverging op (outlined), ")
-                  + "~ inputs not forced (not judged), ? missing; hover a cell for every number")
-        rerouted = [r for r in records if r.get("name") == "routing" and isinstance(r.get("rerouted"), (int, float))
-                     and r["rerouted"] == r["rerouted"]]  # NaN: the column of the other ops
+            page.banner(
+                f"first diverging op: {first['op']} ({equal_text(first)} of {first['elements']} elements "
+                f"bitwise equal){worst_text(first.get('worst'))}",
+                False,
+            )
+        page.note(
+            f"{len(differing)} of {len(judged)} ops differ ({OPS_FILES[mode]}); ✓ equal, ✗ differs, "
+            + (
+                "◀ first op that computes differently (outlined), "
+                if mode == "forced"
+                else "◀ first diverging op (outlined), "
+            )
+            + "~ inputs not forced (not judged), ? missing; hover a cell for every number"
+        )
+        rerouted = [
+            r
+            for r in records
+            if r.get("name") == "routing"
+            and isinstance(r.get("rerouted"), (int, float))
+            and r["rerouted"] == r["rerouted"]
+        ]  # NaN: the column of the other ops
         if rerouted:
-            page.note("tokens rerouted (MoE): " + "; ".join(
-                f"layer {r['layer']}: {int(r['rerouted'])} of {int(r['elements'])} positions" for r in rerouted))
+            page.note(
+                "tokens rerouted (MoE): "
+                + "; ".join(
+                    f"layer {r['layer']}: {int(r['rerouted'])} of {int(r['elements'])} positions" for r in rerouted
+                )
+            )
         page.figure(heatmap(records, first), f"bisect-{mode}")
         rows = [{**r, "mark": _mark(r, first), "equal_text": equal_text(r)} for r in records]
-        columns = [Column("op", "op", text=True), Column("", "mark", text=True), Column("status", "status", text=True),
-                   Column("equal", "equal_fraction", shown="equal_text"), Column("max ULP", "ulp_max"),
-                   Column("median ULP", "ulp_median", "g"), Column("max |diff|", "abs_max", ".2e"),
-                   Column("rel_diff", "rel_diff", ".1e"), Column("dtype", "dtype", text=True),
-                   Column("note", "note", text=True)]
-        page.details(f"every op, {mode} mode (sortable table)",
-                     table(rows, columns, table_id=f"ops-{mode}",
-                           row_class=lambda r: "differs" if r["status"] == DIFFERS else ""))
+        columns = [
+            Column("op", "op", text=True),
+            Column("", "mark", text=True),
+            Column("status", "status", text=True),
+            Column("equal", "equal_fraction", shown="equal_text"),
+            Column("max ULP", "ulp_max"),
+            Column("median ULP", "ulp_median", "g"),
+            Column("max |diff|", "abs_max", ".2e"),
+            Column("rel_diff", "rel_diff", ".1e"),
+            Column("dtype", "dtype", text=True),
+            Column("note", "note", text=True),
+        ]
+        page.details(
+            f"every op, {mode} mode (sortable table)",
+            table(
+                rows, columns, table_id=f"ops-{mode}", row_class=lambda r: "differs" if r["status"] == DIFFERS else ""
+            ),
+        )

@@ -28,10 +28,14 @@ def gate_section(page: Page, verdict: dict) -> None:
     reasons and what it did not judge."""
     label = str(verdict.get("verdict", "?"))
     page.heading("Gate verdict", anchor="gate")
-    page.banner(f"gate {label.upper()} ({verdict.get('rule', '')}): {verdict.get('mismatches')} of "
-                f"{verdict.get('tokens_compared')} tokens differ, max ULP {verdict.get('ulp_max')}", label == "pass")
-    reasons = list(verdict.get("reasons") or []) + ([f"engine error: {verdict['error']}"]
-                                                    if verdict.get("error") else [])
+    page.banner(
+        f"gate {label.upper()} ({verdict.get('rule', '')}): {verdict.get('mismatches')} of "
+        f"{verdict.get('tokens_compared')} tokens differ, max ULP {verdict.get('ulp_max')}",
+        label == "pass",
+    )
+    reasons = list(verdict.get("reasons") or []) + (
+        [f"engine error: {verdict['error']}"] if verdict.get("error") else []
+    )
     reasons += [f"not judged: {n}" for n in verdict.get("notes") or []]
     if reasons:
         page.add("<ul>" + "".join(f"<li>{esc(r)}</li>" for r in reasons) + "</ul>")
@@ -48,26 +52,37 @@ def compare_section(page: Page, run: RunDir) -> dict:
     if missing:
         from alignaudit.errors import InputError
 
-        raise InputError(f"{run.path / SUMMARY} lacks {', '.join(missing)}; it was written by another alignaudit "
-                         "version or altered: run the comparison again")
+        raise InputError(
+            f"{run.path / SUMMARY} lacks {', '.join(missing)}; it was written by another alignaudit "
+            "version or altered: run the comparison again"
+        )
     tokens = read_table(run.path / TOKENS, TOKEN_COLUMNS)
     sequences = read_table(run.path / SEQUENCES, SEQUENCE_COLUMNS)
     n, bad = summary["tokens_compared"], summary["mismatches"]
     page.heading("Logprob comparison", anchor="compare")
     nan = summary.get("nan_tokens") or {}
     if nan.get("train") or nan.get("infer"):
-        page.banner(f"NaN logprobs: {nan['train']} tokens on the train side, {nan['infer']} on the infer side; "
-                    f"{bad} of {n} tokens differ", False)
+        page.banner(
+            f"NaN logprobs: {nan['train']} tokens on the train side, {nan['infer']} on the infer side; "
+            f"{bad} of {n} tokens differ",
+            False,
+        )
     else:
-        page.banner("BITWISE IDENTICAL: every compared logprob has the same fp32 bits" if bad == 0
-                    else f"{bad} of {n} tokens differ ({summary.get('mismatch_fraction', 0):.2%})", bad == 0)
+        page.banner(
+            "BITWISE IDENTICAL: every compared logprob has the same fp32 bits"
+            if bad == 0
+            else f"{bad} of {n} tokens differ ({summary.get('mismatch_fraction', 0):.2%})",
+            bad == 0,
+        )
     sides = summary.get("sides") or {}
     if sides:
         page.add(key_values([(role, side_label(side)) for role, side in sides.items()], table_id="sides"))
     buckets, special = ulp_buckets(tokens)
-    page.row(sections_html(summary_sections(summary, histogram=False)),
-             "<h3>fp32 ULP distance (log2 buckets)</h3>" + page.figure_html(ulp_figure(summary, buckets, special),
-                                                                            "ulp-histogram"))
+    page.row(
+        sections_html(summary_sections(summary, histogram=False)),
+        "<h3>fp32 ULP distance (log2 buckets)</h3>"
+        + page.figure_html(ulp_figure(summary, buckets, special), "ulp-histogram"),
+    )
     page.heading("|d logprob| along each sequence", level=3)
     figure, caption = positions_figure(tokens, sequences)
     page.note(caption)
@@ -85,8 +100,10 @@ def sections_html(sections: list[Section]) -> str:
     cell carries ``data-field`` (its summary key, or its label for a row made of several keys)."""
     parts = []
     for sec in sections:
-        rows = "".join(f'<tr><td>{esc(label)}</td><td data-field="{esc(key or label)}">{esc(text)}</td></tr>'
-                       for label, text, key in sec.rows)
+        rows = "".join(
+            f'<tr><td>{esc(label)}</td><td data-field="{esc(key or label)}">{esc(text)}</td></tr>'
+            for label, text, key in sec.rows
+        )
         note = f'<p class="note">{esc(sec.note)}</p>' if sec.note else ""
         table_html = f'<table class="kv" id="summary-{esc(sec.anchor)}"><tbody>{rows}</tbody></table>' if rows else ""
         parts.append(f'<div><h3 id="{esc(sec.anchor)}">{esc(sec.title)}</h3>{table_html}{note}</div>')
@@ -103,23 +120,45 @@ def ulp_figure(summary: dict, buckets: list[dict], special: dict[str, int]):
     counts = [b["count"] for b in buckets]
     hover = [f"{b['lo']}..{b['hi']} ULP" if b["hi"] != b["lo"] else f"{b['lo']} ULP" for b in buckets]
     colors = ["#2f9e44"] + ["#e8590c"] * (len(labels) - 1)
-    fig = go.Figure(go.Bar(x=labels, y=counts, marker_color=colors, text=counts, textposition="outside",
-                           customdata=hover, name="finite pairs",
-                           hovertemplate="%{customdata}: %{y} tokens<extra></extra>"))
+    fig = go.Figure(
+        go.Bar(
+            x=labels,
+            y=counts,
+            marker_color=colors,
+            text=counts,
+            textposition="outside",
+            customdata=hover,
+            name="finite pairs",
+            hovertemplate="%{customdata}: %{y} tokens<extra></extra>",
+        )
+    )
     shown = {k: v for k, v in special.items() if v}
     if shown:
-        fig.add_trace(go.Bar(x=list(shown), y=list(shown.values()), marker_color="#862e9c", name="NaN / Inf",
-                             text=list(shown.values()), textposition="outside",
-                             hovertemplate="%{x}: %{y} tokens (no ULP distance)<extra></extra>"))
+        fig.add_trace(
+            go.Bar(
+                x=list(shown),
+                y=list(shown.values()),
+                marker_color="#862e9c",
+                name="NaN / Inf",
+                text=list(shown.values()),
+                textposition="outside",
+                hovertemplate="%{x}: %{y} tokens (no ULP distance)<extra></extra>",
+            )
+        )
     scales = [dict(label=s, method="relayout", args=[{"yaxis.type": s}]) for s in ("linear", "log")]
     none = "" if shown else "; no NaN or Inf mismatches"
-    fig.update_layout(height=420, showlegend=False, bargap=0.15,
-                      xaxis=dict(title=f"fp32 ULP distance, log2 buckets (0 = bitwise equal){none}", type="category"),
-                      yaxis=dict(title="tokens"),
-                      title=f"{summary['tokens_compared']} tokens, {summary['mismatches']} not bitwise equal"
-                            + (f"; max {summary['ulp_max']} ULP" if summary.get("ulp_max") is not None else ""),
-                      updatemenus=[dict(type="buttons", direction="right", x=1, y=1.0, xanchor="right",
-                                        yanchor="bottom", buttons=scales)])
+    fig.update_layout(
+        height=420,
+        showlegend=False,
+        bargap=0.15,
+        xaxis=dict(title=f"fp32 ULP distance, log2 buckets (0 = bitwise equal){none}", type="category"),
+        yaxis=dict(title="tokens"),
+        title=f"{summary['tokens_compared']} tokens, {summary['mismatches']} not bitwise equal"
+        + (f"; max {summary['ulp_max']} ULP" if summary.get("ulp_max") is not None else ""),
+        updatemenus=[
+            dict(type="buttons", direction="right", x=1, y=1.0, xanchor="right", yanchor="bottom", buttons=scales)
+        ],
+    )
     return fig
 
 
@@ -132,8 +171,18 @@ def _binned(pos: np.ndarray, y: np.ndarray, ulp: np.ndarray, points: int):
     return pos[pick], y[pick], ulp[pick]
 
 
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-          "#17becf")  # plotly's default colour cycle, set explicitly so a sequence's prompt marker has its colour
+COLORS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)  # plotly's default colour cycle, set explicitly so a sequence's prompt marker has its colour
 
 
 def positions_figure(tokens: pd.DataFrame, sequences: pd.DataFrame):
@@ -162,34 +211,74 @@ def positions_figure(tokens: pd.DataFrame, sequences: pd.DataFrame):
             where = ["prompt" if p < ends[seq] else "generated" for p in pos]
         else:
             where = [""] * len(pos)
-        fig.add_trace(go.Scatter(x=pos, y=[None if v != v else v for v in y],
-                                 customdata=list(zip(ulp, where, strict=True)),
-                                 mode="lines+markers", marker=marker, line=dict(color=color, width=1.5),
-                                 name=f"seq {seq}", connectgaps=False,
-                                 hovertemplate=f"seq {seq}, pos %{{x}} %{{customdata[1]}}<br>|d| %{{y:.3e}}<br>"
-                                               f"%{{customdata[0]}} ULP<extra></extra>"))
+        fig.add_trace(
+            go.Scatter(
+                x=pos,
+                y=[None if v != v else v for v in y],
+                customdata=list(zip(ulp, where, strict=True)),
+                mode="lines+markers",
+                marker=marker,
+                line=dict(color=color, width=1.5),
+                name=f"seq {seq}",
+                connectgaps=False,
+                hovertemplate=f"seq {seq}, pos %{{x}} %{{customdata[1]}}<br>|d| %{{y:.3e}}<br>"
+                f"%{{customdata[0]}} ULP<extra></extra>",
+            )
+        )
         if seq in ends:
             x = ends[seq] - 0.5
-            shapes.append(dict(type="line", xref="x", yref="paper", x0=x, x1=x, y0=0, y1=1,
-                               name=f"prompt end seq {seq}", line=dict(color=color, width=1.5, dash="dot")))
-            notes.append(dict(x=x, y=1, xref="x", yref="paper", yanchor="bottom", showarrow=False, text="▾",
-                              font=dict(color=color, size=14), name=f"prompt end seq {seq}",
-                              hovertext=f"seq {seq}: prompt of {ends[seq]} tokens (positions 0..{ends[seq] - 1}); "
-                                        f"generated from position {ends[seq]}"))
+            shapes.append(
+                dict(
+                    type="line",
+                    xref="x",
+                    yref="paper",
+                    x0=x,
+                    x1=x,
+                    y0=0,
+                    y1=1,
+                    name=f"prompt end seq {seq}",
+                    line=dict(color=color, width=1.5, dash="dot"),
+                )
+            )
+            notes.append(
+                dict(
+                    x=x,
+                    y=1,
+                    xref="x",
+                    yref="paper",
+                    yanchor="bottom",
+                    showarrow=False,
+                    text="▾",
+                    font=dict(color=color, size=14),
+                    name=f"prompt end seq {seq}",
+                    hovertext=f"seq {seq}: prompt of {ends[seq]} tokens (positions 0..{ends[seq] - 1}); "
+                    f"generated from position {ends[seq]}",
+                )
+            )
     more = len(sequences) - len(shown)
-    caption = (f"{len(shown)} sequences" if not more else f"the {len(shown)} worst of {len(sequences)} sequences") + \
-        (f"; at most {LINE_POINTS} points each (max |d| per bin)" if binned else "") + \
-        "; NaN and Inf pairs leave gaps; the buttons switch the y axis between linear and log"
+    caption = (
+        (f"{len(shown)} sequences" if not more else f"the {len(shown)} worst of {len(sequences)} sequences")
+        + (f"; at most {LINE_POINTS} points each (max |d| per bin)" if binned else "")
+        + "; NaN and Inf pairs leave gaps; the buttons switch the y axis between linear and log"
+    )
     if ends:
         lengths = sorted({ends[s] for s in shown if s in ends})
-        caption += ("; rollout: the dotted line in each sequence's colour marks where its prompt ends (prompt length "
-                    + (f"{lengths[0]}" if len(lengths) == 1 else f"{lengths[0]} to {lengths[-1]}")
-                    + "), open circles are prompt tokens, filled ones generated")
+        caption += (
+            "; rollout: the dotted line in each sequence's colour marks where its prompt ends (prompt length "
+            + (f"{lengths[0]}" if len(lengths) == 1 else f"{lengths[0]} to {lengths[-1]}")
+            + "), open circles are prompt tokens, filled ones generated"
+        )
     scales = [dict(label=s, method="relayout", args=[{"yaxis.type": s}]) for s in ("linear", "log")]
-    fig.update_layout(height=440, xaxis=dict(title="position"), yaxis=dict(title="|lp_train - lp_infer|"),
-                      shapes=shapes, annotations=notes,
-                      updatemenus=[dict(type="buttons", direction="right", x=0, y=1.04, xanchor="left",
-                                        yanchor="bottom", buttons=scales)])
+    fig.update_layout(
+        height=440,
+        xaxis=dict(title="position"),
+        yaxis=dict(title="|lp_train - lp_infer|"),
+        shapes=shapes,
+        annotations=notes,
+        updatemenus=[
+            dict(type="buttons", direction="right", x=0, y=1.04, xanchor="left", yanchor="bottom", buttons=scales)
+        ],
+    )
     return fig, caption
 
 
@@ -198,17 +287,34 @@ def sequence_table(page: Page, sequences: pd.DataFrame) -> None:
     ordered = worst_sequences(sequences, TABLE_SEQUENCES)
     rows = []
     for r in ordered.to_dict("records"):
-        rows.append({**r, "mismatch_fraction": r["mismatches"] / r["tokens"] if r["tokens"] else None,
-                     "first_mismatch_pos": None if r["first_mismatch_pos"] < 0 else r["first_mismatch_pos"],
-                     "ulp_max": None if r["ulp_max"] < 0 else r["ulp_max"]})
+        rows.append(
+            {
+                **r,
+                "mismatch_fraction": r["mismatches"] / r["tokens"] if r["tokens"] else None,
+                "first_mismatch_pos": None if r["first_mismatch_pos"] < 0 else r["first_mismatch_pos"],
+                "ulp_max": None if r["ulp_max"] < 0 else r["ulp_max"],
+            }
+        )
     if len(sequences) > len(ordered):
         page.note(f"the {len(ordered)} worst of {len(sequences)} sequences; all are in {SEQUENCES}")
     page.note("click a column header to sort")
-    page.add(table(rows, [Column("seq", "seq"), Column("tokens", "tokens"), Column("mismatches", "mismatches"),
-                          Column("mismatching", "mismatch_fraction", ".1%"),
-                          Column("first mismatch pos", "first_mismatch_pos"), Column("NaN tokens", "nan_tokens"),
-                          Column("max ULP", "ulp_max"), Column("max |d|", "max_abs_diff", ".3e")],
-                   table_id="sequences", row_class=lambda r: "differs" if r["mismatches"] else ""))
+    page.add(
+        table(
+            rows,
+            [
+                Column("seq", "seq"),
+                Column("tokens", "tokens"),
+                Column("mismatches", "mismatches"),
+                Column("mismatching", "mismatch_fraction", ".1%"),
+                Column("first mismatch pos", "first_mismatch_pos"),
+                Column("NaN tokens", "nan_tokens"),
+                Column("max ULP", "ulp_max"),
+                Column("max |d|", "max_abs_diff", ".3e"),
+            ],
+            table_id="sequences",
+            row_class=lambda r: "differs" if r["mismatches"] else "",
+        )
+    )
 
 
 def worst_tokens(tokens: pd.DataFrame) -> list[dict]:
@@ -219,9 +325,16 @@ def worst_tokens(tokens: pd.DataFrame) -> list[dict]:
     rows = []
     for r in worst.head(WORST_TOKENS).to_dict("records"):
         bits = np.array([r["lp_train"], r["lp_infer"]], dtype=np.float32).view(np.uint32)
-        rows.append({**r, "train_hex": f"0x{int(bits[0]):08x}", "infer_hex": f"0x{int(bits[1]):08x}",
-                     "train_text": f"{r['lp_train']:.9g}", "infer_text": f"{r['lp_infer']:.9g}",
-                     "ulp": None if r["ulp"] < 0 else r["ulp"]})
+        rows.append(
+            {
+                **r,
+                "train_hex": f"0x{int(bits[0]):08x}",
+                "infer_hex": f"0x{int(bits[1]):08x}",
+                "train_text": f"{r['lp_train']:.9g}",
+                "infer_text": f"{r['lp_infer']:.9g}",
+                "ulp": None if r["ulp"] < 0 else r["ulp"],
+            }
+        )
     return rows
 
 
@@ -259,31 +372,48 @@ def worst_tokens_table(page: Page, tokens: pd.DataFrame, run: RunDir) -> list[di
     tokenizer, why = load_tokenizer(model_path(run))
     rollout = "generated" in tokens and bool(tokens["generated"].any())
     ids = token_ids(run, tokens) if tokenizer is not None else {}
-    gen = (set(zip(tokens.loc[tokens["generated"], "seq"], tokens.loc[tokens["generated"], "pos"], strict=True))
-           if rollout else set())
+    gen = (
+        set(zip(tokens.loc[tokens["generated"], "seq"], tokens.loc[tokens["generated"], "pos"], strict=True))
+        if rollout
+        else set()
+    )
     for r in rows:
         r["where"] = "generated" if (r["seq"], r["pos"]) in gen else "prompt"
         r["text"] = r["text_shown"] = r["context"] = None
         if tokenizer is not None:
             r["text"] = decode(tokenizer, [r["token_id"]])
             r["text_shown"] = visible(r["text"])
-            before = ids[r["seq"]][max(0, r["pos"] - CONTEXT_TOKENS):r["pos"]]
+            before = ids[r["seq"]][max(0, r["pos"] - CONTEXT_TOKENS) : r["pos"]]
             before = before[before >= 0]
             r["context"] = ("…" if r["pos"] > CONTEXT_TOKENS else "") + visible(decode(tokenizer, before))[1:-1]
     page.heading(f"Largest single-token differences (top {len(rows)})", level=3)
     if tokenizer is None:
         page.note(why)
     else:
-        page.note(f"token text decoded with the tokenizer in {model_path(run)}; context: the {CONTEXT_TOKENS} tokens "
-                  "before (whitespace shown as \\n, \\t)")
-    columns = [Column("seq", "seq"), Column("pos", "pos"),
-               *([Column("in", "where", text=True)] if rollout else []),
-               *([Column("context before", "context", text=True, cls="ctx"),
-                  Column("token", "text", text=True, shown="text_shown", cls="tok")] if tokenizer is not None else []),
-               Column("token id", "token_id"),
-               Column("lp_train", "lp_train", shown="train_text"), Column("lp_infer", "lp_infer", shown="infer_text"),
-               Column("d", "diff", ".3e"), Column("ULP", "ulp"),
-               Column("train bits", "train_hex", text=True), Column("infer bits", "infer_hex", text=True)]
+        page.note(
+            f"token text decoded with the tokenizer in {model_path(run)}; context: the {CONTEXT_TOKENS} tokens "
+            "before (whitespace shown as \\n, \\t)"
+        )
+    columns = [
+        Column("seq", "seq"),
+        Column("pos", "pos"),
+        *([Column("in", "where", text=True)] if rollout else []),
+        *(
+            [
+                Column("context before", "context", text=True, cls="ctx"),
+                Column("token", "text", text=True, shown="text_shown", cls="tok"),
+            ]
+            if tokenizer is not None
+            else []
+        ),
+        Column("token id", "token_id"),
+        Column("lp_train", "lp_train", shown="train_text"),
+        Column("lp_infer", "lp_infer", shown="infer_text"),
+        Column("d", "diff", ".3e"),
+        Column("ULP", "ulp"),
+        Column("train bits", "train_hex", text=True),
+        Column("infer bits", "infer_hex", text=True),
+    ]
     page.add(table(rows, columns, table_id="worst-tokens"))
     return rows
 
@@ -322,14 +452,25 @@ def settings_details(page: Page, run: RunDir) -> None:
         body = []
         for k in keys:
             cells = [environment[r].get(k) for r in roles]
-            shown = [", ".join(map(str, c)) if isinstance(c, list) else
-                     ", ".join(f"{a}={b}" for a, b in c.items()) if isinstance(c, dict) else fmt(c) for c in cells]
+            shown = [
+                ", ".join(map(str, c))
+                if isinstance(c, list)
+                else ", ".join(f"{a}={b}" for a, b in c.items())
+                if isinstance(c, dict)
+                else fmt(c)
+                for c in cells
+            ]
             differ = len(set(shown)) > 1
-            body.append(f'<tr class="{"differs" if differ else ""}"><td class="l">{esc(k)}</td>'
-                        + "".join(f'<td class="l">{esc(v) or "-"}</td>' for v in shown) + "</tr>")
+            body.append(
+                f'<tr class="{"differs" if differ else ""}"><td class="l">{esc(k)}</td>'
+                + "".join(f'<td class="l">{esc(v) or "-"}</td>' for v in shown)
+                + "</tr>"
+            )
         head = "".join(f"<th class='l'>{esc(r)}</th>" for r in roles)
-        html += ('<p class="note">engines and environment (red: the two sides differ)</p>'
-                 f'<div class="scroll"><table id="environment"><thead><tr><th class="l">field</th>{head}</tr></thead>'
-                 f'<tbody>{"".join(body)}</tbody></table></div>')
+        html += (
+            '<p class="note">engines and environment (red: the two sides differ)</p>'
+            f'<div class="scroll"><table id="environment"><thead><tr><th class="l">field</th>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table></div>"
+        )
     if html:
         page.details("Settings and environment", html)

@@ -107,23 +107,27 @@ class Column:
     cls: str = ""  # an extra CSS class of the column's cells (e.g. "tok": token text, whitespace kept)
 
 
-def table(rows: list[dict], columns: list[Column], sortable: bool = True, table_id: str = "",
-          row_class=None) -> str:
+def table(rows: list[dict], columns: list[Column], sortable: bool = True, table_id: str = "", row_class=None) -> str:
     """An HTML table of ``rows`` (dicts); cells carry their raw value in ``data-v`` for sorting.
     ``row_class(row)`` may give a CSS class per row (e.g. "differs")."""
+
     def align(c: Column) -> str:
         return " ".join(x for x in ("l" if c.text else "", c.cls) if x)
 
     head = "".join(f'<th class="{align(c)}" data-key="{esc(c.key)}">{esc(c.title)}</th>' for c in columns)
     body = []
     for row in rows:
-        cells = "".join(f'<td class="{align(c)}" data-key="{esc(c.key)}" data-v="{esc(_sort_value(row.get(c.key)))}">'
-                        f"{esc(fmt(row.get(c.shown or c.key), '' if c.shown else c.spec))}</td>" for c in columns)
+        cells = "".join(
+            f'<td class="{align(c)}" data-key="{esc(c.key)}" data-v="{esc(_sort_value(row.get(c.key)))}">'
+            f"{esc(fmt(row.get(c.shown or c.key), '' if c.shown else c.spec))}</td>"
+            for c in columns
+        )
         cls = row_class(row) if row_class else ""
         body.append(f'<tr class="{cls or ""}">{cells}</tr>')
     attrs = (f' id="{esc(table_id)}"' if table_id else "") + (' class="sortable"' if sortable else "")
-    return (f'<div class="scroll"><table{attrs}><thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(body)}</tbody></table></div>')
+    return (
+        f'<div class="scroll"><table{attrs}><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+    )
 
 
 def key_values(pairs: list[tuple[str, object]], table_id: str = "") -> str:
@@ -179,8 +183,12 @@ class Page:
         self.figures += 1
         top = 60 if fig.layout.title.text or fig.layout.updatemenus or fig.layout.annotations else 20
         fig.update_layout(template="plotly_white", margin=dict(l=60, r=30, t=top, b=50))
-        return fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{name}",
-                           config={"displaylogo": False, "responsive": True})
+        return fig.to_html(
+            full_html=False,
+            include_plotlyjs=False,
+            div_id=f"plot-{name}",
+            config={"displaylogo": False, "responsive": True},
+        )
 
     def figure(self, fig, name: str) -> None:
         """Add a plotly figure (figure_html)."""
@@ -188,9 +196,10 @@ class Page:
 
     def row(self, *fragments: str) -> None:
         """HTML fragments side by side; the last one takes the remaining width."""
-        cells = "".join(f'<div style="flex: {"1 1 0; min-width: 0" if i == len(fragments) - 1 else "0 0 auto"}">'
-                        f'{f}</div>'
-                        for i, f in enumerate(fragments))
+        cells = "".join(
+            f'<div style="flex: {"1 1 0; min-width: 0" if i == len(fragments) - 1 else "0 0 auto"}">{f}</div>'
+            for i, f in enumerate(fragments)
+        )
         self.add(f'<div style="display: flex; gap: 24px; align-items: flex-start">{cells}</div>')
 
     def details(self, summary: str, fragment: str, open_: bool = False) -> None:
@@ -202,6 +211,10 @@ class Page:
         from plotly.offline import get_plotlyjs
 
         plotly_js = f'<script type="text/javascript">{get_plotlyjs()}</script>' if self.figures else ""
-        return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">" + GENERATOR
-                + f"<title>{esc(self.title)}</title><style>{CSS}</style>{plotly_js}</head><body>"
-                + "\n".join(self.parts) + f"<script>{SORT_JS}</script></body></html>\n")
+        return (
+            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            + GENERATOR
+            + f"<title>{esc(self.title)}</title><style>{CSS}</style>{plotly_js}</head><body>"
+            + "\n".join(self.parts)
+            + f"<script>{SORT_JS}</script></body></html>\n"
+        )

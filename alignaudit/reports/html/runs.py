@@ -66,17 +66,24 @@ def detect(run_dir: Path | str) -> RunDir:
     """
     path = Path(run_dir)
     if not path.exists():
-        raise InputError(f"{path} does not exist; give the run directory (--out) of alignaudit compare, bisect, gate, "
-                         "rl, ablate or diff")
+        raise InputError(
+            f"{path} does not exist; give the run directory (--out) of alignaudit compare, bisect, gate, "
+            "rl, ablate or diff"
+        )
     if not path.is_dir():
         raise InputError(f"{path} is a file; give the run directory that holds it")
     record = read_json(path / RUN) if (path / RUN).is_file() else None
     ops = {mode: path / name for mode, name in OPS_FILES.items() if (path / name).is_file()}
-    kinds = [kind for kind in ("compare", "bisect", "rl", "ablate")
-             if (ops if kind == "bisect" else (path / MARKS[kind]).is_file())]
+    kinds = [
+        kind
+        for kind in ("compare", "bisect", "rl", "ablate")
+        if (ops if kind == "bisect" else (path / MARKS[kind]).is_file())
+    ]
     if record is None and kinds:
-        raise InputError(f"{path} holds results but no {RUN}, so nothing vouches for them (written by an older "
-                         "alignaudit?); run the command again")
+        raise InputError(
+            f"{path} holds results but no {RUN}, so nothing vouches for them (written by an older "
+            "alignaudit?); run the command again"
+        )
     sealed = record is not None and (record.get("status") == "complete" or integrity.RECORD_SHA256 in record)
     captures = {}
     if sealed:  # a sealed record whose status says otherwise was edited: its seal no longer matches
@@ -84,16 +91,25 @@ def detect(run_dir: Path | str) -> RunDir:
     command = (record or {}).get("command")
     if command in ("compare", "bisect", "rl", "ablate") and command not in kinds:
         status = record.get("status")
-        fix = ("the run did not finish: run it again" if status != "complete"
-               else "the directory was altered: run the command again")
+        fix = (
+            "the run did not finish: run it again"
+            if status != "complete"
+            else "the directory was altered: run the command again"
+        )
         wanted = " or ".join(OPS_FILES[m] for m in ("natural", "forced")) if command == "bisect" else MARKS[command]
-        raise InputError(f"{path}: {RUN} records an `alignaudit {command}` run (status {status!r}) but {wanted} "
-                         f"is missing; {fix}")
+        raise InputError(
+            f"{path}: {RUN} records an `alignaudit {command}` run (status {status!r}) but {wanted} is missing; {fix}"
+        )
     if not kinds:
-        hint = (" (a capture: compare two with `alignaudit diff A B`, then report that)"
-                if (path / MANIFEST).is_file() else "")
-        raise InputError(f"{path} holds no alignaudit results (none of {KNOWN}){hint}; give the run directory "
-                         "(--out) of alignaudit compare, bisect, gate, rl, ablate or diff")
+        hint = (
+            " (a capture: compare two with `alignaudit diff A B`, then report that)"
+            if (path / MANIFEST).is_file()
+            else ""
+        )
+        raise InputError(
+            f"{path} holds no alignaudit results (none of {KNOWN}){hint}; give the run directory "
+            "(--out) of alignaudit compare, bisect, gate, rl, ablate or diff"
+        )
     if "compare" in kinds:
         missing = [name for name in (TOKENS, SEQUENCES) if not (path / name).is_file()]
         if missing:
@@ -128,7 +144,8 @@ def _read_by(kind: str, ops: dict[str, Path]) -> tuple[str, ...]:
     """The files the page's section of ``kind`` reads."""
     if kind == "bisect":  # and bisect.json where the run wrote one (the ops table of a diff has none)
         return tuple(p.name for p in ops.values()) + tuple(
-            BISECT for p in list(ops.values())[:1] if (p.parent / BISECT).is_file())
+            BISECT for p in list(ops.values())[:1] if (p.parent / BISECT).is_file()
+        )
     return {"compare": (SUMMARY, TOKENS, SEQUENCES), "rl": (STEPS,), "ablate": (ABLATE_PARQUET,)}[kind]
 
 
@@ -152,10 +169,14 @@ def read_table(path: Path, required: tuple[str, ...] = ()) -> pd.DataFrame:
     try:
         frame = pd.read_parquet(path)
     except Exception as e:  # pyarrow raises several types for a damaged or truncated file
-        raise InputError(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                         "run the command that wrote it again") from e
+        raise InputError(
+            f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "run the command that wrote it again"
+        ) from e
     missing = [c for c in required if c not in frame.columns]
     if missing:
-        raise InputError(f"{path} lacks the column(s) {', '.join(missing)}; it was written by another alignaudit "
-                         "version or altered: run the command again")
+        raise InputError(
+            f"{path} lacks the column(s) {', '.join(missing)}; it was written by another alignaudit "
+            "version or altered: run the command again"
+        )
     return frame

@@ -53,17 +53,22 @@ def workload(run: RunDir) -> dict[str, str]:
     capture's manifest), the mode and the prompts (source, digest) as run.json records them; a diff run's record
     has neither, so the infer capture's manifest (whose digest, in rollout mode, covers the sampled tokens too)."""
     model, prompts, mode = _workload_records(run)
-    return {"model checkpoint": f"{model.get('name', '?')} (sha256 {str(model.get('checkpoint_sha256', '?'))[:12]})",
-            "prompts": f"{prompts.get('source') or '?'}, digest {str(prompts.get('digest', '?'))[:12]}",
-            "mode": mode}
+    return {
+        "model checkpoint": f"{model.get('name', '?')} (sha256 {str(model.get('checkpoint_sha256', '?'))[:12]})",
+        "prompts": f"{prompts.get('source') or '?'}, digest {str(prompts.get('digest', '?'))[:12]}",
+        "mode": mode,
+    }
 
 
 def workload_identity(run: RunDir) -> dict[str, str]:
     """What must be equal for two runs to count the same tokens (WORKLOAD's fields): the checkpoint's sha256, the
     prompts' digest (of the token ids, whatever file or name they came from) and the mode."""
     model, prompts, mode = _workload_records(run)
-    return {"model checkpoint": str(model.get("checkpoint_sha256")), "prompts": str(prompts.get("digest")),
-            "mode": mode}
+    return {
+        "model checkpoint": str(model.get("checkpoint_sha256")),
+        "prompts": str(prompts.get("digest")),
+        "mode": mode,
+    }
 
 
 def _workload_records(run: RunDir) -> tuple[dict, dict, str]:
@@ -81,11 +86,15 @@ def load_column(run_dir: Path | str) -> RunColumn:
     """
     run = detect(run_dir)
     if "compare" not in run.kinds:
-        raise InputError(f"{run.path} holds no logprob comparison (a {' and '.join(run.kinds)} run); several runs "
-                         "side by side need compare, gate, diff or rescore runs: report it alone")
+        raise InputError(
+            f"{run.path} holds no logprob comparison (a {' and '.join(run.kinds)} run); several runs "
+            "side by side need compare, gate, diff or rescore runs: report it alone"
+        )
     if not run.complete or not run.captures:
-        raise InputError(f"{run.path} did not finish (run.json status {(run.record or {}).get('status')!r}); only "
-                         "finished runs go side by side: report it alone, or run it again")
+        raise InputError(
+            f"{run.path} did not finish (run.json status {(run.record or {}).get('status')!r}); only "
+            "finished runs go side by side: report it alone, or run it again"
+        )
     summary = read_json(run.path / SUMMARY)
     missing = [f for f in SUMMARY_FIELDS if f not in summary]
     if missing:
@@ -104,8 +113,10 @@ def check_comparable(columns: list[RunColumn]) -> None:
         values = [c.workload[field] for c in columns]
         if len({workload_identity(c.run)[field] for c in columns}) > 1:
             shown = "; ".join(f"{c.run.path.name}: {v}" for c, v in zip(columns, values, strict=True))
-            raise InputError(f"the runs differ in {field} ({shown}), so their numbers count different tokens; put "
-                             f"side by side runs of the same model, prompts and mode, or report each alone")
+            raise InputError(
+                f"the runs differ in {field} ({shown}), so their numbers count different tokens; put "
+                f"side by side runs of the same model, prompts and mode, or report each alone"
+            )
 
 
 def _strict(side: dict) -> str:
@@ -117,8 +128,10 @@ def _thresholds(summary: dict) -> str:
     imp = summary.get("importance") or {}
     if "tis_threshold" not in imp:
         return "-"
-    return (f"{imp['tis_threshold']:g}; [{imp['mask_low']:g}, {imp['mask_high']:g}]; "
-            f"[{imp['geo_mask_low']:g}, {imp['geo_mask_high']:g}]")
+    return (
+        f"{imp['tis_threshold']:g}; [{imp['mask_low']:g}, {imp['mask_high']:g}]; "
+        f"[{imp['geo_mask_low']:g}, {imp['geo_mask_high']:g}]"
+    )
 
 
 def _sampling(run: RunDir) -> str:
@@ -141,6 +154,7 @@ def rows(columns: list[RunColumn]) -> list[tuple[str, str, str, list[tuple[objec
     """The page's table: (group, field key, label, [(raw value, text) per run]). A row no run has is left out;
     a run without it shows '-'. Settings rows whose values differ from the first run's are highlighted by
     the page (group "Run")."""
+
     def side(c: RunColumn, role: str) -> dict:
         return (c.summary.get("sides") or {}).get(role) or (c.run.record or {}).get(role) or {}
 
@@ -166,21 +180,31 @@ def rows(columns: list[RunColumn]) -> list[tuple[str, str, str, list[tuple[objec
     add("Run", "prompts", "prompts", text(lambda c: c.workload["prompts"]))
     add("Run", "train", "train engine", text(lambda c: side_label(side(c, "train")) if side(c, "train") else "-"))
     add("Run", "infer", "infer engine", text(lambda c: side_label(side(c, "infer")) if side(c, "infer") else "-"))
-    add("Run", "strict", "strict (train / infer)",
-        text(lambda c: f"{_strict(side(c, 'train'))} / {_strict(side(c, 'infer'))}"))
+    add(
+        "Run",
+        "strict",
+        "strict (train / infer)",
+        text(lambda c: f"{_strict(side(c, 'train'))} / {_strict(side(c, 'infer'))}"),
+    )
     add("Run", "sampling", "sampling (rollout)", text(lambda c: _sampling(c.run)))
     add("Run", "clip_eps", "clip eps", each(lambda c: (c.summary.get("rl") or {}).get("clip_eps")))
     add("Run", "is_thresholds", "IS thresholds (TIS C; mask; geometric mask)", text(lambda c: _thresholds(c.summary)))
     add("Alignment", "tokens_compared", "tokens compared", each(lambda c: c.summary["tokens_compared"]))
     add("Alignment", "mismatches", "mismatches (bitwise)", each(lambda c: c.summary["mismatches"]))
-    add("Alignment", "mismatch_fraction", "mismatch fraction",
-        each(lambda c: c.summary.get("mismatch_fraction"), ".2%"))
+    add(
+        "Alignment", "mismatch_fraction", "mismatch fraction", each(lambda c: c.summary.get("mismatch_fraction"), ".2%")
+    )
     add("Alignment", "max_abs_diff", "max |d logprob|", each(lambda c: c.summary.get("max_abs_diff"), ".3e"))
     add("Alignment", "ulp_max", "ULP max", each(lambda c: c.summary.get("ulp_max")))
     add("Alignment", "ulp_median", "ULP median", each(lambda c: c.summary.get("ulp_median")))
     add("Alignment", "ulp_p99", "ULP p99", each(lambda c: c.summary.get("ulp_p99")))
-    add("Alignment", "nan_inf", "NaN / Inf mismatches",
-        each(lambda c: (c.summary.get("nan_mismatches") or 0) + (c.summary.get("inf_mismatches") or 0)))
+    add(
+        "Alignment",
+        "nan_inf",
+        "NaN / Inf mismatches",
+        each(lambda c: (c.summary.get("nan_mismatches") or 0) + (c.summary.get("inf_mismatches") or 0)),
+    )
+
     def rl(key):
         return lambda c: (c.summary.get("rl") or {}).get(key)
 
@@ -193,8 +217,12 @@ def rows(columns: list[RunColumn]) -> list[tuple[str, str, str, list[tuple[objec
     for group, key in (("Importance weights", "importance"), ("Distribution (full vocabulary)", "vocab")):
         flat = [_scalars(c.summary.get(key) or (c.summary.get("rl") or {}).get(key)) for c in columns]
         for name in dict.fromkeys(k for f in flat for k in f):
-            add(group, f"{key}.{name}", " ".join(readable(p) for p in name.split(".")),
-                [(f.get(name), number(f.get(name)) if name in f else "-") for f in flat])
+            add(
+                group,
+                f"{key}.{name}",
+                " ".join(readable(p) for p in name.split(".")),
+                [(f.get(name), number(f.get(name)) if name in f else "-") for f in flat],
+            )
 
     def rerouted(c):
         layers = c.summary.get("routing") or []
@@ -206,8 +234,12 @@ def rows(columns: list[RunColumn]) -> list[tuple[str, str, str, list[tuple[objec
         g = c.summary.get("generated")
         return f"{g['mismatches']} of {g['tokens_compared']}" if g else None
 
-    add("Generated tokens (rollout)", "generated.mismatches", "mismatches",
-        [(v, v or "-") for v in map(generated, columns)])
+    add(
+        "Generated tokens (rollout)",
+        "generated.mismatches",
+        "mismatches",
+        [(v, v or "-") for v in map(generated, columns)],
+    )
     return out
 
 
@@ -222,14 +254,26 @@ def ulp_bars(columns: list[RunColumn]):
     fig = go.Figure()
     for c in columns:
         counts = [b["count"] for b in c.buckets] + [0] * (top - len(c.buckets))
-        fig.add_trace(go.Bar(x=labels + specials, y=counts + [c.special[k] for k in specials], name=c.run.path.name,
-                             hovertemplate=f"{esc(c.run.path.name)}<br>%{{x}} ULP: %{{y}} tokens<extra></extra>"))
+        fig.add_trace(
+            go.Bar(
+                x=labels + specials,
+                y=counts + [c.special[k] for k in specials],
+                name=c.run.path.name,
+                hovertemplate=f"{esc(c.run.path.name)}<br>%{{x}} ULP: %{{y}} tokens<extra></extra>",
+            )
+        )
     scales = [dict(label=s, method="relayout", args=[{"yaxis.type": s}]) for s in ("linear", "log")]
-    fig.update_layout(height=420, barmode="group", title="fp32 ULP distance per run (log2 buckets)",
-                      xaxis=dict(title="fp32 ULP distance (0 = bitwise equal)", type="category"),
-                      yaxis=dict(title="tokens"), legend=dict(orientation="h", y=-0.3),
-                      updatemenus=[dict(type="buttons", direction="right", x=1, y=1.02, xanchor="right",
-                                        yanchor="bottom", buttons=scales)])
+    fig.update_layout(
+        height=420,
+        barmode="group",
+        title="fp32 ULP distance per run (log2 buckets)",
+        xaxis=dict(title="fp32 ULP distance (0 = bitwise equal)", type="category"),
+        yaxis=dict(title="tokens"),
+        legend=dict(orientation="h", y=-0.3),
+        updatemenus=[
+            dict(type="buttons", direction="right", x=1, y=1.02, xanchor="right", yanchor="bottom", buttons=scales)
+        ],
+    )
     return fig
 
 
@@ -253,17 +297,27 @@ def build_side_by_side(run_dirs: list[Path | str]) -> str:
     page = Page(f"alignaudit report: {len(columns)} runs side by side")
     first = columns[0].workload
     page.add(f"<h1>alignaudit report: {len(columns)} runs side by side</h1>")
-    page.add(f'<p class="sub">{esc(first["model checkpoint"])}; {esc(first["mode"])} mode; prompts '
-             f'{esc(first["prompts"])}</p>')
-    page.add(f'<p class="sub">report by alignaudit {esc(__version__)} at {datetime.now():%Y-%m-%d %H:%M:%S}; runs '
-             + ", ".join(f"<code>{esc(c.run.path.resolve())}</code>" for c in columns) + "</p>")
+    page.add(
+        f'<p class="sub">{esc(first["model checkpoint"])}; {esc(first["mode"])} mode; prompts '
+        f"{esc(first['prompts'])}</p>"
+    )
+    page.add(
+        f'<p class="sub">report by alignaudit {esc(__version__)} at {datetime.now():%Y-%m-%d %H:%M:%S}; runs '
+        + ", ".join(f"<code>{esc(c.run.path.resolve())}</code>" for c in columns)
+        + "</p>"
+    )
     table_rows = rows(columns)
-    differing = [label for group, key, label, values in table_rows
-                 if group == "Run" and key in ("sampling", "clip_eps", "is_thresholds")
-                 and len({t for _, t in values}) > 1]
+    differing = [
+        label
+        for group, key, label, values in table_rows
+        if group == "Run" and key in ("sampling", "clip_eps", "is_thresholds") and len({t for _, t in values}) > 1
+    ]
     if differing:
-        page.banner(f"the runs differ in {', '.join(differing)}: their clip fractions, importance-sampling "
-                    "fractions or generated tokens count different things (highlighted below)", None)
+        page.banner(
+            f"the runs differ in {', '.join(differing)}: their clip fractions, importance-sampling "
+            "fractions or generated tokens count different things (highlighted below)",
+            None,
+        )
     page.note("one column per run; highlighted: a setting that differs from the first run's")
     head = "".join(f'<th class="l">{esc(c.run.path.name)}</th>' for c in columns)
     body, group = [], None
@@ -279,8 +333,10 @@ def build_side_by_side(run_dirs: list[Path | str]) -> str:
             v = "" if raw is None else str(raw)
             cells.append(f'<td class="l{mark}" data-key="run{i}" data-v="{esc(v)}">{esc(txt)}</td>')
         body.append(f'<tr><td data-key="metric" data-v="{esc(key)}">{esc(label)}</td>{"".join(cells)}</tr>')
-    page.add(f'<div class="scroll"><table id="runs" class="runs"><thead><tr><th class="l">run</th>{head}</tr></thead>'
-             f'<tbody>{"".join(body)}</tbody></table></div>')
+    page.add(
+        f'<div class="scroll"><table id="runs" class="runs"><thead><tr><th class="l">run</th>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
     page.figure(ulp_bars(columns), "runs-ulp")
     return page.render()
 

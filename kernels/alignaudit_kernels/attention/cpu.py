@@ -22,9 +22,10 @@ def _cpu_attend(q, k, v, q_positions, scale):
     out = torch.empty(tq, h, d, dtype=torch.float32)
     rows = max(1, CPU_CHUNK_ELEMENTS // max(1, h * BLOCK_N * d))
     for start in range(0, tq, rows):
-        pos = q_positions[start: start + rows].cpu()
-        out[start: start + rows] = _cpu_rows(q[start: start + rows].float().view(-1, kvh, group, d), k, v, pos,
-                                             scale).view(-1, h, d)
+        pos = q_positions[start : start + rows].cpu()
+        out[start : start + rows] = _cpu_rows(
+            q[start : start + rows].float().view(-1, kvh, group, d), k, v, pos, scale
+        ).view(-1, h, d)
     return out.to(q.dtype)
 
 
@@ -64,12 +65,15 @@ def _cpu_merge(state, chunk, active):
     (m, l, acc), (m_c, l_c, acc_c) = state, chunk
     m_new = torch.maximum(m, m_c)
     a, b = exp(m - m_new), exp(m_c - m_new)
-    return (torch.where(active, m_new, m), torch.where(active, l * a + l_c * b, l),
-            torch.where(active[..., None], acc * a[..., None] + acc_c * b[..., None], acc))
+    return (
+        torch.where(active, m_new, m),
+        torch.where(active, l * a + l_c * b, l),
+        torch.where(active[..., None], acc * a[..., None] + acc_c * b[..., None], acc),
+    )
 
 
 def _block(x, j0):
-    blk = x[j0: j0 + BLOCK_N].float()
+    blk = x[j0 : j0 + BLOCK_N].float()
     if blk.shape[0] < BLOCK_N:
         blk = torch.nn.functional.pad(blk, (0, 0, 0, 0, 0, BLOCK_N - blk.shape[0]))
     return blk

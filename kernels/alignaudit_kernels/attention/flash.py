@@ -61,8 +61,10 @@ def _unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str
         return "the flash attention kernel is FlashAttention-3, and this torch sees no CUDA GPU"
     if capability(device) != (9, 0):
         major, minor = capability(device)
-        return (f"the flash attention kernel is FlashAttention-3, built for compute capability 9.0 (Hopper); this GPU "
-                f"is {major}.{minor}: use the portable one")
+        return (
+            f"the flash attention kernel is FlashAttention-3, built for compute capability 9.0 (Hopper); this GPU "
+            f"is {major}.{minor}: use the portable one"
+        )
     if dtype not in FLASH_DTYPES:
         return f"FlashAttention-3 computes fp16 and bf16, not {dtype}; use the portable attention kernel"
     if not flash_takes_head_dim(head_dim):
@@ -76,13 +78,40 @@ def _unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str
     return None
 
 
-def _fa3(q, k, v, cu_q, max_q: int, max_k: int, scale: float, *, cu_k=None, seqused_k=None, block_table=None,
-         out=None, lse: bool = False):
+def _fa3(
+    q,
+    k,
+    v,
+    cu_q,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    *,
+    cu_k=None,
+    seqused_k=None,
+    block_table=None,
+    out=None,
+    lse: bool = False,
+):
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    return flash_attn_varlen_func(q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k, cu_seqlens_k=cu_k,
-                                  seqused_k=seqused_k, softmax_scale=scale, causal=True, block_table=block_table,
-                                  out=out, return_softmax_lse=lse, num_splits=FLASH_SPLITS, fa_version=FLASH_VERSION)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        max_seqlen_q=max_q,
+        cu_seqlens_q=cu_q,
+        max_seqlen_k=max_k,
+        cu_seqlens_k=cu_k,
+        seqused_k=seqused_k,
+        softmax_scale=scale,
+        causal=True,
+        block_table=block_table,
+        out=out,
+        return_softmax_lse=lse,
+        num_splits=FLASH_SPLITS,
+        fa_version=FLASH_VERSION,
+    )
 
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float):
@@ -118,8 +147,10 @@ class _FlashVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, scale):
         if not flash_backward_available(q):
-            raise ValueError("the flash attention kernel's backward is FlashAttention-2's (torch's); this torch or "
-                             "GPU lacks it: use the portable kernel")
+            raise ValueError(
+                "the flash attention kernel's backward is FlashAttention-2's (torch's); this torch or "
+                "GPU lacks it: use the portable kernel"
+            )
         ctx.scale, ctx.longest = scale, _longest(cu_seqlens)
         out, lse = _varlen_forward(q, k, v, cu_seqlens, scale, lse=True, longest=ctx.longest)
         ctx.save_for_backward(q, k, v, cu_seqlens, out, lse)
@@ -147,18 +178,37 @@ def flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions:
     tk = k.shape[1]
     expected = torch.arange(tk - tq, tk, device=q_positions.device).expand(b, tq)
     if not torch.equal(q_positions.reshape(b, tq), expected):
-        raise ValueError("the flash attention kernel computes queries at the last positions of their keys "
-                         "(bottom-right causal); these positions are not: use the portable kernel")
+        raise ValueError(
+            "the flash attention kernel computes queries at the last positions of their keys "
+            "(bottom-right causal); these positions are not: use the portable kernel"
+        )
     cu_q = torch.arange(0, (b + 1) * tq, tq, dtype=torch.int32, device=q.device)
     cu_k = torch.arange(0, (b + 1) * tk, tk, dtype=torch.int32, device=q.device)
-    out = _fa3(q.reshape(b * tq, h, d), k.reshape(b * tk, *k.shape[2:]), v.reshape(b * tk, *v.shape[2:]), cu_q, tq,
-               tk, scale, cu_k=cu_k)
+    out = _fa3(
+        q.reshape(b * tq, h, d),
+        k.reshape(b * tk, *k.shape[2:]),
+        v.reshape(b * tk, *v.shape[2:]),
+        cu_q,
+        tq,
+        tk,
+        scale,
+        cu_k=cu_k,
+    )
     return out.view(b, tq, h, d)
 
 
-def flash_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int,
-                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def flash_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention over a paged KV cache (an inference engine's step: prefill, chunked prefill, decode or a mix) by
     FA3, one key split: no host synchronization, so a CUDA graph captures it.
 
@@ -174,5 +224,15 @@ def flash_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     reason = flash_unavailable(q.device, q.dtype, q.shape[-1])
     if reason:
         raise ValueError(reason)
-    return _fa3(q, k_cache, v_cache, query_start_loc, max_query_len, max_seq_len, scale, seqused_k=seq_lens,
-                block_table=block_table, out=out)
+    return _fa3(
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        max_query_len,
+        max_seq_len,
+        scale,
+        seqused_k=seq_lens,
+        block_table=block_table,
+        out=out,
+    )

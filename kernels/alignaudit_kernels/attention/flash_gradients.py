@@ -38,9 +38,14 @@ def flash_backward_available(q: torch.Tensor) -> bool:
     """Whether torch's FlashAttention-2 kernels take q [T, H, D]: a CUDA (not ROCm) tensor on an Ampere or newer GPU
     (compute capability 8+), in fp16/bf16, with D a multiple of 8 up to 256 (flash_api.cpp's checks), on a torch that
     has the op."""
-    return (q.is_cuda and not rocm() and q.dtype in FLASH_DTYPES and flash_takes_head_dim(q.shape[-1])
-            and capability(q.device)[0] >= 8
-            and hasattr(torch.ops.aten, "_flash_attention_backward"))
+    return (
+        q.is_cuda
+        and not rocm()
+        and q.dtype in FLASH_DTYPES
+        and flash_takes_head_dim(q.shape[-1])
+        and capability(q.device)[0] >= 8
+        and hasattr(torch.ops.aten, "_flash_attention_backward")
+    )
 
 
 _MODE_LOCK = threading.Lock()
@@ -57,9 +62,11 @@ def deterministic_algorithms():
     global _mode_users, _saved_mode
     with _MODE_LOCK:
         if _mode_users == 0:
-            _saved_mode = (torch.are_deterministic_algorithms_enabled(),
-                           torch.is_deterministic_algorithms_warn_only_enabled(),
-                           torch.utils.deterministic.fill_uninitialized_memory)
+            _saved_mode = (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.utils.deterministic.fill_uninitialized_memory,
+            )
             torch.use_deterministic_algorithms(True)
             torch.utils.deterministic.fill_uninitialized_memory = False
         _mode_users += 1
@@ -95,14 +102,19 @@ def varlen_flash_gradients(q, k, v, g, cu_seqlens, max_len: int, scale: float, o
             torch's flash forward.
     Returns: (dq, dk, dv) in q's shapes and dtype.
     """
-    cu = (_device_bounds(tuple(cu_seqlens.tolist()), q.device) if cu_seqlens.device.type == "cpu"
-          else cu_seqlens.to(device=q.device, dtype=torch.int32))
+    cu = (
+        _device_bounds(tuple(cu_seqlens.tolist()), q.device)
+        if cu_seqlens.device.type == "cpu"
+        else cu_seqlens.to(device=q.device, dtype=torch.int32)
+    )
     with deterministic_algorithms():
         if lse is None:
             out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-                q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
+                q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale
+            )
         else:  # no dropout: never read (torch's flash forward returns such empty CPU scalars then)
             seed = offset = torch.empty((), dtype=torch.long)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            g.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, seed, offset, scale=scale)
+            g.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, seed, offset, scale=scale
+        )
     return dq, dk, dv

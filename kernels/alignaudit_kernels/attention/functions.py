@@ -33,8 +33,9 @@ from alignaudit_kernels.primitives import (
 )
 
 
-def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP, max_keys=None,
-                    out=None, tiles=None):
+def paged_attention(
+    q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP, max_keys=None, out=None, tiles=None
+):
     """Strict attention over a paged KV cache (inference engines; prefill and decode alike).
 
     Args:
@@ -64,8 +65,19 @@ def paged_attention(q, k_cache, v_cache, block_table, q_positions, q_seq, scale,
     _check_caches(q, k_cache, v_cache)
     _check_tiles(tiles, q, k_cache)
     if use_triton(q):
-        return _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=exp, max_keys=max_keys,
-                             out=out, tiles=tiles)
+        return _triton_paged(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            q_positions,
+            q_seq,
+            scale,
+            exp=exp,
+            max_keys=max_keys,
+            out=out,
+            tiles=tiles,
+        )
     if max_keys is not None and q_positions.numel() and int(q_positions.max()) >= max_keys:
         raise ValueError(f"paged attention: a query at position {int(q_positions.max())}, past max_keys {max_keys}")
     out = _check_out(q, out)
@@ -104,16 +116,30 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len,
     _check_exp(exp, q)
     if not use_triton(q):
         if seq_lens.numel() and int(seq_lens.max()) > max_seq_len:
-            raise ValueError(f"paged_decode: a sequence of {int(seq_lens.max())} keys, longer than max_seq_len "
-                             f"{max_seq_len}")
-        return paged_attention(q, k_cache, v_cache, block_table, seq_lens - 1, torch.arange(q.shape[0]), scale,
-                               out=out)  # checks the caches
+            raise ValueError(
+                f"paged_decode: a sequence of {int(seq_lens.max())} keys, longer than max_seq_len {max_seq_len}"
+            )
+        return paged_attention(
+            q, k_cache, v_cache, block_table, seq_lens - 1, torch.arange(q.shape[0]), scale, out=out
+        )  # checks the caches
     _check_caches(q, k_cache, v_cache)
     table = block_table.to(torch.int32)
     if table.stride(1) != 1:  # the kernel steps along a row by one entry (vLLM's tables: always so, no copy)
         table = table.contiguous()
-    return _launch(q, k_cache, v_cache, table, None, seq_lens, scale, kv_mode=_kv_mode(k_cache),
-                   max_keys=int(max_seq_len), exp=exp, out=out, config=DECODE_CONFIG)
+    return _launch(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        None,
+        seq_lens,
+        scale,
+        kv_mode=_kv_mode(k_cache),
+        max_keys=int(max_seq_len),
+        exp=exp,
+        out=out,
+        config=DECODE_CONFIG,
+    )
 
 
 def causal_attention(q, k, v, q_positions, scale, exp=DEFAULT_EXP, kernel=DEFAULT_KERNEL):
@@ -162,13 +188,26 @@ def _causal_forward(q, k, v, q_positions, scale, exp):
         return torch.stack([_cpu_attend(q[i], k[i], v[i], q_positions[i].cpu(), scale) for i in range(b)])
     tk, kvh = k.shape[1], k.shape[2]
     tiles, table = _batch_plan(b, tq, tk, TILE_CONFIG[0] // (h // kvh), q.device)
-    out = _launch(q.reshape(b * tq, h, d), _as_pages(k.reshape(b * tk, kvh, d)), _as_pages(v.reshape(b * tk, kvh, d)),
-                  table, tiles, q_positions.reshape(-1).to(q.device), scale, kv_mode=KV_DIRECT, max_keys=tk, exp=exp)
+    out = _launch(
+        q.reshape(b * tq, h, d),
+        _as_pages(k.reshape(b * tk, kvh, d)),
+        _as_pages(v.reshape(b * tk, kvh, d)),
+        table,
+        tiles,
+        q_positions.reshape(-1).to(q.device),
+        scale,
+        kv_mode=KV_DIRECT,
+        max_keys=tk,
+        exp=exp,
+    )
     return out.view(b, tq, h, d)
 
 
-@opaque_op("causal_attention", "(Tensor q, Tensor k, Tensor v, Tensor q_positions, float scale, str exp) -> Tensor",
-           lambda q, k, v, q_positions, scale, exp: q.new_empty(q.shape))
+@opaque_op(
+    "causal_attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor q_positions, float scale, str exp) -> Tensor",
+    lambda q, k, v, q_positions, scale, exp: q.new_empty(q.shape),
+)
 def _causal_attention_op(q, k, v, q_positions, scale, exp):
     return causal_attention(q, k, v, q_positions, scale, exp)
 

@@ -80,8 +80,9 @@ def split_scratch_bytes(chunks: int, n_tiles: int, kv_heads: int, rows: int, blo
     return 4 * chunks * n_tiles * kv_heads * rows * (block_d + 2)
 
 
-def split_scratch(chunks: int, n_tiles: int, kv_heads: int, rows: int, block_d: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_scratch(
+    chunks: int, n_tiles: int, kv_heads: int, rows: int, block_d: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split path's chunk states, uninitialized: m, l [chunks, n_tiles, kv_heads, rows] and acc [..., block_d],
     fp32 (``split_scratch_bytes`` in all)."""
     m = torch.empty(chunks, n_tiles, kv_heads, rows, dtype=torch.float32, device=device)
@@ -92,16 +93,38 @@ def choose_split(chunks: int, n_tiles: int, kv_heads: int, rows: int, block_d: i
     """Whether a launch splits its keys into one program per chunk: where there is more than one chunk, the (tile,
     KV head) programs alone would give each of ``sms`` SMs fewer than SPLIT_BELOW_PROGRAMS_PER_SM, and the scratch
     stays within SPLIT_SCRATCH_BYTES. Only speed and memory depend on it, never a bit."""
-    return (chunks > 1 and n_tiles * kv_heads < SPLIT_BELOW_PROGRAMS_PER_SM * sms
-            and split_scratch_bytes(chunks, n_tiles, kv_heads, rows, block_d) <= SPLIT_SCRATCH_BYTES)
+    return (
+        chunks > 1
+        and n_tiles * kv_heads < SPLIT_BELOW_PROGRAMS_PER_SM * sms
+        and split_scratch_bytes(chunks, n_tiles, kv_heads, rows, block_d) <= SPLIT_SCRATCH_BYTES
+    )
 
 
 KV_GATHER, KV_PAGE_ALIGNED, KV_DIRECT = 0, 1, 2
 
 
-def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_mode, max_keys, config=TILE_CONFIG,
-            row_pos=False, split=None, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP, out=None, tma=False,
-            ws=False, lse=None):
+def _launch(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    tiles,
+    q_positions,
+    scale,
+    *,
+    kv_mode,
+    max_keys,
+    config=TILE_CONFIG,
+    row_pos=False,
+    split=None,
+    block_n=BLOCK_N,
+    chunk_n=CHUNK_N,
+    exp=DEFAULT_EXP,
+    out=None,
+    tma=False,
+    ws=False,
+    lse=None,
+):
     """Run the Triton kernel(s).
 
     tiles: from ``_tiles`` (CPU, or already on q's device from a cached plan), or None for a decode step (row
@@ -147,12 +170,24 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     used = _used_rows(decode, group, tile)
     if split is None:
         split = choose_split(chunks, n_tiles, kvh, used, block_d, sm_count(q.device) if q.is_cuda else 1)
-    shared = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, TILE=tile, CHUNK_N=chunk_n, ROW_POS=row_pos,
-                  DECODE=decode, NATIVE_EXP=exp == "native", USED=used)
-    if lse is not None and (lse.shape != (h, t) or lse.dtype != torch.float32 or lse.stride(1) != 1
-                            or (h > 1 and lse.stride(0) < t)):
-        raise ValueError(f"strict attention: lse {tuple(lse.shape)} {lse.dtype} stride {lse.stride()} must be fp32 "
-                         f"[{h}, {t}] with unit stride along the rows and heads that do not overlap")
+    shared = dict(
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        TILE=tile,
+        CHUNK_N=chunk_n,
+        ROW_POS=row_pos,
+        DECODE=decode,
+        NATIVE_EXP=exp == "native",
+        USED=used,
+    )
+    if lse is not None and (
+        lse.shape != (h, t) or lse.dtype != torch.float32 or lse.stride(1) != 1 or (h > 1 and lse.stride(0) < t)
+    ):
+        raise ValueError(
+            f"strict attention: lse {tuple(lse.shape)} {lse.dtype} stride {lse.stride()} must be fp32 "
+            f"[{h}, {t}] with unit stride along the rows and heads that do not overlap"
+        )
     lse_args = (out, 0, False) if lse is None else (lse, lse.stride(0), True)  # (pointer, head stride, LSE)
     if split:
         m, l, acc = split_scratch(chunks, n_tiles, kvh, used, block_d, q.device)
@@ -162,17 +197,67 @@ def _launch(q, k_cache, v_cache, block_table, tiles, q_positions, scale, *, kv_m
     # generation, and crossing CHUNK_N there would build a second kernel inside a timed step
     with descriptor_scratch(tma, q.device):
         _attention_kernel[(n_tiles, kvh, chunks if split else 1)](
-            q, k_cache, v_cache, out, lse_args[0], positions, block_table, tiles, m, l, acc, n_tiles, max_keys,
-            k_cache.shape[0], float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_args[1],
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_table.stride(0), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-            KV=kv_mode, SPLIT=split, **shared, TMA=tma, WS=ws, ONE_CHUNK=row_pos and chunks == 1,
-            LSE=lse_args[2] and not split, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+            q,
+            k_cache,
+            v_cache,
+            out,
+            lse_args[0],
+            positions,
+            block_table,
+            tiles,
+            m,
+            l,
+            acc,
+            n_tiles,
+            max_keys,
+            k_cache.shape[0],
+            float(scale),
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse_args[1],
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_table.stride(0),
+            BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_N=block_n,
+            IEEE=q.dtype == torch.float32,
+            KV=kv_mode,
+            SPLIT=split,
+            **shared,
+            TMA=tma,
+            WS=ws,
+            ONE_CHUNK=row_pos and chunks == 1,
+            LSE=lse_args[2] and not split,
+            num_warps=warps,
+            num_stages=stages,
+            enable_fp_fusion=False,
+        )
     if split:
-        _combine_kernel[(n_tiles, kvh)](out, lse_args[0], positions, tiles, m, l, acc, n_tiles, max_keys, chunks,
-                                        out.stride(0), out.stride(1), lse_args[1], **shared, LSE=lse_args[2],
-                                        num_warps=4, enable_fp_fusion=False)
+        _combine_kernel[(n_tiles, kvh)](
+            out,
+            lse_args[0],
+            positions,
+            tiles,
+            m,
+            l,
+            acc,
+            n_tiles,
+            max_keys,
+            chunks,
+            out.stride(0),
+            out.stride(1),
+            lse_args[1],
+            **shared,
+            LSE=lse_args[2],
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
     return out
 
 
@@ -183,11 +268,20 @@ def _check_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_mode: in
     d = k_cache.shape[-1]
     for name, x in (("k", k_cache), ("v", v_cache)):
         row_bytes = x.stride(0) * x.element_size()
-        if (kv_mode != KV_DIRECT or x.shape[1] != 1 or d < 16 or d & (d - 1) or x.stride(2) != d
-                or x.data_ptr() % 16 or row_bytes % 16):
-            raise ValueError(f"strict attention: TMA reads need contiguous pages of one token, a power-of-two "
-                             f"head_dim of at least 16 and 16-byte aligned rows ({name}: shape {tuple(x.shape)}, "
-                             f"strides {x.stride()}, head_dim {d})")
+        if (
+            kv_mode != KV_DIRECT
+            or x.shape[1] != 1
+            or d < 16
+            or d & (d - 1)
+            or x.stride(2) != d
+            or x.data_ptr() % 16
+            or row_bytes % 16
+        ):
+            raise ValueError(
+                f"strict attention: TMA reads need contiguous pages of one token, a power-of-two "
+                f"head_dim of at least 16 and 16-byte aligned rows ({name}: shape {tuple(x.shape)}, "
+                f"strides {x.stride()}, head_dim {d})"
+            )
 
 
 def _used_rows(decode: bool, group: int, tile: int) -> int:
@@ -201,11 +295,15 @@ def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     that divides q's heads, and, on the Triton backends, unit stride along D (the kernel steps by one element
     there; blocks, slots and heads may have any strides)."""
     if k_cache.shape != v_cache.shape or k_cache.shape[-1] != q.shape[-1] or q.shape[1] % k_cache.shape[2]:
-        raise ValueError(f"strict attention: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must "
-                         f"be [blocks, block_size, kv_heads, {q.shape[-1]}] alike, kv_heads dividing q's {q.shape[1]}")
+        raise ValueError(
+            f"strict attention: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must "
+            f"be [blocks, block_size, kv_heads, {q.shape[-1]}] alike, kv_heads dividing q's {q.shape[1]}"
+        )
     if use_triton(q) and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
-        raise ValueError(f"strict attention: k_cache and v_cache need unit stride along head_dim (strides "
-                         f"{k_cache.stride()} and {v_cache.stride()}); lay the cache out with head_dim innermost")
+        raise ValueError(
+            f"strict attention: k_cache and v_cache need unit stride along head_dim (strides "
+            f"{k_cache.stride()} and {v_cache.stride()}); lay the cache out with head_dim innermost"
+        )
 
 
 def _kv_mode(k_cache: torch.Tensor) -> int:
@@ -244,21 +342,45 @@ def _check_tiles(tiles: QueryTiles | None, q: torch.Tensor, k_cache: torch.Tenso
         return
     group = q.shape[1] // k_cache.shape[2]
     if tiles.rows != q.shape[0] or tiles.group != group:
-        raise ValueError(f"strict attention: query tiles planned for {tiles.rows} rows at {tiles.group} query heads "
-                         f"per KV head, used for {q.shape[0]} rows at {group}; plan them with paged_tiles for these "
-                         "rows and this layer's heads")
+        raise ValueError(
+            f"strict attention: query tiles planned for {tiles.rows} rows at {tiles.group} query heads "
+            f"per KV head, used for {q.shape[0]} rows at {group}; plan them with paged_tiles for these "
+            "rows and this layer's heads"
+        )
 
 
-def _triton_paged(q, k_cache, v_cache, block_table, q_positions, q_seq, scale, exp=DEFAULT_EXP, max_keys=None,
-                  out=None, tiles: QueryTiles | None = None):
+def _triton_paged(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    q_positions,
+    q_seq,
+    scale,
+    exp=DEFAULT_EXP,
+    max_keys=None,
+    out=None,
+    tiles: QueryTiles | None = None,
+):
     group = q.shape[1] // k_cache.shape[2]
     if tiles is None:
         tiles = paged_tiles(q_seq, group, q.device)
     table = block_table.to(device=q.device, dtype=torch.int32).contiguous()
     if max_keys is None:
         max_keys = int(q_positions.max()) + 1
-    return _launch(q, k_cache, v_cache, table, tiles.tiles, q_positions.to(q.device), scale,
-                   kv_mode=_kv_mode(k_cache), max_keys=max_keys, exp=exp, out=out)
+    return _launch(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        tiles.tiles,
+        q_positions.to(q.device),
+        scale,
+        kv_mode=_kv_mode(k_cache),
+        max_keys=max_keys,
+        exp=exp,
+        out=out,
+    )
 
 
 # Launch plans of the contiguous layouts, kept on the device per shape: a training step or a forward at a
@@ -291,16 +413,48 @@ def _check_out(q, out):
     if out is None:
         return torch.empty_like(q)
     if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"strict attention: out {tuple(out.shape)} {out.dtype} stride {out.stride()} cannot hold "
-                         f"q {tuple(q.shape)} {q.dtype} (same shape and dtype, unit stride along head_dim)")
+        raise ValueError(
+            f"strict attention: out {tuple(out.shape)} {out.dtype} stride {out.stride()} cannot hold "
+            f"q {tuple(q.shape)} {q.dtype} (same shape and dtype, unit stride along head_dim)"
+        )
     return out
 
 
-def _launch_varlen(q, k, v, cu_seqlens, scale, config=TILE_CONFIG, block_n=BLOCK_N, chunk_n=CHUNK_N, exp=DEFAULT_EXP,
-                   split=None, tma=False, ws=False, lse=None):
+def _launch_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    scale,
+    config=TILE_CONFIG,
+    block_n=BLOCK_N,
+    chunk_n=CHUNK_N,
+    exp=DEFAULT_EXP,
+    split=None,
+    tma=False,
+    ws=False,
+    lse=None,
+):
     """GPU prefill of whole sequences. Each sequence's keys are consecutive rows of k/v: one-token pages,
     the first page at the sequence's start, so nothing is copied. lse: as ``_launch``."""
     tiles, table, max_keys = _varlen_plan(tuple(cu_seqlens.tolist()), config[0] // (q.shape[1] // k.shape[1]), q.device)
-    return _launch(q, _as_pages(k), _as_pages(v), table, tiles, None, scale, kv_mode=KV_DIRECT, row_pos=True,
-                   max_keys=max_keys, config=config, block_n=block_n, chunk_n=chunk_n, exp=exp, split=split, tma=tma,
-                   ws=ws, lse=lse)
+    return _launch(
+        q,
+        _as_pages(k),
+        _as_pages(v),
+        table,
+        tiles,
+        None,
+        scale,
+        kv_mode=KV_DIRECT,
+        row_pos=True,
+        max_keys=max_keys,
+        config=config,
+        block_n=block_n,
+        chunk_n=chunk_n,
+        exp=exp,
+        split=split,
+        tma=tma,
+        ws=ws,
+        lse=lse,
+    )

@@ -92,7 +92,8 @@ def _sdpa_gradients(q, k, v, g, scale, q_positions, from_zero=False):
         qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
         expand = [t.transpose(1, 2).repeat_interleave(h // kvh, 1) for t in (ks, vs)]  # [B, H, Tk, D]
         out = torch.nn.functional.scaled_dot_product_attention(
-            qs.transpose(1, 2), *expand, attn_mask=mask, is_causal=plain, scale=scale)
+            qs.transpose(1, 2), *expand, attn_mask=mask, is_causal=plain, scale=scale
+        )
         dq, dk_heads, dv_heads = torch.autograd.grad(out, (qs, *expand), g.transpose(1, 2).to(out.dtype))
     group = [t.float().unflatten(1, (kvh, h // kvh)).sum(2).transpose(1, 2).to(k.dtype) for t in (dk_heads, dv_heads)]
     return dq, *group

@@ -15,8 +15,18 @@ if triton is not None:
     from alignaudit_kernels.attention.triton_steps import _chunk, _merge
 
     @triton.jit
-    def _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys, TILE: tl.constexpr, GROUP: tl.constexpr,
-                   ROW_POS: tl.constexpr, DECODE: tl.constexpr, USED: tl.constexpr):
+    def _tile_rows(
+        pos_ptr,
+        tiles_ptr,
+        n_tiles,
+        tile,
+        max_keys,
+        TILE: tl.constexpr,
+        GROUP: tl.constexpr,
+        ROW_POS: tl.constexpr,
+        DECODE: tl.constexpr,
+        USED: tl.constexpr,
+    ):
         """The tile's sequence, and per row: query token row, query head within the KV head's group, validity,
         position (-1 past the tile) and overflow: a position at or past ``max_keys``, clamped to max_keys - 1
         so no key past the bound is read (the caller stores NaN for those rows). DECODE: pos_ptr holds each
@@ -44,56 +54,151 @@ if triton is not None:
         return seq, qrow, group_head, valid_row, tl.where(overflow, max_keys - 1, pos), overflow
 
     @triton.jit
-    def _store_output(o_ptr, lse_ptr, acc, m, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, stride_lh,
-                      HEAD_DIM: tl.constexpr, LSE: tl.constexpr):
+    def _store_output(
+        o_ptr,
+        lse_ptr,
+        acc,
+        m,
+        l,
+        overflow,
+        qrow,
+        head,
+        d,
+        valid_row,
+        stride_ot,
+        stride_oh,
+        stride_lh,
+        HEAD_DIM: tl.constexpr,
+        LSE: tl.constexpr,
+    ):
         """The end of every path (unsplit kernel and split merge alike): acc / l in fp32, rounded once to the
         output dtype; NaN for a row past the key bound (``overflow``). LSE: also m + log(l) (fp32, the device's
         log: for the fused backward, not a strict value) at lse_ptr[head * stride_lh + row]."""
         l = tl.where(overflow, float("nan"), l)
-        tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=valid_row[:, None] & (d < HEAD_DIM)[None, :])
+        tl.store(
+            o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            (acc / l[:, None]).to(o_ptr.dtype.element_ty),
+            mask=valid_row[:, None] & (d < HEAD_DIM)[None, :],
+        )
         if LSE:
             lse = m + tl.log(tl.where(valid_row, l, 1.0))  # rows past the tile: log(1), not log(0), never stored
             tl.store(lse_ptr + head.to(tl.int64) * stride_lh + qrow, lse, mask=valid_row)
 
     @triton.jit(do_not_specialize=["n_tiles", "max_keys", "kv_rows"])  # per-step counts: one build for every value
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, pos_ptr, bt_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr,
-                          n_tiles, max_keys, kv_rows, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lh,
-                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
-                          IEEE: tl.constexpr, KV: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
-                          SPLIT: tl.constexpr, NATIVE_EXP: tl.constexpr, USED: tl.constexpr, TMA: tl.constexpr,
-                          WS: tl.constexpr, ONE_CHUNK: tl.constexpr, LSE: tl.constexpr):
+    def _attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        lse_ptr,
+        pos_ptr,
+        bt_ptr,
+        tiles_ptr,
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        n_tiles,
+        max_keys,
+        kv_rows,
+        scale,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_lh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_bt,
+        BLOCK_SIZE: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        TILE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CHUNK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        KV: tl.constexpr,
+        ROW_POS: tl.constexpr,
+        DECODE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        NATIVE_EXP: tl.constexpr,
+        USED: tl.constexpr,
+        TMA: tl.constexpr,
+        WS: tl.constexpr,
+        ONE_CHUNK: tl.constexpr,
+        LSE: tl.constexpr,
+    ):
         # The last tile first: in a causal prefill it visits the most key blocks (load balance only).
         tile = n_tiles - 1 - tl.program_id(0)
         kvh = tl.program_id(1)
-        seq, qrow, group_head, valid_row, pos, overflow = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys,
-                                                                     TILE, GROUP, ROW_POS, DECODE, USED)
+        seq, qrow, group_head, valid_row, pos, overflow = _tile_rows(
+            pos_ptr, tiles_ptr, n_tiles, tile, max_keys, TILE, GROUP, ROW_POS, DECODE, USED
+        )
         r = tl.arange(0, TILE)
         head = kvh * GROUP + group_head
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
-        q = tl.load(q_ptr + qrow[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=valid_row[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + qrow[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=valid_row[:, None] & dmask[None, :],
+            other=0.0,
+        )
         last = tl.max(pos, axis=0)
         first = tl.min(tl.where(valid_row, pos, last), axis=0)
         first_page = tl.load(bt_ptr + seq * stride_bt).to(tl.int64)
         if TMA:  # KV_DIRECT, BLOCK_D == HEAD_DIM: K and V as [rows, KV heads x HEAD_DIM] matrices
             width = tl.num_programs(1) * BLOCK_D
-            k_desc = tl.make_tensor_descriptor(k_ptr, shape=[kv_rows, width], strides=[stride_kb, 1],
-                                               block_shape=[BLOCK_N, BLOCK_D])
-            v_desc = tl.make_tensor_descriptor(v_ptr, shape=[kv_rows, width], strides=[stride_vb, 1],
-                                               block_shape=[BLOCK_N, BLOCK_D])
+            k_desc = tl.make_tensor_descriptor(
+                k_ptr, shape=[kv_rows, width], strides=[stride_kb, 1], block_shape=[BLOCK_N, BLOCK_D]
+            )
+            v_desc = tl.make_tensor_descriptor(
+                v_ptr, shape=[kv_rows, width], strides=[stride_vb, 1], block_shape=[BLOCK_N, BLOCK_D]
+            )
         else:
             k_desc = None
             v_desc = None
         if SPLIT:  # this program: one chunk, its state to the scratch buffers for _combine_kernel
             c = tl.program_id(2)
-            m, l, acc = _chunk(q, pos, first, last, c * CHUNK_N, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask,
-                               scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                               k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP, USED,
-                               TMA, WS)
+            m, l, acc = _chunk(
+                q,
+                pos,
+                first,
+                last,
+                c * CHUNK_N,
+                k_ptr,
+                v_ptr,
+                bt_ptr,
+                seq,
+                first_page,
+                kvh,
+                d,
+                dmask,
+                scale,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                stride_bt,
+                k_desc,
+                v_desc,
+                BLOCK_SIZE,
+                TILE,
+                BLOCK_D,
+                BLOCK_N,
+                CHUNK_N,
+                IEEE,
+                KV,
+                NATIVE_EXP,
+                USED,
+                TMA,
+                WS,
+            )
             # scratch rows: the USED rows that can hold a query (a decode tile's heads sit TILE // USED apart;
             # every row of any other tile), so a decode step's scratch is USED / TILE of a whole tile's
             slot = ((c.to(tl.int64) * n_tiles + tile) * tl.num_programs(1) + kvh) * USED + r // (TILE // USED)
@@ -102,34 +207,134 @@ if triton is not None:
             tl.store(l_ptr + slot, l, mask=keep)
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + d[None, :], acc, mask=keep[:, None])
         else:
-            m, l, acc = _chunk(q, pos, first, last, 0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask,
-                               scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                               k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N, CHUNK_N, IEEE, KV, NATIVE_EXP, USED,
-                               TMA, WS)
+            m, l, acc = _chunk(
+                q,
+                pos,
+                first,
+                last,
+                0,
+                k_ptr,
+                v_ptr,
+                bt_ptr,
+                seq,
+                first_page,
+                kvh,
+                d,
+                dmask,
+                scale,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                stride_bt,
+                k_desc,
+                v_desc,
+                BLOCK_SIZE,
+                TILE,
+                BLOCK_D,
+                BLOCK_N,
+                CHUNK_N,
+                IEEE,
+                KV,
+                NATIVE_EXP,
+                USED,
+                TMA,
+                WS,
+            )
             # ONE_CHUNK: no row sees a key past the first chunk, and the kernel is built without the merge (its
             # second state spills 232 bytes a thread at sm_90 otherwise: Triton 3.8's cross-compiled cubin)
             if not ONE_CHUNK:
                 for c0 in range(CHUNK_N, last + 1, CHUNK_N):
-                    m_c, l_c, acc_c = _chunk(q, pos, first, last, c0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d,
-                                             dmask, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                                             stride_vh, stride_bt, k_desc, v_desc, BLOCK_SIZE, TILE, BLOCK_D, BLOCK_N,
-                                             CHUNK_N, IEEE, KV, NATIVE_EXP, USED, TMA, WS)
+                    m_c, l_c, acc_c = _chunk(
+                        q,
+                        pos,
+                        first,
+                        last,
+                        c0,
+                        k_ptr,
+                        v_ptr,
+                        bt_ptr,
+                        seq,
+                        first_page,
+                        kvh,
+                        d,
+                        dmask,
+                        scale,
+                        stride_kb,
+                        stride_ks,
+                        stride_kh,
+                        stride_vb,
+                        stride_vs,
+                        stride_vh,
+                        stride_bt,
+                        k_desc,
+                        v_desc,
+                        BLOCK_SIZE,
+                        TILE,
+                        BLOCK_D,
+                        BLOCK_N,
+                        CHUNK_N,
+                        IEEE,
+                        KV,
+                        NATIVE_EXP,
+                        USED,
+                        TMA,
+                        WS,
+                    )
                     m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, c0 <= pos, NATIVE_EXP)
-            _store_output(o_ptr, lse_ptr, acc, m, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh,
-                          stride_lh, HEAD_DIM, LSE)
+            _store_output(
+                o_ptr,
+                lse_ptr,
+                acc,
+                m,
+                l,
+                overflow,
+                qrow,
+                head,
+                d,
+                valid_row,
+                stride_ot,
+                stride_oh,
+                stride_lh,
+                HEAD_DIM,
+                LSE,
+            )
 
     @triton.jit(do_not_specialize=["n_tiles", "max_keys", "n_chunks"])
-    def _combine_kernel(o_ptr, lse_ptr, pos_ptr, tiles_ptr, m_ptr, l_ptr, acc_ptr, n_tiles, max_keys, n_chunks,
-                        stride_ot, stride_oh, stride_lh,
-                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
-                        CHUNK_N: tl.constexpr, ROW_POS: tl.constexpr, DECODE: tl.constexpr,
-                        NATIVE_EXP: tl.constexpr, USED: tl.constexpr, LSE: tl.constexpr):
+    def _combine_kernel(
+        o_ptr,
+        lse_ptr,
+        pos_ptr,
+        tiles_ptr,
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        n_tiles,
+        max_keys,
+        n_chunks,
+        stride_ot,
+        stride_oh,
+        stride_lh,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        TILE: tl.constexpr,
+        CHUNK_N: tl.constexpr,
+        ROW_POS: tl.constexpr,
+        DECODE: tl.constexpr,
+        NATIVE_EXP: tl.constexpr,
+        USED: tl.constexpr,
+        LSE: tl.constexpr,
+    ):
         """The split path's second launch: the chunk states of each row merged left to right, as the
         unsplit kernel merges them in registers."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
-        seq, qrow, group_head, valid_row, pos, overflow = _tile_rows(pos_ptr, tiles_ptr, n_tiles, tile, max_keys,
-                                                                     TILE, GROUP, ROW_POS, DECODE, USED)
+        seq, qrow, group_head, valid_row, pos, overflow = _tile_rows(
+            pos_ptr, tiles_ptr, n_tiles, tile, max_keys, TILE, GROUP, ROW_POS, DECODE, USED
+        )
         r = tl.arange(0, TILE)
         head = kvh * GROUP + group_head
         d = tl.arange(0, BLOCK_D)
@@ -146,5 +351,20 @@ if triton is not None:
             l_c = tl.load(l_ptr + at, mask=active, other=0.0)
             acc_c = tl.load(acc_ptr + at[:, None] * BLOCK_D + d[None, :], mask=active[:, None], other=0.0)
             m, l, acc = _merge(m, l, acc, m_c, l_c, acc_c, active, NATIVE_EXP)
-        _store_output(o_ptr, lse_ptr, acc, m, l, overflow, qrow, head, d, valid_row, stride_ot, stride_oh, stride_lh,
-                      HEAD_DIM, LSE)
+        _store_output(
+            o_ptr,
+            lse_ptr,
+            acc,
+            m,
+            l,
+            overflow,
+            qrow,
+            head,
+            d,
+            valid_row,
+            stride_ot,
+            stride_oh,
+            stride_lh,
+            HEAD_DIM,
+            LSE,
+        )

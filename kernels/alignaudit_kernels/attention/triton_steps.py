@@ -15,9 +15,29 @@ if triton is not None:
     from alignaudit_kernels.primitives import exp_t_up_to_overflow
 
     @triton.jit
-    def _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask,
-                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KV: tl.constexpr, MASKED: tl.constexpr):
+    def _kv_block(
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        seq,
+        first_page,
+        kvh,
+        j0,
+        last,
+        d,
+        dmask,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_bt,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        KV: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
         """Keys j0 .. j0 + BLOCK_N - 1 of one sequence and KV head: K and V [BLOCK_N, BLOCK_D]."""
         key = j0 + tl.arange(0, BLOCK_N)
         if KV == 2:  # the sequence's pages are consecutive from its first page: affine addresses
@@ -34,8 +54,10 @@ if triton is not None:
         if MASKED:
             kmask = (key <= last)[:, None] & dmask[None, :]
             return tl.load(k_ptr + k_off, mask=kmask, other=0.0), tl.load(v_ptr + v_off, mask=kmask, other=0.0)
-        return (tl.load(k_ptr + k_off, mask=dmask[None, :], other=0.0),
-                tl.load(v_ptr + v_off, mask=dmask[None, :], other=0.0))
+        return (
+            tl.load(k_ptr + k_off, mask=dmask[None, :], other=0.0),
+            tl.load(v_ptr + v_off, mask=dmask[None, :], other=0.0),
+        )
 
     @triton.jit
     def _exp(x, NATIVE_EXP: tl.constexpr):
@@ -88,8 +110,24 @@ if triton is not None:
         return tl.reshape(tl.broadcast_to(x[:, None], [USED, TILE // USED]), [TILE])
 
     @triton.jit
-    def _block_step(q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                    NATIVE_EXP: tl.constexpr, MASKED: tl.constexpr, TILE: tl.constexpr, USED: tl.constexpr):
+    def _block_step(
+        q,
+        kb,
+        vb,
+        m,
+        l,
+        acc,
+        pos,
+        row_pos,
+        j0,
+        scale,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        NATIVE_EXP: tl.constexpr,
+        MASKED: tl.constexpr,
+        TILE: tl.constexpr,
+        USED: tl.constexpr,
+    ):
         """One key block of the online softmax. MASKED: keys past a row's position count as -inf and a
         row with no key in the block keeps its state; unmasked: the same steps with every mask true.
         USED < TILE (decode: only the USED rows that _rows takes can hold a query): m and l hold those rows
@@ -125,11 +163,42 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def _chunk(q, pos, first, last, c0, k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, d, dmask, scale,
-               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, k_desc, v_desc,
-               BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               CHUNK_N: tl.constexpr, IEEE: tl.constexpr, KV: tl.constexpr, NATIVE_EXP: tl.constexpr,
-               USED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    def _chunk(
+        q,
+        pos,
+        first,
+        last,
+        c0,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        seq,
+        first_page,
+        kvh,
+        d,
+        dmask,
+        scale,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_bt,
+        k_desc,
+        v_desc,
+        BLOCK_SIZE: tl.constexpr,
+        TILE: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        CHUNK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        KV: tl.constexpr,
+        NATIVE_EXP: tl.constexpr,
+        USED: tl.constexpr,
+        TMA: tl.constexpr,
+        WS: tl.constexpr,
+    ):
         """The softmax state (m, l, acc) of the tile's rows over keys c0 .. c0 + CHUNK_N - 1, from a fresh
         state. Key blocks that every row sees whole are visited without masks (same bits, see above).
         USED < TILE: see _block_step; m and l come back spread over the tile (rows past USED: copies).
@@ -154,20 +223,64 @@ if triton is not None:
             for j0 in tl.range(c0, whole, BLOCK_N, warp_specialize=WS):
                 kb = k_desc.load([row0 + j0, col])
                 vb = v_desc.load([row0 + j0, col])
-                m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP,
-                                        False, TILE, USED)
+                m, l, acc = _block_step(
+                    q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, False, TILE, USED
+                )
         else:
             for j0 in range(c0, whole, BLOCK_N):
-                kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb,
-                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE,
-                                   BLOCK_N, KV, False)
-                m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP,
-                                        False, TILE, USED)
+                kb, vb = _kv_block(
+                    k_ptr,
+                    v_ptr,
+                    bt_ptr,
+                    seq,
+                    first_page,
+                    kvh,
+                    j0,
+                    last,
+                    d,
+                    dmask,
+                    stride_kb,
+                    stride_ks,
+                    stride_kh,
+                    stride_vb,
+                    stride_vs,
+                    stride_vh,
+                    stride_bt,
+                    BLOCK_SIZE,
+                    BLOCK_N,
+                    KV,
+                    False,
+                )
+                m, l, acc = _block_step(
+                    q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, False, TILE, USED
+                )
         for j0 in range(whole, end, BLOCK_N):
-            kb, vb = _kv_block(k_ptr, v_ptr, bt_ptr, seq, first_page, kvh, j0, last, d, dmask, stride_kb, stride_ks,
-                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, KV, True)
-            m, l, acc = _block_step(q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, True,
-                                    TILE, USED)
+            kb, vb = _kv_block(
+                k_ptr,
+                v_ptr,
+                bt_ptr,
+                seq,
+                first_page,
+                kvh,
+                j0,
+                last,
+                d,
+                dmask,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                stride_bt,
+                BLOCK_SIZE,
+                BLOCK_N,
+                KV,
+                True,
+            )
+            m, l, acc = _block_step(
+                q, kb, vb, m, l, acc, pos, row_pos, j0, scale, BLOCK_N, IEEE, NATIVE_EXP, True, TILE, USED
+            )
         if USED < TILE:
             m_tile = _spread_entries(m, TILE, USED)
             l_tile = _spread_entries(l, TILE, USED)

@@ -65,8 +65,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, segments: int) -> None:
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"strict linear: x has K={x.shape[-1]}, weight has K={weight.shape[1]}")
     if segments not in SEGMENT_COUNTS or x.shape[-1] % segments:
-        raise ValueError(f"strict linear: k_segments={segments} must be one of {SEGMENT_COUNTS} "
-                         f"and divide K={x.shape[-1]}")
+        raise ValueError(
+            f"strict linear: k_segments={segments} must be one of {SEGMENT_COUNTS} and divide K={x.shape[-1]}"
+        )
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int = 1) -> torch.Tensor:
@@ -107,8 +108,9 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, h
     return gx, gw, g.float().sum(0).to(weight.dtype) if has_bias else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None, k_segments: int = 1) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_segments: int = 1
+) -> torch.Tensor:
     """Strict ``x @ weight.T + bias``: x [..., K], weight [N, K], bias [N] or None -> [..., N] in x.dtype.
     ``k_segments`` > 1 reduces K as a tree of that many segments (the row-parallel form; module docstring).
 
@@ -123,8 +125,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return _Linear.apply(x, weight, bias, k_segments)
 
 
-@opaque_op("linear", "(Tensor x, Tensor weight, Tensor? bias, int segments) -> Tensor",
-           lambda x, weight, bias, segments: x.new_empty(*x.shape[:-1], weight.shape[0]))
+@opaque_op(
+    "linear",
+    "(Tensor x, Tensor weight, Tensor? bias, int segments) -> Tensor",
+    lambda x, weight, bias, segments: x.new_empty(*x.shape[:-1], weight.shape[0]),
+)
 def _linear_op(x, weight, bias, segments):
     return _forward(x, weight, bias, segments)
 

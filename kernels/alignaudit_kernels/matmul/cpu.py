@@ -26,8 +26,9 @@ def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
 def _cpu_partial(x2: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
     """fp32 [M, N]: the tree over ``segments`` segment accumulations (no bias, no rounding)."""
     seg = x2.shape[1] // segments
-    return tree_sum([_cpu_segment(x2[:, s * seg:(s + 1) * seg], weight[:, s * seg:(s + 1) * seg])
-                     for s in range(segments)])
+    return tree_sum(
+        [_cpu_segment(x2[:, s * seg : (s + 1) * seg], weight[:, s * seg : (s + 1) * seg]) for s in range(segments)]
+    )
 
 
 def _cpu_segment(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -39,11 +40,11 @@ def _cpu_segment(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, n, dtype=torch.float32)
     rows = max(1, CPU_CHUNK_ELEMENTS // max(1, n * BLOCK))
     for start in range(0, m, rows):
-        xs = xf[start: start + rows]
+        xs = xf[start : start + rows]
         acc = block_sums(xs[:, None, 0, :] * wf[None, :, 0, :])
         for b in range(1, xf.shape[1]):
             acc = acc + block_sums(xs[:, None, b, :] * wf[None, :, b, :])
-        out[start: start + rows] = acc
+        out[start : start + rows] = acc
     return out
 
 

@@ -38,10 +38,18 @@ if triton is not None:
 # switches. ALIGNAUDIT_MATMUL_TILES=fixed forces the large pointer-kernel tile for every batch size (one
 # code path) on hardware where that has not been verified.
 TILES = {
-    torch.bfloat16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
-                     "large": (256, 128, 64, 8, 3)},
-    torch.float16: {"tiny": (16, 32, 128, 4, 3), "small": (64, 64, 64, 4, 4), "small_wide": (128, 128, 64, 8, 3),
-                    "large": (256, 128, 64, 8, 3)},
+    torch.bfloat16: {
+        "tiny": (16, 32, 128, 4, 3),
+        "small": (64, 64, 64, 4, 4),
+        "small_wide": (128, 128, 64, 8, 3),
+        "large": (256, 128, 64, 8, 3),
+    },
+    torch.float16: {
+        "tiny": (16, 32, 128, 4, 3),
+        "small": (64, 64, 64, 4, 4),
+        "small_wide": (128, 128, 64, 8, 3),
+        "large": (256, 128, 64, 8, 3),
+    },
     torch.float32: dict.fromkeys(("tiny", "small", "small_wide", "large"), (64, 64, 32, 4, 3)),
 }
 TINY_M = 16
@@ -52,8 +60,12 @@ WIDE_N = 16384
 # partial (128x256 with an fp32 output tile exceeds shared memory). The fastest on an H200 in
 # bench/sweep_gpu.py --sections segments,small-m, each giving the pointer kernel's bits there (the measurements:
 # docs/benchmarks.md, "Tile choices of the strict matmul").
-TMA_PLANS = {("small", False): ((128, 128, 64, 8, 6), True), ("small", True): ((64, 128, 64, 4, 6), False),
-             ("large", False): ((128, 256, 64, 8, 3), True), ("large", True): ((128, 128, 64, 8, 4), True)}
+TMA_PLANS = {
+    ("small", False): ((128, 128, 64, 8, 6), True),
+    ("small", True): ((64, 128, 64, 4, 6), False),
+    ("large", False): ((128, 256, 64, 8, 3), True),
+    ("large", True): ((128, 128, 64, 8, 4), True),
+}
 # A third class, TINY_M < rows <= MEDIUM_M (decode batches of 17-128 sequences; ALIGNAUDIT_MATMUL_MEDIUM=0 turns
 # it off, the same bits either way): at those sizes the small-class plans' 128-row tiles leave most SMs idle (qkv
 # at 32 rows: 48 programs on 132 SMs). Unsegmented products run 64x128 TMA tiles, persistent; K-segmented ones one
@@ -91,8 +103,14 @@ def tile_for(m: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, in
     return tiles["small_wide"] if n >= WIDE_N else tiles["small"]
 
 
-def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile=None, segments: int = 1,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _triton(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tile=None,
+    segments: int = 1,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """The pointer kernel (or, for large bf16/fp16 batches on Hopper, the TMA kernel); ``out_dtype`` float32
     stores the unrounded accumulator (a partial)."""
     m, k = x2.shape
@@ -116,18 +134,37 @@ def _triton(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     bm, bn, bk, warps, stages = tile or tile_for(m, n, x2.dtype)
     grid = (cdiv(m, bm) * cdiv(n, bn),)
-    _matmul_kernel[grid](x2, weight, bias if bias is not None else x2, y, m, n, k, x2.stride(0), weight.stride(0),
-                         y.stride(0), 0, HAS_BIAS=bias is not None, IEEE=x2.dtype == torch.float32,
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SEGMENTS=segments, num_warps=warps,
-                         num_stages=stages)
+    _matmul_kernel[grid](
+        x2,
+        weight,
+        bias if bias is not None else x2,
+        y,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        0,
+        HAS_BIAS=bias is not None,
+        IEEE=x2.dtype == torch.float32,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=8,
+        SEGMENTS=segments,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return y
 
 
 SPLIT_K_BLOCK = 1024  # elements per program of _segment_tree_kernel
 
 
-def _split_k(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int,
-             out_dtype: torch.dtype | None) -> torch.Tensor:
+def _split_k(
+    x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int, out_dtype: torch.dtype | None
+) -> torch.Tensor:
     """A segmented product off the TMA kernel (up to TINY_M rows, or a GPU without it) with one program per
     (output tile, K segment), each storing its segment's fp32 accumulator, then one launch that adds the
     segments by the tree, adds the bias and rounds. x2 [M, K] and weight [N, K] with unit stride along K.
@@ -140,27 +177,68 @@ def _split_k(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     parts = torch.empty(segments, m, n, dtype=torch.float32, device=x2.device)
     bm, bn, bk, warps, stages = tile_for(m, n, x2.dtype)
     grid = (cdiv(m, bm) * cdiv(n, bn), segments)
-    _matmul_kernel[grid](x2, weight, x2, parts, m, n, k, x2.stride(0), weight.stride(0), n, m * n,
-                         HAS_BIAS=False, IEEE=x2.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                         GROUP_M=8, SEGMENTS=segments, SPLIT_K=True, num_warps=warps, num_stages=stages)
+    _matmul_kernel[grid](
+        x2,
+        weight,
+        x2,
+        parts,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        n,
+        m * n,
+        HAS_BIAS=False,
+        IEEE=x2.dtype == torch.float32,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=8,
+        SEGMENTS=segments,
+        SPLIT_K=True,
+        num_warps=warps,
+        num_stages=stages,
+    )
     y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     _segment_tree_kernel[(cdiv(m * n, SPLIT_K_BLOCK),)](
-        parts, bias if bias is not None else parts, y, m * n, n, HAS_BIAS=bias is not None, SEGMENTS=segments,
-        BLOCK=SPLIT_K_BLOCK)
+        parts,
+        bias if bias is not None else parts,
+        y,
+        m * n,
+        n,
+        HAS_BIAS=bias is not None,
+        SEGMENTS=segments,
+        BLOCK=SPLIT_K_BLOCK,
+    )
     return y
 
 
 def _tma_available(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """The TMA path needs a Hopper-or-newer GPU, bf16/fp16 without bias, and 16-byte aligned rows."""
-    return (bias is None and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
-            and os.environ.get("ALIGNAUDIT_MATMUL_TMA", "1") != "0"
-            and not fixed_tiles() and capability(x2.device)[0] >= 9
-            and x2.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0
-            and x2.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+    return (
+        bias is None
+        and x2.is_cuda
+        and x2.dtype in (torch.bfloat16, torch.float16)
+        and os.environ.get("ALIGNAUDIT_MATMUL_TMA", "1") != "0"
+        and not fixed_tiles()
+        and capability(x2.device)[0] >= 9
+        and x2.shape[1] % 8 == 0
+        and weight.shape[0] % 8 == 0
+        and x2.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
 
 
-def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool = True, segments: int = 1,
-                out_dtype: torch.dtype | None = None, descriptors: str | None = None) -> torch.Tensor:
+def _triton_tma(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    tile,
+    persistent: bool = True,
+    segments: int = 1,
+    out_dtype: torch.dtype | None = None,
+    descriptors: str | None = None,
+) -> torch.Tensor:
     """Every batch above TINY_M rows on Hopper and newer: _matmul_tma_kernel (same bits as _matmul_kernel) at
     ``tile``, ``persistent`` programs or one per tile; ``out_dtype`` float32 stores the unrounded accumulator
     (a partial). ``descriptors``: "host" or "device" (_matmul_tma_device_kernel), default TMA_DESCRIPTORS.
@@ -188,19 +266,30 @@ def _triton_tma(x2: torch.Tensor, weight: torch.Tensor, tile, persistent: bool =
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SEGMENTS=segments, num_warps=warps, num_stages=stages)
     if descriptors == "device":
         if any(t.data_ptr() % 16 or t.shape[1] * t.element_size() % 16 for t in (x2, weight, y)):
-            raise ValueError(f"strict linear: TMA descriptors need 16-byte aligned bases and rows (x "
-                             f"{tuple(x2.shape)}, weight {tuple(weight.shape)}, out {y.dtype})")
+            raise ValueError(
+                f"strict linear: TMA descriptors need 16-byte aligned bases and rows (x "
+                f"{tuple(x2.shape)}, weight {tuple(weight.shape)}, out {y.dtype})"
+            )
         with descriptor_scratch(True, x2.device):
             _matmul_tma_device_kernel[(programs,)](x2, weight, y, scratch, m, n, k, programs, **meta)
     else:
         _matmul_tma_kernel[(programs,)](
-            TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-            TensorDescriptor.from_tensor(y, [bm, bn]), scratch, m, n, k, programs, **meta)
+            TensorDescriptor.from_tensor(x2, [bm, bk]),
+            TensorDescriptor.from_tensor(weight, [bn, bk]),
+            TensorDescriptor.from_tensor(y, [bm, bn]),
+            scratch,
+            m,
+            n,
+            k,
+            programs,
+            **meta,
+        )
     return y
 
 
-def _triton_tma_split(x2: torch.Tensor, weight: torch.Tensor, tile, segments: int,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _triton_tma_split(
+    x2: torch.Tensor, weight: torch.Tensor, tile, segments: int, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A segmented bf16/fp16 product by _matmul_tma_split_kernel (one program per tile and segment, fp32
     partials) and _segment_tree_kernel (the tree, rounded once): the in-kernel tree's bits."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -211,10 +300,22 @@ def _triton_tma_split(x2: torch.Tensor, weight: torch.Tensor, tile, segments: in
     bm, bn, bk, warps, stages = tile
     parts = torch.empty(segments, m, n, dtype=torch.float32, device=x2.device)
     _matmul_tma_split_kernel[(cdiv(m, bm) * cdiv(n, bn), segments)](
-        TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
-        TensorDescriptor.from_tensor(parts, [1, bm, bn]), m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        SEGMENTS=segments, num_warps=warps, num_stages=stages)
+        TensorDescriptor.from_tensor(x2, [bm, bk]),
+        TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(parts, [1, bm, bn]),
+        m,
+        n,
+        k,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=8,
+        SEGMENTS=segments,
+        num_warps=warps,
+        num_stages=stages,
+    )
     y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
-    _segment_tree_kernel[(cdiv(m * n, SPLIT_K_BLOCK),)](parts, parts, y, m * n, n, HAS_BIAS=False,
-                                                        SEGMENTS=segments, BLOCK=SPLIT_K_BLOCK)
+    _segment_tree_kernel[(cdiv(m * n, SPLIT_K_BLOCK),)](
+        parts, parts, y, m * n, n, HAS_BIAS=False, SEGMENTS=segments, BLOCK=SPLIT_K_BLOCK
+    )
     return y

@@ -36,7 +36,7 @@ from helpers import assert_bitwise_equal  # noqa: E402
 
 HEADS, KV_HEADS, D, BLOCK = 4, 2, 32, 16
 LENGTHS = (7, 12, 40)  # tokens of each sequence; the batch computes the last rows of each
-SCALE = D ** -0.5
+SCALE = D**-0.5
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,10 @@ def world():
     """Whole sequences (q, k, v per position), their prefill, and a FlashAttention-layout cache holding them
     in scattered pages."""
     g = torch.Generator().manual_seed(0)
-    seqs = [tuple(torch.randn(n, h, D, generator=g).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
-            for n in LENGTHS]
+    seqs = [
+        tuple(torch.randn(n, h, D, generator=g).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+        for n in LENGTHS
+    ]
     prefill = [K.varlen_attention(q, k, v, torch.tensor([0, len(q)]), SCALE) for q, k, v in seqs]
     pages = [(len(q) + BLOCK - 1) // BLOCK for q, _, _ in seqs]
     order = torch.randperm(sum(pages) + 1, generator=g)[1:]  # page 0 left empty: vLLM's null block
@@ -55,7 +57,7 @@ def world():
     table = torch.zeros(len(seqs) + 1, max(pages), dtype=torch.int32)  # one padded request row
     first = 0
     for i, ((q, k, v), n_pages) in enumerate(zip(seqs, pages, strict=True)):
-        table[i, :n_pages] = order[first:first + n_pages].int()
+        table[i, :n_pages] = order[first : first + n_pages].int()
         first += n_pages
         for p in range(len(q)):
             key_cache[table[i, p // BLOCK], p % BLOCK] = k[p]
@@ -67,10 +69,16 @@ def build(world, q_lens, seq_lens, pad_tokens=0):
     """The builder's plan for one step: request i computes its last q_lens[i] of seq_lens[i] tokens."""
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     common = CommonAttentionMetadata(
-        query_start_loc=starts, query_start_loc_cpu=starts, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        num_reqs=len(q_lens), num_actual_tokens=int(starts[-1]) + pad_tokens, max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens), block_table_tensor=world.table[:len(q_lens)],
-        slot_mapping=torch.zeros(int(starts[-1]) + pad_tokens, dtype=torch.int64))
+        query_start_loc=starts,
+        query_start_loc_cpu=starts,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(q_lens),
+        num_actual_tokens=int(starts[-1]) + pad_tokens,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=world.table[: len(q_lens)],
+        slot_mapping=torch.zeros(int(starts[-1]) + pad_tokens, dtype=torch.int64),
+    )
     config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64))
     return StrictAttentionMetadataBuilder(None, [], config, torch.device("cpu")).build(0, common)
 
@@ -121,12 +129,20 @@ def test_padded_decode_batch_takes_paged_decode_with_the_prefill_bits(world):
 
 def test_builder_refuses_what_it_does_not_compute(world):
     starts = torch.tensor([0, 4], dtype=torch.int32)
-    common = CommonAttentionMetadata(query_start_loc=starts, query_start_loc_cpu=starts,
-                                     seq_lens=torch.tensor([4], dtype=torch.int32), num_reqs=1, num_actual_tokens=4,
-                                     max_query_len=4, max_seq_len=4, block_table_tensor=world.table[:1],
-                                     slot_mapping=torch.zeros(4, dtype=torch.int64))
-    builder = StrictAttentionMetadataBuilder(None, [], SimpleNamespace(model_config=SimpleNamespace(max_model_len=8)),
-                                             torch.device("cpu"))
+    common = CommonAttentionMetadata(
+        query_start_loc=starts,
+        query_start_loc_cpu=starts,
+        seq_lens=torch.tensor([4], dtype=torch.int32),
+        num_reqs=1,
+        num_actual_tokens=4,
+        max_query_len=4,
+        max_seq_len=4,
+        block_table_tensor=world.table[:1],
+        slot_mapping=torch.zeros(4, dtype=torch.int64),
+    )
+    builder = StrictAttentionMetadataBuilder(
+        None, [], SimpleNamespace(model_config=SimpleNamespace(max_model_len=8)), torch.device("cpu")
+    )
     with pytest.raises(NotImplementedError, match="cascade"):
         builder.build(2, common)
     common.causal = False
@@ -146,9 +162,9 @@ def test_warm_up_runs_each_kind_of_step_once(monkeypatch):
         def call(q, *args, **kwargs):
             out = kernel(q, *args, **kwargs)
             bound = kwargs.get("max_keys", args[5] if kind == "decode" else None)
-            calls.append((kind, q.shape[0], -(-bound // CHUNK_N), args[2].stride(0),
-                          bool(torch.isfinite(out).all())))
+            calls.append((kind, q.shape[0], -(-bound // CHUNK_N), args[2].stride(0), bool(torch.isfinite(out).all())))
             return out
+
         return call
 
     unsplit = SPLIT_BELOW_PROGRAMS_PER_SM // KV_HEADS  # decode sequences that fill one "SM" (the CPU's count)
@@ -156,12 +172,21 @@ def test_warm_up_runs_each_kind_of_step_once(monkeypatch):
     monkeypatch.setattr(K, "paged_decode", spy("decode", K.paged_decode))
     for max_model_len, pages in ((832, 52), (4096, 256)):
         calls.clear()
-        warm_up(HEADS, KV_HEADS, D, BLOCK, torch.bfloat16, torch.bfloat16, torch.device("cpu"), "portable",
-                max_model_len)
+        warm_up(
+            HEADS, KV_HEADS, D, BLOCK, torch.bfloat16, torch.bfloat16, torch.device("cpu"), "portable", max_model_len
+        )
         chunks = -(-max_model_len // CHUNK_N)
-        assert calls == [("prefill", 64, 1, pages, True), ("prefill", 576, 2, pages, True),
-                         ("decode", 1, chunks, pages, True), ("decode", unsplit, chunks, pages, True)]
+        assert calls == [
+            ("prefill", 64, 1, pages, True),
+            ("prefill", 576, 2, pages, True),
+            ("decode", 1, chunks, pages, True),
+            ("decode", unsplit, chunks, pages, True),
+        ]
     calls.clear()  # max_model_len within one chunk: no two-chunk prefill can occur, none is run
     warm_up(HEADS, KV_HEADS, D, BLOCK, torch.bfloat16, torch.bfloat16, torch.device("cpu"), "portable", 300)
-    assert calls == [("prefill", 64, 1, 19, True), ("prefill", 300, 1, 19, True), ("decode", 1, 1, 19, True),
-                     ("decode", unsplit, 1, 19, True)]
+    assert calls == [
+        ("prefill", 64, 1, 19, True),
+        ("prefill", 300, 1, 19, True),
+        ("decode", 1, 1, 19, True),
+        ("decode", unsplit, 1, 19, True),
+    ]

@@ -33,10 +33,14 @@ def test_both_model_runners_compute_strict_logprobs(monkeypatch):
     try:
         expected = K.log_softmax(logits)
         assert_bitwise_equal("V1 compute_logprobs", Sampler.compute_logprobs(logits), expected)
-        assert_bitwise_equal("V2, sampled token only", runner_v2.compute_token_logprobs(logits, ids[:, :1]),
-                             K.token_logprobs(logits, ids[:, 0])[:, None])
-        assert_bitwise_equal("V2, with top-k columns", runner_v2.compute_token_logprobs(logits, ids),
-                             expected.gather(1, ids))
+        assert_bitwise_equal(
+            "V2, sampled token only",
+            runner_v2.compute_token_logprobs(logits, ids[:, :1]),
+            K.token_logprobs(logits, ids[:, 0])[:, None],
+        )
+        assert_bitwise_equal(
+            "V2, with top-k columns", runner_v2.compute_token_logprobs(logits, ids), expected.gather(1, ids)
+        )
     finally:
         vllm_plugin.unregister()
     assert Sampler.compute_logprobs is stock_v1 and runner_v2.compute_token_logprobs is stock_v2

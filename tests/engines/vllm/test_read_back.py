@@ -8,9 +8,11 @@ import pytest
 from alignaudit.engines.vllm.weights import check_strict_kernels
 from alignaudit.errors import EngineError
 
-STRICT = {"attention_impls": {"StrictCPUAttentionImpl": "portable"},
-          "linear_methods": ["UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"],
-          "strict_ops": ["attention", "linear", "logprobs", "rmsnorm", "rope", "silu"]}
+STRICT = {
+    "attention_impls": {"StrictCPUAttentionImpl": "portable"},
+    "linear_methods": ["UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"],
+    "strict_ops": ["attention", "linear", "logprobs", "rmsnorm", "rope", "silu"],
+}
 
 
 def test_strict_layers_pass_and_others_name_what_computes():
