@@ -15,8 +15,9 @@ another layout and counts the rows whose output differs in any bit from the refe
     mixed                 a batch holding that chunk and the decode rows together (vLLM's mixed step)
 Then the time of the decode batch (32 and 256 sequences, 4096 keys) with num_splits 1 against 0, and of the prefill
 (1k, 4k, 8k) paged against unpaged: graph-free, triton.testing.do_bench medians.
-Prints one line per case and writes them all as JSON (``--out``). First run 2026-12-07 on an H100 (docs/benchmarks.md,
-eighteenth session): at num_splits=1 every case 0 rows differing; FA3's split heuristic 3 of 16 decode rows.
+Prints one line per case and writes them all as JSON (``--out``). First run 2026-12-07 on an H100
+(docs/log/gpu-sessions.md, eighteenth session): at num_splits=1 every case 0 rows differing; FA3's split heuristic
+3 of 16 decode rows.
 """
 
 from __future__ import annotations

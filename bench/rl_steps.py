@@ -12,7 +12,7 @@ bench-rl-steps.json is written again after each run: a call cut short keeps the 
 seconds per step and per stage for each and each one's ratio to default; writes bench-rl-steps.json (the medians, and
 each run's first step). ``--rounds`` N runs the configurations in turn N times and takes the medians over the steps of
 all rounds (each round's step ratio printed too): the rollout and the weight sync are host-bound at this shape, and one
-run's host can move them (on H100s, the same code gave 1.08 and 1.32; docs/benchmarks.md, 2026-12-05).
+run's host can move them (on H100s, the same code gave 1.08 and 1.32; docs/log/gpu-sessions.md, 2026-12-05).
 """
 
 from __future__ import annotations

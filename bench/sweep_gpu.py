@@ -15,7 +15,7 @@ decode-generation (paged decode at vllm_generate's decode shape against FlashAtt
 pipelining stages, warps), attention-tma (training's prefill against FlashAttention-3: K/V by the TMA unit,
 warp specialization, 64- or 128-row tiles, stages), rmsnorm-rows (Qwen3's per-head q/k norms by rows a
 program: the one-row kernel against the multi-row kernel, the default for rows of <= 128 since 12-06).
-Tiles and key blocks were swept on 2026-11-29 (docs/benchmarks.md): all within 10%.
+Tiles and key blocks were swept on 2026-11-29 (docs/log/gpu-sessions.md): all within 10%.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ update seconds of both and the ratio strict / default; --json writes every numbe
 
 Rounds: strict and default alternate, one process each a round (``--rounds``), and the ratio reported is the median
 of the rounds' ratios. The update is host-bound at this shape, and one process's wall time moved with the host: on
-an H100 three runs of the same code gave 1.31, 1.27 and 1.03 with the same kernel time (docs/benchmarks.md, eighth
+an H100 three runs of the same code gave 1.31, 1.27 and 1.03 with the same kernel time (docs/log/gpu-sessions.md, eighth
 session), so one round is not a measurement of the ratio.
 """
 

@@ -19,7 +19,7 @@ Prints one line per configuration and the ratios to the default; --json writes t
 --capture-size N sets vLLM's max_cudagraph_capture_size for every configuration of the run (its default is 512 and,
 below that, what max_num_seqs allows): a prefill step of up to N rows then replays piecewise graphs, where a larger
 one runs eagerly. The strict ops are opaque custom ops, so an eager step costs strict far more host time than
-the default's compiled code (docs/findings.md, 2026-12-05); this measures how much of that graphs remove.
+the default's compiled code (docs/log/findings.md, 2026-12-05); this measures how much of that graphs remove.
 
     python bench/vllm_generate.py --model Qwen3-8B --prompts 64 --prompt-len 512 --new-tokens 256
     python bench/vllm_generate.py --configs default,strict --json out.json
@@ -105,7 +105,7 @@ def worker(args) -> dict:
     # in the full batch vLLM may schedule prefill chunks beside decode rows); timed in the fresh engine and again after
     # the full batches (on an H100, 2026-12-06, at the RL rollout shape with graphs up to 2048 rows, strict took
     # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens; in the next
-    # session's run on an H100 0.027-0.030 s after them, with the slow steps elsewhere: docs/benchmarks.md)
+    # session's run on an H100 0.027-0.030 s after them, with the slow steps elsewhere: docs/log/gpu-sessions.md)
     one = [
         SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
         for i in range(args.prompts)

@@ -66,7 +66,7 @@ def truncate(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | 
     cumsum scans a one-row tensor with CUB's device-wide scan and more rows with a row kernel whose threads per row
     depend on the row count (aten/src/ATen/native/cuda/ScanUtils.cuh, scan_dim and
     get_log_num_threads_x_inner_scan): bench/top_p_probe.py found a row alone unlike the same row in any batch of
-    2-64, on an H200 and an H100 (torch 2.11, 2026-12-06; docs/benchmarks.md).
+    2-64, on an H200 and an H100 (torch 2.11, 2026-12-06; docs/log/gpu-sessions.md).
     """
     x = x.clone()
     vocab = x.shape[-1]

@@ -125,7 +125,7 @@ def runs_figure(runs: dict[str, pd.DataFrame], title: str = "", evals: dict[str,
     its eval.parquet table, for the runs that have one) a seventh panel first: the held-out prompts' headline
     (alignaudit.comparison.held_out.headline: greedy accuracy under the task, else the greedy reward) at the step
     after which each evaluation ran (0: before the first). Made for a strict and a default run from one checkpoint
-    (docs/findings.md, issues [26] and [32]). Returns the matplotlib Figure (Agg backend); the caller closes it.
+    (docs/log/findings.md, issues [26] and [32]). Returns the matplotlib Figure (Agg backend); the caller closes it.
 
     Raises:
         KeyError: a table without one of the columns (steps.parquet of an older alignaudit)."""

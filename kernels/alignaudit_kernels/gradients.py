@@ -18,7 +18,7 @@ The fused kernels compute in fp32 from the saved inputs (loads upcast, one round
     silu_mul     s = 1 / (1 + exp(-a)):  da = g * u * s * (1 + a * (1 - s)),  du = g * a * s
     rope         the rotation by -angle:  dx1 = g1 * c + g2 * s,  dx2 = g2 * c - g1 * s;  NaN at positions
                  outside the tables, as the forward
-Why fused is CUDA's default (docs/benchmarks.md, 2026-12-05): one update at the Qwen3-1.7B shape 1.13x of the
+Why fused is CUDA's default (docs/log/gpu-sessions.md, 2026-12-05): one update at the Qwen3-1.7B shape 1.13x of the
 default stack's on an H200 (reference 1.52x), 0.97x on an H100; `alignaudit rl --reward task`, 200 steps on an H100
 with it: 0 mismatching tokens at every step and the reward 0.239 -> 0.887, as with the reference backward on an H200.
 """

@@ -114,7 +114,7 @@ def plan_experts_triton(chosen: torch.Tensor, num_experts: int, block_m: int) ->
     """``plan_experts`` in one Triton launch instead of about fifteen torch launches (sort, searchsorted, cumsum,
     gathers): the grouped dispatch's plan (moe._grouped). In graph replays at the Qwen3-30B-A3B layer on an H100
     it took 0.0044 / 0.0047 / 0.0098 / 0.0598 ms at 8 / 64 / 512 / 4096 tokens against plan_experts' 0.0415 /
-    0.0618 / 0.0701 / 0.103, every field equal (bench/moe_gpu.py, docs/benchmarks.md 2026-12-05 eighth session).
+    0.0618 / 0.0701 / 0.103, every field equal (bench/moe_gpu.py, docs/log/gpu-sessions.md 2026-12-05 eighth session).
     Program e < E counts every expert's pairs with tl.histogram, places expert e's pairs at starts[e] + their rank
     by increasing pair index (a prefix sum of a mask, chunk by chunk), and writes its row tiles; program E places
     pairs whose id is outside [0, E) after starts[E] (their rows are never covered: NaN, as plan_experts leaves
@@ -153,8 +153,8 @@ def plan_experts_triton(chosen: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 # Mean rows per expert from which the grouped products launch 128 x 128 tiles (TILES' "small_wide"). bench/moe_gpu.py
-# --tiles, Qwen3-30B-A3B layer, graph replays, H100 2026-12-05 (docs/benchmarks.md): at 256 rows an expert 128x128x64
-# (8 warps) 1.262 ms against linear's 64x64x64 1.673 (vLLM's fused MoE 0.977); at 32 rows 64x64x64 stays the
+# --tiles, Qwen3-30B-A3B layer, graph replays, H100 2026-12-05 (docs/log/gpu-sessions.md): at 256 rows an expert
+# 128x128x64 (8 warps) 1.262 ms against linear's 64x64x64 1.673 (vLLM's fused MoE 0.977); at 32 rows 64x64x64 stays the
 # fastest (0.562 against 0.570), at 4 and 0.5 rows linear's 16-row tile. Every swept tile gave the same bits. 128 lies
 # between the measured 32 and 256 (not itself measured), and nothing above 256 rows an expert was.
 TALL_ROWS = 128

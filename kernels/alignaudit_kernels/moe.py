@@ -65,7 +65,7 @@ def asked_dispatch() -> str:
 def dispatch_for(x: torch.Tensor) -> str:
     """The dispatch ``combine_experts`` uses when none is given: ``asked_dispatch()``, where auto means "grouped" on
     the Triton backend (no host read, so vLLM's CUDA graphs capture it; 10 to 60 times faster than gathered's host
-    reads on an H200, docs/benchmarks.md 2026-12-05) and "gathered" on the CPU backend. Raises ValueError as
+    reads on an H200, docs/log/gpu-sessions.md 2026-12-05) and "gathered" on the CPU backend. Raises ValueError as
     asked_dispatch."""
     asked = asked_dispatch()
     if asked != "auto":

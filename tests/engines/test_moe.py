@@ -136,7 +136,7 @@ def test_what_moe_does_not_run_yet_is_refused_before_any_engine(capsys, tmp_path
 )
 def test_strict_moe_in_cuda_vllm_graphs_is_no_longer_refused(engine, strict, options):
     """Strict MoE inside CUDA vLLM's graphs ran with 0 mismatching tokens once the grouped dispatch became the
-    default on CUDA (docs/benchmarks.md 2026-12-05, sixth session), so nothing about it is refused; tensor
+    default on CUDA (docs/log/gpu-sessions.md 2026-12-05, sixth session), so nothing about it is refused; tensor
     parallelism still is."""
     from alignaudit.engines.checks import check_moe
     from alignaudit.errors import InputError

@@ -234,7 +234,7 @@ def test_cuda_graph_settings_are_refused_where_no_graph_is_captured():
 
 def test_strict_processed_logprobs_under_model_runner_v2_are_refused_before_any_engine(monkeypatch):
     """vLLM 0.26 on CUDA picked model runner V2 for the fixture, whose fused sampling kernels the plugin does not
-    replace (2026-12-05, docs/findings.md): asked for explicitly, refused up front; otherwise the engine runs V1."""
+    replace (2026-12-05, docs/log/findings.md): asked for explicitly, refused up front; otherwise the engine runs V1."""
     from alignaudit.engines.vllm.options import check_options
     from alignaudit.errors import InputError
     from alignaudit.inputs.request import EngineSettings

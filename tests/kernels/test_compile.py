@@ -91,7 +91,7 @@ GRADIENT_CASES = _gradient_cases()
 def test_compiled_strict_ops_give_the_eager_gradients(name, fn, shapes):
     """Traced with gradients, each strict op keeps its autograd path: the compiled backward gives the eager
     gradients bit for bit, and none is all zero (torch 2.11 gave apply_rope's fp32 CPU path an all-zero gradient
-    while its forward ended in a no-op ``.to(x.dtype)``; docs/benchmarks.md 2026-12-04)."""
+    while its forward ended in a no-op ``.to(x.dtype)``; docs/log/gpu-sessions.md 2026-12-04)."""
     generator = torch.Generator().manual_seed(3)
     inputs = [torch.randn(*shape, generator=generator) for shape in shapes]
     grads = []

@@ -172,7 +172,7 @@ def mask_checked_index(index: torch.Tensor, attention_mask: torch.Tensor, t: int
     key index, int64), returned once HF's mask [b, 1, t, keys'] has passed device-side asserts (no host read).
     Only runs that start at key 0 pass (every query row real): left padding, which needs a per-row cut on
     the host, is refused. Opaque because Inductor's GPU code generation failed on the check's reductions
-    (a sympy TypeError compiling the Qwen3-8B-shape forward on an H200, torch 2.11, docs/benchmarks.md
+    (a sympy TypeError compiling the Qwen3-8B-shape forward on an H200, torch 2.11, docs/log/gpu-sessions.md
     2026-12-02); the index feeds the attention, so the check cannot be dropped from the graph."""
     b = index.shape[0]
     attend = _attend(attention_mask, b, t, keys, compiled=True)

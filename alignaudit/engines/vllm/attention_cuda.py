@@ -143,7 +143,7 @@ def warm_up(
     exceeds a chunk) and one of as many sequences as fill the SMs without it. Triton builds a kernel variant at its
     first launch, and vLLM's start never runs strict attention for a prefill (its profile run passes no
     metadata, its graph capture decodes only), so without this the first batches of generation paid those
-    builds (docs/benchmarks.md, 2026-12-04 third session).
+    builds (docs/log/gpu-sessions.md, 2026-12-04 third session).
     Nothing computed here is kept. dtype: the queries' (the model's), cache_dtype: the KV cache's.
     The block table is as wide as vLLM's (cdiv(max_model_len, block_size) pages a request): Triton specializes
     its row stride on divisibility by 16, so a table of another width could build other variants.

@@ -2,7 +2,7 @@
 
 Where every engine runs on one Hopper GPU, strict attention need not be a kernel of our own: FlashAttention-3's
 forward gives a query row the same bits in every layout an engine calls it in, provided the key dimension is never
-split (``num_splits=1``). Measured on an H100 on 2026-12-07 (bench/fa3_bits.py, docs/benchmarks.md eighteenth
+split (``num_splits=1``). Measured on an H100 on 2026-12-07 (bench/fa3_bits.py, docs/log/gpu-sessions.md eighteenth
 session): 0 rows of 2048 differ between an unpaged varlen prefill (a trainer's forward) and a paged prefill, a
 decode step alone, in a batch and among 243 fillers, a chunked prefill's second chunk and a mixed batch, the tile
 edges included; FA3's own split heuristic (``num_splits=0``) changes 3 of 16 decode rows. TorchTitan's bitwise RL

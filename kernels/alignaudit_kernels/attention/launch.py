@@ -59,7 +59,7 @@ TILE_CONFIG = (TILE_ROWS, 4, 2)
 
 # Decode steps pipeline one more key block: 3% faster at the generation shape of bench/vllm_generate.py (64
 # sequences at 640 keys, pages of 16) on an H200, with the bits of every other configuration swept there
-# (stages only schedule loads; docs/benchmarks.md 2026-12-04 third session).
+# (stages only schedule loads; docs/log/gpu-sessions.md 2026-12-04 third session).
 DECODE_CONFIG = (TILE_ROWS, 4, 3)
 
 

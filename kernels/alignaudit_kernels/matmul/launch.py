@@ -171,7 +171,7 @@ def _split_k(
     Each segment is accumulated by the same _segment loop as inside the in-kernel tree and the tree is the
     same, so the bits are the in-kernel tree's (tests/kernels/ checks it); the point is SEGMENTS times
     as many programs, where a decode batch's few row tiles leave most SMs idle (on an H200 Qwen3-8B's down
-    projection at 16 rows went from 0.59x to 0.89x of cuBLAS, docs/benchmarks.md 2026-11-30 morning)."""
+    projection at 16 rows went from 0.59x to 0.89x of cuBLAS, docs/log/gpu-sessions.md 2026-11-30 morning)."""
     m, k = x2.shape
     n = weight.shape[0]
     parts = torch.empty(segments, m, n, dtype=torch.float32, device=x2.device)

@@ -1,7 +1,7 @@
 """The CUDA vLLM strict attention backend's plan and arithmetic, run on the CPU with vLLM's own classes.
 
 vLLM's CPU platform never selects FLASH_ATTN, so CI cannot run the backend inside an engine; the H200 does
-(bench/gpu_run.sh vllm-*, docs/findings.md). What runs here is everything of it but the cache write (vLLM's
+(bench/gpu_run.sh vllm-*, docs/log/findings.md). What runs here is everything of it but the cache write (vLLM's
 reshape_and_cache_flash, a copy): the metadata builder on vLLM's CommonAttentionMetadata, and
 ``strict_attention`` over a KV cache laid out as FlashAttention's (logical [blocks, kv_heads, block_size,
 2 * head_dim], stored [blocks, block_size, kv_heads, 2 * head_dim]), on the kernels' CPU backend.

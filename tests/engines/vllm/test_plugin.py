@@ -3,7 +3,7 @@
 vLLM 0.26 on CUDA ran Qwen3 under model runner V2 (vllm/v1/worker/gpu/), which computes prompt and sampled
 logprobs with its own fused kernel (sample/logprob.py compute_token_logprobs) and never calls
 Sampler.compute_logprobs: with only the latter patched, strict vLLM on the H200 gave 6 of 176 fixture
-prompt logprobs 1 ULP off Megatron's from bitwise-equal logits (2026-12-01, docs/findings.md). This checks,
+prompt logprobs 1 ULP off Megatron's from bitwise-equal logits (2026-12-01, docs/log/findings.md). This checks,
 on the installed vLLM, that both entry points compute alignaudit_kernels' bits and that unregister restores
 vLLM's own functions.
 """
