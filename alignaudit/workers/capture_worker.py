@@ -1,6 +1,7 @@
 """Worker process entry: run one engine on one request and write a capture directory.
 
-    python -m alignaudit.workers.capture_worker REQUEST.json   (alignaudit.workers.job.CaptureJob's record)
+    python -m alignaudit.workers.capture_worker REQUEST.json [--out NEW_DIR]   (alignaudit.workers.job.CaptureJob's
+        record: a capture directory's request.json runs again, into NEW_DIR; a directory holding a capture is refused)
     python -m alignaudit.workers.capture_worker --check-options '[{"engine", "settings", "spec", "role", "mode"}, ...]'
         (validate only)
 
@@ -220,16 +221,48 @@ def _attach_tap(engine, spec, ops: OpsRequest | None, out: Path, rank: int = 0):
     return tap
 
 
+USAGE = "python -m alignaudit.workers.capture_worker REQUEST.json [--out NEW_DIR]"
+
+
 def main() -> None:
     def work():
-        from alignaudit.workers.job import CaptureJob
-
-        if sys.argv[1] == "--check-options":
-            check_options(json.loads(sys.argv[2]))
+        args = sys.argv[1:]
+        if args[:1] == ["--check-options"] and len(args) == 2:
+            check_options(json.loads(args[1]))
+        elif len(args) in (1, 3) and (len(args) == 1 or args[1] == "--out"):
+            run_job(job_to_run(Path(args[0]), Path(args[2]) if len(args) == 3 else None))
         else:
-            run_job(CaptureJob.read(Path(sys.argv[1])))
+            from alignaudit.errors import InputError
+
+            raise InputError(f"usage: {USAGE}")
 
     _guarded(work)
+
+
+def job_to_run(request: Path, out: Path | None) -> CaptureJob:
+    """The job in ``request`` (a capture's request.json), written to ``out`` when given: how a capture is reproduced.
+    The parent (alignaudit.workers.spawn.run_capture) clears the capture directory's manifest before it starts a
+    worker, so a directory that holds one is a finished capture, which a reproduction must not overwrite.
+
+    Raises:
+        InputError: the job cannot be read (CaptureJob.read), or its directory holds a capture already.
+    """
+    import dataclasses
+
+    from alignaudit.capture.rundir import MANIFEST
+    from alignaudit.errors import InputError
+    from alignaudit.workers.job import CaptureJob
+
+    job = CaptureJob.read(request)
+    if out is not None:
+        job = dataclasses.replace(job, out=out.resolve())
+    if (job.out / MANIFEST).exists():
+        raise InputError(
+            f"{job.out} holds a capture already ({MANIFEST}); to run the job again without overwriting "
+            f"it, name a new directory: {USAGE}"
+        )
+    job.out.mkdir(parents=True, exist_ok=True)
+    return job
 
 
 def check_options(checks: list[dict]) -> None:

@@ -4,14 +4,17 @@ read back by the worker, and by each tensor-parallel rank it starts (pickled by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from alignaudit.capture.ops import Selection
+from alignaudit.errors import InputError
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
-from alignaudit.inputs.request import EngineSettings, Replay, Sampling
+from alignaudit.inputs.request import DTYPES, EngineSettings, Replay, Sampling
+from alignaudit.inputs.values import parse_json
 
 
 @dataclass(frozen=True)
@@ -111,4 +114,59 @@ class CaptureJob:
 
     @classmethod
     def read(cls, path: Path) -> CaptureJob:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The job a ``request.json`` holds (``write``'s file, or one edited by hand to reproduce a capture).
+
+        Raises:
+            InputError: no such file, not JSON, or not a job this alignaudit wrote (a key missing, a value of
+                another type, a field unknown), naming the file and the field.
+        """
+        path = Path(path)
+        try:
+            record = parse_json(path.read_bytes(), str(path))
+        except OSError as e:
+            raise InputError(f"{path}: cannot read the job ({e.strerror})") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{path}: a capture job is a JSON object, not {type(record).__name__}")
+        try:
+            _check_fields(record, ("engine", "spec", "settings", "batch", "out"))
+            _check_fields(record["spec"], (), ModelSpec, "spec")
+            _check_fields(record["settings"], (), EngineSettings, "settings")
+            if record["settings"].get("dtype") not in DTYPES:
+                raise InputError(f"settings.dtype {record['settings'].get('dtype')!r}: one of {', '.join(DTYPES)}")
+            job = cls.from_dict(record)
+        except InputError as e:
+            raise InputError(f"{path}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InputError(f"{path}: not a capture job this alignaudit can read ({type(e).__name__}: {e})") from None
+        if not isinstance(job.repeat, int) or isinstance(job.repeat, bool) or job.repeat < 1:
+            raise InputError(f"{path}: repeat {job.repeat!r}: a whole number >= 1")
+        return job
+
+
+# the annotations of ModelSpec's and EngineSettings' scalar fields, as written (from __future__ import annotations)
+_SCALARS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _check_fields(record, required: tuple[str, ...], cls=None, where: str = "") -> None:
+    """InputError unless ``record`` is an object holding ``required`` and, for a dataclass ``cls``, only its fields,
+    its required fields, and scalar fields of their annotated type (a bool is no int)."""
+    prefix = f"{where}." if where else ""
+    if not isinstance(record, dict):
+        raise InputError(f"{where or 'the job'}: a JSON object, not {type(record).__name__}")
+    missing = [key for key in required if key not in record]
+    if cls is not None:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(record) - set(fields))
+        if unknown:
+            raise InputError(f"{prefix}{unknown[0]}: not a field of {cls.__name__}")
+        missing += [
+            name
+            for name, f in fields.items()
+            if name not in record and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        for name, value in record.items():
+            kinds = _SCALARS.get(str(fields[name].type))
+            if kinds and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
+                raise InputError(f"{prefix}{name} {value!r}: a {fields[name].type}")
+    if missing:
+        raise InputError(f"{prefix}{missing[0]}: missing")
