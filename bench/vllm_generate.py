@@ -107,7 +107,7 @@ def worker(args) -> dict:
     # 0.028 s in an engine that had run only one-token batches and 0.057 s after batches of 64 new tokens; in the next
     # session's run on an H100 0.027-0.030 s after them, with the slow steps elsewhere: docs/log/gpu-sessions.md)
     one = [
-        SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
+        SamplingParams(max_tokens=1, ignore_eos=True, temperature=1.0, seed=i, n=args.n, detokenize=False)
         for i in range(args.prompts)
     ]
     events = HostEvents(AttentionTrace(attention_impl_class()))
@@ -385,6 +385,19 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--batches must be at least 1 (the rate is the median batch's after the first)")
     if args.n < 1:
         parser.error("--n must be at least 1 (completions per prompt)")
+    for flag, value in (
+        ("--prompts", args.prompts),
+        ("--prompt-len", args.prompt_len),
+        ("--new-tokens", args.new_tokens),
+    ):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1")
+    unprofiled = [name for name in args.profile.split(",") if name and name not in args.configs.split(",")]
+    if unprofiled and not args.worker:
+        parser.error(
+            f"--profile {','.join(unprofiled)}: not among --configs {args.configs}; a configuration that "
+            "does not run cannot be profiled"
+        )
     if args.prefill_batches < 0:
         parser.error("--prefill-batches must be 0 or more")
     if args.profile_batch != "full" and not args.profile:
@@ -499,7 +512,7 @@ def main() -> None:
         args.model = config_dir(args.model)
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
-    results = {}
+    results, failed = {}, []
     for name in args.configs.split(","):
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", **CONFIGS[name]}
         cmd = [
@@ -532,6 +545,7 @@ def main() -> None:
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
             print(f"{name}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            failed.append(name)
             continue
         results[name] = json.loads(lines[-1][len("RESULT ") :])
         print(f"{name:24s} {json.dumps(results[name])}", flush=True)
@@ -563,7 +577,10 @@ def main() -> None:
                 )
     print_profiles(results)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
+        record = {"args": vars(args) | {"json": str(args.json)}, "results": results, "failed": failed}
+        args.json.write_text(json.dumps(record, indent=2))
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (each one's error above)")
 
 
 if __name__ == "__main__":
