@@ -40,6 +40,18 @@ def read_run(parser, name: str, directory: Path) -> tuple[pd.DataFrame, dict]:
     return table, json.loads(record.read_text())
 
 
+def read_evals(parser, name: str, path: Path) -> pd.DataFrame:
+    """A run's eval.parquet, or one line and exit 2 where it is no table of held-out evaluations."""
+    try:
+        table = pd.read_parquet(path)
+    except Exception as e:  # pyarrow's errors for a file that is not parquet have no common base class
+        parser.error(f"{name}={path.parent}: {path.name} is not a readable parquet file ({type(e).__name__})")
+    missing = sorted({"step", "reward_mean", "accuracy"} - set(table))
+    if missing:
+        parser.error(f"{name}={path.parent}: {path.name} lacks {', '.join(missing)} (an older alignaudit's run?)")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("runs", nargs="+", metavar="NAME=RUN_DIR")
@@ -56,7 +68,7 @@ def main() -> None:
         runs[name], record = read_run(parser, name, Path(path))
         experiments[name] = same_experiment(record)
         if (Path(path) / "eval.parquet").is_file():
-            evals[name] = pd.read_parquet(Path(path) / "eval.parquet")
+            evals[name] = read_evals(parser, name, Path(path) / "eval.parquet")
     first = next(iter(experiments))
     for name, experiment in experiments.items():
         differing = [key for key in experiment if experiment[key] != experiments[first][key]]

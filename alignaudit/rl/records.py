@@ -181,24 +181,38 @@ def runs_figure(runs: dict[str, pd.DataFrame], title: str = "", evals: dict[str,
 
 
 def _held_out_panel(ax, runs: dict[str, pd.DataFrame], evals: dict[str, pd.DataFrame], colors) -> None:
-    """The held-out evaluations of each run that has them, in the run's color (runs_figure)."""
+    """The held-out evaluations of each run that has them, in the run's color, each run with a marker and a line
+    style of its own (two runs with equal values stay visible); the runs without any are named in the panel."""
     from alignaudit.comparison.held_out import headline
 
-    measures = set()
+    measures, missing = set(), []
     for i, name in enumerate(runs):
-        if name in evals:
-            table = evals[name]
-            measure = headline(table)
-            measures.add(measure)
-            ax.plot(
-                table["step"],
-                table[measure],
-                color=colors[i % len(colors)],
-                marker="o",
-                markersize=3,
-                linewidth=1,
-                label=name,
-            )
+        if name not in evals:
+            missing.append(name)
+            continue
+        table = evals[name]
+        measure = headline(table)
+        measures.add(measure)
+        ax.plot(
+            table["step"],
+            table[measure],
+            color=colors[i % len(colors)],
+            marker="osD^v"[i % 5],
+            markersize=6 - i % 3,
+            linestyle=("-", "--", ":", "-.")[i % 4],
+            linewidth=1,
+            label=name,
+        )
     named = {"accuracy": "held-out accuracy (greedy)", "reward_mean": "held-out reward (greedy)"}
     ax.set_title(" / ".join(named[m] for m in sorted(measures)), fontsize=9)
+    if missing:
+        ax.text(
+            0.02,
+            0.04,
+            f"{', '.join(missing)}: no held-out evaluation",
+            transform=ax.transAxes,
+            ha="left",
+            va="bottom",
+            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"},
+        )
     ax.legend(loc="best", fontsize=8)

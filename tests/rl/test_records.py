@@ -93,3 +93,41 @@ def test_held_out_evaluations_get_a_panel_of_their_own_first(tmp_path):
     assert Image.open(path).size == (1100, 1300)
     plot_runs({"strict": strict}, path, "title", {"strict": accuracy.iloc[:0]})  # no evaluation: no panel
     assert Image.open(path).size == (1100, 1000)
+
+
+def test_a_run_without_held_out_evaluations_is_named_in_that_panel():
+    import matplotlib.pyplot as plt
+
+    accuracy = pd.DataFrame({"step": [0, 5], "reward_mean": [0.4, 0.6], "accuracy": [0.70, 0.75]})
+    fig = runs_figure({"strict": steps_table(False), "default": steps_table(True)}, "t", {"strict": accuracy})
+    try:
+        held_out = fig.axes[0]
+        assert [line.get_label() for line in held_out.get_lines()] == ["strict"]
+        assert [t.get_text() for t in held_out.texts] == ["default: no held-out evaluation"]
+    finally:
+        plt.close(fig)
+
+
+def test_plot_rl_runs_refuses_an_eval_table_it_cannot_read(tmp_path):
+    """bench/plot_rl_runs.py: a run's eval.parquet that is no parquet, or lacks the held-out columns, is one line and
+    exit 2 (the script's rule for bad input), not a traceback."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = tmp_path / "run"
+    run.mkdir()
+    steps_table(False).to_parquet(run / "steps.parquet")
+    record = {"model": {"name": "m"}, "prompts": {"digest": "d"}, "rollout": {}, "rl": {}}
+    (run / "run.json").write_text(json.dumps(record))
+    script = Path(__file__).parents[2] / "bench" / "plot_rl_runs.py"
+    for content, message in ((b"not parquet", "is not a readable parquet file"), (None, "lacks accuracy")):
+        if content is None:
+            pd.DataFrame({"step": [0], "reward_mean": [0.1]}).to_parquet(run / "eval.parquet")
+        else:
+            (run / "eval.parquet").write_bytes(content)
+        done = subprocess.run(
+            [sys.executable, str(script), f"a={run}", "--out", str(tmp_path / "p.png")], capture_output=True, text=True
+        )
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
