@@ -14,8 +14,8 @@ head_size columns, values in the rest; vllm/v1/attention/backends/flash_attn.py)
         vLLM's max_seq_len as the bound on keys: the metadata builder; the query tiles: the step's first
         layer), so no layer reads the device and only the first plans on the host.
 
-Both give a query row the bits of a prefill of the same tokens (kernels/attention.py), which is what the
-strict attention of Megatron and HF computes. CUDA graphs: the builder declares UNIFORM_SINGLE_TOKEN_DECODE,
+Both give a query row the bits of a prefill of the same tokens (kernels/alignaudit_kernels/attention/), which is what
+the strict attention of Megatron and HF computes. CUDA graphs: the builder declares UNIFORM_SINGLE_TOKEN_DECODE,
 the support it really has: vLLM then captures FULL graphs for decode batches only and runs other batches
 piecewise, attention outside the graphs (vllm/config/compilation.py resolve_cudagraph_mode_and_sizes). The
 metadata of those batches holds fresh tensors each step, which a FULL graph would bake in stale (an
@@ -301,7 +301,8 @@ class StrictFlashAttentionBackend(FlashAttentionBackend):
 
     @classmethod
     def supports_batch_invariance(cls) -> bool:
-        # a row's bits do not depend on the batch (kernels/attention.py): VLLM_BATCH_INVARIANT=1 may select it
+        # a row's bits do not depend on the batch (kernels/alignaudit_kernels/attention/): VLLM_BATCH_INVARIANT=1 may
+        # select it
         return True
 
     @staticmethod
