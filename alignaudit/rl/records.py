@@ -157,15 +157,7 @@ def runs_figure(runs: dict[str, pd.DataFrame], title: str = "", evals: dict[str,
         if log and len(zero_runs) < len(runs):
             ax.set_yscale("log")
         if zero_runs:
-            ax.text(
-                0.02,
-                0.04,
-                f"{', '.join(zero_runs)}: 0 at every step",
-                transform=ax.transAxes,
-                ha="left",
-                va="bottom",
-                bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"},
-            )
+            _panel_note(ax, f"{', '.join(zero_runs)}: 0 at every step")
         ax.set_title(label, fontsize=9)
         if ax.get_lines():  # a log panel where every run is 0 has no line, only the note
             ax.legend(loc="best", fontsize=8)
@@ -206,13 +198,18 @@ def _held_out_panel(ax, runs: dict[str, pd.DataFrame], evals: dict[str, pd.DataF
     named = {"accuracy": "held-out accuracy (greedy)", "reward_mean": "held-out reward (greedy)"}
     ax.set_title(" / ".join(named[m] for m in sorted(measures)), fontsize=9)
     if missing:
-        ax.text(
-            0.02,
-            0.04,
-            f"{', '.join(missing)}: no held-out evaluation",
-            transform=ax.transAxes,
-            ha="left",
-            va="bottom",
-            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"},
-        )
+        _panel_note(ax, f"{', '.join(missing)}: no held-out evaluation")
     ax.legend(loc="best", fontsize=8)
+
+
+def _panel_note(ax, text: str) -> None:
+    """A note in a panel's lower left corner, over the lines (runs_figure: what a panel does not draw)."""
+    ax.text(
+        0.02,
+        0.04,
+        text,
+        transform=ax.transAxes,
+        ha="left",
+        va="bottom",
+        bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "none"},
+    )
