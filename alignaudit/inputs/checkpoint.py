@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from alignaudit.arch import PRESETS, architecture, find_preset
+from alignaudit.arch import PRESETS, Architecture, architecture, find_preset
 from alignaudit.errors import InputError
 from alignaudit.inputs.capabilities import check_checkpoint_config
 from alignaudit.inputs.values import parse_json
@@ -121,6 +121,8 @@ def load_spec(path: Path, name: str | None = None) -> ModelSpec:
         hf_logging.set_verbosity(verbosity)
     rope = getattr(cfg, "rope_parameters", None) or {}
     rope_theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
+    if rope_theta is None:  # transformers fills in a missing one, not an explicit null
+        raise InputError(f"{config_file}: rope_theta is null; give rope's base (the model card's config.json has it)")
     llama3 = None
     if rope_type == "llama3":
         llama3 = (
@@ -219,7 +221,7 @@ def check_weights(path: Path, config: dict, arch) -> int:
     return len(shapes)
 
 
-def _config_and_architecture(path: Path) -> tuple[dict, object]:
+def _config_and_architecture(path: Path) -> tuple[dict, Architecture]:
     """``path/config.json`` read (parse_json) and its alignaudit.arch architecture. Raises InputError: no such file,
     not readable, not a JSON object, or an architecture alignaudit does not run, naming the file."""
     config_file = path / "config.json"

@@ -106,6 +106,17 @@ def test_unresolvable_models(model, message, monkeypatch, tmp_path):
         resolve_model(model)
 
 
+def test_null_rope_theta_is_an_input_error(tmp_path):
+    """``"rope_theta": null`` reached float(None), a TypeError, rather than the one-line error of a bad config."""
+    bad = tmp_path / "null-rope"
+    shutil.copytree(FIXTURE, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["rope_theta"] = None
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="rope_theta is null"):
+        load_spec(bad)
+
+
 def test_unsupported_architecture_and_broken_dirs(tmp_path):
     bad = tmp_path / "llama"
     shutil.copytree(FIXTURE, bad)
