@@ -12,7 +12,7 @@ from alignaudit.errors import InputError
 API_NAMES = ("ops", "device='cuda'")  # how this module's user spells the strict ops and a CUDA device
 
 
-def settings(dtype: str, device: str, ops: str, exp: str, spec, seed: int = 0):
+def settings(dtype: str, device: str, ops: str, exp: str | None, spec, seed: int = 0):
     """EngineSettings for a strict model of ``spec`` built in this process for the caller's trainer, validated
     as the CLI validates them (the kernel switches as for a run that trains)."""
     from alignaudit.inputs.request import EngineSettings

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pandas as pd
 import torch
 
 from alignaudit.api.checks import check_number
 from alignaudit.errors import InputError
 
+if TYPE_CHECKING:
+    from alignaudit.comparison.summary import TokenSummary
 
-def mismatch_metrics(train_logprobs, rollout_logprobs, mask: torch.Tensor | None = None, clip_eps: float = 0.2) -> dict:
+
+def mismatch_metrics(
+    train_logprobs, rollout_logprobs, mask: torch.Tensor | None = None, clip_eps: float = 0.2
+) -> TokenSummary:
     """The mismatch metrics of one RL step, computed as ``compare`` computes them (summary.json's fields:
     tokens_compared, mismatches, mismatch_fraction, ulp_max, ulp_histogram, max_abs_diff, NaN/Inf counts and
     ``rl``: importance-ratio range, clip fraction at ``clip_eps``, token_mult_prob_error, probability

@@ -114,6 +114,7 @@ def compare(
             f"prompts: a file path (JSONL or text lines), not {type(prompts).__name__}; token ids go in "
             'a JSONL file of {"token_ids": [...]} lines'
         )
+    value: object  # each argument in turn, checked as the caller may have passed anything
     for name, opts in (("train_options", train_options), ("infer_options", infer_options)):
         if opts is not None and not isinstance(opts, dict):
             raise InputError(f"{name}: a dict of engine settings, not {type(opts).__name__}")
@@ -262,6 +263,7 @@ def rl(
     from alignaudit.rl.request import rl_request
     from alignaudit.rl.settings import RLSettings
 
+    value: object  # each argument in turn, checked as the caller may have passed anything
     for name, value in (("prompts", prompts), ("eval_prompts", eval_prompts), ("out", out)):
         if value is not None and not isinstance(value, (str, Path)):
             raise InputError(f"{name} {value!r}: a path (str or pathlib.Path)")

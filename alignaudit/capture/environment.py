@@ -38,8 +38,8 @@ def package_versions() -> dict[str, str]:
     return found
 
 
-def hardware(device: str) -> dict[str, str | int]:
-    info: dict[str, str | int] = {
+def hardware(device: str) -> dict[str, str | int | list[str]]:
+    info: dict[str, str | int | list[str]] = {
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpu": _cpu_model(),
@@ -104,7 +104,7 @@ def _fp32_precision() -> dict[str, str]:
     """torch.backends.<path>.fp32_precision of each backend this torch has (torch >= 2.9; {} before)."""
     found = {}
     for path, key in FP32_PRECISION_BACKENDS:
-        owner = torch.backends
+        owner: object = torch.backends
         for part in filter(None, path.split(".")):
             owner = getattr(owner, part, None)
         value = getattr(owner, "fp32_precision", None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -27,6 +28,9 @@ from alignaudit.capture.digest import file_sha256
 from alignaudit.capture.ops import split_op_id
 from alignaudit.capture.rundir import FINGERPRINTS, INDEX, OPS_DIR
 from alignaudit.errors import InputError
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 
 class OpRecorder:
@@ -158,7 +162,7 @@ class OpStore:
                 + " (the manifest lists what was captured); "
                 "capture again"
             )
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, safe_open] = {}
         self._cache: OrderedDict[str, dict[int, torch.Tensor]] = OrderedDict()
         self._cache_ops = cache_ops
 
@@ -182,7 +186,8 @@ class OpStore:
         result = {}
         for seq, chunk in rows.sort_values(["seq", "pos_start"]).groupby("seq"):
             t = torch.cat([self._load(r.file, r.key) for r in chunk.itertuples()], dim=0)
-            if hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest() != self.fingerprint(op, int(seq)):
+            digest = hashlib.sha256(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
+            if digest != self.fingerprint(op, int(seq)):
                 raise InputError(
                     f"{self.directory}: {op} of sequence {seq} does not match its sha256 fingerprint; "
                     "the capture is corrupt, capture again"

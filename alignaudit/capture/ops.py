@@ -18,6 +18,7 @@ layer has gate_proj/up_proj/act/down_proj.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from alignaudit.errors import InputError
 
@@ -109,7 +110,10 @@ class OpGraph:
     @classmethod
     def of(cls, spec) -> OpGraph:
         """The graph of a ModelSpec (or its to_dict() record, as stored in a capture's manifest)."""
-        get = spec.get if isinstance(spec, dict) else lambda k, default=None: getattr(spec, k, default)
+
+        def get(name: str, default: object = None) -> Any:
+            return spec.get(name, default) if isinstance(spec, dict) else getattr(spec, name, default)
+
         return cls(get("num_layers"), bool(get("qk_norm", True)), bool(get("num_experts", 0)))
 
     def layer_ops(self) -> tuple[OpDef, ...]:
@@ -143,6 +147,7 @@ class OpGraph:
             if source == "down_proj" and self.moe:
                 source = "moe"
             if source == "residual_in":
+                assert layer is not None, f"{op}: residual_in feeds layer ops only"
                 inputs.append("embed" if layer == 0 else op_id("mlp_residual", layer - 1))
             elif name == "final_norm":
                 inputs.append(op_id(source, self.num_layers - 1))
@@ -211,7 +216,7 @@ def parse_selection(layers: str | None, ops: str | None, graph: OpGraph) -> Sele
     num_layers = graph.num_layers
     chosen_layers = None
     if layers:
-        chosen = set()
+        chosen: set[int] = set()
         for part in layers.split(","):
             lo, sep, hi = part.strip().partition("-")
             try:

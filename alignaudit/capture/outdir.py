@@ -259,7 +259,7 @@ def _delete(path: Path) -> None:
         path.unlink()
 
 
-def check_overlap(out: Path, inputs: tuple[Path, ...]) -> None:
+def check_overlap(out: Path | str, inputs: tuple[Path, ...]) -> None:
     """Raise InputError when ``out`` is, contains, or lies inside one of ``inputs``."""
     resolved = Path(out).resolve()
     for src in inputs:
@@ -271,7 +271,7 @@ def check_overlap(out: Path, inputs: tuple[Path, ...]) -> None:
 def check_file_outputs(
     outputs: dict[str, Path | None],
     runs: tuple[Path, ...] = (),
-    inputs: tuple[Path, ...] = (),
+    inputs: tuple[Path | None, ...] = (),
     own: dict[str, str] | None = None,
 ) -> None:
     """The rule for a command's file outputs (gate's --json, --junit, --markdown; report's --html): none may overwrite

@@ -113,7 +113,7 @@ def read_rows(directory: Path, record: dict, seq: int, length: int) -> torch.Ten
     tensors = load_file(str(path))
     rows = tensors.get(TENSOR)
     shape = (length - 1, record.get("vocab_size"))
-    if set(tensors) != {TENSOR} or rows.dtype != torch.float32 or tuple(rows.shape) != shape:
+    if rows is None or set(tensors) != {TENSOR} or rows.dtype != torch.float32 or tuple(rows.shape) != shape:
         raise InputError(f"{path} does not hold float32 rows of shape {list(shape)}; the capture is damaged")
     return rows
 
@@ -135,7 +135,12 @@ def read_step_rows(path: Path, tokens: int, vocab_size: int) -> torch.Tensor:
     path = Path(path)
     tensors = load_file(str(path)) if path.is_file() else {}
     rows = tensors.get(STEP_VOCAB_TENSOR)
-    if set(tensors) != {STEP_VOCAB_TENSOR} or rows.dtype != torch.float32 or tuple(rows.shape) != (tokens, vocab_size):
+    if (
+        rows is None
+        or set(tensors) != {STEP_VOCAB_TENSOR}
+        or rows.dtype != torch.float32
+        or tuple(rows.shape) != (tokens, vocab_size)
+    ):
         got = f"{rows.dtype}{list(rows.shape)}" if rows is not None else "nothing"
         raise EngineError(
             f"{path}: full-vocabulary rows {got}, expected float32 [{tokens}, {vocab_size}] (one per "

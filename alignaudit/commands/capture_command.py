@@ -116,7 +116,8 @@ def capture(
         strict=strict,
         strict_exp=strict_exp,
         strict_attention=strict_attention,
-        **({"infer_opt": opt} if rollout else {"train_opt": opt}),
+        train_opt=None if rollout else opt,
+        infer_opt=opt if rollout else None,
     )
     spec = resolve_model_arg(model)
     check_top_k(rollout, spec)
@@ -131,7 +132,8 @@ def capture(
     selection = None if no_ops else parse_selection(layers, ops, OpGraph.of(spec))
     if selection is not None:
         check_parallel_op_capture([run], forced=reference is not None)
-    inputs, replay = (), None
+    inputs: tuple[Path, ...] = ()
+    replay = None
     if tokens_from is not None:
         batch, replay = _tokens_of(tokens_from, prompts, spec)
         inputs = (Path(tokens_from),)

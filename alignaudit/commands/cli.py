@@ -119,7 +119,7 @@ def _run(args: list[str], debug: bool) -> int:
     except Exception as e:
         if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # click/typer usage errors
             if type(e).__name__ == "NoArgsIsHelpError":
-                console.print(e.ctx.get_help(), highlight=False)
+                console.print(e.ctx.get_help(), highlight=False)  # type: ignore[attr-defined]  # that error's context
                 return errors.EXIT_OK
             err_console.print(f"[bold red]error:[/] {shown(e.format_message())}", highlight=False, soft_wrap=True)
             return errors.EXIT_USAGE

@@ -3,7 +3,9 @@ with."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -41,7 +43,7 @@ def results(*paths) -> None:
     console.print("results: " + ", ".join(shown(p) for p in paths), highlight=False, soft_wrap=True)
 
 
-def render_summary(out: Path, summary: dict) -> None:
+def render_summary(out: Path, summary: Mapping[str, Any]) -> None:
     import pandas as pd
 
     from alignaudit.capture.rundir import SEQUENCES, TOKENS

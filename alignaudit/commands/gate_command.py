@@ -101,7 +101,8 @@ def gate(
             )
     rule = gating.make_rule(max_mismatch, max_ulp, max_abs, baseline)
     planned = run_dir if run_dir is not None else output.out  # None: a fresh default directory, nothing in it yet
-    _check_verdict_files(planned and Path(planned), json_out, junit, md_out, baseline)  # before anything is written
+    # before anything is written
+    _check_verdict_files(Path(planned) if planned is not None else None, json_out, junit, md_out, baseline)
     if run_dir is None:
         run_dir, _ = _run_compare(run, model, prompts, sampling, output, clip_eps, COMPARE_OUTPUTS + GATE_OUTPUTS)
     _claim_verdict_files(

@@ -16,7 +16,7 @@ import functools
 import inspect
 import typing
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -289,7 +289,7 @@ ArrivalGapOpt = Annotated[
 ]
 
 
-def _unset_by_default(option, default) -> type:
+def _unset_by_default(option, default) -> Any:  # an Annotated[...] form, which is not a type
     """``option`` as a request group's field takes it: Optional, None when not given (so that a value given in prompt
     mode is refused even where it equals the default), the rollout default named in the help instead."""
     kind, info = typing.get_args(option)
@@ -382,5 +382,4 @@ def field_names(*groups: type) -> list[str]:
 
 def given_options(ctx: typer.Context, names: list[str]) -> list[str]:
     """Of ``names``, the parameters the user gave on the command line (not left at their defaults)."""
-    default = type(ctx.get_parameter_source(names[0])).DEFAULT if names else None
-    return [n for n in names if ctx.get_parameter_source(n) not in (None, default)]
+    return [n for n in names if (source := ctx.get_parameter_source(n)) is not None and source.name != "DEFAULT"]

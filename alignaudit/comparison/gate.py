@@ -197,12 +197,14 @@ def rejudge(run_dir: Path, stored: dict) -> dict:
     """
     params = stored.get("rule_params")
     try:
-        rule = Rule(**params)
-    except TypeError:
+        rule = Rule(**params) if isinstance(params, dict) else None
+    except TypeError:  # fields Rule does not have
+        rule = None
+    if rule is None:
         raise InputError(
             f"{Path(run_dir) / 'verdict.json'} records no rule (written by an older alignaudit?); run "
             "alignaudit gate again"
-        ) from None
+        )
     fresh = judge_run(Path(run_dir), rule).to_dict()
     for key in ("verdict", "rule", "tokens_compared", "mismatches", "ulp_max", "max_abs_diff", "error"):
         if fresh.get(key) != stored.get(key):
@@ -433,7 +435,7 @@ def _sequences(tokens: pd.DataFrame) -> list[dict]:
     for seq, g in tokens.groupby("seq", sort=True):
         bad = g[~g["bitwise_equal"]]
         nan = int((np.isnan(g["lp_train"].to_numpy()) | np.isnan(g["lp_infer"].to_numpy())).sum())
-        row = {"seq": int(seq), "tokens": len(g), "mismatches": len(bad), "nan_tokens": nan}
+        row: dict[str, object] = {"seq": int(seq), "tokens": len(g), "mismatches": len(bad), "nan_tokens": nan}
         if len(bad):
             first = bad.sort_values("pos").iloc[0]
             lp = torch.tensor([first["lp_train"], first["lp_infer"]], dtype=torch.float32)

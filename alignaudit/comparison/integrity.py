@@ -420,9 +420,9 @@ def load_rl_run(run_dir: Path) -> RLRun:
         reported = (record.get("engines") or {}).get(side) or {}
         for key in ("engine", "strict"):
             if reported.get(key) != (record.get(side) or {}).get(key):
-                asked = (record.get(side) or {}).get(key)
+                in_record = (record.get(side) or {}).get(key)
                 raise InputError(
-                    f"{run_dir / RUN}: the {role} engine's {key} {asked!r} in {RUN} differs from the "
+                    f"{run_dir / RUN}: the {role} engine's {key} {in_record!r} in {RUN} differs from the "
                     f"{reported.get(key)!r} it reported; the run directory was altered"
                 )
     token_rows = bool((record.get("rl") or {}).get("token_rows"))
@@ -519,7 +519,9 @@ def _check_request(run_dir: Path, record: dict, infer: Capture) -> None:
             f"{m.get('mode')!r} mode; the run directory was altered"
         )
     asked, done = record.get("rollout"), m.get("rollout")
-    if (asked is None) != (done is None) or asked and any(done.get(k) != v for k, v in asked.items()):
+    if (asked is None) != (done is None) or (
+        asked and done is not None and any(done.get(k) != v for k, v in asked.items())
+    ):
         raise InputError(
             f"{run_dir / RUN}'s rollout settings {asked} differ from what the inference capture "
             "sampled with; the run directory was altered"

@@ -27,7 +27,7 @@ import torch
 
 from alignaudit import numerics
 from alignaudit.comparison.importance import summarize_importance
-from alignaudit.comparison.summary import Summary, TokenSummary
+from alignaudit.comparison.summary import SideCounts, Summary, TokenSummary
 from alignaudit.errors import InputError
 from alignaudit.inputs.request import ISThresholds
 
@@ -105,7 +105,7 @@ def summarize(
     (``sequences``, the ``per_sequence`` table, has them all); with rollout tokens, the same record for the generated
     tokens alone under ``generated``; with full-vocabulary columns (alignaudit.comparison.vocab.vocab_columns), their
     record under ``vocab``."""
-    summary = summarize_tokens(tokens, clip_eps, importance)
+    summary: Summary = {**summarize_tokens(tokens, clip_eps, importance)}
     sequences = per_sequence(tokens) if sequences is None else sequences
     summary["worst_sequences"] = _records(worst_sequences(sequences, WORST_SEQUENCES))
     if "generated" in tokens and tokens["generated"].any():
@@ -173,7 +173,7 @@ def ulp_histogram(ulp: np.ndarray) -> dict[str, int]:
     return hist
 
 
-def _special_counts(tokens: pd.DataFrame, test) -> dict[str, int]:
+def _special_counts(tokens: pd.DataFrame, test) -> SideCounts:
     """Tokens whose logprob passes ``test`` (NaN, Inf, > 0) on the train side, the infer side, and both."""
     t, i = test(tokens["lp_train"].to_numpy()), test(tokens["lp_infer"].to_numpy())
     return {"train": int(t.sum()), "infer": int(i.sum()), "both": int((t & i).sum())}

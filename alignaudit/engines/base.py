@@ -25,7 +25,7 @@ from alignaudit.inputs.request import EngineSettings, Replay
 def applied_exp(model: torch.nn.Module) -> str | None:
     """The exp that ``model``'s strict attention modules compute with, read back from the modules (their
     ``strict_exp``) for the manifest; None when no module computes strict attention."""
-    found = {m.strict_exp for m in model.modules() if getattr(m, "strict_attention", False)}
+    found = {str(m.strict_exp) for m in model.modules() if getattr(m, "strict_attention", False)}
     return ",".join(sorted(found)) or None
 
 
@@ -136,6 +136,8 @@ class Engine(ABC):
     """One engine, loaded with one checkpoint, in the worker process."""
 
     name: ClassVar[str]
+    # batch-major engines (hf, megatron): their micro_batch_size option (micro_batch_option), read by batched_logprobs
+    micro_batch_size: int | str
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings):
         self.check_options(settings.options)
@@ -202,7 +204,7 @@ class Engine(ABC):
     def batched_logprobs(self, batch: TokenBatch) -> list[torch.Tensor]:
         """``micro_batch_logprobs`` over the micro-batches of ``batch`` (``micro_batch_size`` option), in the
         grad mode of the caller; reports progress. For batch-major engines (hf, megatron)."""
-        results: list[torch.Tensor | None] = [None] * len(batch.sequences)
+        results: dict[int, torch.Tensor] = {}
         groups = micro_batches(batch, self.micro_batch_size)
         self.micro_batches_run = len(groups)
         done = 0
@@ -212,7 +214,7 @@ class Engine(ABC):
                 results[r] = lp if lp.requires_grad else lp.cpu()
             done += len(rows)
             self.progress(done, len(batch.sequences))
-        return results
+        return [results[r] for r in range(len(batch.sequences))]
 
     def micro_batch_logprobs(self, rows: list[int], seqs: list[tuple[int, ...]]) -> list[torch.Tensor]:
         """One forward pass over ``seqs`` (batch rows ``rows`` of the whole batch): each sequence's fp32
@@ -335,7 +337,7 @@ def micro_batches(batch: TokenBatch, size: int | str) -> list[list[int]]:
     2026-11-29).
     """
     n = len(batch.sequences)
-    if size != "auto":
+    if isinstance(size, int):  # else "auto"
         if size < 1:
             raise InputError(f"micro_batch_size must be >= 1, got {size}")
         return [list(range(i, min(i + size, n))) for i in range(0, n, size)]

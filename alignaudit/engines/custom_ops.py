@@ -14,6 +14,8 @@ Importing this module registers the ops (once per process).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import alignaudit_kernels as K
@@ -77,7 +79,7 @@ def linear_partial(x: torch.Tensor, weight: torch.Tensor, k_segments: int) -> to
 # layer -> fn(logits, chosen): called by moe_route with each routing decision it makes. An opaque op runs
 # eagerly inside a compiled graph, so this sees the routing where module hooks cannot (vLLM's compiled
 # model), as vLLM's own router.capture_fn does for its fused MoE. Op capture (engines/vllm/taps.py) sets it.
-ROUTING_OBSERVERS: dict[int, object] = {}
+ROUTING_OBSERVERS: dict[int, Callable[[torch.Tensor, torch.Tensor], None]] = {}
 
 
 @torch.library.custom_op("alignaudit::moe_route", mutates_args=())

@@ -59,6 +59,7 @@ def _rows_view(x: torch.Tensor, span: RowSpan, axes: Axes) -> torch.Tensor:
     """A view of ``x`` holding the span's rows, token axis first."""
     token = axes.token
     if axes.batch is not None:
+        assert span.batch_row is not None, "a tensor with a batch axis needs each span's batch row"
         x = x.select(axes.batch, span.batch_row)
         token = token if token < axes.batch else token - 1
     return x.narrow(token, span.row_start, span.length).movedim(token, 0)
@@ -102,7 +103,7 @@ class Same(View):
     name: str
 
     @property
-    def names(self) -> tuple[str, ...]:
+    def names(self) -> tuple[str, ...]:  # type: ignore[override]  # View's plain attribute, read-only here
         return (self.name,)
 
     def split(self, rows, spec):
@@ -214,7 +215,7 @@ class Tap:
     ) -> torch.Tensor | None:
         """Record the selected ops of ``view`` found in ``x``; return x's replacement in forced mode.
         ``sharded``: how ``x`` is split over tensor-parallel ranks (HookPoint.sharded), None if whole."""
-        if layer == CURRENT_LAYER:
+        if isinstance(layer, str):  # CURRENT_LAYER, the only str a hook point holds
             layer = self.layer
         ids = [op_id(n, layer) for n in view.names]
         record = [(self.recorder is not None or self.record_all) and self.selection.wants(i) for i in ids]
@@ -236,7 +237,7 @@ class Tap:
             for op, want, part in zip(ids, record, parts, strict=True):
                 if want:
                     self.recorder.record(op, span.seq, span.pos_start, part)
-            if not any(substitute):
+            if not any(substitute) or self.reference is None:  # substitute holds True only with a reference
                 continue
             new_parts = list(parts)
             for k, op in enumerate(ids):
@@ -270,10 +271,10 @@ class HookPoint:
 class Hooks:
     """Registered hooks and attribute patches, undone together by ``close()`` (also on error, via ``with``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.handles: list = []
         self.patches: list[tuple[object, str, object]] = []
-        self.deferred: list[Callable[[], None]] = []
+        self.deferred: list[Callable[[], object]] = []
 
     def __enter__(self) -> Hooks:
         return self
@@ -291,8 +292,8 @@ class Hooks:
         while self.deferred:
             self.deferred.pop()()
 
-    def defer(self, undo: Callable[[], None]) -> None:
-        """Call ``undo`` on close()."""
+    def defer(self, undo: Callable[[], object]) -> None:
+        """Call ``undo`` on close() (what it returns is dropped)."""
         self.deferred.append(undo)
 
     def patch(self, owner: object, name: str, value: object) -> None:

@@ -26,6 +26,8 @@ import pickle
 
 import torch
 
+from alignaudit.errors import EngineError
+
 CHUNK = 1 << 24  # elements per pass over a large tensor: each int64 / fp32 temporary is at most 128 / 64 MiB
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (Knuth's multiplicative hashing constant)
@@ -129,7 +131,7 @@ def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
 def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """``{hf_name: sha256 of the tensor's bytes (dtype and layout as stored, contiguous)}``."""
     return {
-        name: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+        name: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().data).hexdigest()
         for name, t in sorted(tensors.items())
     }
 
@@ -149,12 +151,16 @@ def load_and_check(held, load, stale, transport: str, path: str | None, handles:
         memory), "tensors" and "digest" (``fingerprint`` of what is held).
     """
     if transport == "cuda_ipc":
+        if handles is None:
+            raise EngineError("a cuda_ipc weight sync needs the trainer's handles; none came")
         new = receive(handles)
     else:
         from safetensors.torch import load_file
 
+        if path is None:
+            raise EngineError("a file weight sync needs the trainer's safetensors file; none was named")
         new = load_file(path)
-    reply = {"update": update_stats(held(), new)}
+    reply: dict[str, object] = {"update": update_stats(held(), new)}
     load(new)
     now = held()
     if transport == "cuda_ipc":

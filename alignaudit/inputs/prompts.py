@@ -168,13 +168,12 @@ def _file_batch(spec: ModelSpec, path: Path) -> TokenBatch:
             texts.append(record["text"])
         else:
             raise InputError(f'{path}:{n}: expected {{"text": "..."}} or {{"token_ids": [...]}}')
-    pending = [t for t, s in zip(texts, sequences, strict=True) if s is None]
-    if pending:
-        tokenized = iter(_tokenize(spec, pending, source=str(path)).sequences)
-        sequences = [s if s is not None else next(tokenized) for s in sequences]
+    pending = [t for t, s in zip(texts, sequences, strict=True) if s is None and t is not None]  # the text lines
+    tokenized = iter(_tokenize(spec, pending, source=str(path)).sequences if pending else ())
+    filled = tuple(s if s is not None else next(tokenized) for s in sequences)
     names = dict.fromkeys(k for r in records for k in r if k not in ("text", "token_ids"))  # first-seen order
     columns = {name: tuple(r.get(name) for r in records) for name in names}
-    return TokenBatch(tuple(sequences), tuple(texts), source=str(path), columns=columns)
+    return TokenBatch(filled, tuple(texts), source=str(path), columns=columns)
 
 
 def _tokenize(spec: ModelSpec, texts: list[str], source: str) -> TokenBatch:

@@ -173,7 +173,7 @@ class Replay:
     def of(cls, sampling: dict, prompt_lengths) -> Replay:
         """From a sampling record (Sampling.to_dict(), a capture's ``rollout``, a rollout file's sampling) and the
         prompt lengths. Raises KeyError for a record without temperature, top_k or top_p."""
-        return cls(*(sampling[k] for k in REPLAYED), tuple(prompt_lengths))
+        return cls(**{k: sampling[k] for k in REPLAYED}, prompt_lengths=tuple(prompt_lengths))
 
     @classmethod
     def from_dict(cls, record: dict | None) -> Replay | None:
@@ -269,6 +269,13 @@ class Request:
     @property
     def mode(self) -> str:
         return "rollout" if self.rollout else "prompt"
+
+    @property
+    def sampling(self) -> Sampling:
+        """``rollout``, where only rollout mode makes sense (rl). Raises InputError in prompt mode."""
+        if self.rollout is None:
+            raise InputError("this runs rollout mode only (--mode rollout); the request is in prompt mode")
+        return self.rollout
 
     def with_batch(self, batch: TokenBatch) -> Request:
         return replace(self, batch=batch)

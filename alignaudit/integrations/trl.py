@@ -141,8 +141,7 @@ class StrictGRPOTrainer(GRPOTrainer):
             given = inspect.signature(GRPOTrainer.__init__).bind(self, model, *args, **kwargs).arguments
         except TypeError as e:
             raise InputError(f"StrictGRPOTrainer: {e}") from None
-        config = given.get("args")
-        _check_config(config)
+        config = _check_config(given.get("args"))
         for name, why in (
             (
                 "peft_config",
@@ -184,7 +183,9 @@ class StrictGRPOTrainer(GRPOTrainer):
         )
         exp = check_strict_exp(exp, ops, device, ("exp", "strict", "a CUDA device"))
         if path:
-            master = _master_dtype(str(model), (config.model_init_kwargs or {}).get("dtype", "float32"))
+            # model_init_kwargs: a dict or None (GRPOConfig parses a JSON string into a dict, _VALID_DICT_FIELDS)
+            init_kwargs = config.model_init_kwargs or {}
+            master = _master_dtype(str(model), init_kwargs.get("dtype", "float32"))  # type: ignore[union-attr]
             model = api.strict_hf_model(str(model), ops=format_strict(ops), dtype=master, device=device, exp=exp)
         os.environ[ENV], os.environ[EXP_ENV] = format_strict(ops), exp  # read by the plugin when TRL builds vLLM
         os.environ[ATTENTION_ENV] = "portable"  # the kernel the trainer's strict modules compute (make_strict)
@@ -204,10 +205,12 @@ class StrictGRPOTrainer(GRPOTrainer):
         parameters' dtype (``compute_in``), both scoring through the strict fused head."""
         from alignaudit.engines.hf.strict import compute_in, make_strict
 
-        models = [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else [])
+        policy = _policy(self)
+        reference = getattr(self, "ref_model", None)
+        models = [policy] + ([reference] if reference is not None else [])
         for m in models:
-            if m is not self.model:
-                make_strict(m, ops, _llama3(self.model), exp)
+            if m is not policy:
+                make_strict(m, ops, _llama3(policy), exp)
             if next(m.parameters()).dtype != self.compute_dtype:
                 compute_in(m, self.compute_dtype)
             _strict_fused_head(m, self.temperature, self.top_k, self.top_p)
@@ -228,7 +231,7 @@ class StrictGRPOTrainer(GRPOTrainer):
         if inputs.get("tool_mask") is not None:
             mask &= inputs["tool_mask"].bool()
         metrics = api.mismatch_metrics(old.detach().float(), sampled.detach().float(), mask=mask)
-        mode = "train" if self.model.training else "eval"
+        mode = "train" if _policy(self).training else "eval"
         for key in ("tokens_compared", "mismatches", "ulp_max", "max_abs_diff"):
             value = metrics[key]
             self._metrics[mode][f"alignaudit/{key}"].append(float("nan") if value is None else float(value))
@@ -240,9 +243,16 @@ class StrictGRPOTrainer(GRPOTrainer):
             )
 
 
-def _check_config(config) -> None:
-    """Refuse the GRPOConfig settings under which vLLM's and the trainer's logprobs cannot agree (module docstring).
-    Raises InputError naming the setting."""
+def _policy(trainer) -> torch.nn.Module:
+    """TRL's policy model, which GRPOTrainer.__init__ sets on ``trainer``. Raises EngineError where it holds none."""
+    if trainer.model is None:
+        raise EngineError("StrictGRPOTrainer: TRL's trainer holds no policy model")
+    return trainer.model
+
+
+def _check_config(config) -> GRPOConfig:
+    """``config``, having refused the GRPOConfig settings under which vLLM's and the trainer's logprobs cannot agree
+    (module docstring). Raises InputError naming the setting."""
     if not isinstance(config, GRPOConfig):
         raise InputError(f"args: a trl.GRPOConfig, not {type(config).__name__}")
     refusals = [
@@ -307,6 +317,7 @@ def _check_config(config) -> None:
     for refused, why in refusals:
         if refused:
             raise InputError(f"StrictGRPOTrainer: {why}")
+    return config
 
 
 def _check_vllm_is_strict(llm, ops: frozenset[str]) -> None:

@@ -58,6 +58,7 @@ import importlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ RECORDS = "alignaudit-step{step}.jsonl"
 LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 FAIL_CLOSED_ENV = "ALIGNAUDIT_FAIL_CLOSED"
 _PATCHED: dict[str, object] = {}
-_TRAINER: dict[str, object] = {}  # "built": the trainer this process built (fail-closed writes its step records)
+_TRAINER: dict[str, Any] = {}  # "built": the trainer this process built (fail-closed writes its step records)
 
 
 class AlignmentError(AlignAuditError):
@@ -110,7 +111,7 @@ def setup() -> None:
             _write_records_with_the_dump(trainer)
 
 
-def _check_when_built(trainer: type, strict: bool, fail_closed: bool) -> None:
+def _check_when_built(trainer: Any, strict: bool, fail_closed: bool) -> None:  # Any: a verl trainer class
     """``trainer.__init__(config, ...)`` runs check_config (and check_strict_config) before verl's own."""
     build = trainer.__init__
 
@@ -125,7 +126,7 @@ def _check_when_built(trainer: type, strict: bool, fail_closed: bool) -> None:
     trainer.__init__ = __init__
 
 
-def _write_records_with_the_dump(trainer: type) -> None:
+def _write_records_with_the_dump(trainer: Any) -> None:  # Any: verl's RayPPOTrainer class
     """RayPPOTrainer._log_rollout_data (its rollout dump, where ``trainer.rollout_data_dir`` is set) also writes the
     step's records (``write_records``)."""
     dump = trainer._log_rollout_data
@@ -158,7 +159,7 @@ def strict_fsdp_engine(ops: frozenset[str], exp: str = "portable") -> None:
             strict_module(module, ops, exp)
         return module
 
-    transformer_impl.FSDPEngine._build_module = _build_module
+    transformer_impl.FSDPEngine._build_module = _build_module  # type: ignore[method-assign]  # the patch
     transformer_impl.logprobs_from_logits = strict_logprobs_from_logits
     transformer_impl._scale_logits_by_temperature = strict_scale_by_temperature
 
@@ -348,7 +349,9 @@ def _keep_records(batch) -> Path | None:
     """The failing step's records (``write_records``), where this process built a RayPPOTrainer with a
     rollout_data_dir (verl writes its own dump only after the update, which fail-closed stops before); else None."""
     trainer = _TRAINER.get("built")
-    directory = _select(trainer.config, "trainer.rollout_data_dir") if trainer is not None else None
+    if trainer is None:
+        return None
+    directory = _select(trainer.config, "trainer.rollout_data_dir")
     if not directory or _select(trainer.config, "trainer.use_v1", False):
         return None
     return write_records(batch, sampling(trainer.config), trainer.global_steps, directory)

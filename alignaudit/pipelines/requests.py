@@ -255,9 +255,11 @@ def given_sampling_flags(args: SamplingArgs) -> list[str]:
 def _sampled(args: SamplingArgs) -> tuple[int, float, int, float]:
     """(max_new_tokens, temperature, top_k, top_p) of a rollout, ROLLOUT_DEFAULTS where not given. Raises InputError
     naming the value out of range."""
-    new, temperature, top_k, top_p = (
-        ROLLOUT_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k) for k in ROLLOUT_DEFAULTS
-    )
+    d = ROLLOUT_DEFAULTS
+    new = int(d["max_new_tokens"]) if args.max_new_tokens is None else args.max_new_tokens
+    temperature = d["temperature"] if args.temperature is None else args.temperature
+    top_k = int(d["top_k"]) if args.top_k is None else args.top_k
+    top_p = d["top_p"] if args.top_p is None else args.top_p
     if new < 1:
         raise errors.InputError(f"--max-new-tokens {new}: rollout mode samples 1 or more tokens per completion")
     if not 0 < temperature < math.inf:
@@ -292,7 +294,8 @@ def engine_runs(pair: PairArgs, seed: int, spec, mode: str = "prompt", extra_che
     from alignaudit.inputs.request import EngineRun, EngineSettings, parse_options
     from alignaudit.workers.spawn import check_options
 
-    check_installed(pair.train), check_installed(pair.infer)
+    check_installed(pair.train)
+    check_installed(pair.infer)
     dev = resolve_device(pair.device)
     strict_ops = parse_strict(pair.strict)
     ops = format_strict(strict_ops)

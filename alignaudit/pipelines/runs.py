@@ -12,7 +12,9 @@ Output of ``compare`` (and of ``diff``), in ``out``:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -40,7 +42,7 @@ ROUTING = Selection(names=frozenset({"routing"}))  # what compare captures of a 
 __all__ = ["EngineRun", "capture", "compare", "bisect", "diff_captures", "diff_ops", "finish_diff"]
 
 
-def write_json(path: Path, record: dict) -> None:
+def write_json(path: Path, record: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
@@ -112,7 +114,7 @@ def diff_captures(
 
 def comparison(
     train: Capture, infer: Capture, clip_eps: float = 0.2, importance: ISThresholds | None = None
-) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+) -> tuple[pd.DataFrame, pd.DataFrame, Summary]:
     """(tokens, sequences, summary) of two captures, nothing written: per-token comparison, per-sequence rows, the
     summarize record (IS diagnostics at ``importance``'s thresholds) with the model, both sides, repeats and, where
     both captures hold routing, ``routing``. When both captures hold full-vocabulary rows, the tokens gain the
@@ -153,7 +155,7 @@ def comparison(
 
 
 @marks_failure
-def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None) -> dict:
+def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None) -> Summary:
     """Capture ``request.train`` and ``request.infer`` on the same token ids, then diff them into ``out``. The request
     is trusted as built (alignaudit.pipelines.requests.build_request checked every setting before any engine started).
 
@@ -236,12 +238,11 @@ def compare(request: Request, out: Path, stream_log: bool = False, on_stage=None
     return summary
 
 
-def _compare_replayed(request: Request, out: Path, record: dict, stream_log: bool, stage) -> dict:
+def _compare_replayed(request: Request, out: Path, record: dict, stream_log: bool, stage) -> Summary:
     """compare --replay-routing (prompt mode): the infer engine first, its routing captured; the train engine
     twice, on its own routing (``train-unreplayed/``) and replaying the infer engine's (``train/``, the run's
     train side); both compared with the infer capture, the second written as the run's comparison and the first
     summarized in summary["routing_replay"] (routing_replay_record)."""
-    kw = {"stream_log": stream_log, "ops": ROUTING}
     infer_capture = capture(
         request.spec,
         request.batch,
@@ -249,7 +250,8 @@ def _compare_replayed(request: Request, out: Path, record: dict, stream_log: boo
         out / "infer",
         role="infer",
         on_progress=stage(request.infer, "inference"),
-        **kw,
+        stream_log=stream_log,
+        ops=ROUTING,
     )
     unreplayed = capture(
         request.spec,
@@ -258,7 +260,8 @@ def _compare_replayed(request: Request, out: Path, record: dict, stream_log: boo
         out / UNREPLAYED,
         role="train",
         on_progress=stage(request.train, "training (own routing)"),
-        **kw,
+        stream_log=stream_log,
+        ops=ROUTING,
     )
     train_capture = capture(
         request.spec,
@@ -268,7 +271,8 @@ def _compare_replayed(request: Request, out: Path, record: dict, stream_log: boo
         role="train",
         routing_from=infer_capture.path,
         on_progress=stage(request.train, "training (routing replayed)"),
-        **kw,
+        stream_log=stream_log,
+        ops=ROUTING,
     )
     before = comparison(unreplayed, infer_capture, request.clip_eps, request.importance)[2]
     summary = diff_captures(train_capture, infer_capture, out, clip_eps=request.clip_eps, importance=request.importance)
@@ -280,7 +284,7 @@ def _compare_replayed(request: Request, out: Path, record: dict, stream_log: boo
     return summary
 
 
-def routing_replay_record(before: dict, after: dict, changed: int, train: Capture) -> dict:
+def routing_replay_record(before: Mapping[str, Any], after: Mapping[str, Any], changed: int, train: Capture) -> dict:
     """summary["routing_replay"]: the comparison with the train engine's own routing (``before``, a summarize
     record with ``routing``) and with the infer engine's routing replayed (``after``): tokens rerouted (all MoE
     layers; per layer in ``routing_before`` / ``routing_after``), logprob mismatches, max ULP and max |diff|,
@@ -302,7 +306,7 @@ def routing_replay_record(before: dict, after: dict, changed: int, train: Captur
 
 
 # What a rollout file's capture records of the engine that made it: nothing the file does not say.
-FILE_SETTINGS = {
+FILE_SETTINGS: dict[str, object] = {
     "dtype": None,
     "device": None,
     "seed": None,
@@ -323,7 +327,7 @@ def rescore(
     clip_eps: float = 0.2,
     stream_log: bool = False,
     on_stage=None,
-) -> dict:
+) -> Summary:
     """``alignaudit rescore``: the training engine scores the token ids of rollouts an RL framework recorded
     (alignaudit.inputs.rollouts.Rollouts), and its logprobs of the sampled tokens are compared with the file's.
 
@@ -533,7 +537,9 @@ def bisect(
     train_ops = selection.with_inputs(OpGraph.of(spec)) if mode != "natural" else selection
     reference = capture(spec, batch, train, out / "train", role="train", stream_log=stream_log, ops=train_ops)
     result: dict = {"model": spec.name, "sides": {"train": _side(reference)}}
-    runs = [("natural", out / "infer", None)] if mode in ("natural", "both") else []
+    runs: list[tuple[str, Path, Path | None]] = (
+        [("natural", out / "infer", None)] if mode in ("natural", "both") else []
+    )
     runs += [("forced", out / "infer-forced", reference.path)] if mode in ("forced", "both") else []
     captures = {"train": reference}
     for name, directory, ref in runs:
@@ -556,7 +562,7 @@ def bisect(
             "records": records,
         }
     for role, run, made in (("train", train, reference), ("infer", infer, captures.get("infer"))):
-        overrides = (made or captures.get("infer-forced")).manifest.get("engine_settings", {}).get("capture_overrides")
+        overrides = (made or captures["infer-forced"]).manifest.get("engine_settings", {}).get("capture_overrides")
         if not overrides:
             continue
         entry = result.setdefault("as_configured", {})[role] = {

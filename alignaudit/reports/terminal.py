@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import pandas as pd
 from rich import box
 from rich.console import Console
@@ -19,7 +22,7 @@ def _num(x, fmt: str = ".3e") -> str:
 SEQUENCE_ROWS = 20
 
 
-def _styled(key: str, text: str, summary: dict) -> str:
+def _styled(key: str, text: str, summary: Mapping[str, Any]) -> str:
     """A summary value with the colour it warrants: mismatches red (green when none), NaN/Inf red, routing red
     when a token was rerouted, repeats red when a repeat differed."""
     red = "bold red" if key in ("nan_tokens", "inf_tokens") else "red"
@@ -36,7 +39,7 @@ def _styled(key: str, text: str, summary: dict) -> str:
 
 def render_comparison(
     console: Console,
-    summary: dict,
+    summary: Mapping[str, Any],
     tokens: pd.DataFrame | None = None,
     sequences: pd.DataFrame | None = None,
     worst: int = 8,

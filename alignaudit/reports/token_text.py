@@ -5,16 +5,20 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @lru_cache(maxsize=4)
-def _load(path: str):
+def _load(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def load_tokenizer(model_path: str | Path | None) -> tuple[object | None, str]:
+def load_tokenizer(model_path: str | Path | None) -> tuple[PreTrainedTokenizerBase | None, str]:
     """The tokenizer of the checkpoint at ``model_path``, read from disk only (never the network).
 
     Returns:

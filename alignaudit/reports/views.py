@@ -15,7 +15,9 @@ Pure: dicts and DataFrames in, records out; no plotting, no I/O.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -166,7 +168,7 @@ def brief_importance(imp: dict) -> Section:
 
 
 def summary_sections(
-    summary: dict, buckets: list[dict] | None = None, histogram: bool = True, brief: bool = False
+    summary: Mapping[str, Any], buckets: list[dict] | None = None, histogram: bool = True, brief: bool = False
 ) -> list[Section]:
     """summary.json as the sections a report shows (module docstring). ``buckets``: ``ulp_buckets`` of the
     tokens table (shown in Alignment as the non-empty log2 buckets); without them the summary's fixed buckets;
@@ -188,7 +190,7 @@ def summary_sections(
     return [s for s in sections if s is not None]
 
 
-def _alignment_section(summary: dict, buckets: list[dict] | None, histogram: bool) -> Section:
+def _alignment_section(summary: Mapping[str, Any], buckets: list[dict] | None, histogram: bool) -> Section:
     n, bad = summary["tokens_compared"], summary["mismatches"]
     a = Section("Alignment", "alignment")
     sequences = summary.get("sequences")
@@ -289,7 +291,7 @@ def _rl_section(rl: dict | None) -> Section | None:
     return None
 
 
-def _importance_section(summary: dict, brief: bool) -> Section | None:
+def _importance_section(summary: Mapping[str, Any], brief: bool) -> Section | None:
     importance = summary.get("importance") or (summary.get("rl") or {}).get("importance")
     if isinstance(importance, dict) and importance:
         if brief:
@@ -300,7 +302,7 @@ def _importance_section(summary: dict, brief: bool) -> Section | None:
     return None
 
 
-def _vocab_section(summary: dict) -> Section | None:
+def _vocab_section(summary: Mapping[str, Any]) -> Section | None:
     vocab = summary.get("vocab")
     if isinstance(vocab, dict) and vocab:
         s = Section("Distribution (full vocabulary)", "distribution")
@@ -311,7 +313,7 @@ def _vocab_section(summary: dict) -> Section | None:
     return None
 
 
-def _routing_section(summary: dict) -> Section | None:
+def _routing_section(summary: Mapping[str, Any]) -> Section | None:
     replay = summary.get("routing_replay")
     if summary.get("routing") or replay:
         s = Section("Routing (MoE)", "routing")
@@ -350,7 +352,7 @@ def _routing_section(summary: dict) -> Section | None:
     return None
 
 
-def _repeats_section(summary: dict) -> Section | None:
+def _repeats_section(summary: Mapping[str, Any]) -> Section | None:
     if summary.get("repeats"):
         s = Section("Repeats (each engine against its first run)", "repeats")
         for role, r in summary["repeats"].items():
@@ -370,7 +372,7 @@ def _repeats_section(summary: dict) -> Section | None:
     return None
 
 
-def _generated_section(summary: dict) -> Section | None:
+def _generated_section(summary: Mapping[str, Any]) -> Section | None:
     g = summary.get("generated")
     if g:
         s = Section("Generated tokens only (rollout)", "generated")

@@ -14,9 +14,14 @@ from __future__ import annotations
 import importlib
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from alignaudit.capture.rundir import TENSORBOARD_DIR
 from alignaudit.errors import InputError
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+    from wandb import Run
 
 SINKS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # sink -> the pip package it needs
 PREFIX = "alignaudit/"
@@ -66,16 +71,17 @@ class StepExport:
     """The open sinks of one rl run: ``log(row)`` after every step, ``close()`` at the end (idempotent)."""
 
     def __init__(self, names: tuple[str, ...], out: Path, config: dict):
-        self.writers = {}
+        self.tensorboard: SummaryWriter | None = None
+        self.wandb: Run | None = None
         try:
             if "tensorboard" in names:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writers["tensorboard"] = SummaryWriter(log_dir=str(out / TENSORBOARD_DIR))
+                self.tensorboard = SummaryWriter(log_dir=str(out / TENSORBOARD_DIR))
             if "wandb" in names:
                 import wandb
 
-                self.writers["wandb"] = wandb.init(  # writes RUN/wandb/offline-run-*
+                self.wandb = wandb.init(  # writes RUN/wandb/offline-run-*
                     mode="offline",
                     dir=str(out),
                     project="alignaudit",
@@ -89,17 +95,17 @@ class StepExport:
 
     def log(self, row: dict) -> None:
         values, step = scalars(row), int(row["step"])
-        if "tensorboard" in self.writers:
-            writer = self.writers["tensorboard"]
+        if self.tensorboard is not None:
             for tag, value in values.items():
-                writer.add_scalar(tag, value, global_step=step)
-            writer.flush()
-        if "wandb" in self.writers:
-            self.writers["wandb"].log(values, step=step)
+                self.tensorboard.add_scalar(tag, value, global_step=step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
 
     def close(self) -> None:
-        writers, self.writers = self.writers, {}
-        if "tensorboard" in writers:
-            writers["tensorboard"].close()
-        if "wandb" in writers:
-            writers["wandb"].finish()
+        tensorboard, run = self.tensorboard, self.wandb
+        self.tensorboard = self.wandb = None
+        if tensorboard is not None:
+            tensorboard.close()
+        if run is not None:
+            run.finish()

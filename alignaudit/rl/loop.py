@@ -119,7 +119,7 @@ def run_rl(
     if rl.full_vocab:
         (out / STEP_VOCAB_DIR).mkdir(exist_ok=True)
     stage = on_stage or (lambda text: None)
-    sessions = []
+    sessions: list[Session] = []
     export = StepExport(tuple(rl.log_to), out, record) if rl.log_to else None
     try:
         stage(f"starting {request.train.label()} (trainer) and {request.infer.label()} (rollout)")
@@ -134,10 +134,10 @@ def run_rl(
             kl_coef=rl.kl_coef,
         )
         rollout = _session(sessions, request, "rollout", out / INFER_LOG)
-        draw = StepPrompts(len(request.batch.sequences), rl.prompts_per_step, request.rollout.seed)
-        repeats = rl.group_size // request.rollout.group_size  # one request per prompt with n = G, or G requests
+        draw = StepPrompts(len(request.batch.sequences), rl.prompts_per_step, request.sampling.seed)
+        repeats = rl.group_size // request.sampling.group_size  # one request per prompt with n = G, or G requests
         rollout.call(
-            "start", **_engine_size(request, draw.per_step, repeats, held), engine_mode=request.rollout.engine_mode
+            "start", **_engine_size(request, draw.per_step, repeats, held), engine_mode=request.sampling.engine_mode
         )
         first = [list(request.batch.sequences[i]) for i in draw.peek() for _ in range(repeats)]
         replay = _replay(request, first)
@@ -152,7 +152,7 @@ def run_rl(
         rows, reward = [], reward_function(rl.reward, request.spec)
         if isinstance(reward.score, UserReward):
             record["reward_function"] = reward.score.record()
-        evals = Evaluations(held, rollout, request.rollout.to_dict(), reward, out, on_eval)
+        evals = Evaluations(held, rollout, request.sampling.to_dict(), reward, out, on_eval)
         evals.after(0, rl.steps)
         for step in range(1, rl.steps + 1):
             chosen, epoch = draw.next()
@@ -224,7 +224,7 @@ def _seal(request: Request, out: Path, record: dict, steps: pd.DataFrame, evals:
     )
 
 
-def _session(sessions: list, request: Request, role: str, log: Path, **extra) -> Session:
+def _session(sessions: list[Session], request: Request, role: str, log: Path, **extra) -> Session:
     run = request.train if role == "trainer" else request.infer
     session = Session(
         {
@@ -275,7 +275,7 @@ def _step_prompts(request: Request, chosen: list[int], repeats: int) -> tuple[li
     """The requests of a step that drew the prompts ``chosen`` (indices into the batch), each ``repeats`` times, and
     the prompt file's columns, one value per completion the rollout returns (a request's ``group_size`` in turn)."""
     prompts = [list(request.batch.sequences[i]) for i in chosen for _ in range(repeats)]
-    per_prompt = repeats * request.rollout.group_size
+    per_prompt = repeats * request.sampling.group_size
     columns = {
         name: [values[i] for i in chosen for _ in range(per_prompt)] for name, values in request.batch.columns.items()
     }
@@ -286,7 +286,7 @@ def _engine_size(request: Request, per_step: int, repeats: int, held: HeldOut | 
     """The rollout engine's size (Engine.start): its longest sequence, the most sequences and tokens one call runs,
     over every step's draw (the ``per_step`` longest prompts, ``repeats`` requests of ``group`` completions each)
     and the held-out evaluation (one greedy completion per prompt)."""
-    new, group = request.rollout.max_new_tokens, request.rollout.group_size
+    new, group = request.sampling.max_new_tokens, request.sampling.group_size
     longest = sorted((len(p) for p in request.batch.sequences), reverse=True)[:per_step]
     size = {
         "max_len": longest[0] + new,
@@ -305,7 +305,7 @@ def _engine_size(request: Request, per_step: int, repeats: int, held: HeldOut | 
 
 def _prompt_lengths(request: Request, prompts: list) -> list[int]:
     """Per sequence the rollout returns (a prompt's G completions in turn), its prompt's length."""
-    return [len(p) for p in prompts for _ in range(request.rollout.group_size)]
+    return [len(p) for p in prompts for _ in range(request.sampling.group_size)]
 
 
 def _replay(request: Request, prompts: list) -> dict | None:
@@ -316,7 +316,7 @@ def _replay(request: Request, prompts: list) -> dict | None:
 
     if not processed_logprobs(request.infer):
         return None
-    return Replay.of(request.rollout.to_dict(), _prompt_lengths(request, prompts)).to_dict()
+    return Replay.of(request.sampling.to_dict(), _prompt_lengths(request, prompts)).to_dict()
 
 
 def _step(
@@ -333,7 +333,7 @@ def _step(
     how: str,
 ) -> dict:
     t0 = time.perf_counter()
-    sampling = request.rollout.to_dict()
+    sampling = request.sampling.to_dict()
     prompt_lengths = _prompt_lengths(request, prompts)
     rows = {
         side: str(out / STEP_VOCAB_DIR / STEP_VOCAB_ROWS.format(step=step, side=side)) for side in ("train", "infer")
@@ -352,7 +352,7 @@ def _step(
     scored = trainer.call("score", sequences=sequences, replay=replay, vocab_rows=spec("train"))["logprobs"]
     t2 = time.perf_counter()
     tokens = _generated_tokens(step, sequences, prompt_lengths, scored, rolled["logprobs"])
-    vocab = {}
+    vocab: dict = {}
     if rl.full_vocab:
         tokens, vocab = _vocab(step, tokens, rows, request.spec.vocab_size, rl.keep_vocab_rows)
         vocab["vocab_s"] = round(time.perf_counter() - t2, 3)  # reading and measuring the rows, apart from update_s
@@ -408,7 +408,7 @@ def _step(
         **_shape_columns(
             sequences,
             prompt_lengths,
-            request.rollout.max_new_tokens,
+            request.sampling.max_new_tokens,
             rolled["prefix_cache_hits"],
             rolled.get("arrivals"),
         ),
@@ -459,7 +459,7 @@ def _shape_columns(
 def _sleep_columns(sleep: dict | None, wake: dict | None) -> dict:
     """What sleeping gave back and waking took (GiB of device memory, measured by the rollout worker), and how long
     each took; nothing when the engine does not sleep."""
-    if sleep is None:
+    if sleep is None or wake is None:  # both or neither: rl.sleep_level
         return {}
     return {
         "sleep_freed_gib": sleep["freed_bytes"] / 2**30,
@@ -507,7 +507,7 @@ def importance_columns(importance: dict) -> dict:
 
 def _generated_tokens(step: int, sequences: list, prompt_lengths: list, train: list, infer: list) -> pd.DataFrame:
     """One row per generated token: the compare_tokens columns, with ``step``."""
-    rows = {"seq": [], "pos": [], "token_id": [], "lp_train": [], "lp_infer": []}
+    rows: dict[str, list] = {"seq": [], "pos": [], "token_id": [], "lp_train": [], "lp_infer": []}
     for i, (seq, p, lt, li) in enumerate(zip(sequences, prompt_lengths, train, infer, strict=True)):
         for pos in range(p, len(seq)):
             rows["seq"].append(i)

@@ -188,7 +188,7 @@ def rl_plan(request, group_size: int, reference: bool = False, per_step: int = 0
         lengths = [len(p) + request.rollout.max_new_tokens for p in held.batch.sequences]
         seq_len, held_tokens = max(seq_len, max(lengths)), sum(lengths)
     option = micro_batch_option(request.train.settings.options)
-    micro = min(AUTO_BATCH_ROWS, max(1, AUTO_BATCH_TOKENS // seq_len)) if option == "auto" else option
+    micro = option if isinstance(option, int) else min(AUTO_BATCH_ROWS, max(1, AUTO_BATCH_TOKENS // seq_len))
     tp = tensor_parallel_size(request.train)
     infer = request.infer.settings.options
     total = torch.cuda.get_device_properties(0).total_memory

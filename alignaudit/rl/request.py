@@ -44,7 +44,7 @@ def rl_request(model, prompts, run, sampling, clip_eps: float, importance, setti
         trains=True,
     )
     _refuse_truncated_reference(request, settings.kl_coef)
-    if settings.full_vocab and request.rollout.engine_mode == "async":
+    if settings.full_vocab and request.sampling.engine_mode == "async":
         raise InputError(
             "rl --full-vocab with --engine-mode async is not built (the sampler's rows stay in vLLM's "
             "engine process); drop one of them"

@@ -34,13 +34,14 @@ class RunReward:
         return [self.score(p, c, step) for p, c in zip(prompts, completions, strict=True)]
 
 
-def reward_function(name: str, spec) -> RunReward:
+def reward_function(name: str | Callable, spec) -> RunReward:
     """The RunReward of ``--reward name``: grpo.REWARDS (from each completion alone), "task"
     (alignaudit.rl.task.TaskReward with ``spec``'s tokenizer), or a user's MODULE:FUNCTION
     (alignaudit.rl.user_reward.UserReward). Raises InputError as TaskReward and UserReward do."""
     from alignaudit.reports.token_text import decode, load_tokenizer
 
-    if is_user_reward(name):
+    score: Callable
+    if callable(name) or is_user_reward(name):  # callable(): a function is a user's reward, and str is left
         score = UserReward(name, spec.path)
     elif name == "task":
         from alignaudit.rl.task import TaskReward
@@ -49,8 +50,10 @@ def reward_function(name: str, spec) -> RunReward:
     else:
         by_completion = REWARDS[name]
 
-        def score(prompt, completion, step):
+        def completion_score(prompt, completion, step):
             return by_completion(completion, step)
+
+        score = completion_score
 
     tokenizer, _ = load_tokenizer(spec.path)
     return RunReward(score, (lambda ids: decode(tokenizer, ids)) if tokenizer is not None else None)

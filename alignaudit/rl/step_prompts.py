@@ -24,7 +24,8 @@ class StepPrompts:
         self.count, self.rng = count, random.Random(seed)
         self.check(per_step, count)
         self.per_step = per_step or count
-        self.order, self.epoch = [], 0
+        self.order: list[int] = []
+        self.epoch = 0
 
     @staticmethod
     def check(per_step: int, count: int) -> None:
@@ -52,7 +53,7 @@ class StepPrompts:
 
     def next(self) -> tuple[list[int], int]:
         """(this step's prompts, the epoch they are drawn in, from 1)."""
-        chosen = []
+        chosen: list[int] = []
         while len(chosen) < self.per_step:
             self._refill()
             take = min(self.per_step - len(chosen), len(self.order))

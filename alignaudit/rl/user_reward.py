@@ -67,12 +67,13 @@ class UserReward:
             self.sha256 = hashlib.sha256(self.source.read_bytes()).hexdigest() if self.source else None
         else:  # the file's bytes that were run, and their hash, read once
             self.function, self.source, self.sha256 = _load(name)
-        self.tokenizer, why = load_tokenizer(model_dir)
-        if self.tokenizer is None:
+        tokenizer, why = load_tokenizer(model_dir)
+        if tokenizer is None:
             raise InputError(
                 f"--reward {name} is given the prompts and completions as text, and {why}; use a "
                 "checkpoint with a tokenizer"
             )
+        self.tokenizer = tokenizer
 
     def check_call(self, columns, source: str) -> None:
         """Refuse, before any engine starts, a call the function cannot take: TRL's arguments (ARGUMENTS) and the

@@ -77,7 +77,11 @@ class Trainer:
         from alignaudit.engines.base import micro_batches
 
         engine = self.engine
-        reference = self._reference_logprobs(batch, prompt_lengths, replay) if self.reference is not None else None
+        reference = (
+            self._reference_logprobs(self.reference, batch, prompt_lengths, replay)
+            if self.reference is not None
+            else None
+        )
         engine.replay = replay
         engine.model.train()
         self.training.zero_grad()
@@ -121,23 +125,19 @@ class Trainer:
         }
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: TokenBatch, prompt_lengths: list[int], replay: Replay | None) -> list:
+    def _reference_logprobs(
+        self, reference: list[torch.Tensor], batch: TokenBatch, prompt_lengths: list[int], replay: Replay | None
+    ) -> list:
         """The reference policy's fp32 logprobs of each sequence's generated tokens: the starting weights
-        swapped into the model one parameter at a time (exact copies, so the model's own weights come back bit
-        for bit), the engine's eval-mode logprob function, the weights swapped back."""
+        (``reference``) swapped into the model one parameter at a time (exact copies, so the model's own weights
+        come back bit for bit), the engine's eval-mode logprob function, the weights swapped back."""
         params = list(self.engine.model.parameters())
-        self._swap(params)
+        _swap(params, reference)
         try:
             lps = self.score(batch, replay)
         finally:
-            self._swap(params)
+            _swap(params, reference)
         return [lp[p - 1 :] for lp, p in zip(lps, prompt_lengths, strict=True)]
-
-    def _swap(self, params: list) -> None:
-        for param, ref in zip(params, self.reference, strict=True):
-            held = param.detach().clone()
-            param.data.copy_(ref)
-            ref.copy_(held)
 
     def weights(self) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The model's weights in HF names (bf16 or the model dtype) on the model's device, views of the
@@ -147,3 +147,11 @@ class Trainer:
         diverged: list[str] = []
         weights = self.engine.hf_weights(diverged)
         return {k: v.detach() for k, v in weights.items()}, diverged
+
+
+def _swap(params: list, reference: list[torch.Tensor]) -> None:
+    """Exchange each parameter's values with its reference copy, in place."""
+    for param, ref in zip(params, reference, strict=True):
+        held = param.detach().clone()
+        param.data.copy_(ref)
+        ref.copy_(held)

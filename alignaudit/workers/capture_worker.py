@@ -50,7 +50,7 @@ def ranks_to_spawn(engine: str, settings: EngineSettings) -> int:
     from alignaudit.engines import kind_of
 
     kind = kind_of(engine)
-    return int(settings.options.get(kind.tp_option, 1)) if kind.spawns_ranks else 1
+    return int(kind.tensor_parallel_size(settings)) if kind.spawns_ranks else 1
 
 
 def rank_start_method(settings: EngineSettings) -> str:
@@ -165,7 +165,7 @@ def run_rank(job: CaptureJob, rank: int) -> None:
     if rank != 0:
         engine.close()
         return
-    if tap is not None:
+    if tap is not None and job.ops is not None:  # a tap exists only for job.ops
         unforced = tap.unforced_ops()
         manifest["ops"] = {
             **tap.recorder.finish(),

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import IO
 
 WORKER_MODULE = "alignaudit.workers.capture_worker"
 SESSION_MODULE = "alignaudit.workers.rl_session"  # the RL loop's long-lived workers (stdin commands, stdout replies)
@@ -185,7 +186,9 @@ class ForkedWorker:
         stdin: bool = False,
         stderr=None,
     ):
-        self.server, self.module, self.returncode, self.stdin = server, module, None, None
+        self.server, self.module = server, module
+        self.returncode: int | None = None
+        self.stdin: IO[str] | None = None
         read, write = os.pipe()
         mine, theirs, names = [read], [write], ["stdout"]
         if stderr is not None:

@@ -29,6 +29,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -90,6 +91,12 @@ class Worker:
             raise errors.InputError(f"unknown session command {command!r}; known: {', '.join(self.COMMANDS)}")
         return getattr(self, self.COMMANDS[command])(args)
 
+    def _trainer(self) -> Trainer:
+        """The trainer of a trainer worker. Raises InputError in a rollout worker (a trainer's command sent to it)."""
+        if self.trainer is None:
+            raise errors.InputError(f"a trainer's command sent to the {self.role} worker, which has no trainer")
+        return self.trainer
+
     def _start(self, args: dict) -> dict:
         self.engine.start(
             args["max_len"], args["total_tokens"], args.get("max_seqs"), args.get("engine_mode", "offline")
@@ -131,13 +138,13 @@ class Worker:
 
     def _score(self, args: dict) -> dict:
         batch, rows = _batch(args["sequences"]), args.get("vocab_rows")
-        with _RowFile(self.engine, rows, [p - 1 for p in rows["prompt_lengths"]] if rows else None):
-            scored = self.trainer.score(batch, Replay.from_dict(args.get("replay")))
+        with _RowFile(self.engine, rows, [p - 1 for p in rows["prompt_lengths"]] if rows else []):
+            scored = self._trainer().score(batch, Replay.from_dict(args.get("replay")))
         return {"logprobs": [lp.tolist() for lp in scored]}
 
     def _train_step(self, args: dict) -> dict:
         replay = Replay.from_dict(args.pop("replay", None))
-        return self.trainer.train_step(_batch(args.pop("sequences")), replay=replay, **args)
+        return self._trainer().train_step(_batch(args.pop("sequences")), replay=replay, **args)
 
     def _checksums(self, args: dict) -> dict:
         return {"checksums": self.engine.weight_checksums()}
@@ -148,7 +155,7 @@ class Worker:
         sha256. ``cuda_ipc``: CUDA IPC handles of the tensors themselves, kept alive here until the next
         export (weight_transfer.share)."""
 
-        tensors, diverged = self.trainer.weights()
+        tensors, diverged = self._trainer().weights()
         reply: dict = {"replicas_diverged": diverged}
         if args["transport"] == "cuda_ipc":
             self._shared = tensors  # the rollout engine reads this memory; it must outlive the load
@@ -179,7 +186,7 @@ class _RowFile:
     on the host 4 x V bytes per row kept until the file is written. ``spec`` None: nothing. One rank only (the rl
     command refuses --full-vocab at tensor-parallel size > 1, engines.checks.check_rl_full_vocab)."""
 
-    def __init__(self, engine, spec: dict | None, first: list[int] | None):
+    def __init__(self, engine, spec: dict | None, first: list[int]):
         self.engine, self.spec, self.first = engine, spec, first
         self.pieces: dict = {}
 
@@ -266,7 +273,7 @@ def _broadcast(message: dict | None) -> dict:
     """Rank 0's command to every rank (the others pass None and receive it)."""
     import torch.distributed as dist
 
-    box = [message]
+    box: list[Any] = [message]  # holds rank 0's message on every rank after the broadcast
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -39,12 +39,14 @@ class Session:
 
     def call(self, command: str, **args) -> dict:
         """Send a command; return its reply. Raises the worker's own error type, or EngineError."""
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None, "start_session gives the worker both pipes"
         try:
-            self.proc.stdin.write(json.dumps({"command": command, **args}) + "\n")
-            self.proc.stdin.flush()
+            stdin.write(json.dumps({"command": command, **args}) + "\n")
+            stdin.flush()
         except BrokenPipeError:
             raise self._died() from None
-        for line in self.proc.stdout:
+        for line in stdout:
             if line.startswith(REPLY_MARKER):
                 reply = json.loads(line[len(REPLY_MARKER) :])
                 if "error" in reply:

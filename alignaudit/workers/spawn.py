@@ -44,6 +44,7 @@ def run_capture(job: CaptureJob, *, stream_log: bool = False, on_progress=None) 
     tail: deque[str] = deque(maxlen=20)
     with open(out / WORKER_LOG, "w") as log:
         proc = start_worker([str(out / REQUEST)], env)
+        assert proc.stdout is not None, "start_worker pipes the worker's output"
         try:
             for line in proc.stdout:
                 if line.startswith(PROGRESS_MARKER):
@@ -83,6 +84,7 @@ def check_options(runs: list, spec: ModelSpec, mode: str = "prompt") -> None:
     if not checks:
         return
     proc = start_worker(["--check-options", json.dumps(checks)], {**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None, "start_worker pipes the worker's output"
     try:
         output = proc.stdout.read()
         code = proc.wait()

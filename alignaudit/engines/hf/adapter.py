@@ -10,6 +10,8 @@ Options (``--train-opt`` / ``--infer-opt``):
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from alignaudit.engines.base import (
@@ -57,12 +59,17 @@ class HFEngine(Engine):
         self.attn_implementation = str(options.get("attn_implementation", "eager"))
         self.micro_batch_size = micro_batch_option(options)
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                spec.path,
-                dtype=settings.torch_dtype,
-                attn_implementation=self.attn_implementation,
-                device_map=settings.device if settings.device == "cuda" else None,
-                output_loading_info=True,
+            # output_loading_info=True: (model, info), which transformers' annotation (the model) does not say; the
+            # model stays Any, as before: its submodules (lm_head, model.layers) are read by attribute
+            model, info = cast(
+                "tuple[Any, dict]",
+                AutoModelForCausalLM.from_pretrained(
+                    spec.path,
+                    dtype=settings.torch_dtype,
+                    attn_implementation=self.attn_implementation,
+                    device_map=settings.device if settings.device == "cuda" else None,
+                    output_loading_info=True,
+                ),
             )
             self.model = model.to(settings.device)
         except (ImportError, ValueError) as e:

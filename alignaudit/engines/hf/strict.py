@@ -210,15 +210,15 @@ def _whole_sequences(q, k, v, starts: list[int] | None, scale: float, exp: str, 
     its fused backward is FlashAttention-2's varlen one (kernels/alignaudit_kernels/attention/flash_gradients.py). A
     left pad's output row is zeros."""
     b, t, h, d = q.shape
-    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v)]
+    fq, fk, fv = (x.reshape(b * t, *x.shape[2:]) for x in (q, k, v))
     if starts is None:
         cu = torch.arange(0, b * t + 1, t)
-        return K.varlen_attention(*flat, cu, scale, exp=exp, kernel=kernel).view(b, t, h, d)
+        return K.varlen_attention(fq, fk, fv, cu, scale, exp=exp, kernel=kernel).view(b, t, h, d)
     runs = [(r * t + s, (r + 1) * t) for r, s in enumerate(starts) if s < t]
     cu = torch.tensor([0, *(end - first for first, end in runs)]).cumsum(0)
     rows = torch.cat([torch.arange(first, end) for first, end in runs]).to(q.device)
     out = q.new_zeros(b * t, h, d)
-    out[rows] = K.varlen_attention(*(x[rows] for x in flat), cu, scale, exp=exp, kernel=kernel)
+    out[rows] = K.varlen_attention(fq[rows], fk[rows], fv[rows], cu, scale, exp=exp, kernel=kernel)
     return out.view(b, t, h, d)
 
 
@@ -393,6 +393,7 @@ def make_strict(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from alignaudit.arch import architecture
+    from alignaudit.errors import InputError
     from alignaudit.inputs.strict_ops import guard_platform
 
     guard_platform(ops, "make_strict")
@@ -400,6 +401,8 @@ def make_strict(
     prefix = architecture(type(model).__name__).hf_prefix
     config = model.config
     rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
+    if rope_theta is None:  # load_spec refuses such a checkpoint before any engine loads it
+        raise InputError(f"{type(model).__name__}'s config has no rope_theta")
     swapped = []
     for name, m in list(model.named_modules()):
         kind = type(m).__name__

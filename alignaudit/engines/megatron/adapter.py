@@ -78,7 +78,7 @@ def init_parallel(device: str, tp: int) -> int:
         initialize_rng_tracker(inference_rng_tracker=True)  # the CUDA RNG tracker needs a GPU
         # Rotary inv_freq and the attention score buffer are allocated on torch.cuda.current_device();
         # on a CPU-only worker point them at the CPU (this process runs nothing else).
-        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # a device, not an index
     from megatron.core.transformer.moe import moe_utils
 
     # megatron-core 0.19 imports te_general_gemm from Transformer Engine inside a try, then tests it for None in
@@ -344,7 +344,7 @@ class MegatronEngine(Engine):
             seen.append(self.log_softmax_rows(labels, logits))
             return original(labels, logits)
 
-        self.gpt.compute_language_model_loss = loss_and_rows
+        self.gpt.compute_language_model_loss = loss_and_rows  # type: ignore[method-assign]  # wrapped, on this model
         return seen
 
     def log_softmax_rows(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

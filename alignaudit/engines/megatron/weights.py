@@ -99,7 +99,7 @@ def tp_shard(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Ten
     how = TP_SPLIT.get(".".join(name.split(".")[-2:]), TP_SPLIT.get(name))
     if size == 1 or how is None:
         return tensor
-    if how == "glu":
+    if isinstance(how, str):  # "glu"
         gate, up = tensor.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
     return tensor.chunk(size, dim=how)[rank].contiguous()
@@ -111,7 +111,7 @@ def tp_unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     how = TP_SPLIT.get(".".join(name.split(".")[-2:]), TP_SPLIT.get(name))
     if len(shards) == 1 or how is None:
         return shards[0]
-    if how == "glu":
+    if isinstance(how, str):  # "glu"
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=how)
@@ -189,6 +189,7 @@ def megatron_to_hf(gpt, spec: ModelSpec, diverged: list[str] | None = None) -> d
         for i, j in indices(template, spec):
             name = template.format(i=i, j=j)
             tensor = state[name]
+            parts: tuple[torch.Tensor, ...]
             if len(sources) == 1:
                 parts = (tensor,)
             elif name.endswith(("linear_qkv.weight", "linear_qkv.bias")):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +28,11 @@ from alignaudit.errors import EngineError, InputError
 from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
 from alignaudit.inputs.request import EngineSettings
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+    from alignaudit.engines.vllm.async_rollout import Arrivals, AsyncRollout
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _VLLM_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -91,17 +97,19 @@ class VllmEngine(Engine):
         engine_fields = self._engine_fields()
         self.engine_options = {k: v for k, v in settings.options.items() if k in engine_fields}
         self.sampling_options = {k: v for k, v in settings.options.items() if k not in engine_fields}
-        self.llm = None
+        self.llm: LLM | AsyncRollout | None = None  # built by the first call (_start)
         self.llm_kwargs: dict = {}
         self.attention_impls: dict[str, str | None] = {}  # impl class -> strict exp, read back from the model
         self.attention_kernels: list[str] = []  # the strict attention kernels, read back from the model
         self.linear_methods: list[str] = []  # quant_method classes of the linear layers, read back from the model
         self.plugin_ops: list[str] = []  # the ops the strict plugin patched in the process holding the model
         self.capture_overrides: dict = {}  # settings op capture changed against the ones asked for
-        self.startup_s = None  # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
-        self.prefix_cache_hits = None  # prompt tokens read from the prefix cache in the last rollout (vLLM's count)
+        # LLM(...) start, warm-up included; it happens in the first call, sized to its prompts
+        self.startup_s: float | None = None
+        # prompt tokens read from the prefix cache in the last rollout (vLLM's count)
+        self.prefix_cache_hits: int | None = None
         self.engine_mode = "offline"  # set by the first rollout's Sampling; "async": self.llm is an AsyncRollout
-        self.arrivals = None  # async mode: how the last rollout's requests arrived (async_rollout.Arrivals)
+        self.arrivals: Arrivals | None = None  # async mode: how the last rollout's requests arrived
         self.arrival_gap_s = 0.0  # async mode: seconds between two arrivals (Sampling.arrival_gap_s)
 
     @classmethod
@@ -129,34 +137,60 @@ class VllmEngine(Engine):
         from alignaudit.engines.vllm.weights import load_into_vllm
 
         self._in_process("a weight update")
-        load_into_vllm(self.llm, tensors)
+        load_into_vllm(self._offline(), tensors)
 
     def sync_weights(self, transport: str, path: str | None = None, handles: str | None = None) -> dict:
         """Engine.sync_weights; in async mode inside vLLM's worker process, where the model lives
         (worker_extension.KernelReadback.alignaudit_sync_weights), then the prefix cache dropped as after a load."""
         if self.engine_mode != "async":
             return super().sync_weights(transport, path, handles)
-        reply = self.llm.rpc("alignaudit_sync_weights", transport, path, handles, self.spec.to_dict())
-        self.llm.reset_prefix_cache()
+        engine = self._async()
+        reply = engine.rpc("alignaudit_sync_weights", transport, path, handles, self.spec.to_dict())
+        engine.reset_prefix_cache()
         return reply
 
     def weight_checksums(self) -> dict[str, str]:
         """Engine.weight_checksums; in async mode computed in vLLM's worker process."""
         if self.engine_mode != "async":
             return super().weight_checksums()
-        return self.llm.rpc("alignaudit_checksums", self.spec.to_dict())
+        return self._async().rpc("alignaudit_checksums", self.spec.to_dict())
 
     def stale_packed_layers(self) -> list[str]:
         """Layers whose packed CPU GEMM does not compute with their current weight (weights.py)."""
         from alignaudit.engines.vllm.weights import stale_packed_layers
 
-        return stale_packed_layers(self.llm.apply_model(lambda m: m)[0])
+        return stale_packed_layers(self._offline().apply_model(lambda m: m)[0])
 
     def hf_weights(self, diverged: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The weights the running engine computes with, in HF names."""
         from alignaudit.engines.vllm.weights import vllm_to_hf
 
-        return vllm_to_hf(self.llm.apply_model(lambda m: m)[0], self.spec)
+        return vllm_to_hf(self._offline().apply_model(lambda m: m)[0], self.spec)
+
+    def _started(self) -> LLM | AsyncRollout:
+        """The engine _start built. Raises EngineError before it."""
+        if self.llm is None:
+            raise EngineError("vLLM's engine is not started yet (it starts with the first call that runs prompts)")
+        return self.llm
+
+    def _offline(self) -> LLM:
+        """The offline ``LLM`` (engine_mode "offline"), whose model is in this process. Raises EngineError before it
+        is started or in async mode."""
+        from vllm import LLM
+
+        engine = self._started()
+        if not isinstance(engine, LLM):
+            raise EngineError(f"this vLLM engine runs {self.engine_mode}, not offline: its model is in another process")
+        return engine
+
+    def _async(self) -> AsyncRollout:
+        """The ``AsyncRollout`` of engine_mode "async". Raises EngineError before it is started or in offline mode."""
+        from alignaudit.engines.vllm.async_rollout import AsyncRollout
+
+        engine = self._started()
+        if not isinstance(engine, AsyncRollout):
+            raise EngineError(f"this vLLM engine runs {self.engine_mode}, not async")
+        return engine
 
     def _in_process(self, what: str) -> None:
         """Raises InputError in async mode, whose model lives in vLLM's engine process, out of this one's reach."""
@@ -174,7 +208,7 @@ class VllmEngine(Engine):
 
         spec = self.spec
         max_model_len = model_len(spec, max_len)
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "model": spec.path,
             "dtype": _VLLM_DTYPE[self.settings.dtype],
             "seed": self.settings.seed,
@@ -236,8 +270,8 @@ class VllmEngine(Engine):
             if self.engine_mode == "async":
                 from alignaudit.engines.vllm.async_rollout import AsyncRollout
 
-                self.llm = AsyncRollout(kwargs)
-                self.llm_kwargs = self.llm.kwargs
+                rollout = AsyncRollout(kwargs)
+                self.llm, self.llm_kwargs = rollout, rollout.kwargs
             else:
                 self.llm = LLM(**kwargs)
         except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
@@ -252,7 +286,7 @@ class VllmEngine(Engine):
         replace, or a quantized method), is an error (weights.check_strict_kernels)."""
         from alignaudit.engines.vllm.weights import check_strict_kernels, kernels_of
 
-        kernels = self.llm.kernels() if self.engine_mode == "async" else self.llm.apply_model(kernels_of)[0]
+        kernels = self._async().kernels() if self.engine_mode == "async" else self._offline().apply_model(kernels_of)[0]
         self.attention_impls, self.linear_methods = kernels["attention_impls"], kernels["linear_methods"]
         self.attention_kernels = kernels["attention_kernels"]
         self.plugin_ops = kernels["strict_ops"]
@@ -279,9 +313,9 @@ class VllmEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         if self.engine_mode == "async":
-            outputs, self.arrivals = self.llm.generate(batch.sequences, params, self.arrival_gap_s, self.progress)
+            outputs, self.arrivals = self._async().generate(batch.sequences, params, self.arrival_gap_s, self.progress)
             return outputs
-        return self.llm.generate(
+        return self._offline().generate(
             [TokensPrompt(prompt_token_ids=list(s)) for s in batch.sequences], params, use_tqdm=self._progress_bar()
         )
 
@@ -340,7 +374,7 @@ class VllmEngine(Engine):
         if self.vocab_sink is not None:
             from alignaudit.engines.vllm.vocab import DecodeRows
 
-            rows = DecodeRows(self.llm.collective_rpc(lambda worker: worker.model_runner)[0])
+            rows = DecodeRows(self._offline().collective_rpc(lambda worker: worker.model_runner)[0])
         try:
             outputs = self._generate(batch, params)
         finally:
@@ -374,7 +408,7 @@ class VllmEngine(Engine):
         if self.tap is not None and self.hooks is None:
             from alignaudit.engines.vllm import taps as vllm_taps
 
-            model = self.llm.apply_model(lambda m: m)[0]
+            model = self._offline().apply_model(lambda m: m)[0]
             self.hooks = vllm_taps.install(model, self.tap, batch.sequences)
         params = SamplingParams(
             **{"max_tokens": 1, "temperature": 0.0, "detokenize": False, **self.sampling_options, "prompt_logprobs": 0}
@@ -383,7 +417,7 @@ class VllmEngine(Engine):
         if self.vocab_sink is not None:
             from alignaudit.engines.vllm.vocab import PromptRows
 
-            rows = PromptRows(self.llm.apply_model(lambda m: m)[0], batch.sequences)
+            rows = PromptRows(self._offline().apply_model(lambda m: m)[0], batch.sequences)
         try:
             outputs = self._generate(batch, params)
         finally:
@@ -404,12 +438,13 @@ class VllmEngine(Engine):
         moves the weights to host memory and discards the KV cache (and with it the prefix cache). Returns
         ``{"freed_bytes": device memory free after minus before (torch.cuda.mem_get_info), "seconds"}``: what
         sleeping gave back, measured."""
-        return self._measured(lambda: self.llm.sleep(level=level), sign=1)
+        engine = self._started()
+        return self._measured(lambda: engine.sleep(level=level), sign=1)
 
     def wake_up(self) -> dict:
         """``LLM.wake_up()``: weights back on the device, the KV cache reallocated. Returns ``{"taken_bytes",
         "seconds"}`` as sleep does."""
-        return self._measured(self.llm.wake_up, sign=-1)
+        return self._measured(self._started().wake_up, sign=-1)
 
     def _measured(self, action, sign: int) -> dict:
         torch.cuda.synchronize()
@@ -426,7 +461,7 @@ class VllmEngine(Engine):
         """Remove hooks; an async engine's core process is shut down."""
         super().close()
         if self.engine_mode == "async" and self.llm is not None:
-            self.llm.close()
+            self._async().close()
             self.llm = None
 
     def vocab_row_formula(self) -> str:
@@ -454,7 +489,9 @@ class VllmEngine(Engine):
             "arrivals": self.arrivals.to_dict() if self.arrivals else None,
         }
         if self.llm is not None:
-            config = self.llm.vllm_config if self.engine_mode == "async" else self.llm.llm_engine.vllm_config
+            config = (
+                self._async().vllm_config if self.engine_mode == "async" else self._offline().llm_engine.vllm_config
+            )
             record["resolved"] = {
                 "enforce_eager": config.model_config.enforce_eager,
                 "compilation_mode": str(getattr(config.compilation_config, "mode", None)),

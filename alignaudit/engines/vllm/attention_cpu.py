@@ -53,7 +53,7 @@ def configured_exp() -> str:
     return exp
 
 
-def attention_impls(model: torch.nn.Module) -> dict[str, str]:
+def attention_impls(model: torch.nn.Module) -> dict[str, str | None]:
     """``{impl class name: exp}`` of every attention layer of a loaded vLLM model (exp None where the impl is
     not strict): what actually computes attention, read back rather than assumed from the registration."""
     return {

@@ -162,16 +162,18 @@ def warm_up(
     out = torch.empty_like(q)
     scale = head_size**-0.5
 
+    # Whole plans: one request's prefill of positions [0, rows), or ``sequences`` requests each decoding position
+    # keys - 1 (the portable kernel warmed up here reads neither query_start_loc nor slot_mapping).
     def prefill(rows: int) -> StrictAttentionMetadata:
         count = torch.tensor([rows], dtype=torch.int32, device=device)
         return StrictAttentionMetadata(
             num_actual_tokens=rows,
             max_query_len=rows,
             max_seq_len=rows,
-            query_start_loc=None,
+            query_start_loc=torch.tensor([0, rows], dtype=torch.int32, device=device),
             seq_lens=count,
             block_table=table,
-            slot_mapping=None,
+            slot_mapping=torch.arange(rows, dtype=torch.int64, device=device),
             decode=False,
             decode_bound=decode_bound,
             positions=torch.arange(rows, dtype=torch.int32, device=device),
@@ -183,10 +185,10 @@ def warm_up(
             num_actual_tokens=sequences,
             max_query_len=1,
             max_seq_len=keys,
-            query_start_loc=None,
+            query_start_loc=torch.arange(sequences + 1, dtype=torch.int32, device=device),
             seq_lens=torch.full((sequences,), keys, dtype=torch.int32, device=device),
             block_table=table.repeat(sequences, 1),
-            slot_mapping=None,
+            slot_mapping=torch.full((sequences,), keys - 1, dtype=torch.int64, device=device),
             decode=True,
             decode_bound=decode_bound,
         )
@@ -242,6 +244,7 @@ def strict_attention(
     else:
         n = meta.num_actual_tokens
         group = query.shape[1] // key_cache.shape[2]
+        assert meta.q_seq is not None, "a portable prefill plan holds each row's request (build)"
         if meta.tiles is None or meta.tiles.group != group:  # the step's first layer plans for all of them
             meta.tiles = paged_tiles(meta.q_seq, group, query.device)
         K.paged_attention(

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import types
 
 import torch
 
@@ -47,7 +48,7 @@ from alignaudit.inputs.strict_ops import ENV, check_platform, parse_strict
 # configures "vllm" with propagate False: a logger of another name would print nothing).
 log = logging.getLogger("vllm.plugins.alignaudit_strict")
 _applied: set[str] = set()
-_originals: dict[tuple[type, str], object] = {}
+_originals: dict[tuple[type | types.ModuleType, str], object] = {}
 
 
 def register() -> None:
@@ -132,8 +133,8 @@ def unregister() -> None:
     _applied.clear()
 
 
-def _patch(owner: type, name: str, value) -> None:
-    """Set ``owner.name`` (a class attribute), remembering what the class itself defined there."""
+def _patch(owner: type | types.ModuleType, name: str, value) -> None:
+    """Set ``owner.name`` (a class or module attribute), remembering what the owner itself defined there."""
     _originals.setdefault((owner, name), owner.__dict__.get(name, _MISSING))
     setattr(owner, name, value)
 

@@ -26,12 +26,14 @@ def real_inputs(op: str, graph: OpGraph) -> list[str]:
     (o_proj or down_proj, previous residual), not the canonical residual op, and forcing the residual op
     (an output of the same fused call) does not reach it."""
     name, layer = split_op_id(op)
+    if name == "final_norm":
+        return graph.inputs(op_id("mlp_residual", graph.num_layers - 1))
+    if layer is None:  # embed and the ops after the last layer
+        return graph.inputs(op)
     if name == "post_attn_norm":
         return graph.inputs(op_id("attn_residual", layer))
     if name == "input_norm" and layer > 0:
         return graph.inputs(op_id("mlp_residual", layer - 1))
-    if name == "final_norm":
-        return graph.inputs(op_id("mlp_residual", graph.num_layers - 1))
     return graph.inputs(op)
 
 

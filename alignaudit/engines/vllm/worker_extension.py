@@ -8,8 +8,12 @@ TRL's vLLM worker extensions): what the model computes with, and the weight sync
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from alignaudit.engines.vllm import plugin
+
+if TYPE_CHECKING:
+    import torch
 
 # vLLM loads general plugins from installed entry points only, so in a process of vLLM's own (AsyncLLM's engine
 # core) run from a source checkout the strict ops would be missing: found on the H200, where the read-back check
@@ -30,6 +34,11 @@ if os.environ.get(KEEP_WEIGHTS_ENV) == "1":
 class KernelReadback:
     """Mixed into vLLM's worker class: ``self`` is the worker (vllm/v1/worker/worker_base.py: ``get_model``,
     ``vllm_config``)."""
+
+    if TYPE_CHECKING:  # the worker's own, declared for the type checker only (a definition here would shadow them)
+        vllm_config: Any
+
+        def get_model(self) -> torch.nn.Module: ...
 
     def alignaudit_kernels(self) -> dict:
         """weights.kernels_of the loaded model, read back in the worker."""

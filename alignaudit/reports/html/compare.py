@@ -437,7 +437,9 @@ def settings_details(page: Page, run: RunDir) -> None:
     environment = {}
     for role in roles:
         values = {}
-        side = record.get(role) if isinstance(record.get(role), dict) else {}
+        side = record.get(role)
+        if not isinstance(side, dict):
+            side = {}
         for k, v in side.items():
             values[f"setting {k}"] = v
         m = run.captures[role].manifest if role in run.captures else {}

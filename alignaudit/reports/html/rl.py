@@ -185,11 +185,12 @@ def rl_section(page: Page, run: RunDir) -> pd.DataFrame:
             f"{bad} of {len(steps)} steps with mismatching tokens; {unsynced} weight syncs not bit-equal",
             bad == 0 and unsynced == 0,
         )
-    stopped = (run.record or {}).get("stopped")
+    record = run.record or {}
+    stopped = record.get("stopped")
     if stopped:
         page.note(
-            f"Stopped after step {stopped['after_step']} of {run.record['rl']['steps']} asked: --max-seconds "
-            f"{run.record['rl']['max_seconds']:g} had passed ({stopped['elapsed_s']:g} s)."
+            f"Stopped after step {stopped['after_step']} of {record['rl']['steps']} asked: --max-seconds "
+            f"{record['rl']['max_seconds']:g} had passed ({stopped['elapsed_s']:g} s)."
         )
     if "vocab_kl_train_infer_mean" in steps:
         page.note(vocab_note(steps))

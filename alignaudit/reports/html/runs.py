@@ -86,11 +86,13 @@ def detect(run_dir: Path | str) -> RunDir:
         )
     sealed = record is not None and (record.get("status") == "complete" or integrity.RECORD_SHA256 in record)
     captures = {}
-    if sealed:  # a sealed record whose status says otherwise was edited: its seal no longer matches
+    if (
+        sealed and record is not None
+    ):  # a sealed record whose status says otherwise was edited: its seal no longer matches
         captures = _check(path, record)
     command = (record or {}).get("command")
     if command in ("compare", "bisect", "rl", "ablate") and command not in kinds:
-        status = record.get("status")
+        status = (record or {}).get("status")
         fix = (
             "the run did not finish: run it again"
             if status != "complete"
@@ -114,7 +116,7 @@ def detect(run_dir: Path | str) -> RunDir:
         missing = [name for name in (TOKENS, SEQUENCES) if not (path / name).is_file()]
         if missing:
             raise InputError(f"{path} holds {SUMMARY} but not {missing[0]}: the comparison is incomplete; run it again")
-    if sealed:  # the files this page reads: listed, checked
+    if sealed and record is not None:  # the files this page reads: listed, checked
         integrity.check_outputs(path, record, tuple(name for kind in kinds for name in _read_by(kind, ops)))
     verdict = None
     if (path / VERDICT).is_file():  # shown as judged again here from the checked run, never as stored

@@ -16,6 +16,7 @@ as `alignaudit report RUN` checks one), and hold a comparison (compare, gate, di
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -277,7 +278,7 @@ def ulp_bars(columns: list[RunColumn]):
     return fig
 
 
-def build_side_by_side(run_dirs: list[Path | str]) -> str:
+def build_side_by_side(run_dirs: Sequence[Path | str]) -> str:
     """The page of several runs side by side (module docstring).
 
     Raises:
@@ -288,10 +289,10 @@ def build_side_by_side(run_dirs: list[Path | str]) -> str:
         raise InputError("give two or more run directories to put side by side (one: `alignaudit report RUN`)")
     seen = {}
     for d in run_dirs:
-        key = Path(d).resolve()
-        if key in seen:
+        resolved = Path(d).resolve()
+        if resolved in seen:
             raise InputError(f"{d} is given twice; give each run once")
-        seen[key] = d
+        seen[resolved] = d
     columns = [load_column(d) for d in run_dirs]
     check_comparable(columns)
     page = Page(f"alignaudit report: {len(columns)} runs side by side")
@@ -352,7 +353,7 @@ def default_target(root: Path = Path("alignaudit-runs")) -> Path:
     raise InputError(f"no free report name in {root}; pass --html FILE")
 
 
-def write_side_by_side(run_dirs: list[Path | str], html: Path | str | None = None) -> Path:
+def write_side_by_side(run_dirs: Sequence[Path | str], html: Path | str | None = None) -> Path:
     """Write the side-by-side page to ``html`` (default ``default_target()``); returns the path.
 
     Raises:
