@@ -4,12 +4,13 @@ Every command that writes results (compare, bisect, capture, diff, gate, rl) goe
     - the directory is locked for the command's lifetime (``fcntl.flock`` on ``.alignaudit.lock``, released
       by the kernel however the process ends); a second run on the same directory is refused and told who
       holds it;
-    - a marker file (``.alignaudit-outputs``, JSON) lists the top-level names alignaudit may write there. It
-      is extended *before* anything is written, so after a crash it still covers every partial output;
-    - ``--force`` replaces only entries that the marker lists, and a listed directory only when every file in
-      it has a name alignaudit writes (capture and op-store files) or it is one a library writes whole for
-      alignaudit (rl --log-to: tensorboard/, wandb/); anything else is refused, naming the file, before anything
-      is moved;
+    - a marker file (``.alignaudit-outputs``, JSON; capture/written.py) lists the top-level names alignaudit may
+      write there. It is extended *before* anything is written, so after a crash it still covers every partial
+      output, and when the command ends (``release``) it records every file the command wrote under them, with
+      size and modification time;
+    - ``--force`` replaces only entries that the marker lists, and only where every file in them is one the
+      marker records, unchanged (an entry whose command was killed before its record: the layout rule,
+      rundir.alignaudit_wrote); anything else is refused, naming the file, before anything is moved;
     - the complete results ``--force`` replaces are moved aside into ``PREVIOUS`` (``.alignaudit-previous/``, with
       a marker of its own) and dropped only when the new outputs are complete (``release``). "Complete" is read
       from the directory, never from an exit code: run.json's ``status`` (capture: manifest.json's). A command that
@@ -34,22 +35,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from alignaudit.capture.rundir import (
-    DROPPING,
-    LIBRARY_DIRS,
-    LOCK,
-    MANIFEST,
-    MARKER,
-    PREVIOUS,
-    RUN,
-    STAGING,
-    alignaudit_wrote,
-)
+from alignaudit.capture import written
+from alignaudit.capture.rundir import DROPPING, LOCK, MANIFEST, MARKER, PREVIOUS, RUN, STAGING
 from alignaudit.errors import InputError
 
 command_name = "?"  # set by the CLI; shown to a second run that finds the directory locked
 
 _held: dict[Path, int] = {}
+_claimed: dict[Path, set[str]] = {}  # the names this process claimed in each directory: recorded when it releases it
 _replacing: set[Path] = set()  # directories whose PREVIOUS this process settles when its command ends
 _ASIDE = (PREVIOUS, STAGING, DROPPING)
 RESERVED = (MARKER, LOCK, *_ASIDE)  # alignaudit's own names in an output directory: never a command's output
@@ -126,8 +119,9 @@ def _replace(out: Path, force: bool, names: tuple[str, ...]) -> None:
             f"--out {out}: {foreign[0]} exists and was not written by alignaudit; move it or choose another --out"
         )
     stale = [out / name for name in sorted(ours) if (out / name).exists() or (out / name).is_symlink()]
+    marker = written.read(out)
     for path in stale:
-        _check_removable(path)
+        _check_removable(out, path.name, marker)
     _set_aside(out, stale)
     claim(out, names)
 
@@ -152,7 +146,7 @@ def _set_aside(out: Path, stale: list[Path]) -> None:
         staging, moved = out / STAGING, []
         try:
             staging.mkdir()
-            claim(staging, tuple(path.name for path in stale))
+            written.write(staging, written.read(out).subset(path.name for path in stale))  # the records move too
             for path in stale:
                 os.rename(path, staging / path.name)
                 moved.append(path)
@@ -223,17 +217,20 @@ def _check_droppable(previous: Path) -> None:
     """Raise InputError naming an entry of ``previous`` alignaudit did not write (the --force rule)."""
     foreign = _foreign_in_previous(previous)
     if foreign is not None:
-        raise InputError(f"--force would remove {foreign}, which alignaudit did not write; move it first")
+        why = _not_ours(previous, foreign, written.read(previous))
+        raise InputError(f"--force would remove {foreign}, {why}; move it first")
 
 
 def _foreign_in_previous(previous: Path) -> Path | None:
     """The first entry of ``previous`` (a PREVIOUS) that its marker does not list, or file inside a listed folder
     that alignaudit never writes; None where there is none."""
-    listed = set(read_marker(previous))
+    marker = written.read(previous)
     for path in previous.iterdir():
-        if path.name not in (MARKER, LOCK) and path.name not in listed:
+        if path.name in (MARKER, LOCK):
+            continue
+        if path.name not in marker.entries:
             return path
-        if (foreign := _foreign_file(path)) is not None:
+        if (foreign := written.foreign_file(previous, path.name, marker)) is not None:
             return foreign
     return None
 
@@ -324,43 +321,34 @@ def claim(out: Path, names: tuple[str, ...]) -> None:
     reserved = [name for name in names if name in RESERVED]
     if reserved:
         raise InputError(f"{reserved[0]} is a name alignaudit keeps for itself in {out}; write to another file name")
-    marker = Path(out) / MARKER
-    listed = sorted(set(read_marker(out)) | set(names))
-    tmp = marker.with_name(MARKER + ".tmp")
-    try:
-        tmp.write_text(json.dumps({"written_by": "alignaudit", "entries": listed}, indent=1) + "\n")
-        os.replace(tmp, marker)
-    except OSError as e:
-        raise InputError(f"cannot write to {out}: {e.strerror}; choose a writable directory") from e
+    written.write(out, written.read(out).claiming(names))
+    _claimed.setdefault(Path(out).resolve(), set()).update(names)
 
 
 def read_marker(out: Path) -> list[str]:
-    """Top-level names alignaudit wrote (or may have written) in ``out``; [] without a marker."""
-    try:
-        record = json.loads((Path(out) / MARKER).read_text())
-        entries = record.get("entries", [])
-        return [e for e in entries if isinstance(e, str) and "/" not in e and e not in ("", ".", "..", *RESERVED)]
-    except (OSError, ValueError, AttributeError):
-        return []
+    """Top-level names alignaudit wrote (or may have written) in ``out``, sorted; [] without a marker."""
+    return sorted(written.read(out).entries)
 
 
-def _check_removable(path: Path) -> None:
-    foreign = _foreign_file(path)
+def _check_removable(out: Path, name: str, marker: written.Marker) -> None:
+    """Raise InputError naming the first file under ``out/name`` that ``marker`` does not say alignaudit wrote."""
+    foreign = written.foreign_file(out, name, marker)
     if foreign is not None:
-        raise InputError(f"--force would remove {foreign}, which alignaudit did not write; move it first")
+        raise InputError(f"--force would remove {foreign}, {_not_ours(out, foreign, marker)}; move it first")
 
 
-def _foreign_file(path: Path) -> Path | None:
-    """The first file inside ``path`` (an entry alignaudit listed) whose name alignaudit never writes there; None for
-    a file, a link or a folder a library writes whole (LIBRARY_DIRS)."""
-    if not path.is_dir() or path.is_symlink() or path.name in LIBRARY_DIRS:
-        return None
-    for root, _, files in os.walk(path):
-        for name in files:
-            file = Path(root) / name
-            if not alignaudit_wrote((path.name, *file.relative_to(path).parts)):
-                return file
-    return None
+def _not_ours(out: Path, path: Path, marker: written.Marker) -> str:
+    """Why ``path`` is not alignaudit's, as a clause."""
+    if marker.files.get(path.relative_to(out).as_posix()) is not None:
+        return "which changed after alignaudit wrote it"
+    return "which alignaudit did not write"
+
+
+def _record(out: Path) -> None:
+    """Record in the marker of ``out`` every file under the names this process claimed there (written.inventory)."""
+    names = _claimed.pop(Path(out).resolve(), set())
+    if names and (Path(out) / MARKER).is_file():
+        written.write(out, written.read(out).recording(written.inventory(out, names), names))
 
 
 def lock(out: Path) -> None:
@@ -445,6 +433,8 @@ def release(out: Path) -> Kept | None:
         The PREVIOUS that stays and why, else None.
     """
     key = Path(out).resolve()
+    if key in _held:
+        _record(key)  # before anything else: the outputs are final, and the lock still keeps other runs out
     kept, set_aside = None, key in _replacing
     _replacing.discard(key)
     if set_aside and (key / PREVIOUS).is_dir():  # a run can fail before the folder exists
@@ -462,7 +452,7 @@ def _drop(previous: Path) -> str | None:
     """Delete ``previous`` (a PREVIOUS) through DROPPING; None once it is gone, else why it stays."""
     foreign = _foreign_in_previous(previous)
     if foreign is not None:
-        return f"it holds {foreign}, which alignaudit did not write"
+        return f"it holds {foreign}, {_not_ours(previous, foreign, written.read(previous))}"
     holder = held_by(previous)
     if holder:
         return f"another alignaudit run holds it ({holder})"

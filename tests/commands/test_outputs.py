@@ -598,9 +598,9 @@ def test_force_reuses_an_ablate_directory_and_still_guards_foreign_files(tmp_pat
     outdir.release_all()
     outdir.prepare(out, True, ABLATE_OUTPUTS)
     assert not (out / "configs").exists()
+    outdir.release_all()
     (row / "notes.txt").parent.mkdir(parents=True)
     (row / "notes.txt").write_text("mine")
-    outdir.release_all()
     with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
         outdir.prepare(out, True, ABLATE_OUTPUTS)
 
@@ -621,9 +621,9 @@ def test_force_reuses_an_rl_directory_with_the_libraries_exports(tmp_path):
     outdir.release_all()
     outdir.prepare(out, True, RL_OUTPUTS)
     assert not (out / "tensorboard").exists() and not (out / "wandb").exists()
+    outdir.release_all()
     (out / "tokens" / "notes.txt").parent.mkdir(parents=True)
     (out / "tokens" / "notes.txt").write_text("mine")
-    outdir.release_all()
     with pytest.raises(InputError, match="notes.txt, which alignaudit did not write"):
         outdir.prepare(out, True, RL_OUTPUTS)
 

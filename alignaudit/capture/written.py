@@ -1,0 +1,193 @@
+"""What alignaudit wrote in an output directory: its marker file (``.alignaudit-outputs``) and the rule that
+``--force`` removes only the files the marker records.
+
+The marker is JSON::
+
+    {"written_by": "alignaudit",
+     "entries": ["run.json", "train", ...],           # top-level names a command claimed, before writing them
+     "recorded": ["run.json", "train", ...],          # entries whose files were recorded when the command ended
+     "files": {"train/manifest.json": [1234, 1733616000123456789], ...}}   # path -> [bytes, mtime in ns]
+
+A command claims its names before it writes (so a crash still leaves them listed) and records every file under them
+when it ends (``capture.outdir.release``: normal end, failure or interrupt). A file under a recorded entry is
+alignaudit's when the record lists its path with the same size and modification time: a file put there later, or
+one changed since, is not, and ``--force`` refuses to remove it. An entry that was claimed but never recorded (its
+command was killed, or the directory was written by a version before records) falls back to the layout rule,
+``rundir.alignaudit_wrote``: names alignaudit writes, at the places it writes them. A folder inside an entry that has
+a marker of its own (a comparison in ablate's configs/, which gate or report may have written into later) is judged
+by that marker for the files under it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from alignaudit.capture.rundir import DROPPING, LIBRARY_DIRS, LOCK, MARKER, PREVIOUS, STAGING, alignaudit_wrote
+from alignaudit.errors import InputError
+
+
+@dataclass(frozen=True)
+class Marker:
+    """One directory's marker.
+
+    Attributes:
+        entries: the top-level names alignaudit claimed there.
+        recorded: the entries whose files were recorded when the command that claimed them ended.
+        files: each recorded file's path from the directory ("/"-separated) -> (size in bytes, st_mtime_ns).
+    """
+
+    entries: frozenset[str] = frozenset()
+    recorded: frozenset[str] = frozenset()
+    files: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    def claiming(self, names: Iterable[str]) -> Marker:
+        """This marker with ``names`` claimed anew: listed, and their earlier records dropped (the command about to
+        write them records them again when it ends)."""
+        names = set(names)
+        return Marker(
+            self.entries | names,
+            self.recorded - names,
+            {path: stat for path, stat in self.files.items() if _entry(path) not in names},
+        )
+
+    def recording(self, files: Mapping[str, tuple[int, int]], names: Iterable[str]) -> Marker:
+        """This marker with the entries ``names`` recorded as holding exactly ``files``."""
+        names = set(names)
+        kept = {path: stat for path, stat in self.files.items() if _entry(path) not in names}
+        return Marker(self.entries | names, self.recorded | names, kept | dict(files))
+
+    def subset(self, names: Iterable[str]) -> Marker:
+        """The part of this marker about the entries ``names`` (what moves with them into another directory)."""
+        names = set(names) & self.entries
+        return Marker(
+            frozenset(names),
+            self.recorded & names,
+            {path: stat for path, stat in self.files.items() if _entry(path) in names},
+        )
+
+
+def read(directory: Path) -> Marker:
+    """The marker of ``directory``; an empty Marker where there is none or it cannot be read. Entries that could
+    name something outside the directory ("", ".", "..", a path) are dropped."""
+    try:
+        record = json.loads((Path(directory) / MARKER).read_text())
+    except (OSError, ValueError):
+        return Marker()
+    if not isinstance(record, dict):
+        return Marker()
+    entries = frozenset(e for e in _strings(record.get("entries")) if _is_name(e))
+    recorded = frozenset(e for e in _strings(record.get("recorded")) if e in entries)
+    raw = record.get("files")
+    files = {}
+    for path, stat in raw.items() if isinstance(raw, dict) else ():
+        if _entry(path) in recorded and _is_stat(stat):
+            files[path] = (stat[0], stat[1])
+    return Marker(entries, recorded, files)
+
+
+def write(directory: Path, marker: Marker) -> None:
+    """Replace the marker of ``directory`` with ``marker`` in one step (a temporary file renamed over it).
+
+    Raises:
+        InputError: the directory is not writable.
+    """
+    path = Path(directory) / MARKER
+    tmp = path.with_name(MARKER + ".tmp")
+    record = {
+        "written_by": "alignaudit",
+        "entries": sorted(marker.entries),
+        "recorded": sorted(marker.recorded),
+        "files": {name: list(stat) for name, stat in sorted(marker.files.items())},
+    }
+    try:
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise InputError(f"cannot write to {directory}: {e.strerror}; choose a writable directory") from e
+
+
+def inventory(directory: Path, names: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """Every file under the entries ``names`` of ``directory`` (an entry that is a file: itself), with its size and
+    modification time: path from ``directory`` -> (st_size, st_mtime_ns). Links are recorded as links (lstat), never
+    followed; a link to a folder counts as a file."""
+    directory = Path(directory)
+    files = {}
+    for name in names:
+        top = directory / name
+        if not top.is_dir() or top.is_symlink():
+            if top.exists() or top.is_symlink():
+                files[name] = _stat(top)
+            continue
+        for root, dirs, leaves in os.walk(top):
+            for leaf in leaves + [d for d in dirs if (Path(root) / d).is_symlink()]:
+                path = Path(root) / leaf
+                files[path.relative_to(directory).as_posix()] = _stat(path)
+    return files
+
+
+def foreign_file(directory: Path, name: str, marker: Marker) -> Path | None:
+    """The first file under the entry ``name`` of ``directory`` that alignaudit did not write by ``marker`` (module
+    docstring); None where every file there is alignaudit's. An entry that is a file is judged only where it is
+    recorded (a claimed name is alignaudit's); a folder a library writes whole (LIBRARY_DIRS) only where recorded."""
+    top = Path(directory) / name
+    if not top.is_dir() or top.is_symlink():
+        recorded = name in marker.recorded and (top.exists() or top.is_symlink())
+        return top if recorded and marker.files.get(name) != _stat(top) else None
+    if name not in marker.recorded and name in LIBRARY_DIRS:
+        return None
+    nested: dict[Path, Marker] = {}
+    for root, dirs, leaves in os.walk(top):
+        for leaf in sorted(leaves + [d for d in dirs if (Path(root) / d).is_symlink()]):
+            path = Path(root) / leaf
+            if not _owned(Path(directory), path, marker, nested):
+                return path
+    return None
+
+
+def _owned(directory: Path, path: Path, marker: Marker, nested: dict[Path, Marker]) -> bool:
+    """Whether ``path`` (under ``directory``) is alignaudit's by ``marker`` or by the marker of a folder between
+    them (``nested`` caches those)."""
+    relative = path.relative_to(directory)
+    if path.name in (MARKER, LOCK):  # alignaudit's own bookkeeping, rewritten by every command there
+        return True
+    for depth in range(len(relative.parts) - 1, 1, -1):  # the nearest folder below the entry with a marker of its own
+        inner = directory.joinpath(*relative.parts[:depth])
+        if (inner / MARKER).is_file():
+            if inner not in nested:
+                nested[inner] = read(inner)
+            below = Path(*relative.parts[depth:])
+            if below.parts[0] in nested[inner].recorded:
+                return nested[inner].files.get(below.as_posix()) == _stat(path)
+            break
+    if relative.parts[0] in marker.recorded:
+        return marker.files.get(relative.as_posix()) == _stat(path)
+    return alignaudit_wrote(relative.parts)
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    info = os.lstat(path)
+    return info.st_size, info.st_mtime_ns
+
+
+def _entry(path: str) -> str:
+    return path.split("/", 1)[0]
+
+
+def _strings(value: object) -> list[str]:
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def _is_name(entry: str) -> bool:
+    return "/" not in entry and entry not in ("", ".", "..", MARKER, LOCK, PREVIOUS, STAGING, DROPPING)
+
+
+def _is_stat(stat: object) -> bool:
+    return (
+        isinstance(stat, list)
+        and len(stat) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in stat)
+    )
