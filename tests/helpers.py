@@ -1,5 +1,6 @@
 """What the tests share: paths, real engine captures of the fixture, bit-level assertions, the CLI as a user runs
-it, and headless Chromium for the report pages. The fixtures that build on these live in conftest.py.
+it, a run's record sealed again after an edit, and headless Chromium for the report pages. The fixtures that build
+on these live in conftest.py.
 """
 
 from __future__ import annotations
@@ -187,6 +188,17 @@ def one_line_error(capsys, argv, code):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "Traceback" not in err, err
     return err
+
+
+# --- a run's record, edited and sealed again ---
+
+
+def reseal(run, record):
+    """Write an edited run.json with its seal recomputed (what someone who knows the format could do), so a
+    test reaches the checks behind the seal."""
+    from alignaudit.comparison.integrity import RECORD_SHA256, record_digest
+
+    (run / "run.json").write_text(json.dumps({**record, RECORD_SHA256: record_digest(record)}))
 
 
 # --- report pages in headless Chromium ---
