@@ -74,6 +74,7 @@ def test_a_forked_rl_session_answers_as_a_fresh_one(tiny_spec, monkeypatch, tmp_
     forked: the same settings record (less its start-up seconds), the same refusal of an unknown command (type and
     message, through stdin and stdout), exit code 0 after ``close``; the forked one's stderr goes to its log."""
     from alignaudit.inputs.request import EngineSettings as Settings
+    from alignaudit.workers.job import SessionJob
     from alignaudit.workers.rl_session import Worker
     from alignaudit.workers.session import Session
 
@@ -81,12 +82,12 @@ def test_a_forked_rl_session_answers_as_a_fresh_one(tiny_spec, monkeypatch, tmp_
     while isinstance(getattr(fresh_session, "__self__", None), preloaded.Preloaded):
         fresh_session = fresh_session.__self__.fresh_session
     pool = preloaded.Preloaded(spawn.start_worker, fresh_session=fresh_session)
-    request = {"role": "rollout", "engine": "hf", "spec": tiny_spec.to_dict(), "settings": Settings().to_dict()}
+    job = SessionJob("rollout", "hf", tiny_spec, Settings())
     records, refusals, procs = [], [], []
     try:
         for name, launcher in (("fresh", fresh_session), ("forked", pool.start_session)):
             monkeypatch.setattr(spawn, "start_session", launcher)
-            session = Session(request, tmp_path / f"{name}.log")
+            session = Session(job, tmp_path / f"{name}.log")
             procs.append(session.proc)
             record = session.call("settings")["settings"]
             record.pop("worker_startup_s")

@@ -76,6 +76,7 @@ from alignaudit.rl.reward import reward_function
 from alignaudit.rl.settings import RLSettings
 from alignaudit.rl.step_prompts import StepPrompts, prompts_digest
 from alignaudit.rl.user_reward import UserReward, reward_name
+from alignaudit.workers.job import SessionJob
 from alignaudit.workers.session import Session
 
 DIGESTS = {
@@ -226,16 +227,7 @@ def _seal(request: Request, out: Path, record: dict, steps: pd.DataFrame, evals:
 
 def _session(sessions: list[Session], request: Request, role: str, log: Path, **extra) -> Session:
     run = request.train if role == "trainer" else request.infer
-    session = Session(
-        {
-            "role": role,
-            "engine": run.engine,
-            "spec": request.spec.to_dict(),
-            "settings": run.settings.to_dict(),
-            **extra,
-        },
-        log,
-    )
+    session = Session(SessionJob(role, run.engine, request.spec, run.settings, **extra), log)
     sessions.append(session)
     return session
 

@@ -1,6 +1,10 @@
-"""What the parent asks of one capture worker: a typed record, written as ``request.json`` into the capture directory
-(kept there so that a run can be reproduced with ``python -m alignaudit.workers.capture_worker request.json``) and
-read back by the worker, and by each tensor-parallel rank it starts (pickled by torch.multiprocessing)."""
+"""What the parent asks of a worker process, as typed records written to a JSON file the worker reads back:
+
+- CaptureJob: one capture worker's run, ``request.json`` in the capture directory (kept there so that a run can be
+  reproduced with ``python -m alignaudit.workers.capture_worker request.json``), read by the worker and by each
+  tensor-parallel rank it starts (pickled by torch.multiprocessing);
+- SessionJob: one long-lived RL worker's engine (and, for the trainer, its optimizer), ``train.request.json`` or
+  ``infer.request.json`` in the rl run directory, read by ``python -m alignaudit.workers.rl_session``."""
 
 from __future__ import annotations
 
@@ -121,12 +125,7 @@ class CaptureJob:
                 another type, a field unknown), naming the file and the field.
         """
         path = Path(path)
-        try:
-            record = parse_json(path.read_bytes(), str(path))
-        except OSError as e:
-            raise InputError(f"{path}: cannot read the job ({e.strerror})") from None
-        if not isinstance(record, dict):
-            raise InputError(f"{path}: a capture job is a JSON object, not {type(record).__name__}")
+        record = _load(path, "a capture job")
         try:
             _check_fields(record, ("engine", "spec", "settings", "batch", "out"))
             _check_fields(record["spec"], (), ModelSpec, "spec")
@@ -141,6 +140,87 @@ class CaptureJob:
         if not isinstance(job.repeat, int) or isinstance(job.repeat, bool) or job.repeat < 1:
             raise InputError(f"{path}: repeat {job.repeat!r}: a whole number >= 1")
         return job
+
+
+ROLES = ("trainer", "rollout")  # an RL session worker's roles
+
+
+@dataclass(frozen=True)
+class SessionJob:
+    """One RL session worker (alignaudit.workers.rl_session): the engine it holds, and a trainer's optimizer settings.
+
+    Attributes:
+        role: "trainer" (the engine trains: forward, backward, optimizer step, weight export) or "rollout" (the
+            engine samples and loads the trainer's weights).
+        engine: the engine's name (alignaudit.engines.ENGINES). spec: the model. settings: the engine's settings.
+        lr: the optimizer's learning rate; clip_grad: the gradient-norm clip (0: none); offload_fraction: the share
+            of the optimizer state kept on the host (rl.memory), in [0, 1]; kl_coef: the GRPO loss's KL weight (the
+            trainer's only; alignaudit.training.trainer.Trainer).
+    """
+
+    role: str
+    engine: str
+    spec: ModelSpec
+    settings: EngineSettings
+    lr: float = 0.0
+    clip_grad: float = 0.0
+    offload_fraction: float = 0.0
+    kl_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise InputError(f"role {self.role!r}: one of {', '.join(ROLES)}")
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise InputError(f"offload_fraction {self.offload_fraction!r}: a fraction in [0, 1]")
+
+    def to_dict(self) -> dict:
+        return {
+            "role": self.role,
+            "engine": self.engine,
+            "spec": self.spec.to_dict(),
+            "settings": self.settings.to_dict(),
+            "lr": self.lr,
+            "clip_grad": self.clip_grad,
+            "offload_fraction": self.offload_fraction,
+            "kl_coef": self.kl_coef,
+        }
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> SessionJob:
+        """The job ``write`` put in ``path``.
+
+        Raises:
+            InputError: no such file, not JSON, or not a session job (a key missing, a field unknown, a value of
+                another type or out of range), naming the file and the field.
+        """
+        path = Path(path)
+        record = _load(path, "a session job")
+        try:
+            _check_fields(record, (), cls)
+            _check_fields(record["spec"], (), ModelSpec, "spec")
+            _check_fields(record["settings"], (), EngineSettings, "settings")
+            return cls(
+                **(record | {"spec": ModelSpec(**record["spec"]), "settings": EngineSettings(**record["settings"])})
+            )
+        except InputError as e:
+            raise InputError(f"{path}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise InputError(f"{path}: not a session job this alignaudit can read ({type(e).__name__}: {e})") from None
+
+
+def _load(path: Path, what: str) -> dict:
+    """The JSON object a job file holds. Raises InputError: unreadable, not JSON (alignaudit.inputs.values), or a
+    value other than an object (``what`` names the job in the message)."""
+    try:
+        record = parse_json(path.read_bytes(), str(path))
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the job ({e.strerror})") from None
+    if not isinstance(record, dict):
+        raise InputError(f"{path}: {what} is a JSON object, not {type(record).__name__}")
+    return record
 
 
 # the annotations of ModelSpec's and EngineSettings' scalar fields, as written (from __future__ import annotations)

@@ -36,11 +36,11 @@ import torch
 from alignaudit import errors
 from alignaudit.engines import load_engine_class, weight_transfer
 from alignaudit.engines.weight_transfer import checksums
-from alignaudit.inputs.checkpoint import ModelSpec
 from alignaudit.inputs.prompts import TokenBatch
-from alignaudit.inputs.request import EngineSettings, Replay, Sampling
+from alignaudit.inputs.request import Replay, Sampling
 from alignaudit.training.trainer import Trainer
 from alignaudit.workers.capture_worker import ranks_to_spawn, start_ranks
+from alignaudit.workers.job import SessionJob
 from alignaudit.workers.session import REPLY_MARKER
 from alignaudit.workers.spawn import _die_with_parent
 
@@ -63,25 +63,17 @@ class Worker:
         "checksums": "_checksums",
     }
 
-    def __init__(self, request: dict, rank: int = 0):
+    def __init__(self, job: SessionJob, rank: int = 0):
         started = time.perf_counter()
-        self.role, self.rank = request["role"], rank
-        self.spec = ModelSpec(**request["spec"])
-        settings = EngineSettings(**request["settings"])
-        adapter = load_engine_class(request["engine"])
+        self.role, self.rank, self.spec = job.role, rank, job.spec
+        adapter = load_engine_class(job.engine)
         adapter.prepare_for_weight_updates()
-        self.engine = adapter(self.spec, settings)
+        self.engine = adapter(self.spec, job.settings)
         built = time.perf_counter()
         self.startup_s = {"imports_and_engine": round(built - started, 3)}  # seconds, recorded in run.json
         self.trainer = None
         if self.role == "trainer":
-            self.trainer = Trainer(
-                self.engine,
-                request["lr"],
-                request["clip_grad"],
-                request.get("offload_fraction", 0.0),
-                request.get("kl_coef", 0.0),
-            )
+            self.trainer = Trainer(self.engine, job.lr, job.clip_grad, job.offload_fraction, job.kl_coef)
             self.startup_s["ddp_and_optimizer"] = round(time.perf_counter() - built, 3)
 
     def handle(self, command: str, args: dict) -> dict:
@@ -216,14 +208,14 @@ class _RowFile:
 
 
 def main() -> None:
-    request = json.loads(Path(sys.argv[1]).read_text())
     out = sys.stdout
     sys.stdout = sys.stderr  # everything the engines print goes to the log; stdout carries replies only
-    tp = ranks_to_spawn(request["engine"], EngineSettings(**request["settings"]))
-    if tp > 1:
-        _start_followers(request, tp)
     try:
-        worker = Worker(request)
+        job = SessionJob.read(Path(sys.argv[1]))
+        tp = ranks_to_spawn(job.engine, job.settings)
+        if tp > 1:
+            _start_followers(job, tp)
+        worker = Worker(job)
     except errors.AlignAuditError as e:
         traceback.print_exc()
         _reply(out, {"error": {"type": type(e).__name__, "message": str(e)}})
@@ -244,20 +236,20 @@ def main() -> None:
             _reply(out, {"error": {"type": type(e).__name__, "message": str(e)}})
 
 
-def _start_followers(request: dict, tp: int) -> None:
+def _start_followers(job: SessionJob, tp: int) -> None:
     """Ranks 1..tp-1 of a tensor-parallel Megatron trainer, each following rank 0's commands."""
     from alignaudit.engines.megatron.adapter import RANK_ENV, WORLD_ENV
 
     os.environ[RANK_ENV], os.environ[WORLD_ENV] = "0", str(tp)
-    start_ranks(_follow, request, EngineSettings(**request["settings"]), tp, nprocs=tp - 1, join=False)
+    start_ranks(_follow, job, job.settings, tp, nprocs=tp - 1, join=False)
 
 
-def _follow(index: int, request: dict, tp: int) -> None:
+def _follow(index: int, job: SessionJob, tp: int) -> None:
     from alignaudit.engines.megatron.adapter import RANK_ENV
 
     _die_with_parent()
     os.environ[RANK_ENV] = str(index + 1)
-    worker = Worker(request, rank=index + 1)
+    worker = Worker(job, rank=index + 1)
     while True:
         message = _broadcast(None)
         command = message.pop("command")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from alignaudit import errors
 from alignaudit.workers import spawn
+from alignaudit.workers.job import SessionJob
 
 REPLY_MARKER = "ALIGNAUDIT-REPLY "
 
@@ -24,16 +25,16 @@ class Session:
     """The parent's handle on one worker.
 
     Args:
-        request: {"role": "trainer" | "rollout", "engine", "spec", "settings", and for a trainer "lr",
-            "clip_grad", "offload_fraction", "kl_coef"}. log: the worker's log file.
+        job: the worker's engine (and a trainer's optimizer settings), written beside the log as
+            ``LOG-STEM.request.json`` for the worker to read. log: the worker's log file.
     Raises:
         EngineError: the worker died (its last log lines in the message).
     """
 
-    def __init__(self, request: dict, log: Path):
-        self.request, self.log = request, Path(log)
+    def __init__(self, job: SessionJob, log: Path):
+        self.job, self.log = job, Path(log)
         path = self.log.with_suffix(".request.json")
-        path.write_text(json.dumps(request, indent=2) + "\n")
+        job.write(path)
         self._log = open(self.log, "w")  # noqa: SIM115 (the session's life; closed in close)
         self.proc = spawn.start_session([str(path)], {**os.environ, "PYTHONUNBUFFERED": "1"}, self._log)
 
@@ -66,7 +67,7 @@ class Session:
                     tail.append(line.rstrip())
         last = "\n  ".join(tail)
         return errors.EngineError(
-            f"{self.request['engine']} {self.request['role']} worker died (exit code {code}); "
+            f"{self.job.engine} {self.job.role} worker died (exit code {code}); "
             f"full log: {self.log}; last lines:\n  {last}"
         )
 
