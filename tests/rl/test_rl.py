@@ -482,3 +482,28 @@ def test_a_step_whose_update_was_not_finite_is_an_engine_error_for_the_gate(runs
     _edit_steps(run, grad_norm=(2, float("nan")))
     message = one_line_error(capsys, ["gate", str(run)], EXIT_ENGINE)
     assert "a non-finite loss or grad norm at 1 steps (first: step 2)" in message
+
+
+def test_every_steps_column_is_documented(runs):
+    """docs/rl.md's steps.parquet table names every column a run writes (the strict run with --kl-coef and
+    --full-vocab, the default run with thresholds): a column added to rl/loop.py without its meaning fails here.
+    Names are read from the table's first cells: `a`, `b` and the suffix forms `_max` (of the name before it) and
+    `is_<name>` (every column of the summary's importance record)."""
+    import re
+    from pathlib import Path
+
+    from alignaudit.comparison.importance import FIELDS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "rl.md").read_text()
+    table = text.split("`steps.parquet` columns", 1)[1].split("\n\n", 2)[1]
+    documented: set[str] = set()
+    for row in table.splitlines()[2:]:
+        last = ""
+        for name in re.findall(r"`([a-z0-9_<>]+)`", row.split("|")[1]):
+            name = last.rsplit("_", 1)[0] + name if name.startswith("_") else name
+            documented.add(name)
+            last = name
+    documented |= {f"is_{field}" for field in FIELDS}
+    for name in ("strict", "default"):
+        columns = set(pd.read_parquet(runs / name / "steps.parquet").columns)
+        assert columns - documented == set(), name
