@@ -16,8 +16,6 @@ from alignaudit.capture import outdir
 from alignaudit.capture.rundir import PREVIOUS
 from alignaudit.errors import InputError
 
-pytestmark = [pytest.mark.engines, pytest.mark.long]  # test_outputs.py's, where these tests were
-
 
 def _complete_capture(out: Path, text: str) -> None:
     (out / "manifest.json").write_text(json.dumps({"status": "complete", "text": text}))
