@@ -126,7 +126,8 @@ def _captures_once_per_session(tmp_path_factory):
 
 def _copy_capture(src: Path, dst: Path) -> None:
     """The files a capture worker writes (rundir.CAPTURE_OUTPUTS), from ``src`` into ``dst`` (replacing the
-    ones there, as a new capture does)."""
+    ones there, as a new capture does), with new modification times, as a capture written now has (the output
+    directory's record takes only files modified since the command's claim: capture/written.py)."""
     dst.mkdir(parents=True, exist_ok=True)
     for name in CAPTURE_OUTPUTS:
         if (dst / name).is_dir():
@@ -134,9 +135,9 @@ def _copy_capture(src: Path, dst: Path) -> None:
         elif (dst / name).exists():
             (dst / name).unlink()
         if (src / name).is_dir():
-            shutil.copytree(src / name, dst / name)
+            shutil.copytree(src / name, dst / name, copy_function=shutil.copy)
         elif (src / name).exists():
-            shutil.copy2(src / name, dst / name)
+            shutil.copy(src / name, dst / name)
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ import fcntl
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -42,7 +43,8 @@ from alignaudit.errors import InputError
 command_name = "?"  # set by the CLI; shown to a second run that finds the directory locked
 
 _held: dict[Path, int] = {}
-_claimed: dict[Path, set[str]] = {}  # the names this process claimed in each directory: recorded when it releases it
+# per directory: when this process first claimed names there (ns since the epoch) and the names; recorded at release
+_claimed: dict[Path, tuple[int, set[str]]] = {}
 _replacing: set[Path] = set()  # directories whose PREVIOUS this process settles when its command ends
 _ASIDE = (PREVIOUS, STAGING, DROPPING)
 RESERVED = (MARKER, LOCK, *_ASIDE)  # alignaudit's own names in an output directory: never a command's output
@@ -158,7 +160,7 @@ def _set_aside(out: Path, stale: list[Path]) -> None:
         finally:
             release(previous)
         os.rename(staging, previous)
-        _delete(out / DROPPING)
+        _delete_marker_last(out / DROPPING)
 
 
 def _undo_aside(out: Path, moved: list[Path]) -> None:
@@ -186,17 +188,18 @@ def _recover(out: Path) -> None:
         _check_aside(out / name)
     staging = out / STAGING
     if staging.is_dir():
+        bookkeeping = (MARKER, LOCK, MARKER + ".tmp")
         for path in staging.iterdir():
-            if path.name not in (MARKER, LOCK) and not (out / path.name).exists():
+            if path.name not in bookkeeping and not (out / path.name).exists():
                 os.rename(path, out / path.name)
-        left = [path.name for path in staging.iterdir() if path.name not in (MARKER, LOCK)]
+        left = [path.name for path in staging.iterdir() if path.name not in bookkeeping]
         if left:
             raise InputError(
                 f"--out {out}: {STAGING}/{left[0]} is left from an interrupted run and {left[0]} exists "
                 "beside it; move one of them"
             )
         _delete(staging)
-    _delete(out / DROPPING)
+    _delete_marker_last(out / DROPPING, quiet=False)
 
 
 def _check_aside(path: Path) -> None:
@@ -207,29 +210,34 @@ def _check_aside(path: Path) -> None:
     ours = (
         path.is_dir()
         and not path.is_symlink()
-        and ((path / MARKER).is_file() or (path.name == STAGING and not any(path.iterdir())))
+        and ((path / MARKER).is_file() or (path.name == STAGING and _only_marker_tmp(path)))
     )
     if not ours:
         raise InputError(f"--out {path.parent}: {path.name} was not made by alignaudit; move it first")
+
+
+def _only_marker_tmp(staging: Path) -> bool:
+    """Whether ``staging`` holds nothing, or only the marker's temporary file (a run killed while it wrote STAGING's
+    marker, the first thing written there)."""
+    return all(p.name == MARKER + ".tmp" and p.is_file() and not p.is_symlink() for p in staging.iterdir())
 
 
 def _check_droppable(previous: Path) -> None:
     """Raise InputError naming an entry of ``previous`` alignaudit did not write (the --force rule)."""
     foreign = _foreign_in_previous(previous)
     if foreign is not None:
-        why = _not_ours(previous, foreign, written.read(previous))
-        raise InputError(f"--force would remove {foreign}, {why}; move it first")
+        raise InputError(f"--force would remove {foreign.path}, {foreign.reason}; move it first")
 
 
-def _foreign_in_previous(previous: Path) -> Path | None:
-    """The first entry of ``previous`` (a PREVIOUS) that its marker does not list, or file inside a listed folder
-    that alignaudit never writes; None where there is none."""
+def _foreign_in_previous(previous: Path) -> written.Foreign | None:
+    """The first entry of ``previous`` (a PREVIOUS) that its marker does not list, or file inside a listed entry that
+    its record does not say alignaudit wrote (written.foreign_file); None where there is none."""
     marker = written.read(previous)
-    for path in previous.iterdir():
+    for path in sorted(previous.iterdir()):
         if path.name in (MARKER, LOCK):
             continue
         if path.name not in marker.entries:
-            return path
+            return written.Foreign(path, written.NOT_WRITTEN)
         if (foreign := written.foreign_file(previous, path.name, marker)) is not None:
             return foreign
     return None
@@ -245,8 +253,23 @@ def is_complete(out: Path) -> bool:
     )
     try:
         return record is not None and json.loads(record.read_text()).get("status") == "complete"
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False
+
+
+def _delete_marker_last(folder: Path, quiet: bool = True) -> None:
+    """Delete ``folder`` (DROPPING), its marker last: an interruption or a file the system refuses to delete leaves a
+    folder that still shows alignaudit made it, which the next run deletes (_recover) rather than refuses. ``quiet``:
+    such a refusal is left for the next run (else its OSError is raised)."""
+    try:
+        if folder.is_dir() and not folder.is_symlink():
+            for path in folder.iterdir():
+                if path.name != MARKER:
+                    _delete(path)
+        _delete(folder)
+    except OSError:
+        if not quiet:
+            raise
 
 
 def _delete(path: Path) -> None:
@@ -322,7 +345,7 @@ def claim(out: Path, names: tuple[str, ...]) -> None:
     if reserved:
         raise InputError(f"{reserved[0]} is a name alignaudit keeps for itself in {out}; write to another file name")
     written.write(out, written.read(out).claiming(names))
-    _claimed.setdefault(Path(out).resolve(), set()).update(names)
+    _claimed.setdefault(Path(out).resolve(), (time.time_ns(), set()))[1].update(names)
 
 
 def read_marker(out: Path) -> list[str]:
@@ -334,21 +357,31 @@ def _check_removable(out: Path, name: str, marker: written.Marker) -> None:
     """Raise InputError naming the first file under ``out/name`` that ``marker`` does not say alignaudit wrote."""
     foreign = written.foreign_file(out, name, marker)
     if foreign is not None:
-        raise InputError(f"--force would remove {foreign}, {_not_ours(out, foreign, marker)}; move it first")
+        raise InputError(f"--force would remove {foreign.path}, {foreign.reason}; move it first")
 
 
-def _not_ours(out: Path, path: Path, marker: written.Marker) -> str:
-    """Why ``path`` is not alignaudit's, as a clause."""
-    if marker.files.get(path.relative_to(out).as_posix()) is not None:
-        return "which changed after alignaudit wrote it"
-    return "which alignaudit did not write"
+def check_replaceable(out: Path, names: tuple[str, ...], fix: str) -> None:
+    """Raise InputError where one of ``names`` exists in ``out`` (a run a later command writes into: gate's verdict
+    files, report's page) and is not a file alignaudit's record says it wrote there, unchanged since, or is a link
+    (never written through). ``fix``: the clause that ends the message (how to write elsewhere)."""
+    marker = written.read(out)
+    for name in names:
+        path = Path(out) / name
+        if not path.exists() and not path.is_symlink():
+            continue
+        foreign = written.foreign_file(out, name, marker)  # a claimed name never recorded (a killed run): ours
+        if name not in marker.entries or path.is_symlink() or not path.is_file():
+            foreign = written.Foreign(path, written.NOT_WRITTEN)
+        if foreign is not None:
+            raise InputError(f"{foreign.path} exists, {foreign.reason}; move it, {fix}")
 
 
 def _record(out: Path) -> None:
-    """Record in the marker of ``out`` every file under the names this process claimed there (written.inventory)."""
-    names = _claimed.pop(Path(out).resolve(), set())
+    """Record in the marker of ``out`` the files this process wrote under the names it claimed there
+    (written.inventory, from the first claim's time)."""
+    since, names = _claimed.pop(Path(out).resolve(), (0, set()))
     if names and (Path(out) / MARKER).is_file():
-        written.write(out, written.read(out).recording(written.inventory(out, names), names))
+        written.write(out, written.read(out).recording(written.inventory(out, names, since), names))
 
 
 def lock(out: Path) -> None:
@@ -362,7 +395,7 @@ def lock(out: Path) -> None:
         return
     path = key / LOCK
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a planted link is refused
     except OSError as e:
         raise InputError(f"cannot write to {out}: {e.strerror}; choose a writable directory") from e
     try:
@@ -452,7 +485,7 @@ def _drop(previous: Path) -> str | None:
     """Delete ``previous`` (a PREVIOUS) through DROPPING; None once it is gone, else why it stays."""
     foreign = _foreign_in_previous(previous)
     if foreign is not None:
-        return f"it holds {foreign}, {_not_ours(previous, foreign, written.read(previous))}"
+        return f"it holds {foreign.path}, {foreign.reason}"
     holder = held_by(previous)
     if holder:
         return f"another alignaudit run holds it ({holder})"
@@ -467,7 +500,7 @@ def _drop(previous: Path) -> str | None:
         return f"it could not be renamed ({e.strerror})"
     finally:
         release(previous)
-    shutil.rmtree(dropping, ignore_errors=True)  # what stays is deleted by the next run in the directory (_recover)
+    _delete_marker_last(dropping)
     return None
 
 

@@ -156,6 +156,7 @@ def _claim_verdict_files(run_dir: Path, targets: tuple[Path, ...]) -> None:
     if inside:
         try:
             outdir.lock(run_dir)
+            outdir.check_replaceable(run_dir, inside, "or pass --json, --junit and --markdown to write elsewhere")
             outdir.claim(run_dir, inside)
         except errors.InputError as e:
             raise errors.InputError(

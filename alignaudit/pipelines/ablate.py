@@ -23,9 +23,18 @@ from pathlib import Path
 
 import pandas as pd
 
+from alignaudit.capture import outdir
 from alignaudit.capture.directory import read_capture
 from alignaudit.capture.ops import Selection
-from alignaudit.capture.rundir import ABLATE_JSON, ABLATE_PARQUET, CONFIGS, RUN
+from alignaudit.capture.rundir import (
+    ABLATE_JSON,
+    ABLATE_PARQUET,
+    BISECT_OUTPUTS,
+    COMPARE_OUTPUTS,
+    CONFIGS,
+    DIFF_OUTPUTS,
+    RUN,
+)
 from alignaudit.comparison.integrity import marks_failure, seal
 from alignaudit.inputs.request import EngineRun, Request
 from alignaudit.inputs.strict_ops import STRICT_OPS, format_strict
@@ -140,6 +149,9 @@ def ablate(
         sub = with_strict(request, config.strict)
         directory = out / CONFIGS / config.name
         directory.mkdir(parents=True, exist_ok=True)
+        # the row's own marker, made during this run (so ablate's record lists it): a later gate or report of the row
+        # records what it writes there, and ablate --force judges those files by it (capture/written.py)
+        outdir.claim(directory, tuple(sorted({*COMPARE_OUTPUTS, *BISECT_OUTPUTS, *DIFF_OUTPUTS, RUN})))
         first = None
         if capture_ops:
             result = bisect(sub, directory, Selection(), mode="natural")

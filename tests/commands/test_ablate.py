@@ -63,6 +63,21 @@ def test_ablate_rmsnorm_megatron_vs_hf(tmp_path, capsys, monkeypatch):
         probe, _, console = open_in_chromium(out / "report.html", tmp_path)
         assert console == [] and probe["plots"]["plot-ablate"]["rendered"]
     assert "first diverging op" in proc.stdout and "rmsnorm" in proc.stdout
+    # each row has a marker of its own, listed in ablate's record: a later command writing into a row (as gate and
+    # report do: lock, claim, write, release) is recorded there, and ablate --force removes it as alignaudit's
+    from alignaudit.capture import outdir, written
+    from alignaudit.capture.rundir import ABLATE_OUTPUTS
+
+    row = out / "configs" / "default-rmsnorm"
+    assert "configs/default-rmsnorm/.alignaudit-outputs" in written.read(out).files
+    outdir.lock(row)
+    outdir.claim(row, ("report.html",))
+    (row / "report.html").write_text("<html></html>")
+    outdir.release_all()
+    assert "report.html" in written.read(row).files
+    outdir.prepare(out, True, ABLATE_OUTPUTS)
+    outdir.release_all()
+    assert (out / ".alignaudit-previous" / "configs" / "default-rmsnorm" / "report.html").is_file()
 
 
 def test_ablate_refuses_strict_and_unknown_factors(capsys, tmp_path):

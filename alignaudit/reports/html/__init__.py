@@ -117,7 +117,9 @@ def write_report(run_dir: Path | str, html: Path | str | None = None) -> Path:
         except InputError as e:
             raise InputError(f"{e}, or pass --html FILE to write the report elsewhere") from e
     text = build_report(run_dir)
-    if target.exists() and not _is_report(target) and not (inside and target.name in outdir.read_marker(run_dir)):
+    if inside and run_dir.is_dir():  # in the run: only a report its record says alignaudit wrote, unchanged since
+        outdir.check_replaceable(run_dir, (target.name,), "or pass --html FILE to write the report elsewhere")
+    elif target.exists() and not _is_report(target):
         raise InputError(
             f"--html {target} exists and is not a report alignaudit wrote; give a new file name "
             "(an earlier report is replaced, any other file is kept)"
