@@ -6,8 +6,8 @@ Every command that writes results (compare, bisect, capture, diff, gate, rl) goe
       holds it;
     - a marker file (``.alignaudit-outputs``, JSON; capture/written.py) lists the top-level names alignaudit may
       write there. It is extended *before* anything is written, so after a crash it still covers every partial
-      output, and when the command ends (``release``) it records every file the command wrote under them, with
-      size and modification time;
+      output, and when the command ends (``release``) it records the files the command wrote under them (modified
+      since its claim, at names and places alignaudit writes), with size and modification time;
     - ``--force`` replaces only entries that the marker lists, and only where every file in them is one the
       marker records, unchanged (an entry whose command was killed before its record: the layout rule,
       rundir.alignaudit_wrote); anything else is refused, naming the file, before anything is moved;
