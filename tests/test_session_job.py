@@ -32,6 +32,7 @@ def test_a_session_job_round_trips_through_its_record(tiny_spec, tmp_path):
         (lambda r: r.update(offload_fraction=1.5), r"offload_fraction 1.5: a fraction in \[0, 1\]"),
         (lambda r: r.update(momentum=0.9), "momentum: not a field of SessionJob"),
         (lambda r: r["settings"].update(dtype=7), "settings.dtype 7: a str"),
+        (lambda r: r["settings"].update(dtype="int8"), "settings.dtype 'int8': one of "),
         (lambda r: r.update(spec=[]), "spec: a JSON object, not list"),
     ],
 )

@@ -37,7 +37,7 @@ from datetime import datetime
 from pathlib import Path
 
 from alignaudit.capture import written
-from alignaudit.capture.rundir import DROPPING, LOCK, MANIFEST, MARKER, PREVIOUS, RUN, STAGING
+from alignaudit.capture.rundir import DROPPING, LOCK, MANIFEST, MARKER, PREVIOUS, RESERVED, RUN, STAGING
 from alignaudit.errors import InputError
 
 command_name = "?"  # set by the CLI; shown to a second run that finds the directory locked
@@ -47,7 +47,6 @@ _held: dict[Path, int] = {}
 _claimed: dict[Path, tuple[int, set[str]]] = {}
 _replacing: set[Path] = set()  # directories whose PREVIOUS this process settles when its command ends
 _ASIDE = (PREVIOUS, STAGING, DROPPING)
-RESERVED = (MARKER, LOCK, *_ASIDE)  # alignaudit's own names in an output directory: never a command's output
 
 
 def default_out(command: str, root: Path = Path("alignaudit-runs")) -> Path:
@@ -369,9 +368,10 @@ def check_replaceable(out: Path, names: tuple[str, ...], fix: str) -> None:
         path = Path(out) / name
         if not path.exists() and not path.is_symlink():
             continue
-        foreign = written.foreign_file(out, name, marker)  # a claimed name never recorded (a killed run): ours
         if name not in marker.entries or path.is_symlink() or not path.is_file():
-            foreign = written.Foreign(path, written.NOT_WRITTEN)
+            foreign: written.Foreign | None = written.Foreign(path, written.NOT_WRITTEN)
+        else:  # a claimed name never recorded (a killed run): ours
+            foreign = written.foreign_file(out, name, marker)
         if foreign is not None:
             raise InputError(f"{foreign.path} exists, {foreign.reason}; move it, {fix}")
 

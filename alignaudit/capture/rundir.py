@@ -79,6 +79,7 @@ LOCK = ".alignaudit.lock"
 # the complete results --force replaced, kept until the new outputs are complete, and the two names it passes through
 # (capture/outdir.py)
 PREVIOUS, STAGING, DROPPING = ".alignaudit-previous", ".alignaudit-previous.staging", ".alignaudit-previous.dropping"
+RESERVED = (MARKER, LOCK, PREVIOUS, STAGING, DROPPING)  # alignaudit's own names in an output directory: never an output
 
 # Top-level entries each command writes in its output directory (alignaudit.capture.outdir claims them first).
 CAPTURE_OUTPUTS = (MANIFEST, MANIFEST_TMP, LOGPROBS, OPS_DIR, VOCAB_DIR, REQUEST, WORKER_LOG)

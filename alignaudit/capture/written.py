@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from alignaudit.capture.rundir import DROPPING, LIBRARY_DIRS, LOCK, MARKER, PREVIOUS, STAGING, alignaudit_wrote
+from alignaudit.capture.rundir import LIBRARY_DIRS, LOCK, MARKER, RESERVED, alignaudit_wrote
 from alignaudit.errors import InputError
 
 
@@ -51,17 +51,15 @@ class Marker:
         """This marker with ``names`` claimed anew: listed, and their earlier records dropped (the command about to
         write them records them again when it ends)."""
         names = set(names)
-        return Marker(
-            self.entries | names,
-            self.recorded - names,
-            {path: stat for path, stat in self.files.items() if _entry(path) not in names},
-        )
+        return Marker(self.entries | names, self.recorded - names, self._files_outside(names))
 
     def recording(self, files: Mapping[str, tuple[int, int]], names: Iterable[str]) -> Marker:
         """This marker with the entries ``names`` recorded as holding exactly ``files``."""
         names = set(names)
-        kept = {path: stat for path, stat in self.files.items() if _entry(path) not in names}
-        return Marker(self.entries | names, self.recorded | names, kept | dict(files))
+        return Marker(self.entries | names, self.recorded | names, self._files_outside(names) | dict(files))
+
+    def _files_outside(self, names: set[str]) -> dict[str, tuple[int, int]]:
+        return {path: stat for path, stat in self.files.items() if _entry(path) not in names}
 
     def subset(self, names: Iterable[str]) -> Marker:
         """The part of this marker about the entries ``names`` (what moves with them into another directory)."""
@@ -134,9 +132,9 @@ def inventory(directory: Path, names: Iterable[str], since_ns: int) -> dict[str,
             continue
         for path in _walk(top):
             relative = path.relative_to(directory)
-            fresh = _stat(path)[1] >= since_ns - MTIME_SLACK_NS
-            if fresh and (name in LIBRARY_DIRS or alignaudit_wrote(relative.parts)):
-                files[relative.as_posix()] = _stat(path)
+            stat = _stat(path)
+            if stat[1] >= since_ns - MTIME_SLACK_NS and (name in LIBRARY_DIRS or alignaudit_wrote(relative.parts)):
+                files[relative.as_posix()] = stat
     return files
 
 
@@ -232,7 +230,7 @@ def _strings(value: object) -> list[str]:
 
 
 def _is_name(entry: str) -> bool:
-    return "/" not in entry and entry not in ("", ".", "..", MARKER, LOCK, PREVIOUS, STAGING, DROPPING)
+    return "/" not in entry and entry not in ("", ".", "..", *RESERVED)
 
 
 def _is_stat(stat: object) -> bool:

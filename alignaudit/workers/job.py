@@ -128,10 +128,7 @@ class CaptureJob:
         record = _load(path, "a capture job")
         try:
             _check_fields(record, ("engine", "spec", "settings", "batch", "out"))
-            _check_fields(record["spec"], (), ModelSpec, "spec")
-            _check_fields(record["settings"], (), EngineSettings, "settings")
-            if record["settings"].get("dtype") not in DTYPES:
-                raise InputError(f"settings.dtype {record['settings'].get('dtype')!r}: one of {', '.join(DTYPES)}")
+            _check_engine_fields(record)
             job = cls.from_dict(record)
         except InputError as e:
             raise InputError(f"{path}: {e}") from None
@@ -200,8 +197,7 @@ class SessionJob:
         record = _load(path, "a session job")
         try:
             _check_fields(record, (), cls)
-            _check_fields(record["spec"], (), ModelSpec, "spec")
-            _check_fields(record["settings"], (), EngineSettings, "settings")
+            _check_engine_fields(record)
             return cls(
                 **(record | {"spec": ModelSpec(**record["spec"]), "settings": EngineSettings(**record["settings"])})
             )
@@ -221,6 +217,15 @@ def _load(path: Path, what: str) -> dict:
     if not isinstance(record, dict):
         raise InputError(f"{path}: {what} is a JSON object, not {type(record).__name__}")
     return record
+
+
+def _check_engine_fields(record: dict) -> None:
+    """InputError unless a job's ``spec`` and ``settings`` are ModelSpec's and EngineSettings' fields, of their
+    types, with a dtype alignaudit runs (inputs.request.DTYPES)."""
+    _check_fields(record["spec"], (), ModelSpec, "spec")
+    _check_fields(record["settings"], (), EngineSettings, "settings")
+    if record["settings"].get("dtype") not in DTYPES:
+        raise InputError(f"settings.dtype {record['settings'].get('dtype')!r}: one of {', '.join(DTYPES)}")
 
 
 # the annotations of ModelSpec's and EngineSettings' scalar fields, as written (from __future__ import annotations)
